@@ -1,0 +1,233 @@
+"""The FlashAttention-2 forward pass as one TensorIR program.
+
+This file states *what* is computed and nothing about *how* it maps to hardware: schedules in
+``schedules/`` transform the program by its block names (``load_q``, ``qk``, ``row_max``, ...).
+
+Layout (flash-attn's):
+    q:   (batch, seqlen_q, heads_q,  head_dim)   dtype
+    k,v: (batch, seqlen_k, heads_kv, head_dim)   dtype
+    out: (batch, seqlen_q, heads_q,  head_dim)   dtype
+    lse: (batch, heads_q,  seqlen_q)              float32, natural log
+
+batch, seqlen_q and seqlen_k are symbolic, so one built module serves every length; q, k and v
+take any strides as long as the last dimension is contiguous. head_dim, the head counts, dtype,
+causal and the tile sizes are static.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from tvm.script import tirx as T
+
+SUPPORTED_DTYPES = ("float16", "bfloat16", "float32")
+SUPPORTED_HEAD_DIMS = (32, 64, 96, 128, 256)
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+# The running max starts finite, so exp2(score - max) is 0, never NaN, for masked scores (-inf).
+# Scores are far inside this bound for any input whose dot products fit in float32.
+NO_MAX = -1.0e30
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """The static part of an attention problem: one built module per spec."""
+
+    head_dim: int
+    dtype: str
+    causal: bool = False
+    heads_q: int = 1
+    heads_kv: int = 1
+
+    def __post_init__(self):
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"dtype: expected one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
+        if self.head_dim not in SUPPORTED_HEAD_DIMS:
+            raise ValueError(f"head_dim: expected one of {SUPPORTED_HEAD_DIMS}, got {self.head_dim}")
+        if self.heads_q < 1 or self.heads_kv < 1 or self.heads_q % self.heads_kv:
+            raise ValueError(
+                f"heads_q: expected a positive multiple of heads_kv={self.heads_kv}, got {self.heads_q}"
+            )
+
+
+def attention_forward(spec: AttentionSpec, block_m: int, block_n: int):
+    """Return the forward PrimFunc ``main(q, k, v, out, lse, softmax_scale)``.
+
+    Each (batch, head, Q block of ``block_m`` rows) is one tile; it streams K/V tiles of
+    ``block_n`` rows past its Q block with an online softmax in base 2 (scores pre-scaled by
+    log2 e). Rows and keys past the end of the sequence are padded with zeros on load and masked
+    with -inf in the score, so no length needs to be a multiple of a tile. With ``causal``, the
+    mask is aligned bottom-right (key j is seen by query i iff j <= i + seqlen_k - seqlen_q) and
+    tiles wholly above the diagonal are not visited.
+    """
+    D, BM, BN = spec.head_dim, block_m, block_n
+    HQ, HKV = spec.heads_q, spec.heads_kv
+    group = HQ // HKV
+    dtype, causal = spec.dtype, spec.causal
+    f32 = "float32"
+
+    def kv_tiles(qb, seqlen_q, seqlen_k):
+        """K/V tiles that Q block qb must visit (causal: those not wholly above the diagonal)."""
+        if not causal:
+            return T.ceildiv(seqlen_k, BN)
+        last_key = T.min(seqlen_k, T.max(0, (qb + 1) * BM + seqlen_k - seqlen_q))
+        return T.ceildiv(last_key, BN)
+
+    def visible(row, col, seqlen_q, seqlen_k):
+        """Is key ``col`` visible to query ``row``? (Both are absolute positions.)"""
+        if not causal:
+            return col < seqlen_k
+        return T.And(col < seqlen_k, col <= row + seqlen_k - seqlen_q)
+
+    @T.prim_func(s_tir=True)
+    def main(
+        q_handle: T.handle,
+        k_handle: T.handle,
+        v_handle: T.handle,
+        out_handle: T.handle,
+        lse_handle: T.handle,
+        softmax_scale: T.float32,
+    ):
+        T.func_attr({"global_symbol": "main", "tirx.noalias": True})
+        batch = T.int32()
+        seqlen_q = T.int32()
+        seqlen_k = T.int32()
+        qs0, qs1, qs2 = T.int32(), T.int32(), T.int32()
+        ks0, ks1, ks2 = T.int32(), T.int32(), T.int32()
+        vs0, vs1, vs2 = T.int32(), T.int32(), T.int32()
+        Q = T.match_buffer(q_handle, (batch, seqlen_q, HQ, D), dtype, strides=(qs0, qs1, qs2, 1))
+        K = T.match_buffer(k_handle, (batch, seqlen_k, HKV, D), dtype, strides=(ks0, ks1, ks2, 1))
+        V = T.match_buffer(v_handle, (batch, seqlen_k, HKV, D), dtype, strides=(vs0, vs1, vs2, 1))
+        O = T.match_buffer(out_handle, (batch, seqlen_q, HQ, D), dtype)
+        LSE = T.match_buffer(lse_handle, (batch, HQ, seqlen_q), f32)
+
+        for b, h, qb in T.grid(batch, HQ, T.ceildiv(seqlen_q, BM)):
+            with T.sblock("tile"):
+                vb, vh, vqb = T.axis.remap("SSS", [b, h, qb])
+                Qt = T.sblock_alloc_buffer((BM, D), dtype)  # the Q block, zero-padded
+                Kt = T.sblock_alloc_buffer((BN, D), dtype)  # one K tile, zero-padded
+                Vt = T.sblock_alloc_buffer((BN, D), dtype)  # one V tile, zero-padded
+                S = T.sblock_alloc_buffer((BM, BN), f32)  # Q Kᵀ of one tile, unscaled
+                P = T.sblock_alloc_buffer((BM, BN), f32)  # exp2(scaled S - running max)
+                Pc = T.sblock_alloc_buffer((BM, BN), dtype)  # P in the input dtype, for P V
+                m = T.sblock_alloc_buffer((BM,), f32)  # running max (base-2 scaled scores)
+                m_new = T.sblock_alloc_buffer((BM,), f32)
+                alpha = T.sblock_alloc_buffer((BM,), f32)  # exp2(m - m_new): rescale factor
+                l = T.sblock_alloc_buffer((BM,), f32)  # running sum of P
+                acc = T.sblock_alloc_buffer((BM, D), f32)  # unnormalised output
+                scale2 = T.sblock_alloc_buffer((1,), f32)
+
+                with T.sblock("init_scale"):
+                    scale2[0] = softmax_scale * T.float32(LOG2E)
+                for i, d in T.grid(BM, D):
+                    with T.sblock("load_q"):
+                        vi, vd = T.axis.remap("SS", [i, d])
+                        Qt[vi, vd] = T.if_then_else(
+                            vqb * BM + vi < seqlen_q,
+                            Q[vb, T.min(vqb * BM + vi, seqlen_q - 1), vh, vd],
+                            T.cast(0, dtype),
+                        )
+                for i in range(BM):
+                    with T.sblock("init_ml"):
+                        vi = T.axis.spatial(BM, i)
+                        m[vi] = T.float32(NO_MAX)
+                        l[vi] = T.float32(0)
+                for i, d in T.grid(BM, D):
+                    with T.sblock("init_acc"):
+                        vi, vd = T.axis.remap("SS", [i, d])
+                        acc[vi, vd] = T.float32(0)
+
+                for kb in range(kv_tiles(vqb, seqlen_q, seqlen_k)):
+                    with T.sblock("kv_step"):
+                        vkb = T.axis.opaque(kv_tiles(vqb, seqlen_q, seqlen_k), kb)
+                        for j, d in T.grid(BN, D):
+                            with T.sblock("load_k"):
+                                vj, vd = T.axis.remap("SS", [j, d])
+                                Kt[vj, vd] = T.if_then_else(
+                                    vkb * BN + vj < seqlen_k,
+                                    K[vb, T.min(vkb * BN + vj, seqlen_k - 1), vh // group, vd],
+                                    T.cast(0, dtype),
+                                )
+                        for j, d in T.grid(BN, D):
+                            with T.sblock("load_v"):
+                                vj, vd = T.axis.remap("SS", [j, d])
+                                Vt[vj, vd] = T.if_then_else(
+                                    vkb * BN + vj < seqlen_k,
+                                    V[vb, T.min(vkb * BN + vj, seqlen_k - 1), vh // group, vd],
+                                    T.cast(0, dtype),
+                                )
+                        for i, j, d in T.grid(BM, BN, D):
+                            with T.sblock("qk"):
+                                vi, vj, vd = T.axis.remap("SSR", [i, j, d])
+                                with T.init():
+                                    S[vi, vj] = T.float32(0)
+                                S[vi, vj] = S[vi, vj] + T.cast(Qt[vi, vd], f32) * T.cast(Kt[vj, vd], f32)
+                        for i, j in T.grid(BM, BN):
+                            with T.sblock("row_max"):
+                                vi, vj = T.axis.remap("SR", [i, j])
+                                with T.init():
+                                    m_new[vi] = m[vi]
+                                m_new[vi] = T.max(
+                                    m_new[vi],
+                                    T.if_then_else(
+                                        visible(vqb * BM + vi, vkb * BN + vj, seqlen_q, seqlen_k),
+                                        S[vi, vj] * scale2[0],
+                                        T.float32(-math.inf),
+                                    ),
+                                )
+                        for i, j in T.grid(BM, BN):
+                            with T.sblock("exp"):
+                                vi, vj = T.axis.remap("SS", [i, j])
+                                P[vi, vj] = T.if_then_else(
+                                    visible(vqb * BM + vi, vkb * BN + vj, seqlen_q, seqlen_k),
+                                    T.exp2(S[vi, vj] * scale2[0] - m_new[vi]),
+                                    T.float32(0),
+                                )
+                        for i in range(BM):
+                            with T.sblock("alpha"):
+                                vi = T.axis.spatial(BM, i)
+                                alpha[vi] = T.exp2(m[vi] - m_new[vi])
+                        for i, j in T.grid(BM, BN):
+                            with T.sblock("row_sum"):
+                                vi, vj = T.axis.remap("SR", [i, j])
+                                with T.init():
+                                    l[vi] = l[vi] * alpha[vi]
+                                l[vi] = l[vi] + P[vi, vj]
+                        for i, d in T.grid(BM, D):
+                            with T.sblock("rescale"):
+                                vi, vd = T.axis.remap("SS", [i, d])
+                                acc[vi, vd] = acc[vi, vd] * alpha[vi]
+                        for i, j in T.grid(BM, BN):
+                            with T.sblock("cast_p"):
+                                vi, vj = T.axis.remap("SS", [i, j])
+                                Pc[vi, vj] = T.cast(P[vi, vj], dtype)
+                        for i, d, j in T.grid(BM, D, BN):
+                            with T.sblock("pv"):
+                                vi, vd, vj = T.axis.remap("SSR", [i, d, j])
+                                acc[vi, vd] = acc[vi, vd] + T.cast(Pc[vi, vj], f32) * T.cast(Vt[vj, vd], f32)
+                        for i in range(BM):
+                            with T.sblock("update_m"):
+                                vi = T.axis.spatial(BM, i)
+                                m[vi] = m_new[vi]
+
+                for i, d in T.grid(BM, D):
+                    with T.sblock("store_o"):
+                        vi, vd = T.axis.remap("SS", [i, d])
+                        T.where(vqb * BM + i < seqlen_q)
+                        # A row that sees no key has l == 0: it gets 0, not 0/0.
+                        O[vb, vqb * BM + vi, vh, vd] = T.cast(
+                            T.if_then_else(l[vi] > T.float32(0), acc[vi, vd] / l[vi], T.float32(0)), dtype
+                        )
+                for i in range(BM):
+                    with T.sblock("store_lse"):
+                        vi = T.axis.spatial(BM, i)
+                        T.where(vqb * BM + i < seqlen_q)
+                        LSE[vb, vh, vqb * BM + vi] = T.if_then_else(
+                            l[vi] > T.float32(0),
+                            m[vi] * T.float32(LN2) + T.log(l[vi]),
+                            T.float32(-math.inf),
+                        )
+
+    return main
