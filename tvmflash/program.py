@@ -126,7 +126,7 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int):
                         vi, vd = T.axis.remap("SS", [i, d])
                         Qt[vi, vd] = T.if_then_else(
                             vqb * BM + vi < seqlen_q,
-                            Q[vb, T.min(vqb * BM + vi, seqlen_q - 1), vh, vd],
+                            Q[vb, vqb * BM + vi, vh, vd],
                             T.cast(0, dtype),
                         )
                 for i in range(BM):
@@ -147,7 +147,7 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int):
                                 vj, vd = T.axis.remap("SS", [j, d])
                                 Kt[vj, vd] = T.if_then_else(
                                     vkb * BN + vj < seqlen_k,
-                                    K[vb, T.min(vkb * BN + vj, seqlen_k - 1), vh // group, vd],
+                                    K[vb, vkb * BN + vj, vh // group, vd],
                                     T.cast(0, dtype),
                                 )
                         for j, d in T.grid(BN, D):
@@ -155,7 +155,7 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int):
                                 vj, vd = T.axis.remap("SS", [j, d])
                                 Vt[vj, vd] = T.if_then_else(
                                     vkb * BN + vj < seqlen_k,
-                                    V[vb, T.min(vkb * BN + vj, seqlen_k - 1), vh // group, vd],
+                                    V[vb, vkb * BN + vj, vh // group, vd],
                                     T.cast(0, dtype),
                                 )
                         for i, j, d in T.grid(BM, BN, D):
@@ -195,10 +195,6 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int):
                                 with T.init():
                                     l[vi] = l[vi] * alpha[vi]
                                 l[vi] = l[vi] + P[vi, vj]
-                        for i, d in T.grid(BM, D):
-                            with T.sblock("rescale"):
-                                vi, vd = T.axis.remap("SS", [i, d])
-                                acc[vi, vd] = acc[vi, vd] * alpha[vi]
                         for i, j in T.grid(BM, BN):
                             with T.sblock("cast_p"):
                                 vi, vj = T.axis.remap("SS", [i, j])
@@ -206,6 +202,8 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int):
                         for i, d, j in T.grid(BM, D, BN):
                             with T.sblock("pv"):
                                 vi, vd, vj = T.axis.remap("SSR", [i, d, j])
+                                with T.init():  # rescale the running output to the new max
+                                    acc[vi, vd] = acc[vi, vd] * alpha[vi]
                                 acc[vi, vd] = acc[vi, vd] + T.cast(Pc[vi, vj], f32) * T.cast(Vt[vj, vd], f32)
                         for i in range(BM):
                             with T.sblock("update_m"):

@@ -1,0 +1,48 @@
+"""CPU (llvm) schedule: one task per (batch, head, Q block), vectorised inner loops."""
+
+from __future__ import annotations
+
+import tvm
+
+KNOBS = {"block_m": 32, "block_n": 64, "vector": 8}
+
+
+def schedule(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, vector: int) -> tvm.s_tir.Schedule:
+    """Map the attention program onto the CPU.
+
+    block_m / block_n are the program's tile sizes (rows of Q per task, K/V rows per step); the
+    schedule only reads them to size its loops. ``vector`` is the SIMD width of the inner loops.
+    """
+    tile = sch.get_sblock("tile")
+    sch.parallel(sch.fuse(*sch.get_loops(tile)))
+
+    # Store K transposed (head_dim, block_n), so the score loop runs along contiguous keys.
+    sch.transform_layout("load_k", ("write", 0), lambda j, d: (d, j))
+    for name in ("load_q", "load_k", "load_v", "init_acc", "store_o"):
+        _vectorize_inner(sch, name, vector)
+
+    # S[i, :] += Q[i, d] * Kᵀ[d, :]: keys innermost, vectorised.
+    qk = sch.get_sblock("qk")
+    i, j, d = sch.get_loops(qk)
+    sch.reorder(i, d, j)
+    jo, ji = sch.split(j, [None, vector])
+    sch.vectorize(ji)
+    sch.decompose_reduction(qk, d)
+
+    # acc[i, :] += P[i, j] * V[j, :]: head_dim innermost, vectorised.
+    pv = sch.get_sblock("pv")
+    i, d, j = sch.get_loops(pv)
+    sch.reorder(i, j, d)
+    do, di = sch.split(d, [None, vector])
+    sch.vectorize(di)
+    sch.decompose_reduction(pv, j)
+
+    for name in ("exp", "cast_p"):
+        _vectorize_inner(sch, name, vector)
+    return sch
+
+
+def _vectorize_inner(sch, block_name, vector):
+    loop = sch.get_loops(block_name)[-1]
+    _, inner = sch.split(loop, [None, vector])
+    sch.vectorize(inner)

@@ -1,0 +1,42 @@
+"""Portable CUDA schedule (SIMT, no tensor cores): the fallback for any NVIDIA GPU.
+
+One thread block per (batch, head, Q block) and one thread per query row: the row's Q, running
+max/sum and output accumulator stay in registers, and each K/V tile is loaded cooperatively into
+shared memory with vectorised copies.
+"""
+
+from __future__ import annotations
+
+import tvm
+
+KNOBS = {"block_m": 64, "block_n": 32, "vector": 8}
+
+# Blocks that work on one query row each: their row loop becomes threadIdx.x.
+_ROW_BLOCKS = ("load_q", "init_ml", "init_acc", "qk", "row_max", "exp", "alpha", "row_sum", "cast_p", "pv",
+               "update_m", "store_o", "store_lse")
+
+
+def schedule(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, vector: int) -> tvm.s_tir.Schedule:
+    """Map the attention program onto CUDA threads: block_m threads, one per query row."""
+    tile = sch.get_sblock("tile")
+    sch.bind(sch.fuse(*sch.get_loops(tile)), "blockIdx.x")
+    for name in _ROW_BLOCKS:
+        sch.bind(sch.get_loops(name)[0], "threadIdx.x")
+    # Per-row state lives in registers (compaction keeps one row per thread).
+    for name, index in [("load_q", 0), ("init_ml", 0), ("init_ml", 1), ("init_acc", 0), ("qk", 0),
+                        ("row_max", 0), ("exp", 0), ("alpha", 0), ("cast_p", 0)]:
+        sch.set_scope(name, index, "local")
+    sch.set_scope("init_scale", 0, "local")
+    # K/V tiles: all threads copy them into shared memory, `vector` elements at a time.
+    for name in ("load_k", "load_v"):
+        sch.set_scope(name, 0, "shared")
+        fused = sch.fuse(*sch.get_loops(name)[-2:])
+        _, tx, vec = sch.split(fused, [None, block_m, vector])
+        sch.bind(tx, "threadIdx.x")
+        sch.vectorize(vec)
+    # After binding and scoping: a decomposed update block is no longer a reduction block.
+    sch.decompose_reduction("qk", sch.get_loops("qk")[2])
+    sch.decompose_reduction("pv", sch.get_loops("pv")[2])
+    for name in ("qk_update", "pv_update"):
+        sch.unroll(sch.get_loops(name)[-1])
+    return sch

@@ -1,0 +1,159 @@
+"""``tvmflash bench``: tvmflash against PyTorch SDPA on the same inputs, device and run."""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from tvmflash.kernel import TORCH_DTYPES, compile
+
+# The issue's grid: batch * seqlen = 16k tokens, heads * head_dim = 2048.
+GPU_GRID = {"tokens": 16384, "hidden": 2048, "seqlens": [512, 1024, 2048, 4096, 8192, 16384]}
+# Small enough for a laptop-class CPU to finish in a minute or two.
+CPU_GRID = {"tokens": 2048, "hidden": 512, "seqlens": [256, 512, 1024, 2048]}
+
+
+@dataclass
+class Result:
+    config: str
+    times_ms: dict  # backend -> median milliseconds (None where the backend refused the input)
+    flops: float
+    error: float  # max |tvmflash - float32 reference| on a slice of the output
+    tolerance: float  # 2x torch's same-dtype error on that slice + eps (flash-attn's rule)
+
+
+def attention_flops(batch, heads, seqlen_q, seqlen_k, head_dim, causal):
+    """Forward FLOPs as flash-attn counts them: 2 GEMMs, halved when causal."""
+    flops = 4 * batch * heads * seqlen_q * seqlen_k * head_dim
+    return flops / 2 if causal else flops
+
+
+def time_ms(fn, device, *, warmup=3, repeat=20):
+    """Median milliseconds of ``fn()``: CUDA events on a GPU, the wall clock on the CPU."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        for _ in range(repeat):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end))
+    else:
+        for _ in range(repeat):
+            start = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(samples)
+
+
+def sdpa_backends(device):
+    """(name, context manager factory) for each SDPA backend worth timing on this device."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if device.type == "cuda":
+        return [("sdpa-flash", lambda: sdpa_kernel(SDPBackend.FLASH_ATTENTION)),
+                ("sdpa-cudnn", lambda: sdpa_kernel(SDPBackend.CUDNN_ATTENTION))]
+    return [("sdpa", lambda: sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]))]
+
+
+def run_one(kernel, batch, seqlen, heads, head_dim, dtype, causal, device, repeat):
+    torch_dtype = TORCH_DTYPES[dtype]
+    gen = torch.Generator(device=device).manual_seed(seqlen)
+    q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device=device, dtype=torch_dtype, generator=gen)
+               for _ in range(3))
+    out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
+    kernel(q, k, v, out=out)
+    error, tolerance = _check(out, q, k, v, causal)
+    times = {"tvmflash": time_ms(lambda: kernel(q, k, v, out=out), device, repeat=repeat)}
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    for name, backend in sdpa_backends(device):
+        def sdpa():
+            return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+        try:
+            with backend():
+                times[name] = time_ms(sdpa, device, repeat=repeat)
+        except RuntimeError:  # this backend does not take this input
+            times[name] = None
+    config = f"{dtype} d{head_dim} {'causal' if causal else 'full'} b{batch} h{heads} s{seqlen}"
+    return Result(config, times, attention_flops(batch, heads, seqlen, seqlen, head_dim, causal), error, tolerance)
+
+
+def _check(out, q, k, v, causal, heads=2, rows=1024):
+    """Error of the first ``heads`` heads' last ``rows`` queries against float32 (and torch's own)."""
+    sl = (slice(0, 1), slice(-rows, None), slice(0, heads))
+    q_, out_ = q[sl], out[sl]
+    k_, v_ = k[:1, :, :heads], v[:1, :, :heads]
+    # The last rows keep the bottom-right causal alignment of the whole problem.
+    scale = 1 / math.sqrt(q.shape[-1])
+
+    def attend(dtype):
+        s = torch.einsum("bqhd,bkhd->bhqk", q_.to(dtype), k_.to(dtype)) * scale
+        if causal:
+            lq, lk = q_.shape[1], k_.shape[1]
+            i = torch.arange(lq, device=q.device)[:, None]
+            j = torch.arange(lk, device=q.device)[None, :]
+            s = s.masked_fill(j > i + lk - lq, -math.inf)
+        return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s.float(), -1).to(dtype), v_.to(dtype))
+
+    ref = attend(torch.float32)
+    ours = (out_.float() - ref).abs().max().item()
+    theirs = (attend(q.dtype).float() - ref).abs().max().item()
+    return ours, 2 * theirs + 1e-5
+
+
+def run(*, device=None, dtype="bfloat16", head_dims=(64, 128), causal=(False, True), seqlens=None,
+        tokens=None, hidden=None, repeat=20, target=None, knobs=None, echo=print):
+    """Run the grid and print a table. Returns the list of results."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    grid = GPU_GRID if device.type == "cuda" else CPU_GRID
+    seqlens = seqlens or grid["seqlens"]
+    tokens = tokens or grid["tokens"]
+    hidden = hidden or grid["hidden"]
+    target = target or ("cpu" if device.type == "cpu" else None)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    echo(f"tvmflash bench on {name}, {time.strftime('%Y-%m-%d')}: batch*seqlen={tokens}, heads*head_dim={hidden}")
+    results = []
+    header = None
+    for head_dim in head_dims:
+        heads = hidden // head_dim
+        for is_causal in causal:
+            kernel = compile(head_dim=head_dim, dtype=dtype, causal=is_causal, target=target, knobs=knobs)
+            for seqlen in seqlens:
+                batch = max(1, tokens // seqlen)
+                result = run_one(kernel, batch, seqlen, heads, head_dim, dtype, is_causal, device, repeat)
+                results.append(result)
+                if header is None:
+                    header = _header(result)
+                    echo(header)
+                    echo("-" * len(header))
+                echo(_row(result))
+    return results
+
+
+def _header(result):
+    cols = [f"{'config':<36}"]
+    for backend in result.times_ms:
+        cols.append(f"{backend + ' ms':>14} {'TFLOP/s':>8}")
+    cols += [f"{'vs ' + b:>16}" for b in result.times_ms if b != "tvmflash"]
+    cols.append(f"{'max err':>9} {'ok':>3}")
+    return " ".join(cols)
+
+
+def _row(result):
+    cols = [f"{result.config:<36}"]
+    for ms in result.times_ms.values():
+        cols.append(f"{ms:>14.3f} {result.flops / ms / 1e9:>8.2f}" if ms else f"{'n/a':>14} {'':>8}")
+    ours = result.times_ms["tvmflash"]
+    for backend, ms in result.times_ms.items():
+        if backend != "tvmflash":
+            cols.append(f"{ms / ours:>15.2f}x" if ms else f"{'n/a':>16}")
+    cols.append(f"{result.error:>9.2e} {'yes' if result.error <= result.tolerance else 'NO':>3}")
+    return " ".join(cols)

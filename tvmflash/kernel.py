@@ -1,0 +1,299 @@
+"""Compiling the attention program for a target, caching the result, and calling it on torch tensors."""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import tvm
+
+from tvmflash import cache, program
+from tvmflash import schedules as schedule_registry
+from tvmflash import target as targets
+from tvmflash.program import AttentionSpec
+
+TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+_INT32_MAX = 2**31 - 1
+
+
+@dataclass
+class _Module:
+    """One built (or loaded) module: a spec with fixed head counts, for one target."""
+
+    function: Any  # the callable ``main(q, k, v, out, lse, softmax_scale)``; None if it can't run here
+    source: str | None  # the generated CUDA source; None for the CPU or a module loaded from disk
+    origin: str  # "built" or "disk cache"
+    path: str | None  # where it is on disk, if anywhere
+    seconds: float  # time to build or load
+
+
+_MODULES: dict[str, _Module] = {}  # in-memory cache: key -> module
+_LOCK = threading.Lock()
+
+
+def _runnable_here(target: tvm.target.Target) -> bool:
+    return not targets.is_cuda(target) or torch.cuda.is_available()
+
+
+class Kernel:
+    """FlashAttention forward for one (head_dim, dtype, causal, target).
+
+    Call it on torch tensors in flash-attn's layout::
+
+        out = kernel(q, k, v)                   # q: (batch, seqlen_q, heads_q, head_dim)
+        out, lse = kernel(q, k, v, return_lse=True)  # k, v: (batch, seqlen_k, heads_kv, head_dim)
+
+    out has q's shape and dtype; lse is float32 of shape (batch, heads_q, seqlen_q). batch and
+    the sequence lengths may change from call to call without rebuilding; each new pair of head
+    counts builds (or loads) one more module.
+    """
+
+    def __init__(self, spec_args: dict, target: tvm.target.Target, knobs: dict | None):
+        self.head_dim = spec_args["head_dim"]
+        self.dtype = spec_args["dtype"]
+        self.causal = spec_args["causal"]
+        self.target = target
+        self.schedule = schedule_registry.for_target(target)
+        unknown = set(knobs or {}) - set(self.schedule.KNOBS)
+        if unknown:
+            raise ValueError(
+                f"knobs: {sorted(unknown)} are not knobs of the {schedule_registry.name_of(self.schedule)} "
+                f"schedule; it has {sorted(self.schedule.KNOBS)}"
+            )
+        self.knobs = {**self.schedule.KNOBS, **(knobs or {})}
+        self._modules: dict[tuple[int, int], _Module] = {}
+        self._last: tuple[int, int] | None = None
+
+    # ----------------------------------------------------------------- building
+    def _spec(self, heads_q: int, heads_kv: int) -> AttentionSpec:
+        return AttentionSpec(self.head_dim, self.dtype, self.causal, heads_q, heads_kv)
+
+    def _key(self, spec: AttentionSpec) -> str:
+        return cache.digest(
+            {
+                "tvmflash": _version(),
+                "tvm": tvm.__version__,
+                "code": cache.source_digest(program, self.schedule),
+                "spec": asdict(spec),
+                "knobs": self.knobs,
+                "target": str(self.target),
+            }
+        )
+
+    def module(self, heads_q: int, heads_kv: int) -> _Module:
+        """The module for these head counts: from memory, else from disk, else built now."""
+        found = self._modules.get((heads_q, heads_kv))
+        if found is not None:
+            return found
+        spec = self._spec(heads_q, heads_kv)
+        key = self._key(spec)
+        with _LOCK:
+            found = _MODULES.get(key)
+            if found is None:
+                found = self._load(key) or self._build(spec, key)
+                _MODULES[key] = found
+        self._modules[(heads_q, heads_kv)] = found
+        self._last = (heads_q, heads_kv)
+        return found
+
+    def _load(self, key: str) -> _Module | None:
+        path = cache.module_dir() / f"{key}.so"
+        if not (_runnable_here(self.target) and path.exists()):
+            return None
+        start = time.perf_counter()
+        try:
+            function = tvm.runtime.load_module(str(path))["main"]
+        except Exception as err:  # noqa: BLE001 - a broken cache file must not be fatal
+            warnings.warn(f"tvmflash: ignoring unreadable cached module {path}: {err}", stacklevel=3)
+            return None
+        return _Module(function, None, "disk cache", str(path), time.perf_counter() - start)
+
+    def _scheduled(self, spec: AttentionSpec) -> tvm.s_tir.Schedule:
+        sch = tvm.s_tir.Schedule(program.attention_forward(spec, self.knobs["block_m"], self.knobs["block_n"]))
+        return self.schedule.schedule(sch, **self.knobs)
+
+    def _build(self, spec: AttentionSpec, key: str) -> _Module:
+        start = time.perf_counter()
+        sch = self._scheduled(spec)
+        with tvm.transform.PassContext(opt_level=3, config=getattr(self.schedule, "PASS_CONFIG", {})):
+            executable = tvm.compile(sch.mod, target=self.target)
+        source = executable.mod.imports[0].inspect_source() if targets.is_cuda(self.target) else None
+        seconds = time.perf_counter() - start
+        if not _runnable_here(self.target):
+            return _Module(None, source, "built", None, seconds)
+        path = cache.module_dir() / f"{key}.so"
+        try:
+            cache.atomic_write(path, executable.export_library)
+            meta = {"key": key, "spec": asdict(spec), "knobs": self.knobs, "target": str(self.target),
+                    "schedule": schedule_registry.name_of(self.schedule), "tvm": tvm.__version__,
+                    "tvmflash": _version(), "created": time.strftime("%Y-%m-%d %H:%M:%S")}
+            cache.atomic_write(path.with_suffix(".json"), lambda tmp: Path(tmp).write_text(json.dumps(meta, indent=1)))
+        except Exception as err:  # noqa: BLE001 - caching is an optimisation, never a failure
+            warnings.warn(f"tvmflash: could not write {path} to the disk cache: {err}", stacklevel=3)
+            path = None
+        return _Module(executable["main"], source, "built", str(path) if path else None, seconds)
+
+    # ----------------------------------------------------------------- using
+    def source(self, heads_q: int | None = None, heads_kv: int | None = None) -> str:
+        """The generated CUDA source, built for these head counts (default: the last used, or 1/1)."""
+        if not targets.is_cuda(self.target):
+            raise ValueError(f"source(): only CUDA targets have CUDA source; this kernel targets {self.target}")
+        if heads_q is None:
+            heads_q, heads_kv = self._last or (1, 1)
+        module = self.module(heads_q, heads_kv if heads_kv is not None else heads_q)
+        if module.source is None:  # loaded from disk: build once more to see the source
+            spec = self._spec(heads_q, heads_kv if heads_kv is not None else heads_q)
+            module.source = self._build(spec, self._key(spec)).source
+        return module.source
+
+    def scheduled_tir(self, heads_q: int = 1, heads_kv: int | None = None) -> str:
+        """The scheduled TensorIR (TVMScript) for these head counts, before lowering."""
+        return self._scheduled(self._spec(heads_q, heads_kv or heads_q)).mod.script()
+
+    def info(self) -> dict:
+        """What this kernel is, and where each of its modules came from."""
+        return {
+            "head_dim": self.head_dim,
+            "dtype": self.dtype,
+            "causal": self.causal,
+            "target": targets.describe(self.target),
+            "schedule": schedule_registry.name_of(self.schedule),
+            "knobs": dict(self.knobs),
+            "modules": {
+                f"heads_q={hq},heads_kv={hkv}": {"origin": m.origin, "path": m.path, "seconds": round(m.seconds, 3)}
+                for (hq, hkv), m in self._modules.items()
+            },
+        }
+
+    def __repr__(self) -> str:
+        return (f"tvmflash.Kernel(head_dim={self.head_dim}, dtype={self.dtype}, causal={self.causal}, "
+                f"target={targets.describe(self.target)!r})")
+
+    def __call__(self, q, k, v, *, softmax_scale=None, out=None, return_lse=False):
+        """Attention of q over k, v. See the class docstring for the shapes."""
+        self._check(q, k, v, out)
+        batch, seqlen_q, heads_q, _ = q.shape
+        heads_kv = k.shape[2]
+        if softmax_scale is None:
+            softmax_scale = 1.0 / math.sqrt(self.head_dim)
+        if not isinstance(softmax_scale, (int, float)) or not math.isfinite(softmax_scale):
+            raise TypeError(f"softmax_scale: expected a finite float, got {softmax_scale!r}")
+        if out is None:
+            out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device)
+        module = self.module(heads_q, heads_kv)
+        if module.function is None:
+            raise RuntimeError(f"this {targets.describe(self.target)} kernel was cross-compiled: there is no GPU here to run it on")
+        if out.numel():
+            module.function(q, k, v, out, lse, float(softmax_scale))
+        return (out, lse) if return_lse else out
+
+    def _check(self, q, k, v, out) -> None:
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        want = TORCH_DTYPES[self.dtype]
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if t.dtype != want:
+                raise TypeError(f"{name}: expected dtype {want} (the kernel was compiled for {self.dtype}), got {t.dtype}")
+            if t.dim() != 4:
+                raise ValueError(f"{name}: expected 4 dims (batch, seqlen, heads, head_dim), got shape {tuple(t.shape)}")
+            if t.shape[3] != self.head_dim:
+                raise ValueError(f"{name}: expected head_dim {self.head_dim} in the last dim, got shape {tuple(t.shape)}")
+        if k.shape != v.shape:
+            raise ValueError(f"v: expected the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
+        if q.shape[0] != k.shape[0]:
+            raise ValueError(f"k: expected batch {q.shape[0]} (from q), got shape {tuple(k.shape)}")
+        if k.shape[2] == 0 or q.shape[2] % k.shape[2]:
+            raise ValueError(f"q: expected heads_q ({q.shape[2]}) to be a multiple of heads_kv ({k.shape[2]})")
+        for name, t in (("k", k), ("v", v)):
+            if t.device != q.device:
+                raise ValueError(f"{name}: expected device {q.device} (q's), got {t.device}")
+        cuda = targets.is_cuda(self.target)
+        if q.device.type != ("cuda" if cuda else "cpu"):
+            raise ValueError(f"q: the kernel was built for {targets.describe(self.target)}, got a tensor on {q.device}")
+        align = 16 // q.element_size()  # CUDA schedules load 16 bytes at a time
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if t.numel() and t.stride(3) != 1:
+                raise ValueError(f"{name}: expected a contiguous last dim (stride 1), got strides {t.stride()}")
+            if cuda and t.numel() and (t.data_ptr() % 16 or any(s % align for s in t.stride()[:3])):
+                raise ValueError(f"{name}: expected 16-byte aligned data and strides that are multiples of {align} "
+                                 f"elements, got strides {t.stride()}")
+            if t.numel() and sum((n - 1) * s for n, s in zip(t.shape, t.stride())) > _INT32_MAX:
+                raise ValueError(f"{name}: tensors of more than 2**31 elements are not supported, got shape {tuple(t.shape)}")
+        if out is not None:
+            if not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
+                raise ValueError(f"out: expected a tensor of q's shape {tuple(q.shape)}, dtype and device, got "
+                                 f"{getattr(out, 'shape', out)!r}")
+            if not out.is_contiguous():
+                raise ValueError(f"out: expected a contiguous tensor, got strides {out.stride()}")
+
+
+_KERNELS: dict[str, Kernel] = {}
+
+
+def compile(*, head_dim: int, dtype, causal: bool = False, target=None, knobs: dict | None = None,
+            heads_q: int | None = None, heads_kv: int | None = None) -> Kernel:  # noqa: A001 - the API's name
+    """Compile FlashAttention forward and return a :class:`Kernel`.
+
+    head_dim: 32, 64, 96, 128 or 256. dtype: "float16", "bfloat16", "float32" or the torch dtype.
+    target: None (the current torch CUDA device if there is one, else the CPU), "cpu", "cuda",
+    "sm80", "sm86", "sm89", "sm90", a ``tvm.target.Target`` or a JSON dict. knobs: overrides of the
+    schedule's knobs (``tvmflash.schedules.<arch>.KNOBS``). heads_q / heads_kv: build for these
+    head counts now; otherwise each new head count is built at its first call.
+
+    Modules are cached in memory and on disk (``$TVMFLASH_CACHE_DIR``, else ``~/.cache/tvmflash``).
+    """
+    dtype = _dtype_name(dtype)
+    program.AttentionSpec(head_dim, dtype, bool(causal))  # validates head_dim and dtype
+    resolved = targets.resolve(target)
+    key = cache.digest([head_dim, dtype, bool(causal), str(resolved), knobs])
+    kernel = _KERNELS.get(key)
+    if kernel is None:
+        kernel = _KERNELS[key] = Kernel({"head_dim": head_dim, "dtype": dtype, "causal": bool(causal)}, resolved, knobs)
+    if heads_q is not None:
+        kernel.module(heads_q, heads_kv if heads_kv is not None else heads_q)
+    return kernel
+
+
+def attention(q, k, v, *, causal: bool = False, softmax_scale=None, return_lse: bool = False):
+    """Exact attention softmax(q kᵀ · scale) v in flash-attn's layout.
+
+    q: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim) with
+    heads_q a multiple of heads_kv (GQA/MQA). Returns out with q's shape, or (out, lse) with lse
+    float32 of shape (batch, heads_q, seqlen_q). With causal and seqlen_q != seqlen_k the mask is
+    aligned bottom-right; a query that sees no key gets 0 (and lse -inf). The kernel for the
+    tensors' device is compiled on first use and cached.
+    """
+    if not isinstance(q, torch.Tensor):
+        raise TypeError(f"q: expected a torch.Tensor, got {type(q).__name__}")
+    if q.dim() != 4:
+        raise ValueError(f"q: expected 4 dims (batch, seqlen, heads, head_dim), got shape {tuple(q.shape)}")
+    if q.device.type == "cuda":
+        target = targets.cuda_target(targets.detect_cuda_name(q.device.index) or "sm80")
+    elif q.device.type == "cpu":
+        target = "cpu"
+    else:
+        raise ValueError(f"q: expected a CPU or CUDA tensor, got one on {q.device}")
+    kernel = compile(head_dim=q.shape[-1], dtype=q.dtype, causal=causal, target=target)
+    return kernel(q, k, v, softmax_scale=softmax_scale, return_lse=return_lse)
+
+
+def _dtype_name(dtype) -> str:
+    for name, torch_dtype in TORCH_DTYPES.items():
+        if dtype in (name, torch_dtype):
+            return name
+    raise TypeError(f"dtype: expected one of {list(TORCH_DTYPES)} or the torch dtype, got {dtype!r}")
+
+
+def _version() -> str:
+    from tvmflash import __version__
+
+    return __version__

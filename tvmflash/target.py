@@ -1,0 +1,96 @@
+"""Naming and detecting targets: what ``target=`` accepts, and which schedule serves it."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import tvm
+
+# Per-block limits the CUDA tag database gets wrong or leaves out (sm80: 163 KiB opt-in shared
+# memory; sm90: 227 KiB).
+_CUDA_ARCHS = {
+    "sm80": {"arch": "sm_80", "max_shared_memory_per_block": 166912},
+    "sm86": {"arch": "sm_86", "max_shared_memory_per_block": 101376},
+    "sm89": {"arch": "sm_89", "max_shared_memory_per_block": 101376},
+    "sm90": {"arch": "sm_90a", "max_shared_memory_per_block": 232448},
+}
+
+
+def cpu_target() -> tvm.target.Target:
+    """The host CPU, with its real micro-architecture so LLVM uses every vector unit."""
+    from tvm.target import codegen
+
+    return tvm.target.Target(
+        {"kind": "llvm", "mcpu": codegen.llvm_get_system_cpu(), "num-cores": os.cpu_count() or 1}
+    )
+
+
+def cuda_target(name: str) -> tvm.target.Target:
+    """``name`` is one of "sm80", "sm86", "sm89", "sm90"."""
+    limits = _CUDA_ARCHS[name]
+    return tvm.target.Target(
+        {"kind": "cuda", "max_threads_per_block": 1024, "thread_warp_size": 32, **limits}
+    )
+
+
+def detect_cuda_name(device_index: int | None = None) -> str | None:
+    """The tvmflash name of the torch CUDA device ("sm90", ...), or None without a usable GPU."""
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a dependency
+        return None
+    if not torch.cuda.is_available():
+        return None
+    major, minor = torch.cuda.get_device_capability(device_index)
+    name = f"sm{major}{minor}"
+    if name in _CUDA_ARCHS:
+        return name
+    # Newer GPUs run the newest schedule we have for an older architecture.
+    return "sm90" if major >= 9 else "sm80" if major >= 8 else None
+
+
+def resolve(target: Any = None) -> tvm.target.Target:
+    """Turn what the user passed as ``target=`` into a TVM target.
+
+    None means the current torch CUDA device if there is one, else the CPU. Strings: "cpu",
+    "cuda" (the current GPU), "sm80", "sm86", "sm89", "sm90". A ``tvm.target.Target`` or a JSON
+    dict is used as it is.
+    """
+    if isinstance(target, tvm.target.Target):
+        return target
+    if isinstance(target, dict):
+        return tvm.target.Target(target)
+    if target is None or target == "cuda":
+        name = detect_cuda_name()
+        if name is not None:
+            return cuda_target(name)
+        if target == "cuda":
+            raise ValueError("target: 'cuda' needs a CUDA GPU visible to torch, and none is")
+        return cpu_target()
+    if target in ("cpu", "llvm"):
+        return cpu_target()
+    if isinstance(target, str) and target in _CUDA_ARCHS:
+        return cuda_target(target)
+    raise ValueError(
+        f"target: expected None, 'cpu', 'cuda', one of {sorted(_CUDA_ARCHS)}, a tvm.target.Target or a "
+        f"JSON dict, got {target!r}"
+    )
+
+
+def is_cuda(target: tvm.target.Target) -> bool:
+    return target.kind.name == "cuda"
+
+
+def compute_capability(target: tvm.target.Target) -> int | None:
+    """80 for sm_80, 90 for sm_90a; None for the CPU."""
+    if not is_cuda(target):
+        return None
+    arch = str(target.attrs.get("arch", "sm_50"))
+    return int("".join(ch for ch in arch.split("_")[1] if ch.isdigit()))
+
+
+def describe(target: tvm.target.Target) -> str:
+    if is_cuda(target):
+        return f"cuda {target.attrs['arch']}"
+    return f"llvm {target.attrs.get('mcpu', '')}".strip()
