@@ -30,8 +30,9 @@ def schedule(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, vector: int
     # K/V tiles: all threads copy them into shared memory, `vector` elements at a time.
     for name in ("load_k", "load_v"):
         sch.set_scope(name, 0, "shared")
-        fused = sch.fuse(*sch.get_loops(name)[-2:])
-        _, tx, vec = sch.split(fused, [None, block_m, vector])
+        j, d = sch.get_loops(name)[-2:]
+        d, vec = sch.split(d, [None, vector])  # split d itself, so each vector is one row's slice
+        _, tx = sch.split(sch.fuse(j, d), [None, block_m])
         sch.bind(tx, "threadIdx.x")
         sch.vectorize(vec)
     # After binding and scoping: a decomposed update block is no longer a reduction block.

@@ -99,8 +99,12 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = parser().parse_args(argv)
-    return {"info": _info, "compile": _compile, "bench": _bench}[args.command](args)
+    p = parser()
+    args = p.parse_args(argv)
+    try:
+        return {"info": _info, "compile": _compile, "bench": _bench}[args.command](args)
+    except (ValueError, TypeError) as err:  # bad input: say what, not where
+        p.exit(2, f"tvmflash {args.command}: error: {err}\n")
 
 
 if __name__ == "__main__":

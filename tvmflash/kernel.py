@@ -50,7 +50,8 @@ class Kernel:
         out = kernel(q, k, v)                   # q: (batch, seqlen_q, heads_q, head_dim)
         out, lse = kernel(q, k, v, return_lse=True)  # k, v: (batch, seqlen_k, heads_kv, head_dim)
 
-    out has q's shape and dtype; lse is float32 of shape (batch, heads_q, seqlen_q). batch and
+    out has q's shape and dtype; lse is float32 of shape (batch, heads_q, seqlen_q). Compact
+    inputs are used in place; views whose last dim is contiguous are copied first. batch and
     the sequence lengths may change from call to call without rebuilding; each new pair of head
     counts builds (or loads) one more module.
     """
@@ -179,6 +180,9 @@ class Kernel:
     def __call__(self, q, k, v, *, softmax_scale=None, out=None, return_lse=False):
         """Attention of q over k, v. See the class docstring for the shapes."""
         self._check(q, k, v, out)
+        # The module takes compact tensors. Views with a contiguous last dim (a packed qkv's
+        # unbind, say) are copied once here rather than refused.
+        q, k, v = (t if t.is_contiguous() else t.contiguous() for t in (q, k, v))
         batch, seqlen_q, heads_q, _ = q.shape
         heads_kv = k.shape[2]
         if softmax_scale is None:
@@ -219,15 +223,13 @@ class Kernel:
         cuda = targets.is_cuda(self.target)
         if q.device.type != ("cuda" if cuda else "cpu"):
             raise ValueError(f"q: the kernel was built for {targets.describe(self.target)}, got a tensor on {q.device}")
-        align = 16 // q.element_size()  # CUDA schedules load 16 bytes at a time
         for name, t in (("q", q), ("k", k), ("v", v)):
-            if t.numel() and t.stride(3) != 1:
+            if t.numel() and t.shape[3] > 1 and t.stride(3) != 1:
                 raise ValueError(f"{name}: expected a contiguous last dim (stride 1), got strides {t.stride()}")
-            if cuda and t.numel() and (t.data_ptr() % 16 or any(s % align for s in t.stride()[:3])):
-                raise ValueError(f"{name}: expected 16-byte aligned data and strides that are multiples of {align} "
-                                 f"elements, got strides {t.stride()}")
-            if t.numel() and sum((n - 1) * s for n, s in zip(t.shape, t.stride())) > _INT32_MAX:
+            if t.numel() > _INT32_MAX:
                 raise ValueError(f"{name}: tensors of more than 2**31 elements are not supported, got shape {tuple(t.shape)}")
+            if cuda and t.data_ptr() % 16:
+                raise ValueError(f"{name}: expected a 16-byte aligned data pointer, got {t.data_ptr():#x}")
         if out is not None:
             if not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
                 raise ValueError(f"out: expected a tensor of q's shape {tuple(q.shape)}, dtype and device, got "

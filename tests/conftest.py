@@ -1,0 +1,37 @@
+import os
+import tempfile
+
+import pytest
+import torch
+
+# Every test run builds into its own cache, so stale modules never hide a broken build.
+os.environ.setdefault("TVMFLASH_CACHE_DIR", tempfile.mkdtemp(prefix="tvmflash-test-cache-"))
+
+HAS_GPU = torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_GPU:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU; none is visible to torch")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def devices():
+    """The devices a numerics test runs on: the CPU always, CUDA as a `gpu`-marked case."""
+    return ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def random_qkv(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype, device, scale=1.0, seed=None):
+    gen = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**31)
+    q = torch.randn(batch, seqlen_q, heads_q, head_dim, generator=gen) * scale
+    k = torch.randn(batch, seqlen_k, heads_kv, head_dim, generator=gen) * scale
+    v = torch.randn(batch, seqlen_k, heads_kv, head_dim, generator=gen)
+    return (t.to(dtype=dtype, device=device) for t in (q, k, v))
+
+
+def poisoned_out(q):
+    """An output buffer full of NaN: any element the kernel fails to write shows up."""
+    return torch.full_like(q, float("nan"))

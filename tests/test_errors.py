@@ -1,0 +1,124 @@
+"""Bad input raises a ValueError or TypeError that names the argument, what was expected and what was given."""
+
+import pytest
+import torch
+
+import tvmflash
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    return tvmflash.compile(head_dim=64, dtype="float16", target="cpu")
+
+
+def qkv(dtype=torch.float16, q_shape=(1, 8, 4, 64), kv_shape=(1, 8, 2, 64)):
+    return torch.randn(q_shape).to(dtype), torch.randn(kv_shape).to(dtype), torch.randn(kv_shape).to(dtype)
+
+
+def test_wrong_dtype(kernel):
+    q, k, v = qkv(torch.bfloat16)
+    with pytest.raises(TypeError, match=r"q: expected dtype torch.float16.*got torch.bfloat16"):
+        kernel(q, k, v)
+
+
+def test_mismatched_dtypes(kernel):
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match=r"v: expected dtype torch.float16.*got torch.float32"):
+        kernel(q, k, v.float())
+
+
+def test_mismatched_dtypes_in_attention():
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match=r"k: expected dtype torch.float16.*got torch.bfloat16"):
+        tvmflash.attention(q, k.bfloat16(), v)
+
+
+def test_mismatched_kv_shapes(kernel):
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=r"v: expected the shape of k \(1, 8, 2, 64\), got \(1, 9, 2, 64\)"):
+        kernel(q, k, torch.randn(1, 9, 2, 64).half())
+
+
+def test_mismatched_batch(kernel):
+    q, k, v = qkv(kv_shape=(2, 8, 2, 64))
+    with pytest.raises(ValueError, match=r"k: expected batch 1 \(from q\), got shape \(2, 8, 2, 64\)"):
+        kernel(q, k, v)
+
+
+def test_wrong_rank(kernel):
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=r"q: expected 4 dims .* got shape \(8, 4, 64\)"):
+        kernel(q[0], k, v)
+
+
+def test_head_dim_differs_from_kernel(kernel):
+    q, k, v = qkv(q_shape=(1, 8, 4, 128), kv_shape=(1, 8, 2, 128))
+    with pytest.raises(ValueError, match=r"q: expected head_dim 64 .* got shape \(1, 8, 4, 128\)"):
+        kernel(q, k, v)
+
+
+def test_unsupported_head_dim():
+    with pytest.raises(ValueError, match=r"head_dim: expected one of .* got 80"):
+        tvmflash.compile(head_dim=80, dtype="float16", target="cpu")
+    q = torch.randn(1, 4, 2, 80).half()
+    with pytest.raises(ValueError, match=r"head_dim: expected one of .* got 80"):
+        tvmflash.attention(q, q, q)
+
+
+def test_unsupported_dtype():
+    with pytest.raises(TypeError, match=r"dtype: expected one of .* got torch.int8"):
+        tvmflash.compile(head_dim=64, dtype=torch.int8, target="cpu")
+
+
+def test_heads_not_a_multiple(kernel):
+    q, k, v = qkv(q_shape=(1, 8, 3, 64))
+    with pytest.raises(ValueError, match=r"q: expected heads_q \(3\) to be a multiple of heads_kv \(2\)"):
+        kernel(q, k, v)
+
+
+def test_last_dim_not_contiguous(kernel):
+    q, k, v = qkv()
+    k_strided = torch.randn(1, 8, 2, 128).half()[..., ::2]
+    with pytest.raises(ValueError, match=r"k: expected a contiguous last dim \(stride 1\), got strides"):
+        kernel(q, k_strided, v)
+
+
+def test_device_the_kernel_was_not_built_for():
+    kernel = tvmflash.compile(head_dim=64, dtype="float16", target="sm80")
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=r"q: the kernel was built for cuda sm_80, got a tensor on cpu"):
+        kernel(q, k, v)
+
+
+def test_device_mismatch(kernel):
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=r"k: expected device cpu \(q's\), got meta"):
+        kernel(q, k.to("meta"), v)
+
+
+def test_not_a_tensor(kernel):
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match=r"q: expected a torch.Tensor, got ndarray"):
+        kernel(q.numpy(), k, v)
+
+
+def test_bad_out(kernel):
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=r"out: expected a tensor of q's shape"):
+        kernel(q, k, v, out=torch.empty(1, 8, 4, 32).half())
+
+
+def test_bad_softmax_scale(kernel):
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match=r"softmax_scale: expected a finite float, got nan"):
+        kernel(q, k, v, softmax_scale=float("nan"))
+
+
+def test_bad_target():
+    with pytest.raises(ValueError, match=r"target: expected None, 'cpu'.* got 'tpu'"):
+        tvmflash.compile(head_dim=64, dtype="float16", target="tpu")
+
+
+def test_unknown_knob():
+    with pytest.raises(ValueError, match=r"knobs: \['blockm'\] are not knobs of the cpu schedule"):
+        tvmflash.compile(head_dim=64, dtype="float16", target="cpu", knobs={"blockm": 16})

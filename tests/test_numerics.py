@@ -1,0 +1,85 @@
+"""Forward numerics against a float64 reference, with flash-attn's error rule."""
+
+import pytest
+import torch
+from conftest import devices, poisoned_out, random_qkv
+from reference import check_attention
+
+import tvmflash
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+# (seqlen_q, seqlen_k, heads_q, heads_kv): tails on both sides, Lq != Lk both ways, GQA and MQA.
+SHAPES = [
+    (1, 1, 2, 2),
+    (17, 17, 4, 2),
+    (127, 127, 2, 2),
+    (128, 128, 2, 1),
+    (129, 129, 4, 4),
+    (1000, 1000, 2, 2),
+    (1, 129, 4, 1),
+    (17, 1000, 2, 2),
+    (129, 17, 4, 2),
+    (1000, 128, 2, 1),
+]
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_forward_matches_float64(device, dtype, head_dim, causal):
+    kernel = tvmflash.compile(head_dim=head_dim, dtype=dtype, causal=causal,
+                              target="cpu" if device == "cpu" else None)
+    for seqlen_q, seqlen_k, heads_q, heads_kv in SHAPES:
+        q, k, v = random_qkv(2, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype, device)
+        out, lse = kernel(q, k, v, out=poisoned_out(q), return_lse=True)
+        assert lse.shape == (2, heads_q, seqlen_q) and lse.dtype == torch.float32
+        check_attention(out, lse, q, k, v, causal=causal)
+
+
+@pytest.mark.parametrize("device", devices())
+def test_attention_function_and_scale(device):
+    q, k, v = random_qkv(1, 77, 55, 4, 2, 64, torch.bfloat16, device)
+    out, lse = tvmflash.attention(q, k, v, causal=True, softmax_scale=0.3, return_lse=True)
+    check_attention(out, lse, q, k, v, causal=True, softmax_scale=0.3)
+
+
+@pytest.mark.parametrize("device", devices())
+def test_fully_masked_rows_give_zero_and_minus_inf(device):
+    # causal with seqlen_q > seqlen_k: the first seqlen_q - seqlen_k queries see no key.
+    q, k, v = random_qkv(2, 50, 20, 2, 2, 64, torch.float16, device)
+    out, lse = tvmflash.attention(q, k, v, causal=True, return_lse=True)
+    assert torch.equal(out[:, :30], torch.zeros_like(out[:, :30]))
+    assert (lse[:, :, :30] == float("-inf")).all()
+    assert torch.isfinite(out).all() and torch.isfinite(lse[:, :, 30:]).all()
+    check_attention(out, lse, q, k, v, causal=True)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_large_logits(device, dtype):
+    # |q . k| * scale around 1e4: exp overflows unless the running max is subtracted first.
+    q, k, v = random_qkv(1, 130, 130, 2, 2, 64, dtype, device, scale=60.0)
+    out, lse = tvmflash.attention(q, k, v, return_lse=True)
+    ref_scores = (q.double().transpose(1, 2) @ k.double().transpose(1, 2).transpose(-1, -2)) / 8
+    assert ref_scores.abs().max() > 1e4
+    check_attention(out, lse, q, k, v)
+
+
+@pytest.mark.parametrize("device", devices())
+def test_strided_views(device):
+    # q, k, v as views into one packed qkv tensor: only the last dim is contiguous.
+    qkv = torch.randn(2, 100, 3, 4, 64, dtype=torch.bfloat16, device=device)
+    q, k, v = qkv.unbind(2)
+    assert not q.is_contiguous()
+    out, lse = tvmflash.attention(q, k, v, return_lse=True)
+    check_attention(out, lse, q, k, v)
+
+
+@pytest.mark.parametrize("device", devices())
+def test_empty_inputs(device):
+    q, k, v = random_qkv(0, 10, 10, 2, 2, 64, torch.float16, device)
+    assert tvmflash.attention(q, k, v).shape == q.shape
+    q, k, v = random_qkv(1, 0, 10, 2, 2, 64, torch.float16, device)
+    out, lse = tvmflash.attention(q, k, v, return_lse=True)
+    assert out.shape == q.shape and lse.shape == (1, 2, 0)
