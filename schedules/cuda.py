@@ -9,15 +9,20 @@ from __future__ import annotations
 
 import tvm
 
-KNOBS = {"block_m": 64, "block_n": 32, "vector": 8}
+from .common import element_bytes
+
+KNOBS = {"block_m": 64, "block_n": 32, "vector_bytes": 16}
 
 # Blocks that work on one query row each: their row loop becomes threadIdx.x.
 _ROW_BLOCKS = ("load_q", "init_ml", "init_acc", "qk", "row_max", "exp", "alpha", "row_sum", "cast_p", "pv",
                "update_m", "store_o", "store_lse")
 
 
-def schedule(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, vector: int) -> tvm.s_tir.Schedule:
-    """Map the attention program onto CUDA threads: block_m threads, one per query row."""
+def schedule(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, vector_bytes: int) -> tvm.s_tir.Schedule:
+    """Map the attention program onto CUDA threads: block_m threads, one per query row.
+
+    vector_bytes: the width of each thread's global -> shared copies.
+    """
     tile = sch.get_sblock("tile")
     sch.bind(sch.fuse(*sch.get_loops(tile)), "blockIdx.x")
     for name in _ROW_BLOCKS:
@@ -27,7 +32,8 @@ def schedule(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, vector: int
                         ("row_max", 0), ("exp", 0), ("alpha", 0), ("cast_p", 0)]:
         sch.set_scope(name, index, "local")
     sch.set_scope("init_scale", 0, "local")
-    # K/V tiles: all threads copy them into shared memory, `vector` elements at a time.
+    # K/V tiles: all threads copy them into shared memory, vector_bytes at a time.
+    vector = vector_bytes // element_bytes(sch, "load_k")
     for name in ("load_k", "load_v"):
         sch.set_scope(name, 0, "shared")
         j, d = sch.get_loops(name)[-2:]

@@ -19,10 +19,11 @@ def test_cuda_source_builds(arch, dtype):
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
 @pytest.mark.parametrize("arch", ["sm80", "sm90"])
-def test_cuda_source_compiles_with_nvcc(arch):
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_cuda_source_compiles_with_nvcc(arch, dtype):
     from tvm.support import nvcc
 
-    kernel = tvmflash.compile(head_dim=64, dtype="bfloat16", target=arch)
+    kernel = tvmflash.compile(head_dim=64, dtype=dtype, target=arch)
     with kernel.target:
         cubin = nvcc.compile_cuda(kernel.source(heads_q=4, heads_kv=4), target_format="cubin",
                                   arch=str(kernel.target.attrs["arch"]), compiler="nvcc")

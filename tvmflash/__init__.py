@@ -1,6 +1,15 @@
 """tvmflash: exact FlashAttention as one TVM TensorIR program, scheduled per architecture."""
 
+import os as _os
+
 __version__ = "0.1.0"
+
+# Installed, the top-level schedules/ folder is the subpackage tvmflash.schedules (package-dir in
+# pyproject.toml). Run from a source checkout, find it beside this package.
+if not _os.path.isdir(_os.path.join(__path__[0], "schedules")):
+    _checkout = _os.path.dirname(_os.path.abspath(__path__[0]))
+    if _os.path.isfile(_os.path.join(_checkout, "schedules", "__init__.py")):
+        __path__.append(_checkout)
 
 from tvmflash.kernel import Kernel, attention, compile  # noqa: E402
 
