@@ -83,3 +83,22 @@ def test_empty_inputs(device):
     q, k, v = random_qkv(1, 0, 10, 2, 2, 64, torch.float16, device)
     out, lse = tvmflash.attention(q, k, v, return_lse=True)
     assert out.shape == q.shape and lse.shape == (1, 2, 0)
+
+
+def test_custom_op_under_torch_compile():
+    q, k, v = random_qkv(1, 40, 40, 2, 2, 64, torch.float32, "cpu")
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def f(q, k, v):
+        return tvmflash.attention(q, k, v, causal=True) * 2
+
+    out = f(q, k, v)
+    assert torch.allclose(out, 2 * tvmflash.attention(q, k, v, causal=True))
+
+
+def test_backward_says_it_is_not_there_yet():
+    q, k, v = random_qkv(1, 8, 8, 2, 2, 64, torch.float32, "cpu")
+    q.requires_grad_()
+    out = tvmflash.attention(q, k, v)
+    with pytest.raises(NotImplementedError, match="backward pass is not implemented yet"):
+        out.sum().backward()

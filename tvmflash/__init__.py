@@ -11,6 +11,7 @@ if not _os.path.isdir(_os.path.join(__path__[0], "schedules")):
     if _os.path.isfile(_os.path.join(_checkout, "schedules", "__init__.py")):
         __path__.append(_checkout)
 
-from tvmflash.kernel import Kernel, attention, compile  # noqa: E402
+from tvmflash.kernel import Kernel, compile  # noqa: E402
+from tvmflash.ops import attention  # noqa: E402
 
 __all__ = ["Kernel", "attention", "compile", "__version__"]

@@ -265,29 +265,6 @@ def compile(*, head_dim: int, dtype, causal: bool = False, target=None, knobs: d
     return kernel
 
 
-def attention(q, k, v, *, causal: bool = False, softmax_scale=None, return_lse: bool = False):
-    """Exact attention softmax(q kᵀ · scale) v in flash-attn's layout.
-
-    q: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim) with
-    heads_q a multiple of heads_kv (GQA/MQA). Returns out with q's shape, or (out, lse) with lse
-    float32 of shape (batch, heads_q, seqlen_q). With causal and seqlen_q != seqlen_k the mask is
-    aligned bottom-right; a query that sees no key gets 0 (and lse -inf). The kernel for the
-    tensors' device is compiled on first use and cached.
-    """
-    if not isinstance(q, torch.Tensor):
-        raise TypeError(f"q: expected a torch.Tensor, got {type(q).__name__}")
-    if q.dim() != 4:
-        raise ValueError(f"q: expected 4 dims (batch, seqlen, heads, head_dim), got shape {tuple(q.shape)}")
-    if q.device.type == "cuda":
-        target = targets.cuda_target(targets.detect_cuda_name(q.device.index) or "sm80")
-    elif q.device.type == "cpu":
-        target = "cpu"
-    else:
-        raise ValueError(f"q: expected a CPU or CUDA tensor, got one on {q.device}")
-    kernel = compile(head_dim=q.shape[-1], dtype=q.dtype, causal=causal, target=target)
-    return kernel(q, k, v, softmax_scale=softmax_scale, return_lse=return_lse)
-
-
 def _dtype_name(dtype) -> str:
     for name, torch_dtype in TORCH_DTYPES.items():
         if dtype in (name, torch_dtype):
