@@ -21,7 +21,8 @@ def _info(args) -> int:
         print(f"GPU: {torch.cuda.get_device_name()} (compute capability {major}.{minor})")
     else:
         print("GPU: none visible to torch")
-    print(f"default target: {target.describe(resolved)} -> schedule {schedules.name_of(schedules.for_target(resolved))}")
+    names = {schedules.name_of(schedules.for_target(resolved, dtype)) for dtype in ("bfloat16", "float32")}
+    print(f"default target: {target.describe(resolved)} -> schedules {', '.join(sorted(names))}")
     print(f"cache dir: {cache.cache_dir()}")
     entries = cache.list_modules()
     print(f"cached modules: {len(entries)}")

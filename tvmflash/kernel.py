@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import tvm
 
-from tvmflash import cache, program
+from tvmflash import cache, database, program
 from tvmflash import schedules as schedule_registry
 from tvmflash import target as targets
 from tvmflash.program import AttentionSpec
@@ -61,14 +61,24 @@ class Kernel:
         self.dtype = spec_args["dtype"]
         self.causal = spec_args["causal"]
         self.target = target
-        self.schedule = schedule_registry.for_target(target)
+        self.schedule = schedule_registry.for_target(target, self.dtype)
+        schedule_name = schedule_registry.name_of(self.schedule)
         unknown = set(knobs or {}) - set(self.schedule.KNOBS)
         if unknown:
             raise ValueError(
-                f"knobs: {sorted(unknown)} are not knobs of the {schedule_registry.name_of(self.schedule)} "
-                f"schedule; it has {sorted(self.schedule.KNOBS)}"
+                f"knobs: {sorted(unknown)} are not knobs of the {schedule_name} schedule; it has "
+                f"{sorted(self.schedule.KNOBS)}"
             )
-        self.knobs = {**self.schedule.KNOBS, **(knobs or {})}
+        # Knobs: the caller's, else the tuned ones for this GPU (if `tvmflash tune` or the shipped
+        # logs have them), else the schedule's defaults.
+        tuned = None if knobs else database.lookup(target, schedule_name, dict(spec_args))
+        if knobs:
+            self.knobs_source = "given"
+        elif tuned:
+            self.knobs_source = f"tuned ({tuned['source']}, {tuned['mean_ms']:.3f} ms at {tuned.get('shape')})"
+        else:
+            self.knobs_source = "defaults"
+        self.knobs = {**self.schedule.KNOBS, **(tuned["knobs"] if tuned else {}), **(knobs or {})}
         self._modules: dict[tuple[int, int], _Module] = {}
         self._last: tuple[int, int] | None = None
 
@@ -167,6 +177,7 @@ class Kernel:
             "target": targets.describe(self.target),
             "schedule": schedule_registry.name_of(self.schedule),
             "knobs": dict(self.knobs),
+            "knobs_source": self.knobs_source,
             "modules": {
                 f"heads_q={hq},heads_kv={hkv}": {"origin": m.origin, "path": m.path, "seconds": round(m.seconds, 3)}
                 for (hq, hkv), m in self._modules.items()

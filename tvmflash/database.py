@@ -1,0 +1,147 @@
+"""Tuned knobs, per GPU: a small JSON database that never leaks records across GPUs.
+
+A record says: on this GPU (name and compute capability) and target, with these tvmflash and TVM
+versions, this schedule runs this workload (head_dim, dtype, causal) fastest with these knobs.
+The user's database (under the cache dir, written by ``tvmflash tune``) is layered over the
+read-only logs shipped in ``tuning_logs/``; the user's records win.
+
+Files are JSON, written atomically (write, then rename) under a file lock, so two tuners never
+corrupt one. A corrupt or truncated file is reported with a warning and skipped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import re
+import time
+import warnings
+from pathlib import Path
+
+import tvm
+
+from tvmflash import cache
+from tvmflash import target as targets
+
+FORMAT = 1
+SHIPPED_DIR = Path(__file__).resolve().parent.parent / "tuning_logs"
+
+
+def device_key(target: tvm.target.Target) -> dict:
+    """What a record is keyed by, besides the workload: the device, the target and the versions."""
+    from tvmflash import __version__
+
+    if targets.is_cuda(target):
+        import torch
+
+        name = torch.cuda.get_device_name() if torch.cuda.is_available() else "unknown-gpu"
+        major, minor = torch.cuda.get_device_capability() if torch.cuda.is_available() else (0, 0)
+        device = {"device": name, "compute_capability": f"{major}.{minor}"}
+    else:
+        device = {"device": f"cpu-{target.attrs.get('mcpu', 'generic')}-{target.attrs.get('num-cores', 1)}cores",
+                  "compute_capability": None}
+    return {**device, "target": targets.describe(target), "tvm": tvm.__version__, "tvmflash": __version__}
+
+
+def slug(device_name: str) -> str:
+    """'NVIDIA H200' -> 'nvidia-h200': the file name for one device's records."""
+    return re.sub(r"[^a-z0-9]+", "-", device_name.lower()).strip("-")
+
+
+def user_dir() -> Path:
+    return cache.cache_dir() / "tuning"
+
+
+def read(path: Path) -> list[dict]:
+    """The records in one file; [] with a warning if it is missing a piece or is not JSON."""
+    if not path.exists():
+        return []
+    try:
+        data = json.loads(path.read_text())
+        if data.get("format") != FORMAT or not isinstance(data.get("records"), list):
+            raise ValueError(f"expected {{'format': {FORMAT}, 'records': [...]}}")
+        return data["records"]
+    except (OSError, ValueError, AttributeError) as err:
+        warnings.warn(f"tvmflash: skipping unreadable tuning database {path}: {err}", stacklevel=2)
+        return []
+
+
+@contextlib.contextmanager
+def locked(path: Path):
+    """An exclusive lock beside ``path`` for a read-modify-write."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(path.suffix + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def write(path: Path, records: list[dict]) -> None:
+    text = json.dumps({"format": FORMAT, "records": records}, indent=1, sort_keys=True)
+    cache.atomic_write(path, lambda tmp: Path(tmp).write_text(text + "\n"))
+
+
+def _same_key(a: dict, b: dict) -> bool:
+    fields = ("device", "compute_capability", "target", "tvm", "tvmflash", "schedule", "workload")
+    return all(a.get(f) == b.get(f) for f in fields)
+
+
+def add(record: dict, path: Path | None = None) -> Path:
+    """Add (or replace, if faster) a record in the user's database. Returns the file written."""
+    path = path or user_dir() / f"{slug(record['device'])}.json"
+    with locked(path):
+        records = read(path)
+        old = next((r for r in records if _same_key(r, record)), None)
+        if old is None or record["mean_ms"] < old["mean_ms"]:
+            records = [r for r in records if r is not old] + [record]
+            write(path, records)
+    return path
+
+
+def lookup(target: tvm.target.Target, schedule: str, workload: dict) -> dict | None:
+    """The best record for this device, target, versions, schedule and workload, or None.
+
+    The user's records are searched first, then the shipped ones.
+    """
+    want = {**device_key(target), "schedule": schedule, "workload": workload}
+    name = slug(want["device"]) + ".json"
+    for path in (user_dir() / name, SHIPPED_DIR / name):
+        matches = [r for r in read(path) if _same_key(r, want)]
+        if matches:
+            best = min(matches, key=lambda r: r["mean_ms"])
+            return {**best, "source": str(path)}
+    return None
+
+
+def all_records() -> list[tuple[Path, dict]]:
+    """Every record in the user's and the shipped databases, with its file."""
+    out = []
+    for folder in (user_dir(), SHIPPED_DIR):
+        for path in sorted(folder.glob("*.json")):
+            out += [(path, r) for r in read(path)]
+    return out
+
+
+def export_best(out_dir: Path = SHIPPED_DIR) -> list[Path]:
+    """Write the user's records, pruned to the best per key, into ``out_dir`` (the shipped logs)."""
+    written = []
+    for path in sorted(user_dir().glob("*.json")):
+        best: dict = {}
+        for r in read(path):
+            key = json.dumps({f: r.get(f) for f in ("device", "compute_capability", "target", "tvm", "tvmflash",
+                                                     "schedule", "workload")}, sort_keys=True)
+            if key not in best or r["mean_ms"] < best[key]["mean_ms"]:
+                best[key] = r
+        dest = out_dir / path.name
+        with locked(dest):
+            write(dest, list(best.values()))
+        written.append(dest)
+    return written
+
+
+def new_record(target, schedule: str, workload: dict, knobs: dict, mean_ms: float, **extra) -> dict:
+    return {**device_key(target), "schedule": schedule, "workload": workload, "knobs": knobs,
+            "mean_ms": mean_ms, "created": time.strftime("%Y-%m-%d %H:%M:%S"), **extra}
