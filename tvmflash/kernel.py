@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import tvm
 
-from tvmflash import cache, database, program
+from tvmflash import cache, database, program, tvm_workarounds
 from tvmflash import schedules as schedule_registry
 from tvmflash import target as targets
 from tvmflash.program import AttentionSpec
@@ -133,7 +133,8 @@ class Kernel:
     def _build(self, spec: AttentionSpec, key: str) -> _Module:
         start = time.perf_counter()
         sch = self._scheduled(spec)
-        with tvm.transform.PassContext(opt_level=3, config=getattr(self.schedule, "PASS_CONFIG", {})):
+        config = getattr(self.schedule, "PASS_CONFIG", {})
+        with tvm.transform.PassContext(opt_level=3, config=config), tvm_workarounds.lower_every_warp_buffer():
             executable = tvm.compile(sch.mod, target=self.target)
         source = executable.mod.imports[0].inspect_source() if targets.is_cuda(self.target) else None
         seconds = time.perf_counter() - start
