@@ -62,7 +62,17 @@ def _register_intrinsics():
 
 def _as_bf16(func):
     text = func.script().replace('"float16"', '"bfloat16"').replace('"fp16"', '"bf16"')
-    return tvm.script.from_source(text)
+    # The printer drops the result type of the ldmatrix/mma calls, and without it the parser
+    # types them int8, which makes the code generator emit its int8 fallback for ldmatrix.trans.
+    lines = []
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("T.ptx_legacy.ldmatrix(") and stripped.endswith(")"):
+            line = line[: line.rindex(")")] + ', dtype="bfloat16")'
+        elif stripped.startswith("T.ptx_legacy.mma(") and stripped.endswith(")"):
+            line = line[: line.rindex(")")] + ', dtype="float32")'
+        lines.append(line)
+    return tvm.script.from_source("\n".join(lines))
 
 
 def _intrin_names(dtype):
