@@ -105,6 +105,14 @@ def _ldmatrix_layout(i, j):
     return shared_16x16_to_ldmatrix_32x8_layout(i, j)
 
 
+def _frag_to_matrix(a0, a1, lane, reg):
+    """The inverse of _frag_index_map: fragment (row tile, col tile, lane, register) -> (row, col)."""
+    from tvm.s_tir.tensor_intrin.cuda import ldmatrix_32x8_to_shared_16x16_layout
+
+    row, col = ldmatrix_32x8_to_shared_16x16_layout(lane, reg)
+    return (a0 * 16 + row, a1 * 16 + col)
+
+
 def _frag_index_map(i, j):
     """(row, col) of a matrix -> (row tile, col tile, lane, register) of its mma fragments."""
     lane, reg = _ldmatrix_layout(i % 16, j % 16)
@@ -172,6 +180,8 @@ def schedule(
     # ---- Q, K, V tiles into (dynamic) shared memory ---------------------------------------
     for name in ("load_q", "load_k", "load_v"):
         sch.set_scope(name, 0, "shared.dyn")
+        # Rows padded by 16 bytes: the 8 rows an ldmatrix reads then fall in different banks.
+        sch.storage_align(name, 0, axis=0, factor=D, offset=8)
         # 16-byte vectors (for K/V with num_stages >= 2, InjectPTXAsyncCopy makes them cp.async).
         _copy_to_shared(sch, name, num_warps, vec)
 
@@ -184,6 +194,10 @@ def schedule(
     # emit __shfl_sync with a *reader*-dependent register index (silently wrong). So S goes
     # through shared memory, copied lane-by-lane in its fragment layout.
     s_sh = sch.cache_read("row_max", 1, "shared.dyn", consumer_blocks=["row_max", "exp"])
+    # In shared memory S is row-major again, rows padded by one float: each lane reads its own
+    # row, and a stride of BN + 1 words puts the 32 rows in 32 different banks.
+    sch.transform_layout(s_sh, ("write", 0), _frag_to_matrix)
+    sch.storage_align(s_sh, 0, axis=0, factor=BN, offset=1)
     a0, a1, lane, reg = sch.get_loops(s_sh)
     w, a0 = sch.split(a0, [num_warps, None])
     sch.reorder(w, lane, a0, a1, reg)
@@ -219,6 +233,7 @@ def schedule(
     sch.tensorize(sch.get_loops("qk_init")[-2], names["fill"])
 
     sch.set_scope("cast_p", 0, "shared.dyn")  # Pc: ldmatrix source for pv
+    sch.storage_align("cast_p", 0, axis=0, factor=BN, offset=8)  # as Q/K/V: conflict-free ldmatrix
     # ---- pv: acc += P V on tensor cores, acc kept as fragments across K/V tiles ------------
     sch.set_scope("pv", 0, "warp")
     sch.transform_layout("pv", ("write", 0), _frag_index_map)
@@ -279,6 +294,9 @@ def schedule(
     # ---- softmax: one lane per row (scalar; reads S from shared) --------------------------
     for name in ("init_ml", "row_max", "exp", "alpha", "row_sum", "cast_p", "update_m", "store_lse"):
         _row_block(sch, name, num_warps)
+    # Each lane writes its row of P as 16-byte vectors (with the padded rows: no bank conflicts).
+    _, p_vec = sch.split(sch.get_loops("cast_p")[-1], [None, vec])
+    sch.vectorize(p_vec)
     for name, idx in (("init_ml", 0), ("row_max", 0), ("exp", 0)):
         sch.set_scope(name, idx, "local")
     sch.set_scope("init_ml", 1, "shared.dyn")  # l: read by the fragment lanes in store_o
