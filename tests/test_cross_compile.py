@@ -34,3 +34,21 @@ def test_target_forms():
     for target in ["sm90", {"kind": "cuda", "arch": "sm_90a"}, tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})]:
         kernel = tvmflash.compile(head_dim=64, dtype="float16", target=target)
         assert kernel.info()["target"] == "cuda sm_90a"
+
+
+@pytest.mark.parametrize("arch", ["sm80", "sm90"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_tensor_core_schedule_emits_mma_and_ldmatrix(arch, dtype):
+    kernel = tvmflash.compile(head_dim=64, dtype=dtype, target=arch)
+    src = kernel.source(heads_q=2, heads_kv=1)
+    assert kernel.info()["schedule"] == "sm80"
+    ptx_type = {"float16": "f16", "bfloat16": "bf16"}[dtype]
+    assert f"mma.sync.aligned.m16n8k16.row.col.f32.{ptx_type}.{ptx_type}.f32" in src
+    assert "ldmatrix.sync.aligned.m8n8.x4.shared.b16" in src
+    assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in src  # V, transposed on load
+
+
+def test_float32_uses_the_simt_schedule():
+    kernel = tvmflash.compile(head_dim=64, dtype="float32", target="sm90")
+    assert kernel.info()["schedule"] == "cuda"
+    assert "mma.sync" not in kernel.source(heads_q=2, heads_kv=2)
