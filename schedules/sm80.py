@@ -17,6 +17,9 @@ WARP = 32
 
 
 KNOBS = {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 1, "vec": 8}
+# Measured on the H200 (benchmarks/knob_sweep.py, bf16, seqlen 4096): 176 TFLOP/s at head_dim 128
+# with 32-key tiles against 151 with 64 (fewer registers: 64-key tiles spill at head_dim 128).
+KNOBS_FOR_HEAD_DIM = {128: {"block_n": 32}, 256: {"block_n": 32}}
 PASS_CONFIG = {
     "tirx.use_async_copy": True,
     # LowerWarpMemory cannot see through CSE'd store indices into warp buffers.

@@ -78,7 +78,8 @@ class Kernel:
             self.knobs_source = f"tuned ({tuned['source']}, {tuned['mean_ms']:.3f} ms at {tuned.get('shape')})"
         else:
             self.knobs_source = "defaults"
-        self.knobs = {**self.schedule.KNOBS, **(tuned["knobs"] if tuned else {}), **(knobs or {})}
+        defaults = {**self.schedule.KNOBS, **getattr(self.schedule, "KNOBS_FOR_HEAD_DIM", {}).get(self.head_dim, {})}
+        self.knobs = {**defaults, **(tuned["knobs"] if tuned else {}), **(knobs or {})}
         self._modules: dict[tuple[int, int], _Module] = {}
         self._last: tuple[int, int] | None = None
 
