@@ -1,11 +1,19 @@
-"""sm80 tensor-core schedule (mma.sync m16n8k16 + ldmatrix + cp.async) for the attention program.
+"""sm80 tensor-core schedule (mma.sync m16n8k16 + ldmatrix) for the attention program.
 
 Mapping (FA2 style):
   * tile (b, h, qb) -> blockIdx.(z, y, x); num_warps warps (threadIdx.y), 32 lanes (threadIdx.x).
-  * warp w owns rows [w*RW, (w+1)*RW) of the Q block, RW = block_m / num_warps.
-  * qk: S = Q K^T with mma.sync (ldmatrix Q as A, ldmatrix K as B^T).
-  * pv: acc += P V with mma.sync (ldmatrix P as A, ldmatrix.trans V as B).
-  * K/V tiles: global -> shared with cp.async, num_stages-deep software pipeline over kv tiles.
+  * warp w owns rows [32 w, 32 w + 32) of the Q block (block_m == 32 * num_warps).
+  * qk: S = Q K^T with mma.sync (ldmatrix Q as A, ldmatrix K as B^T); S stays in register
+    fragments ("warp" scope).
+  * pv: acc += P V with mma.sync (ldmatrix P as A, ldmatrix.trans V as B); the output accumulator
+    stays in register fragments across all K/V tiles, and is rescaled and stored from them.
+  * The online softmax runs one query row per lane, on a copy of S in shared memory. (Reducing
+    rows across the 4 lanes of a quad with shuffles is the next step: stock TensorIR cannot say
+    it, so it needs tensor intrinsics of our own.)
+  * Shared tiles have padded rows, so ldmatrix and the row-per-lane accesses are free of bank
+    conflicts.
+  * num_stages: only 1 for now. With 2, TVM 0.27's software pipeline over the symbolic number of
+    K/V tiles fails to lower ("Cannot insert syncs inside condition"), so there is no cp.async.
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ _REGISTERED = False
 
 
 def _register_intrinsics():
-    """Register what TVM lacks: an mma store to shared.dyn, and bf16 twins of the fp16 intrinsics."""
+    """Register what TVM lacks: bf16 twins of its fp16 ldmatrix and mma intrinsics."""
     global _REGISTERED
     if _REGISTERED:
         return
@@ -47,8 +55,6 @@ def _register_intrinsics():
         except Exception:  # already registered (module reloaded)
             pass
 
-    reg("tvmflash_mma_store_16x16_f32_shared_dyn_simple",
-        C.get_mma_store_intrin("float32", 8, "shared.dyn", False))
     # TVM generates fp16 ldmatrix/mma intrinsics only; the bf16 ones differ in the element type
     # and the PTX type name alone, so derive them from the fp16 descriptions.
     fp16 = {
@@ -87,7 +93,6 @@ def _intrin_names(dtype):
             mma_nt="mma_f16f16f32_trans_b",
             mma_nn="mma_f16f16f32",
             fill="mma_fill_16x16_f32",
-            store_s="tvmflash_mma_store_16x16_f32_shared_dyn_simple",
         )
     if dtype == "bfloat16":
         return dict(
@@ -97,7 +102,6 @@ def _intrin_names(dtype):
             mma_nt="tvmflash_mma_nt_bf16",
             mma_nn="tvmflash_mma_nn_bf16",
             fill="mma_fill_16x16_f32",
-            store_s="tvmflash_mma_store_16x16_f32_shared_dyn_simple",
         )
     raise ValueError(f"dtype: the sm80 schedule takes {DTYPES}, got {dtype!r}")
 
@@ -147,7 +151,7 @@ def _tile_frag(sch, block, h=16, w=16):
 
 
 def _row_block(sch, name, num_warps):
-    """Per-row block: row i = w*RW + lane (one lane per row, RW == 32)."""
+    """Per-row block: row i = 32 w + lane (one lane per row)."""
     i = sch.get_loops(name)[0]
     w, r = sch.split(i, [num_warps, None])
     sch.bind(w, "threadIdx.y")
@@ -169,9 +173,13 @@ def schedule(
     _register_intrinsics()
     dtype, BM, D, BN = _buffer_info(sch)
     assert (BM, BN) == (block_m, block_n), "schedule knobs must match the program's tiles"
-    RW = BM // num_warps
-    assert RW % 16 == 0 and BN % 16 == 0 and D % 16 == 0
-    assert RW == WARP, "this version maps one softmax row per lane: block_m == 32*num_warps"
+    if block_m != WARP * num_warps:
+        raise ValueError(f"block_m: the sm80 schedule maps one row per lane, so block_m must be 32 * num_warps "
+                         f"= {WARP * num_warps}, got {block_m}")
+    if block_n % 16 or D % 16:
+        raise ValueError(f"block_n and head_dim: expected multiples of 16, got {block_n} and {D}")
+    if num_stages != 1:
+        raise ValueError(f"num_stages: only 1 is supported by the sm80 schedule for now, got {num_stages}")
     names = _intrin_names(dtype)
 
     # ---- grid -----------------------------------------------------------------------------
@@ -185,7 +193,7 @@ def schedule(
         sch.set_scope(name, 0, "shared.dyn")
         # Rows padded by 16 bytes: the 8 rows an ldmatrix reads then fall in different banks.
         sch.storage_align(name, 0, axis=0, factor=D, offset=8)
-        # 16-byte vectors (for K/V with num_stages >= 2, InjectPTXAsyncCopy makes them cp.async).
+        # 16-byte vector copies.
         _copy_to_shared(sch, name, num_warps, vec)
 
     # ---- qk: S = Q K^T on tensor cores, S kept as mma fragments ("warp" scope) -------------
@@ -306,14 +314,5 @@ def schedule(
     sch.set_scope("alpha", 0, "shared.dyn")  # read by the fragment lanes in pv_init
     sch.set_scope("init_scale", 0, "local")
 
-    # ---- K/V: cp.async, software pipeline over the K/V tiles --------------------------------
-    if num_stages >= 2:
-        kb = sch.get_loops("kv_step")[-1]
-        # InjectSoftwarePipeline flattens the thread-bound loops: one entry per child block.
-        stmts = len(sch.get_child_blocks(sch.get_sblock("kv_step")))
-        stage = [0, 0] + [num_stages - 1] * (stmts - 2)
-        sch.annotate(kb, "software_pipeline_stage", stage)
-        sch.annotate(kb, "software_pipeline_order", list(range(stmts)))
-        sch.annotate(kb, "software_pipeline_async_stages", [0])
     return sch
 
