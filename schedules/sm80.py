@@ -47,7 +47,7 @@ def _register_intrinsics():
     global _REGISTERED
     if _REGISTERED:
         return
-    from tvm.s_tir.tensor_intrin import cuda as C
+    import tvm.s_tir.tensor_intrin.cuda  # noqa: F401 - registers the fp16 intrinsics
 
     def reg(name, pair):
         try:
@@ -57,15 +57,9 @@ def _register_intrinsics():
 
     # TVM generates fp16 ldmatrix/mma intrinsics only; the bf16 ones differ in the element type
     # and the PTX type name alone, so derive them from the fp16 descriptions.
-    fp16 = {
-        "ld_a": C.get_ldmatrix_intrin(16, "float16", "A", False, "shared.dyn"),
-        "ld_b": C.get_ldmatrix_intrin(16, "float16", "B", False, "shared.dyn"),
-        "ld_b_trans": C.get_ldmatrix_intrin(16, "float16", "B", True, "shared.dyn"),
-        "mma_nn": C.get_mma_intrin(16, "float16", "float16", "float32", False, False),
-        "mma_nt": C.get_mma_intrin(16, "float16", "float16", "float32", False, True),
-    }
-    for key, pair in fp16.items():
-        reg(f"tvmflash_{key}_bf16", tuple(_as_bf16(f) for f in pair))
+    for role, name in _FP16_INTRINSICS.items():
+        fp16 = TensorIntrin.get(name)
+        reg(f"tvmflash_{role}_bf16", (_as_bf16(fp16.desc), _as_bf16(fp16.impl)))
     _REGISTERED = True
 
 
@@ -84,26 +78,24 @@ def _as_bf16(func):
     return tvm.script.from_source("\n".join(lines))
 
 
+_FP16_INTRINSICS = {
+    "ld_a": "mma_ldmatrix_f16_a_dyn",
+    "ld_b": "mma_ldmatrix_f16_b_dyn",
+    "ld_b_trans": "mma_ldmatrix_f16_b_trans_dyn",
+    "mma_nn": "mma_f16f16f32",
+    "mma_nt": "mma_f16f16f32_trans_b",
+}
+
+
 def _intrin_names(dtype):
+    """Tensor intrinsic names by role; the bf16 ones are those _register_intrinsics derives."""
     if dtype == "float16":
-        return dict(
-            ld_a="mma_ldmatrix_f16_a_dyn",
-            ld_b_trans="mma_ldmatrix_f16_b_trans_dyn",
-            ld_b="mma_ldmatrix_f16_b_dyn",
-            mma_nt="mma_f16f16f32_trans_b",
-            mma_nn="mma_f16f16f32",
-            fill="mma_fill_16x16_f32",
-        )
-    if dtype == "bfloat16":
-        return dict(
-            ld_a="tvmflash_ld_a_bf16",
-            ld_b_trans="tvmflash_ld_b_trans_bf16",
-            ld_b="tvmflash_ld_b_bf16",
-            mma_nt="tvmflash_mma_nt_bf16",
-            mma_nn="tvmflash_mma_nn_bf16",
-            fill="mma_fill_16x16_f32",
-        )
-    raise ValueError(f"dtype: the sm80 schedule takes {DTYPES}, got {dtype!r}")
+        names = dict(_FP16_INTRINSICS)
+    elif dtype == "bfloat16":
+        names = {role: f"tvmflash_{role}_bf16" for role in _FP16_INTRINSICS}
+    else:
+        raise ValueError(f"dtype: the sm80 schedule takes {DTYPES}, got {dtype!r}")
+    return {**names, "fill": "mma_fill_16x16_f32"}
 
 
 def _ldmatrix_layout(i, j):
@@ -148,6 +140,39 @@ def _tile_frag(sch, block, h=16, w=16):
     b0, b1 = sch.split(b, [None, w])
     sch.reorder(a0, b0, a1, b1)
     return a1
+
+
+def _warp_gemm_operands(sch, block, num_warps, operands):
+    """Cut a GEMM block (loops: rows, cols, reduction) into 16x16x16 mma tiles, give each warp its
+    rows, and load the operands into register fragments with ldmatrix.
+
+    operands: (read index of the block, ldmatrix intrinsic) for A and B. Returns the blockized
+    outer block; the caller tensorizes the mma itself (``sch.get_loops(block)[-3]``).
+    """
+    i, n, k = sch.get_loops(block)
+    i0, i1 = sch.split(i, [None, 16])
+    n0, n1 = sch.split(n, [None, 16])
+    k0, k1 = sch.split(k, [None, 16])
+    sch.reorder(i0, n0, k0, i1, n1, k1)
+    outer = sch.blockize(i1)
+    warp, i0 = sch.split(i0, [num_warps, None])
+    sch.reorder(warp, k0, i0, n0)
+    sch.bind(warp, "threadIdx.y")
+    sch.decompose_reduction(outer, k0)
+    # The K/V-tile scope (kv_step) is not a "stage pipeline" (pv and update_m write acc and m
+    # after other blocks read them), so compute_at cannot target loops directly under it.
+    # Wrapping one warp's mma loop nest in its own block gives the fragment loads a scope that is.
+    sch.blockize(k0)
+    loads = []
+    for index, intrin in operands:
+        fragment = sch.cache_read(outer, index, "warp")
+        sch.compute_at(fragment, k0)
+        loads.append((fragment, intrin))
+    for fragment, intrin in loads:
+        loop = _tile_frag(sch, fragment)
+        sch.transform_layout(fragment, ("write", 0), _frag_index_map)
+        sch.tensorize(loop, intrin)
+    return outer
 
 
 def _row_block(sch, name, num_warps):
@@ -200,10 +225,10 @@ def schedule(
     # S[i, j] -> S[i//16, j//16, lane, reg]: every reader of S (row_max, exp) follows.
     sch.set_scope("qk", 0, "warp")
     sch.transform_layout("qk", ("write", 0), _frag_index_map)
-    # ---- S fragments -> shared (fragment layout) for the per-row softmax ------------------
+    # ---- S fragments -> shared memory for the per-row softmax -----------------------------
     # A lane cannot read another lane's fragment element for its own row: LowerWarpMemory would
     # emit __shfl_sync with a *reader*-dependent register index (silently wrong). So S goes
-    # through shared memory, copied lane-by-lane in its fragment layout.
+    # through shared memory, each lane storing its own fragment elements.
     s_sh = sch.cache_read("row_max", 1, "shared.dyn", consumer_blocks=["row_max", "exp"])
     # In shared memory S is row-major again, rows padded by one float: each lane reads its own
     # row, and a stride of BN + 1 words puts the 32 rows in 32 different banks.
@@ -216,30 +241,7 @@ def schedule(
     sch.bind(lane, "threadIdx.x")
 
     qk = sch.get_sblock("qk")
-    i, j, d = sch.get_loops(qk)
-    i0, i1 = sch.split(i, [None, 16])
-    j0, j1 = sch.split(j, [None, 16])
-    d0, d1 = sch.split(d, [None, 16])
-    sch.reorder(i0, j0, d0, i1, j1, d1)
-    qk_o = sch.blockize(i1)
-    iw, im = sch.split(i0, [num_warps, None])
-    sch.reorder(iw, d0, im, j0)
-    sch.bind(iw, "threadIdx.y")
-    sch.decompose_reduction(qk_o, d0)
-    # The K/V-tile scope (kv_step) is not a "stage pipeline" (pv and update_m write acc and m
-    # after other blocks read them), so compute_at cannot target loops directly under it.
-    # Wrapping one warp's mma loop nest in its own block gives the fragment loads a scope that is.
-    sch.blockize(d0)
-    q_w = sch.cache_read(qk_o, 1, "warp")  # reads: S, Qt, Kt (the update reads S)
-    k_w = sch.cache_read(qk_o, 2, "warp")
-    sch.compute_at(q_w, d0)
-    sch.compute_at(k_w, d0)
-    lq = _tile_frag(sch, q_w)
-    lk = _tile_frag(sch, k_w)
-    sch.transform_layout(q_w, ("write", 0), _frag_index_map)
-    sch.transform_layout(k_w, ("write", 0), _frag_index_map)
-    sch.tensorize(lq, names["ld_a"])
-    sch.tensorize(lk, names["ld_b_trans"])
+    _warp_gemm_operands(sch, qk, num_warps, [(1, names["ld_a"]), (2, names["ld_b_trans"])])  # Qt, Kt
     sch.tensorize(sch.get_loops(qk)[-3], names["mma_nt"])
     sch.tensorize(sch.get_loops("qk_init")[-2], names["fill"])
 
@@ -249,27 +251,8 @@ def schedule(
     sch.set_scope("pv", 0, "warp")
     sch.transform_layout("pv", ("write", 0), _frag_index_map)
     pv = sch.get_sblock("pv")
-    i, d, j = sch.get_loops(pv)
-    i0, i1 = sch.split(i, [None, 16])
-    d0, d1 = sch.split(d, [None, 16])
-    j0, j1 = sch.split(j, [None, 16])
-    sch.reorder(i0, d0, j0, i1, d1, j1)
-    pv_o = sch.blockize(i1)
-    iw, im = sch.split(i0, [num_warps, None])
-    sch.reorder(iw, j0, im, d0)
-    sch.bind(iw, "threadIdx.y")
-    sch.decompose_reduction(pv_o, j0)  # pv_init: the rescale acc *= alpha, on fragments
-    sch.blockize(j0)
-    p_w = sch.cache_read(pv_o, 2, "warp")  # reads: acc, alpha (left over from the init), Pc, Vt
-    v_w = sch.cache_read(pv_o, 3, "warp")
-    sch.compute_at(p_w, j0)
-    sch.compute_at(v_w, j0)
-    lp = _tile_frag(sch, p_w)
-    lv = _tile_frag(sch, v_w)
-    sch.transform_layout(p_w, ("write", 0), _frag_index_map)
-    sch.transform_layout(v_w, ("write", 0), _frag_index_map)
-    sch.tensorize(lp, names["ld_a"])
-    sch.tensorize(lv, names["ld_b"])
+    # pv_init (from decompose_reduction) is the rescale acc *= alpha, on fragments.
+    pv_o = _warp_gemm_operands(sch, pv, num_warps, [(2, names["ld_a"]), (3, names["ld_b"])])  # Pc, Vt
     # decompose_reduction leaves the init's read of alpha on the update blocks; drop it so the
     # update matches the mma description (reads C, A, B only).
     for blk in (pv_o, pv):
