@@ -17,6 +17,16 @@ WARP = 32
 
 
 KNOBS = {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 1, "vec": 8}
+# Tuning space (``tvmflash tune``): one MetaSchedule task per (block_m, block_n). A callable gives
+# the candidates from the knobs before it: this version needs block_m == 32 * num_warps. Deeper
+# pipelines (num_stages >= 2) are left out until they are validated on a GPU.
+SPACE = {
+    "block_m": [64, 128],
+    "block_n": [32, 64, 128],
+    "num_warps": lambda knobs: [knobs["block_m"] // WARP],
+    "num_stages": [1],
+    "vec": [8],
+}
 PASS_CONFIG = {
     "tirx.use_async_copy": True,
     # LowerWarpMemory cannot see through CSE'd store indices into warp buffers.
