@@ -282,6 +282,12 @@ def compile(*, head_dim: int, dtype, causal: bool = False, target=None, knobs: d
     return kernel
 
 
+def forget_kernels() -> None:
+    """Drop the in-memory Kernels, so the next ``compile()`` looks up tuned knobs afresh (after
+    ``tvmflash tune`` wrote new ones). Built modules stay cached."""
+    _KERNELS.clear()
+
+
 def _dtype_name(dtype) -> str:
     for name, torch_dtype in TORCH_DTYPES.items():
         if dtype in (name, torch_dtype):

@@ -318,6 +318,7 @@ def tune(*, head_dim: int, dtype, causal: bool, target=None, trials: int = 64, b
         default_ms=times["default"], tuned_ms=times["tuned"], tuned_knobs=tuned_knobs,
         metaschedule_ms=progress.best_ms, work_dir=str(work_dir))
     path = database.add(record)
+    kernel.forget_kernels()  # compile() must see the new record
     echo(f"best knobs: {tuned_knobs} (MetaSchedule: {progress.best_ms:.4f} ms)")
     echo(f"tvmflash.compile at b{shape['batch']} s{shape['seqlen']} h{shape['heads']}: default {times['default']:.4f} ms, "
          f"tuned {times['tuned']:.4f} ms ({times['default'] / times['tuned']:.2f}x)")
