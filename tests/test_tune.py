@@ -83,8 +83,48 @@ def test_builds_use_the_schedules_pass_config():
     assert isinstance(built, tvm.runtime.Module) and built.implements_function("main")
 
 
+def test_cuda_spaces_cross_compile():
+    """Every sampled vector width of the SIMT space, and the sm80 tasks, build through the tuner's
+    builder for their GPU (source only: no GPU here). The GPU runs are tuned on the GPU itself."""
+    spec = program.AttentionSpec(128, "bfloat16", True, 2, 1)
+
+    def static(block_m, block_n):
+        func = program.attention_forward(spec, block_m, block_n)
+        return tvm.IRModule({"main": tune.specialize(func, spec, batch=2, seqlen_q=1000, seqlen_k=1000,
+                                                     softmax_scale=0.1)})
+
+    mod = static(64, 32)
+    fixed, sampled = tune.task_knobs(cuda.SPACE, 64, 32)
+    sch = tvm.s_tir.Schedule(mod)
+    tune.space_fn(cuda, fixed, sampled)(sch)
+    (inst,) = [i for i in sch.trace.insts if i.kind.name == "SampleCategorical"]
+    sources = set()
+    for decision in range(len(sampled["vector_bytes"])):
+        replayed = tvm.s_tir.Schedule(mod)
+        sch.trace.with_decision(inst, decision, remove_postproc=True).apply_to_schedule(replayed, remove_postproc=True)
+        built = tune._ms_build(replayed.mod, targets.cuda_target("sm80"), None, pass_config={})
+        sources.add(built.imports[0].inspect_source())
+    assert len(sources) == len(sampled["vector_bytes"])  # each width is its own kernel
+
+    for block_m, block_n in ((64, 32), (128, 64)):
+        fixed, sampled = tune.task_knobs(sm80.SPACE, block_m, block_n)
+        sch = tvm.s_tir.Schedule(static(block_m, block_n))
+        tune.space_fn(sm80, fixed, sampled)(sch)
+        built = tune._ms_build(sch.mod, targets.cuda_target("sm80"), None, pass_config=sm80.PASS_CONFIG)
+        assert "mma.sync" in built.imports[0].inspect_source()
+
+
 # ----------------------------------------------------------------------------- a real tuning run
-def test_short_tuning_run_is_used_by_compile(cache_dir):
+def test_short_tuning_run_is_used_by_compile(cache_dir, monkeypatch):
+    mutations = []
+    apply = tune.MutateKnob._cls.apply  # the class behind @derived_object
+
+    def counting(self, trace, rand_state):
+        mutated = apply(self, trace, rand_state)
+        mutations.append(mutated is not None)
+        return mutated
+
+    monkeypatch.setattr(tune.MutateKnob._cls, "apply", counting)
     lines = []
     record = tune.tune(head_dim=32, dtype="float32", causal=False, target="cpu", trials=6, batch=1, seqlen=96,
                        heads=2, space={"block_m": [16, 32], "block_n": [32], "vector": [4, 8, 16]}, seed=0,
@@ -103,6 +143,7 @@ def test_short_tuning_run_is_used_by_compile(cache_dir):
             trace = json.loads(line)[1][0]
             decisions |= {tuple(d[1]) if isinstance(d[1], list) else d[1] for d in trace[1]}
     assert len(decisions) >= 2, decisions
+    assert any(mutations), "the evolutionary search never mutated a sampled knob"
 
     # A new compile() (symbolic shapes) picks the record up, and runs at another shape.
     kern = tvmflash.compile(head_dim=32, dtype="float32", causal=False, target="cpu")
