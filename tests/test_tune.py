@@ -114,6 +114,50 @@ def test_cuda_spaces_cross_compile():
         assert "mma.sync" in built.imports[0].inspect_source()
 
 
+def test_rejected_tile_pairs_are_skipped(tmp_path):
+    """sm80 needs block_n % 16 == 0: that pair is skipped with a message; the others become tasks."""
+    import random
+
+    spec = program.AttentionSpec(64, "float16", False, 2, 2)
+    lines = []
+    space = {**sm80.SPACE, "block_m": [64], "block_n": [40, 64]}
+    tasks = tune.make_tasks(sm80, spec, {"batch": 1, "seqlen": 256, "heads": 2}, space, targets.cuda_target("sm80"),
+                            tmp_path, random.Random(0), lines.append)
+    assert [t["name"] for t in tasks] == ["bm64_bn64"] and tasks[0]["fixed"]["num_warps"] == 2
+    assert len(lines) == 1 and lines[0].startswith("  skipping bm64_bn40")
+    with pytest.raises(ValueError, match="rejects every"):
+        tune.make_tasks(sm80, spec, {"batch": 1, "seqlen": 256, "heads": 2}, {**space, "block_n": [40]},
+                        targets.cuda_target("sm80"), tmp_path, random.Random(0), lines.append)
+
+
+def test_failed_candidates_are_never_picked():
+    """Failed builds and runs (MetaSchedule gives them 1e10 s) are counted, reported, never best."""
+    from tvm.s_tir import meta_schedule as ms
+
+    spec = program.AttentionSpec(32, "float32", False, 1, 1)
+    mod = tvm.IRModule({"main": tune.specialize(program.attention_forward(spec, 16, 32), spec, batch=1,
+                                                seqlen_q=32, seqlen_k=32, softmax_scale=0.2)})
+    fixed, sampled = tune.task_knobs({"block_m": [16], "block_n": [32], "vector": [4, 8]}, 16, 32)
+    candidates = []
+    for decision in (0, 1, 0, 1):
+        sch = tvm.s_tir.Schedule(mod)
+        tune.space_fn(cpu, fixed, sampled)(sch)
+        (inst,) = [i for i in sch.trace.insts if i.kind.name == "SampleCategorical"]
+        replayed = tvm.s_tir.Schedule(mod)
+        sch.trace.with_decision(inst, decision, remove_postproc=True).apply_to_schedule(replayed, remove_postproc=False)
+        candidates.append(ms.MeasureCandidate(replayed, []))
+    built = [ms.builder.BuilderResult("a.tar", None), ms.builder.BuilderResult(None, "error: too much shared memory"),
+             ms.builder.BuilderResult("c.tar", None), ms.builder.BuilderResult("d.tar", None)]
+    ran = [ms.runner.RunnerResult([2e-3], None), ms.runner.RunnerResult(None, None),
+           ms.runner.RunnerResult(None, "CUDA launch failed"), ms.runner.RunnerResult([1e10], None)]
+    lines = []
+    progress = tune.Progress([{"name": "bm16_bn32", "fixed": fixed, "sampled": sampled}], 4, lines.append)
+    progress.apply(ms.task_scheduler.TaskScheduler.create("round-robin"), 0, candidates, built, ran)
+    assert progress.done == 4 and progress.failed == 3
+    assert progress.best_knobs == {"block_m": 16, "block_n": 32, "vector": 4} and progress.best_ms == pytest.approx(2.0)
+    assert any("too much shared memory" in line for line in lines) and "3 failed" in lines[-1]
+
+
 # ----------------------------------------------------------------------------- a real tuning run
 def test_short_tuning_run_is_used_by_compile(cache_dir, monkeypatch):
     mutations = []

@@ -78,7 +78,11 @@ def space_fn(schedule_module, fixed: dict, sampled: dict):
     def apply(sch: tvm.s_tir.Schedule) -> tvm.s_tir.Schedule:
         knobs = dict(fixed)
         for name, values in sampled.items():
-            knobs[name] = sch.sample_categorical(candidates=values, probs=[1.0 / len(values)] * len(values))
+            # The design space itself takes the default (else the first) candidate, so generating it
+            # cannot fail on an invalid sample; the search re-samples every decision anyway.
+            default = schedule_module.KNOBS.get(name)
+            knobs[name] = sch.sample_categorical(candidates=values, probs=[1.0 / len(values)] * len(values),
+                                                 decision=values.index(default) if default in values else 0)
         return schedule_module.schedule(sch, **knobs)
 
     return apply
@@ -193,9 +197,52 @@ def _loggers(work_dir: Path, task_names: list[str]):
     names = [f"tvm.s_tir.meta_schedule.logging.task_{i}_{name}" for i, name in enumerate(task_names)]
     console = {"class": "logging.StreamHandler", "stream": "ext://sys.stdout", "level": "WARNING",
                "formatter": "tvm.s_tir.meta_schedule.standard_formatter"}
+    # Name the global logger's handlers ourselves: TVM's default lists the handlers it already has,
+    # which breaks (an unnamed handler) the second time a process tunes.
+    root = {"level": "DEBUG", "propagate": False,
+            "handlers": ["tvm.s_tir.meta_schedule.console", "tvm.s_tir.meta_schedule.file"]}
     ms.logging.create_loggers(log_dir=log_dir, params=[{"log_dir": log_dir, "logger_name": n} for n in names],
-                              logger_config={"handlers": {"tvm.s_tir.meta_schedule.console": console}})
+                              logger_config={"loggers": {"tvm.s_tir.meta_schedule": root},
+                                             "handlers": {"tvm.s_tir.meta_schedule.console": console}})
     return [ms.logging.get_logger(n) for n in names]
+
+
+def make_tasks(schedule, spec: program.AttentionSpec, shape: dict, space: dict, target, work_dir: Path,
+               rng: random.Random, echo) -> list[dict]:
+    """One MetaSchedule task per (block_m, block_n) of ``space``, on the static ``shape``; the other
+    knobs are sampled inside it. A tile pair the schedule rejects outright is skipped with a
+    message. Returns dicts with ``name``, ``fixed``, ``sampled`` and ``context`` (a TuneContext)."""
+    schedule_name = schedule_registry.name_of(schedule)
+    pairs = tile_pairs(space)
+    loggers = _loggers(work_dir, [f"bm{m}_bn{n}" for m, n in pairs])
+    tasks = []
+    for (block_m, block_n), logger in zip(pairs, loggers):
+        name = f"bm{block_m}_bn{block_n}"
+        fixed, sampled = task_knobs(space, block_m, block_n)
+        func = specialize(program.attention_forward(spec, block_m, block_n), spec, batch=shape["batch"],
+                          seqlen_q=shape["seqlen"], seqlen_k=shape["seqlen"], softmax_scale=1.0 / math.sqrt(spec.head_dim))
+        mod = tvm.IRModule({"main": func})
+        fn = space_fn(schedule, fixed, sampled)
+        try:
+            fn(tvm.s_tir.Schedule(mod))
+        except Exception as err:  # noqa: BLE001 - any schedule error means "not this pair"
+            lines = [line for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
+            echo(f"  skipping {name}: the {schedule_name} schedule rejects it: {lines[-1].strip()}")
+            continue
+        combos = math.prod(len(v) for v in sampled.values())
+        mutators = {MutateKnob(rng.randrange(2**31)): 1.0} if sampled else {}
+        generator = ms.space_generator.ScheduleFn(fn, sch_rules=[], postprocs=[], mutator_probs=mutators)
+        # Small spaces: a small population, and give up early once every combination is measured.
+        strategy = ms.search_strategy.EvolutionarySearch(
+            population_size=max(8, 4 * combos), init_min_unmeasured=max(2, combos), genetic_num_iters=2,
+            max_fail_count=3, genetic_max_fail_count=3)
+        context = ms.TuneContext(mod=mod, target=target, space_generator=generator, search_strategy=strategy,
+                                 task_name=name, rand_state=rng.randrange(2**31), num_threads=os.cpu_count() or 1,
+                                 logger=logger).clone()
+        tasks.append({"name": name, "fixed": fixed, "sampled": sampled, "context": context})
+    if not tasks:
+        raise ValueError(f"space: the {schedule_name} schedule rejects every (block_m, block_n) pair of {space}")
+    return tasks
 
 
 def default_shape(target, head_dim: int) -> dict:
@@ -241,38 +288,11 @@ def tune(*, head_dim: int, dtype, causal: bool, target=None, trials: int = 64, b
          f"{'causal' if causal else 'full'}, shape b{shape['batch']} s{shape['seqlen']} h{shape['heads']}, "
          f"{trials} trials; work dir {work_dir}")
 
-    # ---- one task per (block_m, block_n); the other knobs are sampled inside it --------------
     rng = random.Random(seed)
-    num_cores = os.cpu_count() or 1
-    tasks, contexts = [], []
     spec = program.AttentionSpec(head_dim, dtype, bool(causal), shape["heads"], shape["heads"])
-    pairs = tile_pairs(space)
-    loggers = dict(zip(pairs, _loggers(work_dir, [f"bm{m}_bn{n}" for m, n in pairs])))
-    for block_m, block_n in pairs:
-        logger = loggers[block_m, block_n]
-        fixed, sampled = task_knobs(space, block_m, block_n)
-        name = f"bm{block_m}_bn{block_n}"
-        func = specialize(program.attention_forward(spec, block_m, block_n), spec, batch=shape["batch"],
-                          seqlen_q=shape["seqlen"], seqlen_k=shape["seqlen"], softmax_scale=1.0 / math.sqrt(head_dim))
-        mod = tvm.IRModule({"main": func})
-        fn = space_fn(schedule, fixed, sampled)
-        try:  # a tile pair the schedule rejects outright is skipped, not fatal
-            fn(tvm.s_tir.Schedule(mod))
-        except Exception as err:  # noqa: BLE001 - any schedule error means "not this pair"
-            echo(f"  skipping {name}: the {schedule_name} schedule rejects it: {str(err).strip().splitlines()[-1]}")
-            continue
-        combos = math.prod(len(v) for v in sampled.values())
-        generator = ms.space_generator.ScheduleFn(fn, sch_rules=[], postprocs=[],
-                                                  mutator_probs={MutateKnob(rng.randrange(2**31)): 1.0})
-        strategy = ms.search_strategy.EvolutionarySearch(
-            population_size=max(8, 4 * combos), init_min_unmeasured=max(2, combos), genetic_num_iters=2,
-            max_fail_count=3, genetic_max_fail_count=3)
-        contexts.append(ms.TuneContext(mod=mod, target=resolved, space_generator=generator, search_strategy=strategy,
-                                       task_name=name, rand_state=rng.randrange(2**31), num_threads=num_cores,
-                                       logger=logger).clone())
-        tasks.append({"name": name, "fixed": fixed, "sampled": sampled})
-    if not tasks:
-        raise ValueError(f"space: the {schedule_name} schedule rejects every (block_m, block_n) pair of {space}")
+    tasks = make_tasks(schedule, spec, shape, space, resolved, work_dir, rng, echo)
+    contexts = [task.pop("context") for task in tasks]
+    num_cores = os.cpu_count() or 1
 
     progress = Progress(tasks, trials, echo)
     config = ms.runner.EvaluatorConfig(number=3, repeat=3 if cuda else 1, min_repeat_ms=50 if cuda else 20,
