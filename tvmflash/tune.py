@@ -258,8 +258,8 @@ def tune(*, head_dim: int, dtype, causal: bool, target=None, trials: int = 64, b
 
     Tunes on a static (batch, seqlen, seqlen, heads, heads) shape; the record then serves every
     shape of the workload (head_dim, dtype, causal) through ``tvmflash.compile()``. ``space``
-    overrides the schedule's ``SPACE`` (a subset, for a quick run). Returns the record written,
-    with ``path`` (the database file) and ``default_ms`` / ``tuned_ms`` added.
+    overrides the schedule's ``SPACE`` (a subset, for a quick run). Returns the new record (its
+    ``default_ms`` and ``tuned_ms`` are the two timings) with ``path``, the database file.
     """
     dtype = kernel._dtype_name(dtype)
     program.AttentionSpec(head_dim, dtype, bool(causal))  # validates head_dim and dtype
@@ -342,5 +342,10 @@ def tune(*, head_dim: int, dtype, causal: bool, target=None, trials: int = 64, b
     echo(f"best knobs: {tuned_knobs} (MetaSchedule: {progress.best_ms:.4f} ms)")
     echo(f"tvmflash.compile at b{shape['batch']} s{shape['seqlen']} h{shape['heads']}: default {times['default']:.4f} ms, "
          f"tuned {times['tuned']:.4f} ms ({times['default'] / times['tuned']:.2f}x)")
-    echo(f"stored the {winner} knobs {knobs} in {path} ({progress.done} trials, {progress.failed} failed, {wall_s:.0f} s)")
+    kept = database.lookup(resolved, schedule_name, workload)
+    if kept and {k: v for k, v in kept.items() if k != "source"} != record:
+        echo(f"kept the faster record already in {path} ({kept['mean_ms']:.4f} ms at {kept.get('shape')}): {kept['knobs']}")
+    else:
+        echo(f"stored the {winner} knobs {knobs} in {path} ({progress.done} trials, {progress.failed} failed, "
+             f"{wall_s:.0f} s)")
     return {**record, "path": str(path)}
