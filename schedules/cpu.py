@@ -5,13 +5,17 @@ from __future__ import annotations
 import tvm
 
 KNOBS = {"block_m": 32, "block_n": 64, "vector": 8}
+# Tuning space (``tvmflash tune``): block_m / block_n are the program's tile sizes, one
+# MetaSchedule task per pair; ``vector`` is sampled inside each task (it may be an ExprRV).
+SPACE = {"block_m": [16, 32, 64], "block_n": [32, 64, 128], "vector": [8, 16]}
 
 
 def schedule(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, vector: int) -> tvm.s_tir.Schedule:
     """Map the attention program onto the CPU.
 
     block_m / block_n are the program's tile sizes (rows of Q per task, K/V rows per step); the
-    schedule only reads them to size its loops. ``vector`` is the SIMD width of the inner loops.
+    schedule only reads them to size its loops. ``vector`` is the SIMD width of the inner loops: an
+    int, or a ``sample_categorical`` ExprRV when the tuner samples it.
     """
     tile = sch.get_sblock("tile")
     sch.parallel(sch.fuse(*sch.get_loops(tile)))

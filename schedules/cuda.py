@@ -12,6 +12,9 @@ import tvm
 from .common import element_bytes
 
 KNOBS = {"block_m": 64, "block_n": 32, "vector_bytes": 16}
+# Tuning space (``tvmflash tune``): one MetaSchedule task per (block_m, block_n); vector_bytes is
+# sampled inside each task (it may be an ExprRV).
+SPACE = {"block_m": [32, 64, 128], "block_n": [16, 32, 64], "vector_bytes": [4, 8, 16]}
 
 # Blocks that work on one query row each: their row loop becomes threadIdx.x.
 _ROW_BLOCKS = ("load_q", "init_ml", "init_acc", "qk", "row_max", "exp", "alpha", "row_sum", "cast_p", "pv",
@@ -21,7 +24,8 @@ _ROW_BLOCKS = ("load_q", "init_ml", "init_acc", "qk", "row_max", "exp", "alpha",
 def schedule(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, vector_bytes: int) -> tvm.s_tir.Schedule:
     """Map the attention program onto CUDA threads: block_m threads, one per query row.
 
-    vector_bytes: the width of each thread's global -> shared copies.
+    vector_bytes: the width of each thread's global -> shared copies (an int, or a
+    ``sample_categorical`` ExprRV when the tuner samples it).
     """
     tile = sch.get_sblock("tile")
     sch.bind(sch.fuse(*sch.get_loops(tile)), "blockIdx.x")

@@ -28,6 +28,16 @@ KNOBS = {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 1, "vec": 
 # Measured on the H200 (benchmarks/knob_sweep.py, bf16, seqlen 4096): 176 TFLOP/s at head_dim 128
 # with 32-key tiles against 151 with 64 (fewer registers: 64-key tiles spill at head_dim 128).
 KNOBS_FOR_HEAD_DIM = {128: {"block_n": 32}, 256: {"block_n": 32}}
+# Tuning space (``tvmflash tune``): one MetaSchedule task per (block_m, block_n). A callable gives
+# the candidates from the knobs before it: this version needs block_m == 32 * num_warps. num_stages
+# is 1 only: deeper pipelines do not lower yet (see the module docstring).
+SPACE = {
+    "block_m": [64, 128],
+    "block_n": [32, 64, 128],
+    "num_warps": lambda knobs: [knobs["block_m"] // WARP],
+    "num_stages": [1],
+    "vec": [8],
+}
 PASS_CONFIG = {
     "tirx.use_async_copy": True,
     # LowerWarpMemory cannot see through CSE'd store indices into warp buffers.

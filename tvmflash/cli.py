@@ -1,4 +1,4 @@
-"""The ``tvmflash`` command: info, compile, bench."""
+"""The ``tvmflash`` command: info, compile, bench, tune, cache."""
 
 from __future__ import annotations
 
@@ -24,14 +24,17 @@ def _info(args) -> int:
     names = {schedules.name_of(schedules.for_target(resolved, dtype)) for dtype in ("bfloat16", "float32")}
     print(f"default target: {target.describe(resolved)} -> schedules {', '.join(sorted(names))}")
     print(f"cache dir: {cache.cache_dir()}")
-    entries = cache.list_modules()
+    _print_modules(cache.list_modules())
+    return 0
+
+
+def _print_modules(entries) -> None:
     print(f"cached modules: {len(entries)}")
     for e in entries:
         spec = e.get("spec", {})
         print(f"  {e.get('key')}  {e.get('schedule')}  d{spec.get('head_dim')} {spec.get('dtype')} "
               f"{'causal' if spec.get('causal') else 'full'} hq{spec.get('heads_q')}/hkv{spec.get('heads_kv')}  "
               f"{e['bytes'] // 1024} KiB  {e.get('created', '')}")
-    return 0
 
 
 def _compile(args) -> int:
@@ -68,6 +71,55 @@ def _bench(args) -> int:
     return 0
 
 
+def _tune(args) -> int:
+    from tvmflash import tune
+
+    tune.tune(head_dim=args.head_dim, dtype=args.dtype, causal=args.causal, target=args.target, trials=args.trials,
+              batch=args.batch, seqlen=args.seqlen, heads=args.heads, work_dir=args.work_dir)
+    return 0
+
+
+def _cache(args) -> int:
+    """ls, show KEY, clear, export: the disk cache's modules and the tuning records."""
+    import shutil
+
+    from tvmflash import cache, database
+
+    records = database.all_records()
+    if args.action == "ls":
+        print(f"cache dir: {cache.cache_dir()}")
+        _print_modules(cache.list_modules())
+        print(f"tuning records: {len(records)} (user: {database.user_dir()}, shipped: {database.SHIPPED_DIR})")
+        for path, r in records:
+            w = r.get("workload", {})
+            print(f"  {database.record_id(r)}  {'shipped' if path.parent == database.SHIPPED_DIR else 'user'}  "
+                  f"{r.get('device')}  {r.get('schedule')}  d{w.get('head_dim')} {w.get('dtype')} "
+                  f"{'causal' if w.get('causal') else 'full'}  {r.get('mean_ms', float('nan')):.4f} ms  "
+                  f"{json.dumps(r.get('knobs'))}  {r.get('created', '')}")
+    elif args.action == "show":
+        if not args.key:
+            raise ValueError("KEY: `tvmflash cache show` needs a module key or record id (see `tvmflash cache ls`)")
+        found = [e for e in cache.list_modules() if str(e.get("key", "")).startswith(args.key)]
+        found += [{**r, "id": database.record_id(r), "file": str(path)} for path, r in records
+                  if database.record_id(r).startswith(args.key)]
+        if len(found) != 1:
+            raise ValueError(f"KEY: {args.key!r} matches {len(found)} modules and tuning records, expected one "
+                             f"(see `tvmflash cache ls`)")
+        print(json.dumps(found[0], indent=1, sort_keys=True))
+    elif args.action == "clear":
+        doomed = [cache.module_dir(), database.user_dir(), cache.cache_dir() / "tuning-work"]
+        modules = len(cache.list_modules())
+        user_records = sum(1 for path, _ in records if path.parent == database.user_dir())
+        print(f"deleting {modules} cached modules ({cache.module_dir()}), {user_records} tuning records "
+              f"({database.user_dir()}) and tuning work dirs ({doomed[2]}); shipped records stay")
+        for folder in doomed:
+            shutil.rmtree(folder, ignore_errors=True)
+    else:  # export
+        written = database.export_best(args.out)
+        print(f"exported the best records of {len(written)} files: " + (", ".join(map(str, written)) or "none"))
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tvmflash", description="FlashAttention from one TVM TensorIR program")
     sub = p.add_subparsers(dest="command", required=True)
@@ -96,6 +148,22 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--repeat", type=int, default=20)
     b.add_argument("--target", default=None)
     b.add_argument("--knobs", default=None)
+
+    t = sub.add_parser("tune", help="tune the schedule's knobs on this machine (MetaSchedule); store the best")
+    t.add_argument("--head-dim", type=int, required=True)
+    t.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16", "float32"])
+    t.add_argument("--causal", action="store_true")
+    t.add_argument("--trials", type=int, default=64, help="MetaSchedule trials, over all tile sizes (default 64)")
+    t.add_argument("--target", default=None, help="cpu, cuda, sm80, ... (default: this machine)")
+    t.add_argument("--seqlen", type=int, default=None, help="the shape tuned on (default: 4096 on a GPU, 512 on a CPU)")
+    t.add_argument("--batch", type=int, default=None)
+    t.add_argument("--heads", type=int, default=None)
+    t.add_argument("--work-dir", default=None, help="MetaSchedule's logs and database (default: under the cache dir)")
+
+    k = sub.add_parser("cache", help="list, show, clear or export the built modules and tuning records")
+    k.add_argument("action", choices=["ls", "show", "clear", "export"])
+    k.add_argument("key", nargs="?", default=None, help="show: a module key or tuning record id (a prefix will do)")
+    k.add_argument("--out", default=None, help="export: the folder to write (default: the shipped tuning_logs/)")
     return p
 
 
@@ -103,7 +171,7 @@ def main(argv=None) -> int:
     p = parser()
     args = p.parse_args(argv)
     try:
-        return {"info": _info, "compile": _compile, "bench": _bench}[args.command](args)
+        return {"info": _info, "compile": _compile, "bench": _bench, "tune": _tune, "cache": _cache}[args.command](args)
     except (ValueError, TypeError) as err:  # bad input: say what, not where
         p.exit(2, f"tvmflash {args.command}: error: {err}\n")
 

@@ -25,7 +25,19 @@ from tvmflash import cache
 from tvmflash import target as targets
 
 FORMAT = 1
-SHIPPED_DIR = Path(__file__).resolve().parent.parent / "tuning_logs"
+# What makes two records the same entry: one best record per key.
+KEY_FIELDS = ("device", "compute_capability", "target", "tvm", "tvmflash", "schedule", "workload")
+
+
+def _shipped_dir() -> Path:
+    """The shipped logs: ``tvmflash/tuning_logs`` when installed (package data), else the source
+    checkout's top-level ``tuning_logs/`` (which is also where an editable install finds them)."""
+    here = Path(__file__).resolve().parent
+    installed = here / "tuning_logs"
+    return installed if installed.is_dir() else here.parent / "tuning_logs"
+
+
+SHIPPED_DIR = _shipped_dir()
 
 
 def device_key(target: tvm.target.Target) -> dict:
@@ -85,8 +97,12 @@ def write(path: Path, records: list[dict]) -> None:
 
 
 def _same_key(a: dict, b: dict) -> bool:
-    fields = ("device", "compute_capability", "target", "tvm", "tvmflash", "schedule", "workload")
-    return all(a.get(f) == b.get(f) for f in fields)
+    return all(a.get(f) == b.get(f) for f in KEY_FIELDS)
+
+
+def record_id(record: dict) -> str:
+    """A short, stable name for a record's key (what ``tvmflash cache show`` takes)."""
+    return cache.digest({f: record.get(f) for f in KEY_FIELDS})[:12]
 
 
 def add(record: dict, path: Path | None = None) -> Path:
@@ -125,23 +141,27 @@ def all_records() -> list[tuple[Path, dict]]:
     return out
 
 
-def export_best(out_dir: Path = SHIPPED_DIR) -> list[Path]:
-    """Write the user's records, pruned to the best per key, into ``out_dir`` (the shipped logs)."""
+def export_best(out_dir: Path | None = None) -> list[Path]:
+    """Merge the user's records into ``out_dir`` (default: the shipped logs), keeping the best per key.
+
+    Records already in ``out_dir`` for other keys (other workloads, versions) are kept.
+    """
+    out_dir = Path(out_dir or SHIPPED_DIR)
     written = []
     for path in sorted(user_dir().glob("*.json")):
-        best: dict = {}
-        for r in read(path):
-            key = json.dumps({f: r.get(f) for f in ("device", "compute_capability", "target", "tvm", "tvmflash",
-                                                     "schedule", "workload")}, sort_keys=True)
-            if key not in best or r["mean_ms"] < best[key]["mean_ms"]:
-                best[key] = r
         dest = out_dir / path.name
         with locked(dest):
+            best: dict = {}
+            for r in read(dest) + read(path):
+                key = record_id(r)
+                if key not in best or r["mean_ms"] < best[key]["mean_ms"]:
+                    best[key] = r
             write(dest, list(best.values()))
         written.append(dest)
     return written
 
 
 def new_record(target, schedule: str, workload: dict, knobs: dict, mean_ms: float, **extra) -> dict:
+    """A record for this machine (``device_key(target)``); ``extra`` fields (shape, trials...) ride along."""
     return {**device_key(target), "schedule": schedule, "workload": workload, "knobs": knobs,
             "mean_ms": mean_ms, "created": time.strftime("%Y-%m-%d %H:%M:%S"), **extra}

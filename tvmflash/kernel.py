@@ -38,6 +38,13 @@ _MODULES: dict[str, _Module] = {}  # in-memory cache: key -> module
 _LOCK = threading.Lock()
 
 
+def build_module(mod: tvm.IRModule, target: tvm.target.Target, pass_config: dict):
+    """``tvm.compile`` a scheduled module with its schedule's PassContext config and tvmflash's TVM
+    workarounds. Kernel and the tuner's MetaSchedule builder both build through here."""
+    with tvm.transform.PassContext(opt_level=3, config=pass_config), tvm_workarounds.lower_every_warp_buffer():
+        return tvm.compile(mod, target=target)
+
+
 def _runnable_here(target: tvm.target.Target) -> bool:
     return not targets.is_cuda(target) or torch.cuda.is_available()
 
@@ -134,9 +141,7 @@ class Kernel:
     def _build(self, spec: AttentionSpec, key: str) -> _Module:
         start = time.perf_counter()
         sch = self._scheduled(spec)
-        config = getattr(self.schedule, "PASS_CONFIG", {})
-        with tvm.transform.PassContext(opt_level=3, config=config), tvm_workarounds.lower_every_warp_buffer():
-            executable = tvm.compile(sch.mod, target=self.target)
+        executable = build_module(sch.mod, self.target, getattr(self.schedule, "PASS_CONFIG", {}))
         source = executable.mod.imports[0].inspect_source() if targets.is_cuda(self.target) else None
         seconds = time.perf_counter() - start
         if not _runnable_here(self.target):
@@ -276,6 +281,12 @@ def compile(*, head_dim: int, dtype, causal: bool = False, target=None, knobs: d
     if heads_q is not None:
         kernel.module(heads_q, heads_kv if heads_kv is not None else heads_q)
     return kernel
+
+
+def forget_kernels() -> None:
+    """Drop the in-memory Kernels, so the next ``compile()`` looks up tuned knobs afresh (after
+    ``tvmflash tune`` wrote new ones). Built modules stay cached."""
+    _KERNELS.clear()
 
 
 def _dtype_name(dtype) -> str:

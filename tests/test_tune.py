@@ -1,0 +1,316 @@
+"""Tuning (issue 5): design spaces, a real short llvm tuning run, the tuning database and the CLI."""
+
+import json
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import tvm
+
+import tvmflash
+from tvmflash import database, kernel, program, tune
+from tvmflash import target as targets
+from tvmflash.schedules import cpu, cuda, sm80
+
+CPU = targets.cpu_target()
+WORKLOAD = {"head_dim": 32, "dtype": "float32", "causal": False}
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    """A fresh cache dir (modules and tuning records) and no in-memory kernels."""
+    monkeypatch.setenv("TVMFLASH_CACHE_DIR", str(tmp_path))
+    kernel.forget_kernels()
+    yield tmp_path
+    kernel.forget_kernels()
+
+
+def vector_widths(sch):
+    return sorted({int(n) for n in re.findall(r"T.vectorized\((\d+)\)", sch.mod.script())})
+
+
+# ----------------------------------------------------------------------------- design spaces
+def test_spaces_hold_knobs_of_their_schedules():
+    for module in (cpu, cuda, sm80):
+        assert set(module.SPACE) <= set(module.KNOBS)
+        assert module.KNOBS["block_m"] in module.SPACE["block_m"] and module.KNOBS["block_n"] in module.SPACE["block_n"]
+    # sm80 needs block_m == 32 * num_warps: num_warps is derived, never sampled.
+    for block_m in sm80.SPACE["block_m"]:
+        fixed, sampled = tune.task_knobs(sm80.SPACE, block_m, 64)
+        assert fixed["num_warps"] * 32 == block_m and fixed["num_stages"] == 1 and not sampled
+    fixed, sampled = tune.task_knobs(cpu.SPACE, 32, 64)
+    assert fixed == {"block_m": 32, "block_n": 64} and sampled == {"vector": [8, 16]}
+    assert len(tune.tile_pairs(cuda.SPACE)) == 9
+
+
+def test_sampled_knob_is_replayed_and_mutated():
+    """The evidence that the search explores the sampled knob: the trace refers to the decision
+    (ExprRV), so replaying it with another decision, or MutateKnob's mutation, changes the schedule."""
+    spec = program.AttentionSpec(32, "float32", False, 1, 1)
+    func = tune.specialize(program.attention_forward(spec, 16, 32), spec, batch=1, seqlen_q=64, seqlen_k=64,
+                           softmax_scale=0.2)
+    mod = tvm.IRModule({"main": func})
+    fixed, sampled = tune.task_knobs({"block_m": [16], "block_n": [32], "vector": [4, 8, 16]}, 16, 32)
+    sch = tvm.s_tir.Schedule(mod)
+    tune.space_fn(cpu, fixed, sampled)(sch)
+    trace = sch.trace
+    (inst,) = [i for i in trace.insts if i.kind.name == "SampleCategorical"]
+    seen = {}
+    for decision in range(3):
+        replayed = tvm.s_tir.Schedule(mod)
+        trace.with_decision(inst, decision, remove_postproc=True).apply_to_schedule(replayed, remove_postproc=True)
+        seen[decision] = vector_widths(replayed)
+        assert tune.decided_knobs(replayed.trace, fixed, sampled)["vector"] == sampled["vector"][decision]
+    assert seen == {0: [4], 1: [8], 2: [16]}
+
+    mutated = tune.MutateKnob(seed=1).apply(trace)
+    (new_inst,) = [i for i in mutated.insts if i.kind.name == "SampleCategorical"]
+    assert int(mutated.get_decision(new_inst)) != int(trace.get_decision(inst))
+    again = tvm.s_tir.Schedule(mod)
+    mutated.apply_to_schedule(again, remove_postproc=True)
+    assert vector_widths(again) != vector_widths(sch)
+
+
+def test_builds_use_the_schedules_pass_config():
+    """The tuner's builder is Kernel's build (PassContext config + workarounds), returning a runtime module."""
+    spec = program.AttentionSpec(32, "float32", False, 1, 1)
+    func = tune.specialize(program.attention_forward(spec, 16, 32), spec, batch=1, seqlen_q=40, seqlen_k=40,
+                           softmax_scale=0.2)
+    sch = cpu.schedule(tvm.s_tir.Schedule(tvm.IRModule({"main": func})), block_m=16, block_n=32, vector=8)
+    built = tune._ms_build(sch.mod, CPU, None, pass_config={})
+    assert isinstance(built, tvm.runtime.Module) and built.implements_function("main")
+
+
+def test_cuda_spaces_cross_compile():
+    """Every sampled vector width of the SIMT space, and the sm80 tasks, build through the tuner's
+    builder for their GPU (source only: no GPU here). The GPU runs are tuned on the GPU itself."""
+    spec = program.AttentionSpec(128, "bfloat16", True, 2, 1)
+
+    def static(block_m, block_n):
+        func = program.attention_forward(spec, block_m, block_n)
+        return tvm.IRModule({"main": tune.specialize(func, spec, batch=2, seqlen_q=1000, seqlen_k=1000,
+                                                     softmax_scale=0.1)})
+
+    mod = static(64, 32)
+    fixed, sampled = tune.task_knobs(cuda.SPACE, 64, 32)
+    sch = tvm.s_tir.Schedule(mod)
+    tune.space_fn(cuda, fixed, sampled)(sch)
+    (inst,) = [i for i in sch.trace.insts if i.kind.name == "SampleCategorical"]
+    sources = set()
+    for decision in range(len(sampled["vector_bytes"])):
+        replayed = tvm.s_tir.Schedule(mod)
+        sch.trace.with_decision(inst, decision, remove_postproc=True).apply_to_schedule(replayed, remove_postproc=True)
+        built = tune._ms_build(replayed.mod, targets.cuda_target("sm80"), None, pass_config={})
+        sources.add(built.imports[0].inspect_source())
+    assert len(sources) == len(sampled["vector_bytes"])  # each width is its own kernel
+
+    for block_m, block_n in ((64, 32), (128, 64)):
+        fixed, sampled = tune.task_knobs(sm80.SPACE, block_m, block_n)
+        sch = tvm.s_tir.Schedule(static(block_m, block_n))
+        tune.space_fn(sm80, fixed, sampled)(sch)
+        built = tune._ms_build(sch.mod, targets.cuda_target("sm80"), None, pass_config=sm80.PASS_CONFIG)
+        assert "mma.sync" in built.imports[0].inspect_source()
+
+
+def test_rejected_tile_pairs_are_skipped(tmp_path):
+    """sm80 needs block_n % 16 == 0: that pair is skipped with a message; the others become tasks."""
+    import random
+
+    spec = program.AttentionSpec(64, "float16", False, 2, 2)
+    lines = []
+    space = {**sm80.SPACE, "block_m": [64], "block_n": [40, 64]}
+    tasks = tune.make_tasks(sm80, spec, {"batch": 1, "seqlen": 256, "heads": 2}, space, targets.cuda_target("sm80"),
+                            tmp_path, random.Random(0), lines.append)
+    assert [t["name"] for t in tasks] == ["bm64_bn64"] and tasks[0]["fixed"]["num_warps"] == 2
+    assert len(lines) == 1 and lines[0].startswith("  skipping bm64_bn40")
+    with pytest.raises(ValueError, match="rejects every"):
+        tune.make_tasks(sm80, spec, {"batch": 1, "seqlen": 256, "heads": 2}, {**space, "block_n": [40]},
+                        targets.cuda_target("sm80"), tmp_path, random.Random(0), lines.append)
+
+
+def test_failed_candidates_are_never_picked():
+    """Failed builds and runs (MetaSchedule gives them 1e10 s) are counted, reported, never best."""
+    from tvm.s_tir import meta_schedule as ms
+
+    spec = program.AttentionSpec(32, "float32", False, 1, 1)
+    mod = tvm.IRModule({"main": tune.specialize(program.attention_forward(spec, 16, 32), spec, batch=1,
+                                                seqlen_q=32, seqlen_k=32, softmax_scale=0.2)})
+    fixed, sampled = tune.task_knobs({"block_m": [16], "block_n": [32], "vector": [4, 8]}, 16, 32)
+    candidates = []
+    for decision in (0, 1, 0, 1):
+        sch = tvm.s_tir.Schedule(mod)
+        tune.space_fn(cpu, fixed, sampled)(sch)
+        (inst,) = [i for i in sch.trace.insts if i.kind.name == "SampleCategorical"]
+        replayed = tvm.s_tir.Schedule(mod)
+        sch.trace.with_decision(inst, decision, remove_postproc=True).apply_to_schedule(replayed, remove_postproc=False)
+        candidates.append(ms.MeasureCandidate(replayed, []))
+    built = [ms.builder.BuilderResult("a.tar", None), ms.builder.BuilderResult(None, "error: too much shared memory"),
+             ms.builder.BuilderResult("c.tar", None), ms.builder.BuilderResult("d.tar", None)]
+    ran = [ms.runner.RunnerResult([2e-3], None), ms.runner.RunnerResult(None, None),
+           ms.runner.RunnerResult(None, "CUDA launch failed"), ms.runner.RunnerResult([1e10], None)]
+    lines = []
+    progress = tune.Progress([{"name": "bm16_bn32", "fixed": fixed, "sampled": sampled}], 4, lines.append)
+    progress.apply(ms.task_scheduler.TaskScheduler.create("round-robin"), 0, candidates, built, ran)
+    assert progress.done == 4 and progress.failed == 3
+    assert progress.best_knobs == {"block_m": 16, "block_n": 32, "vector": 4} and progress.best_ms == pytest.approx(2.0)
+    assert any("too much shared memory" in line for line in lines) and "3 failed" in lines[-1]
+
+
+# ----------------------------------------------------------------------------- a real tuning run
+def test_short_tuning_run_is_used_by_compile(cache_dir, monkeypatch):
+    mutations = []
+    apply = tune.MutateKnob._cls.apply  # the class behind @derived_object
+
+    def counting(self, trace, rand_state):
+        mutated = apply(self, trace, rand_state)
+        mutations.append(mutated is not None)
+        return mutated
+
+    monkeypatch.setattr(tune.MutateKnob._cls, "apply", counting)
+    lines = []
+    record = tune.tune(head_dim=32, dtype="float32", causal=False, target="cpu", trials=6, batch=1, seqlen=96,
+                       heads=2, space={"block_m": [16, 32], "block_n": [32], "vector": [4, 8, 16]}, seed=0,
+                       repeat=5, echo=lines.append)
+    text = "\n".join(lines)
+    assert re.search(r"\[\d+/6 trials, \d+ failed", text) and "best so far" in text, text
+    assert "default" in text and "tuned" in text and record["default_ms"] > 0 and record["tuned_ms"] > 0
+    assert record["shape"] == {"batch": 1, "seqlen_q": 96, "seqlen_k": 96, "heads_q": 2, "heads_kv": 2}
+    assert 1 <= record["trials"] <= 6 and record["wall_s"] > 0 and record["workload"] == WORKLOAD
+    assert record["tuned_knobs"]["block_m"] in (16, 32) and record["tuned_knobs"]["vector"] in (4, 8, 16)
+
+    # MetaSchedule measured more than one value of the sampled knob.
+    decisions = set()
+    with open(f"{record['work_dir']}/database_tuning_record.json") as f:
+        for line in f:
+            trace = json.loads(line)[1][0]
+            decisions |= {tuple(d[1]) if isinstance(d[1], list) else d[1] for d in trace[1]}
+    assert len(decisions) >= 2, decisions
+    assert any(mutations), "the evolutionary search never mutated a sampled knob"
+
+    # A new compile() (symbolic shapes) picks the record up, and runs at another shape.
+    kern = tvmflash.compile(head_dim=32, dtype="float32", causal=False, target="cpu")
+    assert kern.info()["knobs_source"].startswith("tuned"), kern.info()
+    assert kern.knobs == record["knobs"]
+    import torch
+
+    q, k, v = torch.randn(2, 37, 2, 32), torch.randn(2, 53, 2, 32), torch.randn(2, 53, 2, 32)
+    ref = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v))).transpose(1, 2)
+    assert torch.allclose(kern(q, k, v), ref, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------- the database
+def test_database_round_trip(cache_dir):
+    rec = database.new_record(CPU, "cpu", WORKLOAD, {"block_m": 16, "block_n": 32, "vector": 8}, 2.0, trials=4)
+    path = database.add(rec)
+    assert database.read(path) == [rec]
+    found = database.lookup(CPU, "cpu", WORKLOAD)
+    assert found["knobs"] == rec["knobs"] and found["source"] == str(path) and found["trials"] == 4
+    slower = {**rec, "knobs": {"block_m": 64}, "mean_ms": 3.0}
+    database.add(slower)  # a slower record for the same key does not replace the faster one
+    faster = {**rec, "knobs": {"block_m": 32}, "mean_ms": 1.0}
+    database.add(faster)
+    assert database.read(path) == [faster]
+    assert database.lookup(CPU, "cpu", {**WORKLOAD, "causal": True}) is None
+
+
+def test_records_never_cross_devices_or_targets(cache_dir):
+    mine = database.device_key(CPU)
+    other = [
+        {"target": "llvm znver4"},  # same device file, other target
+        {"device": mine["device"].replace("cores", "cores-other")},  # other CPU
+        {"tvm": "0.26.0"},  # other TVM
+        {"tvmflash": "0.0.1"},
+        {"compute_capability": "9.0"},
+    ]
+    base = database.new_record(CPU, "cpu", WORKLOAD, {"block_m": 16}, 1.0)
+    path = database.user_dir() / f"{database.slug(mine['device'])}.json"
+    database.write(path, [{**base, **o} for o in other])
+    assert database.lookup(CPU, "cpu", WORKLOAD) is None
+    assert database.lookup(CPU, "cuda", WORKLOAD) is None
+    # A record made for a GPU is never used for another GPU or for the CPU.
+    h200 = {**base, "device": "NVIDIA H200", "compute_capability": "9.0", "target": "cuda sm_90a"}
+    database.write(database.user_dir() / "nvidia-h200.json", [h200])
+    sm90 = targets.cuda_target("sm90")
+    assert database.lookup(sm90, "cpu", WORKLOAD) is None  # no GPU here: device "unknown-gpu"
+    assert database.lookup(targets.cuda_target("sm80"), "cpu", WORKLOAD) is None
+    # ...while the matching record is found.
+    database.add(base)
+    assert database.lookup(CPU, "cpu", WORKLOAD)["knobs"] == {"block_m": 16}
+
+
+def test_corrupt_database_is_skipped_with_a_warning(cache_dir):
+    rec = database.new_record(CPU, "cpu", WORKLOAD, {"block_m": 16}, 1.0)
+    path = database.add(rec)
+    text = path.read_text()
+    path.write_text(text[: len(text) // 2])  # truncated
+    with pytest.warns(UserWarning, match="skipping unreadable tuning database"):
+        assert database.lookup(CPU, "cpu", WORKLOAD) is None
+    with pytest.warns(UserWarning):
+        kern = tvmflash.compile(head_dim=32, dtype="float32", target="cpu")
+    assert kern.knobs_source == "defaults"
+    path.write_text('{"format": 1, "records": "nope"}')
+    with pytest.warns(UserWarning):
+        assert database.read(path) == []
+
+
+def test_concurrent_writers_keep_both_records(cache_dir):
+    script = textwrap.dedent("""
+        import sys
+        from tvmflash import database, target
+        cpu, writer = target.cpu_target(), sys.argv[1]
+        for i in range(15):
+            wl = {"head_dim": 32, "dtype": "float32", "causal": False, "writer": writer, "i": i}
+            database.add(database.new_record(cpu, "cpu", wl, {"block_m": 16}, 1.0))
+    """)
+    procs = [subprocess.Popen([sys.executable, "-c", script, name]) for name in ("a", "b")]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    (path,) = database.user_dir().glob("*.json")
+    records = json.loads(path.read_text())["records"]  # valid JSON
+    assert sorted((r["workload"]["writer"], r["workload"]["i"]) for r in records) == \
+        sorted((w, i) for w in "ab" for i in range(15))
+
+
+# ----------------------------------------------------------------------------- the CLI
+def cli(*args, env_dir):
+    import os
+
+    env = dict(os.environ, TVMFLASH_CACHE_DIR=str(env_dir))
+    return subprocess.run([sys.executable, "-m", "tvmflash.cli", *args], capture_output=True, text=True, env=env)
+
+
+def test_cache_commands(cache_dir, tmp_path):
+    rec = database.new_record(CPU, "cpu", WORKLOAD, {"block_m": 16, "block_n": 32, "vector": 8}, 1.5)
+    database.add(rec)
+    slow = {**rec, "knobs": {"block_m": 64}, "mean_ms": 9.0, "workload": {**WORKLOAD, "causal": True}}
+    database.add(slow)
+    rid = database.record_id(rec)
+
+    done = cli("cache", "ls", env_dir=cache_dir)
+    assert done.returncode == 0, done.stderr
+    assert "tuning records: 2" in done.stdout and rid in done.stdout and "cached modules: 0" in done.stdout
+
+    done = cli("cache", "show", rid[:8], env_dir=cache_dir)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["knobs"] == rec["knobs"]
+
+    out = tmp_path / "exported"
+    existing = {**rec, "device": rec["device"], "tvm": "0.26.0"}  # another key, already shipped: kept
+    database.write(out / f"{database.slug(rec['device'])}.json", [existing])
+    done = cli("cache", "export", "--out", str(out), env_dir=cache_dir)
+    assert done.returncode == 0, done.stderr
+    (written,) = out.glob("*.json")
+    assert len(database.read(written)) == 3
+
+    done = cli("cache", "clear", env_dir=cache_dir)
+    assert done.returncode == 0 and "deleting 0 cached modules" in done.stdout and "2 tuning records" in done.stdout
+    assert not database.user_dir().exists()
+
+
+def test_bad_cli_input_is_one_line(cache_dir):
+    for args in (("tune", "--head-dim", "80"), ("tune", "--head-dim", "64", "--trials", "0", "--target", "cpu"),
+                 ("cache", "show", "no-such-key")):
+        done = cli(*args, env_dir=cache_dir)
+        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1, done.stderr

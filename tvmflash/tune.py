@@ -1,0 +1,351 @@
+"""``tvmflash tune``: MetaSchedule search over a schedule's ``SPACE``; the best knobs go to the database.
+
+Design space. ``block_m`` and ``block_n`` are tile sizes of the *program* (they shape its buffers and
+loops), so each (block_m, block_n) pair is its own MetaSchedule task with its own workload. Every
+other knob with more than one candidate becomes a ``sch.sample_categorical`` decision inside a
+``ScheduleFn`` and is handed to ``schedule(sch, **knobs)`` as the ExprRV itself (split factors take
+ExprRVs). The trace then *refers* to the decision, so replaying it with another decision gives
+another schedule; reading the value with ``sch.get(rv)`` would bake the first sample into the
+trace as a constant. TVM's own mutators only mutate categorical decisions that feed an unroll
+annotation or a thread binding, so :class:`MutateKnob` lets the evolutionary search mutate ours.
+
+Tune static, run symbolic. Each task's program is specialised to a representative shape (batch,
+sequence lengths, softmax_scale), tuned with the XGBoost cost model and the evolutionary search,
+and built exactly as :class:`tvmflash.Kernel` builds (``kernel.build_module``: the schedule's
+PassContext config and the TVM workarounds). The winner is then timed against the default knobs
+through ``tvmflash.compile`` on real torch tensors in the same run, and the faster of the two is
+written to tvmflash's database, where ``tvmflash.compile()`` (symbolic shapes) finds it.
+
+Candidates that fail to schedule, build or run (too much shared memory, say) are recorded by
+MetaSchedule as failed measurements and are never picked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import math
+import os
+import random
+import time
+from pathlib import Path
+
+import torch
+import tvm
+from tvm.s_tir import meta_schedule as ms
+from tvm.ir.utils import derived_object
+
+import tvmflash
+from tvmflash import bench, cache, database, kernel, program
+from tvmflash import schedules as schedule_registry
+from tvmflash import target as targets
+
+# Representative shapes when none is given: bench's grids (batch * seqlen tokens, heads * head_dim).
+_DEFAULT_SHAPE = {"cuda": {"seqlen": 4096, "tokens": 16384, "hidden": 2048},
+                  "cpu": {"seqlen": 512, "tokens": 2048, "hidden": 512}}
+_FAILED = 1e9  # MetaSchedule's run time for a failed candidate is 1e10 s
+
+
+def tile_pairs(space: dict) -> list[tuple[int, int]]:
+    """The (block_m, block_n) pairs of a space: one MetaSchedule task each."""
+    return list(itertools.product(space["block_m"], space["block_n"]))
+
+
+def task_knobs(space: dict, block_m: int, block_n: int) -> tuple[dict, dict]:
+    """Split a task's knobs into fixed ones (one candidate) and sampled ones (name -> candidates).
+
+    A value in ``space`` is a list of candidates, or a callable that takes the knobs resolved so
+    far (block_m, block_n and the fixed knobs before it) and returns the list.
+    """
+    fixed, sampled = {"block_m": block_m, "block_n": block_n}, {}
+    for name, values in space.items():
+        if name in fixed:
+            continue
+        values = list(values(fixed) if callable(values) else values)
+        if not values:
+            raise ValueError(f"space: knob {name!r} has no candidates")
+        if len(values) == 1:
+            fixed[name] = values[0]
+        else:
+            sampled[name] = values
+    return fixed, sampled
+
+
+def space_fn(schedule_module, fixed: dict, sampled: dict):
+    """The ScheduleFn body: sample each sampled knob, then run the schedule with the ExprRVs."""
+
+    def apply(sch: tvm.s_tir.Schedule) -> tvm.s_tir.Schedule:
+        knobs = dict(fixed)
+        for name, values in sampled.items():
+            # The design space itself takes the default (else the first) candidate, so generating it
+            # cannot fail on an invalid sample; the search re-samples every decision anyway.
+            default = schedule_module.KNOBS.get(name)
+            knobs[name] = sch.sample_categorical(candidates=values, probs=[1.0 / len(values)] * len(values),
+                                                 decision=values.index(default) if default in values else 0)
+        return schedule_module.schedule(sch, **knobs)
+
+    return apply
+
+
+def decided_knobs(trace, fixed: dict, sampled: dict) -> dict:
+    """The knob values one candidate's trace stands for (its SampleCategorical decisions, in order)."""
+    insts = [inst for inst in trace.insts if inst.kind.name == "SampleCategorical"]
+    if len(insts) != len(sampled):
+        raise RuntimeError(f"expected {len(sampled)} sampled knobs in the trace, found {len(insts)}")
+    chosen = {name: values[int(trace.get_decision(inst))] for (name, values), inst in zip(sampled.items(), insts)}
+    return {**fixed, **chosen}
+
+
+@derived_object
+class MutateKnob(ms.mutator.PyMutator):
+    """Mutate one sampled knob: move a random SampleCategorical decision to another candidate."""
+
+    def __init__(self, seed: int = 0):
+        self._rng = random.Random(seed)
+
+    def _initialize_with_tune_context(self, context) -> None:
+        pass
+
+    def apply(self, trace, _rand_state):
+        choices = [inst for inst in trace.insts
+                   if inst.kind.name == "SampleCategorical" and len(inst.attrs[0]) > 1]
+        if not choices:
+            return None
+        inst = self._rng.choice(choices)
+        old = int(trace.get_decision(inst))
+        new = self._rng.choice([d for d in range(len(inst.attrs[0])) if d != old])
+        return trace.with_decision(inst, new, remove_postproc=True)
+
+    def clone(self):
+        return MutateKnob(self._rng.randrange(2**31))
+
+
+def specialize(func, spec: program.AttentionSpec, *, batch: int, seqlen_q: int, seqlen_k: int,
+               softmax_scale: float):
+    """The program with a static shape and scale: what MetaSchedule measures."""
+    q, k, _v, _out, _lse, scale = func.params  # V, O and LSE share Q's and K's shape vars
+    return func.specialize({
+        q: tvm.tirx.decl_buffer((batch, seqlen_q, spec.heads_q, spec.head_dim), spec.dtype, "Q"),
+        k: tvm.tirx.decl_buffer((batch, seqlen_k, spec.heads_kv, spec.head_dim), spec.dtype, "K"),
+        scale: tvm.tirx.FloatImm("float32", softmax_scale),
+    })
+
+
+def _ms_build(mod, target, _params, *, pass_config):
+    """MetaSchedule's f_build: the same build as Kernel's (runs in a builder worker process).
+
+    Returns the runtime module: MetaSchedule's exporter takes that, not tvm.compile's Executable.
+    """
+    return kernel.build_module(mod, target, pass_config).mod
+
+
+@derived_object
+class Progress(ms.measure_callback.PyMeasureCallback):
+    """Prints trials done and the best time so far; remembers the best candidate's knobs."""
+
+    def __init__(self, tasks: list[dict], trials: int, echo):
+        self.tasks, self.trials, self.echo = tasks, trials, echo
+        self.done = self.failed = 0
+        self.best_ms, self.best_knobs = math.inf, None
+        self.start = time.perf_counter()
+
+    def apply(self, task_scheduler, task_id, measure_candidates, builder_results, runner_results):
+        task = self.tasks[task_id]
+        if not measure_candidates:
+            return
+        for cand, built, ran in zip(measure_candidates, builder_results, runner_results):
+            self.done += 1
+            secs = [float(s) for s in (ran.run_secs or [])]
+            error = built.error_msg or ran.error_msg
+            if error or not secs or max(secs) >= _FAILED:
+                self.failed += 1
+                if self.failed <= 3:  # say why, briefly; the full message is in the work dir's logs
+                    lines = [line for line in str(error or "no run time").splitlines() if line.strip()]
+                    self.echo(f"  candidate failed ({task['name']}): {lines[-1] if lines else error}")
+                continue
+            ms_ = 1e3 * sum(secs) / len(secs)
+            if ms_ < self.best_ms:
+                self.best_ms = ms_
+                self.best_knobs = decided_knobs(cand.sch.trace, task["fixed"], task["sampled"])
+        best = f"{self.best_ms:.4f} ms {self.best_knobs}" if self.best_knobs else "none yet"
+        self.echo(f"[{self.done}/{self.trials} trials, {self.failed} failed, {time.perf_counter() - self.start:.0f} s] "
+                  f"task {task['name']}: best so far {best}")
+
+
+@contextlib.contextmanager
+def _workers_import_this_tvmflash():
+    """Builder workers are fresh processes that unpickle ``_ms_build`` by reference: make them
+    import this tvmflash (a source checkout may not be the installed one)."""
+    root = str(Path(tvmflash.__file__).resolve().parent.parent)
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([root] + ([old] if old else []))
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = old
+
+
+def _loggers(work_dir: Path, task_names: list[str]):
+    """MetaSchedule's per-task loggers, writing to ``work_dir/logs``; only warnings reach the console
+    (our progress lines say the rest)."""
+    log_dir = str(work_dir / "logs")
+    os.makedirs(log_dir, exist_ok=True)
+    names = [f"tvm.s_tir.meta_schedule.logging.task_{i}_{name}" for i, name in enumerate(task_names)]
+    console = {"class": "logging.StreamHandler", "stream": "ext://sys.stdout", "level": "WARNING",
+               "formatter": "tvm.s_tir.meta_schedule.standard_formatter"}
+    # Name the global logger's handlers ourselves: TVM's default lists the handlers it already has,
+    # which breaks (an unnamed handler) the second time a process tunes.
+    root = {"level": "DEBUG", "propagate": False,
+            "handlers": ["tvm.s_tir.meta_schedule.console", "tvm.s_tir.meta_schedule.file"]}
+    ms.logging.create_loggers(log_dir=log_dir, params=[{"log_dir": log_dir, "logger_name": n} for n in names],
+                              logger_config={"loggers": {"tvm.s_tir.meta_schedule": root},
+                                             "handlers": {"tvm.s_tir.meta_schedule.console": console}})
+    return [ms.logging.get_logger(n) for n in names]
+
+
+def make_tasks(schedule, spec: program.AttentionSpec, shape: dict, space: dict, target, work_dir: Path,
+               rng: random.Random, echo) -> list[dict]:
+    """One MetaSchedule task per (block_m, block_n) of ``space``, on the static ``shape``; the other
+    knobs are sampled inside it. A tile pair the schedule rejects outright is skipped with a
+    message. Returns dicts with ``name``, ``fixed``, ``sampled`` and ``context`` (a TuneContext)."""
+    schedule_name = schedule_registry.name_of(schedule)
+    pairs = tile_pairs(space)
+    loggers = _loggers(work_dir, [f"bm{m}_bn{n}" for m, n in pairs])
+    tasks = []
+    for (block_m, block_n), logger in zip(pairs, loggers):
+        name = f"bm{block_m}_bn{block_n}"
+        fixed, sampled = task_knobs(space, block_m, block_n)
+        func = specialize(program.attention_forward(spec, block_m, block_n), spec, batch=shape["batch"],
+                          seqlen_q=shape["seqlen"], seqlen_k=shape["seqlen"], softmax_scale=1.0 / math.sqrt(spec.head_dim))
+        mod = tvm.IRModule({"main": func})
+        fn = space_fn(schedule, fixed, sampled)
+        try:
+            fn(tvm.s_tir.Schedule(mod))
+        except Exception as err:  # noqa: BLE001 - any schedule error means "not this pair"
+            lines = [line for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
+            echo(f"  skipping {name}: the {schedule_name} schedule rejects it: {lines[-1].strip()}")
+            continue
+        combos = math.prod(len(v) for v in sampled.values())
+        mutators = {MutateKnob(rng.randrange(2**31)): 1.0} if sampled else {}
+        generator = ms.space_generator.ScheduleFn(fn, sch_rules=[], postprocs=[], mutator_probs=mutators)
+        # Small spaces: a small population, and give up early once every combination is measured.
+        strategy = ms.search_strategy.EvolutionarySearch(
+            population_size=max(8, 4 * combos), init_min_unmeasured=max(2, combos), genetic_num_iters=2,
+            max_fail_count=3, genetic_max_fail_count=3)
+        context = ms.TuneContext(mod=mod, target=target, space_generator=generator, search_strategy=strategy,
+                                 task_name=name, rand_state=rng.randrange(2**31), num_threads=os.cpu_count() or 1,
+                                 logger=logger).clone()
+        tasks.append({"name": name, "fixed": fixed, "sampled": sampled, "context": context})
+    if not tasks:
+        raise ValueError(f"space: the {schedule_name} schedule rejects every (block_m, block_n) pair of {space}")
+    return tasks
+
+
+def default_shape(target, head_dim: int) -> dict:
+    grid = _DEFAULT_SHAPE["cuda" if targets.is_cuda(target) else "cpu"]
+    return {"seqlen": grid["seqlen"], "batch": max(1, grid["tokens"] // grid["seqlen"]),
+            "heads": max(1, grid["hidden"] // head_dim)}
+
+
+def tune(*, head_dim: int, dtype, causal: bool, target=None, trials: int = 64, batch: int | None = None,
+         seqlen: int | None = None, heads: int | None = None, work_dir=None, space: dict | None = None,
+         trials_per_iter: int | None = None, seed: int | None = None, repeat: int = 20, echo=print) -> dict:
+    """Tune the schedule's knobs for one workload on this machine and store the best in the database.
+
+    Tunes on a static (batch, seqlen, seqlen, heads, heads) shape; the record then serves every
+    shape of the workload (head_dim, dtype, causal) through ``tvmflash.compile()``. ``space``
+    overrides the schedule's ``SPACE`` (a subset, for a quick run). Returns the new record (its
+    ``default_ms`` and ``tuned_ms`` are the two timings) with ``path``, the database file.
+    """
+    dtype = kernel._dtype_name(dtype)
+    program.AttentionSpec(head_dim, dtype, bool(causal))  # validates head_dim and dtype
+    if trials < 1:
+        raise ValueError(f"trials: expected a positive number, got {trials}")
+    resolved = targets.resolve(target)
+    schedule = schedule_registry.for_target(resolved, dtype)
+    schedule_name = schedule_registry.name_of(schedule)
+    space = dict(space or schedule.SPACE)
+    unknown = set(space) - set(schedule.KNOBS)
+    if unknown:
+        raise ValueError(f"space: {sorted(unknown)} are not knobs of the {schedule_name} schedule")
+    shape = default_shape(resolved, head_dim)
+    shape.update({k: v for k, v in {"batch": batch, "seqlen": seqlen, "heads": heads}.items() if v is not None})
+    if min(shape.values()) < 1:
+        raise ValueError(f"shape: expected positive batch, seqlen and heads, got {shape}")
+    cuda = targets.is_cuda(resolved)
+    if cuda and not torch.cuda.is_available():
+        raise ValueError(f"target: tuning {targets.describe(resolved)} needs a CUDA GPU to run on; none is visible")
+    workload = {"head_dim": head_dim, "dtype": dtype, "causal": bool(causal)}
+    work_dir = Path(work_dir or cache.cache_dir() / "tuning-work" /
+                    f"{schedule_name}-d{head_dim}-{dtype}-{'causal' if causal else 'full'}-{time.strftime('%Y%m%d-%H%M%S')}")
+    work_dir.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    echo(f"tvmflash tune: {schedule_name} schedule on {targets.describe(resolved)}, d{head_dim} {dtype} "
+         f"{'causal' if causal else 'full'}, shape b{shape['batch']} s{shape['seqlen']} h{shape['heads']}, "
+         f"{trials} trials; work dir {work_dir}")
+
+    rng = random.Random(seed)
+    spec = program.AttentionSpec(head_dim, dtype, bool(causal), shape["heads"], shape["heads"])
+    tasks = make_tasks(schedule, spec, shape, space, resolved, work_dir, rng, echo)
+    contexts = [task.pop("context") for task in tasks]
+    num_cores = os.cpu_count() or 1
+
+    progress = Progress(tasks, trials, echo)
+    config = ms.runner.EvaluatorConfig(number=3, repeat=3 if cuda else 1, min_repeat_ms=50 if cuda else 20,
+                                       enable_cpu_cache_flush=False)
+    with _workers_import_this_tvmflash():
+        ms.tune_tasks(
+            tasks=contexts,
+            task_weights=[1.0] * len(contexts),
+            work_dir=str(work_dir),
+            max_trials_global=trials,
+            num_trials_per_iter=trials_per_iter or max(1, min(16, trials // len(contexts))),
+            builder=ms.builder.LocalBuilder(
+                max_workers=num_cores, timeout_sec=120,
+                f_build=functools.partial(_ms_build, pass_config=getattr(schedule, "PASS_CONFIG", {}))),
+            runner=ms.runner.LocalRunner(timeout_sec=60, evaluator_config=config),
+            database=ms.database.JSONDatabase(work_dir=str(work_dir)),
+            cost_model=ms.cost_model.CostModel.create("xgb", num_tuning_cores=num_cores),
+            measure_callbacks=[*ms.measure_callback.MeasureCallback.create("default"), progress],
+            task_scheduler="gradient",
+        )
+    if progress.best_knobs is None:
+        raise RuntimeError(f"tvmflash tune: none of {progress.done} candidates built and ran; see the logs in {work_dir}")
+    tuned_knobs = {**schedule.KNOBS, **progress.best_knobs}
+
+    # ---- tuned vs default, on real tensors through tvmflash.compile, in this run -------------
+    device = torch.device("cuda" if cuda else "cpu")
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(shape["batch"], shape["seqlen"], shape["heads"], head_dim, generator=gen)
+               .to(device=device, dtype=kernel.TORCH_DTYPES[dtype]) for _ in range(3))
+    out = torch.empty_like(q)
+    times = {}
+    for label, knobs in (("default", dict(schedule.KNOBS)), ("tuned", tuned_knobs)):
+        kern = kernel.compile(head_dim=head_dim, dtype=dtype, causal=causal, target=resolved, knobs=knobs)
+        times[label] = bench.time_ms(lambda kern=kern: kern(q, k, v, out=out), device, repeat=repeat)
+    winner = "tuned" if times["tuned"] <= times["default"] else "default"
+    knobs = tuned_knobs if winner == "tuned" else dict(schedule.KNOBS)
+    wall_s = time.perf_counter() - start
+    record = database.new_record(
+        resolved, schedule_name, workload, knobs, times[winner],
+        shape={"batch": shape["batch"], "seqlen_q": shape["seqlen"], "seqlen_k": shape["seqlen"],
+               "heads_q": shape["heads"], "heads_kv": shape["heads"]},
+        trials=progress.done, failed_trials=progress.failed, wall_s=round(wall_s, 1),
+        default_ms=times["default"], tuned_ms=times["tuned"], tuned_knobs=tuned_knobs,
+        metaschedule_ms=progress.best_ms, work_dir=str(work_dir))
+    path = database.add(record)
+    kernel.forget_kernels()  # compile() must see the new record
+    echo(f"best knobs: {tuned_knobs} (MetaSchedule: {progress.best_ms:.4f} ms)")
+    echo(f"tvmflash.compile at b{shape['batch']} s{shape['seqlen']} h{shape['heads']}: default {times['default']:.4f} ms, "
+         f"tuned {times['tuned']:.4f} ms ({times['default'] / times['tuned']:.2f}x)")
+    kept = database.lookup(resolved, schedule_name, workload)
+    if kept and {k: v for k, v in kept.items() if k != "source"} != record:
+        echo(f"kept the faster record already in {path} ({kept['mean_ms']:.4f} ms at {kept.get('shape')}): {kept['knobs']}")
+    else:
+        echo(f"stored the {winner} knobs {knobs} in {path} ({progress.done} trials, {progress.failed} failed, "
+             f"{wall_s:.0f} s)")
+    return {**record, "path": str(path)}
