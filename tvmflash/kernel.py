@@ -38,6 +38,11 @@ _MODULES: dict[str, _Module] = {}  # in-memory cache: key -> module
 _LOCK = threading.Lock()
 
 
+def default_knobs(schedule, head_dim: int) -> dict:
+    """A schedule's default knobs for a head_dim: ``KNOBS``, updated by ``KNOBS_FOR_HEAD_DIM``."""
+    return {**schedule.KNOBS, **getattr(schedule, "KNOBS_FOR_HEAD_DIM", {}).get(head_dim, {})}
+
+
 def build_module(mod: tvm.IRModule, target: tvm.target.Target, pass_config: dict):
     """``tvm.compile`` a scheduled module with its schedule's PassContext config and tvmflash's TVM
     workarounds. Kernel and the tuner's MetaSchedule builder both build through here."""
@@ -85,8 +90,8 @@ class Kernel:
             self.knobs_source = f"tuned ({tuned['source']}, {tuned['mean_ms']:.3f} ms at {tuned.get('shape')})"
         else:
             self.knobs_source = "defaults"
-        defaults = {**self.schedule.KNOBS, **getattr(self.schedule, "KNOBS_FOR_HEAD_DIM", {}).get(self.head_dim, {})}
-        self.knobs = {**defaults, **(tuned["knobs"] if tuned else {}), **(knobs or {})}
+        self.knobs = {**default_knobs(self.schedule, self.head_dim), **(tuned["knobs"] if tuned else {}),
+                      **(knobs or {})}
         self._modules: dict[tuple[int, int], _Module] = {}
         self._last: tuple[int, int] | None = None
 

@@ -315,7 +315,8 @@ def tune(*, head_dim: int, dtype, causal: bool, target=None, trials: int = 64, b
         )
     if progress.best_knobs is None:
         raise RuntimeError(f"tvmflash tune: none of {progress.done} candidates built and ran; see the logs in {work_dir}")
-    tuned_knobs = {**schedule.KNOBS, **progress.best_knobs}
+    defaults = kernel.default_knobs(schedule, head_dim)
+    tuned_knobs = {**defaults, **progress.best_knobs}
 
     # ---- tuned vs default, on real tensors through tvmflash.compile, in this run -------------
     device = torch.device("cuda" if cuda else "cpu")
@@ -324,11 +325,11 @@ def tune(*, head_dim: int, dtype, causal: bool, target=None, trials: int = 64, b
                .to(device=device, dtype=kernel.TORCH_DTYPES[dtype]) for _ in range(3))
     out = torch.empty_like(q)
     times = {}
-    for label, knobs in (("default", dict(schedule.KNOBS)), ("tuned", tuned_knobs)):
+    for label, knobs in (("default", defaults), ("tuned", tuned_knobs)):
         kern = kernel.compile(head_dim=head_dim, dtype=dtype, causal=causal, target=resolved, knobs=knobs)
         times[label] = bench.time_ms(lambda kern=kern: kern(q, k, v, out=out), device, repeat=repeat)
     winner = "tuned" if times["tuned"] <= times["default"] else "default"
-    knobs = tuned_knobs if winner == "tuned" else dict(schedule.KNOBS)
+    knobs = tuned_knobs if winner == "tuned" else defaults
     wall_s = time.perf_counter() - start
     record = database.new_record(
         resolved, schedule_name, workload, knobs, times[winner],
