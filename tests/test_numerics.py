@@ -8,18 +8,19 @@ from reference import check_attention
 import tvmflash
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
-# (seqlen_q, seqlen_k, heads_q, heads_kv): tails on both sides, Lq != Lk both ways, GQA and MQA.
+# (seqlen_q, seqlen_k, heads_q, heads_kv): tails on both sides, Lq != Lk both ways, and three
+# head layouts (MHA 2/2, GQA 4/2, MQA 4/1): each layout is one build per kernel.
 SHAPES = [
     (1, 1, 2, 2),
     (17, 17, 4, 2),
     (127, 127, 2, 2),
-    (128, 128, 2, 1),
-    (129, 129, 4, 4),
+    (128, 128, 4, 1),
+    (129, 129, 2, 2),
     (1000, 1000, 2, 2),
     (1, 129, 4, 1),
     (17, 1000, 2, 2),
     (129, 17, 4, 2),
-    (1000, 128, 2, 1),
+    (1000, 128, 4, 1),
 ]
 
 
