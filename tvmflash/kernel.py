@@ -104,7 +104,7 @@ class Kernel:
             {
                 "tvmflash": _version(),
                 "tvm": tvm.__version__,
-                "code": cache.source_digest(program, self.schedule),
+                "code": cache.source_digest(program, self.schedule, tvm_workarounds),
                 "spec": asdict(spec),
                 "knobs": self.knobs,
                 "target": str(self.target),
