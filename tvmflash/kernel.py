@@ -43,6 +43,15 @@ def default_knobs(schedule, head_dim: int) -> dict:
     return {**schedule.KNOBS, **getattr(schedule, "KNOBS_FOR_HEAD_DIM", {}).get(head_dim, {})}
 
 
+def resolve_softmax_scale(softmax_scale, head_dim: int) -> float:
+    """The scale to use: 1/sqrt(head_dim) for None; a TypeError for anything but a finite number."""
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if not isinstance(softmax_scale, (int, float)) or not math.isfinite(softmax_scale):
+        raise TypeError(f"softmax_scale: expected a finite float, got {softmax_scale!r}")
+    return float(softmax_scale)
+
+
 def build_module(mod: tvm.IRModule, target: tvm.target.Target, pass_config: dict):
     """``tvm.compile`` a scheduled module with its schedule's PassContext config and tvmflash's TVM
     workarounds. Kernel and the tuner's MetaSchedule builder both build through here."""
@@ -208,10 +217,7 @@ class Kernel:
         q, k, v = (t if t.is_contiguous() else t.contiguous() for t in (q, k, v))
         batch, seqlen_q, heads_q, _ = q.shape
         heads_kv = k.shape[2]
-        if softmax_scale is None:
-            softmax_scale = 1.0 / math.sqrt(self.head_dim)
-        if not isinstance(softmax_scale, (int, float)) or not math.isfinite(softmax_scale):
-            raise TypeError(f"softmax_scale: expected a finite float, got {softmax_scale!r}")
+        softmax_scale = resolve_softmax_scale(softmax_scale, self.head_dim)
         if out is None:
             out = torch.empty_like(q, memory_format=torch.contiguous_format)
         lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device)

@@ -6,12 +6,10 @@ fake implementation gives output shapes), and gives autograd one place to hook t
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from tvmflash import target as targets
-from tvmflash.kernel import compile
+from tvmflash.kernel import compile, resolve_softmax_scale
 
 
 def kernel_for(q: torch.Tensor, causal: bool):
@@ -65,9 +63,6 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale=None, return_lse: 
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if q.dim() != 4:
         raise ValueError(f"q: expected 4 dims (batch, seqlen, heads, head_dim), got shape {tuple(q.shape)}")
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    if not isinstance(softmax_scale, (int, float)) or not math.isfinite(softmax_scale):
-        raise TypeError(f"softmax_scale: expected a finite float, got {softmax_scale!r}")
-    out, lse = forward(q, k, v, bool(causal), float(softmax_scale))
+    softmax_scale = resolve_softmax_scale(softmax_scale, q.shape[-1])
+    out, lse = forward(q, k, v, bool(causal), softmax_scale)
     return (out, lse) if return_lse else out
