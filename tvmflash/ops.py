@@ -15,7 +15,7 @@ from tvmflash.kernel import compile, resolve_softmax_scale
 def kernel_for(q: torch.Tensor, causal: bool):
     """The kernel for q's device, dtype and head_dim (compiled on first use, then cached)."""
     if q.device.type == "cuda":
-        target = targets.cuda_target(targets.detect_cuda_name(q.device.index) or "sm80")
+        target = targets.cuda_device_target(q.device.index)
     elif q.device.type == "cpu":
         target = "cpu"
     else:

@@ -34,8 +34,12 @@ def cuda_target(name: str) -> tvm.target.Target:
     )
 
 
-def detect_cuda_name(device_index: int | None = None) -> str | None:
-    """The tvmflash name of the torch CUDA device ("sm90", ...), or None without a usable GPU."""
+def cuda_device_target(device_index: int | None = None) -> tvm.target.Target | None:
+    """The target for a torch CUDA device (default: the current one), or None without a GPU.
+
+    Known architectures get their tuned limits; newer GPUs take the newest architecture we know,
+    older ones their own arch (the portable SIMT schedule serves them).
+    """
     try:
         import torch
     except ImportError:  # pragma: no cover - torch is a dependency
@@ -44,10 +48,12 @@ def detect_cuda_name(device_index: int | None = None) -> str | None:
         return None
     major, minor = torch.cuda.get_device_capability(device_index)
     name = f"sm{major}{minor}"
+    if name not in _CUDA_ARCHS and major >= 8:
+        name = "sm90" if major >= 9 else "sm80"
     if name in _CUDA_ARCHS:
-        return name
-    # Newer GPUs run the newest schedule we have for an older architecture.
-    return "sm90" if major >= 9 else "sm80" if major >= 8 else None
+        return cuda_target(name)
+    return tvm.target.Target({"kind": "cuda", "arch": f"sm_{major}{minor}", "max_threads_per_block": 1024,
+                              "thread_warp_size": 32})
 
 
 def resolve(target: Any = None) -> tvm.target.Target:
@@ -62,9 +68,9 @@ def resolve(target: Any = None) -> tvm.target.Target:
     if isinstance(target, dict):
         return tvm.target.Target(target)
     if target is None or target == "cuda":
-        name = detect_cuda_name()
-        if name is not None:
-            return cuda_target(name)
+        gpu = cuda_device_target()
+        if gpu is not None:
+            return gpu
         if target == "cuda":
             raise ValueError("target: 'cuda' needs a CUDA GPU visible to torch, and none is")
         return cpu_target()
