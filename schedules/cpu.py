@@ -43,7 +43,7 @@ def schedule(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, vector: int
     sch.vectorize(di)
     sch.decompose_reduction(pv, j)
 
-    for name in ("exp", "cast_p"):
+    for name in ("score", "exp", "cast_p"):
         _vectorize_inner(sch, name, vector)
     return sch
 

@@ -5,13 +5,15 @@ Mapping (FA2 style):
   * warp w owns rows [32 w, 32 w + 32) of the Q block (block_m == 32 * num_warps).
   * qk: S = Q K^T with mma.sync (ldmatrix Q as A, ldmatrix K as B^T); S stays in register
     fragments ("warp" scope).
-  * pv: acc += P V with mma.sync (ldmatrix P as A, ldmatrix.trans V as B); the output accumulator
-    stays in register fragments across all K/V tiles, and is rescaled and stored from them.
-  * The online softmax runs one query row per lane, on a copy of S in shared memory. (Reducing
-    rows across the 4 lanes of a quad with shuffles is the next step: stock TensorIR cannot say
-    it, so it needs tensor intrinsics of our own.)
-  * Shared tiles have padded rows, so ldmatrix and the row-per-lane accesses are free of bank
-    conflicts.
+  * pv: acc += P V with mma.sync (P straight from registers as A, ldmatrix.trans V as B); the
+    output accumulator stays in register fragments across all K/V tiles, and is rescaled and
+    stored from them.
+  * The online softmax runs on the fragments: the masked score, P and its fp16/bf16 cast keep the
+    mma accumulator layout, which is also the A-operand layout, so P never leaves registers. Row
+    max and row sum are our own intrinsics: per-lane partials, then two xor shuffles across the
+    quad of lanes that shares a row. The per-row running values (max, sum, rescale factor) live in
+    shared memory, one lane per row, which costs a few __syncthreads per tile.
+  * Shared tiles have padded rows, so ldmatrix is free of bank conflicts.
   * num_stages: only 1 for now. With 2, TVM 0.27's software pipeline over the symbolic number of
     K/V tiles fails to lower ("Cannot insert syncs inside condition"), so there is no cp.async.
 """
@@ -97,6 +99,67 @@ _FP16_INTRINSICS = {
 }
 
 
+def row_reduce_intrin(op: str, n_rows: int, n_cols: int) -> str:
+    """Register (once) and name a warp-level row reduction of an n_rows x n_cols tile held as
+    mma fragments ("warp" scope, the layout of ``_frag_index_map``) into per-row values in
+    shared memory: ``out[r] = out[r] (op) reduce_c tile[r, c]``.
+
+    Each lane reduces the elements it holds of its rows (lane // 4 and lane // 4 + 8 of each
+    16-row tile); the four lanes of a quad, which share those rows, then combine theirs with two
+    xor shuffles, and the first lane of the quad updates the row's value.
+    """
+    name = f"tvmflash_row_{op}_{n_rows}x{n_cols}"
+    if name in _ROW_REDUCE_REGISTERED:
+        return name
+    from tvm.script import tirx as T
+
+    combine = {"max": T.max, "sum": lambda a, b: a + b}[op]
+    identity = {"max": T.float32("-inf"), "sum": T.float32(0)}[op]
+    row_tiles, col_tiles = n_rows // 16, n_cols // 16
+    rows_per_lane = 2 * row_tiles
+
+    @T.prim_func(s_tir=True)
+    def desc(tile_h: T.handle, out_h: T.handle):
+        tile = T.match_buffer(tile_h, (row_tiles, col_tiles, WARP, 8), "float32", scope="warp", offset_factor=1)
+        out = T.match_buffer(out_h, (n_rows,), "float32", scope="shared.dyn", offset_factor=1)
+        with T.sblock("root"):
+            T.reads(out[0:n_rows], tile[0:row_tiles, 0:col_tiles, 0:WARP, 0:8])
+            T.writes(out[0:n_rows])
+            for r, c in T.grid(n_rows, n_cols):
+                with T.sblock("update"):
+                    vr, vc = T.axis.remap("SR", [r, c])
+                    rt, ct, lane, reg = T.meta_var(_frag_index_map(vr, vc))
+                    out[vr] = combine(out[vr], tile[rt, ct, lane, reg])
+
+    @T.prim_func(s_tir=True)
+    def impl(tile_h: T.handle, out_h: T.handle):
+        tile = T.match_buffer(tile_h, (row_tiles, col_tiles, WARP, 8), "float32", scope="warp", offset_factor=1)
+        out = T.match_buffer(out_h, (n_rows,), "float32", scope="shared.dyn", offset_factor=1)
+        with T.sblock("root"):
+            T.reads(out[0:n_rows], tile[0:row_tiles, 0:col_tiles, 0:WARP, 0:8])
+            T.writes(out[0:n_rows])
+            for lane in T.thread_binding(WARP, "threadIdx.x"):
+                part = T.alloc_buffer((rows_per_lane,), "float32", scope="local")
+                # row 16 rt + 8 h + lane // 4 lives in registers 2h, 2h + 1, 2h + 4, 2h + 5
+                for rt, h in T.grid(row_tiles, 2):
+                    part[2 * rt + h] = identity
+                    for ct, half, e in T.grid(col_tiles, 2, 2):
+                        part[2 * rt + h] = combine(part[2 * rt + h], tile[rt, ct, lane, 4 * half + 2 * h + e])
+                for k, mask in T.grid(rows_per_lane, 2):  # xor 1, then xor 2: across the quad
+                    part[k] = combine(part[k], T.tvm_warp_shuffle_xor(
+                        T.tvm_warp_activemask(), part[k], mask + 1, WARP, WARP))
+                if lane % 4 == 0:
+                    for k in range(rows_per_lane):
+                        out[8 * k + lane // 4] = combine(out[8 * k + lane // 4], part[k])
+
+    TensorIntrin.register(name, desc, impl)
+    _ROW_REDUCE_REGISTERED.add(name)
+    return name
+
+
+_ROW_REDUCE_REGISTERED: set[str] = set()
+
+
 def _intrin_names(dtype):
     """Tensor intrinsic names by role; the bf16 ones are those _register_intrinsics derives."""
     if dtype == "float16":
@@ -175,6 +238,8 @@ def _warp_gemm_operands(sch, block, num_warps, operands):
     sch.blockize(k0)
     loads = []
     for index, intrin in operands:
+        if intrin is None:  # already an mma fragment ("warp" scope)
+            continue
         fragment = sch.cache_read(outer, index, "warp")
         sch.compute_at(fragment, k0)
         loads.append((fragment, intrin))
@@ -185,9 +250,45 @@ def _warp_gemm_operands(sch, block, num_warps, operands):
     return outer
 
 
+def _fragment_elementwise(sch, name, num_warps):
+    """An elementwise (rows, cols) block over mma fragments: each lane visits the elements it
+    holds, in the order (row tile, col tile, register)."""
+    sch.transform_block_layout(name, lambda i, j: _frag_index_map(i, j))
+    a0, a1, lane, reg = sch.get_loops(name)[-4:]
+    w, a0 = sch.split(a0, [num_warps, None])
+    sch.reorder(w, lane, a0, a1, reg)
+    sch.bind(w, "threadIdx.y")
+    sch.bind(lane, "threadIdx.x")
+
+
+def _fragment_row_reduce(sch, name, intrin, num_warps):
+    """A row reduction (rows, cols) over mma fragments: the init becomes a per-row block
+    ``<name>_init`` and each warp's 16-row tiles are tensorized with ``intrin``."""
+    i = sch.get_loops(name)[-2]
+    w, r = sch.split(i, [num_warps, None])
+    sch.bind(w, "threadIdx.y")
+    init = sch.decompose_reduction(name, r)
+    _, lane = sch.split(sch.get_loops(init)[-1], [None, WARP])  # one lane per row
+    sch.bind(lane, "threadIdx.x")
+    _hide_init_reads(sch, sch.get_sblock(f"{name}_update"))
+    sch.tensorize(r, intrin)
+
+
+def _hide_init_reads(sch, block):
+    """decompose_reduction leaves the init's reads (alpha for pv's rescale, m for row_max) on
+    the update block; drop them so the update matches its intrinsic, which reads only the
+    fragments and the value it updates."""
+    update = sch.get(block)
+    written = update.writes[0].source
+    extra = [k for k, region in enumerate(update.reads)
+             if not region.source.same_as(written) and region.source.scope() != "warp"]
+    if extra:
+        sch.unsafe_hide_buffer_access(block, "read", extra)
+
+
 def _row_block(sch, name, num_warps):
     """Per-row block: row i = 32 w + lane (one lane per row)."""
-    i = sch.get_loops(name)[0]
+    i = sch.fuse(*sch.get_loops(name))
     w, r = sch.split(i, [num_warps, None])
     sch.bind(w, "threadIdx.y")
     r0, r1 = sch.split(r, [None, WARP])
@@ -231,44 +332,43 @@ def schedule(
         # 16-byte vector copies.
         _copy_to_shared(sch, name, num_warps, vec)
 
-    # ---- qk: S = Q K^T on tensor cores, S kept as mma fragments ("warp" scope) -------------
-    # S[i, j] -> S[i//16, j//16, lane, reg]: every reader of S (row_max, exp) follows.
-    sch.set_scope("qk", 0, "warp")
-    sch.transform_layout("qk", ("write", 0), _frag_index_map)
-    # ---- S fragments -> shared memory for the per-row softmax -----------------------------
-    # A lane cannot read another lane's fragment element for its own row: LowerWarpMemory would
-    # emit __shfl_sync with a *reader*-dependent register index (silently wrong). So S goes
-    # through shared memory, each lane storing its own fragment elements.
-    s_sh = sch.cache_read("row_max", 1, "shared.dyn", consumer_blocks=["row_max", "exp"])
-    # In shared memory S is row-major again, rows padded by one float: each lane reads its own
-    # row, and a stride of BN + 1 words puts the 32 rows in 32 different banks.
-    sch.transform_layout(s_sh, ("write", 0), _frag_to_matrix)
-    sch.storage_align(s_sh, 0, axis=0, factor=BN, offset=1)
-    a0, a1, lane, reg = sch.get_loops(s_sh)
-    w, a0 = sch.split(a0, [num_warps, None])
-    sch.reorder(w, lane, a0, a1, reg)
-    sch.bind(w, "threadIdx.y")
-    sch.bind(lane, "threadIdx.x")
+    # ---- per-row state ---------------------------------------------------------------------
+    sch.set_scope("init_scale", 0, "local")
+    sch.set_scope("init_ml", 0, "local")  # m: only per-row blocks touch it
+    # Read by the fragment lanes (exp, pv_init, store_o) or written by the quad reductions.
+    sch.set_scope("init_ml", 1, "shared.dyn")  # l
+    sch.set_scope("row_max", 0, "shared.dyn")  # m_new
+    sch.set_scope("alpha", 0, "shared.dyn")
 
+    # ---- softmax on the fragments ----------------------------------------------------------
+    # S, the masked score, P and its cast Pc all keep the mma accumulator layout, and each lane
+    # works on the elements it holds. The cast Pc is directly the A operand of the pv mma (the
+    # accumulator layout of m16n8k16 is its A layout), so P never goes through shared memory.
+    for name in ("qk", "score", "exp", "cast_p"):
+        sch.set_scope(name, 0, "warp")
+        sch.transform_layout(name, ("write", 0), _frag_index_map)
+
+    # ---- qk: S = Q K^T on tensor cores, S kept as mma fragments ("warp" scope) -------------
     qk = sch.get_sblock("qk")
     _warp_gemm_operands(sch, qk, num_warps, [(1, names["ld_a"]), (2, names["ld_b_trans"])])  # Qt, Kt
     sch.tensorize(sch.get_loops(qk)[-3], names["mma_nt"])
     sch.tensorize(sch.get_loops("qk_init")[-2], names["fill"])
 
-    sch.set_scope("cast_p", 0, "shared.dyn")  # Pc: ldmatrix source for pv
-    sch.storage_align("cast_p", 0, axis=0, factor=BN, offset=8)  # as Q/K/V: conflict-free ldmatrix
+    for name in ("score", "exp", "cast_p"):
+        _fragment_elementwise(sch, name, num_warps)
+    # Row max and row sum: per-lane partial results combined across each quad by shuffles (our
+    # intrinsic), into per-row values in shared memory.
+    for name, op in (("row_max", "max"), ("row_sum", "sum")):
+        _fragment_row_reduce(sch, name, row_reduce_intrin(op, BM // num_warps, BN), num_warps)
+
     # ---- pv: acc += P V on tensor cores, acc kept as fragments across K/V tiles ------------
     sch.set_scope("pv", 0, "warp")
     sch.transform_layout("pv", ("write", 0), _frag_index_map)
     pv = sch.get_sblock("pv")
     # pv_init (from decompose_reduction) is the rescale acc *= alpha, on fragments.
-    pv_o = _warp_gemm_operands(sch, pv, num_warps, [(2, names["ld_a"]), (3, names["ld_b"])])  # Pc, Vt
-    # decompose_reduction leaves the init's read of alpha on the update blocks; drop it so the
-    # update matches the mma description (reads C, A, B only).
+    pv_o = _warp_gemm_operands(sch, pv, num_warps, [(2, None), (3, names["ld_b"])])  # Pc (already), Vt
     for blk in (pv_o, pv):
-        reads = [str(r.source.name) for r in sch.get(blk).reads]
-        if "alpha" in reads:
-            sch.unsafe_hide_buffer_access(blk, "read", [reads.index("alpha")])
+        _hide_init_reads(sch, blk)
     sch.tensorize(sch.get_loops(pv)[-3], names["mma_nn"])
     # rescale: iterate the 16x16 tile as (lane, reg) and give lanes to threadIdx.x
     sch.transform_block_layout("pv_init", lambda i, d: _ldmatrix_layout(i, d))
@@ -295,17 +395,9 @@ def schedule(
     sch.bind(w, "threadIdx.y")
     sch.bind(sch.fuse(r8, q), "threadIdx.x")
 
-    # ---- softmax: one lane per row (scalar; reads S from shared) --------------------------
-    for name in ("init_ml", "row_max", "exp", "alpha", "row_sum", "cast_p", "update_m", "store_lse"):
-        _row_block(sch, name, num_warps)
-    # Each lane writes its row of P as 16-byte vectors (with the padded rows: no bank conflicts).
-    _, p_vec = sch.split(sch.get_loops("cast_p")[-1], [None, vec])
-    sch.vectorize(p_vec)
-    for name, idx in (("init_ml", 0), ("row_max", 0), ("exp", 0)):
-        sch.set_scope(name, idx, "local")
-    sch.set_scope("init_ml", 1, "shared.dyn")  # l: read by the fragment lanes in store_o
-    sch.set_scope("alpha", 0, "shared.dyn")  # read by the fragment lanes in pv_init
-    sch.set_scope("init_scale", 0, "local")
 
+    # one lane per row
+    for name in ("init_ml", "alpha", "update_m", "store_lse"):
+        _row_block(sch, name, num_warps)
     return sch
 

@@ -108,6 +108,7 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int):
                 Kt = T.sblock_alloc_buffer((BN, D), dtype)  # one K tile, zero-padded
                 Vt = T.sblock_alloc_buffer((BN, D), dtype)  # one V tile, zero-padded
                 S = T.sblock_alloc_buffer((BM, BN), f32)  # Q Kᵀ of one tile, unscaled
+                Sm = T.sblock_alloc_buffer((BM, BN), f32)  # S scaled to base 2 and masked
                 P = T.sblock_alloc_buffer((BM, BN), f32)  # exp2(scaled S - running max)
                 Pc = T.sblock_alloc_buffer((BM, BN), dtype)  # P in the input dtype, for P V
                 m = T.sblock_alloc_buffer((BM,), f32)  # running max (base-2 scaled scores)
@@ -163,26 +164,23 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int):
                                     S[vi, vj] = T.float32(0)
                                 S[vi, vj] = S[vi, vj] + T.cast(Qt[vi, vd], f32) * T.cast(Kt[vj, vd], f32)
                         for i, j in T.grid(BM, BN):
+                            with T.sblock("score"):  # scaled to base 2; invisible keys -inf
+                                vi, vj = T.axis.remap("SS", [i, j])
+                                Sm[vi, vj] = T.if_then_else(
+                                    visible(vqb * BM + vi, vkb * BN + vj, seqlen_q, seqlen_k),
+                                    S[vi, vj] * scale2[0],
+                                    T.float32(-math.inf),
+                                )
+                        for i, j in T.grid(BM, BN):
                             with T.sblock("row_max"):
                                 vi, vj = T.axis.remap("SR", [i, j])
                                 with T.init():
                                     m_new[vi] = m[vi]
-                                m_new[vi] = T.max(
-                                    m_new[vi],
-                                    T.if_then_else(
-                                        visible(vqb * BM + vi, vkb * BN + vj, seqlen_q, seqlen_k),
-                                        S[vi, vj] * scale2[0],
-                                        T.float32(-math.inf),
-                                    ),
-                                )
+                                m_new[vi] = T.max(m_new[vi], Sm[vi, vj])
                         for i, j in T.grid(BM, BN):
-                            with T.sblock("exp"):
+                            with T.sblock("exp"):  # exp2(-inf - finite max) = 0: masked keys add nothing
                                 vi, vj = T.axis.remap("SS", [i, j])
-                                P[vi, vj] = T.if_then_else(
-                                    visible(vqb * BM + vi, vkb * BN + vj, seqlen_q, seqlen_k),
-                                    T.exp2(S[vi, vj] * scale2[0] - m_new[vi]),
-                                    T.float32(0),
-                                )
+                                P[vi, vj] = T.exp2(Sm[vi, vj] - m_new[vi])
                         for i in range(BM):
                             with T.sblock("alpha"):
                                 vi = T.axis.spatial(BM, i)
