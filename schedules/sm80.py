@@ -12,8 +12,11 @@ Mapping (FA2 style):
     it, so it needs tensor intrinsics of our own.)
   * Shared tiles have padded rows, so ldmatrix and the row-per-lane accesses are free of bank
     conflicts.
-  * num_stages: only 1 for now. With 2, TVM 0.27's software pipeline over the symbolic number of
-    K/V tiles fails to lower ("Cannot insert syncs inside condition"), so there is no cp.async.
+  * num_stages: 1 loads each K/V tile with plain vector loads at the top of its step. 2 or 3 make
+    the K/V-tile loop a software pipeline (TVM's InjectSoftwarePipeline): load_k/load_v become
+    cp.async copies issued num_stages - 1 tiles ahead into num_stages shared buffers, with
+    cp.async.wait_group before the tile's compute. It needs tvmflash.tvm_workarounds'
+    no_warp_thread_sync (else "Cannot insert syncs inside condition" in the pipeline epilogue).
 """
 
 from __future__ import annotations
@@ -25,12 +28,14 @@ WARP = 32
 
 
 KNOBS = {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 1, "vec": 8}
+NUM_STAGES = (1, 2, 3)  # 1: plain loads; 2, 3: cp.async software pipeline over the K/V tiles
 # Measured on the H200 (benchmarks/knob_sweep.py, bf16, seqlen 4096): 176 TFLOP/s at head_dim 128
 # with 32-key tiles against 151 with 64 (fewer registers: 64-key tiles spill at head_dim 128).
 KNOBS_FOR_HEAD_DIM = {128: {"block_n": 32}, 256: {"block_n": 32}}
 # Tuning space (``tvmflash tune``): one MetaSchedule task per (block_m, block_n). A callable gives
 # the candidates from the knobs before it: this version needs block_m == 32 * num_warps. num_stages
-# is 1 only: deeper pipelines do not lower yet (see the module docstring).
+# stays fixed at 1 here: a knob with several candidates is sampled (an ExprRV), and the pipeline's
+# stage annotations need a plain int. Try 2 or 3 with knobs={"num_stages": n} (see NUM_STAGES).
 SPACE = {
     "block_m": [64, 128],
     "block_n": [32, 64, 128],
@@ -144,6 +149,54 @@ def _copy_to_shared(sch, block, num_warps, vec):
     sch.vectorize(v)
 
 
+def _pipeline_kv_loads(sch, num_stages):
+    """Software-pipeline the K/V-tile loop: load_k and load_v are stage 0, as cp.async copies
+    (``tirx.use_async_copy``; a row past seqlen_k is predicated off and zeroed by st.shared), and
+    everything else is stage num_stages - 1. TVM's InjectSoftwarePipeline then keeps num_stages
+    versions of Kt and Vt (they are allocated in kv_step's scope for this), issues the copies of
+    tile kb + num_stages - 1 before the compute of tile kb, and waits with cp.async.wait_group.
+    """
+    kb = sch.get_loops("kv_step")[-1]
+    loads = ("load_k", "load_v")
+    stmts = _pipeline_stmts(sch.get(sch.get_sblock("kv_step")).body)
+    stages = [0 if _sblock_names(stmt) & set(loads) else num_stages - 1 for stmt in stmts]
+    if stages[: len(loads)] != [0] * len(loads) or stages.count(0) != len(loads):
+        raise RuntimeError(f"sm80 pipeline: expected {loads} first in kv_step, one statement each; got stages {stages}")
+    sch.annotate(kb, "software_pipeline_stage", stages)
+    sch.annotate(kb, "software_pipeline_order", list(range(len(stmts))))
+    sch.annotate(kb, "software_pipeline_async_stages", [0])
+
+
+def _pipeline_stmts(body):
+    """The statements InjectSoftwarePipeline will see in kv_step's body. It runs after
+    LiftThreadBinding, which splits a thread-bound loop over a sequence into one statement per
+    element, so this does the same (thread-bound loops are looked through)."""
+    from tvm.tirx import For, ForKind, SeqStmt
+
+    if isinstance(body, SeqStmt):
+        return [s for stmt in body.seq for s in _pipeline_stmts(stmt)]
+    inner = body
+    while isinstance(inner, For) and inner.kind == ForKind.THREAD_BINDING:
+        inner = inner.body
+    return _pipeline_stmts(inner) if inner is not body and isinstance(inner, SeqStmt) else [body]
+
+
+def _sblock_names(stmt):
+    """Names of the sblocks in a statement (enough of a walk for kv_step's children)."""
+    from tvm.tirx import For, SeqStmt
+    from tvm.s_tir import SBlock, SBlockRealize
+
+    if isinstance(stmt, SeqStmt):
+        return set().union(*(_sblock_names(s) for s in stmt.seq))
+    if isinstance(stmt, For):
+        return _sblock_names(stmt.body)
+    if isinstance(stmt, SBlockRealize):
+        return _sblock_names(stmt.block)
+    if isinstance(stmt, SBlock):
+        return {str(stmt.name_hint)} | _sblock_names(stmt.body)
+    return set()
+
+
 def _tile_frag(sch, block, h=16, w=16):
     a, b = sch.get_loops(block)[-2:]
     a0, a1 = sch.split(a, [None, h])
@@ -213,8 +266,8 @@ def schedule(
                          f"= {WARP * num_warps}, got {block_m}")
     if block_n % 16 or D % 16:
         raise ValueError(f"block_n and head_dim: expected multiples of 16, got {block_n} and {D}")
-    if num_stages != 1:
-        raise ValueError(f"num_stages: only 1 is supported by the sm80 schedule for now, got {num_stages}")
+    if not isinstance(num_stages, int) or num_stages not in NUM_STAGES:
+        raise ValueError(f"num_stages: the sm80 schedule takes one of {NUM_STAGES}, got {num_stages!r}")
     names = _intrin_names(dtype)
 
     # ---- grid -----------------------------------------------------------------------------
@@ -307,5 +360,8 @@ def schedule(
     sch.set_scope("alpha", 0, "shared.dyn")  # read by the fragment lanes in pv_init
     sch.set_scope("init_scale", 0, "local")
 
+    # ---- K/V loads: cp.async software pipeline (last: it annotates kv_step's final children) -
+    if num_stages > 1:
+        _pipeline_kv_loads(sch, num_stages)
     return sch
 
