@@ -14,8 +14,11 @@ Mapping (FA2 style):
     quad of lanes that shares a row. The per-row running values (max, sum, rescale factor) live in
     shared memory, one lane per row, which costs a few __syncthreads per tile.
   * Shared tiles have padded rows, so ldmatrix is free of bank conflicts.
-  * num_stages: only 1 for now. With 2, TVM 0.27's software pipeline over the symbolic number of
-    K/V tiles fails to lower ("Cannot insert syncs inside condition"), so there is no cp.async.
+  * num_stages: 1 loads each K/V tile with plain vector loads at the top of its step. 2 or 3 make
+    the K/V-tile loop a software pipeline (TVM's InjectSoftwarePipeline): load_k/load_v become
+    cp.async copies issued num_stages - 1 tiles ahead into num_stages shared buffers, with
+    cp.async.wait_group before the tile's compute. It needs tvmflash.tvm_workarounds'
+    no_warp_thread_sync (else "Cannot insert syncs inside condition" in the pipeline epilogue).
 """
 
 from __future__ import annotations
@@ -26,13 +29,17 @@ from tvm.s_tir import TensorIntrin
 WARP = 32
 
 
-KNOBS = {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 1, "vec": 8}
-# Measured on the H200 (benchmarks/knob_sweep.py, bf16, seqlen 4096): 176 TFLOP/s at head_dim 128
-# with 32-key tiles against 151 with 64 (fewer registers: 64-key tiles spill at head_dim 128).
+KNOBS = {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 2, "vec": 8}
+NUM_STAGES = (1, 2, 3)  # 1: plain loads; 2, 3: cp.async software pipeline over the K/V tiles
+# Measured on the H200 (tvmflash bench --knobs, bf16, seqlen 4096, fragment softmax): head_dim 128
+# 228 TFLOP/s with 32-key tiles against 184 with 64 (64-key tiles spill); head_dim 64 222 with 64
+# against 163 with 128. num_stages 1, 2 and 3 measured within 1% of each other (228/228/223 at
+# d128): the K/V loads are not what limits this kernel. 2 is the default, as in FA2.
 KNOBS_FOR_HEAD_DIM = {128: {"block_n": 32}, 256: {"block_n": 32}}
 # Tuning space (``tvmflash tune``): one MetaSchedule task per (block_m, block_n). A callable gives
 # the candidates from the knobs before it: this version needs block_m == 32 * num_warps. num_stages
-# is 1 only: deeper pipelines do not lower yet (see the module docstring).
+# stays fixed at 1 here: a knob with several candidates is sampled (an ExprRV), and the pipeline's
+# stage annotations need a plain int. Try 2 or 3 with knobs={"num_stages": n} (see NUM_STAGES).
 SPACE = {
     "block_m": [64, 128],
     "block_n": [32, 64, 128],
@@ -42,6 +49,9 @@ SPACE = {
 }
 PASS_CONFIG = {
     "tirx.use_async_copy": True,
+    # Fragments are per-lane register arrays: any loop over them left rolled indexes them
+    # dynamically, which puts them in local memory.
+    "tirx.UnrollLoop": {"unroll_local_access": True, "explicit_unroll": False},
     # LowerWarpMemory cannot see through CSE'd store indices into warp buffers.
     "tirx.disable_cse_tir": True,
 }
@@ -207,6 +217,85 @@ def _copy_to_shared(sch, block, num_warps, vec):
     sch.vectorize(v)
 
 
+def _pipeline_kv_loads(sch, num_stages):
+    """Software-pipeline the K/V-tile loop: load_k and load_v are stage 0, as cp.async copies
+    (``tirx.use_async_copy``; a row past seqlen_k is predicated off and zeroed by st.shared), and
+    everything else is stage num_stages - 1. TVM's InjectSoftwarePipeline then keeps num_stages
+    versions of Kt and Vt (they are allocated in kv_step's scope for this), issues the copies of
+    tile kb + num_stages - 1 before the compute of tile kb, and waits with cp.async.wait_group.
+    """
+    kb = sch.get_loops("kv_step")[-1]
+    loads = ("load_k", "load_v")
+    stmts = _pipeline_stmts(sch, kb)
+    stages = [0 if _sblock_names(stmt) & set(loads) else num_stages - 1 for stmt in stmts]
+    if stages[: len(loads)] != [0] * len(loads) or stages.count(0) != len(loads):
+        raise RuntimeError(f"sm80 pipeline: expected {loads} first in kv_step, one statement each; got stages {stages}")
+    sch.annotate(kb, "software_pipeline_stage", stages)
+    sch.annotate(kb, "software_pipeline_order", list(range(len(stmts))))
+    sch.annotate(kb, "software_pipeline_async_stages", [0])
+
+
+def _pipeline_stmts(sch, kb):
+    """The statements InjectSoftwarePipeline will see in the K/V-tile loop: the passes before it
+    (LiftThreadBinding, LowerMatchBuffer, StmtSimplify) reshape kv_step's body, so run them on a
+    copy (the same list as tvm.s_tir.pipeline's) and look."""
+    from tvm import s_tir
+    from tvm.s_tir import SBlockRealize
+    from tvm.tirx import For, IntImm, SeqStmt
+
+    marker = "tvmflash_kv_loop"
+    sch.annotate(kb, marker, 1)
+    sch.annotate(kb, "software_pipeline_stage", [0])  # LiftThreadBinding treats pipelined loops apart
+    mod = tvm.transform.Sequential([
+        s_tir.transform.CanonicalizeLoop(), s_tir.transform.LowerCrossThreadReduction(),
+        s_tir.transform.LowerInitBlock(), s_tir.transform.PlanAndUpdateBufferAllocationLocation(),
+        s_tir.transform.ConvertBlocksToOpaque(), s_tir.transform.LiftThreadBinding(),
+        s_tir.transform.ManifestSharedMemoryLocalStage(), s_tir.transform.CompactBufferAllocation(),
+        s_tir.transform.LowerAutoCopy(), s_tir.transform.UnifyThreadBinding(),
+        s_tir.transform.LowerMatchBuffer(), s_tir.transform.StmtSimplify(),
+    ])(sch.mod)
+    sch.unannotate(kb, marker)
+    sch.unannotate(kb, "software_pipeline_stage")
+
+    def find(stmt):  # the marked loop: under blocks, loops, attributes and sequences only
+        if isinstance(stmt, For) and marker in stmt.annotations:
+            return stmt
+        children = list(stmt.seq) if isinstance(stmt, SeqStmt) else [
+            getattr(stmt, attr) for attr in ("block", "body") if hasattr(stmt, attr)]
+        for child in children:
+            if (hit := find(child)) is not None:
+                return hit
+        return None
+
+    body = find(mod["main"].body).body
+    while not isinstance(body, SeqStmt):  # the kv_step block (now opaque) and its realize
+        body = body.block if hasattr(body, "block") else body.body
+    stmts = []
+    for stmt in body.seq:  # the pass opens a nested unpredicated block whose body is a sequence
+        if (isinstance(stmt, SBlockRealize) and isinstance(stmt.predicate, IntImm) and stmt.predicate.value == 1
+                and isinstance(stmt.block.body, SeqStmt)):
+            stmts.extend(stmt.block.body.seq)
+        else:
+            stmts.append(stmt)
+    return stmts
+
+
+def _sblock_names(stmt):
+    """Names of the sblocks in a statement (enough of a walk for kv_step's children)."""
+    from tvm.tirx import For, SeqStmt
+    from tvm.s_tir import SBlock, SBlockRealize
+
+    if isinstance(stmt, SeqStmt):
+        return set().union(*(_sblock_names(s) for s in stmt.seq))
+    if isinstance(stmt, For):
+        return _sblock_names(stmt.body)
+    if isinstance(stmt, SBlockRealize):
+        return _sblock_names(stmt.block)
+    if isinstance(stmt, SBlock):
+        return {str(stmt.name_hint)} | _sblock_names(stmt.body)
+    return set()
+
+
 def _tile_frag(sch, block, h=16, w=16):
     a, b = sch.get_loops(block)[-2:]
     a0, a1 = sch.split(a, [None, h])
@@ -314,8 +403,8 @@ def schedule(
                          f"= {WARP * num_warps}, got {block_m}")
     if block_n % 16 or D % 16:
         raise ValueError(f"block_n and head_dim: expected multiples of 16, got {block_n} and {D}")
-    if num_stages != 1:
-        raise ValueError(f"num_stages: only 1 is supported by the sm80 schedule for now, got {num_stages}")
+    if not isinstance(num_stages, int) or num_stages not in NUM_STAGES:
+        raise ValueError(f"num_stages: the sm80 schedule takes one of {NUM_STAGES}, got {num_stages!r}")
     names = _intrin_names(dtype)
 
     # ---- grid -----------------------------------------------------------------------------
@@ -399,5 +488,8 @@ def schedule(
     # one lane per row
     for name in ("init_ml", "alpha", "update_m", "store_lse"):
         _row_block(sch, name, num_warps)
+    # ---- K/V loads: cp.async software pipeline (last: it annotates kv_step's final children) -
+    if num_stages > 1:
+        _pipeline_kv_loads(sch, num_stages)
     return sch
 

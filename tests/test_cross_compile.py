@@ -52,3 +52,28 @@ def test_float32_uses_the_simt_schedule():
     kernel = tvmflash.compile(head_dim=64, dtype="float32", target="sm90")
     assert kernel.info()["schedule"] == "cuda"
     assert "mma.sync" not in kernel.source(heads_q=2, heads_kv=2)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+@pytest.mark.parametrize("num_stages", [2, 3])
+def test_sm80_pipelined_kv_loads_use_cp_async(num_stages):
+    """num_stages > 1: K/V tiles are copied with cp.async, num_stages - 1 tiles ahead, into
+    num_stages shared buffers; the source compiles for sm_80 and sm_90a."""
+    from tvm.support import nvcc
+
+    kernel = tvmflash.compile(head_dim=64, dtype="bfloat16", causal=True, target="sm80",
+                              knobs={"num_stages": num_stages})
+    src = kernel.source(heads_q=4, heads_kv=2)
+    assert "cp.async.cg.shared.global" in src and "cp.async.commit_group" in src
+    # In the steady-state loop: wait until all but the num_stages - 1 newest copies are done.
+    assert f"cp.async.wait_group {num_stages - 1};" in src
+    assert ("& 1)" if num_stages == 2 else "% 3)") in src  # the buffer version of a K/V tile
+    for arch in ("sm_80", "sm_90a"):
+        with tvm.target.Target({"kind": "cuda", "arch": arch}):
+            cubin = nvcc.compile_cuda(src, target_format="cubin", arch=arch, compiler="nvcc")
+        assert len(cubin) > 1000
+
+
+def test_sm80_rejects_unknown_num_stages():
+    with pytest.raises(ValueError, match="num_stages"):
+        tvmflash.compile(head_dim=64, dtype="float16", target="sm80", knobs={"num_stages": 4}).source(1, 1)

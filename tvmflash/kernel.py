@@ -55,7 +55,8 @@ def resolve_softmax_scale(softmax_scale, head_dim: int) -> float:
 def build_module(mod: tvm.IRModule, target: tvm.target.Target, pass_config: dict):
     """``tvm.compile`` a scheduled module with its schedule's PassContext config and tvmflash's TVM
     workarounds. Kernel and the tuner's MetaSchedule builder both build through here."""
-    with tvm.transform.PassContext(opt_level=3, config=pass_config), tvm_workarounds.lower_every_warp_buffer():
+    with tvm.transform.PassContext(opt_level=3, config=pass_config), tvm_workarounds.lower_every_warp_buffer(), \
+            tvm_workarounds.no_warp_thread_sync():
         return tvm.compile(mod, target=target)
 
 

@@ -105,8 +105,6 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int):
             with T.sblock("tile"):
                 vb, vh, vqb = T.axis.remap("SSS", [b, h, qb])
                 Qt = T.sblock_alloc_buffer((BM, D), dtype)  # the Q block, zero-padded
-                Kt = T.sblock_alloc_buffer((BN, D), dtype)  # one K tile, zero-padded
-                Vt = T.sblock_alloc_buffer((BN, D), dtype)  # one V tile, zero-padded
                 S = T.sblock_alloc_buffer((BM, BN), f32)  # Q Kᵀ of one tile, unscaled
                 Sm = T.sblock_alloc_buffer((BM, BN), f32)  # S scaled to base 2 and masked
                 P = T.sblock_alloc_buffer((BM, BN), f32)  # exp2(scaled S - running max)
@@ -141,6 +139,10 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int):
                 for kb in range(kv_tiles(vqb, seqlen_q, seqlen_k)):
                     with T.sblock("kv_step"):
                         vkb = T.axis.opaque(kv_tiles(vqb, seqlen_q, seqlen_k), kb)
+                        # Per-tile buffers live in the scope of one K/V step (a software pipeline
+                        # over kb can then keep several versions of them).
+                        Kt = T.sblock_alloc_buffer((BN, D), dtype)  # one K tile, zero-padded
+                        Vt = T.sblock_alloc_buffer((BN, D), dtype)  # one V tile, zero-padded
                         for j, d in T.grid(BN, D):
                             with T.sblock("load_k"):
                                 vj, vd = T.axis.remap("SS", [j, d])

@@ -39,3 +39,28 @@ def lower_every_warp_buffer():
         yield
     finally:
         tvm.tirx.transform.LowerWarpMemory = original
+
+
+@contextlib.contextmanager
+def no_warp_thread_sync():
+    """Leave out ``s_tir.transform.ThreadSync("warp")``.
+
+    The barriers it plans for "warp"-scope buffers are never emitted for CUDA (the generated source
+    has no ``__syncwarp``: the "warp" buffers become registers), so it changes nothing in the
+    output, but it aborts a build whose mma accumulator rescale sits under a block-uniform guard:
+    "Check failed: condition_counter() == 0 (1 vs. 0) : Cannot insert syncs inside condition".
+    InjectSoftwarePipeline writes such guards (``if 1 <= seqlen_k``) around the epilogue of a
+    pipeline over the symbolic number of K/V tiles. The "shared" and "shared.dyn" syncs are kept.
+    """
+    original = tvm.s_tir.transform.ThreadSync
+
+    def thread_sync(storage_scope):
+        if storage_scope == "warp":
+            return tvm.transform.Sequential([], name="tvmflash.NoWarpThreadSync")
+        return original(storage_scope)
+
+    tvm.s_tir.transform.ThreadSync = thread_sync
+    try:
+        yield
+    finally:
+        tvm.s_tir.transform.ThreadSync = original
