@@ -52,3 +52,26 @@ def test_float32_uses_the_simt_schedule():
     kernel = tvmflash.compile(head_dim=64, dtype="float32", target="sm90")
     assert kernel.info()["schedule"] == "cuda"
     assert "mma.sync" not in kernel.source(heads_q=2, heads_kv=2)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_sm90_wgmma_schedule_is_opt_in(monkeypatch, dtype):
+    """The experimental wgmma schedule (TVMFLASH_SM90=1) emits wgmma, not mma.sync, and nvcc
+    compiles it for sm_90a. Without the variable nothing changes."""
+    monkeypatch.delenv("TVMFLASH_SM90", raising=False)
+    assert tvmflash.compile(head_dim=64, dtype=dtype, target="sm90").info()["schedule"] == "sm80"
+    monkeypatch.setenv("TVMFLASH_SM90", "1")
+    assert tvmflash.compile(head_dim=64, dtype=dtype, target="sm80").info()["schedule"] == "sm80"
+    kernel = tvmflash.compile(head_dim=128, dtype=dtype, causal=True, target="sm90")
+    assert kernel.info()["schedule"] == "sm90"
+    src = kernel.source(heads_q=4, heads_kv=2)
+    ptx_type = {"float16": "f16", "bfloat16": "bf16"}[dtype]
+    assert f"wgmma.mma_async.sync.aligned.m64n64k16.f32.{ptx_type}.{ptx_type}" in src  # S = Q K^T
+    assert f"wgmma.mma_async.sync.aligned.m64n128k16.f32.{ptx_type}.{ptx_type}" in src  # O += P V
+    assert "wgmma.wait_group.sync.aligned" in src and "mma.sync" not in src
+    if shutil.which("nvcc") is not None:
+        from tvm.support import nvcc
+
+        with kernel.target:
+            cubin = nvcc.compile_cuda(src, target_format="cubin", arch="sm_90a", compiler="nvcc")
+        assert len(cubin) > 1000
