@@ -332,19 +332,22 @@ def schedule(
     _acc_block(sch, "store_o", num_warpgroups)
 
     # ---- softmax: one thread per row (scalar; reads S from shared) -------------------------
-    for name in ("init_ml", "row_max", "exp", "alpha", "row_sum", "cast_p", "update_m", "store_lse"):
+    # The row sum l stays in its row's register. store_o, run by the accumulator threads, reads
+    # it from a copy in shared memory written once after the last K/V tile (``reindex``: unlike
+    # cache_read it accepts a buffer with several writers).
+    # With l in shared memory all along, its update in the row-sum loop (rows run on threads
+    # 0..63, under a condition) would cost a barrier per key.
+    store_o_reads = [str(r.source.name) for r in sch.get(sch.get_sblock("store_o")).reads]
+    l_copy = sch.reindex("store_o", ("read", store_o_reads.index("l")))
+    sch.set_scope(l_copy, 0, "shared.dyn")
+    for name in ("init_ml", "row_max", "exp", "alpha", "row_sum", "cast_p", "update_m", l_copy, "store_lse"):
         _row_block(sch, name, num_warpgroups)
-    # Rows run on threads 0..63 only, under a condition, and TVM cannot put barriers inside a
-    # condition; with the rescale l *= alpha inside the row-sum loop (under j == 0) it thinks
-    # the loop needs one. Outside the loop it does not.
-    sch.decompose_reduction("row_sum", sch.get_loops("row_sum")[-1])
     # Each thread writes its row of P 16 bytes at a time (8 rows of a core matrix: 128
     # contiguous bytes, no bank conflicts).
     _, p_vec = sch.split(sch.get_loops("cast_p")[-1], [None, vec])
     sch.vectorize(p_vec)
-    for name, idx in (("init_ml", 0), ("row_max", 0), ("exp", 0)):
+    for name, idx in (("init_ml", 0), ("init_ml", 1), ("row_max", 0), ("exp", 0)):
         sch.set_scope(name, idx, "local")
-    sch.set_scope("init_ml", 1, "shared.dyn")  # l: read by the accumulator threads in store_o
     sch.set_scope("alpha", 0, "shared.dyn")  # read by the accumulator threads in pv_init
     sch.set_scope("init_scale", 0, "local")
     return sch
