@@ -75,3 +75,21 @@ def test_sm90_wgmma_schedule_is_opt_in(monkeypatch, dtype):
         with kernel.target:
             cubin = nvcc.compile_cuda(src, target_format="cubin", arch="sm_90a", compiler="nvcc")
         assert len(cubin) > 1000
+
+
+def test_sm90_accumulator_layout_matches_cutlass():
+    """schedules.sm90's wgmma accumulator layout against an independent statement of it: CUTLASS's
+    CLayout_64xN = ((4,8,4),(2,2,N/8)):((128,1,16),(64,8,512)), (thread, value) -> m + 64 n."""
+    from tvmflash.schedules import sm90
+
+    for n in (8, 64, 136, 256):
+        seen = set()
+        for thread in range(128):
+            for reg in range(n // 2):
+                index = ((thread % 4) * 128 + (thread // 4 % 8) + (thread // 32) * 16
+                         + (reg % 2) * 64 + (reg // 2 % 2) * 8 + (reg // 4) * 512)
+                row, col = index % 64, index // 64
+                assert sm90._acc_matrix(thread, reg) == (row, col)
+                assert sm90._acc_layout(row, col) == (thread, reg)
+                seen.add((row, col))
+        assert len(seen) == 64 * n
