@@ -68,7 +68,7 @@ def schedule_gemm(M, N, K, dtype, b_major, num_warpgroups=2):
     acc = sch.cache_write(block, 0, "local")
     sch.reverse_compute_at(acc, bx)
     sch.transform_layout(block, ("write", 0), sm90._acc_index_map)
-    rows = sm90._warpgroup_gemm(sch, block, num_warpgroups, intrin)
+    rows = sm90._warpgroup_gemm(sch, block, num_warpgroups)
     sm90._acc_block(sch, acc, num_warpgroups)
     sch.tensorize(rows, intrin)
     return sch

@@ -256,9 +256,10 @@ def _copy_to_core_matrices(sch, block, num_warpgroups, vec):
     sch.vectorize(v)
 
 
-def _warpgroup_gemm(sch, name, num_warpgroups, intrin):
-    """Tensorize a GEMM block (loops: block_m rows, cols, reduction) as one wgmma intrinsic per
-    warpgroup; its init (from decompose_reduction) runs on the accumulator threads."""
+def _warpgroup_gemm(sch, name, num_warpgroups):
+    """Prepare a GEMM block (loops: block_m rows, cols, reduction) for one wgmma intrinsic per
+    warpgroup: rows split over warpgroups, the init (decompose_reduction) run by the threads that
+    hold the accumulator. Returns the loop to tensorize."""
     i = sch.get_loops(name)[-3]
     rows = _split_warpgroups(sch, i, num_warpgroups)
     init = sch.decompose_reduction(name, rows)
@@ -308,7 +309,7 @@ def schedule(
     # ---- qk: S = Q K^T on wgmma, S in accumulator registers --------------------------------
     sch.set_scope("qk", 0, "local")
     sch.transform_layout("qk", ("write", 0), _acc_index_map)
-    rows = _warpgroup_gemm(sch, "qk", num_warpgroups, qk_intrin)
+    rows = _warpgroup_gemm(sch, "qk", num_warpgroups)
     sch.tensorize(rows, qk_intrin)
     _acc_block(sch, s_sh, num_warpgroups)  # each thread stores its own S registers
 
@@ -320,7 +321,7 @@ def schedule(
     sch.set_scope("pv", 0, "local")
     sch.transform_layout("pv", ("write", 0), _acc_index_map)
     pv = sch.get_sblock("pv")
-    rows = _warpgroup_gemm(sch, pv, num_warpgroups, pv_intrin)  # pv_init: the rescale acc *= alpha
+    rows = _warpgroup_gemm(sch, pv, num_warpgroups)  # pv_init: the rescale acc *= alpha
     # decompose_reduction leaves the init's read of alpha on the update block; drop it so the
     # update matches the intrinsic's description (reads C, A, B only).
     reads = [str(r.source.name) for r in sch.get(pv).reads]
