@@ -7,12 +7,19 @@ Installed as ``tvmflash.schedules``.
 
 from __future__ import annotations
 
+import os
 from types import ModuleType
 
-from . import cpu, cuda, sm80
+from . import cpu, cuda, sm80, sm90
 
 # The schedule for each compute capability, newest first; the CPU has its own.
 _CUDA_BY_CAPABILITY: list[tuple[int, ModuleType]] = [(80, sm80), (0, cuda)]
+
+
+def sm90_opted_in() -> bool:
+    """The wgmma schedule (sm_90a only: wgmma is not on later GPUs) is opt-in until it is
+    validated on a GPU: TVMFLASH_SM90=1."""
+    return os.environ.get("TVMFLASH_SM90", "") not in ("", "0")
 
 
 def for_target(target, dtype: str) -> ModuleType:
@@ -23,6 +30,8 @@ def for_target(target, dtype: str) -> ModuleType:
         from tvmflash.target import compute_capability
 
         cc = compute_capability(target)
+        if cc == 90 and dtype in sm90.DTYPES and sm90_opted_in():
+            return sm90
         for min_cc, module in _CUDA_BY_CAPABILITY:
             if cc >= min_cc and dtype in getattr(module, "DTYPES", (dtype,)):
                 return module

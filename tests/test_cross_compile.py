@@ -77,3 +77,44 @@ def test_sm80_pipelined_kv_loads_use_cp_async(num_stages):
 def test_sm80_rejects_unknown_num_stages():
     with pytest.raises(ValueError, match="num_stages"):
         tvmflash.compile(head_dim=64, dtype="float16", target="sm80", knobs={"num_stages": 4}).source(1, 1)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_sm90_wgmma_schedule_is_opt_in(monkeypatch, dtype):
+    """The experimental wgmma schedule (TVMFLASH_SM90=1) emits wgmma, not mma.sync, and nvcc
+    compiles it for sm_90a. Without the variable nothing changes."""
+    monkeypatch.delenv("TVMFLASH_SM90", raising=False)
+    assert tvmflash.compile(head_dim=64, dtype=dtype, target="sm90").info()["schedule"] == "sm80"
+    monkeypatch.setenv("TVMFLASH_SM90", "1")
+    assert tvmflash.compile(head_dim=64, dtype=dtype, target="sm80").info()["schedule"] == "sm80"
+    kernel = tvmflash.compile(head_dim=128, dtype=dtype, causal=True, target="sm90")
+    assert kernel.info()["schedule"] == "sm90"
+    src = kernel.source(heads_q=4, heads_kv=2)
+    ptx_type = {"float16": "f16", "bfloat16": "bf16"}[dtype]
+    assert f"wgmma.mma_async.sync.aligned.m64n64k16.f32.{ptx_type}.{ptx_type}" in src  # S = Q K^T
+    assert f"wgmma.mma_async.sync.aligned.m64n128k16.f32.{ptx_type}.{ptx_type}" in src  # O += P V
+    assert "wgmma.wait_group.sync.aligned" in src and "mma.sync" not in src
+    if shutil.which("nvcc") is not None:
+        from tvm.support import nvcc
+
+        with kernel.target:
+            cubin = nvcc.compile_cuda(src, target_format="cubin", arch="sm_90a", compiler="nvcc")
+        assert len(cubin) > 1000
+
+
+def test_sm90_accumulator_layout_matches_cutlass():
+    """schedules.sm90's wgmma accumulator layout against an independent statement of it: CUTLASS's
+    CLayout_64xN = ((4,8,4),(2,2,N/8)):((128,1,16),(64,8,512)), (thread, value) -> m + 64 n."""
+    from tvmflash.schedules import sm90
+
+    for n in (8, 64, 136, 256):
+        seen = set()
+        for thread in range(128):
+            for reg in range(n // 2):
+                index = ((thread % 4) * 128 + (thread // 4 % 8) + (thread // 32) * 16
+                         + (reg % 2) * 64 + (reg // 2 % 2) * 8 + (reg // 4) * 512)
+                row, col = index % 64, index // 64
+                assert sm90._acc_matrix(thread, reg) == (row, col)
+                assert sm90._acc_layout(row, col) == (thread, reg)
+                seen.add((row, col))
+        assert len(seen) == 64 * n

@@ -286,7 +286,9 @@ def compile(*, head_dim: int, dtype, causal: bool = False, target=None, knobs: d
     dtype = _dtype_name(dtype)
     program.AttentionSpec(head_dim, dtype, bool(causal))  # validates head_dim and dtype
     resolved = targets.resolve(target)
-    key = cache.digest([head_dim, dtype, bool(causal), str(resolved), knobs])
+    # The schedule is in the key: an opt-in schedule (TVMFLASH_SM90) may change it for the same target.
+    schedule_name = schedule_registry.name_of(schedule_registry.for_target(resolved, dtype))
+    key = cache.digest([head_dim, dtype, bool(causal), str(resolved), knobs, schedule_name])
     kernel = _KERNELS.get(key)
     if kernel is None:
         kernel = _KERNELS[key] = Kernel({"head_dim": head_dim, "dtype": dtype, "causal": bool(causal)}, resolved, knobs)

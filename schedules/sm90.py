@@ -1,0 +1,355 @@
+"""sm90 (Hopper, sm_90a) schedule: QK^T and PV on ``wgmma.mma_async``.
+
+EXPERIMENTAL, opt-in (``TVMFLASH_SM90=1``, see ``schedules.for_target``) until validated on a GPU.
+
+Mapping:
+  * tile (b, h, qb) -> blockIdx.(z, y, x); ``num_warpgroups`` warpgroups (threadIdx.y) of 128
+    threads (threadIdx.x). Warpgroup g owns rows [64 g, 64 g + 64) of the Q block, so
+    block_m == 64 * num_warpgroups.
+  * Q, K, V tiles (and P, the A operand of PV) live in dynamic shared memory in the
+    "interleaved" (no-swizzle) core-matrix layout that a wgmma matrix descriptor describes
+    (``_core_matrix_map``). Both GEMMs read their operands through descriptors ("ss" form);
+    QK^T takes K K-major, PV takes V N-major (``imm-trans-b`` = 1), so V is never transposed.
+  * qk: S = Q K^T: one tensor intrinsic per warpgroup and K/V tile covers the whole 64 x block_n
+    x head_dim product: head_dim/16 ``wgmma.mma_async.m64n{block_n}k16`` in one commit group.
+    S stays in the wgmma accumulator registers (``_acc_layout``).
+  * pv: acc += P V likewise (``m64n{head_dim}k16``, block_n/16 of them); the output accumulator
+    stays in registers across all K/V tiles and is rescaled and stored from them.
+  * The online softmax runs one query row per thread (threads 0..63 of each warpgroup) on a copy
+    of S in shared memory, as the sm80 schedule does.
+
+Accumulator registers in TensorIR: a ``local`` buffer is per thread, and CompactBufferAllocation
+only drops a thread dimension from it when each access names that thread; a tensorized block's
+match_buffer covers all 128 threads, so the thread dimension would stay (a 128x larger array in
+local memory). The accumulators are therefore laid out *per thread*: (row, col) -> (warpgroup,
+register), dropping the thread index (``_acc_index_map``). That map is not injective, which is
+sound only because every block that touches an accumulator is bound so that thread t touches
+exactly its own elements (``_bind_acc_threads``), and the wgmma is warpgroup-collective.
+"""
+
+from __future__ import annotations
+
+import tvm
+from tvm.s_tir import TensorIntrin
+
+from .sm80 import DTYPES, _buffer_info  # noqa: F401 - DTYPES: the same fp16/bf16 pair
+
+WARPGROUP = 128
+WG_ROWS = 64  # rows of one wgmma (the M of m64nNk16)
+
+KNOBS = {"block_m": 128, "block_n": 64, "num_warpgroups": 2, "vec": 8}
+SPACE = {
+    "block_m": [64, 128],
+    "block_n": [64, 128],
+    "num_warpgroups": lambda knobs: [knobs["block_m"] // WG_ROWS],
+    "vec": [8],
+}
+PASS_CONFIG: dict = {}
+
+
+# --------------------------------------------------------------------------------------------
+# layouts
+# --------------------------------------------------------------------------------------------
+def _acc_layout(i, j):
+    """(row, col) of a 64 x N wgmma accumulator -> (thread of the warpgroup, register).
+
+    PTX ISA 9.7.15.5.1.1.1 (Figure "WGMMA .m64nNk16 register fragment layout for accumulator
+    matrix D"; the same as CUTLASS's SM90 CLayout_64xN): warp w = t // 32 holds rows
+    [16 w, 16 w + 16); within the warp the layout is mma.sync's m16n8 C fragment repeated
+    along N every 8 columns:
+        lane = t % 32, row = 16 w + lane // 4 + 8 * ((reg // 2) % 2),
+        col = 8 * (reg // 4) + 2 * (lane % 4) + reg % 2.
+    Registers d0..d{N/2-1}; d0, d1 are (row, 2q), (row, 2q+1); d2, d3 the same 8 rows lower.
+    """
+    thread = (i // 16) * 32 + (i % 8) * 4 + (j % 8) // 2
+    reg = (j // 8) * 4 + ((i % 16) // 8) * 2 + j % 2
+    return thread, reg
+
+
+def _acc_matrix(thread, reg):
+    """The inverse of _acc_layout: (thread, register) -> (row, col)."""
+    row = (thread // 32) * 16 + ((reg // 2) % 2) * 8 + (thread % 32) // 4
+    col = (reg // 4) * 8 + (thread % 4) * 2 + reg % 2
+    return row, col
+
+
+def _acc_index_map(i, j):
+    """Accumulator buffer (rows, cols) -> per-thread registers (warpgroup, register).
+
+    Not injective on purpose: see the module docstring."""
+    return (i // WG_ROWS, _acc_layout(i % WG_ROWS, j)[1])
+
+
+def _core_matrix_map(r, c):
+    """Row-major (rows, cols) tile -> "interleaved" wgmma core matrices (r//8, c//8, r%8, c%8).
+
+    A core matrix is 8 rows x 16 bytes, stored as 128 contiguous bytes. In PTX's canonical
+    layouts (ISA 9.7.15.5.1.2.1.3, T = 8 elements of 16 bits):
+      * K-major, no swizzle ((8,m),(T,2k)):((1T,SBO),(1,LBO)): rows are M/N, cols are K;
+        SBO = stride of r//8, LBO = stride of c//8.
+      * MN-major, no swizzle ((T,1,m),(8,k)):((1,T,SBO),(1T,LBO)): rows are K, cols are N;
+        SBO = stride of c//8, LBO = stride of r//8.
+    """
+    return (r // 8, c // 8, r % 8, c % 8)
+
+
+# --------------------------------------------------------------------------------------------
+# wgmma tensor intrinsics
+# --------------------------------------------------------------------------------------------
+_PTX_TYPE = {"float16": "f16", "bfloat16": "bf16"}
+# An empty asm that claims to modify a register: the compiler may not move reads of the
+# accumulator across it (CUTLASS's warpgroup_fence_operand). TVM's own noop_barrier helper takes
+# its operand by value, which fences a copy.
+_REG_FENCE = (
+    "__device__ __forceinline__ void tvmflash_wgmma_reg_fence(float& r) "
+    '{ asm volatile("" : "+f"(r) :: "memory"); }'
+)
+
+
+def wgmma_intrin_name(n: int, k: int, dtype: str, b_major: str) -> str:
+    """Register (once) and name the intrinsic for a 64 x n x k GEMM on wgmma.
+
+    A (64 x k) and B are shared-memory tiles in ``_core_matrix_map`` layout; A is K-major. B is
+    K-major (an n x k tile, ``b_major="k"``: S = Q K^T) or N-major (a k x n tile,
+    ``b_major="mn"``: O += P V). C is the float32 accumulator, per thread (``_acc_index_map``).
+    """
+    name = f"tvmflash_wgmma_m64n{n}k{k}_{_PTX_TYPE[dtype]}_b{b_major}"
+    try:
+        TensorIntrin.get(name)
+    except Exception:  # noqa: BLE001 - not registered yet
+        TensorIntrin.register(name, *_wgmma_desc_impl(n, k, dtype, b_major))
+    return name
+
+
+def _wgmma_desc_impl(n, k, dtype, b_major):
+    from tvm.script import tirx as T
+
+    if n % 8 or not 8 <= n <= 256 or k % 16:
+        raise ValueError(f"wgmma: n must be a multiple of 8 in [8, 256] and k of 16, got n={n}, k={k}")
+    nr = n // 2  # accumulator registers per thread
+    a_shape = (8, k // 8, 8, 8)
+    b_shape = (n // 8, k // 8, 8, 8) if b_major == "k" else (k // 8, n // 8, 8, 8)
+    trans_b = 0 if b_major == "k" else 1
+    ptx = _PTX_TYPE[dtype]
+    shape = f"m64n{n}k16"
+    mma = getattr(getattr(T.ptx.wgmma.mma_async.sync.aligned, shape).f32, ptx)
+    mma = getattr(mma, ptx)
+
+    def b_at(B, vj, vk):
+        if b_major == "k":
+            return B[vj // 8, vk // 8, vj % 8, vk % 8]
+        return B[vk // 8, vj // 8, vk % 8, vj % 8]
+
+    def acc_reg(vi, vj):
+        return _acc_layout(vi, vj)[1]
+
+    @T.prim_func(s_tir=True)
+    def desc(a: T.handle, b: T.handle, c: T.handle):
+        A = T.match_buffer(a, a_shape, dtype, offset_factor=1, scope="shared.dyn")
+        B = T.match_buffer(b, b_shape, dtype, offset_factor=1, scope="shared.dyn")
+        C = T.match_buffer(c, (nr,), "float32", offset_factor=1, scope="local")
+        with T.sblock("root"):
+            T.reads(C[0:nr], A[0 : a_shape[0], 0 : a_shape[1], 0:8, 0:8], B[0 : b_shape[0], 0 : b_shape[1], 0:8, 0:8])
+            T.writes(C[0:nr])
+            for i, j, kk in T.grid(64, n, k):
+                with T.sblock("update"):
+                    vi, vj, vk = T.axis.remap("SSR", [i, j, kk])
+                    C[acc_reg(vi, vj)] = C[acc_reg(vi, vj)] + T.cast(
+                        A[vi // 8, vk // 8, vi % 8, vk % 8], "float32"
+                    ) * T.cast(b_at(B, vj, vk), "float32")
+
+    @T.prim_func(s_tir=True)
+    def impl(a: T.handle, b: T.handle, c: T.handle):
+        sa0 = T.int32()
+        sa1 = T.int32()
+        sb0 = T.int32()
+        sb1 = T.int32()
+        A = T.match_buffer(a, a_shape, dtype, offset_factor=1, scope="shared.dyn", strides=[sa0, sa1, 8, 1])
+        B = T.match_buffer(b, b_shape, dtype, offset_factor=1, scope="shared.dyn", strides=[sb0, sb1, 8, 1])
+        C = T.match_buffer(c, (nr,), "float32", offset_factor=1, scope="local")
+        with T.sblock("root"):
+            T.reads(C[0:nr], A[0 : a_shape[0], 0 : a_shape[1], 0:8, 0:8], B[0 : b_shape[0], 0 : b_shape[1], 0:8, 0:8])
+            T.writes(C[0:nr])
+            for tx in T.thread_binding(WARPGROUP, thread="threadIdx.x"):
+                desc_a = T.alloc_buffer((1,), "uint64", scope="local")
+                desc_b = T.alloc_buffer((1,), "uint64", scope="local")
+                # Shared memory written by threads (generic proxy) -> read by wgmma (async proxy).
+                T.ptx.fence.proxy.async_.shared__cta()
+                T.tvm_storage_sync("shared")
+                for r in T.unroll(nr):
+                    T.cuda.func_call("tvmflash_wgmma_reg_fence", C[r], source_code=_REG_FENCE)
+                T.ptx.wgmma.fence.sync.aligned()
+                for ks in T.unroll(k // 16):
+                    # Descriptor fields are in 16-byte units; 2-byte elements.
+                    # A, K-major: LBO = K-direction core-matrix stride, SBO = M-direction.
+                    T.cuda.wgmma.encode_matrix_descriptor(
+                        T.address_of(desc_a[0]), A.access_ptr("r", offset=ks * 2 * sa1),
+                        sa1 // 8, sa0 // 8, 0)
+                    if b_major == "k":
+                        T.cuda.wgmma.encode_matrix_descriptor(
+                            T.address_of(desc_b[0]), B.access_ptr("r", offset=ks * 2 * sb1),
+                            sb1 // 8, sb0 // 8, 0)
+                    else:
+                        # N-major: LBO = K-direction (r//8) stride, SBO = N-direction (c//8).
+                        T.cuda.wgmma.encode_matrix_descriptor(
+                            T.address_of(desc_b[0]), B.access_ptr("r", offset=ks * 2 * sb0),
+                            sb0 // 8, sb1 // 8, 0)
+                    mma(*[C[r] for r in range(nr)], desc_a[0], desc_b[0], T.bool(True), 1, 1, 0, trans_b)
+                T.ptx.wgmma.commit_group.sync.aligned()
+                T.ptx.wgmma.wait_group.sync.aligned(0)
+                for r in T.unroll(nr):
+                    T.cuda.func_call("tvmflash_wgmma_reg_fence", C[r], source_code=_REG_FENCE)
+
+    return desc, impl
+
+
+# --------------------------------------------------------------------------------------------
+# schedule helpers
+# --------------------------------------------------------------------------------------------
+def _bind_acc_threads(sch, block):
+    """Bind the last two loops of ``block`` (64 rows, N cols of one warpgroup's accumulator)
+    so that thread t runs exactly the (row, col) it holds (``_acc_layout``):
+    rows = (warp 4, half 2, r8 8), cols = (c8 N/8, quad 4, pair 2), t = 32 warp + 4 r8 + quad."""
+    i, j = sch.get_loops(block)[-2:]
+    warp, half, r8 = sch.split(i, [4, 2, 8])
+    c8, quad, pair = sch.split(j, [None, 4, 2])
+    sch.reorder(warp, r8, quad, c8, half, pair)
+    sch.bind(sch.fuse(warp, r8, quad), "threadIdx.x")
+    sch.unroll(c8)
+    sch.unroll(half)
+    sch.unroll(pair)
+
+
+def _split_warpgroups(sch, loop, num_warpgroups):
+    """Split a loop over block_m rows into (warpgroup -> threadIdx.y, 64 rows)."""
+    wg, rows = sch.split(loop, [num_warpgroups, WG_ROWS])
+    sch.bind(wg, "threadIdx.y")
+    return rows
+
+
+def _acc_block(sch, name, num_warpgroups):
+    """A block over (block_m rows, N cols) of an accumulator, run by the threads that hold them."""
+    i = sch.get_loops(name)[-2]
+    _split_warpgroups(sch, i, num_warpgroups)
+    _bind_acc_threads(sch, name)
+
+
+def _row_block(sch, name, num_warpgroups):
+    """Per-row block: row 64 g + r is run by thread r of warpgroup g (threads 64..127 idle)."""
+    i = sch.get_loops(name)[0]
+    rows = _split_warpgroups(sch, i, num_warpgroups)
+    _, tx = sch.split(rows, [None, WARPGROUP])  # 64 rows on 128 threads: a predicate
+    sch.bind(tx, "threadIdx.x")
+
+
+def _copy_to_core_matrices(sch, block, num_warpgroups, vec):
+    """Global -> shared copy into the core-matrix layout, 16 bytes a thread. Eight consecutive
+    threads write the 8 rows of one core matrix (128 contiguous bytes: no bank conflicts)."""
+    r, c = sch.get_loops(block)[-2:]
+    r_hi, r8 = sch.split(r, [None, 8])
+    c_hi, v = sch.split(c, [None, vec])
+    sch.reorder(r_hi, c_hi, r8, v)
+    fused = sch.fuse(r_hi, c_hi, r8)
+    _, ty, tx = sch.split(fused, [None, num_warpgroups, WARPGROUP])
+    sch.bind(ty, "threadIdx.y")
+    sch.bind(tx, "threadIdx.x")
+    sch.vectorize(v)
+
+
+def _warpgroup_gemm(sch, name, num_warpgroups):
+    """Prepare a GEMM block (loops: block_m rows, cols, reduction) for one wgmma intrinsic per
+    warpgroup: rows split over warpgroups, the init (decompose_reduction) run by the threads that
+    hold the accumulator. Returns the loop to tensorize."""
+    i = sch.get_loops(name)[-3]
+    rows = _split_warpgroups(sch, i, num_warpgroups)
+    init = sch.decompose_reduction(name, rows)
+    _bind_acc_threads(sch, init)
+    return rows
+
+
+# --------------------------------------------------------------------------------------------
+def schedule(
+    sch: tvm.s_tir.Schedule,
+    *,
+    block_m: int,
+    block_n: int,
+    num_warpgroups: int,
+    vec: int,
+) -> tvm.s_tir.Schedule:
+    """Map the attention program onto sm90 wgmma. See the module docstring."""
+    dtype, BM, D, BN = _buffer_info(sch)
+    assert (BM, BN) == (block_m, block_n), "schedule knobs must match the program's tiles"
+    if block_m != WG_ROWS * num_warpgroups:
+        raise ValueError(f"block_m: the sm90 schedule gives each warpgroup 64 rows, so block_m must be "
+                         f"64 * num_warpgroups = {WG_ROWS * num_warpgroups}, got {block_m}")
+    if block_n % 16 or block_n > 256 or D % 16:
+        raise ValueError(f"block_n and head_dim: expected multiples of 16 (block_n <= 256), got {block_n} and {D}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype: the sm90 schedule takes {DTYPES}, got {dtype!r}")
+    qk_intrin = wgmma_intrin_name(BN, D, dtype, "k")
+    pv_intrin = wgmma_intrin_name(D, BN, dtype, "mn")
+
+    # ---- grid -----------------------------------------------------------------------------
+    b, h, qb = sch.get_loops("tile")
+    sch.bind(qb, "blockIdx.x")
+    sch.bind(h, "blockIdx.y")
+    sch.bind(b, "blockIdx.z")
+
+    # ---- Q, K, V tiles into shared memory, in wgmma core matrices --------------------------
+    for name in ("load_q", "load_k", "load_v"):
+        sch.set_scope(name, 0, "shared.dyn")
+        sch.transform_layout(name, ("write", 0), _core_matrix_map)
+        _copy_to_core_matrices(sch, name, num_warpgroups, vec)
+
+    # ---- S -> shared memory for the per-row softmax (before S gets its per-thread layout) --
+    score_reads = [str(r.source.name) for r in sch.get(sch.get_sblock("score")).reads]
+    s_sh = sch.cache_read("score", score_reads.index("S"), "shared.dyn")
+    # Rows padded by one float: each thread reads its own row, 32 rows in 32 banks.
+    sch.storage_align(s_sh, 0, axis=0, factor=BN, offset=1)
+
+    # ---- qk: S = Q K^T on wgmma, S in accumulator registers --------------------------------
+    sch.set_scope("qk", 0, "local")
+    sch.transform_layout("qk", ("write", 0), _acc_index_map)
+    rows = _warpgroup_gemm(sch, "qk", num_warpgroups)
+    sch.tensorize(rows, qk_intrin)
+    _acc_block(sch, s_sh, num_warpgroups)  # each thread stores its own S registers
+
+    # ---- P (the A operand of pv) in shared memory, core matrices (K = block_n) -------------
+    sch.set_scope("cast_p", 0, "shared.dyn")
+    sch.transform_layout("cast_p", ("write", 0), _core_matrix_map)
+
+    # ---- pv: acc += P V on wgmma, acc in registers across K/V tiles ------------------------
+    sch.set_scope("pv", 0, "local")
+    sch.transform_layout("pv", ("write", 0), _acc_index_map)
+    pv = sch.get_sblock("pv")
+    rows = _warpgroup_gemm(sch, pv, num_warpgroups)  # pv_init: the rescale acc *= alpha
+    # decompose_reduction leaves the init's read of alpha on the update block; drop it so the
+    # update matches the intrinsic's description (reads C, A, B only).
+    reads = [str(r.source.name) for r in sch.get(pv).reads]
+    if "alpha" in reads:
+        sch.unsafe_hide_buffer_access(pv, "read", [reads.index("alpha")])
+    sch.tensorize(rows, pv_intrin)
+
+    _acc_block(sch, "init_acc", num_warpgroups)
+    _acc_block(sch, "store_o", num_warpgroups)
+
+    # ---- softmax: one thread per row (scalar; reads S from shared) -------------------------
+    # The row sum l stays in its row's register. store_o, run by the accumulator threads, reads
+    # it from a copy in shared memory written once after the last K/V tile (``reindex``: unlike
+    # cache_read it accepts a buffer with several writers).
+    # With l in shared memory all along, its update in the row-sum loop (rows run on threads
+    # 0..63, under a condition) would cost a barrier per key.
+    store_o_reads = [str(r.source.name) for r in sch.get(sch.get_sblock("store_o")).reads]
+    l_copy = sch.reindex("store_o", ("read", store_o_reads.index("l")))
+    sch.set_scope(l_copy, 0, "shared.dyn")
+    for name in ("init_ml", "score", "row_max", "exp", "alpha", "row_sum", "cast_p", "update_m", l_copy, "store_lse"):
+        _row_block(sch, name, num_warpgroups)
+    # Each thread writes its row of P 16 bytes at a time (8 rows of a core matrix: 128
+    # contiguous bytes, no bank conflicts).
+    _, p_vec = sch.split(sch.get_loops("cast_p")[-1], [None, vec])
+    sch.vectorize(p_vec)
+    for name, idx in (("init_ml", 0), ("init_ml", 1), ("score", 0), ("row_max", 0), ("exp", 0)):
+        sch.set_scope(name, idx, "local")
+    sch.set_scope("alpha", 0, "shared.dyn")  # read by the accumulator threads in pv_init
+    sch.set_scope("init_scale", 0, "local")
+    return sch
