@@ -29,13 +29,13 @@ from tvm.s_tir import TensorIntrin
 WARP = 32
 
 
-KNOBS = {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 2, "vec": 8}
+KNOBS = {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 1, "vec": 8}
 NUM_STAGES = (1, 2, 3)  # 1: plain loads; 2, 3: cp.async software pipeline over the K/V tiles
-# Measured on the H200 (tvmflash bench --knobs, bf16, seqlen 4096, fragment softmax): head_dim 128
-# 228 TFLOP/s with 32-key tiles against 184 with 64 (64-key tiles spill); head_dim 64 222 with 64
-# against 163 with 128. num_stages 1, 2 and 3 measured within 1% of each other (228/228/223 at
-# d128): the K/V loads are not what limits this kernel. 2 is the default, as in FA2.
-KNOBS_FOR_HEAD_DIM = {128: {"block_n": 32}, 256: {"block_n": 32}}
+# Measured on the H200 (tvmflash bench --knobs, bf16, seqlen 4096, fragment softmax, unrolled
+# fragment loops): head_dim 128 non-causal 256 TFLOP/s with 64-key tiles and num_stages 1, against
+# 177 with num_stages 2 (why is not diagnosed yet) and 228 with 32-key tiles; `tvmflash tune`
+# picked the same (tuning_logs/nvidia-h200.json). head_dim 64: num_stages 1, 2 and 3 within 1%.
+KNOBS_FOR_HEAD_DIM = {256: {"block_n": 32}}
 # Tuning space (``tvmflash tune``): one MetaSchedule task per (block_m, block_n). A callable gives
 # the candidates from the knobs before it: this version needs block_m == 32 * num_warps. num_stages
 # stays fixed at 1 here: a knob with several candidates is sampled (an ExprRV), and the pipeline's
