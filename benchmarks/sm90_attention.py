@@ -9,8 +9,8 @@ at most 2x that of torch's own attention in the input dtype, + 1e-5; LSE within 
 Speed: batch 4, heads 16, seqlen 4096, head_dim 128, bf16, non-causal: tvmflash sm90, tvmflash
 sm80 (the default schedule on this GPU today) and SDPA FLASH_ATTENTION, median of 20 runs.
 
-    PYTHONPATH=$PWD python device_checks/sm90_attention.py            # exit 1 if a case fails
-    PYTHONPATH=$PWD python device_checks/sm90_attention.py --no-bench
+    PYTHONPATH=$PWD python benchmarks/sm90_attention.py            # exit 1 if a case fails
+    PYTHONPATH=$PWD python benchmarks/sm90_attention.py --no-bench
 """
 
 from __future__ import annotations

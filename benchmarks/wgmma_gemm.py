@@ -7,8 +7,8 @@ torch.matmul in float32. Prints one PASS/FAIL line per case with the max error, 
 failure a diagnosis: where in the reference each wrong output element's value really is (that
 tells a wrong fragment layout or descriptor from wrong numbers).
 
-    PYTHONPATH=$PWD python device_checks/wgmma_gemm.py          # exit status 1 if any case fails
-    PYTHONPATH=$PWD python device_checks/wgmma_gemm.py --source # print one generated kernel too
+    PYTHONPATH=$PWD python benchmarks/wgmma_gemm.py          # exit status 1 if any case fails
+    PYTHONPATH=$PWD python benchmarks/wgmma_gemm.py --source # print one generated kernel too
 """
 
 from __future__ import annotations
