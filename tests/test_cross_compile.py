@@ -46,6 +46,10 @@ def test_tensor_core_schedule_emits_mma_and_ldmatrix(arch, dtype):
     assert f"mma.sync.aligned.m16n8k16.row.col.f32.{ptx_type}.{ptx_type}.f32" in src
     assert "ldmatrix.sync.aligned.m8n8.x4.shared.b16" in src
     assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in src  # V, transposed on load
+    # The softmax runs on the fragments: rows reduced across each quad of lanes by shuffles, and
+    # P handed to the PV mma from registers (ldmatrix loads Q, K and V only: 3 call sites).
+    assert src.count("__shfl_xor_sync(__activemask()") == 2  # row max, row sum
+    assert src.count('"ldmatrix.sync.aligned') == 3
 
 
 def test_float32_uses_the_simt_schedule():
