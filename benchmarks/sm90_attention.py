@@ -16,7 +16,6 @@ sm80 (the default schedule on this GPU today) and SDPA FLASH_ATTENTION, median o
 from __future__ import annotations
 
 import os
-import statistics
 import sys
 import time
 
@@ -28,6 +27,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 import tvmflash  # noqa: E402
 from tvmflash import kernel as kernel_module  # noqa: E402
+from tvmflash.bench import time_ms  # noqa: E402
 
 TORCH = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -77,37 +77,23 @@ def check(head_dim, dtype, causal, batch=2, seqlen_q=1000, seqlen_k=1037, heads_
     return ok
 
 
-def median_ms(fn, warmup=3, repeat=20):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end))
-    return statistics.median(samples)
-
-
 def bench(batch=4, heads=16, seqlen=4096, head_dim=128, dtype="bfloat16"):
     q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=TORCH[dtype]) for _ in range(3))
     flops = 4 * batch * heads * seqlen * seqlen * head_dim
     results = {}
+    cuda = torch.device("cuda")
     sm90 = tvmflash.compile(head_dim=head_dim, dtype=dtype, target="cuda")
     assert sm90.info()["schedule"] == "sm90", sm90.info()
     out = torch.empty_like(q)
-    results["tvmflash sm90"] = median_ms(lambda: sm90(q, k, v, out=out))
+    results["tvmflash sm90"] = time_ms(lambda: sm90(q, k, v, out=out), cuda)
     os.environ["TVMFLASH_SM90"] = "0"
     kernel_module.forget_kernels()
     sm80 = tvmflash.compile(head_dim=head_dim, dtype=dtype, target="cuda")
-    results[f"tvmflash {sm80.info()['schedule']}"] = median_ms(lambda: sm80(q, k, v, out=out))
+    results[f"tvmflash {sm80.info()['schedule']}"] = time_ms(lambda: sm80(q, k, v, out=out), cuda)
     os.environ["TVMFLASH_SM90"] = "1"
     qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-        results["SDPA flash"] = median_ms(lambda: F.scaled_dot_product_attention(qh, kh, vh))
+        results["SDPA flash"] = time_ms(lambda: F.scaled_dot_product_attention(qh, kh, vh), cuda)
     print(f"speed: batch {batch}, heads {heads}, seqlen {seqlen}, d{head_dim}, {dtype}, non-causal")
     for name, ms in results.items():
         print(f"  {name:16s} {ms:8.3f} ms  {flops / ms / 1e9:7.1f} TFLOP/s")

@@ -30,26 +30,19 @@ def gemm_func(M, N, K, dtype, b_major):
     """C[M, N] (float32) = A[M, K] @ (B[N, K]^T if b_major == "k" else B[K, N])."""
     b_shape = (N, K) if b_major == "k" else (K, N)
 
-    if b_major == "k":
-        @T.prim_func(s_tir=True)
-        def main(A: T.Buffer((M, K), dtype), B: T.Buffer(b_shape, dtype), C: T.Buffer((M, N), "float32")):
-            T.func_attr({"global_symbol": "main", "tirx.noalias": True})
-            for i, j, k in T.grid(M, N, K):
-                with T.sblock("C"):
-                    vi, vj, vk = T.axis.remap("SSR", [i, j, k])
-                    with T.init():
-                        C[vi, vj] = T.float32(0)
-                    C[vi, vj] = C[vi, vj] + T.cast(A[vi, vk], "float32") * T.cast(B[vj, vk], "float32")
-    else:
-        @T.prim_func(s_tir=True)
-        def main(A: T.Buffer((M, K), dtype), B: T.Buffer(b_shape, dtype), C: T.Buffer((M, N), "float32")):
-            T.func_attr({"global_symbol": "main", "tirx.noalias": True})
-            for i, j, k in T.grid(M, N, K):
-                with T.sblock("C"):
-                    vi, vj, vk = T.axis.remap("SSR", [i, j, k])
-                    with T.init():
-                        C[vi, vj] = T.float32(0)
-                    C[vi, vj] = C[vi, vj] + T.cast(A[vi, vk], "float32") * T.cast(B[vk, vj], "float32")
+    def b_at(j, k):  # B's element for output column j, reduction index k
+        return (j, k) if b_major == "k" else (k, j)
+
+    @T.prim_func(s_tir=True)
+    def main(A: T.Buffer((M, K), dtype), B: T.Buffer(b_shape, dtype), C: T.Buffer((M, N), "float32")):
+        T.func_attr({"global_symbol": "main", "tirx.noalias": True})
+        for i, j, k in T.grid(M, N, K):
+            with T.sblock("C"):
+                vi, vj, vk = T.axis.remap("SSR", [i, j, k])
+                bj, bk = T.meta_var(b_at(vj, vk))
+                with T.init():
+                    C[vi, vj] = T.float32(0)
+                C[vi, vj] = C[vi, vj] + T.cast(A[vi, vk], "float32") * T.cast(B[bj, bk], "float32")
     return main
 
 

@@ -26,6 +26,8 @@ from __future__ import annotations
 import tvm
 from tvm.s_tir import TensorIntrin
 
+from .common import bind_grid
+
 WARP = 32
 
 
@@ -408,10 +410,7 @@ def schedule(
     names = _intrin_names(dtype)
 
     # ---- grid -----------------------------------------------------------------------------
-    b, h, qb = sch.get_loops("tile")
-    sch.bind(qb, "blockIdx.x")
-    sch.bind(h, "blockIdx.y")
-    sch.bind(b, "blockIdx.z")
+    bind_grid(sch)
 
     # ---- Q, K, V tiles into (dynamic) shared memory ---------------------------------------
     for name in ("load_q", "load_k", "load_v"):

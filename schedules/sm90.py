@@ -32,6 +32,8 @@ from __future__ import annotations
 import tvm
 from tvm.s_tir import TensorIntrin
 
+from .common import bind_grid
+
 from .sm80 import DTYPES, _buffer_info  # noqa: F401 - DTYPES: the same fp16/bf16 pair
 
 WARPGROUP = 128
@@ -290,10 +292,7 @@ def schedule(
     pv_intrin = wgmma_intrin_name(D, BN, dtype, "mn")
 
     # ---- grid -----------------------------------------------------------------------------
-    b, h, qb = sch.get_loops("tile")
-    sch.bind(qb, "blockIdx.x")
-    sch.bind(h, "blockIdx.y")
-    sch.bind(b, "blockIdx.z")
+    bind_grid(sch)
 
     # ---- Q, K, V tiles into shared memory, in wgmma core matrices --------------------------
     for name in ("load_q", "load_k", "load_v"):
