@@ -35,7 +35,7 @@ KNOBS = {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 1, "vec": 
 NUM_STAGES = (1, 2, 3)  # 1: plain loads; 2, 3: cp.async software pipeline over the K/V tiles
 # Measured on the H200 (tvmflash bench --knobs, bf16, seqlen 4096, fragment softmax, unrolled
 # fragment loops): head_dim 128 non-causal 256 TFLOP/s with 64-key tiles and num_stages 1, against
-# 177 with num_stages 2 (why is not diagnosed yet) and 228 with 32-key tiles; `tvmflash tune`
+# 177 with num_stages 2 (that build spills 896 B: ptxas -v) and 228 with 32-key tiles; `tvmflash tune`
 # picked the same (tuning_logs/nvidia-h200.json). head_dim 64: num_stages 1, 2 and 3 within 1%.
 KNOBS_FOR_HEAD_DIM = {256: {"block_n": 32}}
 # Tuning space (``tvmflash tune``): one MetaSchedule task per (block_m, block_n). A callable gives
