@@ -28,24 +28,23 @@ def schedule(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, vector: int
         _vectorize_inner(sch, name, vector)
 
     # S[i, :] += Q[i, d] * Kᵀ[d, :]: keys innermost, vectorised.
-    qk = sch.get_sblock("qk")
-    i, j, d = sch.get_loops(qk)
-    sch.reorder(i, d, j)
-    jo, ji = sch.split(j, [None, vector])
-    sch.vectorize(ji)
-    sch.decompose_reduction(qk, d)
-
+    _gemm_vector_inner(sch, "qk", vector)
     # acc[i, :] += P[i, j] * V[j, :]: head_dim innermost, vectorised.
-    pv = sch.get_sblock("pv")
-    i, d, j = sch.get_loops(pv)
-    sch.reorder(i, j, d)
-    do, di = sch.split(d, [None, vector])
-    sch.vectorize(di)
-    sch.decompose_reduction(pv, j)
+    _gemm_vector_inner(sch, "pv", vector)
 
     for name in ("score", "exp", "cast_p"):
         _vectorize_inner(sch, name, vector)
     return sch
+
+
+def _gemm_vector_inner(sch, block_name, vector):
+    """A (rows, cols, reduction) block as rows, reduction, cols: the output row is updated along
+    contiguous columns, vectorised; the init is its own block."""
+    i, n, k = sch.get_loops(block_name)
+    sch.reorder(i, k, n)
+    _, inner = sch.split(n, [None, vector])
+    sch.vectorize(inner)
+    sch.decompose_reduction(block_name, k)
 
 
 def _vectorize_inner(sch, block_name, vector):

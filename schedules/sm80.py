@@ -73,18 +73,19 @@ def _register_intrinsics():
         return
     import tvm.s_tir.tensor_intrin.cuda  # noqa: F401 - registers the fp16 intrinsics
 
-    def reg(name, pair):
-        try:
-            TensorIntrin.register(name, *pair)
-        except Exception:  # already registered (module reloaded)
-            pass
-
     # TVM generates fp16 ldmatrix/mma intrinsics only; the bf16 ones differ in the element type
     # and the PTX type name alone, so derive them from the fp16 descriptions.
     for role, name in _FP16_INTRINSICS.items():
         fp16 = TensorIntrin.get(name)
-        reg(f"tvmflash_{role}_bf16", (_as_bf16(fp16.desc), _as_bf16(fp16.impl)))
+        _register(f"tvmflash_{role}_bf16", _as_bf16(fp16.desc), _as_bf16(fp16.impl))
     _REGISTERED = True
+
+
+def _register(name, desc, impl):
+    try:
+        TensorIntrin.register(name, desc, impl)
+    except Exception:  # already registered (this module was reloaded)
+        pass
 
 
 def _as_bf16(func):
@@ -164,7 +165,7 @@ def row_reduce_intrin(op: str, n_rows: int, n_cols: int) -> str:
                     for k in range(rows_per_lane):
                         out[8 * k + lane // 4] = combine(out[8 * k + lane // 4], part[k])
 
-    TensorIntrin.register(name, desc, impl)
+    _register(name, desc, impl)
     _ROW_REDUCE_REGISTERED.add(name)
     return name
 
@@ -187,14 +188,6 @@ def _ldmatrix_layout(i, j):
     from tvm.s_tir.tensor_intrin.cuda import shared_16x16_to_ldmatrix_32x8_layout
 
     return shared_16x16_to_ldmatrix_32x8_layout(i, j)
-
-
-def _frag_to_matrix(a0, a1, lane, reg):
-    """The inverse of _frag_index_map: fragment (row tile, col tile, lane, register) -> (row, col)."""
-    from tvm.s_tir.tensor_intrin.cuda import ldmatrix_32x8_to_shared_16x16_layout
-
-    row, col = ldmatrix_32x8_to_shared_16x16_layout(lane, reg)
-    return (a0 * 16 + row, a1 * 16 + col)
 
 
 def _frag_index_map(i, j):
@@ -354,7 +347,7 @@ def _fragment_elementwise(sch, name, num_warps):
 
 def _fragment_row_reduce(sch, name, intrin, num_warps):
     """A row reduction (rows, cols) over mma fragments: the init becomes a per-row block
-    ``<name>_init`` and each warp's 16-row tiles are tensorized with ``intrin``."""
+    ``<name>_init`` (one lane per row) and each warp's rows are tensorized with ``intrin``."""
     i = sch.get_loops(name)[-2]
     w, r = sch.split(i, [num_warps, None])
     sch.bind(w, "threadIdx.y")
@@ -482,7 +475,6 @@ def schedule(
     sch.reorder(w, r8, q, mi, d0, h, dh, e)
     sch.bind(w, "threadIdx.y")
     sch.bind(sch.fuse(r8, q), "threadIdx.x")
-
 
     # one lane per row
     for name in ("init_ml", "alpha", "update_m", "store_lse"):
