@@ -12,7 +12,13 @@ Mapping (FA2 style):
     mma accumulator layout, which is also the A-operand layout, so P never leaves registers. Row
     max and row sum are our own intrinsics: per-lane partials, then two xor shuffles across the
     quad of lanes that shares a row. The per-row running values (max, sum, rescale factor) live in
-    shared memory, one lane per row, which costs a few __syncthreads per tile.
+    shared memory, one lane per row, which costs a few __syncthreads per tile (row_state "shared",
+    the default). row_state "registers" keeps them in "local" buffers replicated on each quad
+    (FA2's way): the per-row blocks run through intrinsics derived from the blocks themselves
+    (quad_rows_intrin), and the K/V loop keeps only the 2 barriers of the K/V tiles. KNOWN GAP:
+    TVM's buffer compaction does not yet shrink those buffers to 4 values per thread (the
+    tensorized blocks declare their warp's 32 rows), so they sit in local memory (ptxas: ~1.1 KB
+    stack frame); not for timing until that is fixed.
   * Shared tiles have padded rows, so ldmatrix is free of bank conflicts.
   * num_stages: 1 loads each K/V tile with plain vector loads at the top of its step. 2 or 3 make
     the K/V-tile loop a software pipeline (TVM's InjectSoftwarePipeline): load_k/load_v become
@@ -31,8 +37,14 @@ from .common import bind_grid
 WARP = 32
 
 
-KNOBS = {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 1, "vec": 8}
+KNOBS = {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 1, "vec": 8, "row_state": "shared"}
 NUM_STAGES = (1, 2, 3)  # 1: plain loads; 2, 3: cp.async software pipeline over the K/V tiles
+# Where the per-row running values (m, m_new, alpha, l) live. "shared": shared memory, one lane per
+# row (ThreadSync then puts ~7 __syncthreads in each K/V step). "registers": registers, replicated
+# on the 4 lanes of the quad that holds the row's fragment elements (FA2's way); the K/V step then
+# has only the barriers that guard the K/V shared tiles. Default "shared" until it is timed on a GPU
+# (benchmarks/row_state_check.py).
+ROW_STATES = ("shared", "registers")
 # Measured on the H200 (tvmflash bench --knobs, bf16, seqlen 4096, fragment softmax, unrolled
 # fragment loops): head_dim 128 non-causal 256 TFLOP/s with 64-key tiles and num_stages 1, against
 # 177 with num_stages 2 (that build spills 896 B: ptxas -v) and 228 with 32-key tiles; `tvmflash tune`
@@ -48,6 +60,7 @@ SPACE = {
     "num_warps": lambda knobs: [knobs["block_m"] // WARP],
     "num_stages": [1],
     "vec": [8],
+    "row_state": ["shared"],
 }
 PASS_CONFIG = {
     "tirx.use_async_copy": True,
@@ -112,16 +125,22 @@ _FP16_INTRINSICS = {
 }
 
 
-def row_reduce_intrin(op: str, n_rows: int, n_cols: int) -> str:
+def row_reduce_intrin(op: str, n_rows: int, n_cols: int, out_scope: str = "shared.dyn") -> str:
     """Register (once) and name a warp-level row reduction of an n_rows x n_cols tile held as
-    mma fragments ("warp" scope, the layout of ``_frag_index_map``) into per-row values in
-    shared memory: ``out[r] = out[r] (op) reduce_c tile[r, c]``.
+    mma fragments ("warp" scope, the layout of ``_frag_index_map``) into per-row values:
+    ``out[r] = out[r] (op) reduce_c tile[r, c]``.
 
     Each lane reduces the elements it holds of its rows (lane // 4 and lane // 4 + 8 of each
     16-row tile); the four lanes of a quad, which share those rows, then combine theirs with two
-    xor shuffles, and the first lane of the quad updates the row's value.
+    xor shuffles. out_scope "shared.dyn": the first lane of the quad updates the row's value in
+    shared memory. out_scope "local": every lane of the quad updates its own register copy of the
+    row's value (row 8 k + lane // 4 of the warp's rows), so the row state is replicated on the
+    quad, as in FA2, and no other lane ever reads it; the per-row buffer then has the layout
+    ``_row_quad_map`` (row // 8, row % 8), so that each thread's rows compact to 4 registers.
     """
-    name = f"tvmflash_row_{op}_{n_rows}x{n_cols}"
+    if out_scope not in ("shared.dyn", "local"):
+        raise ValueError(f"out_scope: expected 'shared.dyn' or 'local', got {out_scope!r}")
+    name = f"tvmflash_row_{op}_{n_rows}x{n_cols}" + ("_quad" if out_scope == "local" else "")
     if name in _ROW_REDUCE_REGISTERED:
         return name
     from tvm.script import tirx as T
@@ -165,12 +184,123 @@ def row_reduce_intrin(op: str, n_rows: int, n_cols: int) -> str:
                     for k in range(rows_per_lane):
                         out[8 * k + lane // 4] = combine(out[8 * k + lane // 4], part[k])
 
-    _register(name, desc, impl)
+    @T.prim_func(s_tir=True)
+    def desc_quad(tile_h: T.handle, out_h: T.handle):
+        tile = T.match_buffer(tile_h, (row_tiles, col_tiles, WARP, 8), "float32", scope="warp", offset_factor=1)
+        out = T.match_buffer(out_h, (n_rows // 8, 8), "float32", scope="local", offset_factor=1)
+        with T.sblock("root"):
+            T.reads(out[0:n_rows // 8, 0:8], tile[0:row_tiles, 0:col_tiles, 0:WARP, 0:8])
+            T.writes(out[0:n_rows // 8, 0:8])
+            for r, c in T.grid(n_rows, n_cols):
+                with T.sblock("update"):
+                    vr, vc = T.axis.remap("SR", [r, c])
+                    rt, ct, lane, reg = T.meta_var(_frag_index_map(vr, vc))
+                    out[vr // 8, vr % 8] = combine(out[vr // 8, vr % 8], tile[rt, ct, lane, reg])
+
+    @T.prim_func(s_tir=True)
+    def impl_quad(tile_h: T.handle, out_h: T.handle):
+        tile = T.match_buffer(tile_h, (row_tiles, col_tiles, WARP, 8), "float32", scope="warp", offset_factor=1)
+        out = T.match_buffer(out_h, (n_rows // 8, 8), "float32", scope="local", offset_factor=1)
+        with T.sblock("root"):
+            T.reads(out[0:n_rows // 8, 0:8], tile[0:row_tiles, 0:col_tiles, 0:WARP, 0:8])
+            T.writes(out[0:n_rows // 8, 0:8])
+            for lane in T.thread_binding(WARP, "threadIdx.x"):
+                part = T.alloc_buffer((rows_per_lane,), "float32", scope="local")
+                for rt, h in T.grid(row_tiles, 2):
+                    part[2 * rt + h] = identity
+                    for ct, half, e in T.grid(col_tiles, 2, 2):
+                        part[2 * rt + h] = combine(part[2 * rt + h], tile[rt, ct, lane, 4 * half + 2 * h + e])
+                for k, mask in T.grid(rows_per_lane, 2):
+                    part[k] = combine(part[k], T.tvm_warp_shuffle_xor(
+                        T.tvm_warp_activemask(), part[k], mask + 1, WARP, WARP))
+                # every lane of the quad: its own copy of the row's value
+                for k in range(rows_per_lane):
+                    out[k, lane // 4] = combine(out[k, lane // 4], part[k])
+
+    if out_scope == "shared.dyn":
+        _register(name, desc, impl)
+    else:
+        _register(name, desc_quad, impl_quad)
     _ROW_REDUCE_REGISTERED.add(name)
     return name
 
 
 _ROW_REDUCE_REGISTERED: set[str] = set()
+
+
+def quad_rows_intrin(sch, block, n_rows: int) -> str:
+    """Register (once) and name a TensorIntrin that runs a per-row block on the quads of a warp,
+    DERIVED from the block itself (its TVMScript, re-parsed), so the schedule restates nothing.
+
+    The block must have one spatial iterator (the row) and access only per-row "local" buffers
+    in the layout ``_row_quad_map`` (row // 8, row % 8), at that row (``init_ml``, ``alpha``, ``update_m``, the inits of ``row_max``
+    and ``row_sum``). The description is the block over n_rows rows (one warp's); the
+    implementation gives the 32 lanes to threadIdx.x and has lane ``4 r8 + q`` run the block for
+    rows ``8 k + r8`` (k < n_rows / 8): the rows whose fragment elements it holds. The four lanes of
+    a quad compute the same values, each into its own registers; that is how FA2 keeps m and l.
+    (TensorIR cannot express this as a loop binding: a block that depends on lane // 4 only cannot
+    have a 32-lane loop bound to threadIdx.x, hence an intrinsic.)
+    """
+    import re
+
+    node = sch.get(block)
+    if len(node.iter_vars) != 1 or int(node.iter_vars[0].iter_type) != 0:
+        raise ValueError(f"quad_rows_intrin: {node.name_hint} is not a per-row block (one spatial iterator)")
+    if n_rows % 8:
+        raise ValueError(f"quad_rows_intrin: n_rows must be a multiple of 8, got {n_rows}")
+    lines = node.script().splitlines()
+    iter_name = str(node.iter_vars[0].var.name)
+    decl = re.compile(r"^    (\w+) = T\.Buffer\(\((\d+), 8\)(.*)\)$")  # _row_quad_map's layout
+    buffers, accesses, body = {}, [], []
+    for line in lines[1:]:
+        if line.startswith(f"    {iter_name} = T.axis.spatial("):
+            continue
+        if (hit := decl.match(line)) is not None:
+            name, _, rest = hit.groups()
+            rest = rest.replace(", layout=None", "")
+            if 'scope="local"' not in rest:
+                raise ValueError(f"quad_rows_intrin: {node.name_hint} accesses {name}, not a local per-row buffer")
+            buffers[name] = rest
+        elif line.startswith("    T.reads(") or line.startswith("    T.writes("):
+            accesses.append(line[4:])
+        elif line.startswith("    T.") and not line.startswith("    T.Cast") and "] = " not in line:
+            raise ValueError(f"quad_rows_intrin: unexpected line in {node.name_hint}: {line.strip()}")
+        else:
+            body.append(line[4:])
+    if not buffers or not body:
+        raise ValueError(f"quad_rows_intrin: nothing to derive from {node.name_hint}")
+    # The outer block that tensorize makes reads and writes what the block declares (an init from
+    # decompose_reduction declares no reads), so the description's root does the same.
+    declared = {kind: [b for b in buffers if any(line.startswith(f"T.{kind}(") and re.search(rf"\b{b}\[", line)
+                                                for line in accesses)] for kind in ("reads", "writes")}
+    read, written = declared["reads"], declared["writes"]
+    whole = lambda names: ", ".join(f"{b}[0:{n_rows // 8}, 0:8]" for b in names)  # noqa: E731
+    params = ", ".join(f"{b}_h: T.handle" for b in buffers)
+    matches = "\n".join(f"    {b} = T.match_buffer({b}_h, ({n_rows // 8}, 8){rest}, offset_factor=1)"
+                         for b, rest in buffers.items())
+    head = (f"@T.prim_func(s_tir=True)\ndef {{fn}}({params}):\n{matches}\n"
+            f'    with T.sblock("root"):\n        T.reads({whole(read)})\n        T.writes({whole(written)})\n')
+    ind = lambda text, n: "\n".join(" " * n + t for t in text)  # noqa: E731
+    desc = (head.format(fn="desc")
+            + f"        for r in range({n_rows}):\n"
+            + f'            with T.sblock("{node.name_hint}"):\n'
+            + f"                {iter_name} = T.axis.spatial({n_rows}, r)\n"
+            + ind(accesses + body, 16) + "\n")
+    impl = (head.format(fn="impl")
+            + f'        for lane in T.thread_binding({WARP}, "threadIdx.x"):\n'
+            + f"            for k in T.unroll({n_rows // 8}):\n"
+            + f"                {iter_name} = T.meta_var(8 * k + lane // 4)\n"
+            + ind(body, 16) + "\n")
+    import hashlib
+
+    name = f"tvmflash_quad_rows_{node.name_hint}_{hashlib.sha1(desc.encode()).hexdigest()[:10]}"
+    if name not in _QUAD_ROWS_REGISTERED:
+        TensorIntrin.register(name, tvm.script.from_source(desc), tvm.script.from_source(impl))
+        _QUAD_ROWS_REGISTERED[name] = (desc, impl)
+    return name
+
+
+_QUAD_ROWS_REGISTERED: dict[str, tuple[str, str]] = {}
 
 
 def _intrin_names(dtype):
@@ -188,6 +318,13 @@ def _ldmatrix_layout(i, j):
     from tvm.s_tir.tensor_intrin.cuda import shared_16x16_to_ldmatrix_32x8_layout
 
     return shared_16x16_to_ldmatrix_32x8_layout(i, j)
+
+
+def _row_quad_map(i):
+    """Per-row buffers kept in registers (row_state "registers"): row -> (row // 8, row % 8). Thread
+    (w, 4 r8 + q) holds rows 32 w + 8 k + r8, i.e. [4 w + k, r8] for k < 4: a (4, 1) region once
+    compacted, whose index is static wherever the loops over k are unrolled."""
+    return (i // 8, i % 8)
 
 
 def _frag_index_map(i, j):
@@ -345,17 +482,47 @@ def _fragment_elementwise(sch, name, num_warps):
     sch.bind(lane, "threadIdx.x")
 
 
-def _fragment_row_reduce(sch, name, intrin, num_warps):
+def _fragment_row_reduce(sch, name, intrin, num_warps, quads=False):
     """A row reduction (rows, cols) over mma fragments: the init becomes a per-row block
-    ``<name>_init`` (one lane per row) and each warp's rows are tensorized with ``intrin``."""
+    ``<name>_init`` and each warp's 16-row tiles are tensorized with ``intrin``. quads: the init
+    runs on the quads that hold the rows (registers), else one lane per row."""
     i = sch.get_loops(name)[-2]
     w, r = sch.split(i, [num_warps, None])
     sch.bind(w, "threadIdx.y")
     init = sch.decompose_reduction(name, r)
-    _, lane = sch.split(sch.get_loops(init)[-1], [None, WARP])  # one lane per row
-    sch.bind(lane, "threadIdx.x")
+    if quads:
+        _declare_init_reads(sch, init, sch.get_sblock(f"{name}_update"))
+        sch.tensorize(sch.get_loops(init)[-1], quad_rows_intrin(sch, init, sch.get(sch.get_loops(init)[-1]).extent.value))
+    else:
+        _, lane = sch.split(sch.get_loops(init)[-1], [None, WARP])  # one lane per row
+        sch.bind(lane, "threadIdx.x")
     _hide_init_reads(sch, sch.get_sblock(f"{name}_update"))
     sch.tensorize(r, intrin)
+
+
+def _declare_init_reads(sch, init, update):
+    """decompose_reduction gives the init block no declared reads, even when it reads per-row
+    buffers (m_new = m, l = l * alpha); its reads stay on the update block. Tensorize maps buffers
+    through the declared regions, so declare them on the init again: the per-row buffers the update
+    reads besides the one it writes and the fragments, at the init's row.
+
+    There is no schedule primitive that adds a read region (annotate_buffer_access only replaces
+    an existing one), so this replaces the block in the schedule state; it is not in the trace.
+    """
+    from tvm.s_tir import SBlock
+
+    node, upd = sch.get(init), sch.get(update)
+    written = upd.writes[0].source
+    extra = [region.source for region in upd.reads
+             if not region.source.same_as(written) and region.source.scope() != "warp"]
+    if not extra or node.reads:
+        return
+    row = node.iter_vars[0].var
+    at = lambda buf: _row_quad_map(row) if len(buf.shape) == 2 else (row,)  # noqa: E731
+    reads = [tvm.tirx.BufferRegion(buf, [tvm.ir.Range.from_min_extent(i, 1) for i in at(buf)]) for buf in extra]
+    new = SBlock(node.iter_vars, reads, node.writes, node.name_hint, node.body, node.init,
+                 node.alloc_buffers, node.match_buffers, node.annotations)
+    sch.state.replace(sch.get_sref(init), new, {node: new})
 
 
 def _hide_init_reads(sch, block):
@@ -380,6 +547,27 @@ def _row_block(sch, name, num_warps):
     return r0
 
 
+def _quad_row_block(sch, name, num_warps):
+    """Per-row block on the quads (row_state "registers"): warp w's rows are tensorized with the
+    intrinsic derived from the block (quad_rows_intrin): every lane of a quad computes its rows."""
+    i = sch.fuse(*sch.get_loops(name))
+    w, r = sch.split(i, [num_warps, None])
+    sch.bind(w, "threadIdx.y")
+    sch.tensorize(r, quad_rows_intrin(sch, sch.get_sblock(name), sch.get(r).extent.value))
+
+
+def _quad_lane_row_block(sch, name, num_warps):
+    """Per-row block, one lane per row, where each lane takes a row it holds in registers (row_state
+    "registers"): lane 4 r8 + q takes row 8 q + r8 of its warp (its quad holds rows 8 k + r8, every
+    k). The register it reads is picked by q, a lane-dependent index into 4 values, which nvcc turns
+    into selects (no local memory; checked with ptxas -v)."""
+    i = sch.fuse(*sch.get_loops(name))
+    w, q, r8 = sch.split(i, [num_warps, 4, 8])
+    sch.bind(w, "threadIdx.y")
+    sch.reorder(r8, q)
+    sch.bind(sch.fuse(r8, q), "threadIdx.x")
+
+
 def schedule(
     sch: tvm.s_tir.Schedule,
     *,
@@ -388,6 +576,7 @@ def schedule(
     num_warps: int,
     num_stages: int,
     vec: int,
+    row_state: str = "shared",
 ) -> tvm.s_tir.Schedule:
     """Map the attention program onto sm80 tensor cores. See the module docstring."""
     _register_intrinsics()
@@ -400,6 +589,9 @@ def schedule(
         raise ValueError(f"block_n and head_dim: expected multiples of 16, got {block_n} and {D}")
     if not isinstance(num_stages, int) or num_stages not in NUM_STAGES:
         raise ValueError(f"num_stages: the sm80 schedule takes one of {NUM_STAGES}, got {num_stages!r}")
+    if row_state not in ROW_STATES:
+        raise ValueError(f"row_state: the sm80 schedule takes one of {ROW_STATES}, got {row_state!r}")
+    quads = row_state == "registers"
     names = _intrin_names(dtype)
 
     # ---- grid -----------------------------------------------------------------------------
@@ -416,10 +608,17 @@ def schedule(
     # ---- per-row state ---------------------------------------------------------------------
     sch.set_scope("init_scale", 0, "local")
     sch.set_scope("init_ml", 0, "local")  # m: only per-row blocks touch it
-    # Read by the fragment lanes (exp, pv_init, store_o) or written by the quad reductions.
-    sch.set_scope("init_ml", 1, "shared.dyn")  # l
-    sch.set_scope("row_max", 0, "shared.dyn")  # m_new
-    sch.set_scope("alpha", 0, "shared.dyn")
+    # l, m_new, alpha: read by the fragment lanes (exp, pv_init, store_o) or written by the quad
+    # reductions. "shared": in shared memory, one lane per row. "registers": each lane keeps the
+    # values of the rows it holds fragments of (local scope is not relaxed over threadIdx, so each
+    # compacts to a few registers per thread).
+    per_row_scope = "local" if quads else "shared.dyn"
+    sch.set_scope("init_ml", 1, per_row_scope)  # l
+    sch.set_scope("row_max", 0, per_row_scope)  # m_new
+    sch.set_scope("alpha", 0, per_row_scope)
+    if quads:
+        for name, index in (("init_ml", 0), ("init_ml", 1), ("row_max", 0), ("alpha", 0)):
+            sch.transform_layout(name, ("write", index), _row_quad_map)
 
     # ---- softmax on the fragments ----------------------------------------------------------
     # S, the masked score, P and its cast Pc all keep the mma accumulator layout, and each lane
@@ -440,7 +639,8 @@ def schedule(
     # Row max and row sum: per-lane partial results combined across each quad by shuffles (our
     # intrinsic), into per-row values in shared memory.
     for name, op in (("row_max", "max"), ("row_sum", "sum")):
-        _fragment_row_reduce(sch, name, row_reduce_intrin(op, BM // num_warps, BN), num_warps)
+        _fragment_row_reduce(sch, name, row_reduce_intrin(op, BM // num_warps, BN, per_row_scope), num_warps,
+                             quads=quads)
 
     # ---- pv: acc += P V on tensor cores, acc kept as fragments across K/V tiles ------------
     sch.set_scope("pv", 0, "warp")
@@ -476,9 +676,14 @@ def schedule(
     sch.bind(w, "threadIdx.y")
     sch.bind(sch.fuse(r8, q), "threadIdx.x")
 
-    # one lane per row
-    for name in ("init_ml", "alpha", "update_m", "store_lse"):
-        _row_block(sch, name, num_warps)
+
+    if quads:  # per-row values on the quads that hold the rows
+        for name in ("init_ml", "alpha", "update_m"):
+            _quad_row_block(sch, name, num_warps)
+        _quad_lane_row_block(sch, "store_lse", num_warps)
+    else:  # one lane per row
+        for name in ("init_ml", "alpha", "update_m", "store_lse"):
+            _row_block(sch, name, num_warps)
     # ---- K/V loads: cp.async software pipeline (last: it annotates kv_step's final children) -
     if num_stages > 1:
         _pipeline_kv_loads(sch, num_stages)

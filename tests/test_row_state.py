@@ -1,0 +1,54 @@
+"""sm80 row_state knob: the per-row softmax state in shared memory (default) or in registers on
+the quads (no __syncthreads in the softmax). CPU only: the CUDA source and nvcc."""
+
+import re
+import shutil
+
+import pytest
+import tvm
+
+import tvmflash
+
+
+def _kv_loop(src):
+    """The body of the K/V-tile loop (``for (int kb ...``), by brace matching."""
+    start = src.index("for (int kb")
+    depth, i = 0, src.index("{", start)
+    for j in range(i, len(src)):
+        depth += {"{": 1, "}": -1}.get(src[j], 0)
+        if depth == 0:
+            return src[i:j]
+    raise AssertionError("unbalanced K/V loop")
+
+
+def test_row_state_rejects_unknown():
+    with pytest.raises(ValueError, match="row_state"):
+        tvmflash.compile(head_dim=64, dtype="float16", target="sm80", knobs={"row_state": "smem"}).source(1, 1)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_registers_row_state_has_no_softmax_barriers(head_dim):
+    shared = tvmflash.compile(head_dim=head_dim, dtype="bfloat16", target="sm80").source(heads_q=2, heads_kv=1)
+    regs = tvmflash.compile(head_dim=head_dim, dtype="bfloat16", target="sm80",
+                            knobs={"row_state": "registers"}).source(heads_q=2, heads_kv=1)
+    assert _kv_loop(shared).count("__syncthreads") >= 5
+    # only the two barriers that guard the K/V shared tiles (before the loads, before the reads)
+    assert _kv_loop(regs).count("__syncthreads") <= 2
+    assert "__shfl_xor_sync" in regs and "mma.sync" in regs
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+@pytest.mark.parametrize("num_stages,causal", [(1, False), (2, True), (3, False)])
+def test_registers_row_state_compiles_with_nvcc(num_stages, causal):
+    from tvm.support import nvcc
+
+    kernel = tvmflash.compile(head_dim=64, dtype="float16", causal=causal, target="sm80",
+                              knobs={"row_state": "registers", "num_stages": num_stages})
+    src = kernel.source(heads_q=4, heads_kv=2)
+    if num_stages > 1:
+        assert "cp.async.cg.shared.global" in src
+    assert _kv_loop(src).count("__syncthreads") <= 2
+    for arch in ("sm_80", "sm_90a"):
+        with tvm.target.Target({"kind": "cuda", "arch": arch}):
+            cubin = nvcc.compile_cuda(src, target_format="cubin", arch=arch, compiler="nvcc")
+        assert len(cubin) > 1000
