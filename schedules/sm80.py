@@ -15,10 +15,11 @@ Mapping (FA2 style):
     shared memory, one lane per row, which costs a few __syncthreads per tile (row_state "shared",
     the default). row_state "registers" keeps them in "local" buffers replicated on each quad
     (FA2's way): the per-row blocks run through intrinsics derived from the blocks themselves
-    (quad_rows_intrin), and the K/V loop keeps only the 2 barriers of the K/V tiles. KNOWN GAP:
-    TVM's buffer compaction does not yet shrink those buffers to 4 values per thread (the
-    tensorized blocks declare their warp's 32 rows), so they sit in local memory (ptxas: ~1.1 KB
-    stack frame); not for timing until that is fixed.
+    (quad_rows_intrin), and the K/V loop keeps only the 2 barriers of the K/V tiles. Each lane's
+    per-row buffers compact to 4 statically indexed values (registers, no local memory: ptxas
+    -v shows no stack frame at d64) thanks to a second buffer compaction after the match buffers
+    are lowered (tvm_workarounds.compact_again_after_match_buffers); store_lse reads the final m
+    and l through a shared-memory copy (one barrier after the loop, see _staged_row_block).
   * Shared tiles have padded rows, so ldmatrix is free of bank conflicts.
   * num_stages: 1 loads each K/V tile with plain vector loads at the top of its step. 2 or 3 make
     the K/V-tile loop a software pipeline (TVM's InjectSoftwarePipeline): load_k/load_v become
@@ -258,8 +259,8 @@ def quad_rows_intrin(sch, block, n_rows: int) -> str:
         if (hit := decl.match(line)) is not None:
             name, _, rest = hit.groups()
             rest = rest.replace(", layout=None", "")
-            if 'scope="local"' not in rest:
-                raise ValueError(f"quad_rows_intrin: {node.name_hint} accesses {name}, not a local per-row buffer")
+            if 'scope="local"' not in rest and 'scope="shared.dyn"' not in rest:
+                raise ValueError(f"quad_rows_intrin: {node.name_hint} accesses {name}, not a local or shared per-row buffer")
             buffers[name] = rest
         elif line.startswith("    T.reads(") or line.startswith("    T.writes("):
             accesses.append(line[4:])
@@ -274,6 +275,9 @@ def quad_rows_intrin(sch, block, n_rows: int) -> str:
     declared = {kind: [b for b in buffers if any(line.startswith(f"T.{kind}(") and re.search(rf"\b{b}\[", line)
                                                 for line in accesses)] for kind in ("reads", "writes")}
     read, written = declared["reads"], declared["writes"]
+    shared = [b for b, rest in buffers.items() if 'scope="local"' not in rest]
+    if any(b in read for b in shared):
+        raise ValueError(f"quad_rows_intrin: {node.name_hint} reads a shared buffer; only local per-row values can be read")
     whole = lambda names: ", ".join(f"{b}[0:{n_rows // 8}, 0:8]" for b in names)  # noqa: E731
     params = ", ".join(f"{b}_h: T.handle" for b in buffers)
     matches = "\n".join(f"    {b} = T.match_buffer({b}_h, ({n_rows // 8}, 8){rest}, offset_factor=1)"
@@ -290,7 +294,9 @@ def quad_rows_intrin(sch, block, n_rows: int) -> str:
             + f'        for lane in T.thread_binding({WARP}, "threadIdx.x"):\n'
             + f"            for k in T.unroll({n_rows // 8}):\n"
             + f"                {iter_name} = T.meta_var(8 * k + lane // 4)\n"
-            + ind(body, 16) + "\n")
+            # A shared per-row buffer (a staging copy) is written by the quad's first lane only.
+            + (ind(["if lane % 4 == 0:"] + ["    " + line for line in body], 16) if shared else ind(body, 16))
+            + "\n")
     import hashlib
 
     name = f"tvmflash_quad_rows_{node.name_hint}_{hashlib.sha1(desc.encode()).hexdigest()[:10]}"
@@ -549,23 +555,34 @@ def _row_block(sch, name, num_warps):
 
 def _quad_row_block(sch, name, num_warps):
     """Per-row block on the quads (row_state "registers"): warp w's rows are tensorized with the
-    intrinsic derived from the block (quad_rows_intrin): every lane of a quad computes its rows."""
-    i = sch.fuse(*sch.get_loops(name))
+    intrinsic derived from the block (quad_rows_intrin): every lane of a quad computes its rows.
+    name: a block name or a block."""
+    block = sch.get_sblock(name) if isinstance(name, str) else name
+    i = sch.fuse(*sch.get_loops(block))
     w, r = sch.split(i, [num_warps, None])
     sch.bind(w, "threadIdx.y")
-    sch.tensorize(r, quad_rows_intrin(sch, sch.get_sblock(name), sch.get(r).extent.value))
+    sch.tensorize(r, quad_rows_intrin(sch, block, sch.get(r).extent.value))
 
 
-def _quad_lane_row_block(sch, name, num_warps):
-    """Per-row block, one lane per row, where each lane takes a row it holds in registers (row_state
-    "registers"): lane 4 r8 + q takes row 8 q + r8 of its warp (its quad holds rows 8 k + r8, every
-    k). The register it reads is picked by q, a lane-dependent index into 4 values, which nvcc turns
-    into selects (no local memory; checked with ptxas -v)."""
-    i = sch.fuse(*sch.get_loops(name))
-    w, q, r8 = sch.split(i, [num_warps, 4, 8])
-    sch.bind(w, "threadIdx.y")
-    sch.reorder(r8, q)
-    sch.bind(sch.fuse(r8, q), "threadIdx.x")
+def _staged_row_block(sch, name, num_warps):
+    """Per-row block, one lane per row, that reads per-row values held on the quads (row_state
+    "registers"), after the K/V loop (store_lse). Lane 32 w + j cannot read row 32 w + j from its
+    own registers (its quad holds rows 8 k + j // 4), and a lane-dependent choice among a thread's
+    4 values (k = lane % 4) is a dynamically indexed array, which nvcc keeps in local memory. So
+    the values go through shared memory once, after the loop: a copy block per buffer
+    (reindex), run on the quads with static indices (quad_rows_intrin; the first lane of each
+    quad writes), then the block reads the copies one lane per row. This costs one __syncthreads
+    after the K/V loop, none inside it."""
+    block = sch.get_sblock(name)
+    for source in [region.source.name for region in sch.get(block).reads if region.source.scope() == "local"]:
+        index = [region.source.name for region in sch.get(block).reads].index(source)
+        # (cache_read wants a buffer with one writer; reindex does not, and its copy block has the
+        # block's own row iterator)
+        staged = sch.reindex(block, ("read", index))
+        sch.set_scope(staged, 0, "shared.dyn")
+        sch.transform_layout(staged, ("write", 0), _row_quad_map)
+        _quad_row_block(sch, staged, num_warps)
+    _row_block(sch, name, num_warps)
 
 
 def schedule(
@@ -680,7 +697,7 @@ def schedule(
     if quads:  # per-row values on the quads that hold the rows
         for name in ("init_ml", "alpha", "update_m"):
             _quad_row_block(sch, name, num_warps)
-        _quad_lane_row_block(sch, "store_lse", num_warps)
+        _staged_row_block(sch, "store_lse", num_warps)
     else:  # one lane per row
         for name in ("init_ml", "alpha", "update_m", "store_lse"):
             _row_block(sch, name, num_warps)

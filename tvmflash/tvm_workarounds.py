@@ -64,3 +64,33 @@ def no_warp_thread_sync():
         yield
     finally:
         tvm.s_tir.transform.ThreadSync = original
+
+
+@contextlib.contextmanager
+def compact_again_after_match_buffers():
+    """Run ``s_tir.transform.CompactBufferAllocation`` a second time, right after
+    ``LowerMatchBuffer`` (on the ``StmtSimplify`` that follows it).
+
+    The pipeline compacts buffers once, before ``LowerMatchBuffer``: a tensorized block's
+    ``match_buffer`` region then counts as accessed by every thread, so a "local" buffer that each
+    lane touches at a lane-dependent index (the sm80 row_state "registers" per-row values: row
+    8 k + lane // 4 of each warp, matched as the warp's whole (4, 8) tile by the quad intrinsics)
+    keeps the whole warp's shape, indexed with ``threadIdx.x >> 2``, and nvcc puts it in local
+    memory. Once the match buffers are lowered, the accesses are plain loads and stores at
+    ``[k, threadIdx.x // 4]``, and the same pass (threadIdx is not relaxed for "local" scope)
+    shrinks them to the 4 values each thread owns. On the other buffers it is a no-op (the sm80
+    "shared" row state's CUDA is byte-identical with and without it).
+    """
+    original = tvm.s_tir.transform.StmtSimplify
+    compact = tvm.s_tir.transform.CompactBufferAllocation
+
+    def simplify_then_compact(*args, **kwargs):
+        return tvm.transform.Sequential(
+            [original(*args, **kwargs), compact(), original(*args, **kwargs)],
+            name="tvmflash.StmtSimplifyThenCompactAgain")
+
+    tvm.s_tir.transform.StmtSimplify = simplify_then_compact
+    try:
+        yield
+    finally:
+        tvm.s_tir.transform.StmtSimplify = original
