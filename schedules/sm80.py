@@ -11,15 +11,15 @@ Mapping (FA2 style):
   * The online softmax runs on the fragments: the masked score, P and its fp16/bf16 cast keep the
     mma accumulator layout, which is also the A-operand layout, so P never leaves registers. Row
     max and row sum are our own intrinsics: per-lane partials, then two xor shuffles across the
-    quad of lanes that shares a row. The per-row running values (max, sum, rescale factor) live in
-    shared memory, one lane per row, which costs a few __syncthreads per tile (row_state "shared",
-    the default). row_state "registers" keeps them in "local" buffers replicated on each quad
-    (FA2's way): the per-row blocks run through intrinsics derived from the blocks themselves
+    quad of lanes that shares a row. The per-row running values (max, sum, rescale factor) stay
+    in "local" buffers replicated on each quad (row_state "registers", the default; FA2's way): the per-row blocks run through intrinsics derived from the blocks themselves
     (quad_rows_intrin), and the K/V loop keeps only the 2 barriers of the K/V tiles. Each lane's
     per-row buffers compact to 4 statically indexed values (registers, no local memory: ptxas
     -v shows no stack frame at d64) thanks to a second buffer compaction after the match buffers
     are lowered (tvm_workarounds.compact_again_after_match_buffers); store_lse reads the final m
     and l through a shared-memory copy (one barrier after the loop, see _staged_row_block).
+    row_state "shared" keeps them in shared memory instead, one lane per row, which costs ~7
+    __syncthreads per tile.
   * Shared tiles have padded rows, so ldmatrix is free of bank conflicts.
   * num_stages: 1 loads each K/V tile with plain vector loads at the top of its step. 2 or 3 make
     the K/V-tile loop a software pipeline (TVM's InjectSoftwarePipeline): load_k/load_v become
@@ -38,30 +38,30 @@ from .common import bind_grid
 WARP = 32
 
 
-KNOBS = {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 1, "vec": 8, "row_state": "shared"}
+KNOBS = {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 2, "vec": 8, "row_state": "registers"}
 NUM_STAGES = (1, 2, 3)  # 1: plain loads; 2, 3: cp.async software pipeline over the K/V tiles
-# Where the per-row running values (m, m_new, alpha, l) live. "shared": shared memory, one lane per
-# row (ThreadSync then puts ~7 __syncthreads in each K/V step). "registers": registers, replicated
-# on the 4 lanes of the quad that holds the row's fragment elements (FA2's way); the K/V step then
-# has only the barriers that guard the K/V shared tiles. Default "shared" until it is timed on a GPU
-# (benchmarks/row_state_check.py).
-ROW_STATES = ("shared", "registers")
-# Measured on the H200 (tvmflash bench --knobs, bf16, seqlen 4096, fragment softmax, unrolled
-# fragment loops): head_dim 128 non-causal 256 TFLOP/s with 64-key tiles and num_stages 1, against
-# 177 with num_stages 2 (that build spills 896 B: ptxas -v) and 228 with 32-key tiles; `tvmflash tune`
-# picked the same (tuning_logs/nvidia-h200.json). head_dim 64: num_stages 1, 2 and 3 within 1%.
+# Where the per-row running values (m, m_new, alpha, l) live. "registers": replicated on the 4
+# lanes of the quad that holds the row's fragment elements (FA2's way); the K/V step then has only
+# the barriers that guard the K/V shared tiles. "shared": shared memory, one lane per row
+# (ThreadSync then puts ~7 __syncthreads in each K/V step); kept as a knob for comparison.
+ROW_STATES = ("registers", "shared")
+# Measured on the H200 (benchmarks/row_state_check.py and BENCHMARKS.md, bf16, seqlen 4096,
+# 2026-11-30): head_dim 128 non-causal 286 TFLOP/s with row_state "registers", 64-key tiles and
+# num_stages 2, against 259 with num_stages 1, 246 with 32-key tiles and 192 with 128-key tiles;
+# row_state "shared" 256 at num_stages 1 (its pipelined build spills). head_dim 64 alike.
 KNOBS_FOR_HEAD_DIM = {256: {"block_n": 32}}
-# Tuning space (``tvmflash tune``): one MetaSchedule task per (block_m, block_n). A callable gives
-# the candidates from the knobs before it: this version needs block_m == 32 * num_warps. num_stages
-# stays fixed at 1 here: a knob with several candidates is sampled (an ExprRV), and the pipeline's
-# stage annotations need a plain int. Try 2 or 3 with knobs={"num_stages": n} (see NUM_STAGES).
+# Tuning space (``tvmflash tune``): one MetaSchedule task per (block_m, block_n, num_stages). A
+# callable gives the candidates from the knobs before it: this version needs block_m == 32 *
+# num_warps. num_stages is a task knob, not a sampled one: the pipeline's stage annotations need a
+# plain int, and a knob with several candidates inside a task is sampled (an ExprRV).
+TASK_KNOBS = ("num_stages",)
 SPACE = {
     "block_m": [64, 128],
     "block_n": [32, 64, 128],
     "num_warps": lambda knobs: [knobs["block_m"] // WARP],
-    "num_stages": [1],
+    "num_stages": [1, 2],
     "vec": [8],
-    "row_state": ["shared"],
+    "row_state": ["registers"],
 }
 PASS_CONFIG = {
     "tirx.use_async_copy": True,
@@ -593,7 +593,7 @@ def schedule(
     num_warps: int,
     num_stages: int,
     vec: int,
-    row_state: str = "shared",
+    row_state: str = "registers",
 ) -> tvm.s_tir.Schedule:
     """Map the attention program onto sm80 tensor cores. See the module docstring."""
     _register_intrinsics()

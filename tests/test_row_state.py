@@ -1,5 +1,5 @@
-"""sm80 row_state knob: the per-row softmax state in shared memory (default) or in registers on
-the quads (no __syncthreads in the softmax). CPU only: the CUDA source and nvcc."""
+"""sm80 row_state knob: the per-row softmax state in registers on the quads (default; no
+__syncthreads in the softmax) or in shared memory. CPU only: the CUDA source and nvcc."""
 
 import re
 import shutil
@@ -28,9 +28,11 @@ def test_row_state_rejects_unknown():
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_registers_row_state_has_no_softmax_barriers(head_dim):
-    shared = tvmflash.compile(head_dim=head_dim, dtype="bfloat16", target="sm80").source(heads_q=2, heads_kv=1)
-    regs = tvmflash.compile(head_dim=head_dim, dtype="bfloat16", target="sm80",
-                            knobs={"row_state": "registers"}).source(heads_q=2, heads_kv=1)
+    def source(row_state):
+        return tvmflash.compile(head_dim=head_dim, dtype="bfloat16", target="sm80",
+                                knobs={"row_state": row_state, "num_stages": 1}).source(heads_q=2, heads_kv=1)
+
+    shared, regs = source("shared"), source("registers")
     assert _kv_loop(shared).count("__syncthreads") >= 5
     # only the two barriers that guard the K/V shared tiles (before the loads, before the reads)
     assert _kv_loop(regs).count("__syncthreads") <= 2

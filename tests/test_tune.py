@@ -38,11 +38,15 @@ def test_spaces_hold_knobs_of_their_schedules():
         assert module.KNOBS["block_m"] in module.SPACE["block_m"] and module.KNOBS["block_n"] in module.SPACE["block_n"]
     # sm80 needs block_m == 32 * num_warps: num_warps is derived, never sampled.
     for block_m in sm80.SPACE["block_m"]:
-        fixed, sampled = tune.task_knobs(sm80.SPACE, block_m, 64)
-        assert fixed["num_warps"] * 32 == block_m and fixed["num_stages"] == 1 and not sampled
+        fixed, sampled = tune.task_knobs(sm80.SPACE, block_m, 64, num_stages=2)
+        assert fixed["num_warps"] * 32 == block_m and fixed["num_stages"] == 2 and not sampled
     fixed, sampled = tune.task_knobs(cpu.SPACE, 32, 64)
     assert fixed == {"block_m": 32, "block_n": 64} and sampled == {"vector": [8, 16]}
-    assert len(tune.tile_pairs(cuda.SPACE)) == 9
+    assert len(tune.task_points(cuda, cuda.SPACE)) == 9
+    # sm80's num_stages sets pipeline annotations (a plain int): each value is its own task.
+    points = tune.task_points(sm80, sm80.SPACE)
+    assert len(points) == 2 * 3 * 2 and {p["num_stages"] for p in points} == {1, 2}
+    assert tune.task_name(points[-1]) == "bm128_bn128_ns2"
 
 
 def test_sampled_knob_is_replayed_and_mutated():
@@ -106,8 +110,8 @@ def test_cuda_spaces_cross_compile():
         sources.add(built.imports[0].inspect_source())
     assert len(sources) == len(sampled["vector_bytes"])  # each width is its own kernel
 
-    for block_m, block_n in ((64, 32), (128, 64)):
-        fixed, sampled = tune.task_knobs(sm80.SPACE, block_m, block_n)
+    for block_m, block_n, num_stages in ((64, 32, 1), (128, 64, 2)):
+        fixed, sampled = tune.task_knobs(sm80.SPACE, block_m, block_n, num_stages=num_stages)
         sch = tvm.s_tir.Schedule(static(block_m, block_n))
         tune.space_fn(sm80, fixed, sampled)(sch)
         built = tune._ms_build(sch.mod, targets.cuda_target("sm80"), None, pass_config=sm80.PASS_CONFIG)
@@ -120,11 +124,11 @@ def test_rejected_tile_pairs_are_skipped(tmp_path):
 
     spec = program.AttentionSpec(64, "float16", False, 2, 2)
     lines = []
-    space = {**sm80.SPACE, "block_m": [64], "block_n": [40, 64]}
+    space = {**sm80.SPACE, "block_m": [64], "block_n": [40, 64], "num_stages": [1]}
     tasks = tune.make_tasks(sm80, spec, {"batch": 1, "seqlen": 256, "heads": 2}, space, targets.cuda_target("sm80"),
                             tmp_path, random.Random(0), lines.append)
-    assert [t["name"] for t in tasks] == ["bm64_bn64"] and tasks[0]["fixed"]["num_warps"] == 2
-    assert len(lines) == 1 and lines[0].startswith("  skipping bm64_bn40")
+    assert [t["name"] for t in tasks] == ["bm64_bn64_ns1"] and tasks[0]["fixed"]["num_warps"] == 2
+    assert len(lines) == 1 and lines[0].startswith("  skipping bm64_bn40_ns1")
     with pytest.raises(ValueError, match="rejects every"):
         tune.make_tasks(sm80, spec, {"batch": 1, "seqlen": 256, "heads": 2}, {**space, "block_n": [40]},
                         targets.cuda_target("sm80"), tmp_path, random.Random(0), lines.append)

@@ -1,7 +1,9 @@
 """``tvmflash tune``: MetaSchedule search over a schedule's ``SPACE``; the best knobs go to the database.
 
 Design space. ``block_m`` and ``block_n`` are tile sizes of the *program* (they shape its buffers and
-loops), so each (block_m, block_n) pair is its own MetaSchedule task with its own workload. Every
+loops), so each (block_m, block_n) pair is its own MetaSchedule task with its own workload. So is
+each value of a knob the schedule lists in ``TASK_KNOBS`` (one it needs as a plain Python value,
+such as sm80's ``num_stages``, which sets the software pipeline's stage annotations). Every
 other knob with more than one candidate becomes a ``sch.sample_categorical`` decision inside a
 ``ScheduleFn`` and is handed to ``schedule(sch, **knobs)`` as the ExprRV itself (split factors take
 ExprRVs). The trace then *refers* to the decision, so replaying it with another decision gives
@@ -47,18 +49,26 @@ _DEFAULT_SHAPE = {"cuda": {"seqlen": 4096, "tokens": 16384, "hidden": 2048},
 _FAILED = 1e9  # MetaSchedule's run time for a failed candidate is 1e10 s
 
 
-def tile_pairs(space: dict) -> list[tuple[int, int]]:
-    """The (block_m, block_n) pairs of a space: one MetaSchedule task each."""
-    return list(itertools.product(space["block_m"], space["block_n"]))
+def task_points(schedule, space: dict) -> list[dict]:
+    """One dict per MetaSchedule task: a value for block_m, block_n and each of the schedule's
+    ``TASK_KNOBS`` found in ``space`` (their product)."""
+    names = ["block_m", "block_n", *(n for n in getattr(schedule, "TASK_KNOBS", ()) if n in space)]
+    return [dict(zip(names, values)) for values in itertools.product(*(space[n] for n in names))]
 
 
-def task_knobs(space: dict, block_m: int, block_n: int) -> tuple[dict, dict]:
+def task_name(point: dict) -> str:
+    short = {"block_m": "bm", "block_n": "bn", "num_stages": "ns"}
+    return "_".join(f"{short.get(k, k)}{v}" for k, v in point.items())
+
+
+def task_knobs(space: dict, block_m: int, block_n: int, **task) -> tuple[dict, dict]:
     """Split a task's knobs into fixed ones (one candidate) and sampled ones (name -> candidates).
 
-    A value in ``space`` is a list of candidates, or a callable that takes the knobs resolved so
-    far (block_m, block_n and the fixed knobs before it) and returns the list.
+    ``task`` holds the values of the task's other ``TASK_KNOBS``. A value in ``space`` is a list of
+    candidates, or a callable that takes the knobs resolved so far (block_m, block_n, the task's
+    knobs and the fixed knobs before it) and returns the list.
     """
-    fixed, sampled = {"block_m": block_m, "block_n": block_n}, {}
+    fixed, sampled = {"block_m": block_m, "block_n": block_n, **task}, {}
     for name, values in space.items():
         if name in fixed:
             continue
@@ -209,16 +219,18 @@ def _loggers(work_dir: Path, task_names: list[str]):
 
 def make_tasks(schedule, spec: program.AttentionSpec, shape: dict, space: dict, target, work_dir: Path,
                rng: random.Random, echo) -> list[dict]:
-    """One MetaSchedule task per (block_m, block_n) of ``space``, on the static ``shape``; the other
-    knobs are sampled inside it. A tile pair the schedule rejects outright is skipped with a
-    message. Returns dicts with ``name``, ``fixed``, ``sampled`` and ``context`` (a TuneContext)."""
+    """One MetaSchedule task per point of ``task_points`` (block_m, block_n and the schedule's
+    TASK_KNOBS), on the static ``shape``; the other knobs are sampled inside it. A point the
+    schedule rejects outright is skipped with a message. Returns dicts with ``name``, ``fixed``,
+    ``sampled`` and ``context`` (a TuneContext)."""
     schedule_name = schedule_registry.name_of(schedule)
-    pairs = tile_pairs(space)
-    loggers = _loggers(work_dir, [f"bm{m}_bn{n}" for m, n in pairs])
+    points = task_points(schedule, space)
+    loggers = _loggers(work_dir, [task_name(p) for p in points])
     tasks = []
-    for (block_m, block_n), logger in zip(pairs, loggers):
-        name = f"bm{block_m}_bn{block_n}"
-        fixed, sampled = task_knobs(space, block_m, block_n)
+    for point, logger in zip(points, loggers):
+        name = task_name(point)
+        fixed, sampled = task_knobs(space, **point)
+        block_m, block_n = point["block_m"], point["block_n"]
         func = specialize(program.attention_forward(spec, block_m, block_n), spec, batch=shape["batch"],
                           seqlen_q=shape["seqlen"], seqlen_k=shape["seqlen"], softmax_scale=1.0 / math.sqrt(spec.head_dim))
         mod = tvm.IRModule({"main": func})
@@ -241,7 +253,7 @@ def make_tasks(schedule, spec: program.AttentionSpec, shape: dict, space: dict, 
                                  logger=logger).clone()
         tasks.append({"name": name, "fixed": fixed, "sampled": sampled, "context": context})
     if not tasks:
-        raise ValueError(f"space: the {schedule_name} schedule rejects every (block_m, block_n) pair of {space}")
+        raise ValueError(f"space: the {schedule_name} schedule rejects every task of {space}")
     return tasks
 
 
