@@ -235,7 +235,7 @@ def quad_rows_intrin(sch, block, n_rows: int) -> str:
 
     The block must have one spatial iterator (the row) and access only per-row "local" buffers
     in the layout ``_row_quad_map`` (row // 8, row % 8), at that row (``init_ml``, ``alpha``, ``update_m``, the inits of ``row_max``
-    and ``row_sum``). The description is the block over n_rows rows (one warp's); the
+    and ``row_sum``), and may read scalars (local buffers of shape (1,), such as the scale). The description is the block over n_rows rows (one warp's); the
     implementation gives the 32 lanes to threadIdx.x and has lane ``4 r8 + q`` run the block for
     rows ``8 k + r8`` (k < n_rows / 8): the rows whose fragment elements it holds. The four lanes of
     a quad compute the same values, each into its own registers; that is how FA2 keeps m and l.
@@ -252,7 +252,8 @@ def quad_rows_intrin(sch, block, n_rows: int) -> str:
     lines = node.script().splitlines()
     iter_name = str(node.iter_vars[0].var.name)
     decl = re.compile(r"^    (\w+) = T\.Buffer\(\((\d+), 8\)(.*)\)$")  # _row_quad_map's layout
-    buffers, accesses, body = {}, [], []
+    scalar_decl = re.compile(r"^    (\w+) = T\.Buffer\(\(1,\)(.*)\)$")
+    buffers, scalars, accesses, body = {}, {}, [], []
     for line in lines[1:]:
         if line.startswith(f"    {iter_name} = T.axis.spatial("):
             continue
@@ -262,6 +263,11 @@ def quad_rows_intrin(sch, block, n_rows: int) -> str:
             if 'scope="local"' not in rest and 'scope="shared.dyn"' not in rest:
                 raise ValueError(f"quad_rows_intrin: {node.name_hint} accesses {name}, not a local or shared per-row buffer")
             buffers[name] = rest
+        elif (hit := scalar_decl.match(line)) is not None:
+            name, rest = hit.groups()
+            if 'scope="local"' not in rest:
+                raise ValueError(f"quad_rows_intrin: {node.name_hint} reads {name}, not a local scalar")
+            scalars[name] = rest.replace(", layout=None", "")
         elif line.startswith("    T.reads(") or line.startswith("    T.writes("):
             accesses.append(line[4:])
         elif line.startswith("    T.") and not line.startswith("    T.Cast") and "] = " not in line:
@@ -278,10 +284,14 @@ def quad_rows_intrin(sch, block, n_rows: int) -> str:
     shared = [b for b, rest in buffers.items() if 'scope="local"' not in rest]
     if any(b in read for b in shared):
         raise ValueError(f"quad_rows_intrin: {node.name_hint} reads a shared buffer; only local per-row values can be read")
-    whole = lambda names: ", ".join(f"{b}[0:{n_rows // 8}, 0:8]" for b in names)  # noqa: E731
-    params = ", ".join(f"{b}_h: T.handle" for b in buffers)
-    matches = "\n".join(f"    {b} = T.match_buffer({b}_h, ({n_rows // 8}, 8){rest}, offset_factor=1)"
-                         for b, rest in buffers.items())
+    if any(re.search(rf"\b{b}\[", line) for b in scalars for line in accesses if line.startswith("T.writes(")):
+        raise ValueError(f"quad_rows_intrin: {node.name_hint} writes a scalar; scalars can only be read")
+    whole = lambda names: ", ".join([f"{b}[0:{n_rows // 8}, 0:8]" for b in names]  # noqa: E731
+                                    + ([f"{b}[0:1]" for b in scalars] if names is read else []))
+    params = ", ".join(f"{b}_h: T.handle" for b in [*buffers, *scalars])
+    matches = "\n".join([f"    {b} = T.match_buffer({b}_h, ({n_rows // 8}, 8){rest}, offset_factor=1)"
+                          for b, rest in buffers.items()]
+                         + [f"    {b} = T.match_buffer({b}_h, (1,){rest}, offset_factor=1)" for b, rest in scalars.items()])
     head = (f"@T.prim_func(s_tir=True)\ndef {{fn}}({params}):\n{matches}\n"
             f'    with T.sblock("root"):\n        T.reads({whole(read)})\n        T.writes({whole(written)})\n')
     ind = lambda text, n: "\n".join(" " * n + t for t in text)  # noqa: E731

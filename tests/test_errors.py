@@ -112,6 +112,9 @@ def test_bad_softmax_scale(kernel):
     q, k, v = qkv()
     with pytest.raises(TypeError, match=r"softmax_scale: expected a finite float, got nan"):
         kernel(q, k, v, softmax_scale=float("nan"))
+    for bad in (0.0, -0.125, 1e9):
+        with pytest.raises(ValueError, match=r"softmax_scale: expected a positive float"):
+            kernel(q, k, v, softmax_scale=bad)
 
 
 def test_bad_target():

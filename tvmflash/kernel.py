@@ -44,11 +44,15 @@ def default_knobs(schedule, head_dim: int) -> dict:
 
 
 def resolve_softmax_scale(softmax_scale, head_dim: int) -> float:
-    """The scale to use: 1/sqrt(head_dim) for None; a TypeError for anything but a finite number."""
+    """The scale to use: 1/sqrt(head_dim) for None; a TypeError for anything but a finite number,
+    a ValueError outside (0, program.MAX_SOFTMAX_SCALE]."""
     if softmax_scale is None:
         return 1.0 / math.sqrt(head_dim)
     if not isinstance(softmax_scale, (int, float)) or not math.isfinite(softmax_scale):
         raise TypeError(f"softmax_scale: expected a finite float, got {softmax_scale!r}")
+    if not 0 < softmax_scale <= program.MAX_SOFTMAX_SCALE:
+        raise ValueError(f"softmax_scale: expected a positive float up to {program.MAX_SOFTMAX_SCALE:g} (the "
+                         f"kernel takes each row's max before scaling), got {softmax_scale!r}")
     return float(softmax_scale)
 
 

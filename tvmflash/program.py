@@ -28,6 +28,9 @@ LN2 = math.log(2.0)
 # The running max starts finite, so exp2(score - max) is 0, never NaN, for masked scores (-inf).
 # Scores are far inside this bound for any input whose dot products fit in float32.
 NO_MAX = -1.0e30
+# exp2 takes (score - max) * softmax_scale * log2 e, and a row that sees no key keeps NO_MAX as its
+# max: the scale must keep NO_MAX * scale finite in float32 (then exp2(-inf) is 0, never NaN).
+MAX_SOFTMAX_SCALE = 1.0e8
 
 
 @dataclass(frozen=True)
@@ -55,8 +58,9 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int):
     """Return the forward PrimFunc ``main(q, k, v, out, lse, softmax_scale)``.
 
     Each (batch, head, Q block of ``block_m`` rows) is one tile; it streams K/V tiles of
-    ``block_n`` rows past its Q block with an online softmax in base 2 (scores pre-scaled by
-    log2 e). Rows and keys past the end of the sequence are padded with zeros on load and masked
+    ``block_n`` rows past its Q block with an online softmax in base 2 (the running max is taken on
+    the unscaled scores, and the scale times log2 e is applied inside exp2: softmax_scale must be
+    positive, see ``MAX_SOFTMAX_SCALE``). Rows and keys past the end of the sequence are padded with zeros on load and masked
     with -inf in the score, so no length needs to be a multiple of a tile. With ``causal``, the
     mask is aligned bottom-right (key j is seen by query i iff j <= i + seqlen_k - seqlen_q) and
     tiles wholly above the diagonal are not visited.
@@ -106,10 +110,12 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int):
                 vb, vh, vqb = T.axis.remap("SSS", [b, h, qb])
                 Qt = T.sblock_alloc_buffer((BM, D), dtype)  # the Q block, zero-padded
                 S = T.sblock_alloc_buffer((BM, BN), f32)  # Q Kᵀ of one tile, unscaled
-                Sm = T.sblock_alloc_buffer((BM, BN), f32)  # S scaled to base 2 and masked
-                P = T.sblock_alloc_buffer((BM, BN), f32)  # exp2(scaled S - running max)
+                Sm = T.sblock_alloc_buffer((BM, BN), f32)  # S masked (invisible keys -inf)
+                P = T.sblock_alloc_buffer((BM, BN), f32)  # exp2((S - running max) * scale2)
                 Pc = T.sblock_alloc_buffer((BM, BN), dtype)  # P in the input dtype, for P V
-                m = T.sblock_alloc_buffer((BM,), f32)  # running max (base-2 scaled scores)
+                # running max of the unscaled scores: with scale2 > 0 the max commutes with the
+                # scaling, which then fuses into exp2's argument (one FMA per score)
+                m = T.sblock_alloc_buffer((BM,), f32)
                 m_new = T.sblock_alloc_buffer((BM,), f32)
                 alpha = T.sblock_alloc_buffer((BM,), f32)  # exp2(m - m_new): rescale factor
                 l = T.sblock_alloc_buffer((BM,), f32)  # running sum of P
@@ -166,11 +172,11 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int):
                                     S[vi, vj] = T.float32(0)
                                 S[vi, vj] = S[vi, vj] + T.cast(Qt[vi, vd], f32) * T.cast(Kt[vj, vd], f32)
                         for i, j in T.grid(BM, BN):
-                            with T.sblock("score"):  # scaled to base 2; invisible keys -inf
+                            with T.sblock("score"):  # invisible keys -inf
                                 vi, vj = T.axis.remap("SS", [i, j])
                                 Sm[vi, vj] = T.if_then_else(
                                     visible(vqb * BM + vi, vkb * BN + vj, seqlen_q, seqlen_k),
-                                    S[vi, vj] * scale2[0],
+                                    S[vi, vj],
                                     T.float32(-math.inf),
                                 )
                         for i, j in T.grid(BM, BN):
@@ -182,11 +188,11 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int):
                         for i, j in T.grid(BM, BN):
                             with T.sblock("exp"):  # exp2(-inf - finite max) = 0: masked keys add nothing
                                 vi, vj = T.axis.remap("SS", [i, j])
-                                P[vi, vj] = T.exp2(Sm[vi, vj] - m_new[vi])
+                                P[vi, vj] = T.exp2(Sm[vi, vj] * scale2[0] - m_new[vi] * scale2[0])
                         for i in range(BM):
                             with T.sblock("alpha"):
                                 vi = T.axis.spatial(BM, i)
-                                alpha[vi] = T.exp2(m[vi] - m_new[vi])
+                                alpha[vi] = T.exp2((m[vi] - m_new[vi]) * scale2[0])
                         for i, j in T.grid(BM, BN):
                             with T.sblock("row_sum"):
                                 vi, vj = T.axis.remap("SR", [i, j])
@@ -222,7 +228,7 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int):
                         T.where(vqb * BM + i < seqlen_q)
                         LSE[vb, vh, vqb * BM + vi] = T.if_then_else(
                             l[vi] > T.float32(0),
-                            m[vi] * T.float32(LN2) + T.log(l[vi]),
+                            m[vi] * softmax_scale + T.log(l[vi]),
                             T.float32(-math.inf),
                         )
 
