@@ -234,7 +234,7 @@ def quad_rows_intrin(sch, block, n_rows: int) -> str:
     DERIVED from the block itself (its TVMScript, re-parsed), so the schedule restates nothing.
 
     The block must have one spatial iterator (the row) and access only per-row "local" buffers
-    in the layout ``_row_quad_map`` (row // 8, row % 8), at that row (``init_ml``, ``alpha``, ``update_m``, the inits of ``row_max``
+    in the layout ``_row_quad_map`` (row // 8, row % 8), at that row (``init_ml``, ``alpha``, ``update_ml``, the inits of ``row_max``
     and ``row_sum``), and may read scalars (local buffers of shape (1,), such as the scale). The description is the block over n_rows rows (one warp's); the
     implementation gives the 32 lanes to threadIdx.x and has lane ``4 r8 + q`` run the block for
     rows ``8 k + r8`` (k < n_rows / 8): the rows whose fragment elements it holds. The four lanes of
@@ -469,7 +469,7 @@ def _warp_gemm_operands(sch, block, num_warps, operands):
     sch.reorder(warp, k0, i0, n0)
     sch.bind(warp, "threadIdx.y")
     sch.decompose_reduction(outer, k0)
-    # The K/V-tile scope (kv_step) is not a "stage pipeline" (pv and update_m write acc and m
+    # The K/V-tile scope (kv_step) is not a "stage pipeline" (pv and update_ml write acc, m and l
     # after other blocks read them), so compute_at cannot target loops directly under it.
     # Wrapping one warp's mma loop nest in its own block gives the fragment loads a scope that is.
     sch.blockize(k0)
@@ -507,38 +507,12 @@ def _fragment_row_reduce(sch, name, intrin, num_warps, quads=False):
     sch.bind(w, "threadIdx.y")
     init = sch.decompose_reduction(name, r)
     if quads:
-        _declare_init_reads(sch, init, sch.get_sblock(f"{name}_update"))
         sch.tensorize(sch.get_loops(init)[-1], quad_rows_intrin(sch, init, sch.get(sch.get_loops(init)[-1]).extent.value))
     else:
         _, lane = sch.split(sch.get_loops(init)[-1], [None, WARP])  # one lane per row
         sch.bind(lane, "threadIdx.x")
     _hide_init_reads(sch, sch.get_sblock(f"{name}_update"))
     sch.tensorize(r, intrin)
-
-
-def _declare_init_reads(sch, init, update):
-    """decompose_reduction gives the init block no declared reads, even when it reads per-row
-    buffers (m_new = m, l = l * alpha); its reads stay on the update block. Tensorize maps buffers
-    through the declared regions, so declare them on the init again: the per-row buffers the update
-    reads besides the one it writes and the fragments, at the init's row.
-
-    There is no schedule primitive that adds a read region (annotate_buffer_access only replaces
-    an existing one), so this replaces the block in the schedule state; it is not in the trace.
-    """
-    from tvm.s_tir import SBlock
-
-    node, upd = sch.get(init), sch.get(update)
-    written = upd.writes[0].source
-    extra = [region.source for region in upd.reads
-             if not region.source.same_as(written) and region.source.scope() != "warp"]
-    if not extra or node.reads:
-        return
-    row = node.iter_vars[0].var
-    at = lambda buf: _row_quad_map(row) if len(buf.shape) == 2 else (row,)  # noqa: E731
-    reads = [tvm.tirx.BufferRegion(buf, [tvm.ir.Range.from_min_extent(i, 1) for i in at(buf)]) for buf in extra]
-    new = SBlock(node.iter_vars, reads, node.writes, node.name_hint, node.body, node.init,
-                 node.alloc_buffers, node.match_buffers, node.annotations)
-    sch.state.replace(sch.get_sref(init), new, {node: new})
 
 
 def _hide_init_reads(sch, block):
@@ -635,16 +609,17 @@ def schedule(
     # ---- per-row state ---------------------------------------------------------------------
     sch.set_scope("init_scale", 0, "local")
     sch.set_scope("init_ml", 0, "local")  # m: only per-row blocks touch it
-    # l, m_new, alpha: read by the fragment lanes (exp, pv_init, store_o) or written by the quad
-    # reductions. "shared": in shared memory, one lane per row. "registers": each lane keeps the
-    # values of the rows it holds fragments of (local scope is not relaxed over threadIdx, so each
-    # compacts to a few registers per thread).
+    # The per-row values but m: read by the fragment lanes (exp, pv_init, store_o) or
+    # written by the quad reductions. "shared": in shared memory, one lane per row. "registers":
+    # each lane keeps the values of the rows it holds fragments of (local scope is not relaxed over
+    # threadIdx, so each compacts to a few registers per thread).
     per_row_scope = "local" if quads else "shared.dyn"
-    sch.set_scope("init_ml", 1, per_row_scope)  # l
-    sch.set_scope("row_max", 0, per_row_scope)  # m_new
-    sch.set_scope("alpha", 0, per_row_scope)
+    # l, m_tile, m_new, alpha, l_tile, l_new
+    per_row = (("init_ml", 1), ("row_max", 0), ("alpha", 0), ("alpha", 1), ("row_sum", 0), ("merge_l", 0))
+    for name, index in per_row:
+        sch.set_scope(name, index, per_row_scope)
     if quads:
-        for name, index in (("init_ml", 0), ("init_ml", 1), ("row_max", 0), ("alpha", 0)):
+        for name, index in (("init_ml", 0), *per_row):
             sch.transform_layout(name, ("write", index), _row_quad_map)
 
     # ---- softmax on the fragments ----------------------------------------------------------
@@ -705,11 +680,11 @@ def schedule(
 
 
     if quads:  # per-row values on the quads that hold the rows
-        for name in ("init_ml", "alpha", "update_m"):
+        for name in ("init_ml", "alpha", "merge_l", "update_ml"):
             _quad_row_block(sch, name, num_warps)
         _staged_row_block(sch, "store_lse", num_warps)
     else:  # one lane per row
-        for name in ("init_ml", "alpha", "update_m", "store_lse"):
+        for name in ("init_ml", "alpha", "merge_l", "update_ml", "store_lse"):
             _row_block(sch, name, num_warps)
     # ---- K/V loads: cp.async software pipeline (last: it annotates kv_step's final children) -
     if num_stages > 1:

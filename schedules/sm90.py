@@ -341,14 +341,16 @@ def schedule(
     store_o_reads = [str(r.source.name) for r in sch.get(sch.get_sblock("store_o")).reads]
     l_copy = sch.reindex("store_o", ("read", store_o_reads.index("l")))
     sch.set_scope(l_copy, 0, "shared.dyn")
-    for name in ("init_ml", "score", "row_max", "exp", "alpha", "row_sum", "cast_p", "update_m", l_copy, "store_lse"):
+    for name in ("init_ml", "score", "row_max", "exp", "alpha", "row_sum", "cast_p", "merge_l", "update_ml", l_copy,
+                 "store_lse"):
         _row_block(sch, name, num_warpgroups)
     # Each thread writes its row of P 16 bytes at a time (8 rows of a core matrix: 128
     # contiguous bytes, no bank conflicts).
     _, p_vec = sch.split(sch.get_loops("cast_p")[-1], [None, vec])
     sch.vectorize(p_vec)
-    for name, idx in (("init_ml", 0), ("init_ml", 1), ("score", 0), ("row_max", 0), ("exp", 0)):
+    for name, idx in (("init_ml", 0), ("init_ml", 1), ("score", 0), ("row_max", 0), ("exp", 0), ("alpha", 0),
+                      ("row_sum", 0), ("merge_l", 0)):
         sch.set_scope(name, idx, "local")
-    sch.set_scope("alpha", 0, "shared.dyn")  # read by the accumulator threads in pv_init
+    sch.set_scope("alpha", 1, "shared.dyn")  # alpha: read by the accumulator threads in pv_init
     sch.set_scope("init_scale", 0, "local")
     return sch

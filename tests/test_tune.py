@@ -118,6 +118,21 @@ def test_cuda_spaces_cross_compile():
         assert "mma.sync" in built.imports[0].inspect_source()
 
 
+def test_sm80_design_space_replays():
+    """MetaSchedule's search replays each design-space trace on a fresh schedule: the sm80 space
+    with its default knobs must replay to the same IR (a schedule step outside the trace, such as a
+    block replaced in the schedule state, breaks this and leaves the search without candidates)."""
+    spec = program.AttentionSpec(64, "bfloat16", True, 2, 1)
+    mod = tvm.IRModule({"main": tune.specialize(program.attention_forward(spec, 128, 64), spec, batch=1,
+                                                seqlen_q=300, seqlen_k=300, softmax_scale=0.1)})
+    fixed, sampled = tune.task_knobs(sm80.SPACE, 128, 64, num_stages=sm80.KNOBS["num_stages"])
+    sch = tvm.s_tir.Schedule(mod)
+    tune.space_fn(sm80, fixed, sampled)(sch)
+    replayed = tvm.s_tir.Schedule(mod)
+    sch.trace.apply_to_schedule(replayed, remove_postproc=True)
+    tvm.ir.assert_structural_equal(replayed.mod, sch.mod)
+
+
 def test_rejected_tile_pairs_are_skipped(tmp_path):
     """sm80 needs block_n % 16 == 0: that pair is skipped with a message; the others become tasks."""
     import random

@@ -116,9 +116,12 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int):
                 # running max of the unscaled scores: with scale2 > 0 the max commutes with the
                 # scaling, which then fuses into exp2's argument (one FMA per score)
                 m = T.sblock_alloc_buffer((BM,), f32)
-                m_new = T.sblock_alloc_buffer((BM,), f32)
+                m_tile = T.sblock_alloc_buffer((BM,), f32)  # max of one tile's masked scores
+                m_new = T.sblock_alloc_buffer((BM,), f32)  # max(m, m_tile)
                 alpha = T.sblock_alloc_buffer((BM,), f32)  # exp2(m - m_new): rescale factor
                 l = T.sblock_alloc_buffer((BM,), f32)  # running sum of P
+                l_tile = T.sblock_alloc_buffer((BM,), f32)  # sum of one tile's P
+                l_new = T.sblock_alloc_buffer((BM,), f32)  # l * alpha + l_tile
                 acc = T.sblock_alloc_buffer((BM, D), f32)  # unnormalised output
                 scale2 = T.sblock_alloc_buffer((1,), f32)
 
@@ -179,26 +182,32 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int):
                                     S[vi, vj],
                                     T.float32(-math.inf),
                                 )
+                        # The row reductions start from constants; per-row blocks fold the tile's
+                        # max and sum into the running ones, as FA2 does. (A reduction init that
+                        # read m or l could not be tensorized on its own, and a block can't read
+                        # what it writes: hence m_new and l_new.)
                         for i, j in T.grid(BM, BN):
                             with T.sblock("row_max"):
                                 vi, vj = T.axis.remap("SR", [i, j])
                                 with T.init():
-                                    m_new[vi] = m[vi]
-                                m_new[vi] = T.max(m_new[vi], Sm[vi, vj])
+                                    m_tile[vi] = T.float32(NO_MAX)
+                                m_tile[vi] = T.max(m_tile[vi], Sm[vi, vj])
+                        for i in range(BM):
+                            with T.sblock("alpha"):
+                                vi = T.axis.spatial(BM, i)
+                                new_max = T.meta_var(T.max(m[vi], m_tile[vi]))
+                                m_new[vi] = new_max
+                                alpha[vi] = T.exp2((m[vi] - new_max) * scale2[0])  # rescales l and acc
                         for i, j in T.grid(BM, BN):
                             with T.sblock("exp"):  # exp2(-inf - finite max) = 0: masked keys add nothing
                                 vi, vj = T.axis.remap("SS", [i, j])
                                 P[vi, vj] = T.exp2(Sm[vi, vj] * scale2[0] - m_new[vi] * scale2[0])
-                        for i in range(BM):
-                            with T.sblock("alpha"):
-                                vi = T.axis.spatial(BM, i)
-                                alpha[vi] = T.exp2((m[vi] - m_new[vi]) * scale2[0])
                         for i, j in T.grid(BM, BN):
                             with T.sblock("row_sum"):
                                 vi, vj = T.axis.remap("SR", [i, j])
                                 with T.init():
-                                    l[vi] = l[vi] * alpha[vi]
-                                l[vi] = l[vi] + P[vi, vj]
+                                    l_tile[vi] = T.float32(0)
+                                l_tile[vi] = l_tile[vi] + P[vi, vj]
                         for i, j in T.grid(BM, BN):
                             with T.sblock("cast_p"):
                                 vi, vj = T.axis.remap("SS", [i, j])
@@ -210,9 +219,14 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int):
                                     acc[vi, vd] = acc[vi, vd] * alpha[vi]
                                 acc[vi, vd] = acc[vi, vd] + T.cast(Pc[vi, vj], f32) * T.cast(Vt[vj, vd], f32)
                         for i in range(BM):
-                            with T.sblock("update_m"):
+                            with T.sblock("merge_l"):
+                                vi = T.axis.spatial(BM, i)
+                                l_new[vi] = l[vi] * alpha[vi] + l_tile[vi]
+                        for i in range(BM):
+                            with T.sblock("update_ml"):  # (m, l) move on in a block of their own
                                 vi = T.axis.spatial(BM, i)
                                 m[vi] = m_new[vi]
+                                l[vi] = l_new[vi]
 
                 for i, d in T.grid(BM, D):
                     with T.sblock("store_o"):
