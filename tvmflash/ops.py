@@ -53,7 +53,7 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale=None, return_lse: 
 
     q: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim) with
     heads_q a multiple of heads_kv (GQA/MQA). Returns out with q's shape and dtype, or (out, lse)
-    with lse float32 of shape (batch, heads_q, seqlen_q). softmax_scale defaults to
+    with lse float32 of shape (batch, heads_q, seqlen_q). softmax_scale (positive, at most 1e8) defaults to
     1/sqrt(head_dim). With causal and seqlen_q != seqlen_k the mask is aligned bottom-right; a
     query that sees no key gets 0 (and lse -inf). The kernel for the tensors' device, dtype and
     head_dim is compiled on first use and cached.
