@@ -1,13 +1,22 @@
 """Device check (H100/H200, sm_90a): the experimental wgmma schedule (schedules/sm90.py) for the
 whole attention program, against torch SDPA in float32, then timed against SDPA's flash backend.
 
+The schedule under test keeps the online softmax on the wgmma accumulator registers and feeds P
+to the PV wgmma from registers ("rs" form), with the A-register layout taken to be the
+accumulator layout of S, 16 columns at a time (CUTLASS's ALayout_64x16 == CLayout_64x16) and
+each 32-bit A register packing two consecutive columns, the lower one in the low half. A wrong
+layout pairs P's values with the wrong keys of V (or rows of O): it shows here as an error far
+above the tolerance in every case, not as NaN.
+
 Correctness: head_dim 64 and 128, bf16 and fp16, causal (bottom-right aligned, as tvmflash and
 flash-attn align it) and not, odd lengths (seqlen_q 1000, seqlen_k 1037), GQA (4 query heads on
-2 K/V heads). A case passes by flash-attn's rule: its max error against the float32 reference is
-at most 2x that of torch's own attention in the input dtype, + 1e-5; LSE within 1e-4 relative.
+2 K/V heads); the output is poisoned with NaN first, so an element never written fails. A case
+passes by flash-attn's rule: its max error against the float32 reference is at most 2x that of
+torch's own attention in the input dtype, + 1e-5; LSE within 1e-4 relative.
 
-Speed: batch 4, heads 16, seqlen 4096, head_dim 128, bf16, non-causal: tvmflash sm90, tvmflash
-sm80 (the default schedule on this GPU today) and SDPA FLASH_ATTENTION, median of 20 runs.
+Speed: batch 4, heads 16, seqlen 4096, head_dim 128, bf16, non-causal and causal: tvmflash sm90,
+tvmflash sm80 (the default schedule on this GPU today) and SDPA FLASH_ATTENTION, median of 20
+runs (CUDA events); causal FLOPs are halved, as flash-attn counts them.
 
     PYTHONPATH=$PWD python benchmarks/sm90_attention.py            # exit 1 if a case fails
     PYTHONPATH=$PWD python benchmarks/sm90_attention.py --no-bench
@@ -26,8 +35,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 import tvmflash  # noqa: E402
-from tvmflash import kernel as kernel_module  # noqa: E402
-from tvmflash.bench import time_ms  # noqa: E402
+from tvmflash.bench import attention_flops, time_ms  # noqa: E402
 
 TORCH = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -77,26 +85,36 @@ def check(head_dim, dtype, causal, batch=2, seqlen_q=1000, seqlen_k=1037, heads_
     return ok
 
 
+def compile_with(sm90, **kwargs):
+    """tvmflash.compile with the sm90 schedule opted in or out (TVMFLASH_SM90 is read at compile)."""
+    os.environ["TVMFLASH_SM90"] = "1" if sm90 else "0"
+    try:
+        return tvmflash.compile(**kwargs)
+    finally:
+        os.environ["TVMFLASH_SM90"] = "1"
+
+
 def bench(batch=4, heads=16, seqlen=4096, head_dim=128, dtype="bfloat16"):
     q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=TORCH[dtype]) for _ in range(3))
-    flops = 4 * batch * heads * seqlen * seqlen * head_dim
-    results = {}
-    cuda = torch.device("cuda")
-    sm90 = tvmflash.compile(head_dim=head_dim, dtype=dtype, target="cuda")
-    assert sm90.info()["schedule"] == "sm90", sm90.info()
-    out = torch.empty_like(q)
-    results["tvmflash sm90"] = time_ms(lambda: sm90(q, k, v, out=out), cuda)
-    os.environ["TVMFLASH_SM90"] = "0"
-    kernel_module.forget_kernels()
-    sm80 = tvmflash.compile(head_dim=head_dim, dtype=dtype, target="cuda")
-    results[f"tvmflash {sm80.info()['schedule']}"] = time_ms(lambda: sm80(q, k, v, out=out), cuda)
-    os.environ["TVMFLASH_SM90"] = "1"
     qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
-    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-        results["SDPA flash"] = time_ms(lambda: F.scaled_dot_product_attention(qh, kh, vh), cuda)
-    print(f"speed: batch {batch}, heads {heads}, seqlen {seqlen}, d{head_dim}, {dtype}, non-causal")
-    for name, ms in results.items():
-        print(f"  {name:16s} {ms:8.3f} ms  {flops / ms / 1e9:7.1f} TFLOP/s")
+    out = torch.empty_like(q)
+    cuda = torch.device("cuda")
+    for causal in (False, True):
+        flops = attention_flops(batch, heads, seqlen, seqlen, head_dim, causal)
+        results = {}
+        for sm90 in (True, False):
+            kern = compile_with(sm90, head_dim=head_dim, dtype=dtype, causal=causal, target="cuda")
+            schedule = kern.info()["schedule"]
+            assert (schedule == "sm90") == sm90, kern.info()
+            kern(q, k, v, out=out)  # build outside the timing
+            results[f"tvmflash {schedule}"] = time_ms(lambda: kern(q, k, v, out=out), cuda)  # noqa: B023
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            results["SDPA flash"] = time_ms(
+                lambda: F.scaled_dot_product_attention(qh, kh, vh, is_causal=causal), cuda)  # noqa: B023
+        print(f"speed: batch {batch}, heads {heads}, seqlen {seqlen}, d{head_dim}, {dtype}, "
+              f"{'causal' if causal else 'non-causal'}", flush=True)
+        for name, ms in results.items():
+            print(f"  {name:16s} {ms:8.3f} ms  {flops / ms / 1e9:7.1f} TFLOP/s", flush=True)
 
 
 def main():

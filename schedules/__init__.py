@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from types import ModuleType
 
-from . import cpu, cuda, sm80, sm90
+from . import common, cpu, cuda, sm80, sm90  # noqa: F401 - common: in the build cache key (kernel.py)
 
 # The schedule for each compute capability, newest first; the CPU has its own.
 _CUDA_BY_CAPABILITY: list[tuple[int, ModuleType]] = [(80, sm80), (0, cuda)]

@@ -17,3 +17,199 @@ def bind_grid(sch: tvm.s_tir.Schedule) -> None:
     sch.bind(qb, "blockIdx.x")
     sch.bind(h, "blockIdx.y")
     sch.bind(b, "blockIdx.z")
+
+
+
+def register_intrin(name: str, desc, impl) -> None:
+    """TensorIntrin.register, tolerant of a name already registered (a module reloaded)."""
+    from tvm.s_tir import TensorIntrin
+
+    try:
+        TensorIntrin.register(name, desc, impl)
+    except Exception:  # noqa: BLE001 - already registered
+        pass
+
+
+# --------------------------------------------------------------------------------------------
+# row reductions over tensor-core accumulator registers
+# --------------------------------------------------------------------------------------------
+class QuadRowLayout:
+    """How a float32 tile of n_rows x n_cols is held in registers as mma.sync m16n8 C fragments:
+    mma.sync's own (sm80) or wgmma's accumulator (that fragment repeated per warp and along N).
+    Each thread holds, of each 16 x 16 tile it has a part of, two rows (h = 0, 1: quad row r8
+    and r8 + 8) and four elements of each (half = 0, 1: columns 8 half + 2 q + e, e = 0, 1); each
+    row lives in the four lanes of one quad (lanes 4 r8 .. 4 r8 + 3 of a warp).
+
+    key:          names the intrinsic (unique per layout and tile size).
+    shape, scope: the fragment buffer an intrinsic matches.
+    threads:      threads that hold the tile (threadIdx.x extent of the intrinsic).
+    element(r, c): the buffer index of element (r, c) (the description; may leave out the thread
+                  for per-thread "local" buffers).
+    row_tiles, col_tiles: each thread holds part of row_tiles x col_tiles 16 x 16 tiles: its
+                  k-th row (k = 2 rt + h, rows_per_thread = 2 row_tiles of them), per_row =
+                  4 col_tiles elements of each.
+    row(t, k):    the tile row of thread t's k-th row.
+    row_slot(t, k): (row // 8, row % 8) of that row, spelled out so that it is plainly static per
+                  thread (the index into a per-row buffer in registers, ``out_scope="local"``).
+    held(t, rt, h, ct, half, e): the buffer index of element (ct, half, e) of thread t's row
+                  k = 2 rt + h.
+    spread_stores: how the quad writes its rows' results to shared memory. False: its first lane
+                  writes them all. True: lane q writes the q-th (at most 4 rows per thread).
+                  ThreadSync cannot always prove that two rows of one thread are not another
+                  thread's (it cannot for the wgmma layout, and then aborts: "Cannot insert syncs
+                  inside condition"); one store per thread avoids the question. But under the
+                  sm80 cp.async pipeline that form fails StorageRewrite ("Buffer access occurs
+                  outside a statement scope"), so sm80 keeps the first.
+    """
+
+    def __init__(self, key, shape, scope, n_rows, n_cols, threads, element, row_tiles, col_tiles, row, row_slot,
+                 held, spread_stores=False):
+        self.key, self.shape, self.scope = key, tuple(shape), scope
+        self.n_rows, self.n_cols, self.threads = n_rows, n_cols, threads
+        self.element, self.row, self.row_slot, self.held = element, row, row_slot, held
+        self.row_tiles, self.col_tiles = row_tiles, col_tiles
+        self.rows_per_thread, self.per_row = 2 * row_tiles, 4 * col_tiles
+        self.spread_stores = spread_stores
+
+
+_ROW_REDUCE_REGISTERED: set[str] = set()
+
+
+def row_reduce_intrin(op: str, layout: QuadRowLayout, out_scope: str = "shared.dyn") -> str:
+    """Register (once) and name a row reduction of a register tile (``layout``) into per-row
+    values: ``out[r] = out[r] (op) reduce_c tile[r, c]``.
+
+    Each thread reduces the elements it holds of each of its rows; the four lanes of a quad,
+    which share those rows, then combine theirs with two xor shuffles (1, then 2).
+    out_scope "shared.dyn" (or "shared", static): out is (n_rows,) in shared memory, updated by the
+    first lane of the quad (or, with ``layout.spread_stores``, lane q updates the quad's q-th row).
+    out_scope "local": every lane of the quad updates its own register copy of the row's value,
+    so the row state is replicated on the quad, as in FA2, and no other lane ever reads it; out
+    then has the layout (row // 8, row % 8) (``layout.row_slot``), so that each thread's rows
+    compact to a few registers.
+    """
+    from tvm.script import tirx as T
+
+    suffix = {"shared.dyn": "", "shared": "_static", "local": "_quad"}
+    if out_scope not in suffix:
+        raise ValueError(f"out_scope: expected 'shared.dyn', 'shared' or 'local', got {out_scope!r}")
+    quad = out_scope == "local"
+    name = f"tvmflash_row_{op}_{layout.key}" + suffix[out_scope]
+    if name in _ROW_REDUCE_REGISTERED:
+        return name
+    combine = {"max": T.max, "sum": lambda a, b: a + b}[op]
+    identity = {"max": T.float32("-inf"), "sum": T.float32(0)}[op]
+    n_rows, n_cols, threads, shape, scope = layout.n_rows, layout.n_cols, layout.threads, layout.shape, layout.scope
+    row_tiles, col_tiles, rows_per_thread = layout.row_tiles, layout.col_tiles, layout.rows_per_thread
+    spread_stores = layout.spread_stores
+    if spread_stores and rows_per_thread > 4:
+        raise ValueError(f"row_reduce_intrin: at most 4 rows per thread (one per lane of a quad), got {rows_per_thread}")
+    out_shape = (n_rows // 8, 8) if quad else (n_rows,)
+    slot = (lambda r: (r // 8, r % 8)) if quad else (lambda r: (r,))  # noqa: E731 - row -> index into out
+    whole = tuple(slice(0, s) for s in shape)
+    out_whole = tuple(slice(0, s) for s in out_shape)
+
+    def select(part, k):  # part[k] without a dynamic index into registers
+        value = part[rows_per_thread - 1]
+        for kk in range(rows_per_thread - 2, -1, -1):
+            value = T.Select(k == kk, part[kk], value)
+        return value
+
+    @T.prim_func(s_tir=True)
+    def desc(tile_h: T.handle, out_h: T.handle):
+        tile = T.match_buffer(tile_h, shape, "float32", scope=scope, offset_factor=1)
+        out = T.match_buffer(out_h, out_shape, "float32", scope=out_scope, offset_factor=1)
+        with T.sblock("root"):
+            T.reads(out[out_whole], tile[whole])
+            T.writes(out[out_whole])
+            for r, c in T.grid(n_rows, n_cols):
+                with T.sblock("update"):
+                    vr, vc = T.axis.remap("SR", [r, c])
+                    out[slot(vr)] = combine(out[slot(vr)], tile[layout.element(vr, vc)])
+
+    @T.prim_func(s_tir=True)
+    def impl(tile_h: T.handle, out_h: T.handle):
+        tile = T.match_buffer(tile_h, shape, "float32", scope=scope, offset_factor=1)
+        out = T.match_buffer(out_h, out_shape, "float32", scope=out_scope, offset_factor=1)
+        with T.sblock("root"):
+            T.reads(out[out_whole], tile[whole])
+            T.writes(out[out_whole])
+            for t in T.thread_binding(threads, "threadIdx.x"):
+                part = T.alloc_buffer((rows_per_thread,), "float32", scope="local")
+                # unrolled: registers take static indices only
+                for rt in T.unroll(row_tiles):
+                    for h in T.unroll(2):
+                        part[2 * rt + h] = identity
+                        for ct in T.unroll(col_tiles):
+                            for half in T.unroll(2):
+                                for e in T.unroll(2):
+                                    part[2 * rt + h] = combine(part[2 * rt + h],
+                                                               tile[layout.held(t, rt, h, ct, half, e)])
+                for k, mask in T.grid(rows_per_thread, 2):  # xor 1, then xor 2: across the quad
+                    part[k] = combine(part[k], T.tvm_warp_shuffle_xor(
+                        T.tvm_warp_activemask(), part[k], mask + 1, 32, 32))
+                if quad:  # every lane of the quad: its own copy of the row's value
+                    for k in range(rows_per_thread):
+                        out[layout.row_slot(t, k)] = combine(out[layout.row_slot(t, k)], part[k])
+                elif spread_stores:
+                    # Lane q of the quad (every lane has the quad's results after the shuffles)
+                    # writes the quad's q-th row: one store per thread.
+                    if t % 4 < rows_per_thread:
+                        out[layout.row(t, t % 4)] = combine(out[layout.row(t, t % 4)], select(part, t % 4))
+                else:  # the first lane of the quad writes all its rows
+                    if t % 4 == 0:
+                        for k in range(rows_per_thread):
+                            out[layout.row(t, k)] = combine(out[layout.row(t, k)], part[k])
+
+    register_intrin(name, desc, impl)
+    _ROW_REDUCE_REGISTERED.add(name)
+    return name
+
+
+def hide_init_reads(sch: tvm.s_tir.Schedule, block) -> None:
+    """decompose_reduction leaves the init's reads (alpha for pv's rescale, m for row_max) on
+    the update block; drop those its body does not load, so the update matches its intrinsic,
+    which reads only the operands and the value it updates."""
+    update = sch.get(block)
+    loaded = _loaded_buffers(update.body)
+    extra = [k for k, region in enumerate(update.reads)
+             if not any(region.source.same_as(buf) for buf in loaded)]
+    if extra:
+        sch.unsafe_hide_buffer_access(block, "read", extra)
+
+
+def tensorize_row_reduce(sch: tvm.s_tir.Schedule, name: str, intrin: str, groups: int, lanes: int,
+                         schedule_init=None) -> None:
+    """A row reduction block (rows, cols) over register tiles: rows split over ``groups``
+    (threadIdx.y: warps or warpgroups), the init becomes a per-row block ``<name>_init``, and each
+    group's rows are tensorized with ``intrin``. The init runs row r of a group on thread r of
+    ``lanes``, unless ``schedule_init(init, update)`` schedules it (it runs before the update's
+    init reads are hidden)."""
+    i = sch.get_loops(name)[-2]
+    g, r = sch.split(i, [groups, None])
+    sch.bind(g, "threadIdx.y")
+    init = sch.decompose_reduction(name, r)
+    update = sch.get_sblock(f"{name}_update")
+    if schedule_init is None:
+        _, lane = sch.split(sch.get_loops(init)[-1], [None, lanes])
+        sch.bind(lane, "threadIdx.x")
+    else:
+        schedule_init(init, update)
+    hide_init_reads(sch, update)
+    sch.tensorize(r, intrin)
+
+
+def _loaded_buffers(node) -> list:
+    """The buffers a statement or expression loads from (enough of a walk for a block body)."""
+    if type(node).__name__ in ("TensorLoad", "BufferLoad"):  # 0.27 names it TensorLoad
+        return [node.source] + [b for i in node.indices for b in _loaded_buffers(i)]
+    found = []
+    for attr in ("value", "a", "b", "condition", "true_value", "false_value", "body", "block", "seq", "args",
+                 "indices"):
+        child = getattr(node, attr, None)
+        if child is None or isinstance(child, (int, float, str)):
+            continue
+        for c in (child if isinstance(child, (list, tuple)) or hasattr(child, "__len__") else [child]):
+            if isinstance(c, tvm.runtime.Object):
+                found += _loaded_buffers(c)
+    return found

@@ -33,7 +33,8 @@ from __future__ import annotations
 import tvm
 from tvm.s_tir import TensorIntrin
 
-from .common import bind_grid
+from .common import (QuadRowLayout, bind_grid, hide_init_reads, register_intrin, row_reduce_intrin,
+                     tensorize_row_reduce)
 
 WARP = 32
 
@@ -91,15 +92,8 @@ def _register_intrinsics():
     # and the PTX type name alone, so derive them from the fp16 descriptions.
     for role, name in _FP16_INTRINSICS.items():
         fp16 = TensorIntrin.get(name)
-        _register(f"tvmflash_{role}_bf16", _as_bf16(fp16.desc), _as_bf16(fp16.impl))
+        register_intrin(f"tvmflash_{role}_bf16", _as_bf16(fp16.desc), _as_bf16(fp16.impl))
     _REGISTERED = True
-
-
-def _register(name, desc, impl):
-    try:
-        TensorIntrin.register(name, desc, impl)
-    except Exception:  # already registered (this module was reloaded)
-        pass
 
 
 def _as_bf16(func):
@@ -126,107 +120,20 @@ _FP16_INTRINSICS = {
 }
 
 
-def row_reduce_intrin(op: str, n_rows: int, n_cols: int, out_scope: str = "shared.dyn") -> str:
-    """Register (once) and name a warp-level row reduction of an n_rows x n_cols tile held as
-    mma fragments ("warp" scope, the layout of ``_frag_index_map``) into per-row values:
-    ``out[r] = out[r] (op) reduce_c tile[r, c]``.
-
-    Each lane reduces the elements it holds of its rows (lane // 4 and lane // 4 + 8 of each
-    16-row tile); the four lanes of a quad, which share those rows, then combine theirs with two
-    xor shuffles. out_scope "shared.dyn": the first lane of the quad updates the row's value in
-    shared memory. out_scope "local": every lane of the quad updates its own register copy of the
-    row's value (row 8 k + lane // 4 of the warp's rows), so the row state is replicated on the
-    quad, as in FA2, and no other lane ever reads it; the per-row buffer then has the layout
-    ``_row_quad_map`` (row // 8, row % 8), so that each thread's rows compact to 4 registers.
-    """
-    if out_scope not in ("shared.dyn", "local"):
-        raise ValueError(f"out_scope: expected 'shared.dyn' or 'local', got {out_scope!r}")
-    name = f"tvmflash_row_{op}_{n_rows}x{n_cols}" + ("_quad" if out_scope == "local" else "")
-    if name in _ROW_REDUCE_REGISTERED:
-        return name
-    from tvm.script import tirx as T
-
-    combine = {"max": T.max, "sum": lambda a, b: a + b}[op]
-    identity = {"max": T.float32("-inf"), "sum": T.float32(0)}[op]
-    row_tiles, col_tiles = n_rows // 16, n_cols // 16
-    rows_per_lane = 2 * row_tiles
-
-    @T.prim_func(s_tir=True)
-    def desc(tile_h: T.handle, out_h: T.handle):
-        tile = T.match_buffer(tile_h, (row_tiles, col_tiles, WARP, 8), "float32", scope="warp", offset_factor=1)
-        out = T.match_buffer(out_h, (n_rows,), "float32", scope="shared.dyn", offset_factor=1)
-        with T.sblock("root"):
-            T.reads(out[0:n_rows], tile[0:row_tiles, 0:col_tiles, 0:WARP, 0:8])
-            T.writes(out[0:n_rows])
-            for r, c in T.grid(n_rows, n_cols):
-                with T.sblock("update"):
-                    vr, vc = T.axis.remap("SR", [r, c])
-                    rt, ct, lane, reg = T.meta_var(_frag_index_map(vr, vc))
-                    out[vr] = combine(out[vr], tile[rt, ct, lane, reg])
-
-    @T.prim_func(s_tir=True)
-    def impl(tile_h: T.handle, out_h: T.handle):
-        tile = T.match_buffer(tile_h, (row_tiles, col_tiles, WARP, 8), "float32", scope="warp", offset_factor=1)
-        out = T.match_buffer(out_h, (n_rows,), "float32", scope="shared.dyn", offset_factor=1)
-        with T.sblock("root"):
-            T.reads(out[0:n_rows], tile[0:row_tiles, 0:col_tiles, 0:WARP, 0:8])
-            T.writes(out[0:n_rows])
-            for lane in T.thread_binding(WARP, "threadIdx.x"):
-                part = T.alloc_buffer((rows_per_lane,), "float32", scope="local")
-                # row 16 rt + 8 h + lane // 4 lives in registers 2h, 2h + 1, 2h + 4, 2h + 5
-                for rt, h in T.grid(row_tiles, 2):
-                    part[2 * rt + h] = identity
-                    for ct, half, e in T.grid(col_tiles, 2, 2):
-                        part[2 * rt + h] = combine(part[2 * rt + h], tile[rt, ct, lane, 4 * half + 2 * h + e])
-                for k, mask in T.grid(rows_per_lane, 2):  # xor 1, then xor 2: across the quad
-                    part[k] = combine(part[k], T.tvm_warp_shuffle_xor(
-                        T.tvm_warp_activemask(), part[k], mask + 1, WARP, WARP))
-                if lane % 4 == 0:
-                    for k in range(rows_per_lane):
-                        out[8 * k + lane // 4] = combine(out[8 * k + lane // 4], part[k])
-
-    @T.prim_func(s_tir=True)
-    def desc_quad(tile_h: T.handle, out_h: T.handle):
-        tile = T.match_buffer(tile_h, (row_tiles, col_tiles, WARP, 8), "float32", scope="warp", offset_factor=1)
-        out = T.match_buffer(out_h, (n_rows // 8, 8), "float32", scope="local", offset_factor=1)
-        with T.sblock("root"):
-            T.reads(out[0:n_rows // 8, 0:8], tile[0:row_tiles, 0:col_tiles, 0:WARP, 0:8])
-            T.writes(out[0:n_rows // 8, 0:8])
-            for r, c in T.grid(n_rows, n_cols):
-                with T.sblock("update"):
-                    vr, vc = T.axis.remap("SR", [r, c])
-                    rt, ct, lane, reg = T.meta_var(_frag_index_map(vr, vc))
-                    out[vr // 8, vr % 8] = combine(out[vr // 8, vr % 8], tile[rt, ct, lane, reg])
-
-    @T.prim_func(s_tir=True)
-    def impl_quad(tile_h: T.handle, out_h: T.handle):
-        tile = T.match_buffer(tile_h, (row_tiles, col_tiles, WARP, 8), "float32", scope="warp", offset_factor=1)
-        out = T.match_buffer(out_h, (n_rows // 8, 8), "float32", scope="local", offset_factor=1)
-        with T.sblock("root"):
-            T.reads(out[0:n_rows // 8, 0:8], tile[0:row_tiles, 0:col_tiles, 0:WARP, 0:8])
-            T.writes(out[0:n_rows // 8, 0:8])
-            for lane in T.thread_binding(WARP, "threadIdx.x"):
-                part = T.alloc_buffer((rows_per_lane,), "float32", scope="local")
-                for rt, h in T.grid(row_tiles, 2):
-                    part[2 * rt + h] = identity
-                    for ct, half, e in T.grid(col_tiles, 2, 2):
-                        part[2 * rt + h] = combine(part[2 * rt + h], tile[rt, ct, lane, 4 * half + 2 * h + e])
-                for k, mask in T.grid(rows_per_lane, 2):
-                    part[k] = combine(part[k], T.tvm_warp_shuffle_xor(
-                        T.tvm_warp_activemask(), part[k], mask + 1, WARP, WARP))
-                # every lane of the quad: its own copy of the row's value
-                for k in range(rows_per_lane):
-                    out[k, lane // 4] = combine(out[k, lane // 4], part[k])
-
-    if out_scope == "shared.dyn":
-        _register(name, desc, impl)
-    else:
-        _register(name, desc_quad, impl_quad)
-    _ROW_REDUCE_REGISTERED.add(name)
-    return name
-
-
-_ROW_REDUCE_REGISTERED: set[str] = set()
+def frag_rows(n_rows: int, n_cols: int) -> QuadRowLayout:
+    """An n_rows x n_cols tile of one warp held as mma fragments ("warp" scope, the layout of
+    ``_frag_index_map``), for ``common.row_reduce_intrin``: lane l holds rows l // 4 and
+    l // 4 + 8 of each 16-row tile rt; row 16 rt + 8 h + l // 4 is its k-th row for k = 2 rt + h
+    (slot (k, l // 4) of ``_row_quad_map``), in registers 4 half + 2 h + e of every 16-column
+    tile."""
+    return QuadRowLayout(
+        key=f"mma_{n_rows}x{n_cols}", shape=(n_rows // 16, n_cols // 16, WARP, 8), scope="warp",
+        n_rows=n_rows, n_cols=n_cols, threads=WARP, element=_frag_index_map,
+        row_tiles=n_rows // 16, col_tiles=n_cols // 16,
+        row=lambda lane, k: 8 * k + lane // 4,
+        row_slot=lambda lane, k: (k, lane // 4),
+        held=lambda lane, rt, h, ct, half, e: (rt, ct, lane, 4 * half + 2 * h + e),
+    )
 
 
 def quad_rows_intrin(sch, block, n_rows: int) -> str:
@@ -498,33 +405,13 @@ def _fragment_elementwise(sch, name, num_warps):
     sch.bind(lane, "threadIdx.x")
 
 
-def _fragment_row_reduce(sch, name, intrin, num_warps, quads=False):
-    """A row reduction (rows, cols) over mma fragments: the init becomes a per-row block
-    ``<name>_init`` and each warp's 16-row tiles are tensorized with ``intrin``. quads: the init
-    runs on the quads that hold the rows (registers), else one lane per row."""
-    i = sch.get_loops(name)[-2]
-    w, r = sch.split(i, [num_warps, None])
-    sch.bind(w, "threadIdx.y")
-    init = sch.decompose_reduction(name, r)
-    if quads:
-        sch.tensorize(sch.get_loops(init)[-1], quad_rows_intrin(sch, init, sch.get(sch.get_loops(init)[-1]).extent.value))
-    else:
-        _, lane = sch.split(sch.get_loops(init)[-1], [None, WARP])  # one lane per row
-        sch.bind(lane, "threadIdx.x")
-    _hide_init_reads(sch, sch.get_sblock(f"{name}_update"))
-    sch.tensorize(r, intrin)
-
-
-def _hide_init_reads(sch, block):
-    """decompose_reduction leaves the init's reads (alpha for pv's rescale, m for row_max) on
-    the update block; drop them so the update matches its intrinsic, which reads only the
-    fragments and the value it updates."""
-    update = sch.get(block)
-    written = update.writes[0].source
-    extra = [k for k, region in enumerate(update.reads)
-             if not region.source.same_as(written) and region.source.scope() != "warp"]
-    if extra:
-        sch.unsafe_hide_buffer_access(block, "read", extra)
+def _quad_row_init(sch):
+    """For ``common.tensorize_row_reduce`` with row_state "registers": the per-row init of a row
+    reduction runs on the quads that hold the rows (``quad_rows_intrin``)."""
+    def schedule_init(init, update):
+        rows = sch.get_loops(init)[-1]
+        sch.tensorize(rows, quad_rows_intrin(sch, init, sch.get(rows).extent.value))
+    return schedule_init
 
 
 def _row_block(sch, name, num_warps):
@@ -638,11 +525,12 @@ def schedule(
 
     for name in ("score", "exp", "cast_p"):
         _fragment_elementwise(sch, name, num_warps)
-    # Row max and row sum: per-lane partial results combined across each quad by shuffles (our
-    # intrinsic), into per-row values in shared memory.
+    # Row max and row sum: per-lane partial results combined across each quad by shuffles
+    # (common.row_reduce_intrin, shared with sm90), into per-row values in shared memory or, with
+    # row_state "registers", in each quad's registers.
     for name, op in (("row_max", "max"), ("row_sum", "sum")):
-        _fragment_row_reduce(sch, name, row_reduce_intrin(op, BM // num_warps, BN, per_row_scope), num_warps,
-                             quads=quads)
+        intrin = row_reduce_intrin(op, frag_rows(BM // num_warps, BN), per_row_scope)
+        tensorize_row_reduce(sch, name, intrin, num_warps, WARP, _quad_row_init(sch) if quads else None)
 
     # ---- pv: acc += P V on tensor cores, acc kept as fragments across K/V tiles ------------
     sch.set_scope("pv", 0, "warp")
@@ -651,7 +539,7 @@ def schedule(
     # pv_init (from decompose_reduction) is the rescale acc *= alpha, on fragments.
     pv_o = _warp_gemm_operands(sch, pv, num_warps, [(2, None), (3, names["ld_b"])])  # Pc (already), Vt
     for blk in (pv_o, pv):
-        _hide_init_reads(sch, blk)
+        hide_init_reads(sch, blk)
     sch.tensorize(sch.get_loops(pv)[-3], names["mma_nn"])
     # rescale: iterate the 16x16 tile as (lane, reg) and give lanes to threadIdx.x
     sch.transform_block_layout("pv_init", lambda i, d: _ldmatrix_layout(i, d))

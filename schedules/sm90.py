@@ -6,17 +6,23 @@ Mapping:
   * tile (b, h, qb) -> blockIdx.(z, y, x); ``num_warpgroups`` warpgroups (threadIdx.y) of 128
     threads (threadIdx.x). Warpgroup g owns rows [64 g, 64 g + 64) of the Q block, so
     block_m == 64 * num_warpgroups.
-  * Q, K, V tiles (and P, the A operand of PV) live in dynamic shared memory in the
-    "interleaved" (no-swizzle) core-matrix layout that a wgmma matrix descriptor describes
-    (``_core_matrix_map``). Both GEMMs read their operands through descriptors ("ss" form);
-    QK^T takes K K-major, PV takes V N-major (``imm-trans-b`` = 1), so V is never transposed.
+  * Q, K, V tiles live in dynamic shared memory in the "interleaved" (no-swizzle) core-matrix
+    layout that a wgmma matrix descriptor describes (``_core_matrix_map``). QK^T reads both
+    operands through descriptors ("ss" form), K K-major; PV takes P from registers ("rs" form)
+    and V through a descriptor, N-major (``imm-trans-b`` = 1), so V is never transposed.
   * qk: S = Q K^T: one tensor intrinsic per warpgroup and K/V tile covers the whole 64 x block_n
     x head_dim product: head_dim/16 ``wgmma.mma_async.m64n{block_n}k16`` in one commit group.
     S stays in the wgmma accumulator registers (``_acc_layout``).
-  * pv: acc += P V likewise (``m64n{head_dim}k16``, block_n/16 of them); the output accumulator
-    stays in registers across all K/V tiles and is rescaled and stored from them.
-  * The online softmax runs one query row per thread (threads 0..63 of each warpgroup) on a copy
-    of S in shared memory, as the sm80 schedule does.
+  * The online softmax runs on the accumulator registers, all 128 threads of each warpgroup:
+    the masked score, P and its fp16/bf16 cast keep the accumulator layout. Row max and row sum
+    are quad-shuffle reductions (``common.row_reduce_intrin`` with ``acc_rows``, the same
+    intrinsic the sm80 schedule uses on mma.sync fragments) into per-row values in shared memory
+    (m_tile, l_tile; the per-row blocks, one thread per row, write m_new and alpha there for the
+    accumulator threads), which costs a few __syncthreads per tile.
+  * pv: acc += P V (``m64n{head_dim}k16``, block_n/16 of them). The accumulator layout of S is,
+    per 16 columns, the A-register layout of the "rs" form, so the cast P is the A operand as it
+    is (no shared memory round trip). The output accumulator stays in registers across all K/V
+    tiles and is rescaled and stored from them.
 
 Accumulator registers in TensorIR: a ``local`` buffer is per thread, and CompactBufferAllocation
 only drops a thread dimension from it when each access names that thread; a tensorized block's
@@ -32,8 +38,7 @@ from __future__ import annotations
 import tvm
 from tvm.s_tir import TensorIntrin
 
-from .common import bind_grid
-
+from .common import QuadRowLayout, bind_grid, hide_init_reads, row_reduce_intrin, tensorize_row_reduce
 from .sm80 import DTYPES, _buffer_info  # noqa: F401 - DTYPES: the same fp16/bf16 pair
 
 WARPGROUP = 128
@@ -82,6 +87,23 @@ def _acc_index_map(i, j):
     return (i // WG_ROWS, _acc_layout(i % WG_ROWS, j)[1])
 
 
+def acc_rows(n: int) -> QuadRowLayout:
+    """One warpgroup's 64 x n accumulator, per thread (``_acc_index_map``: register r of the
+    thread), for ``common.row_reduce_intrin``: mma.sync's m16n8 C fragment, warp w = t // 32 on
+    rows [16 w, 16 w + 16), repeated along N. Thread t holds rows 16 (t // 32) + (t % 32) // 4
+    (h = 0) and that + 8 (h = 1): one 16-row tile; of each 16 columns ct, its registers
+    8 ct + 4 half + 2 h + e (columns 16 ct + 8 half + 2 (t % 4) + e)."""
+    return QuadRowLayout(
+        key=f"wgmma_acc_64x{n}", shape=(n // 2,), scope="local", n_rows=WG_ROWS, n_cols=n,
+        threads=WARPGROUP, element=lambda i, j: (_acc_layout(i, j)[1],),
+        row_tiles=1, col_tiles=n // 16,
+        row=lambda t, k: 16 * (t // 32) + 8 * k + (t % 32) // 4,
+        row_slot=lambda t, k: (2 * (t // 32) + k, (t % 32) // 4),
+        held=lambda t, rt, h, ct, half, e: (8 * ct + 4 * half + 2 * h + e,),
+        spread_stores=True,
+    )
+
+
 def _core_matrix_map(r, c):
     """Row-major (rows, cols) tile -> "interleaved" wgmma core matrices (r//8, c//8, r%8, c%8).
 
@@ -106,36 +128,50 @@ _REG_FENCE = (
     "__device__ __forceinline__ void tvmflash_wgmma_reg_fence(float& r) "
     '{ asm volatile("" : "+f"(r) :: "memory"); }'
 )
+_REG_FENCE_U32 = (  # the same for the A registers of the "rs" form (bf16/fp16 pairs)
+    "__device__ __forceinline__ void tvmflash_wgmma_reg_fence_u32(unsigned int& r) "
+    '{ asm volatile("" : "+r"(r) :: "memory"); }'
+)
 
 
-def wgmma_intrin_name(n: int, k: int, dtype: str, b_major: str) -> str:
+def wgmma_intrin_name(n: int, k: int, dtype: str, b_major: str, a_regs: bool = False) -> str:
     """Register (once) and name the intrinsic for a 64 x n x k GEMM on wgmma.
 
-    A (64 x k) and B are shared-memory tiles in ``_core_matrix_map`` layout; A is K-major. B is
-    K-major (an n x k tile, ``b_major="k"``: S = Q K^T) or N-major (a k x n tile,
-    ``b_major="mn"``: O += P V). C is the float32 accumulator, per thread (``_acc_index_map``).
+    A (64 x k) is a K-major shared-memory tile in ``_core_matrix_map`` layout, or with
+    ``a_regs`` per-thread registers in the accumulator layout (``_acc_index_map`` with N = k: the
+    "rs" form of wgmma, whose A fragment for each k16 slice is the 64 x 16 accumulator layout,
+    CUTLASS's SM90 ALayout_64x16). B is a shared-memory tile, K-major (an n x k tile,
+    ``b_major="k"``: S = Q K^T) or N-major (a k x n tile, ``b_major="mn"``: O += P V). C is the
+    float32 accumulator, per thread (``_acc_index_map``).
     """
-    name = f"tvmflash_wgmma_m64n{n}k{k}_{_PTX_TYPE[dtype]}_b{b_major}"
+    name = f"tvmflash_wgmma_m64n{n}k{k}_{_PTX_TYPE[dtype]}_{'r' if a_regs else 's'}_b{b_major}"
     try:
         TensorIntrin.get(name)
     except Exception:  # noqa: BLE001 - not registered yet
-        TensorIntrin.register(name, *_wgmma_desc_impl(n, k, dtype, b_major))
+        TensorIntrin.register(name, *_wgmma_desc_impl(n, k, dtype, b_major, a_regs))
     return name
 
 
-def _wgmma_desc_impl(n, k, dtype, b_major):
+def _wgmma_desc_impl(n, k, dtype, b_major, a_regs):
     from tvm.script import tirx as T
 
     if n % 8 or not 8 <= n <= 256 or k % 16:
         raise ValueError(f"wgmma: n must be a multiple of 8 in [8, 256] and k of 16, got n={n}, k={k}")
     nr = n // 2  # accumulator registers per thread
-    a_shape = (8, k // 8, 8, 8)
+    a_shape = (k // 2,) if a_regs else (8, k // 8, 8, 8)
+    a_scope = "local" if a_regs else "shared.dyn"
+    a_whole = tuple(slice(0, e) for e in a_shape)
     b_shape = (n // 8, k // 8, 8, 8) if b_major == "k" else (k // 8, n // 8, 8, 8)
     trans_b = 0 if b_major == "k" else 1
     ptx = _PTX_TYPE[dtype]
     shape = f"m64n{n}k16"
     mma = getattr(getattr(T.ptx.wgmma.mma_async.sync.aligned, shape).f32, ptx)
     mma = getattr(mma, ptx)
+
+    def a_at(A, vi, vk):
+        if a_regs:
+            return A[_acc_layout(vi, vk)[1]]
+        return A[vi // 8, vk // 8, vi % 8, vk % 8]
 
     def b_at(B, vj, vk):
         if b_major == "k":
@@ -147,21 +183,44 @@ def _wgmma_desc_impl(n, k, dtype, b_major):
 
     @T.prim_func(s_tir=True)
     def desc(a: T.handle, b: T.handle, c: T.handle):
-        A = T.match_buffer(a, a_shape, dtype, offset_factor=1, scope="shared.dyn")
+        A = T.match_buffer(a, a_shape, dtype, offset_factor=1, scope=a_scope)
         B = T.match_buffer(b, b_shape, dtype, offset_factor=1, scope="shared.dyn")
         C = T.match_buffer(c, (nr,), "float32", offset_factor=1, scope="local")
         with T.sblock("root"):
-            T.reads(C[0:nr], A[0 : a_shape[0], 0 : a_shape[1], 0:8, 0:8], B[0 : b_shape[0], 0 : b_shape[1], 0:8, 0:8])
+            T.reads(C[0:nr], A[a_whole], B[0 : b_shape[0], 0 : b_shape[1], 0:8, 0:8])
             T.writes(C[0:nr])
             for i, j, kk in T.grid(64, n, k):
                 with T.sblock("update"):
                     vi, vj, vk = T.axis.remap("SSR", [i, j, kk])
-                    C[acc_reg(vi, vj)] = C[acc_reg(vi, vj)] + T.cast(
-                        A[vi // 8, vk // 8, vi % 8, vk % 8], "float32"
-                    ) * T.cast(b_at(B, vj, vk), "float32")
+                    C[acc_reg(vi, vj)] = C[acc_reg(vi, vj)] + T.cast(a_at(A, vi, vk), "float32") * T.cast(
+                        b_at(B, vj, vk), "float32")
+
+    def b_descriptor(desc_b, B, sb0, sb1, ks):
+        # Descriptor fields are in 16-byte units; 2-byte elements.
+        if b_major == "k":  # K-major: LBO = K-direction core-matrix stride, SBO = N-direction
+            return T.cuda.wgmma.encode_matrix_descriptor(
+                T.address_of(desc_b[0]), B.access_ptr("r", offset=ks * 2 * sb1), sb1 // 8, sb0 // 8, 0)
+        # N-major: LBO = K-direction (r//8) stride, SBO = N-direction (c//8).
+        return T.cuda.wgmma.encode_matrix_descriptor(
+            T.address_of(desc_b[0]), B.access_ptr("r", offset=ks * 2 * sb0), sb0 // 8, sb1 // 8, 0)
+
+    @T.macro
+    def wgmma_begin(C):
+        # Shared memory written by threads (generic proxy) -> read by wgmma (async proxy).
+        T.ptx.fence.proxy.async_.shared__cta()
+        T.tvm_storage_sync("shared")
+        for r in T.unroll(nr):
+            T.cuda.func_call("tvmflash_wgmma_reg_fence", C[r], source_code=_REG_FENCE)
+
+    @T.macro
+    def wgmma_end(C):  # one commit group, waited for at once
+        T.ptx.wgmma.commit_group.sync.aligned()
+        T.ptx.wgmma.wait_group.sync.aligned(0)
+        for r in T.unroll(nr):
+            T.cuda.func_call("tvmflash_wgmma_reg_fence", C[r], source_code=_REG_FENCE)
 
     @T.prim_func(s_tir=True)
-    def impl(a: T.handle, b: T.handle, c: T.handle):
+    def impl_ss(a: T.handle, b: T.handle, c: T.handle):
         sa0 = T.int32()
         sa1 = T.int32()
         sb0 = T.int32()
@@ -170,39 +229,49 @@ def _wgmma_desc_impl(n, k, dtype, b_major):
         B = T.match_buffer(b, b_shape, dtype, offset_factor=1, scope="shared.dyn", strides=[sb0, sb1, 8, 1])
         C = T.match_buffer(c, (nr,), "float32", offset_factor=1, scope="local")
         with T.sblock("root"):
-            T.reads(C[0:nr], A[0 : a_shape[0], 0 : a_shape[1], 0:8, 0:8], B[0 : b_shape[0], 0 : b_shape[1], 0:8, 0:8])
+            T.reads(C[0:nr], A[a_whole], B[0 : b_shape[0], 0 : b_shape[1], 0:8, 0:8])
             T.writes(C[0:nr])
             for tx in T.thread_binding(WARPGROUP, thread="threadIdx.x"):
                 desc_a = T.alloc_buffer((1,), "uint64", scope="local")
                 desc_b = T.alloc_buffer((1,), "uint64", scope="local")
-                # Shared memory written by threads (generic proxy) -> read by wgmma (async proxy).
-                T.ptx.fence.proxy.async_.shared__cta()
-                T.tvm_storage_sync("shared")
-                for r in T.unroll(nr):
-                    T.cuda.func_call("tvmflash_wgmma_reg_fence", C[r], source_code=_REG_FENCE)
+                wgmma_begin(C)
                 T.ptx.wgmma.fence.sync.aligned()
                 for ks in T.unroll(k // 16):
-                    # Descriptor fields are in 16-byte units; 2-byte elements.
                     # A, K-major: LBO = K-direction core-matrix stride, SBO = M-direction.
                     T.cuda.wgmma.encode_matrix_descriptor(
                         T.address_of(desc_a[0]), A.access_ptr("r", offset=ks * 2 * sa1),
                         sa1 // 8, sa0 // 8, 0)
-                    if b_major == "k":
-                        T.cuda.wgmma.encode_matrix_descriptor(
-                            T.address_of(desc_b[0]), B.access_ptr("r", offset=ks * 2 * sb1),
-                            sb1 // 8, sb0 // 8, 0)
-                    else:
-                        # N-major: LBO = K-direction (r//8) stride, SBO = N-direction (c//8).
-                        T.cuda.wgmma.encode_matrix_descriptor(
-                            T.address_of(desc_b[0]), B.access_ptr("r", offset=ks * 2 * sb0),
-                            sb0 // 8, sb1 // 8, 0)
+                    b_descriptor(desc_b, B, sb0, sb1, ks)
                     mma(*[C[r] for r in range(nr)], desc_a[0], desc_b[0], T.bool(True), 1, 1, 0, trans_b)
-                T.ptx.wgmma.commit_group.sync.aligned()
-                T.ptx.wgmma.wait_group.sync.aligned(0)
-                for r in T.unroll(nr):
-                    T.cuda.func_call("tvmflash_wgmma_reg_fence", C[r], source_code=_REG_FENCE)
+                wgmma_end(C)
 
-    return desc, impl
+    @T.prim_func(s_tir=True)
+    def impl_rs(a: T.handle, b: T.handle, c: T.handle):
+        sb0 = T.int32()
+        sb1 = T.int32()
+        A = T.match_buffer(a, a_shape, dtype, offset_factor=2, scope="local")
+        B = T.match_buffer(b, b_shape, dtype, offset_factor=1, scope="shared.dyn", strides=[sb0, sb1, 8, 1])
+        C = T.match_buffer(c, (nr,), "float32", offset_factor=1, scope="local")
+        with T.sblock("root"):
+            T.reads(C[0:nr], A[a_whole], B[0 : b_shape[0], 0 : b_shape[1], 0:8, 0:8])
+            T.writes(C[0:nr])
+            for tx in T.thread_binding(WARPGROUP, thread="threadIdx.x"):
+                desc_b = T.alloc_buffer((1,), "uint64", scope="local")
+                # A's registers as 32-bit pairs: register 4 ks + r of the k16 slice ks is the pair
+                # (8 ks + 2 r, 8 ks + 2 r + 1) of the accumulator layout, low half first. (A's
+                # offset in its buffer is even: offset_factor=2.)
+                A32 = T.decl_buffer((k // 4,), "uint32", data=A.data, elem_offset=A.elem_offset // 2, scope="local")
+                wgmma_begin(C)
+                for r in T.unroll(k // 4):
+                    T.cuda.func_call("tvmflash_wgmma_reg_fence_u32", A32[r], source_code=_REG_FENCE_U32)
+                T.ptx.wgmma.fence.sync.aligned()
+                for ks in T.unroll(k // 16):
+                    b_descriptor(desc_b, B, sb0, sb1, ks)
+                    mma(*[C[r] for r in range(nr)], A32[4 * ks], A32[4 * ks + 1], A32[4 * ks + 2],
+                        A32[4 * ks + 3], desc_b[0], T.bool(True), 1, 1, trans_b)
+                wgmma_end(C)
+
+    return desc, (impl_rs if a_regs else impl_ss)
 
 
 # --------------------------------------------------------------------------------------------
@@ -289,7 +358,7 @@ def schedule(
     if dtype not in DTYPES:
         raise ValueError(f"dtype: the sm90 schedule takes {DTYPES}, got {dtype!r}")
     qk_intrin = wgmma_intrin_name(BN, D, dtype, "k")
-    pv_intrin = wgmma_intrin_name(D, BN, dtype, "mn")
+    pv_intrin = wgmma_intrin_name(D, BN, dtype, "mn", a_regs=True)
 
     # ---- grid -----------------------------------------------------------------------------
     bind_grid(sch)
@@ -300,22 +369,17 @@ def schedule(
         sch.transform_layout(name, ("write", 0), _core_matrix_map)
         _copy_to_core_matrices(sch, name, num_warpgroups, vec)
 
-    # ---- S -> shared memory for the per-row softmax (before S gets its per-thread layout) --
-    score_reads = [str(r.source.name) for r in sch.get(sch.get_sblock("score")).reads]
-    s_sh = sch.cache_read("score", score_reads.index("S"), "shared.dyn")
-    # Rows padded by one float: each thread reads its own row, 32 rows in 32 banks.
-    sch.storage_align(s_sh, 0, axis=0, factor=BN, offset=1)
-
     # ---- qk: S = Q K^T on wgmma, S in accumulator registers --------------------------------
     sch.set_scope("qk", 0, "local")
     sch.transform_layout("qk", ("write", 0), _acc_index_map)
     rows = _warpgroup_gemm(sch, "qk", num_warpgroups)
     sch.tensorize(rows, qk_intrin)
-    _acc_block(sch, s_sh, num_warpgroups)  # each thread stores its own S registers
 
-    # ---- P (the A operand of pv) in shared memory, core matrices (K = block_n) -------------
-    sch.set_scope("cast_p", 0, "shared.dyn")
-    sch.transform_layout("cast_p", ("write", 0), _core_matrix_map)
+    # ---- P (the A operand of pv) stays in registers ---------------------------------------
+    # The accumulator layout of S (64 x block_n) is, per 16 columns, the A-fragment layout of
+    # wgmma's register ("rs") form, so Pc, cast in place, is pv's A operand as it is.
+    sch.set_scope("cast_p", 0, "local")
+    sch.transform_layout("cast_p", ("write", 0), _acc_index_map)
 
     # ---- pv: acc += P V on wgmma, acc in registers across K/V tiles ------------------------
     sch.set_scope("pv", 0, "local")
@@ -324,33 +388,45 @@ def schedule(
     rows = _warpgroup_gemm(sch, pv, num_warpgroups)  # pv_init: the rescale acc *= alpha
     # decompose_reduction leaves the init's read of alpha on the update block; drop it so the
     # update matches the intrinsic's description (reads C, A, B only).
-    reads = [str(r.source.name) for r in sch.get(pv).reads]
-    if "alpha" in reads:
-        sch.unsafe_hide_buffer_access(pv, "read", [reads.index("alpha")])
+    hide_init_reads(sch, pv)
     sch.tensorize(rows, pv_intrin)
 
     _acc_block(sch, "init_acc", num_warpgroups)
     _acc_block(sch, "store_o", num_warpgroups)
 
-    # ---- softmax: one thread per row (scalar; reads S from shared) -------------------------
-    # The row sum l stays in its row's register. store_o, run by the accumulator threads, reads
+    # ---- softmax on the accumulator registers -------------------------------------------
+    # S, the masked score and P keep the accumulator layout, and each thread works on the
+    # elements it holds (all 128 threads of the warpgroup). Row max and row sum are quad-shuffle
+    # reductions (common.row_reduce_intrin) into per-row values in shared memory (m_tile, l_tile).
+    # The per-row blocks run one thread per row (thread r of the warpgroup, r < 64); what the
+    # accumulator threads read back by row (m_new in exp, alpha in pv_init) is in shared memory.
+    for name in ("score", "exp"):
+        sch.set_scope(name, 0, "local")
+        sch.transform_layout(name, ("write", 0), _acc_index_map)
+        _acc_block(sch, name, num_warpgroups)
+    # m_tile and l_tile in static shared memory, m_new and alpha in dynamic: ThreadSync plans each
+    # scope on its own, and for "shared.dyn" it takes every access as one buffer's (the pool the
+    # buffers are merged into) and trusts two accesses to be the same thread's only when their
+    # index names the innermost thread variable (threadIdx.y here; the row is 64 threadIdx.y +
+    # threadIdx.x, bound to a let by CSE). Were m_tile dynamic too, block ``alpha``'s read of it
+    # after its store of m_new (one row thread, under ``threadIdx.x < 64``) would need a barrier
+    # inside that guard: "Cannot insert syncs inside condition".
+    for name, idx in (("row_max", 0), ("row_sum", 0)):  # m_tile, l_tile
+        sch.set_scope(name, idx, "shared")
+    for name, idx in (("alpha", 0), ("alpha", 1)):  # m_new, alpha
+        sch.set_scope(name, idx, "shared.dyn")
+    for name, op in (("row_max", "max"), ("row_sum", "sum")):
+        tensorize_row_reduce(sch, name, row_reduce_intrin(op, acc_rows(BN), "shared"), num_warpgroups, WARPGROUP)
+    _acc_block(sch, "cast_p", num_warpgroups)
+    # The running sum l stays in its row's register. store_o, run by the accumulator threads, reads
     # it from a copy in shared memory written once after the last K/V tile (``reindex``: unlike
     # cache_read it accepts a buffer with several writers).
-    # With l in shared memory all along, its update in the row-sum loop (rows run on threads
-    # 0..63, under a condition) would cost a barrier per key.
     store_o_reads = [str(r.source.name) for r in sch.get(sch.get_sblock("store_o")).reads]
     l_copy = sch.reindex("store_o", ("read", store_o_reads.index("l")))
     sch.set_scope(l_copy, 0, "shared.dyn")
-    for name in ("init_ml", "score", "row_max", "exp", "alpha", "row_sum", "cast_p", "merge_l", "update_ml", l_copy,
-                 "store_lse"):
+    for name in ("init_ml", "alpha", "merge_l", "update_ml", l_copy, "store_lse"):
         _row_block(sch, name, num_warpgroups)
-    # Each thread writes its row of P 16 bytes at a time (8 rows of a core matrix: 128
-    # contiguous bytes, no bank conflicts).
-    _, p_vec = sch.split(sch.get_loops("cast_p")[-1], [None, vec])
-    sch.vectorize(p_vec)
-    for name, idx in (("init_ml", 0), ("init_ml", 1), ("score", 0), ("row_max", 0), ("exp", 0), ("alpha", 0),
-                      ("row_sum", 0), ("merge_l", 0)):
+    for name, idx in (("init_ml", 0), ("init_ml", 1), ("merge_l", 0)):  # m, l, l_new: per-row blocks only
         sch.set_scope(name, idx, "local")
-    sch.set_scope("alpha", 1, "shared.dyn")  # alpha: read by the accumulator threads in pv_init
     sch.set_scope("init_scale", 0, "local")
     return sch

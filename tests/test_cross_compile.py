@@ -1,5 +1,6 @@
 """CUDA builds on a machine with no GPU: the generated source, and (where nvcc exists) its cubin."""
 
+import itertools
 import shutil
 
 import pytest
@@ -125,3 +126,73 @@ def test_sm90_accumulator_layout_matches_cutlass():
                 assert sm90._acc_layout(row, col) == (thread, reg)
                 seen.add((row, col))
         assert len(seen) == 64 * n
+
+
+def test_sm90_rs_a_registers_match_cutlass():
+    """The PV wgmma takes P from registers ("rs" form) as it is: for its k16 slice ks, A value v
+    of thread t is accumulator register 8 ks + v of S (``_wgmma_desc_impl``'s impl_rs packs values
+    2r, 2r + 1 into 32-bit A register 4 ks + r). Against an independent statement of the A layout:
+    CUTLASS's ALayout_64x16 = ((4,8,4),(2,2,2)):((128,1,16),(64,8,512)), (thread, value) -> m + 64 k.
+    (Which half of a 32-bit register holds value 2r is the PTX packing rule, left to the GPU check.)"""
+    from tvmflash.schedules import sm90
+
+    for n in (64, 128):
+        for ks in range(n // 16):
+            for t in range(128):
+                for v in range(8):
+                    index = ((t % 4) * 128 + (t // 4 % 8) + (t // 32) * 16
+                             + (v % 2) * 64 + (v // 2 % 2) * 8 + (v // 4) * 512)
+                    m, k = index % 64, index // 64
+                    assert sm90._acc_layout(m, 16 * ks + k) == (t, 8 * ks + v)
+
+
+def test_sm90_softmax_on_accumulator_registers(monkeypatch):
+    """The sm90 softmax works on the wgmma accumulator registers: row max and row sum are quad
+    xor shuffles, P goes to the PV wgmma from registers (the "rs" form: four 32-bit A registers,
+    then the B descriptor), and S is never stored to shared memory."""
+    monkeypatch.setenv("TVMFLASH_SM90", "1")
+    kernel = tvmflash.compile(head_dim=128, dtype="bfloat16", target="sm90")
+    src = kernel.source(heads_q=2, heads_kv=1)
+    assert src.count("__shfl_xor_sync") == 2  # in a loop over xor 1 and 2: row max and row sum
+    assert "wgmma_bf16_rs_mma_async_sync_aligned_m64n128k16" in src  # O += P V, P in registers
+    assert "wgmma_bf16_ss_mma_async_sync_aligned_m64n64k16" in src  # S = Q K^T
+    assert "((uint*)Pc_local_ptr)[" in src  # bf16 pairs of P as the A registers
+    # S is read only by the mask, in registers (condval = S_local_ptr[..]): no copy to shared memory
+    assert all(line.lstrip().startswith("condval") for line in src.splitlines() if "= S_local_ptr[" in line)
+
+
+def test_row_reduce_layouts_cover_their_tiles():
+    """common.row_reduce_intrin's layouts (sm80 mma fragments, sm90 wgmma accumulators): the
+    elements a thread reduces for its k-th row are exactly that row's elements it holds."""
+    from tvmflash.schedules import sm80, sm90
+
+    def check(layout, owner):  # owner(r, c) -> (thread, buffer index) of element (r, c)
+        seen, slots = set(), set()
+        for t in range(layout.threads):
+            for rt, h in itertools.product(range(layout.row_tiles), range(2)):
+                k = 2 * rt + h
+                row = layout.row(t, k)
+                assert layout.row_slot(t, k) == (row // 8, row % 8)
+                slots.add((t, row))
+                for ct, half, e in itertools.product(range(layout.col_tiles), range(2), range(2)):
+                    index = tuple(layout.held(t, rt, h, ct, half, e))
+                    matches = [c for c in range(layout.n_cols) if owner(row, c) == (t, index)]
+                    assert len(matches) == 1, (t, rt, h, ct, half, e)
+                    seen.add((row, matches[0]))
+        assert len(seen) == layout.n_rows * layout.n_cols
+        assert len(slots) == layout.threads * layout.rows_per_thread  # a thread's rows are distinct
+
+    def frag_owner(r, c):  # (row tile, col tile, lane, register): lane is the thread
+        index = tuple(int(v) for v in sm80._frag_index_map(r, c))
+        return index[2], index
+
+    check(sm80.frag_rows(32, 64), frag_owner)
+    acc = sm90.acc_rows(64)
+    check(acc, lambda r, c: (sm90._acc_layout(r, c)[0], (sm90._acc_layout(r, c)[1],)))
+    # One intrinsic for both layouts and both outputs (shared memory, the quads' registers).
+    from tvm.s_tir import TensorIntrin
+    from tvmflash.schedules import common
+
+    for layout in (sm80.frag_rows(32, 64), acc):
+        for out_scope in ("shared.dyn", "local"):
+            TensorIntrin.get(common.row_reduce_intrin("sum", layout, out_scope))

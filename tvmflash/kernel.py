@@ -118,7 +118,8 @@ class Kernel:
             {
                 "tvmflash": _version(),
                 "tvm": tvm.__version__,
-                "code": cache.source_digest(program, self.schedule, tvm_workarounds),
+                # schedules/common.py holds code of the sm80 and sm90 schedules (the row-reduce intrinsic)
+                "code": cache.source_digest(program, self.schedule, schedule_registry.common, tvm_workarounds),
                 "spec": asdict(spec),
                 "knobs": self.knobs,
                 "target": str(self.target),
