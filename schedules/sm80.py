@@ -218,12 +218,12 @@ def quad_rows_intrin(sch, block, n_rows: int) -> str:
 
     name = f"tvmflash_quad_rows_{node.name_hint}_{hashlib.sha1(desc.encode()).hexdigest()[:10]}"
     if name not in _QUAD_ROWS_REGISTERED:
-        TensorIntrin.register(name, tvm.script.from_source(desc), tvm.script.from_source(impl))
-        _QUAD_ROWS_REGISTERED[name] = (desc, impl)
+        register_intrin(name, tvm.script.from_source(desc), tvm.script.from_source(impl))
+        _QUAD_ROWS_REGISTERED.add(name)
     return name
 
 
-_QUAD_ROWS_REGISTERED: dict[str, tuple[str, str]] = {}
+_QUAD_ROWS_REGISTERED: set[str] = set()
 
 
 def _intrin_names(dtype):

@@ -9,14 +9,24 @@ import tvm_ffi
 
 
 @contextlib.contextmanager
+def _replaced(namespace, name: str, replacement):
+    """``namespace.name = replacement`` for the duration: TVM's build pipeline looks its passes up
+    by attribute when it runs, so swapping a pass factory is enough to change one build."""
+    original = getattr(namespace, name)
+    setattr(namespace, name, replacement)
+    try:
+        yield
+    finally:
+        setattr(namespace, name, original)
+
+
+@contextlib.contextmanager
 def lower_every_warp_buffer():
     """Run LowerWarpMemory until it changes nothing.
 
     In TVM 0.27 one run of ``tirx.transform.LowerWarpMemory`` lowers only the first "warp"-scope
     allocation it meets; the others stay one full copy of the warp's tile per thread, and
-    intrinsics that assume the lowered layout (mma fill) then write the wrong elements. The
-    build pipeline looks the pass up when it runs, so swapping it for the duration of a build
-    is enough.
+    intrinsics that assume the lowered layout (mma fill) then write the wrong elements.
     """
     original = tvm.tirx.transform.LowerWarpMemory
 
@@ -34,11 +44,8 @@ def lower_every_warp_buffer():
 
         return run
 
-    tvm.tirx.transform.LowerWarpMemory = to_fixpoint
-    try:
+    with _replaced(tvm.tirx.transform, "LowerWarpMemory", to_fixpoint):
         yield
-    finally:
-        tvm.tirx.transform.LowerWarpMemory = original
 
 
 @contextlib.contextmanager
@@ -59,11 +66,8 @@ def no_warp_thread_sync():
             return tvm.transform.Sequential([], name="tvmflash.NoWarpThreadSync")
         return original(storage_scope)
 
-    tvm.s_tir.transform.ThreadSync = thread_sync
-    try:
+    with _replaced(tvm.s_tir.transform, "ThreadSync", thread_sync):
         yield
-    finally:
-        tvm.s_tir.transform.ThreadSync = original
 
 
 @contextlib.contextmanager
@@ -89,8 +93,5 @@ def compact_again_after_match_buffers():
             [original(*args, **kwargs), compact(), original(*args, **kwargs)],
             name="tvmflash.StmtSimplifyThenCompactAgain")
 
-    tvm.s_tir.transform.StmtSimplify = simplify_then_compact
-    try:
+    with _replaced(tvm.s_tir.transform, "StmtSimplify", simplify_then_compact):
         yield
-    finally:
-        tvm.s_tir.transform.StmtSimplify = original
