@@ -63,7 +63,8 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int):
     positive, see ``MAX_SOFTMAX_SCALE``). Rows and keys past the end of the sequence are padded with zeros on load and masked
     with -inf in the score, so no length needs to be a multiple of a tile. With ``causal``, the
     mask is aligned bottom-right (key j is seen by query i iff j <= i + seqlen_k - seqlen_q) and
-    tiles wholly above the diagonal are not visited.
+    tiles wholly above the diagonal are not visited. Only the tiles that straddle the diagonal or
+    the end of the keys are masked (``tile_visible``); the others use the scores as they are.
     """
     D, BM, BN = spec.head_dim, block_m, block_n
     HQ, HKV = spec.heads_q, spec.heads_kv
@@ -83,6 +84,12 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int):
         if not causal:
             return col < seqlen_k
         return T.And(col < seqlen_k, col <= row + seqlen_k - seqlen_q)
+
+    def tile_visible(qb, kb, seqlen_q, seqlen_k):
+        """Does every query of Q block qb (padding rows too) see every key of K/V tile kb? Visibility
+        only grows with the row and shrinks with the column, so the block's first row and the
+        tile's last key decide. Such interior tiles skip the mask."""
+        return visible(qb * BM, kb * BN + BN - 1, seqlen_q, seqlen_k)
 
     @T.prim_func(s_tir=True)
     def main(
@@ -177,11 +184,17 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int):
                         for i, j in T.grid(BM, BN):
                             with T.sblock("score"):  # invisible keys -inf
                                 vi, vj = T.axis.remap("SS", [i, j])
-                                Sm[vi, vj] = T.if_then_else(
-                                    visible(vqb * BM + vi, vkb * BN + vj, seqlen_q, seqlen_k),
-                                    S[vi, vj],
-                                    T.float32(-math.inf),
-                                )
+                                # The test is the same for the whole tile: lowering hoists it out
+                                # of the element loops (HoistIfThenElse), so only the tiles on the
+                                # causal diagonal or the end of the keys pay for the mask.
+                                if tile_visible(vqb, vkb, seqlen_q, seqlen_k):
+                                    Sm[vi, vj] = S[vi, vj]
+                                else:
+                                    Sm[vi, vj] = T.if_then_else(
+                                        visible(vqb * BM + vi, vkb * BN + vj, seqlen_q, seqlen_k),
+                                        S[vi, vj],
+                                        T.float32(-math.inf),
+                                    )
                         # The row reductions start from constants; per-row blocks fold the tile's
                         # max and sum into the running ones, as FA2 does. (A reduction init that
                         # read m or l could not be tensorized on its own, and a block can't read
