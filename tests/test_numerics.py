@@ -21,6 +21,8 @@ SHAPES = [
     (17, 1000, 2, 2),
     (129, 17, 4, 2),
     (1000, 128, 4, 1),
+    (320, 191, 2, 2),  # whole K/V tiles and a ragged last one; causal diagonal crosses tiles
+    (64, 257, 4, 2),  # seqlen_k one past a multiple of every block_n
 ]
 
 
