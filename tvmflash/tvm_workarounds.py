@@ -6,6 +6,8 @@ import contextlib
 
 import tvm
 import tvm_ffi
+from tvm.backend.cuda.codegen.registry import CODEGEN_REGISTRY
+from tvm.backend.cuda.op import cuda_func_call
 
 
 @contextlib.contextmanager
@@ -95,3 +97,45 @@ def compact_again_after_match_buffers():
 
     with _replaced(tvm.s_tir.transform, "StmtSimplify", simplify_then_compact):
         yield
+
+
+def _zero_filling_cp_async(original):
+    """The 16-byte predicated cp.async as one zero-filling instruction (else: ``original``)."""
+
+    def codegen(args):
+        if len(args) != 6 or int(args[4]) != 16:
+            return original(args)
+        dst, dst_offset, src, src_offset, _, predicate = args
+        dst_bytes, src_bytes = (tvm.DataType(str(ptr.ty.element_type.dtype)).bits // 8 for ptr in (dst, src))
+        name = f"tvmflash_cp_async_zfill_16_{dst_bytes}_{src_bytes}"
+        source = (
+            f"\n__forceinline__ __device__ void {name}(void* dst, int dst_off, void* src, int src_off, int predicate) {{\n"
+            f"  unsigned int dst_addr = __cvta_generic_to_shared((uint8_t*)dst + dst_off * {dst_bytes});\n"
+            f"  uint8_t* src_p = (uint8_t*)src + src_off * {src_bytes};\n"
+            "  // src-size 0 reads nothing and fills the 16 bytes with zeros\n"
+            '  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"\n'
+            '               :: "r"(dst_addr), "l"(src_p), "r"(predicate ? 16 : 0));\n'
+            "}\n"
+        )
+        return cuda_func_call(name, dst, dst_offset, src, src_offset, predicate, source_code=source), []
+
+    return codegen
+
+
+@contextlib.contextmanager
+def zero_filling_cp_async():
+    """Emit a bounds-checked 16-byte cp.async as ``cp.async ..., 16, src_size`` (src_size 16 or 0).
+
+    TVM 0.27's codegen of InjectPTXAsyncCopy's predicated copy is ``@p cp.async`` then
+    ``@!p st.shared.v4 0``: in SASS an LDGSTS, an STS and three never-executed LDS fillers per
+    copy, 80 issue slots per K/V tile at head_dim 128. The zero-filling form is one LDGSTS with the
+    same result, as CUTLASS's and Triton's masked copies.
+    """
+    names = [name for name in CODEGEN_REGISTRY if name.endswith("cp_async_raw")]
+    originals = {name: CODEGEN_REGISTRY[name] for name in names}
+    for name in names:
+        CODEGEN_REGISTRY[name] = _zero_filling_cp_async(originals[name])
+    try:
+        yield
+    finally:
+        CODEGEN_REGISTRY.update(originals)
