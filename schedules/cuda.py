@@ -18,7 +18,7 @@ SPACE = {"block_m": [32, 64, 128], "block_n": [16, 32, 64], "vector_bytes": [4, 
 
 # Blocks that work on one query row each: their row loop becomes threadIdx.x.
 _ROW_BLOCKS = ("load_q", "init_ml", "init_acc", "qk", "score", "row_max", "exp", "alpha", "row_sum", "cast_p", "pv",
-               "merge_l", "update_ml", "store_o", "store_lse")
+               "merge_l", "update_ml", "inv_l", "store_o", "store_lse")
 
 
 def schedule(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, vector_bytes: int) -> tvm.s_tir.Schedule:
@@ -34,7 +34,7 @@ def schedule(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, vector_byte
     # Per-row state lives in registers (compaction keeps one row per thread).
     for name, index in [("load_q", 0), ("init_ml", 0), ("init_ml", 1), ("init_acc", 0), ("qk", 0),
                         ("score", 0), ("row_max", 0), ("exp", 0), ("alpha", 0), ("alpha", 1), ("row_sum", 0),
-                        ("merge_l", 0), ("cast_p", 0)]:
+                        ("merge_l", 0), ("inv_l", 0), ("cast_p", 0)]:
         sch.set_scope(name, index, "local")
     sch.set_scope("init_scale", 0, "local")
     # K/V tiles: all threads copy them into shared memory, vector_bytes at a time.

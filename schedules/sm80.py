@@ -501,8 +501,9 @@ def schedule(
     # each lane keeps the values of the rows it holds fragments of (local scope is not relaxed over
     # threadIdx, so each compacts to a few registers per thread).
     per_row_scope = "local" if quads else "shared.dyn"
-    # l, m_tile, m_new, alpha, l_tile, l_new
-    per_row = (("init_ml", 1), ("row_max", 0), ("alpha", 0), ("alpha", 1), ("row_sum", 0), ("merge_l", 0))
+    # l, m_tile, m_new, alpha, l_tile, l_new, l_inv
+    per_row = (("init_ml", 1), ("row_max", 0), ("alpha", 0), ("alpha", 1), ("row_sum", 0), ("merge_l", 0),
+               ("inv_l", 0))
     for name, index in per_row:
         sch.set_scope(name, index, per_row_scope)
     if quads:
@@ -565,14 +566,15 @@ def schedule(
     sch.reorder(w, r8, q, mi, d0, h, dh, e)
     sch.bind(w, "threadIdx.y")
     sch.bind(sch.fuse(r8, q), "threadIdx.x")
+    sch.vectorize(e)  # the two adjacent columns a lane holds: one 32-bit store
 
 
     if quads:  # per-row values on the quads that hold the rows
-        for name in ("init_ml", "alpha", "merge_l", "update_ml"):
+        for name in ("init_ml", "alpha", "merge_l", "update_ml", "inv_l"):
             _quad_row_block(sch, name, num_warps)
         _staged_row_block(sch, "store_lse", num_warps)
     else:  # one lane per row
-        for name in ("init_ml", "alpha", "merge_l", "update_ml", "store_lse"):
+        for name in ("init_ml", "alpha", "merge_l", "update_ml", "inv_l", "store_lse"):
             _row_block(sch, name, num_warps)
     # ---- K/V loads: cp.async software pipeline (last: it annotates kv_step's final children) -
     if num_stages > 1:

@@ -419,12 +419,9 @@ def schedule(
         tensorize_row_reduce(sch, name, row_reduce_intrin(op, acc_rows(BN), "shared"), num_warpgroups, WARPGROUP)
     _acc_block(sch, "cast_p", num_warpgroups)
     # The running sum l stays in its row's register. store_o, run by the accumulator threads, reads
-    # it from a copy in shared memory written once after the last K/V tile (``reindex``: unlike
-    # cache_read it accepts a buffer with several writers).
-    store_o_reads = [str(r.source.name) for r in sch.get(sch.get_sblock("store_o")).reads]
-    l_copy = sch.reindex("store_o", ("read", store_o_reads.index("l")))
-    sch.set_scope(l_copy, 0, "shared.dyn")
-    for name in ("init_ml", "alpha", "merge_l", "update_ml", l_copy, "store_lse"):
+    # its inverse (inv_l, one row thread each, after the last K/V tile) from shared memory.
+    sch.set_scope("inv_l", 0, "shared.dyn")
+    for name in ("init_ml", "alpha", "merge_l", "update_ml", "inv_l", "store_lse"):
         _row_block(sch, name, num_warpgroups)
     for name, idx in (("init_ml", 0), ("init_ml", 1), ("merge_l", 0)):  # m, l, l_new: per-row blocks only
         sch.set_scope(name, idx, "local")

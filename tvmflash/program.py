@@ -130,6 +130,7 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int):
                 l_tile = T.sblock_alloc_buffer((BM,), f32)  # sum of one tile's P
                 l_new = T.sblock_alloc_buffer((BM,), f32)  # l * alpha + l_tile
                 acc = T.sblock_alloc_buffer((BM, D), f32)  # unnormalised output
+                l_inv = T.sblock_alloc_buffer((BM,), f32)  # 1 / l, or 0 for a row that sees no key
                 scale2 = T.sblock_alloc_buffer((1,), f32)
 
                 with T.sblock("init_scale"):
@@ -241,14 +242,16 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int):
                                 m[vi] = m_new[vi]
                                 l[vi] = l_new[vi]
 
+                for i in range(BM):
+                    with T.sblock("inv_l"):  # one division per row, not per output element
+                        vi = T.axis.spatial(BM, i)
+                        # A row that sees no key has l == 0: it gets 0, not 0/0.
+                        l_inv[vi] = T.if_then_else(l[vi] > T.float32(0), T.float32(1) / l[vi], T.float32(0))
                 for i, d in T.grid(BM, D):
                     with T.sblock("store_o"):
                         vi, vd = T.axis.remap("SS", [i, d])
                         T.where(vqb * BM + i < seqlen_q)
-                        # A row that sees no key has l == 0: it gets 0, not 0/0.
-                        O[vb, vqb * BM + vi, vh, vd] = T.cast(
-                            T.if_then_else(l[vi] > T.float32(0), acc[vi, vd] / l[vi], T.float32(0)), dtype
-                        )
+                        O[vb, vqb * BM + vi, vh, vd] = T.cast(acc[vi, vd] * l_inv[vi], dtype)
                 for i in range(BM):
                     with T.sblock("store_lse"):
                         vi = T.axis.spatial(BM, i)
