@@ -148,10 +148,7 @@ def row_reduce_intrin(op: str, layout: QuadRowLayout, out_scope: str = "shared.d
                 for k, mask in T.grid(rows_per_thread, 2):  # xor 1, then xor 2: across the quad
                     part[k] = combine(part[k], T.tvm_warp_shuffle_xor(
                         T.tvm_warp_activemask(), part[k], mask + 1, 32, 32))
-                if quad:  # every lane of the quad: its own copy of the row's value
-                    for k in range(rows_per_thread):
-                        out[layout.row_slot(t, k)] = combine(out[layout.row_slot(t, k)], part[k])
-                elif spread_stores:
+                if spread_stores:
                     # Lane q of the quad (every lane has the quad's results after the shuffles)
                     # writes the quad's q-th row: one store per thread.
                     if t % 4 < rows_per_thread:
@@ -160,6 +157,37 @@ def row_reduce_intrin(op: str, layout: QuadRowLayout, out_scope: str = "shared.d
                     if t % 4 == 0:
                         for k in range(rows_per_thread):
                             out[layout.row(t, k)] = combine(out[layout.row(t, k)], part[k])
+
+    if quad:
+        @T.prim_func(s_tir=True)
+        def impl_quad(tile_h: T.handle, out_h: T.handle):
+            tile = T.match_buffer(tile_h, shape, "float32", scope=scope, offset_factor=1)
+            out = T.match_buffer(out_h, out_shape, "float32", scope=out_scope, offset_factor=1)
+            with T.sblock("root"):
+                T.reads(out[out_whole], tile[whole])
+                T.writes(out[out_whole])
+                for t in T.thread_binding(threads, "threadIdx.x"):
+                    # Each lane folds its elements into its own copy of the row's value, then the
+                    # quad combines the four copies. No scratch buffer: a local buffer allocated here
+                    # is renamed, but its accesses are not, when InjectSoftwarePipeline copies the K/V
+                    # step into the pipeline's epilogue (with static shapes, as the tuner builds:
+                    # "Buffer access occurs outside a statement scope" in StorageRewrite).
+                    for rt in T.unroll(row_tiles):
+                        for h in T.unroll(2):
+                            if op == "sum":  # the quad adds four copies: the old value counts once
+                                out[layout.row_slot(t, 2 * rt + h)] = T.Select(
+                                    t % 4 == 0, out[layout.row_slot(t, 2 * rt + h)], T.float32(0))
+                            for ct in T.unroll(col_tiles):
+                                for half in T.unroll(2):
+                                    for e in T.unroll(2):
+                                        out[layout.row_slot(t, 2 * rt + h)] = combine(
+                                            out[layout.row_slot(t, 2 * rt + h)], tile[layout.held(t, rt, h, ct, half, e)])
+                            for mask in T.unroll(2):  # xor 1, then xor 2: across the quad
+                                out[layout.row_slot(t, 2 * rt + h)] = combine(
+                                    out[layout.row_slot(t, 2 * rt + h)],
+                                    T.tvm_warp_shuffle_xor(T.tvm_warp_activemask(), out[layout.row_slot(t, 2 * rt + h)],
+                                                           mask + 1, 32, 32))
+        impl = impl_quad
 
     register_intrin(name, desc, impl)
     _ROW_REDUCE_REGISTERED.add(name)

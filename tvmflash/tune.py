@@ -142,6 +142,20 @@ def specialize(func, spec: program.AttentionSpec, *, batch: int, seqlen_q: int, 
     })
 
 
+def gpu_timing_lock():
+    """Held while timing on this process's GPU(s): several ``tvmflash tune`` processes on one GPU
+    then build their candidates in parallel but time them one at a time (a file lock under the
+    cache dir, one per ``CUDA_VISIBLE_DEVICES`` value)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "all").replace(",", "-") or "none"
+    return database.locked(cache.cache_dir() / f"gpu-timing-{visible}")
+
+
+def _timed_alone(rt_mod, device, evaluator_config, repeated_args):
+    """MetaSchedule's f_run_evaluator (in a runner worker): the default one, under gpu_timing_lock."""
+    with gpu_timing_lock():
+        return ms.runner.local_runner.default_run_evaluator(rt_mod, device, evaluator_config, repeated_args)
+
+
 def _ms_build(mod, target, _params, *, pass_config):
     """MetaSchedule's f_build: the same build as Kernel's (runs in a builder worker process).
 
@@ -319,7 +333,8 @@ def tune(*, head_dim: int, dtype, causal: bool, target=None, trials: int = 64, b
             builder=ms.builder.LocalBuilder(
                 max_workers=num_cores, timeout_sec=120,
                 f_build=functools.partial(_ms_build, pass_config=getattr(schedule, "PASS_CONFIG", {}))),
-            runner=ms.runner.LocalRunner(timeout_sec=60, evaluator_config=config),
+            runner=ms.runner.LocalRunner(timeout_sec=120, evaluator_config=config,
+                                         f_run_evaluator=_timed_alone if cuda else None),
             database=ms.database.JSONDatabase(work_dir=str(work_dir)),
             cost_model=ms.cost_model.CostModel.create("xgb", num_tuning_cores=num_cores),
             measure_callbacks=[*ms.measure_callback.MeasureCallback.create("default"), progress],
@@ -337,9 +352,13 @@ def tune(*, head_dim: int, dtype, causal: bool, target=None, trials: int = 64, b
                .to(device=device, dtype=kernel.TORCH_DTYPES[dtype]) for _ in range(3))
     out = torch.empty_like(q)
     times = {}
-    for label, knobs in (("default", defaults), ("tuned", tuned_knobs)):
-        kern = kernel.compile(head_dim=head_dim, dtype=dtype, causal=causal, target=resolved, knobs=knobs)
-        times[label] = bench.time_ms(lambda kern=kern: kern(q, k, v, out=out), device, repeat=repeat)
+    kernels = {label: kernel.compile(head_dim=head_dim, dtype=dtype, causal=causal, target=resolved, knobs=knobs)
+               for label, knobs in (("default", defaults), ("tuned", tuned_knobs))}
+    for kern in kernels.values():
+        kern(q, k, v, out=out)  # build (or load) before taking the GPU
+    with gpu_timing_lock() if cuda else contextlib.nullcontext():
+        for label, kern in kernels.items():
+            times[label] = bench.time_ms(lambda kern=kern: kern(q, k, v, out=out), device, repeat=repeat)
     winner = "tuned" if times["tuned"] <= times["default"] else "default"
     knobs = tuned_knobs if winner == "tuned" else defaults
     wall_s = time.perf_counter() - start
