@@ -127,38 +127,39 @@ def row_reduce_intrin(op: str, layout: QuadRowLayout, out_scope: str = "shared.d
                     vr, vc = T.axis.remap("SR", [r, c])
                     out[slot(vr)] = combine(out[slot(vr)], tile[layout.element(vr, vc)])
 
-    @T.prim_func(s_tir=True)
-    def impl(tile_h: T.handle, out_h: T.handle):
-        tile = T.match_buffer(tile_h, shape, "float32", scope=scope, offset_factor=1)
-        out = T.match_buffer(out_h, out_shape, "float32", scope=out_scope, offset_factor=1)
-        with T.sblock("root"):
-            T.reads(out[out_whole], tile[whole])
-            T.writes(out[out_whole])
-            for t in T.thread_binding(threads, "threadIdx.x"):
-                part = T.alloc_buffer((rows_per_thread,), "float32", scope="local")
-                # unrolled: registers take static indices only
-                for rt in T.unroll(row_tiles):
-                    for h in T.unroll(2):
-                        part[2 * rt + h] = identity
-                        for ct in T.unroll(col_tiles):
-                            for half in T.unroll(2):
-                                for e in T.unroll(2):
-                                    part[2 * rt + h] = combine(part[2 * rt + h],
-                                                               tile[layout.held(t, rt, h, ct, half, e)])
-                for k, mask in T.grid(rows_per_thread, 2):  # xor 1, then xor 2: across the quad
-                    part[k] = combine(part[k], T.tvm_warp_shuffle_xor(
-                        T.tvm_warp_activemask(), part[k], mask + 1, 32, 32))
-                if spread_stores:
-                    # Lane q of the quad (every lane has the quad's results after the shuffles)
-                    # writes the quad's q-th row: one store per thread.
-                    if t % 4 < rows_per_thread:
-                        out[layout.row(t, t % 4)] = combine(out[layout.row(t, t % 4)], select(part, t % 4))
-                else:  # the first lane of the quad writes all its rows
-                    if t % 4 == 0:
-                        for k in range(rows_per_thread):
-                            out[layout.row(t, k)] = combine(out[layout.row(t, k)], part[k])
+    if not quad:
+        @T.prim_func(s_tir=True)
+        def impl(tile_h: T.handle, out_h: T.handle):
+            tile = T.match_buffer(tile_h, shape, "float32", scope=scope, offset_factor=1)
+            out = T.match_buffer(out_h, out_shape, "float32", scope=out_scope, offset_factor=1)
+            with T.sblock("root"):
+                T.reads(out[out_whole], tile[whole])
+                T.writes(out[out_whole])
+                for t in T.thread_binding(threads, "threadIdx.x"):
+                    part = T.alloc_buffer((rows_per_thread,), "float32", scope="local")
+                    # unrolled: registers take static indices only
+                    for rt in T.unroll(row_tiles):
+                        for h in T.unroll(2):
+                            part[2 * rt + h] = identity
+                            for ct in T.unroll(col_tiles):
+                                for half in T.unroll(2):
+                                    for e in T.unroll(2):
+                                        part[2 * rt + h] = combine(part[2 * rt + h],
+                                                                   tile[layout.held(t, rt, h, ct, half, e)])
+                    for k, mask in T.grid(rows_per_thread, 2):  # xor 1, then xor 2: across the quad
+                        part[k] = combine(part[k], T.tvm_warp_shuffle_xor(
+                            T.tvm_warp_activemask(), part[k], mask + 1, 32, 32))
+                    if spread_stores:
+                        # Lane q of the quad (every lane has the quad's results after the shuffles)
+                        # writes the quad's q-th row: one store per thread.
+                        if t % 4 < rows_per_thread:
+                            out[layout.row(t, t % 4)] = combine(out[layout.row(t, t % 4)], select(part, t % 4))
+                    else:  # the first lane of the quad writes all its rows
+                        if t % 4 == 0:
+                            for k in range(rows_per_thread):
+                                out[layout.row(t, k)] = combine(out[layout.row(t, k)], part[k])
 
-    if quad:
+    else:
         @T.prim_func(s_tir=True)
         def impl_quad(tile_h: T.handle, out_h: T.handle):
             tile = T.match_buffer(tile_h, shape, "float32", scope=scope, offset_factor=1)
