@@ -2,6 +2,7 @@
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -131,6 +132,22 @@ def test_sm80_design_space_replays():
     replayed = tvm.s_tir.Schedule(mod)
     sch.trace.apply_to_schedule(replayed, remove_postproc=True)
     tvm.ir.assert_structural_equal(replayed.mod, sch.mod)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+@pytest.mark.parametrize("block_m,causal", [(128, False), (64, True)])
+def test_pipelined_sm80_candidates_build_with_static_shapes(block_m, causal):
+    """The tuner builds static shapes. Two TVM bugs made every num_stages 2 candidate fail there:
+    InjectSoftwarePipeline's epilogue copy of a row reduction's scratch buffer (now none), and a
+    cp.async.wait_group count left as ``if_then_else(True & True, 1, 0)`` (causal, block_m 64)."""
+    spec = program.AttentionSpec(64, "bfloat16", causal, 2, 2)
+    mod = tvm.IRModule({"main": tune.specialize(program.attention_forward(spec, block_m, 64), spec, batch=1,
+                                                seqlen_q=512, seqlen_k=512, softmax_scale=0.125)})
+    fixed, sampled = tune.task_knobs(sm80.SPACE, block_m, 64, num_stages=2)
+    sch = tvm.s_tir.Schedule(mod)
+    tune.space_fn(sm80, fixed, sampled)(sch)
+    source = tune._ms_build(sch.mod, targets.cuda_target("sm80"), None, pass_config=sm80.PASS_CONFIG).imports[0]
+    assert "cp.async.wait_group 1;" in source.inspect_source()
 
 
 def test_rejected_tile_pairs_are_skipped(tmp_path):

@@ -61,7 +61,7 @@ def build_module(mod: tvm.IRModule, target: tvm.target.Target, pass_config: dict
     workarounds. Kernel and the tuner's MetaSchedule builder both build through here."""
     with tvm.transform.PassContext(opt_level=3, config=pass_config), tvm_workarounds.lower_every_warp_buffer(), \
             tvm_workarounds.no_warp_thread_sync(), tvm_workarounds.compact_again_after_match_buffers(), \
-            tvm_workarounds.zero_filling_cp_async():
+            tvm_workarounds.zero_filling_cp_async(), tvm_workarounds.constant_async_wait_counts():
         return tvm.compile(mod, target=target)
 
 

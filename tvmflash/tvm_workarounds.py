@@ -139,3 +139,38 @@ def zero_filling_cp_async():
         yield
     finally:
         CODEGEN_REGISTRY.update(originals)
+
+
+def _folded(expr):
+    """``expr`` with constant boolean and ``if_then_else`` subexpressions folded (enough for the
+    wait counts InjectSoftwarePipeline writes; TVM's simplifier leaves ``True & True`` alone)."""
+    kind = type(expr).__name__
+    if kind in ("BitwiseAnd", "BitwiseOr", "And", "Or"):
+        a, b = _folded(expr.a), _folded(expr.b)
+        if isinstance(a, tvm.tirx.IntImm) and isinstance(b, tvm.tirx.IntImm):
+            value = (a.value and b.value) if kind in ("BitwiseAnd", "And") else (a.value or b.value)
+            return tvm.tirx.const(bool(value), "bool")
+        return expr
+    if kind == "Call" and expr.op.name == "prim.if_then_else":
+        condition = _folded(expr.args[0])
+        if isinstance(condition, tvm.tirx.IntImm):
+            return _folded(expr.args[1] if condition.value else expr.args[2])
+    return expr
+
+
+@contextlib.contextmanager
+def constant_async_wait_counts():
+    """Fold a cp.async.wait_group count such as ``if_then_else(True & True, 1, 0)`` to its constant.
+
+    InjectSoftwarePipeline writes that form for a pipelined loop whose trip count depends on the
+    thread block (causal attention with static shapes, as the tuner builds, and block_m 64), and
+    the PTX code generator then rejects it: "cp_async_wait_group: immediate operands must become
+    compile-time constants before CUDA codegen".
+    """
+    name = "tirx.ptx.cp_async_wait_group"
+    original = CODEGEN_REGISTRY[name]
+    CODEGEN_REGISTRY[name] = lambda args: original([_folded(arg) for arg in args])
+    try:
+        yield
+    finally:
+        CODEGEN_REGISTRY[name] = original
