@@ -127,17 +127,38 @@ def row_reduce_intrin(op: str, layout: QuadRowLayout, out_scope: str = "shared.d
                     vr, vc = T.axis.remap("SR", [r, c])
                     out[slot(vr)] = combine(out[slot(vr)], tile[layout.element(vr, vc)])
 
-    if not quad:
-        @T.prim_func(s_tir=True)
-        def impl(tile_h: T.handle, out_h: T.handle):
-            tile = T.match_buffer(tile_h, shape, "float32", scope=scope, offset_factor=1)
-            out = T.match_buffer(out_h, out_shape, "float32", scope=out_scope, offset_factor=1)
-            with T.sblock("root"):
-                T.reads(out[out_whole], tile[whole])
-                T.writes(out[out_whole])
-                for t in T.thread_binding(threads, "threadIdx.x"):
+    @T.prim_func(s_tir=True)
+    def impl(tile_h: T.handle, out_h: T.handle):
+        tile = T.match_buffer(tile_h, shape, "float32", scope=scope, offset_factor=1)
+        out = T.match_buffer(out_h, out_shape, "float32", scope=out_scope, offset_factor=1)
+        with T.sblock("root"):
+            T.reads(out[out_whole], tile[whole])
+            T.writes(out[out_whole])
+            for t in T.thread_binding(threads, "threadIdx.x"):
+                # (registers take static indices only: every loop over them is unrolled)
+                if quad:
+                    # Each lane folds its elements into its own copy of the row's value, then the
+                    # quad combines the four copies. No scratch buffer: one allocated here is
+                    # renamed, but its accesses are not, when InjectSoftwarePipeline copies the
+                    # K/V step into the pipeline's epilogue (with static shapes, as the tuner
+                    # builds: "Buffer access occurs outside a statement scope" in StorageRewrite).
+                    for rt in T.unroll(row_tiles):
+                        for h in T.unroll(2):
+                            if op == "sum":  # the quad adds four copies: the old value counts once
+                                out[layout.row_slot(t, 2 * rt + h)] = T.Select(
+                                    t % 4 == 0, out[layout.row_slot(t, 2 * rt + h)], T.float32(0))
+                            for ct in T.unroll(col_tiles):
+                                for half in T.unroll(2):
+                                    for e in T.unroll(2):
+                                        out[layout.row_slot(t, 2 * rt + h)] = combine(
+                                            out[layout.row_slot(t, 2 * rt + h)], tile[layout.held(t, rt, h, ct, half, e)])
+                            for mask in T.unroll(2):  # xor 1, then xor 2: across the quad
+                                out[layout.row_slot(t, 2 * rt + h)] = combine(
+                                    out[layout.row_slot(t, 2 * rt + h)],
+                                    T.tvm_warp_shuffle_xor(T.tvm_warp_activemask(), out[layout.row_slot(t, 2 * rt + h)],
+                                                           mask + 1, 32, 32))
+                else:
                     part = T.alloc_buffer((rows_per_thread,), "float32", scope="local")
-                    # unrolled: registers take static indices only
                     for rt in T.unroll(row_tiles):
                         for h in T.unroll(2):
                             part[2 * rt + h] = identity
@@ -158,37 +179,6 @@ def row_reduce_intrin(op: str, layout: QuadRowLayout, out_scope: str = "shared.d
                         if t % 4 == 0:
                             for k in range(rows_per_thread):
                                 out[layout.row(t, k)] = combine(out[layout.row(t, k)], part[k])
-
-    else:
-        @T.prim_func(s_tir=True)
-        def impl_quad(tile_h: T.handle, out_h: T.handle):
-            tile = T.match_buffer(tile_h, shape, "float32", scope=scope, offset_factor=1)
-            out = T.match_buffer(out_h, out_shape, "float32", scope=out_scope, offset_factor=1)
-            with T.sblock("root"):
-                T.reads(out[out_whole], tile[whole])
-                T.writes(out[out_whole])
-                for t in T.thread_binding(threads, "threadIdx.x"):
-                    # Each lane folds its elements into its own copy of the row's value, then the
-                    # quad combines the four copies. No scratch buffer: a local buffer allocated here
-                    # is renamed, but its accesses are not, when InjectSoftwarePipeline copies the K/V
-                    # step into the pipeline's epilogue (with static shapes, as the tuner builds:
-                    # "Buffer access occurs outside a statement scope" in StorageRewrite).
-                    for rt in T.unroll(row_tiles):
-                        for h in T.unroll(2):
-                            if op == "sum":  # the quad adds four copies: the old value counts once
-                                out[layout.row_slot(t, 2 * rt + h)] = T.Select(
-                                    t % 4 == 0, out[layout.row_slot(t, 2 * rt + h)], T.float32(0))
-                            for ct in T.unroll(col_tiles):
-                                for half in T.unroll(2):
-                                    for e in T.unroll(2):
-                                        out[layout.row_slot(t, 2 * rt + h)] = combine(
-                                            out[layout.row_slot(t, 2 * rt + h)], tile[layout.held(t, rt, h, ct, half, e)])
-                            for mask in T.unroll(2):  # xor 1, then xor 2: across the quad
-                                out[layout.row_slot(t, 2 * rt + h)] = combine(
-                                    out[layout.row_slot(t, 2 * rt + h)],
-                                    T.tvm_warp_shuffle_xor(T.tvm_warp_activemask(), out[layout.row_slot(t, 2 * rt + h)],
-                                                           mask + 1, 32, 32))
-        impl = impl_quad
 
     register_intrin(name, desc, impl)
     _ROW_REDUCE_REGISTERED.add(name)
