@@ -345,8 +345,20 @@ def test_cache_commands(cache_dir, tmp_path):
     assert not database.user_dir().exists()
 
 
+def test_tune_several_workloads_in_one_command(cache_dir):
+    """One command tunes each (head_dim, dtype, causal) in turn and ends with a summary line each."""
+    done = cli("tune", "--head-dim", "32", "--dtype", "float32", "--causal", "both", "--trials", "2", "--target", "cpu",
+               "--seqlen", "64", "--batch", "1", "--heads", "1", env_dir=cache_dir)
+    assert done.returncode == 0, done.stderr
+    assert "== workload 1/2: d32 float32 full" in done.stdout and "== workload 2/2: d32 float32 causal" in done.stdout
+    summary = done.stdout.split("== summary")[1].strip().splitlines()[1:]
+    assert [line.split()[:3] for line in summary] == [["d32", "float32", "full"], ["d32", "float32", "causal"]]
+    assert all("default" in line and "tuned" in line for line in summary)
+
+
 def test_bad_cli_input_is_one_line(cache_dir):
     for args in (("tune", "--head-dim", "80"), ("tune", "--head-dim", "64", "--trials", "0", "--target", "cpu"),
+                 ("tune", "--head-dim", "64", "80", "--target", "cpu"),  # refused before 64 is tuned
                  ("cache", "show", "no-such-key")):
         done = cli(*args, env_dir=cache_dir)
         assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr

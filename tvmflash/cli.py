@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -71,12 +72,42 @@ def _bench(args) -> int:
     return 0
 
 
-def _tune(args) -> int:
-    from tvmflash import tune
+def _workload_dir(work_dir, name: str, count: int):
+    """--work-dir as given for one workload; a subfolder per workload for several."""
+    if work_dir is None or count == 1:
+        return work_dir
+    return os.path.join(work_dir, name.replace(" ", "-"))
 
-    tune.tune(head_dim=args.head_dim, dtype=args.dtype, causal=args.causal, target=args.target, trials=args.trials,
-              batch=args.batch, seqlen=args.seqlen, heads=args.heads, work_dir=args.work_dir)
-    return 0
+
+def _tune(args) -> int:
+    from tvmflash import program, tune
+
+    workloads = [(head_dim, dtype, causal) for head_dim in args.head_dim for dtype in args.dtype
+                 for causal in {"no": (False,), "yes": (True,), "both": (False, True)}[args.causal]]
+    if args.trials < 1:
+        raise ValueError(f"trials: expected a positive number, got {args.trials}")
+    for head_dim, dtype, causal in workloads:  # every workload is valid before the first one runs
+        program.AttentionSpec(head_dim, dtype, causal)
+    summary, failed = [], []
+    for n, (head_dim, dtype, causal) in enumerate(workloads, 1):
+        name = f"d{head_dim} {dtype} {'causal' if causal else 'full'}"
+        if len(workloads) > 1:
+            print(f"== workload {n}/{len(workloads)}: {name}", flush=True)
+        try:
+            record = tune.tune(head_dim=head_dim, dtype=dtype, causal=causal, target=args.target,
+                               trials=args.trials, batch=args.batch, seqlen=args.seqlen, heads=args.heads,
+                               work_dir=_workload_dir(args.work_dir, name, len(workloads)))
+        except RuntimeError as err:  # nothing built and ran: say so, go on with the others
+            print(f"tvmflash tune: {name}: {err}", file=sys.stderr)
+            failed.append(name)
+            continue
+        summary.append(f"{name:<24} {json.dumps(record['knobs'])}  default {record['default_ms']:.4f} ms, "
+                       f"tuned {record['tuned_ms']:.4f} ms ({record['default_ms'] / record['tuned_ms']:.2f}x), "
+                       f"{record['trials']} trials, {record['wall_s']:.0f} s")
+    if len(workloads) > 1:
+        print("== summary (knobs kept; default vs tuned at the tuning shape)")
+        print("\n".join(summary) or "no workload finished")
+    return 1 if failed else 0
 
 
 def _cache(args) -> int:
@@ -150,9 +181,10 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--knobs", default=None)
 
     t = sub.add_parser("tune", help="tune the schedule's knobs on this machine (MetaSchedule); store the best")
-    t.add_argument("--head-dim", type=int, required=True)
-    t.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16", "float32"])
-    t.add_argument("--causal", action="store_true")
+    t.add_argument("--head-dim", type=int, nargs="+", required=True, help="one or more; each is a workload")
+    t.add_argument("--dtype", nargs="+", default=["bfloat16"], choices=["float16", "bfloat16", "float32"])
+    t.add_argument("--causal", nargs="?", const="yes", default="no", choices=["no", "yes", "both"],
+                   help="--causal alone means yes; both tunes each workload with and without")
     t.add_argument("--trials", type=int, default=64, help="MetaSchedule trials, over all tile sizes (default 64)")
     t.add_argument("--target", default=None, help="cpu, cuda, sm80, ... (default: this machine)")
     t.add_argument("--seqlen", type=int, default=None, help="the shape tuned on (default: 4096 on a GPU, 512 on a CPU)")
