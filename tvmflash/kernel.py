@@ -59,9 +59,7 @@ def resolve_softmax_scale(softmax_scale, head_dim: int) -> float:
 def build_module(mod: tvm.IRModule, target: tvm.target.Target, pass_config: dict):
     """``tvm.compile`` a scheduled module with its schedule's PassContext config and tvmflash's TVM
     workarounds. Kernel and the tuner's MetaSchedule builder both build through here."""
-    with tvm.transform.PassContext(opt_level=3, config=pass_config), tvm_workarounds.lower_every_warp_buffer(), \
-            tvm_workarounds.no_warp_thread_sync(), tvm_workarounds.compact_again_after_match_buffers(), \
-            tvm_workarounds.zero_filling_cp_async(), tvm_workarounds.constant_async_wait_counts():
+    with tvm.transform.PassContext(opt_level=3, config=pass_config), tvm_workarounds.applied():
         return tvm.compile(mod, target=target)
 
 

@@ -174,3 +174,11 @@ def constant_async_wait_counts():
         yield
     finally:
         CODEGEN_REGISTRY[name] = original
+
+
+@contextlib.contextmanager
+def applied():
+    """Every workaround above, for one build (``kernel.build_module``)."""
+    with lower_every_warp_buffer(), no_warp_thread_sync(), compact_again_after_match_buffers(), \
+            zero_filling_cp_async(), constant_async_wait_counts():
+        yield
