@@ -345,6 +345,26 @@ def test_cache_commands(cache_dir, tmp_path):
     assert not database.user_dir().exists()
 
 
+def test_tuned_knobs_with_wrong_results_are_never_stored(cache_dir, monkeypatch):
+    """The tuned knobs must also give correct output (flash-attn's rule) at the tuning shape: a
+    faster but wrong kernel is reported and the default is kept."""
+    from tvmflash import bench
+
+    checked = []
+
+    def wrong_when_tuned(out, q, k, v, causal):
+        checked.append(len(checked))
+        return (1.0, 1e-3) if len(checked) == 2 else (0.0, 1e-3)  # default first, then tuned
+
+    monkeypatch.setattr(bench, "error_vs_float32", wrong_when_tuned)
+    lines = []
+    record = tune.tune(head_dim=32, dtype="float32", causal=False, target="cpu", trials=2, batch=1, seqlen=64,
+                       heads=1, space={"block_m": [16], "block_n": [32], "vector": [4, 8]}, seed=0, repeat=3,
+                       echo=lines.append)
+    assert len(checked) == 2 and any("the tuned knobs give wrong results" in line for line in lines), lines
+    assert record["knobs"] == kernel.default_knobs(cpu, 32)
+
+
 def test_tune_several_workloads_in_one_command(cache_dir):
     """One command tunes each (head_dim, dtype, causal) in turn and ends with a summary line each."""
     done = cli("tune", "--head-dim", "32", "--dtype", "float32", "--causal", "both", "--trials", "2", "--target", "cpu",

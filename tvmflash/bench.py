@@ -71,7 +71,7 @@ def run_one(kernel, batch, seqlen, heads, head_dim, dtype, causal, device, repea
                for _ in range(3))
     out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
     kernel(q, k, v, out=out)
-    error, tolerance = _check(out, q, k, v, causal)
+    error, tolerance = error_vs_float32(out, q, k, v, causal)
     times = {"tvmflash": time_ms(lambda: kernel(q, k, v, out=out), device, repeat=repeat)}
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
     for name, backend in sdpa_backends(device):
@@ -86,7 +86,7 @@ def run_one(kernel, batch, seqlen, heads, head_dim, dtype, causal, device, repea
     return Result(config, times, attention_flops(batch, heads, seqlen, seqlen, head_dim, causal), error, tolerance)
 
 
-def _check(out, q, k, v, causal, heads=2, rows=1024):
+def error_vs_float32(out, q, k, v, causal, heads=2, rows=1024):
     """Error of the first ``heads`` heads' last ``rows`` queries against float32 (and torch's own)."""
     sl = (slice(0, 1), slice(-rows, None), slice(0, heads))
     q_, out_ = q[sl], out[sl]

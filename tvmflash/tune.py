@@ -15,8 +15,9 @@ Tune static, run symbolic. Each task's program is specialised to a representativ
 sequence lengths, softmax_scale), tuned with the XGBoost cost model and the evolutionary search,
 and built exactly as :class:`tvmflash.Kernel` builds (``kernel.build_module``: the schedule's
 PassContext config and the TVM workarounds). The winner is then timed against the default knobs
-through ``tvmflash.compile`` on real torch tensors in the same run, and the faster of the two is
-written to tvmflash's database, where ``tvmflash.compile()`` (symbolic shapes) finds it.
+through ``tvmflash.compile`` on real torch tensors in the same run, and the faster of the two
+whose output passes flash-attn's error rule there (``bench.error_vs_float32``) is written to
+tvmflash's database, where ``tvmflash.compile()`` (symbolic shapes) finds it.
 
 Candidates that fail to schedule, build or run (too much shared memory, say) are recorded by
 MetaSchedule as failed measurements and are never picked.
@@ -354,12 +355,22 @@ def tune(*, head_dim: int, dtype, causal: bool, target=None, trials: int = 64, b
     times = {}
     kernels = {label: kernel.compile(head_dim=head_dim, dtype=dtype, causal=causal, target=resolved, knobs=knobs)
                for label, knobs in (("default", defaults), ("tuned", tuned_knobs))}
-    for kern in kernels.values():
-        kern(q, k, v, out=out)  # build (or load) before taking the GPU
+    correct = {}
+    for label, kern in kernels.items():  # builds (or loads) before taking the GPU, and checks
+        out.fill_(float("nan"))
+        kern(q, k, v, out=out)
+        error, tolerance = bench.error_vs_float32(out, q, k, v, causal)
+        correct[label] = error <= tolerance  # flash-attn's rule, as tvmflash bench applies it
+        if not correct[label]:
+            echo(f"  the {label} knobs give wrong results at the tuning shape (max error {error:.3e} > "
+                 f"{tolerance:.3e}): never stored")
+    if not correct["default"] and not correct["tuned"]:
+        raise RuntimeError("tvmflash tune: neither the tuned nor the default knobs give correct results")
     with gpu_timing_lock() if cuda else contextlib.nullcontext():
         for label, kern in kernels.items():
             times[label] = bench.time_ms(lambda kern=kern: kern(q, k, v, out=out), device, repeat=repeat)
-    winner = "tuned" if times["tuned"] <= times["default"] else "default"
+    faster = "tuned" if times["tuned"] <= times["default"] else "default"
+    winner = faster if correct[faster] else ("default" if faster == "tuned" else "tuned")
     knobs = tuned_knobs if winner == "tuned" else defaults
     wall_s = time.perf_counter() - start
     record = database.new_record(
