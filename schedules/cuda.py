@@ -21,6 +21,11 @@ _ROW_BLOCKS = ("load_q", "init_ml", "init_acc", "qk", "score", "row_max", "exp",
                "merge_l", "update_ml", "inv_l", "store_o", "store_lse")
 
 
+def shared_memory_bytes(head_dim: int, dtype: str, knobs: dict) -> int:
+    """Shared memory a build with these knobs needs: one K tile and one V tile."""
+    return 2 * knobs["block_n"] * head_dim * tvm.DataType(dtype).bits // 8
+
+
 def schedule(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, vector_bytes: int) -> tvm.s_tir.Schedule:
     """Map the attention program onto CUDA threads: block_m threads, one per query row.
 

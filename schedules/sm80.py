@@ -64,6 +64,14 @@ SPACE = {
     "vec": [8],
     "row_state": ["registers"],
 }
+def shared_memory_bytes(head_dim: int, dtype: str, knobs: dict) -> int:
+    """Shared memory a build with these knobs needs: the Q tile and num_stages K/V tile pairs,
+    rows padded by 8 elements, plus the per-row values staged for store_lse (a few per row)."""
+    row_bytes = (head_dim + 8) * (2 if dtype in DTYPES else 4)
+    tiles = knobs["block_m"] + 2 * knobs["block_n"] * max(1, knobs["num_stages"])
+    return tiles * row_bytes + 8 * 4 * knobs["block_m"]
+
+
 PASS_CONFIG = {
     "tirx.use_async_copy": True,
     # Fragments are per-lane register arrays: any loop over them left rolled indexes them

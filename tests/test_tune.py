@@ -166,6 +166,20 @@ def test_rejected_tile_pairs_are_skipped(tmp_path):
                         targets.cuda_target("sm80"), tmp_path, random.Random(0), lines.append)
 
 
+def test_tasks_over_the_shared_memory_limit_are_skipped(tmp_path):
+    """A task whose tiles need more shared memory than the target allows is skipped with a message
+    before anything is built (sm80's 163 KiB: 128x128 tiles at d128 fit with one K/V stage, not two)."""
+    import random
+
+    spec = program.AttentionSpec(128, "bfloat16", False, 2, 2)
+    lines = []
+    space = {**sm80.SPACE, "block_m": [128], "block_n": [128], "num_stages": [1, 2]}
+    tasks = tune.make_tasks(sm80, spec, {"batch": 1, "seqlen": 256, "heads": 2}, space, targets.cuda_target("sm80"),
+                            tmp_path, random.Random(0), lines.append)
+    assert [t["name"] for t in tasks] == ["bm128_bn128_ns1"]
+    assert lines == ["  skipping bm128_bn128_ns2: it needs 174 KiB of shared memory, cuda sm_80 allows 163 KiB"], lines
+
+
 def test_failed_candidates_are_never_picked():
     """Failed builds and runs (MetaSchedule gives them 1e10 s) are counted, reported, never best."""
     from tvm.s_tir import meta_schedule as ms

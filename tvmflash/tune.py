@@ -19,8 +19,9 @@ through ``tvmflash.compile`` on real torch tensors in the same run, and the fast
 whose output passes flash-attn's error rule there (``bench.error_vs_float32``) is written to
 tvmflash's database, where ``tvmflash.compile()`` (symbolic shapes) finds it.
 
-Candidates that fail to schedule, build or run (too much shared memory, say) are recorded by
-MetaSchedule as failed measurements and are never picked.
+A task whose tiles need more shared memory than the target allows (the schedule's
+``shared_memory_bytes``) is skipped with a message before anything is built; candidates that still
+fail to schedule, build or run are recorded by MetaSchedule as failed measurements and never picked.
 """
 
 from __future__ import annotations
@@ -250,6 +251,14 @@ def make_tasks(schedule, spec: program.AttentionSpec, shape: dict, space: dict, 
                           seqlen_q=shape["seqlen"], seqlen_k=shape["seqlen"], softmax_scale=1.0 / math.sqrt(spec.head_dim))
         mod = tvm.IRModule({"main": func})
         fn = space_fn(schedule, fixed, sampled)
+        needs = (schedule.shared_memory_bytes(spec.head_dim, spec.dtype, {**fixed, **{
+            k: max(v) for k, v in sampled.items() if all(isinstance(x, int) for x in v)}})
+            if hasattr(schedule, "shared_memory_bytes") else 0)
+        limit = target.attrs.get("max_shared_memory_per_block") if targets.is_cuda(target) else None
+        if limit is not None and needs > int(limit):
+            echo(f"  skipping {name}: it needs {needs / 1024:.0f} KiB of shared memory, "
+                 f"{targets.describe(target)} allows {int(limit) / 1024:.0f} KiB")
+            continue
         try:
             fn(tvm.s_tir.Schedule(mod))
         except Exception as err:  # noqa: BLE001 - any schedule error means "not this pair"
