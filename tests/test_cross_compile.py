@@ -197,3 +197,14 @@ def test_row_reduce_layouts_cover_their_tiles():
     for layout in (sm80.frag_rows(32, 64), acc):
         for out_scope in ("shared.dyn", "local"):
             TensorIntrin.get(common.row_reduce_intrin("sum", layout, out_scope))
+
+
+def test_knobs_fit_the_targets_shared_memory():
+    """sm86 allows 99 KiB of shared memory a block: the default two-stage K/V pipeline at d128
+    needs more, so compile() drops to one stage (and says so); knobs the caller gives that do not
+    fit are a clear error, not a failed launch."""
+    kernel = tvmflash.compile(head_dim=128, dtype="bfloat16", target="sm86")
+    assert kernel.knobs["num_stages"] == 1 and "shrunk to fit shared memory" in kernel.info()["knobs_source"]
+    assert tvmflash.compile(head_dim=128, dtype="bfloat16", target="sm90").knobs["num_stages"] == 2
+    with pytest.raises(ValueError, match="KiB of shared memory, cuda sm_86 allows 99 KiB"):
+        tvmflash.compile(head_dim=128, dtype="bfloat16", target="sm86", knobs={"num_stages": 3})

@@ -105,8 +105,35 @@ class Kernel:
             self.knobs_source = "defaults"
         self.knobs = {**default_knobs(self.schedule, self.head_dim), **(tuned["knobs"] if tuned else {}),
                       **(knobs or {})}
+        self._fit_shared_memory(given=bool(knobs))
         self._modules: dict[tuple[int, int], _Module] = {}
         self._last: tuple[int, int] | None = None
+
+    def _fit_shared_memory(self, given: bool) -> None:
+        """Knobs whose tiles need more shared memory than the target allows: an error for the
+        caller's own, else the defaults (or tuned knobs) shrunk along the schedule's SPACE, fewer
+        pipeline stages first, then smaller K/V tiles, then smaller Q blocks."""
+        limit = self.target.attrs.get("max_shared_memory_per_block") if targets.is_cuda(self.target) else None
+        needs = getattr(self.schedule, "shared_memory_bytes", None)
+        if limit is None or needs is None or needs(self.head_dim, self.dtype, self.knobs) <= int(limit):
+            return
+        where = f"{targets.describe(self.target)} allows {int(limit) / 1024:.0f} KiB"
+        if given:
+            raise ValueError(f"knobs: {self.knobs} need {needs(self.head_dim, self.dtype, self.knobs) / 1024:.0f} KiB "
+                             f"of shared memory, {where}; try a smaller block_n or num_stages")
+        space, knobs = self.schedule.SPACE, dict(self.knobs)
+        for name in ("num_stages", "block_n", "block_m"):
+            values = space.get(name)
+            for value in sorted(v for v in (values if isinstance(values, list) else []) if v < knobs.get(name, 0))[::-1]:
+                knobs[name] = value
+                for dependent, rule in space.items():  # e.g. num_warps follows block_m
+                    if callable(rule):
+                        knobs[dependent] = rule(knobs)[0]
+                if needs(self.head_dim, self.dtype, knobs) <= int(limit):
+                    self.knobs, self.knobs_source = knobs, f"{self.knobs_source}, shrunk to fit shared memory ({where})"
+                    return
+        raise ValueError(f"no knobs of the {schedule_registry.name_of(self.schedule)} schedule fit the shared memory "
+                         f"at head_dim {self.head_dim}: {where}")
 
     # ----------------------------------------------------------------- building
     def _spec(self, heads_q: int, heads_kv: int) -> AttentionSpec:
