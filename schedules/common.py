@@ -144,19 +144,16 @@ def row_reduce_intrin(op: str, layout: QuadRowLayout, out_scope: str = "shared.d
                     # builds: "Buffer access occurs outside a statement scope" in StorageRewrite).
                     for rt in T.unroll(row_tiles):
                         for h in T.unroll(2):
+                            row = T.meta_var(layout.row_slot(t, 2 * rt + h))  # this lane's copy
                             if op == "sum":  # the quad adds four copies: the old value counts once
-                                out[layout.row_slot(t, 2 * rt + h)] = T.Select(
-                                    t % 4 == 0, out[layout.row_slot(t, 2 * rt + h)], T.float32(0))
+                                out[row] = T.Select(t % 4 == 0, out[row], T.float32(0))
                             for ct in T.unroll(col_tiles):
                                 for half in T.unroll(2):
                                     for e in T.unroll(2):
-                                        out[layout.row_slot(t, 2 * rt + h)] = combine(
-                                            out[layout.row_slot(t, 2 * rt + h)], tile[layout.held(t, rt, h, ct, half, e)])
+                                        out[row] = combine(out[row], tile[layout.held(t, rt, h, ct, half, e)])
                             for mask in T.unroll(2):  # xor 1, then xor 2: across the quad
-                                out[layout.row_slot(t, 2 * rt + h)] = combine(
-                                    out[layout.row_slot(t, 2 * rt + h)],
-                                    T.tvm_warp_shuffle_xor(T.tvm_warp_activemask(), out[layout.row_slot(t, 2 * rt + h)],
-                                                           mask + 1, 32, 32))
+                                out[row] = combine(out[row], T.tvm_warp_shuffle_xor(
+                                    T.tvm_warp_activemask(), out[row], mask + 1, 32, 32))
                 else:
                     part = T.alloc_buffer((rows_per_thread,), "float32", scope="local")
                     for rt in T.unroll(row_tiles):

@@ -99,6 +99,20 @@ def compact_again_after_match_buffers():
         yield
 
 
+@contextlib.contextmanager
+def _codegen_replaced(names, wrap):
+    """``CODEGEN_REGISTRY[name] = wrap(original)`` for each name, for the duration: TVM's CUDA code
+    generator looks its intrinsics' Python codegen up there when it runs (as ``_replaced`` swaps a
+    pass factory)."""
+    originals = {name: CODEGEN_REGISTRY[name] for name in names}
+    for name, original in originals.items():
+        CODEGEN_REGISTRY[name] = wrap(original)
+    try:
+        yield
+    finally:
+        CODEGEN_REGISTRY.update(originals)
+
+
 def _zero_filling_cp_async(original):
     """The 16-byte predicated cp.async as one zero-filling instruction (else: ``original``)."""
 
@@ -131,14 +145,9 @@ def zero_filling_cp_async():
     copy, 80 issue slots per K/V tile at head_dim 128. The zero-filling form is one LDGSTS with the
     same result, as CUTLASS's and Triton's masked copies.
     """
-    names = [name for name in CODEGEN_REGISTRY if name.endswith("cp_async_raw")]
-    originals = {name: CODEGEN_REGISTRY[name] for name in names}
-    for name in names:
-        CODEGEN_REGISTRY[name] = _zero_filling_cp_async(originals[name])
-    try:
+    with _codegen_replaced([name for name in CODEGEN_REGISTRY if name.endswith("cp_async_raw")],
+                           _zero_filling_cp_async):
         yield
-    finally:
-        CODEGEN_REGISTRY.update(originals)
 
 
 def _folded(expr):
@@ -167,13 +176,11 @@ def constant_async_wait_counts():
     the PTX code generator then rejects it: "cp_async_wait_group: immediate operands must become
     compile-time constants before CUDA codegen".
     """
-    name = "tirx.ptx.cp_async_wait_group"
-    original = CODEGEN_REGISTRY[name]
-    CODEGEN_REGISTRY[name] = lambda args: original([_folded(arg) for arg in args])
-    try:
+    def folding(original):
+        return lambda args: original([_folded(arg) for arg in args])
+
+    with _codegen_replaced(["tirx.ptx.cp_async_wait_group"], folding):
         yield
-    finally:
-        CODEGEN_REGISTRY[name] = original
 
 
 @contextlib.contextmanager
