@@ -113,14 +113,14 @@ class Kernel:
         """Knobs whose tiles need more shared memory than the target allows: an error for the
         caller's own, else the defaults (or tuned knobs) shrunk along the schedule's SPACE, fewer
         pipeline stages first, then smaller K/V tiles, then smaller Q blocks."""
-        limit = self.target.attrs.get("max_shared_memory_per_block") if targets.is_cuda(self.target) else None
-        needs = getattr(self.schedule, "shared_memory_bytes", None)
-        if limit is None or needs is None or needs(self.head_dim, self.dtype, self.knobs) <= int(limit):
+        def over(knobs):
+            return targets.shared_memory_over(self.target, self.schedule, self.head_dim, self.dtype, knobs)
+
+        problem = over(self.knobs)
+        if problem is None:
             return
-        where = f"{targets.describe(self.target)} allows {int(limit) / 1024:.0f} KiB"
         if given:
-            raise ValueError(f"knobs: {self.knobs} need {needs(self.head_dim, self.dtype, self.knobs) / 1024:.0f} KiB "
-                             f"of shared memory, {where}; try a smaller block_n or num_stages")
+            raise ValueError(f"knobs: {self.knobs} need {problem}; try a smaller block_n or num_stages")
         space, knobs = self.schedule.SPACE, dict(self.knobs)
         for name in ("num_stages", "block_n", "block_m"):
             values = space.get(name)
@@ -129,11 +129,12 @@ class Kernel:
                 for dependent, rule in space.items():  # e.g. num_warps follows block_m
                     if callable(rule):
                         knobs[dependent] = rule(knobs)[0]
-                if needs(self.head_dim, self.dtype, knobs) <= int(limit):
-                    self.knobs, self.knobs_source = knobs, f"{self.knobs_source}, shrunk to fit shared memory ({where})"
+                if over(knobs) is None:
+                    self.knobs = knobs
+                    self.knobs_source = f"{self.knobs_source}, shrunk to fit shared memory (they needed {problem})"
                     return
         raise ValueError(f"no knobs of the {schedule_registry.name_of(self.schedule)} schedule fit the shared memory "
-                         f"at head_dim {self.head_dim}: {where}")
+                         f"at head_dim {self.head_dim}: the {self.knobs_source} knobs need {problem}")
 
     # ----------------------------------------------------------------- building
     def _spec(self, heads_q: int, heads_kv: int) -> AttentionSpec:

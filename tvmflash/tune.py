@@ -251,13 +251,10 @@ def make_tasks(schedule, spec: program.AttentionSpec, shape: dict, space: dict, 
                           seqlen_q=shape["seqlen"], seqlen_k=shape["seqlen"], softmax_scale=1.0 / math.sqrt(spec.head_dim))
         mod = tvm.IRModule({"main": func})
         fn = space_fn(schedule, fixed, sampled)
-        needs = (schedule.shared_memory_bytes(spec.head_dim, spec.dtype, {**fixed, **{
-            k: max(v) for k, v in sampled.items() if all(isinstance(x, int) for x in v)}})
-            if hasattr(schedule, "shared_memory_bytes") else 0)
-        limit = target.attrs.get("max_shared_memory_per_block") if targets.is_cuda(target) else None
-        if limit is not None and needs > int(limit):
-            echo(f"  skipping {name}: it needs {needs / 1024:.0f} KiB of shared memory, "
-                 f"{targets.describe(target)} allows {int(limit) / 1024:.0f} KiB")
+        # (the tile sizes and stages are task knobs; the defaults fill in the sampled ones)
+        problem = targets.shared_memory_over(target, schedule, spec.head_dim, spec.dtype, {**schedule.KNOBS, **fixed})
+        if problem is not None:
+            echo(f"  skipping {name}: it needs {problem}")
             continue
         try:
             fn(tvm.s_tir.Schedule(mod))
