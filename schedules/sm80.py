@@ -33,8 +33,8 @@ from __future__ import annotations
 import tvm
 from tvm.s_tir import TensorIntrin
 
-from .common import (QuadRowLayout, bind_grid, hide_init_reads, register_intrin, row_reduce_intrin,
-                     tensorize_row_reduce)
+from .common import (QuadRowLayout, bind_grid, hide_init_reads, pipeline_kv_loads, register_intrin,
+                     row_reduce_intrin, tensorize_row_reduce)
 
 WARP = 32
 
@@ -280,85 +280,6 @@ def _copy_to_shared(sch, block, num_warps, vec):
     sch.vectorize(v)
 
 
-def _pipeline_kv_loads(sch, num_stages):
-    """Software-pipeline the K/V-tile loop: load_k and load_v are stage 0, as cp.async copies
-    (``tirx.use_async_copy``; a row past seqlen_k is predicated off and zeroed by st.shared), and
-    everything else is stage num_stages - 1. TVM's InjectSoftwarePipeline then keeps num_stages
-    versions of Kt and Vt (they are allocated in kv_step's scope for this), issues the copies of
-    tile kb + num_stages - 1 before the compute of tile kb, and waits with cp.async.wait_group.
-    """
-    kb = sch.get_loops("kv_step")[-1]
-    loads = ("load_k", "load_v")
-    stmts = _pipeline_stmts(sch, kb)
-    stages = [0 if _sblock_names(stmt) & set(loads) else num_stages - 1 for stmt in stmts]
-    if stages[: len(loads)] != [0] * len(loads) or stages.count(0) != len(loads):
-        raise RuntimeError(f"sm80 pipeline: expected {loads} first in kv_step, one statement each; got stages {stages}")
-    sch.annotate(kb, "software_pipeline_stage", stages)
-    sch.annotate(kb, "software_pipeline_order", list(range(len(stmts))))
-    sch.annotate(kb, "software_pipeline_async_stages", [0])
-
-
-def _pipeline_stmts(sch, kb):
-    """The statements InjectSoftwarePipeline will see in the K/V-tile loop: the passes before it
-    (LiftThreadBinding, LowerMatchBuffer, StmtSimplify) reshape kv_step's body, so run them on a
-    copy (the same list as tvm.s_tir.pipeline's) and look."""
-    from tvm import s_tir
-    from tvm.s_tir import SBlockRealize
-    from tvm.tirx import For, IntImm, SeqStmt
-
-    marker = "tvmflash_kv_loop"
-    sch.annotate(kb, marker, 1)
-    sch.annotate(kb, "software_pipeline_stage", [0])  # LiftThreadBinding treats pipelined loops apart
-    mod = tvm.transform.Sequential([
-        s_tir.transform.CanonicalizeLoop(), s_tir.transform.LowerCrossThreadReduction(),
-        s_tir.transform.LowerInitBlock(), s_tir.transform.PlanAndUpdateBufferAllocationLocation(),
-        s_tir.transform.ConvertBlocksToOpaque(), s_tir.transform.LiftThreadBinding(),
-        s_tir.transform.ManifestSharedMemoryLocalStage(), s_tir.transform.CompactBufferAllocation(),
-        s_tir.transform.LowerAutoCopy(), s_tir.transform.UnifyThreadBinding(),
-        s_tir.transform.LowerMatchBuffer(), s_tir.transform.StmtSimplify(),
-    ])(sch.mod)
-    sch.unannotate(kb, marker)
-    sch.unannotate(kb, "software_pipeline_stage")
-
-    def find(stmt):  # the marked loop: under blocks, loops, attributes and sequences only
-        if isinstance(stmt, For) and marker in stmt.annotations:
-            return stmt
-        children = list(stmt.seq) if isinstance(stmt, SeqStmt) else [
-            getattr(stmt, attr) for attr in ("block", "body") if hasattr(stmt, attr)]
-        for child in children:
-            if (hit := find(child)) is not None:
-                return hit
-        return None
-
-    body = find(mod["main"].body).body
-    while not isinstance(body, SeqStmt):  # the kv_step block (now opaque) and its realize
-        body = body.block if hasattr(body, "block") else body.body
-    stmts = []
-    for stmt in body.seq:  # the pass opens a nested unpredicated block whose body is a sequence
-        if (isinstance(stmt, SBlockRealize) and isinstance(stmt.predicate, IntImm) and stmt.predicate.value == 1
-                and isinstance(stmt.block.body, SeqStmt)):
-            stmts.extend(stmt.block.body.seq)
-        else:
-            stmts.append(stmt)
-    return stmts
-
-
-def _sblock_names(stmt):
-    """Names of the sblocks in a statement (enough of a walk for kv_step's children)."""
-    from tvm.tirx import For, SeqStmt
-    from tvm.s_tir import SBlock, SBlockRealize
-
-    if isinstance(stmt, SeqStmt):
-        return set().union(*(_sblock_names(s) for s in stmt.seq))
-    if isinstance(stmt, For):
-        return _sblock_names(stmt.body)
-    if isinstance(stmt, SBlockRealize):
-        return _sblock_names(stmt.block)
-    if isinstance(stmt, SBlock):
-        return {str(stmt.name_hint)} | _sblock_names(stmt.body)
-    return set()
-
-
 def _tile_frag(sch, block, h=16, w=16):
     a, b = sch.get_loops(block)[-2:]
     a0, a1 = sch.split(a, [None, h])
@@ -586,6 +507,6 @@ def schedule(
             _row_block(sch, name, num_warps)
     # ---- K/V loads: cp.async software pipeline (last: it annotates kv_step's final children) -
     if num_stages > 1:
-        _pipeline_kv_loads(sch, num_stages)
+        pipeline_kv_loads(sch, num_stages)
     return sch
 

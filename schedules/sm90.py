@@ -38,20 +38,27 @@ from __future__ import annotations
 import tvm
 from tvm.s_tir import TensorIntrin
 
-from .common import QuadRowLayout, bind_grid, hide_init_reads, row_reduce_intrin, tensorize_row_reduce
+from .common import (QuadRowLayout, bind_grid, hide_init_reads, pipeline_kv_loads, row_reduce_intrin,
+                     tensorize_row_reduce)
 from .sm80 import DTYPES, _buffer_info  # noqa: F401 - DTYPES: the same fp16/bf16 pair
 
 WARPGROUP = 128
 WG_ROWS = 64  # rows of one wgmma (the M of m64nNk16)
 
-KNOBS = {"block_m": 128, "block_n": 64, "num_warpgroups": 2, "vec": 8}
+KNOBS = {"block_m": 128, "block_n": 64, "num_warpgroups": 2, "num_stages": 1, "vec": 8}
+NUM_STAGES = (1, 2, 3)  # 1: plain loads; 2, 3: the K/V loads in a cp.async software pipeline (as sm80)
+TASK_KNOBS = ("num_stages",)
 SPACE = {
     "block_m": [64, 128],
     "block_n": [64, 128],
     "num_warpgroups": lambda knobs: [knobs["block_m"] // WG_ROWS],
+    "num_stages": [1, 2],
     "vec": [8],
 }
-PASS_CONFIG: dict = {}
+PASS_CONFIG: dict = {"tirx.use_async_copy": True}  # cp.async for the pipelined loads
+# wgmma reads its shared-memory operands through the async proxy: a cp.async tile needs
+# fence.proxy.async after its wait (kernel.build_module, tvm_workarounds.constant_async_wait_counts).
+ASYNC_PROXY_OPERANDS = True
 
 
 def shared_memory_bytes(head_dim: int, dtype: str, knobs: dict) -> int:
@@ -352,6 +359,7 @@ def schedule(
     block_n: int,
     num_warpgroups: int,
     vec: int,
+    num_stages: int = 1,
 ) -> tvm.s_tir.Schedule:
     """Map the attention program onto sm90 wgmma. See the module docstring."""
     dtype, BM, D, BN = _buffer_info(sch)
@@ -361,6 +369,8 @@ def schedule(
                          f"64 * num_warpgroups = {WG_ROWS * num_warpgroups}, got {block_m}")
     if block_n % 16 or block_n > 256 or D % 16:
         raise ValueError(f"block_n and head_dim: expected multiples of 16 (block_n <= 256), got {block_n} and {D}")
+    if not isinstance(num_stages, int) or num_stages not in NUM_STAGES:
+        raise ValueError(f"num_stages: the sm90 schedule takes one of {NUM_STAGES}, got {num_stages!r}")
     if dtype not in DTYPES:
         raise ValueError(f"dtype: the sm90 schedule takes {DTYPES}, got {dtype!r}")
     qk_intrin = wgmma_intrin_name(BN, D, dtype, "k")
@@ -432,4 +442,6 @@ def schedule(
     for name, idx in (("init_ml", 0), ("init_ml", 1), ("merge_l", 0)):  # m, l, l_new: per-row blocks only
         sch.set_scope(name, idx, "local")
     sch.set_scope("init_scale", 0, "local")
+    if num_stages > 1:  # last: it annotates kv_step's final children
+        pipeline_kv_loads(sch, num_stages)
     return sch

@@ -208,3 +208,16 @@ def test_knobs_fit_the_targets_shared_memory():
     assert tvmflash.compile(head_dim=128, dtype="bfloat16", target="sm90").knobs["num_stages"] == 2
     with pytest.raises(ValueError, match="KiB of shared memory, cuda sm_86 allows 99 KiB"):
         tvmflash.compile(head_dim=128, dtype="bfloat16", target="sm86", knobs={"num_stages": 3})
+
+
+def test_sm90_pipelined_loads_fence_the_async_proxy_after_the_wait(monkeypatch):
+    """num_stages 2 on sm90: K/V arrive by cp.async, and each wait is followed by
+    fence.proxy.async before the barrier that precedes the wgmma reading the tile."""
+    monkeypatch.setenv("TVMFLASH_SM90", "1")
+    kernel = tvmflash.compile(head_dim=64, dtype="bfloat16", target="sm90", knobs={"num_stages": 2})
+    src = kernel.source(heads_q=2, heads_kv=2)
+    assert "cp.async.cg.shared.global" in src
+    assert 'asm volatile("cp.async.wait_group 1;\\n\\tfence.proxy.async.shared::cta;"' in src
+    lines = [line.strip() for line in src.splitlines()]
+    wait = next(i for i, line in enumerate(lines) if line.startswith("tvmflash_cp_async_wait_group_1_proxy_fence("))
+    assert lines[wait + 1] == "__syncthreads();" and "wgmma" in " ".join(lines[wait + 2:wait + 6])

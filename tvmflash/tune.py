@@ -158,12 +158,12 @@ def _timed_alone(rt_mod, device, evaluator_config, repeated_args):
         return ms.runner.local_runner.default_run_evaluator(rt_mod, device, evaluator_config, repeated_args)
 
 
-def _ms_build(mod, target, _params, *, pass_config):
+def _ms_build(mod, target, _params, *, pass_config, async_proxy_operands=False):
     """MetaSchedule's f_build: the same build as Kernel's (runs in a builder worker process).
 
     Returns the runtime module: MetaSchedule's exporter takes that, not tvm.compile's Executable.
     """
-    return kernel.build_module(mod, target, pass_config).mod
+    return kernel.build_module(mod, target, pass_config, async_proxy_operands).mod
 
 
 @derived_object
@@ -339,7 +339,8 @@ def tune(*, head_dim: int, dtype, causal: bool, target=None, trials: int = 64, b
             num_trials_per_iter=trials_per_iter or max(1, min(16, trials // len(contexts))),
             builder=ms.builder.LocalBuilder(
                 max_workers=num_cores, timeout_sec=120,
-                f_build=functools.partial(_ms_build, pass_config=getattr(schedule, "PASS_CONFIG", {}))),
+                f_build=functools.partial(_ms_build, pass_config=getattr(schedule, "PASS_CONFIG", {}),
+                                          async_proxy_operands=getattr(schedule, "ASYNC_PROXY_OPERANDS", False))),
             runner=ms.runner.LocalRunner(timeout_sec=120, evaluator_config=config,
                                          f_run_evaluator=_timed_alone if cuda else None),
             database=ms.database.JSONDatabase(work_dir=str(work_dir)),

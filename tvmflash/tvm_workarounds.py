@@ -168,24 +168,40 @@ def _folded(expr):
 
 
 @contextlib.contextmanager
-def constant_async_wait_counts():
+def constant_async_wait_counts(proxy_fence: bool = False):
     """Fold a cp.async.wait_group count such as ``if_then_else(True & True, 1, 0)`` to its constant.
 
     InjectSoftwarePipeline writes that form for a pipelined loop whose trip count depends on the
     thread block (causal attention with static shapes, as the tuner builds, and block_m 64), and
     the PTX code generator then rejects it: "cp_async_wait_group: immediate operands must become
     compile-time constants before CUDA codegen".
+
+    proxy_fence: follow each wait with ``fence.proxy.async.shared::cta`` (sm90), for tiles that
+    wgmma then reads through the async proxy. The pipeline puts the wait right before the first
+    consumer, after the fence and barrier that ThreadSync placed, so without it a tile's
+    cp.async writes would be fenced before they have landed.
     """
     def folding(original):
-        return lambda args: original([_folded(arg) for arg in args])
+        def codegen(args):
+            args = [_folded(arg) for arg in args]
+            if not proxy_fence:
+                return original(args)
+            n = int(args[0])
+            helper = f"tvmflash_cp_async_wait_group_{n}_proxy_fence"
+            source = (f"\n__forceinline__ __device__ void {helper}() {{\n"
+                      f'  asm volatile("cp.async.wait_group {n};\\n\\tfence.proxy.async.shared::cta;" ::: "memory");\n}}\n')
+            return cuda_func_call(helper, source_code=source), []
+
+        return codegen
 
     with _codegen_replaced(["tirx.ptx.cp_async_wait_group"], folding):
         yield
 
 
 @contextlib.contextmanager
-def applied():
-    """Every workaround above, for one build (``kernel.build_module``)."""
+def applied(async_proxy_operands: bool = False):
+    """Every workaround above, for one build (``kernel.build_module``). async_proxy_operands: the
+    schedule's tensor-core operands are read through the async proxy (wgmma)."""
     with lower_every_warp_buffer(), no_warp_thread_sync(), compact_again_after_match_buffers(), \
-            zero_filling_cp_async(), constant_async_wait_counts():
+            zero_filling_cp_async(), constant_async_wait_counts(proxy_fence=async_proxy_operands):
         yield
