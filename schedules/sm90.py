@@ -62,9 +62,10 @@ ASYNC_PROXY_OPERANDS = True
 
 
 def shared_memory_bytes(head_dim: int, dtype: str, knobs: dict) -> int:
-    """Shared memory a build with these knobs needs: the Q tile and one K/V tile pair in wgmma core
-    matrices (no padding), plus the per-row values (m_tile, l_tile, m_new, alpha, inv_l)."""
-    return (knobs["block_m"] + 2 * knobs["block_n"]) * head_dim * 2 + 5 * 4 * knobs["block_m"]
+    """Shared memory a build with these knobs needs: the Q tile and num_stages K/V tile pairs in
+    wgmma core matrices (no padding), plus the per-row values (m_tile, l_tile, m_new, alpha, inv_l)."""
+    tiles = knobs["block_m"] + 2 * knobs["block_n"] * max(1, knobs.get("num_stages", 1))
+    return tiles * head_dim * 2 + 5 * 4 * knobs["block_m"]
 
 
 # --------------------------------------------------------------------------------------------
