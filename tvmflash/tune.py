@@ -144,6 +144,15 @@ def specialize(func, spec: program.AttentionSpec, *, batch: int, seqlen_q: int, 
     })
 
 
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity: ``taskset`` splits a machine between
+    several ``tvmflash tune`` processes, whose thread pools would otherwise each take every core)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 def gpu_timing_lock():
     """Held while timing on this process's GPU(s): several ``tvmflash tune`` processes on one GPU
     then build their candidates in parallel but time them one at a time (a file lock under the
@@ -270,7 +279,7 @@ def make_tasks(schedule, spec: program.AttentionSpec, shape: dict, space: dict, 
             population_size=max(8, 4 * combos), init_min_unmeasured=max(2, combos), genetic_num_iters=2,
             max_fail_count=3, genetic_max_fail_count=3)
         context = ms.TuneContext(mod=mod, target=target, space_generator=generator, search_strategy=strategy,
-                                 task_name=name, rand_state=rng.randrange(2**31), num_threads=os.cpu_count() or 1,
+                                 task_name=name, rand_state=rng.randrange(2**31), num_threads=usable_cores(),
                                  logger=logger).clone()
         tasks.append({"name": name, "fixed": fixed, "sampled": sampled, "context": context})
     if not tasks:
@@ -325,7 +334,7 @@ def tune(*, head_dim: int, dtype, causal: bool, target=None, trials: int = 64, b
     spec = program.AttentionSpec(head_dim, dtype, bool(causal), shape["heads"], shape["heads"])
     tasks = make_tasks(schedule, spec, shape, space, resolved, work_dir, rng, echo)
     contexts = [task.pop("context") for task in tasks]
-    num_cores = os.cpu_count() or 1
+    num_cores = usable_cores()
 
     progress = Progress(tasks, trials, echo)
     config = ms.runner.EvaluatorConfig(number=3, repeat=3 if cuda else 1, min_repeat_ms=50 if cuda else 20,
