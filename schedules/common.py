@@ -155,27 +155,30 @@ def row_reduce_intrin(op: str, layout: QuadRowLayout, out_scope: str = "shared.d
                                 out[row] = combine(out[row], T.tvm_warp_shuffle_xor(
                                     T.tvm_warp_activemask(), out[row], mask + 1, 32, 32))
                 else:
-                    part = T.alloc_buffer((rows_per_thread,), "float32", scope="local")
-                    for rt in T.unroll(row_tiles):
-                        for h in T.unroll(2):
-                            part[2 * rt + h] = identity
-                            for ct in T.unroll(col_tiles):
-                                for half in T.unroll(2):
-                                    for e in T.unroll(2):
-                                        part[2 * rt + h] = combine(part[2 * rt + h],
-                                                                   tile[layout.held(t, rt, h, ct, half, e)])
-                    for k, mask in T.grid(rows_per_thread, 2):  # xor 1, then xor 2: across the quad
-                        part[k] = combine(part[k], T.tvm_warp_shuffle_xor(
-                            T.tvm_warp_activemask(), part[k], mask + 1, 32, 32))
-                    if spread_stores:
-                        # Lane q of the quad (every lane has the quad's results after the shuffles)
-                        # writes the quad's q-th row: one store per thread.
-                        if t % 4 < rows_per_thread:
-                            out[layout.row(t, t % 4)] = combine(out[layout.row(t, t % 4)], select(part, t % 4))
-                    else:  # the first lane of the quad writes all its rows
-                        if t % 4 == 0:
-                            for k in range(rows_per_thread):
-                                out[layout.row(t, k)] = combine(out[layout.row(t, k)], part[k])
+                    # One statement (an attribute scope): InjectSoftwarePipeline guards each statement of
+                    # the K/V step apart (static shapes), which would split part's allocation from its uses.
+                    with T.attr(0, "tvmflash_scope", 1):
+                        part = T.alloc_buffer((rows_per_thread,), "float32", scope="local")
+                        for rt in T.unroll(row_tiles):
+                            for h in T.unroll(2):
+                                part[2 * rt + h] = identity
+                                for ct in T.unroll(col_tiles):
+                                    for half in T.unroll(2):
+                                        for e in T.unroll(2):
+                                            part[2 * rt + h] = combine(part[2 * rt + h],
+                                                                       tile[layout.held(t, rt, h, ct, half, e)])
+                        for k, mask in T.grid(rows_per_thread, 2):  # xor 1, then xor 2: across the quad
+                            part[k] = combine(part[k], T.tvm_warp_shuffle_xor(
+                                T.tvm_warp_activemask(), part[k], mask + 1, 32, 32))
+                        if spread_stores:
+                            # Lane q of the quad (every lane has the quad's results after the shuffles)
+                            # writes the quad's q-th row: one store per thread.
+                            if t % 4 < rows_per_thread:
+                                out[layout.row(t, t % 4)] = combine(out[layout.row(t, t % 4)], select(part, t % 4))
+                        else:  # the first lane of the quad writes all its rows
+                            if t % 4 == 0:
+                                for k in range(rows_per_thread):
+                                    out[layout.row(t, k)] = combine(out[layout.row(t, k)], part[k])
 
     register_intrin(name, desc, impl)
     _ROW_REDUCE_REGISTERED.add(name)

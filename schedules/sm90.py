@@ -146,6 +146,17 @@ _REG_FENCE_U32 = (  # the same for the A registers of the "rs" form (bf16/fp16 p
     "__device__ __forceinline__ void tvmflash_wgmma_reg_fence_u32(unsigned int& r) "
     '{ asm volatile("" : "+r"(r) :: "memory"); }'
 )
+# A wgmma matrix descriptor without swizzle, as a value (PTX ISA "Matrix Descriptor Format"): start
+# address, leading and stride byte offsets, each in 16-byte units. TVM's encoder writes through a
+# pointer into a local buffer, and InjectSoftwarePipeline (static shapes) splits such a buffer's
+# allocation from its uses ("Buffer access occurs outside a statement scope").
+_DESCRIPTOR = (
+    "__device__ __forceinline__ unsigned long long tvmflash_wgmma_descriptor(const void* smem, int lbo, int sbo) {\n"
+    "  unsigned long long address = __cvta_generic_to_shared(smem);\n"
+    "  return ((address & 0x3FFFF) >> 4) | ((unsigned long long)(lbo & 0x3FFF) << 16)\n"
+    "         | ((unsigned long long)(sbo & 0x3FFF) << 32);\n"
+    "}"
+)
 
 
 def wgmma_intrin_name(n: int, k: int, dtype: str, b_major: str, a_regs: bool = False) -> str:
@@ -209,14 +220,16 @@ def _wgmma_desc_impl(n, k, dtype, b_major, a_regs):
                     C[acc_reg(vi, vj)] = C[acc_reg(vi, vj)] + T.cast(a_at(A, vi, vk), "float32") * T.cast(
                         b_at(B, vj, vk), "float32")
 
-    def b_descriptor(desc_b, B, sb0, sb1, ks):
+    def _descriptor(pointer, lbo, sbo):
+        return T.cuda.func_call("tvmflash_wgmma_descriptor", pointer, lbo, sbo, source_code=_DESCRIPTOR,
+                                return_type="uint64")
+
+    def b_descriptor(B, sb0, sb1, ks):
         # Descriptor fields are in 16-byte units; 2-byte elements.
         if b_major == "k":  # K-major: LBO = K-direction core-matrix stride, SBO = N-direction
-            return T.cuda.wgmma.encode_matrix_descriptor(
-                T.address_of(desc_b[0]), B.access_ptr("r", offset=ks * 2 * sb1), sb1 // 8, sb0 // 8, 0)
+            return _descriptor(B.access_ptr("r", offset=ks * 2 * sb1), sb1 // 8, sb0 // 8)
         # N-major: LBO = K-direction (r//8) stride, SBO = N-direction (c//8).
-        return T.cuda.wgmma.encode_matrix_descriptor(
-            T.address_of(desc_b[0]), B.access_ptr("r", offset=ks * 2 * sb0), sb0 // 8, sb1 // 8, 0)
+        return _descriptor(B.access_ptr("r", offset=ks * 2 * sb0), sb0 // 8, sb1 // 8)
 
     @T.macro
     def wgmma_begin(C):
@@ -246,17 +259,12 @@ def _wgmma_desc_impl(n, k, dtype, b_major, a_regs):
             T.reads(C[0:nr], A[a_whole], B[0 : b_shape[0], 0 : b_shape[1], 0:8, 0:8])
             T.writes(C[0:nr])
             for tx in T.thread_binding(WARPGROUP, thread="threadIdx.x"):
-                desc_a = T.alloc_buffer((1,), "uint64", scope="local")
-                desc_b = T.alloc_buffer((1,), "uint64", scope="local")
                 wgmma_begin(C)
                 T.ptx.wgmma.fence.sync.aligned()
                 for ks in T.unroll(k // 16):
                     # A, K-major: LBO = K-direction core-matrix stride, SBO = M-direction.
-                    T.cuda.wgmma.encode_matrix_descriptor(
-                        T.address_of(desc_a[0]), A.access_ptr("r", offset=ks * 2 * sa1),
-                        sa1 // 8, sa0 // 8, 0)
-                    b_descriptor(desc_b, B, sb0, sb1, ks)
-                    mma(*[C[r] for r in range(nr)], desc_a[0], desc_b[0], T.bool(True), 1, 1, 0, trans_b)
+                    mma(*[C[r] for r in range(nr)], _descriptor(A.access_ptr("r", offset=ks * 2 * sa1), sa1 // 8, sa0 // 8),
+                        b_descriptor(B, sb0, sb1, ks), T.bool(True), 1, 1, 0, trans_b)
                 wgmma_end(C)
 
     @T.prim_func(s_tir=True)
@@ -270,7 +278,6 @@ def _wgmma_desc_impl(n, k, dtype, b_major, a_regs):
             T.reads(C[0:nr], A[a_whole], B[0 : b_shape[0], 0 : b_shape[1], 0:8, 0:8])
             T.writes(C[0:nr])
             for tx in T.thread_binding(WARPGROUP, thread="threadIdx.x"):
-                desc_b = T.alloc_buffer((1,), "uint64", scope="local")
                 # A's registers as 32-bit pairs: register 4 ks + r of the k16 slice ks is the pair
                 # (8 ks + 2 r, 8 ks + 2 r + 1) of the accumulator layout, low half first. (A's
                 # offset in its buffer is even: offset_factor=2.)
@@ -280,9 +287,8 @@ def _wgmma_desc_impl(n, k, dtype, b_major, a_regs):
                     T.cuda.func_call("tvmflash_wgmma_reg_fence_u32", A32[r], source_code=_REG_FENCE_U32)
                 T.ptx.wgmma.fence.sync.aligned()
                 for ks in T.unroll(k // 16):
-                    b_descriptor(desc_b, B, sb0, sb1, ks)
                     mma(*[C[r] for r in range(nr)], A32[4 * ks], A32[4 * ks + 1], A32[4 * ks + 2],
-                        A32[4 * ks + 3], desc_b[0], T.bool(True), 1, 1, trans_b)
+                        A32[4 * ks + 3], b_descriptor(B, sb0, sb1, ks), T.bool(True), 1, 1, trans_b)
                 wgmma_end(C)
 
     return desc, (impl_rs if a_regs else impl_ss)

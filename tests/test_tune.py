@@ -13,7 +13,7 @@ import tvm
 import tvmflash
 from tvmflash import database, kernel, program, tune
 from tvmflash import target as targets
-from tvmflash.schedules import cpu, cuda, sm80
+from tvmflash.schedules import cpu, cuda, sm80, sm90
 
 CPU = targets.cpu_target()
 WORKLOAD = {"head_dim": 32, "dtype": "float32", "causal": False}
@@ -135,19 +135,25 @@ def test_sm80_design_space_replays():
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
-@pytest.mark.parametrize("block_m,causal", [(128, False), (64, True)])
-def test_pipelined_sm80_candidates_build_with_static_shapes(block_m, causal):
-    """The tuner builds static shapes. Two TVM bugs made every num_stages 2 candidate fail there:
-    InjectSoftwarePipeline's epilogue copy of a row reduction's scratch buffer (now none), and a
-    cp.async.wait_group count left as ``if_then_else(True & True, 1, 0)`` (causal, block_m 64)."""
+@pytest.mark.parametrize("schedule,block_m,causal", [(sm80, 128, False), (sm80, 64, True), (sm90, 64, False)],
+                         ids=["sm80-bm128-full", "sm80-bm64-causal", "sm90-bm64-full"])
+def test_pipelined_candidates_build_with_static_shapes(schedule, block_m, causal):
+    """The tuner builds static shapes. TVM bugs made every num_stages 2 candidate fail there:
+    InjectSoftwarePipeline guards each statement of the K/V step apart, which split a local
+    buffer's allocation in an intrinsic (a row reduction's scratch, a wgmma descriptor) from its
+    uses; and a cp.async.wait_group count was left as ``if_then_else(True & True, 1, 0)`` (causal,
+    block_m 64)."""
     spec = program.AttentionSpec(64, "bfloat16", causal, 2, 2)
     mod = tvm.IRModule({"main": tune.specialize(program.attention_forward(spec, block_m, 64), spec, batch=1,
                                                 seqlen_q=512, seqlen_k=512, softmax_scale=0.125)})
-    fixed, sampled = tune.task_knobs(sm80.SPACE, block_m, 64, num_stages=2)
+    fixed, sampled = tune.task_knobs(schedule.SPACE, block_m, 64, num_stages=2)
     sch = tvm.s_tir.Schedule(mod)
-    tune.space_fn(sm80, fixed, sampled)(sch)
-    source = tune._ms_build(sch.mod, targets.cuda_target("sm80"), None, pass_config=sm80.PASS_CONFIG).imports[0]
-    assert "cp.async.wait_group 1;" in source.inspect_source()
+    tune.space_fn(schedule, fixed, sampled)(sch)
+    target = targets.cuda_target("sm90" if schedule is sm90 else "sm80")
+    proxy = getattr(schedule, "ASYNC_PROXY_OPERANDS", False)
+    built = tune._ms_build(sch.mod, target, None, pass_config=schedule.PASS_CONFIG, async_proxy_operands=proxy)
+    wait = "cp.async.wait_group 1;" + ("\\n\\tfence.proxy.async" if proxy else "")
+    assert wait in built.imports[0].inspect_source()
 
 
 def test_rejected_tile_pairs_are_skipped(tmp_path):

@@ -334,6 +334,10 @@ def tune(*, head_dim: int, dtype, causal: bool, target=None, trials: int = 64, b
     spec = program.AttentionSpec(head_dim, dtype, bool(causal), shape["heads"], shape["heads"])
     tasks = make_tasks(schedule, spec, shape, space, resolved, work_dir, rng, echo)
     contexts = [task.pop("context") for task in tasks]
+    configurations = sum(math.prod(len(values) for values in task["sampled"].values()) for task in tasks)
+    if trials > configurations:  # MetaSchedule would measure some of them again
+        echo(f"  the space has {configurations} configurations: {configurations} trials measure each once")
+        trials = configurations
     num_cores = usable_cores()
 
     progress = Progress(tasks, trials, echo)
