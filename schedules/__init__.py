@@ -38,5 +38,16 @@ def for_target(target, dtype: str) -> ModuleType:
     raise ValueError(f"target: no tvmflash schedule for target kind {target.kind.name!r}")
 
 
+def with_kernel_attrs(func, module: ModuleType, knobs: dict):
+    """``func`` (the program) with the kernel attributes the schedule asks for these knobs (its
+    ``kernel_attrs``, e.g. sm90's ``__launch_bounds__`` minimum of blocks per SM). A schedule's trace
+    cannot set function attributes, so Kernel and the tuner put them on the program before it is
+    scheduled; the knobs they read must be plain values (a tuner task knob, not a sampled one)."""
+    attrs = getattr(module, "kernel_attrs", lambda knobs: {})(knobs)
+    for key, value in attrs.items():
+        func = func.with_attr(key, value)
+    return func
+
+
 def name_of(module: ModuleType) -> str:
     return module.__name__.rsplit(".", 1)[-1]

@@ -45,20 +45,32 @@ from .sm80 import DTYPES, _buffer_info  # noqa: F401 - DTYPES: the same fp16/bf1
 WARPGROUP = 128
 WG_ROWS = 64  # rows of one wgmma (the M of m64nNk16)
 
-KNOBS = {"block_m": 128, "block_n": 64, "num_warpgroups": 2, "num_stages": 1, "vec": 8}
+KNOBS = {"block_m": 128, "block_n": 64, "num_warpgroups": 2, "num_stages": 1, "vec": 8, "min_blocks_per_sm": 1}
 NUM_STAGES = (1, 2, 3)  # 1: plain loads; 2, 3: the K/V loads in a cp.async software pipeline (as sm80)
-TASK_KNOBS = ("num_stages",)
+# min_blocks_per_sm > 1 asks ptxas (``__launch_bounds__``) for few enough registers that that many
+# thread blocks share an SM: with 2 warpgroups, 128 registers a thread for 2 blocks. Without it the
+# d128 build takes 137, which leaves one block (8 warps) per SM, and nothing runs while its
+# warpgroups wait on wgmma, on loads or at the softmax's barriers.
+TASK_KNOBS = ("num_stages", "min_blocks_per_sm")
 SPACE = {
     "block_m": [64, 128],
     "block_n": [64, 128],
     "num_warpgroups": lambda knobs: [knobs["block_m"] // WG_ROWS],
     "num_stages": [1, 2],
     "vec": [8],
+    "min_blocks_per_sm": [1, 2],
 }
 PASS_CONFIG: dict = {"tirx.use_async_copy": True}  # cp.async for the pipelined loads
 # wgmma reads its shared-memory operands through the async proxy: a cp.async tile needs
 # fence.proxy.async after its wait (kernel.build_module, tvm_workarounds.constant_async_wait_counts).
 ASYNC_PROXY_OPERANDS = True
+
+
+def kernel_attrs(knobs: dict) -> dict:
+    """Function attributes for these knobs (``schedules.with_kernel_attrs``): min_blocks_per_sm
+    as ``__launch_bounds__(threads, min_blocks_per_sm)``."""
+    blocks = knobs.get("min_blocks_per_sm", 1)
+    return {"tirx.launch_bounds_min_blocks_per_sm": blocks} if blocks > 1 else {}
 
 
 def shared_memory_bytes(head_dim: int, dtype: str, knobs: dict) -> int:
@@ -232,10 +244,14 @@ def _wgmma_desc_impl(n, k, dtype, b_major, a_regs):
         return _descriptor(B.access_ptr("r", offset=ks * 2 * sb0), sb0 // 8, sb1 // 8)
 
     @T.macro
-    def wgmma_begin(C):
-        # Shared memory written by threads (generic proxy) -> read by wgmma (async proxy).
+    def shared_operands_visible():
+        # Shared memory written by threads (generic proxy) -> read by wgmma (async proxy). Only the
+        # "ss" form (S = Q K^T) does this: the "rs" form's B tile (V) is written with K's, before it.
         T.ptx.fence.proxy.async_.shared__cta()
         T.tvm_storage_sync("shared")
+
+    @T.macro
+    def wgmma_begin(C):
         for r in T.unroll(nr):
             T.cuda.func_call("tvmflash_wgmma_reg_fence", C[r], source_code=_REG_FENCE)
 
@@ -259,6 +275,7 @@ def _wgmma_desc_impl(n, k, dtype, b_major, a_regs):
             T.reads(C[0:nr], A[a_whole], B[0 : b_shape[0], 0 : b_shape[1], 0:8, 0:8])
             T.writes(C[0:nr])
             for tx in T.thread_binding(WARPGROUP, thread="threadIdx.x"):
+                shared_operands_visible()
                 wgmma_begin(C)
                 T.ptx.wgmma.fence.sync.aligned()
                 for ks in T.unroll(k // 16):
@@ -367,8 +384,10 @@ def schedule(
     num_warpgroups: int,
     vec: int,
     num_stages: int = 1,
+    min_blocks_per_sm: int = 1,
 ) -> tvm.s_tir.Schedule:
-    """Map the attention program onto sm90 wgmma. See the module docstring."""
+    """Map the attention program onto sm90 wgmma. See the module docstring. (min_blocks_per_sm
+    is a kernel attribute, ``kernel_attrs``: the caller puts it on the program.)"""
     dtype, BM, D, BN = _buffer_info(sch)
     assert (BM, BN) == (block_m, block_n), "schedule knobs must match the program's tiles"
     if block_m != WG_ROWS * num_warpgroups:
@@ -380,6 +399,8 @@ def schedule(
         raise ValueError(f"num_stages: the sm90 schedule takes one of {NUM_STAGES}, got {num_stages!r}")
     if dtype not in DTYPES:
         raise ValueError(f"dtype: the sm90 schedule takes {DTYPES}, got {dtype!r}")
+    if not isinstance(min_blocks_per_sm, int) or min_blocks_per_sm < 1:
+        raise ValueError(f"min_blocks_per_sm: expected a positive int, got {min_blocks_per_sm!r}")
     qk_intrin = wgmma_intrin_name(BN, D, dtype, "k")
     pv_intrin = wgmma_intrin_name(D, BN, dtype, "mn", a_regs=True)
 

@@ -1,7 +1,9 @@
 """CUDA builds on a machine with no GPU: the generated source, and (where nvcc exists) its cubin."""
 
 import itertools
+import re
 import shutil
+import subprocess
 
 import pytest
 import tvm
@@ -221,3 +223,20 @@ def test_sm90_pipelined_loads_fence_the_async_proxy_after_the_wait(monkeypatch):
     lines = [line.strip() for line in src.splitlines()]
     wait = next(i for i, line in enumerate(lines) if line.startswith("tvmflash_cp_async_wait_group_1_proxy_fence("))
     assert lines[wait + 1] == "__syncthreads();" and "wgmma" in " ".join(lines[wait + 2:wait + 6])
+
+
+def test_sm90_min_blocks_per_sm_becomes_launch_bounds(monkeypatch, tmp_path):
+    """min_blocks_per_sm 2 is __launch_bounds__(256, 2) on the kernel (TVM's SplitHostDevice drops
+    the function attribute; tvm_workarounds puts it back), and ptxas then keeps to 128 registers."""
+    monkeypatch.setenv("TVMFLASH_SM90", "1")
+    plain = tvmflash.compile(head_dim=128, dtype="bfloat16", target="sm90").source(heads_q=2, heads_kv=2)
+    two = tvmflash.compile(head_dim=128, dtype="bfloat16", target="sm90", knobs={"min_blocks_per_sm": 2})
+    src = two.source(heads_q=2, heads_kv=2)
+    assert "__launch_bounds__(256) main_kernel" in plain and "__launch_bounds__(256, 2) main_kernel" in src
+    if shutil.which("nvcc"):
+        (tmp_path / "k.cu").write_text(src)
+        done = subprocess.run(["nvcc", "-cubin", "-arch=sm_90a", "-O3", "-Xptxas", "-v", "-o", str(tmp_path / "k.cubin"),
+                               str(tmp_path / "k.cu")], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        registers = int(re.search(r"Used (\d+) registers", done.stderr).group(1))
+        assert registers <= 128, done.stderr

@@ -60,7 +60,7 @@ def task_points(schedule, space: dict) -> list[dict]:
 
 
 def task_name(point: dict) -> str:
-    short = {"block_m": "bm", "block_n": "bn", "num_stages": "ns"}
+    short = {"block_m": "bm", "block_n": "bn", "num_stages": "ns", "min_blocks_per_sm": "mb"}
     return "_".join(f"{short.get(k, k)}{v}" for k, v in point.items())
 
 
@@ -267,7 +267,7 @@ def make_tasks(schedule, spec: program.AttentionSpec, shape: dict, space: dict, 
         block_m, block_n = point["block_m"], point["block_n"]
         func = specialize(program.attention_forward(spec, block_m, block_n), spec, batch=shape["batch"],
                           seqlen_q=shape["seqlen"], seqlen_k=shape["seqlen"], softmax_scale=1.0 / math.sqrt(spec.head_dim))
-        mod = tvm.IRModule({"main": func})
+        mod = tvm.IRModule({"main": schedule_registry.with_kernel_attrs(func, schedule, {**schedule.KNOBS, **fixed})})
         fn = space_fn(schedule, fixed, sampled)
         # (the tile sizes and stages are task knobs; the defaults fill in the sampled ones)
         problem = targets.shared_memory_over(target, schedule, spec.head_dim, spec.dtype, {**schedule.KNOBS, **fixed})

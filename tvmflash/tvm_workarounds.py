@@ -99,6 +99,46 @@ def compact_again_after_match_buffers():
         yield
 
 
+# Function attributes that TVM's CUDA code generator turns into __launch_bounds__ / __maxnreg__.
+LAUNCH_BOUNDS_ATTRS = ("tirx.launch_bounds_min_blocks_per_sm", "tirx.launch_bounds_max_blocks_per_cluster",
+                       "tirx.max_registers")
+
+
+@contextlib.contextmanager
+def launch_bounds_reach_the_kernel():
+    """Copy the launch-bounds attributes of a PrimFunc onto the device kernels that
+    ``tirx.transform.SplitHostDevice`` makes of it.
+
+    The CUDA code generator reads ``tirx.launch_bounds_min_blocks_per_sm`` (and the others above)
+    from the device kernel, but SplitHostDevice leaves them on the host function, so
+    ``__launch_bounds__(threads, min_blocks)`` is never emitted for a scheduled PrimFunc.
+    """
+    original = tvm.tirx.transform.SplitHostDevice
+
+    def split_keeping_launch_bounds():
+        split = original()
+
+        @tvm.transform.module_pass(opt_level=0, name="tvmflash.SplitHostDeviceKeepingLaunchBounds")
+        def run(mod, _ctx):
+            attrs = {key: func.attrs[key] for func in mod.functions.values()
+                     if func.attrs is not None for key in LAUNCH_BOUNDS_ATTRS if key in func.attrs}
+            mod = split(mod)
+            if not attrs:
+                return mod
+            kernel_launch = 2  # CallingConv::kDeviceKernelLaunch
+            for gvar, func in list(mod.functions.items()):
+                if func.attrs is not None and int(func.attrs.get("calling_conv", 0)) == kernel_launch:
+                    for key, value in attrs.items():
+                        func = func.with_attr(key, value)
+                    mod[gvar] = func
+            return mod
+
+        return run
+
+    with _replaced(tvm.tirx.transform, "SplitHostDevice", split_keeping_launch_bounds):
+        yield
+
+
 @contextlib.contextmanager
 def _codegen_replaced(names, wrap):
     """``CODEGEN_REGISTRY[name] = wrap(original)`` for each name, for the duration: TVM's CUDA code
@@ -203,5 +243,6 @@ def applied(async_proxy_operands: bool = False):
     """Every workaround above, for one build (``kernel.build_module``). async_proxy_operands: the
     schedule's tensor-core operands are read through the async proxy (wgmma)."""
     with lower_every_warp_buffer(), no_warp_thread_sync(), compact_again_after_match_buffers(), \
-            zero_filling_cp_async(), constant_async_wait_counts(proxy_fence=async_proxy_operands):
+            launch_bounds_reach_the_kernel(), zero_filling_cp_async(), \
+            constant_async_wait_counts(proxy_fence=async_proxy_operands):
         yield
