@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+import re
+
 import tvm
 
 
@@ -183,6 +186,147 @@ def row_reduce_intrin(op: str, layout: QuadRowLayout, out_scope: str = "shared.d
     register_intrin(name, desc, impl)
     _ROW_REDUCE_REGISTERED.add(name)
     return name
+
+
+# --------------------------------------------------------------------------------------------
+# per-row values in registers, replicated on the quads that hold the rows (FA2's way)
+# --------------------------------------------------------------------------------------------
+def row_quad_map(i):
+    """Per-row buffers kept in registers: row -> (row // 8, row % 8). Lane 4 r8 + q of a warp
+    holds rows 8 k + r8 of the warp's rows: with the warp's rows starting at a multiple of 8, its
+    slots are [first // 8 + k, r8], a small region once compacted, with a static index wherever
+    the loops over k are unrolled."""
+    return (i // 8, i % 8)
+
+
+def quad_rows_intrin(sch, block, n_rows: int, warps: int = 1) -> str:
+    """Register (once) and name a TensorIntrin that runs a per-row block on the quads of
+    ``warps`` warps (one of sm80, a warpgroup of sm90), DERIVED from the block itself (its
+    TVMScript, re-parsed), so the schedule restates nothing.
+
+    The block must have one spatial iterator (the row) and access only per-row "local" buffers
+    in the layout ``row_quad_map`` (row // 8, row % 8), at that row (``init_ml``, ``alpha``, ``update_ml``, the inits of ``row_max``
+    and ``row_sum``), and may read scalars (local buffers of shape (1,), such as the scale). The description is the block over n_rows rows (those of ``warps`` warps,
+    n_rows / warps each); the implementation gives the 32 * warps threads to threadIdx.x and has
+    lane ``4 r8 + q`` of warp w run the block for rows ``(n_rows / warps) w + 8 k + r8``: the rows
+    whose fragment elements it holds. The four lanes of
+    a quad compute the same values, each into its own registers; that is how FA2 keeps m and l.
+    (TensorIR cannot express this as a loop binding: a block that depends on lane // 4 only cannot
+    have a 32-lane loop bound to threadIdx.x, hence an intrinsic.)
+    """
+    node = sch.get(block)
+    if len(node.iter_vars) != 1 or int(node.iter_vars[0].iter_type) != 0:
+        raise ValueError(f"quad_rows_intrin: {node.name_hint} is not a per-row block (one spatial iterator)")
+    if n_rows % (8 * warps):
+        raise ValueError(f"quad_rows_intrin: n_rows must be a multiple of 8 * warps, got {n_rows} and {warps} warps")
+    lines = node.script().splitlines()
+    iter_name = str(node.iter_vars[0].var.name)
+    decl = re.compile(r"^    (\w+) = T\.Buffer\(\((\d+), 8\)(.*)\)$")  # row_quad_map's layout
+    scalar_decl = re.compile(r"^    (\w+) = T\.Buffer\(\(1,\)(.*)\)$")
+    buffers, scalars, accesses, body = {}, {}, [], []
+    for line in lines[1:]:
+        if line.startswith(f"    {iter_name} = T.axis.spatial("):
+            continue
+        if (hit := decl.match(line)) is not None:
+            name, _, rest = hit.groups()
+            rest = rest.replace(", layout=None", "")
+            if 'scope="local"' not in rest and 'scope="shared.dyn"' not in rest:
+                raise ValueError(f"quad_rows_intrin: {node.name_hint} accesses {name}, not a local or shared per-row buffer")
+            buffers[name] = rest
+        elif (hit := scalar_decl.match(line)) is not None:
+            name, rest = hit.groups()
+            if 'scope="local"' not in rest:
+                raise ValueError(f"quad_rows_intrin: {node.name_hint} reads {name}, not a local scalar")
+            scalars[name] = rest.replace(", layout=None", "")
+        elif line.startswith("    T.reads(") or line.startswith("    T.writes("):
+            accesses.append(line[4:])
+        elif line.startswith("    T.") and not line.startswith("    T.Cast") and "] = " not in line:
+            raise ValueError(f"quad_rows_intrin: unexpected line in {node.name_hint}: {line.strip()}")
+        else:
+            body.append(line[4:])
+    if not buffers or not body:
+        raise ValueError(f"quad_rows_intrin: nothing to derive from {node.name_hint}")
+    # The outer block that tensorize makes reads and writes what the block declares (an init from
+    # decompose_reduction declares no reads), so the description's root does the same.
+    declared = {kind: [b for b in buffers if any(line.startswith(f"T.{kind}(") and re.search(rf"\b{b}\[", line)
+                                                for line in accesses)] for kind in ("reads", "writes")}
+    read, written = declared["reads"], declared["writes"]
+    shared = [b for b, rest in buffers.items() if 'scope="local"' not in rest]
+    if any(b in read for b in shared):
+        raise ValueError(f"quad_rows_intrin: {node.name_hint} reads a shared buffer; only local per-row values can be read")
+    if any(re.search(rf"\b{b}\[", line) for b in scalars for line in accesses if line.startswith("T.writes(")):
+        raise ValueError(f"quad_rows_intrin: {node.name_hint} writes a scalar; scalars can only be read")
+    whole = lambda names: ", ".join([f"{b}[0:{n_rows // 8}, 0:8]" for b in names]  # noqa: E731
+                                    + ([f"{b}[0:1]" for b in scalars] if names is read else []))
+    params = ", ".join(f"{b}_h: T.handle" for b in [*buffers, *scalars])
+    matches = "\n".join([f"    {b} = T.match_buffer({b}_h, ({n_rows // 8}, 8){rest}, offset_factor=1)"
+                          for b, rest in buffers.items()]
+                         + [f"    {b} = T.match_buffer({b}_h, (1,){rest}, offset_factor=1)" for b, rest in scalars.items()])
+    head = (f"@T.prim_func(s_tir=True)\ndef {{fn}}({params}):\n{matches}\n"
+            f'    with T.sblock("root"):\n        T.reads({whole(read)})\n        T.writes({whole(written)})\n')
+    ind = lambda text, n: "\n".join(" " * n + t for t in text)  # noqa: E731
+    desc = (head.format(fn="desc")
+            + f"        for r in range({n_rows}):\n"
+            + f'            with T.sblock("{node.name_hint}"):\n'
+            + f"                {iter_name} = T.axis.spatial({n_rows}, r)\n"
+            + ind(accesses + body, 16) + "\n")
+    per_warp = n_rows // warps
+    warp_rows = f"{per_warp} * (lane // 32) + " if warps > 1 else ""
+    impl = (head.format(fn="impl")
+            + f'        for lane in T.thread_binding({32 * warps}, "threadIdx.x"):\n'
+            + f"            for k in T.unroll({per_warp // 8}):\n"
+            + f"                {iter_name} = T.meta_var({warp_rows}8 * k + lane % 32 // 4)\n"
+            # A shared per-row buffer (a staging copy) is written by the quad's first lane only.
+            + (ind(["if lane % 4 == 0:"] + ["    " + line for line in body], 16) if shared else ind(body, 16))
+            + "\n")
+    name = f"tvmflash_quad_rows_{node.name_hint}_{hashlib.sha1(desc.encode()).hexdigest()[:10]}"
+    if name not in _QUAD_ROWS_REGISTERED:
+        register_intrin(name, tvm.script.from_source(desc), tvm.script.from_source(impl))
+        _QUAD_ROWS_REGISTERED.add(name)
+    return name
+
+
+_QUAD_ROWS_REGISTERED: set[str] = set()
+
+
+def quad_row_block(sch, name, groups: int, warps: int = 1) -> None:
+    """Per-row block on the quads: rows split over ``groups`` (threadIdx.y: warps or
+    warpgroups), each group's rows tensorized with the intrinsic derived from the block
+    (``quad_rows_intrin``): every lane of a quad computes its rows. name: a block name or a block."""
+    block = sch.get_sblock(name) if isinstance(name, str) else name
+    i = sch.fuse(*sch.get_loops(block))
+    g, r = sch.split(i, [groups, None])
+    sch.bind(g, "threadIdx.y")
+    sch.tensorize(r, quad_rows_intrin(sch, block, sch.get(r).extent.value, warps))
+
+
+def quad_row_init(sch, warps: int = 1):
+    """``tensorize_row_reduce``'s schedule_init for per-row values on the quads: the per-row init of
+    a row reduction runs on the quads that hold the rows (``quad_rows_intrin``)."""
+    def schedule_init(init, update):
+        rows = sch.get_loops(init)[-1]
+        sch.tensorize(rows, quad_rows_intrin(sch, init, sch.get(rows).extent.value, warps))
+    return schedule_init
+
+
+def staged_row_block(sch, name, groups: int, row_block, warps: int = 1) -> None:
+    """Per-row block, one lane per row (``row_block(sch, name)``), that reads per-row values held
+    on the quads, after the K/V loop (store_lse). Lane j cannot read row j from its own registers
+    (its quad holds rows 8 k + j // 4), and a lane-dependent choice among a thread's values is a
+    dynamically indexed array, which nvcc keeps in local memory. So the values go through shared
+    memory once, after the loop: a copy block per buffer (reindex), run on the quads with static
+    indices (the first lane of each quad writes), then the block reads the copies one lane per
+    row. This costs one __syncthreads after the K/V loop, none inside it."""
+    block = sch.get_sblock(name)
+    for source in [region.source.name for region in sch.get(block).reads if region.source.scope() == "local"]:
+        index = [region.source.name for region in sch.get(block).reads].index(source)
+        # (cache_read wants a buffer with one writer; reindex does not, and its copy block has the
+        # block's own row iterator)
+        staged = sch.reindex(block, ("read", index))
+        sch.set_scope(staged, 0, "shared.dyn")
+        sch.transform_layout(staged, ("write", 0), row_quad_map)
+        quad_row_block(sch, staged, groups, warps)
+    row_block(sch, name)
 
 
 def hide_init_reads(sch: tvm.s_tir.Schedule, block) -> None:

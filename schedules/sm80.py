@@ -17,7 +17,7 @@ Mapping (FA2 style):
     per-row buffers compact to 4 statically indexed values (registers, no local memory: ptxas
     -v shows no stack frame at d64) thanks to a second buffer compaction after the match buffers
     are lowered (tvm_workarounds.compact_again_after_match_buffers); store_lse reads the final m
-    and l through a shared-memory copy (one barrier after the loop, see _staged_row_block).
+    and l through a shared-memory copy (one barrier after the loop, see common.staged_row_block).
     row_state "shared" keeps them in shared memory instead, one lane per row, which costs ~7
     __syncthreads per tile.
   * Shared tiles have padded rows, so ldmatrix is free of bank conflicts.
@@ -33,8 +33,8 @@ from __future__ import annotations
 import tvm
 from tvm.s_tir import TensorIntrin
 
-from .common import (QuadRowLayout, bind_grid, hide_init_reads, pipeline_kv_loads, register_intrin,
-                     row_reduce_intrin, tensorize_row_reduce)
+from .common import (QuadRowLayout, bind_grid, hide_init_reads, pipeline_kv_loads, quad_row_block, quad_row_init,
+                     register_intrin, row_quad_map, row_reduce_intrin, staged_row_block, tensorize_row_reduce)
 
 WARP = 32
 
@@ -132,7 +132,7 @@ def frag_rows(n_rows: int, n_cols: int) -> QuadRowLayout:
     """An n_rows x n_cols tile of one warp held as mma fragments ("warp" scope, the layout of
     ``_frag_index_map``), for ``common.row_reduce_intrin``: lane l holds rows l // 4 and
     l // 4 + 8 of each 16-row tile rt; row 16 rt + 8 h + l // 4 is its k-th row for k = 2 rt + h
-    (slot (k, l // 4) of ``_row_quad_map``), in registers 4 half + 2 h + e of every 16-column
+    (slot (k, l // 4) of ``row_quad_map``), in registers 4 half + 2 h + e of every 16-column
     tile."""
     return QuadRowLayout(
         key=f"mma_{n_rows}x{n_cols}", shape=(n_rows // 16, n_cols // 16, WARP, 8), scope="warp",
@@ -144,94 +144,6 @@ def frag_rows(n_rows: int, n_cols: int) -> QuadRowLayout:
     )
 
 
-def quad_rows_intrin(sch, block, n_rows: int) -> str:
-    """Register (once) and name a TensorIntrin that runs a per-row block on the quads of a warp,
-    DERIVED from the block itself (its TVMScript, re-parsed), so the schedule restates nothing.
-
-    The block must have one spatial iterator (the row) and access only per-row "local" buffers
-    in the layout ``_row_quad_map`` (row // 8, row % 8), at that row (``init_ml``, ``alpha``, ``update_ml``, the inits of ``row_max``
-    and ``row_sum``), and may read scalars (local buffers of shape (1,), such as the scale). The description is the block over n_rows rows (one warp's); the
-    implementation gives the 32 lanes to threadIdx.x and has lane ``4 r8 + q`` run the block for
-    rows ``8 k + r8`` (k < n_rows / 8): the rows whose fragment elements it holds. The four lanes of
-    a quad compute the same values, each into its own registers; that is how FA2 keeps m and l.
-    (TensorIR cannot express this as a loop binding: a block that depends on lane // 4 only cannot
-    have a 32-lane loop bound to threadIdx.x, hence an intrinsic.)
-    """
-    import re
-
-    node = sch.get(block)
-    if len(node.iter_vars) != 1 or int(node.iter_vars[0].iter_type) != 0:
-        raise ValueError(f"quad_rows_intrin: {node.name_hint} is not a per-row block (one spatial iterator)")
-    if n_rows % 8:
-        raise ValueError(f"quad_rows_intrin: n_rows must be a multiple of 8, got {n_rows}")
-    lines = node.script().splitlines()
-    iter_name = str(node.iter_vars[0].var.name)
-    decl = re.compile(r"^    (\w+) = T\.Buffer\(\((\d+), 8\)(.*)\)$")  # _row_quad_map's layout
-    scalar_decl = re.compile(r"^    (\w+) = T\.Buffer\(\(1,\)(.*)\)$")
-    buffers, scalars, accesses, body = {}, {}, [], []
-    for line in lines[1:]:
-        if line.startswith(f"    {iter_name} = T.axis.spatial("):
-            continue
-        if (hit := decl.match(line)) is not None:
-            name, _, rest = hit.groups()
-            rest = rest.replace(", layout=None", "")
-            if 'scope="local"' not in rest and 'scope="shared.dyn"' not in rest:
-                raise ValueError(f"quad_rows_intrin: {node.name_hint} accesses {name}, not a local or shared per-row buffer")
-            buffers[name] = rest
-        elif (hit := scalar_decl.match(line)) is not None:
-            name, rest = hit.groups()
-            if 'scope="local"' not in rest:
-                raise ValueError(f"quad_rows_intrin: {node.name_hint} reads {name}, not a local scalar")
-            scalars[name] = rest.replace(", layout=None", "")
-        elif line.startswith("    T.reads(") or line.startswith("    T.writes("):
-            accesses.append(line[4:])
-        elif line.startswith("    T.") and not line.startswith("    T.Cast") and "] = " not in line:
-            raise ValueError(f"quad_rows_intrin: unexpected line in {node.name_hint}: {line.strip()}")
-        else:
-            body.append(line[4:])
-    if not buffers or not body:
-        raise ValueError(f"quad_rows_intrin: nothing to derive from {node.name_hint}")
-    # The outer block that tensorize makes reads and writes what the block declares (an init from
-    # decompose_reduction declares no reads), so the description's root does the same.
-    declared = {kind: [b for b in buffers if any(line.startswith(f"T.{kind}(") and re.search(rf"\b{b}\[", line)
-                                                for line in accesses)] for kind in ("reads", "writes")}
-    read, written = declared["reads"], declared["writes"]
-    shared = [b for b, rest in buffers.items() if 'scope="local"' not in rest]
-    if any(b in read for b in shared):
-        raise ValueError(f"quad_rows_intrin: {node.name_hint} reads a shared buffer; only local per-row values can be read")
-    if any(re.search(rf"\b{b}\[", line) for b in scalars for line in accesses if line.startswith("T.writes(")):
-        raise ValueError(f"quad_rows_intrin: {node.name_hint} writes a scalar; scalars can only be read")
-    whole = lambda names: ", ".join([f"{b}[0:{n_rows // 8}, 0:8]" for b in names]  # noqa: E731
-                                    + ([f"{b}[0:1]" for b in scalars] if names is read else []))
-    params = ", ".join(f"{b}_h: T.handle" for b in [*buffers, *scalars])
-    matches = "\n".join([f"    {b} = T.match_buffer({b}_h, ({n_rows // 8}, 8){rest}, offset_factor=1)"
-                          for b, rest in buffers.items()]
-                         + [f"    {b} = T.match_buffer({b}_h, (1,){rest}, offset_factor=1)" for b, rest in scalars.items()])
-    head = (f"@T.prim_func(s_tir=True)\ndef {{fn}}({params}):\n{matches}\n"
-            f'    with T.sblock("root"):\n        T.reads({whole(read)})\n        T.writes({whole(written)})\n')
-    ind = lambda text, n: "\n".join(" " * n + t for t in text)  # noqa: E731
-    desc = (head.format(fn="desc")
-            + f"        for r in range({n_rows}):\n"
-            + f'            with T.sblock("{node.name_hint}"):\n'
-            + f"                {iter_name} = T.axis.spatial({n_rows}, r)\n"
-            + ind(accesses + body, 16) + "\n")
-    impl = (head.format(fn="impl")
-            + f'        for lane in T.thread_binding({WARP}, "threadIdx.x"):\n'
-            + f"            for k in T.unroll({n_rows // 8}):\n"
-            + f"                {iter_name} = T.meta_var(8 * k + lane // 4)\n"
-            # A shared per-row buffer (a staging copy) is written by the quad's first lane only.
-            + (ind(["if lane % 4 == 0:"] + ["    " + line for line in body], 16) if shared else ind(body, 16))
-            + "\n")
-    import hashlib
-
-    name = f"tvmflash_quad_rows_{node.name_hint}_{hashlib.sha1(desc.encode()).hexdigest()[:10]}"
-    if name not in _QUAD_ROWS_REGISTERED:
-        register_intrin(name, tvm.script.from_source(desc), tvm.script.from_source(impl))
-        _QUAD_ROWS_REGISTERED.add(name)
-    return name
-
-
-_QUAD_ROWS_REGISTERED: set[str] = set()
 
 
 def _intrin_names(dtype):
@@ -249,13 +161,6 @@ def _ldmatrix_layout(i, j):
     from tvm.s_tir.tensor_intrin.cuda import shared_16x16_to_ldmatrix_32x8_layout
 
     return shared_16x16_to_ldmatrix_32x8_layout(i, j)
-
-
-def _row_quad_map(i):
-    """Per-row buffers kept in registers (row_state "registers"): row -> (row // 8, row % 8). Thread
-    (w, 4 r8 + q) holds rows 32 w + 8 k + r8, i.e. [4 w + k, r8] for k < 4: a (4, 1) region once
-    compacted, whose index is static wherever the loops over k are unrolled."""
-    return (i // 8, i % 8)
 
 
 def _frag_index_map(i, j):
@@ -334,15 +239,6 @@ def _fragment_elementwise(sch, name, num_warps):
     sch.bind(lane, "threadIdx.x")
 
 
-def _quad_row_init(sch):
-    """For ``common.tensorize_row_reduce`` with row_state "registers": the per-row init of a row
-    reduction runs on the quads that hold the rows (``quad_rows_intrin``)."""
-    def schedule_init(init, update):
-        rows = sch.get_loops(init)[-1]
-        sch.tensorize(rows, quad_rows_intrin(sch, init, sch.get(rows).extent.value))
-    return schedule_init
-
-
 def _row_block(sch, name, num_warps):
     """Per-row block: row i = 32 w + lane (one lane per row)."""
     i = sch.fuse(*sch.get_loops(name))
@@ -351,38 +247,6 @@ def _row_block(sch, name, num_warps):
     r0, r1 = sch.split(r, [None, WARP])
     sch.bind(r1, "threadIdx.x")
     return r0
-
-
-def _quad_row_block(sch, name, num_warps):
-    """Per-row block on the quads (row_state "registers"): warp w's rows are tensorized with the
-    intrinsic derived from the block (quad_rows_intrin): every lane of a quad computes its rows.
-    name: a block name or a block."""
-    block = sch.get_sblock(name) if isinstance(name, str) else name
-    i = sch.fuse(*sch.get_loops(block))
-    w, r = sch.split(i, [num_warps, None])
-    sch.bind(w, "threadIdx.y")
-    sch.tensorize(r, quad_rows_intrin(sch, block, sch.get(r).extent.value))
-
-
-def _staged_row_block(sch, name, num_warps):
-    """Per-row block, one lane per row, that reads per-row values held on the quads (row_state
-    "registers"), after the K/V loop (store_lse). Lane 32 w + j cannot read row 32 w + j from its
-    own registers (its quad holds rows 8 k + j // 4), and a lane-dependent choice among a thread's
-    4 values (k = lane % 4) is a dynamically indexed array, which nvcc keeps in local memory. So
-    the values go through shared memory once, after the loop: a copy block per buffer
-    (reindex), run on the quads with static indices (quad_rows_intrin; the first lane of each
-    quad writes), then the block reads the copies one lane per row. This costs one __syncthreads
-    after the K/V loop, none inside it."""
-    block = sch.get_sblock(name)
-    for source in [region.source.name for region in sch.get(block).reads if region.source.scope() == "local"]:
-        index = [region.source.name for region in sch.get(block).reads].index(source)
-        # (cache_read wants a buffer with one writer; reindex does not, and its copy block has the
-        # block's own row iterator)
-        staged = sch.reindex(block, ("read", index))
-        sch.set_scope(staged, 0, "shared.dyn")
-        sch.transform_layout(staged, ("write", 0), _row_quad_map)
-        _quad_row_block(sch, staged, num_warps)
-    _row_block(sch, name, num_warps)
 
 
 def schedule(
@@ -437,7 +301,7 @@ def schedule(
         sch.set_scope(name, index, per_row_scope)
     if quads:
         for name, index in (("init_ml", 0), *per_row):
-            sch.transform_layout(name, ("write", index), _row_quad_map)
+            sch.transform_layout(name, ("write", index), row_quad_map)
 
     # ---- softmax on the fragments ----------------------------------------------------------
     # S, the masked score, P and its cast Pc all keep the mma accumulator layout, and each lane
@@ -460,7 +324,7 @@ def schedule(
     # row_state "registers", in each quad's registers.
     for name, op in (("row_max", "max"), ("row_sum", "sum")):
         intrin = row_reduce_intrin(op, frag_rows(BM // num_warps, BN), per_row_scope)
-        tensorize_row_reduce(sch, name, intrin, num_warps, WARP, _quad_row_init(sch) if quads else None)
+        tensorize_row_reduce(sch, name, intrin, num_warps, WARP, quad_row_init(sch) if quads else None)
 
     # ---- pv: acc += P V on tensor cores, acc kept as fragments across K/V tiles ------------
     sch.set_scope("pv", 0, "warp")
@@ -500,8 +364,8 @@ def schedule(
 
     if quads:  # per-row values on the quads that hold the rows
         for name in ("init_ml", "alpha", "merge_l", "update_ml", "inv_l"):
-            _quad_row_block(sch, name, num_warps)
-        _staged_row_block(sch, "store_lse", num_warps)
+            quad_row_block(sch, name, num_warps)
+        staged_row_block(sch, "store_lse", num_warps, lambda sch, name: _row_block(sch, name, num_warps))
     else:  # one lane per row
         for name in ("init_ml", "alpha", "merge_l", "update_ml", "inv_l", "store_lse"):
             _row_block(sch, name, num_warps)

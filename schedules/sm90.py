@@ -38,14 +38,19 @@ from __future__ import annotations
 import tvm
 from tvm.s_tir import TensorIntrin
 
-from .common import (QuadRowLayout, bind_grid, hide_init_reads, pipeline_kv_loads, row_reduce_intrin,
-                     tensorize_row_reduce)
+from .common import (QuadRowLayout, bind_grid, hide_init_reads, pipeline_kv_loads, quad_row_block, quad_row_init,
+                     row_quad_map, row_reduce_intrin, staged_row_block, tensorize_row_reduce)
 from .sm80 import DTYPES, _buffer_info  # noqa: F401 - DTYPES: the same fp16/bf16 pair
 
 WARPGROUP = 128
 WG_ROWS = 64  # rows of one wgmma (the M of m64nNk16)
+WARPS_PER_WARPGROUP = 4
 
-KNOBS = {"block_m": 128, "block_n": 64, "num_warpgroups": 2, "num_stages": 1, "vec": 8, "min_blocks_per_sm": 1}
+KNOBS = {"block_m": 128, "block_n": 64, "num_warpgroups": 2, "num_stages": 1, "vec": 8, "min_blocks_per_sm": 2,
+         "row_state": "registers"}
+# Where the per-row running values (m, l, ...) live, as in sm80: "registers", on the quads that hold
+# the rows; "shared", one thread per row in shared memory (about 5 more barriers a K/V step).
+ROW_STATES = ("registers", "shared")
 NUM_STAGES = (1, 2, 3)  # 1: plain loads; 2, 3: the K/V loads in a cp.async software pipeline (as sm80)
 # min_blocks_per_sm > 1 asks ptxas (``__launch_bounds__``) for few enough registers that that many
 # thread blocks share an SM: with 2 warpgroups, 128 registers a thread for 2 blocks. Without it the
@@ -59,6 +64,7 @@ SPACE = {
     "num_stages": [1, 2],
     "vec": [8],
     "min_blocks_per_sm": [1, 2],
+    "row_state": ["registers"],
 }
 PASS_CONFIG: dict = {"tirx.use_async_copy": True}  # cp.async for the pipelined loads
 # wgmma reads its shared-memory operands through the async proxy: a cp.async tile needs
@@ -375,6 +381,56 @@ def _warpgroup_gemm(sch, name, num_warpgroups):
     return rows
 
 
+def _row_state_in_registers(sch, BN, num_warpgroups):
+    """row_state "registers" (FA2's way, as sm80's): the per-row values (m, l, m_tile, m_new,
+    alpha, l_tile, l_new, l_inv) in the registers of the quads that hold the rows, each lane a
+    copy (``common.row_quad_map``); row max and row sum fold into them (quad mode of
+    ``common.row_reduce_intrin``), the per-row blocks run on the quads (``common.quad_row_block``),
+    and the K/V step has no barrier but those of the K/V tiles. store_lse reads the values back
+    through shared memory once, after the loop (``common.staged_row_block``)."""
+    per_row = (("init_ml", 0), ("init_ml", 1), ("row_max", 0), ("alpha", 0), ("alpha", 1), ("row_sum", 0),
+               ("merge_l", 0), ("inv_l", 0))  # m, l, m_tile, m_new, alpha, l_tile, l_new, l_inv
+    for name, idx in per_row:
+        sch.set_scope(name, idx, "local")
+        sch.transform_layout(name, ("write", idx), row_quad_map)
+    for name, op in (("row_max", "max"), ("row_sum", "sum")):
+        tensorize_row_reduce(sch, name, row_reduce_intrin(op, acc_rows(BN), "local"), num_warpgroups, WARPGROUP,
+                             quad_row_init(sch, WARPS_PER_WARPGROUP))
+    _acc_block(sch, "cast_p", num_warpgroups)
+    for name in ("init_ml", "alpha", "merge_l", "update_ml", "inv_l"):
+        quad_row_block(sch, name, num_warpgroups, WARPS_PER_WARPGROUP)
+    staged_row_block(sch, "store_lse", num_warpgroups, lambda sch, name: _row_block(sch, name, num_warpgroups),
+                     WARPS_PER_WARPGROUP)
+
+
+def _row_state_in_shared_memory(sch, BN, num_warpgroups):
+    """row_state "shared": row max and row sum are quad-shuffle reductions into per-row values in
+    shared memory (m_tile, l_tile); the per-row blocks run one thread per row (thread r of the
+    warpgroup, r < 64), and what the accumulator threads read back by row (m_new in exp, alpha in
+    pv_init, l_inv in store_o) is in shared memory. About 5 __syncthreads a K/V step."""
+    # m_tile and l_tile in static shared memory, m_new and alpha in dynamic: ThreadSync plans each
+    # scope on its own, and for "shared.dyn" it takes every access as one buffer's (the pool the
+    # buffers are merged into) and trusts two accesses to be the same thread's only when their
+    # index names the innermost thread variable (threadIdx.y here; the row is 64 threadIdx.y +
+    # threadIdx.x, bound to a let by CSE). Were m_tile dynamic too, block ``alpha``'s read of it
+    # after its store of m_new (one row thread, under ``threadIdx.x < 64``) would need a barrier
+    # inside that guard: "Cannot insert syncs inside condition".
+    for name, idx in (("row_max", 0), ("row_sum", 0)):  # m_tile, l_tile
+        sch.set_scope(name, idx, "shared")
+    for name, idx in (("alpha", 0), ("alpha", 1)):  # m_new, alpha
+        sch.set_scope(name, idx, "shared.dyn")
+    for name, op in (("row_max", "max"), ("row_sum", "sum")):
+        tensorize_row_reduce(sch, name, row_reduce_intrin(op, acc_rows(BN), "shared"), num_warpgroups, WARPGROUP)
+    _acc_block(sch, "cast_p", num_warpgroups)
+    # The running sum l stays in its row's register. store_o, run by the accumulator threads, reads
+    # its inverse (inv_l, one row thread each, after the last K/V tile) from shared memory.
+    sch.set_scope("inv_l", 0, "shared.dyn")
+    for name in ("init_ml", "alpha", "merge_l", "update_ml", "inv_l", "store_lse"):
+        _row_block(sch, name, num_warpgroups)
+    for name, idx in (("init_ml", 0), ("init_ml", 1), ("merge_l", 0)):  # m, l, l_new: per-row blocks only
+        sch.set_scope(name, idx, "local")
+
+
 # --------------------------------------------------------------------------------------------
 def schedule(
     sch: tvm.s_tir.Schedule,
@@ -385,6 +441,7 @@ def schedule(
     vec: int,
     num_stages: int = 1,
     min_blocks_per_sm: int = 1,
+    row_state: str = "registers",
 ) -> tvm.s_tir.Schedule:
     """Map the attention program onto sm90 wgmma. See the module docstring. (min_blocks_per_sm
     is a kernel attribute, ``kernel_attrs``: the caller puts it on the program.)"""
@@ -399,6 +456,8 @@ def schedule(
         raise ValueError(f"num_stages: the sm90 schedule takes one of {NUM_STAGES}, got {num_stages!r}")
     if dtype not in DTYPES:
         raise ValueError(f"dtype: the sm90 schedule takes {DTYPES}, got {dtype!r}")
+    if row_state not in ROW_STATES:
+        raise ValueError(f"row_state: the sm90 schedule takes one of {ROW_STATES}, got {row_state!r}")
     if not isinstance(min_blocks_per_sm, int) or min_blocks_per_sm < 1:
         raise ValueError(f"min_blocks_per_sm: expected a positive int, got {min_blocks_per_sm!r}")
     qk_intrin = wgmma_intrin_name(BN, D, dtype, "k")
@@ -440,36 +499,16 @@ def schedule(
 
     # ---- softmax on the accumulator registers -------------------------------------------
     # S, the masked score and P keep the accumulator layout, and each thread works on the
-    # elements it holds (all 128 threads of the warpgroup). Row max and row sum are quad-shuffle
-    # reductions (common.row_reduce_intrin) into per-row values in shared memory (m_tile, l_tile).
-    # The per-row blocks run one thread per row (thread r of the warpgroup, r < 64); what the
-    # accumulator threads read back by row (m_new in exp, alpha in pv_init) is in shared memory.
+    # elements it holds (all 128 threads of the warpgroup).
     for name in ("score", "exp"):
         sch.set_scope(name, 0, "local")
         sch.transform_layout(name, ("write", 0), _acc_index_map)
         _acc_block(sch, name, num_warpgroups)
-    # m_tile and l_tile in static shared memory, m_new and alpha in dynamic: ThreadSync plans each
-    # scope on its own, and for "shared.dyn" it takes every access as one buffer's (the pool the
-    # buffers are merged into) and trusts two accesses to be the same thread's only when their
-    # index names the innermost thread variable (threadIdx.y here; the row is 64 threadIdx.y +
-    # threadIdx.x, bound to a let by CSE). Were m_tile dynamic too, block ``alpha``'s read of it
-    # after its store of m_new (one row thread, under ``threadIdx.x < 64``) would need a barrier
-    # inside that guard: "Cannot insert syncs inside condition".
-    for name, idx in (("row_max", 0), ("row_sum", 0)):  # m_tile, l_tile
-        sch.set_scope(name, idx, "shared")
-    for name, idx in (("alpha", 0), ("alpha", 1)):  # m_new, alpha
-        sch.set_scope(name, idx, "shared.dyn")
-    for name, op in (("row_max", "max"), ("row_sum", "sum")):
-        tensorize_row_reduce(sch, name, row_reduce_intrin(op, acc_rows(BN), "shared"), num_warpgroups, WARPGROUP)
-    _acc_block(sch, "cast_p", num_warpgroups)
-    # The running sum l stays in its row's register. store_o, run by the accumulator threads, reads
-    # its inverse (inv_l, one row thread each, after the last K/V tile) from shared memory.
-    sch.set_scope("inv_l", 0, "shared.dyn")
-    for name in ("init_ml", "alpha", "merge_l", "update_ml", "inv_l", "store_lse"):
-        _row_block(sch, name, num_warpgroups)
-    for name, idx in (("init_ml", 0), ("init_ml", 1), ("merge_l", 0)):  # m, l, l_new: per-row blocks only
-        sch.set_scope(name, idx, "local")
-    sch.set_scope("init_scale", 0, "local")
+    sch.set_scope("init_scale", 0, "local")  # the scale in log2 units, a scalar the per-row blocks read
+    if row_state == "registers":
+        _row_state_in_registers(sch, BN, num_warpgroups)
+    else:
+        _row_state_in_shared_memory(sch, BN, num_warpgroups)
     if num_stages > 1:  # last: it annotates kv_step's final children
         pipeline_kv_loads(sch, num_stages)
     return sch

@@ -155,7 +155,8 @@ def test_sm90_softmax_on_accumulator_registers(monkeypatch):
     monkeypatch.setenv("TVMFLASH_SM90", "1")
     kernel = tvmflash.compile(head_dim=128, dtype="bfloat16", target="sm90")
     src = kernel.source(heads_q=2, heads_kv=1)
-    assert src.count("__shfl_xor_sync") == 2  # in a loop over xor 1 and 2: row max and row sum
+    # row max and row sum: xor 1 and 2 for each of a thread's two rows, into its registers
+    assert src.count("__shfl_xor_sync") == 8
     assert "wgmma_bf16_rs_mma_async_sync_aligned_m64n128k16" in src  # O += P V, P in registers
     assert "wgmma_bf16_ss_mma_async_sync_aligned_m64n64k16" in src  # S = Q K^T
     assert "((uint*)Pc_local_ptr)[" in src  # bf16 pairs of P as the A registers
@@ -226,11 +227,13 @@ def test_sm90_pipelined_loads_fence_the_async_proxy_after_the_wait(monkeypatch):
 
 
 def test_sm90_min_blocks_per_sm_becomes_launch_bounds(monkeypatch, tmp_path):
-    """min_blocks_per_sm 2 is __launch_bounds__(256, 2) on the kernel (TVM's SplitHostDevice drops
-    the function attribute; tvm_workarounds puts it back), and ptxas then keeps to 128 registers."""
+    """min_blocks_per_sm 2 (the default) is __launch_bounds__(256, 2) on the kernel (TVM's
+    SplitHostDevice drops the function attribute; tvm_workarounds puts it back), and ptxas then
+    keeps to 128 registers."""
     monkeypatch.setenv("TVMFLASH_SM90", "1")
-    plain = tvmflash.compile(head_dim=128, dtype="bfloat16", target="sm90").source(heads_q=2, heads_kv=2)
-    two = tvmflash.compile(head_dim=128, dtype="bfloat16", target="sm90", knobs={"min_blocks_per_sm": 2})
+    one = tvmflash.compile(head_dim=128, dtype="bfloat16", target="sm90", knobs={"min_blocks_per_sm": 1})
+    plain = one.source(heads_q=2, heads_kv=2)
+    two = tvmflash.compile(head_dim=128, dtype="bfloat16", target="sm90")
     src = two.source(heads_q=2, heads_kv=2)
     assert "__launch_bounds__(256) main_kernel" in plain and "__launch_bounds__(256, 2) main_kernel" in src
     if shutil.which("nvcc"):

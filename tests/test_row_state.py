@@ -1,5 +1,5 @@
-"""sm80 row_state knob: the per-row softmax state in registers on the quads (default; no
-__syncthreads in the softmax) or in shared memory. CPU only: the CUDA source and nvcc."""
+"""The row_state knob of sm80 and sm90: the per-row softmax state in registers on the quads
+(default; no __syncthreads in the softmax) or in shared memory. CPU only: the CUDA source and nvcc."""
 
 import re
 import shutil
@@ -37,6 +37,21 @@ def test_registers_row_state_has_no_softmax_barriers(head_dim):
     # only the two barriers that guard the K/V shared tiles (before the loads, before the reads)
     assert _kv_loop(regs).count("__syncthreads") <= 2
     assert "__shfl_xor_sync" in regs and "mma.sync" in regs
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_sm90_registers_row_state_has_no_softmax_barriers(monkeypatch, causal):
+    monkeypatch.setenv("TVMFLASH_SM90", "1")
+
+    def source(row_state):
+        return tvmflash.compile(head_dim=128, dtype="bfloat16", causal=causal, target="sm90",
+                                knobs={"row_state": row_state}).source(heads_q=2, heads_kv=1)
+
+    shared, regs = source("shared"), source("registers")
+    assert _kv_loop(shared).count("__syncthreads") >= 5
+    # the barrier before the K/V loads and the one before the QK wgmma reads them
+    assert _kv_loop(regs).count("__syncthreads") == 2
+    assert "wgmma" in regs and "_shared_ptr[" not in _kv_loop(regs)  # no per-row value in shared memory
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")

@@ -146,7 +146,8 @@ def test_pipelined_candidates_build_with_static_shapes(schedule, block_m, causal
     spec = program.AttentionSpec(64, "bfloat16", causal, 2, 2)
     mod = tvm.IRModule({"main": tune.specialize(program.attention_forward(spec, block_m, 64), spec, batch=1,
                                                 seqlen_q=512, seqlen_k=512, softmax_scale=0.125)})
-    fixed, sampled = tune.task_knobs(schedule.SPACE, block_m, 64, num_stages=2)
+    task = {"num_stages": 2, **({"min_blocks_per_sm": 2} if schedule is sm90 else {})}  # the task knobs
+    fixed, sampled = tune.task_knobs(schedule.SPACE, block_m, 64, **task)
     sch = tvm.s_tir.Schedule(mod)
     tune.space_fn(schedule, fixed, sampled)(sch)
     target = targets.cuda_target("sm90" if schedule is sm90 else "sm80")
