@@ -1,6 +1,7 @@
 """sm90 (Hopper, sm_90a) schedule: QK^T and PV on ``wgmma.mma_async``.
 
-EXPERIMENTAL, opt-in (``TVMFLASH_SM90=1``, see ``schedules.for_target``) until validated on a GPU.
+EXPERIMENTAL, opt-in (``TVMFLASH_SM90=1``, see ``schedules.for_target``) until it beats the sm80
+schedule on Hopper: correct on the H200 (the GPU tests pass with it), 0.75x sm80's speed today.
 
 Mapping:
   * tile (b, h, qb) -> blockIdx.(z, y, x); ``num_warpgroups`` warpgroups (threadIdx.y) of 128
@@ -16,9 +17,12 @@ Mapping:
   * The online softmax runs on the accumulator registers, all 128 threads of each warpgroup:
     the masked score, P and its fp16/bf16 cast keep the accumulator layout. Row max and row sum
     are quad-shuffle reductions (``common.row_reduce_intrin`` with ``acc_rows``, the same
-    intrinsic the sm80 schedule uses on mma.sync fragments) into per-row values in shared memory
-    (m_tile, l_tile; the per-row blocks, one thread per row, write m_new and alpha there for the
-    accumulator threads), which costs a few __syncthreads per tile.
+    intrinsic the sm80 schedule uses on mma.sync fragments). With row_state "registers" (the
+    default) the per-row values live in the registers of the quads that hold the rows, and the
+    K/V step has only the barriers of the K/V tiles; "shared" keeps them in shared memory, one
+    thread per row (about 5 more __syncthreads per tile).
+  * min_blocks_per_sm (default 2): ``__launch_bounds__(256, 2)``, so that two blocks share an SM
+    (128 registers a thread; unbounded, d128 takes 137 and one block fills the SM).
   * pv: acc += P V (``m64n{head_dim}k16``, block_n/16 of them). The accumulator layout of S is,
     per 16 columns, the A-register layout of the "rs" form, so the cast P is the A operand as it
     is (no shared memory round trip). The output accumulator stays in registers across all K/V
