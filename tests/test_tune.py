@@ -232,6 +232,7 @@ def test_short_tuning_run_is_used_by_compile(cache_dir, monkeypatch):
                        repeat=5, echo=lines.append)
     text = "\n".join(lines)
     assert re.search(r"\[\d+/6 trials, \d+ failed", text) and "best so far" in text, text
+    assert re.search(r"built \d+/6 candidates", text), text  # progress while MetaSchedule builds
     assert "default" in text and "tuned" in text and record["default_ms"] > 0 and record["tuned_ms"] > 0
     assert record["shape"] == {"batch": 1, "seqlen_q": 96, "seqlen_k": 96, "heads_q": 2, "heads_kv": 2}
     assert 1 <= record["trials"] <= 6 and record["wall_s"] > 0 and record["workload"] == WORKLOAD

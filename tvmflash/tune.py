@@ -217,6 +217,26 @@ class Progress(ms.measure_callback.PyMeasureCallback):
                   f"task {task['name']}: best so far {best}")
 
 
+@derived_object
+class ProgressBuilder(ms.builder.PyBuilder):
+    """MetaSchedule's builder, saying how many candidates are built as it goes. MetaSchedule runs
+    the measure callbacks (``Progress``) only once every task's first batch is built and run, which
+    with one configuration a task is most of a tuning run: without this it would be silent."""
+
+    def __init__(self, inner, trials: int, echo):
+        self.inner, self.trials, self.echo = inner, trials, echo
+        self.built = self.failed = 0
+        self.start = time.perf_counter()
+
+    def build(self, build_inputs):
+        results = self.inner.build(build_inputs)
+        self.built += len(results)
+        self.failed += sum(1 for r in results if r.error_msg)
+        failed = f", {self.failed} failed to build" if self.failed else ""
+        self.echo(f"  built {self.built}/{self.trials} candidates{failed}, {time.perf_counter() - self.start:.0f} s")
+        return results
+
+
 @contextlib.contextmanager
 def _workers_import_this_tvmflash():
     """Builder workers are fresh processes that unpickle ``_ms_build`` by reference: make them
@@ -362,10 +382,11 @@ def tune(*, head_dim: int, dtype, causal: bool, target=None, trials: int = 64, b
             work_dir=str(work_dir),
             max_trials_global=trials,
             num_trials_per_iter=trials_per_iter or max(1, min(16, trials // len(contexts))),
-            builder=ms.builder.LocalBuilder(
+            builder=ProgressBuilder(ms.builder.LocalBuilder(
                 max_workers=num_cores, timeout_sec=120,
                 f_build=functools.partial(_ms_build, pass_config=getattr(schedule, "PASS_CONFIG", {}),
                                           async_proxy_operands=getattr(schedule, "ASYNC_PROXY_OPERANDS", False))),
+                trials, echo),
             runner=ms.runner.LocalRunner(timeout_sec=120, evaluator_config=config,
                                          f_run_evaluator=_timed_alone if cuda else None),
             database=ms.database.JSONDatabase(work_dir=str(work_dir)),
