@@ -287,10 +287,10 @@ def make_tasks(schedule, spec: program.AttentionSpec, shape: dict, space: dict, 
         block_m, block_n = point["block_m"], point["block_n"]
         func = specialize(program.attention_forward(spec, block_m, block_n), spec, batch=shape["batch"],
                           seqlen_q=shape["seqlen"], seqlen_k=shape["seqlen"], softmax_scale=1.0 / math.sqrt(spec.head_dim))
-        mod = tvm.IRModule({"main": schedule_registry.with_kernel_attrs(func, schedule, {**schedule.KNOBS, **fixed})})
+        plain = {**schedule.KNOBS, **fixed}  # the task's knobs; the defaults fill in the sampled ones
+        mod = tvm.IRModule({"main": schedule_registry.with_kernel_attrs(func, schedule, plain)})
         fn = space_fn(schedule, fixed, sampled)
-        # (the tile sizes and stages are task knobs; the defaults fill in the sampled ones)
-        problem = targets.shared_memory_over(target, schedule, spec.head_dim, spec.dtype, {**schedule.KNOBS, **fixed})
+        problem = targets.shared_memory_over(target, schedule, spec.head_dim, spec.dtype, plain)
         if problem is not None:
             echo(f"  skipping {name}: it needs {problem}")
             continue
@@ -398,7 +398,7 @@ def tune(*, head_dim: int, dtype, causal: bool, target=None, trials: int = 64, b
         raise RuntimeError(f"tvmflash tune: none of {progress.done} candidates built and ran; see the logs in {work_dir}")
     defaults = kernel.default_knobs(schedule, head_dim)
     # MetaSchedule's fastest configurations, as tvmflash.compile builds them (symbolic shapes), and
-    # the defaults. Static shapes can rank tiles differently (sm90: fewer bounds checks), so the
+    # the defaults. Static shapes can rank configurations differently (on sm90 they did), so the
     # best few are timed again rather than the best alone.
     candidates = {"default": (None, defaults)}
     for rank, (ms_, knobs) in enumerate(progress.ranked(recheck), 1):
@@ -432,8 +432,10 @@ def tune(*, head_dim: int, dtype, causal: bool, target=None, trials: int = 64, b
         static = f"MetaSchedule {ms_:.4f} ms, " if ms_ is not None else ""
         echo(f"  {label:<8} {static}tvmflash.compile {times[label]:.4f} ms{'' if correct[label] else ' (wrong)'}: "
              f"{ {n: knobs[n] for n in knobs if knobs[n] != defaults.get(n)} or 'the defaults'}")
-    tuned = [label for label in candidates if label != "default"]
-    tuned_label = min((label for label in tuned if correct[label]), key=times.get, default=tuned[0] if tuned else "default")
+    # "tuned": the fastest correct one of MetaSchedule's (else its first, to report); the record
+    # keeps the faster correct one of it and the defaults.
+    tuned = [label for label in candidates if label != "default"] or ["default"]
+    tuned_label = min((label for label in tuned if correct[label]), key=times.get, default=tuned[0])
     winner = min((label for label in ("default", tuned_label) if correct[label]), key=times.get)
     tuned_knobs, knobs = candidates[tuned_label][1], candidates[winner][1]
     wall_s = time.perf_counter() - start
