@@ -151,9 +151,9 @@ def test_pipelined_candidates_build_with_static_shapes(schedule, block_m, causal
     sch = tvm.s_tir.Schedule(mod)
     tune.space_fn(schedule, fixed, sampled)(sch)
     target = targets.cuda_target("sm90" if schedule is sm90 else "sm80")
-    proxy = getattr(schedule, "ASYNC_PROXY_OPERANDS", False)
-    built = tune._ms_build(sch.mod, target, None, pass_config=schedule.PASS_CONFIG, async_proxy_operands=proxy)
-    wait = "cp.async.wait_group 1;" + ("\\n\\tfence.proxy.async" if proxy else "")
+    options = kernel.build_options(schedule)
+    built = tune._ms_build(sch.mod, target, None, **options)
+    wait = "cp.async.wait_group 1;" + ("\\n\\tfence.proxy.async" if options["async_proxy_operands"] else "")
     assert wait in built.imports[0].inspect_source()
 
 

@@ -56,9 +56,17 @@ def resolve_softmax_scale(softmax_scale, head_dim: int) -> float:
     return float(softmax_scale)
 
 
+def build_options(schedule) -> dict:
+    """What a schedule module asks of ``build_module`` (plain values: the tuner's builder workers
+    receive them pickled): its PassContext config, and whether its tensor-core operands are read
+    through the async proxy (wgmma)."""
+    return {"pass_config": getattr(schedule, "PASS_CONFIG", {}),
+            "async_proxy_operands": getattr(schedule, "ASYNC_PROXY_OPERANDS", False)}
+
+
 def build_module(mod: tvm.IRModule, target: tvm.target.Target, pass_config: dict,
                  async_proxy_operands: bool = False):
-    """``tvm.compile`` a scheduled module with its schedule's PassContext config and tvmflash's TVM
+    """``tvm.compile`` a scheduled module with its schedule's ``build_options`` and tvmflash's TVM
     workarounds. Kernel and the tuner's MetaSchedule builder both build through here."""
     with tvm.transform.PassContext(opt_level=3, config=pass_config), tvm_workarounds.applied(async_proxy_operands):
         return tvm.compile(mod, target=target)
@@ -190,8 +198,7 @@ class Kernel:
     def _build(self, spec: AttentionSpec, key: str) -> _Module:
         start = time.perf_counter()
         sch = self._scheduled(spec)
-        executable = build_module(sch.mod, self.target, getattr(self.schedule, "PASS_CONFIG", {}),
-                                  getattr(self.schedule, "ASYNC_PROXY_OPERANDS", False))
+        executable = build_module(sch.mod, self.target, **build_options(self.schedule))
         source = executable.mod.imports[0].inspect_source() if targets.is_cuda(self.target) else None
         seconds = time.perf_counter() - start
         if not _runnable_here(self.target):

@@ -384,8 +384,7 @@ def tune(*, head_dim: int, dtype, causal: bool, target=None, trials: int = 64, b
             num_trials_per_iter=trials_per_iter or max(1, min(16, trials // len(contexts))),
             builder=ProgressBuilder(ms.builder.LocalBuilder(
                 max_workers=num_cores, timeout_sec=120,
-                f_build=functools.partial(_ms_build, pass_config=getattr(schedule, "PASS_CONFIG", {}),
-                                          async_proxy_operands=getattr(schedule, "ASYNC_PROXY_OPERANDS", False))),
+                f_build=functools.partial(_ms_build, **kernel.build_options(schedule))),
                 trials, echo),
             runner=ms.runner.LocalRunner(timeout_sec=120, evaluator_config=config,
                                          f_run_evaluator=_timed_alone if cuda else None),
