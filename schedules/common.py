@@ -141,10 +141,8 @@ def row_reduce_intrin(op: str, layout: QuadRowLayout, out_scope: str = "shared.d
                 # (registers take static indices only: every loop over them is unrolled)
                 if quad:
                     # Each lane folds its elements into its own copy of the row's value, then the
-                    # quad combines the four copies. No scratch buffer: one allocated here is
-                    # renamed, but its accesses are not, when InjectSoftwarePipeline copies the
-                    # K/V step into the pipeline's epilogue (with static shapes, as the tuner
-                    # builds: "Buffer access occurs outside a statement scope" in StorageRewrite).
+                    # quad combines the four copies: no scratch buffer (see the other branch for
+                    # what one costs in a pipelined K/V step).
                     for rt in T.unroll(row_tiles):
                         for h in T.unroll(2):
                             row = T.meta_var(layout.row_slot(t, 2 * rt + h))  # this lane's copy
@@ -159,7 +157,8 @@ def row_reduce_intrin(op: str, layout: QuadRowLayout, out_scope: str = "shared.d
                                     T.tvm_warp_activemask(), out[row], mask + 1, 32, 32))
                 else:
                     # One statement (an attribute scope): InjectSoftwarePipeline guards each statement of
-                    # the K/V step apart (static shapes), which would split part's allocation from its uses.
+                    # the K/V step apart (static shapes), which would split part's allocation from its
+                    # uses ("Buffer access occurs outside a statement scope" in StorageRewrite).
                     with T.attr(0, "tvmflash_scope", 1):
                         part = T.alloc_buffer((rows_per_thread,), "float32", scope="local")
                         for rt in T.unroll(row_tiles):
@@ -204,12 +203,13 @@ def quad_rows_intrin(sch, block, n_rows: int, warps: int = 1) -> str:
     ``warps`` warps (one of sm80, a warpgroup of sm90), DERIVED from the block itself (its
     TVMScript, re-parsed), so the schedule restates nothing.
 
-    The block must have one spatial iterator (the row) and access only per-row "local" buffers
-    in the layout ``row_quad_map`` (row // 8, row % 8), at that row (``init_ml``, ``alpha``, ``update_ml``, the inits of ``row_max``
-    and ``row_sum``), and may read scalars (local buffers of shape (1,), such as the scale). The description is the block over n_rows rows (those of ``warps`` warps,
-    n_rows / warps each); the implementation gives the 32 * warps threads to threadIdx.x and has
-    lane ``4 r8 + q`` of warp w run the block for rows ``(n_rows / warps) w + 8 k + r8``: the rows
-    whose fragment elements it holds. The four lanes of
+    The block must have one spatial iterator (the row) and access only per-row "local" buffers in
+    the layout ``row_quad_map`` (row // 8, row % 8), at that row (``init_ml``, ``alpha``,
+    ``update_ml``, the inits of ``row_max`` and ``row_sum``), and may read scalars (local buffers
+    of shape (1,), such as the scale). The description is the block over n_rows rows (those of
+    ``warps`` warps, n_rows / warps each); the implementation gives the 32 * warps threads to
+    threadIdx.x and has lane ``4 r8 + q`` of warp w run the block for rows
+    ``(n_rows / warps) w + 8 k + r8``: the rows whose fragment elements it holds. The four lanes of
     a quad compute the same values, each into its own registers; that is how FA2 keeps m and l.
     (TensorIR cannot express this as a loop binding: a block that depends on lane // 4 only cannot
     have a 32-lane loop bound to threadIdx.x, hence an intrinsic.)

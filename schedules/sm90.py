@@ -85,7 +85,8 @@ def kernel_attrs(knobs: dict) -> dict:
 
 def shared_memory_bytes(head_dim: int, dtype: str, knobs: dict) -> int:
     """Shared memory a build with these knobs needs: the Q tile and num_stages K/V tile pairs in
-    wgmma core matrices (no padding), plus the per-row values (m_tile, l_tile, m_new, alpha, inv_l)."""
+    wgmma core matrices (no padding), plus up to 5 per-row values (row_state "shared": m_tile,
+    l_tile, m_new, alpha, inv_l; "registers" stages only m and l, for store_lse)."""
     tiles = knobs["block_m"] + 2 * knobs["block_n"] * max(1, knobs.get("num_stages", 1))
     return tiles * head_dim * 2 + 5 * 4 * knobs["block_m"]
 
@@ -444,7 +445,7 @@ def schedule(
     num_warpgroups: int,
     vec: int,
     num_stages: int = 1,
-    min_blocks_per_sm: int = 1,
+    min_blocks_per_sm: int = 2,
     row_state: str = "registers",
 ) -> tvm.s_tir.Schedule:
     """Map the attention program onto sm90 wgmma. See the module docstring. (min_blocks_per_sm
