@@ -86,6 +86,12 @@ def test_empty_inputs(device):
     q, k, v = random_qkv(1, 0, 10, 2, 2, 64, torch.float16, device)
     out, lse = tvmflash.attention(q, k, v, return_lse=True)
     assert out.shape == q.shape and lse.shape == (1, 2, 0)
+    for causal in (False, True):  # no key at all: every row sees none, so 0 and an LSE of -inf
+        q, k, v = random_qkv(1, 70, 0, 2, 2, 64, torch.float16, device)
+        kernel = tvmflash.compile(head_dim=64, dtype=torch.float16, causal=causal,
+                                  target="cpu" if device == "cpu" else None)
+        out, lse = kernel(q, k, v, out=poisoned_out(q), return_lse=True)
+        assert torch.all(out == 0) and torch.all(lse == float("-inf"))
 
 
 def test_custom_op_under_torch_compile():
