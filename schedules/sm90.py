@@ -1,7 +1,8 @@
 """sm90 (Hopper, sm_90a) schedule: QK^T and PV on ``wgmma.mma_async``.
 
 EXPERIMENTAL, opt-in (``TVMFLASH_SM90=1``, see ``schedules.for_target``) until it beats the sm80
-schedule on Hopper: correct on the H200 (the GPU tests pass with it), 0.75x sm80's speed today.
+schedule on Hopper: correct on the H200 (the GPU tests pass with it), 0.86-0.96x sm80's speed
+over the H200 grid in session 6 (BENCHMARKS.md).
 
 Mapping:
   * tile (b, h, qb) -> blockIdx.(z, y, x); ``num_warpgroups`` warpgroups (threadIdx.y) of 128
