@@ -183,7 +183,8 @@ _DESCRIPTOR = (
 )
 
 
-def wgmma_intrin_name(n: int, k: int, dtype: str, b_major: str, a_regs: bool = False) -> str:
+def wgmma_intrin_name(n: int, k: int, dtype: str, b_major: str, a_regs: bool = False,
+                      fence_operands: bool = True) -> str:
     """Register (once) and name the intrinsic for a 64 x n x k GEMM on wgmma.
 
     A (64 x k) is a K-major shared-memory tile in ``_core_matrix_map`` layout, or with
@@ -192,16 +193,22 @@ def wgmma_intrin_name(n: int, k: int, dtype: str, b_major: str, a_regs: bool = F
     CUTLASS's SM90 ALayout_64x16). B is a shared-memory tile, K-major (an n x k tile,
     ``b_major="k"``: S = Q K^T) or N-major (a k x n tile, ``b_major="mn"``: O += P V). C is the
     float32 accumulator, per thread (``_acc_index_map``).
+
+    fence_operands ("ss" form only): begin with ``fence.proxy.async`` and a barrier, so that the
+    threads' shared-memory writes are visible to wgmma. Off where the caller's code already does
+    both just before (the cp.async pipeline's wait, ``tvm_workarounds.constant_async_wait_counts``).
     """
     name = f"tvmflash_wgmma_m64n{n}k{k}_{_PTX_TYPE[dtype]}_{'r' if a_regs else 's'}_b{b_major}"
+    if not a_regs and not fence_operands:
+        name += "_unfenced"
     try:
         TensorIntrin.get(name)
     except Exception:  # noqa: BLE001 - not registered yet
-        TensorIntrin.register(name, *_wgmma_desc_impl(n, k, dtype, b_major, a_regs))
+        TensorIntrin.register(name, *_wgmma_desc_impl(n, k, dtype, b_major, a_regs, fence_operands))
     return name
 
 
-def _wgmma_desc_impl(n, k, dtype, b_major, a_regs):
+def _wgmma_desc_impl(n, k, dtype, b_major, a_regs, fence_operands=True):
     from tvm.script import tirx as T
 
     if n % 8 or not 8 <= n <= 256 or k % 16:
@@ -255,12 +262,18 @@ def _wgmma_desc_impl(n, k, dtype, b_major, a_regs):
         # N-major: LBO = K-direction (r//8) stride, SBO = N-direction (c//8).
         return _descriptor(B.access_ptr("r", offset=ks * 2 * sb0), sb0 // 8, sb1 // 8)
 
-    @T.macro
-    def shared_operands_visible():
-        # Shared memory written by threads (generic proxy) -> read by wgmma (async proxy). Only the
-        # "ss" form (S = Q K^T) does this: the "rs" form's B tile (V) is written with K's, before it.
-        T.ptx.fence.proxy.async_.shared__cta()
-        T.tvm_storage_sync("shared")
+    if fence_operands:
+        @T.macro
+        def shared_operands_visible():
+            # Shared memory written by threads (generic proxy) -> read by wgmma (async proxy). Only
+            # the "ss" form (S = Q K^T) does this: the "rs" form's B tile (V) is written with K's,
+            # before it.
+            T.ptx.fence.proxy.async_.shared__cta()
+            T.tvm_storage_sync("shared")
+    else:
+        @T.macro
+        def shared_operands_visible():
+            T.evaluate(0)
 
     @T.macro
     def wgmma_begin(C):
@@ -466,7 +479,10 @@ def schedule(
         raise ValueError(f"row_state: the sm90 schedule takes one of {ROW_STATES}, got {row_state!r}")
     if not isinstance(min_blocks_per_sm, int) or min_blocks_per_sm < 1:
         raise ValueError(f"min_blocks_per_sm: expected a positive int, got {min_blocks_per_sm!r}")
-    qk_intrin = wgmma_intrin_name(BN, D, dtype, "k")
+    # With the K/V loads pipelined, each tile's cp.async wait is followed by fence.proxy.async and
+    # a barrier (covering Q's stores too), right before QK^T: the intrinsic's own would be a third
+    # barrier a K/V step.
+    qk_intrin = wgmma_intrin_name(BN, D, dtype, "k", fence_operands=num_stages == 1)
     pv_intrin = wgmma_intrin_name(D, BN, dtype, "mn", a_regs=True)
 
     # ---- grid -----------------------------------------------------------------------------
