@@ -63,7 +63,10 @@ NUM_STAGES = (1, 2, 3)  # 1: plain loads; 2, 3: the K/V loads in a cp.async soft
 # warpgroups wait on wgmma, on loads or at the softmax's barriers.
 TASK_KNOBS = ("num_stages", "min_blocks_per_sm")
 SPACE = {
-    "block_m": [64, 128],
+    # block_m 256: four warpgroups (512 threads, at most 128 registers each) share each K/V tile,
+    # half the K/V loads and barriers per row of 128: 316 against 274-290 TFLOP/s at d128 bf16
+    # non-causal on the H200 (session 6); no better causal or at d64.
+    "block_m": [64, 128, 256],
     "block_n": [64, 128],
     "num_warpgroups": lambda knobs: [knobs["block_m"] // WG_ROWS],
     "num_stages": [1, 2],
