@@ -62,6 +62,10 @@ NUM_STAGES = (1, 2, 3)  # 1: plain loads; 2, 3: the K/V loads in a cp.async soft
 # d128 build takes 137, which leaves one block (8 warps) per SM, and nothing runs while its
 # warpgroups wait on wgmma, on loads or at the softmax's barriers.
 TASK_KNOBS = ("num_stages", "min_blocks_per_sm")
+REGISTERS_PER_SM = 65536
+# Registers a thread needs at the least: d64's and d128's builds take 114-127 at 2 stages; below
+# that ptxas spills the accumulators or fails (block_m 256 with 2 blocks an SM: 64).
+MIN_REGISTERS = 128
 SPACE = {
     # block_m 256: four warpgroups (512 threads, at most 128 registers each) share each K/V tile,
     # half the K/V loads and barriers per row of 128: 316 against 274-290 TFLOP/s at d128 bf16
@@ -482,6 +486,12 @@ def schedule(
         raise ValueError(f"row_state: the sm90 schedule takes one of {ROW_STATES}, got {row_state!r}")
     if not isinstance(min_blocks_per_sm, int) or min_blocks_per_sm < 1:
         raise ValueError(f"min_blocks_per_sm: expected a positive int, got {min_blocks_per_sm!r}")
+    threads = WARPGROUP * num_warpgroups
+    if threads * min_blocks_per_sm * MIN_REGISTERS > REGISTERS_PER_SM:
+        raise ValueError(f"min_blocks_per_sm: {min_blocks_per_sm} blocks of {threads} threads an SM leave "
+                         f"{REGISTERS_PER_SM // (threads * min_blocks_per_sm)} registers a thread, and the "
+                         f"accumulators need {MIN_REGISTERS}: at most {REGISTERS_PER_SM // (threads * MIN_REGISTERS)} "
+                         f"with block_m {block_m}")
     # With the K/V loads pipelined, each tile's cp.async wait is followed by fence.proxy.async and
     # a barrier (covering Q's stores too), right before QK^T: the intrinsic's own would be a third
     # barrier a K/V step.

@@ -423,3 +423,21 @@ def test_bad_cli_input_is_one_line(cache_dir):
         done = cli(*args, env_dir=cache_dir)
         assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
         assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def test_sm90_tasks_that_leave_too_few_registers_are_skipped(tmp_path, monkeypatch):
+    """block_m 256 is four warpgroups (512 threads): two such blocks an SM would leave 64 registers
+    a thread. The schedule rejects that with a clear error, and the tuner skips the task."""
+    import random
+
+    monkeypatch.setenv("TVMFLASH_SM90", "1")
+    with pytest.raises(ValueError, match="leave 64 registers a thread"):
+        tvmflash.compile(head_dim=128, dtype="bfloat16", target="sm90",
+                         knobs={"block_m": 256, "num_warpgroups": 4, "min_blocks_per_sm": 2}).module(2, 2)
+    spec = program.AttentionSpec(128, "bfloat16", False, 2, 2)
+    lines = []
+    space = {**sm90.SPACE, "block_m": [256], "block_n": [64], "num_stages": [2]}
+    tasks = tune.make_tasks(sm90, spec, {"batch": 1, "seqlen": 512, "heads": 2}, space, targets.cuda_target("sm90"),
+                            tmp_path, random.Random(0), lines.append)
+    assert [t["name"] for t in tasks] == ["bm256_bn64_ns2_mb1"]
+    assert len(lines) == 1 and lines[0].startswith("  skipping bm256_bn64_ns2_mb2") and "64 registers" in lines[0]
