@@ -2,7 +2,8 @@
 
 EXPERIMENTAL, opt-in (``TVMFLASH_SM90=1``, see ``schedules.for_target``) until it beats the sm80
 schedule on Hopper: correct on the H200 (the GPU tests pass with it), 0.86-0.96x sm80's speed
-over the H200 grid in session 6 (BENCHMARKS.md).
+over the H200 grid with the shipped records in session 6; 256-row blocks (not in those records)
+reached 316 TFLOP/s at d128 bf16 non-causal, 0.90x FA2 (BENCHMARKS.md).
 
 Mapping:
   * tile (b, h, qb) -> blockIdx.(z, y, x); ``num_warpgroups`` warpgroups (threadIdx.y) of 128
