@@ -35,3 +35,15 @@ def random_qkv(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype, de
 def poisoned_out(q):
     """An output buffer full of NaN: any element the kernel fails to write shows up."""
     return torch.full_like(q, float("nan"))
+
+
+def kv_loop_body(src: str) -> str:
+    """The body of the K/V-tile loop (``for (int kb = 0; ...) { ... }``) in generated CUDA, by
+    brace matching."""
+    start = src.index("{", src.index("for (int kb"))
+    depth = 0
+    for end in range(start, len(src)):
+        depth += {"{": 1, "}": -1}.get(src[end], 0)
+        if depth == 0:
+            return src[start + 1:end]
+    raise AssertionError("unbalanced K/V loop")

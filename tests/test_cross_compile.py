@@ -9,6 +9,7 @@ import pytest
 import tvm
 
 import tvmflash
+from conftest import kv_loop_body
 
 
 @pytest.mark.parametrize("arch", ["sm80", "sm90"])
@@ -227,17 +228,6 @@ def test_sm90_pipelined_loads_fence_the_async_proxy_after_the_wait(monkeypatch):
     assert lines[wait + 1] == "__syncthreads();" and "wgmma" in " ".join(lines[wait + 2:wait + 6])
 
 
-def _kv_loop_body(src: str) -> str:
-    """The body of the K/V-tile loop (``for (int kb = 0; ...) { ... }``) in generated CUDA."""
-    start = src.index("{", src.index("for (int kb = 0;"))
-    depth = 0
-    for end in range(start, len(src)):
-        depth += {"{": 1, "}": -1}.get(src[end], 0)
-        if depth == 0:
-            return src[start + 1:end]
-    raise AssertionError("unbalanced K/V loop")
-
-
 @pytest.mark.parametrize("causal", [False, True])
 def test_sm90_pipelined_kv_step_has_two_barriers(monkeypatch, causal):
     """With the K/V loads pipelined, QK^T's operands are made visible to wgmma by the cp.async
@@ -247,10 +237,10 @@ def test_sm90_pipelined_kv_step_has_two_barriers(monkeypatch, causal):
     monkeypatch.setenv("TVMFLASH_SM90", "1")
     pipelined = tvmflash.compile(head_dim=128, dtype="bfloat16", causal=causal, target="sm90",
                                  knobs={"num_stages": 2}).source(heads_q=2, heads_kv=2)
-    assert _kv_loop_body(pipelined).count("__syncthreads();") == 2
+    assert kv_loop_body(pipelined).count("__syncthreads();") == 2
     plain = tvmflash.compile(head_dim=128, dtype="bfloat16", causal=causal, target="sm90",
                              knobs={"num_stages": 1}).source(heads_q=2, heads_kv=2)
-    body = [line.strip() for line in _kv_loop_body(plain).splitlines()]
+    body = [line.strip() for line in kv_loop_body(plain).splitlines()]
     fence = body.index("tvm_builtin_ptx_fence_proxy_proxy_async_shared__cta();")
     assert body[fence + 1] == "__syncthreads();"
 

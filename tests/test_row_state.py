@@ -8,17 +8,7 @@ import pytest
 import tvm
 
 import tvmflash
-
-
-def _kv_loop(src):
-    """The body of the K/V-tile loop (``for (int kb ...``), by brace matching."""
-    start = src.index("for (int kb")
-    depth, i = 0, src.index("{", start)
-    for j in range(i, len(src)):
-        depth += {"{": 1, "}": -1}.get(src[j], 0)
-        if depth == 0:
-            return src[i:j]
-    raise AssertionError("unbalanced K/V loop")
+from conftest import kv_loop_body
 
 
 def test_row_state_rejects_unknown():
@@ -33,9 +23,9 @@ def test_registers_row_state_has_no_softmax_barriers(head_dim):
                                 knobs={"row_state": row_state, "num_stages": 1}).source(heads_q=2, heads_kv=1)
 
     shared, regs = source("shared"), source("registers")
-    assert _kv_loop(shared).count("__syncthreads") >= 5
+    assert kv_loop_body(shared).count("__syncthreads") >= 5
     # only the two barriers that guard the K/V shared tiles (before the loads, before the reads)
-    assert _kv_loop(regs).count("__syncthreads") <= 2
+    assert kv_loop_body(regs).count("__syncthreads") <= 2
     assert "__shfl_xor_sync" in regs and "mma.sync" in regs
 
 
@@ -48,10 +38,10 @@ def test_sm90_registers_row_state_has_no_softmax_barriers(monkeypatch, causal):
                                 knobs={"row_state": row_state, "num_stages": 1}).source(heads_q=2, heads_kv=1)
 
     shared, regs = source("shared"), source("registers")
-    assert _kv_loop(shared).count("__syncthreads") >= 5
+    assert kv_loop_body(shared).count("__syncthreads") >= 5
     # the barrier before the K/V loads and the one before the QK wgmma reads them
-    assert _kv_loop(regs).count("__syncthreads") == 2
-    assert "wgmma" in regs and "_shared_ptr[" not in _kv_loop(regs)  # no per-row value in shared memory
+    assert kv_loop_body(regs).count("__syncthreads") == 2
+    assert "wgmma" in regs and "_shared_ptr[" not in kv_loop_body(regs)  # no per-row value in shared memory
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
@@ -64,7 +54,7 @@ def test_registers_row_state_compiles_with_nvcc(num_stages, causal):
     src = kernel.source(heads_q=4, heads_kv=2)
     if num_stages > 1:
         assert "cp.async.cg.shared.global" in src
-    assert _kv_loop(src).count("__syncthreads") <= 2
+    assert kv_loop_body(src).count("__syncthreads") <= 2
     for arch in ("sm_80", "sm_90a"):
         with tvm.target.Target({"kind": "cuda", "arch": arch}):
             cubin = nvcc.compile_cuda(src, target_format="cubin", arch=arch, compiler="nvcc")
@@ -98,7 +88,7 @@ def test_registers_row_state_stays_in_registers(head_dim):
     for name in ("m", "l", "m_new", "alpha"):
         assert f"float {name}_local_ptr[4];" in regs
     assert not re.search(r"_local_ptr\[[^\]]*threadIdx", regs), "a per-row register array indexed by the lane"
-    assert _kv_loop(regs).count("__syncthreads") <= 2
+    assert kv_loop_body(regs).count("__syncthreads") <= 2
     _, stack, spills = _ptxas_usage(regs)
     if head_dim == 64:
         assert stack == 0 and spills == 0
