@@ -64,8 +64,9 @@ NUM_STAGES = (1, 2, 3)  # 1: plain loads; 2, 3: the K/V loads in a cp.async soft
 # warpgroups wait on wgmma, on loads or at the softmax's barriers.
 TASK_KNOBS = ("num_stages", "min_blocks_per_sm")
 REGISTERS_PER_SM = 65536
-# Registers a thread needs at the least: d64's and d128's builds take 114-127 at 2 stages, and
-# below that ptxas spills the accumulators (block_m 256 with 2 blocks an SM would leave 64).
+# Registers a thread needs at the least: d64's and d128's builds take 114-127 at 2 stages. With 64
+# (block_m 256, 2 blocks an SM) ptxas fails at d128: "Insufficient registers (64) to compile
+# instruction ... register target of 94 or higher" (the wgmma's accumulator operands).
 MIN_REGISTERS = 128
 SPACE = {
     # block_m 256: four warpgroups (512 threads, at most 128 registers each) share each K/V tile,
