@@ -16,21 +16,31 @@ from . import common, cpu, cuda, sm80, sm90  # noqa: F401 - common: in the build
 _CUDA_BY_CAPABILITY: list[tuple[int, ModuleType]] = [(80, sm80), (0, cuda)]
 
 
-def sm90_opted_in() -> bool:
-    """The wgmma schedule (sm_90a only: wgmma is not on later GPUs) is opt-in until it is faster
-    than the sm80 schedule there (correct on the H200, 0.86-0.96x its speed in session 6): TVMFLASH_SM90=1."""
-    return os.environ.get("TVMFLASH_SM90", "") not in ("", "0")
+def sm90_setting() -> str:
+    """TVMFLASH_SM90: "on" (1), "off" (0) or "records" (unset). The wgmma schedule (sm_90a only:
+    wgmma is not on later GPUs) is slower than the sm80 schedule on most workloads (0.86-0.96x over
+    the H200 grid in session 6), so by default it serves a workload only where the tuning records
+    say it is faster (``tvmflash.kernel.choose_schedule``); 1 forces it, 0 keeps it off."""
+    return {"": "records", "0": "off"}.get(os.environ.get("TVMFLASH_SM90", ""), "on")
+
+
+def sm90_eligible(target, dtype: str) -> bool:
+    """Could the sm90 schedule serve this target and dtype (sm_90a, fp16/bf16)?"""
+    from tvmflash.target import compute_capability
+
+    return target.kind.name == "cuda" and compute_capability(target) == 90 and dtype in sm90.DTYPES
 
 
 def for_target(target, dtype: str) -> ModuleType:
-    """The schedule module that serves a ``tvm.target.Target`` and dtype."""
+    """The schedule module that serves a ``tvm.target.Target`` and dtype (sm90 only when
+    TVMFLASH_SM90=1; ``tvmflash.kernel.choose_schedule`` may still pick it by the records)."""
     if target.kind.name == "llvm":
         return cpu
     if target.kind.name == "cuda":
         from tvmflash.target import compute_capability
 
         cc = compute_capability(target)
-        if cc == 90 and dtype in sm90.DTYPES and sm90_opted_in():
+        if sm90_eligible(target, dtype) and sm90_setting() == "on":
             return sm90
         for min_cc, module in _CUDA_BY_CAPABILITY:
             if cc >= min_cc and dtype in getattr(module, "DTYPES", (dtype,)):

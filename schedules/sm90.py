@@ -1,7 +1,8 @@
 """sm90 (Hopper, sm_90a) schedule: QK^T and PV on ``wgmma.mma_async``.
 
-EXPERIMENTAL, opt-in (``TVMFLASH_SM90=1``, see ``schedules.for_target``) until it beats the sm80
-schedule on Hopper: correct on the H200 (the GPU tests pass with it), 0.86-0.96x sm80's speed
+EXPERIMENTAL: on sm_90a it serves a workload only where the tuning records say it beats the sm80
+schedule (``tvmflash.kernel.choose_schedule``; ``TVMFLASH_SM90=1`` forces it, 0 turns it off).
+Correct on the H200 (the GPU tests pass with it), 0.86-0.96x sm80's speed
 over the H200 grid with the shipped records in session 6; 256-row blocks (not in those records)
 reached 316 TFLOP/s at d128 bf16 non-causal, 0.90x FA2 (BENCHMARKS.md).
 

@@ -441,3 +441,34 @@ def test_sm90_tasks_that_leave_too_few_registers_are_skipped(tmp_path, monkeypat
                             tmp_path, random.Random(0), lines.append)
     assert [t["name"] for t in tasks] == ["bm256_bn64_ns2_mb1"]
     assert len(lines) == 1 and lines[0].startswith("  skipping bm256_bn64_ns2_mb2") and "64 registers" in lines[0]
+
+
+def test_sm90_serves_a_workload_where_its_record_is_faster(cache_dir, monkeypatch):
+    """With TVMFLASH_SM90 unset, an sm_90a kernel uses the sm90 schedule only where this device's
+    tuned record for the workload beats the sm80 schedule's at the same shape; 0 keeps sm80, and
+    given knobs keep the target's schedule."""
+    monkeypatch.delenv("TVMFLASH_SM90", raising=False)
+    target = targets.cuda_target("sm90")
+    workload = {"head_dim": 128, "dtype": "bfloat16", "causal": False}
+    shape = {"batch": 4, "seqlen_q": 4096, "seqlen_k": 4096, "heads_q": 16, "heads_kv": 16}
+    knobs90 = {**sm90.KNOBS, "block_m": 256, "num_warpgroups": 4, "min_blocks_per_sm": 1}
+
+    def chosen(**kwargs):
+        kernel.forget_kernels()
+        kern = tvmflash.compile(head_dim=128, dtype="bfloat16", target="sm90", **kwargs)
+        return kern.info()["schedule"], kern.info()["schedule_source"], kern.knobs
+
+    assert chosen()[0] == "sm80"  # no records
+    database.add(database.new_record(target, "sm80", workload, dict(sm80.KNOBS), 1.8, shape=shape))
+    database.add(database.new_record(target, "sm90", workload, knobs90, 1.9, shape=shape))
+    assert chosen()[0] == "sm80"  # sm90's record is slower
+    database.add(database.new_record(target, "sm90", workload, knobs90, 1.7, shape=shape))
+    schedule, source, knobs = chosen()
+    assert schedule == "sm90" and source.startswith("tuned records: sm90 1.700 ms, sm80 1.800 ms")
+    assert knobs == knobs90
+    assert chosen(knobs={"num_stages": 1})[0] == "sm80"
+    monkeypatch.setenv("TVMFLASH_SM90", "0")
+    assert chosen()[0] == "sm80"
+    monkeypatch.delenv("TVMFLASH_SM90")
+    database.add(database.new_record(target, "sm80", workload, dict(sm80.KNOBS), 1.6, shape={**shape, "batch": 8}))
+    assert chosen()[0] == "sm80"  # sm80's best record is at another shape: nothing to compare

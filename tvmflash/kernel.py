@@ -9,6 +9,7 @@ import time
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -95,7 +96,7 @@ class Kernel:
         self.dtype = spec_args["dtype"]
         self.causal = spec_args["causal"]
         self.target = target
-        self.schedule = schedule_registry.for_target(target, self.dtype)
+        self.schedule, self.schedule_source = choose_schedule(target, spec_args, knobs)
         schedule_name = schedule_registry.name_of(self.schedule)
         unknown = set(knobs or {}) - set(self.schedule.KNOBS)
         if unknown:
@@ -240,6 +241,7 @@ class Kernel:
             "causal": self.causal,
             "target": targets.describe(self.target),
             "schedule": schedule_registry.name_of(self.schedule),
+            "schedule_source": self.schedule_source,
             "knobs": dict(self.knobs),
             "knobs_source": self.knobs_source,
             "modules": {
@@ -313,6 +315,22 @@ class Kernel:
 _KERNELS: dict[str, Kernel] = {}
 
 
+def choose_schedule(target: tvm.target.Target, spec_args: dict, knobs: dict | None) -> tuple[ModuleType, str]:
+    """The schedule module for a kernel, and why. ``schedules.for_target`` decides, except on sm_90a
+    with TVMFLASH_SM90 unset and no knobs given: there the sm90 schedule serves a workload whose
+    tuned record on this device (``tvmflash tune`` or the shipped logs) is faster than the sm80
+    schedule's, both measured at the same shape."""
+    module = schedule_registry.for_target(target, spec_args["dtype"])
+    if (knobs or module is not schedule_registry.sm80 or schedule_registry.sm90_setting() != "records"
+            or not schedule_registry.sm90_eligible(target, spec_args["dtype"])):
+        return module, "the target's"
+    r80, r90 = (database.lookup(target, name, dict(spec_args)) for name in ("sm80", "sm90"))
+    if r80 and r90 and r80.get("shape") == r90.get("shape") and r90["mean_ms"] < r80["mean_ms"]:
+        return (schedule_registry.sm90,
+                f"tuned records: sm90 {r90['mean_ms']:.3f} ms, sm80 {r80['mean_ms']:.3f} ms at {r90.get('shape')}")
+    return module, "the target's (the tuning records do not favour sm90)"
+
+
 def compile(*, head_dim: int, dtype, causal: bool = False, target=None, knobs: dict | None = None,
             heads_q: int | None = None, heads_kv: int | None = None) -> Kernel:  # noqa: A001 - the API's name
     """Compile FlashAttention forward and return a :class:`Kernel`.
@@ -328,12 +346,13 @@ def compile(*, head_dim: int, dtype, causal: bool = False, target=None, knobs: d
     dtype = _dtype_name(dtype)
     program.AttentionSpec(head_dim, dtype, bool(causal))  # validates head_dim and dtype
     resolved = targets.resolve(target)
-    # The schedule is in the key: an opt-in schedule (TVMFLASH_SM90) may change it for the same target.
-    schedule_name = schedule_registry.name_of(schedule_registry.for_target(resolved, dtype))
+    spec_args = {"head_dim": head_dim, "dtype": dtype, "causal": bool(causal)}
+    # The schedule is in the key: TVMFLASH_SM90 or the records may change it for the same target.
+    schedule_name = schedule_registry.name_of(choose_schedule(resolved, spec_args, knobs)[0])
     key = cache.digest([head_dim, dtype, bool(causal), str(resolved), knobs, schedule_name])
     kernel = _KERNELS.get(key)
     if kernel is None:
-        kernel = _KERNELS[key] = Kernel({"head_dim": head_dim, "dtype": dtype, "causal": bool(causal)}, resolved, knobs)
+        kernel = _KERNELS[key] = Kernel(spec_args, resolved, knobs)
     if heads_q is not None:
         kernel.module(heads_q, heads_kv if heads_kv is not None else heads_q)
     return kernel
