@@ -472,3 +472,16 @@ def test_sm90_serves_a_workload_where_its_record_is_faster(cache_dir, monkeypatc
     monkeypatch.delenv("TVMFLASH_SM90")
     database.add(database.new_record(target, "sm80", workload, dict(sm80.KNOBS), 1.6, shape={**shape, "batch": 8}))
     assert chosen()[0] == "sm80"  # sm80's best record is at another shape: nothing to compare
+
+
+def test_one_configuration_tasks_are_built_at_once(cache_dir):
+    """MetaSchedule asks for one task's candidates at a time; tasks of one configuration (most of the
+    GPU spaces) are built ahead in one parallel batch, and MetaSchedule's requests are served from it."""
+    lines = []
+    record = tune.tune(head_dim=32, dtype="float32", causal=False, target="cpu", trials=3, batch=1, seqlen=64,
+                       heads=1, space={"block_m": [16, 32, 64], "block_n": [32], "vector": [8]}, seed=0, repeat=3,
+                       echo=lines.append)
+    built = [line for line in lines if line.startswith("  built ")]
+    assert any(line.startswith("  building the 3 one-configuration tasks at once") for line in lines), lines
+    assert len(built) == 1 and built[0].startswith("  built 3/3 candidates"), lines  # nothing built again
+    assert record["trials"] == 3 and record["tuned_ms"] > 0

@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 import tvm
+import tvm_ffi
 from tvm.s_tir import meta_schedule as ms
 from tvm.ir.utils import derived_object
 
@@ -221,20 +222,52 @@ class Progress(ms.measure_callback.PyMeasureCallback):
 class ProgressBuilder(ms.builder.PyBuilder):
     """MetaSchedule's builder, saying how many candidates are built as it goes. MetaSchedule runs
     the measure callbacks (``Progress``) only once every task's first batch is built and run, which
-    with one configuration a task is most of a tuning run: without this it would be silent."""
+    with one configuration a task is most of a tuning run: without this it would be silent.
+
+    MetaSchedule asks for one task's candidates at a time, so with one configuration a task the
+    builds ran one after the other. ``build_ahead`` builds such tasks' modules all at once, on the
+    inner builder's parallel workers, and ``build`` then hands each over when it is asked for."""
 
     def __init__(self, inner, trials: int, echo):
         self.inner, self.trials, self.echo = inner, trials, echo
-        self.built = self.failed = 0
+        self.built = self.failed = self.served_ahead = 0
+        self.ahead: dict[int, list] = {}  # structural hash -> [(module, BuilderResult)]
         self.start = time.perf_counter()
 
+    def build_ahead(self, mods: list, target) -> None:
+        results = self._build([ms.builder.BuilderInput(mod, target) for mod in mods])
+        for mod, result in zip(mods, results):
+            self.ahead.setdefault(tvm_ffi.structural_hash(mod), []).append((mod, result))
+
     def build(self, build_inputs):
-        results = self.inner.build(build_inputs)
+        results = [self._take_ahead(b.mod) for b in build_inputs]
+        rest = iter(self._build([b for b, r in zip(build_inputs, results) if r is None]))
+        return [r if r is not None else next(rest) for r in results]
+
+    def _take_ahead(self, mod):
+        entries = self.ahead.get(tvm_ffi.structural_hash(mod), [])
+        for i, (built_mod, result) in enumerate(entries):
+            if tvm_ffi.structural_equal(built_mod, mod):
+                self.served_ahead += 1
+                return entries.pop(i)[1]
+        return None
+
+    def _build(self, inputs):
+        if not inputs:
+            return []
+        results = self.inner.build(inputs)
         self.built += len(results)
         self.failed += sum(1 for r in results if r.error_msg)
         failed = f", {self.failed} failed to build" if self.failed else ""
         self.echo(f"  built {self.built}/{self.trials} candidates{failed}, {time.perf_counter() - self.start:.0f} s")
         return results
+
+
+def _design_space(schedule, task: dict, context) -> tvm.IRModule:
+    """The module of a task's design space (its one candidate when it samples no knob)."""
+    sch = tvm.s_tir.Schedule(context.mod)
+    space_fn(schedule, task["fixed"], task["sampled"])(sch)
+    return sch.mod
 
 
 @contextlib.contextmanager
@@ -375,17 +408,23 @@ def tune(*, head_dim: int, dtype, causal: bool, target=None, trials: int = 64, b
     progress = Progress(tasks, trials, echo)
     config = ms.runner.EvaluatorConfig(number=3, repeat=3 if cuda else 1, min_repeat_ms=50 if cuda else 20,
                                        enable_cpu_cache_flush=False)
+    builder = ProgressBuilder(ms.builder.LocalBuilder(
+        max_workers=num_cores, timeout_sec=120, f_build=functools.partial(_ms_build, **kernel.build_options(schedule))),
+        trials, echo)
     with _workers_import_this_tvmflash():
+        # A task of one configuration has one candidate, its design space itself: build those first,
+        # all at once (the builder's workers in parallel).
+        single = [(task, context) for task, context in zip(tasks, contexts) if not task["sampled"]]
+        if len(single) > 1 and trials >= len(contexts):
+            echo(f"  building the {len(single)} one-configuration tasks at once, {num_cores} at a time")
+            builder.build_ahead([_design_space(schedule, task, context) for task, context in single], resolved)
         ms.tune_tasks(
             tasks=contexts,
             task_weights=[1.0] * len(contexts),
             work_dir=str(work_dir),
             max_trials_global=trials,
             num_trials_per_iter=trials_per_iter or max(1, min(16, trials // len(contexts))),
-            builder=ProgressBuilder(ms.builder.LocalBuilder(
-                max_workers=num_cores, timeout_sec=120,
-                f_build=functools.partial(_ms_build, **kernel.build_options(schedule))),
-                trials, echo),
+            builder=builder,
             runner=ms.runner.LocalRunner(timeout_sec=120, evaluator_config=config,
                                          f_run_evaluator=_timed_alone if cuda else None),
             database=ms.database.JSONDatabase(work_dir=str(work_dir)),
