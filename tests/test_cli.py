@@ -33,6 +33,7 @@ def test_bench_on_cpu():
                    "--tokens", "256", "--hidden", "128", "--repeat", "2")
     lines = [line for line in out.splitlines() if line.startswith("bfloat16 d64 causal")]
     assert len(lines) == 1 and lines[0].split()[-1] == "yes", out
+    assert "kernel d64 causal: cpu schedule, " in out and "knobs {'block_m': " in out, out  # what ran
 
 
 def test_bad_arguments_fail_cleanly():

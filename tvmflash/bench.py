@@ -120,12 +120,13 @@ def run(*, device=None, dtype="bfloat16", head_dims=(64, 128), causal=(False, Tr
     target = target or ("cpu" if device.type == "cpu" else None)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     echo(f"tvmflash bench on {name}, {time.strftime('%Y-%m-%d')}: batch*seqlen={tokens}, heads*head_dim={hidden}")
-    results = []
+    results, kernels = [], []
     header = None
     for head_dim in head_dims:
         heads = hidden // head_dim
         for is_causal in causal:
             kernel = compile(head_dim=head_dim, dtype=dtype, causal=is_causal, target=target, knobs=knobs)
+            kernels.append(kernel)
             for seqlen in seqlens:
                 batch = max(1, tokens // seqlen)
                 result = run_one(kernel, batch, seqlen, heads, head_dim, dtype, is_causal, device, repeat)
@@ -135,6 +136,10 @@ def run(*, device=None, dtype="bfloat16", head_dims=(64, 128), causal=(False, Tr
                     echo(header)
                     echo("-" * len(header))
                 echo(_row(result))
+    for kernel in kernels:  # what ran: schedule and knobs (tuned, defaults or given)
+        info = kernel.info()
+        echo(f"kernel d{info['head_dim']} {'causal' if info['causal'] else 'full'}: {info['schedule']} schedule, "
+             f"{info['knobs_source'].split(' (')[0]} knobs {info['knobs']}")
     return results
 
 
