@@ -485,3 +485,16 @@ def test_one_configuration_tasks_are_built_at_once(cache_dir):
     assert any(line.startswith("  building the 3 one-configuration tasks at once") for line in lines), lines
     assert len(built) == 1 and built[0].startswith("  built 3/3 candidates"), lines  # nothing built again
     assert record["trials"] == 3 and record["tuned_ms"] > 0
+
+
+def test_a_cached_compile_reads_no_tuning_record(cache_dir, monkeypatch):
+    """compile() runs on every tvmflash.attention call: the records (tuned knobs, and on sm_90a the
+    choice of schedule) are read once, when the Kernel is made, not again for a cached one."""
+    monkeypatch.delenv("TVMFLASH_SM90", raising=False)
+    lookups = []
+    real = database.lookup
+    monkeypatch.setattr(database, "lookup", lambda *args: lookups.append(args[1]) or real(*args))
+    first = tvmflash.compile(head_dim=128, dtype="bfloat16", target="sm90")
+    assert sorted(lookups) == ["sm80", "sm80", "sm90"]  # the choice (both schedules), then sm80's knobs
+    lookups.clear()
+    assert tvmflash.compile(head_dim=128, dtype="bfloat16", target="sm90") is first and lookups == []
