@@ -468,7 +468,7 @@ def schedule(
     block_n: int,
     num_warpgroups: int,
     vec: int,
-    num_stages: int = 1,
+    num_stages: int = 2,
     min_blocks_per_sm: int = 2,
     row_state: str = "registers",
 ) -> tvm.s_tir.Schedule:
