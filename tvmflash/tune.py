@@ -230,7 +230,7 @@ class ProgressBuilder(ms.builder.PyBuilder):
 
     def __init__(self, inner, trials: int, echo):
         self.inner, self.trials, self.echo = inner, trials, echo
-        self.built = self.failed = self.served_ahead = 0
+        self.built = self.failed = 0
         self.ahead: dict[int, list] = {}  # structural hash -> [(module, BuilderResult)]
         self.start = time.perf_counter()
 
@@ -248,7 +248,6 @@ class ProgressBuilder(ms.builder.PyBuilder):
         entries = self.ahead.get(tvm_ffi.structural_hash(mod), [])
         for i, (built_mod, result) in enumerate(entries):
             if tvm_ffi.structural_equal(built_mod, mod):
-                self.served_ahead += 1
                 return entries.pop(i)[1]
         return None
 
