@@ -76,8 +76,9 @@ def test_sm80_pipelined_kv_loads_use_cp_async(num_stages):
                               knobs={"num_stages": num_stages})
     src = kernel.source(heads_q=4, heads_kv=2)
     assert "cp.async.cg.shared.global" in src and "cp.async.commit_group" in src
-    # In the steady-state loop: wait until all but the num_stages - 1 newest copies are done.
-    assert f"cp.async.wait_group {num_stages - 1};" in src
+    # At the top of the steady-state loop, before the step's own copies are issued: wait until all
+    # but the num_stages - 2 newest copies are done (tvm_workarounds.one_barrier_per_pipelined_step).
+    assert f"cp.async.wait_group {num_stages - 2};" in src
     assert ("& 1)" if num_stages == 2 else "% 3)") in src  # the buffer version of a K/V tile
     for arch in ("sm_80", "sm_90a"):
         with tvm.target.Target({"kind": "cuda", "arch": arch}):
@@ -215,29 +216,40 @@ def test_knobs_fit_the_targets_shared_memory():
         tvmflash.compile(head_dim=128, dtype="bfloat16", target="sm86", knobs={"num_stages": 3})
 
 
-def test_sm90_pipelined_loads_fence_the_async_proxy_after_the_wait(monkeypatch):
-    """num_stages 2 on sm90: K/V arrive by cp.async, and each wait is followed by
-    fence.proxy.async before the barrier that precedes the wgmma reading the tile."""
-    monkeypatch.setenv("TVMFLASH_SM90", "1")
-    kernel = tvmflash.compile(head_dim=64, dtype="bfloat16", target="sm90", knobs={"num_stages": 2})
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("schedule", ["sm80", "sm90"])
+def test_pipelined_kv_step_waits_for_its_tile_first(monkeypatch, schedule, causal):
+    """With the K/V loads pipelined (2 stages), each K/V step begins with the wait for its own
+    tile (on sm90 with fence.proxy.async after it, so wgmma sees the cp.async writes) and one
+    barrier, and only then issues the next tile's copies: one __syncthreads a step. TVM's order
+    (barrier, copies, wait, barrier) has two, and on sm90 the fence then also waits for the copies
+    just issued (tvm_workarounds.one_barrier_per_pipelined_step)."""
+    monkeypatch.setenv("TVMFLASH_SM90", "1" if schedule == "sm90" else "0")
+    kernel = tvmflash.compile(head_dim=64, dtype="bfloat16", causal=causal, target=schedule, knobs={"num_stages": 2})
     src = kernel.source(heads_q=2, heads_kv=2)
-    assert "cp.async.cg.shared.global" in src
-    assert 'asm volatile("cp.async.wait_group 1;\\n\\tfence.proxy.async.shared::cta;"' in src
-    lines = [line.strip() for line in src.splitlines()]
-    wait = next(i for i, line in enumerate(lines) if line.startswith("tvmflash_cp_async_wait_group_1_proxy_fence("))
-    assert lines[wait + 1] == "__syncthreads();" and "wgmma" in " ".join(lines[wait + 2:wait + 6])
+    body = [line.strip() for line in kv_loop_body(src).splitlines() if line.strip()]
+    wait = "tvmflash_cp_async_wait_group_0_proxy_fence();" if schedule == "sm90" else \
+        "tvm_builtin_ptx_cp_async_wait_group_async_wait_group_0();"
+    first = next(i for i, line in enumerate(body) if not line.startswith("int "))  # past the loop's let variables
+    assert body[first:first + 2] == [wait, "__syncthreads();"]
+    assert body.count("__syncthreads();") == 1
+    copies = [i for i, line in enumerate(body) if "cp_async" in line and "wait" not in line]
+    assert copies and min(copies) > first + 1
+    if schedule == "sm90":
+        assert 'asm volatile("cp.async.wait_group 0;\\n\\tfence.proxy.async.shared::cta;"' in src
+        assert min(i for i, line in enumerate(body) if "mma_async" in line) > max(copies)
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_sm90_pipelined_kv_step_has_two_barriers(monkeypatch, causal):
-    """With the K/V loads pipelined, QK^T's operands are made visible to wgmma by the cp.async
-    wait's fence and barrier alone: two __syncthreads a K/V step (the other guards the buffer the
-    next copies overwrite), not a third in the wgmma intrinsic. With one stage (plain stores) the
+def test_sm90_kv_step_fences_for_wgmma_once(monkeypatch, causal):
+    """QK^T's operands are made visible to wgmma by the pipeline's wait, fence and barrier alone:
+    the intrinsic adds no barrier of its own (one __syncthreads a step, as
+    test_pipelined_kv_step_waits_for_its_tile_first checks). With one stage (plain stores) the
     intrinsic fences and syncs itself."""
     monkeypatch.setenv("TVMFLASH_SM90", "1")
     pipelined = tvmflash.compile(head_dim=128, dtype="bfloat16", causal=causal, target="sm90",
                                  knobs={"num_stages": 2}).source(heads_q=2, heads_kv=2)
-    assert kv_loop_body(pipelined).count("__syncthreads();") == 2
+    assert kv_loop_body(pipelined).count("__syncthreads();") == 1
     plain = tvmflash.compile(head_dim=128, dtype="bfloat16", causal=causal, target="sm90",
                              knobs={"num_stages": 1}).source(heads_q=2, heads_kv=2)
     body = [line.strip() for line in kv_loop_body(plain).splitlines()]

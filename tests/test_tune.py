@@ -153,7 +153,7 @@ def test_pipelined_candidates_build_with_static_shapes(schedule, block_m, causal
     target = targets.cuda_target("sm90" if schedule is sm90 else "sm80")
     options = kernel.build_options(schedule)
     built = tune._ms_build(sch.mod, target, None, **options)
-    wait = "cp.async.wait_group 1;" + ("\\n\\tfence.proxy.async" if options["async_proxy_operands"] else "")
+    wait = "cp.async.wait_group 0;" + ("\\n\\tfence.proxy.async" if options["async_proxy_operands"] else "")
     assert wait in built.imports[0].inspect_source()
 
 
