@@ -1,10 +1,10 @@
 """sm90 (Hopper, sm_90a) schedule: QK^T and PV on ``wgmma.mma_async``.
 
-EXPERIMENTAL: on sm_90a it serves a workload only where the tuning records say it beats the sm80
-schedule (``tvmflash.kernel.choose_schedule``; ``TVMFLASH_SM90=1`` forces it, 0 turns it off).
-Correct on the H200 (the GPU tests pass with it), 0.86-0.96x sm80's speed
-over the H200 grid with the shipped records in session 6; 256-row blocks (not in those records)
-reached 316 TFLOP/s at d128 bf16 non-causal, 0.90x FA2 (BENCHMARKS.md).
+On sm_90a it serves a workload where the tuning records say it beats the sm80 schedule
+(``tvmflash.kernel.choose_schedule``; ``TVMFLASH_SM90=1`` forces it, 0 turns it off). Correct on
+the H200 (the GPU tests pass with it). With 256-row blocks (the default) and one barrier a K/V
+step it reached 389-397 TFLOP/s at d128 bf16 non-causal on the H200, 1.13-1.16x SDPA's flash
+backend, and 303-308 causal, 1.06-1.07x (BENCHMARKS.md).
 
 Mapping:
   * tile (b, h, qb) -> blockIdx.(z, y, x); ``num_warpgroups`` warpgroups (threadIdx.y) of 128
@@ -24,8 +24,9 @@ Mapping:
     default) the per-row values live in the registers of the quads that hold the rows, and the
     K/V step has only the barriers of the K/V tiles; "shared" keeps them in shared memory, one
     thread per row (about 5 more __syncthreads per tile).
-  * min_blocks_per_sm (default 2): ``__launch_bounds__(256, 2)``, so that two blocks share an SM
-    (128 registers a thread; unbounded, d128 takes 137 and one block fills the SM).
+  * block_m 256 (the default): four warpgroups share each K/V tile, one block an SM at 128
+    registers a thread. With 128-row blocks, min_blocks_per_sm 2 (``__launch_bounds__(256, 2)``)
+    lets two blocks share an SM (unbounded, d128 takes 137 registers and one block fills it).
   * pv: acc += P V (``m64n{head_dim}k16``, block_n/16 of them). The accumulator layout of S is,
     per 16 columns, the A-register layout of the "rs" form, so the cast P is the A operand as it
     is (no shared memory round trip). The output accumulator stays in registers across all K/V
@@ -50,10 +51,15 @@ from .common import (QuadRowLayout, bind_grid, hide_init_reads, pipeline_kv_load
 from .sm80 import DTYPES, _buffer_info  # noqa: F401 - DTYPES: the same fp16/bf16 pair
 
 WARPGROUP = 128
+CORE_MATRIX_ELEMENTS = 64  # 8 rows x 16 bytes of 16-bit elements
+PAD_ELEMENTS = 8  # 16 bytes after each core matrix along a row (``_pad_core_matrix_stride``)
 WG_ROWS = 64  # rows of one wgmma (the M of m64nNk16)
 WARPS_PER_WARPGROUP = 4
 
-KNOBS = {"block_m": 128, "block_n": 64, "num_warpgroups": 2, "num_stages": 2, "vec": 8, "min_blocks_per_sm": 2,
+# 256-row blocks: four warpgroups share each K/V tile (half the K/V loads and barriers per row of
+# 128-row blocks at two blocks an SM): 389-397 against 296-299 TFLOP/s at d128 bf16 non-causal,
+# 303-308 against 243-250 causal, 312 against 279 at d64 (H200, session 7, one barrier a step).
+KNOBS = {"block_m": 256, "block_n": 64, "num_warpgroups": 4, "num_stages": 2, "vec": 8, "min_blocks_per_sm": 1,
          "row_state": "registers"}
 # Where the per-row running values (m, l, ...) live, as in sm80: "registers", on the quads that hold
 # the rows; "shared", one thread per row in shared memory (about 5 more barriers a K/V step).
@@ -70,9 +76,8 @@ REGISTERS_PER_SM = 65536
 # instruction ... register target of 94 or higher" (the wgmma's accumulator operands).
 MIN_REGISTERS = 128
 SPACE = {
-    # block_m 256: four warpgroups (512 threads, at most 128 registers each) share each K/V tile,
-    # half the K/V loads and barriers per row of 128: 316 against 274-290 TFLOP/s at d128 bf16
-    # non-causal on the H200 (session 6); no better causal or at d64.
+    # block_m 256: four warpgroups (512 threads, at most 128 registers each) share each K/V tile
+    # (the default, see KNOBS).
     "block_m": [64, 128, 256],
     "block_n": [64, 128],
     "num_warpgroups": lambda knobs: [knobs["block_m"] // WG_ROWS],
@@ -96,10 +101,11 @@ def kernel_attrs(knobs: dict) -> dict:
 
 def shared_memory_bytes(head_dim: int, dtype: str, knobs: dict) -> int:
     """Shared memory a build with these knobs needs: the Q tile and num_stages K/V tile pairs in
-    wgmma core matrices (no padding), plus up to 5 per-row values (row_state "shared": m_tile,
+    wgmma core matrices (each padded by 16 bytes, ``_pad_core_matrix_stride``), plus up to 5 per-row values (row_state "shared": m_tile,
     l_tile, m_new, alpha, inv_l; "registers" stages only m and l, for store_lse)."""
     tiles = knobs["block_m"] + 2 * knobs["block_n"] * max(1, knobs.get("num_stages", 1))
-    return tiles * head_dim * 2 + 5 * 4 * knobs["block_m"]
+    padded = head_dim * (CORE_MATRIX_ELEMENTS + PAD_ELEMENTS) // CORE_MATRIX_ELEMENTS
+    return tiles * padded * 2 + 5 * 4 * knobs["block_m"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -386,17 +392,29 @@ def _row_block(sch, name, num_warpgroups):
 
 
 def _copy_to_core_matrices(sch, block, num_warpgroups, vec):
-    """Global -> shared copy into the core-matrix layout, 16 bytes a thread. Eight consecutive
-    threads write the 8 rows of one core matrix (128 contiguous bytes: no bank conflicts)."""
+    """Global -> shared copy into the core-matrix layout, 16 bytes a thread, threads along the
+    rows: each 8 threads (one phase of a 16-byte access) copy 128 contiguous bytes of a row, so
+    every 32-byte sector they read is whole. In shared memory those 8 pieces are one per core
+    matrix, which ``_pad_core_matrix_stride`` spreads over all the banks."""
     r, c = sch.get_loops(block)[-2:]
-    r_hi, r8 = sch.split(r, [None, 8])
     c_hi, v = sch.split(c, [None, vec])
-    sch.reorder(r_hi, c_hi, r8, v)
-    fused = sch.fuse(r_hi, c_hi, r8)
+    fused = sch.fuse(r, c_hi)
     _, ty, tx = sch.split(fused, [None, num_warpgroups, WARPGROUP])
     sch.bind(ty, "threadIdx.y")
     sch.bind(tx, "threadIdx.x")
     sch.vectorize(v)
+
+
+def _pad_core_matrix_stride(sch, block):
+    """Core matrices along a row 144 bytes apart instead of 128 (16 bytes of padding each): the
+    8 pieces of 16 bytes that 8 threads copy from one row (``_copy_to_core_matrices``) then land
+    in 8 different groups of 4 banks. Unpadded they all hit the same 4 banks, and in the
+    copy-friendly order before (8 rows of one core matrix) each phase read 8 half-used sectors:
+    on the H200 the cp.async tile copies moved twice the L2 sectors and 8x the shared-memory
+    wavefronts they need (ncu, session 7). The stride is the descriptor's LBO (K-major: Q, K) or
+    SBO (N-major: V), read from the buffer, so wgmma follows; a core matrix stays 128 contiguous
+    bytes. Costs 1/8 more shared memory (``shared_memory_bytes``)."""
+    sch.storage_align(block, 0, axis=1, factor=CORE_MATRIX_ELEMENTS, offset=PAD_ELEMENTS)
 
 
 def _warpgroup_gemm(sch, name, num_warpgroups):
@@ -508,6 +526,7 @@ def schedule(
     for name in ("load_q", "load_k", "load_v"):
         sch.set_scope(name, 0, "shared.dyn")
         sch.transform_layout(name, ("write", 0), _core_matrix_map)
+        _pad_core_matrix_stride(sch, name)
         _copy_to_core_matrices(sch, name, num_warpgroups, vec)
 
     # ---- qk: S = Q K^T on wgmma, S in accumulator registers --------------------------------

@@ -258,13 +258,14 @@ def test_sm90_kv_step_fences_for_wgmma_once(monkeypatch, causal):
 
 
 def test_sm90_min_blocks_per_sm_becomes_launch_bounds(monkeypatch, tmp_path):
-    """min_blocks_per_sm 2 (the default) is __launch_bounds__(256, 2) on the kernel (TVM's
+    """min_blocks_per_sm 2 with 128-row blocks is __launch_bounds__(256, 2) on the kernel (TVM's
     SplitHostDevice drops the function attribute; tvm_workarounds puts it back), and ptxas then
     keeps to 128 registers."""
     monkeypatch.setenv("TVMFLASH_SM90", "1")
-    one = tvmflash.compile(head_dim=128, dtype="bfloat16", target="sm90", knobs={"min_blocks_per_sm": 1})
+    rows128 = {"block_m": 128, "num_warpgroups": 2}
+    one = tvmflash.compile(head_dim=128, dtype="bfloat16", target="sm90", knobs={**rows128, "min_blocks_per_sm": 1})
     plain = one.source(heads_q=2, heads_kv=2)
-    two = tvmflash.compile(head_dim=128, dtype="bfloat16", target="sm90")
+    two = tvmflash.compile(head_dim=128, dtype="bfloat16", target="sm90", knobs={**rows128, "min_blocks_per_sm": 2})
     src = two.source(heads_q=2, heads_kv=2)
     assert "__launch_bounds__(256) main_kernel" in plain and "__launch_bounds__(256, 2) main_kernel" in src
     if shutil.which("nvcc"):

@@ -302,14 +302,17 @@ def _tile_wait_first(loop_body):
     count = wait[0].body
     if type(count).__name__ != "AttrStmt" or count.attr_key != "async_wait_inflight_count":
         return None
+    in_flight = _folded(count.value)  # static causal shapes: if_then_else(True & True, 1, 0)
+    if not isinstance(in_flight, tvm.tirx.IntImm) or in_flight.value < 1:
+        return None
     copies, refill_barrier = _without_leading_barrier(commit[0])
     compute, tile_barrier = _without_leading_barrier(count.body)
-    if not (refill_barrier and tile_barrier) or int(count.value) < 1:
+    if not (refill_barrier and tile_barrier):
         return None
     barrier = tirx.Evaluate(tirx.call_intrin("int32", "tirx.tvm_storage_sync", "shared"))
     # The copies of this step are not committed yet where the wait now stands: one group fewer in flight.
     hoisted = tirx.AttrStmt(wait[0].node, wait[0].attr_key, wait[0].value, tirx.AttrStmt(
-        count.node, count.attr_key, int(count.value) - 1, tirx.SeqStmt([barrier, copies])))
+        count.node, count.attr_key, in_flight.value - 1, tirx.SeqStmt([barrier, copies])))
 
     def rewrite(stmt):
         if stmt.same_as(commit[0]):
