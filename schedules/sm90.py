@@ -2,9 +2,9 @@
 
 On sm_90a it serves a workload where the tuning records say it beats the sm80 schedule
 (``tvmflash.kernel.choose_schedule``; ``TVMFLASH_SM90=1`` forces it, 0 turns it off). Correct on
-the H200 (the GPU tests pass with it). With 256-row blocks (the default) and one barrier a K/V
-step it reached 389-397 TFLOP/s at d128 bf16 non-causal on the H200, 1.13-1.16x SDPA's flash
-backend, and 303-308 causal, 1.06-1.07x (BENCHMARKS.md).
+the H200 (the GPU tests pass with it). Session 7's H200 grid (bf16, d128, the tuned knobs, which
+are the defaults): 415-433 TFLOP/s non-causal at 4k-8k tokens, 1.18-1.23x SDPA's flash backend,
+and 299-345 causal, 1.02-1.09x; 0.57-0.65x cuDNN (BENCHMARKS.md).
 
 Mapping:
   * tile (b, h, qb) -> blockIdx.(z, y, x); ``num_warpgroups`` warpgroups (threadIdx.y) of 128
@@ -24,9 +24,9 @@ Mapping:
     default) the per-row values live in the registers of the quads that hold the rows, and the
     K/V step has only the barriers of the K/V tiles; "shared" keeps them in shared memory, one
     thread per row (about 5 more __syncthreads per tile).
-  * block_m 256 (the default): four warpgroups share each K/V tile, one block an SM at 128
-    registers a thread. With 128-row blocks, min_blocks_per_sm 2 (``__launch_bounds__(256, 2)``)
-    lets two blocks share an SM (unbounded, d128 takes 137 registers and one block fills it).
+  * min_blocks_per_sm (default 2): ``__launch_bounds__(256, 2)``, so that two blocks share an SM
+    (128 registers a thread; unbounded, d128 takes 137 and one block fills the SM). block_m 256
+    (four warpgroups a K/V tile, one block an SM) is in the tuning space.
   * pv: acc += P V (``m64n{head_dim}k16``, block_n/16 of them). The accumulator layout of S is,
     per 16 columns, the A-register layout of the "rs" form, so the cast P is the A operand as it
     is (no shared memory round trip). The output accumulator stays in registers across all K/V
@@ -56,11 +56,13 @@ PAD_ELEMENTS = 8  # 16 bytes after each core matrix along a row (``_pad_core_mat
 WG_ROWS = 64  # rows of one wgmma (the M of m64nNk16)
 WARPS_PER_WARPGROUP = 4
 
-# 256-row blocks: four warpgroups share each K/V tile (half the K/V loads and barriers per row of
-# 128-row blocks at two blocks an SM): 389-397 against 296-299 TFLOP/s at d128 bf16 non-causal,
-# 303-308 against 243-250 causal, 312 against 279 at d64 (H200, session 7, one barrier a step).
-KNOBS = {"block_m": 256, "block_n": 64, "num_warpgroups": 4, "num_stages": 2, "vec": 8, "min_blocks_per_sm": 1,
+# The H200's fastest through tvmflash.compile (session 7, b4 s4096 bf16, one process): 128-row
+# blocks, two blocks an SM, the K/V tiles loaded without a software pipeline (the other block's
+# warpgroups cover the load latency). d128: 405 TFLOP/s non-causal and 311 causal, against 387 and
+# 286 for 256-row blocks with 2 stages (BENCHMARKS.md); d64 takes 128-key tiles.
+KNOBS = {"block_m": 128, "block_n": 64, "num_warpgroups": 2, "num_stages": 1, "vec": 8, "min_blocks_per_sm": 2,
          "row_state": "registers"}
+KNOBS_FOR_HEAD_DIM = {64: {"block_n": 128}}
 # Where the per-row running values (m, l, ...) live, as in sm80: "registers", on the quads that hold
 # the rows; "shared", one thread per row in shared memory (about 5 more barriers a K/V step).
 ROW_STATES = ("registers", "shared")
@@ -486,7 +488,7 @@ def schedule(
     block_n: int,
     num_warpgroups: int,
     vec: int,
-    num_stages: int = 2,
+    num_stages: int = 1,
     min_blocks_per_sm: int = 2,
     row_state: str = "registers",
 ) -> tvm.s_tir.Schedule:

@@ -257,6 +257,22 @@ def test_sm90_kv_step_fences_for_wgmma_once(monkeypatch, causal):
     assert body[fence + 1] == "__syncthreads();"
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_sm90_core_matrices_are_padded_and_copied_along_rows(monkeypatch, head_dim):
+    """Q/K/V tiles: core matrices 144 bytes apart along a row (the descriptors' K-major LBO is 9
+    16-byte units, an 8-row group of head_dim/8 core matrices the SBO), and each 16-byte copy
+    goes to row threadIdx.x // (head_dim/8), so 8 threads copy 128 contiguous bytes of a row:
+    whole sectors, spread over the banks (schedules.sm90._pad_core_matrix_stride)."""
+    monkeypatch.setenv("TVMFLASH_SM90", "1")
+    src = tvmflash.compile(head_dim=head_dim, dtype="bfloat16", target="sm90").source(heads_q=2, heads_kv=2)
+    chunks = head_dim // 8
+    descriptors = set(re.findall(r"\]\)\), (\d+), (\d+)\)", src))  # tvmflash_wgmma_descriptor(&tile[...], LBO, SBO)
+    assert ("9", str(9 * chunks)) in descriptors  # Q, K: LBO 144 bytes, SBO 8 rows of padded core matrices
+    assert (str(9 * chunks), "9") in descriptors  # V (N-major): the same strides, the other way round
+    copies = [line for line in src.splitlines() if "tvmflash_cp_async" in line or "uint4*)(((nv_bfloat16*)buf_dyn" in line]
+    assert copies and all(f"(((int)threadIdx.x) & {chunks - 1}) * 72)" in line for line in copies)
+
+
 def test_sm90_min_blocks_per_sm_becomes_launch_bounds(monkeypatch, tmp_path):
     """min_blocks_per_sm 2 with 128-row blocks is __launch_bounds__(256, 2) on the kernel (TVM's
     SplitHostDevice drops the function attribute; tvm_workarounds puts it back), and ptxas then
