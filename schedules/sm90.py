@@ -11,7 +11,11 @@ Mapping:
     threads (threadIdx.x). Warpgroup g owns rows [64 g, 64 g + 64) of the Q block, so
     block_m == 64 * num_warpgroups.
   * Q, K, V tiles live in dynamic shared memory in the "interleaved" (no-swizzle) core-matrix
-    layout that a wgmma matrix descriptor describes (``_core_matrix_map``). QK^T reads both
+    layout that a wgmma matrix descriptor describes (``_core_matrix_map``), core matrices 16
+    bytes apart along a row (``_pad_core_matrix_stride``), copied along the rows. The K/V tiles
+    are loaded by all threads, plainly (num_stages 1, the default: the other block on the SM
+    covers the latency) or in a cp.async pipeline (2, 3) whose steps wait for their tile and
+    sync once (``tvm_workarounds.one_barrier_per_pipelined_step``). QK^T reads both
     operands through descriptors ("ss" form), K K-major; PV takes P from registers ("rs" form)
     and V through a descriptor, N-major (``imm-trans-b`` = 1), so V is never transposed.
   * qk: S = Q K^T: one tensor intrinsic per warpgroup and K/V tile covers the whole 64 x block_n
