@@ -63,7 +63,9 @@ WARPS_PER_WARPGROUP = 4
 # The H200's fastest through tvmflash.compile (session 7, b4 s4096 bf16, one process): 128-row
 # blocks, two blocks an SM, the K/V tiles loaded without a software pipeline (the other block's
 # warpgroups cover the load latency). d128: 405 TFLOP/s non-causal and 311 causal, against 387 and
-# 286 for 256-row blocks with 2 stages (BENCHMARKS.md); d64 takes 128-key tiles.
+# 286 for 256-row blocks with 2 stages (BENCHMARKS.md); d64 takes 128-key tiles. At d128 ptxas
+# spills 28 bytes (48 causal) at these 128 registers: six loop-invariant values reloaded from
+# local memory (L1) each K/V step.
 KNOBS = {"block_m": 128, "block_n": 64, "num_warpgroups": 2, "num_stages": 1, "vec": 8, "min_blocks_per_sm": 2,
          "row_state": "registers"}
 KNOBS_FOR_HEAD_DIM = {64: {"block_n": 128}}
