@@ -109,8 +109,9 @@ def kernel_attrs(knobs: dict) -> dict:
 
 def shared_memory_bytes(head_dim: int, dtype: str, knobs: dict) -> int:
     """Shared memory a build with these knobs needs: the Q tile and num_stages K/V tile pairs in
-    wgmma core matrices (each padded by 16 bytes, ``_pad_core_matrix_stride``), plus up to 5 per-row values (row_state "shared": m_tile,
-    l_tile, m_new, alpha, inv_l; "registers" stages only m and l, for store_lse)."""
+    wgmma core matrices (each padded by 16 bytes, ``_pad_core_matrix_stride``), plus up to 5
+    per-row values (row_state "shared": m_tile, l_tile, m_new, alpha, inv_l; "registers" stages
+    only m and l, for store_lse)."""
     tiles = knobs["block_m"] + 2 * knobs["block_n"] * max(1, knobs.get("num_stages", 1))
     padded = head_dim * (CORE_MATRIX_ELEMENTS + PAD_ELEMENTS) // CORE_MATRIX_ELEMENTS
     return tiles * padded * 2 + 5 * 4 * knobs["block_m"]
@@ -220,7 +221,8 @@ def wgmma_intrin_name(n: int, k: int, dtype: str, b_major: str, a_regs: bool = F
 
     fence_operands ("ss" form only): begin with ``fence.proxy.async`` and a barrier, so that the
     threads' shared-memory writes are visible to wgmma. Off where the caller's code already does
-    both just before (the cp.async pipeline's wait, ``tvm_workarounds.constant_async_wait_counts``).
+    both before it (the cp.async pipeline's wait, ``tvm_workarounds.constant_async_wait_counts``,
+    at the top of the K/V step: ``tvm_workarounds.one_barrier_per_pipelined_step``).
     """
     name = f"tvmflash_wgmma_m64n{n}k{k}_{_PTX_TYPE[dtype]}_{'r' if a_regs else 's'}_b{b_major}"
     if not a_regs and not fence_operands:
@@ -521,9 +523,9 @@ def schedule(
                          f"{REGISTERS_PER_SM // (threads * min_blocks_per_sm)} registers a thread, and the "
                          f"accumulators need {MIN_REGISTERS}: at most {REGISTERS_PER_SM // (threads * MIN_REGISTERS)} "
                          f"with block_m {block_m}")
-    # With the K/V loads pipelined, each tile's cp.async wait is followed by fence.proxy.async and
-    # a barrier (covering Q's stores too), right before QK^T: the intrinsic's own would be a third
-    # barrier a K/V step.
+    # With the K/V loads pipelined, each K/V step opens with its tile's cp.async wait,
+    # fence.proxy.async and a barrier (covering Q's stores too): the intrinsic's own would be a
+    # second barrier a K/V step.
     qk_intrin = wgmma_intrin_name(BN, D, dtype, "k", fence_operands=num_stages == 1)
     pv_intrin = wgmma_intrin_name(D, BN, dtype, "mn", a_regs=True)
 

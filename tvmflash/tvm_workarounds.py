@@ -244,9 +244,30 @@ def _is_barrier(stmt) -> bool:
     return type(value).__name__ == "Call" and getattr(value.op, "name", "") == "tirx.tvm_storage_sync"
 
 
+def _with_children(stmt, f):
+    """``stmt`` rebuilt with ``f`` applied to each statement directly inside it: the kinds that the
+    lowered kernels have around and inside their K/V loops (any other kind is returned as it is)."""
+    from tvm import tirx
+
+    kind = type(stmt).__name__
+    if kind == "SeqStmt":
+        return tirx.SeqStmt([f(s) for s in stmt.seq])
+    if kind == "AttrStmt":
+        return tirx.AttrStmt(stmt.node, stmt.attr_key, stmt.value, f(stmt.body))
+    if kind == "LetStmt":
+        return tirx.LetStmt(stmt.var, stmt.value, f(stmt.body))
+    if kind == "IfThenElse":
+        other = None if stmt.else_case is None else f(stmt.else_case)
+        return tirx.IfThenElse(stmt.condition, f(stmt.then_case), other)
+    if kind == "For":
+        return tirx.For(stmt.loop_var, stmt.min, stmt.extent, stmt.kind, f(stmt.body), stmt.thread_binding,
+                        stmt.annotations)
+    return stmt
+
+
 def _without_leading_barrier(stmt):
     """``stmt`` with the barrier that opens it (through lets, attributes and sequences) dropped, and
-    whether there was one."""
+    that barrier (None if there was none)."""
     from tvm import tirx
 
     kind = type(stmt).__name__
@@ -254,19 +275,16 @@ def _without_leading_barrier(stmt):
         seq = list(stmt.seq)
         i = next((i for i, s in enumerate(seq) if type(s).__name__ != "Bind"), len(seq))
         if i == len(seq):
-            return stmt, False
+            return stmt, None
         if _is_barrier(seq[i]):
             rest = seq[:i] + seq[i + 1:]
-            return (rest[0] if len(rest) == 1 else tirx.SeqStmt(rest)), True
-        first, found = _without_leading_barrier(seq[i])
-        return tirx.SeqStmt(seq[:i] + [first] + seq[i + 1:]), found
-    if kind == "LetStmt":
-        body, found = _without_leading_barrier(stmt.body)
-        return tirx.LetStmt(stmt.var, stmt.value, body), found
-    if kind == "AttrStmt":
-        body, found = _without_leading_barrier(stmt.body)
-        return tirx.AttrStmt(stmt.node, stmt.attr_key, stmt.value, body), found
-    return stmt, False
+            return (rest[0] if len(rest) == 1 else tirx.SeqStmt(rest)), seq[i]
+        first, barrier = _without_leading_barrier(seq[i])
+        return tirx.SeqStmt(seq[:i] + [first] + seq[i + 1:]), barrier
+    if kind in ("LetStmt", "AttrStmt"):
+        body, barrier = _without_leading_barrier(stmt.body)
+        return _with_children(stmt, lambda _: body), barrier
+    return stmt, None
 
 
 def _tile_wait_first(loop_body):
@@ -307,51 +325,30 @@ def _tile_wait_first(loop_body):
         return None
     copies, refill_barrier = _without_leading_barrier(commit[0])
     compute, tile_barrier = _without_leading_barrier(count.body)
-    if not (refill_barrier and tile_barrier):
+    if refill_barrier is None or tile_barrier is None:
         return None
-    barrier = tirx.Evaluate(tirx.call_intrin("int32", "tirx.tvm_storage_sync", "shared"))
     # The copies of this step are not committed yet where the wait now stands: one group fewer in flight.
     hoisted = tirx.AttrStmt(wait[0].node, wait[0].attr_key, wait[0].value, tirx.AttrStmt(
-        count.node, count.attr_key, in_flight.value - 1, tirx.SeqStmt([barrier, copies])))
+        count.node, count.attr_key, in_flight.value - 1, tirx.SeqStmt([tile_barrier, copies])))
 
-    def rewrite(stmt):
+    def rewrite(stmt):  # the two scopes moved; inner loops hold neither
         if stmt.same_as(commit[0]):
             return hoisted
         if stmt.same_as(wait[0]):
             return compute
-        kind = type(stmt).__name__
-        if kind == "SeqStmt":
-            return tirx.SeqStmt([rewrite(s) for s in stmt.seq])
-        if kind == "LetStmt":
-            return tirx.LetStmt(stmt.var, stmt.value, rewrite(stmt.body))
-        if kind == "AttrStmt":
-            return tirx.AttrStmt(stmt.node, stmt.attr_key, stmt.value, rewrite(stmt.body))
-        return stmt
+        return stmt if type(stmt).__name__ == "For" else _with_children(stmt, rewrite)
 
     return rewrite(loop_body)
 
 
 def _map_loops(stmt, rewrite_body):
     """``stmt`` with each For loop's body replaced by ``rewrite_body(body)`` where that is not None
-    (outermost loops first; a rewritten loop's inner loops are left alone). Descends through the
-    statement kinds the lowered kernels have around their loops."""
-    from tvm import tirx
-
-    kind = type(stmt).__name__
-    if kind == "For":
+    (outermost loops first; a rewritten loop's inner loops are left alone)."""
+    if type(stmt).__name__ == "For":
         body = rewrite_body(stmt.body)
-        body = _map_loops(stmt.body, rewrite_body) if body is None else body
-        return tirx.For(stmt.loop_var, stmt.min, stmt.extent, stmt.kind, body, stmt.thread_binding, stmt.annotations)
-    if kind == "SeqStmt":
-        return tirx.SeqStmt([_map_loops(s, rewrite_body) for s in stmt.seq])
-    if kind == "AttrStmt":
-        return tirx.AttrStmt(stmt.node, stmt.attr_key, stmt.value, _map_loops(stmt.body, rewrite_body))
-    if kind == "LetStmt":
-        return tirx.LetStmt(stmt.var, stmt.value, _map_loops(stmt.body, rewrite_body))
-    if kind == "IfThenElse":
-        other = None if stmt.else_case is None else _map_loops(stmt.else_case, rewrite_body)
-        return tirx.IfThenElse(stmt.condition, _map_loops(stmt.then_case, rewrite_body), other)
-    return stmt
+        if body is not None:
+            return _with_children(stmt, lambda _: body)
+    return _with_children(stmt, lambda s: _map_loops(s, rewrite_body))
 
 
 @contextlib.contextmanager
