@@ -109,12 +109,14 @@ def kernel_attrs(knobs: dict) -> dict:
 
 def shared_memory_bytes(head_dim: int, dtype: str, knobs: dict) -> int:
     """Shared memory a build with these knobs needs: the Q tile and num_stages K/V tile pairs in
-    wgmma core matrices (each padded by 16 bytes, ``_pad_core_matrix_stride``), plus up to 5
+    wgmma core matrices (each padded by 16 bytes, ``_pad_core_matrix_stride``), or the output tile
+    if that is larger (``_store_o_through_shared_memory``: it reuses their memory), plus up to 5
     per-row values (row_state "shared": m_tile, l_tile, m_new, alpha, inv_l; "registers" stages
     only m and l, for store_lse)."""
     tiles = knobs["block_m"] + 2 * knobs["block_n"] * max(1, knobs.get("num_stages", 1))
     padded = head_dim * (CORE_MATRIX_ELEMENTS + PAD_ELEMENTS) // CORE_MATRIX_ELEMENTS
-    return tiles * padded * 2 + 5 * 4 * knobs["block_m"]
+    output_tile = knobs["block_m"] * (head_dim + PAD_ELEMENTS)  # reuses the tiles' memory
+    return max(tiles * padded, output_tile) * 2 + 5 * 4 * knobs["block_m"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -427,6 +429,28 @@ def _pad_core_matrix_stride(sch, block):
     sch.storage_align(block, 0, axis=1, factor=CORE_MATRIX_ELEMENTS, offset=PAD_ELEMENTS)
 
 
+def _store_o_through_shared_memory(sch, head_dim, num_warpgroups, vec):
+    """The output goes to global memory through shared memory: the accumulator threads write their
+    pairs of adjacent columns (one 32-bit store each) into a row-major tile whose rows are padded
+    by 16 bytes (so the 8 rows a warp writes at once hit different banks), then all threads copy
+    the tile out along its rows, 16 bytes each. Straight from the accumulator layout it was 2-byte
+    stores, each warp's touching 8 sectors for 64 bytes. The tile reuses the K/V and Q tiles'
+    shared memory (dead by then). H200, d128 bf16, 128-row blocks: 0.421 -> 0.361 ms at 1k
+    tokens non-causal, 0.864 -> 0.819 ms at 4k causal (BENCHMARKS.md, session 8)."""
+    _acc_block(sch, "store_o", num_warpgroups)
+    sch.vectorize(sch.get_loops("store_o")[-1])  # a thread's two adjacent columns
+    copy = sch.cache_write("store_o", 0, "shared.dyn")
+    # The tile is (1, block_m, 1, head_dim), a slice of O: axis 2's stride is the row stride.
+    sch.storage_align("store_o", 0, axis=2, factor=head_dim, offset=PAD_ELEMENTS)
+    # Its rows: those of the sequence (a symbolic count, at most block_m); 16 bytes a thread.
+    b, r, h, c = sch.get_loops(copy)[-4:]
+    c_hi, v = sch.split(c, [None, vec])
+    _, ty, tx = sch.split(sch.fuse(b, r, h, c_hi), [None, num_warpgroups, WARPGROUP])
+    sch.bind(ty, "threadIdx.y")
+    sch.bind(tx, "threadIdx.x")
+    sch.vectorize(v)
+
+
 def _warpgroup_gemm(sch, name, num_warpgroups):
     """Prepare a GEMM block (loops: block_m rows, cols, reduction) for one wgmma intrinsic per
     warpgroup: rows split over warpgroups, the init (decompose_reduction) run by the threads that
@@ -562,7 +586,7 @@ def schedule(
     sch.tensorize(rows, pv_intrin)
 
     _acc_block(sch, "init_acc", num_warpgroups)
-    _acc_block(sch, "store_o", num_warpgroups)
+    _store_o_through_shared_memory(sch, D, num_warpgroups, vec)
 
     # ---- softmax on the accumulator registers -------------------------------------------
     # S, the masked score and P keep the accumulator layout, and each thread works on the

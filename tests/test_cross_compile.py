@@ -269,8 +269,41 @@ def test_sm90_core_matrices_are_padded_and_copied_along_rows(monkeypatch, head_d
     descriptors = set(re.findall(r"\]\)\), (\d+), (\d+)\)", src))  # tvmflash_wgmma_descriptor(&tile[...], LBO, SBO)
     assert ("9", str(9 * chunks)) in descriptors  # Q, K: LBO 144 bytes, SBO 8 rows of padded core matrices
     assert (str(9 * chunks), "9") in descriptors  # V (N-major): the same strides, the other way round
-    copies = [line for line in src.splitlines() if "tvmflash_cp_async" in line or "uint4*)(((nv_bfloat16*)buf_dyn" in line]
+    copies = [line for line in src.splitlines()
+              if "tvmflash_cp_async" in line or line.strip().startswith("*(uint4*)(((nv_bfloat16*)buf_dyn")]
     assert copies and all(f"(((int)threadIdx.x) & {chunks - 1}) * 72)" in line for line in copies)
+
+
+@pytest.mark.parametrize("dtype,pair", [("bfloat16", "nv_bfloat162"), ("float16", "half2")])
+def test_sm90_output_goes_out_through_shared_memory(monkeypatch, dtype, pair):
+    """The accumulator threads write the output tile to shared memory in pairs of adjacent columns
+    (one 32-bit store each), and the tile goes to global memory in 16-byte row pieces: no 2-byte
+    stores to O (schedules.sm90._store_o_through_shared_memory)."""
+    monkeypatch.setenv("TVMFLASH_SM90", "1")
+    src = tvmflash.compile(head_dim=128, dtype=dtype, target="sm90").source(heads_q=2, heads_kv=2)
+    to_global = [line.strip() for line in src.splitlines() if "O_ptr" in line and "=" in line and "__global__" not in line]
+    assert to_global and all(line.startswith("*(uint4*)(O_ptr + ") for line in to_global)
+    assert f"*({pair}*)(((" in src  # the pairs into the shared tile
+
+
+def _tile_loops(scheduled_tir: str) -> list[str]:
+    """The tile's thread-block loops of a scheduled program, outermost first."""
+    return [line.strip() for line in scheduled_tir.splitlines() if 'thread="blockIdx.' in line]
+
+
+@pytest.mark.parametrize("arch", ["sm80", "sm90"])
+def test_causal_tiles_start_heaviest_first(monkeypatch, arch):
+    """Causal: heads along blockIdx.x and the Q blocks along blockIdx.y, last to first, so the Q
+    blocks with the most K/V tiles start first (schedules.common.bind_grid). Non-causal keeps a
+    head's Q blocks along blockIdx.x."""
+    monkeypatch.setenv("TVMFLASH_SM90", "1" if arch == "sm90" else "0")
+    causal = _tile_loops(tvmflash.compile(head_dim=64, dtype="float16", causal=True, target=arch).scheduled_tir(4))
+    assert len(causal) == 3
+    assert "blockIdx.z" in causal[0] and "tvmflash.reversed" not in causal[0]
+    assert "seqlen_q" in causal[1] and "blockIdx.y" in causal[1] and '"tvmflash.reversed": 1' in causal[1]
+    assert "T.thread_binding(4," in causal[2] and "blockIdx.x" in causal[2]
+    full = _tile_loops(tvmflash.compile(head_dim=64, dtype="float16", target=arch).scheduled_tir(4))
+    assert "seqlen_q" in full[2] and "blockIdx.x" in full[2] and not any("reversed" in loop for loop in full)
 
 
 def test_sm90_min_blocks_per_sm_becomes_launch_bounds(monkeypatch, tmp_path):

@@ -69,6 +69,7 @@ def build_module(mod: tvm.IRModule, target: tvm.target.Target, pass_config: dict
                  async_proxy_operands: bool = False):
     """``tvm.compile`` a scheduled module with its schedule's ``build_options`` and tvmflash's TVM
     workarounds. Kernel and the tuner's MetaSchedule builder both build through here."""
+    mod = tvm_workarounds.reversed_loops(mod)
     with tvm.transform.PassContext(opt_level=3, config=pass_config), tvm_workarounds.applied(async_proxy_operands):
         return tvm.compile(mod, target=target)
 

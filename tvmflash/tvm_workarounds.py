@@ -378,6 +378,28 @@ def one_barrier_per_pipelined_step():
         yield
 
 
+def reversed_loops(mod: tvm.IRModule) -> tvm.IRModule:
+    """Each loop annotated ``schedules.common.REVERSED`` visits its iterations last to first: its
+    variable i becomes min + extent - 1 - i in the body. The schedules use it on a loop bound to
+    blockIdx, whose iterations are independent thread blocks, to choose the order the GPU starts
+    them in. TensorIR's Schedule has no primitive that reverses a loop."""
+    from tvm import tirx
+
+    from tvmflash.schedules.common import REVERSED
+
+    def reverse(loop):
+        if REVERSED not in loop.annotations:
+            return loop
+        old = loop.loop_var
+        new = type(old)(old.name, old.ty)
+        flipped = loop.min + loop.extent - 1 - new
+        body = tvm_ffi.structural_map(loop.body, (type(old), lambda v: flipped if v.same_as(old) else v))
+        annotations = {key: value for key, value in loop.annotations.items() if key != REVERSED}
+        return tirx.For(new, loop.min, loop.extent, loop.kind, body, loop.thread_binding, annotations)
+
+    return tvm_ffi.structural_map(mod, (tirx.For, reverse))
+
+
 @contextlib.contextmanager
 def applied(async_proxy_operands: bool = False):
     """Every workaround above, for one build (``kernel.build_module``). async_proxy_operands: the
