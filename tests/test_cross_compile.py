@@ -42,7 +42,8 @@ def test_target_forms():
 
 @pytest.mark.parametrize("arch", ["sm80", "sm90"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_tensor_core_schedule_emits_mma_and_ldmatrix(arch, dtype):
+def test_tensor_core_schedule_emits_mma_and_ldmatrix(monkeypatch, arch, dtype):
+    monkeypatch.setenv("TVMFLASH_SM90", "0")  # the sm80 schedule, also on sm_90a
     kernel = tvmflash.compile(head_dim=64, dtype=dtype, target=arch)
     src = kernel.source(heads_q=2, heads_kv=1)
     assert kernel.info()["schedule"] == "sm80"
@@ -92,11 +93,14 @@ def test_sm80_rejects_unknown_num_stages():
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_sm90_wgmma_schedule_is_opt_in(monkeypatch, dtype):
-    """The wgmma schedule (TVMFLASH_SM90=1) emits wgmma, not mma.sync, and nvcc compiles it for
-    sm_90a. Without the variable (and with no tuning record of this machine) sm80 serves."""
-    monkeypatch.delenv("TVMFLASH_SM90", raising=False)
+def test_sm90_wgmma_schedule_serves_sm_90a(monkeypatch, dtype):
+    """On sm_90a the wgmma schedule serves (with no tuning records that favour sm80), emits wgmma,
+    not mma.sync, and nvcc compiles it for sm_90a. TVMFLASH_SM90=0 keeps sm80; 1 does not take it
+    to other targets."""
+    monkeypatch.setenv("TVMFLASH_SM90", "0")
     assert tvmflash.compile(head_dim=64, dtype=dtype, target="sm90").info()["schedule"] == "sm80"
+    monkeypatch.delenv("TVMFLASH_SM90")
+    assert tvmflash.compile(head_dim=64, dtype=dtype, target="sm90").info()["schedule"] == "sm90"
     monkeypatch.setenv("TVMFLASH_SM90", "1")
     assert tvmflash.compile(head_dim=64, dtype=dtype, target="sm80").info()["schedule"] == "sm80"
     kernel = tvmflash.compile(head_dim=128, dtype=dtype, causal=True, target="sm90")
@@ -211,7 +215,7 @@ def test_knobs_fit_the_targets_shared_memory():
     fit are a clear error, not a failed launch."""
     kernel = tvmflash.compile(head_dim=128, dtype="bfloat16", target="sm86")
     assert kernel.knobs["num_stages"] == 1 and "shrunk to fit shared memory" in kernel.info()["knobs_source"]
-    assert tvmflash.compile(head_dim=128, dtype="bfloat16", target="sm90").knobs["num_stages"] == 2
+    assert tvmflash.compile(head_dim=128, dtype="bfloat16", target="sm80").knobs["num_stages"] == 2  # 163 KiB
     with pytest.raises(ValueError, match="KiB of shared memory, cuda sm_86 allows 99 KiB"):
         tvmflash.compile(head_dim=128, dtype="bfloat16", target="sm86", knobs={"num_stages": 3})
 

@@ -318,18 +318,19 @@ _KERNELS: dict[str, Kernel] = {}
 
 def choose_schedule(target: tvm.target.Target, spec_args: dict, knobs: dict | None) -> tuple[ModuleType, str]:
     """The schedule module for a kernel, and why. ``schedules.for_target`` decides, except on sm_90a
-    with TVMFLASH_SM90 unset and no knobs given: there the sm90 schedule serves a workload whose
-    tuned record on this device (``tvmflash tune`` or the shipped logs) is faster than the sm80
-    schedule's, both measured at the same shape."""
+    with TVMFLASH_SM90 unset and no knobs given: there the sm90 schedule serves every workload but
+    one whose tuned records on this device (``tvmflash tune`` or the shipped logs) say the sm80
+    schedule is faster, both measured at the same shape."""
     module = schedule_registry.for_target(target, spec_args["dtype"])
     if (knobs or module is not schedule_registry.sm80 or schedule_registry.sm90_setting() != "records"
             or not schedule_registry.sm90_eligible(target, spec_args["dtype"])):
         return module, "the target's"
     r80, r90 = (database.lookup(target, name, dict(spec_args)) for name in ("sm80", "sm90"))
-    if r80 and r90 and r80.get("shape") == r90.get("shape") and r90["mean_ms"] < r80["mean_ms"]:
-        return (schedule_registry.sm90,
-                f"tuned records: sm90 {r90['mean_ms']:.3f} ms, sm80 {r80['mean_ms']:.3f} ms at {r90.get('shape')}")
-    return module, "the target's (the tuning records do not favour sm90)"
+    if not (r80 and r90 and r80.get("shape") == r90.get("shape")):
+        return schedule_registry.sm90, "sm_90a's (no tuning records of both schedules to compare)"
+    times = f"sm90 {r90['mean_ms']:.3f} ms, sm80 {r80['mean_ms']:.3f} ms at {r90.get('shape')}"
+    return (schedule_registry.sm90, f"tuned records: {times}") if r90["mean_ms"] <= r80["mean_ms"] else \
+        (module, f"tuned records favour sm80: {times}")
 
 
 def compile(*, head_dim: int, dtype, causal: bool = False, target=None, knobs: dict | None = None,
