@@ -1,23 +1,24 @@
 """sm90 (Hopper, sm_90a) schedule: QK^T and PV on ``wgmma.mma_async``.
 
-On sm_90a it serves a workload where the tuning records say it beats the sm80 schedule
-(``tvmflash.kernel.choose_schedule``; ``TVMFLASH_SM90=1`` forces it, 0 turns it off). Correct on
-the H200 (the GPU tests pass with it). Session 7's H200 grid (bf16, d128, the tuned knobs, which
-are the defaults): 415-433 TFLOP/s non-causal at 4k-8k tokens, 1.18-1.23x SDPA's flash backend,
-and 299-345 causal, 1.02-1.09x; 0.57-0.65x cuDNN (BENCHMARKS.md).
+On sm_90a it is the default, unless the tuning records say the sm80 schedule is faster for a
+workload (``tvmflash.kernel.choose_schedule``; ``TVMFLASH_SM90=1`` forces it, 0 turns it off).
+Correct on the H200 (the GPU tests pass with it). BENCHMARKS.md has its H200 grids.
 
 Mapping:
   * tile (b, h, qb) -> blockIdx.(z, y, x); ``num_warpgroups`` warpgroups (threadIdx.y) of 128
     threads (threadIdx.x). Warpgroup g owns rows [64 g, 64 g + 64) of the Q block, so
     block_m == 64 * num_warpgroups.
-  * Q, K, V tiles live in dynamic shared memory in the "interleaved" (no-swizzle) core-matrix
-    layout that a wgmma matrix descriptor describes (``_core_matrix_map``), core matrices 16
-    bytes apart along a row (``_pad_core_matrix_stride``), copied along the rows. The K/V tiles
-    are loaded by all threads, plainly (num_stages 1, the default: the other block on the SM
-    covers the latency) or in a cp.async pipeline (2, 3) whose steps wait for their tile and
-    sync once (``tvm_workarounds.one_barrier_per_pipelined_step``). QK^T reads both
-    operands through descriptors ("ss" form), K K-major; PV takes P from registers ("rs" form)
-    and V through a descriptor, N-major (``imm-trans-b`` = 1), so V is never transposed.
+  * Q, K, V tiles live in dynamic shared memory, read by wgmma through matrix descriptors. Q is
+    in the "interleaved" (no-swizzle) core-matrix layout (``_core_matrix_map``), core matrices
+    16 bytes apart along a row (``_pad_core_matrix_stride``). K and V (``kv_layout``, default
+    "swizzled") are in the 128-byte swizzled layout (``_swizzled_map``: 64-column halves of
+    128-byte rows, 16-byte chunks permuted by row), or padded core matrices like Q. All are
+    copied along the rows, 16 bytes a thread. The K/V tiles are loaded in a cp.async pipeline
+    (num_stages 2, the default, or 3) whose steps wait for their tile and sync once
+    (``tvm_workarounds.one_barrier_per_pipelined_step``), or plainly (num_stages 1). QK^T
+    reads both operands through descriptors ("ss" form), K K-major; PV takes P from registers
+    ("rs" form) and V through a descriptor, N-major (``imm-trans-b`` = 1), so V is never
+    transposed.
   * qk: S = Q K^T: one tensor intrinsic per warpgroup and K/V tile covers the whole 64 x block_n
     x head_dim product: head_dim/16 ``wgmma.mma_async.m64n{block_n}k16`` in one commit group.
     S stays in the wgmma accumulator registers (``_acc_layout``).
@@ -60,24 +61,28 @@ PAD_ELEMENTS = 8  # 16 bytes after each core matrix along a row (``_pad_core_mat
 WG_ROWS = 64  # rows of one wgmma (the M of m64nNk16)
 WARPS_PER_WARPGROUP = 4
 
-# The H200's fastest through tvmflash.compile (session 7, b4 s4096 bf16, one process): 128-row
-# blocks, two blocks an SM, the K/V tiles loaded without a software pipeline (the other block's
-# warpgroups cover the load latency). d128: 405 TFLOP/s non-causal and 311 causal, against 387 and
-# 286 for 256-row blocks with 2 stages (BENCHMARKS.md); d64 takes 128-key tiles. At d128 ptxas
-# spills 28 bytes (48 causal) at these 128 registers: six loop-invariant values reloaded from
-# local memory (L1) each K/V step.
-KNOBS = {"block_m": 128, "block_n": 64, "num_warpgroups": 2, "num_stages": 1, "vec": 8, "min_blocks_per_sm": 2,
-         "row_state": "registers"}
-KNOBS_FOR_HEAD_DIM = {64: {"block_n": 128}}
+# The H200's fastest (session 8, cubins of these builds, b4 s4096 bf16): 128-row blocks, two blocks
+# an SM, the K/V tiles in the 128-byte swizzled layout loaded by a two-stage cp.async pipeline.
+# d128: 565 TFLOP/s non-causal and 444 causal, against 439 and 378 with padded core matrices and
+# plain loads (session 7's defaults; with padded core matrices two stages ran at 304). d64 takes
+# 128-key tiles. head_dims that are no multiple of 64 keep the padded core matrices, and one stage.
+KNOBS = {"block_m": 128, "block_n": 64, "num_warpgroups": 2, "num_stages": 2, "vec": 8, "min_blocks_per_sm": 2,
+         "row_state": "registers", "kv_layout": "swizzled"}
+KNOBS_FOR_HEAD_DIM = {64: {"block_n": 128}, 256: {"min_blocks_per_sm": 1},  # d256: 197 registers a thread
+                      **{d: {"kv_layout": "core_matrices", "num_stages": 1} for d in (32, 96)}}
 # Where the per-row running values (m, l, ...) live, as in sm80: "registers", on the quads that hold
 # the rows; "shared", one thread per row in shared memory (about 5 more barriers a K/V step).
 ROW_STATES = ("registers", "shared")
+# How the K/V tiles sit in shared memory: wgmma's "interleaved" core matrices, padded
+# (``_pad_core_matrix_stride``), or the 128-byte swizzled layout (``_swizzled_map``), which TMA
+# can write.
+KV_LAYOUTS = ("core_matrices", "swizzled")
 NUM_STAGES = (1, 2, 3)  # 1: plain loads; 2, 3: the K/V loads in a cp.async software pipeline (as sm80)
 # min_blocks_per_sm > 1 asks ptxas (``__launch_bounds__``) for few enough registers that that many
 # thread blocks share an SM: with 2 warpgroups, 128 registers a thread for 2 blocks. Without it the
 # d128 build takes 137, which leaves one block (8 warps) per SM, and nothing runs while its
 # warpgroups wait on wgmma, on loads or at the softmax's barriers.
-TASK_KNOBS = ("num_stages", "min_blocks_per_sm")
+TASK_KNOBS = ("num_stages", "min_blocks_per_sm", "kv_layout")  # kv_layout: MetaSchedule samples only ints
 REGISTERS_PER_SM = 65536
 # Registers a thread needs at the least: d64's and d128's builds take 114-127 at 2 stages. With 64
 # (block_m 256, 2 blocks an SM) ptxas fails at d128: "Insufficient registers (64) to compile
@@ -93,6 +98,7 @@ SPACE = {
     "vec": [8],
     "min_blocks_per_sm": [1, 2],
     "row_state": ["registers"],
+    "kv_layout": ["swizzled", "core_matrices"],
 }
 PASS_CONFIG: dict = {"tirx.use_async_copy": True}  # cp.async for the pipelined loads
 # wgmma reads its shared-memory operands through the async proxy: a cp.async tile needs
@@ -108,15 +114,17 @@ def kernel_attrs(knobs: dict) -> dict:
 
 
 def shared_memory_bytes(head_dim: int, dtype: str, knobs: dict) -> int:
-    """Shared memory a build with these knobs needs: the Q tile and num_stages K/V tile pairs in
-    wgmma core matrices (each padded by 16 bytes, ``_pad_core_matrix_stride``), or the output tile
+    """Shared memory a build with these knobs needs: the Q tile in wgmma core matrices (each padded
+    by 16 bytes, ``_pad_core_matrix_stride``) and num_stages K/V tile pairs (the same, or swizzled,
+    unpadded: ``kv_layout``), or the output tile
     if that is larger (``_store_o_through_shared_memory``: it reuses their memory), plus up to 5
     per-row values (row_state "shared": m_tile, l_tile, m_new, alpha, inv_l; "registers" stages
     only m and l, for store_lse)."""
-    tiles = knobs["block_m"] + 2 * knobs["block_n"] * max(1, knobs.get("num_stages", 1))
     padded = head_dim * (CORE_MATRIX_ELEMENTS + PAD_ELEMENTS) // CORE_MATRIX_ELEMENTS
+    kv_row = head_dim if knobs.get("kv_layout", "core_matrices") == "swizzled" else padded
+    tiles = knobs["block_m"] * padded + 2 * knobs["block_n"] * max(1, knobs.get("num_stages", 1)) * kv_row
     output_tile = knobs["block_m"] * (head_dim + PAD_ELEMENTS)  # reuses the tiles' memory
-    return max(tiles * padded, output_tile) * 2 + 5 * 4 * knobs["block_m"]
+    return max(tiles, output_tile) * 2 + 5 * 4 * knobs["block_m"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -210,8 +218,34 @@ _DESCRIPTOR = (
 )
 
 
+# The 128-byte swizzled layout (PTX's canonical K-major / MN-major "128B swizzle" layouts, and what
+# TMA writes with CU_TENSOR_MAP_SWIZZLE_128B): a tile is cut into halves of 64 columns (128 bytes of
+# 16-bit elements); each half is row-major, a row 128 bytes, and the 16-byte chunk c of row r sits at
+# chunk c ^ (r % 8). The descriptor says so with layout type 1 (bits 62-63); the tile must start on
+# a 1024-byte boundary (8 rows, where the pattern repeats).
+SWIZZLE_COLUMNS = 64
+_DESCRIPTOR_SW128 = (
+    "__device__ __forceinline__ unsigned long long tvmflash_wgmma_descriptor_sw128(const void* smem, int lbo, int sbo) {\n"
+    "  unsigned long long address = __cvta_generic_to_shared(smem);\n"
+    "  return ((address & 0x3FFFF) >> 4) | ((unsigned long long)(lbo & 0x3FFF) << 16)\n"
+    "         | ((unsigned long long)(sbo & 0x3FFF) << 32) | (1ull << 62);\n"
+    "}"
+)
+
+
+def _xor8(a, b):
+    """a ^ b for a, b in [0, 8), in floordiv/floormod arithmetic that TVM's analyzer can bound
+    (transform_layout computes the new buffer's shape from it)."""
+    return sum(((a // m % 2 + b // m % 2) % 2) * m for m in (1, 2, 4))
+
+
+def _swizzled_map(r, c):
+    """Row-major (rows, cols) tile -> the 128-byte swizzled layout (half, r, chunk, element)."""
+    return (c // SWIZZLE_COLUMNS, r, _xor8(c % SWIZZLE_COLUMNS // 8, r % 8), c % 8)
+
+
 def wgmma_intrin_name(n: int, k: int, dtype: str, b_major: str, a_regs: bool = False,
-                      fence_operands: bool = True) -> str:
+                      fence_operands: bool = True, b_swizzled: bool = False) -> str:
     """Register (once) and name the intrinsic for a 64 x n x k GEMM on wgmma.
 
     A (64 x k) is a K-major shared-memory tile in ``_core_matrix_map`` layout, or with
@@ -227,16 +261,18 @@ def wgmma_intrin_name(n: int, k: int, dtype: str, b_major: str, a_regs: bool = F
     at the top of the K/V step: ``tvm_workarounds.one_barrier_per_pipelined_step``).
     """
     name = f"tvmflash_wgmma_m64n{n}k{k}_{_PTX_TYPE[dtype]}_{'r' if a_regs else 's'}_b{b_major}"
+    if b_swizzled:
+        name += "_sw128"
     if not a_regs and not fence_operands:
         name += "_unfenced"
     try:
         TensorIntrin.get(name)
     except Exception:  # noqa: BLE001 - not registered yet
-        TensorIntrin.register(name, *_wgmma_desc_impl(n, k, dtype, b_major, a_regs, fence_operands))
+        TensorIntrin.register(name, *_wgmma_desc_impl(n, k, dtype, b_major, a_regs, fence_operands, b_swizzled))
     return name
 
 
-def _wgmma_desc_impl(n, k, dtype, b_major, a_regs, fence_operands=True):
+def _wgmma_desc_impl(n, k, dtype, b_major, a_regs, fence_operands=True, b_swizzled=False):
     from tvm.script import tirx as T
 
     if n % 8 or not 8 <= n <= 256 or k % 16:
@@ -246,6 +282,8 @@ def _wgmma_desc_impl(n, k, dtype, b_major, a_regs, fence_operands=True):
     a_scope = "local" if a_regs else "shared.dyn"
     a_whole = tuple(slice(0, e) for e in a_shape)
     b_shape = (n // 8, k // 8, 8, 8) if b_major == "k" else (k // 8, n // 8, 8, 8)
+    if b_swizzled:  # _swizzled_map's (64-column half, row, chunk, element) of the k x n (K) or n x k (V) tile
+        b_shape = (k // SWIZZLE_COLUMNS, n, 8, 8) if b_major == "k" else (n // SWIZZLE_COLUMNS, k, 8, 8)
     trans_b = 0 if b_major == "k" else 1
     ptx = _PTX_TYPE[dtype]
     shape = f"m64n{n}k16"
@@ -258,6 +296,8 @@ def _wgmma_desc_impl(n, k, dtype, b_major, a_regs, fence_operands=True):
         return A[vi // 8, vk // 8, vi % 8, vk % 8]
 
     def b_at(B, vj, vk):
+        if b_swizzled:
+            return B[_swizzled_map(vj, vk)] if b_major == "k" else B[_swizzled_map(vk, vj)]
         if b_major == "k":
             return B[vj // 8, vk // 8, vj % 8, vk % 8]
         return B[vk // 8, vj // 8, vk % 8, vj % 8]
@@ -283,8 +323,18 @@ def _wgmma_desc_impl(n, k, dtype, b_major, a_regs, fence_operands=True):
         return T.cuda.func_call("tvmflash_wgmma_descriptor", pointer, lbo, sbo, source_code=_DESCRIPTOR,
                                 return_type="uint64")
 
+    def _swizzled_descriptor(pointer, lbo, sbo):
+        return T.cuda.func_call("tvmflash_wgmma_descriptor_sw128", pointer, lbo, sbo, source_code=_DESCRIPTOR_SW128,
+                                return_type="uint64")
+
     def b_descriptor(B, sb0, sb1, ks):
         # Descriptor fields are in 16-byte units; 2-byte elements.
+        if b_swizzled:  # sb0: a 64-column half's stride, sb1: a row's (64 elements, 128 bytes)
+            if b_major == "k":  # a k16 slice: 32 bytes into the rows of its half; LBO unused
+                return _swizzled_descriptor(B.access_ptr("r", offset=(ks * 16) // SWIZZLE_COLUMNS * sb0 + ks * 16 % SWIZZLE_COLUMNS),
+                                            1, sb1)
+            # N-major: a k16 slice is 16 rows; LBO: from one 64-column half to the next
+            return _swizzled_descriptor(B.access_ptr("r", offset=ks * 16 * sb1), sb0 // 8, sb1)
         if b_major == "k":  # K-major: LBO = K-direction core-matrix stride, SBO = N-direction
             return _descriptor(B.access_ptr("r", offset=ks * 2 * sb1), sb1 // 8, sb0 // 8)
         # N-major: LBO = K-direction (r//8) stride, SBO = N-direction (c//8).
@@ -523,6 +573,7 @@ def schedule(
     num_stages: int = 1,
     min_blocks_per_sm: int = 2,
     row_state: str = "registers",
+    kv_layout: str = "core_matrices",
 ) -> tvm.s_tir.Schedule:
     """Map the attention program onto sm90 wgmma. See the module docstring. (min_blocks_per_sm
     is a kernel attribute, ``kernel_attrs``: the caller puts it on the program.)"""
@@ -550,8 +601,13 @@ def schedule(
     # With the K/V loads pipelined, each K/V step opens with its tile's cp.async wait,
     # fence.proxy.async and a barrier (covering Q's stores too): the intrinsic's own would be a
     # second barrier a K/V step.
-    qk_intrin = wgmma_intrin_name(BN, D, dtype, "k", fence_operands=num_stages == 1)
-    pv_intrin = wgmma_intrin_name(D, BN, dtype, "mn", a_regs=True)
+    if kv_layout not in KV_LAYOUTS:
+        raise ValueError(f"kv_layout: the sm90 schedule takes one of {KV_LAYOUTS}, got {kv_layout!r}")
+    swizzled = kv_layout == "swizzled"
+    if swizzled and D % SWIZZLE_COLUMNS:
+        raise ValueError(f"kv_layout: 'swizzled' needs a head_dim that is a multiple of {SWIZZLE_COLUMNS}, got {D}")
+    qk_intrin = wgmma_intrin_name(BN, D, dtype, "k", fence_operands=num_stages == 1, b_swizzled=swizzled)
+    pv_intrin = wgmma_intrin_name(D, BN, dtype, "mn", a_regs=True, b_swizzled=swizzled)
 
     # ---- grid -----------------------------------------------------------------------------
     bind_grid(sch)
@@ -559,8 +615,11 @@ def schedule(
     # ---- Q, K, V tiles into shared memory, in wgmma core matrices --------------------------
     for name in ("load_q", "load_k", "load_v"):
         sch.set_scope(name, 0, "shared.dyn")
-        sch.transform_layout(name, ("write", 0), _core_matrix_map)
-        _pad_core_matrix_stride(sch, name)
+        if swizzled and name != "load_q":
+            sch.transform_layout(name, ("write", 0), _swizzled_map, assume_injective_transform=True)
+        else:
+            sch.transform_layout(name, ("write", 0), _core_matrix_map)
+            _pad_core_matrix_stride(sch, name)
         _copy_to_core_matrices(sch, name, num_warpgroups, vec)
 
     # ---- qk: S = Q K^T on wgmma, S in accumulator registers --------------------------------

@@ -268,7 +268,8 @@ def test_sm90_core_matrices_are_padded_and_copied_along_rows(monkeypatch, head_d
     goes to row threadIdx.x // (head_dim/8), so 8 threads copy 128 contiguous bytes of a row:
     whole sectors, spread over the banks (schedules.sm90._pad_core_matrix_stride)."""
     monkeypatch.setenv("TVMFLASH_SM90", "1")
-    src = tvmflash.compile(head_dim=head_dim, dtype="bfloat16", target="sm90").source(heads_q=2, heads_kv=2)
+    src = tvmflash.compile(head_dim=head_dim, dtype="bfloat16", target="sm90",
+                           knobs={"kv_layout": "core_matrices", "num_stages": 1}).source(heads_q=2, heads_kv=2)
     chunks = head_dim // 8
     descriptors = set(re.findall(r"\]\)\), (\d+), (\d+)\)", src))  # tvmflash_wgmma_descriptor(&tile[...], LBO, SBO)
     assert ("9", str(9 * chunks)) in descriptors  # Q, K: LBO 144 bytes, SBO 8 rows of padded core matrices
@@ -276,6 +277,32 @@ def test_sm90_core_matrices_are_padded_and_copied_along_rows(monkeypatch, head_d
     copies = [line for line in src.splitlines()
               if "tvmflash_cp_async" in line or line.strip().startswith("*(uint4*)(((nv_bfloat16*)buf_dyn")]
     assert copies and all(f"(((int)threadIdx.x) & {chunks - 1}) * 72)" in line for line in copies)
+
+
+@pytest.mark.parametrize("head_dim,block_n", [(64, 128), (128, 64)])
+@pytest.mark.parametrize("num_stages", [1, 2])
+def test_sm90_kv_tiles_are_swizzled(monkeypatch, head_dim, block_n, num_stages):
+    """The default K/V layout is the 128-byte swizzled one: QK^T's K descriptors have layout type 1,
+    LBO 1 (unused) and SBO 64 (8 rows of 128 bytes) and start 0, 16, 32 or 48 elements into a
+    1024-byte-aligned group of 8 rows; PV's V descriptors LBO = one 64-column half (block_n rows
+    of 128 bytes), SBO 64, each k16 slice 16 rows (1024 elements) on. The copies still go 16
+    bytes a thread along the rows. Q keeps padded core matrices (LBO 9, SBO 9 * head_dim / 8)."""
+    monkeypatch.setenv("TVMFLASH_SM90", "1")
+    kernel = tvmflash.compile(head_dim=head_dim, dtype="bfloat16", target="sm90", knobs={"num_stages": num_stages})
+    assert kernel.knobs["kv_layout"] == "swizzled" and kernel.knobs["block_n"] == block_n
+    src = kernel.source(heads_q=2, heads_kv=2)
+    assert "| (1ull << 62)" in src  # layout type 1: 128-byte swizzle
+    swizzled = re.findall(r"tvmflash_wgmma_descriptor_sw128\(\(&\(\(\(nv_bfloat16\*\)buf_dyn_shmem_ptr\)\[(.*?)\]\)\), (\d+), (\d+)\)", src)
+    k_tiles = [offset for offset, lbo, sbo in swizzled if (lbo, sbo) == ("1", "64")]
+    v_tiles = [offset for offset, lbo, sbo in swizzled if (lbo, sbo) == (str(block_n * 64 // 8), "64")]
+    assert len(k_tiles) + len(v_tiles) == len(swizzled) and k_tiles and v_tiles
+    for offsets, within_rows in ((k_tiles, {0, 16, 32, 48}), (v_tiles, {0})):
+        for offset in offsets:
+            stage = re.sub(r"max\(1, \(\(seqlen_k \+ \d+\) >> \d+\)\)|& 1\b", "", offset)  # the stage index
+            constants = [int(n) for n in re.findall(r"(?<![\w.])\d+(?![\w.])", stage) if int(n) > 1]
+            assert sum(n % 512 not in within_rows for n in constants) == 0, offset  # 1024-byte aligned
+    assert f"((nv_bfloat16*)buf_dyn_shmem_ptr)[((((int)threadIdx.y) * {9 * head_dim * 8})" in src or \
+        re.search(rf"tvmflash_wgmma_descriptor\(.*?, 9, {9 * head_dim // 8}\)", src)  # Q: padded core matrices
 
 
 @pytest.mark.parametrize("dtype,pair", [("bfloat16", "nv_bfloat162"), ("float16", "half2")])

@@ -22,6 +22,7 @@ from pathlib import Path
 import tvm
 
 from tvmflash import cache
+from tvmflash import schedules as schedule_registry
 from tvmflash import target as targets
 
 FORMAT = 1
@@ -120,12 +121,16 @@ def add(record: dict, path: Path | None = None) -> Path:
 def lookup(target: tvm.target.Target, schedule: str, workload: dict) -> dict | None:
     """The best record for this device, target, versions, schedule and workload, or None.
 
-    The user's records are searched first, then the shipped ones.
+    The user's records are searched first, then the shipped ones. Records that lack one of the
+    schedule's knobs (tuned before the schedule had it) are passed over.
     """
     want = {**device_key(target), "schedule": schedule, "workload": workload}
     name = slug(want["device"]) + ".json"
+    knobs = set(getattr(schedule_registry, schedule).KNOBS)
     for path in (user_dir() / name, SHIPPED_DIR / name):
-        matches = [r for r in read(path) if _same_key(r, want)]
+        # A record without one of the schedule's knobs was tuned before that knob existed: the
+        # schedule it measured is not the one its knobs would build now.
+        matches = [r for r in read(path) if _same_key(r, want) and knobs <= set(r["knobs"])]
         if matches:
             best = min(matches, key=lambda r: r["mean_ms"])
             return {**best, "source": str(path)}
