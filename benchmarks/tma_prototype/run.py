@@ -1,6 +1,6 @@
 """TMA prototype, part 2 (an sm_90a GPU, CuPy): load the cubins of build.py, check them against
 SDPA's flash backend and time them with CUDA events (median of 30 after 3 warm-ups), next to
-SDPA flash and cuDNN timed in the same run. The tensor maps (for K and V) are made here with
+SDPA flash and cuDNN timed in the same run (tvmflash's timer: tvmflash and TVM must import). The tensor maps (for K and V) are made here with
 libcuda's cuTensorMapEncodeTiled and put in global memory; the kernels take their addresses.
 
     python benchmarks/tma_prototype/run.py OUT_DIR
@@ -8,7 +8,6 @@ libcuda's cuTensorMapEncodeTiled and put in global memory; the kernels take thei
 import ctypes
 import json
 import os
-import statistics
 import sys
 
 import cupy
@@ -16,23 +15,11 @@ import numpy as np
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from tvmflash.bench import time_ms
+
 BFLOAT16, SWIZZLE_128B, L2_PROMOTION_128B = 9, 3, 2  # CUtensorMapDataType, CUtensorMapSwizzle, ...L2promotion
 libcuda = ctypes.CDLL("libcuda.so.1")
-
-
-def time_ms(fn, repeat=30):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+CUDA = torch.device("cuda")
 
 
 def tensor_map(t: torch.Tensor, rows: int = 64) -> bytes:
@@ -65,7 +52,7 @@ def main(out):
                 with sdpa_kernel([backend]):
                     call = lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
                     out_ref = call()
-                    sdpa[backend] = time_ms(call)
+                    sdpa[backend] = time_ms(call, CUDA, repeat=30)
             ref = out_ref.transpose(1, 2).float()
             flops = 4 * B * H * S * S * D // (2 if causal else 1)
             maps = torch.tensor(list(tensor_map(k) + tensor_map(v)), dtype=torch.uint8, device="cuda")
@@ -88,7 +75,7 @@ def main(out):
                 run()
                 torch.cuda.synchronize()
                 err = ((o.float() - ref).norm() / ref.norm()).item()
-                tflops = flops / time_ms(run) / 1e9
+                tflops = flops / time_ms(run, CUDA, repeat=30) / 1e9
                 line += f" {name} {tflops:.1f} ({tflops / flash:.2f}x flash, {tflops / cudnn:.2f}x cuDNN, rel. err {err:.1e})"
             print(line, flush=True)
 
