@@ -57,7 +57,7 @@ def schedule_gemm(M, N, K, dtype, b_major, num_warpgroups=2):
         copy = sch.cache_read(block, index, "shared.dyn")
         sch.compute_at(copy, bx)
         sch.transform_layout(copy, ("write", 0), sm90._core_matrix_map)
-        sm90._copy_to_core_matrices(sch, copy, num_warpgroups, 8)
+        sm90._copy_along_rows(sch, copy, num_warpgroups, 8)
     acc = sch.cache_write(block, 0, "local")
     sch.reverse_compute_at(acc, bx)
     sch.transform_layout(block, ("write", 0), sm90._acc_index_map)

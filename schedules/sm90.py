@@ -116,8 +116,8 @@ def kernel_attrs(knobs: dict) -> dict:
 def shared_memory_bytes(head_dim: int, dtype: str, knobs: dict) -> int:
     """Shared memory a build with these knobs needs: the Q tile in wgmma core matrices (each padded
     by 16 bytes, ``_pad_core_matrix_stride``) and num_stages K/V tile pairs (the same, or swizzled,
-    unpadded: ``kv_layout``), or the output tile
-    if that is larger (``_store_o_through_shared_memory``: it reuses their memory), plus up to 5
+    unpadded: ``kv_layout``), or the output tile if that is larger
+    (``_store_o_through_shared_memory``: it reuses their memory), plus up to 5
     per-row values (row_state "shared": m_tile, l_tile, m_new, alpha, inv_l; "registers" stages
     only m and l, for store_lse)."""
     padded = head_dim * (CORE_MATRIX_ELEMENTS + PAD_ELEMENTS) // CORE_MATRIX_ELEMENTS
@@ -453,11 +453,12 @@ def _row_block(sch, name, num_warpgroups):
     sch.bind(tx, "threadIdx.x")
 
 
-def _copy_to_core_matrices(sch, block, num_warpgroups, vec):
-    """Global -> shared copy into the core-matrix layout, 16 bytes a thread, threads along the
-    rows: each 8 threads (one phase of a 16-byte access) copy 128 contiguous bytes of a row, so
-    every 32-byte sector they read is whole. In shared memory those 8 pieces are one per core
-    matrix, which ``_pad_core_matrix_stride`` spreads over all the banks."""
+def _copy_along_rows(sch, block, num_warpgroups, vec):
+    """Global -> shared copy of a tile, 16 bytes a thread, threads along the rows: each 8 threads
+    (one phase of a 16-byte access) copy 128 contiguous bytes of a row, so every 32-byte sector
+    they read is whole. In shared memory those 8 pieces land on 8 different groups of 4 banks:
+    one per core matrix, spread by ``_pad_core_matrix_stride``, or 8 chunks of one swizzled row
+    (``_swizzled_map``)."""
     r, c = sch.get_loops(block)[-2:]
     c_hi, v = sch.split(c, [None, vec])
     fused = sch.fuse(r, c_hi)
@@ -469,7 +470,7 @@ def _copy_to_core_matrices(sch, block, num_warpgroups, vec):
 
 def _pad_core_matrix_stride(sch, block):
     """Core matrices along a row 144 bytes apart instead of 128 (16 bytes of padding each): the
-    8 pieces of 16 bytes that 8 threads copy from one row (``_copy_to_core_matrices``) then land
+    8 pieces of 16 bytes that 8 threads copy from one row (``_copy_along_rows``) then land
     in 8 different groups of 4 banks. Unpadded they all hit the same 4 banks, and in the
     copy-friendly order before (8 rows of one core matrix) each phase read 8 half-used sectors:
     on the H200 the cp.async tile copies moved twice the L2 sectors and 8x the shared-memory
@@ -570,10 +571,10 @@ def schedule(
     block_n: int,
     num_warpgroups: int,
     vec: int,
-    num_stages: int = 1,
+    num_stages: int = 2,
     min_blocks_per_sm: int = 2,
     row_state: str = "registers",
-    kv_layout: str = "core_matrices",
+    kv_layout: str = "swizzled",
 ) -> tvm.s_tir.Schedule:
     """Map the attention program onto sm90 wgmma. See the module docstring. (min_blocks_per_sm
     is a kernel attribute, ``kernel_attrs``: the caller puts it on the program.)"""
@@ -612,7 +613,7 @@ def schedule(
     # ---- grid -----------------------------------------------------------------------------
     bind_grid(sch)
 
-    # ---- Q, K, V tiles into shared memory, in wgmma core matrices --------------------------
+    # ---- Q, K, V tiles into shared memory: Q in core matrices, K/V as kv_layout says -------
     for name in ("load_q", "load_k", "load_v"):
         sch.set_scope(name, 0, "shared.dyn")
         if swizzled and name != "load_q":
@@ -620,7 +621,7 @@ def schedule(
         else:
             sch.transform_layout(name, ("write", 0), _core_matrix_map)
             _pad_core_matrix_stride(sch, name)
-        _copy_to_core_matrices(sch, name, num_warpgroups, vec)
+        _copy_along_rows(sch, name, num_warpgroups, vec)
 
     # ---- qk: S = Q K^T on wgmma, S in accumulator registers --------------------------------
     sch.set_scope("qk", 0, "local")
