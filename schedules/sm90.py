@@ -117,12 +117,13 @@ def shared_memory_bytes(head_dim: int, dtype: str, knobs: dict) -> int:
     """Shared memory a build with these knobs needs: the Q tile in wgmma core matrices (each padded
     by 16 bytes, ``_pad_core_matrix_stride``) and num_stages K/V tile pairs (the same, or swizzled,
     unpadded: ``kv_layout``), or the output tile if that is larger
-    (``_store_o_through_shared_memory``: it reuses their memory), plus up to 5
-    per-row values (row_state "shared": m_tile, l_tile, m_new, alpha, inv_l; "registers" stages
+    (``_store_o_through_shared_memory``: it reuses their memory), plus up to 5 per-row values
+    (row_state "shared": m_tile, l_tile, m_new, alpha, inv_l; "registers" stages
     only m and l, for store_lse)."""
+    knobs = {**KNOBS, **knobs}  # a knob not given is the schedule's default
     padded = head_dim * (CORE_MATRIX_ELEMENTS + PAD_ELEMENTS) // CORE_MATRIX_ELEMENTS
-    kv_row = head_dim if knobs.get("kv_layout", "core_matrices") == "swizzled" else padded
-    tiles = knobs["block_m"] * padded + 2 * knobs["block_n"] * max(1, knobs.get("num_stages", 1)) * kv_row
+    kv_row = head_dim if knobs["kv_layout"] == "swizzled" else padded
+    tiles = knobs["block_m"] * padded + 2 * knobs["block_n"] * knobs["num_stages"] * kv_row
     output_tile = knobs["block_m"] * (head_dim + PAD_ELEMENTS)  # reuses the tiles' memory
     return max(tiles, output_tile) * 2 + 5 * 4 * knobs["block_m"]
 
