@@ -18,6 +18,13 @@ def element_bytes(sch: tvm.s_tir.Schedule, block_name: str) -> int:
 # A loop annotation: the loop visits its iterations last to first (``tvm_workarounds.reversed_loops``
 # applies it at build time; TensorIR's Schedule has no primitive that reverses a loop).
 REVERSED = "tvmflash.reversed"
+# Block annotation: this pipelined global -> shared copy goes by TMA (``tvmflash.tma``), which adds
+# TMA_BARRIER_BYTES of mbarriers to the kernel's shared memory.
+TMA_LOAD = "tvmflash.tma_load"
+TMA_BARRIER_BYTES = 512
+# The 128-byte swizzle of 16-bit tiles (wgmma descriptors' layout type 1, TMA's SWIZZLE_128B): a tile
+# is cut into halves of this many columns, one 128-byte row each.
+SWIZZLE_COLUMNS = 64
 
 
 def work_grows_with_q_block(sch: tvm.s_tir.Schedule) -> bool:

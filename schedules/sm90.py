@@ -13,9 +13,12 @@ Mapping:
     16 bytes apart along a row (``_pad_core_matrix_stride``). K and V (``kv_layout``, default
     "swizzled") are in the 128-byte swizzled layout (``_swizzled_map``: 64-column halves of
     128-byte rows, 16-byte chunks permuted by row), or padded core matrices like Q. All are
-    copied along the rows, 16 bytes a thread. The K/V tiles are loaded in a cp.async pipeline
-    (num_stages 2, the default, or 3) whose steps wait for their tile and sync once
-    (``tvm_workarounds.one_barrier_per_pipelined_step``), or plainly (num_stages 1). QK^T
+    copied along the rows, 16 bytes a thread. The K/V tiles are loaded in a software pipeline
+    (num_stages 2, the default, or 3), by TMA (``kv_copy`` "tma", the default: ``tvmflash.tma``
+    turns the pipeline's copies into one thread's ``cp.async.bulk.tensor`` on the stage's
+    mbarriers, and the K/V loop keeps no __syncthreads) or by every thread's cp.async ("cp.async":
+    each step waits for its tile and syncs once, ``tvm_workarounds.one_barrier_per_pipelined_step``),
+    or plainly (num_stages 1). QK^T
     reads both operands through descriptors ("ss" form), K K-major; PV takes P from registers
     ("rs" form) and V through a descriptor, N-major (``imm-trans-b`` = 1), so V is never
     transposed.
@@ -51,8 +54,9 @@ from __future__ import annotations
 import tvm
 from tvm.s_tir import TensorIntrin
 
-from .common import (QuadRowLayout, bind_grid, hide_init_reads, pipeline_kv_loads, quad_row_block, quad_row_init,
-                     row_quad_map, row_reduce_intrin, staged_row_block, tensorize_row_reduce)
+from .common import (SWIZZLE_COLUMNS, TMA_BARRIER_BYTES, TMA_LOAD, QuadRowLayout, bind_grid, hide_init_reads,
+                     pipeline_kv_loads, quad_row_block, quad_row_init, row_quad_map, row_reduce_intrin,
+                     staged_row_block, tensorize_row_reduce)
 from .sm80 import DTYPES, _buffer_info  # noqa: F401 - DTYPES: the same fp16/bf16 pair
 
 WARPGROUP = 128
@@ -61,15 +65,16 @@ PAD_ELEMENTS = 8  # 16 bytes after each core matrix along a row (``_pad_core_mat
 WG_ROWS = 64  # rows of one wgmma (the M of m64nNk16)
 WARPS_PER_WARPGROUP = 4
 
-# The H200's fastest (session 8, cubins of these builds, b4 s4096 bf16): 128-row blocks, two blocks
-# an SM, the K/V tiles in the 128-byte swizzled layout loaded by a two-stage cp.async pipeline.
-# d128: 565 TFLOP/s non-causal and 444 causal, against 439 and 378 with padded core matrices and
-# plain loads (session 7's defaults; with padded core matrices two stages ran at 304). d64 takes
-# 128-key tiles. head_dims that are no multiple of 64 keep the padded core matrices, and one stage.
+# The H200's fastest: 128-row blocks, two blocks an SM, the K/V tiles in the 128-byte swizzled layout
+# loaded by TMA in two stages. d128 bf16 b4 s4096 (session 9, one run): 586 TFLOP/s non-causal and
+# 472 causal, against 553 and 447 with the same pipeline on cp.async (session 8's default), and 439
+# and 378 with padded core matrices and plain loads (session 7's). 256-row blocks (4 warpgroups, one
+# block an SM) and 128-key tiles at one block an SM measured slower. d64 takes 128-key tiles.
+# head_dims that are no multiple of 64 keep the padded core matrices, and one stage (cp.async).
 KNOBS = {"block_m": 128, "block_n": 64, "num_warpgroups": 2, "num_stages": 2, "vec": 8, "min_blocks_per_sm": 2,
-         "row_state": "registers", "kv_layout": "swizzled"}
+         "row_state": "registers", "kv_layout": "swizzled", "kv_copy": "tma"}
 KNOBS_FOR_HEAD_DIM = {64: {"block_n": 128}, 256: {"min_blocks_per_sm": 1},  # d256: 197 registers a thread
-                      **{d: {"kv_layout": "core_matrices", "num_stages": 1} for d in (32, 96)}}
+                      **{d: {"kv_layout": "core_matrices", "num_stages": 1, "kv_copy": "cp.async"} for d in (32, 96)}}
 # Where the per-row running values (m, l, ...) live, as in sm80: "registers", on the quads that hold
 # the rows; "shared", one thread per row in shared memory (about 5 more barriers a K/V step).
 ROW_STATES = ("registers", "shared")
@@ -77,12 +82,16 @@ ROW_STATES = ("registers", "shared")
 # (``_pad_core_matrix_stride``), or the 128-byte swizzled layout (``_swizzled_map``), which TMA
 # can write.
 KV_LAYOUTS = ("core_matrices", "swizzled")
+# How the pipelined K/V tiles are copied: every thread's cp.async, 16 bytes each, then a block-wide
+# barrier a step; or TMA (``tvmflash.tma``): one thread issues each tile, completing on the stage's
+# mbarrier, and no block-wide barrier is left in the K/V loop. TMA needs the swizzled layout.
+KV_COPIES = ("cp.async", "tma")
 NUM_STAGES = (1, 2, 3)  # 1: plain loads; 2, 3: the K/V loads in a cp.async software pipeline (as sm80)
 # min_blocks_per_sm > 1 asks ptxas (``__launch_bounds__``) for few enough registers that that many
 # thread blocks share an SM: with 2 warpgroups, 128 registers a thread for 2 blocks. Without it the
 # d128 build takes 137, which leaves one block (8 warps) per SM, and nothing runs while its
 # warpgroups wait on wgmma, on loads or at the softmax's barriers.
-TASK_KNOBS = ("num_stages", "min_blocks_per_sm", "kv_layout")  # kv_layout: MetaSchedule samples only ints
+TASK_KNOBS = ("num_stages", "min_blocks_per_sm", "kv_layout", "kv_copy")  # strings: MetaSchedule samples only ints
 REGISTERS_PER_SM = 65536
 # Registers a thread needs at the least: d64's and d128's builds take 114-127 at 2 stages. With 64
 # (block_m 256, 2 blocks an SM) ptxas fails at d128: "Insufficient registers (64) to compile
@@ -99,7 +108,15 @@ SPACE = {
     "min_blocks_per_sm": [1, 2],
     "row_state": ["registers"],
     "kv_layout": ["swizzled", "core_matrices"],
+    "kv_copy": ["tma", "cp.async"],
 }
+
+
+def valid_task(point: dict) -> bool:
+    """Whether a tuning task's knobs go together (``tune.task_points`` drops the others): TMA
+    copies only swizzled tiles, and only in a pipeline."""
+    return point.get("kv_copy") != "tma" or (point.get("kv_layout", KNOBS["kv_layout"]) == "swizzled"
+                                              and point.get("num_stages", KNOBS["num_stages"]) > 1)
 PASS_CONFIG: dict = {"tirx.use_async_copy": True}  # cp.async for the pipelined loads
 # wgmma reads its shared-memory operands through the async proxy: a cp.async tile needs
 # fence.proxy.async after its wait (kernel.build_module, tvm_workarounds.constant_async_wait_counts).
@@ -119,13 +136,14 @@ def shared_memory_bytes(head_dim: int, dtype: str, knobs: dict) -> int:
     unpadded: ``kv_layout``), or the output tile if that is larger
     (``_store_o_through_shared_memory``: it reuses their memory), plus up to 5 per-row values
     (row_state "shared": m_tile, l_tile, m_new, alpha, inv_l; "registers" stages
-    only m and l, for store_lse)."""
+    only m and l, for store_lse), and the mbarriers of TMA copies."""
     knobs = {**KNOBS, **knobs}  # a knob not given is the schedule's default
     padded = head_dim * (CORE_MATRIX_ELEMENTS + PAD_ELEMENTS) // CORE_MATRIX_ELEMENTS
     kv_row = head_dim if knobs["kv_layout"] == "swizzled" else padded
     tiles = knobs["block_m"] * padded + 2 * knobs["block_n"] * knobs["num_stages"] * kv_row
     output_tile = knobs["block_m"] * (head_dim + PAD_ELEMENTS)  # reuses the tiles' memory
-    return max(tiles, output_tile) * 2 + 5 * 4 * knobs["block_m"]
+    barriers = TMA_BARRIER_BYTES if knobs["kv_copy"] == "tma" else 0
+    return max(tiles, output_tile) * 2 + 5 * 4 * knobs["block_m"] + barriers
 
 
 # --------------------------------------------------------------------------------------------
@@ -224,7 +242,6 @@ _DESCRIPTOR = (
 # 16-bit elements); each half is row-major, a row 128 bytes, and the 16-byte chunk c of row r sits at
 # chunk c ^ (r % 8). The descriptor says so with layout type 1 (bits 62-63); the tile must start on
 # a 1024-byte boundary (8 rows, where the pattern repeats).
-SWIZZLE_COLUMNS = 64
 _DESCRIPTOR_SW128 = (
     "__device__ __forceinline__ unsigned long long tvmflash_wgmma_descriptor_sw128(const void* smem, int lbo, int sbo) {\n"
     "  unsigned long long address = __cvta_generic_to_shared(smem);\n"
@@ -576,6 +593,7 @@ def schedule(
     min_blocks_per_sm: int = 2,
     row_state: str = "registers",
     kv_layout: str = "swizzled",
+    kv_copy: str = "tma",
 ) -> tvm.s_tir.Schedule:
     """Map the attention program onto sm90 wgmma. See the module docstring. (min_blocks_per_sm
     is a kernel attribute, ``kernel_attrs``: the caller puts it on the program.)"""
@@ -608,6 +626,11 @@ def schedule(
     swizzled = kv_layout == "swizzled"
     if swizzled and D % SWIZZLE_COLUMNS:
         raise ValueError(f"kv_layout: 'swizzled' needs a head_dim that is a multiple of {SWIZZLE_COLUMNS}, got {D}")
+    if kv_copy not in KV_COPIES:
+        raise ValueError(f"kv_copy: the sm90 schedule takes one of {KV_COPIES}, got {kv_copy!r}")
+    if kv_copy == "tma" and (not swizzled or num_stages < 2):
+        raise ValueError(f"kv_copy 'tma' needs kv_layout 'swizzled' and num_stages >= 2, got {kv_layout!r} and "
+                         f"{num_stages}: pass kv_copy='cp.async' with these")
     qk_intrin = wgmma_intrin_name(BN, D, dtype, "k", fence_operands=num_stages == 1, b_swizzled=swizzled)
     pv_intrin = wgmma_intrin_name(D, BN, dtype, "mn", a_regs=True, b_swizzled=swizzled)
 
@@ -623,6 +646,8 @@ def schedule(
             sch.transform_layout(name, ("write", 0), _core_matrix_map)
             _pad_core_matrix_stride(sch, name)
         _copy_along_rows(sch, name, num_warpgroups, vec)
+        if kv_copy == "tma" and name != "load_q":  # lowered to one thread's TMA copy (tvmflash.tma)
+            sch.annotate(sch.get_sblock(name), TMA_LOAD, 1)
 
     # ---- qk: S = Q K^T on wgmma, S in accumulator registers --------------------------------
     sch.set_scope("qk", 0, "local")

@@ -160,7 +160,8 @@ def test_sm90_softmax_on_accumulator_registers(monkeypatch):
     then the B descriptor), and S is never stored to shared memory."""
     monkeypatch.setenv("TVMFLASH_SM90", "1")
     # one K/V stage: the pipelined build has the K/V step twice (its loop and its epilogue)
-    kernel = tvmflash.compile(head_dim=128, dtype="bfloat16", target="sm90", knobs={"num_stages": 1})
+    kernel = tvmflash.compile(head_dim=128, dtype="bfloat16", target="sm90",
+                              knobs={"num_stages": 1, "kv_copy": "cp.async"})
     src = kernel.source(heads_q=2, heads_kv=1)
     # row max and row sum: xor 1 and 2 for each of a thread's two rows, into its registers
     assert src.count("__shfl_xor_sync") == 8
@@ -229,7 +230,8 @@ def test_pipelined_kv_step_waits_for_its_tile_first(monkeypatch, schedule, causa
     (barrier, copies, wait, barrier) has two, and on sm90 the fence then also waits for the copies
     just issued (tvm_workarounds.one_barrier_per_pipelined_step)."""
     monkeypatch.setenv("TVMFLASH_SM90", "1" if schedule == "sm90" else "0")
-    kernel = tvmflash.compile(head_dim=64, dtype="bfloat16", causal=causal, target=schedule, knobs={"num_stages": 2})
+    knobs = {"num_stages": 2, **({"kv_copy": "cp.async"} if schedule == "sm90" else {})}
+    kernel = tvmflash.compile(head_dim=64, dtype="bfloat16", causal=causal, target=schedule, knobs=knobs)
     src = kernel.source(heads_q=2, heads_kv=2)
     body = [line.strip() for line in kv_loop_body(src).splitlines() if line.strip()]
     wait = "tvmflash_cp_async_wait_group_0_proxy_fence();" if schedule == "sm90" else \
@@ -252,10 +254,10 @@ def test_sm90_kv_step_fences_for_wgmma_once(monkeypatch, causal):
     intrinsic fences and syncs itself."""
     monkeypatch.setenv("TVMFLASH_SM90", "1")
     pipelined = tvmflash.compile(head_dim=128, dtype="bfloat16", causal=causal, target="sm90",
-                                 knobs={"num_stages": 2}).source(heads_q=2, heads_kv=2)
+                                 knobs={"num_stages": 2, "kv_copy": "cp.async"}).source(heads_q=2, heads_kv=2)
     assert kv_loop_body(pipelined).count("__syncthreads();") == 1
     plain = tvmflash.compile(head_dim=128, dtype="bfloat16", causal=causal, target="sm90",
-                             knobs={"num_stages": 1}).source(heads_q=2, heads_kv=2)
+                             knobs={"num_stages": 1, "kv_copy": "cp.async"}).source(heads_q=2, heads_kv=2)
     body = [line.strip() for line in kv_loop_body(plain).splitlines()]
     fence = body.index("tvm_builtin_ptx_fence_proxy_proxy_async_shared__cta();")
     assert body[fence + 1] == "__syncthreads();"
@@ -269,7 +271,8 @@ def test_sm90_core_matrices_are_padded_and_copied_along_rows(monkeypatch, head_d
     whole sectors, spread over the banks (schedules.sm90._pad_core_matrix_stride)."""
     monkeypatch.setenv("TVMFLASH_SM90", "1")
     src = tvmflash.compile(head_dim=head_dim, dtype="bfloat16", target="sm90",
-                           knobs={"kv_layout": "core_matrices", "num_stages": 1}).source(heads_q=2, heads_kv=2)
+                           knobs={"kv_layout": "core_matrices", "num_stages": 1, "kv_copy": "cp.async"}
+                           ).source(heads_q=2, heads_kv=2)
     chunks = head_dim // 8
     descriptors = set(re.findall(r"\]\)\), (\d+), (\d+)\)", src))  # tvmflash_wgmma_descriptor(&tile[...], LBO, SBO)
     assert ("9", str(9 * chunks)) in descriptors  # Q, K: LBO 144 bytes, SBO 8 rows of padded core matrices
@@ -288,7 +291,8 @@ def test_sm90_kv_tiles_are_swizzled(monkeypatch, head_dim, block_n, num_stages):
     of 128 bytes), SBO 64, each k16 slice 16 rows (1024 elements) on. The copies still go 16
     bytes a thread along the rows. Q keeps padded core matrices (LBO 9, SBO 9 * head_dim / 8)."""
     monkeypatch.setenv("TVMFLASH_SM90", "1")
-    kernel = tvmflash.compile(head_dim=head_dim, dtype="bfloat16", target="sm90", knobs={"num_stages": num_stages})
+    kernel = tvmflash.compile(head_dim=head_dim, dtype="bfloat16", target="sm90",
+                              knobs={"num_stages": num_stages, "kv_copy": "cp.async"})
     assert kernel.knobs["kv_layout"] == "swizzled" and kernel.knobs["block_n"] == block_n
     src = kernel.source(heads_q=2, heads_kv=2)
     assert "| (1ull << 62)" in src  # layout type 1: 128-byte swizzle
@@ -368,3 +372,41 @@ def test_pipeline_epilogue_is_not_guarded_statement_by_statement(monkeypatch, sm
     assert kernel.info()["schedule"] == ("sm90" if sm90 else "sm80")
     src = kernel.source(2, 2)
     assert "cp.async" in src and "1 <= seqlen_k" not in src
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_sm90_kv_tiles_come_by_tma(monkeypatch, head_dim, causal):
+    """The default sm90 build loads K/V tiles by TMA (tvmflash.tma): the kernel takes a
+    __grid_constant__ tensor map for K and one for V, one thread issues each stage's two
+    cp.async.bulk.tensor copies after arriving on its full mbarrier with the bytes to expect, and
+    the K/V loop has no __syncthreads (mbarrier waits and arrives order it) and no cp.async. The
+    tiles land on 1024-byte boundaries, where the 128-byte swizzle of TMA and of wgmma's
+    descriptors start (with the barriers, BARRIER_SLOTS, before them)."""
+    monkeypatch.setenv("TVMFLASH_SM90", "1")
+    kernel = tvmflash.compile(head_dim=head_dim, dtype="bfloat16", causal=causal, target="sm90")
+    assert kernel.knobs["kv_copy"] == "tma"
+    src = kernel.source(heads_q=4, heads_kv=2)
+    assert "const __grid_constant__ CUtensorMap K_tensormap" in src and "const __grid_constant__ CUtensorMap V_tensormap" in src
+    assert "cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes" in src
+    body = kv_loop_body(src)
+    assert "__syncthreads" not in body and "cp_async" not in body
+    for call in ("tvmflash_mbarrier_expect_tx(", "tvmflash_mbarrier_wait(", "tvmflash_mbarrier_arrive("):
+        assert call in body
+    tile_bytes = 2 * kernel.knobs["block_n"] * head_dim * 2  # K and V, bf16
+    assert re.search(rf"tvmflash_mbarrier_expect_tx\(.*?, {tile_bytes}\);", body)
+    issues = re.findall(r"tvmflash_tma_load_5d\(\(&\(\(\(nv_bfloat16\*\)buf_dyn_shmem_ptr\)\[(.*?)\]\)\), "
+                        r"\(\(unsigned long long\)\(&\(([KV])_tensormap\)\)\)", src)
+    assert sorted({tensor for _, tensor in issues}) == ["K", "V"] and len(issues) == 4  # prologue and loop
+    for offset, _ in issues:
+        stage = re.sub(r"\(\(kb \+ 1\) & 1\) \* \d+", "", offset)
+        assert all(int(n) * 2 % 1024 == 0 for n in re.findall(r"\d+", stage)), offset
+
+
+def test_tma_needs_swizzled_pipelined_tiles(monkeypatch):
+    """Asking for TMA where it cannot work is a clear error that says what to pass instead."""
+    monkeypatch.setenv("TVMFLASH_SM90", "1")
+    with pytest.raises(ValueError, match="kv_copy 'tma' needs kv_layout 'swizzled' and num_stages >= 2"):
+        tvmflash.compile(head_dim=128, dtype="bfloat16", target="sm90", knobs={"num_stages": 1}).source(1, 1)
+    with pytest.raises(ValueError, match="kv_copy: the sm90 schedule takes one of"):
+        tvmflash.compile(head_dim=128, dtype="bfloat16", target="sm90", knobs={"kv_copy": "bulk"}).source(1, 1)

@@ -35,7 +35,8 @@ def test_sm90_registers_row_state_has_no_softmax_barriers(monkeypatch, causal):
 
     def source(row_state):
         return tvmflash.compile(head_dim=128, dtype="bfloat16", causal=causal, target="sm90",
-                                knobs={"row_state": row_state, "num_stages": 1}).source(heads_q=2, heads_kv=1)
+                                knobs={"row_state": row_state, "num_stages": 1, "kv_copy": "cp.async"}
+                                ).source(heads_q=2, heads_kv=1)
 
     shared, regs = source("shared"), source("registers")
     assert kv_loop_body(shared).count("__syncthreads") >= 5

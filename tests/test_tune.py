@@ -135,26 +135,32 @@ def test_sm80_design_space_replays():
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
-@pytest.mark.parametrize("schedule,block_m,causal", [(sm80, 128, False), (sm80, 64, True), (sm90, 64, False)],
-                         ids=["sm80-bm128-full", "sm80-bm64-causal", "sm90-bm64-full"])
-def test_pipelined_candidates_build_with_static_shapes(schedule, block_m, causal):
+@pytest.mark.parametrize("schedule,block_m,causal,kv_copy", [
+    (sm80, 128, False, None), (sm80, 64, True, None), (sm90, 64, False, "cp.async"), (sm90, 64, True, "tma")],
+    ids=["sm80-bm128-full", "sm80-bm64-causal", "sm90-bm64-full", "sm90-bm64-causal-tma"])
+def test_pipelined_candidates_build_with_static_shapes(schedule, block_m, causal, kv_copy):
     """The tuner builds static shapes. TVM bugs made every num_stages 2 candidate fail there:
     InjectSoftwarePipeline guards each statement of the K/V step apart, which split a local
     buffer's allocation in an intrinsic (a row reduction's scratch, a wgmma descriptor) from its
     uses; and a cp.async.wait_group count was left as ``if_then_else(True & True, 1, 0)`` (causal,
-    block_m 64)."""
+    block_m 64). The TMA lowering (tvmflash.tma) must take the static-shape pipeline too."""
     spec = program.AttentionSpec(64, "bfloat16", causal, 2, 2)
     mod = tvm.IRModule({"main": tune.specialize(program.attention_forward(spec, block_m, 64), spec, batch=1,
                                                 seqlen_q=512, seqlen_k=512, softmax_scale=0.125)})
-    task = {"num_stages": 2, **({"min_blocks_per_sm": 2, "kv_layout": "swizzled"} if schedule is sm90 else {})}  # the task knobs
+    task = {"num_stages": 2, **({"min_blocks_per_sm": 2, "kv_layout": "swizzled", "kv_copy": kv_copy}
+                                if schedule is sm90 else {})}  # the task knobs
     fixed, sampled = tune.task_knobs(schedule.SPACE, block_m, 64, **task)
     sch = tvm.s_tir.Schedule(mod)
     tune.space_fn(schedule, fixed, sampled)(sch)
     target = targets.cuda_target("sm90" if schedule is sm90 else "sm80")
     options = kernel.build_options(schedule)
     built = tune._ms_build(sch.mod, target, None, **options)
+    source = built.imports[0].inspect_source()
+    if kv_copy == "tma":
+        assert "cp.async.bulk.tensor.5d" in source and "cp.async.wait_group" not in source
+        return
     wait = "cp.async.wait_group 0;" + ("\\n\\tfence.proxy.async" if options["async_proxy_operands"] else "")
-    assert wait in built.imports[0].inspect_source()
+    assert wait in source
 
 
 def test_rejected_tile_pairs_are_skipped(tmp_path):
@@ -443,8 +449,9 @@ def test_sm90_tasks_that_leave_too_few_registers_are_skipped(tmp_path, monkeypat
     space = {**sm90.SPACE, "block_m": [256], "block_n": [64], "num_stages": [2], "kv_layout": ["swizzled"]}
     tasks = tune.make_tasks(sm90, spec, {"batch": 1, "seqlen": 512, "heads": 2}, space, targets.cuda_target("sm90"),
                             tmp_path, random.Random(0), lines.append)
-    assert [t["name"] for t in tasks] == ["bm256_bn64_ns2_mb1_swizzled"]
-    assert len(lines) == 1 and lines[0].startswith("  skipping bm256_bn64_ns2_mb2_swizzled") and "64 registers" in lines[0]
+    assert [t["name"] for t in tasks] == ["bm256_bn64_ns2_mb1_swizzled_tma", "bm256_bn64_ns2_mb1_swizzled_cp.async"]
+    assert len(lines) == 2 and all(line.startswith("  skipping bm256_bn64_ns2_mb2_swizzled") and "64 registers" in line
+                                   for line in lines)
 
 
 def test_sm90_serves_a_workload_unless_records_favour_sm80(cache_dir, monkeypatch):

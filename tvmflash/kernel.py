@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import tvm
 
-from tvmflash import cache, database, program, tvm_workarounds
+from tvmflash import cache, database, program, tma, tvm_workarounds
 from tvmflash import schedules as schedule_registry
 from tvmflash import target as targets
 from tvmflash.program import AttentionSpec
@@ -70,7 +70,8 @@ def build_module(mod: tvm.IRModule, target: tvm.target.Target, pass_config: dict
     """``tvm.compile`` a scheduled module with its schedule's ``build_options`` and tvmflash's TVM
     workarounds. Kernel and the tuner's MetaSchedule builder both build through here."""
     mod = tvm_workarounds.reversed_loops(mod)
-    with tvm.transform.PassContext(opt_level=3, config=pass_config), tvm_workarounds.applied(async_proxy_operands):
+    with tvm.transform.PassContext(opt_level=3, config=pass_config), tvm_workarounds.applied(async_proxy_operands), \
+            tma.lowering():
         return tvm.compile(mod, target=target)
 
 

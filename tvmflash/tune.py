@@ -55,13 +55,15 @@ _FAILED = 1e9  # MetaSchedule's run time for a failed candidate is 1e10 s
 
 def task_points(schedule, space: dict) -> list[dict]:
     """One dict per MetaSchedule task: a value for block_m, block_n and each of the schedule's
-    ``TASK_KNOBS`` found in ``space`` (their product)."""
+    ``TASK_KNOBS`` found in ``space`` (their product, less the points its ``valid_task`` rejects)."""
     names = ["block_m", "block_n", *(n for n in getattr(schedule, "TASK_KNOBS", ()) if n in space)]
-    return [dict(zip(names, values)) for values in itertools.product(*(space[n] for n in names))]
+    valid = getattr(schedule, "valid_task", lambda point: True)
+    points = (dict(zip(names, values)) for values in itertools.product(*(space[n] for n in names)))
+    return [point for point in points if valid(point)]
 
 
 def task_name(point: dict) -> str:
-    short = {"block_m": "bm", "block_n": "bn", "num_stages": "ns", "min_blocks_per_sm": "mb", "kv_layout": ""}
+    short = {"block_m": "bm", "block_n": "bn", "num_stages": "ns", "min_blocks_per_sm": "mb", "kv_layout": "", "kv_copy": ""}
     return "_".join(f"{short.get(k, k)}{v}" for k, v in point.items())
 
 

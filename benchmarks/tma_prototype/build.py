@@ -32,7 +32,7 @@ import tvmflash  # noqa: E402
 from tvmflash.schedules import sm90  # noqa: E402
 
 HEAD_DIM, HEADS = 128, 16
-BASE_KNOBS = {"kv_layout": "core_matrices", "num_stages": 1}  # the shared-memory offsets below are this build's
+BASE_KNOBS = {"kv_layout": "core_matrices", "num_stages": 1, "kv_copy": "cp.async"}  # the shared-memory offsets below are this build's
 HELPERS = r'''
 __device__ __forceinline__ unsigned tma_smem(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
 __device__ __forceinline__ void tma_mbar_init(void* bar, unsigned count) {

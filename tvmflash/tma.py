@@ -1,0 +1,365 @@
+"""K/V tiles by TMA: the software pipeline's cp.async copies become tensor-memory-accelerator
+copies completing on mbarriers (sm_90a).
+
+A schedule asks for it by annotating its pipelined copy blocks ``TMA_LOAD`` (the sm90 schedule's
+``kv_copy="tma"``), after laying their tiles out as TMA writes them (128-byte swizzle, 64-column
+halves). TensorIR has no TMA copy, so ``lowered_to_tma`` rewrites what InjectSoftwarePipeline made
+of those blocks (``kernel.build_module`` runs it right after that pass):
+
+  * each commit group of annotated copies (one K/V tile) becomes one thread's
+    ``mbarrier.arrive.expect_tx`` on the stage's "full" barrier and one ``cp.async.bulk.tensor`` per
+    tile, after that thread waited on the stage's "empty" barrier (the tile ``num_stages`` earlier
+    was consumed);
+  * each wait for a tile becomes every thread's wait on the stage's full barrier, and after the
+    last statement that reads the tile every thread arrives on its empty barrier. No block-wide
+    barrier is left in the K/V loop: a warpgroup waits only for its own tile, and the issuing
+    thread only for the stage it refills (FA3's pipeline, with thread 0 as the producer);
+  * the host encodes one tensor map per global tensor (``tensormap_encode_tiled``: the 5-D view
+    (64 elements, row, 64-column half, head, batch), 128-byte swizzle), which reaches the kernel as a
+    ``__grid_constant__`` parameter.
+
+Phases: a thread's k-th wait on the full barriers is for tile k, in stage k % num_stages, phase
+(k // num_stages) % 2; the producer counts its issues the same way. Each is a per-thread counter
+in a register, so the pipeline's index expressions are never parsed.
+
+The first issue (the pipeline's prologue) also initialises the barriers and, with one
+``fence.proxy.async`` and barrier, makes the Q tile's stores visible to wgmma. The barriers and
+TMA's shared-memory pointers are ``tvm_access_ptr`` with an empty access mask: ThreadSync then
+plans no barrier for them (the mbarriers order them), while shared-memory merging still sees them
+live (after the last wait it may reuse their bytes, for the LSE staging).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import tvm
+import tvm_ffi
+from tvm import tirx
+from tvm.script import tirx as T
+
+from tvmflash.schedules.common import SWIZZLE_COLUMNS, TMA_BARRIER_BYTES, TMA_LOAD
+from tvmflash.tvm_workarounds import _replaced
+
+_WAIT_MARK, _RELEASED_MARK = "tvmflash.tma_wait", "tvmflash.tma_released"  # on the tile waits, during the pass
+SWIZZLE_128B, L2_PROMOTION_128B = 3, 2  # CUtensorMapSwizzle, CUtensorMapL2promotion
+# The mbarriers' buffer: 512 bytes, so that the K/V tiles after it stay on 1024-byte boundaries (the
+# swizzle's; shared-memory merging packs them after it and a 512-byte staging buffer:
+# test_sm90_kv_tiles_come_by_tma checks the offsets).
+BARRIER_SLOTS = TMA_BARRIER_BYTES // 8
+
+_SMEM = "(unsigned)__cvta_generic_to_shared"
+# One CUDA helper per function (TVM emits a helper's source once per function name).
+_HELPERS = {
+    "tvmflash_mbarrier_init": (
+        "__device__ __forceinline__ void tvmflash_mbarrier_init(void* bar, int count) {\n"
+        f'  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"({_SMEM}(bar)), "r"(count) : "memory");\n}}'),
+    "tvmflash_mbarrier_init_fence": (
+        "__device__ __forceinline__ void tvmflash_mbarrier_init_fence() {\n"
+        '  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");\n}'),
+    "tvmflash_mbarrier_expect_tx": (
+        "__device__ __forceinline__ void tvmflash_mbarrier_expect_tx(void* bar, int bytes) {\n"
+        '  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"'
+        f' :: "r"({_SMEM}(bar)), "r"(bytes) : "memory");\n}}'),
+    "tvmflash_mbarrier_arrive": (
+        "__device__ __forceinline__ void tvmflash_mbarrier_arrive(void* bar) {\n"
+        f'  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"({_SMEM}(bar)) : "memory");\n}}'),
+    "tvmflash_mbarrier_wait": (
+        "__device__ __forceinline__ void tvmflash_mbarrier_wait(void* bar, int parity) {\n"
+        '  asm volatile("{\\n .reg .pred done;\\n WAIT:\\n mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\\n"\n'
+        f'               " @!done bra WAIT;\\n}}" :: "r"({_SMEM}(bar)), "r"(parity) : "memory");\n}}'),
+    "tvmflash_tma_load_5d": (
+        "__device__ __forceinline__ void tvmflash_tma_load_5d(void* dst, unsigned long long map, void* bar,\n"
+        "                                                     int c0, int c1, int c2, int c3, int c4) {\n"
+        '  asm volatile("cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"\n'
+        '               " [%0], [%1, {%2, %3, %4, %5, %6}], [%7];"\n'
+        f'               :: "r"({_SMEM}(dst)), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4), "r"({_SMEM}(bar))\n'
+        '               : "memory");\n}'),
+    "tvmflash_fence_proxy_async": (
+        "__device__ __forceinline__ void tvmflash_fence_proxy_async() {\n"
+        '  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");\n}'),
+}
+
+
+def _device_call(name, *args):
+    return T.cuda.func_call(name, *args, source_code=_HELPERS[name])
+
+
+def _call(name, *args):
+    return tirx.Evaluate(_device_call(name, *args))
+
+
+def _pointer(buffer, offset):
+    """A pointer into ``buffer`` that ThreadSync does not count as an access (mask 0)."""
+    return T.tvm_access_ptr(T.type_annotation(buffer.dtype), buffer.data, offset, 1, 0)
+
+
+def _flat(buffer, indices):
+    strides = list(buffer.strides) if buffer.strides else None
+    if strides is None:
+        strides, size = [], 1
+        for extent in reversed(buffer.shape):
+            strides.insert(0, size)
+            size = size * extent
+    return sum((i * s for i, s in zip(indices, strides)), tirx.const(0, "int32"))
+
+
+def _find(stmt, predicate):
+    found = []
+
+    def visit(node):
+        if predicate(node):
+            found.append(node)
+    tvm_ffi.structural_walk(stmt, visit)
+    return found
+
+
+def _transform(stmt, kind, rewrite):
+    """``stmt`` with each node of ``kind`` replaced by ``rewrite(node)`` where that is not None
+    (post order: a node's children are rewritten first)."""
+    def apply(node):
+        new = rewrite(node)
+        return node if new is None else new
+    return tvm_ffi.structural_map(stmt, (kind, apply))
+
+
+def _substitute(expr, values):
+    """``expr`` with each variable of ``values`` ((var, value) pairs) replaced."""
+    def apply(var):
+        return next((value for v, value in values if v.same_as(var)), var)
+    return tvm_ffi.structural_map(expr, (tirx.Var, apply))
+
+
+def _is_load(node):
+    return type(node).__name__ in ("BufferLoad", "TensorLoad")  # TensorLoad: a BufferLoad's class in TVM 0.27
+
+
+def _loaded(load):
+    """The buffer a load reads (``source`` on TVM 0.27's TensorLoad)."""
+    return load.buffer if hasattr(load, "buffer") else load.source
+
+
+def _is_attr(node, key):
+    return isinstance(node, tirx.AttrStmt) and node.attr_key == key
+
+
+class _Plan:
+    """What one kernel needs: its thread variables, the barriers and counters, a tensor map per
+    global tensor copied from."""
+
+    def __init__(self, func, tile_block):
+        self.threads = {}
+        for loop in _find(func.body, lambda n: isinstance(n, tirx.For) and n.thread_binding is not None):
+            self.threads[loop.thread_binding.thread_tag] = (loop.loop_var, loop.extent)
+        self.block_threads = 1
+        for tag in ("threadIdx.x", "threadIdx.y", "threadIdx.z"):
+            if tag in self.threads:
+                self.block_threads *= int(self.threads[tag][1])
+        self.barriers = tirx.decl_buffer((BARRIER_SLOTS,), "uint64", "tma_barriers", scope="shared.dyn")
+        self.consumed = tirx.decl_buffer((1,), "int32", "tma_consumed", scope="local")
+        self.issued = tirx.decl_buffer((1,), "int32", "tma_issued", scope="local")
+        self.tensor_maps = {}  # global buffer -> (tensor map var, its box)
+        self.num_stages = None
+        self.tile_block = tile_block
+
+    def is_producer(self):
+        return tirx.all(*[var == 0 for tag, (var, _) in self.threads.items() if tag.startswith("threadIdx")])
+
+    def full(self, stage):
+        return _pointer(self.barriers, stage)
+
+    def empty(self, stage):
+        return _pointer(self.barriers, self.num_stages + stage)
+
+    def tensor_map(self, buffer, box):
+        if buffer not in self.tensor_maps:
+            var = tirx.Var(f"{buffer.name}_tensormap", ty=T.handle("tensormap").ty)
+            self.tensor_maps[buffer] = (var, box)
+        return self.tensor_maps[buffer][0]
+
+
+def _copy(plan, scope):
+    """One ``async_scope`` of annotated copy blocks -> (tensor-map TMA call, bytes)."""
+    blocks = _find(scope.body, lambda n: isinstance(n, tvm.s_tir.SBlock) and TMA_LOAD in n.annotations)
+    if len(blocks) != 1:
+        raise RuntimeError(f"TMA: expected one annotated copy block in an async scope, found {len(blocks)}")
+    store = blocks[0].body
+    if not type(store).__name__ == "BufferStore":
+        raise RuntimeError(f"TMA: the copy block {blocks[0].name_hint} is not one store")
+    loads = _find(store.value, lambda n: _is_load(n))
+    if len(loads) != 1:
+        raise RuntimeError(f"TMA: the copy block {blocks[0].name_hint} must read one global tensor: {loads}")
+    source = loads[0]
+    # The tile's origin: every loop inside the scope and every thread index at 0.
+    zero = [(loop.loop_var, tirx.const(0, "int32"))
+            for loop in _find(scope.body, lambda n: isinstance(n, tirx.For))]
+    zero += [(var, tirx.const(0, "int32")) for tag, (var, _) in plan.threads.items() if tag.startswith("threadIdx")]
+    analyzer = tvm.sym.Analyzer()
+    at_origin = lambda e: analyzer.simplify(_substitute(e, zero))  # noqa: E731
+    batch, row, head, col = [at_origin(i) for i in source.indices]
+    destination = [at_origin(i) for i in store.indices]
+    tile = store.buffer  # (stages, halves, rows, 8, 8): the pipeline's versions of the swizzled tile
+    stages, halves, rows = (int(e) for e in tile.shape[:3])
+    if plan.num_stages not in (None, stages):
+        raise RuntimeError("TMA: K and V tiles must have the same number of stages")
+    plan.num_stages = stages
+    box = (SWIZZLE_COLUMNS, rows, halves)
+    tensor_map = plan.tensor_map(_loaded(source), box)
+    stage = destination[0]
+    call = _device_call("tvmflash_tma_load_5d", _pointer(tile, _flat(tile, destination)), T.address_of(tensor_map),
+                        plan.full(stage), col % SWIZZLE_COLUMNS, row, col // SWIZZLE_COLUMNS, head, batch)
+    return stage, tirx.Evaluate(call), SWIZZLE_COLUMNS * rows * halves * tile.dtype.bits // 8
+
+
+def _issue(plan, commit):
+    """A commit group of annotated copies -> the producer thread's TMA issue."""
+    scopes = _find(commit.body, lambda n: _is_attr(n, "async_scope"))
+    copies = [_copy(plan, scope) for scope in scopes]
+    stage = copies[0][0]
+    issued = plan.issued[0]
+    refill = _device_call("tvmflash_mbarrier_wait", plan.empty(stage),
+                          tirx.floormod(tirx.floordiv(issued, plan.num_stages) + 1, 2))
+    body = [
+        tirx.IfThenElse(issued >= plan.num_stages, tirx.Evaluate(refill), None),  # tile issued - stages consumed
+        _call("tvmflash_mbarrier_expect_tx", plan.full(stage), sum(c[2] for c in copies)),
+        *[c[1] for c in copies],
+        tirx.BufferStore(plan.issued, issued + 1, [0]),
+    ]
+    return tirx.IfThenElse(plan.is_producer(), tirx.SeqStmt(body), None)
+
+
+def _wait_for_next_tile(plan):
+    """Every thread waits for the oldest tile in flight on its stage's full barrier."""
+    consumed = plan.consumed[0]
+    return [_call("tvmflash_mbarrier_wait", plan.full(tirx.floormod(consumed, plan.num_stages)),
+                  tirx.floormod(tirx.floordiv(consumed, plan.num_stages), 2)),
+            tirx.BufferStore(plan.consumed, consumed + 1, [0])]
+
+
+def _reads_tiles(stmt, tiles):
+    def reads(node):
+        if _is_load(node):
+            return any(_loaded(node).same_as(t) for t in tiles)
+        if type(node).__name__ == "Call" and node.op.name == "tirx.tvm_access_ptr":
+            data = node.args[1]  # buffer.data: a call on the buffer variable
+            return type(data).__name__ == "Call" and any(data.args[0].same_as(t) for t in tiles)
+        return False
+    return bool(_find(stmt, reads))
+
+
+def _names_tma_issue(node):
+    return (type(node).__name__ == "Call" and node.op.name == "tirx.cuda.func_call"
+            and node.args[0].value == "tvmflash_tma_load_5d")
+
+
+def _waits_and_releases(plan, stmt, tiles):
+    """Where the pipeline waited for a tile (the mark of each wait): in the innermost sequence that
+    holds it, every thread waits on the tile's full barrier as early as it can (after the step's
+    issue, or the loop before: not between wgmma.fence and the wgmma, where ptxas would add a
+    warpgroup.arrive), and arrives on its empty barrier right after the last statement that reads
+    a TMA tile. The mark is then renamed, so that the sequences around do not do it again."""
+    def rewrite(node):
+        seq = list(node.seq)
+        marked = [i for i, s in enumerate(seq) if _find(s, lambda n: _is_attr(n, _WAIT_MARK))]
+        if not marked:
+            return None
+        last = max(i for i, s in enumerate(seq) if _reads_tiles(s, tiles))
+        stage = tirx.floormod(plan.consumed[0] - 1, plan.num_stages)
+        seq.insert(last + 1, _call("tvmflash_mbarrier_arrive", plan.empty(stage)))
+        first = marked[0]
+        while first > 0 and not _find(seq[first - 1], lambda n: isinstance(n, tirx.For) or _names_tma_issue(n)):
+            first -= 1
+        seq[first:first] = _wait_for_next_tile(plan)
+        return _transform(tirx.SeqStmt(seq), tirx.AttrStmt, lambda n: tirx.AttrStmt(
+            n.node, _RELEASED_MARK, n.value, n.body) if _is_attr(n, _WAIT_MARK) else None)
+    return _transform(stmt, tirx.SeqStmt, rewrite)
+
+
+def lowered_to_tma(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """``func`` after InjectSoftwarePipeline, with its TMA_LOAD copies on TMA (module docstring);
+    unchanged if it has none."""
+    if not _find(func.body, lambda n: isinstance(n, tvm.s_tir.SBlock) and TMA_LOAD in n.annotations):
+        return func
+    tiles_blocks = _find(func.body, lambda n: isinstance(n, tvm.s_tir.SBlock) and n.name_hint == "tile")
+    if len(tiles_blocks) != 1:
+        raise RuntimeError("TMA: expected one block named 'tile' (the per-thread-block scope)")
+    plan = _Plan(func, tiles_blocks[0])
+    commits = _find(func.body, lambda n: _is_attr(n, "async_commit_queue_scope"))
+    waits = _find(func.body, lambda n: _is_attr(n, "async_wait_queue_scope"))
+    tiles = []
+    for commit in commits:
+        for scope in _find(commit.body, lambda n: _is_attr(n, "async_scope")):
+            for block in _find(scope.body, lambda n: isinstance(n, tvm.s_tir.SBlock) and TMA_LOAD in n.annotations):
+                tiles.append(block.body.buffer)
+    first = [True]
+
+    def rewrite(node):
+        if _is_attr(node, "async_commit_queue_scope"):
+            issue = _issue(plan, node)
+            if first[0]:  # the pipeline's prologue: barriers set up, Q's stores visible to wgmma
+                first[0] = False
+                init = [_call("tvmflash_mbarrier_init", plan.full(s), 1) for s in range(plan.num_stages)]
+                init += [_call("tvmflash_mbarrier_init", plan.empty(s), plan.block_threads) for s in range(plan.num_stages)]
+                init.append(_call("tvmflash_mbarrier_init_fence"))
+                return tirx.SeqStmt([tirx.IfThenElse(plan.is_producer(), tirx.SeqStmt(init), None),
+                                     _call("tvmflash_fence_proxy_async"),
+                                     tirx.Evaluate(T.tvm_storage_sync("shared")), issue])
+            return issue
+        if _is_attr(node, "async_wait_queue_scope"):
+            inner = node.body.body if _is_attr(node.body, "async_wait_inflight_count") else node.body
+            return tirx.AttrStmt(0, _WAIT_MARK, 1, inner)
+        return None
+
+    if len(commits) < 1 or len(waits) < 1:
+        raise RuntimeError("TMA: the annotated copies are not in a software pipeline's async stage")
+    body = _transform(func.body, tirx.AttrStmt, rewrite)
+    body = _waits_and_releases(plan, body, tiles)
+
+    def drop_marks(node):
+        return node.body if _is_attr(node, _RELEASED_MARK) else None
+    body = _transform(body, tirx.AttrStmt, drop_marks)
+
+    def allocate(node):  # barriers and counters in the per-thread-block scope, counters at 0
+        if isinstance(node, tvm.s_tir.SBlock) and node.name_hint == "tile":
+            start = tirx.SeqStmt([tirx.BufferStore(plan.consumed, 0, [0]), tirx.BufferStore(plan.issued, 0, [0]),
+                                  node.body])
+            return tvm.s_tir.SBlock(node.iter_vars, node.reads, node.writes, node.name_hint, start, node.init,
+                                    [*node.alloc_buffers, plan.barriers, plan.consumed, plan.issued],
+                                    node.match_buffers, node.annotations)
+        return None
+    body = _transform(body, tvm.s_tir.SBlock, allocate)
+    return func.with_body(tirx.SeqStmt([*_encode_tensor_maps(plan, func), body]))
+
+
+def _encode_tensor_maps(plan, func):
+    """Host statements: one tensor map per global tensor, over its (64 elements, row, 64-column half,
+    head, batch) view, the box one tile (64, rows, halves, 1, 1), 128-byte swizzle."""
+    stmts = []
+    for buffer, (var, box) in plan.tensor_maps.items():
+        batch, seqlen, heads, head_dim = buffer.shape
+        element = buffer.dtype.bits // 8
+        i64 = lambda e: tirx.Cast("int64", e)  # noqa: E731
+        dims = [SWIZZLE_COLUMNS, seqlen, head_dim // SWIZZLE_COLUMNS, heads, batch]
+        strides = [heads * head_dim * element, SWIZZLE_COLUMNS * element, head_dim * element,
+                   i64(seqlen) * heads * head_dim * element]
+        stmts.append(tirx.Bind(var, T.tvm_stack_alloca("tensormap", 1)))
+        stmts.append(tirx.Evaluate(T.tensormap_encode_tiled(
+            var, buffer.data, *dims, *strides, *box, 1, 1, *[1] * 5, descriptor_dtype=str(buffer.dtype), rank=5,
+            swizzle=SWIZZLE_128B, l2_promotion=L2_PROMOTION_128B)))
+    return stmts
+
+
+@contextlib.contextmanager
+def lowering():
+    """Run ``lowered_to_tma`` right after each InjectSoftwarePipeline of a build."""
+    original = tvm.s_tir.transform.InjectSoftwarePipeline
+
+    def inject_then_tma():
+        def to_tma(func, _mod, _ctx):
+            return lowered_to_tma(func)
+        return tvm.transform.Sequential(
+            [original(), tirx.transform.prim_func_pass(to_tma, opt_level=0, name="tvmflash.LowerToTMA")],
+            name="tvmflash.InjectSoftwarePipelineThenTMA")
+
+    with _replaced(tvm.s_tir.transform, "InjectSoftwarePipeline", inject_then_tma):
+        yield
