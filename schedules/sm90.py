@@ -224,31 +224,24 @@ _REG_FENCE_U32 = (  # the same for the A registers of the "rs" form (bf16/fp16 p
     "__device__ __forceinline__ void tvmflash_wgmma_reg_fence_u32(unsigned int& r) "
     '{ asm volatile("" : "+r"(r) :: "memory"); }'
 )
-# A wgmma matrix descriptor without swizzle, as a value (PTX ISA "Matrix Descriptor Format"): start
-# address, leading and stride byte offsets, each in 16-byte units. TVM's encoder writes through a
-# pointer into a local buffer, and InjectSoftwarePipeline (static shapes) splits such a buffer's
-# allocation from its uses ("Buffer access occurs outside a statement scope").
+# A wgmma matrix descriptor, as a value (PTX ISA "Matrix Descriptor Format"): start address, leading
+# and stride byte offsets, each in 16-byte units, and the layout type in bits 62-63 (``NO_SWIZZLE``
+# or ``SWIZZLE_128B``). TVM's encoder writes through a pointer into a local buffer, and
+# InjectSoftwarePipeline (static shapes) splits such a buffer's allocation from its uses ("Buffer
+# access occurs outside a statement scope").
 _DESCRIPTOR = (
-    "__device__ __forceinline__ unsigned long long tvmflash_wgmma_descriptor(const void* smem, int lbo, int sbo) {\n"
+    "__device__ __forceinline__ unsigned long long tvmflash_wgmma_descriptor(const void* smem, int lbo, int sbo, int layout) {\n"
     "  unsigned long long address = __cvta_generic_to_shared(smem);\n"
     "  return ((address & 0x3FFFF) >> 4) | ((unsigned long long)(lbo & 0x3FFF) << 16)\n"
-    "         | ((unsigned long long)(sbo & 0x3FFF) << 32);\n"
+    "         | ((unsigned long long)(sbo & 0x3FFF) << 32) | ((unsigned long long)layout << 62);\n"
     "}"
 )
-
-
 # The 128-byte swizzled layout (PTX's canonical K-major / MN-major "128B swizzle" layouts, and what
 # TMA writes with CU_TENSOR_MAP_SWIZZLE_128B): a tile is cut into halves of 64 columns (128 bytes of
 # 16-bit elements); each half is row-major, a row 128 bytes, and the 16-byte chunk c of row r sits at
-# chunk c ^ (r % 8). The descriptor says so with layout type 1 (bits 62-63); the tile must start on
-# a 1024-byte boundary (8 rows, where the pattern repeats).
-_DESCRIPTOR_SW128 = (
-    "__device__ __forceinline__ unsigned long long tvmflash_wgmma_descriptor_sw128(const void* smem, int lbo, int sbo) {\n"
-    "  unsigned long long address = __cvta_generic_to_shared(smem);\n"
-    "  return ((address & 0x3FFFF) >> 4) | ((unsigned long long)(lbo & 0x3FFF) << 16)\n"
-    "         | ((unsigned long long)(sbo & 0x3FFF) << 32) | (1ull << 62);\n"
-    "}"
-)
+# chunk c ^ (r % 8). The descriptor says so with layout type 1; the tile must start on a 1024-byte
+# boundary (8 rows, where the pattern repeats).
+NO_SWIZZLE, SWIZZLE_128B = 0, 1
 
 
 def _xor8(a, b):
@@ -337,22 +330,18 @@ def _wgmma_desc_impl(n, k, dtype, b_major, a_regs, fence_operands=True, b_swizzl
                     C[acc_reg(vi, vj)] = C[acc_reg(vi, vj)] + T.cast(a_at(A, vi, vk), "float32") * T.cast(
                         b_at(B, vj, vk), "float32")
 
-    def _descriptor(pointer, lbo, sbo):
-        return T.cuda.func_call("tvmflash_wgmma_descriptor", pointer, lbo, sbo, source_code=_DESCRIPTOR,
-                                return_type="uint64")
-
-    def _swizzled_descriptor(pointer, lbo, sbo):
-        return T.cuda.func_call("tvmflash_wgmma_descriptor_sw128", pointer, lbo, sbo, source_code=_DESCRIPTOR_SW128,
+    def _descriptor(pointer, lbo, sbo, layout=NO_SWIZZLE):
+        return T.cuda.func_call("tvmflash_wgmma_descriptor", pointer, lbo, sbo, layout, source_code=_DESCRIPTOR,
                                 return_type="uint64")
 
     def b_descriptor(B, sb0, sb1, ks):
         # Descriptor fields are in 16-byte units; 2-byte elements.
         if b_swizzled:  # sb0: a 64-column half's stride, sb1: a row's (64 elements, 128 bytes)
             if b_major == "k":  # a k16 slice: 32 bytes into the rows of its half; LBO unused
-                return _swizzled_descriptor(B.access_ptr("r", offset=(ks * 16) // SWIZZLE_COLUMNS * sb0 + ks * 16 % SWIZZLE_COLUMNS),
-                                            1, sb1)
+                return _descriptor(B.access_ptr("r", offset=(ks * 16) // SWIZZLE_COLUMNS * sb0 + ks * 16 % SWIZZLE_COLUMNS),
+                                   1, sb1, SWIZZLE_128B)
             # N-major: a k16 slice is 16 rows; LBO: from one 64-column half to the next
-            return _swizzled_descriptor(B.access_ptr("r", offset=ks * 16 * sb1), sb0 // 8, sb1)
+            return _descriptor(B.access_ptr("r", offset=ks * 16 * sb1), sb0 // 8, sb1, SWIZZLE_128B)
         if b_major == "k":  # K-major: LBO = K-direction core-matrix stride, SBO = N-direction
             return _descriptor(B.access_ptr("r", offset=ks * 2 * sb1), sb1 // 8, sb0 // 8)
         # N-major: LBO = K-direction (r//8) stride, SBO = N-direction (c//8).

@@ -274,7 +274,7 @@ def test_sm90_core_matrices_are_padded_and_copied_along_rows(monkeypatch, head_d
                            knobs={"kv_layout": "core_matrices", "num_stages": 1, "kv_copy": "cp.async"}
                            ).source(heads_q=2, heads_kv=2)
     chunks = head_dim // 8
-    descriptors = set(re.findall(r"\]\)\), (\d+), (\d+)\)", src))  # tvmflash_wgmma_descriptor(&tile[...], LBO, SBO)
+    descriptors = set(re.findall(r"\]\)\), (\d+), (\d+), 0\)", src))  # tvmflash_wgmma_descriptor(&tile[...], LBO, SBO, 0)
     assert ("9", str(9 * chunks)) in descriptors  # Q, K: LBO 144 bytes, SBO 8 rows of padded core matrices
     assert (str(9 * chunks), "9") in descriptors  # V (N-major): the same strides, the other way round
     copies = [line for line in src.splitlines()
@@ -295,8 +295,8 @@ def test_sm90_kv_tiles_are_swizzled(monkeypatch, head_dim, block_n, num_stages):
                               knobs={"num_stages": num_stages, "kv_copy": "cp.async"})
     assert kernel.knobs["kv_layout"] == "swizzled" and kernel.knobs["block_n"] == block_n
     src = kernel.source(heads_q=2, heads_kv=2)
-    assert "| (1ull << 62)" in src  # layout type 1: 128-byte swizzle
-    swizzled = re.findall(r"tvmflash_wgmma_descriptor_sw128\(\(&\(\(\(nv_bfloat16\*\)buf_dyn_shmem_ptr\)\[(.*?)\]\)\), (\d+), (\d+)\)", src)
+    # layout type 1 (bits 62-63): 128-byte swizzle
+    swizzled = re.findall(r"tvmflash_wgmma_descriptor\(\(&\(\(\(nv_bfloat16\*\)buf_dyn_shmem_ptr\)\[([^\]]*)\]\)\), (\d+), (\d+), 1\)", src)
     k_tiles = [offset for offset, lbo, sbo in swizzled if (lbo, sbo) == ("1", "64")]
     v_tiles = [offset for offset, lbo, sbo in swizzled if (lbo, sbo) == (str(block_n * 64 // 8), "64")]
     assert len(k_tiles) + len(v_tiles) == len(swizzled) and k_tiles and v_tiles
@@ -305,7 +305,7 @@ def test_sm90_kv_tiles_are_swizzled(monkeypatch, head_dim, block_n, num_stages):
             stage = re.sub(r"max\(1, \(\(seqlen_k \+ \d+\) >> \d+\)\)|& 1\b", "", offset)  # the stage index
             constants = [int(n) for n in re.findall(r"(?<![\w.])\d+(?![\w.])", stage) if int(n) > 1]
             assert sum(n % 512 not in within_rows for n in constants) == 0, offset  # 1024-byte aligned
-    assert re.search(rf"tvmflash_wgmma_descriptor\(.*?, 9, {9 * head_dim // 8}\)", src)  # Q: padded core matrices
+    assert re.search(rf"tvmflash_wgmma_descriptor\(.*?, 9, {9 * head_dim // 8}, 0\)", src)  # Q: padded core matrices
 
 
 @pytest.mark.parametrize("dtype,pair", [("bfloat16", "nv_bfloat162"), ("float16", "half2")])

@@ -98,7 +98,7 @@ class Kernel:
         self.dtype = spec_args["dtype"]
         self.causal = spec_args["causal"]
         self.target = target
-        self.schedule, self.schedule_source = choose_schedule(target, spec_args, knobs)
+        self.schedule, self.schedule_source, records = choose_schedule(target, spec_args, knobs)
         schedule_name = schedule_registry.name_of(self.schedule)
         unknown = set(knobs or {}) - set(self.schedule.KNOBS)
         if unknown:
@@ -108,7 +108,11 @@ class Kernel:
             )
         # Knobs: the caller's, else the tuned ones for this GPU (if `tvmflash tune` or the shipped
         # logs have them), else the schedule's defaults.
-        tuned = None if knobs else database.lookup(target, schedule_name, dict(spec_args))
+        if knobs:
+            tuned = None
+        else:  # choose_schedule may have read this schedule's best record already
+            tuned = records[schedule_name] if schedule_name in records else database.lookup(
+                target, schedule_name, dict(spec_args))
         if knobs:
             self.knobs_source = "given"
         elif tuned:
@@ -317,21 +321,24 @@ class Kernel:
 _KERNELS: dict[str, Kernel] = {}
 
 
-def choose_schedule(target: tvm.target.Target, spec_args: dict, knobs: dict | None) -> tuple[ModuleType, str]:
-    """The schedule module for a kernel, and why. ``schedules.for_target`` decides, except on sm_90a
-    with TVMFLASH_SM90 unset and no knobs given: there the sm90 schedule serves every workload but
-    one whose tuned records on this device (``tvmflash tune`` or the shipped logs) say the sm80
-    schedule is faster, both measured at the same shape."""
+def choose_schedule(target: tvm.target.Target, spec_args: dict,
+                    knobs: dict | None) -> tuple[ModuleType, str, dict]:
+    """The schedule module for a kernel, why, and the best records it read ({schedule name: record
+    or None}, empty if it read none). ``schedules.for_target`` decides, except on sm_90a with
+    TVMFLASH_SM90 unset and no knobs given: there the sm90 schedule serves every workload but one
+    whose tuned records on this device (``tvmflash tune`` or the shipped logs) say the sm80 schedule
+    is faster, both measured at the same shape."""
     module = schedule_registry.for_target(target, spec_args["dtype"])
     if (knobs or module is not schedule_registry.sm80 or schedule_registry.sm90_setting() != "records"
             or not schedule_registry.sm90_eligible(target, spec_args["dtype"])):
-        return module, "the target's"
-    r80, r90 = (database.lookup(target, name, dict(spec_args)) for name in ("sm80", "sm90"))
+        return module, "the target's", {}
+    records = {name: database.lookup(target, name, dict(spec_args)) for name in ("sm80", "sm90")}
+    r80, r90 = records["sm80"], records["sm90"]
     if not (r80 and r90 and r80.get("shape") == r90.get("shape")):
-        return schedule_registry.sm90, "sm_90a's (no tuning records of both schedules to compare)"
+        return schedule_registry.sm90, "sm_90a's (no tuning records of both schedules to compare)", records
     times = f"sm90 {r90['mean_ms']:.3f} ms, sm80 {r80['mean_ms']:.3f} ms at {r90.get('shape')}"
-    return (schedule_registry.sm90, f"tuned records: {times}") if r90["mean_ms"] <= r80["mean_ms"] else \
-        (module, f"tuned records favour sm80: {times}")
+    return (schedule_registry.sm90, f"tuned records: {times}", records) if r90["mean_ms"] <= r80["mean_ms"] else \
+        (module, f"tuned records favour sm80: {times}", records)
 
 
 def compile(*, head_dim: int, dtype, causal: bool = False, target=None, knobs: dict | None = None,

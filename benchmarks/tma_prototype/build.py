@@ -109,7 +109,7 @@ def with_tma(src: str, causal: bool) -> str:
         ks = (int(m.group(1)) - OLD_V) // OLD_V_SLICE
         return f"tma_desc_sw128((&(((nv_bfloat16*)buf_dyn_shmem_ptr)[((kb & 1) ? {V1} : {V0}) + {ks * 1024}])), 512, 64)"
 
-    pattern = r"tvmflash_wgmma_descriptor\(\(&\(\(\(nv_bfloat16\*\)buf_dyn_shmem_ptr\)\[(\d+)\]\)\), {}\)"
+    pattern = r"tvmflash_wgmma_descriptor\(\(&\(\(\(nv_bfloat16\*\)buf_dyn_shmem_ptr\)\[(\d+)\]\)\), {}, 0\)"
     src, nk = re.subn(pattern.format("9, 144"), k_descriptor, src)
     src, nv = re.subn(pattern.format("144, 9"), v_descriptor, src)
     assert (nk, nv) == (HEAD_DIM // 16, 64 // 16), (nk, nv)
