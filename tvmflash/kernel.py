@@ -275,7 +275,12 @@ class Kernel:
         module = self.module(heads_q, heads_kv)
         if module.function is None:
             raise RuntimeError(f"this {targets.describe(self.target)} kernel was cross-compiled: there is no GPU here to run it on")
-        if out.numel():
+        if out.numel() and not k.shape[1]:
+            # No key at all: every row sees none (0, and an LSE of -inf). Answered here, as the TMA
+            # builds' tensor maps cannot describe an empty K or V.
+            out.zero_()
+            lse.fill_(-math.inf)
+        elif out.numel():
             module.function(q, k, v, out, lse, float(softmax_scale))
         return (out, lse) if return_lse else out
 
