@@ -391,8 +391,10 @@ def test_sm90_kv_tiles_come_by_tma(monkeypatch, head_dim, causal):
     assert "cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes" in src
     body = kv_loop_body(src)
     assert "__syncthreads" not in body and "cp_async" not in body
-    for call in ("tvmflash_mbarrier_expect_tx(", "tvmflash_mbarrier_wait(", "tvmflash_mbarrier_arrive("):
+    for call in ("tvmflash_mbarrier_expect_tx(", "tvmflash_mbarrier_wait(", "tvmflash_release_after_wgmma("):
         assert call in body
+    # the release waits for the warpgroup's wgmma in the same asm (ptxas hoists a separate arrive)
+    assert 'asm volatile("wgmma.wait_group.sync.aligned 0;\\n\\tmbarrier.arrive.shared::cta.b64 _, [%0];"' in src
     tile_bytes = 2 * kernel.knobs["block_n"] * head_dim * 2  # K and V, bf16
     assert re.search(rf"tvmflash_mbarrier_expect_tx\(.*?, {tile_bytes}\);", body)
     issues = re.findall(r"tvmflash_tma_load_5d\(\(&\(\(\(nv_bfloat16\*\)buf_dyn_shmem_ptr\)\[(.*?)\]\)\), "

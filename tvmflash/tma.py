@@ -11,7 +11,8 @@ of those blocks (``kernel.build_module`` runs it right after that pass):
     tile, after that thread waited on the stage's "empty" barrier (the tile ``num_stages`` earlier
     was consumed);
   * each wait for a tile becomes every thread's wait on the stage's full barrier, and after the
-    last statement that reads the tile every thread arrives on its empty barrier. No block-wide
+    last statement that reads the tile every thread arrives on its empty barrier, once its
+    warpgroup's wgmma are done (``tvmflash_release_after_wgmma``). No block-wide
     barrier is left in the K/V loop: a warpgroup waits only for its own tile, and the issuing
     thread only for the stage it refills (FA3's pipeline, with thread 0 as the producer);
   * the host encodes one tensor map per global tensor (``tensormap_encode_tiled``: the 5-D view
@@ -61,9 +62,14 @@ _HELPERS = {
         "__device__ __forceinline__ void tvmflash_mbarrier_expect_tx(void* bar, int bytes) {\n"
         '  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"'
         f' :: "r"({_SMEM}(bar)), "r"(bytes) : "memory");\n}}'),
-    "tvmflash_mbarrier_arrive": (
-        "__device__ __forceinline__ void tvmflash_mbarrier_arrive(void* bar) {\n"
-        f'  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"({_SMEM}(bar)) : "memory");\n}}'),
+    # A tile is released once this warpgroup's wgmma have read it. The wait sits in the same asm:
+    # after a separate wgmma.wait_group, ptxas hoisted the SYNCS.ARRIVE above the WARPGROUP.DEPBAR
+    # (the wgmma's shared-memory reads are no register dependency), so the producer could refill a
+    # stage that the last PV wgmma was still reading (seen in the SASS of the d128 build).
+    "tvmflash_release_after_wgmma": (
+        "__device__ __forceinline__ void tvmflash_release_after_wgmma(void* bar) {\n"
+        '  asm volatile("wgmma.wait_group.sync.aligned 0;\\n\\tmbarrier.arrive.shared::cta.b64 _, [%0];"'
+        f' :: "r"({_SMEM}(bar)) : "memory");\n}}'),
     "tvmflash_mbarrier_wait": (
         "__device__ __forceinline__ void tvmflash_mbarrier_wait(void* bar, int parity) {\n"
         '  asm volatile("{\\n .reg .pred done;\\n WAIT:\\n mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\\n"\n'
@@ -265,7 +271,7 @@ def _waits_and_releases(plan, stmt, tiles):
             return None
         last = max(i for i, s in enumerate(seq) if _reads_tiles(s, tiles))
         stage = tirx.floormod(plan.consumed[0] - 1, plan.num_stages)
-        seq.insert(last + 1, _call("tvmflash_mbarrier_arrive", plan.empty(stage)))
+        seq.insert(last + 1, _call("tvmflash_release_after_wgmma", plan.empty(stage)))
         first = marked[0]
         while first > 0 and not _find(seq[first - 1], lambda n: isinstance(n, tirx.For) or _names_tma_issue(n)):
             first -= 1
