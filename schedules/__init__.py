@@ -18,9 +18,9 @@ _CUDA_BY_CAPABILITY: list[tuple[int, ModuleType]] = [(80, sm80), (0, cuda)]
 
 def sm90_setting() -> str:
     """TVMFLASH_SM90: "on" (1), "off" (0) or "records" (unset). By default the wgmma schedule
-    (sm_90a only: wgmma is not on later GPUs) serves every workload but one where this device's
-    tuning records say the sm80 schedule is faster (``tvmflash.kernel.choose_schedule``; on the
-    H200 none, session 8); 1 forces it, 0 keeps it off."""
+    (sm_90a only: wgmma is not on later GPUs) serves every workload but head_dim 32
+    (``sm90.SM80_HEAD_DIMS``) and one where this device's tuning records say the sm80 schedule is
+    faster (``tvmflash.kernel.choose_schedule``); 1 forces it, 0 keeps it off."""
     return {"": "records", "0": "off"}.get(os.environ.get("TVMFLASH_SM90", ""), "on")
 
 

@@ -75,6 +75,10 @@ KNOBS = {"block_m": 128, "block_n": 64, "num_warpgroups": 2, "num_stages": 2, "v
          "row_state": "registers", "kv_layout": "swizzled", "kv_copy": "tma"}
 KNOBS_FOR_HEAD_DIM = {64: {"block_n": 128}, 256: {"min_blocks_per_sm": 1},  # d256: 197 registers a thread
                       **{d: {"kv_layout": "core_matrices", "num_stages": 1, "kv_copy": "cp.async"} for d in (32, 96)}}
+# head_dims that sm_90a serves with the sm80 schedule by default (tvmflash.kernel.choose_schedule):
+# at d32 each wgmma does too little to pay off. H200, bf16 (BENCHMARKS.md, session 9): sm80
+# 214/228 TFLOP/s non-causal at 1k/4k tokens, 150/214 causal; sm90 168/190 and 114/148.
+SM80_HEAD_DIMS = (32,)
 # Where the per-row running values (m, l, ...) live, as in sm80: "registers", on the quads that hold
 # the rows; "shared", one thread per row in shared memory (about 5 more barriers a K/V step).
 ROW_STATES = ("registers", "shared")

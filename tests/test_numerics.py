@@ -45,8 +45,8 @@ def test_forward_matches_float64(device, dtype, head_dim, causal):
 @pytest.mark.parametrize("head_dim", [32, 96, 256])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_other_head_dims_on_the_gpu(dtype, head_dim, causal):
-    """The other head_dims on what compile() picks for this GPU (on sm_90a the sm90 schedule: padded
-    core matrices at 32 and 96, one block an SM at 256), over the edge shapes of SHAPES."""
+    """The other head_dims on what compile() picks for this GPU (on sm_90a: sm80 at 32; sm90 with
+    padded core matrices at 96, TMA and one block an SM at 256), over the edge shapes of SHAPES."""
     kernel = tvmflash.compile(head_dim=head_dim, dtype=dtype, causal=causal)
     for seqlen_q, seqlen_k, heads_q, heads_kv in SHAPES:
         q, k, v = random_qkv(2, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype, "cuda")

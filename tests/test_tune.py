@@ -454,6 +454,18 @@ def test_sm90_tasks_that_leave_too_few_registers_are_skipped(tmp_path, monkeypat
                                    for line in lines)
 
 
+def test_sm90a_serves_head_dim_32_with_sm80(cache_dir, monkeypatch):
+    """At head_dim 32 the sm80 schedule measured faster on the H200, so sm_90a uses it unless
+    TVMFLASH_SM90=1 or knobs ask otherwise; other head_dims stay on sm90."""
+    monkeypatch.delenv("TVMFLASH_SM90", raising=False)
+    kernel.forget_kernels()
+    info = tvmflash.compile(head_dim=32, dtype="bfloat16", target="sm90").info()
+    assert info["schedule"] == "sm80" and "head_dim 32" in info["schedule_source"]
+    assert tvmflash.compile(head_dim=64, dtype="bfloat16", target="sm90").info()["schedule"] == "sm90"
+    monkeypatch.setenv("TVMFLASH_SM90", "1")
+    assert tvmflash.compile(head_dim=32, dtype="bfloat16", target="sm90").info()["schedule"] == "sm90"
+
+
 def test_a_new_sm90_kernel_reads_each_schedules_records_once(cache_dir, monkeypatch):
     """On sm_90a, choosing the schedule reads both schedules' best records; the Kernel takes its
     tuned knobs from that read instead of reading the database again."""
