@@ -153,7 +153,7 @@ class _Plan:
     """What one kernel needs: its thread variables, the barriers and counters, a tensor map per
     global tensor copied from."""
 
-    def __init__(self, func, tile_block):
+    def __init__(self, func):
         self.threads = {}
         for loop in _find(func.body, lambda n: isinstance(n, tirx.For) and n.thread_binding is not None):
             self.threads[loop.thread_binding.thread_tag] = (loop.loop_var, loop.extent)
@@ -166,7 +166,6 @@ class _Plan:
         self.issued = tirx.decl_buffer((1,), "int32", "tma_issued", scope="local")
         self.tensor_maps = {}  # global buffer -> (tensor map var, its box)
         self.num_stages = None
-        self.tile_block = tile_block
 
     def is_producer(self):
         return tirx.all(*[var == 0 for tag, (var, _) in self.threads.items() if tag.startswith("threadIdx")])
@@ -190,9 +189,9 @@ def _copy(plan, scope):
     if len(blocks) != 1:
         raise RuntimeError(f"TMA: expected one annotated copy block in an async scope, found {len(blocks)}")
     store = blocks[0].body
-    if not type(store).__name__ == "BufferStore":
+    if type(store).__name__ != "BufferStore":
         raise RuntimeError(f"TMA: the copy block {blocks[0].name_hint} is not one store")
-    loads = _find(store.value, lambda n: _is_load(n))
+    loads = _find(store.value, _is_load)
     if len(loads) != 1:
         raise RuntimeError(f"TMA: the copy block {blocks[0].name_hint} must read one global tensor: {loads}")
     source = loads[0]
@@ -286,10 +285,9 @@ def lowered_to_tma(func: tirx.PrimFunc) -> tirx.PrimFunc:
     unchanged if it has none."""
     if not _find(func.body, lambda n: isinstance(n, tvm.s_tir.SBlock) and TMA_LOAD in n.annotations):
         return func
-    tiles_blocks = _find(func.body, lambda n: isinstance(n, tvm.s_tir.SBlock) and n.name_hint == "tile")
-    if len(tiles_blocks) != 1:
+    if len(_find(func.body, lambda n: isinstance(n, tvm.s_tir.SBlock) and n.name_hint == "tile")) != 1:
         raise RuntimeError("TMA: expected one block named 'tile' (the per-thread-block scope)")
-    plan = _Plan(func, tiles_blocks[0])
+    plan = _Plan(func)
     commits = _find(func.body, lambda n: _is_attr(n, "async_commit_queue_scope"))
     waits = _find(func.body, lambda n: _is_attr(n, "async_wait_queue_scope"))
     tiles = []
@@ -334,20 +332,19 @@ def lowered_to_tma(func: tirx.PrimFunc) -> tirx.PrimFunc:
                                     node.match_buffers, node.annotations)
         return None
     body = _transform(body, tvm.s_tir.SBlock, allocate)
-    return func.with_body(tirx.SeqStmt([*_encode_tensor_maps(plan, func), body]))
+    return func.with_body(tirx.SeqStmt([*_encode_tensor_maps(plan), body]))
 
 
-def _encode_tensor_maps(plan, func):
+def _encode_tensor_maps(plan):
     """Host statements: one tensor map per global tensor, over its (64 elements, row, 64-column half,
     head, batch) view, the box one tile (64, rows, halves, 1, 1), 128-byte swizzle."""
     stmts = []
     for buffer, (var, box) in plan.tensor_maps.items():
         batch, seqlen, heads, head_dim = buffer.shape
         element = buffer.dtype.bits // 8
-        i64 = lambda e: tirx.Cast("int64", e)  # noqa: E731
         dims = [SWIZZLE_COLUMNS, seqlen, head_dim // SWIZZLE_COLUMNS, heads, batch]
         strides = [heads * head_dim * element, SWIZZLE_COLUMNS * element, head_dim * element,
-                   i64(seqlen) * heads * head_dim * element]
+                   tirx.Cast("int64", seqlen) * heads * head_dim * element]  # a batch may pass 2**31 bytes
         stmts.append(tirx.Bind(var, T.tvm_stack_alloca("tensormap", 1)))
         stmts.append(tirx.Evaluate(T.tensormap_encode_tiled(
             var, buffer.data, *dims, *strides, *box, 1, 1, *[1] * 5, descriptor_dtype=str(buffer.dtype), rank=5,
