@@ -116,11 +116,15 @@ SPACE = {
 }
 
 
+def _tma_can_copy(kv_layout: str, num_stages: int) -> bool:
+    """TMA copies only swizzled tiles, and only in a pipeline (``tvmflash.tma`` lowers its stages)."""
+    return kv_layout == "swizzled" and num_stages > 1
+
+
 def valid_task(point: dict) -> bool:
-    """Whether a tuning task's knobs go together (``tune.task_points`` drops the others): TMA
-    copies only swizzled tiles, and only in a pipeline."""
-    return point.get("kv_copy") != "tma" or (point.get("kv_layout", KNOBS["kv_layout"]) == "swizzled"
-                                              and point.get("num_stages", KNOBS["num_stages"]) > 1)
+    """Whether a tuning task's knobs go together (``tune.task_points`` drops the others)."""
+    return point.get("kv_copy") != "tma" or _tma_can_copy(point.get("kv_layout", KNOBS["kv_layout"]),
+                                                            point.get("num_stages", KNOBS["num_stages"]))
 PASS_CONFIG: dict = {"tirx.use_async_copy": True}  # cp.async for the pipelined loads
 # wgmma reads its shared-memory operands through the async proxy: a cp.async tile needs
 # fence.proxy.async after its wait (kernel.build_module, tvm_workarounds.constant_async_wait_counts).
@@ -621,7 +625,7 @@ def schedule(
         raise ValueError(f"kv_layout: 'swizzled' needs a head_dim that is a multiple of {SWIZZLE_COLUMNS}, got {D}")
     if kv_copy not in KV_COPIES:
         raise ValueError(f"kv_copy: the sm90 schedule takes one of {KV_COPIES}, got {kv_copy!r}")
-    if kv_copy == "tma" and (not swizzled or num_stages < 2):
+    if kv_copy == "tma" and not _tma_can_copy(kv_layout, num_stages):
         raise ValueError(f"kv_copy 'tma' needs kv_layout 'swizzled' and num_stages >= 2, got {kv_layout!r} and "
                          f"{num_stages}: pass kv_copy='cp.async' with these")
     qk_intrin = wgmma_intrin_name(BN, D, dtype, "k", fence_operands=num_stages == 1, b_swizzled=swizzled)
