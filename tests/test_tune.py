@@ -456,13 +456,23 @@ def test_sm90_tasks_that_leave_too_few_registers_are_skipped(tmp_path, monkeypat
 
 def test_sm90a_serves_head_dim_32_with_sm80(cache_dir, monkeypatch):
     """At head_dim 32 the sm80 schedule measured faster on the H200, so sm_90a uses it unless
-    TVMFLASH_SM90=1 or knobs ask otherwise; other head_dims stay on sm90."""
+    TVMFLASH_SM90=1, knobs or this device's records of both schedules say otherwise; other
+    head_dims stay on sm90."""
     monkeypatch.delenv("TVMFLASH_SM90", raising=False)
     kernel.forget_kernels()
     info = tvmflash.compile(head_dim=32, dtype="bfloat16", target="sm90").info()
     assert info["schedule"] == "sm80" and "head_dim 32" in info["schedule_source"]
     assert tvmflash.compile(head_dim=64, dtype="bfloat16", target="sm90").info()["schedule"] == "sm90"
     monkeypatch.setenv("TVMFLASH_SM90", "1")
+    assert tvmflash.compile(head_dim=32, dtype="bfloat16", target="sm90").info()["schedule"] == "sm90"
+    # records of both schedules at the same shape decide, as at every head_dim
+    monkeypatch.delenv("TVMFLASH_SM90")
+    target, workload = targets.cuda_target("sm90"), {"head_dim": 32, "dtype": "bfloat16", "causal": False}
+    shape = {"batch": 4, "seqlen_q": 4096, "seqlen_k": 4096, "heads_q": 64, "heads_kv": 64}
+    database.add(database.new_record(target, "sm80", workload, dict(sm80.KNOBS), 1.8, shape=shape))
+    knobs90 = {**sm90.KNOBS, "kv_layout": "core_matrices", "num_stages": 1, "kv_copy": "cp.async"}
+    database.add(database.new_record(target, "sm90", workload, knobs90, 1.7, shape=shape))
+    kernel.forget_kernels()
     assert tvmflash.compile(head_dim=32, dtype="bfloat16", target="sm90").info()["schedule"] == "sm90"
 
 

@@ -330,18 +330,19 @@ def choose_schedule(target: tvm.target.Target, spec_args: dict,
                     knobs: dict | None) -> tuple[ModuleType, str, dict]:
     """The schedule module for a kernel, why, and the best records it read ({schedule name: record
     or None}, empty if it read none). ``schedules.for_target`` decides, except on sm_90a with
-    TVMFLASH_SM90 unset and no knobs given: there the sm90 schedule serves every workload but the
-    head_dims of ``sm90.SM80_HEAD_DIMS`` and one whose tuned records on this device (``tvmflash
-    tune`` or the shipped logs) say the sm80 schedule is faster, both measured at the same shape."""
+    TVMFLASH_SM90 unset and no knobs given: there this device's tuned records (``tvmflash tune`` or
+    the shipped logs) of both schedules, measured at the same shape, pick the faster; without them
+    the sm90 schedule serves every head_dim but those of ``sm90.SM80_HEAD_DIMS``."""
     module = schedule_registry.for_target(target, spec_args["dtype"])
     if (knobs or module is not schedule_registry.sm80 or schedule_registry.sm90_setting() != "records"
             or not schedule_registry.sm90_eligible(target, spec_args["dtype"])):
         return module, "the target's", {}
-    if spec_args["head_dim"] in schedule_registry.sm90.SM80_HEAD_DIMS:
-        return module, f"sm80's for head_dim {spec_args['head_dim']} on sm_90a (measured faster than sm90)", {}
     records = {name: database.lookup(target, name, dict(spec_args)) for name in ("sm80", "sm90")}
     r80, r90 = records["sm80"], records["sm90"]
     if not (r80 and r90 and r80.get("shape") == r90.get("shape")):
+        if spec_args["head_dim"] in schedule_registry.sm90.SM80_HEAD_DIMS:
+            return module, (f"sm80's for head_dim {spec_args['head_dim']} on sm_90a (measured faster than sm90; "
+                            "no tuning records of both schedules to compare)"), records
         return schedule_registry.sm90, "sm_90a's (no tuning records of both schedules to compare)", records
     times = f"sm90 {r90['mean_ms']:.3f} ms, sm80 {r80['mean_ms']:.3f} ms at {r90.get('shape')}"
     return (schedule_registry.sm90, f"tuned records: {times}", records) if r90["mean_ms"] <= r80["mean_ms"] else \
