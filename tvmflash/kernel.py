@@ -161,8 +161,9 @@ class Kernel:
             {
                 "tvmflash": _version(),
                 "tvm": tvm.__version__,
-                # schedules/common.py holds code of the sm80 and sm90 schedules (the row-reduce intrinsic)
-                "code": cache.source_digest(program, self.schedule, schedule_registry.common, tvm_workarounds),
+                # every module whose code shapes the build: schedules/common.py holds code of the sm80 and
+                # sm90 schedules (the row-reduce intrinsic); tma lowers the sm90 schedule's K/V copies
+                "code": cache.source_digest(program, self.schedule, schedule_registry.common, tvm_workarounds, tma),
                 "spec": asdict(spec),
                 "knobs": self.knobs,
                 "target": str(self.target),
