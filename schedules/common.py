@@ -18,10 +18,14 @@ def element_bytes(sch: tvm.s_tir.Schedule, block_name: str) -> int:
 # A loop annotation: the loop visits its iterations last to first (``tvm_workarounds.reversed_loops``
 # applies it at build time; TensorIR's Schedule has no primitive that reverses a loop).
 REVERSED = "tvmflash.reversed"
-# Block annotation: this pipelined global -> shared copy goes by TMA (``tvmflash.tma``), which adds
-# TMA_BARRIER_BYTES of mbarriers to the kernel's shared memory.
+# Block annotation: this pipelined global -> shared copy goes by TMA (``tvmflash.tma``), issued by the
+# producer the annotation names; that adds TMA_BARRIER_BYTES[producer] of mbarriers to the kernel's
+# shared memory. The sizes keep the tiles that shared-memory merging packs after the barriers on
+# 1024-byte boundaries (the swizzle's), for the buffers each build has (``tma.check_tile_alignment``
+# checks every build).
 TMA_LOAD = "tvmflash.tma_load"
-TMA_BARRIER_BYTES = 512
+TMA_PRODUCERS = ("thread", "warpgroup")  # thread 0 of the first warpgroup, or a producer warpgroup (FA3's)
+TMA_BARRIER_BYTES = {"thread": 512, "warpgroup": 1024}
 # The 128-byte swizzle of 16-bit tiles (wgmma descriptors' layout type 1, TMA's SWIZZLE_128B): a tile
 # is cut into halves of this many columns, one 128-byte row each.
 SWIZZLE_COLUMNS = 64

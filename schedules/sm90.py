@@ -32,6 +32,11 @@ Mapping:
     default) the per-row values live in the registers of the quads that hold the rows, and the
     K/V step has only the barriers of the K/V tiles; "shared" keeps them in shared memory, one
     thread per row (about 5 more __syncthreads per tile).
+  * producer (default "thread"): who issues the TMA copies, thread 0 of the first warpgroup or, as
+    in FA3, a warpgroup of its own that gives its registers to the two consumer warpgroups
+    (``tvmflash.tma``; one block an SM, 240 registers a consumer thread, room for block_n 128 at
+    d128). Correct on the H200 but slower than the default there so far (BENCHMARKS.md, session 10:
+    0.93-0.95x at d128 non-causal, 0.83x causal); it is in the tuning space.
   * min_blocks_per_sm (default 2): ``__launch_bounds__(256, 2)``, so that two blocks share an SM
     (128 registers a thread; unbounded, d128 takes 137 and one block fills the SM). block_m 256
     (four warpgroups a K/V tile, one block an SM) is in the tuning space.
@@ -54,8 +59,8 @@ from __future__ import annotations
 import tvm
 from tvm.s_tir import TensorIntrin
 
-from .common import (SWIZZLE_COLUMNS, TMA_BARRIER_BYTES, TMA_LOAD, QuadRowLayout, bind_grid, hide_init_reads,
-                     pipeline_kv_loads, quad_row_block, quad_row_init, row_quad_map, row_reduce_intrin,
+from .common import (SWIZZLE_COLUMNS, TMA_BARRIER_BYTES, TMA_LOAD, TMA_PRODUCERS, QuadRowLayout, bind_grid,
+                     hide_init_reads, pipeline_kv_loads, quad_row_block, quad_row_init, row_quad_map, row_reduce_intrin,
                      staged_row_block, tensorize_row_reduce)
 from .sm80 import DTYPES, _buffer_info  # noqa: F401 - DTYPES: the same fp16/bf16 pair
 
@@ -72,7 +77,7 @@ WARPS_PER_WARPGROUP = 4
 # block an SM) and 128-key tiles at one block an SM measured slower. d64 takes 128-key tiles.
 # head_dims that are no multiple of 64 keep the padded core matrices, and one stage (cp.async).
 KNOBS = {"block_m": 128, "block_n": 64, "num_warpgroups": 2, "num_stages": 2, "vec": 8, "min_blocks_per_sm": 2,
-         "row_state": "registers", "kv_layout": "swizzled", "kv_copy": "tma"}
+         "row_state": "registers", "kv_layout": "swizzled", "kv_copy": "tma", "producer": "thread"}
 KNOBS_FOR_HEAD_DIM = {64: {"block_n": 128}, 256: {"min_blocks_per_sm": 1},  # d256: 197 registers a thread
                       **{d: {"kv_layout": "core_matrices", "num_stages": 1, "kv_copy": "cp.async"} for d in (32, 96)}}
 # head_dims that sm_90a serves with the sm80 schedule by default (tvmflash.kernel.choose_schedule):
@@ -90,12 +95,16 @@ KV_LAYOUTS = ("core_matrices", "swizzled")
 # barrier a step; or TMA (``tvmflash.tma``): one thread issues each tile, completing on the stage's
 # mbarrier, and no block-wide barrier is left in the K/V loop. TMA needs the swizzled layout.
 KV_COPIES = ("cp.async", "tma")
+# Who issues the TMA copies (``common.TMA_PRODUCERS``, lowered by ``tvmflash.tma``): thread 0 of the first warpgroup, between its
+# own wgmma; or, as in FA3, a warpgroup of its own (threadIdx.y == num_warpgroups), which gives its
+# registers to the others (setmaxnreg: 240 a consumer thread), so one thread block fills the SM.
+PRODUCERS = TMA_PRODUCERS
 NUM_STAGES = (1, 2, 3)  # 1: plain loads; 2, 3: the K/V loads in a cp.async software pipeline (as sm80)
 # min_blocks_per_sm > 1 asks ptxas (``__launch_bounds__``) for few enough registers that that many
 # thread blocks share an SM: with 2 warpgroups, 128 registers a thread for 2 blocks. Without it the
 # d128 build takes 137, which leaves one block (8 warps) per SM, and nothing runs while its
 # warpgroups wait on wgmma, on loads or at the softmax's barriers.
-TASK_KNOBS = ("num_stages", "min_blocks_per_sm", "kv_layout", "kv_copy")  # strings: MetaSchedule samples only ints
+TASK_KNOBS = ("num_stages", "min_blocks_per_sm", "kv_layout", "kv_copy", "producer")  # strings: MetaSchedule samples only ints
 REGISTERS_PER_SM = 65536
 # Registers a thread needs at the least: d64's and d128's builds take 114-127 at 2 stages. With 64
 # (block_m 256, 2 blocks an SM) ptxas fails at d128: "Insufficient registers (64) to compile
@@ -113,6 +122,7 @@ SPACE = {
     "row_state": ["registers"],
     "kv_layout": ["swizzled", "core_matrices"],
     "kv_copy": ["tma", "cp.async"],
+    "producer": ["thread", "warpgroup"],
 }
 
 
@@ -121,10 +131,24 @@ def _tma_can_copy(kv_layout: str, num_stages: int) -> bool:
     return kv_layout == "swizzled" and num_stages > 1
 
 
+def _producer_problem(producer: str, kv_copy: str, min_blocks_per_sm: int, num_warpgroups: int) -> str | None:
+    """Why this producer does not go with these knobs, or None."""
+    if producer not in PRODUCERS:
+        return f"producer: the sm90 schedule takes one of {PRODUCERS}, got {producer!r}"
+    if producer == "warpgroup" and (kv_copy != "tma" or min_blocks_per_sm != 1 or num_warpgroups != 2):
+        return (f"producer 'warpgroup' needs kv_copy 'tma', min_blocks_per_sm 1 and block_m 128 (two consumer "
+                f"warpgroups take 240 registers a thread), got {kv_copy!r}, {min_blocks_per_sm} and "
+                f"{WG_ROWS * num_warpgroups}")
+    return None
+
+
 def valid_task(point: dict) -> bool:
     """Whether a tuning task's knobs go together (``tune.task_points`` drops the others)."""
-    return point.get("kv_copy") != "tma" or _tma_can_copy(point.get("kv_layout", KNOBS["kv_layout"]),
-                                                            point.get("num_stages", KNOBS["num_stages"]))
+    knobs = {**KNOBS, **point}
+    if knobs["kv_copy"] == "tma" and not _tma_can_copy(knobs["kv_layout"], knobs["num_stages"]):
+        return False
+    return _producer_problem(knobs["producer"], knobs["kv_copy"], knobs["min_blocks_per_sm"],
+                             knobs["block_m"] // WG_ROWS) is None
 PASS_CONFIG: dict = {"tirx.use_async_copy": True}  # cp.async for the pipelined loads
 # wgmma reads its shared-memory operands through the async proxy: a cp.async tile needs
 # fence.proxy.async after its wait (kernel.build_module, tvm_workarounds.constant_async_wait_counts).
@@ -149,9 +173,13 @@ def shared_memory_bytes(head_dim: int, dtype: str, knobs: dict) -> int:
     padded = head_dim * (CORE_MATRIX_ELEMENTS + PAD_ELEMENTS) // CORE_MATRIX_ELEMENTS
     kv_row = head_dim if knobs["kv_layout"] == "swizzled" else padded
     tiles = knobs["block_m"] * padded + 2 * knobs["block_n"] * knobs["num_stages"] * kv_row
-    output_tile = knobs["block_m"] * (head_dim + PAD_ELEMENTS)  # reuses the tiles' memory
-    barriers = TMA_BARRIER_BYTES if knobs["kv_copy"] == "tma" else 0
-    return max(tiles, output_tile) * 2 + 5 * 4 * knobs["block_m"] + barriers
+    output_tile = knobs["block_m"] * (head_dim + PAD_ELEMENTS)
+    barriers = TMA_BARRIER_BYTES[knobs["producer"]] if knobs["kv_copy"] == "tma" else 0
+    # The output tile reuses the tiles' memory, except with a producer warpgroup: the consumers' store
+    # of it sits in the branch that holds the K/V pipeline (``tvmflash.tma._split_warpgroups``), where
+    # shared-memory merging keeps the tiles live.
+    staged = tiles + output_tile if knobs["producer"] == "warpgroup" else max(tiles, output_tile)
+    return staged * 2 + 5 * 4 * knobs["block_m"] + barriers
 
 
 # --------------------------------------------------------------------------------------------
@@ -591,6 +619,7 @@ def schedule(
     row_state: str = "registers",
     kv_layout: str = "swizzled",
     kv_copy: str = "tma",
+    producer: str = "thread",
 ) -> tvm.s_tir.Schedule:
     """Map the attention program onto sm90 wgmma. See the module docstring. (min_blocks_per_sm
     is a kernel attribute, ``kernel_attrs``: the caller puts it on the program.)"""
@@ -628,6 +657,9 @@ def schedule(
     if kv_copy == "tma" and not _tma_can_copy(kv_layout, num_stages):
         raise ValueError(f"kv_copy 'tma' needs kv_layout 'swizzled' and num_stages >= 2, got {kv_layout!r} and "
                          f"{num_stages}: pass kv_copy='cp.async' with these")
+    problem = _producer_problem(producer, kv_copy, min_blocks_per_sm, num_warpgroups)
+    if problem:
+        raise ValueError(problem)
     qk_intrin = wgmma_intrin_name(BN, D, dtype, "k", fence_operands=num_stages == 1, b_swizzled=swizzled)
     pv_intrin = wgmma_intrin_name(D, BN, dtype, "mn", a_regs=True, b_swizzled=swizzled)
 
@@ -644,7 +676,7 @@ def schedule(
             _pad_core_matrix_stride(sch, name)
         _copy_along_rows(sch, name, num_warpgroups, vec)
         if kv_copy == "tma" and name != "load_q":  # lowered to one thread's TMA copy (tvmflash.tma)
-            sch.annotate(sch.get_sblock(name), TMA_LOAD, 1)
+            sch.annotate(sch.get_sblock(name), TMA_LOAD, producer)
 
     # ---- qk: S = Q K^T on wgmma, S in accumulator registers --------------------------------
     sch.set_scope("qk", 0, "local")

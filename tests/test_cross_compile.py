@@ -412,3 +412,48 @@ def test_tma_needs_swizzled_pipelined_tiles(monkeypatch):
         tvmflash.compile(head_dim=128, dtype="bfloat16", target="sm90", knobs={"num_stages": 1}).source(1, 1)
     with pytest.raises(ValueError, match="kv_copy: the sm90 schedule takes one of"):
         tvmflash.compile(head_dim=128, dtype="bfloat16", target="sm90", knobs={"kv_copy": "bulk"}).source(1, 1)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_sm90_producer_warpgroup(monkeypatch, causal):
+    """producer="warpgroup": a third warpgroup issues the TMA copies (and nothing else); the two
+    consumer warpgroups take its registers by setmaxnreg and sync among themselves on a named barrier,
+    never on __syncthreads after the branch; the tiles stay 1024-byte aligned."""
+    monkeypatch.setenv("TVMFLASH_SM90", "1")
+    knobs = {"producer": "warpgroup", "min_blocks_per_sm": 1, "block_n": 128}
+    src = tvmflash.compile(head_dim=128, dtype="bfloat16", causal=causal, target="sm90", knobs=knobs).source(4, 2)
+    assert "__launch_bounds__(384)" in src
+    producer, consumers = src.split("tvmflash_setmaxnreg_dec();", 1)[1].split("tvmflash_setmaxnreg_inc();", 1)
+    assert producer.count("tvmflash_tma_load_5d(") == 4 and "wgmma" not in producer and "__syncthreads" not in producer
+    assert "setmaxnreg.dec.sync.aligned.u32 24" in src and "setmaxnreg.inc.sync.aligned.u32 240" in src
+    assert "tvmflash_tma_load_5d(" not in consumers and "__syncthreads" not in consumers
+    assert "tvmflash_named_barrier(1, 256);" in consumers and "tvmflash_release_after_wgmma(" in consumers
+    assert re.search(r"tvmflash_mbarrier_init\(.*?, 256\);", src)  # the empty barriers count the consumers
+
+
+def test_sm90_producer_needs_tma_and_one_block(monkeypatch):
+    """A producer warpgroup without TMA, or with two blocks an SM, is a clear error; the tuner's
+    task filter drops those points."""
+    monkeypatch.setenv("TVMFLASH_SM90", "1")
+    from tvmflash.schedules import sm90
+    with pytest.raises(ValueError, match="producer 'warpgroup' needs kv_copy 'tma', min_blocks_per_sm 1 and block_m 128"):
+        tvmflash.compile(head_dim=128, dtype="bfloat16", target="sm90", knobs={"producer": "warpgroup"}).source(1, 1)
+    assert not sm90.valid_task({"producer": "warpgroup", "min_blocks_per_sm": 2})
+    assert not sm90.valid_task({"producer": "warpgroup", "min_blocks_per_sm": 1, "block_m": 256})
+    assert not sm90.valid_task({"producer": "warpgroup", "min_blocks_per_sm": 1, "kv_copy": "cp.async"})
+    assert sm90.valid_task({"producer": "warpgroup", "min_blocks_per_sm": 1, "kv_copy": "tma"})
+    # at head_dim 256 the output tile cannot reuse the K/V tiles' memory with a producer warpgroup
+    with pytest.raises(ValueError, match="KiB of shared memory"):
+        tvmflash.compile(head_dim=256, dtype="bfloat16", target="sm90",
+                         knobs={"producer": "warpgroup", "min_blocks_per_sm": 1}).source(1, 1)
+
+
+def test_misaligned_tma_tiles_fail_the_build(monkeypatch):
+    """If shared-memory merging put a swizzled TMA tile off a 1024-byte boundary, the build says so
+    (the copies and the wgmma descriptors would disagree) instead of computing garbage."""
+    from tvmflash import tma
+    monkeypatch.setenv("TVMFLASH_SM90", "1")
+    monkeypatch.setitem(tma.TMA_BARRIER_BYTES, "warpgroup", 512)
+    with pytest.raises(RuntimeError, match="not on a 1024-byte boundary"):
+        tvmflash.compile(head_dim=128, dtype="bfloat16", target="sm90",
+                         knobs={"producer": "warpgroup", "min_blocks_per_sm": 1, "num_stages": 3}).source(1, 1)

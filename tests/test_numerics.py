@@ -125,3 +125,20 @@ def test_backward_says_it_is_not_there_yet():
     out = tvmflash.attention(q, k, v)
     with pytest.raises(NotImplementedError, match="backward pass is not implemented yet"):
         out.sum().backward()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim,block_n", [(64, 128), (128, 64), (128, 128)])
+def test_sm90_producer_warpgroup_on_the_gpu(monkeypatch, head_dim, block_n, causal):
+    """The sm90 schedule with a producer warpgroup (FA3's: it issues the TMA copies, the consumer
+    warpgroups take its registers), over the edge shapes of SHAPES, on an sm_90a GPU."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the sm90 schedule needs an sm_90a GPU")
+    monkeypatch.setenv("TVMFLASH_SM90", "1")  # the sm90 schedule's knobs, whatever this GPU's records say
+    kernel = tvmflash.compile(head_dim=head_dim, dtype=torch.bfloat16, causal=causal,
+                              knobs={"producer": "warpgroup", "min_blocks_per_sm": 1, "block_n": block_n})
+    for seqlen_q, seqlen_k, heads_q, heads_kv in SHAPES:
+        q, k, v = random_qkv(2, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, torch.bfloat16, "cuda")
+        out, lse = kernel(q, k, v, out=poisoned_out(q), return_lse=True)
+        check_attention(out, lse, q, k, v, causal=causal)

@@ -72,7 +72,10 @@ def build_module(mod: tvm.IRModule, target: tvm.target.Target, pass_config: dict
     mod = tvm_workarounds.reversed_loops(mod)
     with tvm.transform.PassContext(opt_level=3, config=pass_config), tvm_workarounds.applied(async_proxy_operands), \
             tma.lowering():
-        return tvm.compile(mod, target=target)
+        executable = tvm.compile(mod, target=target)
+    if targets.is_cuda(target):
+        tma.check_tile_alignment(executable.mod.imports[0].inspect_source())
+    return executable
 
 
 def _runnable_here(target: tvm.target.Target) -> bool:

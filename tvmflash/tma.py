@@ -24,7 +24,16 @@ Phases: a thread's k-th wait on the full barriers is for tile k, in stage k % nu
 in a register, so the pipeline's index expressions are never parsed.
 
 The first issue (the pipeline's prologue) also initialises the barriers and, with one
-``fence.proxy.async`` and barrier, makes the Q tile's stores visible to wgmma. The barriers and
+``fence.proxy.async`` and barrier, makes the Q tile's stores visible to wgmma.
+
+Who issues (the annotation's value, one of ``TMA_PRODUCERS``): "thread", thread 0 of the first warpgroup,
+between its own wgmma; or "warpgroup", FA3's producer warpgroup (``_split_warpgroups``): one more
+warpgroup (threadIdx.y == the number of consumer warpgroups) runs the pipeline sliced down to its
+issues, gives its registers to the consumers by setmaxnreg (24 and 240 a thread), and the
+consumers' block-wide barriers become named barriers that count them only (``consumer_barriers``,
+after ThreadSync). The releases follow each stage's last reader's commit and wait
+(``_only_commits_or_waits``). Every build's TMA destinations are checked to sit on 1024-byte
+boundaries (``check_tile_alignment``): shared-memory merging places them. The barriers and
 TMA's shared-memory pointers are ``tvm_access_ptr`` with an empty access mask: ThreadSync then
 plans no barrier for them (the mbarriers order them), while shared-memory merging still sees them
 live (after the last wait it may reuse their bytes, for the LSE staging).
@@ -33,21 +42,24 @@ live (after the last wait it may reuse their bytes, for the LSE staging).
 from __future__ import annotations
 
 import contextlib
+import re
 
 import tvm
 import tvm_ffi
 from tvm import tirx
 from tvm.script import tirx as T
 
-from tvmflash.schedules.common import SWIZZLE_COLUMNS, TMA_BARRIER_BYTES, TMA_LOAD
+from tvmflash.schedules.common import SWIZZLE_COLUMNS, TMA_BARRIER_BYTES, TMA_LOAD, TMA_PRODUCERS
 from tvmflash.tvm_workarounds import _replaced
 
 _WAIT_MARK, _RELEASED_MARK = "tvmflash.tma_wait", "tvmflash.tma_released"  # on the tile waits, during the pass
+_ISSUE_MARK = "tvmflash.tma_issue"  # on each TMA issue, during the pass
+_CONSUMER_MARK = "tvmflash.tma_consumers"  # around the consumer warpgroups' code, until their barriers are named
+# producer="warpgroup" (FA3): a warpgroup of its own issues the copies; setmaxnreg moves registers from it
+# to the two consumer warpgroups (128 * 24 + 256 * 240 <= 65536).
+PRODUCER_REGISTERS, CONSUMER_REGISTERS = 24, 240
+CONSUMER_BARRIER = 1  # named barrier id of the consumer warpgroups (0 is __syncthreads)
 SWIZZLE_128B, L2_PROMOTION_128B = 3, 2  # CUtensorMapSwizzle, CUtensorMapL2promotion
-# The mbarriers' buffer: 512 bytes, so that the K/V tiles after it stay on 1024-byte boundaries (the
-# swizzle's; shared-memory merging packs them after it and a 512-byte staging buffer:
-# test_sm90_kv_tiles_come_by_tma checks the offsets).
-BARRIER_SLOTS = TMA_BARRIER_BYTES // 8
 
 _SMEM = "(unsigned)__cvta_generic_to_shared"
 # One CUDA helper per function (TVM emits a helper's source once per function name).
@@ -81,6 +93,15 @@ _HELPERS = {
         '               " [%0], [%1, {%2, %3, %4, %5, %6}], [%7];"\n'
         f'               :: "r"({_SMEM}(dst)), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4), "r"({_SMEM}(bar))\n'
         '               : "memory");\n}'),
+    "tvmflash_named_barrier": (
+        "__device__ __forceinline__ void tvmflash_named_barrier(int id, int threads) {\n"
+        '  asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(threads) : "memory");\n}'),
+    "tvmflash_setmaxnreg_dec": (
+        "__device__ __forceinline__ void tvmflash_setmaxnreg_dec() {\n"
+        f'  asm volatile("setmaxnreg.dec.sync.aligned.u32 {PRODUCER_REGISTERS};");\n}}'),
+    "tvmflash_setmaxnreg_inc": (
+        "__device__ __forceinline__ void tvmflash_setmaxnreg_inc() {\n"
+        f'  asm volatile("setmaxnreg.inc.sync.aligned.u32 {CONSUMER_REGISTERS};");\n}}'),
     "tvmflash_fence_proxy_async": (
         "__device__ __forceinline__ void tvmflash_fence_proxy_async() {\n"
         '  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");\n}'),
@@ -161,14 +182,33 @@ class _Plan:
         for tag in ("threadIdx.x", "threadIdx.y", "threadIdx.z"):
             if tag in self.threads:
                 self.block_threads *= int(self.threads[tag][1])
-        self.barriers = tirx.decl_buffer((BARRIER_SLOTS,), "uint64", "tma_barriers", scope="shared.dyn")
         self.consumed = tirx.decl_buffer((1,), "int32", "tma_consumed", scope="local")
         self.issued = tirx.decl_buffer((1,), "int32", "tma_issued", scope="local")
         self.tensor_maps = {}  # global buffer -> (tensor map var, its box)
         self.num_stages = None
+        producers = {str(n.annotations[TMA_LOAD]) for n in _find(
+            func.body, lambda n: isinstance(n, tvm.s_tir.SBlock) and TMA_LOAD in n.annotations)}
+        if len(producers) != 1 or not producers <= set(TMA_PRODUCERS):
+            raise RuntimeError(f"TMA: the copy blocks' {TMA_LOAD} must all name one of {TMA_PRODUCERS}, got {producers}")
+        self.producer = producers.pop()
+        self.producer_warpgroup = self.block_threads // 128  # threadIdx.y of the producer warpgroup, if any
+        # sized so that the tiles after them stay on 1024-byte boundaries (``check_tile_alignment``)
+        self.barriers = tirx.decl_buffer((TMA_BARRIER_BYTES[self.producer] // 8,), "uint64", "tma_barriers",
+                                         scope="shared.dyn")
 
     def is_producer(self):
+        """The thread that issues the copies: thread 0, or thread 0 of the producer warpgroup (the
+        condition inside that warpgroup's branch)."""
+        if self.producer == "warpgroup":
+            return self.threads["threadIdx.x"][0] == 0
         return tirx.all(*[var == 0 for tag, (var, _) in self.threads.items() if tag.startswith("threadIdx")])
+
+    def barrier_init(self):
+        """The producer sets the barriers up: full ones await one arrival (and the bytes), empty ones
+        every consumer thread."""
+        init = [_call("tvmflash_mbarrier_init", self.full(s), 1) for s in range(self.num_stages)]
+        init += [_call("tvmflash_mbarrier_init", self.empty(s), self.block_threads) for s in range(self.num_stages)]
+        return init + [_call("tvmflash_mbarrier_init_fence")]
 
     def full(self, stage):
         return _pointer(self.barriers, stage)
@@ -257,6 +297,13 @@ def _names_tma_issue(node):
             and node.args[0].value == "tvmflash_tma_load_5d")
 
 
+def _only_commits_or_waits(stmt):
+    """Whether ``stmt`` only commits wgmma groups or waits for them."""
+    calls = _find(stmt, lambda n: type(n).__name__ == "Call")
+    return bool(calls) and all(c.op.name.startswith("tirx.ptx.wgmma") and any(
+        getattr(a, "value", None) in ("commit_group", "wait_group") for a in c.args) for c in calls)
+
+
 def _waits_and_releases(plan, stmt, tiles):
     """Where the pipeline waited for a tile (the mark of each wait): in the innermost sequence that
     holds it, every thread waits on the tile's full barrier as early as it can (after the step's
@@ -269,6 +316,8 @@ def _waits_and_releases(plan, stmt, tiles):
         if not marked:
             return None
         last = max(i for i, s in enumerate(seq) if _reads_tiles(s, tiles))
+        while last + 1 < len(seq) and _only_commits_or_waits(seq[last + 1]):
+            last += 1  # after the last reader's commit and wait: its wgmma then sit in a group to wait on
         stage = tirx.floormod(plan.consumed[0] - 1, plan.num_stages)
         seq.insert(last + 1, _call("tvmflash_release_after_wgmma", plan.empty(stage)))
         first = marked[0]
@@ -299,14 +348,12 @@ def lowered_to_tma(func: tirx.PrimFunc) -> tirx.PrimFunc:
 
     def rewrite(node):
         if _is_attr(node, "async_commit_queue_scope"):
-            issue = _issue(plan, node)
+            issue = tirx.AttrStmt(0, _ISSUE_MARK, 1, _issue(plan, node))
             if first[0]:  # the pipeline's prologue: barriers set up, Q's stores visible to wgmma
                 first[0] = False
-                init = [_call("tvmflash_mbarrier_init", plan.full(s), 1) for s in range(plan.num_stages)]
-                init += [_call("tvmflash_mbarrier_init", plan.empty(s), plan.block_threads) for s in range(plan.num_stages)]
-                init.append(_call("tvmflash_mbarrier_init_fence"))
-                return tirx.SeqStmt([tirx.IfThenElse(plan.is_producer(), tirx.SeqStmt(init), None),
-                                     _call("tvmflash_fence_proxy_async"),
+                init = [] if plan.producer == "warpgroup" else [  # that one sets them up before it branches off
+                    tirx.IfThenElse(plan.is_producer(), tirx.SeqStmt(plan.barrier_init()), None)]
+                return tirx.SeqStmt([*init, _call("tvmflash_fence_proxy_async"),
                                      tirx.Evaluate(T.tvm_storage_sync("shared")), issue])
             return issue
         if _is_attr(node, "async_wait_queue_scope"):
@@ -324,15 +371,93 @@ def lowered_to_tma(func: tirx.PrimFunc) -> tirx.PrimFunc:
     body = _transform(body, tirx.AttrStmt, drop_marks)
 
     def allocate(node):  # barriers and counters in the per-thread-block scope, counters at 0
-        if isinstance(node, tvm.s_tir.SBlock) and node.name_hint == "tile":
-            start = tirx.SeqStmt([tirx.BufferStore(plan.consumed, 0, [0]), tirx.BufferStore(plan.issued, 0, [0]),
-                                  node.body])
-            return tvm.s_tir.SBlock(node.iter_vars, node.reads, node.writes, node.name_hint, start, node.init,
-                                    [*node.alloc_buffers, plan.barriers, plan.consumed, plan.issued],
-                                    node.match_buffers, node.annotations)
-        return None
+        if not (isinstance(node, tvm.s_tir.SBlock) and node.name_hint == "tile"):
+            return None
+        work, buffers = node.body, [*node.alloc_buffers, plan.barriers, plan.consumed, plan.issued]
+        if plan.producer == "warpgroup":
+            work = _split_warpgroups(plan, work)
+        else:
+            work = _transform(work, tirx.AttrStmt, lambda n: n.body if _is_attr(n, _ISSUE_MARK) else None)
+        start = tirx.SeqStmt([tirx.BufferStore(plan.consumed, 0, [0]), tirx.BufferStore(plan.issued, 0, [0]), work])
+        return tvm.s_tir.SBlock(node.iter_vars, node.reads, node.writes, node.name_hint, start, node.init,
+                                buffers, node.match_buffers, node.annotations)
     body = _transform(body, tvm.s_tir.SBlock, allocate)
+    if plan.producer == "warpgroup":  # one more warpgroup: threadIdx.y runs over it too
+        y, extent = plan.threads["threadIdx.y"]
+        body = _transform(body, tirx.For, lambda n: tirx.For(
+            n.loop_var, n.min, n.extent + 1, n.kind, n.body, n.thread_binding, n.annotations)
+            if n.thread_binding is not None and n.thread_binding.thread_tag == "threadIdx.y" else None)
     return func.with_body(tirx.SeqStmt([*_encode_tensor_maps(plan), body]))
+
+
+def _split_warpgroups(plan, work):
+    """producer="warpgroup": the thread block's work, split between a producer warpgroup
+    (threadIdx.y == the number of consumer warpgroups) and the consumers, in one branch.
+
+    The branch sits in the block that holds the K/V pipeline (it allocates the tiles, which both
+    sides use). The producer runs the pipeline sliced down to its TMA issues (the loops and guards
+    around them kept); the consumers run the pipeline without them, and what came before it (the Q
+    tile, the running values) and after it (the output), moved in. The barriers are set up before the
+    branch. setmaxnreg gives the producer's registers to the consumers; ptxas allocates 240 a consumer
+    thread only for code that every path reaches through the increase, hence one branch. The
+    condition is uniform per warpgroup (``tvm_thread_invariant``), so that ThreadSync may plan the
+    consumers' barriers inside it; they become named ones (``consumer_barriers``)."""
+    def issues(stmt):
+        return len(_find(stmt, lambda n: _is_attr(n, _ISSUE_MARK)))
+
+    def only_issues(seq):  # a sequence that holds issues keeps just those (an issue's own sequence stays whole)
+        if not issues(seq):
+            return seq
+        kept = [s for s in seq.seq if issues(s)]
+        return tirx.SeqStmt(kept) if len(kept) > 1 else kept[0]
+
+    stmts = list(work.seq)
+    k = next(i for i, stmt in enumerate(stmts) if issues(stmt))
+    before, after, total = stmts[:k], stmts[k + 1:], issues(work)
+    y = plan.threads["threadIdx.y"][0]
+    warpgroup = tirx.const(plan.producer_warpgroup, "int32")
+
+    def split(block):  # the innermost block that holds every issue
+        if issues(block.body) != total or any(issues(b.body) == total for b in _find(
+                block.body, lambda n: isinstance(n, tvm.s_tir.SBlock))):
+            return None
+        producer = tvm_ffi.structural_map(block.body, (tirx.SeqStmt, only_issues))
+        producer = _transform(producer, tirx.AttrStmt, lambda n: n.body if _is_attr(n, _ISSUE_MARK) else None)
+        if _find(producer, lambda n: type(n).__name__ == "Call" and n.op.name in ("tirx.ptx.wgmma", "tirx.tvm_storage_sync")):
+            raise RuntimeError("TMA: the producer warpgroup's slice of the K/V pipeline kept consumer work")
+        pipeline = _transform(block.body, tirx.AttrStmt,
+                              lambda n: tirx.Evaluate(0) if _is_attr(n, _ISSUE_MARK) else None)
+        consumers = tirx.SeqStmt([_call("tvmflash_setmaxnreg_inc"), *before, pipeline, *after])
+        body = tirx.IfThenElse(T.tvm_thread_invariant(tirx.EQ(y, warpgroup)),
+                               tirx.SeqStmt([_call("tvmflash_setmaxnreg_dec"), producer]),
+                               tirx.AttrStmt(0, _CONSUMER_MARK, plan.block_threads, consumers))
+        return tvm.s_tir.SBlock(block.iter_vars, block.reads, block.writes, block.name_hint, body, block.init,
+                                block.alloc_buffers, block.match_buffers, block.annotations)
+
+    setup = tirx.IfThenElse(tirx.all(tirx.EQ(y, warpgroup), plan.is_producer()),
+                            tirx.SeqStmt(plan.barrier_init()), None)
+    return tirx.SeqStmt([setup, tirx.Evaluate(T.tvm_storage_sync("shared")),
+                         _transform(stmts[k], tvm.s_tir.SBlock, split)])
+
+
+def consumer_barriers(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """After ThreadSync: each block-wide barrier inside the consumer warpgroups' branch becomes a
+    named barrier that counts their threads only (the producer warpgroup never reaches it)."""
+    marked = _find(func.body, lambda n: _is_attr(n, _CONSUMER_MARK))
+    if not marked:
+        return func
+    consumers = int(marked[0].value)  # the mark's value: how many threads the consumers are
+
+    def name_barriers(node):
+        if not _is_attr(node, _CONSUMER_MARK):
+            return None
+
+        def named(call):
+            if call.op.name != "tirx.tvm_storage_sync":
+                return call
+            return _device_call("tvmflash_named_barrier", CONSUMER_BARRIER, consumers)
+        return tvm_ffi.structural_map(node.body, (tvm.ir.Call, named))  # the mark goes: this runs once
+    return func.with_body(_transform(func.body, tirx.AttrStmt, name_barriers))
 
 
 def _encode_tensor_maps(plan):
@@ -352,9 +477,31 @@ def _encode_tensor_maps(plan):
     return stmts
 
 
+_TMA_DESTINATION = re.compile(r"tvmflash_tma_load_5d\(\(&\(\(\((\w+)\*\)buf_dyn_shmem_ptr\)\[(.*?)\]\)\), ")
+_ELEMENT_BYTES = {"nv_bfloat16": 2, "half": 2}
+
+
+def check_tile_alignment(source: str) -> None:
+    """Every TMA destination in a kernel's CUDA ``source`` starts on a 1024-byte boundary, which the
+    128-byte swizzle (of the copy and of the wgmma descriptors) assumes. Shared-memory merging
+    places the tiles; TMA_BARRIER_BYTES is sized so that it does, and this says so if a build
+    breaks that, rather than let it compute garbage."""
+    for element, offset in _TMA_DESTINATION.findall(source):
+        expression = re.sub(r"\b[A-Za-z_]\w*\b", "{0}", offset)  # the pipeline's loop variable(s)
+        for step in range(6):
+            try:
+                at = eval(expression.format(step), {"__builtins__": {}})  # noqa: S307 - integers and operators only
+            except Exception:  # noqa: BLE001 - an expression this does not read is not checked
+                break
+            if at * _ELEMENT_BYTES.get(element, 2) % 1024:
+                raise RuntimeError(f"TMA: a K/V tile lands at shared-memory byte {at * _ELEMENT_BYTES.get(element, 2)}, "
+                                   f"not on a 1024-byte boundary ({offset}); the swizzled copies would be wrong")
+
+
 @contextlib.contextmanager
 def lowering():
-    """Run ``lowered_to_tma`` right after each InjectSoftwarePipeline of a build."""
+    """Run ``lowered_to_tma`` right after each InjectSoftwarePipeline of a build, and
+    ``consumer_barriers`` after the last ThreadSync."""
     original = tvm.s_tir.transform.InjectSoftwarePipeline
 
     def inject_then_tma():
@@ -364,5 +511,19 @@ def lowering():
             [original(), tirx.transform.prim_func_pass(to_tma, opt_level=0, name="tvmflash.LowerToTMA")],
             name="tvmflash.InjectSoftwarePipelineThenTMA")
 
-    with _replaced(tvm.s_tir.transform, "InjectSoftwarePipeline", inject_then_tma):
+    original_sync = tvm.s_tir.transform.ThreadSync
+
+    def thread_sync_then_name_barriers(storage_scope):
+        sync = original_sync(storage_scope)
+        if storage_scope != "warp":  # the last one that plans barriers (shared, shared.dyn, warp)
+            return sync
+
+        def name_barriers(func, _mod, _ctx):
+            return consumer_barriers(func)
+        return tvm.transform.Sequential(
+            [sync, tirx.transform.prim_func_pass(name_barriers, opt_level=0, name="tvmflash.ConsumerBarriers")],
+            name="tvmflash.ThreadSyncThenConsumerBarriers")
+
+    with _replaced(tvm.s_tir.transform, "InjectSoftwarePipeline", inject_then_tma), \
+            _replaced(tvm.s_tir.transform, "ThreadSync", thread_sync_then_name_barriers):
         yield

@@ -63,7 +63,8 @@ def task_points(schedule, space: dict) -> list[dict]:
 
 
 def task_name(point: dict) -> str:
-    short = {"block_m": "bm", "block_n": "bn", "num_stages": "ns", "min_blocks_per_sm": "mb", "kv_layout": "", "kv_copy": ""}
+    short = {"block_m": "bm", "block_n": "bn", "num_stages": "ns", "min_blocks_per_sm": "mb", "kv_layout": "", "kv_copy": "",
+             "producer": ""}
     return "_".join(f"{short.get(k, k)}{v}" for k, v in point.items())
 
 
