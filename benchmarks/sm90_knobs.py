@@ -1,0 +1,75 @@
+"""sm90 knob variants (the producer warpgroup of tvmflash.tma, block_n, stages) built in parallel,
+checked against an fp32 reference (flash-attn's rule: error <= 2x cuDNN's bf16 error + 1e-5), timed
+interleaved with cuDNN in one process, on an sm_90a GPU. VARIANTS: name -> knobs, per head_dim.
+BENCHMARKS.md, session 10, has its run.
+
+    python benchmarks/sm90_knobs.py [HEAD_DIM ...]      # e.g. 128 (all three take ~6 minutes)
+"""
+import json, multiprocessing as mp, os, sys, tempfile, time
+os.environ["TVMFLASH_SM90"] = "1"
+os.environ.setdefault("TVMFLASH_CACHE_DIR", tempfile.mkdtemp())
+WG = {"producer": "warpgroup", "min_blocks_per_sm": 1}
+VARIANTS = {
+    128: {"default": None, "wg_bn128": {**WG, "block_n": 128}, "wg_bn64": dict(WG), "wg_bn64_ns3": {**WG, "num_stages": 3},
+          "thread_bn128_mb1": {"block_n": 128, "min_blocks_per_sm": 1}},
+    64: {"default": None, "wg_bn128": {**WG, "block_n": 128}, "wg_bn128_ns3": {**WG, "block_n": 128, "num_stages": 3}},
+    256: {"default": None, "wg_bn64": dict(WG)},
+}
+HEADS = {64: 16, 128: 16, 256: 8}
+CAUSAL = (False, True)
+SHAPES = ((16, 1024), (4, 4096), (2, 8192))
+
+
+def build(job):
+    d, causal, name = job
+    import tvmflash
+    t = time.time()
+    try:
+        tvmflash.compile(head_dim=d, dtype="bfloat16", causal=causal, knobs=VARIANTS[d][name], heads_q=HEADS[d], heads_kv=HEADS[d])
+        return f"built d{d} c{int(causal)} {name} {time.time() - t:.0f} s"
+    except Exception as e:  # noqa
+        return f"FAILED d{d} c{int(causal)} {name}: {type(e).__name__}: {str(e)[-300:]}"
+
+
+if __name__ == "__main__":
+    only = set(sys.argv[1:])
+    dims = [d for d in VARIANTS if not only or str(d) in only]
+    jobs = [(d, c, n) for d in dims for c in CAUSAL for n in VARIANTS[d]]
+    t0 = time.time()
+    with mp.get_context("spawn").Pool(min(16, len(jobs))) as pool:
+        for line in pool.imap_unordered(build, jobs):
+            print(line, flush=True)
+    print(f"builds {time.time() - t0:.0f} s", flush=True)
+    import torch, tvmflash
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from tvmflash.bench import time_ms
+    dev = torch.device("cuda")
+    for d in dims:
+        H = HEADS[d]
+        for causal in CAUSAL:
+            kernels = {n: tvmflash.compile(head_dim=d, dtype="bfloat16", causal=causal, knobs=k) for n, k in VARIANTS[d].items()}
+            for B, S in SHAPES:
+                g = torch.Generator(device="cuda").manual_seed(S + d)
+                q, k, v = (torch.randn(B, S, H, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+                qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+                ref = torch.nn.functional.scaled_dot_product_attention(qt.float(), kt.float(), vt.float(), is_causal=causal).transpose(1, 2)
+                flops = 4 * B * H * S * S * d // (2 if causal else 1)
+                with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                    f = lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+                    base = (f().transpose(1, 2).float() - ref).abs().max().item()
+                    calls, errs = {"cudnn": f}, {}
+                    for n, kern in kernels.items():
+                        out = torch.full_like(q, float("nan"))
+                        kern(q, k, v, out=out)
+                        errs[n] = (out.float() - ref).abs().max().item()
+                        calls[n] = (lambda kern=kern, out=out: kern(q, k, v, out=out))
+                    res = {}
+                    for rep in range(3):
+                        for n, c in calls.items():
+                            res.setdefault(n, []).append(flops / time_ms(c, dev, repeat=15) / 1e9)
+                best = {n: max(x) for n, x in res.items()}
+                ok = all(e <= 2 * base + 1e-5 for e in errs.values())
+                print(f"d{d} c{int(causal)} b{B} s{S}: " + ", ".join(
+                    f"{n} {t:.0f}" + ("" if n == "cudnn" else f" ({t / best['cudnn']:.2f}x, {t / best['default']:.3f} def)") for n, t in best.items())
+                    + f" | numerics {'OK' if ok else 'FAIL'} max err {max(errs.values()):.1e} (cuDNN {base:.1e})"
+                    + ("" if ok else " " + json.dumps({n: f"{e:.1e}" for n, e in errs.items()})), flush=True)
