@@ -26,6 +26,11 @@ REVERSED = "tvmflash.reversed"
 TMA_LOAD = "tvmflash.tma_load"
 TMA_PRODUCERS = ("thread", "warpgroup")  # thread 0 of the first warpgroup, or a producer warpgroup (FA3's)
 TMA_BARRIER_BYTES = {"thread": 512, "warpgroup": 1024}
+# Shared-memory merging packs the buffers live together by size, smallest first, so the K/V tiles land
+# after the barriers and every smaller buffer. TMA_BARRIER_BYTES suits the defaults; where the smaller
+# buffers add up to another multiple of 256 bytes, a build grows the barriers by one of these
+# (``kernel.build_module`` tries them in turn until ``tma.check_tile_alignment`` passes).
+TMA_BARRIER_PADDINGS = (0, 256, 512, 768)
 # The 128-byte swizzle of 16-bit tiles (wgmma descriptors' layout type 1, TMA's SWIZZLE_128B): a tile
 # is cut into halves of this many columns, one 128-byte row each.
 SWIZZLE_COLUMNS = 64

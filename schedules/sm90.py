@@ -59,8 +59,8 @@ from __future__ import annotations
 import tvm
 from tvm.s_tir import TensorIntrin
 
-from .common import (SWIZZLE_COLUMNS, TMA_BARRIER_BYTES, TMA_LOAD, TMA_PRODUCERS, QuadRowLayout, bind_grid,
-                     hide_init_reads, pipeline_kv_loads, quad_row_block, quad_row_init, row_quad_map, row_reduce_intrin,
+from .common import (SWIZZLE_COLUMNS, TMA_BARRIER_BYTES, TMA_BARRIER_PADDINGS, TMA_LOAD, TMA_PRODUCERS,
+                     QuadRowLayout, bind_grid, hide_init_reads, pipeline_kv_loads, quad_row_block, quad_row_init, row_quad_map, row_reduce_intrin,
                      staged_row_block, tensorize_row_reduce)
 from .sm80 import DTYPES, _buffer_info  # noqa: F401 - DTYPES: the same fp16/bf16 pair
 
@@ -174,7 +174,7 @@ def shared_memory_bytes(head_dim: int, dtype: str, knobs: dict) -> int:
     kv_row = head_dim if knobs["kv_layout"] == "swizzled" else padded
     tiles = knobs["block_m"] * padded + 2 * knobs["block_n"] * knobs["num_stages"] * kv_row
     output_tile = knobs["block_m"] * (head_dim + PAD_ELEMENTS)
-    barriers = TMA_BARRIER_BYTES[knobs["producer"]] if knobs["kv_copy"] == "tma" else 0
+    barriers = TMA_BARRIER_BYTES[knobs["producer"]] + max(TMA_BARRIER_PADDINGS) if knobs["kv_copy"] == "tma" else 0
     # The output tile reuses the tiles' memory, except with a producer warpgroup: the consumers' store
     # of it sits in the branch that holds the K/V pipeline (``tvmflash.tma._split_warpgroups``), where
     # shared-memory merging keeps the tiles live.

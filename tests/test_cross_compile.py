@@ -449,11 +449,13 @@ def test_sm90_producer_needs_tma_and_one_block(monkeypatch):
 
 
 def test_misaligned_tma_tiles_fail_the_build(monkeypatch):
-    """If shared-memory merging put a swizzled TMA tile off a 1024-byte boundary, the build says so
-    (the copies and the wgmma descriptors would disagree) instead of computing garbage."""
+    """If shared-memory merging puts a swizzled TMA tile off a 1024-byte boundary whatever padding of
+    the barriers the build tries, it says so (the copies and the wgmma descriptors would disagree)
+    instead of computing garbage. Here no padding is tried, and the barriers are too small."""
     from tvmflash import tma
     monkeypatch.setenv("TVMFLASH_SM90", "1")
     monkeypatch.setitem(tma.TMA_BARRIER_BYTES, "warpgroup", 512)
+    monkeypatch.setattr(tma, "BARRIER_PADDINGS", (0,))
     with pytest.raises(RuntimeError, match="not on a 1024-byte boundary"):
         tvmflash.compile(head_dim=128, dtype="bfloat16", target="sm90",
                          knobs={"producer": "warpgroup", "min_blocks_per_sm": 1, "num_stages": 3}).source(1, 1)

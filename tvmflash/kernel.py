@@ -70,12 +70,18 @@ def build_module(mod: tvm.IRModule, target: tvm.target.Target, pass_config: dict
     """``tvm.compile`` a scheduled module with its schedule's ``build_options`` and tvmflash's TVM
     workarounds. Kernel and the tuner's MetaSchedule builder both build through here."""
     mod = tvm_workarounds.reversed_loops(mod)
-    with tvm.transform.PassContext(opt_level=3, config=pass_config), tvm_workarounds.applied(async_proxy_operands), \
-            tma.lowering():
-        executable = tvm.compile(mod, target=target)
-    if targets.is_cuda(target):
-        tma.check_tile_alignment(executable.mod.imports[0].inspect_source())
-    return executable
+    for padding in tma.BARRIER_PADDINGS:  # until the TMA tiles sit on 1024-byte boundaries (one try, mostly)
+        with tvm.transform.PassContext(opt_level=3, config=pass_config), \
+                tvm_workarounds.applied(async_proxy_operands), tma.lowering(padding):
+            executable = tvm.compile(mod, target=target)
+        if not targets.is_cuda(target):
+            return executable
+        try:
+            tma.check_tile_alignment(executable.mod.imports[0].inspect_source())
+            return executable
+        except tma.MisalignedTiles as err:
+            misaligned = err
+    raise misaligned
 
 
 def _runnable_here(target: tvm.target.Target) -> bool:

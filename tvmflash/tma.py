@@ -33,7 +33,8 @@ issues, gives its registers to the consumers by setmaxnreg (24 and 240 a thread)
 consumers' block-wide barriers become named barriers that count them only (``consumer_barriers``,
 after ThreadSync). The releases follow each stage's last reader's commit and wait
 (``_only_commits_or_waits``). Every build's TMA destinations are checked to sit on 1024-byte
-boundaries (``check_tile_alignment``): shared-memory merging places them. The barriers and
+boundaries (``check_tile_alignment``): shared-memory merging places them, and a build that finds
+them off grows the barriers (``BARRIER_PADDINGS``) and builds again. The barriers and
 TMA's shared-memory pointers are ``tvm_access_ptr`` with an empty access mask: ThreadSync then
 plans no barrier for them (the mbarriers order them), while shared-memory merging still sees them
 live (after the last wait it may reuse their bytes, for the LSE staging).
@@ -43,13 +44,15 @@ from __future__ import annotations
 
 import contextlib
 import re
+import threading
 
 import tvm
 import tvm_ffi
 from tvm import tirx
 from tvm.script import tirx as T
 
-from tvmflash.schedules.common import SWIZZLE_COLUMNS, TMA_BARRIER_BYTES, TMA_LOAD, TMA_PRODUCERS
+from tvmflash.schedules.common import (SWIZZLE_COLUMNS, TMA_BARRIER_BYTES, TMA_BARRIER_PADDINGS, TMA_LOAD,
+                                       TMA_PRODUCERS)
 from tvmflash.tvm_workarounds import _replaced
 
 _WAIT_MARK, _RELEASED_MARK = "tvmflash.tma_wait", "tvmflash.tma_released"  # on the tile waits, during the pass
@@ -59,6 +62,8 @@ _CONSUMER_MARK = "tvmflash.tma_consumers"  # around the consumer warpgroups' cod
 # to the two consumer warpgroups (128 * 24 + 256 * 240 <= 65536).
 PRODUCER_REGISTERS, CONSUMER_REGISTERS = 24, 240
 CONSUMER_BARRIER = 1  # named barrier id of the consumer warpgroups (0 is __syncthreads)
+BARRIER_PADDINGS = TMA_BARRIER_PADDINGS  # what a build tries (``schedules.common``)
+_build = threading.local()  # this thread's build: its barrier_padding, set by ``lowering``
 SWIZZLE_128B, L2_PROMOTION_128B = 3, 2  # CUtensorMapSwizzle, CUtensorMapL2promotion
 
 _SMEM = "(unsigned)__cvta_generic_to_shared"
@@ -193,8 +198,8 @@ class _Plan:
         self.producer = producers.pop()
         self.producer_warpgroup = self.block_threads // 128  # threadIdx.y of the producer warpgroup, if any
         # sized so that the tiles after them stay on 1024-byte boundaries (``check_tile_alignment``)
-        self.barriers = tirx.decl_buffer((TMA_BARRIER_BYTES[self.producer] // 8,), "uint64", "tma_barriers",
-                                         scope="shared.dyn")
+        barrier_bytes = TMA_BARRIER_BYTES[self.producer] + getattr(_build, "barrier_padding", 0)
+        self.barriers = tirx.decl_buffer((barrier_bytes // 8,), "uint64", "tma_barriers", scope="shared.dyn")
 
     def is_producer(self):
         """The thread that issues the copies: thread 0, or thread 0 of the producer warpgroup (the
@@ -481,6 +486,10 @@ _TMA_DESTINATION = re.compile(r"tvmflash_tma_load_5d\(\(&\(\(\((\w+)\*\)buf_dyn_
 _ELEMENT_BYTES = {"nv_bfloat16": 2, "half": 2}
 
 
+class MisalignedTiles(RuntimeError):
+    """A TMA tile off the swizzle's 1024-byte boundary."""
+
+
 def check_tile_alignment(source: str) -> None:
     """Every TMA destination in a kernel's CUDA ``source`` starts on a 1024-byte boundary, which the
     128-byte swizzle (of the copy and of the wgmma descriptors) assumes. Shared-memory merging
@@ -494,14 +503,16 @@ def check_tile_alignment(source: str) -> None:
             except Exception:  # noqa: BLE001 - an expression this does not read is not checked
                 break
             if at * _ELEMENT_BYTES.get(element, 2) % 1024:
-                raise RuntimeError(f"TMA: a K/V tile lands at shared-memory byte {at * _ELEMENT_BYTES.get(element, 2)}, "
+                raise MisalignedTiles(f"TMA: a K/V tile lands at shared-memory byte {at * _ELEMENT_BYTES.get(element, 2)}, "
                                    f"not on a 1024-byte boundary ({offset}); the swizzled copies would be wrong")
 
 
 @contextlib.contextmanager
-def lowering():
-    """Run ``lowered_to_tma`` right after each InjectSoftwarePipeline of a build, and
-    ``consumer_barriers`` after the last ThreadSync."""
+def lowering(barrier_padding: int = 0):
+    """Run ``lowered_to_tma`` right after each InjectSoftwarePipeline of a build (its barriers grown
+    by ``barrier_padding`` bytes, one of BARRIER_PADDINGS), and ``consumer_barriers`` after the last
+    ThreadSync."""
+    _build.barrier_padding = barrier_padding
     original = tvm.s_tir.transform.InjectSoftwarePipeline
 
     def inject_then_tma():
