@@ -60,8 +60,8 @@ import tvm
 from tvm.s_tir import TensorIntrin
 
 from .common import (SWIZZLE_COLUMNS, TMA_BARRIER_BYTES, TMA_BARRIER_PADDINGS, TMA_LOAD, TMA_PRODUCERS,
-                     QuadRowLayout, bind_grid, hide_init_reads, pipeline_kv_loads, quad_row_block, quad_row_init, row_quad_map, row_reduce_intrin,
-                     staged_row_block, tensorize_row_reduce)
+                     QuadRowLayout, bind_grid, hide_init_reads, pipeline_kv_loads, quad_row_block, quad_row_init,
+                     row_quad_map, row_reduce_intrin, staged_row_block, tensorize_row_reduce)
 from .sm80 import DTYPES, _buffer_info  # noqa: F401 - DTYPES: the same fp16/bf16 pair
 
 WARPGROUP = 128
@@ -95,9 +95,10 @@ KV_LAYOUTS = ("core_matrices", "swizzled")
 # barrier a step; or TMA (``tvmflash.tma``): one thread issues each tile, completing on the stage's
 # mbarrier, and no block-wide barrier is left in the K/V loop. TMA needs the swizzled layout.
 KV_COPIES = ("cp.async", "tma")
-# Who issues the TMA copies (``common.TMA_PRODUCERS``, lowered by ``tvmflash.tma``): thread 0 of the first warpgroup, between its
-# own wgmma; or, as in FA3, a warpgroup of its own (threadIdx.y == num_warpgroups), which gives its
-# registers to the others (setmaxnreg: 240 a consumer thread), so one thread block fills the SM.
+# Who issues the TMA copies (``common.TMA_PRODUCERS``, lowered by ``tvmflash.tma``): thread 0 of the
+# first warpgroup, between its own wgmma; or, as in FA3, a warpgroup of its own (threadIdx.y ==
+# num_warpgroups), which gives its registers to the others (setmaxnreg: 240 a consumer thread), so one
+# thread block fills the SM.
 PRODUCERS = TMA_PRODUCERS
 NUM_STAGES = (1, 2, 3)  # 1: plain loads; 2, 3: the K/V loads in a cp.async software pipeline (as sm80)
 # min_blocks_per_sm > 1 asks ptxas (``__launch_bounds__``) for few enough registers that that many

@@ -175,6 +175,11 @@ def _is_attr(node, key):
     return isinstance(node, tirx.AttrStmt) and node.attr_key == key
 
 
+def _unmarked(stmt, key):
+    """``stmt`` with each ``key`` mark (an AttrStmt of this pass) replaced by what it marks."""
+    return _transform(stmt, tirx.AttrStmt, lambda n: n.body if _is_attr(n, key) else None)
+
+
 class _Plan:
     """What one kernel needs: its thread variables, the barriers and counters, a tensor map per
     global tensor copied from."""
@@ -371,9 +376,7 @@ def lowered_to_tma(func: tirx.PrimFunc) -> tirx.PrimFunc:
     body = _transform(func.body, tirx.AttrStmt, rewrite)
     body = _waits_and_releases(plan, body, tiles)
 
-    def drop_marks(node):
-        return node.body if _is_attr(node, _RELEASED_MARK) else None
-    body = _transform(body, tirx.AttrStmt, drop_marks)
+    body = _unmarked(body, _RELEASED_MARK)
 
     def allocate(node):  # barriers and counters in the per-thread-block scope, counters at 0
         if not (isinstance(node, tvm.s_tir.SBlock) and node.name_hint == "tile"):
@@ -382,13 +385,12 @@ def lowered_to_tma(func: tirx.PrimFunc) -> tirx.PrimFunc:
         if plan.producer == "warpgroup":
             work = _split_warpgroups(plan, work)
         else:
-            work = _transform(work, tirx.AttrStmt, lambda n: n.body if _is_attr(n, _ISSUE_MARK) else None)
+            work = _unmarked(work, _ISSUE_MARK)
         start = tirx.SeqStmt([tirx.BufferStore(plan.consumed, 0, [0]), tirx.BufferStore(plan.issued, 0, [0]), work])
         return tvm.s_tir.SBlock(node.iter_vars, node.reads, node.writes, node.name_hint, start, node.init,
                                 buffers, node.match_buffers, node.annotations)
     body = _transform(body, tvm.s_tir.SBlock, allocate)
     if plan.producer == "warpgroup":  # one more warpgroup: threadIdx.y runs over it too
-        y, extent = plan.threads["threadIdx.y"]
         body = _transform(body, tirx.For, lambda n: tirx.For(
             n.loop_var, n.min, n.extent + 1, n.kind, n.body, n.thread_binding, n.annotations)
             if n.thread_binding is not None and n.thread_binding.thread_tag == "threadIdx.y" else None)
@@ -426,8 +428,7 @@ def _split_warpgroups(plan, work):
         if issues(block.body) != total or any(issues(b.body) == total for b in _find(
                 block.body, lambda n: isinstance(n, tvm.s_tir.SBlock))):
             return None
-        producer = tvm_ffi.structural_map(block.body, (tirx.SeqStmt, only_issues))
-        producer = _transform(producer, tirx.AttrStmt, lambda n: n.body if _is_attr(n, _ISSUE_MARK) else None)
+        producer = _unmarked(tvm_ffi.structural_map(block.body, (tirx.SeqStmt, only_issues)), _ISSUE_MARK)
         if _find(producer, lambda n: type(n).__name__ == "Call" and n.op.name in ("tirx.ptx.wgmma", "tirx.tvm_storage_sync")):
             raise RuntimeError("TMA: the producer warpgroup's slice of the K/V pipeline kept consumer work")
         pipeline = _transform(block.body, tirx.AttrStmt,
@@ -493,8 +494,8 @@ class MisalignedTiles(RuntimeError):
 def check_tile_alignment(source: str) -> None:
     """Every TMA destination in a kernel's CUDA ``source`` starts on a 1024-byte boundary, which the
     128-byte swizzle (of the copy and of the wgmma descriptors) assumes. Shared-memory merging
-    places the tiles; TMA_BARRIER_BYTES is sized so that it does, and this says so if a build
-    breaks that, rather than let it compute garbage."""
+    places the tiles; MisalignedTiles says where one is off (``kernel.build_module`` then builds
+    again with larger barriers), rather than let the kernel compute garbage."""
     for element, offset in _TMA_DESTINATION.findall(source):
         expression = re.sub(r"\b[A-Za-z_]\w*\b", "{0}", offset)  # the pipeline's loop variable(s)
         for step in range(6):
@@ -502,9 +503,10 @@ def check_tile_alignment(source: str) -> None:
                 at = eval(expression.format(step), {"__builtins__": {}})  # noqa: S307 - integers and operators only
             except Exception:  # noqa: BLE001 - an expression this does not read is not checked
                 break
-            if at * _ELEMENT_BYTES.get(element, 2) % 1024:
-                raise MisalignedTiles(f"TMA: a K/V tile lands at shared-memory byte {at * _ELEMENT_BYTES.get(element, 2)}, "
-                                   f"not on a 1024-byte boundary ({offset}); the swizzled copies would be wrong")
+            byte = at * _ELEMENT_BYTES.get(element, 2)
+            if byte % 1024:
+                raise MisalignedTiles(f"TMA: a K/V tile lands at shared-memory byte {byte}, not on a 1024-byte "
+                                      f"boundary ({offset}); the swizzled copies would be wrong")
 
 
 @contextlib.contextmanager

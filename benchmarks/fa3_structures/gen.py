@@ -148,6 +148,13 @@ extern "C" __global__ void __launch_bounds__(PRODUCER_WG ? 384 : 256, MINB) fa(c
     tvmflash_tma_load_5d(Vs + st_ * BN * D, (unsigned long long)vmap, full + st_, 0, (t) * BN, 0, h, b); \
     ++issued; } while (0)
 #define WAIT_FULL() do { tvmflash_mbarrier_wait(full + consumed % NS, (consumed / NS) & 1); ++consumed; } while (0)
+// the scores of the next tile in flight, in stage st, into S: issued and waited for
+#define SCORES(S, st) do { zero32(S); fence32(S); WAIT_FULL(); qk(S, Qs, Ks + (st) * BN * D, wg); \
+    tvm_builtin_ptx_wgmma_wait_group_wait_group_sync_aligned_0(); fence32(S); } while (0)
+// the softmax of S, then P V of stage st (waited for, the stage released)
+#define SOFTMAX_PV(st) do { softmax(S, P, m, l, alpha, scale2); cast(P, Pc); rescale(acc, alpha); \
+    fence64(acc); fence16u(Pc); pv(acc, Pc, Vs + (st) * BN * D); tvmflash_release_after_wgmma(empty + (st)); \
+    fence64(acc); } while (0)
 #if PRODUCER_WG
   if (wg == 2) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 24;");
@@ -177,26 +184,12 @@ extern "C" __global__ void __launch_bounds__(PRODUCER_WG ? 384 : 256, MINB) fa(c
   for (int kb = 0; kb < nkb; ++kb) {
     if (!PRODUCER_WG && producer && kb + LOOKAHEAD < nkb) ISSUE(kb + LOOKAHEAD);
     const int st = kb % NS;
-    zero32(S); fence32(S);
-    WAIT_FULL();
-    qk(S, Qs, Ks + st * BN * D, wg);
-    tvm_builtin_ptx_wgmma_wait_group_wait_group_sync_aligned_0();
-    fence32(S);
-    softmax(S, P, m, l, alpha, scale2);
-    cast(P, Pc);
-    rescale(acc, alpha);
-    fence64(acc); fence16u(Pc);
-    pv(acc, Pc, Vs + st * BN * D);
-    tvmflash_release_after_wgmma(empty + st);
-    fence64(acc);
+    SCORES(S, st);
+    SOFTMAX_PV(st);
   }
 #elif VARIANT == 1
   float Sn[BN / 2];
-  zero32(S); fence32(S);
-  WAIT_FULL();
-  qk(S, Qs, Ks, wg);
-  tvm_builtin_ptx_wgmma_wait_group_wait_group_sync_aligned_0();
-  fence32(S);
+  SCORES(S, 0);
   for (int kb = 0; kb < nkb; ++kb) {
     if (!PRODUCER_WG && producer && kb + LOOKAHEAD < nkb) ISSUE(kb + LOOKAHEAD);
     const int st = kb % NS;
@@ -206,23 +199,14 @@ extern "C" __global__ void __launch_bounds__(PRODUCER_WG ? 384 : 256, MINB) fa(c
       WAIT_FULL();
       qk(Sn, Qs, Ks + ((kb + 1) % NS) * BN * D, wg);
     }
-    softmax(S, P, m, l, alpha, scale2);
-    cast(P, Pc);
-    rescale(acc, alpha);
-    fence64(acc); fence16u(Pc);
-    pv(acc, Pc, Vs + st * BN * D);
-    tvmflash_release_after_wgmma(empty + st);
-    fence64(acc); fence32(Sn);
+    SOFTMAX_PV(st);
+    fence32(Sn);
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) S[i] = Sn[i];
   }
 #elif VARIANT == 2 || VARIANT == 3  // 3: with ping-pong turns around each warpgroup's GEMM issue
 #define PP (VARIANT == 3)
-  zero32(S); fence32(S);
-  WAIT_FULL();
-  qk(S, Qs, Ks, wg);
-  tvm_builtin_ptx_wgmma_wait_group_wait_group_sync_aligned_0();
-  fence32(S);
+  SCORES(S, 0);
   softmax(S, P, m, l, alpha, scale2);
   cast(P, Pc);
   if (PP && wg == 1) pp_arrive(0);
