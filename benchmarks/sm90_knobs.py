@@ -1,7 +1,7 @@
 """sm90 knob variants (the producer warpgroup of tvmflash.tma, block_n, stages) built in parallel,
 checked against an fp32 reference (flash-attn's rule: error <= 2x cuDNN's bf16 error + 1e-5), timed
 interleaved with cuDNN in one process, on an sm_90a GPU. VARIANTS: name -> knobs, per head_dim.
-BENCHMARKS.md, session 10, has its run.
+BENCHMARKS.md, sessions 10 and 11, have its runs.
 
     python benchmarks/sm90_knobs.py [HEAD_DIM ...]      # e.g. 128 (all three take ~6 minutes)
 """
@@ -9,11 +9,13 @@ import json, multiprocessing as mp, os, sys, tempfile, time
 os.environ["TVMFLASH_SM90"] = "1"
 os.environ.setdefault("TVMFLASH_CACHE_DIR", tempfile.mkdtemp())
 WG = {"producer": "warpgroup", "min_blocks_per_sm": 1}
+QSW = {"q_layout": "swizzled"}
 VARIANTS = {
-    128: {"default": None, "wg_bn128": {**WG, "block_n": 128}, "wg_bn64": dict(WG), "wg_bn64_ns3": {**WG, "num_stages": 3},
-          "thread_bn128_mb1": {"block_n": 128, "min_blocks_per_sm": 1}},
-    64: {"default": None, "wg_bn128": {**WG, "block_n": 128}, "wg_bn128_ns3": {**WG, "block_n": 128, "num_stages": 3}},
-    256: {"default": None, "wg_bn64": dict(WG)},
+    128: {"default": None, "q_swizzled": dict(QSW), "wg_bn128_qsw": {**WG, **QSW, "block_n": 128},
+          "wg_bn128_ns3_qsw": {**WG, **QSW, "block_n": 128, "num_stages": 3},
+          "thread_bn128_ns3_mb1_qsw": {**QSW, "block_n": 128, "num_stages": 3, "min_blocks_per_sm": 1}},
+    64: {"default": None, "q_swizzled": dict(QSW), "wg_bn128_ns3_qsw": {**WG, **QSW, "block_n": 128, "num_stages": 3}},
+    256: {"default": None, "q_swizzled": dict(QSW)},
 }
 HEADS = {64: 16, 128: 16, 256: 8}
 CAUSAL = (False, True)

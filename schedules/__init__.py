@@ -48,6 +48,17 @@ def for_target(target, dtype: str) -> ModuleType:
     raise ValueError(f"target: no tvmflash schedule for target kind {target.kind.name!r}")
 
 
+def program_for(spec, module: ModuleType, knobs: dict):
+    """The program (``tvmflash.program.attention_forward``) for a spec, in these knobs' tiles, with
+    the kernel attributes they ask for (``with_kernel_attrs``), and as many K/V tiles a Q block at
+    the least as the schedule's ``min_kv_tiles(knobs)`` asks (default 1)."""
+    from tvmflash import program
+
+    min_kv_tiles = getattr(module, "min_kv_tiles", lambda knobs: 1)({**module.KNOBS, **knobs})
+    func = program.attention_forward(spec, knobs["block_m"], knobs["block_n"], min_kv_tiles=min_kv_tiles)
+    return with_kernel_attrs(func, module, knobs)
+
+
 def with_kernel_attrs(func, module: ModuleType, knobs: dict):
     """``func`` (the program) with the kernel attributes the schedule asks for these knobs (its
     ``kernel_attrs``, e.g. sm90's ``__launch_bounds__`` minimum of blocks per SM). A schedule's trace

@@ -10,7 +10,8 @@ Mapping:
     block_m == 64 * num_warpgroups.
   * Q, K, V tiles live in dynamic shared memory, read by wgmma through matrix descriptors. Q is
     in the "interleaved" (no-swizzle) core-matrix layout (``_core_matrix_map``), core matrices
-    16 bytes apart along a row (``_pad_core_matrix_stride``). K and V (``kv_layout``, default
+    16 bytes apart along a row (``_pad_core_matrix_stride``), or (``q_layout`` "swizzled") in the
+    128-byte swizzled layout, as is the output's staging tile then. K and V (``kv_layout``, default
     "swizzled") are in the 128-byte swizzled layout (``_swizzled_map``: 64-column halves of
     128-byte rows, 16-byte chunks permuted by row), or padded core matrices like Q. All are
     copied along the rows, 16 bytes a thread. The K/V tiles are loaded in a software pipeline
@@ -36,7 +37,8 @@ Mapping:
     in FA3, a warpgroup of its own that gives its registers to the two consumer warpgroups
     (``tvmflash.tma``; one block an SM, 240 registers a consumer thread, room for block_n 128 at
     d128). Correct on the H200 but slower than the default there so far (BENCHMARKS.md, session 10:
-    0.93-0.95x at d128 non-causal, 0.83x causal); it is in the tuning space.
+    0.93-0.95x at d128 non-causal, 0.83x causal; session 11, with q_layout "swizzled" and three
+    stages of block_n 128: 0.86-0.92x non-causal, 0.75-0.82x causal); it is in the tuning space.
   * min_blocks_per_sm (default 2): ``__launch_bounds__(256, 2)``, so that two blocks share an SM
     (128 registers a thread; unbounded, d128 takes 137 and one block fills the SM). block_m 256
     (four warpgroups a K/V tile, one block an SM) is in the tuning space.
@@ -77,7 +79,8 @@ WARPS_PER_WARPGROUP = 4
 # block an SM) and 128-key tiles at one block an SM measured slower. d64 takes 128-key tiles.
 # head_dims that are no multiple of 64 keep the padded core matrices, and one stage (cp.async).
 KNOBS = {"block_m": 128, "block_n": 64, "num_warpgroups": 2, "num_stages": 2, "vec": 8, "min_blocks_per_sm": 2,
-         "row_state": "registers", "kv_layout": "swizzled", "kv_copy": "tma", "producer": "thread"}
+         "row_state": "registers", "kv_layout": "swizzled", "kv_copy": "tma", "producer": "thread",
+         "q_layout": "core_matrices"}
 KNOBS_FOR_HEAD_DIM = {64: {"block_n": 128}, 256: {"min_blocks_per_sm": 1},  # d256: 197 registers a thread
                       **{d: {"kv_layout": "core_matrices", "num_stages": 1, "kv_copy": "cp.async"} for d in (32, 96)}}
 # head_dims that sm_90a serves with the sm80 schedule by default (tvmflash.kernel.choose_schedule):
@@ -91,6 +94,10 @@ ROW_STATES = ("registers", "shared")
 # (``_pad_core_matrix_stride``), or the 128-byte swizzled layout (``_swizzled_map``), which TMA
 # can write.
 KV_LAYOUTS = ("core_matrices", "swizzled")
+# How the Q tile and the output's staging tile sit in shared memory: padded core matrices and padded
+# rows, or both in the 128-byte swizzled layout, unpadded (1/8 less memory: d128, block_m 128, 32 KiB
+# each instead of 36 and 34), so that the output tile fits in the Q tile's memory.
+Q_LAYOUTS = KV_LAYOUTS
 # How the pipelined K/V tiles are copied: every thread's cp.async, 16 bytes each, then a block-wide
 # barrier a step; or TMA (``tvmflash.tma``): one thread issues each tile, completing on the stage's
 # mbarrier, and no block-wide barrier is left in the K/V loop. TMA needs the swizzled layout.
@@ -105,7 +112,7 @@ NUM_STAGES = (1, 2, 3)  # 1: plain loads; 2, 3: the K/V loads in a cp.async soft
 # thread blocks share an SM: with 2 warpgroups, 128 registers a thread for 2 blocks. Without it the
 # d128 build takes 137, which leaves one block (8 warps) per SM, and nothing runs while its
 # warpgroups wait on wgmma, on loads or at the softmax's barriers.
-TASK_KNOBS = ("num_stages", "min_blocks_per_sm", "kv_layout", "kv_copy", "producer")  # strings: MetaSchedule samples only ints
+TASK_KNOBS = ("num_stages", "min_blocks_per_sm", "kv_layout", "kv_copy", "producer", "q_layout")  # strings: MetaSchedule samples only ints
 REGISTERS_PER_SM = 65536
 # Registers a thread needs at the least: d64's and d128's builds take 114-127 at 2 stages. With 64
 # (block_m 256, 2 blocks an SM) ptxas fails at d128: "Insufficient registers (64) to compile
@@ -124,6 +131,7 @@ SPACE = {
     "kv_layout": ["swizzled", "core_matrices"],
     "kv_copy": ["tma", "cp.async"],
     "producer": ["thread", "warpgroup"],
+    "q_layout": ["core_matrices", "swizzled"],
 }
 
 
@@ -156,6 +164,14 @@ PASS_CONFIG: dict = {"tirx.use_async_copy": True}  # cp.async for the pipelined 
 ASYNC_PROXY_OPERANDS = True
 
 
+def min_kv_tiles(knobs: dict) -> int:
+    """K/V tiles a Q block visits at the least (``schedules.program_for``): a TMA pipeline of s
+    stages gets s - 1, so that the program's count is provably enough for the pipeline's epilogue
+    to run unguarded (guarded, at 3 stages of block_n 128 its wgmma spilled: 255 registers, 0.45x
+    the speed). A cp.async pipeline keeps 1: unguarded, its epilogue's wait counts are not constants."""
+    return knobs["num_stages"] - 1 if knobs["kv_copy"] == "tma" and knobs["num_stages"] > 2 else 1
+
+
 def kernel_attrs(knobs: dict) -> dict:
     """Function attributes for these knobs (``schedules.with_kernel_attrs``): min_blocks_per_sm
     as ``__launch_bounds__(threads, min_blocks_per_sm)``."""
@@ -164,23 +180,27 @@ def kernel_attrs(knobs: dict) -> dict:
 
 
 def shared_memory_bytes(head_dim: int, dtype: str, knobs: dict) -> int:
-    """Shared memory a build with these knobs needs: the Q tile in wgmma core matrices (each padded
-    by 16 bytes, ``_pad_core_matrix_stride``) and num_stages K/V tile pairs (the same, or swizzled,
-    unpadded: ``kv_layout``), or the output tile if that is larger
-    (``_store_o_through_shared_memory``: it reuses their memory), plus up to 5 per-row values
-    (row_state "shared": m_tile, l_tile, m_new, alpha, inv_l; "registers" stages
-    only m and l, for store_lse), and the mbarriers of TMA copies."""
+    """Shared memory a build with these knobs needs: the Q tile (``q_layout``: wgmma core matrices
+    padded by 16 bytes each, ``_pad_core_matrix_stride``, or swizzled, unpadded) and num_stages K/V
+    tile pairs (``kv_layout``, the same choice), or the output's staging tile if that is larger
+    (``_store_o_through_shared_memory``: it reuses their memory; with a producer warpgroup only the
+    Q tile's, ``tvmflash.tma._split_warpgroups``), plus the per-row values staged in shared memory
+    (row_state "shared": m_tile, l_tile, m_new, alpha, inv_l; "registers": m and l, for store_lse),
+    and the mbarriers of TMA copies with their largest padding."""
     knobs = {**KNOBS, **knobs}  # a knob not given is the schedule's default
     padded = head_dim * (CORE_MATRIX_ELEMENTS + PAD_ELEMENTS) // CORE_MATRIX_ELEMENTS
     kv_row = head_dim if knobs["kv_layout"] == "swizzled" else padded
-    tiles = knobs["block_m"] * padded + 2 * knobs["block_n"] * knobs["num_stages"] * kv_row
-    output_tile = knobs["block_m"] * (head_dim + PAD_ELEMENTS)
+    q_swizzled = knobs["q_layout"] == "swizzled"
+    q_tile = knobs["block_m"] * (head_dim if q_swizzled else padded)
+    kv_tiles = 2 * knobs["block_n"] * knobs["num_stages"] * kv_row
+    output_tile = knobs["block_m"] * (head_dim if q_swizzled else head_dim + PAD_ELEMENTS)
+    if knobs["producer"] == "warpgroup":
+        staged = kv_tiles + max(q_tile, output_tile)
+    else:
+        staged = max(q_tile + kv_tiles, output_tile)
+    per_row = (5 if knobs["row_state"] == "shared" else 2) * 4 * knobs["block_m"]
     barriers = TMA_BARRIER_BYTES[knobs["producer"]] + max(TMA_BARRIER_PADDINGS) if knobs["kv_copy"] == "tma" else 0
-    # The output tile reuses the tiles' memory, except with a producer warpgroup: the consumers' store
-    # of it sits in the branch that holds the K/V pipeline (``tvmflash.tma._split_warpgroups``), where
-    # shared-memory merging keeps the tiles live.
-    staged = tiles + output_tile if knobs["producer"] == "warpgroup" else max(tiles, output_tile)
-    return staged * 2 + 5 * 4 * knobs["block_m"] + barriers
+    return staged * 2 + per_row + barriers
 
 
 # --------------------------------------------------------------------------------------------
@@ -293,7 +313,7 @@ def _swizzled_map(r, c):
 
 
 def wgmma_intrin_name(n: int, k: int, dtype: str, b_major: str, a_regs: bool = False,
-                      fence_operands: bool = True, b_swizzled: bool = False) -> str:
+                      fence_operands: bool = True, b_swizzled: bool = False, a_swizzled: bool = False) -> str:
     """Register (once) and name the intrinsic for a 64 x n x k GEMM on wgmma.
 
     A (64 x k) is a K-major shared-memory tile in ``_core_matrix_map`` layout, or with
@@ -301,7 +321,8 @@ def wgmma_intrin_name(n: int, k: int, dtype: str, b_major: str, a_regs: bool = F
     "rs" form of wgmma, whose A fragment for each k16 slice is the 64 x 16 accumulator layout,
     CUTLASS's SM90 ALayout_64x16). B is a shared-memory tile, K-major (an n x k tile,
     ``b_major="k"``: S = Q K^T) or N-major (a k x n tile, ``b_major="mn"``: O += P V). C is the
-    float32 accumulator, per thread (``_acc_index_map``).
+    float32 accumulator, per thread (``_acc_index_map``). b_swizzled, a_swizzled: the shared-memory
+    tile is in the 128-byte swizzled layout (``_swizzled_map``) instead of core matrices.
 
     fence_operands ("ss" form only): begin with ``fence.proxy.async`` and a barrier, so that the
     threads' shared-memory writes are visible to wgmma. Off where the caller's code already does
@@ -311,22 +332,25 @@ def wgmma_intrin_name(n: int, k: int, dtype: str, b_major: str, a_regs: bool = F
     name = f"tvmflash_wgmma_m64n{n}k{k}_{_PTX_TYPE[dtype]}_{'r' if a_regs else 's'}_b{b_major}"
     if b_swizzled:
         name += "_sw128"
+    if a_swizzled:
+        name += "_asw128"
     if not a_regs and not fence_operands:
         name += "_unfenced"
     try:
         TensorIntrin.get(name)
     except Exception:  # noqa: BLE001 - not registered yet
-        TensorIntrin.register(name, *_wgmma_desc_impl(n, k, dtype, b_major, a_regs, fence_operands, b_swizzled))
+        TensorIntrin.register(name, *_wgmma_desc_impl(n, k, dtype, b_major, a_regs, fence_operands, b_swizzled,
+                                                        a_swizzled))
     return name
 
 
-def _wgmma_desc_impl(n, k, dtype, b_major, a_regs, fence_operands=True, b_swizzled=False):
+def _wgmma_desc_impl(n, k, dtype, b_major, a_regs, fence_operands=True, b_swizzled=False, a_swizzled=False):
     from tvm.script import tirx as T
 
     if n % 8 or not 8 <= n <= 256 or k % 16:
         raise ValueError(f"wgmma: n must be a multiple of 8 in [8, 256] and k of 16, got n={n}, k={k}")
     nr = n // 2  # accumulator registers per thread
-    a_shape = (k // 2,) if a_regs else (8, k // 8, 8, 8)
+    a_shape = (k // 2,) if a_regs else (k // SWIZZLE_COLUMNS, 64, 8, 8) if a_swizzled else (8, k // 8, 8, 8)
     a_scope = "local" if a_regs else "shared.dyn"
     a_whole = tuple(slice(0, e) for e in a_shape)
     b_shape = (n // 8, k // 8, 8, 8) if b_major == "k" else (k // 8, n // 8, 8, 8)
@@ -341,6 +365,8 @@ def _wgmma_desc_impl(n, k, dtype, b_major, a_regs, fence_operands=True, b_swizzl
     def a_at(A, vi, vk):
         if a_regs:
             return A[_acc_layout(vi, vk)[1]]
+        if a_swizzled:  # K-major, as K in b_at
+            return A[_swizzled_map(vi, vk)]
         return A[vi // 8, vk // 8, vi % 8, vk % 8]
 
     def b_at(B, vj, vk):
@@ -371,12 +397,23 @@ def _wgmma_desc_impl(n, k, dtype, b_major, a_regs, fence_operands=True, b_swizzl
         return T.cuda.func_call("tvmflash_wgmma_descriptor", pointer, lbo, sbo, layout, source_code=_DESCRIPTOR,
                                 return_type="uint64")
 
+    def k_major_swizzled(X, s0, s1, ks):
+        # s0: a 64-column half's stride, s1: a row's (64 elements, 128 bytes); a k16 slice starts 32
+        # bytes into the rows of its half; LBO unused; SBO: 8 rows, 1024 bytes (8 s1 * 2 / 16 = s1 units)
+        return _descriptor(X.access_ptr("r", offset=(ks * 16) // SWIZZLE_COLUMNS * s0 + ks * 16 % SWIZZLE_COLUMNS),
+                           1, s1, SWIZZLE_128B)
+
+    def a_descriptor(A, sa0, sa1, ks):
+        if a_swizzled:
+            return k_major_swizzled(A, sa0, sa1, ks)
+        # K-major: LBO = K-direction core-matrix stride, SBO = M-direction.
+        return _descriptor(A.access_ptr("r", offset=ks * 2 * sa1), sa1 // 8, sa0 // 8)
+
     def b_descriptor(B, sb0, sb1, ks):
         # Descriptor fields are in 16-byte units; 2-byte elements.
         if b_swizzled:  # sb0: a 64-column half's stride, sb1: a row's (64 elements, 128 bytes)
-            if b_major == "k":  # a k16 slice: 32 bytes into the rows of its half; LBO unused
-                return _descriptor(B.access_ptr("r", offset=(ks * 16) // SWIZZLE_COLUMNS * sb0 + ks * 16 % SWIZZLE_COLUMNS),
-                                   1, sb1, SWIZZLE_128B)
+            if b_major == "k":
+                return k_major_swizzled(B, sb0, sb1, ks)
             # N-major: a k16 slice is 16 rows; LBO: from one 64-column half to the next
             return _descriptor(B.access_ptr("r", offset=ks * 16 * sb1), sb0 // 8, sb1, SWIZZLE_128B)
         if b_major == "k":  # K-major: LBO = K-direction core-matrix stride, SBO = N-direction
@@ -426,9 +463,8 @@ def _wgmma_desc_impl(n, k, dtype, b_major, a_regs, fence_operands=True, b_swizzl
                 wgmma_begin(C)
                 T.ptx.wgmma.fence.sync.aligned()
                 for ks in T.unroll(k // 16):
-                    # A, K-major: LBO = K-direction core-matrix stride, SBO = M-direction.
-                    mma(*[C[r] for r in range(nr)], _descriptor(A.access_ptr("r", offset=ks * 2 * sa1), sa1 // 8, sa0 // 8),
-                        b_descriptor(B, sb0, sb1, ks), T.bool(True), 1, 1, 0, trans_b)
+                    mma(*[C[r] for r in range(nr)], a_descriptor(A, sa0, sa1, ks), b_descriptor(B, sb0, sb1, ks),
+                        T.bool(True), 1, 1, 0, trans_b)
                 wgmma_end(C)
 
     @T.prim_func(s_tir=True)
@@ -524,19 +560,25 @@ def _pad_core_matrix_stride(sch, block):
     sch.storage_align(block, 0, axis=1, factor=CORE_MATRIX_ELEMENTS, offset=PAD_ELEMENTS)
 
 
-def _store_o_through_shared_memory(sch, head_dim, num_warpgroups, vec):
+def _store_o_through_shared_memory(sch, head_dim, num_warpgroups, vec, swizzled):
     """The output goes to global memory through shared memory: the accumulator threads write their
     pairs of adjacent columns (one 32-bit store each) into a row-major tile whose rows are padded
     by 16 bytes (so the 8 rows a warp writes at once hit different banks), then all threads copy
     the tile out along its rows, 16 bytes each. Straight from the accumulator layout it was 2-byte
     stores, each warp's touching 8 sectors for 64 bytes. The tile reuses the K/V and Q tiles'
     shared memory (dead by then). H200, d128 bf16, 128-row blocks: 0.421 -> 0.361 ms at 1k
-    tokens non-causal, 0.864 -> 0.819 ms at 4k causal (BENCHMARKS.md, session 8)."""
+    tokens non-causal, 0.864 -> 0.819 ms at 4k causal (BENCHMARKS.md, session 8). ``swizzled``
+    (q_layout "swizzled"): the tile is in the 128-byte swizzled layout instead, as large as the Q
+    tile and as free of bank conflicts (the 8 rows a warp writes at once land in 8 different
+    16-byte chunks)."""
     _acc_block(sch, "store_o", num_warpgroups)
     sch.vectorize(sch.get_loops("store_o")[-1])  # a thread's two adjacent columns
     copy = sch.cache_write("store_o", 0, "shared.dyn")
-    # The tile is (1, block_m, 1, head_dim), a slice of O: axis 2's stride is the row stride.
-    sch.storage_align("store_o", 0, axis=2, factor=head_dim, offset=PAD_ELEMENTS)
+    if swizzled:  # the tile is (1, block_m, 1, head_dim), a slice of O
+        sch.transform_layout("store_o", ("write", 0), lambda b, r, h, c: _swizzled_map(r, c),
+                             assume_injective_transform=True)
+    else:  # axis 2's stride is the row stride
+        sch.storage_align("store_o", 0, axis=2, factor=head_dim, offset=PAD_ELEMENTS)
     # Its rows: those of the sequence (a symbolic count, at most block_m); 16 bytes a thread.
     b, r, h, c = sch.get_loops(copy)[-4:]
     c_hi, v = sch.split(c, [None, vec])
@@ -621,6 +663,7 @@ def schedule(
     kv_layout: str = "swizzled",
     kv_copy: str = "tma",
     producer: str = "thread",
+    q_layout: str = "core_matrices",
 ) -> tvm.s_tir.Schedule:
     """Map the attention program onto sm90 wgmma. See the module docstring. (min_blocks_per_sm
     is a kernel attribute, ``kernel_attrs``: the caller puts it on the program.)"""
@@ -653,6 +696,11 @@ def schedule(
     swizzled = kv_layout == "swizzled"
     if swizzled and D % SWIZZLE_COLUMNS:
         raise ValueError(f"kv_layout: 'swizzled' needs a head_dim that is a multiple of {SWIZZLE_COLUMNS}, got {D}")
+    if q_layout not in Q_LAYOUTS:
+        raise ValueError(f"q_layout: the sm90 schedule takes one of {Q_LAYOUTS}, got {q_layout!r}")
+    q_swizzled = q_layout == "swizzled"
+    if q_swizzled and D % SWIZZLE_COLUMNS:
+        raise ValueError(f"q_layout: 'swizzled' needs a head_dim that is a multiple of {SWIZZLE_COLUMNS}, got {D}")
     if kv_copy not in KV_COPIES:
         raise ValueError(f"kv_copy: the sm90 schedule takes one of {KV_COPIES}, got {kv_copy!r}")
     if kv_copy == "tma" and not _tma_can_copy(kv_layout, num_stages):
@@ -661,16 +709,17 @@ def schedule(
     problem = _producer_problem(producer, kv_copy, min_blocks_per_sm, num_warpgroups)
     if problem:
         raise ValueError(problem)
-    qk_intrin = wgmma_intrin_name(BN, D, dtype, "k", fence_operands=num_stages == 1, b_swizzled=swizzled)
+    qk_intrin = wgmma_intrin_name(BN, D, dtype, "k", fence_operands=num_stages == 1, b_swizzled=swizzled,
+                                  a_swizzled=q_swizzled)
     pv_intrin = wgmma_intrin_name(D, BN, dtype, "mn", a_regs=True, b_swizzled=swizzled)
 
     # ---- grid -----------------------------------------------------------------------------
     bind_grid(sch)
 
-    # ---- Q, K, V tiles into shared memory: Q in core matrices, K/V as kv_layout says -------
+    # ---- Q, K, V tiles into shared memory, as q_layout and kv_layout say ----------------------
     for name in ("load_q", "load_k", "load_v"):
         sch.set_scope(name, 0, "shared.dyn")
-        if swizzled and name != "load_q":
+        if q_swizzled if name == "load_q" else swizzled:
             sch.transform_layout(name, ("write", 0), _swizzled_map, assume_injective_transform=True)
         else:
             sch.transform_layout(name, ("write", 0), _core_matrix_map)
@@ -702,7 +751,7 @@ def schedule(
     sch.tensorize(rows, pv_intrin)
 
     _acc_block(sch, "init_acc", num_warpgroups)
-    _store_o_through_shared_memory(sch, D, num_warpgroups, vec)
+    _store_o_through_shared_memory(sch, D, num_warpgroups, vec, q_swizzled)
 
     # ---- softmax on the accumulator registers -------------------------------------------
     # S, the masked score and P keep the accumulator layout, and each thread works on the

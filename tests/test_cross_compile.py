@@ -442,10 +442,51 @@ def test_sm90_producer_needs_tma_and_one_block(monkeypatch):
     assert not sm90.valid_task({"producer": "warpgroup", "min_blocks_per_sm": 1, "block_m": 256})
     assert not sm90.valid_task({"producer": "warpgroup", "min_blocks_per_sm": 1, "kv_copy": "cp.async"})
     assert sm90.valid_task({"producer": "warpgroup", "min_blocks_per_sm": 1, "kv_copy": "tma"})
-    # at head_dim 256 the output tile cannot reuse the K/V tiles' memory with a producer warpgroup
+    # head_dim 256 in three stages does not fit: a clear error before building
     with pytest.raises(ValueError, match="KiB of shared memory"):
         tvmflash.compile(head_dim=256, dtype="bfloat16", target="sm90",
-                         knobs={"producer": "warpgroup", "min_blocks_per_sm": 1}).source(1, 1)
+                         knobs={"producer": "warpgroup", "min_blocks_per_sm": 1, "num_stages": 3})
+
+
+@pytest.mark.parametrize("producer", ["thread", "warpgroup"])
+def test_sm90_three_stage_tma_pipeline(monkeypatch, producer):
+    """Three TMA stages: the prologue issues two tiles (in a loop that TVM unrolls), yet the barriers
+    are set up once; every Q block visits at least two K/V tiles (``sm90.min_kv_tiles``), so no
+    statement of the pipeline's epilogue is guarded by the count of tiles (guarded, ptxas spilled)."""
+    monkeypatch.setenv("TVMFLASH_SM90", "1")
+    knobs = {"producer": producer, "min_blocks_per_sm": 1, "block_n": 128, "num_stages": 3, "q_layout": "swizzled"}
+    src = tvmflash.compile(head_dim=128, dtype="bfloat16", target="sm90", knobs=knobs).source(4, 2)
+    assert src.count("tvmflash_mbarrier_init_fence();") == 1
+    assert src.count("tvmflash_tma_load_5d((") == 6  # K and V: two tiles in the prologue, one a step
+    assert "< seqlen_k)" not in src.split("tvmflash_setmaxnreg_inc();")[-1].split("for (int kb")[0]  # nothing guarded before the loop
+
+
+def test_sm90_swizzled_q_tile(monkeypatch):
+    """q_layout="swizzled": QK^T reads Q through 128-byte-swizzled descriptors (layout 1), as it reads
+    K; with a producer warpgroup the output's staging reuses the Q tile's memory, so three stages of
+    block_n 128 fit at head_dim 128 (227 KiB)."""
+    from tvmflash.schedules import sm90
+    monkeypatch.setenv("TVMFLASH_SM90", "1")
+    no_swizzle = r"tvmflash_wgmma_descriptor\(\(&[^;]*?\)\), \d+, \d+, 0\)"
+    assert re.search(no_swizzle, tvmflash.compile(head_dim=128, dtype="bfloat16", target="sm90").source(4, 2))
+    src = tvmflash.compile(head_dim=128, dtype="bfloat16", target="sm90", knobs={"q_layout": "swizzled"}).source(4, 2)
+    assert not re.search(no_swizzle, src) and "wgmma.mma_async" in src
+    knobs = {"producer": "warpgroup", "min_blocks_per_sm": 1, "block_n": 128, "num_stages": 3}
+    assert sm90.shared_memory_bytes(128, "bfloat16", {**knobs, "q_layout": "swizzled"}) <= 227 * 1024
+    assert sm90.shared_memory_bytes(128, "bfloat16", knobs) > 227 * 1024
+    with pytest.raises(ValueError, match="q_layout: 'swizzled' needs a head_dim that is a multiple of 64"):
+        tvmflash.compile(head_dim=96, dtype="bfloat16", target="sm90",
+                         knobs={"q_layout": "swizzled", "kv_layout": "core_matrices", "kv_copy": "cp.async"}).source(1, 1)
+
+
+def test_tile_alignment_check_reads_swizzled_descriptors():
+    """check_tile_alignment also reads the swizzled wgmma operands (the Q tile is no TMA destination):
+    a k16 slice may start 32, 64 or 96 bytes into a 1024-byte-aligned tile, nowhere else."""
+    from tvmflash import tma
+    line = "tvmflash_wgmma_descriptor((&(((nv_bfloat16*)buf_dyn_shmem_ptr)[((((int)threadIdx.y) * 4096) + {})])), 1, 64, 1)"
+    tma.check_tile_alignment(line.format(33280) + line.format(33280 + 48))
+    with pytest.raises(tma.MisalignedTiles, match="swizzled wgmma operand"):
+        tma.check_tile_alignment(line.format(33280 + 128))
 
 
 def test_misaligned_tma_tiles_fail_the_build(monkeypatch):

@@ -149,14 +149,27 @@ def test_pipelined_candidates_build_with_static_shapes(schedule, block_m, causal
     spec = program.AttentionSpec(64, "bfloat16", causal, 2, 2)
     mod = tvm.IRModule({"main": tune.specialize(program.attention_forward(spec, block_m, 64), spec, batch=1,
                                                 seqlen_q=512, seqlen_k=512, softmax_scale=0.125)})
-    task = {"num_stages": 2, **({"min_blocks_per_sm": 2, "kv_layout": "swizzled", "kv_copy": kv_copy, "producer": "thread"}
+    # cp.async copies into the swizzled layout have no barriers to pad, and at block_m 64 merging
+    # puts those tiles off the 1024-byte boundary: that build fails loudly (below), so here cp.async
+    # copies into core matrices.
+    layout = "swizzled" if kv_copy == "tma" else "core_matrices"
+    task = {"num_stages": 2, **({"min_blocks_per_sm": 2, "kv_layout": layout, "kv_copy": kv_copy, "producer": "thread",
+                                 "q_layout": "core_matrices"}
                                 if schedule is sm90 else {})}  # the task knobs
-    fixed, sampled = tune.task_knobs(schedule.SPACE, block_m, 64, **task)
-    sch = tvm.s_tir.Schedule(mod)
-    tune.space_fn(schedule, fixed, sampled)(sch)
-    target = targets.cuda_target("sm90" if schedule is sm90 else "sm80")
+
+    def build(task):
+        fixed, sampled = tune.task_knobs(schedule.SPACE, block_m, 64, **task)
+        sch = tvm.s_tir.Schedule(mod)
+        tune.space_fn(schedule, fixed, sampled)(sch)
+        target = targets.cuda_target("sm90" if schedule is sm90 else "sm80")
+        return tune._ms_build(sch.mod, target, None, **options)
+
     options = kernel.build_options(schedule)
-    built = tune._ms_build(sch.mod, target, None, **options)
+    if kv_copy == "cp.async":
+        from tvmflash import tma
+        with pytest.raises(tma.MisalignedTiles, match="swizzled wgmma operand"):
+            build({**task, "kv_layout": "swizzled"})
+    built = build(task)
     source = built.imports[0].inspect_source()
     if kv_copy == "tma":
         assert "cp.async.bulk.tensor.5d" in source and "cp.async.wait_group" not in source
@@ -448,11 +461,13 @@ def test_sm90_tasks_that_leave_too_few_registers_are_skipped(tmp_path, monkeypat
                          knobs={"block_m": 256, "num_warpgroups": 4, "min_blocks_per_sm": 2}).module(2, 2)
     spec = program.AttentionSpec(128, "bfloat16", False, 2, 2)
     lines = []
-    space = {**sm90.SPACE, "block_m": [256], "block_n": [64], "num_stages": [2], "kv_layout": ["swizzled"]}
+    space = {**sm90.SPACE, "block_m": [256], "block_n": [64], "num_stages": [2], "kv_layout": ["swizzled"],
+             "q_layout": ["core_matrices"]}
     tasks = tune.make_tasks(sm90, spec, {"batch": 1, "seqlen": 512, "heads": 2}, space, targets.cuda_target("sm90"),
                             tmp_path, random.Random(0), lines.append)
     # (a producer warpgroup needs block_m 128: those points are not tasks)
-    assert [t["name"] for t in tasks] == ["bm256_bn64_ns2_mb1_swizzled_tma_thread", "bm256_bn64_ns2_mb1_swizzled_cp.async_thread"]
+    assert [t["name"] for t in tasks] == ["bm256_bn64_ns2_mb1_swizzled_tma_thread_qcore_matrices",
+                                          "bm256_bn64_ns2_mb1_swizzled_cp.async_thread_qcore_matrices"]
     assert len(lines) == 2 and all(line.startswith("  skipping bm256_bn64_ns2_mb2_swizzled") and "64 registers" in line
                                    for line in lines)
 

@@ -208,8 +208,7 @@ class Kernel:
         return _Module(function, None, "disk cache", str(path), time.perf_counter() - start)
 
     def _scheduled(self, spec: AttentionSpec) -> tvm.s_tir.Schedule:
-        func = program.attention_forward(spec, self.knobs["block_m"], self.knobs["block_n"])
-        sch = tvm.s_tir.Schedule(schedule_registry.with_kernel_attrs(func, self.schedule, self.knobs))
+        sch = tvm.s_tir.Schedule(schedule_registry.program_for(spec, self.schedule, self.knobs))
         return self.schedule.schedule(sch, **self.knobs)
 
     def _build(self, spec: AttentionSpec, key: str) -> _Module:

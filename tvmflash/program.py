@@ -54,7 +54,7 @@ class AttentionSpec:
             )
 
 
-def attention_forward(spec: AttentionSpec, block_m: int, block_n: int):
+def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_tiles: int = 1):
     """Return the forward PrimFunc ``main(q, k, v, out, lse, softmax_scale)``.
 
     Each (batch, head, Q block of ``block_m`` rows) is one tile; it streams K/V tiles of
@@ -65,6 +65,7 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int):
     mask is aligned bottom-right (key j is seen by query i iff j <= i + seqlen_k - seqlen_q) and
     tiles wholly above the diagonal are not visited. Only the tiles that straddle the diagonal or
     the end of the keys are masked (``tile_visible``); the others use the scores as they are.
+    Each Q block visits at least ``min_kv_tiles`` K/V tiles (``kv_tiles``).
     """
     D, BM, BN = spec.head_dim, block_m, block_n
     HQ, HKV = spec.heads_q, spec.heads_kv
@@ -76,12 +77,14 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int):
         """K/V tiles that Q block qb must visit (causal: those not wholly above the diagonal), and
         at least one: a block that sees no key (seqlen_k 0, or causal with seqlen_q > seqlen_k)
         visits one all-masked tile, which leaves its rows 0 with an LSE of -inf as they must be.
-        A count that is provably positive lets a software pipeline over the tiles run its
-        epilogue unguarded (a guard on each of its statements cost ptxas 100 registers on sm90)."""
+        At least ``min_kv_tiles``, too: a software pipeline of s stages over the tiles runs its
+        epilogue (s - 1 tiles) unguarded only where the count is provably s - 1 or more (a guard on
+        each of its statements cost ptxas 100 registers and spills on sm90); the tiles past the
+        keys (or past the diagonal) are all masked and change nothing."""
         if not causal:
-            return T.max(1, T.ceildiv(seqlen_k, BN))
+            return T.max(min_kv_tiles, T.ceildiv(seqlen_k, BN))
         last_key = T.min(seqlen_k, T.max(0, (qb + 1) * BM + seqlen_k - seqlen_q))
-        return T.max(1, T.ceildiv(last_key, BN))
+        return T.max(min_kv_tiles, T.ceildiv(last_key, BN))
 
     def visible(row, col, seqlen_q, seqlen_k):
         """Is key ``col`` visible to query ``row``? (Both are absolute positions.)"""

@@ -23,8 +23,8 @@ Phases: a thread's k-th wait on the full barriers is for tile k, in stage k % nu
 (k // num_stages) % 2; the producer counts its issues the same way. Each is a per-thread counter
 in a register, so the pipeline's index expressions are never parsed.
 
-The first issue (the pipeline's prologue) also initialises the barriers and, with one
-``fence.proxy.async`` and barrier, makes the Q tile's stores visible to wgmma.
+The producer thread initialises the barriers first thing; right before the pipeline one
+``fence.proxy.async`` and barrier make the Q tile's stores visible to wgmma (``_q_tile_visible``).
 
 Who issues (the annotation's value, one of ``TMA_PRODUCERS``): "thread", thread 0 of the first warpgroup,
 between its own wgmma; or "warpgroup", FA3's producer warpgroup (``_split_warpgroups``): one more
@@ -354,18 +354,10 @@ def lowered_to_tma(func: tirx.PrimFunc) -> tirx.PrimFunc:
         for scope in _find(commit.body, lambda n: _is_attr(n, "async_scope")):
             for block in _find(scope.body, lambda n: isinstance(n, tvm.s_tir.SBlock) and TMA_LOAD in n.annotations):
                 tiles.append(block.body.buffer)
-    first = [True]
 
     def rewrite(node):
         if _is_attr(node, "async_commit_queue_scope"):
-            issue = tirx.AttrStmt(0, _ISSUE_MARK, 1, _issue(plan, node))
-            if first[0]:  # the pipeline's prologue: barriers set up, Q's stores visible to wgmma
-                first[0] = False
-                init = [] if plan.producer == "warpgroup" else [  # that one sets them up before it branches off
-                    tirx.IfThenElse(plan.is_producer(), tirx.SeqStmt(plan.barrier_init()), None)]
-                return tirx.SeqStmt([*init, _call("tvmflash_fence_proxy_async"),
-                                     tirx.Evaluate(T.tvm_storage_sync("shared")), issue])
-            return issue
+            return tirx.AttrStmt(0, _ISSUE_MARK, 1, _issue(plan, node))
         if _is_attr(node, "async_wait_queue_scope"):
             inner = node.body.body if _is_attr(node.body, "async_wait_inflight_count") else node.body
             return tirx.AttrStmt(0, _WAIT_MARK, 1, inner)
@@ -383,9 +375,12 @@ def lowered_to_tma(func: tirx.PrimFunc) -> tirx.PrimFunc:
             return None
         work, buffers = node.body, [*node.alloc_buffers, plan.barriers, plan.consumed, plan.issued]
         if plan.producer == "warpgroup":
-            work = _split_warpgroups(plan, work)
-        else:
-            work = _unmarked(work, _ISSUE_MARK)
+            work, moved = _split_warpgroups(plan, work, node.alloc_buffers)
+            buffers = [b for b in buffers if not any(b.same_as(m) for m in moved)]
+        else:  # the producer thread sets the barriers up first; the pipeline starts once Q is stored
+            stmts, k = _pipeline_start(work)
+            work = _unmarked(tirx.SeqStmt([tirx.IfThenElse(plan.is_producer(), tirx.SeqStmt(plan.barrier_init()), None),
+                                           *stmts[:k], *_q_tile_visible(), *stmts[k:]]), _ISSUE_MARK)
         start = tirx.SeqStmt([tirx.BufferStore(plan.consumed, 0, [0]), tirx.BufferStore(plan.issued, 0, [0]), work])
         return tvm.s_tir.SBlock(node.iter_vars, node.reads, node.writes, node.name_hint, start, node.init,
                                 buffers, node.match_buffers, node.annotations)
@@ -397,9 +392,10 @@ def lowered_to_tma(func: tirx.PrimFunc) -> tirx.PrimFunc:
     return func.with_body(tirx.SeqStmt([*_encode_tensor_maps(plan), body]))
 
 
-def _split_warpgroups(plan, work):
+def _split_warpgroups(plan, work, tile_buffers):
     """producer="warpgroup": the thread block's work, split between a producer warpgroup
-    (threadIdx.y == the number of consumer warpgroups) and the consumers, in one branch.
+    (threadIdx.y == the number of consumer warpgroups) and the consumers, in one branch. Returns
+    that and the thread block's buffers it moved into the consumers' branch.
 
     The branch sits in the block that holds the K/V pipeline (it allocates the tiles, which both
     sides use). The producer runs the pipeline sliced down to its TMA issues (the loops and guards
@@ -408,7 +404,13 @@ def _split_warpgroups(plan, work):
     branch. setmaxnreg gives the producer's registers to the consumers; ptxas allocates 240 a consumer
     thread only for code that every path reaches through the increase, hence one branch. The
     condition is uniform per warpgroup (``tvm_thread_invariant``), so that ThreadSync may plan the
-    consumers' barriers inside it; they become named ones (``consumer_barriers``)."""
+    consumers' barriers inside it; they become named ones (``consumer_barriers``).
+
+    The shared-memory buffers that only the consumers use (the Q tile, the output's staging tile,
+    the LSE's) are allocated in the consumers' branch: shared-memory merging counts a buffer live over
+    the whole statement, at the level of its allocation, that touches it, so at the thread block's
+    level all of them would live through the branch, and the output's staging could not reuse the Q
+    tile's memory."""
     def issues(stmt):
         return len(_find(stmt, lambda n: _is_attr(n, _ISSUE_MARK)))
 
@@ -418,8 +420,8 @@ def _split_warpgroups(plan, work):
         kept = [s for s in seq.seq if issues(s)]
         return tirx.SeqStmt(kept) if len(kept) > 1 else kept[0]
 
-    stmts = list(work.seq)
-    k = next(i for i, stmt in enumerate(stmts) if issues(stmt))
+    stmts, k = _pipeline_start(work)
+    moved = []
     before, after, total = stmts[:k], stmts[k + 1:], issues(work)
     y = plan.threads["threadIdx.y"][0]
     warpgroup = tirx.const(plan.producer_warpgroup, "int32")
@@ -433,7 +435,10 @@ def _split_warpgroups(plan, work):
             raise RuntimeError("TMA: the producer warpgroup's slice of the K/V pipeline kept consumer work")
         pipeline = _transform(block.body, tirx.AttrStmt,
                               lambda n: tirx.Evaluate(0) if _is_attr(n, _ISSUE_MARK) else None)
-        consumers = tirx.SeqStmt([_call("tvmflash_setmaxnreg_inc"), *before, pipeline, *after])
+        consumers = tirx.SeqStmt([_call("tvmflash_setmaxnreg_inc"), *before, *_q_tile_visible(), pipeline, *after])
+        moved.extend(b for b in tile_buffers if b.scope() == "shared.dyn" and not _touches(producer, b))
+        consumers = tvm.s_tir.SBlockRealize([], True, tvm.s_tir.SBlock([], [], [], "consumers", consumers,
+                                                                       alloc_buffers=moved))
         body = tirx.IfThenElse(T.tvm_thread_invariant(tirx.EQ(y, warpgroup)),
                                tirx.SeqStmt([_call("tvmflash_setmaxnreg_dec"), producer]),
                                tirx.AttrStmt(0, _CONSUMER_MARK, plan.block_threads, consumers))
@@ -442,8 +447,27 @@ def _split_warpgroups(plan, work):
 
     setup = tirx.IfThenElse(tirx.all(tirx.EQ(y, warpgroup), plan.is_producer()),
                             tirx.SeqStmt(plan.barrier_init()), None)
-    return tirx.SeqStmt([setup, tirx.Evaluate(T.tvm_storage_sync("shared")),
-                         _transform(stmts[k], tvm.s_tir.SBlock, split)])
+    split_work = _transform(stmts[k], tvm.s_tir.SBlock, split)
+    return tirx.SeqStmt([setup, tirx.Evaluate(T.tvm_storage_sync("shared")), split_work]), moved
+
+
+def _pipeline_start(work):
+    """The thread block's statements, and the index of the one that holds the K/V pipeline (its first
+    TMA issue)."""
+    stmts = list(work.seq) if isinstance(work, tirx.SeqStmt) else [work]
+    return stmts, next(i for i, stmt in enumerate(stmts) if _find(stmt, lambda n: _is_attr(n, _ISSUE_MARK)))
+
+
+def _q_tile_visible():
+    """Before the K/V pipeline: the threads' stores of the Q tile made visible to wgmma (the async
+    proxy), and the barriers' set-up to every thread. Here rather than at the first issue, which may
+    sit in a loop of the pipeline's prologue."""
+    return [_call("tvmflash_fence_proxy_async"), tirx.Evaluate(T.tvm_storage_sync("shared"))]
+
+
+def _touches(stmt, buffer):
+    """Whether ``stmt`` names ``buffer`` (a load, a store or a pointer into it)."""
+    return bool(_find(stmt, lambda n: isinstance(n, tirx.Var) and n.same_as(buffer.data)))
 
 
 def consumer_barriers(func: tirx.PrimFunc) -> tirx.PrimFunc:
@@ -483,30 +507,41 @@ def _encode_tensor_maps(plan):
     return stmts
 
 
-_TMA_DESTINATION = re.compile(r"tvmflash_tma_load_5d\(\(&\(\(\((\w+)\*\)buf_dyn_shmem_ptr\)\[(.*?)\]\)\), ")
+_TILE_POINTER = r"\(\(&\(\(\((\w+)\*\)buf_dyn_shmem_ptr\)\[([^\]]*)\]\)\)"
+_TMA_DESTINATION = re.compile(r"tvmflash_tma_load_5d" + _TILE_POINTER + ", ")
+_SWIZZLED_OPERAND = re.compile(r"tvmflash_wgmma_descriptor" + _TILE_POINTER + r", \d+, \d+, 1\)")  # layout 1
 _ELEMENT_BYTES = {"nv_bfloat16": 2, "half": 2}
 
 
 class MisalignedTiles(RuntimeError):
-    """A TMA tile off the swizzle's 1024-byte boundary."""
+    """A TMA tile or a swizzled wgmma operand off the swizzle's 1024-byte boundary."""
+
+
+def _byte_offsets(element, offset):
+    """The byte offsets ``offset`` (an index expression of the CUDA source) takes with every variable
+    at 0, 1, ..., 5; none where the expression is not plain integer arithmetic."""
+    expression = re.sub(r"\b(?!max\b|min\b)[A-Za-z_][\w.]*", "{0}", offset.replace("(int)", ""))
+    for step in range(6):
+        try:  # integers, operators, max and min only
+            at = eval(expression.format(step), {"__builtins__": {}, "max": max, "min": min})  # noqa: S307
+        except Exception:  # noqa: BLE001 - an expression this does not read is not checked
+            return
+        yield at * _ELEMENT_BYTES.get(element, 2)
 
 
 def check_tile_alignment(source: str) -> None:
-    """Every TMA destination in a kernel's CUDA ``source`` starts on a 1024-byte boundary, which the
-    128-byte swizzle (of the copy and of the wgmma descriptors) assumes. Shared-memory merging
-    places the tiles; MisalignedTiles says where one is off (``kernel.build_module`` then builds
-    again with larger barriers), rather than let the kernel compute garbage."""
-    for element, offset in _TMA_DESTINATION.findall(source):
-        expression = re.sub(r"\b[A-Za-z_]\w*\b", "{0}", offset)  # the pipeline's loop variable(s)
-        for step in range(6):
-            try:
-                at = eval(expression.format(step), {"__builtins__": {}})  # noqa: S307 - integers and operators only
-            except Exception:  # noqa: BLE001 - an expression this does not read is not checked
-                break
-            byte = at * _ELEMENT_BYTES.get(element, 2)
-            if byte % 1024:
-                raise MisalignedTiles(f"TMA: a K/V tile lands at shared-memory byte {byte}, not on a 1024-byte "
-                                      f"boundary ({offset}); the swizzled copies would be wrong")
+    """Every TMA destination in a kernel's CUDA ``source`` starts on a 1024-byte boundary, and every
+    swizzled wgmma operand within the first 128 bytes after one (a k16 slice of a K-major tile starts
+    32 bytes further along its rows), as the 128-byte swizzle (of the copy and of the wgmma
+    descriptors) assumes. Shared-memory merging places the tiles; MisalignedTiles says where one is
+    off (``kernel.build_module`` then builds again with larger barriers), rather than let the kernel
+    compute garbage."""
+    for pattern, what, slack in ((_TMA_DESTINATION, "a TMA tile", 1), (_SWIZZLED_OPERAND, "a swizzled wgmma operand", 128)):
+        for element, offset in pattern.findall(source):
+            for byte in _byte_offsets(element, offset):
+                if byte % 1024 >= slack:
+                    raise MisalignedTiles(f"TMA: {what} lands at shared-memory byte {byte}, not on a 1024-byte "
+                                          f"boundary ({offset}); the swizzled copies would be wrong")
 
 
 @contextlib.contextmanager

@@ -64,7 +64,7 @@ def task_points(schedule, space: dict) -> list[dict]:
 
 def task_name(point: dict) -> str:
     short = {"block_m": "bm", "block_n": "bn", "num_stages": "ns", "min_blocks_per_sm": "mb", "kv_layout": "", "kv_copy": "",
-             "producer": ""}
+             "producer": "", "q_layout": "q"}
     return "_".join(f"{short.get(k, k)}{v}" for k, v in point.items())
 
 
@@ -319,11 +319,10 @@ def make_tasks(schedule, spec: program.AttentionSpec, shape: dict, space: dict, 
     for point, logger in zip(points, loggers):
         name = task_name(point)
         fixed, sampled = task_knobs(space, **point)
-        block_m, block_n = point["block_m"], point["block_n"]
-        func = specialize(program.attention_forward(spec, block_m, block_n), spec, batch=shape["batch"],
-                          seqlen_q=shape["seqlen"], seqlen_k=shape["seqlen"], softmax_scale=1.0 / math.sqrt(spec.head_dim))
         plain = {**schedule.KNOBS, **fixed}  # the task's knobs; the defaults fill in the sampled ones
-        mod = tvm.IRModule({"main": schedule_registry.with_kernel_attrs(func, schedule, plain)})
+        func = specialize(schedule_registry.program_for(spec, schedule, plain), spec, batch=shape["batch"],
+                          seqlen_q=shape["seqlen"], seqlen_k=shape["seqlen"], softmax_scale=1.0 / math.sqrt(spec.head_dim))
+        mod = tvm.IRModule({"main": func})
         fn = space_fn(schedule, fixed, sampled)
         problem = targets.shared_memory_over(target, schedule, spec.head_dim, spec.dtype, plain)
         if problem is not None:
