@@ -11,7 +11,8 @@ Mapping:
   * Q, K, V tiles live in dynamic shared memory, read by wgmma through matrix descriptors. Q is
     in the "interleaved" (no-swizzle) core-matrix layout (``_core_matrix_map``), core matrices
     16 bytes apart along a row (``_pad_core_matrix_stride``), or (``q_layout`` "swizzled") in the
-    128-byte swizzled layout, as is the output's staging tile then. K and V (``kv_layout``, default
+    128-byte swizzled layout, as is the output's staging tile then; a swizzled Q tile may be
+    copied by TMA (``q_copy``). K and V (``kv_layout``, default
     "swizzled") are in the 128-byte swizzled layout (``_swizzled_map``: 64-column halves of
     128-byte rows, 16-byte chunks permuted by row), or padded core matrices like Q. All are
     copied along the rows, 16 bytes a thread. The K/V tiles are loaded in a software pipeline
@@ -80,7 +81,7 @@ WARPS_PER_WARPGROUP = 4
 # head_dims that are no multiple of 64 keep the padded core matrices, and one stage (cp.async).
 KNOBS = {"block_m": 128, "block_n": 64, "num_warpgroups": 2, "num_stages": 2, "vec": 8, "min_blocks_per_sm": 2,
          "row_state": "registers", "kv_layout": "swizzled", "kv_copy": "tma", "producer": "thread",
-         "q_layout": "core_matrices"}
+         "q_layout": "core_matrices", "q_copy": "threads"}
 KNOBS_FOR_HEAD_DIM = {64: {"block_n": 128}, 256: {"min_blocks_per_sm": 1},  # d256: 197 registers a thread
                       **{d: {"kv_layout": "core_matrices", "num_stages": 1, "kv_copy": "cp.async"} for d in (32, 96)}}
 # head_dims that sm_90a serves with the sm80 schedule by default (tvmflash.kernel.choose_schedule):
@@ -98,6 +99,10 @@ KV_LAYOUTS = ("core_matrices", "swizzled")
 # rows, or both in the 128-byte swizzled layout, unpadded (1/8 less memory: d128, block_m 128, 32 KiB
 # each instead of 36 and 34), so that the output tile fits in the Q tile's memory.
 Q_LAYOUTS = KV_LAYOUTS
+# How the Q tile is copied: by every thread's loads and stores, or (with q_layout "swizzled" and TMA
+# K/V tiles) by one TMA copy that the producer issues first thing, on a barrier of its own, as FA3
+# does: the consumers wait for it instead of loading it. Not yet measured on a GPU (session 11).
+Q_COPIES = ("threads", "tma")
 # How the pipelined K/V tiles are copied: every thread's cp.async, 16 bytes each, then a block-wide
 # barrier a step; or TMA (``tvmflash.tma``): one thread issues each tile, completing on the stage's
 # mbarrier, and no block-wide barrier is left in the K/V loop. TMA needs the swizzled layout.
@@ -112,7 +117,7 @@ NUM_STAGES = (1, 2, 3)  # 1: plain loads; 2, 3: the K/V loads in a cp.async soft
 # thread blocks share an SM: with 2 warpgroups, 128 registers a thread for 2 blocks. Without it the
 # d128 build takes 137, which leaves one block (8 warps) per SM, and nothing runs while its
 # warpgroups wait on wgmma, on loads or at the softmax's barriers.
-TASK_KNOBS = ("num_stages", "min_blocks_per_sm", "kv_layout", "kv_copy", "producer", "q_layout")  # strings: MetaSchedule samples only ints
+TASK_KNOBS = ("num_stages", "min_blocks_per_sm", "kv_layout", "kv_copy", "producer", "q_layout", "q_copy")  # strings: MetaSchedule samples only ints
 REGISTERS_PER_SM = 65536
 # Registers a thread needs at the least: d64's and d128's builds take 114-127 at 2 stages. With 64
 # (block_m 256, 2 blocks an SM) ptxas fails at d128: "Insufficient registers (64) to compile
@@ -132,6 +137,7 @@ SPACE = {
     "kv_copy": ["tma", "cp.async"],
     "producer": ["thread", "warpgroup"],
     "q_layout": ["core_matrices", "swizzled"],
+    "q_copy": ["threads"],  # "tma" joins once it has run on a GPU
 }
 
 
@@ -151,10 +157,21 @@ def _producer_problem(producer: str, kv_copy: str, min_blocks_per_sm: int, num_w
     return None
 
 
+def _q_copy_problem(q_copy: str, q_layout: str, kv_copy: str) -> str | None:
+    """Why this Q copy does not go with these knobs, or None."""
+    if q_copy not in Q_COPIES:
+        return f"q_copy: the sm90 schedule takes one of {Q_COPIES}, got {q_copy!r}"
+    if q_copy == "tma" and (q_layout != "swizzled" or kv_copy != "tma"):
+        return f"q_copy 'tma' needs q_layout 'swizzled' and kv_copy 'tma', got {q_layout!r} and {kv_copy!r}"
+    return None
+
+
 def valid_task(point: dict) -> bool:
     """Whether a tuning task's knobs go together (``tune.task_points`` drops the others)."""
     knobs = {**KNOBS, **point}
     if knobs["kv_copy"] == "tma" and not _tma_can_copy(knobs["kv_layout"], knobs["num_stages"]):
+        return False
+    if _q_copy_problem(knobs["q_copy"], knobs["q_layout"], knobs["kv_copy"]):
         return False
     return _producer_problem(knobs["producer"], knobs["kv_copy"], knobs["min_blocks_per_sm"],
                              knobs["block_m"] // WG_ROWS) is None
@@ -664,6 +681,7 @@ def schedule(
     kv_copy: str = "tma",
     producer: str = "thread",
     q_layout: str = "core_matrices",
+    q_copy: str = "threads",
 ) -> tvm.s_tir.Schedule:
     """Map the attention program onto sm90 wgmma. See the module docstring. (min_blocks_per_sm
     is a kernel attribute, ``kernel_attrs``: the caller puts it on the program.)"""
@@ -706,7 +724,8 @@ def schedule(
     if kv_copy == "tma" and not _tma_can_copy(kv_layout, num_stages):
         raise ValueError(f"kv_copy 'tma' needs kv_layout 'swizzled' and num_stages >= 2, got {kv_layout!r} and "
                          f"{num_stages}: pass kv_copy='cp.async' with these")
-    problem = _producer_problem(producer, kv_copy, min_blocks_per_sm, num_warpgroups)
+    problem = _producer_problem(producer, kv_copy, min_blocks_per_sm, num_warpgroups) or _q_copy_problem(
+        q_copy, q_layout, kv_copy)
     if problem:
         raise ValueError(problem)
     qk_intrin = wgmma_intrin_name(BN, D, dtype, "k", fence_operands=num_stages == 1, b_swizzled=swizzled,
@@ -725,7 +744,7 @@ def schedule(
             sch.transform_layout(name, ("write", 0), _core_matrix_map)
             _pad_core_matrix_stride(sch, name)
         _copy_along_rows(sch, name, num_warpgroups, vec)
-        if kv_copy == "tma" and name != "load_q":  # lowered to one thread's TMA copy (tvmflash.tma)
+        if (q_copy if name == "load_q" else kv_copy) == "tma":  # lowered to one thread's TMA copy (tvmflash.tma)
             sch.annotate(sch.get_sblock(name), TMA_LOAD, producer)
 
     # ---- qk: S = Q K^T on wgmma, S in accumulator registers --------------------------------

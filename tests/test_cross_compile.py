@@ -479,6 +479,25 @@ def test_sm90_swizzled_q_tile(monkeypatch):
                          knobs={"q_layout": "swizzled", "kv_layout": "core_matrices", "kv_copy": "cp.async"}).source(1, 1)
 
 
+@pytest.mark.parametrize("producer", ["thread", "warpgroup"])
+def test_sm90_q_tile_by_tma(monkeypatch, producer):
+    """q_copy="tma": one thread of the first consumer warpgroup copies the swizzled Q tile by TMA on a
+    barrier of its own, and every consumer thread waits for it; no thread loads Q itself. The Q tile
+    stays the consumers' own, so with a producer warpgroup three stages of block_n 128 still fit."""
+    from tvmflash.schedules import sm90
+    monkeypatch.setenv("TVMFLASH_SM90", "1")
+    knobs = {"producer": producer, "min_blocks_per_sm": 1, "block_n": 128, "num_stages": 3, "q_layout": "swizzled",
+             "q_copy": "tma"}
+    assert sm90.shared_memory_bytes(128, "bfloat16", knobs) <= 227 * 1024
+    src = tvmflash.compile(head_dim=128, dtype="bfloat16", target="sm90", knobs=knobs).source(4, 2)
+    assert src.count("(&(Q_tensormap))") == 1 and "Q_ptr" not in src
+    q_barrier = re.search(r"tvmflash_tma_load_5d\(\(&\(\(\(nv_bfloat16\*\)buf_dyn_shmem_ptr\)\[\d+\]\)\), "
+                          r"\(\(unsigned long long\)\(&\(Q_tensormap\)\)\), (\(&\(\(\(uint64_t\*\)buf_dyn_shmem_ptr\)\[\d+\]\)\))", src)
+    assert q_barrier and f"tvmflash_mbarrier_wait({q_barrier.group(1)}, 0);" in src
+    with pytest.raises(ValueError, match="q_copy 'tma' needs q_layout 'swizzled' and kv_copy 'tma'"):
+        tvmflash.compile(head_dim=128, dtype="bfloat16", target="sm90", knobs={"q_copy": "tma"}).source(1, 1)
+
+
 def test_tile_alignment_check_reads_swizzled_descriptors():
     """check_tile_alignment also reads the swizzled wgmma operands (the Q tile is no TMA destination):
     a k16 slice may start 32, 64 or 96 bytes into a 1024-byte-aligned tile, nowhere else."""

@@ -196,6 +196,7 @@ class _Plan:
         self.issued = tirx.decl_buffer((1,), "int32", "tma_issued", scope="local")
         self.tensor_maps = {}  # global buffer -> (tensor map var, its box)
         self.num_stages = None
+        self.q_copy = None  # the statement of the Q tile's one-off TMA copy, if any (``_one_off_copy``)
         producers = {str(n.annotations[TMA_LOAD]) for n in _find(
             func.body, lambda n: isinstance(n, tvm.s_tir.SBlock) and TMA_LOAD in n.annotations)}
         if len(producers) != 1 or not producers <= set(TMA_PRODUCERS):
@@ -218,6 +219,8 @@ class _Plan:
         every consumer thread."""
         init = [_call("tvmflash_mbarrier_init", self.full(s), 1) for s in range(self.num_stages)]
         init += [_call("tvmflash_mbarrier_init", self.empty(s), self.block_threads) for s in range(self.num_stages)]
+        if self.q_copy is not None:
+            init.append(_call("tvmflash_mbarrier_init", self.q_full(), 1))
         return init + [_call("tvmflash_mbarrier_init_fence")]
 
     def full(self, stage):
@@ -226,6 +229,10 @@ class _Plan:
     def empty(self, stage):
         return _pointer(self.barriers, self.num_stages + stage)
 
+    def q_full(self):
+        """The barrier of the Q tile's one-off copy (``q_copy="tma"``), after the stages' ones."""
+        return _pointer(self.barriers, 2 * self.num_stages)
+
     def tensor_map(self, buffer, box):
         if buffer not in self.tensor_maps:
             var = tirx.Var(f"{buffer.name}_tensormap", ty=T.handle("tensormap").ty)
@@ -233,9 +240,11 @@ class _Plan:
         return self.tensor_maps[buffer][0]
 
 
-def _copy(plan, scope):
-    """One ``async_scope`` of annotated copy blocks -> (tensor-map TMA call, bytes)."""
-    blocks = _find(scope.body, lambda n: isinstance(n, tvm.s_tir.SBlock) and TMA_LOAD in n.annotations)
+def _copy(plan, scope, one_off=False):
+    """One ``async_scope`` of annotated copy blocks -> (its stage, tensor-map TMA call, bytes). With
+    ``one_off``, ``scope`` is the statement of a copy outside the pipeline (the Q tile): no stages,
+    completing on the Q barrier."""
+    blocks = _find(scope if one_off else scope.body, lambda n: isinstance(n, tvm.s_tir.SBlock) and TMA_LOAD in n.annotations)
     if len(blocks) != 1:
         raise RuntimeError(f"TMA: expected one annotated copy block in an async scope, found {len(blocks)}")
     store = blocks[0].body
@@ -247,13 +256,20 @@ def _copy(plan, scope):
     source = loads[0]
     # The tile's origin: every loop inside the scope and every thread index at 0.
     zero = [(loop.loop_var, tirx.const(0, "int32"))
-            for loop in _find(scope.body, lambda n: isinstance(n, tirx.For))]
+            for loop in _find(scope if one_off else scope.body, lambda n: isinstance(n, tirx.For))]
     zero += [(var, tirx.const(0, "int32")) for tag, (var, _) in plan.threads.items() if tag.startswith("threadIdx")]
     analyzer = tvm.sym.Analyzer()
     at_origin = lambda e: analyzer.simplify(_substitute(e, zero))  # noqa: E731
     batch, row, head, col = [at_origin(i) for i in source.indices]
     destination = [at_origin(i) for i in store.indices]
     tile = store.buffer  # (stages, halves, rows, 8, 8): the pipeline's versions of the swizzled tile
+    if one_off:  # (halves, rows, 8, 8)
+        halves, rows = (int(e) for e in tile.shape[:2])
+        box = (SWIZZLE_COLUMNS, rows, halves)
+        call = _device_call("tvmflash_tma_load_5d", _pointer(tile, _flat(tile, destination)),
+                            T.address_of(plan.tensor_map(_loaded(source), box)), plan.q_full(),
+                            col % SWIZZLE_COLUMNS, row, col // SWIZZLE_COLUMNS, head, batch)
+        return None, tirx.Evaluate(call), SWIZZLE_COLUMNS * rows * halves * tile.dtype.bits // 8
     stages, halves, rows = (int(e) for e in tile.shape[:3])
     if plan.num_stages not in (None, stages):
         raise RuntimeError("TMA: K and V tiles must have the same number of stages")
@@ -373,14 +389,17 @@ def lowered_to_tma(func: tirx.PrimFunc) -> tirx.PrimFunc:
     def allocate(node):  # barriers and counters in the per-thread-block scope, counters at 0
         if not (isinstance(node, tvm.s_tir.SBlock) and node.name_hint == "tile"):
             return None
-        work, buffers = node.body, [*node.alloc_buffers, plan.barriers, plan.consumed, plan.issued]
+        buffers = [*node.alloc_buffers, plan.barriers, plan.consumed, plan.issued]
+        stmts, k = _pipeline_start(node.body)
+        stmts, q_issue = _one_off_copy(plan, stmts, k)
         if plan.producer == "warpgroup":
-            work, moved = _split_warpgroups(plan, work, node.alloc_buffers)
+            work, moved = _split_warpgroups(plan, stmts, k, q_issue, node.alloc_buffers)
             buffers = [b for b in buffers if not any(b.same_as(m) for m in moved)]
-        else:  # the producer thread sets the barriers up first; the pipeline starts once Q is stored
-            stmts, k = _pipeline_start(work)
-            work = _unmarked(tirx.SeqStmt([tirx.IfThenElse(plan.is_producer(), tirx.SeqStmt(plan.barrier_init()), None),
-                                           *stmts[:k], *_q_tile_visible(), *stmts[k:]]), _ISSUE_MARK)
+        else:  # the producer thread sets the barriers up first (and issues Q); the pipeline starts once Q is in
+            init = [tirx.IfThenElse(plan.is_producer(), tirx.SeqStmt(plan.barrier_init()), None)]
+            if q_issue is not None:  # every thread waits on the Q barrier: its set-up must be seen first
+                init += [tirx.Evaluate(T.tvm_storage_sync("shared")), q_issue]
+            work = _unmarked(tirx.SeqStmt([*init, *stmts[:k], *_q_tile_visible(), *stmts[k:]]), _ISSUE_MARK)
         start = tirx.SeqStmt([tirx.BufferStore(plan.consumed, 0, [0]), tirx.BufferStore(plan.issued, 0, [0]), work])
         return tvm.s_tir.SBlock(node.iter_vars, node.reads, node.writes, node.name_hint, start, node.init,
                                 buffers, node.match_buffers, node.annotations)
@@ -392,8 +411,9 @@ def lowered_to_tma(func: tirx.PrimFunc) -> tirx.PrimFunc:
     return func.with_body(tirx.SeqStmt([*_encode_tensor_maps(plan), body]))
 
 
-def _split_warpgroups(plan, work, tile_buffers):
-    """producer="warpgroup": the thread block's work, split between a producer warpgroup
+def _split_warpgroups(plan, stmts, k, q_issue, tile_buffers):
+    """producer="warpgroup": the thread block's work (``stmts``, the pipeline in ``stmts[k]``; the
+    Q tile's TMA issue ``q_issue``, or None), split between a producer warpgroup
     (threadIdx.y == the number of consumer warpgroups) and the consumers, in one branch. Returns
     that and the thread block's buffers it moved into the consumers' branch.
 
@@ -420,9 +440,8 @@ def _split_warpgroups(plan, work, tile_buffers):
         kept = [s for s in seq.seq if issues(s)]
         return tirx.SeqStmt(kept) if len(kept) > 1 else kept[0]
 
-    stmts, k = _pipeline_start(work)
     moved = []
-    before, after, total = stmts[:k], stmts[k + 1:], issues(work)
+    before, after, total = stmts[:k], stmts[k + 1:], issues(stmts[k])
     y = plan.threads["threadIdx.y"][0]
     warpgroup = tirx.const(plan.producer_warpgroup, "int32")
 
@@ -435,7 +454,8 @@ def _split_warpgroups(plan, work, tile_buffers):
             raise RuntimeError("TMA: the producer warpgroup's slice of the K/V pipeline kept consumer work")
         pipeline = _transform(block.body, tirx.AttrStmt,
                               lambda n: tirx.Evaluate(0) if _is_attr(n, _ISSUE_MARK) else None)
-        consumers = tirx.SeqStmt([_call("tvmflash_setmaxnreg_inc"), *before, *_q_tile_visible(), pipeline, *after])
+        consumers = tirx.SeqStmt([_call("tvmflash_setmaxnreg_inc"), *([q_issue] if q_issue else []), *before,
+                                  *_q_tile_visible(), pipeline, *after])
         moved.extend(b for b in tile_buffers if b.scope() == "shared.dyn" and not _touches(producer, b))
         consumers = tvm.s_tir.SBlockRealize([], True, tvm.s_tir.SBlock([], [], [], "consumers", consumers,
                                                                        alloc_buffers=moved))
@@ -449,6 +469,27 @@ def _split_warpgroups(plan, work, tile_buffers):
                             tirx.SeqStmt(plan.barrier_init()), None)
     split_work = _transform(stmts[k], tvm.s_tir.SBlock, split)
     return tirx.SeqStmt([setup, tirx.Evaluate(T.tvm_storage_sync("shared")), split_work]), moved
+
+
+def _one_off_copy(plan, stmts, k):
+    """The Q tile's TMA copy (a ``TMA_LOAD`` block before the pipeline, ``q_copy="tma"``): its
+    statement in ``stmts`` becomes every thread's wait on the Q barrier. Returns the statements and
+    the issue, by thread 0 of the first warpgroup (None without such a copy). Not the producer
+    warpgroup's: the Q tile then stays the consumers' own, so that the output's staging may reuse
+    its memory (``_split_warpgroups``)."""
+    copies = [i for i, stmt in enumerate(stmts[:k])
+              if _find(stmt, lambda n: isinstance(n, tvm.s_tir.SBlock) and TMA_LOAD in n.annotations)]
+    if not copies:
+        return stmts, None
+    i = copies[0]
+    if len(copies) > 1 or len(_find(stmts[i], lambda n: isinstance(n, tvm.s_tir.SBlock))) != 1:
+        raise RuntimeError("TMA: expected one copy block outside the pipeline (the Q tile), alone in its statement")
+    plan.q_copy = stmts[i]
+    _, call, size = _copy(plan, stmts[i], one_off=True)
+    issue = tirx.SeqStmt([_call("tvmflash_mbarrier_expect_tx", plan.q_full(), size), call])
+    wait = _call("tvmflash_mbarrier_wait", plan.q_full(), 0)
+    first = tirx.all(*[var == 0 for tag, (var, _) in plan.threads.items() if tag.startswith("threadIdx")])
+    return [*stmts[:i], wait, *stmts[i + 1:]], tirx.IfThenElse(first, issue, None)
 
 
 def _pipeline_start(work):
@@ -466,8 +507,10 @@ def _q_tile_visible():
 
 
 def _touches(stmt, buffer):
-    """Whether ``stmt`` names ``buffer`` (a load, a store or a pointer into it)."""
-    return bool(_find(stmt, lambda n: isinstance(n, tirx.Var) and n.same_as(buffer.data)))
+    """Whether ``stmt`` accesses ``buffer`` (a load, a store or a pointer into it; not a block's
+    read or write region)."""
+    stores = _find(stmt, lambda n: type(n).__name__ == "BufferStore" and n.buffer.same_as(buffer))
+    return bool(stores) or _reads_tiles(stmt, [buffer])
 
 
 def consumer_barriers(func: tirx.PrimFunc) -> tirx.PrimFunc:
