@@ -13,7 +13,11 @@ QSW = {"q_layout": "swizzled"}
 VARIANTS = {
     128: {"default": None, "q_swizzled": dict(QSW), "wg_bn128_qsw": {**WG, **QSW, "block_n": 128},
           "wg_bn128_ns3_qsw": {**WG, **QSW, "block_n": 128, "num_stages": 3},
-          "thread_bn128_ns3_mb1_qsw": {**QSW, "block_n": 128, "num_stages": 3, "min_blocks_per_sm": 1}},
+          "thread_bn128_ns3_mb1_qsw": {**QSW, "block_n": 128, "num_stages": 3, "min_blocks_per_sm": 1},
+          # session 11, not yet timed: Q by TMA, the output stored from the registers
+          "wg_bn128_ns3_qtma_direct": {**WG, **QSW, "block_n": 128, "num_stages": 3, "q_copy": "tma",
+                                       "o_store": "direct"},
+          "wg_bn128_ns3_qtma": {**WG, **QSW, "block_n": 128, "num_stages": 3, "q_copy": "tma"}},
     64: {"default": None, "q_swizzled": dict(QSW), "wg_bn128_ns3_qsw": {**WG, **QSW, "block_n": 128, "num_stages": 3}},
     256: {"default": None, "q_swizzled": dict(QSW)},
 }

@@ -81,7 +81,7 @@ WARPS_PER_WARPGROUP = 4
 # head_dims that are no multiple of 64 keep the padded core matrices, and one stage (cp.async).
 KNOBS = {"block_m": 128, "block_n": 64, "num_warpgroups": 2, "num_stages": 2, "vec": 8, "min_blocks_per_sm": 2,
          "row_state": "registers", "kv_layout": "swizzled", "kv_copy": "tma", "producer": "thread",
-         "q_layout": "core_matrices", "q_copy": "threads"}
+         "q_layout": "core_matrices", "q_copy": "threads", "o_store": "staged"}
 KNOBS_FOR_HEAD_DIM = {64: {"block_n": 128}, 256: {"min_blocks_per_sm": 1},  # d256: 197 registers a thread
                       **{d: {"kv_layout": "core_matrices", "num_stages": 1, "kv_copy": "cp.async"} for d in (32, 96)}}
 # head_dims that sm_90a serves with the sm80 schedule by default (tvmflash.kernel.choose_schedule):
@@ -103,6 +103,12 @@ Q_LAYOUTS = KV_LAYOUTS
 # K/V tiles) by one TMA copy that the producer issues first thing, on a barrier of its own, as FA3
 # does: the consumers wait for it instead of loading it. Not yet measured on a GPU (session 11).
 Q_COPIES = ("threads", "tma")
+# How the output reaches global memory: "staged" through a shared-memory tile (16-byte stores along
+# its rows, ``_store_o_through_shared_memory``), or "direct" from the accumulator registers, two
+# adjacent columns a store, with no barrier (FA3 without its TMA store). Staging measured faster at
+# two blocks an SM (session 8); "direct" is for one block an SM, where nothing hides the staging's
+# barriers. Not yet run on a GPU (session 11).
+O_STORES = ("staged", "direct")
 # How the pipelined K/V tiles are copied: every thread's cp.async, 16 bytes each, then a block-wide
 # barrier a step; or TMA (``tvmflash.tma``): one thread issues each tile, completing on the stage's
 # mbarrier, and no block-wide barrier is left in the K/V loop. TMA needs the swizzled layout.
@@ -117,7 +123,7 @@ NUM_STAGES = (1, 2, 3)  # 1: plain loads; 2, 3: the K/V loads in a cp.async soft
 # thread blocks share an SM: with 2 warpgroups, 128 registers a thread for 2 blocks. Without it the
 # d128 build takes 137, which leaves one block (8 warps) per SM, and nothing runs while its
 # warpgroups wait on wgmma, on loads or at the softmax's barriers.
-TASK_KNOBS = ("num_stages", "min_blocks_per_sm", "kv_layout", "kv_copy", "producer", "q_layout", "q_copy")  # strings: MetaSchedule samples only ints
+TASK_KNOBS = ("num_stages", "min_blocks_per_sm", "kv_layout", "kv_copy", "producer", "q_layout", "q_copy", "o_store")  # strings: MetaSchedule samples only ints
 REGISTERS_PER_SM = 65536
 # Registers a thread needs at the least: d64's and d128's builds take 114-127 at 2 stages. With 64
 # (block_m 256, 2 blocks an SM) ptxas fails at d128: "Insufficient registers (64) to compile
@@ -138,6 +144,7 @@ SPACE = {
     "producer": ["thread", "warpgroup"],
     "q_layout": ["core_matrices", "swizzled"],
     "q_copy": ["threads"],  # "tma" joins once it has run on a GPU
+    "o_store": ["staged"],  # "direct" too
 }
 
 
@@ -211,6 +218,8 @@ def shared_memory_bytes(head_dim: int, dtype: str, knobs: dict) -> int:
     q_tile = knobs["block_m"] * (head_dim if q_swizzled else padded)
     kv_tiles = 2 * knobs["block_n"] * knobs["num_stages"] * kv_row
     output_tile = knobs["block_m"] * (head_dim if q_swizzled else head_dim + PAD_ELEMENTS)
+    if knobs["o_store"] == "direct":  # no staging tile
+        output_tile = 0
     if knobs["producer"] == "warpgroup":
         staged = kv_tiles + max(q_tile, output_tile)
     else:
@@ -682,6 +691,7 @@ def schedule(
     producer: str = "thread",
     q_layout: str = "core_matrices",
     q_copy: str = "threads",
+    o_store: str = "staged",
 ) -> tvm.s_tir.Schedule:
     """Map the attention program onto sm90 wgmma. See the module docstring. (min_blocks_per_sm
     is a kernel attribute, ``kernel_attrs``: the caller puts it on the program.)"""
@@ -714,6 +724,8 @@ def schedule(
     swizzled = kv_layout == "swizzled"
     if swizzled and D % SWIZZLE_COLUMNS:
         raise ValueError(f"kv_layout: 'swizzled' needs a head_dim that is a multiple of {SWIZZLE_COLUMNS}, got {D}")
+    if o_store not in O_STORES:
+        raise ValueError(f"o_store: the sm90 schedule takes one of {O_STORES}, got {o_store!r}")
     if q_layout not in Q_LAYOUTS:
         raise ValueError(f"q_layout: the sm90 schedule takes one of {Q_LAYOUTS}, got {q_layout!r}")
     q_swizzled = q_layout == "swizzled"
@@ -770,7 +782,11 @@ def schedule(
     sch.tensorize(rows, pv_intrin)
 
     _acc_block(sch, "init_acc", num_warpgroups)
-    _store_o_through_shared_memory(sch, D, num_warpgroups, vec, q_swizzled)
+    if o_store == "staged":
+        _store_o_through_shared_memory(sch, D, num_warpgroups, vec, q_swizzled)
+    else:  # each thread stores the pairs of adjacent columns it holds
+        _acc_block(sch, "store_o", num_warpgroups)
+        sch.vectorize(sch.get_loops("store_o")[-1])
 
     # ---- softmax on the accumulator registers -------------------------------------------
     # S, the masked score and P keep the accumulator layout, and each thread works on the

@@ -498,6 +498,16 @@ def test_sm90_q_tile_by_tma(monkeypatch, producer):
         tvmflash.compile(head_dim=128, dtype="bfloat16", target="sm90", knobs={"q_copy": "tma"}).source(1, 1)
 
 
+def test_sm90_output_stored_from_registers(monkeypatch):
+    """o_store="direct": the output goes to global memory from the accumulator registers, two adjacent
+    columns a store, and not through a shared-memory tile (its 16-byte stores)."""
+    monkeypatch.setenv("TVMFLASH_SM90", "1")
+    staged = tvmflash.compile(head_dim=128, dtype="bfloat16", target="sm90").source(4, 2)
+    direct = tvmflash.compile(head_dim=128, dtype="bfloat16", target="sm90", knobs={"o_store": "direct"}).source(4, 2)
+    assert "*(uint4*)(O_ptr + " in staged and "*(nv_bfloat162*)(O_ptr + " not in staged
+    assert "*(nv_bfloat162*)(O_ptr + " in direct and "*(uint4*)(O_ptr + " not in direct
+
+
 def test_tile_alignment_check_reads_swizzled_descriptors():
     """check_tile_alignment also reads the swizzled wgmma operands (the Q tile is no TMA destination):
     a k16 slice may start 32, 64 or 96 bytes into a 1024-byte-aligned tile, nowhere else."""
