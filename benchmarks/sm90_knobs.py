@@ -17,7 +17,11 @@ VARIANTS = {
           # session 11, not yet timed: Q by TMA, the output stored from the registers
           "wg_bn128_ns3_qtma_direct": {**WG, **QSW, "block_n": 128, "num_stages": 3, "q_copy": "tma",
                                        "o_store": "direct"},
-          "wg_bn128_ns3_qtma": {**WG, **QSW, "block_n": 128, "num_stages": 3, "q_copy": "tma"}},
+          "wg_bn128_ns3_qtma": {**WG, **QSW, "block_n": 128, "num_stages": 3, "q_copy": "tma"},
+          # and FA3's intra-warpgroup overlap (PV(j-1) issued with QK^T(j)), as the lab's prod_pvlag_bn128_ns3
+          "wg_bn128_ns3_overlap": {**WG, **QSW, "block_n": 128, "num_stages": 3, "overlap": 1},
+          "wg_bn128_ns3_overlap_qtma_direct": {**WG, **QSW, "block_n": 128, "num_stages": 3, "overlap": 1,
+                                               "q_copy": "tma", "o_store": "direct"}},
     64: {"default": None, "q_swizzled": dict(QSW), "wg_bn128_ns3_qsw": {**WG, **QSW, "block_n": 128, "num_stages": 3}},
     256: {"default": None, "q_swizzled": dict(QSW)},
 }

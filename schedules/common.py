@@ -34,6 +34,10 @@ TMA_BARRIER_PADDINGS = (0, 256, 512, 768)
 # The 128-byte swizzle of 16-bit tiles (wgmma descriptors' layout type 1, TMA's SWIZZLE_128B): a tile
 # is cut into halves of this many columns, one 128-byte row each.
 SWIZZLE_COLUMNS = 64
+# A loop annotated so (a schedule has no primitive that inserts a statement) is preceded by
+# ``wgmma.wait_group 0`` and a register fence of the program's accumulator ``acc``: the loop reads
+# the result of a wgmma that was only committed (``tvm_workarounds.wgmma_waits_from_pragmas``).
+WGMMA_WAIT_PRAGMA = "pragma_tvmflash_wgmma_wait"
 
 
 def work_grows_with_q_block(sch: tvm.s_tir.Schedule) -> bool:
@@ -423,21 +427,36 @@ def _loaded_buffers(node) -> list:
     return found
 
 
-def pipeline_kv_loads(sch, num_stages):
+def pipeline_kv_loads(sch, num_stages, lagged=()):
     """Software-pipeline the K/V-tile loop: load_k and load_v are stage 0, as cp.async copies
     (``tirx.use_async_copy``; a row past seqlen_k is predicated off and zeroed by st.shared), and
     everything else is stage num_stages - 1. TVM's InjectSoftwarePipeline then keeps num_stages
     versions of Kt and Vt (they are allocated in kv_step's scope for this), issues the copies of
     tile kb + num_stages - 1 before the compute of tile kb, and waits with cp.async.wait_group.
+
+    lagged (sm90's overlap, FA3's intra-warpgroup order): blocks (a tensorized GEMM: its statements
+    follow its ``<name>_init`` block) that run one stage after the rest and first after the loads:
+    the rest takes stage num_stages - 2, so the step of tile kb runs them for tile kb - 1 before the
+    rest for tile kb (PV of the previous tile is issued before this tile's QK^T). V then needs
+    num_stages versions and K one fewer.
     """
     kb = sch.get_loops("kv_step")[-1]
     loads = ("load_k", "load_v")
     stmts = _pipeline_stmts(sch, kb)
-    stages = [0 if _sblock_names(stmt) & set(loads) else num_stages - 1 for stmt in stmts]
-    if stages[: len(loads)] != [0] * len(loads) or stages.count(0) != len(loads):
-        raise RuntimeError(f"K/V pipeline: expected {loads} first in kv_step, one statement each; got stages {stages}")
+    names = [_sblock_names(stmt) for stmt in stmts]
+    for i in range(1, len(names)):  # a tensorized GEMM's statements carry no name: its init's, less "_init"
+        if not names[i]:
+            names[i] = {name.removesuffix("_init") for name in names[i - 1]}
+    rest = num_stages - 2 if lagged else num_stages - 1
+    stages = [0 if name & set(loads) else rest + 1 if name & set(lagged) else rest for name in names]
+    if stages[: len(loads)] != [0] * len(loads) or sum(bool(name & set(loads)) for name in names) != len(loads):
+        raise RuntimeError(f"K/V pipeline: expected {loads} first in kv_step, one statement each; got {names}")
+    late = [i for i, name in enumerate(names) if name & set(lagged)]
+    if lagged and not late:
+        raise RuntimeError(f"K/V pipeline: expected {lagged} in kv_step; got {names}")
+    body = list(range(len(loads))) + late + [i for i in range(len(loads), len(stmts)) if i not in late]
     sch.annotate(kb, "software_pipeline_stage", stages)
-    sch.annotate(kb, "software_pipeline_order", list(range(len(stmts))))
+    sch.annotate(kb, "software_pipeline_order", [body.index(i) for i in range(len(stmts))])
     sch.annotate(kb, "software_pipeline_async_stages", [0])
 
 

@@ -62,7 +62,7 @@ from __future__ import annotations
 import tvm
 from tvm.s_tir import TensorIntrin
 
-from .common import (SWIZZLE_COLUMNS, TMA_BARRIER_BYTES, TMA_BARRIER_PADDINGS, TMA_LOAD, TMA_PRODUCERS,
+from .common import (SWIZZLE_COLUMNS, TMA_BARRIER_BYTES, TMA_BARRIER_PADDINGS, TMA_LOAD, TMA_PRODUCERS, WGMMA_WAIT_PRAGMA,
                      QuadRowLayout, bind_grid, hide_init_reads, pipeline_kv_loads, quad_row_block, quad_row_init,
                      row_quad_map, row_reduce_intrin, staged_row_block, tensorize_row_reduce)
 from .sm80 import DTYPES, _buffer_info  # noqa: F401 - DTYPES: the same fp16/bf16 pair
@@ -81,7 +81,7 @@ WARPS_PER_WARPGROUP = 4
 # head_dims that are no multiple of 64 keep the padded core matrices, and one stage (cp.async).
 KNOBS = {"block_m": 128, "block_n": 64, "num_warpgroups": 2, "num_stages": 2, "vec": 8, "min_blocks_per_sm": 2,
          "row_state": "registers", "kv_layout": "swizzled", "kv_copy": "tma", "producer": "thread",
-         "q_layout": "core_matrices", "q_copy": "threads", "o_store": "staged"}
+         "q_layout": "core_matrices", "q_copy": "threads", "o_store": "staged", "overlap": 0}
 KNOBS_FOR_HEAD_DIM = {64: {"block_n": 128}, 256: {"min_blocks_per_sm": 1},  # d256: 197 registers a thread
                       **{d: {"kv_layout": "core_matrices", "num_stages": 1, "kv_copy": "cp.async"} for d in (32, 96)}}
 # head_dims that sm_90a serves with the sm80 schedule by default (tvmflash.kernel.choose_schedule):
@@ -109,6 +109,10 @@ Q_COPIES = ("threads", "tma")
 # two blocks an SM (session 8); "direct" is for one block an SM, where nothing hides the staging's
 # barriers. Not yet run on a GPU (session 11).
 O_STORES = ("staged", "direct")
+# overlap 1, FA3's intra-warpgroup order: the step of tile j issues PV of tile j - 1, then QK^T of tile
+# j, and waits once for both; V keeps num_stages tiles and K one fewer (``common.pipeline_kv_loads``'s
+# ``lagged``). Needs TMA and 3 stages or more. Not yet run on a GPU (session 11).
+OVERLAPS = (0, 1)
 # How the pipelined K/V tiles are copied: every thread's cp.async, 16 bytes each, then a block-wide
 # barrier a step; or TMA (``tvmflash.tma``): one thread issues each tile, completing on the stage's
 # mbarrier, and no block-wide barrier is left in the K/V loop. TMA needs the swizzled layout.
@@ -123,7 +127,8 @@ NUM_STAGES = (1, 2, 3)  # 1: plain loads; 2, 3: the K/V loads in a cp.async soft
 # thread blocks share an SM: with 2 warpgroups, 128 registers a thread for 2 blocks. Without it the
 # d128 build takes 137, which leaves one block (8 warps) per SM, and nothing runs while its
 # warpgroups wait on wgmma, on loads or at the softmax's barriers.
-TASK_KNOBS = ("num_stages", "min_blocks_per_sm", "kv_layout", "kv_copy", "producer", "q_layout", "q_copy", "o_store")  # strings: MetaSchedule samples only ints
+TASK_KNOBS = ("num_stages", "min_blocks_per_sm", "kv_layout", "kv_copy", "producer", "q_layout", "q_copy", "o_store",
+              "overlap")  # strings: MetaSchedule samples only ints
 REGISTERS_PER_SM = 65536
 # Registers a thread needs at the least: d64's and d128's builds take 114-127 at 2 stages. With 64
 # (block_m 256, 2 blocks an SM) ptxas fails at d128: "Insufficient registers (64) to compile
@@ -145,6 +150,7 @@ SPACE = {
     "q_layout": ["core_matrices", "swizzled"],
     "q_copy": ["threads"],  # "tma" joins once it has run on a GPU
     "o_store": ["staged"],  # "direct" too
+    "overlap": [0],  # 1 too
 }
 
 
@@ -164,6 +170,15 @@ def _producer_problem(producer: str, kv_copy: str, min_blocks_per_sm: int, num_w
     return None
 
 
+def _overlap_problem(overlap: int, kv_copy: str, num_stages: int) -> str | None:
+    """Why this overlap does not go with these knobs, or None."""
+    if overlap not in OVERLAPS:
+        return f"overlap: the sm90 schedule takes one of {OVERLAPS}, got {overlap!r}"
+    if overlap and (kv_copy != "tma" or num_stages < 3):
+        return f"overlap 1 needs kv_copy 'tma' and num_stages >= 3, got {kv_copy!r} and {num_stages}"
+    return None
+
+
 def _q_copy_problem(q_copy: str, q_layout: str, kv_copy: str) -> str | None:
     """Why this Q copy does not go with these knobs, or None."""
     if q_copy not in Q_COPIES:
@@ -178,7 +193,8 @@ def valid_task(point: dict) -> bool:
     knobs = {**KNOBS, **point}
     if knobs["kv_copy"] == "tma" and not _tma_can_copy(knobs["kv_layout"], knobs["num_stages"]):
         return False
-    if _q_copy_problem(knobs["q_copy"], knobs["q_layout"], knobs["kv_copy"]):
+    if _q_copy_problem(knobs["q_copy"], knobs["q_layout"], knobs["kv_copy"]) or _overlap_problem(
+            knobs["overlap"], knobs["kv_copy"], knobs["num_stages"]):
         return False
     return _producer_problem(knobs["producer"], knobs["kv_copy"], knobs["min_blocks_per_sm"],
                              knobs["block_m"] // WG_ROWS) is None
@@ -216,7 +232,7 @@ def shared_memory_bytes(head_dim: int, dtype: str, knobs: dict) -> int:
     kv_row = head_dim if knobs["kv_layout"] == "swizzled" else padded
     q_swizzled = knobs["q_layout"] == "swizzled"
     q_tile = knobs["block_m"] * (head_dim if q_swizzled else padded)
-    kv_tiles = 2 * knobs["block_n"] * knobs["num_stages"] * kv_row
+    kv_tiles = knobs["block_n"] * (2 * knobs["num_stages"] - knobs["overlap"]) * kv_row  # overlap: K a stage fewer
     output_tile = knobs["block_m"] * (head_dim if q_swizzled else head_dim + PAD_ELEMENTS)
     if knobs["o_store"] == "direct":  # no staging tile
         output_tile = 0
@@ -339,7 +355,8 @@ def _swizzled_map(r, c):
 
 
 def wgmma_intrin_name(n: int, k: int, dtype: str, b_major: str, a_regs: bool = False,
-                      fence_operands: bool = True, b_swizzled: bool = False, a_swizzled: bool = False) -> str:
+                      fence_operands: bool = True, b_swizzled: bool = False, a_swizzled: bool = False,
+                      wait: bool = True) -> str:
     """Register (once) and name the intrinsic for a 64 x n x k GEMM on wgmma.
 
     A (64 x k) is a K-major shared-memory tile in ``_core_matrix_map`` layout, or with
@@ -349,6 +366,9 @@ def wgmma_intrin_name(n: int, k: int, dtype: str, b_major: str, a_regs: bool = F
     ``b_major="k"``: S = Q K^T) or N-major (a k x n tile, ``b_major="mn"``: O += P V). C is the
     float32 accumulator, per thread (``_acc_index_map``). b_swizzled, a_swizzled: the shared-memory
     tile is in the 128-byte swizzled layout (``_swizzled_map``) instead of core matrices.
+
+    wait: end with ``wgmma.wait_group 0`` (the result is ready when the intrinsic ends), or only
+    commit the group (overlap: a later wait, of the next GEMM or before the result is read, ends it).
 
     fence_operands ("ss" form only): begin with ``fence.proxy.async`` and a barrier, so that the
     threads' shared-memory writes are visible to wgmma. Off where the caller's code already does
@@ -360,17 +380,20 @@ def wgmma_intrin_name(n: int, k: int, dtype: str, b_major: str, a_regs: bool = F
         name += "_sw128"
     if a_swizzled:
         name += "_asw128"
+    if not wait:
+        name += "_nowait"
     if not a_regs and not fence_operands:
         name += "_unfenced"
     try:
         TensorIntrin.get(name)
     except Exception:  # noqa: BLE001 - not registered yet
         TensorIntrin.register(name, *_wgmma_desc_impl(n, k, dtype, b_major, a_regs, fence_operands, b_swizzled,
-                                                        a_swizzled))
+                                                        a_swizzled, wait))
     return name
 
 
-def _wgmma_desc_impl(n, k, dtype, b_major, a_regs, fence_operands=True, b_swizzled=False, a_swizzled=False):
+def _wgmma_desc_impl(n, k, dtype, b_major, a_regs, fence_operands=True, b_swizzled=False, a_swizzled=False,
+                     wait=True):
     from tvm.script import tirx as T
 
     if n % 8 or not 8 <= n <= 256 or k % 16:
@@ -465,12 +488,17 @@ def _wgmma_desc_impl(n, k, dtype, b_major, a_regs, fence_operands=True, b_swizzl
         for r in T.unroll(nr):
             T.cuda.func_call("tvmflash_wgmma_reg_fence", C[r], source_code=_REG_FENCE)
 
-    @T.macro
-    def wgmma_end(C):  # one commit group, waited for at once
-        T.ptx.wgmma.commit_group.sync.aligned()
-        T.ptx.wgmma.wait_group.sync.aligned(0)
-        for r in T.unroll(nr):
-            T.cuda.func_call("tvmflash_wgmma_reg_fence", C[r], source_code=_REG_FENCE)
+    if wait:
+        @T.macro
+        def wgmma_end(C):  # one commit group, waited for at once
+            T.ptx.wgmma.commit_group.sync.aligned()
+            T.ptx.wgmma.wait_group.sync.aligned(0)
+            for r in T.unroll(nr):
+                T.cuda.func_call("tvmflash_wgmma_reg_fence", C[r], source_code=_REG_FENCE)
+    else:
+        @T.macro
+        def wgmma_end(C):  # C is still being written: no fence on it until a wait
+            T.ptx.wgmma.commit_group.sync.aligned()
 
     @T.prim_func(s_tir=True)
     def impl_ss(a: T.handle, b: T.handle, c: T.handle):
@@ -692,6 +720,7 @@ def schedule(
     q_layout: str = "core_matrices",
     q_copy: str = "threads",
     o_store: str = "staged",
+    overlap: int = 0,
 ) -> tvm.s_tir.Schedule:
     """Map the attention program onto sm90 wgmma. See the module docstring. (min_blocks_per_sm
     is a kernel attribute, ``kernel_attrs``: the caller puts it on the program.)"""
@@ -736,13 +765,13 @@ def schedule(
     if kv_copy == "tma" and not _tma_can_copy(kv_layout, num_stages):
         raise ValueError(f"kv_copy 'tma' needs kv_layout 'swizzled' and num_stages >= 2, got {kv_layout!r} and "
                          f"{num_stages}: pass kv_copy='cp.async' with these")
-    problem = _producer_problem(producer, kv_copy, min_blocks_per_sm, num_warpgroups) or _q_copy_problem(
-        q_copy, q_layout, kv_copy)
+    problem = (_producer_problem(producer, kv_copy, min_blocks_per_sm, num_warpgroups)
+               or _q_copy_problem(q_copy, q_layout, kv_copy) or _overlap_problem(overlap, kv_copy, num_stages))
     if problem:
         raise ValueError(problem)
     qk_intrin = wgmma_intrin_name(BN, D, dtype, "k", fence_operands=num_stages == 1, b_swizzled=swizzled,
                                   a_swizzled=q_swizzled)
-    pv_intrin = wgmma_intrin_name(D, BN, dtype, "mn", a_regs=True, b_swizzled=swizzled)
+    pv_intrin = wgmma_intrin_name(D, BN, dtype, "mn", a_regs=True, b_swizzled=swizzled, wait=not overlap)
 
     # ---- grid -----------------------------------------------------------------------------
     bind_grid(sch)
@@ -801,5 +830,7 @@ def schedule(
     else:
         _row_state_in_shared_memory(sch, BN, num_warpgroups)
     if num_stages > 1:  # last: it annotates kv_step's final children
-        pipeline_kv_loads(sch, num_stages)
+        pipeline_kv_loads(sch, num_stages, lagged=("pv",) if overlap else ())
+    if overlap:  # the last PV is waited for, and its accumulators fenced, before the output reads them
+        sch.annotate(sch.get_loops("store_o")[-3], WGMMA_WAIT_PRAGMA, 0)  # its first per-thread loop
     return sch

@@ -508,6 +508,32 @@ def test_sm90_output_stored_from_registers(monkeypatch):
     assert "*(nv_bfloat162*)(O_ptr + " in direct and "*(uint4*)(O_ptr + " not in direct
 
 
+@pytest.mark.parametrize("producer", ["thread", "warpgroup"])
+def test_sm90_overlap_issues_pv_with_the_next_qk(monkeypatch, producer):
+    """overlap=1 (FA3's intra-warpgroup order): a K/V step issues PV of the previous tile, then QK^T of
+    this one, and waits once for both; the stage of the previous tile is released after that wait; V
+    keeps three stages and K two; the last PV is waited for, and the accumulators fenced, before the
+    output reads them. The pipeline waits for as many tiles as it releases."""
+    from tvmflash.schedules import sm90
+    monkeypatch.setenv("TVMFLASH_SM90", "1")
+    knobs = {"producer": producer, "min_blocks_per_sm": 1, "block_n": 128, "num_stages": 3, "q_layout": "swizzled",
+             "overlap": 1}
+    src = tvmflash.compile(head_dim=128, dtype="bfloat16", target="sm90", knobs=knobs).source(4, 2)
+    consumers = src.split("tvmflash_setmaxnreg_inc();")[-1]  # (the whole kernel with the thread producer)
+    step = kv_loop_body(consumers)
+    pv, qk = step.index("_rs_mma_async"), step.index("_ss_mma_async")
+    wait = step.index("wait_group_sync_aligned_0();")
+    assert pv < qk < wait < step.index("tvmflash_release_after_wgmma(") and step.count("wait_group_sync_aligned_0();") == 1
+    waits = [line for line in consumers.splitlines() if "tvmflash_mbarrier_wait(" in line and "tma_consumed" in line]
+    assert len(waits) == consumers.count("tvmflash_release_after_wgmma((") == 3  # waits: prologue, step, epilogue;
+    # releases: step, epilogue x2
+    tail = consumers[consumers.rindex("_rs_mma_async"):]
+    assert "wait_group_sync_aligned_0();\n" in tail and "tvmflash_wgmma_reg_fence(acc_local_ptr[63]);" in tail
+    assert sm90.shared_memory_bytes(128, "bfloat16", knobs) < sm90.shared_memory_bytes(128, "bfloat16", {**knobs, "overlap": 0})
+    with pytest.raises(ValueError, match="overlap 1 needs kv_copy 'tma' and num_stages >= 3"):
+        tvmflash.compile(head_dim=128, dtype="bfloat16", target="sm90", knobs={"overlap": 1}).source(1, 1)
+
+
 def test_tile_alignment_check_reads_swizzled_descriptors():
     """check_tile_alignment also reads the swizzled wgmma operands (the Q tile is no TMA destination):
     a k16 slice may start 32, 64 or 96 bytes into a 1024-byte-aligned tile, nowhere else."""

@@ -146,12 +146,13 @@ def test_sm90_producer_warpgroup_on_the_gpu(monkeypatch, head_dim, block_n, caus
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("producer,q_copy,o_store", [("thread", "threads", "staged"), ("warpgroup", "threads", "staged"),
-                                                     ("warpgroup", "tma", "staged"), ("thread", "tma", "direct"),
-                                                     ("warpgroup", "tma", "direct")])
-def test_sm90_three_stages_swizzled_q_on_the_gpu(monkeypatch, producer, q_copy, o_store, causal):
+@pytest.mark.parametrize("producer,q_copy,o_store,overlap", [
+    ("thread", "threads", "staged", 0), ("warpgroup", "threads", "staged", 0), ("warpgroup", "tma", "staged", 0),
+    ("thread", "tma", "direct", 0), ("warpgroup", "tma", "direct", 0), ("thread", "threads", "staged", 1),
+    ("warpgroup", "tma", "direct", 1)])
+def test_sm90_three_stages_swizzled_q_on_the_gpu(monkeypatch, producer, q_copy, o_store, overlap, causal):
     """Three TMA stages of block_n 128 with the Q tile swizzled (q_layout; copied by the threads or by
-    TMA, q_copy; the output staged or stored from the registers, o_store), over the edge shapes of
+    TMA, q_copy; the output staged or stored from the registers, o_store; FA3's overlap or not), over the edge shapes of
     SHAPES: the prologue issues two tiles, every Q block visits at least two K/V tiles (short keys: an
     all-masked one)."""
     if torch.cuda.get_device_capability() != (9, 0):
@@ -159,7 +160,8 @@ def test_sm90_three_stages_swizzled_q_on_the_gpu(monkeypatch, producer, q_copy, 
     monkeypatch.setenv("TVMFLASH_SM90", "1")
     kernel = tvmflash.compile(head_dim=128, dtype=torch.bfloat16, causal=causal,
                               knobs={"producer": producer, "min_blocks_per_sm": 1, "block_n": 128, "num_stages": 3,
-                                     "q_layout": "swizzled", "q_copy": q_copy, "o_store": o_store})
+                                     "q_layout": "swizzled", "q_copy": q_copy, "o_store": o_store,
+                                     "overlap": overlap})
     for seqlen_q, seqlen_k, heads_q, heads_kv in SHAPES:
         q, k, v = random_qkv(2, seqlen_q, seqlen_k, heads_q, heads_kv, 128, torch.bfloat16, "cuda")
         out, lse = kernel(q, k, v, out=poisoned_out(q), return_lse=True)

@@ -154,7 +154,7 @@ def test_pipelined_candidates_build_with_static_shapes(schedule, block_m, causal
     # copies into core matrices.
     layout = "swizzled" if kv_copy == "tma" else "core_matrices"
     task = {"num_stages": 2, **({"min_blocks_per_sm": 2, "kv_layout": layout, "kv_copy": kv_copy, "producer": "thread",
-                                 "q_layout": "core_matrices", "q_copy": "threads", "o_store": "staged"}
+                                 "q_layout": "core_matrices", "q_copy": "threads", "o_store": "staged", "overlap": 0}
                                 if schedule is sm90 else {})}  # the task knobs
 
     def build(task):
@@ -466,8 +466,8 @@ def test_sm90_tasks_that_leave_too_few_registers_are_skipped(tmp_path, monkeypat
     tasks = tune.make_tasks(sm90, spec, {"batch": 1, "seqlen": 512, "heads": 2}, space, targets.cuda_target("sm90"),
                             tmp_path, random.Random(0), lines.append)
     # (a producer warpgroup needs block_m 128: those points are not tasks)
-    assert [t["name"] for t in tasks] == ["bm256_bn64_ns2_mb1_swizzled_tma_thread_qcore_matrices_qcthreads_ostaged",
-                                          "bm256_bn64_ns2_mb1_swizzled_cp.async_thread_qcore_matrices_qcthreads_ostaged"]
+    assert [t["name"] for t in tasks] == ["bm256_bn64_ns2_mb1_swizzled_tma_thread_qcore_matrices_qcthreads_ostaged_ov0",
+                                          "bm256_bn64_ns2_mb1_swizzled_cp.async_thread_qcore_matrices_qcthreads_ostaged_ov0"]
     assert len(lines) == 2 and all(line.startswith("  skipping bm256_bn64_ns2_mb2_swizzled") and "64 registers" in line
                                    for line in lines)
 

@@ -194,6 +194,7 @@ class _Plan:
                 self.block_threads *= int(self.threads[tag][1])
         self.consumed = tirx.decl_buffer((1,), "int32", "tma_consumed", scope="local")
         self.issued = tirx.decl_buffer((1,), "int32", "tma_issued", scope="local")
+        self.released = tirx.decl_buffer((1,), "int32", "tma_released", scope="local")  # overlap only
         self.tensor_maps = {}  # global buffer -> (tensor map var, its box)
         self.num_stages = None
         self.q_copy = None  # the statement of the Q tile's one-off TMA copy, if any (``_one_off_copy``)
@@ -271,22 +272,22 @@ def _copy(plan, scope, one_off=False):
                             col % SWIZZLE_COLUMNS, row, col // SWIZZLE_COLUMNS, head, batch)
         return None, tirx.Evaluate(call), SWIZZLE_COLUMNS * rows * halves * tile.dtype.bits // 8
     stages, halves, rows = (int(e) for e in tile.shape[:3])
-    if plan.num_stages not in (None, stages):
-        raise RuntimeError("TMA: K and V tiles must have the same number of stages")
-    plan.num_stages = stages
+    # K and V have the same number of stages, or (overlap) V one more: the barriers follow V's
+    plan.num_stages = max(plan.num_stages or 0, stages)
     box = (SWIZZLE_COLUMNS, rows, halves)
     tensor_map = plan.tensor_map(_loaded(source), box)
     stage = destination[0]
     call = _device_call("tvmflash_tma_load_5d", _pointer(tile, _flat(tile, destination)), T.address_of(tensor_map),
                         plan.full(stage), col % SWIZZLE_COLUMNS, row, col // SWIZZLE_COLUMNS, head, batch)
-    return stage, tirx.Evaluate(call), SWIZZLE_COLUMNS * rows * halves * tile.dtype.bits // 8
+    return (stage, stages), tirx.Evaluate(call), SWIZZLE_COLUMNS * rows * halves * tile.dtype.bits // 8
 
 
 def _issue(plan, commit):
-    """A commit group of annotated copies -> the producer thread's TMA issue."""
+    """A commit group of annotated copies -> the producer thread's TMA issue, on the stage of the tile
+    with the most stages (V's, with overlap)."""
     scopes = _find(commit.body, lambda n: _is_attr(n, "async_scope"))
     copies = [_copy(plan, scope) for scope in scopes]
-    stage = copies[0][0]
+    stage = max((c[0] for c in copies), key=lambda s: s[1])[0]
     issued = plan.issued[0]
     refill = _device_call("tvmflash_mbarrier_wait", plan.empty(stage),
                           tirx.floormod(tirx.floordiv(issued, plan.num_stages) + 1, 2))
@@ -330,26 +331,69 @@ def _only_commits_or_waits(stmt):
         getattr(a, "value", None) in ("commit_group", "wait_group") for a in c.args) for c in calls)
 
 
+def _waits_all(stmt):
+    """Whether ``stmt`` waits for every committed wgmma group (``wgmma.wait_group 0``)."""
+    return bool(_find(stmt, lambda n: type(n).__name__ == "Call" and n.op.name.startswith("tirx.ptx.wgmma")
+                      and any(getattr(a, "value", None) == "wait_group" for a in n.args)
+                      and any(isinstance(a, tirx.IntImm) and a.value == 0 for a in n.args)))
+
+
+def _guarded(stmt, body):
+    """``body`` (statements) under ``stmt``'s predicate, where ``stmt`` is a predicated block (the
+    software pipeline's prologue and epilogue run some stages in some of their steps only)."""
+    predicate = getattr(stmt, "predicate", None)
+    if predicate is None or (isinstance(predicate, tirx.IntImm) and predicate.value == 1):
+        return tirx.SeqStmt(body)
+    return tirx.IfThenElse(predicate, tirx.SeqStmt(body), None)
+
+
 def _waits_and_releases(plan, stmt, tiles):
     """Where the pipeline waited for a tile (the mark of each wait): in the innermost sequence that
     holds it, every thread waits on the tile's full barrier as early as it can (after the step's
     issue, or the loop before: not between wgmma.fence and the wgmma, where ptxas would add a
     warpgroup.arrive), and arrives on its empty barrier right after the last statement that reads
-    a TMA tile. The mark is then renamed, so that the sequences around do not do it again."""
+    a TMA tile. The mark is then renamed, so that the sequences around do not do it again.
+
+    With overlap, V has one stage more than K, and a step reads V of the tile before the one it waits
+    for: there, the wait is only where the sequence reads K (not before the pipeline's last PV), and
+    the release only where it reads V, after the next wait for all wgmma groups (this tile's QK^T's:
+    the PV was only committed); the stage released is counted apart (``released``)."""
+    stages = {t: int(t.shape[0]) for t in tiles}
+    early = [t for t in tiles if stages[t] == min(stages.values())]
+    late = [t for t in tiles if stages[t] == max(stages.values())]
+    lagged = early != late
+
+    def reads(stmt, which):  # a statement's reads of these tiles, not its TMA issues' pointers into them
+        return _reads_tiles(_transform(stmt, tirx.AttrStmt, lambda n: tirx.Evaluate(0) if _is_attr(n, _ISSUE_MARK)
+                                       else None), which)
+
     def rewrite(node):
         seq = list(node.seq)
         marked = [i for i, s in enumerate(seq) if _find(s, lambda n: _is_attr(n, _WAIT_MARK))]
         if not marked:
             return None
-        last = max(i for i, s in enumerate(seq) if _reads_tiles(s, tiles))
-        while last + 1 < len(seq) and _only_commits_or_waits(seq[last + 1]):
-            last += 1  # after the last reader's commit and wait: its wgmma then sit in a group to wait on
-        stage = tirx.floormod(plan.consumed[0] - 1, plan.num_stages)
-        seq.insert(last + 1, _call("tvmflash_release_after_wgmma", plan.empty(stage)))
-        first = marked[0]
-        while first > 0 and not _find(seq[first - 1], lambda n: isinstance(n, tirx.For) or _names_tma_issue(n)):
-            first -= 1
-        seq[first:first] = _wait_for_next_tile(plan)
+        readers = [i for i, s in enumerate(seq) if reads(s, late)]
+        if readers:
+            last = readers[-1]
+            if lagged:
+                last = next((i for i in range(last + 1, len(seq)) if _waits_all(seq[i])), last)
+            while last + 1 < len(seq) and _only_commits_or_waits(seq[last + 1]):
+                last += 1  # after the last reader's commit and wait: its wgmma then sit in a group to wait on
+            if lagged:  # under the reader's predicate: the pipeline's prologue and epilogue are 2-step loops
+                released = plan.released[0]
+                seq.insert(last + 1, _guarded(seq[readers[-1]], [
+                    _call("tvmflash_release_after_wgmma", plan.empty(tirx.floormod(released, plan.num_stages))),
+                    tirx.BufferStore(plan.released, released + 1, [0])]))
+            else:
+                stage = tirx.floormod(plan.consumed[0] - 1, plan.num_stages)
+                seq.insert(last + 1, _call("tvmflash_release_after_wgmma", plan.empty(stage)))
+        k_readers = [i for i in range(marked[0], len(seq)) if reads(seq[i], early)]
+        if k_readers:
+            first = marked[0]
+            while first > 0 and not _find(seq[first - 1], lambda n: isinstance(n, tirx.For) or _names_tma_issue(n)):
+                first -= 1
+            wait = _wait_for_next_tile(plan)  # with overlap, under the predicate of the K tile's reader
+            seq[first:first] = [_guarded(seq[k_readers[0]], wait)] if lagged else wait
         return _transform(tirx.SeqStmt(seq), tirx.AttrStmt, lambda n: tirx.AttrStmt(
             n.node, _RELEASED_MARK, n.value, n.body) if _is_attr(n, _WAIT_MARK) else None)
     return _transform(stmt, tirx.SeqStmt, rewrite)
@@ -389,7 +433,7 @@ def lowered_to_tma(func: tirx.PrimFunc) -> tirx.PrimFunc:
     def allocate(node):  # barriers and counters in the per-thread-block scope, counters at 0
         if not (isinstance(node, tvm.s_tir.SBlock) and node.name_hint == "tile"):
             return None
-        buffers = [*node.alloc_buffers, plan.barriers, plan.consumed, plan.issued]
+        buffers = [*node.alloc_buffers, plan.barriers, plan.consumed, plan.issued, plan.released]
         stmts, k = _pipeline_start(node.body)
         stmts, q_issue = _one_off_copy(plan, stmts, k)
         if plan.producer == "warpgroup":
@@ -400,7 +444,7 @@ def lowered_to_tma(func: tirx.PrimFunc) -> tirx.PrimFunc:
             if q_issue is not None:  # every thread waits on the Q barrier: its set-up must be seen first
                 init += [tirx.Evaluate(T.tvm_storage_sync("shared")), q_issue]
             work = _unmarked(tirx.SeqStmt([*init, *stmts[:k], *_q_tile_visible(), *stmts[k:]]), _ISSUE_MARK)
-        start = tirx.SeqStmt([tirx.BufferStore(plan.consumed, 0, [0]), tirx.BufferStore(plan.issued, 0, [0]), work])
+        start = tirx.SeqStmt([*[tirx.BufferStore(b, 0, [0]) for b in (plan.consumed, plan.issued, plan.released)], work])
         return tvm.s_tir.SBlock(node.iter_vars, node.reads, node.writes, node.name_hint, start, node.init,
                                 buffers, node.match_buffers, node.annotations)
     body = _transform(body, tvm.s_tir.SBlock, allocate)

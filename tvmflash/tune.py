@@ -64,7 +64,7 @@ def task_points(schedule, space: dict) -> list[dict]:
 
 def task_name(point: dict) -> str:
     short = {"block_m": "bm", "block_n": "bn", "num_stages": "ns", "min_blocks_per_sm": "mb", "kv_layout": "", "kv_copy": "",
-             "producer": "", "q_layout": "q", "q_copy": "qc", "o_store": "o"}
+             "producer": "", "q_layout": "q", "q_copy": "qc", "o_store": "o", "overlap": "ov"}
     return "_".join(f"{short.get(k, k)}{v}" for k, v in point.items())
 
 

@@ -400,11 +400,71 @@ def reversed_loops(mod: tvm.IRModule) -> tvm.IRModule:
     return tvm_ffi.structural_map(mod, (tirx.For, reverse))
 
 
+def _wait_and_fence_accumulators(attr):
+    """The statements for a ``WGMMA_WAIT_PRAGMA`` AttrStmt: ``wgmma.wait_group 0``, a register fence
+    of each element of the accumulators its loop reads (local float32 buffers named ``acc``), then
+    the loop."""
+    from tvm import tirx
+    from tvm.script import tirx as T
+
+    from tvmflash.schedules.sm90 import _REG_FENCE
+
+    loads = _find_nodes(attr.body, lambda n: type(n).__name__ in ("BufferLoad", "TensorLoad"))
+    buffers = {}
+    for load in loads:
+        buffer = load.buffer if hasattr(load, "buffer") else load.source
+        if buffer.name.startswith("acc") and buffer.scope() == "local" and str(buffer.dtype) == "float32":
+            buffers[buffer.name] = buffer
+    fences = []
+    for buffer in buffers.values():
+        shape = [int(e) for e in buffer.shape]
+        for flat in range(int(__import__("math").prod(shape))):
+            index, rest = [], flat
+            for extent in reversed(shape):
+                index.insert(0, rest % extent)
+                rest //= extent
+            fences.append(tirx.Evaluate(T.cuda.func_call("tvmflash_wgmma_reg_fence", tirx.BufferLoad(buffer, index),
+                                                         source_code=_REG_FENCE)))
+    wait = tirx.Evaluate(T.ptx.wgmma.wait_group.sync.aligned(0))
+    return tirx.SeqStmt([wait, *fences, attr.body])
+
+
+def _find_nodes(stmt, predicate):
+    found = []
+    tvm_ffi.structural_walk(stmt, lambda n: found.append(n) if predicate(n) else None)
+    return found
+
+
+@contextlib.contextmanager
+def wgmma_waits_from_pragmas():
+    """Turn each loop annotated ``WGMMA_WAIT_PRAGMA`` (an AttrStmt around it once LowerOpaqueBlock
+    has run) into the wait and fences of ``_wait_and_fence_accumulators``, then the loop."""
+    from tvm import tirx
+
+    from tvmflash.schedules.common import WGMMA_WAIT_PRAGMA
+
+    original = tvm.s_tir.transform.LowerOpaqueBlock
+
+    def lower_then_wait():
+        def rewrite(stmt):  # by hand: structural_map rejects the fences' loads of a buffer defined outside
+            if isinstance(stmt, tirx.AttrStmt) and stmt.attr_key == WGMMA_WAIT_PRAGMA:
+                return _wait_and_fence_accumulators(stmt)
+            return _with_children(stmt, rewrite)
+
+        def run(func, _mod, _ctx):
+            return func.with_body(rewrite(func.body))
+        return tvm.transform.Sequential([original(), tirx.transform.prim_func_pass(run, opt_level=0,
+                                                                                   name="tvmflash.WgmmaWaits")])
+
+    with _replaced(tvm.s_tir.transform, "LowerOpaqueBlock", lower_then_wait):
+        yield
+
+
 @contextlib.contextmanager
 def applied(async_proxy_operands: bool = False):
     """Every workaround above, for one build (``kernel.build_module``). async_proxy_operands: the
     schedule's tensor-core operands are read through the async proxy (wgmma)."""
     with lower_every_warp_buffer(), no_warp_thread_sync(), compact_again_after_match_buffers(), \
-            launch_bounds_reach_the_kernel(), zero_filling_cp_async(), \
+            launch_bounds_reach_the_kernel(), zero_filling_cp_async(), wgmma_waits_from_pragmas(), \
             constant_async_wait_counts(proxy_fence=async_proxy_operands), one_barrier_per_pipelined_step():
         yield
