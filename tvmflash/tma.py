@@ -25,6 +25,10 @@ in a register, so the pipeline's index expressions are never parsed.
 
 The producer thread initialises the barriers first thing; right before the pipeline one
 ``fence.proxy.async`` and barrier make the Q tile's stores visible to wgmma (``_q_tile_visible``).
+An annotated copy before the pipeline (the Q tile, ``q_copy="tma"``) becomes one TMA copy on a
+barrier of its own, which every thread waits on (``_one_off_copy``). With the sm90 schedule's
+``overlap``, V has one stage more than K and a step reads V of the tile before the one it waits for;
+``_waits_and_releases`` says how the waits and releases follow.
 
 Who issues (the annotation's value, one of ``TMA_PRODUCERS``): "thread", thread 0 of the first warpgroup,
 between its own wgmma; or "warpgroup", FA3's producer warpgroup (``_split_warpgroups``): one more
