@@ -57,7 +57,7 @@ from tvm.script import tirx as T
 
 from tvmflash.schedules.common import (SWIZZLE_COLUMNS, TMA_BARRIER_BYTES, TMA_BARRIER_PADDINGS, TMA_LOAD,
                                        TMA_PRODUCERS)
-from tvmflash.tvm_workarounds import _replaced
+from tvmflash.tvm_workarounds import _find, _replaced
 
 _WAIT_MARK, _RELEASED_MARK = "tvmflash.tma_wait", "tvmflash.tma_released"  # on the tile waits, during the pass
 _ISSUE_MARK = "tvmflash.tma_issue"  # on each TMA issue, during the pass
@@ -138,16 +138,6 @@ def _flat(buffer, indices):
             strides.insert(0, size)
             size = size * extent
     return sum((i * s for i, s in zip(indices, strides)), tirx.const(0, "int32"))
-
-
-def _find(stmt, predicate):
-    found = []
-
-    def visit(node):
-        if predicate(node):
-            found.append(node)
-    tvm_ffi.structural_walk(stmt, visit)
-    return found
 
 
 def _transform(stmt, kind, rewrite):
@@ -245,11 +235,12 @@ class _Plan:
         return self.tensor_maps[buffer][0]
 
 
-def _copy(plan, scope, one_off=False):
-    """One ``async_scope`` of annotated copy blocks -> (its stage, tensor-map TMA call, bytes). With
-    ``one_off``, ``scope`` is the statement of a copy outside the pipeline (the Q tile): no stages,
-    completing on the Q barrier."""
-    blocks = _find(scope if one_off else scope.body, lambda n: isinstance(n, tvm.s_tir.SBlock) and TMA_LOAD in n.annotations)
+def _copy(plan, stmt):
+    """The annotated copy block in ``stmt`` (an ``async_scope``'s body, or the statement of the Q tile's
+    one-off copy) -> (its stage and number of stages, or None for the one-off copy; its tensor-map TMA
+    call; its bytes). A pipeline's tile has its stages first, (stages, halves, rows, 8, 8), and completes
+    on its stage's full barrier; the Q tile, (halves, rows, 8, 8), on the Q barrier."""
+    blocks = _find(stmt, lambda n: isinstance(n, tvm.s_tir.SBlock) and TMA_LOAD in n.annotations)
     if len(blocks) != 1:
         raise RuntimeError(f"TMA: expected one annotated copy block in an async scope, found {len(blocks)}")
     store = blocks[0].body
@@ -259,38 +250,34 @@ def _copy(plan, scope, one_off=False):
     if len(loads) != 1:
         raise RuntimeError(f"TMA: the copy block {blocks[0].name_hint} must read one global tensor: {loads}")
     source = loads[0]
-    # The tile's origin: every loop inside the scope and every thread index at 0.
-    zero = [(loop.loop_var, tirx.const(0, "int32"))
-            for loop in _find(scope if one_off else scope.body, lambda n: isinstance(n, tirx.For))]
+    # The tile's origin: every loop inside the statement and every thread index at 0.
+    zero = [(loop.loop_var, tirx.const(0, "int32")) for loop in _find(stmt, lambda n: isinstance(n, tirx.For))]
     zero += [(var, tirx.const(0, "int32")) for tag, (var, _) in plan.threads.items() if tag.startswith("threadIdx")]
     analyzer = tvm.sym.Analyzer()
     at_origin = lambda e: analyzer.simplify(_substitute(e, zero))  # noqa: E731
     batch, row, head, col = [at_origin(i) for i in source.indices]
     destination = [at_origin(i) for i in store.indices]
-    tile = store.buffer  # (stages, halves, rows, 8, 8): the pipeline's versions of the swizzled tile
-    if one_off:  # (halves, rows, 8, 8)
-        halves, rows = (int(e) for e in tile.shape[:2])
-        box = (SWIZZLE_COLUMNS, rows, halves)
-        call = _device_call("tvmflash_tma_load_5d", _pointer(tile, _flat(tile, destination)),
-                            T.address_of(plan.tensor_map(_loaded(source), box)), plan.q_full(),
-                            col % SWIZZLE_COLUMNS, row, col // SWIZZLE_COLUMNS, head, batch)
-        return None, tirx.Evaluate(call), SWIZZLE_COLUMNS * rows * halves * tile.dtype.bits // 8
-    stages, halves, rows = (int(e) for e in tile.shape[:3])
-    # K and V have the same number of stages, or (overlap) V one more: the barriers follow V's
-    plan.num_stages = max(plan.num_stages or 0, stages)
-    box = (SWIZZLE_COLUMNS, rows, halves)
-    tensor_map = plan.tensor_map(_loaded(source), box)
-    stage = destination[0]
+    tile = store.buffer
+    if len(tile.shape) == 4:  # the Q tile
+        stage, (halves, rows) = None, (int(e) for e in tile.shape[:2])
+        barrier = plan.q_full()
+    else:  # the pipeline's versions of a K or V tile
+        stages, halves, rows = (int(e) for e in tile.shape[:3])
+        # K and V have the same number of stages, or (overlap) V one more: the barriers follow V's
+        plan.num_stages = max(plan.num_stages or 0, stages)
+        stage = (destination[0], stages)
+        barrier = plan.full(destination[0])
+    tensor_map = plan.tensor_map(_loaded(source), (SWIZZLE_COLUMNS, rows, halves))
     call = _device_call("tvmflash_tma_load_5d", _pointer(tile, _flat(tile, destination)), T.address_of(tensor_map),
-                        plan.full(stage), col % SWIZZLE_COLUMNS, row, col // SWIZZLE_COLUMNS, head, batch)
-    return (stage, stages), tirx.Evaluate(call), SWIZZLE_COLUMNS * rows * halves * tile.dtype.bits // 8
+                        barrier, col % SWIZZLE_COLUMNS, row, col // SWIZZLE_COLUMNS, head, batch)
+    return stage, tirx.Evaluate(call), SWIZZLE_COLUMNS * rows * halves * tile.dtype.bits // 8
 
 
 def _issue(plan, commit):
     """A commit group of annotated copies -> the producer thread's TMA issue, on the stage of the tile
     with the most stages (V's, with overlap)."""
     scopes = _find(commit.body, lambda n: _is_attr(n, "async_scope"))
-    copies = [_copy(plan, scope) for scope in scopes]
+    copies = [_copy(plan, scope.body) for scope in scopes]
     stage = max((c[0] for c in copies), key=lambda s: s[1])[0]
     issued = plan.issued[0]
     refill = _device_call("tvmflash_mbarrier_wait", plan.empty(stage),
@@ -533,7 +520,7 @@ def _one_off_copy(plan, stmts, k):
     if len(copies) > 1 or len(_find(stmts[i], lambda n: isinstance(n, tvm.s_tir.SBlock))) != 1:
         raise RuntimeError("TMA: expected one copy block outside the pipeline (the Q tile), alone in its statement")
     plan.q_copy = stmts[i]
-    _, call, size = _copy(plan, stmts[i], one_off=True)
+    _, call, size = _copy(plan, stmts[i])
     issue = tirx.SeqStmt([_call("tvmflash_mbarrier_expect_tx", plan.q_full(), size), call])
     wait = _call("tvmflash_mbarrier_wait", plan.q_full(), 0)
     first = tirx.all(*[var == 0 for tag, (var, _) in plan.threads.items() if tag.startswith("threadIdx")])

@@ -4,11 +4,23 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 
 import tvm
 import tvm_ffi
 from tvm.backend.cuda.codegen.registry import CODEGEN_REGISTRY
 from tvm.backend.cuda.op import cuda_func_call
+
+
+def _find(stmt, predicate):
+    """The nodes under ``stmt`` (itself included) for which ``predicate`` holds, in walk order."""
+    found = []
+
+    def visit(node):
+        if predicate(node):
+            found.append(node)
+    tvm_ffi.structural_walk(stmt, visit)
+    return found
 
 
 @contextlib.contextmanager
@@ -409,30 +421,17 @@ def _wait_and_fence_accumulators(attr):
 
     from tvmflash.schedules.sm90 import _REG_FENCE
 
-    loads = _find_nodes(attr.body, lambda n: type(n).__name__ in ("BufferLoad", "TensorLoad"))
+    loads = _find(attr.body, lambda n: type(n).__name__ in ("BufferLoad", "TensorLoad"))
     buffers = {}
     for load in loads:
         buffer = load.buffer if hasattr(load, "buffer") else load.source
         if buffer.name.startswith("acc") and buffer.scope() == "local" and str(buffer.dtype) == "float32":
             buffers[buffer.name] = buffer
-    fences = []
-    for buffer in buffers.values():
-        shape = [int(e) for e in buffer.shape]
-        for flat in range(int(__import__("math").prod(shape))):
-            index, rest = [], flat
-            for extent in reversed(shape):
-                index.insert(0, rest % extent)
-                rest //= extent
-            fences.append(tirx.Evaluate(T.cuda.func_call("tvmflash_wgmma_reg_fence", tirx.BufferLoad(buffer, index),
-                                                         source_code=_REG_FENCE)))
+    fences = [tirx.Evaluate(T.cuda.func_call("tvmflash_wgmma_reg_fence", tirx.BufferLoad(buffer, list(index)),
+                                             source_code=_REG_FENCE))
+              for buffer in buffers.values() for index in itertools.product(*(range(int(e)) for e in buffer.shape))]
     wait = tirx.Evaluate(T.ptx.wgmma.wait_group.sync.aligned(0))
     return tirx.SeqStmt([wait, *fences, attr.body])
-
-
-def _find_nodes(stmt, predicate):
-    found = []
-    tvm_ffi.structural_walk(stmt, lambda n: found.append(n) if predicate(n) else None)
-    return found
 
 
 @contextlib.contextmanager
