@@ -3,7 +3,9 @@ checked against an fp32 reference (flash-attn's rule: error <= 2x cuDNN's bf16 e
 interleaved with cuDNN in one process, on an sm_90a GPU. VARIANTS: name -> knobs, per head_dim.
 BENCHMARKS.md, sessions 10 and 11, have its runs.
 
-    python benchmarks/sm90_knobs.py [HEAD_DIM ...]      # e.g. 128 (all three take ~6 minutes)
+    python benchmarks/sm90_knobs.py [HEAD_DIM ...] [VARIANT ...]   # e.g. 128 (all three take ~6 minutes)
+
+VARIANT names some of VARIANTS (the default is always timed: the ratios are against it).
 """
 import json, multiprocessing as mp, os, sys, tempfile, time
 os.environ["TVMFLASH_SM90"] = "1"
@@ -21,7 +23,12 @@ VARIANTS = {
           # and FA3's intra-warpgroup overlap (PV(j-1) issued with QK^T(j)), as the lab's prod_pvlag_bn128_ns3
           "wg_bn128_ns3_overlap": {**WG, **QSW, "block_n": 128, "num_stages": 3, "overlap": 1},
           "wg_bn128_ns3_overlap_qtma_direct": {**WG, **QSW, "block_n": 128, "num_stages": 3, "overlap": 1,
-                                               "q_copy": "tma", "o_store": "direct"}},
+                                               "q_copy": "tma", "o_store": "direct"},
+          "wg_bn128_ns3_overlap_qtma": {**WG, **QSW, "block_n": 128, "num_stages": 3, "overlap": 1, "q_copy": "tma"},
+          "wg_bn128_ns3_overlap_direct": {**WG, **QSW, "block_n": 128, "num_stages": 3, "overlap": 1, "o_store": "direct"},
+          "thread_bn128_ns3_mb1_overlap": {**QSW, "block_n": 128, "num_stages": 3, "min_blocks_per_sm": 1, "overlap": 1},
+          "thread_bn128_ns3_mb1_overlap_qtma_direct": {**QSW, "block_n": 128, "num_stages": 3, "min_blocks_per_sm": 1,
+                                                       "overlap": 1, "q_copy": "tma", "o_store": "direct"}},
     64: {"default": None, "q_swizzled": dict(QSW), "wg_bn128_ns3_qsw": {**WG, **QSW, "block_n": 128, "num_stages": 3}},
     256: {"default": None, "q_swizzled": dict(QSW)},
 }
@@ -42,8 +49,11 @@ def build(job):
 
 
 if __name__ == "__main__":
-    only = set(sys.argv[1:])
+    only = {a for a in sys.argv[1:] if a.isdigit()}
+    names = {a for a in sys.argv[1:] if not a.isdigit()}
     dims = [d for d in VARIANTS if not only or str(d) in only]
+    for d in dims:
+        VARIANTS[d] = {n: k for n, k in VARIANTS[d].items() if not names or n in names or n == "default"}
     jobs = [(d, c, n) for d in dims for c in CAUSAL for n in VARIANTS[d]]
     t0 = time.time()
     with mp.get_context("spawn").Pool(min(16, len(jobs))) as pool:

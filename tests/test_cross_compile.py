@@ -513,7 +513,8 @@ def test_sm90_overlap_issues_pv_with_the_next_qk(monkeypatch, producer):
     """overlap=1 (FA3's intra-warpgroup order): a K/V step issues PV of the previous tile, then QK^T of
     this one, and waits once for both; the stage of the previous tile is released after that wait; V
     keeps three stages and K two; the last PV is waited for, and the accumulators fenced, before the
-    output reads them. The pipeline waits for as many tiles as it releases."""
+    output reads them. The pipeline waits for as many tiles as it releases, and each copy of a tile
+    completes on the barrier that its issue expects the bytes on."""
     from tvmflash.schedules import sm90
     monkeypatch.setenv("TVMFLASH_SM90", "1")
     knobs = {"producer": producer, "min_blocks_per_sm": 1, "block_n": 128, "num_stages": 3, "q_layout": "swizzled",
@@ -525,8 +526,17 @@ def test_sm90_overlap_issues_pv_with_the_next_qk(monkeypatch, producer):
     wait = step.index("wait_group_sync_aligned_0();")
     assert pv < qk < wait < step.index("tvmflash_release_after_wgmma(") and step.count("wait_group_sync_aligned_0();") == 1
     waits = [line for line in consumers.splitlines() if "tvmflash_mbarrier_wait(" in line and "tma_consumed" in line]
-    assert len(waits) == consumers.count("tvmflash_release_after_wgmma((") == 3  # waits: prologue, step, epilogue;
-    # releases: step, epilogue x2
+    assert len(waits) == consumers.count("tvmflash_release_after_wgmma((") == 3  # prologue, step, epilogue
+    # the prologue's QK^T of tile 0 releases too: K has two versions, so tile 2 may only be issued once
+    # it is done (the producer waits for release t - 2 before it issues tile t)
+    assert consumers.index("tvmflash_release_after_wgmma((") < consumers.index("for (int kb")
+    assert "if (2 <= tma_issued_ptr[0]) {" in src and "if (3 <= tma_issued_ptr[0]) {" not in src
+    # every copy of an issue completes on the barrier that issue expects its bytes on: V's stage, also
+    # for K, whose own stage differs (a K copy on K's stage hung the kernel from the third tile on)
+    for issue in src.split("tvmflash_mbarrier_expect_tx((")[1:]:
+        expected = "(" + issue[:issue.index("), ")]
+        loads = re.findall(r"tvmflash_tma_load_5d\(.*?_tensormap\)\)\), (.*?)\), ", issue.split("tma_issued_ptr[0] = ")[0])
+        assert loads and all(barrier == expected for barrier in loads), (expected, loads)
     tail = consumers[consumers.rindex("_rs_mma_async"):]
     assert "wait_group_sync_aligned_0();\n" in tail and "tvmflash_wgmma_reg_fence(acc_local_ptr[63]);" in tail
     assert sm90.shared_memory_bytes(128, "bfloat16", knobs) < sm90.shared_memory_bytes(128, "bfloat16", {**knobs, "overlap": 0})

@@ -237,9 +237,9 @@ class _Plan:
 
 def _copy(plan, stmt):
     """The annotated copy block in ``stmt`` (an ``async_scope``'s body, or the statement of the Q tile's
-    one-off copy) -> (its stage and number of stages, or None for the one-off copy; its tensor-map TMA
-    call; its bytes). A pipeline's tile has its stages first, (stages, halves, rows, 8, 8), and completes
-    on its stage's full barrier; the Q tile, (halves, rows, 8, 8), on the Q barrier."""
+    one-off copy) -> (its stage and number of stages, or None for the one-off copy; a function from the
+    barrier it completes on to its tensor-map TMA call; its bytes). A pipeline's tile has its stages
+    first, (stages, halves, rows, 8, 8); the Q tile is (halves, rows, 8, 8)."""
     blocks = _find(stmt, lambda n: isinstance(n, tvm.s_tir.SBlock) and TMA_LOAD in n.annotations)
     if len(blocks) != 1:
         raise RuntimeError(f"TMA: expected one annotated copy block in an async scope, found {len(blocks)}")
@@ -260,32 +260,45 @@ def _copy(plan, stmt):
     tile = store.buffer
     if len(tile.shape) == 4:  # the Q tile
         stage, (halves, rows) = None, (int(e) for e in tile.shape[:2])
-        barrier = plan.q_full()
     else:  # the pipeline's versions of a K or V tile
         stages, halves, rows = (int(e) for e in tile.shape[:3])
         # K and V have the same number of stages, or (overlap) V one more: the barriers follow V's
         plan.num_stages = max(plan.num_stages or 0, stages)
         stage = (destination[0], stages)
-        barrier = plan.full(destination[0])
     tensor_map = plan.tensor_map(_loaded(source), (SWIZZLE_COLUMNS, rows, halves))
-    call = _device_call("tvmflash_tma_load_5d", _pointer(tile, _flat(tile, destination)), T.address_of(tensor_map),
-                        barrier, col % SWIZZLE_COLUMNS, row, col // SWIZZLE_COLUMNS, head, batch)
-    return stage, tirx.Evaluate(call), SWIZZLE_COLUMNS * rows * halves * tile.dtype.bits // 8
+    call = lambda barrier: tirx.Evaluate(_device_call(  # noqa: E731
+        "tvmflash_tma_load_5d", _pointer(tile, _flat(tile, destination)), T.address_of(tensor_map),
+        barrier, col % SWIZZLE_COLUMNS, row, col // SWIZZLE_COLUMNS, head, batch))
+    return stage, call, SWIZZLE_COLUMNS * rows * halves * tile.dtype.bits // 8
 
 
 def _issue(plan, commit):
     """A commit group of annotated copies -> the producer thread's TMA issue, on the stage of the tile
-    with the most stages (V's, with overlap)."""
+    with the most stages (V's, with overlap): every copy of the group completes on that stage's full
+    barrier, whichever version of its own tile it fills (K's stage differs with overlap).
+
+    Before it refills a stage the producer waits for the release that frees it: tile t's, for tile
+    t + num_stages. With overlap K has one version fewer, so tile t overwrites K of tile
+    t - num_stages + 1, whose QK^T the consumers wait for one step before they release the stage
+    that V of tile t needs. There the release is counted per wait for all wgmma, the pipeline's
+    first one included (``_waits_and_releases``), and tile t waits for release t - num_stages + 1."""
     scopes = _find(commit.body, lambda n: _is_attr(n, "async_scope"))
     copies = [_copy(plan, scope.body) for scope in scopes]
     stage = max((c[0] for c in copies), key=lambda s: s[1])[0]
     issued = plan.issued[0]
-    refill = _device_call("tvmflash_mbarrier_wait", plan.empty(stage),
-                          tirx.floormod(tirx.floordiv(issued, plan.num_stages) + 1, 2))
+    if len({c[0][1] for c in copies}) == 1:  # the tile's copies have as many versions as stages
+        lag = plan.num_stages
+        refill = _device_call("tvmflash_mbarrier_wait", plan.empty(stage),
+                              tirx.floormod(tirx.floordiv(issued, plan.num_stages) + 1, 2))
+    else:  # overlap: K has one version fewer
+        lag = plan.num_stages - 1
+        release = issued - lag
+        refill = _device_call("tvmflash_mbarrier_wait", plan.empty(tirx.floormod(release, plan.num_stages)),
+                              tirx.floormod(tirx.floordiv(release, plan.num_stages), 2))
     body = [
-        tirx.IfThenElse(issued >= plan.num_stages, tirx.Evaluate(refill), None),  # tile issued - stages consumed
+        tirx.IfThenElse(issued >= lag, tirx.Evaluate(refill), None),  # the release that frees this tile's buffers
         _call("tvmflash_mbarrier_expect_tx", plan.full(stage), sum(c[2] for c in copies)),
-        *[c[1] for c in copies],
+        *[c[1](plan.full(stage)) for c in copies],
         tirx.BufferStore(plan.issued, issued + 1, [0]),
     ]
     return tirx.IfThenElse(plan.is_producer(), tirx.SeqStmt(body), None)
@@ -347,8 +360,10 @@ def _waits_and_releases(plan, stmt, tiles):
 
     With overlap, V has one stage more than K, and a step reads V of the tile before the one it waits
     for: there, the wait is only where the sequence reads K (not before the pipeline's last PV), and
-    the release only where it reads V, after the next wait for all wgmma groups (this tile's QK^T's:
-    the PV was only committed); the stage released is counted apart (``released``)."""
+    the release follows the next wait for all wgmma groups after the sequence's last read of a tile
+    (this tile's QK^T's: the PV was only committed), the first step's too (QK^T of tile 0 alone:
+    it frees K's version that tile num_stages - 1 fills); the releases are counted apart
+    (``released``), and the producer waits for release t - num_stages + 1 before it issues tile t."""
     stages = {t: int(t.shape[0]) for t in tiles}
     early = [t for t in tiles if stages[t] == min(stages.values())]
     late = [t for t in tiles if stages[t] == max(stages.values())]
@@ -363,7 +378,7 @@ def _waits_and_releases(plan, stmt, tiles):
         marked = [i for i, s in enumerate(seq) if _find(s, lambda n: _is_attr(n, _WAIT_MARK))]
         if not marked:
             return None
-        readers = [i for i, s in enumerate(seq) if reads(s, late)]
+        readers = [i for i, s in enumerate(seq) if reads(s, tiles if lagged else late)]
         if readers:
             last = readers[-1]
             if lagged:
@@ -521,7 +536,7 @@ def _one_off_copy(plan, stmts, k):
         raise RuntimeError("TMA: expected one copy block outside the pipeline (the Q tile), alone in its statement")
     plan.q_copy = stmts[i]
     _, call, size = _copy(plan, stmts[i])
-    issue = tirx.SeqStmt([_call("tvmflash_mbarrier_expect_tx", plan.q_full(), size), call])
+    issue = tirx.SeqStmt([_call("tvmflash_mbarrier_expect_tx", plan.q_full(), size), call(plan.q_full())])
     wait = _call("tvmflash_mbarrier_wait", plan.q_full(), 0)
     first = tirx.all(*[var == 0 for tag, (var, _) in plan.threads.items() if tag.startswith("threadIdx")])
     return [*stmts[:i], wait, *stmts[i + 1:]], tirx.IfThenElse(first, issue, None)
