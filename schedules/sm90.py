@@ -327,12 +327,17 @@ _REG_FENCE_U32 = (  # the same for the A registers of the "rs" form (bf16/fp16 p
 # and stride byte offsets, each in 16-byte units, and the layout type in bits 62-63 (``NO_SWIZZLE``
 # or ``SWIZZLE_128B``). TVM's encoder writes through a pointer into a local buffer, and
 # InjectSoftwarePipeline (static shapes) splits such a buffer's allocation from its uses ("Buffer
-# access occurs outside a statement scope").
+# access occurs outside a statement scope"). The start comes as the buffer's own start (the same for
+# every wgmma of a loop) plus the operand's offset in 16-byte units, which TIR folds to a constant and
+# the stage's term: one uniform add a wgmma in the SASS. (A whole address shifted by 4 cost four:
+# add, mask, shift, or; 18% of the K/V loop's instructions went to the uniform pipe.) Shared-window
+# addresses are below 2^18, so the 14-bit start field needs no mask, and adding the fields is or-ing.
 _DESCRIPTOR = (
-    "__device__ __forceinline__ unsigned long long tvmflash_wgmma_descriptor(const void* smem, int lbo, int sbo, int layout) {\n"
-    "  unsigned long long address = __cvta_generic_to_shared(smem);\n"
-    "  return ((address & 0x3FFFF) >> 4) | ((unsigned long long)(lbo & 0x3FFF) << 16)\n"
-    "         | ((unsigned long long)(sbo & 0x3FFF) << 32) | ((unsigned long long)layout << 62);\n"
+    "__device__ __forceinline__ unsigned long long tvmflash_wgmma_descriptor(const void* buffer, int offset, int lbo,"
+    " int sbo, int layout) {\n"
+    "  unsigned start = ((unsigned)__cvta_generic_to_shared(buffer) >> 4) + (unsigned)offset;\n"
+    "  return (unsigned long long)(start + ((unsigned)lbo << 16))"
+    " | ((unsigned long long)((unsigned)sbo + ((unsigned)layout << 30)) << 32);\n"
     "}"
 )
 # The 128-byte swizzled layout (PTX's canonical K-major / MN-major "128B swizzle" layouts, and what
@@ -442,21 +447,22 @@ def _wgmma_desc_impl(n, k, dtype, b_major, a_regs, fence_operands=True, b_swizzl
                     C[acc_reg(vi, vj)] = C[acc_reg(vi, vj)] + T.cast(a_at(A, vi, vk), "float32") * T.cast(
                         b_at(B, vj, vk), "float32")
 
-    def _descriptor(pointer, lbo, sbo, layout=NO_SWIZZLE):
-        return T.cuda.func_call("tvmflash_wgmma_descriptor", pointer, lbo, sbo, layout, source_code=_DESCRIPTOR,
-                                return_type="uint64")
+    def _descriptor(X, offset, lbo, sbo, layout=NO_SWIZZLE):
+        # X's start and the operand's offset in 16-byte units (8 two-byte elements; always whole)
+        start = X.access_ptr("r", offset=-X.elem_offset)
+        return T.cuda.func_call("tvmflash_wgmma_descriptor", start, T.floordiv(X.elem_offset + offset, 8), lbo, sbo,
+                                layout, source_code=_DESCRIPTOR, return_type="uint64")
 
     def k_major_swizzled(X, s0, s1, ks):
         # s0: a 64-column half's stride, s1: a row's (64 elements, 128 bytes); a k16 slice starts 32
         # bytes into the rows of its half; LBO unused; SBO: 8 rows, 1024 bytes (8 s1 * 2 / 16 = s1 units)
-        return _descriptor(X.access_ptr("r", offset=(ks * 16) // SWIZZLE_COLUMNS * s0 + ks * 16 % SWIZZLE_COLUMNS),
-                           1, s1, SWIZZLE_128B)
+        return _descriptor(X, (ks * 16) // SWIZZLE_COLUMNS * s0 + ks * 16 % SWIZZLE_COLUMNS, 1, s1, SWIZZLE_128B)
 
     def a_descriptor(A, sa0, sa1, ks):
         if a_swizzled:
             return k_major_swizzled(A, sa0, sa1, ks)
         # K-major: LBO = K-direction core-matrix stride, SBO = M-direction.
-        return _descriptor(A.access_ptr("r", offset=ks * 2 * sa1), sa1 // 8, sa0 // 8)
+        return _descriptor(A, ks * 2 * sa1, sa1 // 8, sa0 // 8)
 
     def b_descriptor(B, sb0, sb1, ks):
         # Descriptor fields are in 16-byte units; 2-byte elements.
@@ -464,11 +470,11 @@ def _wgmma_desc_impl(n, k, dtype, b_major, a_regs, fence_operands=True, b_swizzl
             if b_major == "k":
                 return k_major_swizzled(B, sb0, sb1, ks)
             # N-major: a k16 slice is 16 rows; LBO: from one 64-column half to the next
-            return _descriptor(B.access_ptr("r", offset=ks * 16 * sb1), sb0 // 8, sb1, SWIZZLE_128B)
+            return _descriptor(B, ks * 16 * sb1, sb0 // 8, sb1, SWIZZLE_128B)
         if b_major == "k":  # K-major: LBO = K-direction core-matrix stride, SBO = N-direction
-            return _descriptor(B.access_ptr("r", offset=ks * 2 * sb1), sb1 // 8, sb0 // 8)
+            return _descriptor(B, ks * 2 * sb1, sb1 // 8, sb0 // 8)
         # N-major: LBO = K-direction (r//8) stride, SBO = N-direction (c//8).
-        return _descriptor(B.access_ptr("r", offset=ks * 2 * sb0), sb0 // 8, sb1 // 8)
+        return _descriptor(B, ks * 2 * sb0, sb0 // 8, sb1 // 8)
 
     if fence_operands:
         @T.macro

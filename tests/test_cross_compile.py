@@ -10,6 +10,17 @@ import tvm
 
 import tvmflash
 from conftest import kv_loop_body
+from tvmflash import tma
+
+
+# tvmflash_wgmma_descriptor(&buffer[start], offset, LBO, SBO, layout): the operand's buffer's start (in
+# elements), its offset from there in 16-byte units, the strides in 16-byte units, the layout type
+_DESCRIPTOR = re.compile(r"tvmflash_wgmma_descriptor\(\(&\(\(\(\w+\*\)buf_dyn_shmem_ptr\)\[([^\]]*)\]\)\), (.*?), (\d+), (\d+), (\d)\)")
+
+
+def descriptors(src):
+    """(element offset expression, LBO, SBO, layout) of each wgmma descriptor in a CUDA source."""
+    return [(f"({start}) + ({offset}) * 8", lbo, sbo, layout) for start, offset, lbo, sbo, layout in _DESCRIPTOR.findall(src)]
 
 
 @pytest.mark.parametrize("arch", ["sm80", "sm90"])
@@ -274,9 +285,9 @@ def test_sm90_core_matrices_are_padded_and_copied_along_rows(monkeypatch, head_d
                            knobs={"kv_layout": "core_matrices", "num_stages": 1, "kv_copy": "cp.async"}
                            ).source(heads_q=2, heads_kv=2)
     chunks = head_dim // 8
-    descriptors = set(re.findall(r"\]\)\), (\d+), (\d+), 0\)", src))  # tvmflash_wgmma_descriptor(&tile[...], LBO, SBO, 0)
-    assert ("9", str(9 * chunks)) in descriptors  # Q, K: LBO 144 bytes, SBO 8 rows of padded core matrices
-    assert (str(9 * chunks), "9") in descriptors  # V (N-major): the same strides, the other way round
+    strides = {(lbo, sbo) for _, lbo, sbo, layout in descriptors(src) if layout == "0"}
+    assert ("9", str(9 * chunks)) in strides  # Q, K: LBO 144 bytes, SBO 8 rows of padded core matrices
+    assert (str(9 * chunks), "9") in strides  # V (N-major): the same strides, the other way round
     copies = [line for line in src.splitlines()
               if "tvmflash_cp_async" in line or line.strip().startswith("*(uint4*)(((nv_bfloat16*)buf_dyn")]
     assert copies and all(f"(((int)threadIdx.x) & {chunks - 1}) * 72)" in line for line in copies)
@@ -296,15 +307,14 @@ def test_sm90_kv_tiles_are_swizzled(monkeypatch, head_dim, block_n, num_stages):
     assert kernel.knobs["kv_layout"] == "swizzled" and kernel.knobs["block_n"] == block_n
     src = kernel.source(heads_q=2, heads_kv=2)
     # layout type 1 (bits 62-63): 128-byte swizzle
-    swizzled = re.findall(r"tvmflash_wgmma_descriptor\(\(&\(\(\(nv_bfloat16\*\)buf_dyn_shmem_ptr\)\[([^\]]*)\]\)\), (\d+), (\d+), 1\)", src)
+    swizzled = [(offset, lbo, sbo) for offset, lbo, sbo, layout in descriptors(src) if layout == "1"]
     k_tiles = [offset for offset, lbo, sbo in swizzled if (lbo, sbo) == ("1", "64")]
     v_tiles = [offset for offset, lbo, sbo in swizzled if (lbo, sbo) == (str(block_n * 64 // 8), "64")]
     assert len(k_tiles) + len(v_tiles) == len(swizzled) and k_tiles and v_tiles
     for offsets, within_rows in ((k_tiles, {0, 16, 32, 48}), (v_tiles, {0})):
-        for offset in offsets:
-            stage = re.sub(r"max\(1, \(\(seqlen_k \+ \d+\) >> \d+\)\)|& 1\b", "", offset)  # the stage index
-            constants = [int(n) for n in re.findall(r"(?<![\w.])\d+(?![\w.])", stage) if int(n) > 1]
-            assert sum(n % 512 not in within_rows for n in constants) == 0, offset  # 1024-byte aligned
+        for offset in offsets:  # at every stage (each variable at 0, 1, ..., 5): 1024-byte aligned
+            elements = [byte // 2 for byte in tma._byte_offsets("nv_bfloat16", offset)]
+            assert elements and all(e % 512 in within_rows for e in elements), offset
     assert re.search(rf"tvmflash_wgmma_descriptor\(.*?, 9, {9 * head_dim // 8}, 0\)", src)  # Q: padded core matrices
 
 
@@ -467,10 +477,11 @@ def test_sm90_swizzled_q_tile(monkeypatch):
     block_n 128 fit at head_dim 128 (227 KiB)."""
     from tvmflash.schedules import sm90
     monkeypatch.setenv("TVMFLASH_SM90", "1")
-    no_swizzle = r"tvmflash_wgmma_descriptor\(\(&[^;]*?\)\), \d+, \d+, 0\)"
-    assert re.search(no_swizzle, tvmflash.compile(head_dim=128, dtype="bfloat16", target="sm90").source(4, 2))
+    def layouts(src):
+        return {layout for *_, layout in descriptors(src)}
+    assert layouts(tvmflash.compile(head_dim=128, dtype="bfloat16", target="sm90").source(4, 2)) == {"0", "1"}
     src = tvmflash.compile(head_dim=128, dtype="bfloat16", target="sm90", knobs={"q_layout": "swizzled"}).source(4, 2)
-    assert not re.search(no_swizzle, src) and "wgmma.mma_async" in src
+    assert layouts(src) == {"1"} and "wgmma.mma_async" in src
     knobs = {"producer": "warpgroup", "min_blocks_per_sm": 1, "block_n": 128, "num_stages": 3}
     assert sm90.shared_memory_bytes(128, "bfloat16", {**knobs, "q_layout": "swizzled"}) <= 227 * 1024
     assert sm90.shared_memory_bytes(128, "bfloat16", knobs) > 227 * 1024
@@ -544,14 +555,33 @@ def test_sm90_overlap_issues_pv_with_the_next_qk(monkeypatch, producer):
         tvmflash.compile(head_dim=128, dtype="bfloat16", target="sm90", knobs={"overlap": 1}).source(1, 1)
 
 
+@pytest.mark.parametrize("producer", ["thread", "warpgroup"])
+def test_sm90_descriptors_are_uniform_adds(monkeypatch, producer):
+    """A wgmma descriptor is its buffer's start (the same for every wgmma of a step) plus the operand's
+    offset in 16-byte units, folded to constants and the stage's or warpgroup's term; the warpgroup
+    comes from a shuffle of lane 0's threadIdx.y at the kernel's start, so that nvcc keeps the Q
+    tile's descriptors in uniform registers (no R2UR before each wgmma)."""
+    monkeypatch.setenv("TVMFLASH_SM90", "1")
+    knobs = {"producer": producer, "min_blocks_per_sm": 1} if producer == "warpgroup" else {}
+    src = tvmflash.compile(head_dim=128, dtype="bfloat16", target="sm90", knobs=knobs).source(4, 2)
+    found = _DESCRIPTOR.findall(src)
+    assert len(found) >= 12 and "int warpgroup = __shfl_sync((uint)4294967295, ((int)threadIdx.y), 0, 32);" in src
+    assert not any("threadIdx" in start + offset for start, offset, *_ in found)
+    # Q: a constant start, and the warpgroup's 64 rows in the offset
+    assert any(start.isdigit() and "warpgroup" in offset for start, offset, *_ in found)
+
+
 def test_tile_alignment_check_reads_swizzled_descriptors():
     """check_tile_alignment also reads the swizzled wgmma operands (the Q tile is no TMA destination):
     a k16 slice may start 32, 64 or 96 bytes into a 1024-byte-aligned tile, nowhere else."""
     from tvmflash import tma
-    line = "tvmflash_wgmma_descriptor((&(((nv_bfloat16*)buf_dyn_shmem_ptr)[((((int)threadIdx.y) * 4096) + {})])), 1, 64, 1)"
-    tma.check_tile_alignment(line.format(33280) + line.format(33280 + 48))
+    # the buffer's start, then the operand's offset from it in 16-byte units (8 elements)
+    line = "tvmflash_wgmma_descriptor((&(((nv_bfloat16*)buf_dyn_shmem_ptr)[{}])), (((int)threadIdx.y) * 512) + {}, 1, 64, 1)"
+    tma.check_tile_alignment(line.format(33280, 0) + line.format(33280, 6) + line.format(33280 - 48, 6))
     with pytest.raises(tma.MisalignedTiles, match="swizzled wgmma operand"):
-        tma.check_tile_alignment(line.format(33280 + 128))
+        tma.check_tile_alignment(line.format(33280, 16))
+    with pytest.raises(tma.MisalignedTiles, match="swizzled wgmma operand"):
+        tma.check_tile_alignment(line.format(33280 + 128, 0))
 
 
 def test_misaligned_tma_tiles_fail_the_build(monkeypatch):

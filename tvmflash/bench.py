@@ -33,25 +33,44 @@ def attention_flops(batch, heads, seqlen_q, seqlen_k, head_dim, causal):
 
 
 def time_ms(fn, device, *, warmup=3, repeat=20):
-    """Median milliseconds of ``fn()``: CUDA events on a GPU, the wall clock on the CPU."""
+    """Median milliseconds of ``fn()``: CUDA events on a GPU, the wall clock on the CPU.
+
+    On a GPU the calls are queued back to back, each between two events, and synchronized once at the
+    end (as ``triton.testing.do_bench``): a call's host work (argument checks, the launch) overlaps
+    the previous call's kernel, as in a model's forward pass, so a sample is the GPU's time unless
+    the host cannot keep up. Synchronizing after every sample would add each backend's host time
+    to its kernel's (``host_us`` measures that time apart)."""
     for _ in range(warmup):
         fn()
-    samples = []
     if device.type == "cuda":
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeat)]
         torch.cuda.synchronize()
-        for _ in range(repeat):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for start, end in events:
             start.record()
             fn()
             end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end))
-    else:
-        for _ in range(repeat):
-            start = time.perf_counter()
-            fn()
-            samples.append((time.perf_counter() - start) * 1e3)
+        torch.cuda.synchronize()
+        return statistics.median(start.elapsed_time(end) for start, end in events)
+    samples = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e3)
     return statistics.median(samples)
+
+
+def host_us(fn, *, calls=50):
+    """Microseconds of host time a call of ``fn`` takes to queue its GPU work: the calls are made while
+    the GPU is kept busy, so that none waits for a kernel."""
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # about a second of GPU time: the queue never drains meanwhile
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
 
 
 def sdpa_backends(device):

@@ -602,7 +602,8 @@ def _encode_tensor_maps(plan):
 
 _TILE_POINTER = r"\(\(&\(\(\((\w+)\*\)buf_dyn_shmem_ptr\)\[([^\]]*)\]\)\)"
 _TMA_DESTINATION = re.compile(r"tvmflash_tma_load_5d" + _TILE_POINTER + ", ")
-_SWIZZLED_OPERAND = re.compile(r"tvmflash_wgmma_descriptor" + _TILE_POINTER + r", \d+, \d+, 1\)")  # layout 1
+# a swizzled (layout 1) wgmma operand: its buffer's start and its offset from there in 16-byte units
+_SWIZZLED_OPERAND = re.compile(r"tvmflash_wgmma_descriptor" + _TILE_POINTER + r", (.*?), \d+, \d+, 1\)")
 _ELEMENT_BYTES = {"nv_bfloat16": 2, "half": 2}
 
 
@@ -629,12 +630,14 @@ def check_tile_alignment(source: str) -> None:
     descriptors) assumes. Shared-memory merging places the tiles; MisalignedTiles says where one is
     off (``kernel.build_module`` then builds again with larger barriers), rather than let the kernel
     compute garbage."""
-    for pattern, what, slack in ((_TMA_DESTINATION, "a TMA tile", 1), (_SWIZZLED_OPERAND, "a swizzled wgmma operand", 128)):
-        for element, offset in pattern.findall(source):
-            for byte in _byte_offsets(element, offset):
-                if byte % 1024 >= slack:
-                    raise MisalignedTiles(f"TMA: {what} lands at shared-memory byte {byte}, not on a 1024-byte "
-                                          f"boundary ({offset}); the swizzled copies would be wrong")
+    tiles = [(element, offset, "a TMA tile", 1) for element, offset in _TMA_DESTINATION.findall(source)]
+    operands = [(element, f"({start}) + ({offset}) * {16 // _ELEMENT_BYTES.get(element, 2)}", "a swizzled wgmma operand",
+                 128) for element, start, offset in _SWIZZLED_OPERAND.findall(source)]
+    for element, offset, what, slack in tiles + operands:
+        for byte in _byte_offsets(element, offset):
+            if byte % 1024 >= slack:
+                raise MisalignedTiles(f"TMA: {what} lands at shared-memory byte {byte}, not on a 1024-byte "
+                                      f"boundary ({offset}); the swizzled copies would be wrong")
 
 
 @contextlib.contextmanager

@@ -459,11 +459,71 @@ def wgmma_waits_from_pragmas():
         yield
 
 
+def _uniform_warpgroup_descriptors(func):
+    """``func`` with threadIdx.y, in the offsets of its wgmma descriptors, read through a variable set
+    once at the kernel's start to thread y of lane 0 (``__shfl_sync``), as CUTLASS's
+    canonical_warp_group_idx does. threadIdx.y (the warpgroup) is the same across a warp where
+    threadIdx.x spans whole warps, but nvcc does not know that: the Q tile's descriptors, which
+    depend on it, then sit in ordinary registers and are moved to uniform ones before every wgmma
+    (two R2UR and a constant move each, 16 of the 44 of a d128 K/V step's wgmma issue). After the
+    shuffle they are uniform values."""
+    from tvm import tirx
+
+    extents = {attr.node.thread_tag: attr for attr in _find(func.body, lambda n: isinstance(n, tirx.AttrStmt)
+                                                          and n.attr_key == "thread_extent")}
+    x, y = extents.get("threadIdx.x"), extents.get("threadIdx.y")
+    if y is None or x is None or not isinstance(x.value, tirx.IntImm) or x.value.value % 32:
+        return func
+    thread_y = y.node.var
+    warpgroup = tirx.Var("warpgroup", "int32")
+
+    def uniform(call):
+        if not (getattr(call.op, "name", "") == "tirx.cuda.func_call" and call.args[0].value == "tvmflash_wgmma_descriptor"):
+            return call
+        args = list(call.args)
+        args[2] = tvm_ffi.structural_map(args[2], (tirx.Var, lambda v: warpgroup if v.same_as(thread_y) else v))
+        return tvm.ir.expr.Call(call.op, args, call.attrs, ty_args=call.ty_args, span=call.span, ret_ty=call.ty)
+
+    body = tvm_ffi.structural_map(func.body, (tvm.ir.expr.Call, uniform))
+    if not _find(body, lambda n: isinstance(n, tirx.Var) and n.same_as(warpgroup)):
+        return func
+    lane0 = tirx.call_extern("int32", "__shfl_sync", tirx.const(0xFFFFFFFF, "uint32"), thread_y, 0, 32)
+    return func.with_body(_define_after(body, "threadIdx.y", warpgroup, lane0))
+
+
+def _define_after(stmt, thread_tag, var, value):
+    """``stmt`` with ``var = value`` bound first thing inside the thread_extent attribute of ``thread_tag``."""
+    from tvm import tirx
+
+    if isinstance(stmt, tirx.AttrStmt) and stmt.attr_key == "thread_extent" and stmt.node.thread_tag == thread_tag:
+        return tirx.AttrStmt(stmt.node, stmt.attr_key, stmt.value, tirx.SeqStmt([tirx.Bind(var, value), stmt.body]))
+    return _with_children(stmt, lambda s: _define_after(s, thread_tag, var, value))
+
+
+@contextlib.contextmanager
+def uniform_warpgroup_descriptors():
+    """Run ``_uniform_warpgroup_descriptors`` right before CommonSubexprElim (which would move the
+    descriptors' offsets into let variables that other statements share)."""
+    from tvm import tirx
+
+    original = tirx.transform.CommonSubexprElim
+
+    def uniform_then_cse():
+        def run(func, _mod, _ctx):
+            return _uniform_warpgroup_descriptors(func)
+        return tvm.transform.Sequential([tirx.transform.prim_func_pass(
+            run, opt_level=0, name="tvmflash.UniformWarpgroupDescriptors"), original()])
+
+    with _replaced(tirx.transform, "CommonSubexprElim", uniform_then_cse):
+        yield
+
+
 @contextlib.contextmanager
 def applied(async_proxy_operands: bool = False):
     """Every workaround above, for one build (``kernel.build_module``). async_proxy_operands: the
     schedule's tensor-core operands are read through the async proxy (wgmma)."""
     with lower_every_warp_buffer(), no_warp_thread_sync(), compact_again_after_match_buffers(), \
             launch_bounds_reach_the_kernel(), zero_filling_cp_async(), wgmma_waits_from_pragmas(), \
-            constant_async_wait_counts(proxy_fence=async_proxy_operands), one_barrier_per_pipelined_step():
+            constant_async_wait_counts(proxy_fence=async_proxy_operands), one_barrier_per_pipelined_step(), \
+            uniform_warpgroup_descriptors():
         yield
