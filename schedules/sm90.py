@@ -101,17 +101,20 @@ KV_LAYOUTS = ("core_matrices", "swizzled")
 Q_LAYOUTS = KV_LAYOUTS
 # How the Q tile is copied: by every thread's loads and stores, or (with q_layout "swizzled" and TMA
 # K/V tiles) by one TMA copy that the producer issues first thing, on a barrier of its own, as FA3
-# does: the consumers wait for it instead of loading it. Not yet measured on a GPU (session 11).
+# does: the consumers wait for it instead of loading it. Correct on the H200, no faster (BENCHMARKS.md,
+# sessions 12-13).
 Q_COPIES = ("threads", "tma")
 # How the output reaches global memory: "staged" through a shared-memory tile (16-byte stores along
 # its rows, ``_store_o_through_shared_memory``), or "direct" from the accumulator registers, two
 # adjacent columns a store, with no barrier (FA3 without its TMA store). Staging measured faster at
 # two blocks an SM (session 8); "direct" is for one block an SM, where nothing hides the staging's
-# barriers. Not yet run on a GPU (session 11).
+# barriers. Correct on the H200, no faster there (session 12).
 O_STORES = ("staged", "direct")
 # overlap 1, FA3's intra-warpgroup order: the step of tile j issues PV of tile j - 1, then QK^T of tile
 # j, and waits once for both; V keeps num_stages tiles and K one fewer (``common.pipeline_kv_loads``'s
-# ``lagged``). Needs TMA and 3 stages or more. Not yet run on a GPU (session 11).
+# ``lagged``). Needs TMA and 3 stages or more. Correct on the H200; with a producer warpgroup and 3
+# stages of block_n 128, 0.84-0.91x cuDNN at d128 non-causal against the default's 0.81-0.90x in one
+# run, slower at 1k tokens and causal (BENCHMARKS.md, session 13).
 OVERLAPS = (0, 1)
 # How the pipelined K/V tiles are copied: every thread's cp.async, 16 bytes each, then a block-wide
 # barrier a step; or TMA (``tvmflash.tma``): one thread issues each tile, completing on the stage's
@@ -148,9 +151,11 @@ SPACE = {
     "kv_copy": ["tma", "cp.async"],
     "producer": ["thread", "warpgroup"],
     "q_layout": ["core_matrices", "swizzled"],
-    "q_copy": ["threads"],  # "tma" joins once it has run on a GPU
-    "o_store": ["staged"],  # "direct" too
-    "overlap": [0],  # 1 too
+    # q_copy "tma", o_store "direct" and overlap 1 (with 3 stages) are correct on the H200 but measured
+    # no faster over the grid (sessions 12-13); left out to keep the tuning tasks few
+    "q_copy": ["threads"],
+    "o_store": ["staged"],
+    "overlap": [0],
 }
 
 
