@@ -13,14 +13,16 @@ from conftest import kv_loop_body
 from tvmflash import tma
 
 
-# tvmflash_wgmma_descriptor(&buffer[start], offset, LBO, SBO, layout): the operand's buffer's start (in
-# elements), its offset from there in 16-byte units, the strides in 16-byte units, the layout type
-_DESCRIPTOR = re.compile(r"tvmflash_wgmma_descriptor\(\(&\(\(\(\w+\*\)buf_dyn_shmem_ptr\)\[([^\]]*)\]\)\), (.*?), (\d+), (\d+), (\d)\)")
+# tvmflash_wgmma_descriptor(&buffer[start], offset, LBO, SBO, layout): the element type, the operand's
+# buffer's start (in elements), its offset from there in 16-byte units, the strides in 16-byte units,
+# the layout type (the pointer read as tma.check_tile_alignment reads it)
+_DESCRIPTOR = re.compile(r"tvmflash_wgmma_descriptor" + tma._TILE_POINTER + r", (.*?), (\d+), (\d+), (\d)\)")
 
 
 def descriptors(src):
     """(element offset expression, LBO, SBO, layout) of each wgmma descriptor in a CUDA source."""
-    return [(f"({start}) + ({offset}) * 8", lbo, sbo, layout) for start, offset, lbo, sbo, layout in _DESCRIPTOR.findall(src)]
+    return [(f"({start}) + ({offset}) * {16 // tma._ELEMENT_BYTES[element]}", lbo, sbo, layout)
+            for element, start, offset, lbo, sbo, layout in _DESCRIPTOR.findall(src)]
 
 
 @pytest.mark.parametrize("arch", ["sm80", "sm90"])
@@ -566,15 +568,14 @@ def test_sm90_descriptors_are_uniform_adds(monkeypatch, producer):
     src = tvmflash.compile(head_dim=128, dtype="bfloat16", target="sm90", knobs=knobs).source(4, 2)
     found = _DESCRIPTOR.findall(src)
     assert len(found) >= 12 and "int warpgroup = __shfl_sync((uint)4294967295, ((int)threadIdx.y), 0, 32);" in src
-    assert not any("threadIdx" in start + offset for start, offset, *_ in found)
+    assert not any("threadIdx" in start + offset for _, start, offset, *_ in found)
     # Q: a constant start, and the warpgroup's 64 rows in the offset
-    assert any(start.isdigit() and "warpgroup" in offset for start, offset, *_ in found)
+    assert any(start.isdigit() and "warpgroup" in offset for _, start, offset, *_ in found)
 
 
 def test_tile_alignment_check_reads_swizzled_descriptors():
     """check_tile_alignment also reads the swizzled wgmma operands (the Q tile is no TMA destination):
     a k16 slice may start 32, 64 or 96 bytes into a 1024-byte-aligned tile, nowhere else."""
-    from tvmflash import tma
     # the buffer's start, then the operand's offset from it in 16-byte units (8 elements)
     line = "tvmflash_wgmma_descriptor((&(((nv_bfloat16*)buf_dyn_shmem_ptr)[{}])), (((int)threadIdx.y) * 512) + {}, 1, 64, 1)"
     tma.check_tile_alignment(line.format(33280, 0) + line.format(33280, 6) + line.format(33280 - 48, 6))
@@ -588,7 +589,6 @@ def test_misaligned_tma_tiles_fail_the_build(monkeypatch):
     """If shared-memory merging puts a swizzled TMA tile off a 1024-byte boundary whatever padding of
     the barriers the build tries, it says so (the copies and the wgmma descriptors would disagree)
     instead of computing garbage. Here no padding is tried, and the barriers are too small."""
-    from tvmflash import tma
     monkeypatch.setenv("TVMFLASH_SM90", "1")
     monkeypatch.setitem(tma.TMA_BARRIER_BYTES, "warpgroup", 512)
     monkeypatch.setattr(tma, "BARRIER_PADDINGS", (0,))

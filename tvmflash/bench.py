@@ -60,8 +60,8 @@ def time_ms(fn, device, *, warmup=3, repeat=20):
 
 
 def host_us(fn, *, calls=50):
-    """Microseconds of host time a call of ``fn`` takes to queue its GPU work: the calls are made while
-    the GPU is kept busy, so that none waits for a kernel."""
+    """Microseconds of host time a call of ``fn`` takes to queue its GPU work (CUDA only): the calls are
+    made while the GPU is kept busy, so that none waits for a kernel."""
     fn()
     torch.cuda.synchronize()
     torch.cuda._sleep(2_000_000_000)  # about a second of GPU time: the queue never drains meanwhile
