@@ -36,8 +36,12 @@ TMA_BARRIER_PADDINGS = (0, 256, 512, 768)
 SWIZZLE_COLUMNS = 64
 # A loop annotated so (a schedule has no primitive that inserts a statement) is preceded by
 # ``wgmma.wait_group 0`` and a register fence of the program's accumulator ``acc``: the loop reads
-# the result of a wgmma that was only committed (``tvm_workarounds.wgmma_waits_from_pragmas``).
+# the result of a wgmma that was only committed (``tvm_workarounds.lowered_pragmas``).
 WGMMA_WAIT_PRAGMA = "pragma_tvmflash_wgmma_wait"
+# A loop annotated so, one that scales a thread's elements by per-row factors (the output's rescale
+# by alpha), runs only where a lane of the warp has a factor other than 1; with the program's
+# RESCALE_THRESHOLD that is rare after the first tiles (``tvm_workarounds.lowered_pragmas``).
+SKIP_UNIT_RESCALE_PRAGMA = "pragma_tvmflash_skip_unit_rescale"
 
 
 def work_grows_with_q_block(sch: tvm.s_tir.Schedule) -> bool:

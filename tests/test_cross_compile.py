@@ -511,6 +511,23 @@ def test_sm90_q_tile_by_tma(monkeypatch, producer):
         tvmflash.compile(head_dim=128, dtype="bfloat16", target="sm90", knobs={"q_copy": "tma"}).source(1, 1)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_sm90_rescale_is_skipped_where_alpha_is_one(monkeypatch, head_dim):
+    """The output's rescale (each of a thread's head_dim / 2 accumulators times its row's alpha) sits
+    under one warp-wide test, taken where some lane's alpha is not 1, in the K/V loop and its
+    epilogue alike; and the running max moves only past the program's threshold."""
+    monkeypatch.setenv("TVMFLASH_SM90", "1")
+    lines = tvmflash.compile(head_dim=head_dim, dtype="bfloat16", target="sm90").source(4, 2).splitlines()
+    rescale = re.compile(r"acc_local_ptr\[(\d+)\] = \(acc_local_ptr\[\1\] \* alpha_local_ptr\[[01]\]\);")
+    tests = [i for i, line in enumerate(lines) if "if (__any_sync((uint)4294967295, ((alpha_local_ptr[0] != 0x1p+0f" in line]
+    assert tests
+    for i in tests:
+        assert all(rescale.fullmatch(line.strip()) for line in lines[i + 1:i + 1 + head_dim // 2])
+        assert lines[i + 1 + head_dim // 2].strip() == "}"
+    assert sum(bool(rescale.fullmatch(line.strip())) for line in lines) == len(tests) * head_dim // 2
+    assert any("0x1p+3f/*8.000000e+00*/ < ((m_tile_local_ptr[0] - m_local_ptr[0])" in line for line in lines)
+
+
 def test_sm90_output_stored_from_registers(monkeypatch):
     """o_store="direct": the output goes to global memory from the accumulator registers, two adjacent
     columns a store, and not through a shared-memory tile (its 16-byte stores)."""

@@ -1,11 +1,14 @@
 """Forward numerics against a float64 reference, with flash-attn's error rule."""
 
+import math
+
 import pytest
 import torch
 from conftest import devices, poisoned_out, random_qkv
 from reference import check_attention
 
 import tvmflash
+from tvmflash import program
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 # (seqlen_q, seqlen_k, heads_q, heads_kv): tails on both sides, Lq != Lk both ways, and three
@@ -80,6 +83,23 @@ def test_large_logits(device, dtype):
     out, lse = tvmflash.attention(q, k, v, return_lse=True)
     ref_scores = (q.double().transpose(1, 2) @ k.double().transpose(1, 2).transpose(-1, -2)) / 8
     assert ref_scores.abs().max() > 1e4
+    check_attention(out, lse, q, k, v)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_running_max_that_creeps_up(device, dtype):
+    # Scores that rise along the keys, a few log2 units a 64-key tile (under RESCALE_THRESHOLD) and
+    # many times that over the row: the running max lags the true one by up to the threshold, so P
+    # reaches 2^8 before the max moves, and the result must stay exact.
+    q, k, v = random_qkv(1, 200, 1000, 2, 2, 64, dtype, device)
+    q = (q.abs().float() * (48 / q.abs().float().sum(-1, keepdim=True))).to(dtype)  # each query's sum 48
+    k = k + torch.linspace(0, 4, 1000, device=device, dtype=torch.float32)[None, :, None, None].to(dtype)
+    scores = (q.double().transpose(1, 2) @ k.double().transpose(1, 2).transpose(-1, -2)) / 8 / math.log(2)
+    tile_max = scores[..., :960].unflatten(-1, (15, 64)).amax(-1)  # each 64-key tile's max, in log2 units
+    assert (tile_max.diff().amax() < program.RESCALE_THRESHOLD
+            and (tile_max[..., -1] - tile_max[..., 0]).amin() > 3 * program.RESCALE_THRESHOLD)
+    out, lse = tvmflash.attention(q, k, v, return_lse=True)
     check_attention(out, lse, q, k, v)
 
 

@@ -31,6 +31,12 @@ NO_MAX = -1.0e30
 # exp2 takes (score - max) * softmax_scale * log2 e, and a row that sees no key keeps NO_MAX as its
 # max: the scale must keep NO_MAX * scale finite in float32 (then exp2(-inf) is 0, never NaN).
 MAX_SOFTMAX_SCALE = 1.0e8
+# The running max moves only when a tile's max passes it by more than this, in log2 units (FA4's
+# rule): P = exp2((S - max) * scale2) then stays at most 2^8 = 256, which fp16 and bf16 hold with
+# their usual relative precision, and the result is as exact as with the true max (the sum l uses
+# the same stale max). alpha is then exactly 1 on most tiles, so a schedule can skip the output's
+# rescale there (sm90: ``common.SKIP_UNIT_RESCALE_PRAGMA``).
+RESCALE_THRESHOLD = 8.0
 
 
 @dataclass(frozen=True)
@@ -131,7 +137,7 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_ti
                 # scaling, which then fuses into exp2's argument (one FMA per score)
                 m = T.sblock_alloc_buffer((BM,), f32)
                 m_tile = T.sblock_alloc_buffer((BM,), f32)  # max of one tile's masked scores
-                m_new = T.sblock_alloc_buffer((BM,), f32)  # max(m, m_tile)
+                m_new = T.sblock_alloc_buffer((BM,), f32)  # m, or m_tile past RESCALE_THRESHOLD
                 alpha = T.sblock_alloc_buffer((BM,), f32)  # exp2(m - m_new): rescale factor
                 l = T.sblock_alloc_buffer((BM,), f32)  # running sum of P
                 l_tile = T.sblock_alloc_buffer((BM,), f32)  # sum of one tile's P
@@ -216,7 +222,10 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_ti
                         for i in range(BM):
                             with T.sblock("alpha"):
                                 vi = T.axis.spatial(BM, i)
-                                new_max = T.meta_var(T.max(m[vi], m_tile[vi]))
+                                # The max moves only past RESCALE_THRESHOLD (so m_new >= m, alpha <= 1);
+                                # from NO_MAX it moves to any tile's max that is not NO_MAX itself.
+                                new_max = T.meta_var(T.if_then_else(
+                                    (m_tile[vi] - m[vi]) * scale2[0] > T.float32(RESCALE_THRESHOLD), m_tile[vi], m[vi]))
                                 m_new[vi] = new_max
                                 alpha[vi] = T.exp2((m[vi] - new_max) * scale2[0])  # rescales l and acc
                         for i, j in T.grid(BM, BN):

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 
 import tvm
@@ -434,28 +435,55 @@ def _wait_and_fence_accumulators(attr):
     return tirx.SeqStmt([wait, *fences, attr.body])
 
 
-@contextlib.contextmanager
-def wgmma_waits_from_pragmas():
-    """Turn each loop annotated ``WGMMA_WAIT_PRAGMA`` (an AttrStmt around it once LowerOpaqueBlock
-    has run) into the wait and fences of ``_wait_and_fence_accumulators``, then the loop."""
+def _skipped_where_factors_are_one(attr):
+    """The statement for a ``SKIP_UNIT_RESCALE_PRAGMA`` AttrStmt: its loop, ``x[i] = x[i] * f[...]``
+    over the elements a thread holds, run only where some lane of the warp has a factor other than 1
+    (``__any_sync`` over every element of the thread's factor buffers ``f``: a branch the whole warp
+    takes or skips, which nvcc keeps as a branch; a per-thread test became a predicate on each
+    multiply)."""
     from tvm import tirx
 
-    from tvmflash.schedules.common import WGMMA_WAIT_PRAGMA
+    stores = _find(attr.body, lambda n: type(n).__name__ == "BufferStore")
+    scaled = {store.buffer.name for store in stores}
+    factors = {}
+    for load in _find(attr.body, lambda n: type(n).__name__ in ("BufferLoad", "TensorLoad")):
+        buffer = load.buffer if hasattr(load, "buffer") else load.source
+        if buffer.name not in scaled:
+            factors[buffer.name] = buffer
+    if len(scaled) != 1 or not factors or any(b.scope() != "local" for b in factors.values()):
+        raise ValueError(f"{attr.attr_key}: expected a loop that scales one buffer by local factors, got "
+                         f"stores to {sorted(scaled)} and factors {sorted(factors)}")
+    not_one = [tirx.BufferLoad(buffer, list(index)) != tirx.const(1, buffer.dtype)
+               for buffer in factors.values() for index in itertools.product(*(range(int(e)) for e in buffer.shape))]
+    some_lane = tirx.call_extern("bool", "__any_sync", tirx.const(0xFFFFFFFF, "uint32"), functools.reduce(tirx.Or, not_one))
+    return tirx.IfThenElse(some_lane, attr.body, None)
+
+
+@contextlib.contextmanager
+def lowered_pragmas():
+    """Turn each loop annotated with one of tvmflash's pragmas (an AttrStmt around it once
+    LowerOpaqueBlock has run) into its statements: ``WGMMA_WAIT_PRAGMA``, the wait and fences of
+    ``_wait_and_fence_accumulators``, then the loop; ``SKIP_UNIT_RESCALE_PRAGMA``, the loop under
+    ``_skipped_where_factors_are_one``'s warp-wide test."""
+    from tvm import tirx
+
+    from tvmflash.schedules.common import SKIP_UNIT_RESCALE_PRAGMA, WGMMA_WAIT_PRAGMA
 
     original = tvm.s_tir.transform.LowerOpaqueBlock
+    lowerings = {WGMMA_WAIT_PRAGMA: _wait_and_fence_accumulators, SKIP_UNIT_RESCALE_PRAGMA: _skipped_where_factors_are_one}
 
-    def lower_then_wait():
+    def lower_then_rewrite():
         def rewrite(stmt):  # by hand: structural_map rejects the fences' loads of a buffer defined outside
-            if isinstance(stmt, tirx.AttrStmt) and stmt.attr_key == WGMMA_WAIT_PRAGMA:
-                return _wait_and_fence_accumulators(stmt)
+            if isinstance(stmt, tirx.AttrStmt) and stmt.attr_key in lowerings:
+                return lowerings[stmt.attr_key](stmt)
             return _with_children(stmt, rewrite)
 
         def run(func, _mod, _ctx):
             return func.with_body(rewrite(func.body))
         return tvm.transform.Sequential([original(), tirx.transform.prim_func_pass(run, opt_level=0,
-                                                                                   name="tvmflash.WgmmaWaits")])
+                                                                                   name="tvmflash.LoweredPragmas")])
 
-    with _replaced(tvm.s_tir.transform, "LowerOpaqueBlock", lower_then_wait):
+    with _replaced(tvm.s_tir.transform, "LowerOpaqueBlock", lower_then_rewrite):
         yield
 
 
@@ -523,7 +551,7 @@ def applied(async_proxy_operands: bool = False):
     """Every workaround above, for one build (``kernel.build_module``). async_proxy_operands: the
     schedule's tensor-core operands are read through the async proxy (wgmma)."""
     with lower_every_warp_buffer(), no_warp_thread_sync(), compact_again_after_match_buffers(), \
-            launch_bounds_reach_the_kernel(), zero_filling_cp_async(), wgmma_waits_from_pragmas(), \
+            launch_bounds_reach_the_kernel(), zero_filling_cp_async(), lowered_pragmas(), \
             constant_async_wait_counts(proxy_fence=async_proxy_operands), one_barrier_per_pipelined_step(), \
             uniform_warpgroup_descriptors():
         yield
