@@ -3,9 +3,9 @@ Compute to profile side by side (BENCHMARKS.md, session 13, item 2). On an sm_90
 
     ncu --clock-control none -k regex:'main_kernel|cudnn' --section LaunchStats --section Occupancy \\
         --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \\
-        --print-details all python benchmarks/profile_vs_cudnn.py [HEAD_DIM]       # default 128
+        --print-details all python benchmarks/profile_vs_cudnn.py [HEAD_DIM [SEQLEN]]   # 128, 4096
 
-Shapes: bf16, batch 4, seqlen 4096, heads 2048 / HEAD_DIM."""
+Shapes: bf16, seqlen SEQLEN, batch 16384 / SEQLEN, heads 2048 / HEAD_DIM."""
 import sys
 
 import torch
@@ -14,7 +14,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import tvmflash
 
 D = int(sys.argv[1]) if len(sys.argv) > 1 else 128
-B, S, H = 4, 4096, 2048 // D
+S = int(sys.argv[2]) if len(sys.argv) > 2 else 4096
+B, H = max(1, 16384 // S), 2048 // D
 q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
 for causal in (False, True):
     kernel = tvmflash.compile(head_dim=D, dtype="bfloat16", causal=causal, heads_q=H, heads_kv=H)

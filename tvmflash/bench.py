@@ -32,17 +32,34 @@ def attention_flops(batch, heads, seqlen_q, seqlen_k, head_dim, causal):
     return flops / 2 if causal else flops
 
 
-def time_ms(fn, device, *, warmup=3, repeat=20):
+# Under sustained load the H200's clocks drop from about 1.98 to 1.65 GHz after some 30-100 ms of
+# back-to-back attention kernels (BENCHMARKS.md, session 14), whatever the backend; a backend timed
+# late in a long burst then loses up to 15% to the one timed first. ``time_backends`` therefore keeps
+# each burst short and pauses before it, and rotates the backends' order over rounds.
+BURST_MS = 20.0
+PAUSE_S = 0.3
+ROUNDS = 3
+
+
+def time_ms(fn, device, *, warmup=3, repeat=20, max_burst_ms=None):
     """Median milliseconds of ``fn()``: CUDA events on a GPU, the wall clock on the CPU.
 
     On a GPU the calls are queued back to back, each between two events, and synchronized once at the
     end (as ``triton.testing.do_bench``): a call's host work (argument checks, the launch) overlaps
     the previous call's kernel, as in a model's forward pass, so a sample is the GPU's time unless
     the host cannot keep up. Synchronizing after every sample would add each backend's host time
-    to its kernel's (``host_us`` measures that time apart)."""
+    to its kernel's (``host_us`` measures that time apart). ``max_burst_ms``: on a GPU, fewer samples
+    (at least 5) where ``repeat`` of them would run longer than that, as timed on the warmup's last."""
     for _ in range(warmup):
         fn()
     if device.type == "cuda":
+        if max_burst_ms:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            repeat = max(5, min(repeat, int(max_burst_ms / max(start.elapsed_time(end), 1e-3))))
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeat)]
         torch.cuda.synchronize()
         for start, end in events:
@@ -83,6 +100,20 @@ def sdpa_backends(device):
     return [("sdpa", lambda: sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]))]
 
 
+def time_backends(calls: dict, device, repeat: int) -> dict:
+    """Each backend's best ``time_ms`` over ``ROUNDS`` rounds (one on the CPU). A round times every
+    backend once, in an order rotated each round, each burst at most ``BURST_MS`` of GPU time after a
+    pause of ``PAUSE_S``: so that every backend meets the GPU at the same clocks (see ``BURST_MS``)."""
+    names = list(calls)
+    best = dict.fromkeys(names, math.inf)
+    for round_ in range(ROUNDS if device.type == "cuda" else 1):
+        for name in names[round_ % len(names):] + names[:round_ % len(names)]:
+            if device.type == "cuda":
+                time.sleep(PAUSE_S)
+            best[name] = min(best[name], time_ms(calls[name], device, repeat=repeat, max_burst_ms=BURST_MS))
+    return best
+
+
 def run_one(kernel, batch, seqlen, heads, head_dim, dtype, causal, device, repeat):
     torch_dtype = TORCH_DTYPES[dtype]
     gen = torch.Generator(device=device).manual_seed(seqlen)
@@ -91,16 +122,19 @@ def run_one(kernel, batch, seqlen, heads, head_dim, dtype, causal, device, repea
     out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
     kernel(q, k, v, out=out)
     error, tolerance = error_vs_float32(out, q, k, v, causal)
-    times = {"tvmflash": time_ms(lambda: kernel(q, k, v, out=out), device, repeat=repeat)}
+    calls = {"tvmflash": lambda: kernel(q, k, v, out=out)}
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
     for name, backend in sdpa_backends(device):
-        def sdpa():
-            return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
-        try:
+        def sdpa(backend=backend):
             with backend():
-                times[name] = time_ms(sdpa, device, repeat=repeat)
+                return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+        try:
+            sdpa()
+            calls[name] = sdpa
         except RuntimeError:  # this backend does not take this input
-            times[name] = None
+            calls[name] = None
+    times = time_backends({name: call for name, call in calls.items() if call}, device, repeat)
+    times = {name: times.get(name) for name in calls}  # the backends' order, None where refused
     config = f"{dtype} d{head_dim} {'causal' if causal else 'full'} b{batch} h{heads} s{seqlen}"
     return Result(config, times, attention_flops(batch, heads, seqlen, seqlen, head_dim, causal), error, tolerance)
 
