@@ -210,6 +210,11 @@ PASS_CONFIG: dict = {"tirx.use_async_copy": True}  # cp.async for the pipelined 
 # wgmma reads its shared-memory operands through the async proxy: a cp.async tile needs
 # fence.proxy.async after its wait (kernel.build_module, tvm_workarounds.constant_async_wait_counts).
 ASYNC_PROXY_OPERANDS = True
+# The causal tile test reads the Q block (blockIdx.y), which TVM's HoistIfThenElse will not hoist out
+# of the score's element loops (``tvm_workarounds.hoisted_block_index_conditions``): without it each
+# score of a causal K/V step kept a branch of its own. H200, causal, vs cuDNN: d128 0.87/0.94/0.94 ->
+# 0.98/1.05/1.05 at 1k/4k/8k, d64 0.82/0.85/0.85 -> 1.05/1.13/1.13 (BENCHMARKS.md, session 14).
+HOIST_BLOCK_INDEX_CONDITIONS = True
 
 
 def min_kv_tiles(knobs: dict) -> int:

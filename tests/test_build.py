@@ -24,3 +24,30 @@ def test_a_loop_annotated_reversed_runs_last_to_first():
     run(order, count)
     assert order.numpy().tolist() == [7, 6, 5, 4, 3, 2, 1, 0]
     assert count.numpy().tolist() == [8]
+
+
+def test_conditions_on_a_block_index_are_hoisted_out_of_their_loop():
+    """TVM's HoistIfThenElse keeps a test that reads blockIdx.y inside its loop; with
+    ``hoisted_block_index_conditions`` it moves out (one branch, two loops), and blockIdx.y is itself
+    again afterwards (no alias variable left)."""
+    from tvm import s_tir
+
+    from tvmflash import tvm_workarounds
+
+    @T.prim_func
+    def masked(a: T.Buffer((64,), "float32"), b: T.Buffer((64,), "float32"), n: T.int32):
+        by = T.launch_thread("blockIdx.y", 4)
+        for i in T.unroll(64):
+            if by * 16 < n:
+                b[i] = a[i]
+            else:
+                b[i] = T.if_then_else(i < n, a[i], T.float32(0))
+
+    mod = tvm.IRModule({"main": masked})
+    plain = s_tir.transform.HoistIfThenElse()(mod)["main"].script()
+    with tvm_workarounds.hoisted_block_index_conditions():
+        hoisted = s_tir.transform.HoistIfThenElse()(mod)["main"].script()
+    loops = "for i in T.unroll(64):"
+    assert plain.count(loops) == 1 and plain.index(loops) < plain.index("if by * 16 < n")
+    assert hoisted.count(loops) == 2 and hoisted.index("if by * 16 < n") < hoisted.index(loops)
+    assert "alias" not in hoisted

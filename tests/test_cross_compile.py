@@ -528,6 +528,19 @@ def test_sm90_rescale_is_skipped_where_alpha_is_one(monkeypatch, head_dim):
     assert any("0x1p+3f/*8.000000e+00*/ < ((m_tile_local_ptr[0] - m_local_ptr[0])" in line for line in lines)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_sm90_causal_mask_test_is_per_tile(monkeypatch, head_dim):
+    """The causal tile test (it reads the Q block, blockIdx.y) is hoisted out of the score's element
+    loops: an unmasked tile copies its scores one after another under one branch, as the
+    non-causal one does, instead of testing before each."""
+    monkeypatch.setenv("TVMFLASH_SM90", "1")
+    for causal in (False, True):
+        lines = [line.strip() for line in
+                 tvmflash.compile(head_dim=head_dim, dtype="bfloat16", causal=causal, target="sm90").source(4, 2).splitlines()]
+        copies = [i for i, line in enumerate(lines) if line == "Sm_local_ptr[0] = S_local_ptr[0];"]
+        assert copies and all(lines[i + 1] == "Sm_local_ptr[1] = S_local_ptr[1];" for i in copies)
+
+
 def test_sm90_output_stored_from_registers(monkeypatch):
     """o_store="direct": the output goes to global memory from the accumulator registers, two adjacent
     columns a store, and not through a shared-memory tile (its 16-byte stores)."""

@@ -59,20 +59,22 @@ def resolve_softmax_scale(softmax_scale, head_dim: int) -> float:
 
 def build_options(schedule) -> dict:
     """What a schedule module asks of ``build_module`` (plain values: the tuner's builder workers
-    receive them pickled): its PassContext config, and whether its tensor-core operands are read
-    through the async proxy (wgmma)."""
+    receive them pickled): its PassContext config, whether its tensor-core operands are read
+    through the async proxy (wgmma), and whether conditions on the block indices are hoisted
+    (``tvm_workarounds.hoisted_block_index_conditions``)."""
     return {"pass_config": getattr(schedule, "PASS_CONFIG", {}),
-            "async_proxy_operands": getattr(schedule, "ASYNC_PROXY_OPERANDS", False)}
+            "async_proxy_operands": getattr(schedule, "ASYNC_PROXY_OPERANDS", False),
+            "hoist_block_index_conditions": getattr(schedule, "HOIST_BLOCK_INDEX_CONDITIONS", False)}
 
 
-def build_module(mod: tvm.IRModule, target: tvm.target.Target, pass_config: dict,
-                 async_proxy_operands: bool = False):
+def build_module(mod: tvm.IRModule, target: tvm.target.Target, pass_config: dict, **workarounds):
     """``tvm.compile`` a scheduled module with its schedule's ``build_options`` and tvmflash's TVM
-    workarounds. Kernel and the tuner's MetaSchedule builder both build through here."""
+    workarounds (``workarounds``: ``tvm_workarounds.applied``'s options). Kernel and the tuner's
+    MetaSchedule builder both build through here."""
     mod = tvm_workarounds.reversed_loops(mod)
     for padding in tma.BARRIER_PADDINGS:  # until the TMA tiles sit on 1024-byte boundaries (one try, mostly)
         with tvm.transform.PassContext(opt_level=3, config=pass_config), \
-                tvm_workarounds.applied(async_proxy_operands), tma.lowering(padding):
+                tvm_workarounds.applied(**workarounds), tma.lowering(padding):
             executable = tvm.compile(mod, target=target)
         if not targets.is_cuda(target):
             return executable

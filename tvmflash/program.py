@@ -199,8 +199,9 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_ti
                             with T.sblock("score"):  # invisible keys -inf
                                 vi, vj = T.axis.remap("SS", [i, j])
                                 # The test is the same for the whole tile: lowering hoists it out
-                                # of the element loops (HoistIfThenElse), so only the tiles on the
-                                # causal diagonal or the end of the keys pay for the mask.
+                                # of the element loops (HoistIfThenElse; causal, it reads the Q block,
+                                # see tvm_workarounds.hoisted_block_index_conditions), so only the tiles
+                                # on the causal diagonal or the end of the keys pay for the mask.
                                 if tile_visible(vqb, vkb, seqlen_q, seqlen_k):
                                     Sm[vi, vj] = S[vi, vj]
                                 else:

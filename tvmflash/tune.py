@@ -172,12 +172,12 @@ def _timed_alone(rt_mod, device, evaluator_config, repeated_args):
         return ms.runner.local_runner.default_run_evaluator(rt_mod, device, evaluator_config, repeated_args)
 
 
-def _ms_build(mod, target, _params, *, pass_config, async_proxy_operands=False):
+def _ms_build(mod, target, _params, *, pass_config, **workarounds):
     """MetaSchedule's f_build: the same build as Kernel's (runs in a builder worker process).
 
     Returns the runtime module: MetaSchedule's exporter takes that, not tvm.compile's Executable.
     """
-    return kernel.build_module(mod, target, pass_config, async_proxy_operands).mod
+    return kernel.build_module(mod, target, pass_config, **workarounds).mod
 
 
 @derived_object

@@ -546,12 +546,73 @@ def uniform_warpgroup_descriptors():
         yield
 
 
+def _block_indices_renamed(func, forward: bool, aliases: dict):
+    """``func`` with blockIdx.* read through alias variables in the condition of each IfThenElse that is
+    a loop's whole body (forward), or the aliases read as the block indices again everywhere (not
+    forward). ``aliases``: block index
+    var -> alias, filled on the forward call."""
+    from tvm import tirx
+
+    if forward:
+        for attr in _find(func.body, lambda n: isinstance(n, tirx.AttrStmt) and n.attr_key == "thread_extent"):
+            if attr.node.thread_tag.startswith("blockIdx") and attr.node.var not in aliases:
+                aliases[attr.node.var] = tirx.Var(attr.node.var.name + "_alias", attr.node.var.ty)
+        if not aliases:
+            return func
+
+        def rename(cond):
+            return tvm_ffi.structural_map(cond, (tirx.Var, lambda v: next(
+                (alias for var, alias in aliases.items() if v.same_as(var)), v)))
+
+        def condition_renamed(loop):  # only a loop's whole body: what the pass would hoist out of it
+            if not isinstance(loop.body, tirx.IfThenElse):
+                return loop
+            body = tirx.IfThenElse(rename(loop.body.condition), loop.body.then_case, loop.body.else_case)
+            return tirx.For(loop.loop_var, loop.min, loop.extent, loop.kind, body, loop.thread_binding,
+                            loop.annotations)
+        return func.with_body(tvm_ffi.structural_map(func.body, (tirx.For, condition_renamed)))
+    back = {alias: var for var, alias in aliases.items()}
+    if not back:
+        return func
+    return func.with_body(tvm_ffi.structural_map(func.body, (tirx.Var, lambda v: next(
+        (var for alias, var in back.items() if v.same_as(alias)), v))))
+
+
 @contextlib.contextmanager
-def applied(async_proxy_operands: bool = False):
+def hoisted_block_index_conditions():
+    """TVM's HoistIfThenElse leaves a condition in its loop when the condition reads a thread index,
+    blockIdx.* included, although a block index is the same for the whole kernel body. The causal
+    tile test (``program.tile_visible``) reads the Q block, so on sm90 each of a causal K/V step's
+    score elements kept its own branch on it (d128: 762 SASS instructions a step against 472; d64:
+    1241 against 657), where the non-causal test is hoisted out of the element loops. The block
+    indices are renamed in the conditions for the pass (a block index is bound around the whole
+    kernel, outside every loop the pass can hoist out of) and restored after it."""
+    from tvm import s_tir, tirx
+
+    original = s_tir.transform.HoistIfThenElse
+
+    def renamed_hoist_restored(*args):
+        aliases = {}
+        return tvm.transform.Sequential([
+            tirx.transform.prim_func_pass(lambda f, _m, _c: _block_indices_renamed(f, True, aliases), opt_level=0,
+                                          name="tvmflash.AliasBlockIndices"),
+            original(*args),
+            tirx.transform.prim_func_pass(lambda f, _m, _c: _block_indices_renamed(f, False, aliases), opt_level=0,
+                                          name="tvmflash.RestoreBlockIndices")])
+
+    with _replaced(s_tir.transform, "HoistIfThenElse", renamed_hoist_restored):
+        yield
+
+
+@contextlib.contextmanager
+def applied(async_proxy_operands: bool = False, hoist_block_index_conditions: bool = False):
     """Every workaround above, for one build (``kernel.build_module``). async_proxy_operands: the
-    schedule's tensor-core operands are read through the async proxy (wgmma)."""
+    schedule's tensor-core operands are read through the async proxy (wgmma).
+    hoist_block_index_conditions: ``hoisted_block_index_conditions`` (sm90 only: on the H200 the sm80
+    schedule's causal d64 kernel lost 10% with it, while d128 gained 6%; BENCHMARKS.md, session 14)."""
     with lower_every_warp_buffer(), no_warp_thread_sync(), compact_again_after_match_buffers(), \
             launch_bounds_reach_the_kernel(), zero_filling_cp_async(), lowered_pragmas(), \
             constant_async_wait_counts(proxy_fence=async_proxy_operands), one_barrier_per_pipelined_step(), \
-            uniform_warpgroup_descriptors():
+            uniform_warpgroup_descriptors(), \
+            hoisted_block_index_conditions() if hoist_block_index_conditions else contextlib.nullcontext():
         yield
