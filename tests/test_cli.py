@@ -1,5 +1,6 @@
 """The tvmflash command line, run as a user would."""
 
+import re
 import subprocess
 import sys
 
@@ -47,3 +48,5 @@ def test_bad_arguments_fail_cleanly():
 def test_bench_on_gpu():
     out = tvmflash("bench", "--head-dim", "128", "--causal", "no", "--seqlens", "1024", "--repeat", "3")
     assert "sdpa-flash" in out
+    host = re.search(r"host time a call, the GPU kept busy \(.*\): tvmflash (\d+) us, sdpa-flash (\d+) us", out)
+    assert host and all(0 < int(us) < 10_000 for us in host.groups())

@@ -24,6 +24,7 @@ class Result:
     flops: float
     error: float  # max |tvmflash - float32 reference| on a slice of the output
     tolerance: float  # 2x torch's same-dtype error on that slice + eps (flash-attn's rule)
+    host_us: dict | None = None  # backend -> host microseconds a call (``host_us``), where measured
 
 
 def attention_flops(batch, heads, seqlen_q, seqlen_k, head_dim, causal):
@@ -114,7 +115,9 @@ def time_backends(calls: dict, device, repeat: int) -> dict:
     return best
 
 
-def run_one(kernel, batch, seqlen, heads, head_dim, dtype, causal, device, repeat):
+def run_one(kernel, batch, seqlen, heads, head_dim, dtype, causal, device, repeat, measure_host=False):
+    """Check and time one configuration. measure_host (CUDA): also each backend's ``host_us``, SDPA's
+    inside its backend's context (entered once, as a model would)."""
     torch_dtype = TORCH_DTYPES[dtype]
     gen = torch.Generator(device=device).manual_seed(seqlen)
     q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device=device, dtype=torch_dtype, generator=gen)
@@ -135,8 +138,17 @@ def run_one(kernel, batch, seqlen, heads, head_dim, dtype, causal, device, repea
             calls[name] = None
     times = time_backends({name: call for name, call in calls.items() if call}, device, repeat)
     times = {name: times.get(name) for name in calls}  # the backends' order, None where refused
+    host = None
+    if measure_host and device.type == "cuda":
+        host = {"tvmflash": host_us(calls["tvmflash"])}
+        for name, backend in sdpa_backends(device):
+            if calls[name]:
+                with backend():
+                    host[name] = host_us(lambda: torch.nn.functional.scaled_dot_product_attention(
+                        qt, kt, vt, is_causal=causal))
     config = f"{dtype} d{head_dim} {'causal' if causal else 'full'} b{batch} h{heads} s{seqlen}"
-    return Result(config, times, attention_flops(batch, heads, seqlen, seqlen, head_dim, causal), error, tolerance)
+    return Result(config, times, attention_flops(batch, heads, seqlen, seqlen, head_dim, causal), error, tolerance,
+                  host)
 
 
 def error_vs_float32(out, q, k, v, causal, heads=2, rows=1024):
@@ -182,13 +194,17 @@ def run(*, device=None, dtype="bfloat16", head_dims=(64, 128), causal=(False, Tr
             kernels.append(kernel)
             for seqlen in seqlens:
                 batch = max(1, tokens // seqlen)
-                result = run_one(kernel, batch, seqlen, heads, head_dim, dtype, is_causal, device, repeat)
+                result = run_one(kernel, batch, seqlen, heads, head_dim, dtype, is_causal, device, repeat,
+                                 measure_host=not results)
                 results.append(result)
                 if header is None:
                     header = _header(result)
                     echo(header)
                     echo("-" * len(header))
                 echo(_row(result))
+    if results and results[0].host_us:
+        echo(f"host time a call, the GPU kept busy ({results[0].config}): " +
+             ", ".join(f"{name} {us:.0f} us" for name, us in results[0].host_us.items()))
     for kernel in kernels:  # what ran: schedule and knobs (tuned, defaults or given)
         info = kernel.info()
         echo(f"kernel d{info['head_dim']} {'causal' if info['causal'] else 'full'}: {info['schedule']} schedule, "
