@@ -127,10 +127,13 @@ def run_one(kernel, batch, seqlen, heads, head_dim, dtype, causal, device, repea
     error, tolerance = error_vs_float32(out, q, k, v, causal)
     calls = {"tvmflash": lambda: kernel(q, k, v, out=out)}
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+
+    def attend():  # SDPA, under whichever backend's context is current
+        return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
     for name, backend in sdpa_backends(device):
         def sdpa(backend=backend):
             with backend():
-                return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+                return attend()
         try:
             sdpa()
             calls[name] = sdpa
@@ -144,8 +147,7 @@ def run_one(kernel, batch, seqlen, heads, head_dim, dtype, causal, device, repea
         for name, backend in sdpa_backends(device):
             if calls[name]:
                 with backend():
-                    host[name] = host_us(lambda: torch.nn.functional.scaled_dot_product_attention(
-                        qt, kt, vt, is_causal=causal))
+                    host[name] = host_us(attend)
     config = f"{dtype} d{head_dim} {'causal' if causal else 'full'} b{batch} h{heads} s{seqlen}"
     return Result(config, times, attention_flops(batch, heads, seqlen, seqlen, head_dim, causal), error, tolerance,
                   host)

@@ -546,36 +546,30 @@ def uniform_warpgroup_descriptors():
         yield
 
 
-def _block_indices_renamed(func, forward: bool, aliases: dict):
-    """``func`` with blockIdx.* read through alias variables in the condition of each IfThenElse that is
-    a loop's whole body (forward), or the aliases read as the block indices again everywhere (not
-    forward). ``aliases``: block index
-    var -> alias, filled on the forward call."""
+def _substituted(node, mapping: dict):
+    """``node`` with each variable that is a key of ``mapping`` replaced by its value."""
     from tvm import tirx
 
-    if forward:
-        for attr in _find(func.body, lambda n: isinstance(n, tirx.AttrStmt) and n.attr_key == "thread_extent"):
-            if attr.node.thread_tag.startswith("blockIdx") and attr.node.var not in aliases:
-                aliases[attr.node.var] = tirx.Var(attr.node.var.name + "_alias", attr.node.var.ty)
-        if not aliases:
-            return func
+    return tvm_ffi.structural_map(node, (tirx.Var, lambda v: next((new for old, new in mapping.items()
+                                                                    if v.same_as(old)), v)))
 
-        def rename(cond):
-            return tvm_ffi.structural_map(cond, (tirx.Var, lambda v: next(
-                (alias for var, alias in aliases.items() if v.same_as(var)), v)))
 
-        def condition_renamed(loop):  # only a loop's whole body: what the pass would hoist out of it
-            if not isinstance(loop.body, tirx.IfThenElse):
-                return loop
-            body = tirx.IfThenElse(rename(loop.body.condition), loop.body.then_case, loop.body.else_case)
-            return tirx.For(loop.loop_var, loop.min, loop.extent, loop.kind, body, loop.thread_binding,
-                            loop.annotations)
-        return func.with_body(tvm_ffi.structural_map(func.body, (tirx.For, condition_renamed)))
-    back = {alias: var for var, alias in aliases.items()}
-    if not back:
-        return func
-    return func.with_body(tvm_ffi.structural_map(func.body, (tirx.Var, lambda v: next(
-        (var for alias, var in back.items() if v.same_as(alias)), v))))
+def _block_indices_aliased(func, aliases: dict):
+    """``func`` with its blockIdx.* variables read through aliases (new variables, added to
+    ``aliases``) in the condition of each IfThenElse that is a loop's whole body: what
+    HoistIfThenElse would lift out of that loop."""
+    from tvm import tirx
+
+    for attr in _find(func.body, lambda n: isinstance(n, tirx.AttrStmt) and n.attr_key == "thread_extent"):
+        if attr.node.thread_tag.startswith("blockIdx"):
+            aliases[attr.node.var] = tirx.Var(attr.node.var.name + "_alias", attr.node.var.ty)
+
+    def condition_aliased(loop):
+        if not isinstance(loop.body, tirx.IfThenElse):
+            return loop
+        body = tirx.IfThenElse(_substituted(loop.body.condition, aliases), loop.body.then_case, loop.body.else_case)
+        return tirx.For(loop.loop_var, loop.min, loop.extent, loop.kind, body, loop.thread_binding, loop.annotations)
+    return func.with_body(tvm_ffi.structural_map(func.body, (tirx.For, condition_aliased))) if aliases else func
 
 
 @contextlib.contextmanager
@@ -592,13 +586,13 @@ def hoisted_block_index_conditions():
     original = s_tir.transform.HoistIfThenElse
 
     def renamed_hoist_restored(*args):
-        aliases = {}
+        aliases = {}  # block index -> its alias, per function
+        restored = lambda f, _m, _c: f.with_body(_substituted(f.body, {a: v for v, a in aliases.items()}))  # noqa: E731
         return tvm.transform.Sequential([
-            tirx.transform.prim_func_pass(lambda f, _m, _c: _block_indices_renamed(f, True, aliases), opt_level=0,
+            tirx.transform.prim_func_pass(lambda f, _m, _c: _block_indices_aliased(f, aliases), opt_level=0,
                                           name="tvmflash.AliasBlockIndices"),
             original(*args),
-            tirx.transform.prim_func_pass(lambda f, _m, _c: _block_indices_renamed(f, False, aliases), opt_level=0,
-                                          name="tvmflash.RestoreBlockIndices")])
+            tirx.transform.prim_func_pass(restored, opt_level=0, name="tvmflash.RestoreBlockIndices")])
 
     with _replaced(s_tir.transform, "HoistIfThenElse", renamed_hoist_restored):
         yield
