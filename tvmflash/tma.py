@@ -57,7 +57,7 @@ from tvm.script import tirx as T
 
 from tvmflash.schedules.common import (SWIZZLE_COLUMNS, TMA_BARRIER_BYTES, TMA_BARRIER_PADDINGS, TMA_LOAD,
                                        TMA_PRODUCERS)
-from tvmflash.tvm_workarounds import _find, _replaced
+from tvmflash.tvm_workarounds import _find, _is_load, _loaded, _replaced, _substitute
 
 _WAIT_MARK, _RELEASED_MARK = "tvmflash.tma_wait", "tvmflash.tma_released"  # on the tile waits, during the pass
 _ISSUE_MARK = "tvmflash.tma_issue"  # on each TMA issue, during the pass
@@ -147,22 +147,6 @@ def _transform(stmt, kind, rewrite):
         new = rewrite(node)
         return node if new is None else new
     return tvm_ffi.structural_map(stmt, (kind, apply))
-
-
-def _substitute(expr, values):
-    """``expr`` with each variable of ``values`` ((var, value) pairs) replaced."""
-    def apply(var):
-        return next((value for v, value in values if v.same_as(var)), var)
-    return tvm_ffi.structural_map(expr, (tirx.Var, apply))
-
-
-def _is_load(node):
-    return type(node).__name__ in ("BufferLoad", "TensorLoad")  # TensorLoad: a BufferLoad's class in TVM 0.27
-
-
-def _loaded(load):
-    """The buffer a load reads (``source`` on TVM 0.27's TensorLoad)."""
-    return load.buffer if hasattr(load, "buffer") else load.source
 
 
 def _is_attr(node, key):

@@ -24,6 +24,36 @@ def _find(stmt, predicate):
     return found
 
 
+def _substitute(expr, values):
+    """``expr`` with each variable of ``values`` ((var, value) pairs) replaced."""
+    from tvm import tirx
+
+    def apply(var):
+        return next((value for v, value in values if v.same_as(var)), var)
+    return tvm_ffi.structural_map(expr, (tirx.Var, apply))
+
+
+def _is_load(node):
+    return type(node).__name__ in ("BufferLoad", "TensorLoad")  # TensorLoad: a BufferLoad's class in TVM 0.27
+
+
+def _loaded(load):
+    """The buffer a load reads (``source`` on TVM 0.27's TensorLoad)."""
+    return load.buffer if hasattr(load, "buffer") else load.source
+
+
+def _loaded_buffers(stmt) -> dict:
+    """The buffers that loads under ``stmt`` read, by name."""
+    return {_loaded(load).name: _loaded(load) for load in _find(stmt, _is_load)}
+
+
+def _every_element(buffer) -> list:
+    """A load of each element of a (small, static) buffer, in row-major order."""
+    from tvm import tirx
+
+    return [tirx.BufferLoad(buffer, list(index)) for index in itertools.product(*(range(int(e)) for e in buffer.shape))]
+
+
 @contextlib.contextmanager
 def _replaced(namespace, name: str, replacement):
     """``namespace.name = replacement`` for the duration: TVM's build pipeline looks its passes up
@@ -406,7 +436,7 @@ def reversed_loops(mod: tvm.IRModule) -> tvm.IRModule:
         old = loop.loop_var
         new = type(old)(old.name, old.ty)
         flipped = loop.min + loop.extent - 1 - new
-        body = tvm_ffi.structural_map(loop.body, (type(old), lambda v: flipped if v.same_as(old) else v))
+        body = _substitute(loop.body, [(old, flipped)])
         annotations = {key: value for key, value in loop.annotations.items() if key != REVERSED}
         return tirx.For(new, loop.min, loop.extent, loop.kind, body, loop.thread_binding, annotations)
 
@@ -422,15 +452,10 @@ def _wait_and_fence_accumulators(attr):
 
     from tvmflash.schedules.sm90 import _REG_FENCE
 
-    loads = _find(attr.body, lambda n: type(n).__name__ in ("BufferLoad", "TensorLoad"))
-    buffers = {}
-    for load in loads:
-        buffer = load.buffer if hasattr(load, "buffer") else load.source
-        if buffer.name.startswith("acc") and buffer.scope() == "local" and str(buffer.dtype) == "float32":
-            buffers[buffer.name] = buffer
-    fences = [tirx.Evaluate(T.cuda.func_call("tvmflash_wgmma_reg_fence", tirx.BufferLoad(buffer, list(index)),
-                                             source_code=_REG_FENCE))
-              for buffer in buffers.values() for index in itertools.product(*(range(int(e)) for e in buffer.shape))]
+    accumulators = [buffer for name, buffer in _loaded_buffers(attr.body).items()
+                    if name.startswith("acc") and buffer.scope() == "local" and str(buffer.dtype) == "float32"]
+    fences = [tirx.Evaluate(T.cuda.func_call("tvmflash_wgmma_reg_fence", element, source_code=_REG_FENCE))
+              for buffer in accumulators for element in _every_element(buffer)]
     wait = tirx.Evaluate(T.ptx.wgmma.wait_group.sync.aligned(0))
     return tirx.SeqStmt([wait, *fences, attr.body])
 
@@ -443,18 +468,12 @@ def _skipped_where_factors_are_one(attr):
     multiply)."""
     from tvm import tirx
 
-    stores = _find(attr.body, lambda n: type(n).__name__ == "BufferStore")
-    scaled = {store.buffer.name for store in stores}
-    factors = {}
-    for load in _find(attr.body, lambda n: type(n).__name__ in ("BufferLoad", "TensorLoad")):
-        buffer = load.buffer if hasattr(load, "buffer") else load.source
-        if buffer.name not in scaled:
-            factors[buffer.name] = buffer
+    scaled = {store.buffer.name for store in _find(attr.body, lambda n: type(n).__name__ == "BufferStore")}
+    factors = {name: buffer for name, buffer in _loaded_buffers(attr.body).items() if name not in scaled}
     if len(scaled) != 1 or not factors or any(b.scope() != "local" for b in factors.values()):
         raise ValueError(f"{attr.attr_key}: expected a loop that scales one buffer by local factors, got "
                          f"stores to {sorted(scaled)} and factors {sorted(factors)}")
-    not_one = [tirx.BufferLoad(buffer, list(index)) != tirx.const(1, buffer.dtype)
-               for buffer in factors.values() for index in itertools.product(*(range(int(e)) for e in buffer.shape))]
+    not_one = [element != tirx.const(1, buffer.dtype) for buffer in factors.values() for element in _every_element(buffer)]
     some_lane = tirx.call_extern("bool", "__any_sync", tirx.const(0xFFFFFFFF, "uint32"), functools.reduce(tirx.Or, not_one))
     return tirx.IfThenElse(some_lane, attr.body, None)
 
@@ -509,7 +528,7 @@ def _uniform_warpgroup_descriptors(func):
         if not (getattr(call.op, "name", "") == "tirx.cuda.func_call" and call.args[0].value == "tvmflash_wgmma_descriptor"):
             return call
         args = list(call.args)
-        args[2] = tvm_ffi.structural_map(args[2], (tirx.Var, lambda v: warpgroup if v.same_as(thread_y) else v))
+        args[2] = _substitute(args[2], [(thread_y, warpgroup)])
         return tvm.ir.expr.Call(call.op, args, call.attrs, ty_args=call.ty_args, span=call.span, ret_ty=call.ty)
 
     body = tvm_ffi.structural_map(func.body, (tvm.ir.expr.Call, uniform))
@@ -546,14 +565,6 @@ def uniform_warpgroup_descriptors():
         yield
 
 
-def _substituted(node, mapping: dict):
-    """``node`` with each variable that is a key of ``mapping`` replaced by its value."""
-    from tvm import tirx
-
-    return tvm_ffi.structural_map(node, (tirx.Var, lambda v: next((new for old, new in mapping.items()
-                                                                    if v.same_as(old)), v)))
-
-
 def _block_indices_aliased(func, aliases: dict):
     """``func`` with its blockIdx.* variables read through aliases (new variables, added to
     ``aliases``) in the condition of each IfThenElse that is a loop's whole body: what
@@ -567,7 +578,8 @@ def _block_indices_aliased(func, aliases: dict):
     def condition_aliased(loop):
         if not isinstance(loop.body, tirx.IfThenElse):
             return loop
-        body = tirx.IfThenElse(_substituted(loop.body.condition, aliases), loop.body.then_case, loop.body.else_case)
+        body = tirx.IfThenElse(_substitute(loop.body.condition, aliases.items()), loop.body.then_case,
+                               loop.body.else_case)
         return tirx.For(loop.loop_var, loop.min, loop.extent, loop.kind, body, loop.thread_binding, loop.annotations)
     return func.with_body(tvm_ffi.structural_map(func.body, (tirx.For, condition_aliased))) if aliases else func
 
@@ -587,7 +599,7 @@ def hoisted_block_index_conditions():
 
     def renamed_hoist_restored(*args):
         aliases = {}  # block index -> its alias, per function
-        restored = lambda f, _m, _c: f.with_body(_substituted(f.body, {a: v for v, a in aliases.items()}))  # noqa: E731
+        restored = lambda f, _m, _c: f.with_body(_substitute(f.body, [(a, v) for v, a in aliases.items()]))  # noqa: E731
         return tvm.transform.Sequential([
             tirx.transform.prim_func_pass(lambda f, _m, _c: _block_indices_aliased(f, aliases), opt_level=0,
                                           name="tvmflash.AliasBlockIndices"),
