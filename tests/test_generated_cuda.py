@@ -1,0 +1,91 @@
+"""The generated CUDA of a set of configurations, pinned by hash.
+
+The CUDA that tvmflash generates is what its speed rests on, so any change to it is a reviewed diff:
+a change to the program, a schedule or the lowering that alters one of these sources fails here
+until the hashes are updated, in the same commit, with
+
+    python tests/test_generated_cuda.py --update
+
+and the commit message says what changed in the CUDA and why. The configurations are the defaults
+at head_dim 64/128/256, causal or not, on sm80 and sm90, plus the main knob variants; heads 4/2 as
+the other cross-compile tests build them (so most modules are shared with those tests in one run).
+"""
+
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+HASHES = Path(__file__).with_name("generated_cuda.json")
+
+_WARPGROUP = {"producer": "warpgroup", "min_blocks_per_sm": 1, "block_n": 128}
+_THREE_STAGES = {"min_blocks_per_sm": 1, "block_n": 128, "num_stages": 3, "q_layout": "swizzled"}
+
+# name: (target, head_dim, dtype, causal, knobs, TVMFLASH_SM90)
+CONFIGS = {
+    **{f"{arch}-d{d}-{'causal' if c else 'full'}": (arch, d, "bfloat16", c, None, None)
+       for arch in ("sm80", "sm90") for d in (64, 128, 256) for c in (False, True)},
+    "sm90-d128-full-float16": ("sm90", 128, "float16", False, None, None),
+    "sm90-schedule-sm80-d64-float16": ("sm90", 64, "float16", False, None, "0"),
+    "sm80-d64-causal-3stages": ("sm80", 64, "bfloat16", True, {"num_stages": 3}, None),
+    "simt-d64-float32": ("sm90", 64, "float32", False, None, None),
+    "sm90-d128-cp.async": ("sm90", 128, "bfloat16", False, {"kv_copy": "cp.async", "kv_layout": "core_matrices"}, "1"),
+    "sm90-d128-one-stage": ("sm90", 128, "bfloat16", False, {"num_stages": 1, "kv_copy": "cp.async"}, "1"),
+    "sm90-d128-producer": ("sm90", 128, "bfloat16", False, _WARPGROUP, "1"),
+    "sm90-d128-causal-producer": ("sm90", 128, "bfloat16", True, _WARPGROUP, "1"),
+    "sm90-d128-q-swizzled": ("sm90", 128, "bfloat16", False, {"q_layout": "swizzled"}, "1"),
+    "sm90-d128-o-direct": ("sm90", 128, "bfloat16", False, {"o_store": "direct"}, "1"),
+    "sm90-d128-three-stages-producer": ("sm90", 128, "bfloat16", False, {**_THREE_STAGES, "producer": "warpgroup"}, "1"),
+    "sm90-d128-q-tma": ("sm90", 128, "bfloat16", False, {**_THREE_STAGES, "producer": "warpgroup", "q_copy": "tma"}, "1"),
+    "sm90-d128-overlap": ("sm90", 128, "bfloat16", False, {**_THREE_STAGES, "producer": "warpgroup", "overlap": 1}, "1"),
+    "sm90-d128-overlap-thread": ("sm90", 128, "bfloat16", False, {**_THREE_STAGES, "overlap": 1}, "1"),
+    "sm90-d64-causal-block-m-64": ("sm90", 64, "bfloat16", True, {"block_m": 64, "num_warpgroups": 1}, "1"),
+    "sm90-d128-row-state-shared": ("sm90", 128, "bfloat16", False, {"row_state": "shared"}, "1"),
+}
+
+
+def source(name: str) -> str:
+    import tvmflash
+
+    target, head_dim, dtype, causal, knobs, sm90 = CONFIGS[name]
+    saved = os.environ.pop("TVMFLASH_SM90", None)
+    if sm90 is not None:
+        os.environ["TVMFLASH_SM90"] = sm90
+    try:
+        kernel = tvmflash.compile(head_dim=head_dim, dtype=dtype, causal=causal, target=target, knobs=knobs)
+        return kernel.source(heads_q=4, heads_kv=2)
+    finally:
+        os.environ.pop("TVMFLASH_SM90", None)
+        if saved is not None:
+            os.environ["TVMFLASH_SM90"] = saved
+
+
+def digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_generated_cuda_is_pinned(name):
+    pinned = json.loads(HASHES.read_text())
+    assert name in pinned, f"{name}: no pinned hash; run python tests/test_generated_cuda.py --update"
+    assert digest(source(name)) == pinned[name], (
+        f"{name}: the generated CUDA changed. If that is intended, run python tests/test_generated_cuda.py "
+        "--update and say in the commit what changed and why")
+
+
+def test_every_pinned_hash_has_a_configuration():
+    assert set(json.loads(HASHES.read_text())) == set(CONFIGS)
+
+
+if __name__ == "__main__":  # python tests/test_generated_cuda.py --update [NAME ...]
+    if "--update" not in sys.argv:
+        sys.exit(__doc__)
+    names = [a for a in sys.argv[1:] if a != "--update"] or sorted(CONFIGS)
+    pinned = json.loads(HASHES.read_text()) if HASHES.exists() else {}
+    for name in names:
+        pinned[name] = digest(source(name))
+        print(name, pinned[name], flush=True)
+    HASHES.write_text(json.dumps({k: pinned[k] for k in sorted(pinned) if k in CONFIGS}, indent=1) + "\n")
