@@ -1,5 +1,5 @@
 """One launch each of tvmflash's default kernel and cuDNN's (SDPA), non-causal then causal, for Nsight
-Compute to profile side by side (BENCHMARKS.md, session 13, item 2). On an sm_90a GPU:
+Compute to profile side by side (H200, 2026-12-01, commit 0e948a5). On an sm_90a GPU:
 
     ncu --clock-control none -k regex:'main_kernel|cudnn' --section LaunchStats --section Occupancy \\
         --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \\

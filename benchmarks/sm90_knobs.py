@@ -1,7 +1,6 @@
-"""sm90 knob variants (the producer warpgroup of tvmflash.tma, block_n, stages) built in parallel,
-checked against an fp32 reference (flash-attn's rule: error <= 2x cuDNN's bf16 error + 1e-5), timed
-interleaved with cuDNN in one process, on an sm_90a GPU. VARIANTS: name -> knobs, per head_dim.
-BENCHMARKS.md, sessions 10 and 11, have its runs.
+"""sm90 knob variants (the producer warpgroup of tvmflash.lowering.tma, block_n, stages) built in
+parallel, checked against an fp32 reference (flash-attn's rule: error <= 2x cuDNN's bf16 error + 1e-5),
+timed interleaved with cuDNN in one process, on an sm_90a GPU. VARIANTS: name -> knobs, per head_dim.
 
     python benchmarks/sm90_knobs.py [HEAD_DIM ...] [VARIANT ...]   # e.g. 128 (all three take ~6 minutes)
 
@@ -16,7 +15,7 @@ VARIANTS = {
     128: {"default": None, "q_swizzled": dict(QSW), "wg_bn128_qsw": {**WG, **QSW, "block_n": 128},
           "wg_bn128_ns3_qsw": {**WG, **QSW, "block_n": 128, "num_stages": 3},
           "thread_bn128_ns3_mb1_qsw": {**QSW, "block_n": 128, "num_stages": 3, "min_blocks_per_sm": 1},
-          # session 11, not yet timed: Q by TMA, the output stored from the registers
+          # Q by TMA, the output stored from the registers
           "wg_bn128_ns3_qtma_direct": {**WG, **QSW, "block_n": 128, "num_stages": 3, "q_copy": "tma",
                                        "o_store": "direct"},
           "wg_bn128_ns3_qtma": {**WG, **QSW, "block_n": 128, "num_stages": 3, "q_copy": "tma"},

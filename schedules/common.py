@@ -8,6 +8,8 @@ import re
 import tvm
 import tvm_ffi
 
+from tvmflash.lowering.annotations import REVERSED
+
 
 def element_bytes(sch: tvm.s_tir.Schedule, block_name: str) -> int:
     """Bytes per element of the buffer a block writes (the program's dtype, for the load blocks)."""
@@ -15,33 +17,11 @@ def element_bytes(sch: tvm.s_tir.Schedule, block_name: str) -> int:
     return tvm.DataType(str(written.dtype)).bits // 8
 
 
-# A loop annotation: the loop visits its iterations last to first (``tvm_workarounds.reversed_loops``
-# applies it at build time; TensorIR's Schedule has no primitive that reverses a loop).
-REVERSED = "tvmflash.reversed"
-# Block annotation: this pipelined global -> shared copy goes by TMA (``tvmflash.tma``), issued by the
-# producer the annotation names; that adds TMA_BARRIER_BYTES[producer] of mbarriers to the kernel's
-# shared memory. The sizes keep the tiles that shared-memory merging packs after the barriers on
-# 1024-byte boundaries (the swizzle's), for the buffers each build has (``tma.check_tile_alignment``
-# checks every build).
-TMA_LOAD = "tvmflash.tma_load"
-TMA_PRODUCERS = ("thread", "warpgroup")  # thread 0 of the first warpgroup, or a producer warpgroup (FA3's)
-TMA_BARRIER_BYTES = {"thread": 512, "warpgroup": 1024}
-# Shared-memory merging packs the buffers live together by size, smallest first, so the K/V tiles land
-# after the barriers and every smaller buffer. TMA_BARRIER_BYTES suits the defaults; where the smaller
-# buffers add up to another multiple of 256 bytes, a build grows the barriers by one of these
-# (``kernel.build_module`` tries them in turn until ``tma.check_tile_alignment`` passes).
-TMA_BARRIER_PADDINGS = (0, 256, 512, 768)
-# The 128-byte swizzle of 16-bit tiles (wgmma descriptors' layout type 1, TMA's SWIZZLE_128B): a tile
-# is cut into halves of this many columns, one 128-byte row each.
-SWIZZLE_COLUMNS = 64
-# A loop annotated so (a schedule has no primitive that inserts a statement) is preceded by
-# ``wgmma.wait_group 0`` and a register fence of the program's accumulator ``acc``: the loop reads
-# the result of a wgmma that was only committed (``tvm_workarounds.lowered_pragmas``).
-WGMMA_WAIT_PRAGMA = "pragma_tvmflash_wgmma_wait"
-# A loop annotated so, one that scales a thread's elements by per-row factors (the output's rescale
-# by alpha), runs only where a lane of the warp has a factor other than 1; with the program's
-# RESCALE_THRESHOLD that is rare after the first tiles (``tvm_workarounds.lowered_pragmas``).
-SKIP_UNIT_RESCALE_PRAGMA = "pragma_tvmflash_skip_unit_rescale"
+def buffer_info(sch):
+    """(dtype, block_m, head_dim, block_n) of a scheduled attention program, from its load blocks."""
+    qt = sch.get(sch.get_sblock("load_q")).writes[0].source
+    kt = sch.get(sch.get_sblock("load_k")).writes[0].source
+    return str(qt.dtype), int(qt.shape[0]), int(qt.shape[1]), int(kt.shape[0])
 
 
 def work_grows_with_q_block(sch: tvm.s_tir.Schedule) -> bool:
@@ -62,7 +42,7 @@ def bind_grid(sch: tvm.s_tir.Schedule) -> None:
         Q blocks last to first, so the heaviest start first and the lightest fill the tail
         (longest-processing-time first), and a batch's heads run side by side with their K/V in
         L2. H200, sm90, d128 bf16 causal at 4k tokens: 0.819 -> 0.720 ms; Q blocks first to last in
-        the same grid: 0.826 ms (BENCHMARKS.md, session 8)."""
+        the same grid: 0.826 ms (H200, 2026-11-30, commit 4f59a48)."""
     b, h, qb = sch.get_loops("tile")
     if work_grows_with_q_block(sch):
         sch.reorder(b, qb, h)

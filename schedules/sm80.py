@@ -16,7 +16,7 @@ Mapping (FA2 style):
     (quad_rows_intrin), and the K/V loop keeps only the 2 barriers of the K/V tiles. Each lane's
     per-row buffers compact to 4 statically indexed values (registers, no local memory: ptxas
     -v shows no stack frame at d64) thanks to a second buffer compaction after the match buffers
-    are lowered (tvm_workarounds.compact_again_after_match_buffers); store_lse reads the final m
+    are lowered (tvm_fixes.CompactAgainAfterMatchBuffers); store_lse reads the final m
     and l through a shared-memory copy (one barrier after the loop, see common.staged_row_block).
     row_state "shared" keeps them in shared memory instead, one lane per row, which costs ~7
     __syncthreads per tile.
@@ -24,7 +24,7 @@ Mapping (FA2 style):
   * num_stages: 1 loads each K/V tile with plain vector loads at the top of its step. 2 or 3 make
     the K/V-tile loop a software pipeline (TVM's InjectSoftwarePipeline): load_k/load_v become
     cp.async copies issued num_stages - 1 tiles ahead into num_stages shared buffers, with
-    cp.async.wait_group before the tile's compute. It needs tvmflash.tvm_workarounds'
+    cp.async.wait_group before the tile's compute. It needs tvmflash.lowering's
     no_warp_thread_sync (else "Cannot insert syncs inside condition" in the pipeline epilogue).
 """
 
@@ -33,8 +33,9 @@ from __future__ import annotations
 import tvm
 from tvm.s_tir import TensorIntrin
 
-from .common import (QuadRowLayout, bind_grid, hide_init_reads, pipeline_kv_loads, quad_row_block, quad_row_init,
-                     register_intrin, row_quad_map, row_reduce_intrin, staged_row_block, tensorize_row_reduce)
+from .common import (QuadRowLayout, bind_grid, buffer_info, hide_init_reads, pipeline_kv_loads, quad_row_block,
+                     quad_row_init, register_intrin, row_quad_map, row_reduce_intrin, staged_row_block,
+                     tensorize_row_reduce)
 
 WARP = 32
 
@@ -170,12 +171,6 @@ def _frag_index_map(i, j):
 
 
 # --------------------------------------------------------------------------------------------
-def _buffer_info(sch):
-    qt = sch.get(sch.get_sblock("load_q")).writes[0].source
-    kt = sch.get(sch.get_sblock("load_k")).writes[0].source
-    return str(qt.dtype), int(qt.shape[0]), int(qt.shape[1]), int(kt.shape[0])
-
-
 def _copy_to_shared(sch, block, num_warps, vec):
     """Cooperative vectorised copy: all num_warps*32 threads, vec elements each."""
     fused = sch.fuse(*sch.get_loops(block)[-2:])
@@ -261,7 +256,7 @@ def schedule(
 ) -> tvm.s_tir.Schedule:
     """Map the attention program onto sm80 tensor cores. See the module docstring."""
     _register_intrinsics()
-    dtype, BM, D, BN = _buffer_info(sch)
+    dtype, BM, D, BN = buffer_info(sch)
     assert (BM, BN) == (block_m, block_n), "schedule knobs must match the program's tiles"
     if block_m != WARP * num_warps:
         raise ValueError(f"block_m: the sm80 schedule maps one row per lane, so block_m must be 32 * num_warps "

@@ -16,10 +16,10 @@ Mapping:
     "swizzled") are in the 128-byte swizzled layout (``_swizzled_map``: 64-column halves of
     128-byte rows, 16-byte chunks permuted by row), or padded core matrices like Q. All are
     copied along the rows, 16 bytes a thread. The K/V tiles are loaded in a software pipeline
-    (num_stages 2, the default, or 3), by TMA (``kv_copy`` "tma", the default: ``tvmflash.tma``
+    (num_stages 2, the default, or 3), by TMA (``kv_copy`` "tma", the default: ``tvmflash.lowering.tma``
     turns the pipeline's copies into one thread's ``cp.async.bulk.tensor`` on the stage's
     mbarriers, and the K/V loop keeps no __syncthreads) or by every thread's cp.async ("cp.async":
-    each step waits for its tile and syncs once, ``tvm_workarounds.one_barrier_per_pipelined_step``),
+    each step waits for its tile and syncs once, ``lowering.passes.OneBarrierPerPipelinedStep``),
     or plainly (num_stages 1). QK^T
     reads both operands through descriptors ("ss" form), K K-major; PV takes P from registers
     ("rs" form) and V through a descriptor, N-major (``imm-trans-b`` = 1), so V is never
@@ -36,9 +36,9 @@ Mapping:
     thread per row (about 5 more __syncthreads per tile).
   * producer (default "thread"): who issues the TMA copies, thread 0 of the first warpgroup or, as
     in FA3, a warpgroup of its own that gives its registers to the two consumer warpgroups
-    (``tvmflash.tma``; one block an SM, 240 registers a consumer thread, room for block_n 128 at
-    d128). Correct on the H200 but slower than the default there so far (BENCHMARKS.md, session 10:
-    0.93-0.95x at d128 non-causal, 0.83x causal; session 11, with q_layout "swizzled" and three
+    (``tvmflash.lowering.tma``; one block an SM, 240 registers a consumer thread, room for block_n 128 at
+    d128). Correct on the H200 but slower than the default there so far (H200, 2026-11-30, commit b2194be:
+    0.93-0.95x at d128 non-causal, 0.83x causal; 2fccb1c, with q_layout "swizzled" and three
     stages of block_n 128: 0.86-0.92x non-causal, 0.75-0.82x causal); it is in the tuning space.
   * min_blocks_per_sm (default 2): ``__launch_bounds__(256, 2)``, so that two blocks share an SM
     (128 registers a thread; unbounded, d128 takes 137 and one block fills the SM). block_m 256
@@ -47,9 +47,9 @@ Mapping:
     per 16 columns, the A-register layout of the "rs" form, so the cast P is the A operand as it
     is (no shared memory round trip). The output accumulator stays in registers across all K/V
     tiles and is rescaled and stored from them. The rescale by alpha (pv's init) runs under a
-    warp-wide test (``common.SKIP_UNIT_RESCALE_PRAGMA``), skipped where every row of the warp keeps
+    warp-wide test (``annotations.SKIP_UNIT_RESCALE_PRAGMA``), skipped where every row of the warp keeps
     its max: with the program's ``RESCALE_THRESHOLD`` that is most tiles after the first few (64 of a
-    d128 K/V step's ~400 instructions; H200, session 14: +2-6% against cuDNN).
+    d128 K/V step's ~400 instructions; H200, 2026-12-01, commit 29a3231: +2-6% against cuDNN).
 
 Accumulator registers in TensorIR: a ``local`` buffer is per thread, and CompactBufferAllocation
 only drops a thread dimension from it when each access names that thread; a tensorized block's
@@ -65,10 +65,12 @@ from __future__ import annotations
 import tvm
 from tvm.s_tir import TensorIntrin
 
-from .common import (SKIP_UNIT_RESCALE_PRAGMA, SWIZZLE_COLUMNS, TMA_BARRIER_BYTES, TMA_BARRIER_PADDINGS, TMA_LOAD, TMA_PRODUCERS, WGMMA_WAIT_PRAGMA,
-                     QuadRowLayout, bind_grid, hide_init_reads, pipeline_kv_loads, quad_row_block, quad_row_init,
-                     row_quad_map, row_reduce_intrin, staged_row_block, tensorize_row_reduce)
-from .sm80 import DTYPES, _buffer_info  # noqa: F401 - DTYPES: the same fp16/bf16 pair
+from tvmflash.lowering.annotations import (REG_FENCE, SKIP_UNIT_RESCALE_PRAGMA, SWIZZLE_COLUMNS, TMA_BARRIER_BYTES,
+                                           TMA_BARRIER_PADDINGS, TMA_LOAD, TMA_PRODUCERS, WGMMA_WAIT_PRAGMA)
+
+from .common import (QuadRowLayout, bind_grid, buffer_info, hide_init_reads, pipeline_kv_loads, quad_row_block,
+                     quad_row_init, row_quad_map, row_reduce_intrin, staged_row_block, tensorize_row_reduce)
+from .sm80 import DTYPES  # noqa: F401 - DTYPES: the same fp16/bf16 pair
 
 WARPGROUP = 128
 CORE_MATRIX_ELEMENTS = 64  # 8 rows x 16 bytes of 16-bit elements
@@ -77,11 +79,11 @@ WG_ROWS = 64  # rows of one wgmma (the M of m64nNk16)
 WARPS_PER_WARPGROUP = 4
 
 # The H200's fastest: 128-row blocks, two blocks an SM, the K/V tiles in the 128-byte swizzled layout
-# loaded by TMA in two stages. d128 bf16 b4 s4096 (session 9, one run): 586 TFLOP/s non-causal and
-# 472 causal, against 553 and 447 with the same pipeline on cp.async (session 8's default), and 439
-# and 378 with padded core matrices and plain loads (session 7's). 256-row blocks (4 warpgroups, one
+# loaded by TMA in two stages. d128 bf16 b4 s4096 (2026-11-30, commit fc1cf0d, one run): 586 TFLOP/s non-causal and
+# 472 causal, against 553 and 447 with the same pipeline on cp.async (the default at 4f59a48), and 439
+# and 378 with padded core matrices and plain loads (the default at cb572b6). 256-row blocks (4 warpgroups, one
 # block an SM) and 128-key tiles at one block an SM measured slower. d64 takes 128-key tiles. With
-# session 14's rescale skip and hoisted causal test: 650 and 618 TFLOP/s (0.96x and 1.05x cuDNN).
+# the rescale skip (29a3231) and hoisted causal test: 650 and 618 TFLOP/s (0.96x and 1.05x cuDNN).
 # head_dims that are no multiple of 64 keep the padded core matrices, and one stage (cp.async).
 KNOBS = {"block_m": 128, "block_n": 64, "num_warpgroups": 2, "num_stages": 2, "vec": 8, "min_blocks_per_sm": 2,
          "row_state": "registers", "kv_layout": "swizzled", "kv_copy": "tma", "producer": "thread",
@@ -89,7 +91,7 @@ KNOBS = {"block_m": 128, "block_n": 64, "num_warpgroups": 2, "num_stages": 2, "v
 KNOBS_FOR_HEAD_DIM = {64: {"block_n": 128}, 256: {"min_blocks_per_sm": 1},  # d256: 197 registers a thread
                       **{d: {"kv_layout": "core_matrices", "num_stages": 1, "kv_copy": "cp.async"} for d in (32, 96)}}
 # head_dims that sm_90a serves with the sm80 schedule by default (tvmflash.kernel.choose_schedule):
-# at d32 each wgmma does too little to pay off. H200, bf16 (BENCHMARKS.md, session 9): sm80
+# at d32 each wgmma does too little to pay off. H200, bf16 (2026-11-30, commit fc1cf0d): sm80
 # 214/228 TFLOP/s non-causal at 1k/4k tokens, 150/214 causal; sm90 168/190 and 114/148.
 SM80_HEAD_DIMS = (32,)
 # Where the per-row running values (m, l, ...) live, as in sm80: "registers", on the quads that hold
@@ -105,26 +107,26 @@ KV_LAYOUTS = ("core_matrices", "swizzled")
 Q_LAYOUTS = KV_LAYOUTS
 # How the Q tile is copied: by every thread's loads and stores, or (with q_layout "swizzled" and TMA
 # K/V tiles) by one TMA copy that the producer issues first thing, on a barrier of its own, as FA3
-# does: the consumers wait for it instead of loading it. Correct on the H200, no faster (BENCHMARKS.md,
-# sessions 12-13).
+# does: the consumers wait for it instead of loading it. Correct on the H200, no faster (H200,
+# commits cfedb6e and 0e948a5).
 Q_COPIES = ("threads", "tma")
 # How the output reaches global memory: "staged" through a shared-memory tile (16-byte stores along
 # its rows, ``_store_o_through_shared_memory``), or "direct" from the accumulator registers, two
 # adjacent columns a store, with no barrier (FA3 without its TMA store). Staging measured faster at
-# two blocks an SM (session 8); "direct" is for one block an SM, where nothing hides the staging's
-# barriers. Correct on the H200, no faster there (session 12).
+# two blocks an SM (2026-11-30, commit 4f59a48); "direct" is for one block an SM, where nothing hides the staging's
+# barriers. Correct on the H200, no faster there (2026-11-30, commit cfedb6e).
 O_STORES = ("staged", "direct")
 # overlap 1, FA3's intra-warpgroup order: the step of tile j issues PV of tile j - 1, then QK^T of tile
 # j, and waits once for both; V keeps num_stages tiles and K one fewer (``common.pipeline_kv_loads``'s
 # ``lagged``). Needs TMA and 3 stages or more. Correct on the H200; with a producer warpgroup and 3
 # stages of block_n 128, 0.84-0.91x cuDNN at d128 non-causal against the default's 0.81-0.90x in one
-# run, slower at 1k tokens and causal (BENCHMARKS.md, session 13).
+# run, slower at 1k tokens and causal (H200, 2026-12-01, commit 0e948a5).
 OVERLAPS = (0, 1)
 # How the pipelined K/V tiles are copied: every thread's cp.async, 16 bytes each, then a block-wide
-# barrier a step; or TMA (``tvmflash.tma``): one thread issues each tile, completing on the stage's
+# barrier a step; or TMA (``tvmflash.lowering.tma``): one thread issues each tile, completing on the stage's
 # mbarrier, and no block-wide barrier is left in the K/V loop. TMA needs the swizzled layout.
 KV_COPIES = ("cp.async", "tma")
-# Who issues the TMA copies (``common.TMA_PRODUCERS``, lowered by ``tvmflash.tma``): thread 0 of the
+# Who issues the TMA copies (``annotations.TMA_PRODUCERS``, lowered by ``tvmflash.lowering.tma``): thread 0 of the
 # first warpgroup, between its own wgmma; or, as in FA3, a warpgroup of its own (threadIdx.y ==
 # num_warpgroups), which gives its registers to the others (setmaxnreg: 240 a consumer thread), so one
 # thread block fills the SM.
@@ -156,7 +158,7 @@ SPACE = {
     "producer": ["thread", "warpgroup"],
     "q_layout": ["core_matrices", "swizzled"],
     # q_copy "tma", o_store "direct" and overlap 1 (with 3 stages) are correct on the H200 but measured
-    # no faster over the grid (sessions 12-13); left out to keep the tuning tasks few
+    # no faster over the grid (H200, commits cfedb6e and 0e948a5); left out to keep the tuning tasks few
     "q_copy": ["threads"],
     "o_store": ["staged"],
     "overlap": [0],
@@ -164,7 +166,7 @@ SPACE = {
 
 
 def _tma_can_copy(kv_layout: str, num_stages: int) -> bool:
-    """TMA copies only swizzled tiles, and only in a pipeline (``tvmflash.tma`` lowers its stages)."""
+    """TMA copies only swizzled tiles, and only in a pipeline (``tvmflash.lowering.tma`` lowers its stages)."""
     return kv_layout == "swizzled" and num_stages > 1
 
 
@@ -209,12 +211,12 @@ def valid_task(point: dict) -> bool:
                              knobs["block_m"] // WG_ROWS) is None
 PASS_CONFIG: dict = {"tirx.use_async_copy": True}  # cp.async for the pipelined loads
 # wgmma reads its shared-memory operands through the async proxy: a cp.async tile needs
-# fence.proxy.async after its wait (kernel.build_module, tvm_workarounds.constant_async_wait_counts).
+# fence.proxy.async after its wait (lowering.tvm_fixes.ConstantAsyncWaitCounts).
 ASYNC_PROXY_OPERANDS = True
 # The causal tile test reads the Q block (blockIdx.y), which TVM's HoistIfThenElse will not hoist out
-# of the score's element loops (``tvm_workarounds.hoisted_block_index_conditions``): without it each
+# of the score's element loops (``lowering.passes.HoistBlockIndexConditions``): without it each
 # score of a causal K/V step kept a branch of its own. H200, causal, vs cuDNN: d128 0.87/0.94/0.94 ->
-# 0.98/1.05/1.05 at 1k/4k/8k, d64 0.82/0.85/0.85 -> 1.05/1.13/1.13 (BENCHMARKS.md, session 14).
+# 0.98/1.05/1.05 at 1k/4k/8k, d64 0.82/0.85/0.85 -> 1.05/1.13/1.13 (H200, 2026-12-01, commit 29a3231).
 HOIST_BLOCK_INDEX_CONDITIONS = True
 
 
@@ -238,7 +240,7 @@ def shared_memory_bytes(head_dim: int, dtype: str, knobs: dict) -> int:
     padded by 16 bytes each, ``_pad_core_matrix_stride``, or swizzled, unpadded) and num_stages K/V
     tile pairs (``kv_layout``, the same choice), or the output's staging tile if that is larger
     (``_store_o_through_shared_memory``: it reuses their memory; with a producer warpgroup only the
-    Q tile's, ``tvmflash.tma._split_warpgroups``), plus the per-row values staged in shared memory
+    Q tile's, ``tvmflash.lowering.tma._split_warpgroups``), plus the per-row values staged in shared memory
     (row_state "shared": m_tile, l_tile, m_new, alpha, inv_l; "registers": m and l, for store_lse),
     and the mbarriers of TMA copies with their largest padding."""
     knobs = {**KNOBS, **knobs}  # a knob not given is the schedule's default
@@ -329,10 +331,6 @@ _PTX_TYPE = {"float16": "f16", "bfloat16": "bf16"}
 # An empty asm that claims to modify a register: the compiler may not move reads of the
 # accumulator across it (CUTLASS's warpgroup_fence_operand). TVM's own noop_barrier helper takes
 # its operand by value, which fences a copy.
-_REG_FENCE = (
-    "__device__ __forceinline__ void tvmflash_wgmma_reg_fence(float& r) "
-    '{ asm volatile("" : "+f"(r) :: "memory"); }'
-)
 _REG_FENCE_U32 = (  # the same for the A registers of the "rs" form (bf16/fp16 pairs)
     "__device__ __forceinline__ void tvmflash_wgmma_reg_fence_u32(unsigned int& r) "
     '{ asm volatile("" : "+r"(r) :: "memory"); }'
@@ -391,8 +389,8 @@ def wgmma_intrin_name(n: int, k: int, dtype: str, b_major: str, a_regs: bool = F
 
     fence_operands ("ss" form only): begin with ``fence.proxy.async`` and a barrier, so that the
     threads' shared-memory writes are visible to wgmma. Off where the caller's code already does
-    both before it (the cp.async pipeline's wait, ``tvm_workarounds.constant_async_wait_counts``,
-    at the top of the K/V step: ``tvm_workarounds.one_barrier_per_pipelined_step``).
+    both before it (the cp.async pipeline's wait, ``lowering.tvm_fixes.ConstantAsyncWaitCounts``,
+    at the top of the K/V step: ``lowering.passes.OneBarrierPerPipelinedStep``).
     """
     name = f"tvmflash_wgmma_m64n{n}k{k}_{_PTX_TYPE[dtype]}_{'r' if a_regs else 's'}_b{b_major}"
     if b_swizzled:
@@ -506,7 +504,7 @@ def _wgmma_desc_impl(n, k, dtype, b_major, a_regs, fence_operands=True, b_swizzl
     @T.macro
     def wgmma_begin(C):
         for r in T.unroll(nr):
-            T.cuda.func_call("tvmflash_wgmma_reg_fence", C[r], source_code=_REG_FENCE)
+            T.cuda.func_call("tvmflash_wgmma_reg_fence", C[r], source_code=REG_FENCE)
 
     if wait:
         @T.macro
@@ -514,7 +512,7 @@ def _wgmma_desc_impl(n, k, dtype, b_major, a_regs, fence_operands=True, b_swizzl
             T.ptx.wgmma.commit_group.sync.aligned()
             T.ptx.wgmma.wait_group.sync.aligned(0)
             for r in T.unroll(nr):
-                T.cuda.func_call("tvmflash_wgmma_reg_fence", C[r], source_code=_REG_FENCE)
+                T.cuda.func_call("tvmflash_wgmma_reg_fence", C[r], source_code=REG_FENCE)
     else:
         @T.macro
         def wgmma_end(C):  # C is still being written: no fence on it until a wait
@@ -628,7 +626,7 @@ def _pad_core_matrix_stride(sch, block):
     in 8 different groups of 4 banks. Unpadded they all hit the same 4 banks, and in the
     copy-friendly order before (8 rows of one core matrix) each phase read 8 half-used sectors:
     on the H200 the cp.async tile copies moved twice the L2 sectors and 8x the shared-memory
-    wavefronts they need (ncu, session 7). The stride is the descriptor's LBO (K-major: Q, K) or
+    wavefronts they need (ncu, 2026-11-30, commit cb572b6). The stride is the descriptor's LBO (K-major: Q, K) or
     SBO (N-major: V), read from the buffer, so wgmma follows; a core matrix stays 128 contiguous
     bytes. Costs 1/8 more shared memory (``shared_memory_bytes``)."""
     sch.storage_align(block, 0, axis=1, factor=CORE_MATRIX_ELEMENTS, offset=PAD_ELEMENTS)
@@ -641,7 +639,7 @@ def _store_o_through_shared_memory(sch, head_dim, num_warpgroups, vec, swizzled)
     the tile out along its rows, 16 bytes each. Straight from the accumulator layout it was 2-byte
     stores, each warp's touching 8 sectors for 64 bytes. The tile reuses the K/V and Q tiles'
     shared memory (dead by then). H200, d128 bf16, 128-row blocks: 0.421 -> 0.361 ms at 1k
-    tokens non-causal, 0.864 -> 0.819 ms at 4k causal (BENCHMARKS.md, session 8). ``swizzled``
+    tokens non-causal, 0.864 -> 0.819 ms at 4k causal (H200, 2026-11-30, commit 4f59a48). ``swizzled``
     (q_layout "swizzled"): the tile is in the 128-byte swizzled layout instead, as large as the Q
     tile and as free of bank conflicts (the 8 rows a warp writes at once land in 8 different
     16-byte chunks)."""
@@ -744,7 +742,7 @@ def schedule(
 ) -> tvm.s_tir.Schedule:
     """Map the attention program onto sm90 wgmma. See the module docstring. (min_blocks_per_sm
     is a kernel attribute, ``kernel_attrs``: the caller puts it on the program.)"""
-    dtype, BM, D, BN = _buffer_info(sch)
+    dtype, BM, D, BN = buffer_info(sch)
     assert (BM, BN) == (block_m, block_n), "schedule knobs must match the program's tiles"
     if block_m != WG_ROWS * num_warpgroups:
         raise ValueError(f"block_m: the sm90 schedule gives each warpgroup 64 rows, so block_m must be "
@@ -805,7 +803,7 @@ def schedule(
             sch.transform_layout(name, ("write", 0), _core_matrix_map)
             _pad_core_matrix_stride(sch, name)
         _copy_along_rows(sch, name, num_warpgroups, vec)
-        if (q_copy if name == "load_q" else kv_copy) == "tma":  # lowered to one thread's TMA copy (tvmflash.tma)
+        if (q_copy if name == "load_q" else kv_copy) == "tma":  # lowered to one thread's TMA copy (tvmflash.lowering.tma)
             sch.annotate(sch.get_sblock(name), TMA_LOAD, producer)
 
     # ---- qk: S = Q K^T on wgmma, S in accumulator registers --------------------------------

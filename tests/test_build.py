@@ -1,11 +1,11 @@
-"""tvmflash's own steps in building a scheduled program (kernel.build_module)."""
+"""tvmflash's own passes in building a scheduled program (tvmflash.lowering)."""
 
 import numpy as np
 import tvm
 from tvm.script import tirx as T
 
-from tvmflash import kernel
-from tvmflash.schedules.common import REVERSED
+from tvmflash import lowering
+from tvmflash.lowering.annotations import REVERSED
 
 
 def test_a_loop_annotated_reversed_runs_last_to_first():
@@ -19,7 +19,7 @@ def test_a_loop_annotated_reversed_runs_last_to_first():
             count[0] = count[0] + 1
 
     target = tvm.target.Target({"kind": "llvm"})
-    run = kernel.build_module(tvm.IRModule({"main": visit_order}), target, {})
+    run = lowering.build(tvm.IRModule({"main": visit_order}), target)
     order, count = (tvm.runtime.tensor(np.full(n, -1, "int32")) for n in (8, 1))
     run(order, count)
     assert order.numpy().tolist() == [7, 6, 5, 4, 3, 2, 1, 0]
@@ -28,11 +28,11 @@ def test_a_loop_annotated_reversed_runs_last_to_first():
 
 def test_conditions_on_a_block_index_are_hoisted_out_of_their_loop():
     """TVM's HoistIfThenElse keeps a test that reads blockIdx.y inside its loop; with
-    ``hoisted_block_index_conditions`` it moves out (one branch, two loops), and blockIdx.y is itself
+    ``passes.HoistBlockIndexConditions`` it moves out (one branch, two loops), and blockIdx.y is itself
     again afterwards (no alias variable left)."""
     from tvm import s_tir
 
-    from tvmflash import tvm_workarounds
+    from tvmflash.lowering import passes
 
     @T.prim_func
     def masked(a: T.Buffer((64,), "float32"), b: T.Buffer((64,), "float32"), n: T.int32):
@@ -45,8 +45,7 @@ def test_conditions_on_a_block_index_are_hoisted_out_of_their_loop():
 
     mod = tvm.IRModule({"main": masked})
     plain = s_tir.transform.HoistIfThenElse()(mod)["main"].script()
-    with tvm_workarounds.hoisted_block_index_conditions():
-        hoisted = s_tir.transform.HoistIfThenElse()(mod)["main"].script()
+    hoisted = passes.HoistBlockIndexConditions()(mod)["main"].script()
     loops = "for i in T.unroll(64):"
     assert plain.count(loops) == 1 and plain.index(loops) < plain.index("if by * 16 < n")
     assert hoisted.count(loops) == 2 and hoisted.index("if by * 16 < n") < hoisted.index(loops)

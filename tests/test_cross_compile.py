@@ -10,19 +10,28 @@ import tvm
 
 import tvmflash
 from conftest import kv_loop_body
-from tvmflash import tma
+from tvmflash.lowering import annotations, pipeline, tma
 
-
+# A pointer into dynamic shared memory in the generated CUDA: its element type and index.
+_TILE_POINTER = r"\(\(&\(\(\((\w+)\*\)buf_dyn_shmem_ptr\)\[([^\]]*)\]\)\)"
+_ELEMENT_BYTES = {"nv_bfloat16": 2, "half": 2}
 # tvmflash_wgmma_descriptor(&buffer[start], offset, LBO, SBO, layout): the element type, the operand's
 # buffer's start (in elements), its offset from there in 16-byte units, the strides in 16-byte units,
-# the layout type (the pointer read as tma.check_tile_alignment reads it)
-_DESCRIPTOR = re.compile(r"tvmflash_wgmma_descriptor" + tma._TILE_POINTER + r", (.*?), (\d+), (\d+), (\d)\)")
+# the layout type
+_DESCRIPTOR = re.compile(r"tvmflash_wgmma_descriptor" + _TILE_POINTER + r", (.*?), (\d+), (\d+), (\d)\)")
 
 
 def descriptors(src):
     """(element offset expression, LBO, SBO, layout) of each wgmma descriptor in a CUDA source."""
-    return [(f"({start}) + ({offset}) * {16 // tma._ELEMENT_BYTES[element]}", lbo, sbo, layout)
+    return [(f"({start}) + ({offset}) * {16 // _ELEMENT_BYTES[element]}", lbo, sbo, layout)
             for element, start, offset, lbo, sbo, layout in _DESCRIPTOR.findall(src)]
+
+
+def element_offsets(offset):
+    """The values an element offset expression of the CUDA source takes with every variable at 0, 1,
+    ..., 5 (integers, operators, max and min only)."""
+    expression = re.sub(r"\b(?!max\b|min\b)[A-Za-z_][\w.]*", "{0}", offset.replace("(int)", ""))
+    return [eval(expression.format(step), {"__builtins__": {}, "max": max, "min": min}) for step in range(6)]  # noqa: S307
 
 
 @pytest.mark.parametrize("arch", ["sm80", "sm90"])
@@ -91,7 +100,7 @@ def test_sm80_pipelined_kv_loads_use_cp_async(num_stages):
     src = kernel.source(heads_q=4, heads_kv=2)
     assert "cp.async.cg.shared.global" in src and "cp.async.commit_group" in src
     # At the top of the steady-state loop, before the step's own copies are issued: wait until all
-    # but the num_stages - 2 newest copies are done (tvm_workarounds.one_barrier_per_pipelined_step).
+    # but the num_stages - 2 newest copies are done (passes.OneBarrierPerPipelinedStep).
     assert f"cp.async.wait_group {num_stages - 2};" in src
     assert ("& 1)" if num_stages == 2 else "% 3)") in src  # the buffer version of a K/V tile
     for arch in ("sm_80", "sm_90a"):
@@ -241,7 +250,7 @@ def test_pipelined_kv_step_waits_for_its_tile_first(monkeypatch, schedule, causa
     tile (on sm90 with fence.proxy.async after it, so wgmma sees the cp.async writes) and one
     barrier, and only then issues the next tile's copies: one __syncthreads a step. TVM's order
     (barrier, copies, wait, barrier) has two, and on sm90 the fence then also waits for the copies
-    just issued (tvm_workarounds.one_barrier_per_pipelined_step)."""
+    just issued (passes.OneBarrierPerPipelinedStep)."""
     monkeypatch.setenv("TVMFLASH_SM90", "1" if schedule == "sm90" else "0")
     knobs = {"num_stages": 2, **({"kv_copy": "cp.async"} if schedule == "sm90" else {})}
     kernel = tvmflash.compile(head_dim=64, dtype="bfloat16", causal=causal, target=schedule, knobs=knobs)
@@ -315,7 +324,7 @@ def test_sm90_kv_tiles_are_swizzled(monkeypatch, head_dim, block_n, num_stages):
     assert len(k_tiles) + len(v_tiles) == len(swizzled) and k_tiles and v_tiles
     for offsets, within_rows in ((k_tiles, {0, 16, 32, 48}), (v_tiles, {0})):
         for offset in offsets:  # at every stage (each variable at 0, 1, ..., 5): 1024-byte aligned
-            elements = [byte // 2 for byte in tma._byte_offsets("nv_bfloat16", offset)]
+            elements = element_offsets(offset)
             assert elements and all(e % 512 in within_rows for e in elements), offset
     assert re.search(rf"tvmflash_wgmma_descriptor\(.*?, 9, {9 * head_dim // 8}, 0\)", src)  # Q: padded core matrices
 
@@ -354,7 +363,7 @@ def test_causal_tiles_start_heaviest_first(monkeypatch, arch):
 
 def test_sm90_min_blocks_per_sm_becomes_launch_bounds(monkeypatch, tmp_path):
     """min_blocks_per_sm 2 with 128-row blocks is __launch_bounds__(256, 2) on the kernel (TVM's
-    SplitHostDevice drops the function attribute; tvm_workarounds puts it back), and ptxas then
+    SplitHostDevice drops the function attribute; tvm_fixes.LaunchBoundsOnKernels puts it back), and ptxas then
     keeps to 128 registers: with the K/V pipeline (2 stages) without spilling. (The default one
     stage spills 28 bytes at d128, loop-invariant addresses reloaded each K/V step: see KNOBS.)"""
     monkeypatch.setenv("TVMFLASH_SM90", "1")
@@ -389,7 +398,7 @@ def test_pipeline_epilogue_is_not_guarded_statement_by_statement(monkeypatch, sm
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_sm90_kv_tiles_come_by_tma(monkeypatch, head_dim, causal):
-    """The default sm90 build loads K/V tiles by TMA (tvmflash.tma): the kernel takes a
+    """The default sm90 build loads K/V tiles by TMA (tvmflash.lowering.tma): the kernel takes a
     __grid_constant__ tensor map for K and one for V, one thread issues each stage's two
     cp.async.bulk.tensor copies after arriving on its full mbarrier with the bytes to expect, and
     the K/V loop has no __syncthreads (mbarrier waits and arrives order it) and no cp.async. The
@@ -603,16 +612,44 @@ def test_sm90_descriptors_are_uniform_adds(monkeypatch, producer):
     assert any(start.isdigit() and "warpgroup" in offset for _, start, offset, *_ in found)
 
 
+def _descriptors_at(*places, attrs=None):
+    """A PrimFunc whose body makes one swizzled wgmma descriptor at each (start, offset) of ``places``:
+    the start an element of a bf16 "shared.dyn" buffer, the offset in 16-byte units after it, plus
+    the warpgroup's 512 (a variable)."""
+    from tvm import tirx
+    from tvm.script import tirx as T
+
+    smem = tirx.decl_buffer((65536,), "bfloat16", "smem", scope="shared.dyn")
+    warpgroup = tirx.Var("warpgroup", "int32")
+    calls = [tirx.Evaluate(T.cuda.func_call("tvmflash_wgmma_descriptor", T.address_of(smem[start]), warpgroup * 512 + offset,
+                                            1, 64, 1, source_code="", return_type="uint64")) for start, offset in places]
+    func = tirx.PrimFunc([], tirx.SeqStmt(calls) if len(calls) > 1 else calls[0])
+    return func.with_attr("tvmflash.tma_copies", attrs) if attrs else func
+
+
 def test_tile_alignment_check_reads_swizzled_descriptors():
-    """check_tile_alignment also reads the swizzled wgmma operands (the Q tile is no TMA destination):
-    a k16 slice may start 32, 64 or 96 bytes into a 1024-byte-aligned tile, nowhere else."""
-    # the buffer's start, then the operand's offset from it in 16-byte units (8 elements)
-    line = "tvmflash_wgmma_descriptor((&(((nv_bfloat16*)buf_dyn_shmem_ptr)[{}])), (((int)threadIdx.y) * 512) + {}, 1, 64, 1)"
-    tma.check_tile_alignment(line.format(33280, 0) + line.format(33280, 6) + line.format(33280 - 48, 6))
+    """check_tile_alignment reads the swizzled wgmma operands in the IR (the Q tile is no TMA
+    destination): a k16 slice may start 32, 64 or 96 bytes into a 1024-byte-aligned tile, nowhere else."""
+    tma.check_tile_alignment(_descriptors_at((33280, 0), (33280, 6), (33280 - 48, 6)))
     with pytest.raises(tma.MisalignedTiles, match="swizzled wgmma operand"):
-        tma.check_tile_alignment(line.format(33280, 16))
+        tma.check_tile_alignment(_descriptors_at((33280, 16)))
     with pytest.raises(tma.MisalignedTiles, match="swizzled wgmma operand"):
-        tma.check_tile_alignment(line.format(33280 + 128, 0))
+        tma.check_tile_alignment(_descriptors_at((33280 + 128, 0)))
+
+
+def test_tile_alignment_check_fails_closed():
+    """A TMA build in which the check finds no copy to check, or a pointer it cannot read, fails: an
+    unread tile is never taken for an aligned one."""
+    from tvm import tirx
+    from tvm.script import tirx as T
+
+    with pytest.raises(RuntimeError, match="finds 0 TMA copies"):
+        tma.check_tile_alignment(_descriptors_at((33280, 0), attrs=2))
+    global_memory = tirx.decl_buffer((1024,), "bfloat16", "g")
+    unreadable = tirx.PrimFunc([], tirx.Evaluate(T.cuda.func_call(
+        "tvmflash_wgmma_descriptor", T.address_of(global_memory[0]), 0, 1, 64, 1, source_code="", return_type="uint64")))
+    with pytest.raises(RuntimeError, match="cannot read where a swizzled wgmma operand lands"):
+        tma.check_tile_alignment(unreadable)
 
 
 def test_misaligned_tma_tiles_fail_the_build(monkeypatch):
@@ -620,8 +657,8 @@ def test_misaligned_tma_tiles_fail_the_build(monkeypatch):
     the barriers the build tries, it says so (the copies and the wgmma descriptors would disagree)
     instead of computing garbage. Here no padding is tried, and the barriers are too small."""
     monkeypatch.setenv("TVMFLASH_SM90", "1")
-    monkeypatch.setitem(tma.TMA_BARRIER_BYTES, "warpgroup", 512)
-    monkeypatch.setattr(tma, "BARRIER_PADDINGS", (0,))
+    monkeypatch.setitem(annotations.TMA_BARRIER_BYTES, "warpgroup", 512)
+    monkeypatch.setattr(pipeline, "TMA_BARRIER_PADDINGS", (0,))
     with pytest.raises(RuntimeError, match="not on a 1024-byte boundary"):
         tvmflash.compile(head_dim=128, dtype="bfloat16", target="sm90",
                          knobs={"producer": "warpgroup", "min_blocks_per_sm": 1, "num_stages": 3}).source(1, 1)

@@ -143,9 +143,9 @@ def test_pipelined_candidates_build_with_static_shapes(schedule, block_m, causal
     InjectSoftwarePipeline guards each statement of the K/V step apart, which split a local
     buffer's allocation in an intrinsic (a row reduction's scratch, a wgmma descriptor) from its
     uses; and a cp.async.wait_group count was left as ``if_then_else(True & True, 1, 0)`` (causal,
-    block_m 64). The TMA lowering (tvmflash.tma) must take the static-shape pipeline too; there, at
+    block_m 64). The TMA lowering (tvmflash.lowering.tma) must take the static-shape pipeline too; there, at
     block_m 64, shared-memory merging put the K/V tiles off the swizzle's 1024-byte boundary until the
-    build learned to grow the barriers (``tma.BARRIER_PADDINGS``)."""
+    build learned to grow the barriers (``annotations.TMA_BARRIER_PADDINGS``)."""
     spec = program.AttentionSpec(64, "bfloat16", causal, 2, 2)
     mod = tvm.IRModule({"main": tune.specialize(program.attention_forward(spec, block_m, 64), spec, batch=1,
                                                 seqlen_q=512, seqlen_k=512, softmax_scale=0.125)})
@@ -166,7 +166,7 @@ def test_pipelined_candidates_build_with_static_shapes(schedule, block_m, causal
 
     options = kernel.build_options(schedule)
     if kv_copy == "cp.async":
-        from tvmflash import tma
+        from tvmflash.lowering import tma
         with pytest.raises(tma.MisalignedTiles, match="swizzled wgmma operand"):
             build({**task, "kv_layout": "swizzled"})
     built = build(task)
@@ -550,3 +550,20 @@ def test_a_cached_compile_reads_no_tuning_record(cache_dir, monkeypatch):
     assert sorted(lookups) == ["sm80", "sm90"]  # the choice (both schedules); sm90's knobs come from that read
     lookups.clear()
     assert tvmflash.compile(head_dim=128, dtype="bfloat16", target="sm90") is first and lookups == []
+
+
+def test_shipped_records_match_the_current_spaces():
+    """Every record shipped in tuning_logs/ names each knob of its schedule's current SPACE (a record
+    tuned on an older space is passed over at run time, so shipping one ships nothing)."""
+    import json
+    from pathlib import Path
+
+    from tvmflash import schedules
+
+    shipped = sorted((Path(__file__).resolve().parent.parent / "tuning_logs").glob("*.json"))
+    assert shipped
+    for path in shipped:
+        for record in json.loads(path.read_text())["records"]:
+            space = getattr(schedules, record["schedule"]).SPACE
+            missing = set(space) - set(record["knobs"])
+            assert not missing, f"{path.name}: a {record['schedule']} record of {record['workload']} lacks {sorted(missing)}"

@@ -34,7 +34,7 @@ def attention_flops(batch, heads, seqlen_q, seqlen_k, head_dim, causal):
 
 
 # Under sustained load the H200's clocks drop from about 1.98 to 1.65 GHz after some 30-100 ms of
-# back-to-back attention kernels (BENCHMARKS.md, session 14), whatever the backend; a backend timed
+# back-to-back attention kernels (H200, 2026-12-01, commit 29a3231), whatever the backend; a backend timed
 # late in a long burst then loses up to 15% to the one timed first. ``time_backends`` therefore keeps
 # each burst short and pauses before it, and rotates the backends' order over rounds.
 BURST_MS = 20.0

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import tvm
 
-from tvmflash import cache, database, program, tma, tvm_workarounds
+from tvmflash import cache, database, lowering, program
 from tvmflash import schedules as schedule_registry
 from tvmflash import target as targets
 from tvmflash.program import AttentionSpec
@@ -58,32 +58,12 @@ def resolve_softmax_scale(softmax_scale, head_dim: int) -> float:
 
 
 def build_options(schedule) -> dict:
-    """What a schedule module asks of ``build_module`` (plain values: the tuner's builder workers
+    """What a schedule module asks of ``lowering.build`` (plain values: the tuner's builder workers
     receive them pickled): its PassContext config, whether its tensor-core operands are read
-    through the async proxy (wgmma), and whether conditions on the block indices are hoisted
-    (``tvm_workarounds.hoisted_block_index_conditions``)."""
+    through the async proxy (wgmma), and whether conditions on the block indices are hoisted."""
     return {"pass_config": getattr(schedule, "PASS_CONFIG", {}),
             "async_proxy_operands": getattr(schedule, "ASYNC_PROXY_OPERANDS", False),
             "hoist_block_index_conditions": getattr(schedule, "HOIST_BLOCK_INDEX_CONDITIONS", False)}
-
-
-def build_module(mod: tvm.IRModule, target: tvm.target.Target, pass_config: dict, **workarounds):
-    """``tvm.compile`` a scheduled module with its schedule's ``build_options`` and tvmflash's TVM
-    workarounds (``workarounds``: ``tvm_workarounds.applied``'s options). Kernel and the tuner's
-    MetaSchedule builder both build through here."""
-    mod = tvm_workarounds.reversed_loops(mod)
-    for padding in tma.BARRIER_PADDINGS:  # until the TMA tiles sit on 1024-byte boundaries (one try, mostly)
-        with tvm.transform.PassContext(opt_level=3, config=pass_config), \
-                tvm_workarounds.applied(**workarounds), tma.lowering(padding):
-            executable = tvm.compile(mod, target=target)
-        if not targets.is_cuda(target):
-            return executable
-        try:
-            tma.check_tile_alignment(executable.mod.imports[0].inspect_source())
-            return executable
-        except tma.MisalignedTiles as err:
-            misaligned = err
-    raise misaligned
 
 
 def _runnable_here(target: tvm.target.Target) -> bool:
@@ -173,8 +153,8 @@ class Kernel:
                 "tvmflash": _version(),
                 "tvm": tvm.__version__,
                 # every module whose code shapes the build: schedules/common.py holds code of the sm80 and
-                # sm90 schedules (the row-reduce intrinsic); tma lowers the sm90 schedule's K/V copies
-                "code": cache.source_digest(program, self.schedule, schedule_registry.common, tvm_workarounds, tma),
+                # sm90 schedules (the row-reduce intrinsic); the lowering's passes shape every build
+                "code": cache.source_digest(program, self.schedule, schedule_registry.common, *lowering.MODULES),
                 "spec": asdict(spec),
                 "knobs": self.knobs,
                 "target": str(self.target),
@@ -216,7 +196,7 @@ class Kernel:
     def _build(self, spec: AttentionSpec, key: str) -> _Module:
         start = time.perf_counter()
         sch = self._scheduled(spec)
-        executable = build_module(sch.mod, self.target, **build_options(self.schedule))
+        executable = lowering.build(sch.mod, self.target, **build_options(self.schedule))
         source = executable.mod.imports[0].inspect_source() if targets.is_cuda(self.target) else None
         seconds = time.perf_counter() - start
         if not _runnable_here(self.target):
@@ -372,7 +352,7 @@ def compile(*, head_dim: int, dtype, causal: bool = False, target=None, knobs: d
 
     Modules are cached in memory and on disk (``$TVMFLASH_CACHE_DIR``, else ``~/.cache/tvmflash``).
     """
-    dtype = _dtype_name(dtype)
+    dtype = dtype_name(dtype)
     program.AttentionSpec(head_dim, dtype, bool(causal))  # validates head_dim and dtype
     resolved = targets.resolve(target)
     # TVMFLASH_SM90 is in the key: it may change the schedule for the same target. The records
@@ -393,7 +373,7 @@ def forget_kernels() -> None:
     _KERNELS.clear()
 
 
-def _dtype_name(dtype) -> str:
+def dtype_name(dtype) -> str:
     for name, torch_dtype in TORCH_DTYPES.items():
         if dtype in (name, torch_dtype):
             return name

@@ -35,7 +35,7 @@ MAX_SOFTMAX_SCALE = 1.0e8
 # rule): P = exp2((S - max) * scale2) then stays at most 2^8 = 256, which fp16 and bf16 hold with
 # their usual relative precision, and the result is as exact as with the true max (the sum l uses
 # the same stale max). alpha is then exactly 1 on most tiles, so a schedule can skip the output's
-# rescale there (sm90: ``common.SKIP_UNIT_RESCALE_PRAGMA``).
+# rescale there (sm90: ``annotations.SKIP_UNIT_RESCALE_PRAGMA``).
 RESCALE_THRESHOLD = 8.0
 
 
@@ -200,7 +200,7 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_ti
                                 vi, vj = T.axis.remap("SS", [i, j])
                                 # The test is the same for the whole tile: lowering hoists it out
                                 # of the element loops (HoistIfThenElse; causal, it reads the Q block,
-                                # see tvm_workarounds.hoisted_block_index_conditions), so only the tiles
+                                # see lowering.passes.HoistBlockIndexConditions), so only the tiles
                                 # on the causal diagonal or the end of the keys pay for the mask.
                                 if tile_visible(vqb, vkb, seqlen_q, seqlen_k):
                                     Sm[vi, vj] = S[vi, vj]

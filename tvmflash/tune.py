@@ -13,7 +13,7 @@ annotation or a thread binding, so :class:`MutateKnob` lets the evolutionary sea
 
 Tune static, run symbolic. Each task's program is specialised to a representative shape (batch,
 sequence lengths, softmax_scale), tuned with the XGBoost cost model and the evolutionary search,
-and built exactly as :class:`tvmflash.Kernel` builds (``kernel.build_module``: the schedule's
+and built exactly as :class:`tvmflash.Kernel` builds (``lowering.build``: the schedule's
 PassContext config and the TVM workarounds). MetaSchedule's few fastest configurations
 (``recheck``) are then built as ``tvmflash.compile`` builds them (symbolic shapes, which may rank
 tiles differently) and timed with the default knobs on real torch tensors in the same run; the
@@ -43,7 +43,7 @@ from tvm.s_tir import meta_schedule as ms
 from tvm.ir.utils import derived_object
 
 import tvmflash
-from tvmflash import bench, cache, database, kernel, program
+from tvmflash import bench, cache, database, kernel, lowering, program
 from tvmflash import schedules as schedule_registry
 from tvmflash import target as targets
 
@@ -172,12 +172,12 @@ def _timed_alone(rt_mod, device, evaluator_config, repeated_args):
         return ms.runner.local_runner.default_run_evaluator(rt_mod, device, evaluator_config, repeated_args)
 
 
-def _ms_build(mod, target, _params, *, pass_config, **workarounds):
+def _ms_build(mod, target, _params, **options):
     """MetaSchedule's f_build: the same build as Kernel's (runs in a builder worker process).
 
     Returns the runtime module: MetaSchedule's exporter takes that, not tvm.compile's Executable.
     """
-    return kernel.build_module(mod, target, pass_config, **workarounds).mod
+    return lowering.build(mod, target, **options).mod
 
 
 @derived_object
@@ -369,7 +369,7 @@ def tune(*, head_dim: int, dtype, causal: bool, target=None, trials: int = 64, b
     new record (``default_ms``, and ``tuned_ms`` for the fastest correct one of those) with
     ``path``, the database file.
     """
-    dtype = kernel._dtype_name(dtype)
+    dtype = kernel.dtype_name(dtype)
     program.AttentionSpec(head_dim, dtype, bool(causal))  # validates head_dim and dtype
     if trials < 1:
         raise ValueError(f"trials: expected a positive number, got {trials}")

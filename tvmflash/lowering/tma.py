@@ -4,7 +4,7 @@ copies completing on mbarriers (sm_90a).
 A schedule asks for it by annotating its pipelined copy blocks ``TMA_LOAD`` (the sm90 schedule's
 ``kv_copy="tma"``), after laying their tiles out as TMA writes them (128-byte swizzle, 64-column
 halves). TensorIR has no TMA copy, so ``lowered_to_tma`` rewrites what InjectSoftwarePipeline made
-of those blocks (``kernel.build_module`` runs it right after that pass):
+of those blocks (``LowerToTMA``, right after that pass in ``pipeline.py``):
 
   * each commit group of annotated copies (one K/V tile) becomes one thread's
     ``mbarrier.arrive.expect_tx`` on the stage's "full" barrier and one ``cp.async.bulk.tensor`` per
@@ -38,7 +38,7 @@ consumers' block-wide barriers become named barriers that count them only (``con
 after ThreadSync). The releases follow each stage's last reader's commit and wait
 (``_only_commits_or_waits``). Every build's TMA destinations are checked to sit on 1024-byte
 boundaries (``check_tile_alignment``): shared-memory merging places them, and a build that finds
-them off grows the barriers (``BARRIER_PADDINGS``) and builds again. The barriers and
+them off grows the barriers (``annotations.TMA_BARRIER_PADDINGS``, ``pipeline.build``) and builds again. The barriers and
 TMA's shared-memory pointers are ``tvm_access_ptr`` with an empty access mask: ThreadSync then
 plans no barrier for them (the mbarriers order them), while shared-memory merging still sees them
 live (after the last wait it may reuse their bytes, for the LSE staging).
@@ -46,18 +46,16 @@ live (after the last wait it may reuse their bytes, for the LSE staging).
 
 from __future__ import annotations
 
-import contextlib
-import re
-import threading
-
 import tvm
+import tvm.sym
 import tvm_ffi
 from tvm import tirx
 from tvm.script import tirx as T
 
-from tvmflash.schedules.common import (SWIZZLE_COLUMNS, TMA_BARRIER_BYTES, TMA_BARRIER_PADDINGS, TMA_LOAD,
-                                       TMA_PRODUCERS)
-from tvmflash.tvm_workarounds import _find, _is_load, _loaded, _replaced, _substitute
+from tvmflash.lowering.annotations import (SWIZZLE_COLUMNS, TMA_BARRIER_BYTES, TMA_BARRIER_PADDING_ATTR, TMA_LOAD,
+                                           TMA_PRODUCERS)
+from tvmflash.lowering.ir import (find, inlined, is_attr, is_call, is_load, let_values, loaded, prim_func_pass,
+                                  substitute, transform, unmarked)
 
 _WAIT_MARK, _RELEASED_MARK = "tvmflash.tma_wait", "tvmflash.tma_released"  # on the tile waits, during the pass
 _ISSUE_MARK = "tvmflash.tma_issue"  # on each TMA issue, during the pass
@@ -66,8 +64,6 @@ _CONSUMER_MARK = "tvmflash.tma_consumers"  # around the consumer warpgroups' cod
 # to the two consumer warpgroups (128 * 24 + 256 * 240 <= 65536).
 PRODUCER_REGISTERS, CONSUMER_REGISTERS = 24, 240
 CONSUMER_BARRIER = 1  # named barrier id of the consumer warpgroups (0 is __syncthreads)
-BARRIER_PADDINGS = TMA_BARRIER_PADDINGS  # what a build tries (``schedules.common``)
-_build = threading.local()  # this thread's build: its barrier_padding, set by ``lowering``
 SWIZZLE_128B, L2_PROMOTION_128B = 3, 2  # CUtensorMapSwizzle, CUtensorMapL2promotion
 
 _SMEM = "(unsigned)__cvta_generic_to_shared"
@@ -140,23 +136,6 @@ def _flat(buffer, indices):
     return sum((i * s for i, s in zip(indices, strides)), tirx.const(0, "int32"))
 
 
-def _transform(stmt, kind, rewrite):
-    """``stmt`` with each node of ``kind`` replaced by ``rewrite(node)`` where that is not None
-    (post order: a node's children are rewritten first)."""
-    def apply(node):
-        new = rewrite(node)
-        return node if new is None else new
-    return tvm_ffi.structural_map(stmt, (kind, apply))
-
-
-def _is_attr(node, key):
-    return isinstance(node, tirx.AttrStmt) and node.attr_key == key
-
-
-def _unmarked(stmt, key):
-    """``stmt`` with each ``key`` mark (an AttrStmt of this pass) replaced by what it marks."""
-    return _transform(stmt, tirx.AttrStmt, lambda n: n.body if _is_attr(n, key) else None)
-
 
 class _Plan:
     """What one kernel needs: its thread variables, the barriers and counters, a tensor map per
@@ -164,7 +143,7 @@ class _Plan:
 
     def __init__(self, func):
         self.threads = {}
-        for loop in _find(func.body, lambda n: isinstance(n, tirx.For) and n.thread_binding is not None):
+        for loop in find(func.body, lambda n: isinstance(n, tirx.For) and n.thread_binding is not None):
             self.threads[loop.thread_binding.thread_tag] = (loop.loop_var, loop.extent)
         self.block_threads = 1
         for tag in ("threadIdx.x", "threadIdx.y", "threadIdx.z"):
@@ -176,14 +155,14 @@ class _Plan:
         self.tensor_maps = {}  # global buffer -> (tensor map var, its box)
         self.num_stages = None
         self.q_copy = None  # the statement of the Q tile's one-off TMA copy, if any (``_one_off_copy``)
-        producers = {str(n.annotations[TMA_LOAD]) for n in _find(
+        producers = {str(n.annotations[TMA_LOAD]) for n in find(
             func.body, lambda n: isinstance(n, tvm.s_tir.SBlock) and TMA_LOAD in n.annotations)}
         if len(producers) != 1 or not producers <= set(TMA_PRODUCERS):
             raise RuntimeError(f"TMA: the copy blocks' {TMA_LOAD} must all name one of {TMA_PRODUCERS}, got {producers}")
         self.producer = producers.pop()
         self.producer_warpgroup = self.block_threads // 128  # threadIdx.y of the producer warpgroup, if any
         # sized so that the tiles after them stay on 1024-byte boundaries (``check_tile_alignment``)
-        barrier_bytes = TMA_BARRIER_BYTES[self.producer] + getattr(_build, "barrier_padding", 0)
+        barrier_bytes = TMA_BARRIER_BYTES[self.producer] + int((func.attrs or {}).get(TMA_BARRIER_PADDING_ATTR, 0))
         self.barriers = tirx.decl_buffer((barrier_bytes // 8,), "uint64", "tma_barriers", scope="shared.dyn")
 
     def is_producer(self):
@@ -224,21 +203,21 @@ def _copy(plan, stmt):
     one-off copy) -> (its stage and number of stages, or None for the one-off copy; a function from the
     barrier it completes on to its tensor-map TMA call; its bytes). A pipeline's tile has its stages
     first, (stages, halves, rows, 8, 8); the Q tile is (halves, rows, 8, 8)."""
-    blocks = _find(stmt, lambda n: isinstance(n, tvm.s_tir.SBlock) and TMA_LOAD in n.annotations)
+    blocks = find(stmt, lambda n: isinstance(n, tvm.s_tir.SBlock) and TMA_LOAD in n.annotations)
     if len(blocks) != 1:
         raise RuntimeError(f"TMA: expected one annotated copy block in an async scope, found {len(blocks)}")
     store = blocks[0].body
     if type(store).__name__ != "BufferStore":
         raise RuntimeError(f"TMA: the copy block {blocks[0].name_hint} is not one store")
-    loads = _find(store.value, _is_load)
+    loads = find(store.value, is_load)
     if len(loads) != 1:
         raise RuntimeError(f"TMA: the copy block {blocks[0].name_hint} must read one global tensor: {loads}")
     source = loads[0]
     # The tile's origin: every loop inside the statement and every thread index at 0.
-    zero = [(loop.loop_var, tirx.const(0, "int32")) for loop in _find(stmt, lambda n: isinstance(n, tirx.For))]
+    zero = [(loop.loop_var, tirx.const(0, "int32")) for loop in find(stmt, lambda n: isinstance(n, tirx.For))]
     zero += [(var, tirx.const(0, "int32")) for tag, (var, _) in plan.threads.items() if tag.startswith("threadIdx")]
     analyzer = tvm.sym.Analyzer()
-    at_origin = lambda e: analyzer.simplify(_substitute(e, zero))  # noqa: E731
+    at_origin = lambda e: analyzer.simplify(substitute(e, zero))  # noqa: E731
     batch, row, head, col = [at_origin(i) for i in source.indices]
     destination = [at_origin(i) for i in store.indices]
     tile = store.buffer
@@ -249,7 +228,7 @@ def _copy(plan, stmt):
         # K and V have the same number of stages, or (overlap) V one more: the barriers follow V's
         plan.num_stages = max(plan.num_stages or 0, stages)
         stage = (destination[0], stages)
-    tensor_map = plan.tensor_map(_loaded(source), (SWIZZLE_COLUMNS, rows, halves))
+    tensor_map = plan.tensor_map(loaded(source), (SWIZZLE_COLUMNS, rows, halves))
     call = lambda barrier: tirx.Evaluate(_device_call(  # noqa: E731
         "tvmflash_tma_load_5d", _pointer(tile, _flat(tile, destination)), T.address_of(tensor_map),
         barrier, col % SWIZZLE_COLUMNS, row, col // SWIZZLE_COLUMNS, head, batch))
@@ -266,7 +245,7 @@ def _issue(plan, commit):
     t - num_stages + 1, whose QK^T the consumers wait for one step before they release the stage
     that V of tile t needs. There the release is counted per wait for all wgmma, the pipeline's
     first one included (``_waits_and_releases``), and tile t waits for release t - num_stages + 1."""
-    scopes = _find(commit.body, lambda n: _is_attr(n, "async_scope"))
+    scopes = find(commit.body, lambda n: is_attr(n, "async_scope"))
     copies = [_copy(plan, scope.body) for scope in scopes]
     stage = max((c[0] for c in copies), key=lambda s: s[1])[0]
     issued = plan.issued[0]
@@ -298,13 +277,13 @@ def _wait_for_next_tile(plan):
 
 def _reads_tiles(stmt, tiles):
     def reads(node):
-        if _is_load(node):
-            return any(_loaded(node).same_as(t) for t in tiles)
+        if is_load(node):
+            return any(loaded(node).same_as(t) for t in tiles)
         if type(node).__name__ == "Call" and node.op.name == "tirx.tvm_access_ptr":
             data = node.args[1]  # buffer.data: a call on the buffer variable
             return type(data).__name__ == "Call" and any(data.args[0].same_as(t) for t in tiles)
         return False
-    return bool(_find(stmt, reads))
+    return bool(find(stmt, reads))
 
 
 def _names_tma_issue(node):
@@ -314,14 +293,14 @@ def _names_tma_issue(node):
 
 def _only_commits_or_waits(stmt):
     """Whether ``stmt`` only commits wgmma groups or waits for them."""
-    calls = _find(stmt, lambda n: type(n).__name__ == "Call")
+    calls = find(stmt, lambda n: type(n).__name__ == "Call")
     return bool(calls) and all(c.op.name.startswith("tirx.ptx.wgmma") and any(
         getattr(a, "value", None) in ("commit_group", "wait_group") for a in c.args) for c in calls)
 
 
 def _waits_all(stmt):
     """Whether ``stmt`` waits for every committed wgmma group (``wgmma.wait_group 0``)."""
-    return bool(_find(stmt, lambda n: type(n).__name__ == "Call" and n.op.name.startswith("tirx.ptx.wgmma")
+    return bool(find(stmt, lambda n: type(n).__name__ == "Call" and n.op.name.startswith("tirx.ptx.wgmma")
                       and any(getattr(a, "value", None) == "wait_group" for a in n.args)
                       and any(isinstance(a, tirx.IntImm) and a.value == 0 for a in n.args)))
 
@@ -354,12 +333,12 @@ def _waits_and_releases(plan, stmt, tiles):
     lagged = early != late
 
     def reads(stmt, which):  # a statement's reads of these tiles, not its TMA issues' pointers into them
-        return _reads_tiles(_transform(stmt, tirx.AttrStmt, lambda n: tirx.Evaluate(0) if _is_attr(n, _ISSUE_MARK)
+        return _reads_tiles(transform(stmt, tirx.AttrStmt, lambda n: tirx.Evaluate(0) if is_attr(n, _ISSUE_MARK)
                                        else None), which)
 
     def rewrite(node):
         seq = list(node.seq)
-        marked = [i for i, s in enumerate(seq) if _find(s, lambda n: _is_attr(n, _WAIT_MARK))]
+        marked = [i for i, s in enumerate(seq) if find(s, lambda n: is_attr(n, _WAIT_MARK))]
         if not marked:
             return None
         readers = [i for i, s in enumerate(seq) if reads(s, tiles if lagged else late)]
@@ -380,45 +359,45 @@ def _waits_and_releases(plan, stmt, tiles):
         k_readers = [i for i in range(marked[0], len(seq)) if reads(seq[i], early)]
         if k_readers:
             first = marked[0]
-            while first > 0 and not _find(seq[first - 1], lambda n: isinstance(n, tirx.For) or _names_tma_issue(n)):
+            while first > 0 and not find(seq[first - 1], lambda n: isinstance(n, tirx.For) or _names_tma_issue(n)):
                 first -= 1
             wait = _wait_for_next_tile(plan)  # with overlap, under the predicate of the K tile's reader
             seq[first:first] = [_guarded(seq[k_readers[0]], wait)] if lagged else wait
-        return _transform(tirx.SeqStmt(seq), tirx.AttrStmt, lambda n: tirx.AttrStmt(
-            n.node, _RELEASED_MARK, n.value, n.body) if _is_attr(n, _WAIT_MARK) else None)
-    return _transform(stmt, tirx.SeqStmt, rewrite)
+        return transform(tirx.SeqStmt(seq), tirx.AttrStmt, lambda n: tirx.AttrStmt(
+            n.node, _RELEASED_MARK, n.value, n.body) if is_attr(n, _WAIT_MARK) else None)
+    return transform(stmt, tirx.SeqStmt, rewrite)
 
 
 def lowered_to_tma(func: tirx.PrimFunc) -> tirx.PrimFunc:
     """``func`` after InjectSoftwarePipeline, with its TMA_LOAD copies on TMA (module docstring);
     unchanged if it has none."""
-    if not _find(func.body, lambda n: isinstance(n, tvm.s_tir.SBlock) and TMA_LOAD in n.annotations):
+    if not find(func.body, lambda n: isinstance(n, tvm.s_tir.SBlock) and TMA_LOAD in n.annotations):
         return func
-    if len(_find(func.body, lambda n: isinstance(n, tvm.s_tir.SBlock) and n.name_hint == "tile")) != 1:
+    if len(find(func.body, lambda n: isinstance(n, tvm.s_tir.SBlock) and n.name_hint == "tile")) != 1:
         raise RuntimeError("TMA: expected one block named 'tile' (the per-thread-block scope)")
     plan = _Plan(func)
-    commits = _find(func.body, lambda n: _is_attr(n, "async_commit_queue_scope"))
-    waits = _find(func.body, lambda n: _is_attr(n, "async_wait_queue_scope"))
+    commits = find(func.body, lambda n: is_attr(n, "async_commit_queue_scope"))
+    waits = find(func.body, lambda n: is_attr(n, "async_wait_queue_scope"))
     tiles = []
     for commit in commits:
-        for scope in _find(commit.body, lambda n: _is_attr(n, "async_scope")):
-            for block in _find(scope.body, lambda n: isinstance(n, tvm.s_tir.SBlock) and TMA_LOAD in n.annotations):
+        for scope in find(commit.body, lambda n: is_attr(n, "async_scope")):
+            for block in find(scope.body, lambda n: isinstance(n, tvm.s_tir.SBlock) and TMA_LOAD in n.annotations):
                 tiles.append(block.body.buffer)
 
     def rewrite(node):
-        if _is_attr(node, "async_commit_queue_scope"):
+        if is_attr(node, "async_commit_queue_scope"):
             return tirx.AttrStmt(0, _ISSUE_MARK, 1, _issue(plan, node))
-        if _is_attr(node, "async_wait_queue_scope"):
-            inner = node.body.body if _is_attr(node.body, "async_wait_inflight_count") else node.body
+        if is_attr(node, "async_wait_queue_scope"):
+            inner = node.body.body if is_attr(node.body, "async_wait_inflight_count") else node.body
             return tirx.AttrStmt(0, _WAIT_MARK, 1, inner)
         return None
 
     if len(commits) < 1 or len(waits) < 1:
         raise RuntimeError("TMA: the annotated copies are not in a software pipeline's async stage")
-    body = _transform(func.body, tirx.AttrStmt, rewrite)
+    body = transform(func.body, tirx.AttrStmt, rewrite)
     body = _waits_and_releases(plan, body, tiles)
 
-    body = _unmarked(body, _RELEASED_MARK)
+    body = unmarked(body, _RELEASED_MARK)
 
     def allocate(node):  # barriers and counters in the per-thread-block scope, counters at 0
         if not (isinstance(node, tvm.s_tir.SBlock) and node.name_hint == "tile"):
@@ -433,16 +412,17 @@ def lowered_to_tma(func: tirx.PrimFunc) -> tirx.PrimFunc:
             init = [tirx.IfThenElse(plan.is_producer(), tirx.SeqStmt(plan.barrier_init()), None)]
             if q_issue is not None:  # every thread waits on the Q barrier: its set-up must be seen first
                 init += [tirx.Evaluate(T.tvm_storage_sync("shared")), q_issue]
-            work = _unmarked(tirx.SeqStmt([*init, *stmts[:k], *_q_tile_visible(), *stmts[k:]]), _ISSUE_MARK)
+            work = unmarked(tirx.SeqStmt([*init, *stmts[:k], *_q_tile_visible(), *stmts[k:]]), _ISSUE_MARK)
         start = tirx.SeqStmt([*[tirx.BufferStore(b, 0, [0]) for b in (plan.consumed, plan.issued, plan.released)], work])
         return tvm.s_tir.SBlock(node.iter_vars, node.reads, node.writes, node.name_hint, start, node.init,
                                 buffers, node.match_buffers, node.annotations)
-    body = _transform(body, tvm.s_tir.SBlock, allocate)
+    body = transform(body, tvm.s_tir.SBlock, allocate)
     if plan.producer == "warpgroup":  # one more warpgroup: threadIdx.y runs over it too
-        body = _transform(body, tirx.For, lambda n: tirx.For(
+        body = transform(body, tirx.For, lambda n: tirx.For(
             n.loop_var, n.min, n.extent + 1, n.kind, n.body, n.thread_binding, n.annotations)
             if n.thread_binding is not None and n.thread_binding.thread_tag == "threadIdx.y" else None)
-    return func.with_body(tirx.SeqStmt([*_encode_tensor_maps(plan), body]))
+    copies = len(find(body, lambda n: is_call(n, "tirx.cuda.func_call") and n.args[0].value == "tvmflash_tma_load_5d"))
+    return func.with_body(tirx.SeqStmt([*_encode_tensor_maps(plan), body])).with_attr(_TMA_COPIES_ATTR, copies)
 
 
 def _split_warpgroups(plan, stmts, k, q_issue, tile_buffers):
@@ -466,7 +446,7 @@ def _split_warpgroups(plan, stmts, k, q_issue, tile_buffers):
     level all of them would live through the branch, and the output's staging could not reuse the Q
     tile's memory."""
     def issues(stmt):
-        return len(_find(stmt, lambda n: _is_attr(n, _ISSUE_MARK)))
+        return len(find(stmt, lambda n: is_attr(n, _ISSUE_MARK)))
 
     def only_issues(seq):  # a sequence that holds issues keeps just those (an issue's own sequence stays whole)
         if not issues(seq):
@@ -480,14 +460,14 @@ def _split_warpgroups(plan, stmts, k, q_issue, tile_buffers):
     warpgroup = tirx.const(plan.producer_warpgroup, "int32")
 
     def split(block):  # the innermost block that holds every issue
-        if issues(block.body) != total or any(issues(b.body) == total for b in _find(
+        if issues(block.body) != total or any(issues(b.body) == total for b in find(
                 block.body, lambda n: isinstance(n, tvm.s_tir.SBlock))):
             return None
-        producer = _unmarked(tvm_ffi.structural_map(block.body, (tirx.SeqStmt, only_issues)), _ISSUE_MARK)
-        if _find(producer, lambda n: type(n).__name__ == "Call" and n.op.name in ("tirx.ptx.wgmma", "tirx.tvm_storage_sync")):
+        producer = unmarked(tvm_ffi.structural_map(block.body, (tirx.SeqStmt, only_issues)), _ISSUE_MARK)
+        if find(producer, lambda n: type(n).__name__ == "Call" and n.op.name in ("tirx.ptx.wgmma", "tirx.tvm_storage_sync")):
             raise RuntimeError("TMA: the producer warpgroup's slice of the K/V pipeline kept consumer work")
-        pipeline = _transform(block.body, tirx.AttrStmt,
-                              lambda n: tirx.Evaluate(0) if _is_attr(n, _ISSUE_MARK) else None)
+        pipeline = transform(block.body, tirx.AttrStmt,
+                              lambda n: tirx.Evaluate(0) if is_attr(n, _ISSUE_MARK) else None)
         consumers = tirx.SeqStmt([_call("tvmflash_setmaxnreg_inc"), *([q_issue] if q_issue else []), *before,
                                   *_q_tile_visible(), pipeline, *after])
         moved.extend(b for b in tile_buffers if b.scope() == "shared.dyn" and not _touches(producer, b))
@@ -501,7 +481,7 @@ def _split_warpgroups(plan, stmts, k, q_issue, tile_buffers):
 
     setup = tirx.IfThenElse(tirx.all(tirx.EQ(y, warpgroup), plan.is_producer()),
                             tirx.SeqStmt(plan.barrier_init()), None)
-    split_work = _transform(stmts[k], tvm.s_tir.SBlock, split)
+    split_work = transform(stmts[k], tvm.s_tir.SBlock, split)
     return tirx.SeqStmt([setup, tirx.Evaluate(T.tvm_storage_sync("shared")), split_work]), moved
 
 
@@ -512,11 +492,11 @@ def _one_off_copy(plan, stmts, k):
     warpgroup's: the Q tile then stays the consumers' own, so that the output's staging may reuse
     its memory (``_split_warpgroups``)."""
     copies = [i for i, stmt in enumerate(stmts[:k])
-              if _find(stmt, lambda n: isinstance(n, tvm.s_tir.SBlock) and TMA_LOAD in n.annotations)]
+              if find(stmt, lambda n: isinstance(n, tvm.s_tir.SBlock) and TMA_LOAD in n.annotations)]
     if not copies:
         return stmts, None
     i = copies[0]
-    if len(copies) > 1 or len(_find(stmts[i], lambda n: isinstance(n, tvm.s_tir.SBlock))) != 1:
+    if len(copies) > 1 or len(find(stmts[i], lambda n: isinstance(n, tvm.s_tir.SBlock))) != 1:
         raise RuntimeError("TMA: expected one copy block outside the pipeline (the Q tile), alone in its statement")
     plan.q_copy = stmts[i]
     _, call, size = _copy(plan, stmts[i])
@@ -530,7 +510,7 @@ def _pipeline_start(work):
     """The thread block's statements, and the index of the one that holds the K/V pipeline (its first
     TMA issue)."""
     stmts = list(work.seq) if isinstance(work, tirx.SeqStmt) else [work]
-    return stmts, next(i for i, stmt in enumerate(stmts) if _find(stmt, lambda n: _is_attr(n, _ISSUE_MARK)))
+    return stmts, next(i for i, stmt in enumerate(stmts) if find(stmt, lambda n: is_attr(n, _ISSUE_MARK)))
 
 
 def _q_tile_visible():
@@ -543,20 +523,20 @@ def _q_tile_visible():
 def _touches(stmt, buffer):
     """Whether ``stmt`` accesses ``buffer`` (a load, a store or a pointer into it; not a block's
     read or write region)."""
-    stores = _find(stmt, lambda n: type(n).__name__ == "BufferStore" and n.buffer.same_as(buffer))
+    stores = find(stmt, lambda n: type(n).__name__ == "BufferStore" and n.buffer.same_as(buffer))
     return bool(stores) or _reads_tiles(stmt, [buffer])
 
 
 def consumer_barriers(func: tirx.PrimFunc) -> tirx.PrimFunc:
     """After ThreadSync: each block-wide barrier inside the consumer warpgroups' branch becomes a
     named barrier that counts their threads only (the producer warpgroup never reaches it)."""
-    marked = _find(func.body, lambda n: _is_attr(n, _CONSUMER_MARK))
+    marked = find(func.body, lambda n: is_attr(n, _CONSUMER_MARK))
     if not marked:
         return func
     consumers = int(marked[0].value)  # the mark's value: how many threads the consumers are
 
     def name_barriers(node):
-        if not _is_attr(node, _CONSUMER_MARK):
+        if not is_attr(node, _CONSUMER_MARK):
             return None
 
         def named(call):
@@ -564,7 +544,7 @@ def consumer_barriers(func: tirx.PrimFunc) -> tirx.PrimFunc:
                 return call
             return _device_call("tvmflash_named_barrier", CONSUMER_BARRIER, consumers)
         return tvm_ffi.structural_map(node.body, (tvm.ir.Call, named))  # the mark goes: this runs once
-    return func.with_body(_transform(func.body, tirx.AttrStmt, name_barriers))
+    return func.with_body(transform(func.body, tirx.AttrStmt, name_barriers))
 
 
 def _encode_tensor_maps(plan):
@@ -584,74 +564,79 @@ def _encode_tensor_maps(plan):
     return stmts
 
 
-_TILE_POINTER = r"\(\(&\(\(\((\w+)\*\)buf_dyn_shmem_ptr\)\[([^\]]*)\]\)\)"
-_TMA_DESTINATION = re.compile(r"tvmflash_tma_load_5d" + _TILE_POINTER + ", ")
-# a swizzled (layout 1) wgmma operand: its buffer's start and its offset from there in 16-byte units
-_SWIZZLED_OPERAND = re.compile(r"tvmflash_wgmma_descriptor" + _TILE_POINTER + r", (.*?), \d+, \d+, 1\)")
-_ELEMENT_BYTES = {"nv_bfloat16": 2, "half": 2}
-
-
+@tvm_ffi.register_error  # so that it reaches ``pipeline.build`` through TVM's pass machinery as itself
 class MisalignedTiles(RuntimeError):
     """A TMA tile or a swizzled wgmma operand off the swizzle's 1024-byte boundary."""
 
 
-def _byte_offsets(element, offset):
-    """The byte offsets ``offset`` (an index expression of the CUDA source) takes with every variable
-    at 0, 1, ..., 5; none where the expression is not plain integer arithmetic."""
-    expression = re.sub(r"\b(?!max\b|min\b)[A-Za-z_][\w.]*", "{0}", offset.replace("(int)", ""))
+_TMA_COPIES_ATTR = "tvmflash.tma_copies"  # set by lowered_to_tma: how many TMA copies it wrote
+_SWIZZLE_128B_LAYOUT = 1  # a wgmma descriptor's layout type for the 128-byte swizzle
+
+
+def _shared_byte_offsets(pointer, what, lets, units16=0):
+    """The byte offsets in dynamic shared memory that ``pointer`` (``T.address_of(buffer[index])`` or
+    ``T.tvm_access_ptr(...)`` into merged "shared.dyn" memory) plus ``units16`` 16-byte units (a wgmma descriptor's offset) takes
+    with the let variables of ``lets`` inlined and every other variable at 0, 1, ..., 5. Raises
+    RuntimeError where the pointer is not of that form or the index does not fold to a constant:
+    an unread tile is never taken for an aligned one."""
+    if is_call(pointer, "tirx.tvm_access_ptr"):  # (type annotation, data, offset in elements, extent, mask)
+        data, index, element = pointer.args[1], pointer.args[2], tvm.DataType(str(pointer.args[0].ty.dtype))
+    elif is_call(pointer, "tirx.address_of") and is_load(pointer.args[0]) and len(pointer.args[0].indices) == 1:
+        load = pointer.args[0]
+        data, index, element = loaded(load).data, load.indices[0], tvm.DataType(str(loaded(load).dtype))
+    else:
+        data = None
+    if data is None or getattr(data.ty, "storage_scope", None) != "shared.dyn":
+        raise RuntimeError(f"TMA alignment check: cannot read where {what} lands in shared memory: {pointer}")
+    byte = inlined(index * (element.bits // 8) + units16 * 16, lets)
+    variables = find(byte, lambda n: isinstance(n, tirx.Var) and isinstance(n.ty, tvm.ir.PrimType))
+    analyzer = tvm.sym.Analyzer()
     for step in range(6):
-        try:  # integers, operators, max and min only
-            at = eval(expression.format(step), {"__builtins__": {}, "max": max, "min": min})  # noqa: S307
-        except Exception:  # noqa: BLE001 - an expression this does not read is not checked
-            return
-        yield at * _ELEMENT_BYTES.get(element, 2)
+        at = analyzer.simplify(substitute(byte, [(v, tirx.const(step, v.ty.dtype)) for v in variables]))
+        if not isinstance(at, tirx.IntImm):
+            raise RuntimeError(f"TMA alignment check: the offset of {what} does not fold to a constant: {byte}")
+        yield at.value, byte
 
 
-def check_tile_alignment(source: str) -> None:
-    """Every TMA destination in a kernel's CUDA ``source`` starts on a 1024-byte boundary, and every
-    swizzled wgmma operand within the first 128 bytes after one (a k16 slice of a K-major tile starts
-    32 bytes further along its rows), as the 128-byte swizzle (of the copy and of the wgmma
-    descriptors) assumes. Shared-memory merging places the tiles; MisalignedTiles says where one is
-    off (``kernel.build_module`` then builds again with larger barriers), rather than let the kernel
-    compute garbage."""
-    tiles = [(element, offset, "a TMA tile", 1) for element, offset in _TMA_DESTINATION.findall(source)]
-    operands = [(element, f"({start}) + ({offset}) * {16 // _ELEMENT_BYTES.get(element, 2)}", "a swizzled wgmma operand",
-                 128) for element, start, offset in _SWIZZLED_OPERAND.findall(source)]
-    for element, offset, what, slack in tiles + operands:
-        for byte in _byte_offsets(element, offset):
-            if byte % 1024 >= slack:
-                raise MisalignedTiles(f"TMA: {what} lands at shared-memory byte {byte}, not on a 1024-byte "
-                                      f"boundary ({offset}); the swizzled copies would be wrong")
+def check_tile_alignment(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """After MergeSharedMemoryAllocations (which places the tiles): every TMA destination starts on a
+    1024-byte boundary, and every swizzled wgmma operand within the first 128 bytes after one (a k16
+    slice of a K-major tile starts 32 bytes further along its rows), as the 128-byte swizzle (of the
+    copy and of the wgmma descriptors) assumes. Raises MisalignedTiles where one is off
+    (``pipeline.build`` then builds again with larger barriers), rather than let the kernel compute
+    garbage; and RuntimeError where a TMA build has no copy or no swizzled operand to check, or one
+    the check cannot read."""
+    expected = int((func.attrs or {}).get(_TMA_COPIES_ATTR, 0))
+    calls = find(func.body, lambda n: is_call(n, "tirx.cuda.func_call"))
+    copies = [(c.args[1], 0) for c in calls if c.args[0].value == "tvmflash_tma_load_5d"]
+    operands = [(c.args[1], c.args[2]) for c in calls
+                if c.args[0].value == "tvmflash_wgmma_descriptor" and int(c.args[5]) == _SWIZZLE_128B_LAYOUT]
+    if expected and not (copies and operands):
+        raise RuntimeError(f"TMA alignment check: the build wrote {expected} TMA copies, but the check finds "
+                           f"{len(copies)} TMA copies and {len(operands)} swizzled wgmma operands to check")
+    # let variables bound to arithmetic are inlined; one bound to a call (the warpgroup index, a shuffle)
+    # stays a variable, as the loop and thread indices do
+    lets = [(var, value) for var, value in let_values(func.body) if not find(value, lambda n: isinstance(n, tvm.ir.expr.Call))]
+    for pointers, what, slack in ((copies, "a TMA tile", 1), (operands, "a swizzled wgmma operand", 128)):
+        for pointer, units16 in pointers:
+            for byte, expression in _shared_byte_offsets(pointer, what, lets, units16):
+                if byte % 1024 >= slack:
+                    raise MisalignedTiles(f"TMA: {what} lands at shared-memory byte {byte}, not on a 1024-byte "
+                                          f"boundary ({expression}); the swizzled copies would be wrong")
+    return func
 
 
-@contextlib.contextmanager
-def lowering(barrier_padding: int = 0):
-    """Run ``lowered_to_tma`` right after each InjectSoftwarePipeline of a build (its barriers grown
-    by ``barrier_padding`` bytes, one of BARRIER_PADDINGS), and ``consumer_barriers`` after the last
-    ThreadSync."""
-    _build.barrier_padding = barrier_padding
-    original = tvm.s_tir.transform.InjectSoftwarePipeline
+def CheckTileAlignment():  # noqa: N802
+    """``check_tile_alignment``, as a pass."""
+    return prim_func_pass(check_tile_alignment, "tvmflash.CheckTileAlignment")
 
-    def inject_then_tma():
-        def to_tma(func, _mod, _ctx):
-            return lowered_to_tma(func)
-        return tvm.transform.Sequential(
-            [original(), tirx.transform.prim_func_pass(to_tma, opt_level=0, name="tvmflash.LowerToTMA")],
-            name="tvmflash.InjectSoftwarePipelineThenTMA")
 
-    original_sync = tvm.s_tir.transform.ThreadSync
+def LowerToTMA():  # noqa: N802 - named as TVM's passes are
+    """Right after InjectSoftwarePipeline: the TMA_LOAD copies on TMA (``lowered_to_tma``; its barriers
+    grown by the function's ``TMA_BARRIER_PADDING_ATTR`` bytes)."""
+    return prim_func_pass(lowered_to_tma, "tvmflash.LowerToTMA")
 
-    def thread_sync_then_name_barriers(storage_scope):
-        sync = original_sync(storage_scope)
-        if storage_scope != "warp":  # the last one that plans barriers (shared, shared.dyn, warp)
-            return sync
 
-        def name_barriers(func, _mod, _ctx):
-            return consumer_barriers(func)
-        return tvm.transform.Sequential(
-            [sync, tirx.transform.prim_func_pass(name_barriers, opt_level=0, name="tvmflash.ConsumerBarriers")],
-            name="tvmflash.ThreadSyncThenConsumerBarriers")
-
-    with _replaced(tvm.s_tir.transform, "InjectSoftwarePipeline", inject_then_tma), \
-            _replaced(tvm.s_tir.transform, "ThreadSync", thread_sync_then_name_barriers):
-        yield
+def NameConsumerBarriers():  # noqa: N802
+    """After the last ThreadSync: ``consumer_barriers``."""
+    return prim_func_pass(consumer_barriers, "tvmflash.NameConsumerBarriers")

@@ -1,0 +1,48 @@
+"""What a schedule writes into its TensorIR for the lowering to act on: loop and block annotations,
+pragmas, and the layout constants that the sm90 schedule and the TMA lowering share.
+
+Schedules import these names from here; the lowering never imports a schedule."""
+
+# A loop annotation: the loop visits its iterations last to first (``passes.ReverseLoops``; TensorIR's
+# Schedule has no primitive that reverses a loop).
+REVERSED = "tvmflash.reversed"
+
+# Block annotation: this pipelined global -> shared copy goes by TMA (``tma.LowerToTMA``), issued by the
+# producer the annotation names; that adds TMA_BARRIER_BYTES[producer] of mbarriers to the kernel's
+# shared memory. The sizes keep the tiles that shared-memory merging packs after the barriers on
+# 1024-byte boundaries (the swizzle's), for the buffers each build has (``tma.CheckTileAlignment``
+# checks every build).
+TMA_LOAD = "tvmflash.tma_load"
+TMA_PRODUCERS = ("thread", "warpgroup")  # thread 0 of the first warpgroup, or a producer warpgroup (FA3's)
+TMA_BARRIER_BYTES = {"thread": 512, "warpgroup": 1024}
+# Shared-memory merging packs the buffers live together by size, smallest first, so the K/V tiles land
+# after the barriers and every smaller buffer. TMA_BARRIER_BYTES suits the defaults; where the smaller
+# buffers add up to another multiple of 256 bytes, a build grows the barriers by one of these
+# (``lowering.build`` tries them in turn until ``tma.CheckTileAlignment`` passes).
+TMA_BARRIER_PADDINGS = (0, 256, 512, 768)
+# The 128-byte swizzle of 16-bit tiles (wgmma descriptors' layout type 1, TMA's SWIZZLE_128B): a tile
+# is cut into halves of this many columns, one 128-byte row each.
+SWIZZLE_COLUMNS = 64
+
+# A loop annotated so (a schedule has no primitive that inserts a statement) is preceded by
+# ``wgmma.wait_group 0`` and a register fence of the program's accumulator ``acc``: the loop reads
+# the result of a wgmma that was only committed (``passes.LowerPragmas``).
+WGMMA_WAIT_PRAGMA = "pragma_tvmflash_wgmma_wait"
+# A loop annotated so, one that scales a thread's elements by per-row factors (the output's rescale
+# by alpha), runs only where a lane of the warp has a factor other than 1; with the program's
+# RESCALE_THRESHOLD that is rare after the first tiles (``passes.LowerPragmas``).
+SKIP_UNIT_RESCALE_PRAGMA = "pragma_tvmflash_skip_unit_rescale"
+
+# A register fence of one float (a wgmma accumulator element): the compiler may not move reads of it
+# above the wgmma wait that precedes the fence. The sm90 schedule's wgmma intrinsics and the
+# WGMMA_WAIT_PRAGMA lowering emit it.
+REG_FENCE = (
+    "__device__ __forceinline__ void tvmflash_wgmma_reg_fence(float& r) "
+    '{ asm volatile("" : "+f"(r) :: "memory"); }'
+)
+
+# PrimFunc attributes that ``lowering.build`` sets from the schedule's build options, for the pipeline's
+# passes to read (``pipeline.options``).
+ASYNC_PROXY_OPERANDS_ATTR = "tvmflash.async_proxy_operands"
+HOIST_BLOCK_INDEX_CONDITIONS_ATTR = "tvmflash.hoist_block_index_conditions"
+TMA_BARRIER_PADDING_ATTR = "tvmflash.tma_barrier_padding"

@@ -1,0 +1,255 @@
+"""tvmflash's own lowering passes (other than TMA, ``tma.py``): what the schedules ask of the lowering
+through annotations and pragmas, and changes to TVM's lowering that TVM has no knob for. Each is a pass
+in ``pipeline.py``'s list."""
+
+from __future__ import annotations
+
+import functools
+
+import tvm
+import tvm_ffi
+from tvm import tirx
+from tvm.script import tirx as T
+
+from tvmflash.lowering.annotations import REG_FENCE, REVERSED, SKIP_UNIT_RESCALE_PRAGMA, WGMMA_WAIT_PRAGMA
+from tvmflash.lowering.ir import (every_element, find, folded, loaded_buffers, map_loops, prim_func_pass, substitute,
+                                  with_children)
+
+
+# ---------------------------------------------------------------------------------- reversed loops
+def _reversed(loop):
+    if REVERSED not in loop.annotations:
+        return loop
+    old = loop.loop_var
+    new = type(old)(old.name, old.ty)
+    flipped = loop.min + loop.extent - 1 - new
+    body = substitute(loop.body, [(old, flipped)])
+    annotations = {key: value for key, value in loop.annotations.items() if key != REVERSED}
+    return tirx.For(new, loop.min, loop.extent, loop.kind, body, loop.thread_binding, annotations)
+
+
+def ReverseLoops():  # noqa: N802 - named as TVM's passes are
+    """Each loop annotated ``REVERSED`` visits its iterations last to first: its variable i becomes
+    min + extent - 1 - i in the body. The schedules use it on a loop bound to blockIdx, whose
+    iterations are independent thread blocks, to choose the order the GPU starts them in. TensorIR's
+    Schedule has no primitive that reverses a loop."""
+    return prim_func_pass(lambda func: func.with_body(tvm_ffi.structural_map(func.body, (tirx.For, _reversed))),
+                          "tvmflash.ReverseLoops")
+
+
+# ---------------------------------------------------------------------------------- pragmas
+def _wait_and_fence_accumulators(attr):
+    """The statements for a ``WGMMA_WAIT_PRAGMA`` AttrStmt: ``wgmma.wait_group 0``, a register fence
+    of each element of the accumulators its loop reads (local float32 buffers named ``acc``), then
+    the loop."""
+    accumulators = [buffer for name, buffer in loaded_buffers(attr.body).items()
+                    if name.startswith("acc") and buffer.scope() == "local" and str(buffer.dtype) == "float32"]
+    fences = [tirx.Evaluate(T.cuda.func_call("tvmflash_wgmma_reg_fence", element, source_code=REG_FENCE))
+              for buffer in accumulators for element in every_element(buffer)]
+    wait = tirx.Evaluate(T.ptx.wgmma.wait_group.sync.aligned(0))
+    return tirx.SeqStmt([wait, *fences, attr.body])
+
+
+def _skipped_where_factors_are_one(attr):
+    """The statement for a ``SKIP_UNIT_RESCALE_PRAGMA`` AttrStmt: its loop, ``x[i] = x[i] * f[...]``
+    over the elements a thread holds, run only where some lane of the warp has a factor other than 1
+    (``__any_sync`` over every element of the thread's factor buffers ``f``: a branch the whole warp
+    takes or skips, which nvcc keeps as a branch; a per-thread test became a predicate on each
+    multiply)."""
+    scaled = {store.buffer.name for store in find(attr.body, lambda n: type(n).__name__ == "BufferStore")}
+    factors = {name: buffer for name, buffer in loaded_buffers(attr.body).items() if name not in scaled}
+    if len(scaled) != 1 or not factors or any(b.scope() != "local" for b in factors.values()):
+        raise ValueError(f"{attr.attr_key}: expected a loop that scales one buffer by local factors, got "
+                         f"stores to {sorted(scaled)} and factors {sorted(factors)}")
+    not_one = [element != tirx.const(1, buffer.dtype) for buffer in factors.values() for element in every_element(buffer)]
+    some_lane = tirx.call_extern("bool", "__any_sync", tirx.const(0xFFFFFFFF, "uint32"), functools.reduce(tirx.Or, not_one))
+    return tirx.IfThenElse(some_lane, attr.body, None)
+
+
+_PRAGMA_LOWERINGS = {WGMMA_WAIT_PRAGMA: _wait_and_fence_accumulators,
+                     SKIP_UNIT_RESCALE_PRAGMA: _skipped_where_factors_are_one}
+
+
+def _lowered_pragmas(stmt):  # by hand: structural_map rejects the fences' loads of a buffer defined outside
+    if isinstance(stmt, tirx.AttrStmt) and stmt.attr_key in _PRAGMA_LOWERINGS:
+        return _PRAGMA_LOWERINGS[stmt.attr_key](stmt)
+    return with_children(stmt, _lowered_pragmas)
+
+
+def LowerPragmas():  # noqa: N802
+    """After ``LowerOpaqueBlock`` (which turns a loop's pragma annotation into an AttrStmt around it):
+    each loop annotated with one of tvmflash's pragmas becomes its statements. ``WGMMA_WAIT_PRAGMA``:
+    the wait and fences of ``_wait_and_fence_accumulators``, then the loop;
+    ``SKIP_UNIT_RESCALE_PRAGMA``: the loop under ``_skipped_where_factors_are_one``'s warp-wide test."""
+    return prim_func_pass(lambda func: func.with_body(_lowered_pragmas(func.body)), "tvmflash.LowerPragmas")
+
+
+# ---------------------------------------------------------------------------------- hoisting
+def _block_indices_aliased(func, aliases: dict):
+    """``func`` with its blockIdx.* variables read through aliases (new variables, added to
+    ``aliases``) in the condition of each IfThenElse that is a loop's whole body: what
+    HoistIfThenElse would lift out of that loop."""
+    for attr in find(func.body, lambda n: isinstance(n, tirx.AttrStmt) and n.attr_key == "thread_extent"):
+        if attr.node.thread_tag.startswith("blockIdx"):
+            aliases[attr.node.var] = tirx.Var(attr.node.var.name + "_alias", attr.node.var.ty)
+
+    def condition_aliased(loop):
+        if not isinstance(loop.body, tirx.IfThenElse):
+            return loop
+        body = tirx.IfThenElse(substitute(loop.body.condition, aliases.items()), loop.body.then_case,
+                               loop.body.else_case)
+        return tirx.For(loop.loop_var, loop.min, loop.extent, loop.kind, body, loop.thread_binding, loop.annotations)
+    return func.with_body(tvm_ffi.structural_map(func.body, (tirx.For, condition_aliased))) if aliases else func
+
+
+def HoistBlockIndexConditions():  # noqa: N802
+    """TVM's ``HoistIfThenElse``, with conditions that read a block index hoisted too.
+
+    HoistIfThenElse leaves a condition in its loop when the condition reads a thread index, blockIdx.*
+    included, although a block index is the same for the whole kernel body. The causal tile test
+    (``program.tile_visible``) reads the Q block, so on sm90 each of a causal K/V step's score
+    elements kept its own branch on it (d128: 762 SASS instructions a step against 472; d64: 1241
+    against 657), where the non-causal test is hoisted out of the element loops. The block indices
+    are renamed in the conditions for the pass (a block index is bound around the whole kernel,
+    outside every loop the pass can hoist out of) and restored after it."""
+    aliases = {}  # block index -> its alias, per function
+
+    def restored(func):
+        return func.with_body(substitute(func.body, [(a, v) for v, a in aliases.items()]))
+    return tvm.transform.Sequential([
+        prim_func_pass(lambda func: _block_indices_aliased(func, aliases), "tvmflash.AliasBlockIndices"),
+        tvm.s_tir.transform.HoistIfThenElse(),
+        prim_func_pass(restored, "tvmflash.RestoreBlockIndices")], name="tvmflash.HoistBlockIndexConditions")
+
+
+# ---------------------------------------------------------------------------------- one barrier a step
+def _is_barrier(stmt) -> bool:
+    value = getattr(stmt, "value", None) if type(stmt).__name__ == "Evaluate" else None
+    return type(value).__name__ == "Call" and getattr(value.op, "name", "") == "tirx.tvm_storage_sync"
+
+
+def _without_leading_barrier(stmt):
+    """``stmt`` with the barrier that opens it (through lets, attributes and sequences) dropped, and
+    that barrier (None if there was none)."""
+    kind = type(stmt).__name__
+    if kind == "SeqStmt":  # past the Binds (let variables) that open it
+        seq = list(stmt.seq)
+        i = next((i for i, s in enumerate(seq) if type(s).__name__ != "Bind"), len(seq))
+        if i == len(seq):
+            return stmt, None
+        if _is_barrier(seq[i]):
+            rest = seq[:i] + seq[i + 1:]
+            return (rest[0] if len(rest) == 1 else tirx.SeqStmt(rest)), seq[i]
+        first, barrier = _without_leading_barrier(seq[i])
+        return tirx.SeqStmt(seq[:i] + [first] + seq[i + 1:]), barrier
+    if kind in ("LetStmt", "AttrStmt"):
+        body, barrier = _without_leading_barrier(stmt.body)
+        return with_children(stmt, lambda _: body), barrier
+    return stmt, None
+
+
+def _tile_wait_first(loop_body):
+    """One K/V step of a cp.async pipeline (after ThreadSync) as: wait for the tile this step
+    computes, barrier, issue the next tile's copies, compute; or None if it is not that loop.
+
+    What InjectSoftwarePipeline and ThreadSync make is: barrier (the stage about to be refilled was
+    read last step), issue the copies, wait, barrier (the tile just waited for), compute. Once the
+    wait comes first, its barrier also orders last step's reads before the refill, so one barrier
+    is enough. On sm90 the wait's ``fence.proxy.async`` (``tvm_fixes.ConstantAsyncWaitCounts``), a
+    ``MEMBAR.ALL.CTA`` in SASS, then also stops waiting for the copies just issued. H200, d128
+    bf16 non-causal: sm90 at block_m 256 325 -> 397 TFLOP/s, sm80 324 -> 343 (commit 8763f5b).
+    """
+    commit, wait = [], []
+
+    def visit(stmt):  # the commit and wait scopes of this loop level (not of inner loops)
+        kind = type(stmt).__name__
+        if kind == "AttrStmt" and stmt.attr_key == "async_commit_queue_scope":
+            commit.append(stmt)
+        elif kind == "AttrStmt" and stmt.attr_key == "async_wait_queue_scope":
+            wait.append(stmt)
+        elif kind == "SeqStmt":
+            for s in stmt.seq:
+                visit(s)
+        elif kind in ("LetStmt", "AttrStmt"):
+            visit(stmt.body)
+
+    visit(loop_body)
+    if len(commit) != 1 or len(wait) != 1:
+        return None
+    count = wait[0].body
+    if type(count).__name__ != "AttrStmt" or count.attr_key != "async_wait_inflight_count":
+        return None
+    in_flight = folded(count.value)  # static causal shapes: if_then_else(True & True, 1, 0)
+    if not isinstance(in_flight, tvm.tirx.IntImm) or in_flight.value < 1:
+        return None
+    copies, refill_barrier = _without_leading_barrier(commit[0])
+    compute, tile_barrier = _without_leading_barrier(count.body)
+    if refill_barrier is None or tile_barrier is None:
+        return None
+    # The copies of this step are not committed yet where the wait now stands: one group fewer in flight.
+    hoisted = tirx.AttrStmt(wait[0].node, wait[0].attr_key, wait[0].value, tirx.AttrStmt(
+        count.node, count.attr_key, in_flight.value - 1, tirx.SeqStmt([tile_barrier, copies])))
+
+    def rewrite(stmt):  # the two scopes moved; inner loops hold neither
+        if stmt.same_as(commit[0]):
+            return hoisted
+        if stmt.same_as(wait[0]):
+            return compute
+        return stmt if type(stmt).__name__ == "For" else with_children(stmt, rewrite)
+
+    return rewrite(loop_body)
+
+
+def OneBarrierPerPipelinedStep():  # noqa: N802
+    """After ``ThreadSync("shared.dyn")``: rewrite each cp.async-pipelined loop so that its step waits
+    for its tile first (``_tile_wait_first``): one barrier a step instead of two.
+
+    Not a bug fix but a better schedule of the same pipeline, which TVM has no knob for: the
+    pipeline's order puts a stage's wait right before its first consumer."""
+    return prim_func_pass(lambda func: func.with_body(map_loops(func.body, _tile_wait_first)),
+                          "tvmflash.OneBarrierPerPipelinedStep")
+
+
+# ---------------------------------------------------------------------------------- uniform descriptors
+def _define_after(stmt, thread_tag, var, value):
+    """``stmt`` with ``var = value`` bound first thing inside the thread_extent attribute of ``thread_tag``."""
+    if isinstance(stmt, tirx.AttrStmt) and stmt.attr_key == "thread_extent" and stmt.node.thread_tag == thread_tag:
+        return tirx.AttrStmt(stmt.node, stmt.attr_key, stmt.value, tirx.SeqStmt([tirx.Bind(var, value), stmt.body]))
+    return with_children(stmt, lambda s: _define_after(s, thread_tag, var, value))
+
+
+def _uniform_warpgroup_descriptors(func):
+    """``func`` with threadIdx.y, in the offsets of its wgmma descriptors, read through a variable set
+    once at the kernel's start to thread y of lane 0 (``__shfl_sync``)."""
+    extents = {attr.node.thread_tag: attr for attr in find(func.body, lambda n: isinstance(n, tirx.AttrStmt)
+                                                         and n.attr_key == "thread_extent")}
+    x, y = extents.get("threadIdx.x"), extents.get("threadIdx.y")
+    if y is None or x is None or not isinstance(x.value, tirx.IntImm) or x.value.value % 32:
+        return func
+    thread_y = y.node.var
+    warpgroup = tirx.Var("warpgroup", "int32")
+
+    def uniform(call):
+        if not (getattr(call.op, "name", "") == "tirx.cuda.func_call" and call.args[0].value == "tvmflash_wgmma_descriptor"):
+            return call
+        args = list(call.args)
+        args[2] = substitute(args[2], [(thread_y, warpgroup)])
+        return tvm.ir.expr.Call(call.op, args, call.attrs, ty_args=call.ty_args, span=call.span, ret_ty=call.ty)
+
+    body = tvm_ffi.structural_map(func.body, (tvm.ir.expr.Call, uniform))
+    if not find(body, lambda n: isinstance(n, tirx.Var) and n.same_as(warpgroup)):
+        return func
+    lane0 = tirx.call_extern("int32", "__shfl_sync", tirx.const(0xFFFFFFFF, "uint32"), thread_y, 0, 32)
+    return func.with_body(_define_after(body, "threadIdx.y", warpgroup, lane0))
+
+
+def UniformWarpgroupDescriptors():  # noqa: N802
+    """Before ``CommonSubexprElim`` (which would move the descriptors' offsets into let variables that
+    other statements share): read threadIdx.y in the wgmma descriptors' offsets through a variable
+    set once to lane 0's, as CUTLASS's canonical_warp_group_idx does.
+
+    threadIdx.y (the warpgroup) is the same across a warp where threadIdx.x spans whole warps, but
+    nvcc does not know that: the Q tile's descriptors, which depend on it, then sit in ordinary
+    registers and are moved to uniform ones before every wgmma (two R2UR and a constant move each,
+    16 of the 44 of a d128 K/V step's wgmma issue). After the shuffle they are uniform values."""
+    return prim_func_pass(_uniform_warpgroup_descriptors, "tvmflash.UniformWarpgroupDescriptors")

@@ -1,0 +1,172 @@
+"""tvmflash's TIR lowering pipeline: TVM 0.27's default pass list (``tvm/s_tir/pipeline.py``,
+``default_s_tir_pipeline``), written out once, with tvmflash's passes in their places.
+
+Every build, CPU and CUDA, the Kernel's and the tuner's, goes through ``build`` below, which runs
+``tvm.compile(mod, target, tir_pipeline=PIPELINE)``. Lines marked ``+`` are tvmflash's own
+(``passes.py``, ``tma.py``); lines marked ``fix`` work around TVM 0.27 (``tvm_fixes.py``); the rest
+is TVM's list as it stands, in its order.
+
+A build's options travel as attributes of its PrimFunc (``annotations.*_ATTR``), set by ``build``
+from the schedule's ``build_options``, and are read here when the pipeline runs.
+"""
+
+from __future__ import annotations
+
+import tvm
+from tvm import s_tir, tirx
+
+from tvmflash.lowering import passes, tma, tvm_fixes
+from tvmflash.lowering.annotations import (ASYNC_PROXY_OPERANDS_ATTR, HOIST_BLOCK_INDEX_CONDITIONS_ATTR,
+                                           TMA_BARRIER_PADDING_ATTR, TMA_BARRIER_PADDINGS)
+
+PIPELINE = "tvmflash"
+
+
+def options(mod: tvm.IRModule) -> dict:
+    """The build options that the module's PrimFuncs carry (``build`` sets them)."""
+    found = {}
+    for func in mod.functions.values():
+        for key in (ASYNC_PROXY_OPERANDS_ATTR, HOIST_BLOCK_INDEX_CONDITIONS_ATTR):
+            if func.attrs is not None and key in func.attrs:
+                found[key] = bool(func.attrs[key])
+    return found
+
+
+def passes_for(mod: tvm.IRModule, config) -> list:
+    """The pass list for ``mod`` under the current PassContext's ``config``."""
+    opts = options(mod)
+    pipeline = [
+        passes.ReverseLoops(),                                       # +
+        s_tir.transform.CanonicalizeLoop(),
+        s_tir.transform.LowerCrossThreadReduction(),
+        s_tir.transform.LowerInitBlock(),
+        s_tir.transform.PlanAndUpdateBufferAllocationLocation(),
+        s_tir.transform.ConvertBlocksToOpaque(),
+        s_tir.transform.LiftThreadBinding(),
+        s_tir.transform.ManifestSharedMemoryLocalStage(),
+        s_tir.transform.CompactBufferAllocation(),
+        s_tir.transform.LowerAutoCopy(),
+        s_tir.transform.UnifyThreadBinding(),
+        s_tir.transform.LowerMatchBuffer(),
+        s_tir.transform.StmtSimplify(),
+        tvm_fixes.CompactAgainAfterMatchBuffers(),                   # fix
+        s_tir.transform.InjectPermutedLayout(),
+        s_tir.transform.AnnotateIrregularLoop(),
+        s_tir.transform.InjectSoftwarePipeline(),
+        tma.LowerToTMA(),                                            # +
+        s_tir.transform.TransformMmaBufferLayout(),
+        s_tir.transform.LowerOpaqueBlock(),
+        passes.LowerPragmas(),                                       # +
+        tirx.transform.FlattenBuffer(),
+        tirx.transform.BF16ComputeLegalize(),
+        tirx.transform.NarrowDataType(32),
+        s_tir.transform.LoopPartition(),
+        tirx.transform.VectorizeLoop(not bool(config.get("tirx.disable_vectorize", False))),
+        s_tir.transform.InjectVirtualThread(),
+        s_tir.transform.InjectDoubleBuffer(),
+    ]
+    if not bool(config.get("tirx.disable_storage_rewrite", False)):
+        pipeline.append(tirx.transform.StorageRewrite())
+    if config.get("tirx.use_async_copy", False):
+        pipeline.append(s_tir.transform.LowerAsyncDMA())
+    pipeline += [
+        passes.HoistBlockIndexConditions() if opts.get(HOIST_BLOCK_INDEX_CONDITIONS_ATTR)  # +, sm90
+        else s_tir.transform.HoistIfThenElse(),
+        tirx.transform.UnrollLoop(),
+        s_tir.transform.RenormalizeSplitPattern(),
+        tirx.transform.StmtSimplify(),
+        tirx.transform.RemoveNoOp(),
+        s_tir.transform.RewriteUnsafeSelect(),
+    ]
+    if bool(config.get("tirx.instrument_bound_checkers", False)):
+        pipeline.append(s_tir.transform.InstrumentBoundCheckers())
+    if bool(config.get("tirx.s_tir.ldg32", False)):
+        pipeline.append(s_tir.transform.InjectPTXLDG32(True))
+    if not bool(config.get("tirx.disable_cse_tir", False)):
+        pipeline += [passes.UniformWarpgroupDescriptors(),          # + (before CSE shares the offsets)
+                     tirx.transform.CommonSubexprElim()]
+    if bool(config.get("tirx.instrument_lwp", False)):
+        pipeline.append(s_tir.transform.InstrumentProfileIntrinsics())
+    pipeline += [
+        tirx.transform.FP8ComputeLegalize(),
+        s_tir.transform.VerifyVTCMLimit(),
+        s_tir.transform.LowerVtcmAlloc(),
+        tirx.transform.VerifyMemory(),
+        tirx.transform.AnnotateEntryFunc(),
+        s_tir.transform.ThreadSync("shared"),
+        s_tir.transform.ThreadSync("shared.dyn"),
+        passes.OneBarrierPerPipelinedStep(),                         # +
+        # fix: no ThreadSync("warp"). The barriers it plans for "warp"-scope buffers are never emitted
+        # for CUDA (those buffers become registers), but in TVM 0.27 it aborts a build whose mma
+        # accumulator rescale sits under a block-uniform guard ("Cannot insert syncs inside
+        # condition"), as InjectSoftwarePipeline writes around the epilogue of a pipeline over the
+        # symbolic number of K/V tiles.
+        tma.NameConsumerBarriers(),                                  # + (after the last ThreadSync)
+        s_tir.transform.InferFragment(),
+        s_tir.transform.LowerThreadAllreduce(),
+    ]
+    if bool(config.get("tirx.use_async_copy", False)):
+        pipeline.append(s_tir.transform.InjectPTXAsyncCopy())
+    if bool(config.get("tirx.s_tir.ldg32", False)):
+        pipeline.append(s_tir.transform.InjectPTXLDG32())
+    pipeline += [
+        s_tir.transform.MergeSharedMemoryAllocations(),
+        tma.CheckTileAlignment(),                                    # + (where the tiles landed; see build)
+        # (after the merge, which rewrites the pointers of TVM's own cp.async but not of a call of ours)
+        tvm_fixes.ZeroFillingCpAsync(),                              # fix
+        tvm_fixes.ConstantAsyncWaitCounts(proxy_fence=opts.get(ASYNC_PROXY_OPERANDS_ATTR, False)),  # fix
+        tirx.transform.SplitHostDevice(),
+        tvm_fixes.LaunchBoundsOnKernels(),                           # fix
+        tirx.transform.MakePackedAPI(),
+        tirx.transform.FP8StorageLegalize(),
+        tirx.transform.BF16StorageLegalize(),
+    ]
+    return pipeline
+
+
+def _finalize_host_passes():
+    return tvm.transform.Sequential([tirx.transform.LowerTVMBuiltin(), tirx.transform.LowerIntrin()])
+
+
+def _finalize_device_passes():
+    return tvm.transform.Sequential([
+        tvm_fixes.LowerWarpMemoryToFixpoint(),                       # fix
+        tirx.transform.StmtSimplify(),
+        tirx.transform.LowerIntrin(),
+    ])
+
+
+def _factory():
+    @tvm.transform.module_pass(opt_level=0, name="tvmflash.Pipeline")
+    def run(mod, _ctx):
+        return tvm.transform.Sequential(passes_for(mod, tvm.transform.PassContext.current().config))(mod)
+    return run, _finalize_host_passes, _finalize_device_passes
+
+
+tirx.register_tir_pipeline(PIPELINE, _factory)  # TVM's extension point for a pipeline of one's own
+
+
+def build(mod: tvm.IRModule, target: tvm.target.Target, *, pass_config: dict | None = None,
+          async_proxy_operands: bool = False, hoist_block_index_conditions: bool = False):
+    """``tvm.compile`` a scheduled module through this pipeline.
+
+    pass_config: the PassContext config (the schedule's ``PASS_CONFIG``). async_proxy_operands: the
+    tensor-core operands are read through the async proxy (wgmma), so each cp.async wait is followed
+    by a proxy fence. hoist_block_index_conditions: ``passes.HoistBlockIndexConditions`` instead of
+    TVM's HoistIfThenElse. A TMA build whose tiles ``tma.CheckTileAlignment`` finds off the
+    swizzle's 1024-byte boundary is built again with larger barriers (``TMA_BARRIER_PADDINGS``), and
+    raises ``tma.MisalignedTiles`` if none fits.
+    """
+    def with_options(func, padding):
+        return (func.with_attr(ASYNC_PROXY_OPERANDS_ATTR, async_proxy_operands)
+                .with_attr(HOIST_BLOCK_INDEX_CONDITIONS_ATTR, hoist_block_index_conditions)
+                .with_attr(TMA_BARRIER_PADDING_ATTR, padding))
+
+    for padding in TMA_BARRIER_PADDINGS:  # until the TMA tiles sit on 1024-byte boundaries (one try, mostly)
+        optioned = tvm.IRModule({gvar: with_options(func, padding) for gvar, func in mod.functions.items()})
+        with tvm.transform.PassContext(opt_level=3, config=pass_config or {}):
+            try:
+                return tvm.compile(optioned, target=target, tir_pipeline=PIPELINE)
+            except tma.MisalignedTiles as err:
+                misaligned = err
+    raise misaligned
