@@ -271,6 +271,9 @@ def quad_rows_intrin(sch, block, n_rows: int, warps: int = 1) -> str:
             if 'scope="local"' not in rest:
                 raise ValueError(f"quad_rows_intrin: {node.name_hint} reads {name}, not a local scalar")
             scalars[name] = rest.replace(", layout=None", "")
+        elif re.match(r"^    \w+ = T\.Buffer\(", line):  # a buffer of another shape: not a per-row block
+            raise ValueError(f"quad_rows_intrin: {node.name_hint} accesses a buffer that is neither per-row "
+                             f"(n, 8) nor a scalar: {line.strip()}")
         elif line.startswith("    T.reads(") or line.startswith("    T.writes("):
             accesses.append(line[4:])
         elif line.startswith("    T.") and not line.startswith("    T.Cast") and "] = " not in line:
