@@ -296,8 +296,10 @@ def test_database_round_trip(cache_dir):
 
 def test_records_never_cross_devices_or_targets(cache_dir):
     mine = database.device_key(CPU)
+    # Another CPU's target, whatever this host is (on a znver4 host "llvm znver4" is the host's own).
+    another_target = next(t for t in ("llvm znver4", "llvm sapphirerapids") if t != mine["target"])
     other = [
-        {"target": "llvm znver4"},  # same device file, other target
+        {"target": another_target},  # same device file, other target
         {"device": mine["device"].replace("cores", "cores-other")},  # other CPU
         {"tvm": "0.26.0"},  # other TVM
         {"tvmflash": "0.0.1"},
