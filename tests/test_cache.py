@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import tvmflash
@@ -44,6 +45,65 @@ def test_corrupt_cache_file_is_rebuilt(tmp_path, monkeypatch):
     again = run_in_new_process(tmp_path)
     (module,) = again["info"]["modules"].values()
     assert module["origin"] == "built"
+
+
+TRUNCATE_SCRIPT = """
+import warnings, torch, tvmflash
+from tvmflash import kernel as kernels
+kernel = tvmflash.compile(head_dim=32, dtype="float32", causal=True, target="cpu")
+path = kernel.module(2, 1).path
+q, k, v = torch.randn(1, 9, 2, 32), torch.randn(1, 7, 1, 32), torch.randn(1, 7, 1, 32)
+for size in (1000, 4096, 20000):
+    with open(path, "r+b") as f:  # cut in place, as a full disk or a killed copy leaves it
+        f.truncate(size)
+    kernels._MODULES.clear()
+    kernel._modules.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        module = kernel.module(2, 1)
+    assert module.origin == "built", module
+    assert any(f"rebuilding cached module {path}: it has {size} bytes" in str(w.message) for w in caught), caught
+    assert torch.isfinite(kernel(q, k, v)).all()
+print("ok")
+"""
+
+
+def test_truncated_module_is_rebuilt_not_loaded(tmp_path):
+    """A cached library cut short crashed the loader (a bus error, exit 135) in every later process:
+    its size and hash are checked against its metadata before it is loaded."""
+    env = dict(os.environ, TVMFLASH_CACHE_DIR=str(tmp_path))
+    done = subprocess.run([sys.executable, "-c", TRUNCATE_SCRIPT], env=env, capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", (done.returncode, done.stderr[-2000:])
+
+
+def test_module_with_broken_metadata_is_listed_cleared_and_rebuilt(tmp_path, monkeypatch, capsys):
+    """A module whose .json is garbage or missing is not loaded unchecked: it is rebuilt, and until
+    then ``cache ls`` lists it as unusable and ``cache clear`` counts it."""
+    from tvmflash import cli
+    from tvmflash import kernel as kernels
+
+    monkeypatch.setenv("TVMFLASH_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(kernels, "_KERNELS", {})  # nothing built in another test's cache dir
+    monkeypatch.setattr(kernels, "_MODULES", {})
+    kernel = tvmflash.compile(head_dim=32, dtype="float32", target="cpu")
+    path = kernel.module(1, 1).path
+    meta = tmp_path / "modules" / (os.path.basename(path)[:-3] + ".json")
+    for broken in ("garbage", None):
+        if broken is None:
+            meta.unlink()
+        else:
+            meta.write_text(broken)
+        assert cli.main(["cache", "ls"]) == 0
+        listed = capsys.readouterr().out
+        assert "cached modules: 1" in listed and "unusable: its metadata" in listed, listed
+        monkeypatch.setattr(kernels, "_MODULES", {})
+        kernel._modules.clear()
+        with pytest.warns(UserWarning, match="rebuilding cached module .*: its metadata"):
+            assert kernel.module(1, 1).origin == "built"
+    meta.write_text("garbage")
+    assert cli.main(["cache", "clear"]) == 0
+    assert "deleting 1 cached modules" in capsys.readouterr().out
+    assert not os.path.exists(path)
 
 
 def test_cache_listing(tmp_path, monkeypatch):

@@ -32,6 +32,9 @@ def _info(args) -> int:
 def _print_modules(entries) -> None:
     print(f"cached modules: {len(entries)}")
     for e in entries:
+        if "problem" in e:  # rebuilt when next used
+            print(f"  {e['key']}  unusable: {e['problem']}  {e['bytes'] // 1024} KiB")
+            continue
         spec = e.get("spec", {})
         print(f"  {e.get('key')}  {e.get('schedule')}  d{spec.get('head_dim')} {spec.get('dtype')} "
               f"{'causal' if spec.get('causal') else 'full'} hq{spec.get('heads_q')}/hkv{spec.get('heads_kv')}  "

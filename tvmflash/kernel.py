@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import math
 import threading
 import time
 import warnings
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -201,6 +199,10 @@ class Kernel:
         path = cache.module_dir() / f"{key}.so"
         if not (_runnable_here(self.target) and path.exists()):
             return None
+        problem = cache.module_problem(path)
+        if problem:  # checked first: a truncated library can crash the loader (a bus error)
+            warnings.warn(f"tvmflash: rebuilding cached module {path}: {problem}", stacklevel=3)
+            return None
         start = time.perf_counter()
         try:
             function = tvm.runtime.load_module(str(path))["main"]
@@ -223,11 +225,10 @@ class Kernel:
             return _Module(None, source, "built", None, seconds)
         path = cache.module_dir() / f"{key}.so"
         try:
-            cache.atomic_write(path, executable.export_library)
             meta = {"key": key, "spec": asdict(spec), "knobs": self.knobs, "target": str(self.target),
                     "schedule": schedule_registry.name_of(self.schedule), "tvm": tvm.__version__,
                     "tvmflash": _version(), "created": time.strftime("%Y-%m-%d %H:%M:%S")}
-            cache.atomic_write(path.with_suffix(".json"), lambda tmp: Path(tmp).write_text(json.dumps(meta, indent=1)))
+            cache.write_module(path, executable.export_library, meta)
         except Exception as err:  # noqa: BLE001 - caching is an optimisation, never a failure
             warnings.warn(f"tvmflash: could not write {path} to the disk cache: {err}", stacklevel=3)
             path = None
