@@ -340,6 +340,23 @@ def test_corrupt_database_is_skipped_with_a_warning(cache_dir):
         assert database.read(path) == []
 
 
+def test_records_with_wrong_fields_are_skipped_with_a_warning(cache_dir):
+    """Valid JSON with wrong fields was listed, silently, as 'None None dNone ... nan ms'."""
+    good = database.new_record(CPU, "cpu", WORKLOAD, {"block_m": 16}, 1.0)
+    bad = [{"hello": 1}, {**good, "knobs": "fast"}, {**good, "mean_ms": "1 ms"}, {**good, "workload": {"head_dim": 32}}, 7]
+    path = database.user_dir() / "records.json"
+    database.write(path, [good, *bad])
+    with pytest.warns(UserWarning, match=r"skipping record \d of tuning database") as caught:
+        assert database.read(path) == [good]
+    assert len(caught) == len(bad)
+    for shipped in database.SHIPPED_DIR.glob("*.json"):  # the shipped records are all well formed
+        data = json.loads(shipped.read_text())
+        assert all(database.record_problem(r) is None for r in data["records"])
+    done = cli("cache", "ls", env_dir=cache_dir)
+    assert done.returncode == 0 and "None" not in done.stdout and "nan ms" not in done.stdout, done.stdout
+    assert done.stderr.count("skipping record") == len(bad), done.stderr
+
+
 def test_concurrent_writers_keep_both_records(cache_dir):
     script = textwrap.dedent("""
         import sys

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import math
 import re
 import time
 import warnings
@@ -66,18 +67,46 @@ def user_dir() -> Path:
     return cache.cache_dir() / "tuning"
 
 
+# The fields a record must have, and their types (``read`` skips a record that lacks one).
+RECORD_FIELDS = {"device": str, "target": str, "tvm": str, "tvmflash": str, "schedule": str, "workload": dict,
+                 "knobs": dict, "mean_ms": (int, float)}
+WORKLOAD_FIELDS = {"head_dim": int, "dtype": str, "causal": bool}
+
+
+def record_problem(record) -> str | None:
+    """None for a well-formed record, else what is wrong with it."""
+    if not isinstance(record, dict):
+        return f"expected a JSON object, got {type(record).__name__}"
+    for fields, where in ((RECORD_FIELDS, record), (WORKLOAD_FIELDS, record.get("workload", {}))):
+        for name, kind in fields.items():
+            value = where.get(name)
+            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+                return f"field {name!r}: expected {getattr(kind, '__name__', 'a number')}, got {value!r}"
+    if not (math.isfinite(record["mean_ms"]) and record["mean_ms"] > 0):
+        return f"field 'mean_ms': expected a positive time, got {record['mean_ms']!r}"
+    return None
+
+
 def read(path: Path) -> list[dict]:
-    """The records in one file; [] with a warning if it is missing a piece or is not JSON."""
+    """The well-formed records in one file (``record_problem``); [] with a warning if the file is
+    missing a piece or is not JSON, and a warning for each record skipped."""
     if not path.exists():
         return []
     try:
         data = json.loads(path.read_text())
         if data.get("format") != FORMAT or not isinstance(data.get("records"), list):
             raise ValueError(f"expected {{'format': {FORMAT}, 'records': [...]}}")
-        return data["records"]
     except (OSError, ValueError, AttributeError) as err:
         warnings.warn(f"tvmflash: skipping unreadable tuning database {path}: {err}", stacklevel=2)
         return []
+    records = []
+    for n, record in enumerate(data["records"]):
+        problem = record_problem(record)
+        if problem:
+            warnings.warn(f"tvmflash: skipping record {n} of tuning database {path}: {problem}", stacklevel=2)
+        else:
+            records.append(record)
+    return records
 
 
 @contextlib.contextmanager
