@@ -125,3 +125,17 @@ def test_bad_target():
 def test_unknown_knob():
     with pytest.raises(ValueError, match=r"knobs: \['blockm'\] are not knobs of the cpu schedule"):
         tvmflash.compile(head_dim=64, dtype="float16", target="cpu", knobs={"blockm": 16})
+
+
+@pytest.mark.parametrize("flag", ["no", 1, None, torch.tensor(True)], ids=["str", "int", "none", "tensor"])
+def test_boolean_options_take_booleans(kernel, flag):
+    """``causal="no"`` ran causal (bool("no") is True): every boolean option takes True or False only."""
+    q, k, v = qkv(kv_shape=(1, 8, 4, 64))
+    with pytest.raises(TypeError, match=r"causal: expected True or False, got"):
+        tvmflash.compile(head_dim=64, dtype="float16", target="cpu", causal=flag)
+    with pytest.raises(TypeError, match=r"causal: expected True or False, got"):
+        tvmflash.attention(q, k, v, causal=flag)
+    with pytest.raises(TypeError, match=r"return_lse: expected True or False, got"):
+        tvmflash.attention(q, k, v, return_lse=flag)
+    with pytest.raises(TypeError, match=r"return_lse: expected True or False, got"):
+        kernel(q, k, v, return_lse=flag)

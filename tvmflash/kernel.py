@@ -55,6 +55,13 @@ def resolve_softmax_scale(softmax_scale, head_dim: int) -> float:
     return float(softmax_scale)
 
 
+def check_flag(name: str, value) -> bool:
+    """A boolean option: True or False; anything else (``causal="no"``, 1, None) is a TypeError."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected True or False, got {value!r}")
+    return value
+
+
 def build_options(schedule) -> dict:
     """What a schedule module asks of ``build_module`` (plain values: the tuner's builder workers
     receive them pickled): its PassContext config, whether its tensor-core operands are read
@@ -274,6 +281,7 @@ class Kernel:
 
     def __call__(self, q, k, v, *, softmax_scale=None, out=None, return_lse=False):
         """Attention of q over k, v. See the class docstring for the shapes."""
+        check_flag("return_lse", return_lse)
         self._check(q, k, v, out)
         # The module takes compact tensors. Views with a contiguous last dim (a packed qkv's
         # unbind, say) are copied once here rather than refused.
@@ -374,15 +382,16 @@ def compile(*, head_dim: int, dtype, causal: bool = False, target=None, knobs: d
     Modules are cached in memory and on disk (``$TVMFLASH_CACHE_DIR``, else ``~/.cache/tvmflash``).
     """
     dtype = _dtype_name(dtype)
-    program.AttentionSpec(head_dim, dtype, bool(causal))  # validates head_dim and dtype
+    check_flag("causal", causal)
+    program.AttentionSpec(head_dim, dtype, causal)  # validates head_dim and dtype
     resolved = targets.resolve(target)
     # TVMFLASH_SM90 is in the key: it may change the schedule for the same target. The records
     # that choose_schedule reads are read once, when the Kernel is made (as its tuned knobs are):
     # compile() runs on every tvmflash.attention call, so a cached one reads no file.
-    key = cache.digest([head_dim, dtype, bool(causal), str(resolved), knobs, schedule_registry.sm90_setting()])
+    key = cache.digest([head_dim, dtype, causal, str(resolved), knobs, schedule_registry.sm90_setting()])
     kernel = _KERNELS.get(key)
     if kernel is None:
-        kernel = _KERNELS[key] = Kernel({"head_dim": head_dim, "dtype": dtype, "causal": bool(causal)}, resolved, knobs)
+        kernel = _KERNELS[key] = Kernel({"head_dim": head_dim, "dtype": dtype, "causal": causal}, resolved, knobs)
     if heads_q is not None:
         kernel.module(heads_q, heads_kv if heads_kv is not None else heads_q)
     return kernel

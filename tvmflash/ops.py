@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from tvmflash import target as targets
-from tvmflash.kernel import compile, resolve_softmax_scale
+from tvmflash.kernel import check_flag, compile, resolve_softmax_scale
 
 
 def kernel_for(q: torch.Tensor, causal: bool):
@@ -63,6 +63,8 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale=None, return_lse: 
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if q.dim() != 4:
         raise ValueError(f"q: expected 4 dims (batch, seqlen, heads, head_dim), got shape {tuple(q.shape)}")
+    check_flag("causal", causal)
+    check_flag("return_lse", return_lse)
     softmax_scale = resolve_softmax_scale(softmax_scale, q.shape[-1])
-    out, lse = forward(q, k, v, bool(causal), softmax_scale)
+    out, lse = forward(q, k, v, causal, softmax_scale)
     return (out, lse) if return_lse else out
