@@ -155,11 +155,14 @@ def lookup(target: tvm.target.Target, schedule: str, workload: dict) -> dict | N
     """
     want = {**device_key(target), "schedule": schedule, "workload": workload}
     name = slug(want["device"]) + ".json"
-    knobs = set(getattr(schedule_registry, schedule).KNOBS)
+    module = getattr(schedule_registry, schedule)
+    knobs = set(module.KNOBS)
     for path in (user_dir() / name, SHIPPED_DIR / name):
         # A record without one of the schedule's knobs was tuned before that knob existed: the
         # schedule it measured is not the one its knobs would build now.
-        matches = [r for r in read(path) if _same_key(r, want) and knobs <= set(r["knobs"])]
+        # A record whose knob takes a value the schedule does not is not used either.
+        matches = [r for r in read(path) if _same_key(r, want) and knobs <= set(r["knobs"]) and not any(
+            schedule_registry.knob_problem(module, n, v) for n, v in r["knobs"].items() if n in knobs)]
         if matches:
             best = min(matches, key=lambda r: r["mean_ms"])
             return {**best, "source": str(path)}

@@ -122,6 +122,10 @@ class Kernel:
                 f"knobs: {sorted(unknown)} are not knobs of the {schedule_name} schedule; it has "
                 f"{sorted(self.schedule.KNOBS)}"
             )
+        for name, value in (knobs or {}).items():
+            problem = schedule_registry.knob_problem(self.schedule, name, value)
+            if problem:
+                raise ValueError(problem)
         # Knobs: the caller's, else the tuned ones for this GPU (if `tvmflash tune` or the shipped
         # logs have them), else the schedule's defaults.
         if knobs:
