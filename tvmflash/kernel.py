@@ -114,6 +114,10 @@ class Kernel:
         self.dtype = spec_args["dtype"]
         self.causal = spec_args["causal"]
         self.target = target
+        # Plain values for the call path (torch.compile traces no TVM object).
+        self._cuda, self._target_name = targets.is_cuda(target), targets.describe(target)
+        self._device_type, self._torch_dtype = "cuda" if self._cuda else "cpu", TORCH_DTYPES[self.dtype]
+        self.key = kernel_key(spec_args, target, knobs)
         self.schedule, self.schedule_source, records = choose_schedule(target, spec_args, knobs)
         schedule_name = schedule_registry.name_of(self.schedule)
         unknown = set(knobs or {}) - set(self.schedule.KNOBS)
@@ -144,6 +148,7 @@ class Kernel:
         self._fit_shared_memory(given=bool(knobs))
         self._modules: dict[tuple[int, int], _Module] = {}
         self._last: tuple[int, int] | None = None
+        _BY_KEY[self.key] = self
 
     def _fit_shared_memory(self, given: bool) -> None:
         """Knobs whose tiles need more shared memory than the target allows: an error for the
@@ -286,29 +291,50 @@ class Kernel:
     def __call__(self, q, k, v, *, softmax_scale=None, out=None, return_lse=False):
         """Attention of q over k, v. See the class docstring for the shapes."""
         check_flag("return_lse", return_lse)
+        softmax_scale = resolve_softmax_scale(softmax_scale, self.head_dim)
+        if torch.compiler.is_compiling():  # torch.compile traces a custom op, which calls back here at run time
+            return ops.kernel_call(self, q, k, v, softmax_scale, out, return_lse)
         self._check(q, k, v, out)
+        self._check_memory(q, k, v, out)
         # The module takes compact tensors. Views with a contiguous last dim (a packed qkv's
         # unbind, say) are copied once here rather than refused.
         q, k, v = (t if t.is_contiguous() else t.contiguous() for t in (q, k, v))
         batch, seqlen_q, heads_q, _ = q.shape
         heads_kv = k.shape[2]
-        softmax_scale = resolve_softmax_scale(softmax_scale, self.head_dim)
         if out is None:
-            out = torch.empty_like(q, memory_format=torch.contiguous_format)
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device)
-        module = self.module(heads_q, heads_kv)
+        module = self._modules.get((heads_q, heads_kv)) or self.module(heads_q, heads_kv)
         if module.function is None:
-            raise RuntimeError(f"this {targets.describe(self.target)} kernel was cross-compiled: there is no GPU here to run it on")
+            raise RuntimeError(f"this {self._target_name} kernel was cross-compiled: there is no GPU here to run it on")
         if out.numel() and not k.shape[1]:
             # No key at all: every row sees none (0, and an LSE of -inf). Answered here, as the TMA
             # builds' tensor maps cannot describe an empty K or V.
             out.zero_()
             lse.fill_(-math.inf)
         elif out.numel():
-            module.function(q, k, v, out, lse, float(softmax_scale))
+            module.function(q, k, v, out, lse, softmax_scale)
         return (out, lse) if return_lse else out
 
     def _check(self, q, k, v, out) -> None:
+        """Types, shapes, dtypes and devices (what torch.compile's fake tensors have too). The
+        common case is one test (this runs at every call); ``_explain`` says what is wrong."""
+        want = self._torch_dtype
+        try:
+            qs, ks, device = q.shape, k.shape, q.device
+            if (q.dtype is want and k.dtype is want and v.dtype is want and len(qs) == 4 and len(ks) == 4
+                    and qs[3] == self.head_dim and ks == v.shape and ks[3] == self.head_dim and qs[0] == ks[0]
+                    and ks[2] and not qs[2] % ks[2] and device.type == self._device_type and k.device == device
+                    and v.device == device and (out is None or (isinstance(out, torch.Tensor) and out.shape == qs
+                                                                and out.dtype is want and out.device == device))):
+                return
+        except (AttributeError, TypeError):
+            pass
+        self._explain(q, k, v, out)
+        raise ValueError(f"q, k, v, out: unexpected arguments {q!r}, {k!r}, {v!r}, {out!r}")  # pragma: no cover
+
+    def _explain(self, q, k, v, out) -> None:
+        """Raise the error that says what is wrong with the arguments (``_check``'s slow path)."""
         for name, t in (("q", q), ("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -329,25 +355,39 @@ class Kernel:
         for name, t in (("k", k), ("v", v)):
             if t.device != q.device:
                 raise ValueError(f"{name}: expected device {q.device} (q's), got {t.device}")
-        cuda = targets.is_cuda(self.target)
-        if q.device.type != ("cuda" if cuda else "cpu"):
-            raise ValueError(f"q: the kernel was built for {targets.describe(self.target)}, got a tensor on {q.device}")
+        if q.device.type != self._device_type:
+            raise ValueError(f"q: the kernel was built for {self._target_name}, got a tensor on {q.device}")
+        if out is not None and (not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype
+                                or out.device != q.device):
+            raise ValueError(f"out: expected a tensor of q's shape {tuple(q.shape)}, dtype and device, got "
+                             f"{getattr(out, 'shape', out)!r}")
+
+    def _check_memory(self, q, k, v, out) -> None:
+        """Strides, sizes and alignment (real tensors only)."""
         for name, t in (("q", q), ("k", k), ("v", v)):
             if t.numel() and t.shape[3] > 1 and t.stride(3) != 1:
                 raise ValueError(f"{name}: expected a contiguous last dim (stride 1), got strides {t.stride()}")
             if t.numel() > _INT32_MAX:
                 raise ValueError(f"{name}: tensors of more than 2**31 elements are not supported, got shape {tuple(t.shape)}")
-            if cuda and t.data_ptr() % 16:
+            if self._cuda and t.data_ptr() % 16:
                 raise ValueError(f"{name}: expected a 16-byte aligned data pointer, got {t.data_ptr():#x}")
-        if out is not None:
-            if not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
-                raise ValueError(f"out: expected a tensor of q's shape {tuple(q.shape)}, dtype and device, got "
-                                 f"{getattr(out, 'shape', out)!r}")
-            if not out.is_contiguous():
-                raise ValueError(f"out: expected a contiguous tensor, got strides {out.stride()}")
+        if out is not None and not out.is_contiguous():
+            raise ValueError(f"out: expected a contiguous tensor, got strides {out.stride()}")
 
 
-_KERNELS: dict[str, Kernel] = {}
+_KERNELS: dict[str, Kernel] = {}  # compile()'s, by kernel_key; forget_kernels() empties it
+_BY_KEY: dict[str, Kernel] = {}  # the Kernel of each key a torch.compile'd graph may name (never emptied)
+
+
+def kernel_key(spec_args: dict, target: tvm.target.Target, knobs: dict | None) -> str:
+    """What names a Kernel: its spec, target and given knobs, and TVMFLASH_SM90 (it may change the
+    schedule for the same target)."""
+    return cache.digest([spec_args, str(target), knobs, schedule_registry.sm90_setting()])
+
+
+def by_key(key: str) -> Kernel:
+    """The Kernel a custom op's ``kernel`` argument names (``Kernel.key``)."""
+    return _BY_KEY[key]
 
 
 def choose_schedule(target: tvm.target.Target, spec_args: dict,
@@ -392,10 +432,11 @@ def compile(*, head_dim: int, dtype, causal: bool = False, target=None, knobs: d
     # TVMFLASH_SM90 is in the key: it may change the schedule for the same target. The records
     # that choose_schedule reads are read once, when the Kernel is made (as its tuned knobs are):
     # compile() runs on every tvmflash.attention call, so a cached one reads no file.
-    key = cache.digest([head_dim, dtype, causal, str(resolved), knobs, schedule_registry.sm90_setting()])
+    spec_args = {"head_dim": head_dim, "dtype": dtype, "causal": causal}
+    key = kernel_key(spec_args, resolved, knobs)
     kernel = _KERNELS.get(key)
     if kernel is None:
-        kernel = _KERNELS[key] = Kernel({"head_dim": head_dim, "dtype": dtype, "causal": causal}, resolved, knobs)
+        kernel = _KERNELS[key] = Kernel(spec_args, resolved, knobs)
     if heads_q is not None:
         kernel.module(heads_q, heads_kv if heads_kv is not None else heads_q)
     return kernel
@@ -405,6 +446,7 @@ def forget_kernels() -> None:
     """Drop the in-memory Kernels, so the next ``compile()`` looks up tuned knobs afresh (after
     ``tvmflash tune`` wrote new ones). Built modules stay cached."""
     _KERNELS.clear()
+    ops.KERNELS_FOR.clear()
 
 
 def _dtype_name(dtype) -> str:
@@ -418,3 +460,6 @@ def _version() -> str:
     from tvmflash import __version__
 
     return __version__
+
+
+from tvmflash import ops  # noqa: E402 - Kernel.__call__ traces through its custom ops (ops imports this module)
