@@ -20,11 +20,11 @@ import time
 import warnings
 from pathlib import Path
 
-import tvm
-
 from tvmflash import cache
-from tvmflash import schedules as schedule_registry
-from tvmflash import target as targets
+
+# TVM (and the schedules and targets, which import it) load where a record is made or looked up:
+# listing, showing, exporting and clearing records (``tvmflash cache``) start in a fraction of a
+# second without them.
 
 FORMAT = 1
 # What makes two records the same entry: one best record per key.
@@ -42,9 +42,12 @@ def _shipped_dir() -> Path:
 SHIPPED_DIR = _shipped_dir()
 
 
-def device_key(target: tvm.target.Target) -> dict:
+def device_key(target) -> dict:
     """What a record is keyed by, besides the workload: the device, the target and the versions."""
+    import tvm
+
     from tvmflash import __version__
+    from tvmflash import target as targets
 
     if targets.is_cuda(target):
         import torch
@@ -147,12 +150,14 @@ def add(record: dict, path: Path | None = None) -> Path:
     return path
 
 
-def lookup(target: tvm.target.Target, schedule: str, workload: dict) -> dict | None:
+def lookup(target, schedule: str, workload: dict) -> dict | None:
     """The best record for this device, target, versions, schedule and workload, or None.
 
     The user's records are searched first, then the shipped ones. Records that lack one of the
     schedule's knobs (tuned before the schedule had it) are passed over.
     """
+    from tvmflash import schedules as schedule_registry
+
     want = {**device_key(target), "schedule": schedule, "workload": workload}
     name = slug(want["device"]) + ".json"
     module = getattr(schedule_registry, schedule)

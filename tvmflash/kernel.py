@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import threading
 import time
 import warnings
@@ -11,12 +12,17 @@ from types import ModuleType
 from typing import Any
 
 import torch
-import tvm
 
-from tvmflash import cache, database, program, tma, tvm_workarounds
-from tvmflash import schedules as schedule_registry
-from tvmflash import target as targets
-from tvmflash.program import AttentionSpec
+# TVM's CPU thread pool starts with one thread per two cores; use every core torch uses, unless
+# the user chose (TVM reads this when its pool starts, at the first CPU kernel call).
+os.environ.setdefault("TVM_NUM_THREADS", str(torch.get_num_threads()))
+
+import tvm  # noqa: E402
+
+from tvmflash import cache, database, program, tma, tvm_workarounds  # noqa: E402
+from tvmflash import schedules as schedule_registry  # noqa: E402
+from tvmflash import target as targets  # noqa: E402
+from tvmflash.program import AttentionSpec  # noqa: E402
 
 TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 _INT32_MAX = 2**31 - 1
