@@ -106,6 +106,47 @@ def test_module_with_broken_metadata_is_listed_cleared_and_rebuilt(tmp_path, mon
     assert not os.path.exists(path)
 
 
+def test_cross_compile_is_cached_on_disk(tmp_path, monkeypatch, caplog):
+    """A cross-compile (no GPU to build a library for) took its 30-40 s every time, printing nothing,
+    and was not written to the disk cache: its CUDA source is, and builds and loads are logged."""
+    import logging
+
+    from tvmflash import kernel as kernels
+
+    monkeypatch.setenv("TVMFLASH_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a machine without a GPU, whatever this one is
+    for fresh in range(2):  # a new process, as far as the kernels and modules in memory go
+        monkeypatch.setattr(kernels, "_KERNELS", {})
+        monkeypatch.setattr(kernels, "_MODULES", {})
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="tvmflash"):
+            kernel = tvmflash.compile(head_dim=32, dtype="float32", target="sm80", heads_q=2)
+        module = kernel.module(2, 2)
+        assert module.path and module.path.endswith("-source.cu") and "__global__" in module.source
+        if fresh:
+            assert module.origin == "disk cache" and module.source == source and "loaded" in caplog.text
+        else:
+            assert module.origin == "built" and "building d32 float32 hq2/hkv2 for cuda sm_80" in caplog.text
+            source = module.source
+    (entry,) = cache.list_modules()
+    assert entry["path"] == module.path and "problem" not in entry
+
+
+def test_cache_listing_tells_modules_apart(tmp_path, monkeypatch, capsys):
+    """Modules of one spec built with other knobs (or targets, or code) were listed alike."""
+    from tvmflash import cli
+    from tvmflash import kernel as kernels
+
+    monkeypatch.setenv("TVMFLASH_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(kernels, "_KERNELS", {})
+    monkeypatch.setattr(kernels, "_MODULES", {})
+    for knobs in (None, {"block_m": 32}):
+        tvmflash.compile(head_dim=32, dtype="float32", target="cpu", knobs=knobs, heads_q=3)
+    assert cli.main(["cache", "ls"]) == 0
+    lines = [line.split()[1:-3] for line in capsys.readouterr().out.splitlines() if " cpu " in line]
+    assert len(lines) == 2 and lines[0] != lines[1], lines  # (key, size and date aside)
+
+
 def test_cache_listing(tmp_path, monkeypatch):
     monkeypatch.setenv("TVMFLASH_CACHE_DIR", str(tmp_path))
     run_in_new_process(tmp_path)

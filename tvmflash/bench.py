@@ -214,8 +214,9 @@ def run(*, device=None, dtype="bfloat16", head_dims=(64, 128), causal=(False, Tr
              ", ".join(f"{name} {us:.0f} us" for name, us in results[0].host_us.items()))
     for kernel in kernels:  # what ran: schedule and knobs (tuned, defaults or given)
         info = kernel.info()
+        source = info["knobs_source"].split(" (")[0]
         echo(f"kernel d{info['head_dim']} {'causal' if info['causal'] else 'full'}: {info['schedule']} schedule, "
-             f"{info['knobs_source'].split(' (')[0]} knobs {info['knobs']}")
+             f"{'default' if source == 'defaults' else source} knobs {info['knobs']}")
     return results
 
 

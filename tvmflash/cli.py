@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 
@@ -36,9 +37,13 @@ def _print_modules(entries) -> None:
             print(f"  {e['key']}  unusable: {e['problem']}  {e['bytes'] // 1024} KiB")
             continue
         spec = e.get("spec", {})
+        target = json.loads(e["target"]) if str(e.get("target", "")).startswith("{") else {}
+        kind = f"{target.get('kind', '?')} {target.get('arch') or target.get('mcpu') or ''}".strip()
+        # what tells modules of one spec apart: the target, the knobs, the code they were built from
         print(f"  {e.get('key')}  {e.get('schedule')}  d{spec.get('head_dim')} {spec.get('dtype')} "
               f"{'causal' if spec.get('causal') else 'full'} hq{spec.get('heads_q')}/hkv{spec.get('heads_kv')}  "
-              f"{e['bytes'] // 1024} KiB  {e.get('created', '')}")
+              f"{kind}{' (CUDA source)' if e['path'].endswith('.cu') else ''}  {json.dumps(e.get('knobs'), sort_keys=True)}  "
+              f"code {str(e.get('code', '?'))[:8]}  {e['bytes'] // 1024} KiB  {e.get('created', '')}")
 
 
 def _compile(args) -> int:
@@ -226,6 +231,12 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     p = parser()
     args = p.parse_args(argv)
+    log = logging.getLogger("tvmflash")  # what is built or loaded, and how long it took (a GPU build on a CPU: 30 s)
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("tvmflash: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
     try:
         code = {"info": _info, "compile": _compile, "bench": _bench, "tune": _tune, "cache": _cache}[args.command](args)
         sys.stdout.flush()  # here, where a closed pipe is caught, rather than at exit

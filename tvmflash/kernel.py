@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import threading
 import time
 import warnings
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -24,6 +26,8 @@ from tvmflash import schedules as schedule_registry  # noqa: E402
 from tvmflash import target as targets  # noqa: E402
 from tvmflash.program import AttentionSpec  # noqa: E402
 
+# Builds and loads are logged at INFO (the CLI shows them): a GPU build takes tens of seconds on a CPU.
+logger = logging.getLogger("tvmflash")
 TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 _INT32_MAX = 2**31 - 1
 
@@ -143,14 +147,16 @@ class Kernel:
         else:  # choose_schedule may have read this schedule's best record already
             tuned = records[schedule_name] if schedule_name in records else database.lookup(
                 target, schedule_name, dict(spec_args))
+        defaults = default_knobs(self.schedule, self.head_dim)
+        self.knobs = {**defaults, **(tuned["knobs"] if tuned else {}), **(knobs or {})}
         if knobs:
             self.knobs_source = "given"
         elif tuned:
-            self.knobs_source = f"tuned ({tuned['source']}, {tuned['mean_ms']:.3f} ms at {tuned.get('shape')})"
+            # tuning stores the defaults where none of its candidates beat them: they are no tuned knobs
+            what = "defaults (tuning found none faster:" if self.knobs == defaults else "tuned ("
+            self.knobs_source = f"{what} {tuned['source']}, {tuned['mean_ms']:.3f} ms at {tuned.get('shape')})"
         else:
             self.knobs_source = "defaults"
-        self.knobs = {**default_knobs(self.schedule, self.head_dim), **(tuned["knobs"] if tuned else {}),
-                      **(knobs or {})}
         self._fit_shared_memory(given=bool(knobs))
         self._modules: dict[tuple[int, int], _Module] = {}
         self._last: tuple[int, int] | None = None
@@ -187,14 +193,17 @@ class Kernel:
     def _spec(self, heads_q: int, heads_kv: int) -> AttentionSpec:
         return AttentionSpec(self.head_dim, self.dtype, self.causal, heads_q, heads_kv)
 
+    def _code(self) -> str:
+        """A digest of every module whose code shapes the build: schedules/common.py holds code of the
+        sm80 and sm90 schedules (the row-reduce intrinsic); tma lowers the sm90 schedule's K/V copies."""
+        return cache.source_digest(program, self.schedule, schedule_registry.common, tvm_workarounds, tma)
+
     def _key(self, spec: AttentionSpec) -> str:
         return cache.digest(
             {
                 "tvmflash": _version(),
                 "tvm": tvm.__version__,
-                # every module whose code shapes the build: schedules/common.py holds code of the sm80 and
-                # sm90 schedules (the row-reduce intrinsic); tma lowers the sm90 schedule's K/V copies
-                "code": cache.source_digest(program, self.schedule, schedule_registry.common, tvm_workarounds, tma),
+                "code": self._code(),
                 "spec": asdict(spec),
                 "knobs": self.knobs,
                 "target": str(self.target),
@@ -211,21 +220,35 @@ class Kernel:
         with _LOCK:
             found = _MODULES.get(key)
             if found is None:
-                found = self._load(key) or self._build(spec, key)
+                found = self._load(key)
+                if found is None:
+                    what = f"d{spec.head_dim} {spec.dtype}{' causal' if spec.causal else ''} hq{spec.heads_q}/hkv{spec.heads_kv}"
+                    logger.info("building %s for %s (%s schedule)...", what, self._target_name,
+                                schedule_registry.name_of(self.schedule))
+                    found = self._build(spec, key)
+                logger.info("%s %s in %.1f s%s", "built" if found.origin == "built" else "loaded", found.path or "it",
+                            found.seconds, "" if found.function else " (CUDA source only: no GPU here to build for)")
                 _MODULES[key] = found
         self._modules[(heads_q, heads_kv)] = found
         self._last = (heads_q, heads_kv)
         return found
 
+    def _path(self, key: str) -> Path:
+        """Where a module is cached: its library, or the CUDA source of a cross-compile (a file of its own:
+        a GPU machine that shares the cache dir builds the library)."""
+        return cache.module_dir() / (f"{key}.so" if _runnable_here(self.target) else f"{key}-source.cu")
+
     def _load(self, key: str) -> _Module | None:
-        path = cache.module_dir() / f"{key}.so"
-        if not (_runnable_here(self.target) and path.exists()):
+        path = self._path(key)
+        if not path.exists():
             return None
         problem = cache.module_problem(path)
         if problem:  # checked first: a truncated library can crash the loader (a bus error)
             warnings.warn(f"tvmflash: rebuilding cached module {path}: {problem}", stacklevel=3)
             return None
         start = time.perf_counter()
+        if path.suffix == ".cu":
+            return _Module(None, path.read_text(), "disk cache", str(path), time.perf_counter() - start)
         try:
             function = tvm.runtime.load_module(str(path))["main"]
         except Exception as err:  # noqa: BLE001 - a broken cache file must not be fatal
@@ -243,18 +266,18 @@ class Kernel:
         executable = build_module(sch.mod, self.target, **build_options(self.schedule))
         source = executable.mod.imports[0].inspect_source() if targets.is_cuda(self.target) else None
         seconds = time.perf_counter() - start
-        if not _runnable_here(self.target):
-            return _Module(None, source, "built", None, seconds)
-        path = cache.module_dir() / f"{key}.so"
+        runnable = _runnable_here(self.target)
+        path = self._path(key)
         try:
             meta = {"key": key, "spec": asdict(spec), "knobs": self.knobs, "target": str(self.target),
                     "schedule": schedule_registry.name_of(self.schedule), "tvm": tvm.__version__,
-                    "tvmflash": _version(), "created": time.strftime("%Y-%m-%d %H:%M:%S")}
-            cache.write_module(path, executable.export_library, meta)
+                    "tvmflash": _version(), "code": self._code(), "created": time.strftime("%Y-%m-%d %H:%M:%S")}
+            cache.write_module(path, executable.export_library if runnable else lambda tmp: Path(tmp).write_text(source),
+                               meta)
         except Exception as err:  # noqa: BLE001 - caching is an optimisation, never a failure
             warnings.warn(f"tvmflash: could not write {path} to the disk cache: {err}", stacklevel=3)
             path = None
-        return _Module(executable["main"], source, "built", str(path) if path else None, seconds)
+        return _Module(executable["main"] if runnable else None, source, "built", str(path) if path else None, seconds)
 
     # ----------------------------------------------------------------- using
     def source(self, heads_q: int | None = None, heads_kv: int | None = None) -> str:
