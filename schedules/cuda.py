@@ -15,6 +15,9 @@ KNOBS = {"block_m": 64, "block_n": 32, "vector_bytes": 16}
 # Tuning space (``tvmflash tune``): one MetaSchedule task per (block_m, block_n); vector_bytes is
 # sampled inside each task (it may be an ExprRV).
 SPACE = {"block_m": [32, 64, 128], "block_n": [16, 32, 64], "vector_bytes": [4, 8, 16]}
+# The values a knob may take, where not any positive int (``schedules.knob_problem``): a copy moves
+# at least one float32 and at most 16 bytes.
+CHOICES = {"vector_bytes": (4, 8, 16)}
 
 # Blocks that work on one query row each: their row loop becomes threadIdx.x.
 _ROW_BLOCKS = ("load_q", "init_ml", "init_acc", "qk", "score", "row_max", "exp", "alpha", "row_sum", "cast_p", "pv",

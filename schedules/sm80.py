@@ -65,6 +65,8 @@ SPACE = {
     "vec": [8],
     "row_state": ["registers"],
 }
+# The values a knob may take, where not any positive int (``schedules.knob_problem``).
+CHOICES = {"num_stages": NUM_STAGES, "row_state": ROW_STATES}
 def shared_memory_bytes(head_dim: int, dtype: str, knobs: dict) -> int:
     """Shared memory a build with these knobs needs: the Q tile and num_stages K/V tile pairs,
     rows padded by 8 elements, plus the per-row values staged for store_lse (a few per row)."""

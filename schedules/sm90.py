@@ -163,6 +163,9 @@ SPACE = {
     "o_store": ["staged"],
     "overlap": [0],
 }
+# The values a knob may take, where not any positive int (``schedules.knob_problem``).
+CHOICES = {"num_stages": NUM_STAGES, "row_state": ROW_STATES, "kv_layout": KV_LAYOUTS, "kv_copy": KV_COPIES,
+           "producer": PRODUCERS, "q_layout": Q_LAYOUTS, "q_copy": Q_COPIES, "o_store": O_STORES, "overlap": OVERLAPS}
 
 
 def _tma_can_copy(kv_layout: str, num_stages: int) -> bool:

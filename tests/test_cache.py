@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import tvmflash
@@ -44,6 +45,106 @@ def test_corrupt_cache_file_is_rebuilt(tmp_path, monkeypatch):
     again = run_in_new_process(tmp_path)
     (module,) = again["info"]["modules"].values()
     assert module["origin"] == "built"
+
+
+TRUNCATE_SCRIPT = """
+import warnings, torch, tvmflash
+from tvmflash import kernel as kernels
+kernel = tvmflash.compile(head_dim=32, dtype="float32", causal=True, target="cpu")
+path = kernel.module(2, 1).path
+q, k, v = torch.randn(1, 9, 2, 32), torch.randn(1, 7, 1, 32), torch.randn(1, 7, 1, 32)
+for size in (1000, 4096, 20000):
+    with open(path, "r+b") as f:  # cut in place, as a full disk or a killed copy leaves it
+        f.truncate(size)
+    kernels._MODULES.clear()
+    kernel._modules.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        module = kernel.module(2, 1)
+    assert module.origin == "built", module
+    assert any(f"rebuilding cached module {path}: it has {size} bytes" in str(w.message) for w in caught), caught
+    assert torch.isfinite(kernel(q, k, v)).all()
+print("ok")
+"""
+
+
+def test_truncated_module_is_rebuilt_not_loaded(tmp_path):
+    """A cached library cut short crashed the loader (a bus error, exit 135) in every later process:
+    its size and hash are checked against its metadata before it is loaded."""
+    env = dict(os.environ, TVMFLASH_CACHE_DIR=str(tmp_path))
+    done = subprocess.run([sys.executable, "-c", TRUNCATE_SCRIPT], env=env, capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", (done.returncode, done.stderr[-2000:])
+
+
+def test_module_with_broken_metadata_is_listed_cleared_and_rebuilt(tmp_path, monkeypatch, capsys):
+    """A module whose .json is garbage or missing is not loaded unchecked: it is rebuilt, and until
+    then ``cache ls`` lists it as unusable and ``cache clear`` counts it."""
+    from tvmflash import cli
+    from tvmflash import kernel as kernels
+
+    monkeypatch.setenv("TVMFLASH_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(kernels, "_KERNELS", {})  # nothing built in another test's cache dir
+    monkeypatch.setattr(kernels, "_MODULES", {})
+    kernel = tvmflash.compile(head_dim=32, dtype="float32", target="cpu")
+    path = kernel.module(1, 1).path
+    meta = tmp_path / "modules" / (os.path.basename(path)[:-3] + ".json")
+    for broken in ("garbage", None):
+        if broken is None:
+            meta.unlink()
+        else:
+            meta.write_text(broken)
+        assert cli.main(["cache", "ls"]) == 0
+        listed = capsys.readouterr().out
+        assert "cached modules: 1" in listed and "unusable: its metadata" in listed, listed
+        monkeypatch.setattr(kernels, "_MODULES", {})
+        kernel._modules.clear()
+        with pytest.warns(UserWarning, match="rebuilding cached module .*: its metadata"):
+            assert kernel.module(1, 1).origin == "built"
+    meta.write_text("garbage")
+    assert cli.main(["cache", "clear"]) == 0
+    assert "deleting 1 cached modules" in capsys.readouterr().out
+    assert not os.path.exists(path)
+
+
+def test_cross_compile_is_cached_on_disk(tmp_path, monkeypatch, caplog):
+    """A cross-compile (no GPU to build a library for) took its 30-40 s every time, printing nothing,
+    and was not written to the disk cache: its CUDA source is, and builds and loads are logged."""
+    import logging
+
+    from tvmflash import kernel as kernels
+
+    monkeypatch.setenv("TVMFLASH_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a machine without a GPU, whatever this one is
+    for fresh in range(2):  # a new process, as far as the kernels and modules in memory go
+        monkeypatch.setattr(kernels, "_KERNELS", {})
+        monkeypatch.setattr(kernels, "_MODULES", {})
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="tvmflash"):
+            kernel = tvmflash.compile(head_dim=32, dtype="float32", target="sm80", heads_q=2)
+        module = kernel.module(2, 2)
+        assert module.path and module.path.endswith("-source.cu") and "__global__" in module.source
+        if fresh:
+            assert module.origin == "disk cache" and module.source == source and "loaded" in caplog.text
+        else:
+            assert module.origin == "built" and "building d32 float32 hq2/hkv2 for cuda sm_80" in caplog.text
+            source = module.source
+    (entry,) = cache.list_modules()
+    assert entry["path"] == module.path and "problem" not in entry
+
+
+def test_cache_listing_tells_modules_apart(tmp_path, monkeypatch, capsys):
+    """Modules of one spec built with other knobs (or targets, or code) were listed alike."""
+    from tvmflash import cli
+    from tvmflash import kernel as kernels
+
+    monkeypatch.setenv("TVMFLASH_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(kernels, "_KERNELS", {})
+    monkeypatch.setattr(kernels, "_MODULES", {})
+    for knobs in (None, {"block_m": 32}):
+        tvmflash.compile(head_dim=32, dtype="float32", target="cpu", knobs=knobs, heads_q=3)
+    assert cli.main(["cache", "ls"]) == 0
+    lines = [line.split()[1:-3] for line in capsys.readouterr().out.splitlines() if " cpu " in line]
+    assert len(lines) == 2 and lines[0] != lines[1], lines  # (key, size and date aside)
 
 
 def test_cache_listing(tmp_path, monkeypatch):

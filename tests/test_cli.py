@@ -1,5 +1,6 @@
 """The tvmflash command line, run as a user would."""
 
+import os
 import re
 import subprocess
 import sys
@@ -42,6 +43,49 @@ def test_bad_arguments_fail_cleanly():
                           capture_output=True, text=True)
     assert done.returncode != 0 and "head_dim: expected one of" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_compile_emits_what_its_target_has():
+    """Without --emit, a CPU target gives its TensorIR (the default was --emit cuda on any target)."""
+    assert "T.sblock" in tvmflash("compile", "--target", "cpu", "--head-dim", "64")
+
+
+def test_help_says_the_defaults():
+    out = tvmflash("bench", "--help")
+    assert "(default: 20)" in out and "(default: bfloat16)" in out and "(default: 64 128)" in out, out
+    assert "(default: 16)" in tvmflash("compile", "--help")
+
+
+def test_bench_without_a_gpu_says_so(monkeypatch, capsys):
+    import torch
+
+    from tvmflash import cli
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["bench", "--device", "cuda"])
+    assert exited.value.code == 2
+    assert "device: 'cuda' needs a CUDA GPU visible to torch, and none is" in capsys.readouterr().err
+
+
+def test_a_closed_pipe_ends_quietly():
+    """`tvmflash info | head -2` ended in a BrokenPipeError traceback."""
+    done = subprocess.Popen([sys.executable, "-m", "tvmflash.cli", "info"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    done.stdout.close()  # the reader is gone before the first line
+    stderr = done.communicate(timeout=300)[1]
+    assert "Traceback" not in stderr and "BrokenPipeError" not in stderr, stderr
+
+
+def test_help_and_cache_commands_start_without_tvm(tmp_path):
+    """Every command took about 3.5 s to start, --help included: it imported TVM (and torch) first."""
+    code = ("import sys; from tvmflash import cli\n"
+            "try:\n    cli.main(['bench', '--help'])\nexcept SystemExit:\n    pass\n"
+            "cli.main(['cache', 'ls'])\n"
+            "print('loaded:', sorted(m for m in ('tvm', 'torch') if m in sys.modules))")
+    env = dict(os.environ, TVMFLASH_CACHE_DIR=str(tmp_path))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert done.stdout.strip().endswith("loaded: []"), done.stdout
 
 
 @pytest.mark.gpu

@@ -125,3 +125,42 @@ def test_bad_target():
 def test_unknown_knob():
     with pytest.raises(ValueError, match=r"knobs: \['blockm'\] are not knobs of the cpu schedule"):
         tvmflash.compile(head_dim=64, dtype="float16", target="cpu", knobs={"blockm": 16})
+
+
+@pytest.mark.parametrize("flag", ["no", 1, None, torch.tensor(True)], ids=["str", "int", "none", "tensor"])
+def test_boolean_options_take_booleans(kernel, flag):
+    """``causal="no"`` ran causal (bool("no") is True): every boolean option takes True or False only."""
+    q, k, v = qkv(kv_shape=(1, 8, 4, 64))
+    with pytest.raises(TypeError, match=r"causal: expected True or False, got"):
+        tvmflash.compile(head_dim=64, dtype="float16", target="cpu", causal=flag)
+    with pytest.raises(TypeError, match=r"causal: expected True or False, got"):
+        tvmflash.attention(q, k, v, causal=flag)
+    with pytest.raises(TypeError, match=r"return_lse: expected True or False, got"):
+        tvmflash.attention(q, k, v, return_lse=flag)
+    with pytest.raises(TypeError, match=r"return_lse: expected True or False, got"):
+        kernel(q, k, v, return_lse=flag)
+
+
+@pytest.mark.parametrize("target,knobs,message", [
+    ("cpu", {"block_m": 0}, r"knobs: block_m: expected a positive int, got 0"),
+    ("cpu", {"block_n": "big"}, r"knobs: block_n: expected a positive int, got 'big'"),
+    ("cpu", {"vector": True}, r"knobs: vector: expected a positive int, got True"),
+    ("sm80", {"num_stages": 4}, r"knobs: num_stages: the sm80 schedule takes one of \[1, 2, 3\], got 4"),
+    ("sm80", {"row_state": "fast"}, r"knobs: row_state: the sm80 schedule takes one of \['registers', 'shared'\], got 'fast'"),
+], ids=["zero", "str", "bool", "choice", "str-choice"])
+def test_bad_knob_values(target, knobs, message):
+    """block_m 0 failed in TVM (DiagnosticError: divide by zero), "big" with a type mismatch: knob
+    values are checked against the schedule before anything is built."""
+    with pytest.raises(ValueError, match=message):
+        tvmflash.compile(head_dim=64, dtype="float16", target=target, knobs=knobs)
+
+
+def test_tuned_knobs_of_bad_values_are_passed_over(tmp_path, monkeypatch):
+    from tvmflash import database
+    from tvmflash import target as targets
+    from tvmflash.schedules import cpu
+
+    monkeypatch.setenv("TVMFLASH_CACHE_DIR", str(tmp_path))
+    workload = {"head_dim": 64, "dtype": "float16", "causal": False}
+    database.add(database.new_record(targets.cpu_target(), "cpu", workload, {**cpu.KNOBS, "block_m": 0}, 1.0))
+    assert database.lookup(targets.cpu_target(), "cpu", workload) is None

@@ -1,6 +1,8 @@
 """Forward numerics against a float64 reference, with flash-attn's error rule."""
 
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -137,6 +139,66 @@ def test_custom_op_under_torch_compile():
 
     out = f(q, k, v)
     assert torch.allclose(out, 2 * tvmflash.attention(q, k, v, causal=True))
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("causal,return_lse,given_out", [(False, False, False), (True, True, False),
+                                                         (False, True, True), (True, False, True)],
+                         ids=["full", "causal-lse", "full-lse-out", "causal-out"])
+def test_kept_kernel_under_torch_compile(device, causal, return_lse, given_out):
+    """A kept Kernel traces under torch.compile (it failed on a TVM object in its argument checks:
+    'Dynamo does not know how to trace method __call__ of class FieldGetter')."""
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    kernel = tvmflash.compile(head_dim=64, dtype=dtype, causal=causal, target="cpu" if device == "cpu" else None)
+    q, k, v = random_qkv(1, 40, 33, 4, 2, 64, dtype, device)
+
+    @torch.compile(fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
+    def f(q, k, v, out):
+        result = kernel(q, k, v, softmax_scale=0.3, out=out, return_lse=return_lse)
+        return (result[0] * 2, result[1]) if return_lse else result * 2
+
+    out = poisoned_out(q) if given_out else None
+    got = f(q, k, v, out)
+    want_out, want_lse = kernel(q, k, v, softmax_scale=0.3, return_lse=True)
+    if return_lse:
+        got, lse = got
+        assert torch.equal(lse, want_lse)
+    assert torch.equal(got, 2 * want_out)
+    if given_out:
+        assert torch.equal(out, want_out)
+
+
+def test_eager_call_stays_off_the_custom_op(monkeypatch):
+    """Eagerly, with nothing for autograd to record, attention calls the kernel directly: the custom
+    op's dispatch costs host time every call, and its first call imports torch._dynamo (about 1 s)."""
+    from tvmflash import ops
+
+    def refuse(*args):
+        raise AssertionError("the custom op was called")
+
+    monkeypatch.setattr(ops, "forward", refuse)
+    q, k, v = random_qkv(1, 40, 40, 2, 2, 32, torch.float32, "cpu")
+    out = tvmflash.attention(q, k, v)
+    with torch.no_grad():
+        q.requires_grad_()
+        assert torch.equal(tvmflash.attention(q, k, v), out)
+    with pytest.raises(AssertionError, match="custom op"):  # autograd records the call: through the op
+        tvmflash.attention(q, k, v)
+    code = ("import sys, torch, tvmflash; q = torch.randn(1, 8, 2, 32); tvmflash.attention(q, q, q); "
+            "print('torch._dynamo' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "False", done.stdout
+
+
+def test_attention_finds_its_kernel_without_compile(monkeypatch):
+    """attention() runs at every step of a model: after the first call it finds its kernel without
+    compile(), which resolves a target (a TVM object) and hashes its arguments, some 100 us."""
+    from tvmflash import ops
+
+    q, k, v = random_qkv(1, 9, 9, 2, 2, 32, torch.float32, "cpu")
+    out = tvmflash.attention(q, k, v)
+    monkeypatch.setattr(ops, "compile", lambda **kwargs: pytest.fail("compile() was called"))
+    assert torch.equal(tvmflash.attention(q, k, v), out)
 
 
 def test_backward_says_it_is_not_there_yet():

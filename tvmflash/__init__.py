@@ -11,14 +11,17 @@ if not _os.path.isdir(_os.path.join(__path__[0], "schedules")):
     if _os.path.isfile(_os.path.join(_checkout, "schedules", "__init__.py")):
         __path__.append(_checkout)
 
-# TVM's CPU thread pool starts with one thread per two cores; use every core torch uses, unless
-# the user chose (TVM reads this when its pool starts, at the first CPU kernel call).
-if "TVM_NUM_THREADS" not in _os.environ:
-    import torch as _torch
-
-    _os.environ["TVM_NUM_THREADS"] = str(_torch.get_num_threads())
-
-from tvmflash.kernel import Kernel, compile  # noqa: E402
-from tvmflash.ops import attention  # noqa: E402
-
 __all__ = ["Kernel", "attention", "compile", "__version__"]
+
+
+def __getattr__(name):
+    """The API loads TVM and torch at first use, so that ``import tvmflash`` (and ``tvmflash --help``,
+    ``tvmflash cache ls``) starts in a fraction of a second."""
+    if name in ("Kernel", "compile"):
+        from tvmflash import kernel as module
+    elif name == "attention":
+        from tvmflash import ops as module
+    else:
+        raise AttributeError(f"module 'tvmflash' has no attribute {name!r}")
+    value = globals()[name] = getattr(module, name)  # found here from now on
+    return value

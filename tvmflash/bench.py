@@ -179,7 +179,12 @@ def error_vs_float32(out, q, k, v, causal, heads=2, rows=1024):
 def run(*, device=None, dtype="bfloat16", head_dims=(64, 128), causal=(False, True), seqlens=None,
         tokens=None, hidden=None, repeat=20, target=None, knobs=None, echo=print):
     """Run the grid and print a table. Returns the list of results."""
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cpu", "cuda") and not str(device).startswith("cuda:"):
+        raise ValueError(f"device: expected cpu or cuda, got {device!r}")
+    if device != "cpu" and not torch.cuda.is_available():
+        raise ValueError(f"device: {device!r} needs a CUDA GPU visible to torch, and none is")
+    device = torch.device(device)
     grid = GPU_GRID if device.type == "cuda" else CPU_GRID
     seqlens = seqlens or grid["seqlens"]
     tokens = tokens or grid["tokens"]
@@ -209,8 +214,9 @@ def run(*, device=None, dtype="bfloat16", head_dims=(64, 128), causal=(False, Tr
              ", ".join(f"{name} {us:.0f} us" for name, us in results[0].host_us.items()))
     for kernel in kernels:  # what ran: schedule and knobs (tuned, defaults or given)
         info = kernel.info()
+        source = info["knobs_source"].split(" (")[0]
         echo(f"kernel d{info['head_dim']} {'causal' if info['causal'] else 'full'}: {info['schedule']} schedule, "
-             f"{info['knobs_source'].split(' (')[0]} knobs {info['knobs']}")
+             f"{'default' if source == 'defaults' else source} knobs {info['knobs']}")
     return results
 
 

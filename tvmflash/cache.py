@@ -45,16 +45,76 @@ def atomic_write(path: Path, write) -> None:
             os.unlink(tmp)
 
 
+# What a module's file may be: a built library, or the CUDA source of a cross-compile (no GPU here
+# to build a library for).
+MODULE_SUFFIXES = (".so", ".cu")
+
+
+def file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_module(path: Path, write, meta: dict) -> None:
+    """Write a module's file (``write(tmp_path)``), then its metadata beside it (``.json``), last:
+    ``meta`` plus the file's size and hash, which ``module_problem`` checks before the file is used."""
+    atomic_write(path, write)
+    meta = {**meta, "bytes": path.stat().st_size, "sha256": file_digest(path)}
+    atomic_write(path.with_suffix(".json"), lambda tmp: Path(tmp).write_text(json.dumps(meta, indent=1)))
+
+
+def read_meta(path: Path) -> tuple[dict | None, str | None]:
+    """A module file's metadata and None, or None and what is wrong with it (missing, not JSON,
+    without the size and hash ``write_module`` records)."""
+    try:
+        meta = json.loads(path.with_suffix(".json").read_text())
+    except FileNotFoundError:
+        return None, "its metadata (.json) is missing"
+    except (OSError, ValueError) as err:
+        return None, f"its metadata (.json) is unreadable: {err}"
+    if not (isinstance(meta, dict) and isinstance(meta.get("bytes"), int) and isinstance(meta.get("sha256"), str)):
+        return None, "its metadata (.json) lacks the file's size and hash"
+    return meta, None
+
+
+def module_problem(path: Path) -> str | None:
+    """None if the module file at ``path`` is whole (the size and hash its metadata recorded), else
+    why not. Loading a truncated shared library can kill the process (a bus error inside the loader),
+    so nothing is loaded before this check passes."""
+    meta, problem = read_meta(path)
+    if problem:
+        return problem
+    try:
+        size = path.stat().st_size
+        if size != meta["bytes"]:
+            return f"it has {size} bytes, its metadata says {meta['bytes']}"
+        if file_digest(path) != meta["sha256"]:
+            return "its hash differs from its metadata's"
+    except OSError as err:
+        return f"it is unreadable: {err}"
+    return None
+
+
 def list_modules() -> list[dict]:
-    """Metadata of every module in the disk cache."""
+    """Every module in the disk cache: its metadata, path and size; ``problem`` says what is wrong
+    with a module whose file or metadata is missing, unreadable or mismatched (it is rebuilt when used)."""
+    folder = module_dir()
+    stems = sorted({p.stem for p in folder.glob("*") if p.suffix in (*MODULE_SUFFIXES, ".json")
+                    and not p.name.startswith(".tmp-")}) if folder.is_dir() else []
     entries = []
-    for meta in sorted(module_dir().glob("*.json")):
-        try:
-            entry = json.loads(meta.read_text())
-        except (OSError, ValueError):
-            continue
-        so = meta.with_suffix(".so")
-        entry["path"] = str(so)
-        entry["bytes"] = so.stat().st_size if so.exists() else 0
+    for stem in stems:
+        files = [folder / f"{stem}{suffix}" for suffix in MODULE_SUFFIXES if (folder / f"{stem}{suffix}").exists()]
+        meta, problem = read_meta(folder / f"{stem}.json")
+        entry = {"key": stem, **(meta or {})}
+        if not files:
+            entry.update(path=None, bytes=0, problem="its module file is missing")
+        else:
+            entry.update(path=str(files[0]), bytes=files[0].stat().st_size)
+            problem = problem or module_problem(files[0])
+            if problem:
+                entry["problem"] = problem
         entries.append(entry)
     return entries

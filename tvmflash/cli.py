@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 
@@ -32,19 +33,28 @@ def _info(args) -> int:
 def _print_modules(entries) -> None:
     print(f"cached modules: {len(entries)}")
     for e in entries:
+        if "problem" in e:  # rebuilt when next used
+            print(f"  {e['key']}  unusable: {e['problem']}  {e['bytes'] // 1024} KiB")
+            continue
         spec = e.get("spec", {})
+        target = json.loads(e["target"]) if str(e.get("target", "")).startswith("{") else {}
+        kind = f"{target.get('kind', '?')} {target.get('arch') or target.get('mcpu') or ''}".strip()
+        # what tells modules of one spec apart: the target, the knobs, the code they were built from
         print(f"  {e.get('key')}  {e.get('schedule')}  d{spec.get('head_dim')} {spec.get('dtype')} "
               f"{'causal' if spec.get('causal') else 'full'} hq{spec.get('heads_q')}/hkv{spec.get('heads_kv')}  "
-              f"{e['bytes'] // 1024} KiB  {e.get('created', '')}")
+              f"{kind}{' (CUDA source)' if e['path'].endswith('.cu') else ''}  {json.dumps(e.get('knobs'), sort_keys=True)}  "
+              f"code {str(e.get('code', '?'))[:8]}  {e['bytes'] // 1024} KiB  {e.get('created', '')}")
 
 
 def _compile(args) -> int:
     import tvmflash
+    from tvmflash import target
 
     kernel = tvmflash.compile(head_dim=args.head_dim, dtype=args.dtype, causal=args.causal, target=args.target,
                               knobs=json.loads(args.knobs) if args.knobs else None)
     heads_kv = args.heads_kv or args.heads_q
-    if args.emit == "cuda":
+    emit = args.emit or ("cuda" if target.is_cuda(kernel.target) else "tir")
+    if emit == "cuda":
         text = kernel.source(args.heads_q, heads_kv)
     else:  # "tir": the scheduled TensorIR, before lowering
         text = kernel.scheduled_tir(args.heads_q, heads_kv)
@@ -151,61 +161,91 @@ def _cache(args) -> int:
     return 0
 
 
+class _HelpWithDefaults(argparse.HelpFormatter):
+    """Each option's help ends with its default, where it has one (None's meaning is in the help)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.option_strings and action.default not in (None, argparse.SUPPRESS) and not action.required:
+            default = " ".join(map(str, action.default)) if isinstance(action.default, list) else action.default
+            text += f" (default: {default})"
+        return text
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tvmflash", description="FlashAttention from one TVM TensorIR program")
     sub = p.add_subparsers(dest="command", required=True)
 
-    sub.add_parser("info", help="TVM version, detected GPU and target, cache dir and contents")
+    def command(name, text):
+        return sub.add_parser(name, help=text, description=text, formatter_class=_HelpWithDefaults)
 
-    c = sub.add_parser("compile", help="build a kernel and write its CUDA source (or scheduled TensorIR)")
-    c.add_argument("--target", default=None, help="cpu, cuda, sm80, sm86, sm89, sm90 (default: this machine)")
-    c.add_argument("--head-dim", type=int, required=True)
-    c.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16", "float32"])
-    c.add_argument("--causal", action="store_true")
-    c.add_argument("--heads-q", type=int, default=16)
-    c.add_argument("--heads-kv", type=int, default=None, help="default: --heads-q")
+    command("info", "TVM version, detected GPU and target, cache dir and contents")
+
+    dtypes = ["float16", "bfloat16", "float32"]
+    c = command("compile", "build a kernel and write its CUDA source (or scheduled TensorIR)")
+    c.add_argument("--target", default=None, help="cpu, cuda, sm80, sm86, sm89 or sm90; none given: this machine's")
+    c.add_argument("--head-dim", type=int, required=True, help="32, 64, 96, 128 or 256")
+    c.add_argument("--dtype", default="bfloat16", choices=dtypes, help="the inputs' dtype")
+    c.add_argument("--causal", action="store_true", help="the bottom-right aligned causal mask")
+    c.add_argument("--heads-q", type=int, default=16, help="query heads (a module is built per head count)")
+    c.add_argument("--heads-kv", type=int, default=None, help="key/value heads; none given: --heads-q")
     c.add_argument("--knobs", default=None, help='schedule knobs as JSON, e.g. \'{"block_m": 64}\'')
-    c.add_argument("--emit", default="cuda", choices=["cuda", "tir"])
-    c.add_argument("-o", "--output", default=None)
+    c.add_argument("--emit", default=None, choices=["cuda", "tir"],
+                   help="the CUDA source or the scheduled TensorIR; none given: cuda for a CUDA target, else tir")
+    c.add_argument("-o", "--output", default=None, help="the file to write; none given: standard output")
 
-    b = sub.add_parser("bench", help="time tvmflash against torch SDPA on the same inputs")
-    b.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
-    b.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16", "float32"])
-    b.add_argument("--head-dim", type=int, nargs="+", default=[64, 128])
-    b.add_argument("--causal", default="both", choices=["no", "yes", "both"])
-    b.add_argument("--seqlens", type=int, nargs="+", default=None)
-    b.add_argument("--tokens", type=int, default=None, help="batch * seqlen (default: 16384 on a GPU)")
-    b.add_argument("--hidden", type=int, default=None, help="heads * head_dim (default: 2048 on a GPU)")
-    b.add_argument("--repeat", type=int, default=20)
-    b.add_argument("--target", default=None)
-    b.add_argument("--knobs", default=None)
+    b = command("bench", "time tvmflash against torch SDPA on the same inputs")
+    b.add_argument("--device", default=None, help="cpu or cuda; none given: cuda if torch sees a GPU")
+    b.add_argument("--dtype", default="bfloat16", choices=dtypes, help="the inputs' dtype")
+    b.add_argument("--head-dim", type=int, nargs="+", default=[64, 128], help="one or more")
+    b.add_argument("--causal", default="both", choices=["no", "yes", "both"], help="both: each configuration twice")
+    b.add_argument("--seqlens", type=int, nargs="+", default=None,
+                   help="none given: 512 to 16384 on a GPU, 256 to 2048 on a CPU")
+    b.add_argument("--tokens", type=int, default=None, help="batch * seqlen; none given: 16384 on a GPU, 2048 on a CPU")
+    b.add_argument("--hidden", type=int, default=None,
+                   help="heads * head_dim; none given: 2048 on a GPU, 512 on a CPU")
+    b.add_argument("--repeat", type=int, default=20, help="timed calls a backend and round")
+    b.add_argument("--target", default=None, help="as compile's; none given: the device's")
+    b.add_argument("--knobs", default=None, help="schedule knobs as JSON; none given: tuned or default ones")
 
-    t = sub.add_parser("tune", help="tune the schedule's knobs on this machine (MetaSchedule); store the best")
+    t = command("tune", "tune the schedule's knobs on this machine (MetaSchedule); store the best")
     t.add_argument("--head-dim", type=int, nargs="+", required=True, help="one or more; each is a workload")
-    t.add_argument("--dtype", nargs="+", default=["bfloat16"], choices=["float16", "bfloat16", "float32"])
+    t.add_argument("--dtype", nargs="+", default=["bfloat16"], choices=dtypes, help="one or more")
     t.add_argument("--causal", nargs="?", const="yes", default="no", choices=["no", "yes", "both"],
                    help="--causal alone means yes; both tunes each workload with and without")
-    t.add_argument("--trials", type=int, default=64, help="MetaSchedule trials, over all tile sizes (default 64)")
-    t.add_argument("--target", default=None, help="cpu, cuda, sm80, ... (default: this machine)")
-    t.add_argument("--seqlen", type=int, default=None, help="the shape tuned on (default: 4096 on a GPU, 512 on a CPU)")
-    t.add_argument("--batch", type=int, default=None)
-    t.add_argument("--heads", type=int, default=None)
-    t.add_argument("--work-dir", default=None, help="MetaSchedule's logs and database (default: under the cache dir)")
+    t.add_argument("--trials", type=int, default=64, help="MetaSchedule trials, over all tile sizes")
+    t.add_argument("--target", default=None, help="cpu, cuda, sm80, ...; none given: this machine's")
+    t.add_argument("--seqlen", type=int, default=None,
+                   help="the shape tuned on; none given: 4096 on a GPU, 512 on a CPU")
+    t.add_argument("--batch", type=int, default=None, help="none given: bench's tokens / --seqlen")
+    t.add_argument("--heads", type=int, default=None, help="none given: bench's hidden / head_dim")
+    t.add_argument("--work-dir", default=None, help="MetaSchedule's logs and database; none given: under the cache dir")
 
-    k = sub.add_parser("cache", help="list, show, clear or export the built modules and tuning records")
+    k = command("cache", "list, show, clear or export the built modules and tuning records")
     k.add_argument("action", choices=["ls", "show", "clear", "export"])
     k.add_argument("key", nargs="?", default=None, help="show: a module key or tuning record id (a prefix will do)")
-    k.add_argument("--out", default=None, help="export: the folder to write (default: the shipped tuning_logs/)")
+    k.add_argument("--out", default=None, help="export: the folder to write; none given: the shipped tuning_logs/")
     return p
 
 
 def main(argv=None) -> int:
     p = parser()
     args = p.parse_args(argv)
+    log = logging.getLogger("tvmflash")  # what is built or loaded, and how long it took (a GPU build on a CPU: 30 s)
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("tvmflash: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
     try:
-        return {"info": _info, "compile": _compile, "bench": _bench, "tune": _tune, "cache": _cache}[args.command](args)
+        code = {"info": _info, "compile": _compile, "bench": _bench, "tune": _tune, "cache": _cache}[args.command](args)
+        sys.stdout.flush()  # here, where a closed pipe is caught, rather than at exit
+        return code
     except (ValueError, TypeError) as err:  # bad input: say what, not where
         p.exit(2, f"tvmflash {args.command}: error: {err}\n")
+    except BrokenPipeError:  # the reader went away (`tvmflash info | head -2`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # what is left to flush goes nowhere
+        return 1
 
 
 if __name__ == "__main__":

@@ -14,16 +14,17 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import math
 import re
 import time
 import warnings
 from pathlib import Path
 
-import tvm
-
 from tvmflash import cache
-from tvmflash import schedules as schedule_registry
-from tvmflash import target as targets
+
+# TVM (and the schedules and targets, which import it) load where a record is made or looked up:
+# listing, showing, exporting and clearing records (``tvmflash cache``) start in a fraction of a
+# second without them.
 
 FORMAT = 1
 # What makes two records the same entry: one best record per key.
@@ -41,9 +42,12 @@ def _shipped_dir() -> Path:
 SHIPPED_DIR = _shipped_dir()
 
 
-def device_key(target: tvm.target.Target) -> dict:
+def device_key(target) -> dict:
     """What a record is keyed by, besides the workload: the device, the target and the versions."""
+    import tvm
+
     from tvmflash import __version__
+    from tvmflash import target as targets
 
     if targets.is_cuda(target):
         import torch
@@ -66,18 +70,46 @@ def user_dir() -> Path:
     return cache.cache_dir() / "tuning"
 
 
+# The fields a record must have, and their types (``read`` skips a record that lacks one).
+RECORD_FIELDS = {"device": str, "target": str, "tvm": str, "tvmflash": str, "schedule": str, "workload": dict,
+                 "knobs": dict, "mean_ms": (int, float)}
+WORKLOAD_FIELDS = {"head_dim": int, "dtype": str, "causal": bool}
+
+
+def record_problem(record) -> str | None:
+    """None for a well-formed record, else what is wrong with it."""
+    if not isinstance(record, dict):
+        return f"expected a JSON object, got {type(record).__name__}"
+    for fields, where in ((RECORD_FIELDS, record), (WORKLOAD_FIELDS, record.get("workload", {}))):
+        for name, kind in fields.items():
+            value = where.get(name)
+            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+                return f"field {name!r}: expected {getattr(kind, '__name__', 'a number')}, got {value!r}"
+    if not (math.isfinite(record["mean_ms"]) and record["mean_ms"] > 0):
+        return f"field 'mean_ms': expected a positive time, got {record['mean_ms']!r}"
+    return None
+
+
 def read(path: Path) -> list[dict]:
-    """The records in one file; [] with a warning if it is missing a piece or is not JSON."""
+    """The well-formed records in one file (``record_problem``); [] with a warning if the file is
+    missing a piece or is not JSON, and a warning for each record skipped."""
     if not path.exists():
         return []
     try:
         data = json.loads(path.read_text())
         if data.get("format") != FORMAT or not isinstance(data.get("records"), list):
             raise ValueError(f"expected {{'format': {FORMAT}, 'records': [...]}}")
-        return data["records"]
     except (OSError, ValueError, AttributeError) as err:
         warnings.warn(f"tvmflash: skipping unreadable tuning database {path}: {err}", stacklevel=2)
         return []
+    records = []
+    for n, record in enumerate(data["records"]):
+        problem = record_problem(record)
+        if problem:
+            warnings.warn(f"tvmflash: skipping record {n} of tuning database {path}: {problem}", stacklevel=2)
+        else:
+            records.append(record)
+    return records
 
 
 @contextlib.contextmanager
@@ -118,19 +150,24 @@ def add(record: dict, path: Path | None = None) -> Path:
     return path
 
 
-def lookup(target: tvm.target.Target, schedule: str, workload: dict) -> dict | None:
+def lookup(target, schedule: str, workload: dict) -> dict | None:
     """The best record for this device, target, versions, schedule and workload, or None.
 
     The user's records are searched first, then the shipped ones. Records that lack one of the
     schedule's knobs (tuned before the schedule had it) are passed over.
     """
+    from tvmflash import schedules as schedule_registry
+
     want = {**device_key(target), "schedule": schedule, "workload": workload}
     name = slug(want["device"]) + ".json"
-    knobs = set(getattr(schedule_registry, schedule).KNOBS)
+    module = getattr(schedule_registry, schedule)
+    knobs = set(module.KNOBS)
     for path in (user_dir() / name, SHIPPED_DIR / name):
         # A record without one of the schedule's knobs was tuned before that knob existed: the
         # schedule it measured is not the one its knobs would build now.
-        matches = [r for r in read(path) if _same_key(r, want) and knobs <= set(r["knobs"])]
+        # A record whose knob takes a value the schedule does not is not used either.
+        matches = [r for r in read(path) if _same_key(r, want) and knobs <= set(r["knobs"]) and not any(
+            schedule_registry.knob_problem(module, n, v) for n, v in r["knobs"].items() if n in knobs)]
         if matches:
             best = min(matches, key=lambda r: r["mean_ms"])
             return {**best, "source": str(path)}

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import json
+import logging
 import math
+import os
 import threading
 import time
 import warnings
@@ -13,13 +14,20 @@ from types import ModuleType
 from typing import Any
 
 import torch
-import tvm
 
-from tvmflash import cache, database, lowering, program
-from tvmflash import schedules as schedule_registry
-from tvmflash import target as targets
-from tvmflash.program import AttentionSpec
+# TVM's CPU thread pool starts with one thread per two cores; use every core torch uses, unless
+# the user chose (TVM reads this when its pool starts, at the first CPU kernel call).
+os.environ.setdefault("TVM_NUM_THREADS", str(torch.get_num_threads()))
 
+import tvm  # noqa: E402
+
+from tvmflash import cache, database, lowering, program  # noqa: E402
+from tvmflash import schedules as schedule_registry  # noqa: E402
+from tvmflash import target as targets  # noqa: E402
+from tvmflash.program import AttentionSpec  # noqa: E402
+
+# Builds and loads are logged at INFO (the CLI shows them): a GPU build takes tens of seconds on a CPU.
+logger = logging.getLogger("tvmflash")
 TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 _INT32_MAX = 2**31 - 1
 
@@ -57,6 +65,13 @@ def resolve_softmax_scale(softmax_scale, head_dim: int) -> float:
     return float(softmax_scale)
 
 
+def check_flag(name: str, value) -> bool:
+    """A boolean option: True or False; anything else (``causal="no"``, 1, None) is a TypeError."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected True or False, got {value!r}")
+    return value
+
+
 def build_options(schedule) -> dict:
     """What a schedule module asks of ``lowering.build`` (plain values: the tuner's builder workers
     receive them pickled): its PassContext config, whether its tensor-core operands are read
@@ -89,6 +104,10 @@ class Kernel:
         self.dtype = spec_args["dtype"]
         self.causal = spec_args["causal"]
         self.target = target
+        # Plain values for the call path (torch.compile traces no TVM object).
+        self._cuda, self._target_name = targets.is_cuda(target), targets.describe(target)
+        self._device_type, self._torch_dtype = "cuda" if self._cuda else "cpu", TORCH_DTYPES[self.dtype]
+        self.key = kernel_key(spec_args, target, knobs)
         self.schedule, self.schedule_source, records = choose_schedule(target, spec_args, knobs)
         schedule_name = schedule_registry.name_of(self.schedule)
         unknown = set(knobs or {}) - set(self.schedule.KNOBS)
@@ -97,6 +116,10 @@ class Kernel:
                 f"knobs: {sorted(unknown)} are not knobs of the {schedule_name} schedule; it has "
                 f"{sorted(self.schedule.KNOBS)}"
             )
+        for name, value in (knobs or {}).items():
+            problem = schedule_registry.knob_problem(self.schedule, name, value)
+            if problem:
+                raise ValueError(problem)
         # Knobs: the caller's, else the tuned ones for this GPU (if `tvmflash tune` or the shipped
         # logs have them), else the schedule's defaults.
         if knobs:
@@ -104,17 +127,20 @@ class Kernel:
         else:  # choose_schedule may have read this schedule's best record already
             tuned = records[schedule_name] if schedule_name in records else database.lookup(
                 target, schedule_name, dict(spec_args))
+        defaults = default_knobs(self.schedule, self.head_dim)
+        self.knobs = {**defaults, **(tuned["knobs"] if tuned else {}), **(knobs or {})}
         if knobs:
             self.knobs_source = "given"
         elif tuned:
-            self.knobs_source = f"tuned ({tuned['source']}, {tuned['mean_ms']:.3f} ms at {tuned.get('shape')})"
+            # tuning stores the defaults where none of its candidates beat them: they are no tuned knobs
+            what = "defaults (tuning found none faster:" if self.knobs == defaults else "tuned ("
+            self.knobs_source = f"{what} {tuned['source']}, {tuned['mean_ms']:.3f} ms at {tuned.get('shape')})"
         else:
             self.knobs_source = "defaults"
-        self.knobs = {**default_knobs(self.schedule, self.head_dim), **(tuned["knobs"] if tuned else {}),
-                      **(knobs or {})}
         self._fit_shared_memory(given=bool(knobs))
         self._modules: dict[tuple[int, int], _Module] = {}
         self._last: tuple[int, int] | None = None
+        _BY_KEY[self.key] = self
 
     def _fit_shared_memory(self, given: bool) -> None:
         """Knobs whose tiles need more shared memory than the target allows: an error for the
@@ -147,14 +173,17 @@ class Kernel:
     def _spec(self, heads_q: int, heads_kv: int) -> AttentionSpec:
         return AttentionSpec(self.head_dim, self.dtype, self.causal, heads_q, heads_kv)
 
+    def _code(self) -> str:
+        """A digest of every module whose code shapes the build: schedules/common.py holds code of the
+        sm80 and sm90 schedules (the row-reduce intrinsic); the lowering's passes shape every build."""
+        return cache.source_digest(program, self.schedule, schedule_registry.common, *lowering.MODULES)
+
     def _key(self, spec: AttentionSpec) -> str:
         return cache.digest(
             {
                 "tvmflash": _version(),
                 "tvm": tvm.__version__,
-                # every module whose code shapes the build: schedules/common.py holds code of the sm80 and
-                # sm90 schedules (the row-reduce intrinsic); the lowering's passes shape every build
-                "code": cache.source_digest(program, self.schedule, schedule_registry.common, *lowering.MODULES),
+                "code": self._code(),
                 "spec": asdict(spec),
                 "knobs": self.knobs,
                 "target": str(self.target),
@@ -171,17 +200,35 @@ class Kernel:
         with _LOCK:
             found = _MODULES.get(key)
             if found is None:
-                found = self._load(key) or self._build(spec, key)
+                found = self._load(key)
+                if found is None:
+                    what = f"d{spec.head_dim} {spec.dtype}{' causal' if spec.causal else ''} hq{spec.heads_q}/hkv{spec.heads_kv}"
+                    logger.info("building %s for %s (%s schedule)...", what, self._target_name,
+                                schedule_registry.name_of(self.schedule))
+                    found = self._build(spec, key)
+                logger.info("%s %s in %.1f s%s", "built" if found.origin == "built" else "loaded", found.path or "it",
+                            found.seconds, "" if found.function else " (CUDA source only: no GPU here to build for)")
                 _MODULES[key] = found
         self._modules[(heads_q, heads_kv)] = found
         self._last = (heads_q, heads_kv)
         return found
 
+    def _path(self, key: str) -> Path:
+        """Where a module is cached: its library, or the CUDA source of a cross-compile (a file of its own:
+        a GPU machine that shares the cache dir builds the library)."""
+        return cache.module_dir() / (f"{key}.so" if _runnable_here(self.target) else f"{key}-source.cu")
+
     def _load(self, key: str) -> _Module | None:
-        path = cache.module_dir() / f"{key}.so"
-        if not (_runnable_here(self.target) and path.exists()):
+        path = self._path(key)
+        if not path.exists():
+            return None
+        problem = cache.module_problem(path)
+        if problem:  # checked first: a truncated library can crash the loader (a bus error)
+            warnings.warn(f"tvmflash: rebuilding cached module {path}: {problem}", stacklevel=3)
             return None
         start = time.perf_counter()
+        if path.suffix == ".cu":
+            return _Module(None, path.read_text(), "disk cache", str(path), time.perf_counter() - start)
         try:
             function = tvm.runtime.load_module(str(path))["main"]
         except Exception as err:  # noqa: BLE001 - a broken cache file must not be fatal
@@ -199,19 +246,18 @@ class Kernel:
         executable = lowering.build(sch.mod, self.target, **build_options(self.schedule))
         source = executable.mod.imports[0].inspect_source() if targets.is_cuda(self.target) else None
         seconds = time.perf_counter() - start
-        if not _runnable_here(self.target):
-            return _Module(None, source, "built", None, seconds)
-        path = cache.module_dir() / f"{key}.so"
+        runnable = _runnable_here(self.target)
+        path = self._path(key)
         try:
-            cache.atomic_write(path, executable.export_library)
             meta = {"key": key, "spec": asdict(spec), "knobs": self.knobs, "target": str(self.target),
                     "schedule": schedule_registry.name_of(self.schedule), "tvm": tvm.__version__,
-                    "tvmflash": _version(), "created": time.strftime("%Y-%m-%d %H:%M:%S")}
-            cache.atomic_write(path.with_suffix(".json"), lambda tmp: Path(tmp).write_text(json.dumps(meta, indent=1)))
+                    "tvmflash": _version(), "code": self._code(), "created": time.strftime("%Y-%m-%d %H:%M:%S")}
+            cache.write_module(path, executable.export_library if runnable else lambda tmp: Path(tmp).write_text(source),
+                               meta)
         except Exception as err:  # noqa: BLE001 - caching is an optimisation, never a failure
             warnings.warn(f"tvmflash: could not write {path} to the disk cache: {err}", stacklevel=3)
             path = None
-        return _Module(executable["main"], source, "built", str(path) if path else None, seconds)
+        return _Module(executable["main"] if runnable else None, source, "built", str(path) if path else None, seconds)
 
     # ----------------------------------------------------------------- using
     def source(self, heads_q: int | None = None, heads_kv: int | None = None) -> str:
@@ -253,29 +299,51 @@ class Kernel:
 
     def __call__(self, q, k, v, *, softmax_scale=None, out=None, return_lse=False):
         """Attention of q over k, v. See the class docstring for the shapes."""
+        check_flag("return_lse", return_lse)
+        softmax_scale = resolve_softmax_scale(softmax_scale, self.head_dim)
+        if torch.compiler.is_compiling():  # torch.compile traces a custom op, which calls back here at run time
+            return ops.kernel_call(self, q, k, v, softmax_scale, out, return_lse)
         self._check(q, k, v, out)
+        self._check_memory(q, k, v, out)
         # The module takes compact tensors. Views with a contiguous last dim (a packed qkv's
         # unbind, say) are copied once here rather than refused.
         q, k, v = (t if t.is_contiguous() else t.contiguous() for t in (q, k, v))
         batch, seqlen_q, heads_q, _ = q.shape
         heads_kv = k.shape[2]
-        softmax_scale = resolve_softmax_scale(softmax_scale, self.head_dim)
         if out is None:
-            out = torch.empty_like(q, memory_format=torch.contiguous_format)
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device)
-        module = self.module(heads_q, heads_kv)
+        module = self._modules.get((heads_q, heads_kv)) or self.module(heads_q, heads_kv)
         if module.function is None:
-            raise RuntimeError(f"this {targets.describe(self.target)} kernel was cross-compiled: there is no GPU here to run it on")
+            raise RuntimeError(f"this {self._target_name} kernel was cross-compiled: there is no GPU here to run it on")
         if out.numel() and not k.shape[1]:
             # No key at all: every row sees none (0, and an LSE of -inf). Answered here, as the TMA
             # builds' tensor maps cannot describe an empty K or V.
             out.zero_()
             lse.fill_(-math.inf)
         elif out.numel():
-            module.function(q, k, v, out, lse, float(softmax_scale))
+            module.function(q, k, v, out, lse, softmax_scale)
         return (out, lse) if return_lse else out
 
     def _check(self, q, k, v, out) -> None:
+        """Types, shapes, dtypes and devices (what torch.compile's fake tensors have too). The
+        common case is one test (this runs at every call); ``_explain`` says what is wrong."""
+        want = self._torch_dtype
+        try:
+            qs, ks, device = q.shape, k.shape, q.device
+            if (q.dtype is want and k.dtype is want and v.dtype is want and len(qs) == 4 and len(ks) == 4
+                    and qs[3] == self.head_dim and ks == v.shape and ks[3] == self.head_dim and qs[0] == ks[0]
+                    and ks[2] and not qs[2] % ks[2] and device.type == self._device_type and k.device == device
+                    and v.device == device and (out is None or (isinstance(out, torch.Tensor) and out.shape == qs
+                                                                and out.dtype is want and out.device == device))):
+                return
+        except (AttributeError, TypeError):
+            pass
+        self._explain(q, k, v, out)
+        raise ValueError(f"q, k, v, out: unexpected arguments {q!r}, {k!r}, {v!r}, {out!r}")  # pragma: no cover
+
+    def _explain(self, q, k, v, out) -> None:
+        """Raise the error that says what is wrong with the arguments (``_check``'s slow path)."""
         for name, t in (("q", q), ("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -296,25 +364,39 @@ class Kernel:
         for name, t in (("k", k), ("v", v)):
             if t.device != q.device:
                 raise ValueError(f"{name}: expected device {q.device} (q's), got {t.device}")
-        cuda = targets.is_cuda(self.target)
-        if q.device.type != ("cuda" if cuda else "cpu"):
-            raise ValueError(f"q: the kernel was built for {targets.describe(self.target)}, got a tensor on {q.device}")
+        if q.device.type != self._device_type:
+            raise ValueError(f"q: the kernel was built for {self._target_name}, got a tensor on {q.device}")
+        if out is not None and (not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype
+                                or out.device != q.device):
+            raise ValueError(f"out: expected a tensor of q's shape {tuple(q.shape)}, dtype and device, got "
+                             f"{getattr(out, 'shape', out)!r}")
+
+    def _check_memory(self, q, k, v, out) -> None:
+        """Strides, sizes and alignment (real tensors only)."""
         for name, t in (("q", q), ("k", k), ("v", v)):
             if t.numel() and t.shape[3] > 1 and t.stride(3) != 1:
                 raise ValueError(f"{name}: expected a contiguous last dim (stride 1), got strides {t.stride()}")
             if t.numel() > _INT32_MAX:
                 raise ValueError(f"{name}: tensors of more than 2**31 elements are not supported, got shape {tuple(t.shape)}")
-            if cuda and t.data_ptr() % 16:
+            if self._cuda and t.data_ptr() % 16:
                 raise ValueError(f"{name}: expected a 16-byte aligned data pointer, got {t.data_ptr():#x}")
-        if out is not None:
-            if not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
-                raise ValueError(f"out: expected a tensor of q's shape {tuple(q.shape)}, dtype and device, got "
-                                 f"{getattr(out, 'shape', out)!r}")
-            if not out.is_contiguous():
-                raise ValueError(f"out: expected a contiguous tensor, got strides {out.stride()}")
+        if out is not None and not out.is_contiguous():
+            raise ValueError(f"out: expected a contiguous tensor, got strides {out.stride()}")
 
 
-_KERNELS: dict[str, Kernel] = {}
+_KERNELS: dict[str, Kernel] = {}  # compile()'s, by kernel_key; forget_kernels() empties it
+_BY_KEY: dict[str, Kernel] = {}  # the Kernel of each key a torch.compile'd graph may name (never emptied)
+
+
+def kernel_key(spec_args: dict, target: tvm.target.Target, knobs: dict | None) -> str:
+    """What names a Kernel: its spec, target and given knobs, and TVMFLASH_SM90 (it may change the
+    schedule for the same target)."""
+    return cache.digest([spec_args, str(target), knobs, schedule_registry.sm90_setting()])
+
+
+def by_key(key: str) -> Kernel:
+    """The Kernel a custom op's ``kernel`` argument names (``Kernel.key``)."""
+    return _BY_KEY[key]
 
 
 def choose_schedule(target: tvm.target.Target, spec_args: dict,
@@ -353,15 +435,17 @@ def compile(*, head_dim: int, dtype, causal: bool = False, target=None, knobs: d
     Modules are cached in memory and on disk (``$TVMFLASH_CACHE_DIR``, else ``~/.cache/tvmflash``).
     """
     dtype = dtype_name(dtype)
-    program.AttentionSpec(head_dim, dtype, bool(causal))  # validates head_dim and dtype
+    check_flag("causal", causal)
+    program.AttentionSpec(head_dim, dtype, causal)  # validates head_dim and dtype
     resolved = targets.resolve(target)
     # TVMFLASH_SM90 is in the key: it may change the schedule for the same target. The records
     # that choose_schedule reads are read once, when the Kernel is made (as its tuned knobs are):
     # compile() runs on every tvmflash.attention call, so a cached one reads no file.
-    key = cache.digest([head_dim, dtype, bool(causal), str(resolved), knobs, schedule_registry.sm90_setting()])
+    spec_args = {"head_dim": head_dim, "dtype": dtype, "causal": causal}
+    key = kernel_key(spec_args, resolved, knobs)
     kernel = _KERNELS.get(key)
     if kernel is None:
-        kernel = _KERNELS[key] = Kernel({"head_dim": head_dim, "dtype": dtype, "causal": bool(causal)}, resolved, knobs)
+        kernel = _KERNELS[key] = Kernel(spec_args, resolved, knobs)
     if heads_q is not None:
         kernel.module(heads_q, heads_kv if heads_kv is not None else heads_q)
     return kernel
@@ -371,6 +455,7 @@ def forget_kernels() -> None:
     """Drop the in-memory Kernels, so the next ``compile()`` looks up tuned knobs afresh (after
     ``tvmflash tune`` wrote new ones). Built modules stay cached."""
     _KERNELS.clear()
+    ops.KERNELS_FOR.clear()
 
 
 def dtype_name(dtype) -> str:
@@ -384,3 +469,6 @@ def _version() -> str:
     from tvmflash import __version__
 
     return __version__
+
+
+from tvmflash import ops  # noqa: E402 - Kernel.__call__ traces through its custom ops (ops imports this module)

@@ -1,26 +1,47 @@
-"""The PyTorch binding: ``tvmflash.attention`` as a torch custom op (``torch.ops.tvmflash.forward``).
+"""The PyTorch binding: ``tvmflash.attention``, and torch custom ops that torch.compile traces.
 
-Registering a custom op lets torch.compile trace through attention without a graph break (the
-fake implementation gives output shapes), and gives autograd one place to hook the backward pass.
+Eagerly, without autograd, ``attention`` and ``Kernel.__call__`` call the kernel directly: a custom
+op's dispatch costs host time at every call, and its first call imports ``torch._dynamo`` (about
+1 s). Under torch.compile, and where autograd records the call, they go through custom ops
+(``torch.ops.tvmflash.*``): torch.compile then traces them without a graph break (the fake
+implementations give the output shapes), and autograd has one place to hook the backward pass.
 """
 
 from __future__ import annotations
 
 import torch
 
+from tvmflash import kernel as kernels
+from tvmflash import schedules as schedule_registry
 from tvmflash import target as targets
-from tvmflash.kernel import compile, resolve_softmax_scale
+from tvmflash.kernel import check_flag, compile, resolve_softmax_scale
+
+
+# kernel_for's answers: compile() resolves a target (a TVM object) and hashes its arguments, some
+# 100 us a call; attention() runs at every step of a model. Emptied by ``kernel.forget_kernels``.
+KERNELS_FOR: dict[tuple, kernels.Kernel] = {}
 
 
 def kernel_for(q: torch.Tensor, causal: bool):
     """The kernel for q's device, dtype and head_dim (compiled on first use, then cached)."""
+    key = (q.device, q.dtype, q.shape[-1], causal, schedule_registry.sm90_setting())
+    found = KERNELS_FOR.get(key)
+    if found is not None:
+        return found
     if q.device.type == "cuda":
         target = targets.cuda_device_target(q.device.index)
     elif q.device.type == "cpu":
         target = "cpu"
     else:
         raise ValueError(f"q: expected a CPU or CUDA tensor, got one on {q.device}")
-    return compile(head_dim=q.shape[-1], dtype=q.dtype, causal=causal, target=target)
+    found = KERNELS_FOR[key] = compile(head_dim=q.shape[-1], dtype=q.dtype, causal=causal, target=target)
+    return found
+
+
+def _output_shapes(q):
+    """out (compact, q's shape) and lse (batch, heads_q, seqlen_q), as the kernel allocates them."""
+    batch, seqlen_q, heads_q, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
 
 
 @torch.library.custom_op("tvmflash::forward", mutates_args=())
@@ -32,8 +53,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
 
 @forward.register_fake
 def _forward_shapes(q, k, v, causal, softmax_scale):
-    batch, seqlen_q, heads_q, _ = q.shape
-    return torch.empty_like(q), q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
+    return _output_shapes(q)
 
 
 def _setup_context(ctx, inputs, output):
@@ -46,6 +66,42 @@ def _backward(ctx, grad_out, grad_lse):
 
 
 forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+# A kept Kernel (``tvmflash.compile``) under torch.compile: the op names it by ``Kernel.key``.
+@torch.library.custom_op("tvmflash::kernel_forward", mutates_args=())
+def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel: str,
+                   softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of the Kernel ``kernel`` names; see ``Kernel.__call__``."""
+    return kernels.by_key(kernel)(q, k, v, softmax_scale=softmax_scale, return_lse=True)
+
+
+@kernel_forward.register_fake
+def _kernel_forward_shapes(q, k, v, kernel, softmax_scale):
+    kernels.by_key(kernel)._check(q, k, v, None)
+    return _output_shapes(q)
+
+
+@torch.library.custom_op("tvmflash::kernel_forward_out", mutates_args=("out",))
+def kernel_forward_out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, kernel: str,
+                       softmax_scale: float) -> torch.Tensor:
+    """lse of the Kernel ``kernel`` names, its output written into ``out``."""
+    return kernels.by_key(kernel)(q, k, v, softmax_scale=softmax_scale, out=out, return_lse=True)[1]
+
+
+@kernel_forward_out.register_fake
+def _kernel_forward_out_shapes(q, k, v, out, kernel, softmax_scale):
+    kernels.by_key(kernel)._check(q, k, v, out)
+    return _output_shapes(q)[1]
+
+
+def kernel_call(kernel, q, k, v, softmax_scale: float, out, return_lse: bool):
+    """``kernel(q, k, v, ...)`` through the custom ops (what torch.compile traces)."""
+    if out is None:
+        out, lse = kernel_forward(q, k, v, kernel.key, softmax_scale)
+    else:
+        lse = kernel_forward_out(q, k, v, out, kernel.key, softmax_scale)
+    return (out, lse) if return_lse else out
 
 
 def attention(q, k, v, *, causal: bool = False, softmax_scale=None, return_lse: bool = False):
@@ -63,6 +119,12 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale=None, return_lse: 
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if q.dim() != 4:
         raise ValueError(f"q: expected 4 dims (batch, seqlen, heads, head_dim), got shape {tuple(q.shape)}")
+    check_flag("causal", causal)
+    check_flag("return_lse", return_lse)
     softmax_scale = resolve_softmax_scale(softmax_scale, q.shape[-1])
-    out, lse = forward(q, k, v, bool(causal), softmax_scale)
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
+                                                                       or v.requires_grad)):
+        out, lse = forward(q, k, v, causal, softmax_scale)
+    else:  # eager, nothing for autograd to record: no custom op's dispatch
+        out, lse = kernel_for(q, causal)(q, k, v, softmax_scale=softmax_scale, return_lse=True)
     return (out, lse) if return_lse else out

@@ -370,7 +370,8 @@ def tune(*, head_dim: int, dtype, causal: bool, target=None, trials: int = 64, b
     ``path``, the database file.
     """
     dtype = kernel.dtype_name(dtype)
-    program.AttentionSpec(head_dim, dtype, bool(causal))  # validates head_dim and dtype
+    kernel.check_flag("causal", causal)
+    program.AttentionSpec(head_dim, dtype, causal)  # validates head_dim and dtype
     if trials < 1:
         raise ValueError(f"trials: expected a positive number, got {trials}")
     resolved = targets.resolve(target)
@@ -387,7 +388,7 @@ def tune(*, head_dim: int, dtype, causal: bool, target=None, trials: int = 64, b
     cuda = targets.is_cuda(resolved)
     if cuda and not torch.cuda.is_available():
         raise ValueError(f"target: tuning {targets.describe(resolved)} needs a CUDA GPU to run on; none is visible")
-    workload = {"head_dim": head_dim, "dtype": dtype, "causal": bool(causal)}
+    workload = {"head_dim": head_dim, "dtype": dtype, "causal": causal}
     work_dir = Path(work_dir or cache.cache_dir() / "tuning-work" /
                     f"{schedule_name}-d{head_dim}-{dtype}-{'causal' if causal else 'full'}-{time.strftime('%Y%m%d-%H%M%S')}")
     work_dir.mkdir(parents=True, exist_ok=True)
@@ -397,7 +398,7 @@ def tune(*, head_dim: int, dtype, causal: bool, target=None, trials: int = 64, b
          f"{trials} trials; work dir {work_dir}")
 
     rng = random.Random(seed)
-    spec = program.AttentionSpec(head_dim, dtype, bool(causal), shape["heads"], shape["heads"])
+    spec = program.AttentionSpec(head_dim, dtype, causal, shape["heads"], shape["heads"])
     tasks = make_tasks(schedule, spec, shape, space, resolved, work_dir, rng, echo)
     contexts = [task.pop("context") for task in tasks]
     configurations = sum(math.prod(len(values) for values in task["sampled"].values()) for task in tasks)
