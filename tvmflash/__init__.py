@@ -18,7 +18,9 @@ if "TVM_NUM_THREADS" not in _os.environ:
 
     _os.environ["TVM_NUM_THREADS"] = str(_torch.get_num_threads())
 
-from tvmflash.kernel import Kernel, compile  # noqa: E402
+from tvmflash.flash_attn import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func  # noqa: E402
+from tvmflash.kernel import BackwardKernel, Kernel, compile, compile_backward  # noqa: E402
 from tvmflash.ops import attention  # noqa: E402
 
-__all__ = ["Kernel", "attention", "compile", "__version__"]
+__all__ = ["BackwardKernel", "Kernel", "attention", "compile", "compile_backward", "flash_attn_func",
+           "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func", "__version__"]

@@ -31,7 +31,8 @@ As in the forward: batch and the sequence lengths are symbolic; rows and keys pa
 padded with zeros on load; causal masks are aligned bottom-right and tiles wholly above the
 diagonal are skipped (``dkdv`` starts at the first Q block that sees its first key, ``dq`` stops
 at the last K/V block its last row sees); only tiles on the diagonal or at the end of the keys
-are masked. The products that feed a matmul (p for dv, ds for dq and dk) are rounded to the
+are masked. dk, dv and dq are reductions whose init carries the accumulator over from the last
+step (a reduction block needs an init to be vectorised, decomposed or tensorized). The products that feed a matmul (p for dv, ds for dq and dk) are rounded to the
 input dtype, as the forward rounds p for p v (so that tensor cores can take them); everything
 else is fp32. A row that sees no key (lse -inf) or lies past the end gets p = 0, hence zero
 gradients, never NaN.
@@ -240,6 +241,8 @@ def attention_backward(spec: AttentionSpec, block_m: int, block_n: int) -> tvm.I
                         for j, d, i in T.grid(BN, D, BM):
                             with T.sblock("dv"):  # dv += pᵀ dout
                                 vj, vd, vi = T.axis.remap("SSR", [j, d, i])
+                                with T.init():  # carried over from the last step
+                                    dv_acc[vj, vd] = dv_acc[vj, vd]
                                 dv_acc[vj, vd] = dv_acc[vj, vd] + T.cast(Pc[vi, vj], f32) * T.cast(dOt[vi, vd], f32)
                         for i, j, d in T.grid(BM, BN, D):
                             with T.sblock("dp"):  # dp = dout vᵀ
@@ -254,6 +257,8 @@ def attention_backward(spec: AttentionSpec, block_m: int, block_n: int) -> tvm.I
                         for j, d, i in T.grid(BN, D, BM):
                             with T.sblock("dk"):  # dk += dsᵀ q (scaled at the store)
                                 vj, vd, vi = T.axis.remap("SSR", [j, d, i])
+                                with T.init():  # carried over from the last step
+                                    dk_acc[vj, vd] = dk_acc[vj, vd]
                                 dk_acc[vj, vd] = dk_acc[vj, vd] + T.cast(dSc[vi, vj], f32) * T.cast(Qt[vi, vd], f32)
 
                 for j, d in T.grid(BN, D):
@@ -369,6 +374,8 @@ def attention_backward(spec: AttentionSpec, block_m: int, block_n: int) -> tvm.I
                         for i, d, j in T.grid(BM, D, BN):
                             with T.sblock("dq"):  # dq += ds k
                                 vi, vd, vj = T.axis.remap("SSR", [i, d, j])
+                                with T.init():  # carried over from the last step
+                                    dq_acc[vi, vd] = dq_acc[vi, vd]
                                 dq_acc[vi, vd] = dq_acc[vi, vd] + T.cast(dSc[vi, vj], f32) * T.cast(Kt[vj, vd], f32)
 
                 for i, d in T.grid(BM, D):
