@@ -104,6 +104,8 @@ class Kernel:
     counts builds (or loads) one more module.
     """
 
+    PASS = "forward"  # what the modules compute (the disk cache's metadata says it)
+
     def __init__(self, spec_args: dict, target: tvm.target.Target, knobs: dict | None):
         self.head_dim = spec_args["head_dim"]
         self.dtype = spec_args["dtype"]
@@ -224,7 +226,7 @@ class Kernel:
         path = cache.module_dir() / f"{key}.so"
         try:
             cache.atomic_write(path, executable.export_library)
-            meta = {"key": key, "spec": asdict(spec), "knobs": self.knobs, "target": str(self.target),
+            meta = {"key": key, "pass": self.PASS, "spec": asdict(spec), "knobs": self.knobs, "target": str(self.target),
                     "schedule": schedule_registry.name_of(self.schedule), "tvm": tvm.__version__,
                     "tvmflash": _version(), "created": time.strftime("%Y-%m-%d %H:%M:%S")}
             cache.atomic_write(path.with_suffix(".json"), lambda tmp: Path(tmp).write_text(json.dumps(meta, indent=1)))
@@ -424,6 +426,8 @@ class BackwardKernel(Kernel):
     gradients are bitwise the same from run to run (no atomics: ``program_backward``).
     """
 
+    PASS = "backward"
+
     def __init__(self, spec_args: dict, target: tvm.target.Target, knobs: dict | None):
         self.head_dim = spec_args["head_dim"]
         self.dtype = spec_args["dtype"]
@@ -448,7 +452,7 @@ class BackwardKernel(Kernel):
         self._last: tuple[int, int] | None = None
 
     def _key(self, spec: AttentionSpec) -> str:
-        return cache.digest({"pass": "backward", "like the forward's": super()._key(spec),
+        return cache.digest({"pass": self.PASS, "like the forward's": super()._key(spec),
                              "code": cache.source_digest(program_backward)})
 
     def _scheduled(self, spec: AttentionSpec) -> tvm.s_tir.Schedule:
@@ -460,7 +464,7 @@ class BackwardKernel(Kernel):
         return {name: module[name] for name in program_backward.PASSES}
 
     def info(self) -> dict:
-        return {**super().info(), "pass": "backward"}
+        return {**super().info(), "pass": self.PASS}
 
     def __repr__(self) -> str:
         return "tvmflash.BackwardKernel" + super().__repr__().removeprefix("tvmflash.Kernel")

@@ -96,16 +96,6 @@ def attention_backward(spec: AttentionSpec, block_m: int, block_n: int) -> tvm.I
             return T.ceildiv(seqlen_k, BN)
         return T.ceildiv(T.min(seqlen_k, T.max(0, (qb + 1) * BM + seqlen_k - seqlen_q)), BN)
 
-    def step_head(hk, kb, step, seqlen_q, seqlen_k):
-        """The query head of step ``step`` of K/V block kb (the steps run over the group's heads,
-        each over its Q blocks)."""
-        return hk * group + step // q_blocks(kb, seqlen_q, seqlen_k) if group > 1 else hk
-
-    def step_q_block(kb, step, seqlen_q, seqlen_k):
-        """The Q block of step ``step`` of K/V block kb."""
-        offset = step % q_blocks(kb, seqlen_q, seqlen_k) if group > 1 else step
-        return first_q_block(kb, seqlen_q, seqlen_k) + offset
-
     def row_lse2(LSE, b, h, row, seqlen_q):
         """lse · log2 e of a query row, or NO_ROW for a row that sees no key or lies past the end.
         (Nested, so that the row past the end is never read.)"""
@@ -186,13 +176,13 @@ def attention_backward(spec: AttentionSpec, block_m: int, block_n: int) -> tvm.I
                         dk_acc[vj, vd] = T.float32(0)
                         dv_acc[vj, vd] = T.float32(0)
 
-                # One step per (query head of the group, Q block): one loop, so that a software
-                # pipeline can run over all of them.
-                for step in range(group * q_blocks(vkb, seqlen_q, seqlen_k)):
+                # One step per (query head of the group, Q block).
+                for g, t in T.grid(group, q_blocks(vkb, seqlen_q, seqlen_k)):
                     with T.sblock("q_step"):
-                        vstep = T.axis.opaque(group * q_blocks(vkb, seqlen_q, seqlen_k), step)
-                        h = T.meta_var(step_head(vhk, vkb, vstep, seqlen_q, seqlen_k))
-                        qb = T.meta_var(step_q_block(vkb, vstep, seqlen_q, seqlen_k))
+                        vg = T.axis.opaque(group, g)
+                        vt = T.axis.opaque(q_blocks(vkb, seqlen_q, seqlen_k), t)
+                        h = T.meta_var(vhk * group + vg)
+                        qb = T.meta_var(first_q_block(vkb, seqlen_q, seqlen_k) + vt)
                         Qt = T.sblock_alloc_buffer((BM, D), dtype)  # the Q block, zero-padded
                         dOt = T.sblock_alloc_buffer((BM, D), dtype)  # the dout block, zero-padded
                         lse2 = T.sblock_alloc_buffer((BM,), f32)  # lse · log2 e, or NO_ROW
