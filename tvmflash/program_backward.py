@@ -32,10 +32,10 @@ padded with zeros on load; causal masks are aligned bottom-right and tiles wholl
 diagonal are skipped (``dkdv`` starts at the first Q block that sees its first key, ``dq`` stops
 at the last K/V block its last row sees); only tiles on the diagonal or at the end of the keys
 are masked. dk, dv and dq are reductions whose init carries the accumulator over from the last
-step (a reduction block needs an init to be vectorised, decomposed or tensorized). The products that feed a matmul (p for dv, ds for dq and dk) are rounded to the
-input dtype, as the forward rounds p for p v (so that tensor cores can take them); everything
-else is fp32. A row that sees no key (lse -inf) or lies past the end gets p = 0, hence zero
-gradients, never NaN.
+step (a reduction block needs an init to be vectorised, decomposed or tensorized). The products
+that feed a matmul (p for dv, ds for dq and dk) are rounded to the input dtype, as the forward
+rounds p for p v (so that tensor cores can take them); everything else is fp32. A row that sees no key (lse -inf) gets p = 0 from the mask, hence zero gradients,
+never NaN (``row_lse2``).
 """
 
 from __future__ import annotations
@@ -47,10 +47,6 @@ from tvmflash.program import LOG2E, AttentionSpec
 
 # The programs of the IRModule, in the order they run (dkdv and dq both read delta).
 PASSES = ("delta", "dkdv", "dq")
-# lse · log2 e for a row that sees no key (lse -inf) or lies past seqlen_q: exp2(s · scale2 - NO_ROW)
-# is 0 for every score the forward accepts (``program.MAX_SOFTMAX_SCALE``), with no inf in the
-# arithmetic (so no inf - inf).
-NO_ROW = 1.0e30
 
 
 def attention_backward(spec: AttentionSpec, block_m: int, block_n: int) -> tvm.IRModule:
@@ -75,7 +71,7 @@ def attention_backward(spec: AttentionSpec, block_m: int, block_n: int) -> tvm.I
 
     def tile_visible(qb, kb, seqlen_q, seqlen_k):
         """Does every row of Q block qb see every key of K/V block kb? (Its first row, the block's
-        last key.) Rows past seqlen_q need no mask: their p is 0 (``NO_ROW``)."""
+        last key.) Rows past seqlen_q need no mask (``row_lse2``)."""
         return visible(qb * BM, kb * BN + BN - 1, seqlen_q, seqlen_k)
 
     def first_q_block(kb, seqlen_q, seqlen_k):
@@ -97,14 +93,11 @@ def attention_backward(spec: AttentionSpec, block_m: int, block_n: int) -> tvm.I
         return T.ceildiv(T.min(seqlen_k, T.max(0, (qb + 1) * BM + seqlen_k - seqlen_q)), BN)
 
     def row_lse2(LSE, b, h, row, seqlen_q):
-        """lse · log2 e of a query row, or NO_ROW for a row that sees no key or lies past the end.
-        (Nested, so that the row past the end is never read.)"""
-        return T.if_then_else(
-            row < seqlen_q,
-            T.if_then_else(LSE[b, h, row] == T.float32(-float("inf")), T.float32(NO_ROW),
-                           LSE[b, h, row] * T.float32(LOG2E)),
-            T.float32(NO_ROW),
-        )
+        """lse · log2 e of a query row, 0 past the end. A row that sees no key (lse -inf) is only
+        ever in masked tiles (rows see more keys as they go down, so a block whose first row sees
+        a tile's last key has no such row), where the mask gives its p 0; a row past the end has
+        q = dout = delta = 0 and adds nothing whatever its p."""
+        return T.if_then_else(row < seqlen_q, LSE[b, h, row] * T.float32(LOG2E), T.float32(0))
 
     def padded(buffer, row, limit, *index):
         """buffer[index] for a row before ``limit``, else 0 in the input dtype."""
@@ -185,7 +178,7 @@ def attention_backward(spec: AttentionSpec, block_m: int, block_n: int) -> tvm.I
                         qb = T.meta_var(first_q_block(vkb, seqlen_q, seqlen_k) + vt)
                         Qt = T.sblock_alloc_buffer((BM, D), dtype)  # the Q block, zero-padded
                         dOt = T.sblock_alloc_buffer((BM, D), dtype)  # the dout block, zero-padded
-                        lse2 = T.sblock_alloc_buffer((BM,), f32)  # lse · log2 e, or NO_ROW
+                        lse2 = T.sblock_alloc_buffer((BM,), f32)  # lse · log2 e
                         delta_t = T.sblock_alloc_buffer((BM,), f32)  # delta, 0 past the end
                         S = T.sblock_alloc_buffer((BM, BN), f32)  # q kᵀ, unscaled
                         P = T.sblock_alloc_buffer((BM, BN), f32)  # exp(s - lse), 0 where masked
@@ -290,7 +283,7 @@ def attention_backward(spec: AttentionSpec, block_m: int, block_n: int) -> tvm.I
                 vb, vh, vqb = T.axis.remap("SSS", [b, h, qb])
                 Qt = T.sblock_alloc_buffer((BM, D), dtype)  # the Q block, zero-padded
                 dOt = T.sblock_alloc_buffer((BM, D), dtype)  # the dout block, zero-padded
-                lse2 = T.sblock_alloc_buffer((BM,), f32)  # lse · log2 e, or NO_ROW
+                lse2 = T.sblock_alloc_buffer((BM,), f32)  # lse · log2 e
                 delta_t = T.sblock_alloc_buffer((BM,), f32)  # delta, 0 past the end
                 dq_acc = T.sblock_alloc_buffer((BM, D), f32)  # ds k (scaled at the store)
                 scale2 = T.sblock_alloc_buffer((1,), f32)
