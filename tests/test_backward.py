@@ -252,3 +252,13 @@ def test_torch_compile_trains_on_the_gpu():
         optimizer.zero_grad()
         losses.append(loss.item())
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
+
+
+def test_simt_backward_default_knobs_fit_static_shared_memory():
+    from tvmflash.schedules import cuda
+
+    for head_dim in (32, 64, 96, 128, 256):
+        kernel = tvmflash.compile_backward(head_dim=head_dim, dtype="float32", target="sm80")
+        assert cuda.backward_shared_memory_bytes(head_dim, "float32", kernel.knobs) <= 48 * 1024
+    with pytest.raises(ValueError, match=r"need 64 KiB of shared memory, the cuda backward on cuda sm_80 has 48 KiB"):
+        tvmflash.compile_backward(head_dim=256, dtype="float32", target="sm80", knobs={"block_m": 32, "block_n": 32})

@@ -440,14 +440,19 @@ class BackwardKernel(Kernel):
         if unknown:
             raise ValueError(f"knobs: {sorted(unknown)} are not backward knobs of the {schedule_name} schedule; it "
                              f"has {sorted(self.schedule.BACKWARD_KNOBS)}")
-        self.knobs = {**self.schedule.BACKWARD_KNOBS, **(knobs or {})}
+        defaults = {**self.schedule.BACKWARD_KNOBS,
+                    **getattr(self.schedule, "BACKWARD_KNOBS_FOR_HEAD_DIM", {}).get(self.head_dim, {})}
+        self.knobs = {**defaults, **(knobs or {})}
         self.knobs_source = "given" if knobs else "defaults"
         needs = getattr(self.schedule, "backward_shared_memory_bytes", None)
-        limit = target.attrs.get("max_shared_memory_per_block") if targets.is_cuda(target) else None
-        if needs and limit is not None and needs(self.head_dim, self.dtype, self.knobs) > int(limit):
-            raise ValueError(f"knobs: {self.knobs} need {needs(self.head_dim, self.dtype, self.knobs) / 1024:.0f} KiB "
-                             f"of shared memory, {targets.describe(target)} allows {int(limit) / 1024:.0f} KiB; "
-                             "try a smaller block_m or block_n")
+        if needs and targets.is_cuda(target):
+            need = needs(self.head_dim, self.dtype, self.knobs)
+            limit = min(int(target.attrs.get("max_shared_memory_per_block", 48 * 1024)),
+                        getattr(self.schedule, "BACKWARD_SHARED_MEMORY_LIMIT", math.inf))
+            if need > limit:
+                raise ValueError(f"knobs: {self.knobs} need {need / 1024:.0f} KiB of shared memory, the "
+                                 f"{schedule_name} backward on {targets.describe(target)} has {limit / 1024:.0f} KiB; "
+                                 "try a smaller block_m or block_n")
         self._modules: dict[tuple[int, int], _Module] = {}
         self._last: tuple[int, int] | None = None
 
