@@ -26,7 +26,7 @@ def reference(q, k, v, *, causal=False, softmax_scale=None, dtype=torch.float64)
     # Rows that see no key: finite scores (so that autograd gets no NaN), p 0 and lse -inf.
     s = s.masked_fill(hidden & seen, -math.inf).masked_fill(~seen, 0.0)
     lse = torch.logsumexp(s, dim=-1).masked_fill(~seen[..., 0], -math.inf)
-    p = torch.softmax(s, dim=-1) * seen
+    p = (torch.softmax(s, dim=-1) * seen).nan_to_num(0.0)  # (NaN only where fp16 scores overflowed)
     return (p @ vh).transpose(1, 2), lse
 
 
