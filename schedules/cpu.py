@@ -70,7 +70,8 @@ def schedule_backward(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, ve
         sch.parallel(sch.fuse(*sch.get_loops("tile")))
         # q kᵀ and dout vᵀ along contiguous keys: K and V transposed (head_dim, block_n). In dq, K
         # also feeds ds k along head_dim, so q kᵀ reads a transposed copy of it.
-        k_for_qk = sch.cache_read("qk", _read_index(sch, "qk", "Kt"), "global") if func == "dq" else "load_k"
+        k_for_qk = sch.cache_read("qk", _read_index(sch, "qk", "Kt"), "global",
+                                  consumer_blocks=["qk"]) if func == "dq" else "load_k"
         sch.transform_layout(k_for_qk, ("write", 0), lambda j, d: (d, j))
         sch.transform_layout("load_v", ("write", 0), lambda j, d: (d, j))
         # ... and dv += pᵀ dout, dk += dsᵀ q, dq += ds k along head_dim.
