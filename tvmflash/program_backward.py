@@ -119,6 +119,75 @@ def attention_backward(spec: AttentionSpec, block_m: int, block_n: int) -> tvm.I
                     Delta[vb, vh, vi] = -dLSE[vb, vh, vi]
                 Delta[vb, vh, vi] = Delta[vb, vh, vi] + T.cast(dO[vb, vi, vh, vd], f32) * T.cast(O[vb, vi, vh, vd], f32)
 
+    def steps():
+        """The steps both programs take, written once: (load_kv, load_q, p_and_ds). Each program
+        takes fresh ones: a macro suffixes the block names of its second and later uses (qk_1),
+        and the schedules find the blocks by name."""
+        @T.macro
+        def load_kv(Kt, Vt, K, V, b, hk, kb, seqlen_k):
+            """The K and V blocks kb of K/V head hk, zero-padded."""
+            for j, d in T.grid(BN, D):
+                with T.sblock("load_k"):
+                    vj, vd = T.axis.remap("SS", [j, d])
+                    Kt[vj, vd] = padded(K, kb * BN + vj, seqlen_k, b, kb * BN + vj, hk, vd)
+            for j, d in T.grid(BN, D):
+                with T.sblock("load_v"):
+                    vj, vd = T.axis.remap("SS", [j, d])
+                    Vt[vj, vd] = padded(V, kb * BN + vj, seqlen_k, b, kb * BN + vj, hk, vd)
+
+        @T.macro
+        def load_q(Qt, dOt, lse2, delta_t, Q, dO, LSE, Delta, b, h, qb, seqlen_q):
+            """The q and dout blocks qb of query head h, zero-padded, and their rows' lse and delta."""
+            for i, d in T.grid(BM, D):
+                with T.sblock("load_q"):
+                    vi, vd = T.axis.remap("SS", [i, d])
+                    Qt[vi, vd] = padded(Q, qb * BM + vi, seqlen_q, b, qb * BM + vi, h, vd)
+            for i, d in T.grid(BM, D):
+                with T.sblock("load_do"):
+                    vi, vd = T.axis.remap("SS", [i, d])
+                    dOt[vi, vd] = padded(dO, qb * BM + vi, seqlen_q, b, qb * BM + vi, h, vd)
+            for i in range(BM):
+                with T.sblock("load_lse"):
+                    vi = T.axis.spatial(BM, i)
+                    lse2[vi] = row_lse2(LSE, b, h, qb * BM + vi, seqlen_q)
+                    delta_t[vi] = T.if_then_else(qb * BM + vi < seqlen_q, Delta[b, h, qb * BM + vi], T.float32(0))
+
+        @T.macro
+        def p_and_ds(Qt, Kt, dOt, Vt, lse2, delta_t, scale2, S, P, dP, dSc, qb, kb, seqlen_q, seqlen_k):
+            """p of Q block qb and K/V block kb, recomputed from the scores and lse (0 where masked),
+            and ds = p (dp - delta) rounded to the input dtype."""
+            for i, j, d in T.grid(BM, BN, D):
+                with T.sblock("qk"):  # s = q kᵀ, unscaled
+                    vi, vj, vd = T.axis.remap("SSR", [i, j, d])
+                    with T.init():
+                        S[vi, vj] = T.float32(0)
+                    S[vi, vj] = S[vi, vj] + T.cast(Qt[vi, vd], f32) * T.cast(Kt[vj, vd], f32)
+            for i, j in T.grid(BM, BN):
+                with T.sblock("exp"):
+                    vi, vj = T.axis.remap("SS", [i, j])
+                    if tile_visible(qb, kb, seqlen_q, seqlen_k):
+                        P[vi, vj] = T.exp2(S[vi, vj] * scale2[0] - lse2[vi])
+                    else:
+                        P[vi, vj] = T.if_then_else(
+                            visible(qb * BM + vi, kb * BN + vj, seqlen_q, seqlen_k),
+                            T.exp2(S[vi, vj] * scale2[0] - lse2[vi]),
+                            T.float32(0),
+                        )
+            for i, j, d in T.grid(BM, BN, D):
+                with T.sblock("dp"):  # dp = dout vᵀ
+                    vi, vj, vd = T.axis.remap("SSR", [i, j, d])
+                    with T.init():
+                        dP[vi, vj] = T.float32(0)
+                    dP[vi, vj] = dP[vi, vj] + T.cast(dOt[vi, vd], f32) * T.cast(Vt[vj, vd], f32)
+            for i, j in T.grid(BM, BN):
+                with T.sblock("ds"):  # ds = p (dp - delta)
+                    vi, vj = T.axis.remap("SS", [i, j])
+                    dSc[vi, vj] = T.cast(P[vi, vj] * (dP[vi, vj] - delta_t[vi]), dtype)
+
+        return load_kv, load_q, p_and_ds
+
+    load_kv, load_q, p_and_ds = steps()
+
     @T.prim_func(s_tir=True)
     def dkdv(
         q_handle: T.handle,
@@ -155,14 +224,7 @@ def attention_backward(spec: AttentionSpec, block_m: int, block_n: int) -> tvm.I
 
                 with T.sblock("init_scale"):
                     scale2[0] = softmax_scale * T.float32(LOG2E)
-                for j, d in T.grid(BN, D):
-                    with T.sblock("load_k"):
-                        vj, vd = T.axis.remap("SS", [j, d])
-                        Kt[vj, vd] = padded(K, vkb * BN + vj, seqlen_k, vb, vkb * BN + vj, vhk, vd)
-                for j, d in T.grid(BN, D):
-                    with T.sblock("load_v"):
-                        vj, vd = T.axis.remap("SS", [j, d])
-                        Vt[vj, vd] = padded(V, vkb * BN + vj, seqlen_k, vb, vkb * BN + vj, vhk, vd)
+                load_kv(Kt, Vt, K, V, vb, vhk, vkb, seqlen_k)
                 for j, d in T.grid(BN, D):
                     with T.sblock("init_dkdv"):
                         vj, vd = T.axis.remap("SS", [j, d])
@@ -174,49 +236,19 @@ def attention_backward(spec: AttentionSpec, block_m: int, block_n: int) -> tvm.I
                     with T.sblock("q_step"):
                         vg = T.axis.opaque(group, g)
                         vt = T.axis.opaque(q_blocks(vkb, seqlen_q, seqlen_k), t)
-                        h = T.meta_var(vhk * group + vg)
-                        qb = T.meta_var(first_q_block(vkb, seqlen_q, seqlen_k) + vt)
                         Qt = T.sblock_alloc_buffer((BM, D), dtype)  # the Q block, zero-padded
                         dOt = T.sblock_alloc_buffer((BM, D), dtype)  # the dout block, zero-padded
                         lse2 = T.sblock_alloc_buffer((BM,), f32)  # lse · log2 e
                         delta_t = T.sblock_alloc_buffer((BM,), f32)  # delta, 0 past the end
                         S = T.sblock_alloc_buffer((BM, BN), f32)  # q kᵀ, unscaled
                         P = T.sblock_alloc_buffer((BM, BN), f32)  # exp(s - lse), 0 where masked
-                        Pc = T.sblock_alloc_buffer((BM, BN), dtype)  # P in the input dtype, for dv
                         dP = T.sblock_alloc_buffer((BM, BN), f32)  # dout vᵀ
                         dSc = T.sblock_alloc_buffer((BM, BN), dtype)  # ds in the input dtype, for dk
+                        Pc = T.sblock_alloc_buffer((BM, BN), dtype)  # P in the input dtype, for dv
 
-                        for i, d in T.grid(BM, D):
-                            with T.sblock("load_q"):
-                                vi, vd = T.axis.remap("SS", [i, d])
-                                Qt[vi, vd] = padded(Q, qb * BM + vi, seqlen_q, vb, qb * BM + vi, h, vd)
-                        for i, d in T.grid(BM, D):
-                            with T.sblock("load_do"):
-                                vi, vd = T.axis.remap("SS", [i, d])
-                                dOt[vi, vd] = padded(dO, qb * BM + vi, seqlen_q, vb, qb * BM + vi, h, vd)
-                        for i in range(BM):
-                            with T.sblock("load_lse"):
-                                vi = T.axis.spatial(BM, i)
-                                lse2[vi] = row_lse2(LSE, vb, h, qb * BM + vi, seqlen_q)
-                                delta_t[vi] = T.if_then_else(qb * BM + vi < seqlen_q, Delta[vb, h, qb * BM + vi],
-                                                             T.float32(0))
-                        for i, j, d in T.grid(BM, BN, D):
-                            with T.sblock("qk"):
-                                vi, vj, vd = T.axis.remap("SSR", [i, j, d])
-                                with T.init():
-                                    S[vi, vj] = T.float32(0)
-                                S[vi, vj] = S[vi, vj] + T.cast(Qt[vi, vd], f32) * T.cast(Kt[vj, vd], f32)
-                        for i, j in T.grid(BM, BN):
-                            with T.sblock("exp"):
-                                vi, vj = T.axis.remap("SS", [i, j])
-                                if tile_visible(qb, vkb, seqlen_q, seqlen_k):
-                                    P[vi, vj] = T.exp2(S[vi, vj] * scale2[0] - lse2[vi])
-                                else:
-                                    P[vi, vj] = T.if_then_else(
-                                        visible(qb * BM + vi, vkb * BN + vj, seqlen_q, seqlen_k),
-                                        T.exp2(S[vi, vj] * scale2[0] - lse2[vi]),
-                                        T.float32(0),
-                                    )
+                        qb = T.meta_var(first_q_block(vkb, seqlen_q, seqlen_k) + vt)
+                        load_q(Qt, dOt, lse2, delta_t, Q, dO, LSE, Delta, vb, vhk * group + vg, qb, seqlen_q)
+                        p_and_ds(Qt, Kt, dOt, Vt, lse2, delta_t, scale2, S, P, dP, dSc, qb, vkb, seqlen_q, seqlen_k)
                         for i, j in T.grid(BM, BN):
                             with T.sblock("cast_p"):
                                 vi, vj = T.axis.remap("SS", [i, j])
@@ -227,16 +259,6 @@ def attention_backward(spec: AttentionSpec, block_m: int, block_n: int) -> tvm.I
                                 with T.init():  # carried over from the last step
                                     dv_acc[vj, vd] = dv_acc[vj, vd]
                                 dv_acc[vj, vd] = dv_acc[vj, vd] + T.cast(Pc[vi, vj], f32) * T.cast(dOt[vi, vd], f32)
-                        for i, j, d in T.grid(BM, BN, D):
-                            with T.sblock("dp"):  # dp = dout vᵀ
-                                vi, vj, vd = T.axis.remap("SSR", [i, j, d])
-                                with T.init():
-                                    dP[vi, vj] = T.float32(0)
-                                dP[vi, vj] = dP[vi, vj] + T.cast(dOt[vi, vd], f32) * T.cast(Vt[vj, vd], f32)
-                        for i, j in T.grid(BM, BN):
-                            with T.sblock("ds"):  # ds = p (dp - delta)
-                                vi, vj = T.axis.remap("SS", [i, j])
-                                dSc[vi, vj] = T.cast(P[vi, vj] * (dP[vi, vj] - delta_t[vi]), dtype)
                         for j, d, i in T.grid(BN, D, BM):
                             with T.sblock("dk"):  # dk += dsᵀ q (scaled at the store)
                                 vj, vd, vi = T.axis.remap("SSR", [j, d, i])
@@ -254,6 +276,8 @@ def attention_backward(spec: AttentionSpec, block_m: int, block_n: int) -> tvm.I
                         vj, vd = T.axis.remap("SS", [j, d])
                         T.where(vkb * BN + j < seqlen_k)
                         dV[vb, vkb * BN + vj, vhk, vd] = T.cast(dv_acc[vj, vd], dtype)
+
+    load_kv, load_q, p_and_ds = steps()
 
     @T.prim_func(s_tir=True)
     def dq(
@@ -290,20 +314,7 @@ def attention_backward(spec: AttentionSpec, block_m: int, block_n: int) -> tvm.I
 
                 with T.sblock("init_scale"):
                     scale2[0] = softmax_scale * T.float32(LOG2E)
-                for i, d in T.grid(BM, D):
-                    with T.sblock("load_q"):
-                        vi, vd = T.axis.remap("SS", [i, d])
-                        Qt[vi, vd] = padded(Q, vqb * BM + vi, seqlen_q, vb, vqb * BM + vi, vh, vd)
-                for i, d in T.grid(BM, D):
-                    with T.sblock("load_do"):
-                        vi, vd = T.axis.remap("SS", [i, d])
-                        dOt[vi, vd] = padded(dO, vqb * BM + vi, seqlen_q, vb, vqb * BM + vi, vh, vd)
-                for i in range(BM):
-                    with T.sblock("load_lse"):
-                        vi = T.axis.spatial(BM, i)
-                        lse2[vi] = row_lse2(LSE, vb, vh, vqb * BM + vi, seqlen_q)
-                        delta_t[vi] = T.if_then_else(vqb * BM + vi < seqlen_q, Delta[vb, vh, vqb * BM + vi],
-                                                     T.float32(0))
+                load_q(Qt, dOt, lse2, delta_t, Q, dO, LSE, Delta, vb, vh, vqb, seqlen_q)
                 for i, d in T.grid(BM, D):
                     with T.sblock("init_dq"):
                         vi, vd = T.axis.remap("SS", [i, d])
@@ -319,41 +330,8 @@ def attention_backward(spec: AttentionSpec, block_m: int, block_n: int) -> tvm.I
                         dP = T.sblock_alloc_buffer((BM, BN), f32)  # dout vᵀ
                         dSc = T.sblock_alloc_buffer((BM, BN), dtype)  # ds in the input dtype, for dq
 
-                        for j, d in T.grid(BN, D):
-                            with T.sblock("load_k"):
-                                vj, vd = T.axis.remap("SS", [j, d])
-                                Kt[vj, vd] = padded(K, vkb * BN + vj, seqlen_k, vb, vkb * BN + vj, vh // group, vd)
-                        for j, d in T.grid(BN, D):
-                            with T.sblock("load_v"):
-                                vj, vd = T.axis.remap("SS", [j, d])
-                                Vt[vj, vd] = padded(V, vkb * BN + vj, seqlen_k, vb, vkb * BN + vj, vh // group, vd)
-                        for i, j, d in T.grid(BM, BN, D):
-                            with T.sblock("qk"):
-                                vi, vj, vd = T.axis.remap("SSR", [i, j, d])
-                                with T.init():
-                                    S[vi, vj] = T.float32(0)
-                                S[vi, vj] = S[vi, vj] + T.cast(Qt[vi, vd], f32) * T.cast(Kt[vj, vd], f32)
-                        for i, j in T.grid(BM, BN):
-                            with T.sblock("exp"):
-                                vi, vj = T.axis.remap("SS", [i, j])
-                                if tile_visible(vqb, vkb, seqlen_q, seqlen_k):
-                                    P[vi, vj] = T.exp2(S[vi, vj] * scale2[0] - lse2[vi])
-                                else:
-                                    P[vi, vj] = T.if_then_else(
-                                        visible(vqb * BM + vi, vkb * BN + vj, seqlen_q, seqlen_k),
-                                        T.exp2(S[vi, vj] * scale2[0] - lse2[vi]),
-                                        T.float32(0),
-                                    )
-                        for i, j, d in T.grid(BM, BN, D):
-                            with T.sblock("dp"):  # dp = dout vᵀ
-                                vi, vj, vd = T.axis.remap("SSR", [i, j, d])
-                                with T.init():
-                                    dP[vi, vj] = T.float32(0)
-                                dP[vi, vj] = dP[vi, vj] + T.cast(dOt[vi, vd], f32) * T.cast(Vt[vj, vd], f32)
-                        for i, j in T.grid(BM, BN):
-                            with T.sblock("ds"):  # ds = p (dp - delta)
-                                vi, vj = T.axis.remap("SS", [i, j])
-                                dSc[vi, vj] = T.cast(P[vi, vj] * (dP[vi, vj] - delta_t[vi]), dtype)
+                        load_kv(Kt, Vt, K, V, vb, vh // group, vkb, seqlen_k)
+                        p_and_ds(Qt, Kt, dOt, Vt, lse2, delta_t, scale2, S, P, dP, dSc, vqb, vkb, seqlen_q, seqlen_k)
                         for i, d, j in T.grid(BM, D, BN):
                             with T.sblock("dq"):  # dq += ds k
                                 vi, vd, vj = T.axis.remap("SSR", [i, d, j])
