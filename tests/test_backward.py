@@ -262,3 +262,16 @@ def test_simt_backward_default_knobs_fit_static_shared_memory():
         assert cuda.backward_shared_memory_bytes(head_dim, "float32", kernel.knobs) <= 48 * 1024
     with pytest.raises(ValueError, match=r"need 64 KiB of shared memory, the cuda backward on cuda sm_80 has 48 KiB"):
         tvmflash.compile_backward(head_dim=256, dtype="float32", target="sm80", knobs={"block_m": 32, "block_n": 32})
+
+
+@pytest.mark.gpu
+def test_misaligned_and_strided_gradient_views_on_the_gpu():
+    """dout as a view that starts 2 bytes into its storage, and as an expanded (stride 0) tensor."""
+    q, k, v = random_qkv(1, 100, 100, 2, 2, 64, torch.float16, "cuda")
+    out, lse = tvmflash.attention(q, k, v, return_lse=True)
+    kernel = tvmflash.compile_backward(head_dim=64, dtype=torch.float16)
+    dout = torch.randn(out.numel() + 1, dtype=out.dtype, device="cuda")[1:].view(out.shape)
+    assert dout.data_ptr() % 16
+    check_gradients(kernel(q, k, v, out, dout, lse), q, k, v, dout)
+    ones = torch.ones((), dtype=out.dtype, device="cuda").expand(out.shape)
+    check_gradients(kernel(q, k, v, out, ones, lse), q, k, v, ones)

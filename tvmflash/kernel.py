@@ -495,8 +495,12 @@ class BackwardKernel(Kernel):
             if name in ("dq", "dk", "dv") and not t.is_contiguous():
                 raise ValueError(f"{name}: expected a contiguous tensor, got strides {t.stride()}")
         softmax_scale = resolve_softmax_scale(softmax_scale, self.head_dim)
-        # Views (a packed qkv's unbind, autograd's expanded gradient of a sum) are copied once here.
-        q, k, v, out, dout, lse = (t.contiguous() for t in (q, k, v, out, dout, lse))
+        # Views (a packed qkv's unbind, autograd's expanded gradient of a sum) are copied once here,
+        # and so is a CUDA tensor whose data does not start on the 16 bytes vector loads need.
+        cuda = targets.is_cuda(self.target)
+        q, k, v, out, dout, lse = (t.clone(memory_format=torch.contiguous_format) if cuda and t.data_ptr() % 16
+                                   else t.contiguous()
+                                   for t in (q, k, v, out, dout, lse))
         dq, dk, dv = (torch.empty_like(t) if g is None else g for t, g in ((q, dq), (k, dk), (v, dv)))
         if not (q.numel() and k.numel()):  # no query or no key: every gradient is 0
             for grad in (dq, dk, dv):
