@@ -88,3 +88,13 @@ def knob_problem(module: ModuleType, name: str, value) -> str | None:
 
 def name_of(module: ModuleType) -> str:
     return module.__name__.rsplit(".", 1)[-1]
+
+
+def backward_for_target(target, dtype: str) -> ModuleType:
+    """The schedule module whose ``schedule_backward`` serves a target and dtype: the CPU's, else
+    the SIMT CUDA schedule on every GPU and dtype (tensor-core backward schedules are to come)."""
+    if target.kind.name == "llvm":
+        return cpu
+    if target.kind.name == "cuda":
+        return cuda
+    raise ValueError(f"target: no tvmflash backward schedule for target kind {target.kind.name!r}")

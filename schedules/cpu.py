@@ -51,3 +51,41 @@ def _vectorize_inner(sch, block_name, vector):
     loop = sch.get_loops(block_name)[-1]
     _, inner = sch.split(loop, [None, vector])
     sch.vectorize(inner)
+
+
+# The backward (``tvmflash.program_backward``): its own knobs, as its tiles need not be the forward's.
+BACKWARD_KNOBS = {"block_m": 64, "block_n": 64, "vector": 16}
+BACKWARD_SPACE = {"block_m": [16, 32, 64], "block_n": [32, 64, 128], "vector": [8, 16]}
+
+
+def schedule_backward(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, vector: int) -> tvm.s_tir.Schedule:
+    """Map the backward programs onto the CPU: parallel over their tiles, vectorised along
+    contiguous rows. The knobs are the forward's."""
+    sch.work_on("delta")
+    b, i, _h, _d = sch.get_loops("delta")
+    sch.parallel(sch.fuse(b, i))
+
+    for func in ("dkdv", "dq"):
+        sch.work_on(func)
+        sch.parallel(sch.fuse(*sch.get_loops("tile")))
+        # q kᵀ and dout vᵀ along contiguous keys: K and V transposed (head_dim, block_n). In dq, K
+        # also feeds ds k along head_dim, so q kᵀ reads a transposed copy of it.
+        k_for_qk = sch.cache_read("qk", _read_index(sch, "qk", "Kt"), "global",
+                                  consumer_blocks=["qk"]) if func == "dq" else "load_k"
+        sch.transform_layout(k_for_qk, ("write", 0), lambda j, d: (d, j))
+        sch.transform_layout("load_v", ("write", 0), lambda j, d: (d, j))
+        # ... and dv += pᵀ dout, dk += dsᵀ q, dq += ds k along head_dim.
+        for name in ("qk", "dp") + (("dv", "dk") if func == "dkdv" else ("dq",)):
+            _gemm_vector_inner(sch, name, vector)
+        loads = ("load_q", "load_do", "load_k", "load_v")
+        inits = ("init_dkdv", "store_dk", "store_dv") if func == "dkdv" else ("init_dq", "store_dq")
+        elementwise = ("exp", "ds") + (("cast_p",) if func == "dkdv" else ())
+        for name in loads + inits + elementwise:
+            _vectorize_inner(sch, name, vector)
+    return sch
+
+
+def _read_index(sch, block_name, buffer_name):
+    """The index of a block's read of the named buffer (for cache_read)."""
+    reads = sch.get(sch.get_sblock(block_name)).reads
+    return next(n for n, region in enumerate(reads) if region.source.name == buffer_name)

@@ -236,6 +236,41 @@ def _fragment_elementwise(sch, name, num_warps):
     sch.bind(lane, "threadIdx.x")
 
 
+def _fragment_lanes(sch, name):
+    """A block over one 16x16 tile of mma fragments (a GEMM's init, after decompose_reduction),
+    iterated as (lane, register), the lanes on threadIdx.x."""
+    sch.transform_block_layout(name, lambda i, d: _ldmatrix_layout(i, d))
+    lane, reg = sch.get_loops(name)[-2:]
+    sch.bind(lane, "threadIdx.x")
+
+
+def _fill_fragments(sch, name, num_warps, fill):
+    """A (rows, cols) init block on mma fragments: 16x16 tiles filled by the ``fill`` intrinsic,
+    each warp its rows."""
+    i, d = sch.get_loops(name)
+    i0, i1 = sch.split(i, [None, 16])
+    d0, d1 = sch.split(d, [None, 16])
+    sch.reorder(i0, d0, i1, d1)
+    iw, im = sch.split(i0, [num_warps, None])
+    sch.bind(iw, "threadIdx.y")
+    sch.tensorize(i1, fill)
+
+
+def _store_fragments(sch, name, num_warps):
+    """A (rows, cols) store block that reads mma fragments, each lane the elements it holds.
+    (transform_block_layout would be shorter but it leaves the block's T.where referring to the
+    removed loop var: "variables (i,) are used, but are not passed in as API arguments".) Fragment
+    (lane, reg) of a 16x16 tile is i = 8h + r8, d = 8dh + 2q + e with lane = 4 r8 + q,
+    reg = 4 dh + 2 h + e."""
+    i, d = sch.get_loops(name)
+    w, mi, h, r8 = sch.split(i, [num_warps, None, 2, 8])
+    d0, dh, q, e = sch.split(d, [None, 2, 4, 2])
+    sch.reorder(w, r8, q, mi, d0, h, dh, e)
+    sch.bind(w, "threadIdx.y")
+    sch.bind(sch.fuse(r8, q), "threadIdx.x")
+    sch.vectorize(e)  # the two adjacent columns a lane holds: one 32-bit store
+
+
 def _row_block(sch, name, num_warps):
     """Per-row block: row i = 32 w + lane (one lane per row)."""
     i = sch.fuse(*sch.get_loops(name))
@@ -332,31 +367,10 @@ def schedule(
     for blk in (pv_o, pv):
         hide_init_reads(sch, blk)
     sch.tensorize(sch.get_loops(pv)[-3], names["mma_nn"])
-    # rescale: iterate the 16x16 tile as (lane, reg) and give lanes to threadIdx.x
-    sch.transform_block_layout("pv_init", lambda i, d: _ldmatrix_layout(i, d))
-    lane, reg = sch.get_loops("pv_init")[-2:]
-    sch.bind(lane, "threadIdx.x")
+    _fragment_lanes(sch, "pv_init")  # the rescale
 
-    # init_acc on fragments
-    i, d = sch.get_loops("init_acc")
-    i0, i1 = sch.split(i, [None, 16])
-    d0, d1 = sch.split(d, [None, 16])
-    sch.reorder(i0, d0, i1, d1)
-    iw, im = sch.split(i0, [num_warps, None])
-    sch.bind(iw, "threadIdx.y")
-    sch.tensorize(i1, names["fill"])
-
-    # epilogue straight from the fragments. (transform_block_layout would be shorter but it
-    # leaves store_o's T.where referring to the removed loop var: "variables (i,) are used, but
-    # are not passed in as API arguments".)  Fragment (lane, reg) of a 16x16 tile is
-    # i = 8h + r8, d = 8dh + 2q + e with lane = 4 r8 + q, reg = 4 dh + 2 h + e.
-    i, d = sch.get_loops("store_o")
-    w, mi, h, r8 = sch.split(i, [num_warps, None, 2, 8])
-    d0, dh, q, e = sch.split(d, [None, 2, 4, 2])
-    sch.reorder(w, r8, q, mi, d0, h, dh, e)
-    sch.bind(w, "threadIdx.y")
-    sch.bind(sch.fuse(r8, q), "threadIdx.x")
-    sch.vectorize(e)  # the two adjacent columns a lane holds: one 32-bit store
+    _fill_fragments(sch, "init_acc", num_warps, names["fill"])
+    _store_fragments(sch, "store_o", num_warps)  # the epilogue, straight from the fragments
 
 
     if quads:  # per-row values on the quads that hold the rows

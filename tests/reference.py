@@ -18,13 +18,15 @@ def reference(q, k, v, *, causal=False, softmax_scale=None, dtype=torch.float64)
     qh, kh, vh = (t.to(dtype).transpose(1, 2) for t in (q, k, v))
     kh, vh = kh.repeat_interleave(group, 1), vh.repeat_interleave(group, 1)
     s = (qh @ kh.transpose(-1, -2)) * scale
-    if causal:
-        seqlen_q, seqlen_k = q.shape[1], k.shape[1]
-        i = torch.arange(seqlen_q, device=q.device)[:, None]
-        j = torch.arange(seqlen_k, device=q.device)[None, :]
-        s = s.masked_fill(j > i + seqlen_k - seqlen_q, -math.inf)
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # rows that see no key: 0, not NaN
+    seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+    i = torch.arange(seqlen_q, device=q.device)[:, None]
+    j = torch.arange(seqlen_k, device=q.device)[None, :]
+    hidden = (j > i + seqlen_k - seqlen_q) if causal else torch.zeros_like(j > i)
+    seen = ~hidden.all(-1, keepdim=True)  # rows that see a key
+    # Rows that see no key: finite scores (so that autograd gets no NaN), p 0 and lse -inf.
+    s = s.masked_fill(hidden & seen, -math.inf).masked_fill(~seen, 0.0)
+    lse = torch.logsumexp(s, dim=-1).masked_fill(~seen[..., 0], -math.inf)
+    p = (torch.softmax(s, dim=-1) * seen).nan_to_num(0.0)  # (NaN only where fp16 scores overflowed)
     return (p @ vh).transpose(1, 2), lse
 
 
@@ -51,3 +53,30 @@ def check_attention(out, lse, q, k, v, *, causal=False, softmax_scale=None, eps=
     lse_err = max_error(lse[seen], ref_lse[seen])
     assert lse_err <= 1e-4 * (1 + ref_lse[seen].abs().max().item() if seen.any() else 1), f"lse error {lse_err:.3e}"
     return ours, theirs
+
+
+def reference_gradients(q, k, v, dout, dlse=None, *, causal=False, softmax_scale=None, dtype=torch.float64):
+    """(dq, dk, dv) of ``reference`` in ``dtype`` for the loss sum(out·dout) + sum(lse·dlse)."""
+    leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+    out, lse = reference(*leaves, causal=causal, softmax_scale=softmax_scale, dtype=dtype)
+    loss = (out * dout.to(dtype)).sum()
+    if dlse is not None:
+        loss = loss + (lse.masked_fill(lse == -math.inf, 0) * dlse.to(dtype)).sum()
+    return torch.autograd.grad(loss, leaves)
+
+
+def check_gradients(grads, q, k, v, dout, dlse=None, *, causal=False, softmax_scale=None, eps=1e-5):
+    """flash-attn's rule for each of dq, dk, dv: our error against float64 is at most 2x the error
+    of PyTorch's own attention in the inputs' dtype, plus eps times (1 + the gradient's largest
+    element): with one key, say, dq is exactly 0 in any dtype, and ours is off by float32 rounding."""
+    ref = reference_gradients(q, k, v, dout, dlse, causal=causal, softmax_scale=softmax_scale)
+    same = reference_gradients(q, k, v, dout, dlse, causal=causal, softmax_scale=softmax_scale, dtype=q.dtype)
+    errors = {}
+    for name, ours, r, theirs in zip(("dq", "dk", "dv"), grads, ref, same):
+        assert ours.shape == r.shape and ours.dtype == q.dtype, f"{name}: {ours.shape} {ours.dtype}"
+        assert torch.isfinite(ours).all(), f"{name} has NaN/inf"
+        err, their_err = max_error(ours, r), max_error(theirs, r)
+        floor = eps * (1 + (r.abs().max().item() if r.numel() else 0.0))
+        assert err <= 2 * their_err + floor, f"{name} error {err:.3e} > 2 x torch's {their_err:.3e} + {floor:.1e}"
+        errors[name] = (err, their_err)
+    return errors

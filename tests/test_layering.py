@@ -54,7 +54,9 @@ def imports(path: Path):
 LAYERS = {
     "tvmflash.lowering": ("tvmflash.lowering",),
     "tvmflash.program": (),
-    "tvmflash.schedules": ("tvmflash.schedules", "tvmflash.lowering", "tvmflash.program", "tvmflash.target"),
+    "tvmflash.program_backward": ("tvmflash.program",),
+    "tvmflash.schedules": ("tvmflash.schedules", "tvmflash.lowering", "tvmflash.program", "tvmflash.program_backward",
+                           "tvmflash.target"),
     "tvmflash.target": (),
     "tvmflash.cache": (),
 }

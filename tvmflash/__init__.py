@@ -11,17 +11,19 @@ if not _os.path.isdir(_os.path.join(__path__[0], "schedules")):
     if _os.path.isfile(_os.path.join(_checkout, "schedules", "__init__.py")):
         __path__.append(_checkout)
 
-__all__ = ["Kernel", "attention", "compile", "__version__"]
+# Where each name of the API lives: loaded at first use (``__getattr__``).
+_API = {"Kernel": "kernel", "compile": "kernel", "BackwardKernel": "kernel", "compile_backward": "kernel",
+        "attention": "ops", "flash_attn_func": "flash_attn", "flash_attn_kvpacked_func": "flash_attn",
+        "flash_attn_qkvpacked_func": "flash_attn"}
+__all__ = [*sorted(_API), "__version__"]
 
 
 def __getattr__(name):
     """The API loads TVM and torch at first use, so that ``import tvmflash`` (and ``tvmflash --help``,
     ``tvmflash cache ls``) starts in a fraction of a second."""
-    if name in ("Kernel", "compile"):
-        from tvmflash import kernel as module
-    elif name == "attention":
-        from tvmflash import ops as module
-    else:
+    if name not in _API:
         raise AttributeError(f"module 'tvmflash' has no attribute {name!r}")
-    value = globals()[name] = getattr(module, name)  # found here from now on
+    import importlib
+
+    value = globals()[name] = getattr(importlib.import_module(f"tvmflash.{_API[name]}"), name)  # found here from now on
     return value

@@ -21,7 +21,7 @@ os.environ.setdefault("TVM_NUM_THREADS", str(torch.get_num_threads()))
 
 import tvm  # noqa: E402
 
-from tvmflash import cache, database, lowering, program  # noqa: E402
+from tvmflash import cache, database, lowering, program, program_backward  # noqa: E402
 from tvmflash import schedules as schedule_registry  # noqa: E402
 from tvmflash import target as targets  # noqa: E402
 from tvmflash.program import AttentionSpec  # noqa: E402
@@ -99,14 +99,10 @@ class Kernel:
     counts builds (or loads) one more module.
     """
 
+    PASS = "forward"  # what the modules compute (the disk cache's metadata says it)
+
     def __init__(self, spec_args: dict, target: tvm.target.Target, knobs: dict | None):
-        self.head_dim = spec_args["head_dim"]
-        self.dtype = spec_args["dtype"]
-        self.causal = spec_args["causal"]
-        self.target = target
-        # Plain values for the call path (torch.compile traces no TVM object).
-        self._cuda, self._target_name = targets.is_cuda(target), targets.describe(target)
-        self._device_type, self._torch_dtype = "cuda" if self._cuda else "cpu", TORCH_DTYPES[self.dtype]
+        self._set_problem(spec_args, target)
         self.key = kernel_key(spec_args, target, knobs)
         self.schedule, self.schedule_source, records = choose_schedule(target, spec_args, knobs)
         schedule_name = schedule_registry.name_of(self.schedule)
@@ -141,6 +137,16 @@ class Kernel:
         self._modules: dict[tuple[int, int], _Module] = {}
         self._last: tuple[int, int] | None = None
         _BY_KEY[self.key] = self
+
+    def _set_problem(self, spec_args: dict, target: tvm.target.Target) -> None:
+        """The workload and target, and plain values of them for the call path (torch.compile traces
+        no TVM object)."""
+        self.head_dim = spec_args["head_dim"]
+        self.dtype = spec_args["dtype"]
+        self.causal = spec_args["causal"]
+        self.target = target
+        self._cuda, self._target_name = targets.is_cuda(target), targets.describe(target)
+        self._device_type, self._torch_dtype = "cuda" if self._cuda else "cpu", TORCH_DTYPES[self.dtype]
 
     def _fit_shared_memory(self, given: bool) -> None:
         """Knobs whose tiles need more shared memory than the target allows: an error for the
@@ -230,7 +236,7 @@ class Kernel:
         if path.suffix == ".cu":
             return _Module(None, path.read_text(), "disk cache", str(path), time.perf_counter() - start)
         try:
-            function = tvm.runtime.load_module(str(path))["main"]
+            function = self._entry(tvm.runtime.load_module(str(path)))
         except Exception as err:  # noqa: BLE001 - a broken cache file must not be fatal
             warnings.warn(f"tvmflash: ignoring unreadable cached module {path}: {err}", stacklevel=3)
             return None
@@ -249,7 +255,7 @@ class Kernel:
         runnable = _runnable_here(self.target)
         path = self._path(key)
         try:
-            meta = {"key": key, "spec": asdict(spec), "knobs": self.knobs, "target": str(self.target),
+            meta = {"key": key, "pass": self.PASS, "spec": asdict(spec), "knobs": self.knobs, "target": str(self.target),
                     "schedule": schedule_registry.name_of(self.schedule), "tvm": tvm.__version__,
                     "tvmflash": _version(), "code": self._code(), "created": time.strftime("%Y-%m-%d %H:%M:%S")}
             cache.write_module(path, executable.export_library if runnable else lambda tmp: Path(tmp).write_text(source),
@@ -257,7 +263,12 @@ class Kernel:
         except Exception as err:  # noqa: BLE001 - caching is an optimisation, never a failure
             warnings.warn(f"tvmflash: could not write {path} to the disk cache: {err}", stacklevel=3)
             path = None
-        return _Module(executable["main"] if runnable else None, source, "built", str(path) if path else None, seconds)
+        return _Module(self._entry(executable) if runnable else None, source, "built", str(path) if path else None,
+                       seconds)
+
+    def _entry(self, module):
+        """What a built or loaded module gives to call: its ``main``."""
+        return module["main"]
 
     # ----------------------------------------------------------------- using
     def source(self, heads_q: int | None = None, heads_kv: int | None = None) -> str:
@@ -469,6 +480,127 @@ def _version() -> str:
     from tvmflash import __version__
 
     return __version__
+
+
+# ----------------------------------------------------------------------------- the backward pass
+class BackwardKernel(Kernel):
+    """FlashAttention backward for one (head_dim, dtype, causal, target): the three programs of
+    ``tvmflash.program_backward`` (delta, dkdv, dq) built into one module per pair of head
+    counts, scheduled by the target's ``schedule_backward`` and cached like the forward's::
+
+        dq, dk, dv = kernel(q, k, v, out, dout, lse)              # dlse=None: lse unused by the loss
+
+    q, out, dout: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv,
+    head_dim); lse, dlse: float32 (batch, heads_q, seqlen_q), the forward's. dq, dk, dv have the
+    shapes and dtype of q, k and v (dk, dv summed over each GQA group's query heads). The
+    gradients are bitwise the same from run to run (no atomics: ``program_backward``).
+    """
+
+    PASS = "backward"
+
+    def __init__(self, spec_args: dict, target: tvm.target.Target, knobs: dict | None):
+        self._set_problem(spec_args, target)
+        self.schedule = schedule_registry.backward_for_target(target, self.dtype)
+        self.schedule_source = "the target's"
+        schedule_name = schedule_registry.name_of(self.schedule)
+        unknown = set(knobs or {}) - set(self.schedule.BACKWARD_KNOBS)
+        if unknown:
+            raise ValueError(f"knobs: {sorted(unknown)} are not backward knobs of the {schedule_name} schedule; it "
+                             f"has {sorted(self.schedule.BACKWARD_KNOBS)}")
+        defaults = {**self.schedule.BACKWARD_KNOBS,
+                    **getattr(self.schedule, "BACKWARD_KNOBS_FOR_HEAD_DIM", {}).get(self.head_dim, {})}
+        self.knobs = {**defaults, **(knobs or {})}
+        self.knobs_source = "given" if knobs else "defaults"
+        needs = getattr(self.schedule, "backward_shared_memory_bytes", None)
+        if needs and targets.is_cuda(target):
+            need = needs(self.head_dim, self.dtype, self.knobs)
+            limit = min(int(target.attrs.get("max_shared_memory_per_block", 48 * 1024)),
+                        getattr(self.schedule, "BACKWARD_SHARED_MEMORY_LIMIT", math.inf))
+            if need > limit:
+                raise ValueError(f"knobs: {self.knobs} need {need / 1024:.0f} KiB of shared memory, the "
+                                 f"{schedule_name} backward on {targets.describe(target)} has {limit / 1024:.0f} KiB; "
+                                 "try a smaller block_m or block_n")
+        self._modules: dict[tuple[int, int], _Module] = {}
+        self._last: tuple[int, int] | None = None
+
+    def _key(self, spec: AttentionSpec) -> str:
+        return cache.digest({"pass": self.PASS, "like the forward's": super()._key(spec),
+                             "code": cache.source_digest(program_backward)})
+
+    def _scheduled(self, spec: AttentionSpec) -> tvm.s_tir.Schedule:
+        sch = tvm.s_tir.Schedule(program_backward.attention_backward(spec, self.knobs["block_m"], self.knobs["block_n"]))
+        return self.schedule.schedule_backward(sch, **self.knobs)
+
+    def _entry(self, module):
+        """The three programs to call, by name (``program_backward.PASSES``)."""
+        return {name: module[name] for name in program_backward.PASSES}
+
+    def info(self) -> dict:
+        return {**super().info(), "pass": self.PASS}
+
+    def __repr__(self) -> str:
+        return "tvmflash.BackwardKernel" + super().__repr__().removeprefix("tvmflash.Kernel")
+
+    def __call__(self, q, k, v, out, dout, lse, *, dlse=None, softmax_scale=None, dq=None, dk=None, dv=None):
+        """(dq, dk, dv) of attention(q, k, v) = out (with its lse), given dout = ∂L/∂out and
+        dlse = ∂L/∂lse (None: 0). Pass dq, dk, dv to have them written in place. See the class
+        docstring for the shapes."""
+        self._check(q, k, v, None)
+        batch, seqlen_q, heads_q, _ = q.shape
+        heads_kv = k.shape[2]
+        rows = (batch, heads_q, seqlen_q)
+        for name, t, shape, dtype in (("out", out, q.shape, q.dtype), ("dout", dout, q.shape, q.dtype),
+                                      ("lse", lse, rows, torch.float32), ("dlse", dlse, rows, torch.float32),
+                                      ("dq", dq, q.shape, q.dtype), ("dk", dk, k.shape, k.dtype),
+                                      ("dv", dv, v.shape, v.dtype)):
+            if t is None and name in ("dlse", "dq", "dk", "dv"):
+                continue
+            if not isinstance(t, torch.Tensor) or t.shape != shape or t.dtype != dtype or t.device != q.device:
+                raise ValueError(f"{name}: expected a tensor of shape {tuple(shape)}, dtype {dtype} on {q.device}, got "
+                                 + (f"shape {tuple(t.shape)}, dtype {t.dtype} on {t.device}" if isinstance(t, torch.Tensor)
+                                    else type(t).__name__))
+            if name in ("dq", "dk", "dv") and not t.is_contiguous():
+                raise ValueError(f"{name}: expected a contiguous tensor, got strides {t.stride()}")
+        softmax_scale = resolve_softmax_scale(softmax_scale, self.head_dim)
+        # Views (a packed qkv's unbind, autograd's expanded gradient of a sum) are copied once here,
+        # and so is a CUDA tensor whose data does not start on the 16 bytes vector loads need.
+        cuda = targets.is_cuda(self.target)
+        q, k, v, out, dout, lse = (t.clone(memory_format=torch.contiguous_format) if cuda and t.data_ptr() % 16
+                                   else t.contiguous()
+                                   for t in (q, k, v, out, dout, lse))
+        dq, dk, dv = (torch.empty_like(t) if g is None else g for t, g in ((q, dq), (k, dk), (v, dv)))
+        if not (q.numel() and k.numel()):  # no query or no key: every gradient is 0
+            for grad in (dq, dk, dv):
+                grad.zero_()
+            return dq, dk, dv
+        module = self.module(heads_q, heads_kv)
+        if module.function is None:
+            raise RuntimeError(f"this {targets.describe(self.target)} kernel was cross-compiled: there is no GPU here to run it on")
+        delta = torch.empty(rows, dtype=torch.float32, device=q.device)
+        dlse = torch.zeros_like(delta) if dlse is None else dlse.contiguous()
+        passes = module.function
+        passes["delta"](out, dout, dlse, delta)
+        passes["dkdv"](q, k, v, dout, lse, delta, dk, dv, softmax_scale)
+        passes["dq"](q, k, v, dout, lse, delta, dq, softmax_scale)
+        return dq, dk, dv
+
+
+def compile_backward(*, head_dim: int, dtype, causal: bool = False, target=None, knobs: dict | None = None,
+                     heads_q: int | None = None, heads_kv: int | None = None) -> BackwardKernel:
+    """Compile the FlashAttention backward and return a :class:`BackwardKernel`. The arguments are
+    :func:`compile`'s; knobs override the schedule's ``BACKWARD_KNOBS``."""
+    dtype = dtype_name(dtype)
+    check_flag("causal", causal)
+    program.AttentionSpec(head_dim, dtype, causal)  # validates head_dim and dtype
+    resolved = targets.resolve(target)
+    key = cache.digest(["backward", head_dim, dtype, causal, str(resolved), knobs])
+    kernel = _KERNELS.get(key)
+    if kernel is None:
+        kernel = _KERNELS[key] = BackwardKernel({"head_dim": head_dim, "dtype": dtype, "causal": causal},
+                                                resolved, knobs)
+    if heads_q is not None:
+        kernel.module(heads_q, heads_kv if heads_kv is not None else heads_q)
+    return kernel
 
 
 from tvmflash import ops  # noqa: E402 - Kernel.__call__ traces through its custom ops (ops imports this module)

@@ -5,6 +5,8 @@ op's dispatch costs host time at every call, and its first call imports ``torch.
 1 s). Under torch.compile, and where autograd records the call, they go through custom ops
 (``torch.ops.tvmflash.*``): torch.compile then traces them without a graph break (the fake
 implementations give the output shapes), and autograd has one place to hook the backward pass.
+The backward pass is ``torch.ops.tvmflash.backward``, a custom op of its own (with a fake
+implementation too), so that torch.compile traces the backward graph without a break as well.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch
 from tvmflash import kernel as kernels
 from tvmflash import schedules as schedule_registry
 from tvmflash import target as targets
-from tvmflash.kernel import check_flag, compile, resolve_softmax_scale
+from tvmflash.kernel import check_flag, compile, compile_backward, resolve_softmax_scale
 
 
 # kernel_for's answers: compile() resolves a target (a TVM object) and hashes its arguments, some
@@ -28,14 +30,19 @@ def kernel_for(q: torch.Tensor, causal: bool):
     found = KERNELS_FOR.get(key)
     if found is not None:
         return found
+    found = KERNELS_FOR[key] = compile(head_dim=q.shape[-1], dtype=q.dtype, causal=causal, target=_target_of(q))
+    return found
+
+
+def _target_of(q: torch.Tensor):
+    """The target for q's device."""
     if q.device.type == "cuda":
         target = targets.cuda_device_target(q.device.index)
     elif q.device.type == "cpu":
         target = "cpu"
     else:
         raise ValueError(f"q: expected a CPU or CUDA tensor, got one on {q.device}")
-    found = KERNELS_FOR[key] = compile(head_dim=q.shape[-1], dtype=q.dtype, causal=causal, target=target)
-    return found
+    return target
 
 
 def _output_shapes(q):
@@ -56,13 +63,37 @@ def _forward_shapes(q, k, v, causal, softmax_scale):
     return _output_shapes(q)
 
 
+def backward_kernel_for(q: torch.Tensor, causal: bool):
+    """The backward kernel for q's device, dtype and head_dim (compiled on first use, then cached)."""
+    return compile_backward(head_dim=q.shape[-1], dtype=q.dtype, causal=causal, target=_target_of(q))
+
+
+@torch.library.custom_op("tvmflash::backward", mutates_args=())
+def backward(dout: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             out: torch.Tensor, lse: torch.Tensor, causal: bool,
+             softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of :func:`forward` given the gradients of its out and lse (dlse None: 0)."""
+    return backward_kernel_for(q, causal)(q, k, v, out, dout, lse, dlse=dlse, softmax_scale=softmax_scale)
+
+
+@backward.register_fake
+def _backward_shapes(dout, dlse, q, k, v, out, lse, causal, softmax_scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
 def _setup_context(ctx, inputs, output):
-    pass
+    q, k, v, causal, softmax_scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.causal, ctx.softmax_scale = causal, softmax_scale
 
 
 def _backward(ctx, grad_out, grad_lse):
-    raise NotImplementedError("tvmflash: the attention backward pass is not implemented yet; "
-                              "call tvmflash.attention on tensors that do not require grad")
+    q, k, v, out, lse = ctx.saved_tensors
+    if grad_out is None:  # only lse reached the loss
+        grad_out = torch.zeros_like(out)
+    dq, dk, dv = backward(grad_out, grad_lse, q, k, v, out, lse, ctx.causal, ctx.softmax_scale)
+    return dq, dk, dv, None, None
 
 
 forward.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,277 @@
+"""The backward pass: gradients against float64 autograd with flash-attn's rule, determinism,
+autograd and torch.compile wiring, the flash-attn API, and the backward's errors."""
+
+import math
+
+import pytest
+import torch
+from conftest import poisoned_out, random_qkv
+from reference import check_gradients
+
+import tvmflash
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+# (seqlen_q, seqlen_k, heads_q, heads_kv): tails on both sides, Lq != Lk both ways (causal with
+# Lq > Lk: rows that see no key), and MHA 2/2, GQA 4/2 and MQA 4/1 (one build each).
+SHAPES = [
+    (1, 1, 2, 2),
+    (17, 17, 4, 2),
+    (129, 129, 2, 2),
+    (1, 129, 4, 1),
+    (129, 17, 4, 2),
+    (77, 200, 2, 2),
+    (200, 77, 4, 1),
+]
+# CPU CI: every dtype and the head_dims 32, 64, 128 once each; to keep the builds few (one per
+# head layout), float32 takes SHAPES' three head layouts and the others one each (GQA, MQA).
+CPU_GRID = [(torch.float32, 32, None), (torch.bfloat16, 64, (4, 2)), (torch.float16, 128, (4, 1))]
+
+
+def gradients_match_float64(device, dtype, head_dim, causal, heads=None):
+    """Over SHAPES (in these (heads_q, heads_kv) if given), half of them with a gradient on lse
+    too: the backward kernel, its outputs poisoned, against float64 autograd."""
+    target = "cpu" if device == "cpu" else None
+    forward = tvmflash.compile(head_dim=head_dim, dtype=dtype, causal=causal, target=target)
+    backward = tvmflash.compile_backward(head_dim=head_dim, dtype=dtype, causal=causal, target=target)
+    for n, (seqlen_q, seqlen_k, heads_q, heads_kv) in enumerate(SHAPES):
+        heads_q, heads_kv = heads or (heads_q, heads_kv)
+        q, k, v = random_qkv(2, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype, device)
+        out, lse = forward(q, k, v, return_lse=True)
+        dout = torch.randn_like(out)
+        dlse = torch.randn_like(lse) if n % 2 else None
+        grads = backward(q, k, v, out, dout, lse, dlse=dlse, dq=poisoned_out(q), dk=poisoned_out(k), dv=poisoned_out(v))
+        check_gradients(grads, q, k, v, dout, dlse, causal=causal)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype,head_dim,heads", CPU_GRID, ids=lambda x: str(x).removeprefix("torch."))
+def test_gradients_match_float64_on_cpu(dtype, head_dim, heads, causal):
+    gradients_match_float64("cpu", dtype, head_dim, causal, heads)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 256])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gradients_match_float64_on_the_gpu(dtype, head_dim, causal):
+    gradients_match_float64("cuda", dtype, head_dim, causal)
+
+
+def devices():
+    return ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", devices())
+def test_autograd_through_out_and_lse(device):
+    """loss.backward() through tvmflash.attention, with the gradient of lse: causal with
+    seqlen_q > seqlen_k, so the first rows see no key and get zero gradients, never NaN."""
+    q, k, v = random_qkv(2, 50, 20, 4, 2, 64, torch.bfloat16, device)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = tvmflash.attention(*leaves, causal=True, softmax_scale=0.3, return_lse=True)
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    torch.autograd.backward([out, lse], [dout, dlse])
+    grads = [t.grad for t in leaves]
+    assert torch.equal(grads[0][:, :30], torch.zeros_like(grads[0][:, :30]))  # rows that see no key
+    check_gradients(grads, q, k, v, dout, dlse, causal=True, softmax_scale=0.3)
+    # only lse in the loss: out's gradient is None inside the backward
+    for t in leaves:
+        t.grad = None
+    (tvmflash.attention(*leaves, causal=True, return_lse=True)[1][:, :, 30:] * dlse[:, :, 30:]).sum().backward()
+    check_gradients([t.grad for t in leaves], q, k, v, torch.zeros_like(dout), dlse, causal=True)
+
+
+@pytest.mark.parametrize("device", devices())
+def test_deterministic_gradients_are_bitwise_equal(device):
+    q, k, v = random_qkv(2, 300, 300, 8, 2, 64, torch.bfloat16, device)
+    dout = torch.randn_like(q)
+
+    def grads():
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        tvmflash.flash_attn_func(*leaves, causal=True, deterministic=True).backward(dout)
+        return [t.grad for t in leaves]
+
+    first, second = grads(), grads()
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+class TinyAttention(torch.nn.Module):
+    def __init__(self, width=128, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.qkv = torch.nn.Linear(width, 3 * width)
+        self.proj = torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).unflatten(-1, (3, self.heads, -1)).unbind(2)
+        return self.proj(tvmflash.attention(q, k, v, causal=True).flatten(-2))
+
+
+@pytest.mark.parametrize("device", devices())
+def test_torch_compile_fullgraph_forward_and_backward(device):
+    """One graph (fullgraph: a break raises), AOTAutograd traces the backward through
+    tvmflash::backward's fake implementation, and the gradients are eager's."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch.manual_seed(0)
+    model = TinyAttention().to(device)
+    x = torch.randn(2, 40, 128, device=device)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, fullgraph=True, backend=counter)
+    compiled(x).square().mean().backward()
+    compiled_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model(x).square().mean().backward()
+    assert counter.frame_count == 1
+    for compiled_grad, p in zip(compiled_grads, model.parameters()):
+        torch.testing.assert_close(compiled_grad, p.grad)
+
+
+def test_flash_attn_api():
+    q, k, v = random_qkv(2, 33, 45, 4, 2, 64, torch.float16, "cpu")
+    out = tvmflash.flash_attn_func(q, k, v, causal=True)
+    assert torch.equal(out, tvmflash.attention(q, k, v, causal=True))
+    out, lse, probs = tvmflash.flash_attn_func(q, k, v, softmax_scale=0.2, return_attn_probs=True)
+    ref_out, ref_lse = tvmflash.attention(q, k, v, softmax_scale=0.2, return_lse=True)
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse) and probs is None
+    # packed forms: the same values, and the gradients flow back into the packed tensor
+    qkv = torch.stack([q, q, q], dim=2).requires_grad_()
+    packed = tvmflash.flash_attn_qkvpacked_func(qkv, causal=True)
+    assert torch.equal(packed, tvmflash.attention(q, q, q, causal=True))
+    packed.sum().backward()
+    assert qkv.grad.shape == qkv.shape and torch.isfinite(qkv.grad).all()
+    kv = torch.stack([k, v], dim=2)
+    assert torch.equal(tvmflash.flash_attn_kvpacked_func(q, kv), tvmflash.attention(q, k, v))
+
+
+@pytest.mark.parametrize("option,value", [("dropout_p", 0.1), ("window_size", (128, 0)), ("softcap", 30.0),
+                                          ("alibi_slopes", torch.ones(4))])
+def test_unsupported_options_say_so(option, value):
+    q, k, v = random_qkv(1, 8, 8, 4, 2, 64, torch.float16, "cpu")
+    with pytest.raises(NotImplementedError, match=option):
+        tvmflash.flash_attn_func(q, k, v, **{option: value})
+    with pytest.raises(NotImplementedError, match=option):
+        tvmflash.flash_attn_qkvpacked_func(torch.stack([q, q, q], dim=2), **{option: value})
+
+
+@pytest.mark.parametrize("flag", ["causal", "deterministic", "return_attn_probs"])
+def test_flags_must_be_bools(flag):
+    q, k, v = random_qkv(1, 8, 8, 2, 2, 64, torch.float16, "cpu")
+    with pytest.raises(TypeError, match=f"{flag}: expected a bool, got 1"):
+        tvmflash.flash_attn_func(q, k, v, **{flag: 1})
+
+
+@pytest.fixture(scope="module")
+def backward_kernel():
+    return tvmflash.compile_backward(head_dim=64, dtype="float16", target="cpu")
+
+
+def test_backward_input_errors(backward_kernel):
+    q, k, v = random_qkv(1, 8, 8, 4, 2, 64, torch.float16, "cpu")
+    out, lse = tvmflash.attention(q, k, v, return_lse=True)
+    with pytest.raises(ValueError, match=r"dout: expected a tensor of shape \(1, 8, 4, 64\), dtype torch.float16"):
+        backward_kernel(q, k, v, out, out[:, :4], lse)
+    with pytest.raises(ValueError, match=r"lse: expected a tensor of shape \(1, 4, 8\), dtype torch.float32"):
+        backward_kernel(q, k, v, out, out, lse.half())
+    with pytest.raises(ValueError, match=r"dk: expected a contiguous tensor"):
+        backward_kernel(q, k, v, out, out, lse, dk=torch.empty(1, 2, 8, 64).half().transpose(1, 2))
+    with pytest.raises(TypeError, match=r"v: expected dtype torch.float16"):
+        backward_kernel(q, k, v.float(), out, out, lse)
+    with pytest.raises(ValueError, match=r"knobs: \['blockm'\] are not backward knobs of the cpu schedule"):
+        tvmflash.compile_backward(head_dim=64, dtype="float16", target="cpu", knobs={"blockm": 16})
+
+
+def test_empty_inputs_give_zero_gradients(backward_kernel):
+    for seqlen_q, seqlen_k in ((0, 10), (10, 0)):
+        q, k, v = random_qkv(1, seqlen_q, seqlen_k, 2, 2, 64, torch.float16, "cpu")
+        out, lse = tvmflash.attention(q, k, v, return_lse=True)
+        dq, dk, dv = backward_kernel(q, k, v, out, torch.randn_like(out), lse, dq=poisoned_out(q),
+                                     dk=poisoned_out(k), dv=poisoned_out(v))
+        assert all(torch.equal(g, torch.zeros_like(g)) for g in (dq, dk, dv))
+
+
+def test_backward_modules_are_cached(backward_kernel, monkeypatch):
+    """A second BackwardKernel loads the module from disk (as a new process would, with nothing in
+    memory); the forward's module of the same spec and knobs is another file."""
+    backward_kernel.module(2, 1)
+    monkeypatch.setattr(tvmflash.kernel, "_MODULES", {})
+    again = tvmflash.kernel.BackwardKernel(
+        {"head_dim": 64, "dtype": "float16", "causal": False}, backward_kernel.target, None)
+    assert again.module(2, 1).origin == "disk cache"
+    forward = tvmflash.compile(head_dim=64, dtype="float16", target="cpu", knobs=backward_kernel.knobs)
+    assert forward._key(forward._spec(2, 1)) != backward_kernel._key(backward_kernel._spec(2, 1))
+    assert again.info()["pass"] == "backward"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_simt_backward_builds_cuda_source(dtype):
+    kernel = tvmflash.compile_backward(head_dim=128, dtype=dtype, causal=True, target="sm80")
+    src = kernel.source(heads_q=8, heads_kv=2)
+    for name in ("delta_kernel", "dkdv_kernel", "dq_kernel"):
+        assert f"__global__ void __launch_bounds__" in src and name in src
+    assert kernel.info()["schedule"] == "cuda" and "atomicAdd" not in src
+
+
+@pytest.mark.gpu
+def test_peak_memory_at_16k_tokens():
+    """Extra memory stays O(N): above q, k, v, out, dout and the gradients themselves, the backward
+    takes only lse-sized rows (delta; dlse zeros) -- nothing of seqlen_q x seqlen_k."""
+    batch, seqlen, heads, head_dim = 1, 16384, 8, 128
+    q, k, v = random_qkv(batch, seqlen, seqlen, heads, heads, head_dim, torch.bfloat16, "cuda")
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    out = tvmflash.attention(*leaves, causal=True)
+    dout = torch.randn_like(out)
+    out.backward(dout)  # build and warm up
+    for t in leaves:
+        t.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    out = tvmflash.attention(*leaves, causal=True)
+    out.backward(dout)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - before
+    tensor_bytes = q.numel() * q.element_size()
+    row_bytes = batch * heads * seqlen * 4
+    # out and the three gradients are q-sized; lse, delta and dlse rows; 1 MiB of slack
+    assert extra <= 4 * tensor_bytes + 4 * row_bytes + 2**20, f"{extra / 2**20:.1f} MiB"
+    assert extra < batch * heads * seqlen * seqlen * 2 / 8  # far below one bf16 score matrix
+
+
+@pytest.mark.gpu
+def test_torch_compile_trains_on_the_gpu():
+    torch.manual_seed(0)
+    model = TinyAttention().cuda().to(torch.bfloat16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    compiled = torch.compile(model, fullgraph=True)
+    x = torch.randn(2, 256, 128, device="cuda", dtype=torch.bfloat16)
+    losses = []
+    for _ in range(5):
+        loss = compiled(x).float().square().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
+
+
+def test_simt_backward_default_knobs_fit_static_shared_memory():
+    from tvmflash.schedules import cuda
+
+    for head_dim in (32, 64, 96, 128, 256):
+        kernel = tvmflash.compile_backward(head_dim=head_dim, dtype="float32", target="sm80")
+        assert cuda.backward_shared_memory_bytes(head_dim, "float32", kernel.knobs) <= 48 * 1024
+    with pytest.raises(ValueError, match=r"need 64 KiB of shared memory, the cuda backward on cuda sm_80 has 48 KiB"):
+        tvmflash.compile_backward(head_dim=256, dtype="float32", target="sm80", knobs={"block_m": 32, "block_n": 32})
+
+
+@pytest.mark.gpu
+def test_misaligned_and_strided_gradient_views_on_the_gpu():
+    """dout as a view that starts 2 bytes into its storage, and as an expanded (stride 0) tensor."""
+    q, k, v = random_qkv(1, 100, 100, 2, 2, 64, torch.float16, "cuda")
+    out, lse = tvmflash.attention(q, k, v, return_lse=True)
+    kernel = tvmflash.compile_backward(head_dim=64, dtype=torch.float16)
+    dout = torch.randn(out.numel() + 1, dtype=out.dtype, device="cuda")[1:].view(out.shape)
+    assert dout.data_ptr() % 16
+    check_gradients(kernel(q, k, v, out, dout, lse), q, k, v, dout)
+    ones = torch.ones((), dtype=out.dtype, device="cuda").expand(out.shape)
+    check_gradients(kernel(q, k, v, out, ones, lse), q, k, v, ones)

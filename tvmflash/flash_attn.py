@@ -1,0 +1,77 @@
+"""flash-attn 2's functions (``flash_attn.flash_attn_func`` and the packed forms) on tvmflash.
+
+Same signatures, layout and returns, so code written for flash-attn runs on tvmflash, forward
+and backward, under torch.compile too (they call the ``tvmflash::forward`` custom op)::
+
+    from tvmflash import flash_attn_func        # instead of: from flash_attn import flash_attn_func
+
+An option tvmflash does not support yet raises ``NotImplementedError`` naming it, never silently
+changes the result: dropout_p > 0, a window other than (-1, -1), softcap other than 0, ALiBi slopes.
+``deterministic`` is accepted either way: tvmflash's backward has no atomics, so its gradients
+are always bitwise the same from run to run. With ``return_attn_probs`` the return is
+``(out, softmax_lse, None)``: flash-attn returns the attention probabilities (S_dmask) only with
+dropout and None without, and tvmflash has no dropout. Unlike flash-attn's, softmax_lse carries a
+gradient.
+"""
+
+from __future__ import annotations
+
+from tvmflash.ops import attention
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """Attention of q over k, v in flash-attn's layout.
+
+    q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim) with nheads
+    a multiple of nheads_k (GQA/MQA). softmax_scale defaults to 1/sqrt(headdim); causal masks are
+    aligned bottom-right. Returns out (batch, seqlen_q, nheads, headdim), or with
+    return_attn_probs (out, softmax_lse, None), softmax_lse float32 (batch, nheads, seqlen_q).
+    """
+    _check_options(dropout_p, window_size, softcap, alibi_slopes, causal=causal, deterministic=deterministic,
+                   return_attn_probs=return_attn_probs)
+    out, lse = attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True)
+    return (out, lse, None) if return_attn_probs else out
+
+
+def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """:func:`flash_attn_func` of qkv: (batch, seqlen, 3, nheads, headdim), q, k and v stacked
+    (the gradient flows back into qkv)."""
+    _check_packed("qkv", qkv, 3)
+    q, k, v = qkv.unbind(2)
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                           deterministic, return_attn_probs)
+
+
+def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """:func:`flash_attn_func` of q and kv: (batch, seqlen_k, 2, nheads_k, headdim), k and v
+    stacked."""
+    _check_packed("kv", kv, 2)
+    k, v = kv.unbind(2)
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                           deterministic, return_attn_probs)
+
+
+def _check_packed(name, t, count):
+    import torch
+
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 5 or t.shape[2] != count:
+        raise ValueError(f"{name}: expected shape (batch, seqlen, {count}, nheads, headdim), got {tuple(t.shape)}")
+
+
+def _check_options(dropout_p, window_size, softcap, alibi_slopes, **flags):
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name}: expected a bool, got {value!r}")
+    if dropout_p != 0:
+        raise NotImplementedError(f"dropout_p: tvmflash has no dropout yet (got {dropout_p!r}); pass 0.0")
+    if tuple(window_size) != (-1, -1):
+        raise NotImplementedError(f"window_size: tvmflash has no sliding window yet (got {window_size!r}); pass (-1, -1)")
+    if softcap != 0:
+        raise NotImplementedError(f"softcap: tvmflash has no softcapping yet (got {softcap!r}); pass 0.0")
+    if alibi_slopes is not None:
+        raise NotImplementedError("alibi_slopes: tvmflash has no ALiBi yet; pass None")

@@ -1,0 +1,348 @@
+"""The FlashAttention-2 backward pass as TensorIR: three programs in one IRModule.
+
+Like ``tvmflash.program`` (the forward), this states *what* is computed; the schedules in
+``schedules/`` (``schedule_backward``) transform it by function and block names.
+
+Layout (flash-attn's; the forward's, plus the gradients):
+    q, dout, dq:      (batch, seqlen_q, heads_q,  head_dim)   dtype
+    k, v, dk, dv:     (batch, seqlen_k, heads_kv, head_dim)   dtype
+    out:              (batch, seqlen_q, heads_q,  head_dim)   dtype, the forward's output
+    lse, dlse, delta: (batch, heads_q,  seqlen_q)              float32 (lse in natural log)
+
+With s = scale · q kᵀ, p = softmax(s) (= exp(s - lse)), out = p v and a loss L(out, lse):
+    dv = pᵀ · dout
+    dp = dout · vᵀ
+    ds = p ∘ (dp - delta),   delta = rowsum(dout ∘ out) - dlse
+    dq = scale · ds · k,     dk = scale · dsᵀ · q
+(dlse enters because ∂lse/∂s = p: it adds dlse · p to ds.) The programs:
+
+``delta``  delta = rowsum(dout ∘ out) - dlse, one value per query row.
+``dkdv``   one tile per (batch, K/V head, K/V block of ``block_n`` keys): the Q blocks of
+           ``block_m`` rows of *every query head of the group* stream past it, so dk and dv of a
+           GQA/MQA group are summed in the tile's fp32 accumulators (no atomics). p is recomputed
+           from q, k and the saved lse.
+``dq``     one tile per (batch, query head, Q block): the K/V blocks stream past it, recomputing p
+           and ds. A pass of its own rather than fp32 atomics from ``dkdv``: each dq element is
+           summed by one tile in a fixed order, so gradients are bitwise reproducible from run to
+           run (``deterministic=True`` costs nothing), at the price of computing q kᵀ and
+           dout vᵀ twice.
+
+As in the forward: batch and the sequence lengths are symbolic; rows and keys past the ends are
+padded with zeros on load; causal masks are aligned bottom-right and tiles wholly above the
+diagonal are skipped (``dkdv`` starts at the first Q block that sees its first key, ``dq`` stops
+at the last K/V block its last row sees); only tiles on the diagonal or at the end of the keys
+are masked. dk, dv and dq are reductions whose init carries the accumulator over from the last
+step (a reduction block needs an init to be vectorised, decomposed or tensorized). The products
+that feed a matmul (p for dv, ds for dq and dk) are rounded to the input dtype, as the forward
+rounds p for p v (so that tensor cores can take them); everything else is fp32. A row that sees no key (lse -inf) gets p = 0 from the mask, hence zero gradients,
+never NaN (``row_lse2``).
+"""
+
+from __future__ import annotations
+
+import tvm
+from tvm.script import tirx as T
+
+from tvmflash.program import LOG2E, AttentionSpec
+
+# The programs of the IRModule, in the order they run (dkdv and dq both read delta).
+PASSES = ("delta", "dkdv", "dq")
+
+
+def attention_backward(spec: AttentionSpec, block_m: int, block_n: int) -> tvm.IRModule:
+    """The backward programs for a spec, in tiles of ``block_m`` query rows by ``block_n`` keys.
+
+    ``delta(out, dout, dlse, delta)``,
+    ``dkdv(q, k, v, dout, lse, delta, dk, dv, softmax_scale)``,
+    ``dq(q, k, v, dout, lse, delta, dq, softmax_scale)``: shapes in the module docstring. Run them
+    in ``PASSES``' order.
+    """
+    D, BM, BN = spec.head_dim, block_m, block_n
+    HQ, HKV = spec.heads_q, spec.heads_kv
+    group = HQ // HKV
+    dtype, causal = spec.dtype, spec.causal
+    f32 = "float32"
+
+    def visible(row, col, seqlen_q, seqlen_k):
+        """Is key ``col`` visible to query ``row``? (Both absolute positions; the forward's rule.)"""
+        if not causal:
+            return col < seqlen_k
+        return T.And(col < seqlen_k, col <= row + seqlen_k - seqlen_q)
+
+    def tile_visible(qb, kb, seqlen_q, seqlen_k):
+        """Does every row of Q block qb see every key of K/V block kb? (Its first row, the block's
+        last key.) Rows past seqlen_q need no mask (``row_lse2``)."""
+        return visible(qb * BM, kb * BN + BN - 1, seqlen_q, seqlen_k)
+
+    def first_q_block(kb, seqlen_q, seqlen_k):
+        """The first Q block with a row that sees a key of K/V block kb (causal: a row that sees
+        its first key; the last row sees every key, so every block has one)."""
+        if not causal:
+            return 0
+        return T.max(0, kb * BN + seqlen_q - seqlen_k) // BM
+
+    def q_blocks(kb, seqlen_q, seqlen_k):
+        """How many Q blocks (of one query head) K/V block kb visits."""
+        return T.ceildiv(seqlen_q, BM) - first_q_block(kb, seqlen_q, seqlen_k)
+
+    def kv_blocks(qb, seqlen_q, seqlen_k):
+        """How many K/V blocks Q block qb visits (causal: up to its last row's last key; a block
+        whose rows see no key visits none, and its dq is 0)."""
+        if not causal:
+            return T.ceildiv(seqlen_k, BN)
+        return T.ceildiv(T.min(seqlen_k, T.max(0, (qb + 1) * BM + seqlen_k - seqlen_q)), BN)
+
+    def row_lse2(LSE, b, h, row, seqlen_q):
+        """lse · log2 e of a query row, 0 past the end. A row that sees no key (lse -inf) is only
+        ever in masked tiles (rows see more keys as they go down, so a block whose first row sees
+        a tile's last key has no such row), where the mask gives its p 0; a row past the end has
+        q = dout = delta = 0 and adds nothing whatever its p."""
+        return T.if_then_else(row < seqlen_q, LSE[b, h, row] * T.float32(LOG2E), T.float32(0))
+
+    def padded(buffer, row, limit, *index):
+        """buffer[index] for a row before ``limit``, else 0 in the input dtype."""
+        return T.if_then_else(row < limit, buffer[index], T.cast(0, dtype))
+
+    @T.prim_func(s_tir=True)
+    def delta(out_handle: T.handle, dout_handle: T.handle, dlse_handle: T.handle, delta_handle: T.handle):
+        T.func_attr({"global_symbol": "delta", "tirx.noalias": True})
+        batch = T.int32()
+        seqlen_q = T.int32()
+        O = T.match_buffer(out_handle, (batch, seqlen_q, HQ, D), dtype)
+        dO = T.match_buffer(dout_handle, (batch, seqlen_q, HQ, D), dtype)
+        dLSE = T.match_buffer(dlse_handle, (batch, HQ, seqlen_q), f32)
+        Delta = T.match_buffer(delta_handle, (batch, HQ, seqlen_q), f32)
+        for b, i, h, d in T.grid(batch, seqlen_q, HQ, D):
+            with T.sblock("delta"):
+                vb, vi, vh, vd = T.axis.remap("SSSR", [b, i, h, d])
+                with T.init():
+                    Delta[vb, vh, vi] = -dLSE[vb, vh, vi]
+                Delta[vb, vh, vi] = Delta[vb, vh, vi] + T.cast(dO[vb, vi, vh, vd], f32) * T.cast(O[vb, vi, vh, vd], f32)
+
+    def steps():
+        """The steps both programs take, written once: (load_kv, load_q, p_and_ds). Each program
+        takes fresh ones: a macro suffixes the block names of its second and later uses (qk_1),
+        and the schedules find the blocks by name."""
+        @T.macro
+        def load_kv(Kt, Vt, K, V, b, hk, kb, seqlen_k):
+            """The K and V blocks kb of K/V head hk, zero-padded."""
+            for j, d in T.grid(BN, D):
+                with T.sblock("load_k"):
+                    vj, vd = T.axis.remap("SS", [j, d])
+                    Kt[vj, vd] = padded(K, kb * BN + vj, seqlen_k, b, kb * BN + vj, hk, vd)
+            for j, d in T.grid(BN, D):
+                with T.sblock("load_v"):
+                    vj, vd = T.axis.remap("SS", [j, d])
+                    Vt[vj, vd] = padded(V, kb * BN + vj, seqlen_k, b, kb * BN + vj, hk, vd)
+
+        @T.macro
+        def load_q(Qt, dOt, lse2, delta_t, Q, dO, LSE, Delta, b, h, qb, seqlen_q):
+            """The q and dout blocks qb of query head h, zero-padded, and their rows' lse and delta."""
+            for i, d in T.grid(BM, D):
+                with T.sblock("load_q"):
+                    vi, vd = T.axis.remap("SS", [i, d])
+                    Qt[vi, vd] = padded(Q, qb * BM + vi, seqlen_q, b, qb * BM + vi, h, vd)
+            for i, d in T.grid(BM, D):
+                with T.sblock("load_do"):
+                    vi, vd = T.axis.remap("SS", [i, d])
+                    dOt[vi, vd] = padded(dO, qb * BM + vi, seqlen_q, b, qb * BM + vi, h, vd)
+            for i in range(BM):
+                with T.sblock("load_lse"):
+                    vi = T.axis.spatial(BM, i)
+                    lse2[vi] = row_lse2(LSE, b, h, qb * BM + vi, seqlen_q)
+                    delta_t[vi] = T.if_then_else(qb * BM + vi < seqlen_q, Delta[b, h, qb * BM + vi], T.float32(0))
+
+        @T.macro
+        def p_and_ds(Qt, Kt, dOt, Vt, lse2, delta_t, scale2, S, P, dP, dSc, qb, kb, seqlen_q, seqlen_k):
+            """p of Q block qb and K/V block kb, recomputed from the scores and lse (0 where masked),
+            and ds = p (dp - delta) rounded to the input dtype."""
+            for i, j, d in T.grid(BM, BN, D):
+                with T.sblock("qk"):  # s = q kᵀ, unscaled
+                    vi, vj, vd = T.axis.remap("SSR", [i, j, d])
+                    with T.init():
+                        S[vi, vj] = T.float32(0)
+                    S[vi, vj] = S[vi, vj] + T.cast(Qt[vi, vd], f32) * T.cast(Kt[vj, vd], f32)
+            for i, j in T.grid(BM, BN):
+                with T.sblock("exp"):
+                    vi, vj = T.axis.remap("SS", [i, j])
+                    if tile_visible(qb, kb, seqlen_q, seqlen_k):
+                        P[vi, vj] = T.exp2(S[vi, vj] * scale2[0] - lse2[vi])
+                    else:
+                        P[vi, vj] = T.if_then_else(
+                            visible(qb * BM + vi, kb * BN + vj, seqlen_q, seqlen_k),
+                            T.exp2(S[vi, vj] * scale2[0] - lse2[vi]),
+                            T.float32(0),
+                        )
+            for i, j, d in T.grid(BM, BN, D):
+                with T.sblock("dp"):  # dp = dout vᵀ
+                    vi, vj, vd = T.axis.remap("SSR", [i, j, d])
+                    with T.init():
+                        dP[vi, vj] = T.float32(0)
+                    dP[vi, vj] = dP[vi, vj] + T.cast(dOt[vi, vd], f32) * T.cast(Vt[vj, vd], f32)
+            for i, j in T.grid(BM, BN):
+                with T.sblock("ds"):  # ds = p (dp - delta)
+                    vi, vj = T.axis.remap("SS", [i, j])
+                    dSc[vi, vj] = T.cast(P[vi, vj] * (dP[vi, vj] - delta_t[vi]), dtype)
+
+        return load_kv, load_q, p_and_ds
+
+    load_kv, load_q, p_and_ds = steps()
+
+    @T.prim_func(s_tir=True)
+    def dkdv(
+        q_handle: T.handle,
+        k_handle: T.handle,
+        v_handle: T.handle,
+        dout_handle: T.handle,
+        lse_handle: T.handle,
+        delta_handle: T.handle,
+        dk_handle: T.handle,
+        dv_handle: T.handle,
+        softmax_scale: T.float32,
+    ):
+        T.func_attr({"global_symbol": "dkdv", "tirx.noalias": True})
+        batch = T.int32()
+        seqlen_q = T.int32()
+        seqlen_k = T.int32()
+        Q = T.match_buffer(q_handle, (batch, seqlen_q, HQ, D), dtype)
+        K = T.match_buffer(k_handle, (batch, seqlen_k, HKV, D), dtype)
+        V = T.match_buffer(v_handle, (batch, seqlen_k, HKV, D), dtype)
+        dO = T.match_buffer(dout_handle, (batch, seqlen_q, HQ, D), dtype)
+        LSE = T.match_buffer(lse_handle, (batch, HQ, seqlen_q), f32)
+        Delta = T.match_buffer(delta_handle, (batch, HQ, seqlen_q), f32)
+        dK = T.match_buffer(dk_handle, (batch, seqlen_k, HKV, D), dtype)
+        dV = T.match_buffer(dv_handle, (batch, seqlen_k, HKV, D), dtype)
+
+        for b, hk, kb in T.grid(batch, HKV, T.ceildiv(seqlen_k, BN)):
+            with T.sblock("tile"):
+                vb, vhk, vkb = T.axis.remap("SSS", [b, hk, kb])
+                Kt = T.sblock_alloc_buffer((BN, D), dtype)  # the K block, zero-padded
+                Vt = T.sblock_alloc_buffer((BN, D), dtype)  # the V block, zero-padded
+                dk_acc = T.sblock_alloc_buffer((BN, D), f32)  # dsᵀ q, summed over the group's heads
+                dv_acc = T.sblock_alloc_buffer((BN, D), f32)  # pᵀ dout, summed over the group's heads
+                scale2 = T.sblock_alloc_buffer((1,), f32)
+
+                with T.sblock("init_scale"):
+                    scale2[0] = softmax_scale * T.float32(LOG2E)
+                load_kv(Kt, Vt, K, V, vb, vhk, vkb, seqlen_k)
+                for j, d in T.grid(BN, D):
+                    with T.sblock("init_dkdv"):
+                        vj, vd = T.axis.remap("SS", [j, d])
+                        dk_acc[vj, vd] = T.float32(0)
+                        dv_acc[vj, vd] = T.float32(0)
+
+                # One step per (query head of the group, Q block).
+                for g, t in T.grid(group, q_blocks(vkb, seqlen_q, seqlen_k)):
+                    with T.sblock("q_step"):
+                        vg = T.axis.opaque(group, g)
+                        vt = T.axis.opaque(q_blocks(vkb, seqlen_q, seqlen_k), t)
+                        Qt = T.sblock_alloc_buffer((BM, D), dtype)  # the Q block, zero-padded
+                        dOt = T.sblock_alloc_buffer((BM, D), dtype)  # the dout block, zero-padded
+                        lse2 = T.sblock_alloc_buffer((BM,), f32)  # lse · log2 e
+                        delta_t = T.sblock_alloc_buffer((BM,), f32)  # delta, 0 past the end
+                        S = T.sblock_alloc_buffer((BM, BN), f32)  # q kᵀ, unscaled
+                        P = T.sblock_alloc_buffer((BM, BN), f32)  # exp(s - lse), 0 where masked
+                        dP = T.sblock_alloc_buffer((BM, BN), f32)  # dout vᵀ
+                        dSc = T.sblock_alloc_buffer((BM, BN), dtype)  # ds in the input dtype, for dk
+                        Pc = T.sblock_alloc_buffer((BM, BN), dtype)  # P in the input dtype, for dv
+
+                        qb = T.meta_var(first_q_block(vkb, seqlen_q, seqlen_k) + vt)
+                        load_q(Qt, dOt, lse2, delta_t, Q, dO, LSE, Delta, vb, vhk * group + vg, qb, seqlen_q)
+                        p_and_ds(Qt, Kt, dOt, Vt, lse2, delta_t, scale2, S, P, dP, dSc, qb, vkb, seqlen_q, seqlen_k)
+                        for i, j in T.grid(BM, BN):
+                            with T.sblock("cast_p"):
+                                vi, vj = T.axis.remap("SS", [i, j])
+                                Pc[vi, vj] = T.cast(P[vi, vj], dtype)
+                        for j, d, i in T.grid(BN, D, BM):
+                            with T.sblock("dv"):  # dv += pᵀ dout
+                                vj, vd, vi = T.axis.remap("SSR", [j, d, i])
+                                with T.init():  # carried over from the last step
+                                    dv_acc[vj, vd] = dv_acc[vj, vd]
+                                dv_acc[vj, vd] = dv_acc[vj, vd] + T.cast(Pc[vi, vj], f32) * T.cast(dOt[vi, vd], f32)
+                        for j, d, i in T.grid(BN, D, BM):
+                            with T.sblock("dk"):  # dk += dsᵀ q (scaled at the store)
+                                vj, vd, vi = T.axis.remap("SSR", [j, d, i])
+                                with T.init():  # carried over from the last step
+                                    dk_acc[vj, vd] = dk_acc[vj, vd]
+                                dk_acc[vj, vd] = dk_acc[vj, vd] + T.cast(dSc[vi, vj], f32) * T.cast(Qt[vi, vd], f32)
+
+                for j, d in T.grid(BN, D):
+                    with T.sblock("store_dk"):
+                        vj, vd = T.axis.remap("SS", [j, d])
+                        T.where(vkb * BN + j < seqlen_k)
+                        dK[vb, vkb * BN + vj, vhk, vd] = T.cast(dk_acc[vj, vd] * softmax_scale, dtype)
+                for j, d in T.grid(BN, D):
+                    with T.sblock("store_dv"):
+                        vj, vd = T.axis.remap("SS", [j, d])
+                        T.where(vkb * BN + j < seqlen_k)
+                        dV[vb, vkb * BN + vj, vhk, vd] = T.cast(dv_acc[vj, vd], dtype)
+
+    load_kv, load_q, p_and_ds = steps()
+
+    @T.prim_func(s_tir=True)
+    def dq(
+        q_handle: T.handle,
+        k_handle: T.handle,
+        v_handle: T.handle,
+        dout_handle: T.handle,
+        lse_handle: T.handle,
+        delta_handle: T.handle,
+        dq_handle: T.handle,
+        softmax_scale: T.float32,
+    ):
+        T.func_attr({"global_symbol": "dq", "tirx.noalias": True})
+        batch = T.int32()
+        seqlen_q = T.int32()
+        seqlen_k = T.int32()
+        Q = T.match_buffer(q_handle, (batch, seqlen_q, HQ, D), dtype)
+        K = T.match_buffer(k_handle, (batch, seqlen_k, HKV, D), dtype)
+        V = T.match_buffer(v_handle, (batch, seqlen_k, HKV, D), dtype)
+        dO = T.match_buffer(dout_handle, (batch, seqlen_q, HQ, D), dtype)
+        LSE = T.match_buffer(lse_handle, (batch, HQ, seqlen_q), f32)
+        Delta = T.match_buffer(delta_handle, (batch, HQ, seqlen_q), f32)
+        dQ = T.match_buffer(dq_handle, (batch, seqlen_q, HQ, D), dtype)
+
+        for b, h, qb in T.grid(batch, HQ, T.ceildiv(seqlen_q, BM)):
+            with T.sblock("tile"):
+                vb, vh, vqb = T.axis.remap("SSS", [b, h, qb])
+                Qt = T.sblock_alloc_buffer((BM, D), dtype)  # the Q block, zero-padded
+                dOt = T.sblock_alloc_buffer((BM, D), dtype)  # the dout block, zero-padded
+                lse2 = T.sblock_alloc_buffer((BM,), f32)  # lse · log2 e
+                delta_t = T.sblock_alloc_buffer((BM,), f32)  # delta, 0 past the end
+                dq_acc = T.sblock_alloc_buffer((BM, D), f32)  # ds k (scaled at the store)
+                scale2 = T.sblock_alloc_buffer((1,), f32)
+
+                with T.sblock("init_scale"):
+                    scale2[0] = softmax_scale * T.float32(LOG2E)
+                load_q(Qt, dOt, lse2, delta_t, Q, dO, LSE, Delta, vb, vh, vqb, seqlen_q)
+                for i, d in T.grid(BM, D):
+                    with T.sblock("init_dq"):
+                        vi, vd = T.axis.remap("SS", [i, d])
+                        dq_acc[vi, vd] = T.float32(0)
+
+                for kb in range(kv_blocks(vqb, seqlen_q, seqlen_k)):
+                    with T.sblock("kv_step"):
+                        vkb = T.axis.opaque(kv_blocks(vqb, seqlen_q, seqlen_k), kb)
+                        Kt = T.sblock_alloc_buffer((BN, D), dtype)  # one K block, zero-padded
+                        Vt = T.sblock_alloc_buffer((BN, D), dtype)  # one V block, zero-padded
+                        S = T.sblock_alloc_buffer((BM, BN), f32)  # q kᵀ, unscaled
+                        P = T.sblock_alloc_buffer((BM, BN), f32)  # exp(s - lse), 0 where masked
+                        dP = T.sblock_alloc_buffer((BM, BN), f32)  # dout vᵀ
+                        dSc = T.sblock_alloc_buffer((BM, BN), dtype)  # ds in the input dtype, for dq
+
+                        load_kv(Kt, Vt, K, V, vb, vh // group, vkb, seqlen_k)
+                        p_and_ds(Qt, Kt, dOt, Vt, lse2, delta_t, scale2, S, P, dP, dSc, vqb, vkb, seqlen_q, seqlen_k)
+                        for i, d, j in T.grid(BM, D, BN):
+                            with T.sblock("dq"):  # dq += ds k
+                                vi, vd, vj = T.axis.remap("SSR", [i, d, j])
+                                with T.init():  # carried over from the last step
+                                    dq_acc[vi, vd] = dq_acc[vi, vd]
+                                dq_acc[vi, vd] = dq_acc[vi, vd] + T.cast(dSc[vi, vj], f32) * T.cast(Kt[vj, vd], f32)
+
+                for i, d in T.grid(BM, D):
+                    with T.sblock("store_dq"):
+                        vi, vd = T.axis.remap("SS", [i, d])
+                        T.where(vqb * BM + i < seqlen_q)
+                        dQ[vb, vqb * BM + vi, vh, vd] = T.cast(dq_acc[vi, vd] * softmax_scale, dtype)
+
+    return tvm.IRModule({"delta": delta, "dkdv": dkdv, "dq": dq})
