@@ -68,7 +68,7 @@ from tvm.s_tir import TensorIntrin
 from .common import (SKIP_UNIT_RESCALE_PRAGMA, SWIZZLE_COLUMNS, TMA_BARRIER_BYTES, TMA_BARRIER_PADDINGS, TMA_LOAD, TMA_PRODUCERS, WGMMA_WAIT_PRAGMA,
                      QuadRowLayout, bind_grid, hide_init_reads, pipeline_kv_loads, quad_row_block, quad_row_init,
                      row_quad_map, row_reduce_intrin, staged_row_block, tensorize_row_reduce)
-from .sm80 import DTYPES, _buffer_info  # noqa: F401 - DTYPES: the same fp16/bf16 pair
+from .sm80 import DTYPES, STRIDE_ALIGNMENT, _buffer_info  # noqa: F401 - the same fp16/bf16 pair, 16-byte copies
 
 WARPGROUP = 128
 CORE_MATRIX_ELEMENTS = 64  # 8 rows x 16 bytes of 16-bit elements
