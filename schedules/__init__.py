@@ -50,13 +50,21 @@ def for_target(target, dtype: str) -> ModuleType:
 
 def program_for(spec, module: ModuleType, knobs: dict):
     """The program (``tvmflash.program.attention_forward``) for a spec, in these knobs' tiles, with
-    the kernel attributes they ask for (``with_kernel_attrs``), and as many K/V tiles a Q block at
-    the least as the schedule's ``min_kv_tiles(knobs)`` asks (default 1)."""
+    the kernel attributes they ask for (``with_kernel_attrs``), as many K/V tiles a Q block at
+    the least as the schedule's ``min_kv_tiles(knobs)`` asks (default 1), and its strides'
+    ``stride_alignment``."""
     from tvmflash import program
 
     min_kv_tiles = getattr(module, "min_kv_tiles", lambda knobs: 1)({**module.KNOBS, **knobs})
-    func = program.attention_forward(spec, knobs["block_m"], knobs["block_n"], min_kv_tiles=min_kv_tiles)
+    func = program.attention_forward(spec, knobs["block_m"], knobs["block_n"], min_kv_tiles=min_kv_tiles,
+                                     stride_alignment=stride_alignment(module))
     return with_kernel_attrs(func, module, knobs)
+
+
+def stride_alignment(module: ModuleType) -> int:
+    """Bytes that the strides of q, k, v and out must be a multiple of for a schedule (its
+    ``STRIDE_ALIGNMENT``, default 1): the CUDA schedules move 16-byte vectors."""
+    return getattr(module, "STRIDE_ALIGNMENT", 1)
 
 
 def with_kernel_attrs(func, module: ModuleType, knobs: dict):

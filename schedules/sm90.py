@@ -70,7 +70,7 @@ from tvmflash.lowering.annotations import (REG_FENCE, SKIP_UNIT_RESCALE_PRAGMA, 
 
 from .common import (QuadRowLayout, bind_grid, buffer_info, hide_init_reads, pipeline_kv_loads, quad_row_block,
                      quad_row_init, row_quad_map, row_reduce_intrin, staged_row_block, tensorize_row_reduce)
-from .sm80 import DTYPES  # noqa: F401 - DTYPES: the same fp16/bf16 pair
+from .sm80 import DTYPES, STRIDE_ALIGNMENT  # noqa: F401 - the same fp16/bf16 pair, 16-byte copies
 
 WARPGROUP = 128
 CORE_MATRIX_ELEMENTS = 64  # 8 rows x 16 bytes of 16-bit elements

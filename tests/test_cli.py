@@ -31,11 +31,15 @@ def test_compile_emits_tir():
 
 
 def test_bench_on_cpu():
+    """--layout bhsd times tvmflash on (b, h, s, d) tensors seen through a transpose against contiguous
+    ones in the same run (and checks both outputs)."""
     out = tvmflash("bench", "--device", "cpu", "--head-dim", "64", "--causal", "yes", "--seqlens", "128",
-                   "--tokens", "256", "--hidden", "128", "--repeat", "2")
+                   "--tokens", "256", "--hidden", "128", "--repeat", "2", "--layout", "bhsd")
     lines = [line for line in out.splitlines() if line.startswith("bfloat16 d64 causal")]
     assert len(lines) == 1 and lines[0].split()[-1] == "yes", out
     assert "kernel d64 causal: cpu schedule, " in out and "knobs {'block_m': " in out, out  # what ran
+    assert "tvmflash-bhsd ms" in out and re.search(r"strided \(b, h, s, d\) views over contiguous .* time ratio: "
+                                                   r"[\d.]+x to [\d.]+x", out), out
 
 
 def test_bad_arguments_fail_cleanly():
@@ -90,7 +94,8 @@ def test_help_and_cache_commands_start_without_tvm(tmp_path):
 
 @pytest.mark.gpu
 def test_bench_on_gpu():
-    out = tvmflash("bench", "--head-dim", "128", "--causal", "no", "--seqlens", "1024", "--repeat", "3")
-    assert "sdpa-flash" in out
+    out = tvmflash("bench", "--head-dim", "128", "--causal", "no", "--seqlens", "1024", "--repeat", "3",
+                   "--layout", "bhsd")
+    assert "sdpa-flash" in out and "tvmflash-bhsd ms" in out and "strided (b, h, s, d) views" in out, out
     host = re.search(r"host time a call, the GPU kept busy \(.*\): tvmflash (\d+) us, sdpa-flash (\d+) us", out)
     assert host and all(0 < int(us) < 10_000 for us in host.groups())

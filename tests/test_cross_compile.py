@@ -662,3 +662,43 @@ def test_misaligned_tma_tiles_fail_the_build(monkeypatch):
     with pytest.raises(RuntimeError, match="not on a 1024-byte boundary"):
         tvmflash.compile(head_dim=128, dtype="bfloat16", target="sm90",
                          knobs={"producer": "warpgroup", "min_blocks_per_sm": 1, "num_stages": 3}).source(1, 1)
+
+
+def test_tensor_maps_take_the_buffer_strides():
+    """The TMA tensor maps are encoded on the host from the strides of the K and V arguments (they
+    were computed from the shape, as if every tensor were compact)."""
+    import types
+
+    from tvm import tirx
+    from tvm.script import tirx as T
+
+    strides = [tirx.Var(name, "int32") for name in ("k_stride_b", "k_stride_s", "k_stride_h")]
+    batch, seqlen = tirx.Var("batch", "int32"), tirx.Var("seqlen_k", "int32")
+    buffer = tirx.decl_buffer((batch, seqlen, 2, 128), "bfloat16", "K", strides=[*strides, 1])
+    plan = types.SimpleNamespace(tensor_maps={buffer: (tirx.Var("K_tensormap", ty=T.handle("tensormap").ty), (64, 64, 2))})
+    _, encode = tma._encode_tensor_maps(plan)
+    # (map, data, 5 dims, 4 strides in bytes: row, 64-column half, head, batch, ...)
+    row, half, head, batch_stride = (str(arg) for arg in encode.value.args[7:11])
+    assert "k_stride_s" in row and "k_stride_h" in head and "k_stride_b" in batch_stride and half == "128"
+    assert all("int64" in s and "* T.int64(2)" in s for s in (row, head, batch_stride))
+
+
+@pytest.mark.parametrize("arch,sm90,dtype", [("sm80", "0", "bfloat16"), ("sm90", "1", "bfloat16"), ("sm80", "0", "float32")],
+                         ids=["sm80", "sm90", "simt"])
+def test_strided_tensors_are_read_in_16_byte_vectors(monkeypatch, arch, sm90, dtype):
+    """q, k, v and out are read and written through their stride arguments, still in 16-byte vectors:
+    code generation proves a vector's alignment only from strides it sees are multiples of it
+    (program.attention_forward's stride_alignment; plain stride arguments made gathers of scalars)."""
+    monkeypatch.setenv("TVMFLASH_SM90", sm90)
+    src = tvmflash.compile(head_dim=128, dtype=dtype, causal=True, target=arch).source(heads_q=8, heads_kv=2)
+    assert "int q_stride_s" in src and "int o_stride_s" in src
+    if dtype == "float32":  # the SIMT schedule: a thread's row of Q, the K/V tiles in 16-byte vectors
+        assert "*(float4*)(K_ptr + " in src and "*(float4*)(V_ptr + " in src and "make_float4(K_ptr[" not in src
+    else:
+        assert "*(uint4*)(Q_ptr + " in src and "make_uint4(Q_ptr[" not in src
+    if arch == "sm90":  # K and V by TMA: their strides are in the tensor maps
+        assert "k_stride_s" not in src and "_tensormap" in src
+    else:  # K and V through their strides, in the K/V loop
+        body = kv_loop_body(src)
+        assert "k_stride_s" in body and "v_stride_s" in body
+

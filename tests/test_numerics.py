@@ -115,6 +115,88 @@ def test_strided_views(device):
     check_attention(out, lse, q, k, v)
 
 
+def laid_out(t, layout):
+    """``t`` (batch, seqlen, heads, head_dim), the same values in another layout: "bshd" itself;
+    "bhsd" a (b, h, s, d) tensor seen through transpose(1, 2) (SDPA's layout); "padded" heads 16
+    bytes apart in their rows (2-byte dtypes); "odd" heads 4 elements apart and "expanded" one head
+    broadcast to all (stride 0): CUDA copies these two."""
+    if layout == "bshd":
+        return t
+    if layout == "expanded":
+        return t[:, :, :1].expand(t.shape)
+    if layout == "bhsd":
+        return t.transpose(1, 2).contiguous().transpose(1, 2)
+    pad = {"padded": 8, "odd": 4}[layout]
+    wide = torch.zeros(*t.shape[:3], t.shape[3] + pad, dtype=t.dtype, device=t.device)
+    return wide[..., :t.shape[3]].copy_(t)
+
+
+# The CUDA schedules and copy paths that read and write strided tensors: what compile() picks
+# (on sm_90a: sm90, K/V by TMA), sm80 (cp.async), sm90 with cp.async K/V, sm90 with the Q tile by TMA
+# and the output stored from registers, the SIMT schedule (float32).
+STRIDED_KERNELS = {
+    "default": ({}, {}, torch.bfloat16),
+    "sm80": ({"TVMFLASH_SM90": "0"}, {}, torch.bfloat16),
+    "sm90-cp.async": ({"TVMFLASH_SM90": "1"}, {"kv_layout": "core_matrices", "num_stages": 2, "kv_copy": "cp.async"},
+                      torch.bfloat16),
+    "sm90-q-tma-direct": ({"TVMFLASH_SM90": "1"}, {"q_layout": "swizzled", "q_copy": "tma", "o_store": "direct"},
+                          torch.float16),
+    "simt": ({}, {}, torch.float32),
+}
+
+
+@pytest.mark.parametrize("device,kind", [("cpu", "default")] + [
+    pytest.param("cuda", kind, marks=pytest.mark.gpu) for kind in STRIDED_KERNELS], ids=lambda p: str(p))
+@pytest.mark.parametrize("layout", ["bhsd", "padded", "odd"])
+def test_strided_layouts_match_contiguous(monkeypatch, device, kind, layout):
+    """q, k, v and out in other layouts than (b, s, h, d) with a contiguous last dim: the same
+    result as contiguous tensors, bit for bit, written into out itself, within flash-attn's rule."""
+    env, knobs, dtype = STRIDED_KERNELS[kind]
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    if kind.startswith("sm90") and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the sm90 schedule needs an sm_90a GPU")
+    for causal in (False, True):
+        kernel = tvmflash.compile(head_dim=64, dtype=dtype, causal=causal, knobs=knobs or None,
+                                  target="cpu" if device == "cpu" else None)
+        for seqlen_q, seqlen_k, heads_q, heads_kv in SHAPES[1::2]:
+            q, k, v = random_qkv(2, seqlen_q, seqlen_k, heads_q, heads_kv, 64, dtype, device)
+            want, want_lse = kernel(q, k, v, return_lse=True)
+            out = laid_out(poisoned_out(q), layout)
+            got, lse = kernel(*(laid_out(t, layout) for t in (q, k, v)), out=out, return_lse=True)
+            assert got is out and torch.equal(got, want) and torch.equal(lse, want_lse)
+            check_attention(got, lse, q, k, v, causal=causal)
+
+
+def test_strided_inputs_are_not_copied(monkeypatch):
+    """(b, h, s, d) tensors seen through a transpose reach the TVM function as they are (the kernel
+    used to copy them with .contiguous()), out= included."""
+    kernel = tvmflash.compile(head_dim=64, dtype=torch.bfloat16, target="cpu")
+    q, k, v = (laid_out(t, "bhsd") for t in random_qkv(2, 70, 50, 4, 2, 64, torch.bfloat16, "cpu"))
+    out = laid_out(torch.empty_like(q), "bhsd")
+    module = kernel.module(4, 2)
+    received = []
+    monkeypatch.setattr(module, "function", lambda *args: received.append(args))
+    monkeypatch.setattr(torch.Tensor, "contiguous", lambda *args, **kwargs: pytest.fail("contiguous() was called"))
+    assert kernel(q, k, v, out=out) is out
+    (args,) = received
+    assert all(got is given for got, given in zip(args, (q, k, v, out)))
+
+
+@pytest.mark.parametrize("layout,copied", [("bshd", False), ("bhsd", False), ("padded", False), ("odd", True),
+                                           ("expanded", True)])
+def test_which_layouts_a_cuda_kernel_copies(layout, copied):
+    """What the README says: on CUDA, a tensor whose batch, sequence or head stride is no multiple
+    of 16 bytes is copied; the others are read in place (checked here without a GPU: the decision is
+    the kernel's, before the call). The CPU copies none."""
+    cuda = tvmflash.compile(head_dim=64, dtype=torch.bfloat16, target="sm80")
+    cpu = tvmflash.compile(head_dim=64, dtype=torch.bfloat16, target="cpu")
+    t = laid_out(torch.randn(2, 9, 3, 64).bfloat16(), layout)
+    assert (cuda._usable(t, "q") is not t) == copied
+    assert torch.equal(cuda._usable(t, "q"), t)
+    assert cpu._usable(t, "q") is t
+
+
 @pytest.mark.parametrize("device", devices())
 def test_empty_inputs(device):
     q, k, v = random_qkv(0, 10, 10, 2, 2, 64, torch.float16, device)

@@ -115,18 +115,29 @@ def time_backends(calls: dict, device, repeat: int) -> dict:
     return best
 
 
-def run_one(kernel, batch, seqlen, heads, head_dim, dtype, causal, device, repeat, measure_host=False):
+def run_one(kernel, batch, seqlen, heads, head_dim, dtype, causal, device, repeat, measure_host=False,
+            layout="bshd"):
     """Check and time one configuration. measure_host (CUDA): also each backend's ``host_us``, SDPA's
-    inside its backend's context (entered once, as a model would)."""
+    inside its backend's context (entered once, as a model would). layout "bhsd": the inputs are
+    (batch, heads, seqlen, head_dim) tensors, SDPA's layout, which SDPA reads as they are and
+    tvmflash through transpose(1, 2) views ("tvmflash-bhsd", out such a view too); "tvmflash" runs on
+    (b, s, h, d) copies of them, so that the two compare strided and contiguous inputs in one run."""
     torch_dtype = TORCH_DTYPES[dtype]
     gen = torch.Generator(device=device).manual_seed(seqlen)
-    q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device=device, dtype=torch_dtype, generator=gen)
-               for _ in range(3))
+    shape = (batch, seqlen, heads, head_dim) if layout == "bshd" else (batch, heads, seqlen, head_dim)
+    q, k, v = (torch.randn(shape, device=device, dtype=torch_dtype, generator=gen) for _ in range(3))
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))  # SDPA's (b, h, s, d) views, or (b, s, h, d) ones
+    if layout == "bhsd":
+        (q, k, v), (qt, kt, vt) = (t.contiguous() for t in (qt, kt, vt)), (q, k, v)
     out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
     kernel(q, k, v, out=out)
     error, tolerance = error_vs_float32(out, q, k, v, causal)
     calls = {"tvmflash": lambda: kernel(q, k, v, out=out)}
-    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    if layout == "bhsd":  # tvmflash on views of SDPA's tensors: strided, not copied
+        qs, ks, vs, outs = (t.transpose(1, 2) for t in (qt, kt, vt, torch.full_like(qt, float("nan"))))
+        kernel(qs, ks, vs, out=outs)
+        error = max(error, error_vs_float32(outs, q, k, v, causal)[0])
+        calls["tvmflash-bhsd"] = lambda: kernel(qs, ks, vs, out=outs)
 
     def attend():  # SDPA, under whichever backend's context is current
         return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
@@ -177,8 +188,10 @@ def error_vs_float32(out, q, k, v, causal, heads=2, rows=1024):
 
 
 def run(*, device=None, dtype="bfloat16", head_dims=(64, 128), causal=(False, True), seqlens=None,
-        tokens=None, hidden=None, repeat=20, target=None, knobs=None, echo=print):
-    """Run the grid and print a table. Returns the list of results."""
+        tokens=None, hidden=None, repeat=20, target=None, knobs=None, layout="bshd", echo=print):
+    """Run the grid and print a table. Returns the list of results. layout: see ``run_one``."""
+    if layout not in ("bshd", "bhsd"):
+        raise ValueError(f"layout: expected 'bshd' or 'bhsd', got {layout!r}")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device not in ("cpu", "cuda") and not str(device).startswith("cuda:"):
         raise ValueError(f"device: expected cpu or cuda, got {device!r}")
@@ -202,13 +215,17 @@ def run(*, device=None, dtype="bfloat16", head_dims=(64, 128), causal=(False, Tr
             for seqlen in seqlens:
                 batch = max(1, tokens // seqlen)
                 result = run_one(kernel, batch, seqlen, heads, head_dim, dtype, is_causal, device, repeat,
-                                 measure_host=not results)
+                                 measure_host=not results, layout=layout)
                 results.append(result)
                 if header is None:
                     header = _header(result)
                     echo(header)
                     echo("-" * len(header))
                 echo(_row(result))
+    if layout == "bhsd" and results:
+        ratios = [r.times_ms["tvmflash-bhsd"] / r.times_ms["tvmflash"] for r in results]
+        echo(f"strided (b, h, s, d) views over contiguous (b, s, h, d) tensors, time ratio: {min(ratios):.3f}x to "
+             f"{max(ratios):.3f}x (geometric mean {statistics.geometric_mean(ratios):.3f}x)")
     if results and results[0].host_us:
         echo(f"host time a call, the GPU kept busy ({results[0].config}): " +
              ", ".join(f"{name} {us:.0f} us" for name, us in results[0].host_us.items()))

@@ -73,7 +73,7 @@ def _bench(args) -> int:
     results = bench.run(device=args.device, dtype=args.dtype, head_dims=args.head_dim,
                         causal={"no": (False,), "yes": (True,), "both": (False, True)}[args.causal],
                         seqlens=args.seqlens, tokens=args.tokens, hidden=args.hidden, repeat=args.repeat,
-                        target=args.target, knobs=json.loads(args.knobs) if args.knobs else None)
+                        target=args.target, knobs=json.loads(args.knobs) if args.knobs else None, layout=args.layout)
     print("ratios are the backend's time over tvmflash's: above 1.00x, tvmflash is faster")
     failed = [r.config for r in results if r.error > r.tolerance]
     if failed:
@@ -207,6 +207,9 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--repeat", type=int, default=20, help="timed calls a backend and round")
     b.add_argument("--target", default=None, help="as compile's; none given: the device's")
     b.add_argument("--knobs", default=None, help="schedule knobs as JSON; none given: tuned or default ones")
+    b.add_argument("--layout", default="bshd", choices=["bshd", "bhsd"],
+                   help="bhsd: the inputs are (b, h, s, d) tensors, SDPA's layout, and tvmflash is timed on "
+                        "transpose(1, 2) views of them (strided, no copy) and on contiguous copies, in one run")
 
     t = command("tune", "tune the schedule's knobs on this machine (MetaSchedule); store the best")
     t.add_argument("--head-dim", type=int, nargs="+", required=True, help="one or more; each is a workload")

@@ -93,8 +93,12 @@ class Kernel:
         out = kernel(q, k, v)                   # q: (batch, seqlen_q, heads_q, head_dim)
         out, lse = kernel(q, k, v, return_lse=True)  # k, v: (batch, seqlen_k, heads_kv, head_dim)
 
-    out has q's shape and dtype; lse is float32 of shape (batch, heads_q, seqlen_q). Compact
-    inputs are used in place; views whose last dim is contiguous are copied first. batch and
+    out has q's shape and dtype; lse is float32 of shape (batch, heads_q, seqlen_q). The tensors
+    are read (and out written) in place through their strides, which may be any with a contiguous
+    last dim: (b, s, h, d) tensors and (b, h, s, d) ones seen through ``transpose(1, 2)`` alike. On
+    CUDA a tensor whose batch, sequence or head stride is no multiple of 16 bytes, or 0 (a
+    broadcast), is copied first (out: written to a compact tensor, then copied); no transpose or
+    slice of a compact tensor at a supported head_dim needs that. A new out is compact. batch and
     the sequence lengths may change from call to call without rebuilding; each new pair of head
     counts builds (or loads) one more module.
     """
@@ -106,6 +110,9 @@ class Kernel:
         self.key = kernel_key(spec_args, target, knobs)
         self.schedule, self.schedule_source, records = choose_schedule(target, spec_args, knobs)
         schedule_name = schedule_registry.name_of(self.schedule)
+        # strides of q, k, v and out that the module reads in place are multiples of this (elements)
+        self._stride_multiple = max(1, schedule_registry.stride_alignment(self.schedule) * 8
+                                    // tvm.DataType(self.dtype).bits)
         unknown = set(knobs or {}) - set(self.schedule.KNOBS)
         if unknown:
             raise ValueError(
@@ -315,13 +322,16 @@ class Kernel:
         if torch.compiler.is_compiling():  # torch.compile traces a custom op, which calls back here at run time
             return ops.kernel_call(self, q, k, v, softmax_scale, out, return_lse)
         self._check(q, k, v, out)
-        self._check_memory(q, k, v, out)
-        # The module takes compact tensors. Views with a contiguous last dim (a packed qkv's
-        # unbind, say) are copied once here rather than refused.
-        q, k, v = (t if t.is_contiguous() else t.contiguous() for t in (q, k, v))
+        # The module reads and writes through the tensors' own strides: none is copied, but where a
+        # CUDA kernel's 16-byte vectors do not fit the strides (``_usable``).
+        q, k, v = self._usable(q, "q"), self._usable(k, "k"), self._usable(v, "v")
         batch, seqlen_q, heads_q, _ = q.shape
         heads_kv = k.shape[2]
+        given = out
         if out is None:
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        elif not self._fits(out):  # written to a compact tensor, then copied into out
+            self._usable(out, "out", copy=False)
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device)
         module = self._modules.get((heads_q, heads_kv)) or self.module(heads_q, heads_kv)
@@ -334,6 +344,8 @@ class Kernel:
             lse.fill_(-math.inf)
         elif out.numel():
             module.function(q, k, v, out, lse, softmax_scale)
+        if given is not None and given is not out:
+            out = given.copy_(out)
         return (out, lse) if return_lse else out
 
     def _check(self, q, k, v, out) -> None:
@@ -382,17 +394,31 @@ class Kernel:
             raise ValueError(f"out: expected a tensor of q's shape {tuple(q.shape)}, dtype and device, got "
                              f"{getattr(out, 'shape', out)!r}")
 
-    def _check_memory(self, q, k, v, out) -> None:
-        """Strides, sizes and alignment (real tensors only)."""
-        for name, t in (("q", q), ("k", k), ("v", v)):
-            if t.numel() and t.shape[3] > 1 and t.stride(3) != 1:
-                raise ValueError(f"{name}: expected a contiguous last dim (stride 1), got strides {t.stride()}")
-            if t.numel() > _INT32_MAX:
-                raise ValueError(f"{name}: tensors of more than 2**31 elements are not supported, got shape {tuple(t.shape)}")
-            if self._cuda and t.data_ptr() % 16:
-                raise ValueError(f"{name}: expected a 16-byte aligned data pointer, got {t.data_ptr():#x}")
-        if out is not None and not out.is_contiguous():
-            raise ValueError(f"out: expected a contiguous tensor, got strides {out.stride()}")
+    def _fits(self, t) -> bool:
+        """Can the module read or write ``t`` in place? Its last dim contiguous, its other strides
+        multiples of the schedule's ``stride_multiple`` elements (16 bytes on CUDA, any on the CPU)
+        and, on CUDA, not 0 (a TMA tensor map's stride may not be), every element within 2**31 of the
+        first (the kernel's index arithmetic is 32-bit) and, on CUDA, its data 16-byte aligned.
+        (b, s, h, d) tensors, (b, h, s, d) ones seen through a transpose and a packed qkv's thirds
+        all fit, for every supported head_dim."""
+        (n0, n1, n2, n3), (s0, s1, s2, s3) = t.shape, t.stride()
+        multiple = self._stride_multiple
+        return ((s3 == 1 or n3 <= 1) and not (s0 % multiple or s1 % multiple or s2 % multiple)
+                and (n0 - 1) * s0 + (n1 - 1) * s1 + (n2 - 1) * s2 + (n3 - 1) * s3 <= _INT32_MAX
+                and not (self._cuda and (t.data_ptr() % 16 or not (s0 and s1 and s2))))
+
+    def _usable(self, t, name: str, copy: bool = True):
+        """``t`` itself where the module can read it in place (``_fits``), else a compact copy (strides
+        that are no whole 16-byte vectors on CUDA), else a ValueError that says why."""
+        if not t.numel() or self._fits(t):
+            return t
+        if t.shape[3] > 1 and t.stride(3) != 1 and name != "out":
+            raise ValueError(f"{name}: expected a contiguous last dim (stride 1), got strides {t.stride()}")
+        if self._cuda and t.data_ptr() % 16 and name != "out":
+            raise ValueError(f"{name}: expected a 16-byte aligned data pointer, got {t.data_ptr():#x}")
+        if t.numel() > _INT32_MAX:
+            raise ValueError(f"{name}: tensors of more than 2**31 elements are not supported, got shape {tuple(t.shape)}")
+        return t.clone(memory_format=torch.contiguous_format) if copy else t
 
 
 _KERNELS: dict[str, Kernel] = {}  # compile()'s, by kernel_key; forget_kernels() empties it

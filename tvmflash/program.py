@@ -9,8 +9,9 @@ Layout (flash-attn's):
     out: (batch, seqlen_q, heads_q,  head_dim)   dtype
     lse: (batch, heads_q,  seqlen_q)              float32, natural log
 
-batch, seqlen_q and seqlen_k are symbolic, so one built module serves every length. All tensors
-are compact (row-major). head_dim, the head counts, dtype, causal and the tile sizes are static.
+batch, seqlen_q and seqlen_k are symbolic, so one built module serves every length. q, k, v and
+out have symbolic batch, sequence and head strides (in elements) and a contiguous head_dim; lse is
+compact. head_dim, the head counts, dtype, causal and the tile sizes are static.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import tvm
 from tvm.script import tirx as T
 
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32")
@@ -60,7 +62,8 @@ class AttentionSpec:
             )
 
 
-def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_tiles: int = 1):
+def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_tiles: int = 1,
+                      stride_alignment: int = 1):
     """Return the forward PrimFunc ``main(q, k, v, out, lse, softmax_scale)``.
 
     Each (batch, head, Q block of ``block_m`` rows) is one tile; it streams K/V tiles of
@@ -71,13 +74,19 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_ti
     mask is aligned bottom-right (key j is seen by query i iff j <= i + seqlen_k - seqlen_q) and
     tiles wholly above the diagonal are not visited. Only the tiles that straddle the diagonal or
     the end of the keys are masked (``tile_visible``); the others use the scores as they are.
-    Each Q block visits at least ``min_kv_tiles`` K/V tiles (``kv_tiles``).
+    Each Q block visits at least ``min_kv_tiles`` K/V tiles (``kv_tiles``). The strides of q, k, v
+    and out are arguments, which the caller must make multiples of ``stride_alignment`` bytes.
     """
     D, BM, BN = spec.head_dim, block_m, block_n
     HQ, HKV = spec.heads_q, spec.heads_kv
     group = HQ // HKV
     dtype, causal = spec.dtype, spec.causal
     f32 = "float32"
+    stride_multiple = max(1, stride_alignment * 8 // tvm.DataType(dtype).bits)  # in elements
+
+    def rounded(stride):
+        """A stride the caller makes a multiple of stride_multiple, as code generation can see it."""
+        return stride if stride_multiple == 1 else stride // stride_multiple * stride_multiple
 
     def kv_tiles(qb, seqlen_q, seqlen_k):
         """K/V tiles that Q block qb must visit (causal: those not wholly above the diagonal), and
@@ -117,13 +126,31 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_ti
         batch = T.int32()
         seqlen_q = T.int32()
         seqlen_k = T.int32()
-        # Compact buffers: CUDA code generation proves 16-byte alignment of vector loads only
-        # from constant strides.
-        Q = T.match_buffer(q_handle, (batch, seqlen_q, HQ, D), dtype)
-        K = T.match_buffer(k_handle, (batch, seqlen_k, HKV, D), dtype)
-        V = T.match_buffer(v_handle, (batch, seqlen_k, HKV, D), dtype)
-        O = T.match_buffer(out_handle, (batch, seqlen_q, HQ, D), dtype)
+        # q, k, v and out are taken with any batch, sequence and head strides (in elements) and a
+        # contiguous head_dim: (b, s, h, d) tensors and (b, h, s, d) ones seen through a transpose
+        # alike, without a copy. The strides are loop-invariant kernel arguments. The program reads
+        # and writes through views of the arguments whose strides are rounded down to a multiple of
+        # ``stride_alignment`` bytes: the caller passes only such strides, so the views are the
+        # arguments, and CUDA code generation, which emits a 16-byte vector load or store only where
+        # it can prove the index a multiple of the vector (a plain stride argument made gathers of
+        # scalar loads), sees it. The rounding costs two shifts a stride, out of every loop.
+        q_stride_b, q_stride_s, q_stride_h = T.int32(), T.int32(), T.int32()
+        k_stride_b, k_stride_s, k_stride_h = T.int32(), T.int32(), T.int32()
+        v_stride_b, v_stride_s, v_stride_h = T.int32(), T.int32(), T.int32()
+        o_stride_b, o_stride_s, o_stride_h = T.int32(), T.int32(), T.int32()
+        Q_in = T.match_buffer(q_handle, (batch, seqlen_q, HQ, D), dtype, strides=(q_stride_b, q_stride_s, q_stride_h, 1))
+        K_in = T.match_buffer(k_handle, (batch, seqlen_k, HKV, D), dtype, strides=(k_stride_b, k_stride_s, k_stride_h, 1))
+        V_in = T.match_buffer(v_handle, (batch, seqlen_k, HKV, D), dtype, strides=(v_stride_b, v_stride_s, v_stride_h, 1))
+        O_in = T.match_buffer(out_handle, (batch, seqlen_q, HQ, D), dtype, strides=(o_stride_b, o_stride_s, o_stride_h, 1))
         LSE = T.match_buffer(lse_handle, (batch, HQ, seqlen_q), f32)
+        Q = T.decl_buffer((batch, seqlen_q, HQ, D), dtype, data=Q_in.data,
+                          strides=(rounded(q_stride_b), rounded(q_stride_s), rounded(q_stride_h), 1))
+        K = T.decl_buffer((batch, seqlen_k, HKV, D), dtype, data=K_in.data,
+                          strides=(rounded(k_stride_b), rounded(k_stride_s), rounded(k_stride_h), 1))
+        V = T.decl_buffer((batch, seqlen_k, HKV, D), dtype, data=V_in.data,
+                          strides=(rounded(v_stride_b), rounded(v_stride_s), rounded(v_stride_h), 1))
+        O = T.decl_buffer((batch, seqlen_q, HQ, D), dtype, data=O_in.data,
+                          strides=(rounded(o_stride_b), rounded(o_stride_s), rounded(o_stride_h), 1))
 
         for b, h, qb in T.grid(batch, HQ, T.ceildiv(seqlen_q, BM)):
             with T.sblock("tile"):
@@ -280,3 +307,4 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_ti
                         )
 
     return main
+

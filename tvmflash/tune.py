@@ -140,11 +140,17 @@ class MutateKnob(ms.mutator.PyMutator):
 
 def specialize(func, spec: program.AttentionSpec, *, batch: int, seqlen_q: int, seqlen_k: int,
                softmax_scale: float):
-    """The program with a static shape and scale: what MetaSchedule measures."""
-    q, k, _v, _out, _lse, scale = func.params  # V, O and LSE share Q's and K's shape vars
+    """The program with a static shape and scale, its tensors compact: what MetaSchedule measures."""
+    q, k, v, out, _lse, scale = func.params  # LSE shares Q's shape vars
+
+    def compact(name, seqlen, heads):
+        shape = (batch, seqlen, heads, spec.head_dim)
+        strides = (seqlen * heads * spec.head_dim, heads * spec.head_dim, spec.head_dim, 1)
+        return tvm.tirx.decl_buffer(shape, spec.dtype, name, strides=strides)
+
     return func.specialize({
-        q: tvm.tirx.decl_buffer((batch, seqlen_q, spec.heads_q, spec.head_dim), spec.dtype, "Q"),
-        k: tvm.tirx.decl_buffer((batch, seqlen_k, spec.heads_kv, spec.head_dim), spec.dtype, "K"),
+        q: compact("Q", seqlen_q, spec.heads_q), k: compact("K", seqlen_k, spec.heads_kv),
+        v: compact("V", seqlen_k, spec.heads_kv), out: compact("O", seqlen_q, spec.heads_q),
         scale: tvm.tirx.FloatImm("float32", softmax_scale),
     })
 

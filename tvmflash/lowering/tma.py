@@ -422,7 +422,23 @@ def lowered_to_tma(func: tirx.PrimFunc) -> tirx.PrimFunc:
             n.loop_var, n.min, n.extent + 1, n.kind, n.body, n.thread_binding, n.annotations)
             if n.thread_binding is not None and n.thread_binding.thread_tag == "threadIdx.y" else None)
     copies = len(find(body, lambda n: is_call(n, "tirx.cuda.func_call") and n.args[0].value == "tvmflash_tma_load_5d"))
-    return func.with_body(tirx.SeqStmt([*_encode_tensor_maps(plan), body])).with_attr(_TMA_COPIES_ATTR, copies)
+    return func.with_body(_after_declarations(body, _encode_tensor_maps(plan), plan.tensor_maps)).with_attr(
+        _TMA_COPIES_ATTR, copies)
+
+
+def _after_declarations(body, stmts, buffers):
+    """``body`` with ``stmts`` (host statements that read ``buffers``) before everything but the
+    declarations of those buffers (the program's strided views of its arguments)."""
+    def declares(node):
+        return isinstance(node, tirx.DeclBuffer) and any(node.buffer.same_as(b) for b in buffers)
+
+    found = find(body, lambda n: isinstance(n, tirx.SeqStmt) and any(declares(s) for s in n.seq))
+    if not found:
+        return tirx.SeqStmt([*stmts, body])
+    seq = found[0]
+    k = max(i for i, s in enumerate(seq.seq) if declares(s)) + 1
+    return transform(body, tirx.SeqStmt, lambda n: tirx.SeqStmt([*seq.seq[:k], *stmts, *seq.seq[k:]])
+                      if n.same_as(seq) else None)
 
 
 def _split_warpgroups(plan, stmts, k, q_issue, tile_buffers):
@@ -549,14 +565,16 @@ def consumer_barriers(func: tirx.PrimFunc) -> tirx.PrimFunc:
 
 def _encode_tensor_maps(plan):
     """Host statements: one tensor map per global tensor, over its (64 elements, row, 64-column half,
-    head, batch) view, the box one tile (64, rows, halves, 1, 1), 128-byte swizzle."""
+    head, batch) view, the box one tile (64, rows, halves, 1, 1), 128-byte swizzle. The row, head and
+    batch strides are the buffer's (the program's stride arguments), in bytes."""
     stmts = []
     for buffer, (var, box) in plan.tensor_maps.items():
         batch, seqlen, heads, head_dim = buffer.shape
+        batch_stride, row_stride, head_stride, _ = buffer.strides
         element = buffer.dtype.bits // 8
         dims = [SWIZZLE_COLUMNS, seqlen, head_dim // SWIZZLE_COLUMNS, heads, batch]
-        strides = [heads * head_dim * element, SWIZZLE_COLUMNS * element, head_dim * element,
-                   tirx.Cast("int64", seqlen) * heads * head_dim * element]  # a batch may pass 2**31 bytes
+        strides = [tirx.Cast("int64", row_stride) * element, SWIZZLE_COLUMNS * element,  # a stride may pass 2**31 bytes
+                   tirx.Cast("int64", head_stride) * element, tirx.Cast("int64", batch_stride) * element]
         stmts.append(tirx.Bind(var, T.tvm_stack_alloca("tensormap", 1)))
         stmts.append(tirx.Evaluate(T.tensormap_encode_tiled(
             var, buffer.data, *dims, *strides, *box, 1, 1, *[1] * 5, descriptor_dtype=str(buffer.dtype), rank=5,
