@@ -49,9 +49,12 @@ def test_bad_arguments_fail_cleanly():
     assert "Traceback" not in done.stderr
 
 
-def test_compile_emits_what_its_target_has():
+def test_compile_emits_what_its_target_has(capsys):
     """Without --emit, a CPU target gives its TensorIR (the default was --emit cuda on any target)."""
-    assert "T.sblock" in tvmflash("compile", "--target", "cpu", "--head-dim", "64")
+    from tvmflash import cli
+
+    assert cli.main(["compile", "--target", "cpu", "--head-dim", "64"]) == 0
+    assert "T.sblock" in capsys.readouterr().out
 
 
 def test_help_says_the_defaults():
@@ -73,8 +76,9 @@ def test_bench_without_a_gpu_says_so(monkeypatch, capsys):
 
 
 def test_a_closed_pipe_ends_quietly():
-    """`tvmflash info | head -2` ended in a BrokenPipeError traceback."""
-    done = subprocess.Popen([sys.executable, "-m", "tvmflash.cli", "info"], stdout=subprocess.PIPE,
+    """`tvmflash info | head -2` ended in a BrokenPipeError traceback (so did every command: here one
+    that starts quickly)."""
+    done = subprocess.Popen([sys.executable, "-m", "tvmflash.cli", "cache", "ls"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     done.stdout.close()  # the reader is gone before the first line
     stderr = done.communicate(timeout=300)[1]
