@@ -15,6 +15,7 @@ if not _os.path.isdir(_os.path.join(__path__[0], "schedules")):
 _API = {"Kernel": "kernel", "compile": "kernel", "BackwardKernel": "kernel", "compile_backward": "kernel",
         "attention": "ops", "flash_attn_func": "flash_attn", "flash_attn_kvpacked_func": "flash_attn",
         "flash_attn_qkvpacked_func": "flash_attn"}
+_API.update({"flash_attn_with_kvcache": "decode", "compile_decode": "decode", "DecodeKernel": "decode"})  # issue 24
 __all__ = [*sorted(_API), "__version__"]
 
 
