@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import tvm
 
-from .common import element_bytes
+from .common import element_bytes, pipeline_kv_loads
 
 KNOBS = {"block_m": 64, "block_n": 32, "vector_bytes": 16}
 # The strides of q, k, v and out are whole 16-byte vectors (``program.attention_forward``'s
@@ -149,9 +149,21 @@ def schedule_backward_program(sch: tvm.s_tir.Schedule, func: str, threads: int, 
 # query_tokens: query tokens per task (its rows: those tokens times the GQA group's heads); block_n:
 # keys per K/V tile, a multiple of threads (each thread owns block_n / threads keys of a tile in
 # Q Kᵀ); threads: per thread block; vector_bytes: the width of each thread's K/V copies.
-DECODE_KNOBS = {"query_tokens": 1, "block_n": 128, "threads": 128, "vector_bytes": 16}
+# num_stages: 1 copies each K/V tile with plain vector loads at the top of its step; 2 or 3 make the
+# K/V-tile loop a cp.async software pipeline (common.pipeline_kv_loads), tiles num_stages - 1 ahead.
+# Defaults (chosen by reasoning, not yet measured on a GPU; benchmarks/decode_bench.py --knobs compares
+# sets): one warp a task, so that the row max is warp shuffles only (a block of several warps pays two
+# __syncthreads a row a tile in TVM's cross-thread reduction), one key a lane, 32-key tiles in two
+# stages: 35 KiB of shared memory, six tasks an SM.
+DECODE_KNOBS = {"query_tokens": 1, "block_n": 32, "threads": 32, "vector_bytes": 16, "num_stages": 2}
 DECODE_SPACE = {"query_tokens": [1, 2, 4], "block_n": [32, 64, 128, 256], "threads": [32, 64, 128, 256],
-                "vector_bytes": [4, 8, 16]}
+                "vector_bytes": [4, 8, 16], "num_stages": [1, 2, 3]}
+DECODE_PASS_CONFIG = {
+    "tirx.use_async_copy": True,  # cp.async for the pipelined K/V copies
+    # StorageRewrite retypes the K tile, read only 8 elements at a time, as bfloat16x8, and
+    # InjectPTXAsyncCopy (TVM 0.27) then fails on the vector store index its copies meet.
+    "tirx.disable_storage_rewrite": True,
+}
 # Shared rows of the K/V tiles are padded by 16 bytes: a quarter-warp's 16-byte reads of 8 rows
 # (one key each, Q Kᵀ) then fall in 8 different groups of 4 banks.
 _ROW_PAD_BYTES = 16
@@ -162,8 +174,8 @@ def decode_shared_memory_bytes(head_dim: int, dtype: str, knobs: dict) -> int:
     (an upper bound, for the largest GQA group of 8 a task)."""
     element = tvm.DataType(dtype).bits // 8
     rows = 8 * knobs["query_tokens"]
-    return (2 * knobs["block_n"] * (head_dim * element + _ROW_PAD_BYTES) + rows * knobs["block_n"] * 4
-            + rows * head_dim * element)
+    return (2 * knobs["num_stages"] * knobs["block_n"] * (head_dim * element + _ROW_PAD_BYTES)
+            + rows * knobs["block_n"] * 4 + rows * head_dim * 4)
 
 
 def decode_tasks_per_sm(head_dim: int, dtype: str, knobs: dict) -> int:
@@ -179,11 +191,13 @@ def decode_knob_problem(head_dim: int, dtype: str, knobs: dict) -> str | None:
         return f"block_n ({knobs['block_n']}) must be a multiple of threads ({knobs['threads']})"
     if (head_dim * tvm.DataType(dtype).bits // 8) % knobs["vector_bytes"]:
         return f"vector_bytes ({knobs['vector_bytes']}) must divide a row of head_dim {head_dim} {dtype}"
+    if knobs["num_stages"] not in (1, 2, 3):
+        return f"num_stages must be 1, 2 or 3, got {knobs['num_stages']!r}"
     return None
 
 
 def schedule_decode(sch: tvm.s_tir.Schedule, *, query_tokens: int, block_n: int, threads: int,
-                    vector_bytes: int) -> tvm.s_tir.Schedule:
+                    vector_bytes: int, num_stages: int) -> tvm.s_tir.Schedule:
     """Map the decode programs (functions ``split`` and ``merge``) onto SIMT CUDA threads.
 
     split: one thread block of ``threads`` per task: blockIdx.x = (sequence, K/V head), y = query
@@ -218,14 +232,15 @@ def schedule_decode(sch: tvm.s_tir.Schedule, *, query_tokens: int, block_n: int,
         """The (row, key) loops of a per-key block: keys over the threads, rows inside (or outside,
         as a cross-thread reduction needs its reduced loops innermost)."""
         r, j = sch.get_loops(block)[-2:]
-        jo, jt = sch.split(j, [None, threads])
+        jt, jo = sch.split(j, [threads, None])  # thread t: keys t * k .. t * k + k - 1 (compact registers)
         sch.reorder(*((jt, jo, r) if rows_inside else (r, jo, jt)))
         sch.bind(jt, "threadIdx.x")
-        if rows_inside:
+        if rows_inside:  # they index the thread's registers: unrolled, their indices are constants
+            sch.unroll(jo)
             sch.unroll(r)
 
     # Per-task and per-row values: every thread computes and keeps its own copy.
-    for name, index in [("init_scale", 0), ("split_range", 0), ("init_m", 0), ("alpha", 0), ("alpha", 1),
+    for name, index in [("init_scale", 0), ("init_m", 0), ("alpha", 0), ("alpha", 1),
                         ("inv_l", 0)]:
         sch.set_scope(name, index, "local")
     for name in ("init_m", "alpha", "update_m", "inv_l"):
@@ -241,11 +256,17 @@ def schedule_decode(sch: tvm.s_tir.Schedule, *, query_tokens: int, block_n: int,
         rows_inner -= 1
 
     def acc_by_threads(block):
+        """The (row, column) loops of a block over the accumulator (P V: and its key loop inside) as
+        thread, [key,] column, row: thread t owns consecutive (row group, column) pairs, so that its
+        registers compact to exactly its own, and reads V and P once a key for all of them."""
         r, d = sch.get_loops(block)[-3:-1] if block == "pv" else sch.get_loops(block)[-2:]
+        keys = sch.get_loops(block)[-1:] if block == "pv" else []
         r_outer, r_inner = sch.split(r, [None, rows_inner])
-        inside = sch.get_loops(block)[-1:] if block == "pv" else []
-        sch.reorder(r_outer, d, *inside, r_inner)
-        by_threads([r_outer, d])
+        sch.reorder(r_outer, d, *keys, r_inner)
+        tx, columns = sch.split(sch.fuse(r_outer, d), [threads, None])
+        sch.reorder(tx, *keys, columns, r_inner)
+        sch.bind(tx, "threadIdx.x")
+        sch.unroll(columns)
         sch.unroll(r_inner)
 
     for name in ("init_acc", "pv", "store_o"):
@@ -265,10 +286,11 @@ def schedule_decode(sch: tvm.s_tir.Schedule, *, query_tokens: int, block_n: int,
     # Q Kᵀ: thread t owns keys t, t + threads, ...; per 16 bytes of its K row (a local copy), it
     # reads the same columns of every query row (local copies too) and keeps its scores in registers.
     r, j, d = sch.get_loops("qk")[-3:]
-    jo, jt = sch.split(j, [None, threads])
+    jt, jo = sch.split(j, [threads, None])
     d_outer, d_inner = sch.split(d, [None, 16 // element])
     sch.reorder(jt, jo, d_outer, r, d_inner)
     sch.bind(jt, "threadIdx.x")
+    sch.unroll(jo)
     sch.set_scope("qk", 0, "local")
     sch.decompose_reduction("qk", d_outer)
     update = sch.get_sblock("qk_update")
@@ -285,8 +307,14 @@ def schedule_decode(sch: tvm.s_tir.Schedule, *, query_tokens: int, block_n: int,
 
     for name in ("score", "exp", "sum_p", "init_l", "update_l"):
         keys_by_threads(name)
-    for name in ("score", "init_l", "sum_p"):
-        sch.set_scope(name, 0, "local")
+    sch.set_scope("sum_p", 0, "local")
+    # The running per-key sums in shared memory: the row sum after the last tile reads them in a loop
+    # over the rows that stays rolled (it holds a cross-thread reduction), where registers would be
+    # indexed dynamically, and spill from 8 rows up.
+    sch.set_scope("init_l", 0, "shared")
+    # The masked scores in shared memory: the row max reads them in a loop over the rows that stays
+    # rolled (it holds a cross-thread reduction), where registers would be indexed dynamically.
+    sch.set_scope("score", 0, "shared")
     # P: every thread reads every key's, key-major: P[j, 0:rows] is one broadcast vector read.
     sch.set_scope("exp", 0, "shared")
     sch.transform_layout("exp", ("write", 0), lambda r, j: (j, r))
@@ -299,14 +327,19 @@ def schedule_decode(sch: tvm.s_tir.Schedule, *, query_tokens: int, block_n: int,
         keys_by_threads(name, rows_inside=False)
         sch.set_scope(name, 0, "shared")
 
-    # P V: each thread's (row, column) pairs, keys serial; a key's P for all rows read at once.
-    pv_j = sch.get_loops("pv")[-2]
+    # P V: keys serial in each thread; a key's P for the thread's rows, and its V for the thread's
+    # columns, read once each (vector reads into registers).
+    pv_j = sch.get_loops("pv")[-3]
     sch.decompose_reduction("pv", pv_j)
     pv = sch.get_sblock("pv_update")
-    sch.blockize(pv_j)  # a scope for the local copy of P (as in Q Kᵀ)
-    p_local = sch.cache_read(pv, _read_index(sch, pv, "P"), "local")
-    sch.compute_at(p_local, pv_j)
-    _vectorize_rows(sch, p_local, 16)
+    sch.blockize(pv_j)  # a scope for the local copies (as in Q Kᵀ)
+    for buffer in ("P", "Vt"):
+        copy = sch.cache_read(pv, _read_index(sch, pv, buffer), "local")
+        sch.compute_at(copy, pv_j)
+        _vectorize_rows(sch, copy, 16)
+
+    if num_stages > 1:
+        pipeline_kv_loads(sch, num_stages)
 
     # Each thread writes the (same) LSE of every row: a row bound to a thread would index the
     # per-row registers by threadIdx, which puts them on the stack.
@@ -328,6 +361,8 @@ def schedule_decode(sch: tvm.s_tir.Schedule, *, query_tokens: int, block_n: int,
 def _vectorize_rows(sch, block, vector_bytes: int) -> None:
     """Vectorize the inner loop of a copy block (rows of one buffer), vector_bytes at a time."""
     loop = sch.get_loops(block)[-1]
+    if not hasattr(sch.get(loop).body, "block") or not sch.get(loop).body.block.same_as(sch.get(block)):
+        return  # a copy of one element: no loop of its own (this one is its consumer's)
     extent = int(sch.get(loop).extent)
     lanes = min(extent, vector_bytes // (tvm.DataType(str(sch.get(block).writes[0].source.dtype)).bits // 8))
     if lanes > 1 and extent % lanes == 0:
@@ -336,6 +371,10 @@ def _vectorize_rows(sch, block, vector_bytes: int) -> None:
 
 
 def _read_index(sch, block, name: str) -> int:
-    """The index, among a block's reads, of the buffer called ``name`` (set_scope appends the scope)."""
-    names = [str(region.source.name).split("_")[0] for region in sch.get(block).reads]
+    """The index, among a block's reads, of the program's buffer ``name`` (set_scope and cache_read
+    append scopes to the name: Kt_shared.dyn, l_keys_local)."""
+    block = sch.get_sblock(block) if isinstance(block, str) else block
+    names = [str(region.source.name) for region in sch.get(block).reads]
+    for scope in ("_shared.dyn", "_shared", "_local"):
+        names = [n.removesuffix(scope) for n in names]
     return names.index(name)

@@ -291,22 +291,26 @@ def test_paged_cache_errors():
 # ------------------------------------------------------------------------------------------------
 # CUDA: the SIMT schedule's source here; numerics and CUDA graphs on a GPU
 # ------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("page_size", [0, 16], ids=["contiguous", "paged16"])
-def test_cuda_decode_source_builds(page_size):
-    """The SIMT decode builds to CUDA here (no GPU needed): the split kernel reads K/V 16 bytes at a
-    time into padded shared rows, reduces the row max with warp shuffles, and the merge kernel is
-    there; with nvcc, the split kernel compiles with no stack frame (no per-row value in local
-    memory) and no spill."""
-    kernel = decode.compile_decode(head_dim=128, dtype="bfloat16", page_size=page_size, target="sm90")
+@pytest.mark.parametrize("page_size,knobs", [(0, None), (16, {"num_stages": 1}), (256, {"block_n": 128, "threads": 128})],
+                         ids=["contiguous", "paged16-one-stage", "paged256-four-warps"])
+def test_cuda_decode_source_builds(page_size, knobs):
+    """The SIMT decode builds to CUDA here (no GPU needed): the split kernel copies K/V 16 bytes at a
+    time into padded shared rows (cp.async in a pipeline by default, plain vector loads with one
+    stage), reduces the row max with warp shuffles, and the merge kernel is there; with nvcc, the
+    split kernel compiles with no stack frame (no per-row value in local memory) and no spill."""
+    kernel = decode.compile_decode(head_dim=128, dtype="bfloat16", page_size=page_size, target="sm90", knobs=knobs)
     src = kernel.source(heads_q=32, heads_kv=8)
     assert "split_kernel" in src and "merge_kernel" in src
-    assert "*(uint4*)(K_ptr" in src and "*(uint4*)(V_ptr" in src
+    if kernel.knobs["num_stages"] > 1:
+        assert "cp.async.cg.shared.global" in src and "cp.async.wait_group 0" in src
+    else:
+        assert "*(uint4*)(K_ptr" in src and "*(uint4*)(V_ptr" in src and "cp.async" not in src
     assert "__shfl_down_sync" in src
-    assert "* 136)" in src  # K/V shared rows padded to 128 + 8 elements
+    assert "* 136)" in src or "* 17)" in src  # K/V shared rows padded to 128 + 8 elements (17 uint4s)
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc is not installed")
     report = ptxas_report(src, "sm_90a")
-    assert "split_kernel" in report and "0 bytes stack frame, 0 bytes spill stores" in report["split_kernel"]
+    assert "0 bytes stack frame, 0 bytes spill stores" in report["split_kernel"], report["split_kernel"]
 
 
 def ptxas_report(src: str, arch: str) -> dict:
@@ -395,3 +399,32 @@ def test_gpu_decode_never_rebuilds(monkeypatch):
         out, lse = tvmflash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, return_softmax_lse=True)
         check_decode(out, lse, q, k_cache, v_cache, lengths.cpu(), causal=False)
     assert math.isfinite(float(lse[0, 0, 0]))
+
+
+def test_a_pipelined_loop_over_a_loaded_count_gets_it_bound_first():
+    """lowering.passes.BindLoadedPipelineExtents: a loop marked for the software pipeline whose trip
+    count is read from a buffer runs over a variable bound to that value; other loops stay as they
+    are."""
+    import tvm
+    from tvm import tirx
+    from tvm.script import tirx as T
+
+    from tvmflash.lowering import passes
+
+    @T.prim_func
+    def loops(n: T.Buffer((1,), "int32"), a: T.Buffer((64,), "float32"), m: T.int32):
+        for i in T.serial(n[0], annotations={"software_pipeline_stage": [0, 1]}):
+            a[i] = T.float32(1)
+        for j in T.serial(n[0]):
+            a[j] = T.float32(2)
+        for k in T.serial(m, annotations={"software_pipeline_stage": [0, 1]}):
+            a[k] = T.float32(3)
+
+    body = passes.BindLoadedPipelineExtents()(tvm.IRModule({"main": loops}))["main"].body
+    stmts = list(body.seq)
+    assert isinstance(stmts[0], tirx.Bind) and stmts[1].extent.same_as(stmts[0].var)
+    def loads(expr):
+        return type(expr).__name__ in ("TensorLoad", "BufferLoad") and expr.source.name == "n"
+
+    assert loads(stmts[0].value) and str(stmts[1].loop_var) == "i"
+    assert loads(stmts[2].extent) and str(stmts[3].extent) == "m"

@@ -9,6 +9,7 @@ split count, and returns the output (and the LSE).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import threading
@@ -149,7 +150,8 @@ class DecodeKernel:
 
     def _build(self, spec: DecodeSpec, key: str) -> DecodeModule:
         start = time.perf_counter()
-        executable = lowering.build(self.scheduled(spec).mod, self.target, **build_options(self.schedule))
+        options = {**build_options(self.schedule), "pass_config": getattr(self.schedule, "DECODE_PASS_CONFIG", {})}
+        executable = lowering.build(self.scheduled(spec).mod, self.target, **options)
         source = executable.mod.imports[0].inspect_source() if targets.is_cuda(self.target) else None
         seconds = time.perf_counter() - start
         if not _runnable_here(self.target):
@@ -201,8 +203,7 @@ class DecodeKernel:
         """The split count for ``num_splits=0``, from static shapes only (so that a CUDA graph's
         buffers fit every replay): enough tasks to fill the device (``choose_num_splits``)."""
         if device.type == "cuda":
-            slots = (torch.cuda.get_device_properties(device).multi_processor_count
-                     * self.schedule.decode_tasks_per_sm(self.head_dim, self.dtype, self.knobs))
+            slots = _sm_count(device) * self.schedule.decode_tasks_per_sm(self.head_dim, self.dtype, self.knobs)
         else:
             slots = torch.get_num_threads() * self.schedule.decode_tasks_per_core(self.knobs)
         tiles = -(-max_keys // self.knobs["block_n"])
@@ -229,7 +230,10 @@ class DecodeKernel:
         if module.split is None:
             raise RuntimeError(f"this {targets.describe(self.target)} kernel was cross-compiled: there is no GPU "
                                "here to run it on")
-        if out.numel():
+        if out.numel() and not (k_cache.numel() and index.numel() if self.page_size else k_cache.numel()):
+            out.zero_()  # an empty cache: no key for anyone (and no tensor for the kernel to clamp into)
+            lse.fill_(-math.inf)
+        elif out.numel():
             o_part = torch.empty((num_splits, batch, seqlen_q, heads_q, self.head_dim), dtype=torch.float32,
                                  device=q.device)
             lse_part = torch.empty((num_splits, batch, seqlen_q, heads_q), dtype=torch.float32, device=q.device)
@@ -319,6 +323,11 @@ def choose_num_splits(tasks: int, tiles: int, slots: int, max_splits: int = MAX_
     return next(s for s in candidates if efficiency(s) >= 0.85 * best)
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _runnable_here(target: tvm.target.Target) -> bool:
     return not targets.is_cuda(target) or torch.cuda.is_available()
 
@@ -346,12 +355,22 @@ def compile_decode(*, head_dim: int, dtype, page_size: int = 0, target=None, kno
     return kernel
 
 
-def _device_target(device: torch.device):
-    if device.type == "cuda":
-        return targets.cuda_device_target(device.index)
-    if device.type == "cpu":
-        return "cpu"
-    raise ValueError(f"q: expected a CPU or CUDA tensor, got one on {device}")
+_BY_DEVICE: dict[tuple, DecodeKernel] = {}  # (device, dtype, head_dim, page_size) -> kernel: no hashing per call
+
+
+def kernel_for(device: torch.device, dtype: torch.dtype, head_dim: int, page_size: int) -> DecodeKernel:
+    """The decode kernel for tensors on ``device`` (compiled on first use, then kept)."""
+    key = (device, dtype, head_dim, page_size)
+    kernel = _BY_DEVICE.get(key)
+    if kernel is None:
+        if device.type == "cuda":
+            target = targets.cuda_device_target(device.index)
+        elif device.type == "cpu":
+            target = "cpu"
+        else:
+            raise ValueError(f"q: expected a CPU or CUDA tensor, got one on {device}")
+        kernel = _BY_DEVICE[key] = compile_decode(head_dim=head_dim, dtype=dtype, page_size=page_size, target=target)
+    return kernel
 
 
 def _not_implemented(option: str, value) -> NotImplementedError:
@@ -427,8 +446,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=device)
     if not isinstance(cache_seqlens, torch.Tensor):
         raise TypeError(f"cache_seqlens: expected an int or an int32 tensor, got {type(cache_seqlens).__name__}")
-    kernel = compile_decode(head_dim=q.shape[-1], dtype=q.dtype, page_size=k_cache.shape[1] if paged else 0,
-                            target=_device_target(device))
+    kernel = kernel_for(device, q.dtype, q.shape[-1], k_cache.shape[1] if paged else 0)
     index = block_table if paged else cache_batch_idx if cache_batch_idx is not None else kernel.batch_rows(batch, device)
     # Check the cache arguments before anything is written to the cache.
     kernel.check_inputs(q, k_cache, v_cache, cache_seqlens, index, None)

@@ -75,7 +75,8 @@ def decode_split(spec: DecodeSpec, query_tokens: int, block_n: int):
 
     causal (an int32, 0 or 1): query token t of seqlen_q sees key p iff p <= lengths[b] - seqlen_q + t
     (bottom-right, flash-attn's). Lengths are clamped to the cache's size and cache indices (the batch
-    row, a page) to its extent, so no input reads outside the cache.
+    row, a page) to its extent, so no input reads outside the cache. The cache must hold at least
+    one key (the caller answers an empty one: 0 and an LSE of -inf).
     """
     D, QT, BN, PS = spec.head_dim, query_tokens, block_n, spec.page_size
     HQ, HKV, G = spec.heads_q, spec.heads_kv, spec.group
@@ -87,7 +88,9 @@ def decode_split(spec: DecodeSpec, query_tokens: int, block_n: int):
         return T.min(T.max(lengths[vb], 0), capacity)
 
     def tiles(n_keys, vqb, seqlen_q, causal):  # K/V tiles the block visits (causal: up to its last key)
-        seen = T.if_then_else(causal != 0, T.min(n_keys, T.max(0, n_keys - seqlen_q + (vqb + 1) * QT)), n_keys)
+        # min(n_keys, seen by the last token, or n_keys more when not causal): arithmetic, not a select,
+        # so that the lowering's common-subexpression elimination computes it once
+        seen = T.min(n_keys, T.max(0, n_keys - seqlen_q + (vqb + 1) * QT) + (1 - causal) * n_keys)
         return T.ceildiv(seen, BN)
 
     def first_tile(n_tiles, vs, num_splits):  # split s visits tiles [first_tile(s), first_tile(s + 1))
@@ -96,7 +99,10 @@ def decode_split(spec: DecodeSpec, query_tokens: int, block_n: int):
     def visible(t, p, n_keys, seqlen_q, causal):  # does query token t see key position p?
         return T.And(p < n_keys, T.Or(causal == 0, p <= n_keys - seqlen_q + t))
 
-    def load_kv(cache, index, vb, p, vhk, vd, cache_rows):  # key/value p (< n_keys) of sequence vb
+    def load_kv(cache, index, vb, p, vhk, vd, cache_rows, capacity):
+        """Key/value p of sequence vb. Read under p < n_keys, but a schedule may compute the address
+        regardless (a zero-filling cp.async does): every index is clamped into its tensor."""
+        p = T.max(T.min(p, capacity - 1), 0)
         if PS > 0:
             return cache[T.min(T.max(index[vb, p // PS], 0), cache_rows - 1), p % PS, vhk, vd]
         return cache[T.min(T.max(index[vb], 0), cache_rows - 1), p, vhk, vd]
@@ -140,7 +146,6 @@ def decode_split(spec: DecodeSpec, query_tokens: int, block_n: int):
                 acc = T.sblock_alloc_buffer((R, D), f32)  # unnormalised output
                 l_inv = T.sblock_alloc_buffer((R,), f32)
                 scale2 = T.sblock_alloc_buffer((1,), f32)
-                bounds = T.sblock_alloc_buffer((3,), "int32")  # the sequence's keys; the split's first tile, tiles
 
                 with T.sblock("init_scale"):
                     scale2[0] = softmax_scale * T.float32(LOG2E)
@@ -164,18 +169,18 @@ def decode_split(spec: DecodeSpec, query_tokens: int, block_n: int):
                         vr, vd = T.axis.remap("SS", [r, d])
                         acc[vr, vd] = T.float32(0)
 
-                with T.sblock("split_range"):  # the task's keys and tiles, read once
-                    n_keys = T.meta_var(keys(Lengths, vb, pages_per_seq * PS if PS > 0 else cache_len))
-                    n_tiles = T.meta_var(tiles(n_keys, vqb, seqlen_q, causal))
-                    bounds[0] = n_keys
-                    bounds[1] = first_tile(n_tiles, vs, num_splits)
-                    bounds[2] = first_tile(n_tiles, vs + 1, num_splits) - bounds[1]
-                n_keys = T.meta_var(bounds[0])
-                n_steps = T.meta_var(bounds[2])
+                # The task's keys and K/V tiles (split vs: tiles first .. first + n_steps - 1): expressions
+                # of the lengths, not values in a buffer of the task's own (a software pipeline over the
+                # tiles needs its trip count read from the inputs only: lowering.passes.BindLoadedPipelineExtents).
+                capacity = T.meta_var(pages_per_seq * PS if PS > 0 else cache_len)
+                n_keys = T.meta_var(keys(Lengths, vb, capacity))
+                n_tiles = T.meta_var(tiles(n_keys, vqb, seqlen_q, causal))
+                first = T.meta_var(first_tile(n_tiles, vs, num_splits))
+                n_steps = T.meta_var(first_tile(n_tiles, vs + 1, num_splits) - first)
                 for kb in range(n_steps):
                     with T.sblock("kv_step"):
                         vkb = T.axis.opaque(n_steps, kb)
-                        tile = T.meta_var(bounds[1] + vkb)  # the tile's index in the sequence
+                        tile = T.meta_var(first + vkb)  # the tile's index in the sequence
                         Kt = T.sblock_alloc_buffer((BN, D), dtype)  # one K tile, zero-padded
                         Vt = T.sblock_alloc_buffer((BN, D), dtype)
                         for j, d in T.grid(BN, D):
@@ -183,14 +188,14 @@ def decode_split(spec: DecodeSpec, query_tokens: int, block_n: int):
                                 vj, vd = T.axis.remap("SS", [j, d])
                                 Kt[vj, vd] = T.if_then_else(
                                     tile * BN + vj < n_keys,
-                                    load_kv(K, Index, vb, tile * BN + vj, vhk, vd, cache_rows),
+                                    load_kv(K, Index, vb, tile * BN + vj, vhk, vd, cache_rows, capacity),
                                     T.cast(0, dtype))
                         for j, d in T.grid(BN, D):
                             with T.sblock("load_v"):
                                 vj, vd = T.axis.remap("SS", [j, d])
                                 Vt[vj, vd] = T.if_then_else(
                                     tile * BN + vj < n_keys,
-                                    load_kv(V, Index, vb, tile * BN + vj, vhk, vd, cache_rows),
+                                    load_kv(V, Index, vb, tile * BN + vj, vhk, vd, cache_rows, capacity),
                                     T.cast(0, dtype))
                         for r, j, d in T.grid(R, BN, D):
                             with T.sblock("qk"):
