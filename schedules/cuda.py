@@ -240,7 +240,7 @@ def schedule_decode(sch: tvm.s_tir.Schedule, *, query_tokens: int, block_n: int,
             sch.unroll(r)
 
     # Per-task and per-row values: every thread computes and keeps its own copy.
-    for name, index in [("init_scale", 0), ("init_m", 0), ("alpha", 0), ("alpha", 1),
+    for name, index in [("init_scale", 0), ("split_range", 0), ("init_m", 0), ("alpha", 0), ("alpha", 1),
                         ("inv_l", 0)]:
         sch.set_scope(name, index, "local")
     for name in ("init_m", "alpha", "update_m", "inv_l"):
@@ -365,7 +365,10 @@ def _vectorize_rows(sch, block, vector_bytes: int) -> None:
         return  # a copy of one element: no loop of its own (this one is its consumer's)
     extent = int(sch.get(loop).extent)
     lanes = min(extent, vector_bytes // (tvm.DataType(str(sch.get(block).writes[0].source.dtype)).bits // 8))
-    if lanes > 1 and extent % lanes == 0:
+    lanes = 1 << (lanes.bit_length() - 1)
+    while extent % lanes:  # the widest power of two that divides the loop (a vector type exists for it)
+        lanes //= 2
+    if lanes > 1:
         _, inner = sch.split(loop, [None, lanes])
         sch.vectorize(inner)
 

@@ -352,6 +352,45 @@ def test_decode_on_the_gpu(dtype, page_size):
             check_decode(*results[0], q, k_cache, v_cache, lengths, causal=causal, block_table=table, more=results[1:])
 
 
+# Knob sets of the SIMT decode schedule worth timing (benchmarks/decode_bench.py --knobs): each must
+# be right before its time counts.
+GPU_KNOB_SETS = [{"num_stages": 1}, {"num_stages": 3}, {"threads": 32, "block_n": 64}, {"threads": 64, "block_n": 64},
+                 {"threads": 128, "block_n": 128}, {"threads": 128, "block_n": 128, "num_stages": 1},
+                 {"query_tokens": 2}, {"query_tokens": 4, "threads": 64, "block_n": 64}]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("knobs", GPU_KNOB_SETS, ids=lambda k: "-".join(f"{n}{v}" for n, v in k.items()))
+def test_decode_knob_sets_on_the_gpu(knobs):
+    """Each knob set the benchmark compares, contiguous and paged (16), on decode and a causal chunk
+    of 5 tokens, one split and several, against float64."""
+    capacity, dtype = 700, torch.bfloat16
+    lengths = torch.tensor([0, 33, 400, capacity], dtype=torch.int32)
+    for page_size in (0, 16):
+        kernel = decode.compile_decode(head_dim=128, dtype=dtype, page_size=page_size, knobs=knobs)
+        k_cache, v_cache, table = make_cache(len(lengths), capacity, 8, 128, dtype, "cuda", page_size)
+        index = table if page_size else kernel.batch_rows(len(lengths), torch.device("cuda"))
+        for seqlen_q, causal in [(1, False), (5, True)]:
+            q = random_q(len(lengths), seqlen_q, 32, 128, dtype, "cuda")
+            results = [kernel(q, k_cache, v_cache, lengths.cuda(), index, num_splits=n, causal=causal, out=poisoned(q))
+                       for n in (1, 4)]
+            check_decode(*results[0], q, k_cache, v_cache, lengths, causal=causal, block_table=table, more=results[1:])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim,dtype,heads", [(64, torch.bfloat16, (8, 2)), (256, torch.float16, (8, 2)),
+                                                  (96, torch.float16, (4, 4)), (32, torch.bfloat16, (8, 1)),
+                                                  (128, torch.float32, (64, 8))], ids=str)
+def test_other_head_dims_and_dtypes_on_the_gpu(head_dim, dtype, heads):
+    capacity = 300
+    lengths = torch.tensor([300, 1, 129], dtype=torch.int32)
+    k_cache, v_cache, table = make_cache(len(lengths), capacity, heads[1], head_dim, dtype, "cuda", page_size=32)
+    q = random_q(len(lengths), 2, heads[0], head_dim, dtype, "cuda")
+    results = [tvmflash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths.cuda(), block_table=table,
+                                                causal=True, num_splits=n, return_softmax_lse=True) for n in (0, 3)]
+    check_decode(*results[0], q, k_cache, v_cache, lengths, causal=True, block_table=table, more=results[1:])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("page_size", [0, 64], ids=["contiguous", "paged64"])
 def test_cuda_graph_replays_with_new_lengths(page_size):

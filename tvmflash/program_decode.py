@@ -99,13 +99,17 @@ def decode_split(spec: DecodeSpec, query_tokens: int, block_n: int):
     def visible(t, p, n_keys, seqlen_q, causal):  # does query token t see key position p?
         return T.And(p < n_keys, T.Or(causal == 0, p <= n_keys - seqlen_q + t))
 
-    def load_kv(cache, index, vb, p, vhk, vd, cache_rows, capacity):
-        """Key/value p of sequence vb. Read under p < n_keys, but a schedule may compute the address
-        regardless (a zero-filling cp.async does): every index is clamped into its tensor."""
+    def cache_row(index, vb, cache_rows):  # a contiguous cache's row of sequence vb
+        return T.min(T.max(index[vb], 0), cache_rows - 1)
+
+    def load_kv(cache, index, vb, p, vhk, vd, cache_rows, capacity, row):
+        """Key/value p of sequence vb (contiguous: in cache row ``row``). Read under p < n_keys, but a
+        schedule may compute the address regardless (a zero-filling cp.async does): every index is
+        clamped into its tensor."""
         p = T.max(T.min(p, capacity - 1), 0)
         if PS > 0:
             return cache[T.min(T.max(index[vb, p // PS], 0), cache_rows - 1), p % PS, vhk, vd]
-        return cache[T.min(T.max(index[vb], 0), cache_rows - 1), p, vhk, vd]
+        return cache[row, p, vhk, vd]
 
     @T.prim_func(s_tir=True)
     def main(q_handle: T.handle, k_handle: T.handle, v_handle: T.handle, lengths_handle: T.handle,
@@ -146,6 +150,7 @@ def decode_split(spec: DecodeSpec, query_tokens: int, block_n: int):
                 acc = T.sblock_alloc_buffer((R, D), f32)  # unnormalised output
                 l_inv = T.sblock_alloc_buffer((R,), f32)
                 scale2 = T.sblock_alloc_buffer((1,), f32)
+                bounds = T.sblock_alloc_buffer((3,), "int32")  # sequence's keys, split's first tile, cache row
 
                 with T.sblock("init_scale"):
                     scale2[0] = softmax_scale * T.float32(LOG2E)
@@ -169,14 +174,20 @@ def decode_split(spec: DecodeSpec, query_tokens: int, block_n: int):
                         vr, vd = T.axis.remap("SS", [r, d])
                         acc[vr, vd] = T.float32(0)
 
-                # The task's keys and K/V tiles (split vs: tiles first .. first + n_steps - 1): expressions
-                # of the lengths, not values in a buffer of the task's own (a software pipeline over the
-                # tiles needs its trip count read from the inputs only: lowering.passes.BindLoadedPipelineExtents).
+                # The task's keys and K/V tiles (split vs: tiles first .. first + n_steps - 1). The keys
+                # and the first tile are read once, into registers; the trip count stays an expression of
+                # the lengths (a software pipeline over the tiles needs it bound to a variable before it
+                # runs, lowering.passes.BindLoadedPipelineExtents, and that of the inputs only).
                 capacity = T.meta_var(pages_per_seq * PS if PS > 0 else cache_len)
-                n_keys = T.meta_var(keys(Lengths, vb, capacity))
-                n_tiles = T.meta_var(tiles(n_keys, vqb, seqlen_q, causal))
-                first = T.meta_var(first_tile(n_tiles, vs, num_splits))
-                n_steps = T.meta_var(first_tile(n_tiles, vs + 1, num_splits) - first)
+                n_tiles = T.meta_var(tiles(keys(Lengths, vb, capacity), vqb, seqlen_q, causal))
+                with T.sblock("split_range"):
+                    bounds[0] = keys(Lengths, vb, capacity)
+                    bounds[1] = first_tile(n_tiles, vs, num_splits)
+                    bounds[2] = cache_row(Index, vb, cache_rows) if PS == 0 else 0
+                n_keys = T.meta_var(bounds[0])
+                first = T.meta_var(bounds[1])
+                row = T.meta_var(bounds[2])
+                n_steps = T.meta_var(first_tile(n_tiles, vs + 1, num_splits) - first_tile(n_tiles, vs, num_splits))
                 for kb in range(n_steps):
                     with T.sblock("kv_step"):
                         vkb = T.axis.opaque(n_steps, kb)
@@ -188,14 +199,14 @@ def decode_split(spec: DecodeSpec, query_tokens: int, block_n: int):
                                 vj, vd = T.axis.remap("SS", [j, d])
                                 Kt[vj, vd] = T.if_then_else(
                                     tile * BN + vj < n_keys,
-                                    load_kv(K, Index, vb, tile * BN + vj, vhk, vd, cache_rows, capacity),
+                                    load_kv(K, Index, vb, tile * BN + vj, vhk, vd, cache_rows, capacity, row),
                                     T.cast(0, dtype))
                         for j, d in T.grid(BN, D):
                             with T.sblock("load_v"):
                                 vj, vd = T.axis.remap("SS", [j, d])
                                 Vt[vj, vd] = T.if_then_else(
                                     tile * BN + vj < n_keys,
-                                    load_kv(V, Index, vb, tile * BN + vj, vhk, vd, cache_rows, capacity),
+                                    load_kv(V, Index, vb, tile * BN + vj, vhk, vd, cache_rows, capacity, row),
                                     T.cast(0, dtype))
                         for r, j, d in T.grid(R, BN, D):
                             with T.sblock("qk"):
