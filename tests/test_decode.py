@@ -203,6 +203,26 @@ def test_a_new_length_batch_chunk_or_split_count_never_rebuilds(monkeypatch):
         check_decode(out, lse, q, k_cache, v_cache, lengths, causal=True)
 
 
+def test_a_second_process_loads_the_decode_module_from_disk(tmp_path):
+    """DecodeKernel caches its module on disk as the forward's Kernel does: a second process loads it."""
+    import json
+    import os
+    import sys
+
+    script = (
+        "import json, torch, tvmflash\n"
+        "kernel = tvmflash.compile_decode(head_dim=32, dtype='float32', page_size=16, target='cpu', heads_q=2, heads_kv=1)\n"
+        "q, pages = torch.randn(1, 1, 2, 32), torch.randn(2, 16, 1, 32)\n"
+        "out = tvmflash.flash_attn_with_kvcache(q, pages, pages, cache_seqlens=20, block_table=torch.tensor([[1, 0]], dtype=torch.int32))\n"
+        "print(json.dumps({'info': kernel.info(), 'finite': bool(torch.isfinite(out).all())}))\n")
+    env = dict(os.environ, TVMFLASH_CACHE_DIR=str(tmp_path))
+    runs = [json.loads(subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                                      check=True).stdout.strip().splitlines()[-1]) for _ in range(2)]
+    (first,), (second,) = (run["info"]["modules"].values() for run in runs)
+    assert first["origin"] == "built" and second["origin"] == "disk cache" and first["path"] == second["path"]
+    assert runs[0]["finite"] and runs[1]["finite"] and runs[0]["info"]["pass"] == "decode"
+
+
 def test_empty_problems():
     k_cache, v_cache, _ = make_cache(2, 16, 1, HEAD_DIM, torch.float16, "cpu")
     q = random_q(0, 1, 2, HEAD_DIM, torch.float16, "cpu")

@@ -1,23 +1,16 @@
 """Decode over a KV cache (Flash-Decoding): ``flash_attn_with_kvcache`` and the kernel behind it.
 
 ``DecodeKernel`` builds the two programs of ``tvmflash.program_decode`` (the split kernel and the
-merge) into one module per (head counts, cache layout), caches it in memory and on disk as the
-forward's ``Kernel`` does, and calls it on torch tensors through DLPack. ``flash_attn_with_kvcache``
-is flash-attn 2's API on top of it: it appends new keys and values to the cache in place, picks the
-split count, and returns the output (and the LSE).
+merge) into one module per (head counts, cache layout), cached in memory and on disk as the forward's
+``Kernel`` (whose machinery it shares), and calls them on torch tensors through DLPack.
+``flash_attn_with_kvcache`` is flash-attn 2's API on top of it: it appends new keys and values to the
+cache in place, picks the split count, and returns the output (and the LSE).
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import math
-import threading
-import time
-import warnings
-from dataclasses import asdict, dataclass
-from pathlib import Path
-from typing import Any
 
 import torch
 import tvm
@@ -25,42 +18,17 @@ import tvm
 from tvmflash import cache, lowering, program, program_decode
 from tvmflash import schedules as schedule_registry
 from tvmflash import target as targets
-from tvmflash.kernel import TORCH_DTYPES, build_options, dtype_name, resolve_softmax_scale
+from tvmflash.kernel import TORCH_DTYPES, Kernel, build_options, dtype_name, resolve_softmax_scale
 from tvmflash.program_decode import DecodeSpec
 
 # num_splits=0 never picks more splits than this (each split adds a partial output to write and merge).
 MAX_AUTO_SPLITS = 64
 # Splits a caller may ask for: the split kernel indexes tiles with split * tiles in int32.
 MAX_SPLITS = 1024
+_INT32_MAX = 2**31 - 1
 
 
-@dataclass
-class DecodeModule:
-    """One built (or loaded) decode module: the split and merge functions for one DecodeSpec."""
-
-    split: Any  # ``split(q, k_cache, v_cache, lengths, index, o_part, lse_part, softmax_scale, causal)``; None if it can't run here
-    merge: Any  # ``merge(o_part, lse_part, out, lse)``
-    source: str | None  # the generated CUDA source; None for the CPU or a module loaded from disk
-    origin: str  # "built" or "disk cache"
-    path: str | None
-    seconds: float
-
-
-_MODULES: dict[str, DecodeModule] = {}
-_LOCK = threading.Lock()
-
-
-def schedule_for(target: tvm.target.Target):
-    """The schedule module whose ``schedule_decode`` serves a target: the CPU's, or the SIMT CUDA
-    schedule on every GPU (decode is bound by memory, not arithmetic: it needs no tensor cores)."""
-    if target.kind.name == "llvm":
-        return schedule_registry.cpu
-    if target.kind.name == "cuda":
-        return schedule_registry.cuda
-    raise ValueError(f"target: no tvmflash decode schedule for target kind {target.kind.name!r}")
-
-
-class DecodeKernel:
+class DecodeKernel(Kernel):
     """Flash-Decoding for one (head_dim, dtype, cache layout, target).
 
     Call it on torch tensors (checked; see ``program_decode`` for the layouts)::
@@ -73,12 +41,19 @@ class DecodeKernel:
     (batch,), or the block table (batch, pages_per_seq) when paged. out has q's shape and dtype, lse
     is float32 (batch, heads_q, seqlen_q). Lengths are read on the device: every length, batch,
     seqlen_q and split count runs the same module, and a call captured in a CUDA graph replays with
-    the lengths the tensor holds then. Each new pair of head counts builds (or loads) one module.
+    the lengths the tensor holds then. causal is an argument of the call, not of the module. Each new
+    pair of head counts builds (or loads) one module, with the functions ``split`` and ``merge``.
     """
 
+    PASS = "decode"
+
     def __init__(self, head_dim: int, dtype: str, page_size: int, target: tvm.target.Target, knobs: dict | None):
-        self.head_dim, self.dtype, self.page_size, self.target = head_dim, dtype, page_size, target
-        self.schedule = schedule_for(target)
+        self._set_problem({"head_dim": head_dim, "dtype": dtype, "causal": False}, target)
+        self.page_size = page_size
+        # The CPU's schedule, or the SIMT CUDA one on every GPU, as for the backward: decode is bound by
+        # memory, not arithmetic, and needs no tensor cores.
+        self.schedule = schedule_registry.backward_for_target(target, dtype)
+        self.schedule_source = "the target's"
         name = schedule_registry.name_of(self.schedule)
         unknown = set(knobs or {}) - set(self.schedule.DECODE_KNOBS)
         if unknown:
@@ -94,40 +69,21 @@ class DecodeKernel:
         if limit and need > int(limit):
             raise ValueError(f"knobs: {self.knobs} need {need / 1024:.0f} KiB of shared memory, "
                              f"{targets.describe(target)} allows {int(limit) / 1024:.0f} KiB; try a smaller block_n")
-        self._modules: dict[tuple[int, int], DecodeModule] = {}
-        self._last: tuple[int, int] | None = None
+        self._modules = {}
+        self._last = None
         self._rows: dict[tuple[int, torch.device], torch.Tensor] = {}  # arange(batch) per device: cache rows
 
-    # ----------------------------------------------------------------- building
-    def spec(self, heads_q: int, heads_kv: int) -> DecodeSpec:
+    # ----------------------------------------------------------------- building (Kernel's, with these)
+    def _spec(self, heads_q: int, heads_kv: int) -> DecodeSpec:
         return DecodeSpec(self.head_dim, self.dtype, heads_q, heads_kv, self.page_size)
 
+    def _code(self) -> str:
+        return cache.source_digest(program, program_decode, self.schedule, schedule_registry.common, *lowering.MODULES)
+
     def _key(self, spec: DecodeSpec) -> str:
-        from tvmflash import __version__
+        return cache.digest({"pass": self.PASS, "like the forward's": super()._key(spec)})
 
-        return cache.digest({
-            "pass": "decode", "tvmflash": __version__, "tvm": tvm.__version__,
-            "code": cache.source_digest(program, program_decode, self.schedule, schedule_registry.common,
-                                        *lowering.MODULES),
-            "spec": asdict(spec), "knobs": self.knobs, "target": str(self.target)})
-
-    def module(self, heads_q: int, heads_kv: int) -> DecodeModule:
-        """The module for these head counts: from memory, else from disk, else built now."""
-        found = self._modules.get((heads_q, heads_kv))
-        if found is not None:
-            return found
-        spec = self.spec(heads_q, heads_kv)
-        key = self._key(spec)
-        with _LOCK:
-            found = _MODULES.get(key)
-            if found is None:
-                found = self._load(key) or self._build(spec, key)
-                _MODULES[key] = found
-        self._modules[(heads_q, heads_kv)] = found
-        self._last = (heads_q, heads_kv)
-        return found
-
-    def scheduled(self, spec: DecodeSpec) -> tvm.s_tir.Schedule:
+    def _scheduled(self, spec: DecodeSpec) -> tvm.s_tir.Schedule:
         """The two programs, ``split`` and ``merge``, in one module, scheduled."""
         split = program_decode.decode_split(spec, self.knobs["query_tokens"], self.knobs["block_n"])
         merge = program_decode.decode_merge(spec)
@@ -135,61 +91,14 @@ class DecodeKernel:
                             "merge": merge.with_attr("global_symbol", "merge")})
         return self.schedule.schedule_decode(tvm.s_tir.Schedule(mod), **self.knobs)
 
-    def _load(self, key: str) -> DecodeModule | None:
-        path = cache.module_dir() / f"{key}.so"
-        if not (_runnable_here(self.target) and path.exists()):
-            return None
-        start = time.perf_counter()
-        try:
-            loaded = tvm.runtime.load_module(str(path))
-            split, merge = loaded["split"], loaded["merge"]
-        except Exception as err:  # noqa: BLE001 - a broken cache file must not be fatal
-            warnings.warn(f"tvmflash: ignoring unreadable cached module {path}: {err}", stacklevel=3)
-            return None
-        return DecodeModule(split, merge, None, "disk cache", str(path), time.perf_counter() - start)
+    def _build_options(self) -> dict:
+        return {**build_options(self.schedule), "pass_config": getattr(self.schedule, "DECODE_PASS_CONFIG", {})}
 
-    def _build(self, spec: DecodeSpec, key: str) -> DecodeModule:
-        start = time.perf_counter()
-        options = {**build_options(self.schedule), "pass_config": getattr(self.schedule, "DECODE_PASS_CONFIG", {})}
-        executable = lowering.build(self.scheduled(spec).mod, self.target, **options)
-        source = executable.mod.imports[0].inspect_source() if targets.is_cuda(self.target) else None
-        seconds = time.perf_counter() - start
-        if not _runnable_here(self.target):
-            return DecodeModule(None, None, source, "built", None, seconds)
-        path = cache.module_dir() / f"{key}.so"
-        try:
-            cache.atomic_write(path, executable.export_library)
-            meta = {"key": key, "pass": "decode", "spec": asdict(spec), "knobs": self.knobs,
-                    "target": str(self.target), "schedule": schedule_registry.name_of(self.schedule),
-                    "tvm": tvm.__version__, "created": time.strftime("%Y-%m-%d %H:%M:%S")}
-            cache.atomic_write(path.with_suffix(".json"), lambda tmp: Path(tmp).write_text(json.dumps(meta, indent=1)))
-        except Exception as err:  # noqa: BLE001 - caching is an optimisation, never a failure
-            warnings.warn(f"tvmflash: could not write {path} to the disk cache: {err}", stacklevel=3)
-            path = None
-        return DecodeModule(executable["split"], executable["merge"], source, "built",
-                            str(path) if path else None, seconds)
-
-    # ----------------------------------------------------------------- using
-    def source(self, heads_q: int | None = None, heads_kv: int | None = None) -> str:
-        """The generated CUDA source (split and merge kernels) for these head counts (default: the
-        last used, or 1/1)."""
-        if not targets.is_cuda(self.target):
-            raise ValueError(f"source(): only CUDA targets have CUDA source; this kernel targets {self.target}")
-        if heads_q is None:
-            heads_q, heads_kv = self._last or (1, 1)
-        module = self.module(heads_q, heads_kv if heads_kv is not None else heads_q)
-        if module.source is None:  # loaded from disk: build once more to see the source
-            spec = self.spec(heads_q, heads_kv if heads_kv is not None else heads_q)
-            module.source = self._build(spec, self._key(spec)).source
-        return module.source
+    def _entry(self, module):
+        return {"split": module["split"], "merge": module["merge"]}
 
     def info(self) -> dict:
-        return {"head_dim": self.head_dim, "dtype": self.dtype, "page_size": self.page_size,
-                "target": targets.describe(self.target), "schedule": schedule_registry.name_of(self.schedule),
-                "knobs": dict(self.knobs), "knobs_source": self.knobs_source,
-                "modules": {f"heads_q={hq},heads_kv={hkv}": {"origin": m.origin, "path": m.path,
-                                                             "seconds": round(m.seconds, 3)}
-                            for (hq, hkv), m in self._modules.items()}}
+        return {**super().info(), "pass": self.PASS, "causal": "per call", "page_size": self.page_size}
 
     def __repr__(self) -> str:
         layout = f"paged {self.page_size}" if self.page_size else "contiguous"
@@ -227,7 +136,7 @@ class DecodeKernel:
             out = torch.empty_like(q)
         lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device)
         module = self.module(heads_q, heads_kv)
-        if module.split is None:
+        if module.function is None:
             raise RuntimeError(f"this {targets.describe(self.target)} kernel was cross-compiled: there is no GPU "
                                "here to run it on")
         if out.numel() and not (k_cache.numel() and index.numel() if self.page_size else k_cache.numel()):
@@ -237,8 +146,9 @@ class DecodeKernel:
             o_part = torch.empty((num_splits, batch, seqlen_q, heads_q, self.head_dim), dtype=torch.float32,
                                  device=q.device)
             lse_part = torch.empty((num_splits, batch, seqlen_q, heads_q), dtype=torch.float32, device=q.device)
-            module.split(q, k_cache, v_cache, lengths, index, o_part, lse_part, softmax_scale, int(bool(causal)))
-            module.merge(o_part, lse_part, out, lse)
+            module.function["split"](q, k_cache, v_cache, lengths, index, o_part, lse_part, softmax_scale,
+                                     int(bool(causal)))
+            module.function["merge"](o_part, lse_part, out, lse)
         return out, lse
 
     def check_inputs(self, q, k_cache, v_cache, lengths, index, out) -> None:
@@ -303,9 +213,6 @@ class DecodeKernel:
         return rows
 
 
-_INT32_MAX = 2**31 - 1
-
-
 def choose_num_splits(tasks: int, tiles: int, slots: int, max_splits: int = MAX_AUTO_SPLITS) -> int:
     """Splits of each task's keys so that tasks * splits fill ``slots`` (the tasks the device runs at
     once) in waves that waste little: flash-attn's rule, the fewest splits whose wave efficiency
@@ -326,10 +233,6 @@ def choose_num_splits(tasks: int, tiles: int, slots: int, max_splits: int = MAX_
 @functools.lru_cache(maxsize=None)
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _runnable_here(target: tvm.target.Target) -> bool:
-    return not targets.is_cuda(target) or torch.cuda.is_available()
 
 
 _KERNELS: dict[str, DecodeKernel] = {}

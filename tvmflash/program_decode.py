@@ -27,10 +27,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 from tvm.script import tirx as T
 
-from tvmflash.program import LOG2E, NO_MAX, RESCALE_THRESHOLD, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS
+from tvmflash.program import LOG2E, NO_MAX, RESCALE_THRESHOLD, AttentionSpec
 
 
 @dataclass(frozen=True)
@@ -42,15 +43,10 @@ class DecodeSpec:
     heads_q: int
     heads_kv: int
     page_size: int = 0  # 0: a contiguous cache; else the paged cache's rows per page (a power of two >= 16)
+    causal: ClassVar[bool] = False  # an argument of the call, not of the module (one module serves both)
 
     def __post_init__(self):
-        if self.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"dtype: expected one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
-        if self.head_dim not in SUPPORTED_HEAD_DIMS:
-            raise ValueError(f"head_dim: expected one of {SUPPORTED_HEAD_DIMS}, got {self.head_dim}")
-        if self.heads_q < 1 or self.heads_kv < 1 or self.heads_q % self.heads_kv:
-            raise ValueError(
-                f"heads_q: expected a positive multiple of heads_kv={self.heads_kv}, got {self.heads_q}")
+        AttentionSpec(self.head_dim, self.dtype, False, self.heads_q, self.heads_kv)  # the forward's checks
         if self.page_size and (self.page_size < 16 or self.page_size & (self.page_size - 1)):
             raise ValueError(f"page_size: expected a power of two >= 16, got {self.page_size}")
 
