@@ -479,7 +479,7 @@ def _pipeline_stmts(sch, kb):
                 return hit
         return None
 
-    body = find(mod["main"].body).body
+    body = find(mod[sch.func_working_on or "main"].body).body  # the function scheduled (decode's "split")
     while not isinstance(body, SeqStmt):  # the kv_step block (now opaque) and its realize
         body = body.block if hasattr(body, "block") else body.body
     stmts = []

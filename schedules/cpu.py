@@ -89,3 +89,38 @@ def _read_index(sch, block_name, buffer_name):
     """The index of a block's read of the named buffer (for cache_read)."""
     reads = sch.get(sch.get_sblock(block_name)).reads
     return next(n for n, region in enumerate(reads) if region.source.name == buffer_name)
+# ------------------------------------------------------------------------------------------------
+# decode (tvmflash.program_decode): the split program and the merge program
+# ------------------------------------------------------------------------------------------------
+# query_tokens: query tokens per task (its rows are those tokens times the GQA group's heads);
+# block_n: keys per K/V tile. The CPU is not where decode speed is measured: small tiles keep the
+# partial buffers small and the tasks many.
+DECODE_KNOBS = {"query_tokens": 1, "block_n": 64, "vector": 16}
+DECODE_SPACE = {"query_tokens": [1, 2, 4], "block_n": [32, 64, 128], "vector": [8, 16]}
+
+
+def decode_tasks_per_core(knobs: dict) -> int:
+    """Split tasks a core should have to run (``tvmflash.decode`` picks the split count from it)."""
+    return 1
+
+
+def schedule_decode(sch: tvm.s_tir.Schedule, *, query_tokens: int, block_n: int, vector: int) -> tvm.s_tir.Schedule:
+    """Map the decode programs (functions ``split`` and ``merge`` of the module) onto the CPU: the
+    split tasks and the merge's rows run in parallel, inner loops as the forward's."""
+    sch.work_on("split")
+    sch.parallel(sch.fuse(*sch.get_loops("tile")))
+    sch.transform_layout("load_k", ("write", 0), lambda j, d: (d, j))  # keys contiguous for the score loop
+    for name in ("load_q", "load_k", "load_v", "init_acc", "store_o", "score", "exp"):
+        _vectorize_inner(sch, name, vector)
+    _gemm_vector_inner(sch, "qk", vector)
+    _gemm_vector_inner(sch, "pv", vector)
+
+    sch.work_on("merge")
+    sch.parallel(sch.fuse(*sch.get_loops("row")))
+    d, s = sch.get_loops("merge_o")[-2:]
+    sch.reorder(s, d)  # acc[:] += w_s * o_s[:], along contiguous head_dim
+    _, inner = sch.split(d, [None, vector])
+    sch.vectorize(inner)
+    sch.decompose_reduction("merge_o", s)
+    _vectorize_inner(sch, "store_o", vector)
+    return sch

@@ -55,6 +55,7 @@ LAYERS = {
     "tvmflash.lowering": ("tvmflash.lowering",),
     "tvmflash.program": (),
     "tvmflash.program_backward": ("tvmflash.program",),
+    "tvmflash.program_decode": ("tvmflash.program",),
     "tvmflash.schedules": ("tvmflash.schedules", "tvmflash.lowering", "tvmflash.program", "tvmflash.program_backward",
                            "tvmflash.target"),
     "tvmflash.target": (),

@@ -256,7 +256,7 @@ class Kernel:
     def _build(self, spec: AttentionSpec, key: str) -> _Module:
         start = time.perf_counter()
         sch = self._scheduled(spec)
-        executable = lowering.build(sch.mod, self.target, **build_options(self.schedule))
+        executable = lowering.build(sch.mod, self.target, **self._build_options())
         source = executable.mod.imports[0].inspect_source() if targets.is_cuda(self.target) else None
         seconds = time.perf_counter() - start
         runnable = _runnable_here(self.target)
@@ -276,6 +276,10 @@ class Kernel:
     def _entry(self, module):
         """What a built or loaded module gives to call: its ``main``."""
         return module["main"]
+
+    def _build_options(self) -> dict:
+        """What ``lowering.build`` takes for this kernel's modules: its schedule's ``build_options``."""
+        return build_options(self.schedule)
 
     # ----------------------------------------------------------------- using
     def source(self, heads_q: int | None = None, heads_kv: int | None = None) -> str:

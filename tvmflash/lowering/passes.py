@@ -37,6 +37,28 @@ def ReverseLoops():  # noqa: N802 - named as TVM's passes are
                           "tvmflash.ReverseLoops")
 
 
+# ---------------------------------------------------------------------------------- loaded extents
+def _extent_bound(loop):
+    """A pipelined loop whose extent reads a buffer, as that value bound to a variable first."""
+    if "software_pipeline_stage" not in loop.annotations or not find(
+            loop.extent, lambda n: type(n).__name__ in ("TensorLoad", "BufferLoad")):
+        return loop
+    extent = tirx.Var(f"{loop.loop_var.name}_extent", loop.extent.ty)
+    return tirx.SeqStmt([tirx.Bind(extent, loop.extent),
+                         tirx.For(loop.loop_var, loop.min, extent, loop.kind, loop.body, loop.thread_binding,
+                                  loop.annotations)])
+
+
+def BindLoadedPipelineExtents():  # noqa: N802
+    """Before InjectSoftwarePipeline: a pipelined loop whose trip count is read from memory (decode's
+    K/V loop runs over its sequence's tiles, from ``cache_seqlens``) gets it bound to a variable first.
+    The pipeline's guards (``kb + 1 < extent`` in a loop of extent - 1 steps) then simplify as over
+    any symbolic extent; over the buffer load they did not, and the cp.async wait count was left an
+    ``if_then_else``, which the CUDA code generator rejects. Loops with other extents are untouched."""
+    return prim_func_pass(lambda func: func.with_body(tvm_ffi.structural_map(func.body, (tirx.For, _extent_bound))),
+                          "tvmflash.BindLoadedPipelineExtents")
+
+
 # ---------------------------------------------------------------------------------- pragmas
 def _wait_and_fence_accumulators(attr):
     """The statements for a ``WGMMA_WAIT_PRAGMA`` AttrStmt: ``wgmma.wait_group 0``, a register fence

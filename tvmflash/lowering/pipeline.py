@@ -52,6 +52,7 @@ def passes_for(mod: tvm.IRModule, config) -> list:
         tvm_fixes.CompactAgainAfterMatchBuffers(),                   # fix
         s_tir.transform.InjectPermutedLayout(),
         s_tir.transform.AnnotateIrregularLoop(),
+        passes.BindLoadedPipelineExtents(),                          # + (decode's per-sequence tile loop)
         s_tir.transform.InjectSoftwarePipeline(),
         tma.LowerToTMA(),                                            # +
         s_tir.transform.TransformMmaBufferLayout(),

@@ -1,0 +1,222 @@
+"""Decode over a KV cache on this GPU: tvmflash.flash_attn_with_kvcache against PyTorch SDPA's flash and
+cuDNN backends, timed in the same run (tvmflash.bench.time_backends: interleaved rounds, short bursts).
+
+    python benchmarks/decode_bench.py                       # issue 24's grid: GQA 32/8, d128, bf16,
+                                                            # batch 1/8/32, KV 4k/16k/64k, contiguous + paged 16
+    python benchmarks/decode_bench.py --batch 32 --seqlen 16384 --splits 1 2 4 8   # split counts side by side
+    python benchmarks/decode_bench.py --knobs '{}' '{"num_stages": 3}' '{"block_n": 64, "threads": 64}'
+                                                            # SIMT knob sets side by side ({}: the defaults)
+    python benchmarks/decode_bench.py --eager               # plain calls instead of CUDA-graph replays
+
+One query token per sequence, every sequence with the full KV length. Bandwidth is the K and V cache
+bytes a step must read (batch * seqlen * heads_kv * head_dim * 2 bytes, twice) over the time, in TB/s.
+Each backend runs as a CUDA graph replay by default (a decode step is captured so in serving): that
+times the GPU work and not the Python around it; ``--eager`` times plain calls queued back to back.
+Where the K/V of one problem would fit in L2 (small batch and length), each call reads the next of
+several copies, so that the figures are HBM's. SDPA has no paged cache: paged rows compare against
+its contiguous times. Each tvmflash configuration is checked first against float32 (flash-attn's
+rule: error at most 2x PyTorch's bf16 error + 1e-5) on sequence 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import torch
+
+from tvmflash import bench, decode
+
+L2_BYTES = 64 << 20  # at least the L2 of an H100/H200 (50/60 MiB): working sets are kept 4x larger
+
+
+def make_problem(batch, seqlen, heads_q, heads_kv, head_dim, dtype, page_size, device, seed):
+    """q, caches, lengths and block table (or None) for one decode step with every sequence full."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn(batch, 1, heads_q, head_dim, device=device, dtype=dtype, generator=gen)
+    lengths = torch.full((batch,), seqlen, dtype=torch.int32, device=device)
+    if page_size:
+        pages = batch * seqlen // page_size
+        shape = (pages, page_size, heads_kv, head_dim)
+        table = torch.randperm(pages, device=device, generator=gen).to(torch.int32).reshape(batch, -1)
+    else:
+        shape, table = (batch, seqlen, heads_kv, head_dim), None
+    k = torch.randn(shape, device=device, dtype=dtype, generator=gen)
+    v = torch.randn(shape, device=device, dtype=dtype, generator=gen)
+    return {"q": q, "k_cache": k, "v_cache": v, "lengths": lengths, "table": table}
+
+
+def contiguous_kv(problem, b):
+    """Sequence b's keys and values, (1, seqlen, heads_kv, head_dim), from either layout."""
+    k, v, table = problem["k_cache"], problem["v_cache"], problem["table"]
+    if table is None:
+        return k[b:b + 1], v[b:b + 1]
+    pages = table[b].long()
+    return k[pages].flatten(0, 1)[None], v[pages].flatten(0, 1)[None]
+
+
+def check(out, problem):
+    """(our error, tolerance) on sequence 0 against float32 attention (GQA by repeating K/V heads)."""
+    q = problem["q"][:1]
+    k, v = contiguous_kv(problem, 0)
+    group = q.shape[2] // k.shape[2]
+
+    def attend(dtype):
+        qh, kh, vh = (t.to(dtype).transpose(1, 2) for t in (q, k, v))
+        kh, vh = kh.repeat_interleave(group, 1), vh.repeat_interleave(group, 1)
+        s = (qh @ kh.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+        return (torch.softmax(s.float(), -1).to(dtype) @ vh).transpose(1, 2)
+
+    ref = attend(torch.float32)
+    ours = (out[:1].float() - ref).abs().max().item()
+    theirs = (attend(q.dtype).float() - ref).abs().max().item()
+    return ours, 2 * theirs + 1e-5
+
+
+def tvmflash_call(problem, kernel, num_splits):
+    index = problem["table"] if problem["table"] is not None else kernel.batch_rows(problem["q"].shape[0],
+                                                                                    problem["q"].device)
+    out = torch.empty_like(problem["q"])
+
+    def call():
+        kernel(problem["q"], problem["k_cache"], problem["v_cache"], problem["lengths"], index,
+               num_splits=num_splits, out=out)
+        return out
+    return call
+
+
+def sdpa_calls(problem, device):
+    """{backend: call} for SDPA's flash and cuDNN backends on a contiguous problem (enable_gqa; a
+    backend that refuses it gets K/V with repeated heads, which it reads whole: marked with '*')."""
+    q = problem["q"].transpose(1, 2)
+    k, v = problem["k_cache"].transpose(1, 2), problem["v_cache"].transpose(1, 2)
+    calls = {}
+    for name, backend in bench.sdpa_backends(device):
+        def gqa(backend=backend):
+            with backend():
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        try:
+            gqa()
+            calls[name] = gqa
+            continue
+        except RuntimeError:
+            pass
+        group = q.shape[1] // k.shape[1]
+        kr, vr = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+
+        def repeated(backend=backend, kr=kr, vr=vr):
+            with backend():
+                return torch.nn.functional.scaled_dot_product_attention(q, kr, vr)
+        try:
+            repeated()
+            calls[name + "*"] = repeated
+        except RuntimeError:
+            calls[name] = None
+    return calls
+
+
+def rotating(calls, graph):
+    """One callable that runs the next of ``calls`` each time; each captured in a CUDA graph first
+    (after a warm-up call) when ``graph``."""
+    if graph:
+        graphs = []
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for call in calls:
+                call()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    call()
+                graphs.append(g)
+        torch.cuda.current_stream().wait_stream(stream)
+        calls = [g.replay for g in graphs]
+    state = {"i": 0}
+
+    def run():
+        calls[state["i"] % len(calls)]()
+        state["i"] += 1
+    return run
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--seqlen", type=int, nargs="+", default=[4096, 16384, 65536])
+    parser.add_argument("--heads", type=int, nargs=2, default=[32, 8], metavar=("HEADS_Q", "HEADS_KV"))
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    parser.add_argument("--page-size", type=int, nargs="+", default=[0, 16],
+                        help="0: a contiguous cache; else a paged one with pages of that many rows (default: 0 16)")
+    parser.add_argument("--splits", type=int, nargs="+", default=[0],
+                        help="tvmflash split counts to time side by side (0: its own choice; default 0)")
+    parser.add_argument("--knobs", type=json.loads, nargs="+", default=[{}],
+                        help="SIMT decode knob sets to time side by side, JSON each (cuda.DECODE_KNOBS; {}: defaults)")
+    parser.add_argument("--eager", action="store_true", help="time plain calls, not CUDA-graph replays")
+    parser.add_argument("--repeat", type=int, default=50)
+    parser.add_argument("--device", default="cuda", help="cuda (default), or cpu to try the script on small shapes")
+    args = parser.parse_args()
+
+    device = torch.device(args.device)
+    args.eager |= device.type != "cuda"
+    dtype = getattr(torch, args.dtype)
+    heads_q, heads_kv = args.heads
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(f"decode bench on {name}: GQA {heads_q}/{heads_kv}, d{args.head_dim}, "
+          f"{args.dtype}, one query token, {'eager calls' if args.eager else 'CUDA-graph replays'}")
+    kernels = {(page_size, k): decode.compile_decode(head_dim=args.head_dim, dtype=dtype, page_size=page_size,
+                                                     knobs=knobs or None)
+               for page_size in args.page_size for k, knobs in enumerate(args.knobs)}
+    header = None
+    for batch in args.batch:
+        for seqlen in args.seqlen:
+            kv_bytes = 2 * batch * seqlen * heads_kv * args.head_dim * dtype.itemsize
+            # Enough copies that the K/V come from HBM, not L2 (at most 64: the smallest grid problem needs 16).
+            copies = min(64, math.ceil(4 * L2_BYTES / kv_bytes)) if device.type == "cuda" else 1
+            # Every backend and layout of this shape in one time_backends call: the same rounds and clocks.
+            problems = {page_size: [make_problem(batch, seqlen, heads_q, heads_kv, args.head_dim, dtype, page_size,
+                                                 device, seed) for seed in range(copies)]
+                        for page_size in sorted(set(args.page_size) | {0})}
+            calls, rows = {}, []
+            for (page_size, k), kernel in kernels.items():
+                for splits in args.splits:
+                    name = f"{page_size}/{k}/{splits}"
+                    runs = [tvmflash_call(p, kernel, splits) for p in problems[page_size]]
+                    rows.append((name, page_size, k, splits, *check(runs[0](), problems[page_size][0])))
+                    calls[name] = rotating(runs, graph=not args.eager)
+            per_copy = [sdpa_calls(p, device) for p in problems[0]]
+            sdpa = [name for name in per_copy[0] if per_copy[0][name] is not None]
+            for name in sdpa:
+                calls[name] = rotating([c[name] for c in per_copy], graph=not args.eager)
+            times = bench.time_backends(calls, device, args.repeat)
+            if header is None:
+                header = (f"{'config':<40}{'tvmflash us':>12}{'TB/s':>6}"
+                          + "".join(f"{n + ' us':>16}{'TB/s':>6}" for n in sdpa)
+                          + "".join(f"{'vs ' + n:>15}" for n in sdpa) + f"{'max err':>10} ok")
+                print(header)
+                print("-" * len(header))
+            for name, page_size, k, splits, error, tolerance in rows:
+                auto = kernels[(page_size, k)].auto_num_splits(batch, heads_kv, 1, seqlen, device)
+                layout = f"paged{page_size}" if page_size else "contiguous"
+                knobs = f" k{k}" if len(args.knobs) > 1 else ""
+                config = f"b{batch} kv{seqlen // 1024}k {layout}{knobs} splits {splits or f'auto={auto}'}"
+                ms = times[name]
+                row = f"{config:<40}{ms * 1e3:>12.1f}{kv_bytes / ms / 1e9:>6.2f}"
+                row += "".join(f"{times[n] * 1e3:>16.1f}{kv_bytes / times[n] / 1e9:>6.2f}" for n in sdpa)
+                row += "".join(f"{times[n] / ms:>14.2f}x" for n in sdpa)
+                print(row + f"{error:>10.2e} {'yes' if error <= tolerance else 'NO'}")
+            del problems, calls, per_copy
+            torch.cuda.empty_cache()
+    for (page_size, k), kernel in kernels.items():
+        info = kernel.info()
+        print(f"tvmflash {'paged ' + str(page_size) if page_size else 'contiguous'}"
+              f"{f' k{k}' if len(args.knobs) > 1 else ''}: {info['schedule']} schedule, {info['knobs_source']} "
+              f"knobs {info['knobs']}")
+    print("vs X: X's time over tvmflash's (>1: tvmflash faster). X* : X took no GQA and ran on K/V with repeated "
+          "heads. SDPA has no paged cache: paged rows compare with its contiguous times. TB/s: K+V cache bytes "
+          "a step reads over its time")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,489 @@
+"""Decode over a KV cache (tvmflash.flash_attn_with_kvcache, Flash-Decoding) against a float64
+reference under flash-attn's error rule: contiguous and paged caches, ragged lengths, chunks of
+queries (causal or not), GQA/MQA, split counts, appending k/v, cache_batch_idx, no recompile for a
+new length, CUDA graphs (GPU), the options not implemented yet and bad input."""
+
+import math
+import shutil
+import subprocess
+
+import pytest
+import torch
+from conftest import devices
+from reference import max_error, reference, torch_same_dtype
+
+import tvmflash
+from tvmflash import decode, lowering
+
+HEAD_DIM = 64
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+
+
+def make_cache(batch, capacity, heads_kv, head_dim, dtype, device, page_size=0, seed=0, extra_rows=0):
+    """(k_cache, v_cache, block_table or None) holding ``capacity`` keys per sequence: contiguous
+    (batch + extra_rows rows), or paged with the pages of all sequences shuffled over the pool."""
+    gen = torch.Generator().manual_seed(seed)
+    if not page_size:
+        shape = (batch + extra_rows, capacity, heads_kv, head_dim)
+        return (torch.randn(shape, generator=gen).to(dtype=dtype, device=device),
+                torch.randn(shape, generator=gen).to(dtype=dtype, device=device), None)
+    pages_per_seq = -(-capacity // page_size)
+    num_pages = batch * pages_per_seq + 3  # a few pages no sequence uses
+    shape = (num_pages, page_size, heads_kv, head_dim)
+    k = torch.randn(shape, generator=gen).to(dtype=dtype, device=device)
+    v = torch.randn(shape, generator=gen).to(dtype=dtype, device=device)
+    table = torch.randperm(num_pages, generator=gen)[: batch * pages_per_seq].reshape(batch, pages_per_seq)
+    return k, v, table.to(dtype=torch.int32, device=device)
+
+
+def sequence_kv(k_cache, v_cache, b, length, block_table=None, cache_batch_idx=None):
+    """The first ``length`` keys and values of sequence b, (1, length, heads_kv, head_dim)."""
+    if block_table is not None:
+        pages = block_table[b].long()
+        k = k_cache[pages].flatten(0, 1)
+        v = v_cache[pages].flatten(0, 1)
+    else:
+        row = int(cache_batch_idx[b]) if cache_batch_idx is not None else b
+        k, v = k_cache[row], v_cache[row]
+    return k[None, :length], v[None, :length]
+
+
+def check_decode(out, lse, q, k_cache, v_cache, lengths, *, causal, block_table=None, cache_batch_idx=None,
+                 softmax_scale=None, more=()):
+    """Each sequence against the float64 reference over its visible keys (flash-attn's rule); ``more``:
+    further (out, lse) pairs of the same problem, checked against the same references."""
+    k_cache, v_cache = k_cache.cpu(), v_cache.cpu()
+    block_table = None if block_table is None else block_table.cpu()
+    cache_batch_idx = None if cache_batch_idx is None else cache_batch_idx.cpu()
+    results = [(out.cpu(), lse.cpu()) for out, lse in [(out, lse), *more]]
+    for out, lse in results:
+        assert out.shape == q.shape and out.dtype == q.dtype
+        assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == torch.float32
+    q = q.cpu()
+    for b, length in enumerate(lengths.tolist()):
+        k, v = sequence_kv(k_cache, v_cache, b, length, block_table, cache_batch_idx)
+        ref_out, ref_lse = reference(q[b:b + 1], k, v, causal=causal, softmax_scale=softmax_scale)
+        theirs = max_error(torch_same_dtype(q[b:b + 1], k, v, causal=causal, softmax_scale=softmax_scale), ref_out)
+        seen = torch.isfinite(ref_lse)
+        for out, lse in results:
+            ours = max_error(out[b:b + 1], ref_out)
+            assert torch.isfinite(out[b:b + 1]).all(), f"sequence {b}: out has NaN/inf"
+            assert ours <= 2 * theirs + 1e-5, f"sequence {b} ({length} keys): out error {ours:.3e} > 2 x torch's {theirs:.3e}"
+            assert torch.equal(torch.isfinite(lse[b:b + 1]), seen), f"sequence {b}: lse -inf exactly where no key is seen"
+            assert (lse[b:b + 1][~seen] == -math.inf).all()
+            if seen.any():
+                error = max_error(lse[b:b + 1][seen], ref_lse[seen])
+                assert error <= 1e-4 * (1 + ref_lse[seen].abs().max().item()), f"sequence {b}: lse error {error:.3e}"
+
+
+def random_q(batch, seqlen_q, heads_q, head_dim, dtype, device, seed=1, scale=1.0):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(batch, seqlen_q, heads_q, head_dim, generator=gen) * scale).to(dtype=dtype, device=device)
+
+
+def poisoned(q):
+    return torch.full_like(q, float("nan"))
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("page_size", [0, 16], ids=["contiguous", "paged16"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_decode_matches_float64(device, dtype, page_size):
+    """Decode (one query token) and chunks (three or four, causal or not), ragged lengths with an
+    empty sequence and a full one, GQA 4/2 and MQA 4/1, one split and several, each output poisoned
+    first; the split-count heuristic (num_splits=0) too."""
+    capacity = 200
+    lengths = torch.tensor([0, 1, 77, 129, capacity], dtype=torch.int32)
+    batch = len(lengths)
+    for heads_q, heads_kv in [(4, 2), (4, 1)]:
+        k_cache, v_cache, table = make_cache(batch, capacity, heads_kv, HEAD_DIM, dtype, device, page_size)
+        kernel = decode.compile_decode(head_dim=HEAD_DIM, dtype=dtype, page_size=page_size,
+                                       target="cpu" if device == "cpu" else None)
+        index = table if page_size else kernel.batch_rows(batch, torch.device(device))
+        for seqlen_q, causal in [(1, False), (3, False), (4, True)]:
+            q = random_q(batch, seqlen_q, heads_q, HEAD_DIM, dtype, device, seed=seqlen_q)
+            results = [kernel(q, k_cache, v_cache, lengths.to(device), index, num_splits=num_splits, causal=causal,
+                              out=poisoned(q)) for num_splits in (1, 3, 0)]
+            check_decode(*results[0], q, k_cache, v_cache, lengths, causal=causal, block_table=table, more=results[1:])
+
+
+@pytest.mark.parametrize("device", devices())
+def test_paged_and_contiguous_caches_agree(device):
+    """The same keys in a contiguous cache and scattered over pages of 16 give the same bits."""
+    dtype, batch, capacity, heads_kv = torch.bfloat16, 3, 96, 2
+    k_pages, v_pages, table = make_cache(batch, capacity, heads_kv, HEAD_DIM, dtype, device, page_size=16)
+    k_cache = torch.stack([sequence_kv(k_pages, v_pages, b, capacity, table)[0][0] for b in range(batch)])
+    v_cache = torch.stack([sequence_kv(k_pages, v_pages, b, capacity, table)[1][0] for b in range(batch)])
+    q = random_q(batch, 2, 4, HEAD_DIM, dtype, device)
+    lengths = torch.tensor([5, 96, 50], dtype=torch.int32, device=device)
+    for num_splits in (1, 4):
+        paged = tvmflash.flash_attn_with_kvcache(q, k_pages, v_pages, cache_seqlens=lengths, block_table=table,
+                                                 causal=True, num_splits=num_splits, return_softmax_lse=True)
+        contiguous = tvmflash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, causal=True,
+                                                      num_splits=num_splits, return_softmax_lse=True)
+        assert torch.equal(paged[0], contiguous[0]) and torch.equal(paged[1], contiguous[1])
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("page_size", [0, 32], ids=["contiguous", "paged32"])
+def test_new_keys_are_appended_in_place(device, page_size):
+    """k and v are written into the cache at cache_seqlens (which stays as it was), and attended to
+    with the rest: the speculative-decoding step (three new tokens, causal)."""
+    dtype, batch, capacity, heads_kv, new = torch.float16, 3, 100, 2, 3
+    k_cache, v_cache, table = make_cache(batch, capacity, heads_kv, HEAD_DIM, dtype, device, page_size)
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    cache_seqlens = torch.tensor([0, 40, capacity - new], dtype=torch.int32, device=device)
+    q = random_q(batch, new, 4, HEAD_DIM, dtype, device)
+    k_new, v_new = (random_q(batch, new, heads_kv, HEAD_DIM, dtype, device, seed=s) for s in (7, 8))
+    out, lse = tvmflash.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=cache_seqlens,
+                                                block_table=table, causal=True, num_splits=2,
+                                                return_softmax_lse=True)
+    assert cache_seqlens.tolist() == [0, 40, capacity - new]
+    for b, start in enumerate(cache_seqlens.tolist()):
+        k_seq, v_seq = sequence_kv(k_cache, v_cache, b, capacity, table)
+        old_k, old_v = sequence_kv(before_k, before_v, b, capacity, table)
+        assert torch.equal(k_seq[0, start:start + new], k_new[b]) and torch.equal(v_seq[0, start:start + new], v_new[b])
+        assert torch.equal(k_seq[0, :start], old_k[0, :start]) and torch.equal(k_seq[0, start + new:], old_k[0, start + new:])
+        assert torch.equal(v_seq[0, start + new:], old_v[0, start + new:])
+    if page_size:  # the pages no sequence owns are untouched
+        unused = sorted(set(range(k_cache.shape[0])) - set(table.flatten().tolist()))
+        assert torch.equal(k_cache[unused], before_k[unused])
+    check_decode(out, lse, q, k_cache, v_cache, cache_seqlens + new, causal=True, block_table=table)
+
+
+@pytest.mark.parametrize("device", devices())
+def test_cache_batch_idx_and_int_lengths(device):
+    """cache_batch_idx picks each sequence's cache row (and appends there); an int cache_seqlens is
+    every sequence's; None is the whole cache."""
+    dtype, batch, capacity = torch.bfloat16, 3, 64
+    k_cache, v_cache, _ = make_cache(batch, capacity, 1, HEAD_DIM, dtype, device, extra_rows=2)
+    rows = torch.tensor([4, 0, 2], dtype=torch.int32, device=device)
+    q = random_q(batch, 1, 4, HEAD_DIM, dtype, device)
+    out, lse = tvmflash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=33, cache_batch_idx=rows,
+                                                return_softmax_lse=True)
+    check_decode(out, lse, q, k_cache, v_cache, torch.full((batch,), 33), causal=False, cache_batch_idx=rows)
+    out, lse = tvmflash.flash_attn_with_kvcache(q, k_cache, v_cache, return_softmax_lse=True)
+    check_decode(out, lse, q, k_cache, v_cache, torch.full((batch,), capacity), causal=False)
+    k_new = random_q(batch, 1, 1, HEAD_DIM, dtype, device, seed=5)
+    tvmflash.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, k_new, cache_seqlens=10, cache_batch_idx=rows)
+    assert torch.equal(k_cache[rows.long(), 10], k_new[:, 0]) and torch.equal(v_cache[rows.long(), 10], k_new[:, 0])
+
+
+@pytest.mark.parametrize("device", devices())
+def test_large_scores_and_softmax_scale(device):
+    """|q . k| * scale in the hundreds (the running max keeps exp2 finite) and a given scale; the
+    splits' LSEs merge without overflow."""
+    dtype, batch, capacity = torch.float32, 2, 300
+    k_cache, v_cache, _ = make_cache(batch, capacity, 2, HEAD_DIM, dtype, device)
+    q = random_q(batch, 1, 4, HEAD_DIM, dtype, device, scale=40.0)
+    lengths = torch.tensor([300, 211], dtype=torch.int32, device=device)
+    out, lse = tvmflash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, softmax_scale=0.5,
+                                                num_splits=5, return_softmax_lse=True)
+    assert lse.abs().max() > 300  # exp(300) overflows float32: the max must come out first
+    check_decode(out, lse, q, k_cache, v_cache, lengths, causal=False, softmax_scale=0.5)
+
+
+def test_a_new_length_batch_chunk_or_split_count_never_rebuilds(monkeypatch):
+    """After the first call, other lengths, batch sizes, chunk lengths and split counts run the same
+    module: building again would raise."""
+    dtype = torch.bfloat16
+    k_cache, v_cache, _ = make_cache(4, 128, 2, HEAD_DIM, dtype, "cpu")
+    q = random_q(2, 1, 4, HEAD_DIM, dtype, "cpu")
+    tvmflash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=5)
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("a decode step built a module")
+
+    monkeypatch.setattr(lowering, "build", no_build)
+    for batch, seqlen_q, length, num_splits in [(2, 1, 6, 0), (4, 1, 127, 3), (3, 2, 64, 1), (1, 4, 128, 7)]:
+        q = random_q(batch, seqlen_q, 4, HEAD_DIM, dtype, "cpu")
+        lengths = torch.full((batch,), length, dtype=torch.int32)
+        out, lse = tvmflash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, causal=True,
+                                                    num_splits=num_splits, return_softmax_lse=True)
+        check_decode(out, lse, q, k_cache, v_cache, lengths, causal=True)
+
+
+def test_a_second_process_loads_the_decode_module_from_disk(tmp_path):
+    """DecodeKernel caches its module on disk as the forward's Kernel does: a second process loads it."""
+    import json
+    import os
+    import sys
+
+    script = (
+        "import json, torch, tvmflash\n"
+        "kernel = tvmflash.compile_decode(head_dim=32, dtype='float32', page_size=16, target='cpu', heads_q=2, heads_kv=1)\n"
+        "q, pages = torch.randn(1, 1, 2, 32), torch.randn(2, 16, 1, 32)\n"
+        "out = tvmflash.flash_attn_with_kvcache(q, pages, pages, cache_seqlens=20, block_table=torch.tensor([[1, 0]], dtype=torch.int32))\n"
+        "print(json.dumps({'info': kernel.info(), 'finite': bool(torch.isfinite(out).all())}))\n")
+    env = dict(os.environ, TVMFLASH_CACHE_DIR=str(tmp_path))
+    runs = [json.loads(subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                                      check=True).stdout.strip().splitlines()[-1]) for _ in range(2)]
+    (first,), (second,) = (run["info"]["modules"].values() for run in runs)
+    assert first["origin"] == "built" and second["origin"] == "disk cache" and first["path"] == second["path"]
+    assert runs[0]["finite"] and runs[1]["finite"] and runs[0]["info"]["pass"] == "decode"
+
+
+def test_empty_problems():
+    k_cache, v_cache, _ = make_cache(2, 16, 1, HEAD_DIM, torch.float16, "cpu")
+    q = random_q(0, 1, 2, HEAD_DIM, torch.float16, "cpu")
+    assert tvmflash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=0).shape == q.shape
+    q = random_q(2, 0, 2, HEAD_DIM, torch.float16, "cpu")
+    out, lse = tvmflash.flash_attn_with_kvcache(q, k_cache, v_cache, return_softmax_lse=True)
+    assert out.shape == q.shape and lse.shape == (2, 2, 0)
+
+
+def test_choose_num_splits():
+    """flash-attn's rule: no split when the tasks fill the device, splits that fill it in efficient
+    waves otherwise, never more than the tiles or the cap."""
+    assert decode.choose_num_splits(tasks=256, tiles=512, slots=264) == 1
+    assert decode.choose_num_splits(tasks=8, tiles=512, slots=264) == 29  # 232 of 264 slots: 88% (85% of 33 splits' 100%)
+    assert decode.choose_num_splits(tasks=8, tiles=3, slots=264) == 3
+    assert decode.MAX_AUTO_SPLITS == 64  # the best is 64 splits: 55 reach 85% of its efficiency
+    assert decode.choose_num_splits(tasks=1, tiles=4096, slots=10_000) == 55
+    assert decode.choose_num_splits(tasks=8, tiles=0, slots=264) == 1
+
+
+@pytest.mark.parametrize("option,value", [
+    ("rotary_cos", torch.zeros(4, 8)), ("rotary_sin", torch.zeros(4, 8)), ("cache_leftpad", torch.zeros(2, dtype=torch.int32)),
+    ("window_size", (16, 0)), ("softcap", 30.0), ("alibi_slopes", torch.zeros(4))])
+def test_options_not_implemented_yet(option, value):
+    k_cache, v_cache, _ = make_cache(2, 16, 1, HEAD_DIM, torch.float16, "cpu")
+    q = random_q(2, 1, 4, HEAD_DIM, torch.float16, "cpu")
+    with pytest.raises(NotImplementedError, match=option):
+        tvmflash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=3, **{option: value})
+
+
+def bad_input_cases():
+    """(keyword overrides, exception, message) for flash_attn_with_kvcache on a valid base call."""
+    i32 = torch.int32
+    return [
+        ({"cache_seqlens": torch.tensor([3, 4], dtype=torch.int64)}, ValueError, r"cache_seqlens: expected int32 of shape \(2,\)"),
+        ({"cache_seqlens": torch.tensor([3], dtype=i32)}, ValueError, r"cache_seqlens: expected int32 of shape \(2,\)"),
+        ({"cache_seqlens": 3.0}, TypeError, "cache_seqlens: expected an int"),
+        ({"cache_seqlens": torch.tensor([3, 17], dtype=i32)}, ValueError, r"cache_seqlens: expected lengths from 0 to the cache's 16"),
+        ({"cache_seqlens": torch.tensor([3, -1], dtype=i32)}, ValueError, "cache_seqlens: expected lengths from 0"),
+        ({"k_cache": torch.zeros(2, 16, 1, HEAD_DIM, dtype=torch.bfloat16)}, TypeError, r"k_cache: expected dtype torch.float16"),
+        ({"v_cache": torch.zeros(2, 15, 1, HEAD_DIM, dtype=torch.float16)}, ValueError, r"v_cache: expected the shape of k_cache"),
+        ({"k_cache": torch.zeros(2, 16, 2, HEAD_DIM, dtype=torch.float16), "v_cache": torch.zeros(2, 16, 2, HEAD_DIM, dtype=torch.float16),
+          "q": torch.zeros(2, 1, 3, HEAD_DIM, dtype=torch.float16)}, ValueError, r"q: expected heads_q \(3\) to be a multiple of the cache's heads_kv \(2\)"),
+        ({"q": torch.zeros(2, 1, 4, 48, dtype=torch.float16)}, ValueError, "head_dim"),
+        ({"cache_batch_idx": torch.tensor([0, 2], dtype=i32)}, ValueError, "cache_batch_idx: expected cache row indices from 0 to 1"),
+        ({"cache_batch_idx": torch.tensor([0, 1])}, ValueError, "cache_batch_idx: expected int32"),
+        ({"k": torch.zeros(2, 1, 1, HEAD_DIM, dtype=torch.float16)}, ValueError, "v: expected k and v both or neither"),
+        ({"k": torch.zeros(2, 1, 2, HEAD_DIM, dtype=torch.float16), "v": torch.zeros(2, 1, 2, HEAD_DIM, dtype=torch.float16)},
+         ValueError, r"k: expected shape \(batch, seqlen_new, heads_kv, head_dim\)"),
+        ({"k": torch.zeros(2, 14, 1, HEAD_DIM, dtype=torch.float16), "v": torch.zeros(2, 14, 1, HEAD_DIM, dtype=torch.float16)},
+         ValueError, "less the 14 new ones"),
+        ({"num_splits": -1}, ValueError, "num_splits: expected an int from 0"),
+        ({"causal": 1}, TypeError, "causal: expected True or False"),
+        ({"softmax_scale": -1.0}, ValueError, "softmax_scale"),
+    ]
+
+
+@pytest.mark.parametrize("overrides,error,message", bad_input_cases())
+def test_bad_input_names_the_argument(overrides, error, message):
+    args = {"q": torch.zeros(2, 1, 4, HEAD_DIM, dtype=torch.float16),
+            "k_cache": torch.zeros(2, 16, 1, HEAD_DIM, dtype=torch.float16),
+            "v_cache": torch.zeros(2, 16, 1, HEAD_DIM, dtype=torch.float16), "cache_seqlens": 3}
+    args.update(overrides)
+    with pytest.raises(error, match=message):
+        tvmflash.flash_attn_with_kvcache(**args)
+
+
+def test_paged_cache_errors():
+    q = torch.zeros(2, 1, 4, HEAD_DIM, dtype=torch.float16)
+    pages = torch.zeros(5, 24, 1, HEAD_DIM, dtype=torch.float16)
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    with pytest.raises(ValueError, match="page_size: expected a power of two >= 16, got 24"):
+        tvmflash.flash_attn_with_kvcache(q, pages, pages, cache_seqlens=3, block_table=table)
+    pages = torch.zeros(5, 16, 1, HEAD_DIM, dtype=torch.float16)
+    with pytest.raises(ValueError, match="block_table: expected page indices from 0 to 4"):
+        tvmflash.flash_attn_with_kvcache(q, pages, pages, cache_seqlens=3, block_table=table + 2)
+    with pytest.raises(ValueError, match="cache_batch_idx: a paged cache"):
+        tvmflash.flash_attn_with_kvcache(q, pages, pages, cache_seqlens=3, block_table=table,
+                                         cache_batch_idx=torch.zeros(2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="block_table: expected int32"):
+        tvmflash.flash_attn_with_kvcache(q, pages, pages, cache_seqlens=3, block_table=table.long())
+    with pytest.raises(ValueError, match="k_cache: expected a contiguous tensor"):
+        tvmflash.flash_attn_with_kvcache(q, pages[:, ::2], pages[:, ::2], cache_seqlens=3)
+
+
+# ------------------------------------------------------------------------------------------------
+# CUDA: the SIMT schedule's source here; numerics and CUDA graphs on a GPU
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("page_size,knobs", [(0, None), (16, {"num_stages": 1}), (256, {"block_n": 128, "threads": 128})],
+                         ids=["contiguous", "paged16-one-stage", "paged256-four-warps"])
+def test_cuda_decode_source_builds(page_size, knobs):
+    """The SIMT decode builds to CUDA here (no GPU needed): the split kernel copies K/V 16 bytes at a
+    time into padded shared rows (cp.async in a pipeline by default, plain vector loads with one
+    stage), reduces the row max with warp shuffles, and the merge kernel is there; with nvcc, the
+    split kernel compiles with no stack frame (no per-row value in local memory) and no spill."""
+    kernel = decode.compile_decode(head_dim=128, dtype="bfloat16", page_size=page_size, target="sm90", knobs=knobs)
+    src = kernel.source(heads_q=32, heads_kv=8)
+    assert "split_kernel" in src and "merge_kernel" in src
+    if kernel.knobs["num_stages"] > 1:
+        assert "cp.async.cg.shared.global" in src and "cp.async.wait_group 0" in src
+    else:
+        assert "*(uint4*)(K_ptr" in src and "*(uint4*)(V_ptr" in src and "cp.async" not in src
+    assert "__shfl_down_sync" in src
+    assert "* 136)" in src or "* 17)" in src  # K/V shared rows padded to 128 + 8 elements (17 uint4s)
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc is not installed")
+    report = ptxas_report(src, "sm_90a")
+    assert "0 bytes stack frame, 0 bytes spill stores" in report["split_kernel"], report["split_kernel"]
+
+
+def ptxas_report(src: str, arch: str) -> dict:
+    """ptxas -v's lines for each kernel of a CUDA source (compiled with nvcc here)."""
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "decode.cu"
+        path.write_text(src)
+        done = subprocess.run(["nvcc", f"-arch={arch}", "-cubin", "-o", str(path.with_suffix(".cubin")), str(path),
+                               "-Xptxas", "-v"], capture_output=True, text=True, check=True)
+    report, kernel = {}, None
+    for line in done.stderr.splitlines():
+        if "Compiling entry function" in line:
+            kernel = line.split("'")[1]
+            report[kernel] = ""
+        elif kernel:
+            report[kernel] += line + "\n"
+    return report
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [0, 16, 256], ids=["contiguous", "paged16", "paged256"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_decode_on_the_gpu(dtype, page_size):
+    """GQA 32/8 and 8/1 at head_dim 128 on the GPU: decode and a causal chunk, ragged lengths (0 and
+    the full cache), automatic and given split counts, against float64."""
+    capacity = 1000
+    lengths = torch.tensor([0, 1, 129, 555, capacity], dtype=torch.int32)
+    batch = len(lengths)
+    for heads_q, heads_kv in [(32, 8), (8, 1)]:
+        k_cache, v_cache, table = make_cache(batch, capacity, heads_kv, 128, dtype, "cuda", page_size)
+        for seqlen_q, causal in [(1, False), (4, True)]:
+            q = random_q(batch, seqlen_q, heads_q, 128, dtype, "cuda")
+            results = [tvmflash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths.cuda(),
+                                                        block_table=table, causal=causal, num_splits=num_splits,
+                                                        return_softmax_lse=True) for num_splits in (0, 1, 5)]
+            check_decode(*results[0], q, k_cache, v_cache, lengths, causal=causal, block_table=table, more=results[1:])
+
+
+# Knob sets of the SIMT decode schedule worth timing (benchmarks/decode_bench.py --knobs): each must
+# be right before its time counts.
+GPU_KNOB_SETS = [{"num_stages": 1}, {"num_stages": 3}, {"threads": 32, "block_n": 64}, {"threads": 64, "block_n": 64},
+                 {"threads": 128, "block_n": 128}, {"threads": 128, "block_n": 128, "num_stages": 1},
+                 {"query_tokens": 2}, {"query_tokens": 4, "threads": 64, "block_n": 64}]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("knobs", GPU_KNOB_SETS, ids=lambda k: "-".join(f"{n}{v}" for n, v in k.items()))
+def test_decode_knob_sets_on_the_gpu(knobs):
+    """Each knob set the benchmark compares, contiguous and paged (16), on decode and a causal chunk
+    of 5 tokens, one split and several, against float64."""
+    capacity, dtype = 700, torch.bfloat16
+    lengths = torch.tensor([0, 33, 400, capacity], dtype=torch.int32)
+    for page_size in (0, 16):
+        kernel = decode.compile_decode(head_dim=128, dtype=dtype, page_size=page_size, knobs=knobs)
+        k_cache, v_cache, table = make_cache(len(lengths), capacity, 8, 128, dtype, "cuda", page_size)
+        index = table if page_size else kernel.batch_rows(len(lengths), torch.device("cuda"))
+        for seqlen_q, causal in [(1, False), (5, True)]:
+            q = random_q(len(lengths), seqlen_q, 32, 128, dtype, "cuda")
+            results = [kernel(q, k_cache, v_cache, lengths.cuda(), index, num_splits=n, causal=causal, out=poisoned(q))
+                       for n in (1, 4)]
+            check_decode(*results[0], q, k_cache, v_cache, lengths, causal=causal, block_table=table, more=results[1:])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim,dtype,heads", [(64, torch.bfloat16, (8, 2)), (256, torch.float16, (8, 2)),
+                                                  (96, torch.float16, (4, 4)), (32, torch.bfloat16, (8, 1)),
+                                                  (128, torch.float32, (64, 8))], ids=str)
+def test_other_head_dims_and_dtypes_on_the_gpu(head_dim, dtype, heads):
+    capacity = 300
+    lengths = torch.tensor([300, 1, 129], dtype=torch.int32)
+    k_cache, v_cache, table = make_cache(len(lengths), capacity, heads[1], head_dim, dtype, "cuda", page_size=32)
+    q = random_q(len(lengths), 2, heads[0], head_dim, dtype, "cuda")
+    results = [tvmflash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths.cuda(), block_table=table,
+                                                causal=True, num_splits=n, return_softmax_lse=True) for n in (0, 3)]
+    check_decode(*results[0], q, k_cache, v_cache, lengths, causal=True, block_table=table, more=results[1:])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [0, 64], ids=["contiguous", "paged64"])
+def test_cuda_graph_replays_with_new_lengths(page_size):
+    """A decode step (append one token's k/v, attend) captured once in a CUDA graph, replayed as
+    cache_seqlens moves on (in place, ragged, and back to 0): each replay matches the reference over
+    the cache as it then is."""
+    dtype, batch, capacity, heads_q, heads_kv = torch.bfloat16, 3, 700, 32, 8
+    k_cache, v_cache, table = make_cache(batch, capacity, heads_kv, 128, dtype, "cuda", page_size)
+    cache_seqlens = torch.tensor([0, 100, 200], dtype=torch.int32, device="cuda")
+    q = random_q(batch, 1, heads_q, 128, dtype, "cuda")
+    k_new, v_new = (random_q(batch, 1, heads_kv, 128, dtype, "cuda", seed=s) for s in (3, 4))
+
+    def step():
+        return tvmflash.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=cache_seqlens,
+                                                block_table=table, return_softmax_lse=True)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # build and warm up outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out, lse = step()
+    torch.cuda.current_stream().wait_stream(stream)
+    for lengths in ([1, 2, 3], [5, 300, 698], [699, 0, 64]):
+        cache_seqlens.copy_(torch.tensor(lengths, dtype=torch.int32))
+        q.copy_(random_q(batch, 1, heads_q, 128, dtype, "cuda", seed=sum(lengths)))
+        k_new.copy_(random_q(batch, 1, heads_kv, 128, dtype, "cuda", seed=sum(lengths) + 1))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for b, length in enumerate(lengths):  # the appended token is in the cache
+            assert torch.equal(sequence_kv(k_cache, v_cache, b, capacity, table)[0][0, length], k_new[b, 0])
+        check_decode(out, lse, q, k_cache, v_cache, torch.tensor(lengths) + 1, causal=False, block_table=table)
+
+
+@pytest.mark.gpu
+def test_gpu_decode_never_rebuilds(monkeypatch):
+    k_cache, v_cache, _ = make_cache(8, 4096, 8, 128, torch.bfloat16, "cuda")
+    q = random_q(8, 1, 32, 128, torch.bfloat16, "cuda")
+    tvmflash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=5)
+    monkeypatch.setattr(lowering, "build", lambda *a, **k: pytest.fail("a decode step built a module"))
+    for length in (1, 4095, 4096, 17):
+        lengths = torch.full((8,), length, dtype=torch.int32, device="cuda")
+        out, lse = tvmflash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, return_softmax_lse=True)
+        check_decode(out, lse, q, k_cache, v_cache, lengths.cpu(), causal=False)
+    assert math.isfinite(float(lse[0, 0, 0]))
+
+
+def test_a_pipelined_loop_over_a_loaded_count_gets_it_bound_first():
+    """lowering.passes.BindLoadedPipelineExtents: a loop marked for the software pipeline whose trip
+    count is read from a buffer runs over a variable bound to that value; other loops stay as they
+    are."""
+    import tvm
+    from tvm import tirx
+    from tvm.script import tirx as T
+
+    from tvmflash.lowering import passes
+
+    @T.prim_func
+    def loops(n: T.Buffer((1,), "int32"), a: T.Buffer((64,), "float32"), m: T.int32):
+        for i in T.serial(n[0], annotations={"software_pipeline_stage": [0, 1]}):
+            a[i] = T.float32(1)
+        for j in T.serial(n[0]):
+            a[j] = T.float32(2)
+        for k in T.serial(m, annotations={"software_pipeline_stage": [0, 1]}):
+            a[k] = T.float32(3)
+
+    body = passes.BindLoadedPipelineExtents()(tvm.IRModule({"main": loops}))["main"].body
+    stmts = list(body.seq)
+    assert isinstance(stmts[0], tirx.Bind) and stmts[1].extent.same_as(stmts[0].var)
+    def loads(expr):
+        return type(expr).__name__ in ("TensorLoad", "BufferLoad") and expr.source.name == "n"
+
+    assert loads(stmts[0].value) and str(stmts[1].loop_var) == "i"
+    assert loads(stmts[2].extent) and str(stmts[3].extent) == "m"

@@ -1,0 +1,404 @@
+"""Decode over a KV cache (Flash-Decoding): ``flash_attn_with_kvcache`` and the kernel behind it.
+
+``DecodeKernel`` builds the two programs of ``tvmflash.program_decode`` (the split kernel and the
+merge) into one module per (head counts, cache layout), cached in memory and on disk as the forward's
+``Kernel`` (whose machinery it shares), and calls them on torch tensors through DLPack.
+``flash_attn_with_kvcache`` is flash-attn 2's API on top of it: it appends new keys and values to the
+cache in place, picks the split count, and returns the output (and the LSE).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import tvm
+
+from tvmflash import cache, lowering, program, program_decode
+from tvmflash import schedules as schedule_registry
+from tvmflash import target as targets
+from tvmflash.kernel import TORCH_DTYPES, Kernel, build_options, dtype_name, resolve_softmax_scale
+from tvmflash.program_decode import DecodeSpec
+
+# num_splits=0 never picks more splits than this (each split adds a partial output to write and merge).
+MAX_AUTO_SPLITS = 64
+# Splits a caller may ask for: the split kernel indexes tiles with split * tiles in int32.
+MAX_SPLITS = 1024
+_INT32_MAX = 2**31 - 1
+
+
+class DecodeKernel(Kernel):
+    """Flash-Decoding for one (head_dim, dtype, cache layout, target).
+
+    Call it on torch tensors (checked; see ``program_decode`` for the layouts)::
+
+        out, lse = kernel(q, k_cache, v_cache, lengths, index, num_splits=4)
+
+    q: (batch, seqlen_q, heads_q, head_dim); k_cache, v_cache: (cache_batch, cache_len, heads_kv,
+    head_dim) contiguous, or (num_pages, page_size, heads_kv, head_dim) paged; lengths: int32
+    (batch,), the keys each sequence attends to; index: int32, the cache row of each sequence
+    (batch,), or the block table (batch, pages_per_seq) when paged. out has q's shape and dtype, lse
+    is float32 (batch, heads_q, seqlen_q). Lengths are read on the device: every length, batch,
+    seqlen_q and split count runs the same module, and a call captured in a CUDA graph replays with
+    the lengths the tensor holds then. causal is an argument of the call, not of the module. Each new
+    pair of head counts builds (or loads) one module, with the functions ``split`` and ``merge``.
+    """
+
+    PASS = "decode"
+
+    def __init__(self, head_dim: int, dtype: str, page_size: int, target: tvm.target.Target, knobs: dict | None):
+        self._set_problem({"head_dim": head_dim, "dtype": dtype, "causal": False}, target)
+        self.page_size = page_size
+        # The CPU's schedule, or the SIMT CUDA one on every GPU, as for the backward: decode is bound by
+        # memory, not arithmetic, and needs no tensor cores.
+        self.schedule = schedule_registry.backward_for_target(target, dtype)
+        self.schedule_source = "the target's"
+        name = schedule_registry.name_of(self.schedule)
+        unknown = set(knobs or {}) - set(self.schedule.DECODE_KNOBS)
+        if unknown:
+            raise ValueError(f"knobs: {sorted(unknown)} are not decode knobs of the {name} schedule; it has "
+                             f"{sorted(self.schedule.DECODE_KNOBS)}")
+        self.knobs = {**self.schedule.DECODE_KNOBS, **(knobs or {})}
+        self.knobs_source = "given" if knobs else "defaults"
+        problem = getattr(self.schedule, "decode_knob_problem", lambda *a: None)(head_dim, dtype, self.knobs)
+        if problem:
+            raise ValueError(f"knobs: {problem}")
+        limit = target.attrs.get("max_shared_memory_per_block") if targets.is_cuda(target) else None
+        need = self.schedule.decode_shared_memory_bytes(head_dim, dtype, self.knobs) if limit else 0
+        if limit and need > int(limit):
+            raise ValueError(f"knobs: {self.knobs} need {need / 1024:.0f} KiB of shared memory, "
+                             f"{targets.describe(target)} allows {int(limit) / 1024:.0f} KiB; try a smaller block_n")
+        self._modules = {}
+        self._last = None
+        self._rows: dict[tuple[int, torch.device], torch.Tensor] = {}  # arange(batch) per device: cache rows
+
+    # ----------------------------------------------------------------- building (Kernel's, with these)
+    def _spec(self, heads_q: int, heads_kv: int) -> DecodeSpec:
+        return DecodeSpec(self.head_dim, self.dtype, heads_q, heads_kv, self.page_size)
+
+    def _code(self) -> str:
+        return cache.source_digest(program, program_decode, self.schedule, schedule_registry.common, *lowering.MODULES)
+
+    def _key(self, spec: DecodeSpec) -> str:
+        return cache.digest({"pass": self.PASS, "like the forward's": super()._key(spec)})
+
+    def _scheduled(self, spec: DecodeSpec) -> tvm.s_tir.Schedule:
+        """The two programs, ``split`` and ``merge``, in one module, scheduled."""
+        split = program_decode.decode_split(spec, self.knobs["query_tokens"], self.knobs["block_n"])
+        merge = program_decode.decode_merge(spec)
+        mod = tvm.IRModule({"split": split.with_attr("global_symbol", "split"),
+                            "merge": merge.with_attr("global_symbol", "merge")})
+        return self.schedule.schedule_decode(tvm.s_tir.Schedule(mod), **self.knobs)
+
+    def _build_options(self) -> dict:
+        return {**build_options(self.schedule), "pass_config": getattr(self.schedule, "DECODE_PASS_CONFIG", {})}
+
+    def _entry(self, module):
+        return {"split": module["split"], "merge": module["merge"]}
+
+    def info(self) -> dict:
+        return {**super().info(), "pass": self.PASS, "causal": "per call", "page_size": self.page_size}
+
+    def __repr__(self) -> str:
+        layout = f"paged {self.page_size}" if self.page_size else "contiguous"
+        return (f"tvmflash.DecodeKernel(head_dim={self.head_dim}, dtype={self.dtype}, {layout}, "
+                f"target={targets.describe(self.target)!r})")
+
+    def query_blocks(self, seqlen_q: int) -> int:
+        return -(-seqlen_q // self.knobs["query_tokens"])
+
+    def auto_num_splits(self, batch: int, heads_kv: int, seqlen_q: int, max_keys: int, device: torch.device) -> int:
+        """The split count for ``num_splits=0``, from static shapes only (so that a CUDA graph's
+        buffers fit every replay): enough tasks to fill the device (``choose_num_splits``)."""
+        if device.type == "cuda":
+            slots = _sm_count(device) * self.schedule.decode_tasks_per_sm(self.head_dim, self.dtype, self.knobs)
+        else:
+            slots = torch.get_num_threads() * self.schedule.decode_tasks_per_core(self.knobs)
+        tiles = -(-max_keys // self.knobs["block_n"])
+        return choose_num_splits(batch * heads_kv * self.query_blocks(seqlen_q), tiles, slots)
+
+    def __call__(self, q, k_cache, v_cache, lengths, index, *, num_splits: int = 0, softmax_scale=None,
+                 causal: bool = False, out=None):
+        """(out, lse) of q over the cache; see the class docstring. num_splits=0 picks the count."""
+        self.check_inputs(q, k_cache, v_cache, lengths, index, out)
+        if not q.is_contiguous():
+            q = q.contiguous()
+        batch, seqlen_q, heads_q, _ = q.shape
+        heads_kv = k_cache.shape[2]
+        softmax_scale = resolve_softmax_scale(softmax_scale, self.head_dim)
+        if not isinstance(num_splits, int) or isinstance(num_splits, bool) or not 0 <= num_splits <= MAX_SPLITS:
+            raise ValueError(f"num_splits: expected an int from 0 (automatic) to {MAX_SPLITS}, got {num_splits!r}")
+        if num_splits == 0:
+            capacity = index.shape[1] * self.page_size if self.page_size else k_cache.shape[1]
+            num_splits = self.auto_num_splits(batch, heads_kv, seqlen_q, capacity, q.device)
+        if out is None:
+            out = torch.empty_like(q)
+        lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device)
+        module = self.module(heads_q, heads_kv)
+        if module.function is None:
+            raise RuntimeError(f"this {targets.describe(self.target)} kernel was cross-compiled: there is no GPU "
+                               "here to run it on")
+        if out.numel() and not (k_cache.numel() and index.numel() if self.page_size else k_cache.numel()):
+            out.zero_()  # an empty cache: no key for anyone (and no tensor for the kernel to clamp into)
+            lse.fill_(-math.inf)
+        elif out.numel():
+            o_part = torch.empty((num_splits, batch, seqlen_q, heads_q, self.head_dim), dtype=torch.float32,
+                                 device=q.device)
+            lse_part = torch.empty((num_splits, batch, seqlen_q, heads_q), dtype=torch.float32, device=q.device)
+            module.function["split"](q, k_cache, v_cache, lengths, index, o_part, lse_part, softmax_scale,
+                                     int(bool(causal)))
+            module.function["merge"](o_part, lse_part, out, lse)
+        return out, lse
+
+    def check_inputs(self, q, k_cache, v_cache, lengths, index, out) -> None:
+        for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("cache_seqlens", lengths),
+                        ("block_table" if self.page_size else "cache_batch_idx", index)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        want = TORCH_DTYPES[self.dtype]
+        for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+            if t.dtype != want:
+                raise TypeError(f"{name}: expected dtype {want} (the kernel was compiled for {self.dtype}), got {t.dtype}")
+            if t.dim() != 4:
+                raise ValueError(f"{name}: expected 4 dims, got shape {tuple(t.shape)}")
+            if t.shape[3] != self.head_dim:
+                raise ValueError(f"{name}: expected head_dim {self.head_dim} in the last dim, got shape {tuple(t.shape)}")
+        if k_cache.shape != v_cache.shape:
+            raise ValueError(f"v_cache: expected the shape of k_cache {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
+        heads_kv = k_cache.shape[2]
+        if heads_kv == 0 or q.shape[2] % heads_kv:
+            raise ValueError(f"q: expected heads_q ({q.shape[2]}) to be a multiple of the cache's heads_kv ({heads_kv})")
+        if self.page_size and k_cache.shape[1] != self.page_size:
+            raise ValueError(f"k_cache: expected pages of {self.page_size} rows (num_pages, page_size, heads_kv, "
+                             f"head_dim), got shape {tuple(k_cache.shape)}")
+        batch = q.shape[0]
+        index_shape = "(batch, pages_per_seq)" if self.page_size else "(batch,)"
+        index_name = "block_table" if self.page_size else "cache_batch_idx"
+        if lengths.dtype != torch.int32 or lengths.shape != (batch,):
+            raise ValueError(f"cache_seqlens: expected int32 of shape ({batch},), got {lengths.dtype} of shape "
+                             f"{tuple(lengths.shape)}")
+        if index.dtype != torch.int32 or index.dim() != (2 if self.page_size else 1) or index.shape[0] != batch:
+            raise ValueError(f"{index_name}: expected int32 of shape {index_shape} with batch {batch}, got "
+                             f"{index.dtype} of shape {tuple(index.shape)}")
+        cuda = targets.is_cuda(self.target)
+        for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("cache_seqlens", lengths),
+                        (index_name, index)):
+            if t.device != q.device:
+                raise ValueError(f"{name}: expected device {q.device} (q's), got {t.device}")
+            if t.numel() > _INT32_MAX:
+                raise ValueError(f"{name}: tensors of more than 2**31 elements are not supported, got shape "
+                                 f"{tuple(t.shape)}")
+        if q.device.type != ("cuda" if cuda else "cpu"):
+            raise ValueError(f"q: the kernel was built for {targets.describe(self.target)}, got a tensor on {q.device}")
+        for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("cache_seqlens", lengths), (index_name, index)):
+            if not t.is_contiguous():  # the cache is written in place: never copied behind the caller's back
+                raise ValueError(f"{name}: expected a contiguous tensor, got strides {t.stride()}")
+        if q.numel() and q.stride(3) != 1:
+            raise ValueError(f"q: expected a contiguous last dim (stride 1), got strides {q.stride()}")
+        if cuda:
+            for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+                if t.data_ptr() % 16:
+                    raise ValueError(f"{name}: expected a 16-byte aligned data pointer, got {t.data_ptr():#x}")
+        if out is not None and (not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype
+                                or out.device != q.device or not out.is_contiguous()):
+            raise ValueError(f"out: expected a contiguous tensor of q's shape {tuple(q.shape)}, dtype and device, got "
+                             f"{getattr(out, 'shape', out)!r}")
+
+    def batch_rows(self, batch: int, device: torch.device) -> torch.Tensor:
+        """int32 [0, 1, ..., batch - 1] on ``device`` (the cache rows when no cache_batch_idx is given), kept."""
+        rows = self._rows.get((batch, device))
+        if rows is None:
+            rows = self._rows[(batch, device)] = torch.arange(batch, dtype=torch.int32, device=device)
+        return rows
+
+
+def choose_num_splits(tasks: int, tiles: int, slots: int, max_splits: int = MAX_AUTO_SPLITS) -> int:
+    """Splits of each task's keys so that tasks * splits fill ``slots`` (the tasks the device runs at
+    once) in waves that waste little: flash-attn's rule, the fewest splits whose wave efficiency
+    (waves / ceil(waves)) is within 85% of the best, at most ``max_splits`` and at most ``tiles``
+    (the K/V tiles of the longest sequence: a split with none would only write -inf)."""
+    if tasks <= 0 or tiles <= 1 or tasks >= 0.8 * slots:
+        return 1
+    candidates = range(1, max(1, min(max_splits, tiles, slots)) + 1)
+
+    def efficiency(splits):
+        waves = tasks * splits / slots
+        return waves / math.ceil(waves)
+
+    best = max(efficiency(s) for s in candidates)
+    return next(s for s in candidates if efficiency(s) >= 0.85 * best)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+_KERNELS: dict[str, DecodeKernel] = {}
+
+
+def compile_decode(*, head_dim: int, dtype, page_size: int = 0, target=None, knobs: dict | None = None,
+                   heads_q: int | None = None, heads_kv: int | None = None) -> DecodeKernel:
+    """Compile Flash-Decoding and return a :class:`DecodeKernel` (cached in memory; modules on disk).
+
+    page_size: 0 for a contiguous cache, else the paged cache's rows per page (a power of two >= 16).
+    target, knobs: as ``tvmflash.compile`` (knobs of the schedule's ``DECODE_KNOBS``). heads_q /
+    heads_kv: build for these head counts now.
+    """
+    dtype = dtype_name(dtype)
+    DecodeSpec(head_dim, dtype, 1, 1, page_size)  # validates head_dim, dtype and page_size
+    resolved = targets.resolve(target)
+    key = cache.digest([head_dim, dtype, page_size, str(resolved), knobs])
+    kernel = _KERNELS.get(key)
+    if kernel is None:
+        kernel = _KERNELS[key] = DecodeKernel(head_dim, dtype, page_size, resolved, knobs)
+    if heads_q is not None:
+        kernel.module(heads_q, heads_kv if heads_kv is not None else heads_q)
+    return kernel
+
+
+_BY_DEVICE: dict[tuple, DecodeKernel] = {}  # (device, dtype, head_dim, page_size) -> kernel: no hashing per call
+
+
+def kernel_for(device: torch.device, dtype: torch.dtype, head_dim: int, page_size: int) -> DecodeKernel:
+    """The decode kernel for tensors on ``device`` (compiled on first use, then kept)."""
+    key = (device, dtype, head_dim, page_size)
+    kernel = _BY_DEVICE.get(key)
+    if kernel is None:
+        if device.type == "cuda":
+            target = targets.cuda_device_target(device.index)
+        elif device.type == "cpu":
+            target = "cpu"
+        else:
+            raise ValueError(f"q: expected a CPU or CUDA tensor, got one on {device}")
+        kernel = _BY_DEVICE[key] = compile_decode(head_dim=head_dim, dtype=dtype, page_size=page_size, target=target)
+    return kernel
+
+
+def _not_implemented(option: str, value) -> NotImplementedError:
+    return NotImplementedError(f"flash_attn_with_kvcache: {option}={value!r} is not implemented yet in tvmflash")
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
+                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+    """Attention of q over a KV cache, with flash-attn 2's arguments and semantics.
+
+    q: (batch, seqlen_q, heads_q, head_dim): one token a sequence for decode, a few for chunked
+    prefill or speculative decoding (causal within the chunk with ``causal=True``: query token t of
+    seqlen_q sees the keys up to cache length - seqlen_q + t, bottom-right).
+    k_cache, v_cache: (cache_batch, cache_len, heads_kv, head_dim), or with ``block_table``
+    (num_pages, page_size, heads_kv, head_dim), page_size a power of two >= 16; heads_q a multiple
+    of heads_kv (GQA/MQA). Contiguous, q's dtype (fp16, bf16 or fp32) and device.
+    k, v (optional, both or neither): (batch, seqlen_new, heads_kv, head_dim), written into the cache
+    in place at positions cache_seqlens[b] ... cache_seqlens[b] + seqlen_new - 1 before attending;
+    the attention then sees cache_seqlens + seqlen_new keys. ``cache_seqlens`` itself is not
+    updated (as in flash-attn).
+    cache_seqlens: int, or int32 (batch,): the keys each sequence has in the cache; None: the whole
+    cache (cache_len, or pages_per_seq * page_size). Read on the device: a new length never
+    recompiles, and a CUDA graph replays with the values the tensor holds at replay.
+    cache_batch_idx: int32 (batch,): the cache row of each sequence (contiguous cache only); None
+    means row b for sequence b.
+    block_table: int32 (batch, pages_per_seq): the pages of each sequence, in order.
+    softmax_scale: defaults to 1 / sqrt(head_dim). num_splits: 0 picks the split count of the keys
+    (Flash-Decoding) from the shapes and the device; 1 does not split; n uses n.
+    return_softmax_lse: also return the LSE, float32 (batch, heads_q, seqlen_q).
+
+    Returns out (q's shape and dtype), or (out, lse). A query that sees no key gets 0 and an LSE of
+    -inf. On the CPU, lengths and indices outside the cache are a ValueError; on a GPU they are not
+    checked (that would wait for the device): the kernel clamps them to the cache, so it never reads
+    outside it.
+
+    Not implemented yet (NotImplementedError): rotary_cos/rotary_sin, cache_leftpad, window_size
+    other than (-1, -1), softcap other than 0, alibi_slopes.
+    """
+    if rotary_cos is not None or rotary_sin is not None:
+        raise _not_implemented("rotary_cos" if rotary_cos is not None else "rotary_sin", "<tensor>")
+    if cache_leftpad is not None:
+        raise _not_implemented("cache_leftpad", "<tensor>")
+    if tuple(window_size) != (-1, -1):
+        raise _not_implemented("window_size", tuple(window_size))
+    if softcap != 0.0:
+        raise _not_implemented("softcap", softcap)
+    if alibi_slopes is not None:
+        raise _not_implemented("alibi_slopes", "<tensor>")
+    for name, flag in (("causal", causal), ("return_softmax_lse", return_softmax_lse),
+                       ("rotary_interleaved", rotary_interleaved)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name}: expected True or False, got {flag!r}")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name}: expected 4 dims, got shape {tuple(t.shape)}")
+    batch, device = q.shape[0], q.device
+    paged = block_table is not None
+    if paged and cache_batch_idx is not None:
+        raise ValueError("cache_batch_idx: a paged cache (block_table) takes no cache_batch_idx; its block table "
+                         "names each sequence's pages")
+    if paged and (not isinstance(block_table, torch.Tensor) or block_table.dim() != 2):
+        raise ValueError(f"block_table: expected an int32 tensor (batch, pages_per_seq), got "
+                         f"{getattr(block_table, 'shape', block_table)!r}")
+    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+
+    if cache_seqlens is None:
+        cache_seqlens = capacity
+    if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=device)
+    if not isinstance(cache_seqlens, torch.Tensor):
+        raise TypeError(f"cache_seqlens: expected an int or an int32 tensor, got {type(cache_seqlens).__name__}")
+    kernel = kernel_for(device, q.dtype, q.shape[-1], k_cache.shape[1] if paged else 0)
+    index = block_table if paged else cache_batch_idx if cache_batch_idx is not None else kernel.batch_rows(batch, device)
+    # Check the cache arguments before anything is written to the cache.
+    kernel.check_inputs(q, k_cache, v_cache, cache_seqlens, index, None)
+
+    new = 0
+    if (k is None) != (v is None):
+        raise ValueError(f"{'v' if k is not None else 'k'}: expected k and v both or neither, got only "
+                         f"{'k' if k is not None else 'v'}")
+    if k is not None:
+        want = (batch, k.shape[1] if isinstance(k, torch.Tensor) and k.dim() == 4 else -1, *k_cache.shape[2:])
+        for name, t in (("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 4 or tuple(t.shape) != want:
+                raise ValueError(f"{name}: expected shape (batch, seqlen_new, heads_kv, head_dim) = {want}, got "
+                                 f"{getattr(t, 'shape', t)!r}")
+            if t.dtype != k_cache.dtype or t.device != device:
+                raise ValueError(f"{name}: expected the cache's dtype {k_cache.dtype} and device {device}, got "
+                                 f"{t.dtype} on {t.device}")
+        new = k.shape[1]
+    if device.type == "cpu":  # checking on a GPU would wait for it: there the kernel clamps instead
+        _check_cache_values(cache_seqlens, new, capacity, index, paged, k_cache.shape[0])
+    if new:
+        _append(k_cache, v_cache, k, v, cache_seqlens, index, paged)
+        lengths = cache_seqlens + new
+    else:
+        lengths = cache_seqlens
+    out, lse = kernel(q, k_cache, v_cache, lengths, index, num_splits=num_splits, softmax_scale=softmax_scale,
+                      causal=causal)
+    return (out, lse) if return_softmax_lse else out
+
+
+def _check_cache_values(cache_seqlens, new, capacity, index, paged, cache_rows) -> None:
+    """Lengths and indices within the cache (CPU tensors: this reads their values)."""
+    if cache_seqlens.numel() and (cache_seqlens.min() < 0 or cache_seqlens.max() + new > capacity):
+        raise ValueError(f"cache_seqlens: expected lengths from 0 to the cache's {capacity} keys"
+                         + (f" less the {new} new ones" if new else "") + f", got {cache_seqlens.tolist()}")
+    if index.numel() and (index.min() < 0 or index.max() >= cache_rows):
+        name, what = ("block_table", "page") if paged else ("cache_batch_idx", "cache row")
+        raise ValueError(f"{name}: expected {what} indices from 0 to {cache_rows - 1}, got values from "
+                         f"{index.min().item()} to {index.max().item()}")
+
+
+def _append(k_cache, v_cache, k, v, cache_seqlens, index, paged) -> None:
+    """Write k, v (batch, seqlen_new, heads_kv, head_dim) into the caches at cache_seqlens[b] + i, in
+    place (torch indexing: no host sync, so a CUDA graph captures it)."""
+    positions = cache_seqlens.long()[:, None] + torch.arange(k.shape[1], device=k.device)  # (batch, seqlen_new)
+    if paged:
+        page_size = k_cache.shape[1]
+        rows = (index.long().gather(1, positions // page_size), positions % page_size)
+    else:
+        rows = (index.long()[:, None], positions)
+    k_cache[rows] = k
+    v_cache[rows] = v

@@ -1,0 +1,334 @@
+"""Flash-Decoding as two TensorIR programs: attention of a few query tokens over a KV cache, with the
+keys split over several thread blocks (tasks), and the merge of the splits' partial results.
+
+This file states *what* is computed; ``schedules/`` (``schedule_decode`` of ``cpu.py`` and ``cuda.py``)
+map it onto hardware by its block names (``load_q``, ``load_k``, ``qk``, ``row_max``, ``pv``, ...).
+
+Layout (flash-attn's ``flash_attn_with_kvcache``):
+    q:            (batch, seqlen_q, heads_q, head_dim)          dtype
+    k/v cache:    (cache_batch, cache_len, heads_kv, head_dim)  dtype   contiguous
+                  (num_pages, page_size, heads_kv, head_dim)    dtype   paged
+    lengths:      (batch,)                                       int32   keys each sequence has
+    index:        (batch,)               int32   contiguous: the cache row of each sequence
+                  (batch, pages_per_seq) int32   paged: the block table
+    o_part:       (num_splits, batch, seqlen_q, heads_q, head_dim)   float32  normalised per split
+    lse_part:     (num_splits, batch, seqlen_q, heads_q)             float32  natural log, per split
+    out:          (batch, seqlen_q, heads_q, head_dim)           dtype
+    lse:          (batch, heads_q, seqlen_q)                     float32  natural log
+
+batch, seqlen_q, num_splits and the cache's sizes are symbolic, and each sequence's length is read
+from ``lengths`` in the kernel: one built module serves every length, batch and split count (a decode
+step of a new length never recompiles, and a CUDA graph replays as the lengths change). head_dim, the
+head counts, dtype, the cache's layout (contiguous, or paged with its page size) and the tile sizes
+are static. causal is an argument: with one query token it changes nothing, so one module serves both.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+from tvm.script import tirx as T
+
+from tvmflash.program import LOG2E, NO_MAX, RESCALE_THRESHOLD, AttentionSpec
+
+
+@dataclass(frozen=True)
+class DecodeSpec:
+    """The static part of a decode problem: one built module per spec (and per tile sizes)."""
+
+    head_dim: int
+    dtype: str
+    heads_q: int
+    heads_kv: int
+    page_size: int = 0  # 0: a contiguous cache; else the paged cache's rows per page (a power of two >= 16)
+    causal: ClassVar[bool] = False  # an argument of the call, not of the module (one module serves both)
+
+    def __post_init__(self):
+        AttentionSpec(self.head_dim, self.dtype, False, self.heads_q, self.heads_kv)  # the forward's checks
+        if self.page_size and (self.page_size < 16 or self.page_size & (self.page_size - 1)):
+            raise ValueError(f"page_size: expected a power of two >= 16, got {self.page_size}")
+
+    @property
+    def group(self) -> int:
+        """Query heads that share one K/V head (GQA)."""
+        return self.heads_q // self.heads_kv
+
+
+def decode_split(spec: DecodeSpec, query_tokens: int, block_n: int):
+    """Return ``main(q, k_cache, v_cache, lengths, index, o_part, lse_part, softmax_scale, causal)``.
+
+    One task per (sequence b, K/V head hk, block qb of ``query_tokens`` query tokens, split s). Its
+    rows are the query heads of hk's GQA group times the block's tokens (row r: token
+    qb * query_tokens + r // group, head hk * group + r % group), so the group's K/V tiles are read
+    once for all its query heads. The sequence's keys (``lengths[b]`` of them; causal: only up to the
+    block's last visible key) form tiles of ``block_n``, divided evenly over the ``num_splits``
+    splits; split s streams its tiles past its rows with the forward's online softmax in base 2
+    (``tvmflash.program``: the running max of the unscaled scores starts at NO_MAX and moves past
+    RESCALE_THRESHOLD only) and writes its normalised output and LSE. A split with no key writes 0
+    and an LSE of -inf, as does a row that sees no key.
+
+    causal (an int32, 0 or 1): query token t of seqlen_q sees key p iff p <= lengths[b] - seqlen_q + t
+    (bottom-right, flash-attn's). Lengths are clamped to the cache's size and cache indices (the batch
+    row, a page) to its extent, so no input reads outside the cache. The cache must hold at least
+    one key (the caller answers an empty one: 0 and an LSE of -inf).
+    """
+    D, QT, BN, PS = spec.head_dim, query_tokens, block_n, spec.page_size
+    HQ, HKV, G = spec.heads_q, spec.heads_kv, spec.group
+    R = QT * G  # rows of a task
+    dtype, f32 = spec.dtype, "float32"
+
+    # Helpers on a task's indices, inlined by TVMScript (they take the buffers and shape variables).
+    def keys(lengths, vb, capacity):  # the sequence's keys, clamped to the cache's capacity
+        return T.min(T.max(lengths[vb], 0), capacity)
+
+    def tiles(n_keys, vqb, seqlen_q, causal):  # K/V tiles the block visits (causal: up to its last key)
+        # min(n_keys, seen by the last token, or n_keys more when not causal): arithmetic, not a select,
+        # so that the lowering's common-subexpression elimination computes it once
+        seen = T.min(n_keys, T.max(0, n_keys - seqlen_q + (vqb + 1) * QT) + (1 - causal) * n_keys)
+        return T.ceildiv(seen, BN)
+
+    def first_tile(n_tiles, vs, num_splits):  # split s visits tiles [first_tile(s), first_tile(s + 1))
+        return vs * n_tiles // num_splits
+
+    def visible(t, p, n_keys, seqlen_q, causal):  # does query token t see key position p?
+        return T.And(p < n_keys, T.Or(causal == 0, p <= n_keys - seqlen_q + t))
+
+    def cache_row(index, vb, cache_rows):  # a contiguous cache's row of sequence vb
+        return T.min(T.max(index[vb], 0), cache_rows - 1)
+
+    def load_kv(cache, index, vb, p, vhk, vd, cache_rows, capacity, row):
+        """Key/value p of sequence vb (contiguous: in cache row ``row``). Read under p < n_keys, but a
+        schedule may compute the address regardless (a zero-filling cp.async does): every index is
+        clamped into its tensor."""
+        p = T.max(T.min(p, capacity - 1), 0)
+        if PS > 0:
+            return cache[T.min(T.max(index[vb, p // PS], 0), cache_rows - 1), p % PS, vhk, vd]
+        return cache[row, p, vhk, vd]
+
+    @T.prim_func(s_tir=True)
+    def main(q_handle: T.handle, k_handle: T.handle, v_handle: T.handle, lengths_handle: T.handle,
+             index_handle: T.handle, o_part_handle: T.handle, lse_part_handle: T.handle,
+             softmax_scale: T.float32, causal: T.int32):
+        T.func_attr({"global_symbol": "main", "tirx.noalias": True})
+        batch, seqlen_q, num_splits = T.int32(), T.int32(), T.int32()
+        cache_rows, cache_len, pages_per_seq = T.int32(), T.int32(), T.int32()
+        Q = T.match_buffer(q_handle, (batch, seqlen_q, HQ, D), dtype)
+        if PS > 0:
+            K = T.match_buffer(k_handle, (cache_rows, PS, HKV, D), dtype)
+            V = T.match_buffer(v_handle, (cache_rows, PS, HKV, D), dtype)
+            Index = T.match_buffer(index_handle, (batch, pages_per_seq), "int32")
+        else:
+            K = T.match_buffer(k_handle, (cache_rows, cache_len, HKV, D), dtype)
+            V = T.match_buffer(v_handle, (cache_rows, cache_len, HKV, D), dtype)
+            Index = T.match_buffer(index_handle, (batch,), "int32")
+        Lengths = T.match_buffer(lengths_handle, (batch,), "int32")
+        OPart = T.match_buffer(o_part_handle, (num_splits, batch, seqlen_q, HQ, D), f32)
+        LSEPart = T.match_buffer(lse_part_handle, (num_splits, batch, seqlen_q, HQ), f32)
+
+        for b, hk, qb, s in T.grid(batch, HKV, T.ceildiv(seqlen_q, QT), num_splits):
+            with T.sblock("tile"):
+                vb, vhk, vqb, vs = T.axis.remap("SSSS", [b, hk, qb, s])
+                Qt = T.sblock_alloc_buffer((R, D), f32)  # the task's query rows, zero-padded, in float32
+                S = T.sblock_alloc_buffer((R, BN), f32)  # Q Kᵀ of one tile, unscaled
+                Sm = T.sblock_alloc_buffer((R, BN), f32)  # S masked (invisible keys -inf)
+                P = T.sblock_alloc_buffer((R, BN), f32)  # exp2((S - running max) * scale2)
+                m = T.sblock_alloc_buffer((R,), f32)  # running max of the unscaled scores
+                m_tile = T.sblock_alloc_buffer((R,), f32)
+                m_new = T.sblock_alloc_buffer((R,), f32)
+                alpha = T.sblock_alloc_buffer((R,), f32)
+                # Running sums of P, one per key slot of a tile, rescaled with the row's max: summed over
+                # the slots once, after the last tile (one reduction across a row a split, not one a tile).
+                l_keys = T.sblock_alloc_buffer((R, BN), f32)
+                l_keys_new = T.sblock_alloc_buffer((R, BN), f32)  # (a block can't read what it writes)
+                l = T.sblock_alloc_buffer((R,), f32)  # running sum of P
+                acc = T.sblock_alloc_buffer((R, D), f32)  # unnormalised output
+                l_inv = T.sblock_alloc_buffer((R,), f32)
+                scale2 = T.sblock_alloc_buffer((1,), f32)
+                bounds = T.sblock_alloc_buffer((3,), "int32")  # sequence's keys, split's first tile, cache row
+
+                with T.sblock("init_scale"):
+                    scale2[0] = softmax_scale * T.float32(LOG2E)
+                for r, d in T.grid(R, D):
+                    with T.sblock("load_q"):
+                        vr, vd = T.axis.remap("SS", [r, d])
+                        Qt[vr, vd] = T.if_then_else(
+                            vqb * QT + vr // G < seqlen_q,
+                            T.cast(Q[vb, vqb * QT + vr // G, vhk * G + vr % G, vd], f32),
+                            T.float32(0))
+                for r in range(R):
+                    with T.sblock("init_m"):
+                        vr = T.axis.spatial(R, r)
+                        m[vr] = T.float32(NO_MAX)
+                for r, j in T.grid(R, BN):
+                    with T.sblock("init_l"):
+                        vr, vj = T.axis.remap("SS", [r, j])
+                        l_keys[vr, vj] = T.float32(0)
+                for r, d in T.grid(R, D):
+                    with T.sblock("init_acc"):
+                        vr, vd = T.axis.remap("SS", [r, d])
+                        acc[vr, vd] = T.float32(0)
+
+                # The task's keys and K/V tiles (split vs: tiles first .. first + n_steps - 1). The keys
+                # and the first tile are read once, into registers; the trip count stays an expression of
+                # the lengths (a software pipeline over the tiles needs it bound to a variable before it
+                # runs, lowering.passes.BindLoadedPipelineExtents, and that of the inputs only).
+                capacity = T.meta_var(pages_per_seq * PS if PS > 0 else cache_len)
+                n_tiles = T.meta_var(tiles(keys(Lengths, vb, capacity), vqb, seqlen_q, causal))
+                with T.sblock("split_range"):
+                    bounds[0] = keys(Lengths, vb, capacity)
+                    bounds[1] = first_tile(n_tiles, vs, num_splits)
+                    bounds[2] = cache_row(Index, vb, cache_rows) if PS == 0 else 0
+                n_keys = T.meta_var(bounds[0])
+                first = T.meta_var(bounds[1])
+                row = T.meta_var(bounds[2])
+                n_steps = T.meta_var(first_tile(n_tiles, vs + 1, num_splits) - first_tile(n_tiles, vs, num_splits))
+                for kb in range(n_steps):
+                    with T.sblock("kv_step"):
+                        vkb = T.axis.opaque(n_steps, kb)
+                        tile = T.meta_var(first + vkb)  # the tile's index in the sequence
+                        Kt = T.sblock_alloc_buffer((BN, D), dtype)  # one K tile, zero-padded
+                        Vt = T.sblock_alloc_buffer((BN, D), dtype)
+                        for j, d in T.grid(BN, D):
+                            with T.sblock("load_k"):
+                                vj, vd = T.axis.remap("SS", [j, d])
+                                Kt[vj, vd] = T.if_then_else(
+                                    tile * BN + vj < n_keys,
+                                    load_kv(K, Index, vb, tile * BN + vj, vhk, vd, cache_rows, capacity, row),
+                                    T.cast(0, dtype))
+                        for j, d in T.grid(BN, D):
+                            with T.sblock("load_v"):
+                                vj, vd = T.axis.remap("SS", [j, d])
+                                Vt[vj, vd] = T.if_then_else(
+                                    tile * BN + vj < n_keys,
+                                    load_kv(V, Index, vb, tile * BN + vj, vhk, vd, cache_rows, capacity, row),
+                                    T.cast(0, dtype))
+                        for r, j, d in T.grid(R, BN, D):
+                            with T.sblock("qk"):
+                                vr, vj, vd = T.axis.remap("SSR", [r, j, d])
+                                with T.init():
+                                    S[vr, vj] = T.float32(0)
+                                S[vr, vj] = S[vr, vj] + Qt[vr, vd] * T.cast(Kt[vj, vd], f32)
+                        for r, j in T.grid(R, BN):
+                            with T.sblock("score"):  # invisible keys -inf; only edge tiles test
+                                vr, vj = T.axis.remap("SS", [r, j])
+                                if visible(vqb * QT, tile * BN + BN - 1, n_keys, seqlen_q, causal):  # all rows see all keys
+                                    Sm[vr, vj] = S[vr, vj]
+                                else:
+                                    Sm[vr, vj] = T.if_then_else(
+                                        visible(vqb * QT + vr // G, tile * BN + vj, n_keys, seqlen_q, causal), S[vr, vj],
+                                        T.float32(-math.inf))
+                        for r, j in T.grid(R, BN):
+                            with T.sblock("row_max"):
+                                vr, vj = T.axis.remap("SR", [r, j])
+                                with T.init():  # max's identity, so that threads can share the reduction
+                                    m_tile[vr] = T.min_value(f32)
+                                m_tile[vr] = T.max(m_tile[vr], Sm[vr, vj])
+                        for r in range(R):
+                            with T.sblock("alpha"):  # as the forward's (program.py)
+                                vr = T.axis.spatial(R, r)
+                                new_max = T.meta_var(T.if_then_else(
+                                    (m_tile[vr] - m[vr]) * scale2[0] > T.float32(RESCALE_THRESHOLD),
+                                    m_tile[vr], m[vr]))
+                                m_new[vr] = new_max
+                                alpha[vr] = T.exp2((m[vr] - new_max) * scale2[0])
+                        for r, j in T.grid(R, BN):
+                            with T.sblock("exp"):
+                                vr, vj = T.axis.remap("SS", [r, j])
+                                P[vr, vj] = T.exp2(Sm[vr, vj] * scale2[0] - m_new[vr] * scale2[0])
+                        for r, j in T.grid(R, BN):
+                            with T.sblock("sum_p"):
+                                vr, vj = T.axis.remap("SS", [r, j])
+                                l_keys_new[vr, vj] = l_keys[vr, vj] * alpha[vr] + P[vr, vj]
+                        for r, d, j in T.grid(R, D, BN):
+                            with T.sblock("pv"):  # P stays float32: no tensor core to feed
+                                vr, vd, vj = T.axis.remap("SSR", [r, d, j])
+                                with T.init():
+                                    acc[vr, vd] = acc[vr, vd] * alpha[vr]
+                                acc[vr, vd] = acc[vr, vd] + P[vr, vj] * T.cast(Vt[vj, vd], f32)
+                        for r in range(R):
+                            with T.sblock("update_m"):  # m and l move on in blocks of their own
+                                vr = T.axis.spatial(R, r)
+                                m[vr] = m_new[vr]
+                        for r, j in T.grid(R, BN):
+                            with T.sblock("update_l"):
+                                vr, vj = T.axis.remap("SS", [r, j])
+                                l_keys[vr, vj] = l_keys_new[vr, vj]
+
+                for r, j in T.grid(R, BN):
+                    with T.sblock("row_sum"):
+                        vr, vj = T.axis.remap("SR", [r, j])
+                        with T.init():
+                            l[vr] = T.float32(0)
+                        l[vr] = l[vr] + l_keys[vr, vj]
+                for r in range(R):
+                    with T.sblock("inv_l"):
+                        vr = T.axis.spatial(R, r)
+                        l_inv[vr] = T.if_then_else(l[vr] > T.float32(0), T.float32(1) / l[vr], T.float32(0))
+                for r, d in T.grid(R, D):
+                    with T.sblock("store_o"):
+                        vr, vd = T.axis.remap("SS", [r, d])
+                        T.where(vqb * QT + r // G < seqlen_q)
+                        OPart[vs, vb, vqb * QT + vr // G, vhk * G + vr % G, vd] = acc[vr, vd] * l_inv[vr]
+                for r in range(R):
+                    with T.sblock("store_lse"):
+                        vr = T.axis.spatial(R, r)
+                        T.where(vqb * QT + r // G < seqlen_q)
+                        LSEPart[vs, vb, vqb * QT + vr // G, vhk * G + vr % G] = T.if_then_else(
+                            l[vr] > T.float32(0), m[vr] * softmax_scale + T.log(l[vr]), T.float32(-math.inf))
+
+    return main
+
+
+def decode_merge(spec: DecodeSpec):
+    """Return ``main(o_part, lse_part, out, lse)``: the splits' results combined, per (sequence,
+    token, head): lse = log Σ_s exp(lse_s), out = Σ_s exp(lse_s - lse) o_s; a row no split saw a
+    key for gets 0 and an LSE of -inf (never NaN)."""
+    D, HQ, dtype, f32 = spec.head_dim, spec.heads_q, spec.dtype, "float32"
+
+    @T.prim_func(s_tir=True)
+    def main(o_part_handle: T.handle, lse_part_handle: T.handle, out_handle: T.handle, lse_handle: T.handle):
+        T.func_attr({"global_symbol": "main", "tirx.noalias": True})
+        batch, seqlen_q, num_splits = T.int32(), T.int32(), T.int32()
+        OPart = T.match_buffer(o_part_handle, (num_splits, batch, seqlen_q, HQ, D), f32)
+        LSEPart = T.match_buffer(lse_part_handle, (num_splits, batch, seqlen_q, HQ), f32)
+        O = T.match_buffer(out_handle, (batch, seqlen_q, HQ, D), dtype)
+        LSE = T.match_buffer(lse_handle, (batch, HQ, seqlen_q), f32)
+
+        for b, t, h in T.grid(batch, seqlen_q, HQ):
+            with T.sblock("row"):
+                vb, vt, vh = T.axis.remap("SSS", [b, t, h])
+                m = T.sblock_alloc_buffer((1,), f32)  # max of the splits' LSE, 0 if all are -inf
+                total = T.sblock_alloc_buffer((1,), f32)  # Σ_s exp(lse_s - m)
+                acc = T.sblock_alloc_buffer((D,), f32)
+                for s in range(num_splits):
+                    with T.sblock("lse_max"):
+                        vs = T.axis.reduce(num_splits, s)
+                        with T.init():
+                            m[0] = T.float32(-math.inf)
+                        m[0] = T.max(m[0], LSEPart[vs, vb, vt, vh])
+                with T.sblock("finite_max"):  # exp(-inf - -inf) would be NaN
+                    m[0] = T.if_then_else(m[0] == T.float32(-math.inf), T.float32(0), m[0])
+                for s in range(num_splits):
+                    with T.sblock("lse_sum"):
+                        vs = T.axis.reduce(num_splits, s)
+                        with T.init():
+                            total[0] = T.float32(0)
+                        total[0] = total[0] + T.exp(LSEPart[vs, vb, vt, vh] - m[0])
+                for d, s in T.grid(D, num_splits):
+                    with T.sblock("merge_o"):
+                        vd, vs = T.axis.remap("SR", [d, s])
+                        with T.init():
+                            acc[vd] = T.float32(0)
+                        acc[vd] = acc[vd] + T.exp(LSEPart[vs, vb, vt, vh] - m[0]) * OPart[vs, vb, vt, vh, vd]
+                for d in range(D):
+                    with T.sblock("store_o"):
+                        vd = T.axis.spatial(D, d)
+                        O[vb, vt, vh, vd] = T.cast(
+                            T.if_then_else(total[0] > T.float32(0), acc[vd] / total[0], T.float32(0)), dtype)
+                with T.sblock("store_lse"):
+                    LSE[vb, vh, vt] = T.if_then_else(
+                        total[0] > T.float32(0), m[0] + T.log(total[0]), T.float32(-math.inf))
+
+    return main
