@@ -33,7 +33,7 @@ def _print_modules(entries) -> None:
     print(f"cached modules: {len(entries)}")
     for e in entries:
         spec = e.get("spec", {})
-        print(f"  {e.get('key')}  {e.get('schedule')}  d{spec.get('head_dim')} {spec.get('dtype')} "
+        print(f"  {e.get('key')}  {e.get('schedule')} {e.get('pass', 'forward')}  d{spec.get('head_dim')} {spec.get('dtype')} "
               f"{'causal' if spec.get('causal') else 'full'} hq{spec.get('heads_q')}/hkv{spec.get('heads_kv')}  "
               f"{e['bytes'] // 1024} KiB  {e.get('created', '')}")
 
