@@ -433,7 +433,7 @@ class BackwardKernel(Kernel):
         self.dtype = spec_args["dtype"]
         self.causal = spec_args["causal"]
         self.target = target
-        self.schedule = schedule_registry.backward_for_target(target, self.dtype)
+        self.schedule = schedule_registry.backward_for_target(target, self.dtype, self.head_dim)
         self.schedule_source = "the target's"
         schedule_name = schedule_registry.name_of(self.schedule)
         unknown = set(knobs or {}) - set(self.schedule.BACKWARD_KNOBS)
@@ -525,7 +525,8 @@ def compile_backward(*, head_dim: int, dtype, causal: bool = False, target=None,
     dtype = _dtype_name(dtype)
     program.AttentionSpec(head_dim, dtype, bool(causal))  # validates head_dim and dtype
     resolved = targets.resolve(target)
-    key = cache.digest(["backward", head_dim, dtype, bool(causal), str(resolved), knobs])
+    key = cache.digest(["backward", head_dim, dtype, bool(causal), str(resolved), knobs,
+                        schedule_registry.backward_sm80_setting()])
     kernel = _KERNELS.get(key)
     if kernel is None:
         kernel = _KERNELS[key] = BackwardKernel({"head_dim": head_dim, "dtype": dtype, "causal": bool(causal)},
