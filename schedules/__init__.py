@@ -98,11 +98,22 @@ def name_of(module: ModuleType) -> str:
     return module.__name__.rsplit(".", 1)[-1]
 
 
-def backward_for_target(target, dtype: str) -> ModuleType:
-    """The schedule module whose ``schedule_backward`` serves a target and dtype: the CPU's, else
-    the SIMT CUDA schedule on every GPU and dtype (tensor-core backward schedules are to come)."""
+def backward_sm80_setting() -> bool:
+    """TVMFLASH_BACKWARD_SM80=1: the sm80 backward (dq on tensor cores, delta and dkdv on SIMT
+    threads) serves fp16/bf16 on sm80 and newer; unset, the SIMT schedule serves every GPU."""
+    return os.environ.get("TVMFLASH_BACKWARD_SM80", "") not in ("", "0")
+
+
+def backward_for_target(target, dtype: str, head_dim: int) -> ModuleType:
+    """The schedule module whose ``schedule_backward`` serves a target, dtype and head_dim: the
+    CPU's, else the SIMT CUDA schedule on every GPU (sm80's with ``backward_sm80_setting``)."""
     if target.kind.name == "llvm":
         return cpu
     if target.kind.name == "cuda":
+        from tvmflash.target import compute_capability
+
+        if (backward_sm80_setting() and compute_capability(target) >= 80 and dtype in sm80.DTYPES
+                and head_dim in sm80.BACKWARD_HEAD_DIMS):
+            return sm80
         return cuda
     raise ValueError(f"target: no tvmflash backward schedule for target kind {target.kind.name!r}")

@@ -259,7 +259,7 @@ def _fill_fragments(sch, name, num_warps, fill):
     sch.tensorize(i1, fill)
 
 
-def _store_fragments(sch, name, num_warps):
+def _store_fragments(sch, name, num_warps, vector=True):
     """A (rows, cols) store block that reads mma fragments, each lane the elements it holds.
     (transform_block_layout would be shorter but it leaves the block's T.where referring to the
     removed loop var: "variables (i,) are used, but are not passed in as API arguments".) Fragment
@@ -271,7 +271,8 @@ def _store_fragments(sch, name, num_warps):
     sch.reorder(w, r8, q, mi, d0, h, dh, e)
     sch.bind(w, "threadIdx.y")
     sch.bind(sch.fuse(r8, q), "threadIdx.x")
-    sch.vectorize(e)  # the two adjacent columns a lane holds: one 32-bit store
+    if vector:
+        sch.vectorize(e)  # the two adjacent columns a lane holds: one 32-bit store
 
 
 def _row_block(sch, name, num_warps):
@@ -386,5 +387,94 @@ def schedule(
     # ---- K/V loads: cp.async software pipeline (last: it annotates kv_step's final children) -
     if num_stages > 1:
         pipeline_kv_loads(sch, num_stages)
+    return sch
+
+
+
+# --------------------------------------------------------------------------------------------
+# The backward (``tvmflash.program_backward``), a start: the dq program on tensor cores, mapped as
+# the forward is (dq's tile is the forward's: a Q block, the K/V blocks streamed past it). q kᵀ and
+# dout vᵀ are the forward's qk (ldmatrix Q or dout as A, K or V as Bᵀ); p and ds stay in the mma
+# accumulator layout, which is the A layout, so ds feeds dq += ds k (ldmatrix.trans K as B) from
+# registers, as P feeds P V; dq accumulates in fragments across the K/V blocks and is stored from
+# them; p, which feeds no mma, stays in each lane's registers. The rows' lse and delta sit in shared
+# memory, one lane a row. delta and dkdv run on the SIMT schedule (cuda.py) until dkdv has tensor
+# cores of its own. Not yet run on a GPU: ``schedules.backward_for_target`` takes it only with
+# TVMFLASH_BACKWARD_SM80=1 (tests/test_backward.py's GPU tests check it).
+BACKWARD_KNOBS = {"block_m": 64, "block_n": 64, "num_warps": 2, "vec": 8, "vector_bytes": 16}
+# 32-key tiles from head_dim 96: with 64, s, p and dp (64 floats a lane each) and dq (head_dim) spill.
+BACKWARD_KNOBS_FOR_HEAD_DIM = {96: {"block_n": 32}, 128: {"block_n": 32}}
+BACKWARD_HEAD_DIMS = (32, 64, 96, 128)  # at 256, dq alone is 256 floats a lane: the SIMT schedule serves it
+BACKWARD_SPACE = {
+    "block_m": [32, 64, 128],
+    "block_n": [32, 64],
+    "num_warps": lambda knobs: [knobs["block_m"] // WARP],
+    "vec": [8],
+    "vector_bytes": [8, 16],
+}
+
+
+def backward_shared_memory_bytes(head_dim: int, dtype: str, knobs: dict) -> int:
+    """dq's dynamic shared memory: its Q, dout, K and V tiles (rows padded by 8 elements) and its
+    rows' lse and delta. (dkdv's static shared memory on the SIMT schedule is checked when it is
+    scheduled.)"""
+    return (2 * knobs["block_m"] + 2 * knobs["block_n"]) * (head_dim + 8) * 2 + 8 * knobs["block_m"]
+
+
+def schedule_backward(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, num_warps: int, vec: int,
+                      vector_bytes) -> tvm.s_tir.Schedule:
+    """delta and dkdv on the SIMT schedule (``vector_bytes`` its copies' width), dq on tensor cores
+    (``num_warps`` warps of 32 rows, ``vec`` elements a copy); see above."""
+    from . import cuda
+
+    cuda.schedule_delta(sch)
+    cuda.schedule_backward_program(sch, "dkdv", block_n, vector_bytes)
+    sch.work_on("dq")
+    _register_intrinsics()
+    dtype, BM, D, BN = _buffer_info(sch)
+    dkdv_bytes = cuda.backward_shared_memory_bytes(D, dtype, {"block_m": block_m, "block_n": block_n})
+    if dkdv_bytes > cuda.BACKWARD_SHARED_MEMORY_LIMIT:
+        raise ValueError(f"knobs: dkdv on the SIMT schedule needs {dkdv_bytes / 1024:.0f} KiB of static shared memory "
+                         f"at block_m {block_m}, more than {cuda.BACKWARD_SHARED_MEMORY_LIMIT // 1024} KiB")
+    if block_m != WARP * num_warps or BN % 16 or D % 16:
+        raise ValueError(f"knobs: the sm80 dq needs block_m = 32 * num_warps and block_n, head_dim multiples of 16, "
+                         f"got block_m {block_m}, num_warps {num_warps}, block_n {BN}, head_dim {D}")
+    names = _intrin_names(dtype)
+    bind_grid(sch)
+    for name in ("load_q", "load_do", "load_k", "load_v"):
+        sch.set_scope(name, 0, "shared.dyn")
+        sch.storage_align(name, 0, axis=0, factor=D, offset=8)  # ldmatrix without bank conflicts
+        _copy_to_shared(sch, name, num_warps, vec)
+    sch.set_scope("init_scale", 0, "local")
+    for index in (0, 1):  # lse2, delta_t
+        sch.set_scope("load_lse", index, "shared.dyn")
+    _row_block(sch, "load_lse", num_warps)
+
+    # s, p, dp and ds on fragments; s = q kᵀ and dp = dout vᵀ on tensor cores
+    for name in ("qk", "exp", "dp", "ds"):
+        # p feeds no mma: each lane keeps its elements in registers ("local"), which also keeps
+        # StorageRewrite from putting p in place of s (LowerWarpMemory cannot see through that)
+        sch.set_scope(name, 0, "local" if name == "exp" else "warp")
+        sch.transform_layout(name, ("write", 0), _frag_index_map)
+    for name in ("qk", "dp"):  # the blockized GEMM reads (s or dp, then A: Qt or dOt, then B: Kt or Vt)
+        block = sch.get_sblock(name)
+        _warp_gemm_operands(sch, block, num_warps, [(1, names["ld_a"]), (2, names["ld_b_trans"])])
+        sch.tensorize(sch.get_loops(block)[-3], names["mma_nt"])
+        sch.tensorize(sch.get_loops(f"{name}_init")[-2], names["fill"])
+    for name in ("exp", "ds"):
+        _fragment_elementwise(sch, name, num_warps)
+
+    # dq += ds k: ds from registers, dq in fragments across the K/V blocks
+    sch.set_scope("dq", 0, "warp")
+    sch.transform_layout("dq", ("write", 0), _frag_index_map)
+    dq = sch.get_sblock("dq")
+    dq_outer = _warp_gemm_operands(sch, dq, num_warps, [(1, None), (2, names["ld_b"])])  # (dq_acc,) dSc, Kt
+    for block in (dq_outer, dq):
+        hide_init_reads(sch, block)
+    sch.tensorize(sch.get_loops(dq)[-3], names["mma_nn"])
+    _fragment_lanes(sch, "dq_init")  # the carried-over init: nothing to do, on each lane's registers
+    _fill_fragments(sch, "init_dq", num_warps, names["fill"])
+    # (vectorised, this store fails LowerWarpMemory: "failed to rewrite load to shuffle")
+    _store_fragments(sch, "store_dq", num_warps, vector=False)
     return sch
 

@@ -275,3 +275,33 @@ def test_misaligned_and_strided_gradient_views_on_the_gpu():
     check_gradients(kernel(q, k, v, out, dout, lse), q, k, v, dout)
     ones = torch.ones((), dtype=out.dtype, device="cuda").expand(out.shape)
     check_gradients(kernel(q, k, v, out, ones, lse), q, k, v, ones)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_sm80_backward_builds_cuda_source(monkeypatch, dtype):
+    """TVMFLASH_BACKWARD_SM80=1: dq on mma.sync with ldmatrix operands, dkdv still SIMT (no mma)."""
+    monkeypatch.setenv("TVMFLASH_BACKWARD_SM80", "1")
+    kernel = tvmflash.compile_backward(head_dim=128, dtype=dtype, causal=True, target="sm80")
+    assert kernel.info()["schedule"] == "sm80"
+    src = kernel.source(heads_q=4, heads_kv=2)
+    dq = src[src.index("dq_kernel("):]
+    dkdv = src[src.index("dkdv_kernel("):src.index("dq_kernel(")]
+    ptx_type = {"float16": "f16", "bfloat16": "bf16"}[dtype]
+    assert f"mma.sync.aligned.m16n8k16.row.col.f32.{ptx_type}.{ptx_type}.f32" in dq and "ldmatrix" in dq
+    assert "mma.sync" not in dkdv
+    monkeypatch.delenv("TVMFLASH_BACKWARD_SM80")
+    assert tvmflash.compile_backward(head_dim=128, dtype=dtype, target="sm80").info()["schedule"] == "cuda"
+    assert tvmflash.compile_backward(head_dim=256, dtype=dtype, target="sm80").info()["schedule"] == "cuda"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_sm80_backward_gradients_on_the_gpu(monkeypatch, dtype, head_dim, causal):
+    """The sm80 backward (dq on tensor cores; TVMFLASH_BACKWARD_SM80=1), over SHAPES."""
+    if torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("the sm80 backward needs sm80 or newer")
+    monkeypatch.setenv("TVMFLASH_BACKWARD_SM80", "1")
+    assert tvmflash.compile_backward(head_dim=head_dim, dtype=dtype, causal=causal).info()["schedule"] == "sm80"
+    gradients_match_float64("cuda", dtype, head_dim, causal)

@@ -39,8 +39,8 @@ def _print_modules(entries) -> None:
         spec = e.get("spec", {})
         target = json.loads(e["target"]) if str(e.get("target", "")).startswith("{") else {}
         kind = f"{target.get('kind', '?')} {target.get('arch') or target.get('mcpu') or ''}".strip()
-        # what tells modules of one spec apart: the target, the knobs, the code they were built from
-        print(f"  {e.get('key')}  {e.get('schedule')}  d{spec.get('head_dim')} {spec.get('dtype')} "
+        # what tells modules of one spec apart: the pass, the target, the knobs, the code they were built from
+        print(f"  {e.get('key')}  {e.get('schedule')} {e.get('pass', 'forward')}  d{spec.get('head_dim')} {spec.get('dtype')} "
               f"{'causal' if spec.get('causal') else 'full'} hq{spec.get('heads_q')}/hkv{spec.get('heads_kv')}  "
               f"{kind}{' (CUDA source)' if e['path'].endswith('.cu') else ''}  {json.dumps(e.get('knobs'), sort_keys=True)}  "
               f"code {str(e.get('code', '?'))[:8]}  {e['bytes'] // 1024} KiB  {e.get('created', '')}")

@@ -530,7 +530,7 @@ class BackwardKernel(Kernel):
 
     def __init__(self, spec_args: dict, target: tvm.target.Target, knobs: dict | None):
         self._set_problem(spec_args, target)
-        self.schedule = schedule_registry.backward_for_target(target, self.dtype)
+        self.schedule = schedule_registry.backward_for_target(target, self.dtype, self.head_dim)
         self.schedule_source = "the target's"
         schedule_name = schedule_registry.name_of(self.schedule)
         unknown = set(knobs or {}) - set(self.schedule.BACKWARD_KNOBS)
@@ -623,7 +623,8 @@ def compile_backward(*, head_dim: int, dtype, causal: bool = False, target=None,
     check_flag("causal", causal)
     program.AttentionSpec(head_dim, dtype, causal)  # validates head_dim and dtype
     resolved = targets.resolve(target)
-    key = cache.digest(["backward", head_dim, dtype, causal, str(resolved), knobs])
+    key = cache.digest(["backward", head_dim, dtype, causal, str(resolved), knobs,
+                        schedule_registry.backward_sm80_setting()])
     kernel = _KERNELS.get(key)
     if kernel is None:
         kernel = _KERNELS[key] = BackwardKernel({"head_dim": head_dim, "dtype": dtype, "causal": causal},

@@ -143,7 +143,8 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale=None, return_lse: 
     with lse float32 of shape (batch, heads_q, seqlen_q). softmax_scale (positive, at most 1e8) defaults to
     1/sqrt(head_dim). With causal and seqlen_q != seqlen_k the mask is aligned bottom-right; a
     query that sees no key gets 0 (and lse -inf). The kernel for the tensors' device, dtype and
-    head_dim is compiled on first use and cached.
+    head_dim is compiled on first use and cached. Differentiable in q, k and v through out and lse
+    (``torch.ops.tvmflash.backward``), with gradients bitwise the same from run to run.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
