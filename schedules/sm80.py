@@ -431,7 +431,7 @@ def schedule_backward(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, nu
     cuda.schedule_backward_program(sch, "dkdv", block_n, vector_bytes)
     sch.work_on("dq")
     _register_intrinsics()
-    dtype, BM, D, BN = _buffer_info(sch)
+    dtype, BM, D, BN = buffer_info(sch)
     dkdv_bytes = cuda.backward_shared_memory_bytes(D, dtype, {"block_m": block_m, "block_n": block_n})
     if dkdv_bytes > cuda.BACKWARD_SHARED_MEMORY_LIMIT:
         raise ValueError(f"knobs: dkdv on the SIMT schedule needs {dkdv_bytes / 1024:.0f} KiB of static shared memory "

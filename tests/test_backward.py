@@ -207,7 +207,7 @@ def test_simt_backward_builds_cuda_source(dtype):
     kernel = tvmflash.compile_backward(head_dim=128, dtype=dtype, causal=True, target="sm80")
     src = kernel.source(heads_q=8, heads_kv=2)
     for name in ("delta_kernel", "dkdv_kernel", "dq_kernel"):
-        assert f"__global__ void __launch_bounds__" in src and name in src
+        assert "__global__ void __launch_bounds__" in src and name in src
     assert kernel.info()["schedule"] == "cuda" and "atomicAdd" not in src
 
 
