@@ -104,16 +104,23 @@ def backward_sm80_setting() -> bool:
     return os.environ.get("TVMFLASH_BACKWARD_SM80", "") not in ("", "0")
 
 
+def simt_for_target(target) -> ModuleType:
+    """The CPU's schedule module, else the SIMT CUDA one on every GPU: what serves the backward by
+    default and decode (bound by memory, not arithmetic: no tensor cores needed)."""
+    if target.kind.name == "llvm":
+        return cpu
+    if target.kind.name == "cuda":
+        return cuda
+    raise ValueError(f"target: no tvmflash schedule for target kind {target.kind.name!r}")
+
+
 def backward_for_target(target, dtype: str, head_dim: int) -> ModuleType:
     """The schedule module whose ``schedule_backward`` serves a target, dtype and head_dim: the
     CPU's, else the SIMT CUDA schedule on every GPU (sm80's with ``backward_sm80_setting``)."""
-    if target.kind.name == "llvm":
-        return cpu
     if target.kind.name == "cuda":
         from tvmflash.target import compute_capability
 
         if (backward_sm80_setting() and compute_capability(target) >= 80 and dtype in sm80.DTYPES
                 and head_dim in sm80.BACKWARD_HEAD_DIMS):
             return sm80
-        return cuda
-    raise ValueError(f"target: no tvmflash backward schedule for target kind {target.kind.name!r}")
+    return simt_for_target(target)
