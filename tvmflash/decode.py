@@ -50,9 +50,11 @@ class DecodeKernel(Kernel):
     def __init__(self, head_dim: int, dtype: str, page_size: int, target: tvm.target.Target, knobs: dict | None):
         self._set_problem({"head_dim": head_dim, "dtype": dtype, "causal": False}, target)
         self.page_size = page_size
-        # The CPU's schedule, or the SIMT CUDA one on every GPU, as for the backward: decode is bound by
-        # memory, not arithmetic, and needs no tensor cores.
-        self.schedule = schedule_registry.backward_for_target(target, dtype)
+        # The CPU's schedule, or the SIMT CUDA one on every GPU: decode is bound by memory, not
+        # arithmetic, and needs no tensor cores.
+        if target.kind.name not in ("llvm", "cuda"):
+            raise ValueError(f"target: no tvmflash decode schedule for target kind {target.kind.name!r}")
+        self.schedule = schedule_registry.cpu if target.kind.name == "llvm" else schedule_registry.cuda
         self.schedule_source = "the target's"
         name = schedule_registry.name_of(self.schedule)
         unknown = set(knobs or {}) - set(self.schedule.DECODE_KNOBS)
