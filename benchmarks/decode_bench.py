@@ -200,7 +200,8 @@ def main():
                 auto = kernels[(page_size, k)].auto_num_splits(batch, heads_kv, 1, seqlen, device)
                 layout = f"paged{page_size}" if page_size else "contiguous"
                 knobs = f" k{k}" if len(args.knobs) > 1 else ""
-                config = f"b{batch} kv{seqlen // 1024}k {layout}{knobs} splits {splits or f'auto={auto}'}"
+                length = f"{seqlen // 1024}k" if seqlen % 1024 == 0 else str(seqlen)
+                config = f"b{batch} kv{length} {layout}{knobs} splits {splits or f'auto={auto}'}"
                 ms = times[name]
                 row = f"{config:<40}{ms * 1e3:>12.1f}{kv_bytes / ms / 1e9:>6.2f}"
                 row += "".join(f"{times[n] * 1e3:>16.1f}{kv_bytes / times[n] / 1e9:>6.2f}" for n in sdpa)

@@ -269,7 +269,7 @@ def bad_input_cases():
         ({"q": torch.zeros(2, 1, 4, 48, dtype=torch.float16)}, ValueError, "head_dim"),
         ({"cache_batch_idx": torch.tensor([0, 2], dtype=i32)}, ValueError, "cache_batch_idx: expected cache row indices from 0 to 1"),
         ({"cache_batch_idx": torch.tensor([0, 1])}, ValueError, "cache_batch_idx: expected int32"),
-        ({"k": torch.zeros(2, 1, 1, HEAD_DIM, dtype=torch.float16)}, ValueError, "v: expected k and v both or neither"),
+        ({"v": None}, ValueError, "v: expected k and v both or neither"),
         ({"k": torch.zeros(2, 1, 2, HEAD_DIM, dtype=torch.float16), "v": torch.zeros(2, 1, 2, HEAD_DIM, dtype=torch.float16)},
          ValueError, r"k: expected shape \(batch, seqlen_new, heads_kv, head_dim\)"),
         ({"k": torch.zeros(2, 14, 1, HEAD_DIM, dtype=torch.float16), "v": torch.zeros(2, 14, 1, HEAD_DIM, dtype=torch.float16)},
@@ -282,12 +282,15 @@ def bad_input_cases():
 
 @pytest.mark.parametrize("overrides,error,message", bad_input_cases())
 def test_bad_input_names_the_argument(overrides, error, message):
+    """A ValueError or TypeError naming the argument, raised before the cache is written to."""
     args = {"q": torch.zeros(2, 1, 4, HEAD_DIM, dtype=torch.float16),
             "k_cache": torch.zeros(2, 16, 1, HEAD_DIM, dtype=torch.float16),
-            "v_cache": torch.zeros(2, 16, 1, HEAD_DIM, dtype=torch.float16), "cache_seqlens": 3}
+            "v_cache": torch.zeros(2, 16, 1, HEAD_DIM, dtype=torch.float16), "cache_seqlens": 3,
+            "k": torch.ones(2, 1, 1, HEAD_DIM, dtype=torch.float16), "v": torch.ones(2, 1, 1, HEAD_DIM, dtype=torch.float16)}
     args.update(overrides)
     with pytest.raises(error, match=message):
         tvmflash.flash_attn_with_kvcache(**args)
+    assert not args["k_cache"].any() and not args["v_cache"].any()
 
 
 def test_paged_cache_errors():

@@ -127,8 +127,7 @@ class DecodeKernel(Kernel):
         batch, seqlen_q, heads_q, _ = q.shape
         heads_kv = k_cache.shape[2]
         softmax_scale = resolve_softmax_scale(softmax_scale, self.head_dim)
-        if not isinstance(num_splits, int) or isinstance(num_splits, bool) or not 0 <= num_splits <= MAX_SPLITS:
-            raise ValueError(f"num_splits: expected an int from 0 (automatic) to {MAX_SPLITS}, got {num_splits!r}")
+        check_num_splits(num_splits)
         if num_splits == 0:
             capacity = index.shape[1] * self.page_size if self.page_size else k_cache.shape[1]
             num_splits = self.auto_num_splits(batch, heads_kv, seqlen_q, capacity, q.device)
@@ -211,6 +210,11 @@ class DecodeKernel(Kernel):
         if rows is None:
             rows = self._rows[(batch, device)] = torch.arange(batch, dtype=torch.int32, device=device)
         return rows
+
+
+def check_num_splits(num_splits) -> None:
+    if not isinstance(num_splits, int) or isinstance(num_splits, bool) or not 0 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits: expected an int from 0 (automatic) to {MAX_SPLITS}, got {num_splits!r}")
 
 
 def choose_num_splits(tasks: int, tiles: int, slots: int, max_splits: int = MAX_AUTO_SPLITS) -> int:
@@ -351,8 +355,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         raise TypeError(f"cache_seqlens: expected an int or an int32 tensor, got {type(cache_seqlens).__name__}")
     kernel = kernel_for(device, q.dtype, q.shape[-1], k_cache.shape[1] if paged else 0)
     index = block_table if paged else cache_batch_idx if cache_batch_idx is not None else kernel.batch_rows(batch, device)
-    # Check the cache arguments before anything is written to the cache.
+    # Check every argument before anything is written to the cache.
     kernel.check_inputs(q, k_cache, v_cache, cache_seqlens, index, None)
+    resolve_softmax_scale(softmax_scale, q.shape[-1])
+    check_num_splits(num_splits)
 
     new = 0
     if (k is None) != (v is None):
