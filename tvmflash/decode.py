@@ -18,7 +18,7 @@ import tvm
 from tvmflash import cache, lowering, program, program_decode
 from tvmflash import schedules as schedule_registry
 from tvmflash import target as targets
-from tvmflash.kernel import TORCH_DTYPES, Kernel, build_options, dtype_name, resolve_softmax_scale
+from tvmflash.kernel import Kernel, build_options, dtype_name, resolve_softmax_scale
 from tvmflash.program_decode import DecodeSpec
 
 # num_splits=0 never picks more splits than this (each split adds a partial output to write and merge).
@@ -151,20 +151,11 @@ class DecodeKernel(Kernel):
         return out, lse
 
     def check_inputs(self, q, k_cache, v_cache, lengths, index, out) -> None:
-        for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("cache_seqlens", lengths),
-                        ("block_table" if self.page_size else "cache_batch_idx", index)):
+        for name, t in (("cache_seqlens", lengths), ("block_table" if self.page_size else "cache_batch_idx", index)):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-        want = TORCH_DTYPES[self.dtype]
-        for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-            if t.dtype != want:
-                raise TypeError(f"{name}: expected dtype {want} (the kernel was compiled for {self.dtype}), got {t.dtype}")
-            if t.dim() != 4:
-                raise ValueError(f"{name}: expected 4 dims, got shape {tuple(t.shape)}")
-            if t.shape[3] != self.head_dim:
-                raise ValueError(f"{name}: expected head_dim {self.head_dim} in the last dim, got shape {tuple(t.shape)}")
-        if k_cache.shape != v_cache.shape:
-            raise ValueError(f"v_cache: expected the shape of k_cache {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
+        self._check_tensors([("q", q), ("k_cache", k_cache), ("v_cache", v_cache)],
+                            "(pages, page_size, heads, head_dim)" if self.page_size else "(batch, seqlen, heads, head_dim)")
         heads_kv = k_cache.shape[2]
         if heads_kv == 0 or q.shape[2] % heads_kv:
             raise ValueError(f"q: expected heads_q ({q.shape[2]}) to be a multiple of the cache's heads_kv ({heads_kv})")

@@ -369,21 +369,27 @@ class Kernel:
         self._explain(q, k, v, out)
         raise ValueError(f"q, k, v, out: unexpected arguments {q!r}, {k!r}, {v!r}, {out!r}")  # pragma: no cover
 
-    def _explain(self, q, k, v, out) -> None:
-        """Raise the error that says what is wrong with the arguments (``_check``'s slow path)."""
-        for name, t in (("q", q), ("k", k), ("v", v)):
+    def _check_tensors(self, named, layout: str = "(batch, seqlen, heads, head_dim)") -> None:
+        """Each (name, tensor) of ``named`` is a torch.Tensor of the kernel's dtype, with 4 dims
+        (``layout``) and head_dim last; the last two (k and v) have one shape."""
+        for name, t in named:
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
         want = TORCH_DTYPES[self.dtype]
-        for name, t in (("q", q), ("k", k), ("v", v)):
+        for name, t in named:
             if t.dtype != want:
                 raise TypeError(f"{name}: expected dtype {want} (the kernel was compiled for {self.dtype}), got {t.dtype}")
             if t.dim() != 4:
-                raise ValueError(f"{name}: expected 4 dims (batch, seqlen, heads, head_dim), got shape {tuple(t.shape)}")
+                raise ValueError(f"{name}: expected 4 dims {layout}, got shape {tuple(t.shape)}")
             if t.shape[3] != self.head_dim:
                 raise ValueError(f"{name}: expected head_dim {self.head_dim} in the last dim, got shape {tuple(t.shape)}")
+        (k_name, k), (v_name, v) = named[-2:]
         if k.shape != v.shape:
-            raise ValueError(f"v: expected the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
+            raise ValueError(f"{v_name}: expected the shape of {k_name} {tuple(k.shape)}, got {tuple(v.shape)}")
+
+    def _explain(self, q, k, v, out) -> None:
+        """Raise the error that says what is wrong with the arguments (``_check``'s slow path)."""
+        self._check_tensors([("q", q), ("k", k), ("v", v)])
         if q.shape[0] != k.shape[0]:
             raise ValueError(f"k: expected batch {q.shape[0]} (from q), got shape {tuple(k.shape)}")
         if k.shape[2] == 0 or q.shape[2] % k.shape[2]:
