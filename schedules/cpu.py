@@ -68,17 +68,21 @@ def schedule_backward(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, ve
     for func in ("dkdv", "dq"):
         sch.work_on(func)
         sch.parallel(sch.fuse(*sch.get_loops("tile")))
-        # q kᵀ and dout vᵀ along contiguous keys: K and V transposed (head_dim, block_n). In dq, K
-        # also feeds ds k along head_dim, so q kᵀ reads a transposed copy of it.
-        k_for_qk = sch.cache_read("qk", _read_index(sch, "qk", "Kt"), "global",
-                                  consumer_blocks=["qk"]) if func == "dq" else "load_k"
-        sch.transform_layout(k_for_qk, ("write", 0), lambda j, d: (d, j))
-        sch.transform_layout("load_v", ("write", 0), lambda j, d: (d, j))
+        # q kᵀ and dout vᵀ (dkdv: k qᵀ and v doutᵀ) along the tile's contiguous columns: their
+        # right operands transposed, (head_dim, columns). Those that also feed a product along
+        # head_dim (dq: K in ds k; dkdv: q and dout in dsᵀ q and pᵀ dout) as a transposed copy.
+        # Each entry: the product, its right operand, and the operand's load block where nothing
+        # else reads it.
+        columns = {"dkdv": (("qk", "Qt", None), ("dp", "dOt", None)),
+                   "dq": (("qk", "Kt", None), ("dp", "Vt", "load_v"))}[func]
+        for name, operand, load in columns:
+            block = load or sch.cache_read(name, _read_index(sch, name, operand), "global", consumer_blocks=[name])
+            sch.transform_layout(block, ("write", 0), lambda r, d: (d, r))
         # ... and dv += pᵀ dout, dk += dsᵀ q, dq += ds k along head_dim.
         for name in ("qk", "dp") + (("dv", "dk") if func == "dkdv" else ("dq",)):
             _gemm_vector_inner(sch, name, vector)
         loads = ("load_q", "load_do", "load_k", "load_v")
-        inits = ("init_dkdv", "store_dk", "store_dv") if func == "dkdv" else ("init_dq", "store_dq")
+        inits = ("init_dk", "init_dv", "store_dk", "store_dv") if func == "dkdv" else ("init_dq", "store_dq")
         elementwise = ("exp", "ds") + (("cast_p",) if func == "dkdv" else ())
         for name in loads + inits + elementwise:
             _vectorize_inner(sch, name, vector)

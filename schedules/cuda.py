@@ -111,19 +111,14 @@ def schedule_backward_program(sch: tvm.s_tir.Schedule, func: str, threads: int, 
     """The dkdv program (one thread a key, ``threads`` = block_n) or the dq program (one thread a
     query row, ``threads`` = block_m) on SIMT threads."""
     per_thread, shared = {
-        "dkdv": (("load_k", "load_v", "init_dkdv", "qk", "exp", "cast_p", "dv", "dp", "ds", "dk", "store_dk",
+        "dkdv": (("load_k", "load_v", "init_dk", "init_dv", "qk", "exp", "cast_p", "dv", "dp", "ds", "dk", "store_dk",
                   "store_dv"), ("load_q", "load_do")),
         "dq": (("load_q", "load_do", "load_lse", "init_dq", "qk", "exp", "dp", "ds", "dq", "store_dq"),
                ("load_k", "load_v"))}[func]
     sch.work_on(func)
     sch.bind(sch.fuse(*sch.get_loops("tile")), "blockIdx.x")
     for name in per_thread:
-        loops = sch.get_loops(name)
-        # the loop over this thread's row (dkdv: the key j, second in the (i, j) tiles) goes first
-        row = loops[1] if func == "dkdv" and name in ("qk", "exp", "cast_p", "dp", "ds") else loops[0]
-        if row != loops[0]:
-            sch.reorder(row, loops[0])
-        sch.bind(row, "threadIdx.x")
+        sch.bind(sch.get_loops(name)[0], "threadIdx.x")  # this thread's row: its key or its query
     for name in shared:
         _copy_to_shared(sch, name, threads, vector_bytes)
     if func == "dkdv":  # the rows' lse and delta: one thread a row
@@ -132,7 +127,7 @@ def schedule_backward_program(sch: tvm.s_tir.Schedule, func: str, threads: int, 
         outer, tx = sch.split(sch.get_loops("load_lse")[0], [None, threads])
         sch.bind(tx, "threadIdx.x")
     # Per-thread state in registers (compaction keeps the thread's row or column).
-    own = {"dkdv": [("load_k", 0), ("load_v", 0), ("init_dkdv", 0), ("init_dkdv", 1), ("cast_p", 0)],
+    own = {"dkdv": [("load_k", 0), ("load_v", 0), ("init_dk", 0), ("init_dv", 0), ("cast_p", 0)],
            "dq": [("load_q", 0), ("load_do", 0), ("load_lse", 0), ("load_lse", 1), ("init_dq", 0)]}[func]
     for name, index in [("init_scale", 0), ("qk", 0), ("exp", 0), ("dp", 0), ("ds", 0)] + own:
         sch.set_scope(name, index, "local")

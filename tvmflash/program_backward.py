@@ -119,10 +119,22 @@ def attention_backward(spec: AttentionSpec, block_m: int, block_n: int) -> tvm.I
                     Delta[vb, vh, vi] = -dLSE[vb, vh, vi]
                 Delta[vb, vh, vi] = Delta[vb, vh, vi] + T.cast(dO[vb, vi, vh, vd], f32) * T.cast(O[vb, vi, vh, vd], f32)
 
-    def steps():
+    def steps(keys_first: bool):
         """The steps both programs take, written once: (load_kv, load_q, p_and_ds). Each program
         takes fresh ones: a macro suffixes the block names of its second and later uses (qk_1),
-        and the schedules find the blocks by name."""
+        and the schedules find the blocks by name.
+
+        The (block_m, block_n) tiles of s, p, dp and ds have the program's own rows first: queries
+        in dq, whose products are ds k; keys (``keys_first``: the tiles are sᵀ, pᵀ, ...) in dkdv,
+        whose products are pᵀ dout and dsᵀ q. Each product's left operand then has its output's
+        rows, so a schedule can keep it where the tile was made (tensor cores: in the registers of
+        the warp that owns the rows)."""
+        ROWS, COLS = (BN, BM) if keys_first else (BM, BN)
+
+        def query_key(r, c):
+            """(query, key) of tile element (r, c)."""
+            return (c, r) if keys_first else (r, c)
+
         @T.macro
         def load_kv(Kt, Vt, K, V, b, hk, kb, seqlen_k):
             """The K and V blocks kb of K/V head hk, zero-padded."""
@@ -155,38 +167,44 @@ def attention_backward(spec: AttentionSpec, block_m: int, block_n: int) -> tvm.I
         @T.macro
         def p_and_ds(Qt, Kt, dOt, Vt, lse2, delta_t, scale2, S, P, dP, dSc, qb, kb, seqlen_q, seqlen_k):
             """p of Q block qb and K/V block kb, recomputed from the scores and lse (0 where masked),
-            and ds = p (dp - delta) rounded to the input dtype."""
-            for i, j, d in T.grid(BM, BN, D):
+            and ds = p (dp - delta) rounded to the input dtype. Each tile's (r, c) element is that of
+            query and key ``query_key(r, c)``; its products are rows times columns: q kᵀ and
+            dout vᵀ, or k qᵀ and v doutᵀ."""
+            qk_rows, qk_cols = T.meta_var((Kt, Qt) if keys_first else (Qt, Kt))
+            dp_rows, dp_cols = T.meta_var((Vt, dOt) if keys_first else (dOt, Vt))
+            for r, c, d in T.grid(ROWS, COLS, D):
                 with T.sblock("qk"):  # s = q kᵀ, unscaled
-                    vi, vj, vd = T.axis.remap("SSR", [i, j, d])
+                    vr, vc, vd = T.axis.remap("SSR", [r, c, d])
                     with T.init():
-                        S[vi, vj] = T.float32(0)
-                    S[vi, vj] = S[vi, vj] + T.cast(Qt[vi, vd], f32) * T.cast(Kt[vj, vd], f32)
-            for i, j in T.grid(BM, BN):
+                        S[vr, vc] = T.float32(0)
+                    S[vr, vc] = S[vr, vc] + T.cast(qk_rows[vr, vd], f32) * T.cast(qk_cols[vc, vd], f32)
+            for r, c in T.grid(ROWS, COLS):
                 with T.sblock("exp"):
-                    vi, vj = T.axis.remap("SS", [i, j])
+                    vr, vc = T.axis.remap("SS", [r, c])
+                    i, j = T.meta_var(query_key(vr, vc))
                     if tile_visible(qb, kb, seqlen_q, seqlen_k):
-                        P[vi, vj] = T.exp2(S[vi, vj] * scale2[0] - lse2[vi])
+                        P[vr, vc] = T.exp2(S[vr, vc] * scale2[0] - lse2[i])
                     else:
-                        P[vi, vj] = T.if_then_else(
-                            visible(qb * BM + vi, kb * BN + vj, seqlen_q, seqlen_k),
-                            T.exp2(S[vi, vj] * scale2[0] - lse2[vi]),
+                        P[vr, vc] = T.if_then_else(
+                            visible(qb * BM + i, kb * BN + j, seqlen_q, seqlen_k),
+                            T.exp2(S[vr, vc] * scale2[0] - lse2[i]),
                             T.float32(0),
                         )
-            for i, j, d in T.grid(BM, BN, D):
+            for r, c, d in T.grid(ROWS, COLS, D):
                 with T.sblock("dp"):  # dp = dout vᵀ
-                    vi, vj, vd = T.axis.remap("SSR", [i, j, d])
+                    vr, vc, vd = T.axis.remap("SSR", [r, c, d])
                     with T.init():
-                        dP[vi, vj] = T.float32(0)
-                    dP[vi, vj] = dP[vi, vj] + T.cast(dOt[vi, vd], f32) * T.cast(Vt[vj, vd], f32)
-            for i, j in T.grid(BM, BN):
+                        dP[vr, vc] = T.float32(0)
+                    dP[vr, vc] = dP[vr, vc] + T.cast(dp_rows[vr, vd], f32) * T.cast(dp_cols[vc, vd], f32)
+            for r, c in T.grid(ROWS, COLS):
                 with T.sblock("ds"):  # ds = p (dp - delta)
-                    vi, vj = T.axis.remap("SS", [i, j])
-                    dSc[vi, vj] = T.cast(P[vi, vj] * (dP[vi, vj] - delta_t[vi]), dtype)
+                    vr, vc = T.axis.remap("SS", [r, c])
+                    i, _ = T.meta_var(query_key(vr, vc))
+                    dSc[vr, vc] = T.cast(P[vr, vc] * (dP[vr, vc] - delta_t[i]), dtype)
 
         return load_kv, load_q, p_and_ds
 
-    load_kv, load_q, p_and_ds = steps()
+    load_kv, load_q, p_and_ds = steps(keys_first=True)
 
     @T.prim_func(s_tir=True)
     def dkdv(
@@ -226,9 +244,12 @@ def attention_backward(spec: AttentionSpec, block_m: int, block_n: int) -> tvm.I
                     scale2[0] = softmax_scale * T.float32(LOG2E)
                 load_kv(Kt, Vt, K, V, vb, vhk, vkb, seqlen_k)
                 for j, d in T.grid(BN, D):
-                    with T.sblock("init_dkdv"):
+                    with T.sblock("init_dk"):
                         vj, vd = T.axis.remap("SS", [j, d])
                         dk_acc[vj, vd] = T.float32(0)
+                for j, d in T.grid(BN, D):
+                    with T.sblock("init_dv"):
+                        vj, vd = T.axis.remap("SS", [j, d])
                         dv_acc[vj, vd] = T.float32(0)
 
                 # One step per (query head of the group, Q block).
@@ -240,31 +261,31 @@ def attention_backward(spec: AttentionSpec, block_m: int, block_n: int) -> tvm.I
                         dOt = T.sblock_alloc_buffer((BM, D), dtype)  # the dout block, zero-padded
                         lse2 = T.sblock_alloc_buffer((BM,), f32)  # lse · log2 e
                         delta_t = T.sblock_alloc_buffer((BM,), f32)  # delta, 0 past the end
-                        S = T.sblock_alloc_buffer((BM, BN), f32)  # q kᵀ, unscaled
-                        P = T.sblock_alloc_buffer((BM, BN), f32)  # exp(s - lse), 0 where masked
-                        dP = T.sblock_alloc_buffer((BM, BN), f32)  # dout vᵀ
-                        dSc = T.sblock_alloc_buffer((BM, BN), dtype)  # ds in the input dtype, for dk
-                        Pc = T.sblock_alloc_buffer((BM, BN), dtype)  # P in the input dtype, for dv
+                        S = T.sblock_alloc_buffer((BN, BM), f32)  # sᵀ = k qᵀ, unscaled
+                        P = T.sblock_alloc_buffer((BN, BM), f32)  # pᵀ = exp(s - lse)ᵀ, 0 where masked
+                        dP = T.sblock_alloc_buffer((BN, BM), f32)  # dpᵀ = v doutᵀ
+                        dSc = T.sblock_alloc_buffer((BN, BM), dtype)  # dsᵀ in the input dtype, for dk
+                        Pc = T.sblock_alloc_buffer((BN, BM), dtype)  # pᵀ in the input dtype, for dv
 
                         qb = T.meta_var(first_q_block(vkb, seqlen_q, seqlen_k) + vt)
                         load_q(Qt, dOt, lse2, delta_t, Q, dO, LSE, Delta, vb, vhk * group + vg, qb, seqlen_q)
                         p_and_ds(Qt, Kt, dOt, Vt, lse2, delta_t, scale2, S, P, dP, dSc, qb, vkb, seqlen_q, seqlen_k)
-                        for i, j in T.grid(BM, BN):
+                        for j, i in T.grid(BN, BM):
                             with T.sblock("cast_p"):
-                                vi, vj = T.axis.remap("SS", [i, j])
-                                Pc[vi, vj] = T.cast(P[vi, vj], dtype)
+                                vj, vi = T.axis.remap("SS", [j, i])
+                                Pc[vj, vi] = T.cast(P[vj, vi], dtype)
                         for j, d, i in T.grid(BN, D, BM):
                             with T.sblock("dv"):  # dv += pᵀ dout
                                 vj, vd, vi = T.axis.remap("SSR", [j, d, i])
                                 with T.init():  # carried over from the last step
                                     dv_acc[vj, vd] = dv_acc[vj, vd]
-                                dv_acc[vj, vd] = dv_acc[vj, vd] + T.cast(Pc[vi, vj], f32) * T.cast(dOt[vi, vd], f32)
+                                dv_acc[vj, vd] = dv_acc[vj, vd] + T.cast(Pc[vj, vi], f32) * T.cast(dOt[vi, vd], f32)
                         for j, d, i in T.grid(BN, D, BM):
                             with T.sblock("dk"):  # dk += dsᵀ q (scaled at the store)
                                 vj, vd, vi = T.axis.remap("SSR", [j, d, i])
                                 with T.init():  # carried over from the last step
                                     dk_acc[vj, vd] = dk_acc[vj, vd]
-                                dk_acc[vj, vd] = dk_acc[vj, vd] + T.cast(dSc[vi, vj], f32) * T.cast(Qt[vi, vd], f32)
+                                dk_acc[vj, vd] = dk_acc[vj, vd] + T.cast(dSc[vj, vi], f32) * T.cast(Qt[vi, vd], f32)
 
                 for j, d in T.grid(BN, D):
                     with T.sblock("store_dk"):
@@ -277,7 +298,7 @@ def attention_backward(spec: AttentionSpec, block_m: int, block_n: int) -> tvm.I
                         T.where(vkb * BN + j < seqlen_k)
                         dV[vb, vkb * BN + vj, vhk, vd] = T.cast(dv_acc[vj, vd], dtype)
 
-    load_kv, load_q, p_and_ds = steps()
+    load_kv, load_q, p_and_ds = steps(keys_first=False)
 
     @T.prim_func(s_tir=True)
     def dq(
