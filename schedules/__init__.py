@@ -99,9 +99,10 @@ def name_of(module: ModuleType) -> str:
 
 
 def backward_sm80_setting() -> bool:
-    """TVMFLASH_BACKWARD_SM80=1: the sm80 backward (dq on tensor cores, delta and dkdv on SIMT
-    threads) serves fp16/bf16 on sm80 and newer; unset, the SIMT schedule serves every GPU."""
-    return os.environ.get("TVMFLASH_BACKWARD_SM80", "") not in ("", "0")
+    """By default the sm80 backward (dkdv and dq on tensor cores) serves fp16/bf16 on sm80 and newer
+    at the head_dims it has (``sm80.BACKWARD_HEAD_DIMS``); TVMFLASH_BACKWARD_SM80=0 puts the SIMT
+    schedule in its place."""
+    return os.environ.get("TVMFLASH_BACKWARD_SM80", "") != "0"
 
 
 def simt_for_target(target) -> ModuleType:
@@ -116,7 +117,7 @@ def simt_for_target(target) -> ModuleType:
 
 def backward_for_target(target, dtype: str, head_dim: int) -> ModuleType:
     """The schedule module whose ``schedule_backward`` serves a target, dtype and head_dim: the
-    CPU's, else the SIMT CUDA schedule on every GPU (sm80's with ``backward_sm80_setting``)."""
+    CPU's; on a GPU, sm80's where it serves (``backward_sm80_setting``), else the SIMT schedule."""
     if target.kind.name == "cuda":
         from tvmflash.target import compute_capability
 

@@ -414,8 +414,10 @@ def _loaded_buffers(node) -> list:
     return found
 
 
-def pipeline_kv_loads(sch, num_stages, lagged=()):
-    """Software-pipeline the K/V-tile loop: load_k and load_v are stage 0, as cp.async copies
+def pipeline_loads(sch, num_stages, lagged=(), step="kv_step", loads=("load_k", "load_v")):
+    """Software-pipeline the loop of a tile's steps (the forward's K/V tiles: ``step`` kv_step, whose
+    ``loads`` are load_k and load_v; the backward's dkdv streams Q blocks: q_step, load_q and
+    load_do): the loads are stage 0, as cp.async copies
     (``tirx.use_async_copy``; a row past seqlen_k is predicated off and zeroed by st.shared), and
     everything else is stage num_stages - 1. TVM's InjectSoftwarePipeline then keeps num_stages
     versions of Kt and Vt (they are allocated in kv_step's scope for this), issues the copies of
@@ -427,8 +429,7 @@ def pipeline_kv_loads(sch, num_stages, lagged=()):
     rest for tile kb (PV of the previous tile is issued before this tile's QK^T). V then needs
     num_stages versions and K one fewer.
     """
-    kb = sch.get_loops("kv_step")[-1]
-    loads = ("load_k", "load_v")
+    kb = sch.get_loops(step)[-1]
     stmts = _pipeline_stmts(sch, kb)
     names = [_sblock_names(stmt) for stmt in stmts]
     for i in range(1, len(names)):  # a tensorized GEMM's statements carry no name: its init's, less "_init"
@@ -437,10 +438,10 @@ def pipeline_kv_loads(sch, num_stages, lagged=()):
     rest = num_stages - 2 if lagged else num_stages - 1
     stages = [0 if name & set(loads) else rest + 1 if name & set(lagged) else rest for name in names]
     if stages[: len(loads)] != [0] * len(loads) or sum(bool(name & set(loads)) for name in names) != len(loads):
-        raise RuntimeError(f"K/V pipeline: expected {loads} first in kv_step, one statement each; got {names}")
+        raise RuntimeError(f"pipeline: expected {loads} first in {step}, one statement each; got {names}")
     late = [i for i, name in enumerate(names) if name & set(lagged)]
     if lagged and not late:
-        raise RuntimeError(f"K/V pipeline: expected {lagged} in kv_step; got {names}")
+        raise RuntimeError(f"pipeline: expected {lagged} in {step}; got {names}")
     body = list(range(len(loads))) + late + [i for i in range(len(loads), len(stmts)) if i not in late]
     sch.annotate(kb, "software_pipeline_stage", stages)
     sch.annotate(kb, "software_pipeline_order", [body.index(i) for i in range(len(stmts))])
@@ -455,7 +456,7 @@ def _pipeline_stmts(sch, kb):
     from tvm.s_tir import SBlockRealize
     from tvm.tirx import For, IntImm, SeqStmt
 
-    marker = "tvmflash_kv_loop"
+    marker = "tvmflash_pipelined_loop"
     sch.annotate(kb, marker, 1)
     sch.annotate(kb, "software_pipeline_stage", [0])  # LiftThreadBinding treats pipelined loops apart
     mod = tvm.transform.Sequential([

@@ -62,8 +62,9 @@ def schedule_backward(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, ve
     """Map the backward programs onto the CPU: parallel over their tiles, vectorised along
     contiguous rows. The knobs are the forward's."""
     sch.work_on("delta")
-    b, i, _h, _d = sch.get_loops("delta")
-    sch.parallel(sch.fuse(b, i))
+    for name in ("delta", "scale_lse"):
+        b, i = sch.get_loops(name)[:2]
+        sch.parallel(sch.fuse(b, i))
 
     for func in ("dkdv", "dq"):
         sch.work_on(func)

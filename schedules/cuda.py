@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import tvm
 
-from .common import element_bytes, pipeline_kv_loads
+from .common import element_bytes, pipeline_loads
 
 KNOBS = {"block_m": 64, "block_n": 32, "vector_bytes": 16}
 # The strides of q, k, v and out are whole 16-byte vectors (``program.attention_forward``'s
@@ -101,10 +101,10 @@ def schedule_backward(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int,
 def schedule_delta(sch: tvm.s_tir.Schedule) -> None:
     """The delta program: one thread a query row, 128 a thread block."""
     sch.work_on("delta")
-    b, i, h, _ = sch.get_loops("delta")
-    blocks, threads = sch.split(sch.fuse(b, i, h), [None, 128])
-    sch.bind(blocks, "blockIdx.x")
-    sch.bind(threads, "threadIdx.x")
+    for name in ("delta", "scale_lse"):
+        blocks, threads = sch.split(sch.fuse(*sch.get_loops(name)[:3]), [None, 128])
+        sch.bind(blocks, "blockIdx.x")
+        sch.bind(threads, "threadIdx.x")
 
 
 def schedule_backward_program(sch: tvm.s_tir.Schedule, func: str, threads: int, vector_bytes) -> None:
@@ -113,7 +113,7 @@ def schedule_backward_program(sch: tvm.s_tir.Schedule, func: str, threads: int, 
     per_thread, shared = {
         "dkdv": (("load_k", "load_v", "init_dk", "init_dv", "qk", "exp", "cast_p", "dv", "dp", "ds", "dk", "store_dk",
                   "store_dv"), ("load_q", "load_do")),
-        "dq": (("load_q", "load_do", "load_lse", "init_dq", "qk", "exp", "dp", "ds", "dq", "store_dq"),
+        "dq": (("load_q", "load_do", "load_lse", "load_delta", "init_dq", "qk", "exp", "dp", "ds", "dq", "store_dq"),
                ("load_k", "load_v"))}[func]
     sch.work_on(func)
     sch.bind(sch.fuse(*sch.get_loops("tile")), "blockIdx.x")
@@ -122,13 +122,13 @@ def schedule_backward_program(sch: tvm.s_tir.Schedule, func: str, threads: int, 
     for name in shared:
         _copy_to_shared(sch, name, threads, vector_bytes)
     if func == "dkdv":  # the rows' lse and delta: one thread a row
-        sch.set_scope("load_lse", 0, "shared")
-        sch.set_scope("load_lse", 1, "shared")
-        outer, tx = sch.split(sch.get_loops("load_lse")[0], [None, threads])
-        sch.bind(tx, "threadIdx.x")
+        for name in ("load_lse", "load_delta"):
+            sch.set_scope(name, 0, "shared")
+            outer, tx = sch.split(sch.get_loops(name)[0], [None, threads])
+            sch.bind(tx, "threadIdx.x")
     # Per-thread state in registers (compaction keeps the thread's row or column).
     own = {"dkdv": [("load_k", 0), ("load_v", 0), ("init_dk", 0), ("init_dv", 0), ("cast_p", 0)],
-           "dq": [("load_q", 0), ("load_do", 0), ("load_lse", 0), ("load_lse", 1), ("init_dq", 0)]}[func]
+           "dq": [("load_q", 0), ("load_do", 0), ("load_lse", 0), ("load_delta", 0), ("init_dq", 0)]}[func]
     for name, index in [("init_scale", 0), ("qk", 0), ("exp", 0), ("dp", 0), ("ds", 0)] + own:
         sch.set_scope(name, index, "local")
     # Each product's inner loop unrolled; its outer loop kept (ptxas unrolled it too at head_dim
@@ -145,7 +145,7 @@ def schedule_backward_program(sch: tvm.s_tir.Schedule, func: str, threads: int, 
 # keys per K/V tile, a multiple of threads (each thread owns block_n / threads keys of a tile in
 # Q Kᵀ); threads: per thread block; vector_bytes: the width of each thread's K/V copies.
 # num_stages: 1 copies each K/V tile with plain vector loads at the top of its step; 2 or 3 make the
-# K/V-tile loop a cp.async software pipeline (common.pipeline_kv_loads), tiles num_stages - 1 ahead.
+# K/V-tile loop a cp.async software pipeline (common.pipeline_loads), tiles num_stages - 1 ahead.
 # Defaults (chosen by reasoning, not yet measured on a GPU; benchmarks/decode_bench.py --knobs compares
 # sets): one warp a task, so that the row max is warp shuffles only (a block of several warps pays two
 # __syncthreads a row a tile in TVM's cross-thread reduction), one key a lane, 32-key tiles in two
@@ -334,7 +334,7 @@ def schedule_decode(sch: tvm.s_tir.Schedule, *, query_tokens: int, block_n: int,
         _vectorize_rows(sch, copy, 16)
 
     if num_stages > 1:
-        pipeline_kv_loads(sch, num_stages)
+        pipeline_loads(sch, num_stages)
 
     # Each thread writes the (same) LSE of every row: a row bound to a thread would index the
     # per-row registers by threadIdx, which puts them on the stack.

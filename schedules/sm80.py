@@ -33,7 +33,7 @@ from __future__ import annotations
 import tvm
 from tvm.s_tir import TensorIntrin
 
-from .common import (QuadRowLayout, bind_grid, buffer_info, hide_init_reads, pipeline_kv_loads, quad_row_block,
+from .common import (QuadRowLayout, bind_grid, buffer_info, hide_init_reads, pipeline_loads, quad_row_block,
                      quad_row_init, register_intrin, row_quad_map, row_reduce_intrin, staged_row_block,
                      tensorize_row_reduce)
 
@@ -386,59 +386,67 @@ def schedule(
             _row_block(sch, name, num_warps)
     # ---- K/V loads: cp.async software pipeline (last: it annotates kv_step's final children) -
     if num_stages > 1:
-        pipeline_kv_loads(sch, num_stages)
+        pipeline_loads(sch, num_stages)
     return sch
 
 
 
 # --------------------------------------------------------------------------------------------
-# The backward (``tvmflash.program_backward``), a start: the dq program on tensor cores, mapped as
-# the forward is (dq's tile is the forward's: a Q block, the K/V blocks streamed past it). q kᵀ and
-# dout vᵀ are the forward's qk (ldmatrix Q or dout as A, K or V as Bᵀ); p and ds stay in the mma
-# accumulator layout, which is the A layout, so ds feeds dq += ds k (ldmatrix.trans K as B) from
-# registers, as P feeds P V; dq accumulates in fragments across the K/V blocks and is stored from
-# them; p, which feeds no mma, stays in each lane's registers. The rows' lse and delta sit in shared
-# memory, one lane a row. delta and dkdv run on the SIMT schedule (cuda.py) until dkdv has tensor
-# cores of its own. Not yet run on a GPU: ``schedules.backward_for_target`` takes it only with
-# TVMFLASH_BACKWARD_SM80=1 (tests/test_backward.py's GPU tests check it).
-BACKWARD_KNOBS = {"block_m": 64, "block_n": 64, "num_warps": 2, "vec": 8, "vector_bytes": 16}
-# 32-key tiles from head_dim 96: with 64, s, p and dp (64 floats a lane each) and dq (head_dim) spill.
-BACKWARD_KNOBS_FOR_HEAD_DIM = {96: {"block_n": 32}, 128: {"block_n": 32}}
-BACKWARD_HEAD_DIMS = (32, 64, 96, 128)  # at 256, dq alone is 256 floats a lane: the SIMT schedule serves it
+# The backward (``tvmflash.program_backward``) on tensor cores: dkdv and dq each mapped as the forward
+# is (``_schedule_dkdv``, ``_schedule_dq``), delta on the SIMT schedule. dkdv's tile (block_m query
+# rows a step, block_n keys, dkdv_warps warps of block_n / dkdv_warps keys) and dq's (dq_block_m rows,
+# dq_warps warps of 32 rows, dq_block_n keys a step) are knobs of their own.
+BACKWARD_KNOBS = {"block_m": 64, "block_n": 64, "dkdv_warps": 4, "dkdv_stages": 2, "dq_block_m": 64, "dq_block_n": 64,
+                  "dq_warps": 2, "dq_stages": 2, "vec": 8}
+# dq in 32-key tiles from head_dim 96: with 64, s, p and dp (64 floats a lane each) and dq (head_dim) spill.
+BACKWARD_KNOBS_FOR_HEAD_DIM = {96: {"dq_block_n": 32}, 128: {"dq_block_n": 32}}
+BACKWARD_HEAD_DIMS = (32, 64, 96, 128)  # at 256, dk and dv alone are 512 floats a lane of 16 keys: SIMT serves it
 BACKWARD_SPACE = {
     "block_m": [32, 64, 128],
-    "block_n": [32, 64],
-    "num_warps": lambda knobs: [knobs["block_m"] // WARP],
+    "block_n": [32, 64, 128],
+    "dkdv_warps": [2, 4, 8],
+    "dkdv_stages": list(NUM_STAGES),
+    "dq_block_m": [32, 64, 128],
+    "dq_block_n": [32, 64],
+    "dq_warps": lambda knobs: [knobs["dq_block_m"] // WARP],
+    "dq_stages": list(NUM_STAGES),
     "vec": [8],
-    "vector_bytes": [8, 16],
 }
 
 
 def backward_shared_memory_bytes(head_dim: int, dtype: str, knobs: dict) -> int:
-    """dq's dynamic shared memory: its Q, dout, K and V tiles (rows padded by 8 elements) and its
-    rows' lse and delta. (dkdv's static shared memory on the SIMT schedule is checked when it is
-    scheduled.)"""
-    return (2 * knobs["block_m"] + 2 * knobs["block_n"]) * (head_dim + 8) * 2 + 8 * knobs["block_m"]
+    """Dynamic shared memory of the larger of dkdv and dq: each program's Q, dout, K and V tiles
+    (rows padded by 8 elements) and its rows' lse and delta."""
+    return max((2 * bm + 2 * bn) * (head_dim + 8) * 2 + 8 * bm
+               for bm, bn in ((knobs["block_m"], knobs["block_n"]), (knobs["dq_block_m"], knobs["dq_block_n"])))
 
 
-def schedule_backward(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, num_warps: int, vec: int,
-                      vector_bytes) -> tvm.s_tir.Schedule:
-    """delta and dkdv on the SIMT schedule (``vector_bytes`` its copies' width), dq on tensor cores
-    (``num_warps`` warps of 32 rows, ``vec`` elements a copy); see above."""
+def schedule_backward(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, dkdv_warps: int, dkdv_stages: int,
+                      dq_block_m: int, dq_block_n: int, dq_warps: int, dq_stages: int, vec: int) -> tvm.s_tir.Schedule:
+    """delta on the SIMT schedule, dkdv and dq on tensor cores (``vec`` elements a copy); see above.
+    The tiles are the program's (``program_backward.attention_backward``)."""
     from . import cuda
 
-    cuda.schedule_delta(sch)
-    cuda.schedule_backward_program(sch, "dkdv", block_n, vector_bytes)
-    sch.work_on("dq")
     _register_intrinsics()
+    cuda.schedule_delta(sch)
+    _schedule_dkdv(sch, dkdv_warps, dkdv_stages, vec)
+    _schedule_dq(sch, dq_warps, dq_stages, vec)
+    return sch
+
+
+def _schedule_dq(sch: tvm.s_tir.Schedule, num_warps: int, num_stages: int, vec: int) -> None:
+    """dq on tensor cores, mapped as the forward is (dq's tile is the forward's: a Q block, the K/V
+    blocks streamed past it). q kᵀ and dout vᵀ are the forward's qk (ldmatrix Q or dout as A, K or
+    V as Bᵀ); p and ds stay in the mma accumulator layout, which is the A layout, so ds feeds
+    dq += ds k (ldmatrix.trans K as B) from registers, as P feeds P V; dq accumulates in fragments
+    across the K/V blocks and is stored from them; p, which feeds no mma, stays in each lane's
+    registers. The rows' lse and delta sit in shared memory, one lane a row. ``num_stages``: the
+    forward's K/V pipeline."""
+    sch.work_on("dq")
     dtype, BM, D, BN = buffer_info(sch)
-    dkdv_bytes = cuda.backward_shared_memory_bytes(D, dtype, {"block_m": block_m, "block_n": block_n})
-    if dkdv_bytes > cuda.BACKWARD_SHARED_MEMORY_LIMIT:
-        raise ValueError(f"knobs: dkdv on the SIMT schedule needs {dkdv_bytes / 1024:.0f} KiB of static shared memory "
-                         f"at block_m {block_m}, more than {cuda.BACKWARD_SHARED_MEMORY_LIMIT // 1024} KiB")
-    if block_m != WARP * num_warps or BN % 16 or D % 16:
-        raise ValueError(f"knobs: the sm80 dq needs block_m = 32 * num_warps and block_n, head_dim multiples of 16, "
-                         f"got block_m {block_m}, num_warps {num_warps}, block_n {BN}, head_dim {D}")
+    if BM != WARP * num_warps or BN % 16 or D % 16:
+        raise ValueError(f"knobs: the sm80 dq needs dq_block_m = 32 * dq_warps and dq_block_n, head_dim multiples "
+                         f"of 16, got dq_block_m {BM}, dq_warps {num_warps}, dq_block_n {BN}, head_dim {D}")
     names = _intrin_names(dtype)
     bind_grid(sch)
     for name in ("load_q", "load_do", "load_k", "load_v"):
@@ -446,9 +454,9 @@ def schedule_backward(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, nu
         sch.storage_align(name, 0, axis=0, factor=D, offset=8)  # ldmatrix without bank conflicts
         _copy_to_shared(sch, name, num_warps, vec)
     sch.set_scope("init_scale", 0, "local")
-    for index in (0, 1):  # lse2, delta_t
-        sch.set_scope("load_lse", index, "shared.dyn")
-    _row_block(sch, "load_lse", num_warps)
+    for name in ("load_lse", "load_delta"):
+        sch.set_scope(name, 0, "shared.dyn")
+        _row_block(sch, name, num_warps)
 
     # s, p, dp and ds on fragments; s = q kᵀ and dp = dout vᵀ on tensor cores
     for name in ("qk", "exp", "dp", "ds"):
@@ -476,5 +484,59 @@ def schedule_backward(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, nu
     _fill_fragments(sch, "init_dq", num_warps, names["fill"])
     # (vectorised, this store fails LowerWarpMemory: "failed to rewrite load to shuffle")
     _store_fragments(sch, "store_dq", num_warps, vector=False)
-    return sch
+    if num_stages > 1:
+        pipeline_loads(sch, num_stages)
 
+
+def _schedule_dkdv(sch: tvm.s_tir.Schedule, num_warps: int, num_stages: int, vec: int) -> None:
+    """dkdv on tensor cores. Its tiles are key-first (sᵀ = k qᵀ, ...), so each warp owns 16 or
+    more keys (rows) of the K/V block: it computes sᵀ and dpᵀ for its keys against the whole Q block
+    (ldmatrix K or V as A, q or dout as Bᵀ), keeps pᵀ and dsᵀ in the mma accumulator layout, which
+    is the A layout of pᵀ dout and dsᵀ q, and accumulates dv and dk for its keys in fragments across
+    the Q blocks. The Q, dout, K and V tiles and the rows' lse and delta sit in shared memory; with
+    ``num_stages`` 2 or 3, the Q and dout blocks and their rows' lse and delta of the next steps are
+    loaded by cp.async while this one computes (the steps of all the group's query heads are one pipelined loop)."""
+    sch.work_on("dkdv")
+    dtype, BM, D, BN = buffer_info(sch)
+    if BN % (16 * num_warps) or BM % 16 or D % 16:
+        raise ValueError(f"knobs: the sm80 dkdv needs block_n a multiple of 16 * dkdv_warps and block_m, head_dim "
+                         f"multiples of 16, got block_n {BN}, dkdv_warps {num_warps}, block_m {BM}, head_dim {D}")
+    names = _intrin_names(dtype)
+    sch.fuse(*sch.get_loops("q_step")[-2:])  # (query head of the group, Q block)
+    b, hk, kb = sch.get_loops("tile")
+    sch.bind(kb, "blockIdx.x")  # causal: the first K/V blocks see the most Q blocks, and start first
+    sch.bind(hk, "blockIdx.y")
+    sch.bind(b, "blockIdx.z")
+    for name in ("load_k", "load_v", "load_q", "load_do"):
+        sch.set_scope(name, 0, "shared.dyn")
+        sch.storage_align(name, 0, axis=0, factor=D, offset=8)  # ldmatrix without bank conflicts
+        _copy_to_shared(sch, name, num_warps, vec)
+    sch.set_scope("init_scale", 0, "local")
+    for name in ("load_lse", "load_delta"):  # read by the lanes that hold their query's column
+        sch.set_scope(name, 0, "shared.dyn")
+        _row_block(sch, name, num_warps)
+
+    for name in ("qk", "exp", "dp", "ds", "cast_p"):
+        sch.set_scope(name, 0, "local" if name == "exp" else "warp")  # pᵀ feeds no mma (see dq's)
+        sch.transform_layout(name, ("write", 0), _frag_index_map)
+    for name in ("qk", "dp"):  # sᵀ = k qᵀ, dpᵀ = v doutᵀ
+        block = sch.get_sblock(name)
+        _warp_gemm_operands(sch, block, num_warps, [(1, names["ld_a"]), (2, names["ld_b_trans"])])
+        sch.tensorize(sch.get_loops(block)[-3], names["mma_nt"])
+        sch.tensorize(sch.get_loops(f"{name}_init")[-2], names["fill"])
+    for name in ("exp", "ds", "cast_p"):
+        _fragment_elementwise(sch, name, num_warps)
+
+    for name in ("dv", "dk"):  # dv += pᵀ dout, dk += dsᵀ q: pᵀ and dsᵀ from registers
+        sch.set_scope(name, 0, "warp")
+        sch.transform_layout(name, ("write", 0), _frag_index_map)
+        block = sch.get_sblock(name)
+        outer = _warp_gemm_operands(sch, block, num_warps, [(1, None), (2, names["ld_b"])])
+        for blk in (outer, block):
+            hide_init_reads(sch, blk)
+        sch.tensorize(sch.get_loops(block)[-3], names["mma_nn"])
+        _fragment_lanes(sch, f"{name}_init")
+        _fill_fragments(sch, f"init_{name}", num_warps, names["fill"])
+        _store_fragments(sch, f"store_{name}", num_warps, vector=False)
+    if num_stages > 1:
+        pipeline_loads(sch, num_stages, step="q_step", loads=("load_q", "load_do", "load_lse", "load_delta"))

@@ -68,7 +68,7 @@ from tvm.s_tir import TensorIntrin
 from tvmflash.lowering.annotations import (REG_FENCE, SKIP_UNIT_RESCALE_PRAGMA, SWIZZLE_COLUMNS, TMA_BARRIER_BYTES,
                                            TMA_BARRIER_PADDINGS, TMA_LOAD, TMA_PRODUCERS, WGMMA_WAIT_PRAGMA)
 
-from .common import (QuadRowLayout, bind_grid, buffer_info, hide_init_reads, pipeline_kv_loads, quad_row_block,
+from .common import (QuadRowLayout, bind_grid, buffer_info, hide_init_reads, pipeline_loads, quad_row_block,
                      quad_row_init, row_quad_map, row_reduce_intrin, staged_row_block, tensorize_row_reduce)
 from .sm80 import DTYPES, STRIDE_ALIGNMENT  # noqa: F401 - the same fp16/bf16 pair, 16-byte copies
 
@@ -117,7 +117,7 @@ Q_COPIES = ("threads", "tma")
 # barriers. Correct on the H200, no faster there (2026-11-30, commit cfedb6e).
 O_STORES = ("staged", "direct")
 # overlap 1, FA3's intra-warpgroup order: the step of tile j issues PV of tile j - 1, then QK^T of tile
-# j, and waits once for both; V keeps num_stages tiles and K one fewer (``common.pipeline_kv_loads``'s
+# j, and waits once for both; V keeps num_stages tiles and K one fewer (``common.pipeline_loads``'s
 # ``lagged``). Needs TMA and 3 stages or more. Correct on the H200; with a producer warpgroup and 3
 # stages of block_n 128, 0.84-0.91x cuDNN at d128 non-causal against the default's 0.81-0.90x in one
 # run, slower at 1k tokens and causal (H200, 2026-12-01, commit 0e948a5).
@@ -853,7 +853,7 @@ def schedule(
     else:
         _row_state_in_shared_memory(sch, BN, num_warpgroups)
     if num_stages > 1:  # last: it annotates kv_step's final children
-        pipeline_kv_loads(sch, num_stages, lagged=("pv",) if overlap else ())
+        pipeline_loads(sch, num_stages, lagged=("pv",) if overlap else ())
     if overlap:  # the last PV is waited for, and its accumulators fenced, before the output reads them
         sch.annotate(sch.get_loops("store_o")[-3], WGMMA_WAIT_PRAGMA, 0)  # its first per-thread loop
     return sch

@@ -54,6 +54,8 @@ def test_gradients_match_float64_on_cpu(dtype, head_dim, heads, causal):
 @pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 256])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_gradients_match_float64_on_the_gpu(dtype, head_dim, causal):
+    """The default schedules: sm80's (tensor cores) for fp16/bf16 up to head_dim 128 on sm80 and
+    newer, the SIMT one otherwise."""
     gradients_match_float64("cuda", dtype, head_dim, causal)
 
 
@@ -203,7 +205,8 @@ def test_backward_modules_are_cached(backward_kernel, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_simt_backward_builds_cuda_source(dtype):
+def test_simt_backward_builds_cuda_source(monkeypatch, dtype):
+    monkeypatch.setenv("TVMFLASH_BACKWARD_SM80", "0")  # sm80's serves bfloat16 at head_dim 128 by default
     kernel = tvmflash.compile_backward(head_dim=128, dtype=dtype, causal=True, target="sm80")
     src = kernel.source(heads_q=8, heads_kv=2)
     for name in ("delta_kernel", "dkdv_kernel", "dq_kernel"):
@@ -279,29 +282,29 @@ def test_misaligned_and_strided_gradient_views_on_the_gpu():
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_sm80_backward_builds_cuda_source(monkeypatch, dtype):
-    """TVMFLASH_BACKWARD_SM80=1: dq on mma.sync with ldmatrix operands, dkdv still SIMT (no mma)."""
-    monkeypatch.setenv("TVMFLASH_BACKWARD_SM80", "1")
+    """fp16/bf16 on sm80: dkdv and dq on mma.sync with ldmatrix operands, their next tiles loaded by
+    cp.async; TVMFLASH_BACKWARD_SM80=0 and head_dim 256 take the SIMT schedule."""
     kernel = tvmflash.compile_backward(head_dim=128, dtype=dtype, causal=True, target="sm80")
     assert kernel.info()["schedule"] == "sm80"
     src = kernel.source(heads_q=4, heads_kv=2)
-    dq = src[src.index("dq_kernel("):]
-    dkdv = src[src.index("dkdv_kernel("):src.index("dq_kernel(")]
+    dq = src[src.rindex("dq_kernel("):]  # the definitions, after the declarations
+    dkdv = src[src.rindex("dkdv_kernel("):src.rindex("dq_kernel(")]
     ptx_type = {"float16": "f16", "bfloat16": "bf16"}[dtype]
-    assert f"mma.sync.aligned.m16n8k16.row.col.f32.{ptx_type}.{ptx_type}.f32" in dq and "ldmatrix" in dq
-    assert "mma.sync" not in dkdv
-    monkeypatch.delenv("TVMFLASH_BACKWARD_SM80")
-    assert tvmflash.compile_backward(head_dim=128, dtype=dtype, target="sm80").info()["schedule"] == "cuda"
+    for program in (dq, dkdv):
+        assert f"mma.sync.aligned.m16n8k16.row.col.f32.{ptx_type}.{ptx_type}.f32" in program and "ldmatrix" in program
+        assert "cp_async_commit_group" in program
     assert tvmflash.compile_backward(head_dim=256, dtype=dtype, target="sm80").info()["schedule"] == "cuda"
+    monkeypatch.setenv("TVMFLASH_BACKWARD_SM80", "0")
+    assert tvmflash.compile_backward(head_dim=128, dtype=dtype, target="sm80").info()["schedule"] == "cuda"
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [32, 64, 96, 128])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_sm80_backward_gradients_on_the_gpu(monkeypatch, dtype, head_dim, causal):
-    """The sm80 backward (dq on tensor cores; TVMFLASH_BACKWARD_SM80=1), over SHAPES."""
-    if torch.cuda.get_device_capability() < (8, 0):
-        pytest.skip("the sm80 backward needs sm80 or newer")
-    monkeypatch.setenv("TVMFLASH_BACKWARD_SM80", "1")
-    assert tvmflash.compile_backward(head_dim=head_dim, dtype=dtype, causal=causal).info()["schedule"] == "sm80"
+def test_simt_backward_gradients_on_the_gpu(monkeypatch, dtype, head_dim, causal):
+    """The SIMT backward where the sm80 one serves by default (TVMFLASH_BACKWARD_SM80=0), over SHAPES;
+    the default schedules are test_gradients_match_float64_on_the_gpu's."""
+    monkeypatch.setenv("TVMFLASH_BACKWARD_SM80", "0")
+    assert tvmflash.compile_backward(head_dim=head_dim, dtype=dtype, causal=causal).info()["schedule"] == "cuda"
     gradients_match_float64("cuda", dtype, head_dim, causal)

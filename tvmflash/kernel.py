@@ -564,7 +564,9 @@ class BackwardKernel(Kernel):
                              "code": cache.source_digest(program_backward)})
 
     def _scheduled(self, spec: AttentionSpec) -> tvm.s_tir.Schedule:
-        sch = tvm.s_tir.Schedule(program_backward.attention_backward(spec, self.knobs["block_m"], self.knobs["block_n"]))
+        knobs = self.knobs
+        sch = tvm.s_tir.Schedule(program_backward.attention_backward(
+            spec, knobs["block_m"], knobs["block_n"], knobs.get("dq_block_m"), knobs.get("dq_block_n")))
         return self.schedule.schedule_backward(sch, **self.knobs)
 
     def _entry(self, module):
@@ -612,12 +614,12 @@ class BackwardKernel(Kernel):
         module = self.module(heads_q, heads_kv)
         if module.function is None:
             raise RuntimeError(f"this {targets.describe(self.target)} kernel was cross-compiled: there is no GPU here to run it on")
-        delta = torch.empty(rows, dtype=torch.float32, device=q.device)
+        delta, lse2 = (torch.empty(rows, dtype=torch.float32, device=q.device) for _ in range(2))
         dlse = torch.zeros_like(delta) if dlse is None else dlse.contiguous()
         passes = module.function
-        passes["delta"](out, dout, dlse, delta)
-        passes["dkdv"](q, k, v, dout, lse, delta, dk, dv, softmax_scale)
-        passes["dq"](q, k, v, dout, lse, delta, dq, softmax_scale)
+        passes["delta"](out, dout, lse, dlse, delta, lse2)
+        passes["dkdv"](q, k, v, dout, lse2, delta, dk, dv, softmax_scale)
+        passes["dq"](q, k, v, dout, lse2, delta, dq, softmax_scale)
         return dq, dk, dv
 
 

@@ -8,6 +8,7 @@ Layout (flash-attn's; the forward's, plus the gradients):
     k, v, dk, dv:     (batch, seqlen_k, heads_kv, head_dim)   dtype
     out:              (batch, seqlen_q, heads_q,  head_dim)   dtype, the forward's output
     lse, dlse, delta: (batch, heads_q,  seqlen_q)              float32 (lse in natural log)
+    lse2:             (batch, heads_q,  seqlen_q)              float32, lse · log2 e
 
 With s = scale · q kᵀ, p = softmax(s) (= exp(s - lse)), out = p v and a loss L(out, lse):
     dv = pᵀ · dout
@@ -16,7 +17,8 @@ With s = scale · q kᵀ, p = softmax(s) (= exp(s - lse)), out = p v and a loss 
     dq = scale · ds · k,     dk = scale · dsᵀ · q
 (dlse enters because ∂lse/∂s = p: it adds dlse · p to ds.) The programs:
 
-``delta``  delta = rowsum(dout ∘ out) - dlse, one value per query row.
+``delta``  delta = rowsum(dout ∘ out) - dlse, one value per query row, and lse2 = lse · log2 e
+           (the steps' exp2 takes it; computed once here, the steps copy it).
 ``dkdv``   one tile per (batch, K/V head, K/V block of ``block_n`` keys): the Q blocks of
            ``block_m`` rows of *every query head of the group* stream past it, so dk and dv of a
            GQA/MQA group are summed in the tile's fp32 accumulators (no atomics). p is recomputed
@@ -35,7 +37,7 @@ are masked. dk, dv and dq are reductions whose init carries the accumulator over
 step (a reduction block needs an init to be vectorised, decomposed or tensorized). The products
 that feed a matmul (p for dv, ds for dq and dk) are rounded to the input dtype, as the forward
 rounds p for p v (so that tensor cores can take them); everything else is fp32. A row that sees no key (lse -inf) gets p = 0 from the mask, hence zero gradients,
-never NaN (``row_lse2``).
+never NaN (``load_q``).
 """
 
 from __future__ import annotations
@@ -49,14 +51,25 @@ from tvmflash.program import LOG2E, AttentionSpec
 PASSES = ("delta", "dkdv", "dq")
 
 
-def attention_backward(spec: AttentionSpec, block_m: int, block_n: int) -> tvm.IRModule:
-    """The backward programs for a spec, in tiles of ``block_m`` query rows by ``block_n`` keys.
+def attention_backward(spec: AttentionSpec, block_m: int, block_n: int, dq_block_m: int | None = None,
+                       dq_block_n: int | None = None) -> tvm.IRModule:
+    """The backward programs for a spec: dkdv in tiles of ``block_m`` query rows by ``block_n`` keys,
+    dq in tiles of ``dq_block_m`` by ``dq_block_n`` (by default dkdv's).
 
-    ``delta(out, dout, dlse, delta)``,
-    ``dkdv(q, k, v, dout, lse, delta, dk, dv, softmax_scale)``,
-    ``dq(q, k, v, dout, lse, delta, dq, softmax_scale)``: shapes in the module docstring. Run them
+    ``delta(out, dout, lse, dlse, delta, lse2)``,
+    ``dkdv(q, k, v, dout, lse2, delta, dk, dv, softmax_scale)``,
+    ``dq(q, k, v, dout, lse2, delta, dq, softmax_scale)``: shapes in the module docstring. Run them
     in ``PASSES``' order.
     """
+    module = _programs(spec, block_m, block_n)
+    dq_tile = (dq_block_m or block_m, dq_block_n or block_n)
+    if dq_tile != (block_m, block_n):
+        module["dq"] = _programs(spec, *dq_tile)["dq"]
+    return module
+
+
+def _programs(spec: AttentionSpec, block_m: int, block_n: int) -> tvm.IRModule:
+    """The three programs, all in tiles of ``block_m`` query rows by ``block_n`` keys."""
     D, BM, BN = spec.head_dim, block_m, block_n
     HQ, HKV = spec.heads_q, spec.heads_kv
     group = HQ // HKV
@@ -71,7 +84,7 @@ def attention_backward(spec: AttentionSpec, block_m: int, block_n: int) -> tvm.I
 
     def tile_visible(qb, kb, seqlen_q, seqlen_k):
         """Does every row of Q block qb see every key of K/V block kb? (Its first row, the block's
-        last key.) Rows past seqlen_q need no mask (``row_lse2``)."""
+        last key.) Rows past seqlen_q need no mask (``load_q``)."""
         return visible(qb * BM, kb * BN + BN - 1, seqlen_q, seqlen_k)
 
     def first_q_block(kb, seqlen_q, seqlen_k):
@@ -92,32 +105,32 @@ def attention_backward(spec: AttentionSpec, block_m: int, block_n: int) -> tvm.I
             return T.ceildiv(seqlen_k, BN)
         return T.ceildiv(T.min(seqlen_k, T.max(0, (qb + 1) * BM + seqlen_k - seqlen_q)), BN)
 
-    def row_lse2(LSE, b, h, row, seqlen_q):
-        """lse · log2 e of a query row, 0 past the end. A row that sees no key (lse -inf) is only
-        ever in masked tiles (rows see more keys as they go down, so a block whose first row sees
-        a tile's last key has no such row), where the mask gives its p 0; a row past the end has
-        q = dout = delta = 0 and adds nothing whatever its p."""
-        return T.if_then_else(row < seqlen_q, LSE[b, h, row] * T.float32(LOG2E), T.float32(0))
-
     def padded(buffer, row, limit, *index):
         """buffer[index] for a row before ``limit``, else 0 in the input dtype."""
         return T.if_then_else(row < limit, buffer[index], T.cast(0, dtype))
 
     @T.prim_func(s_tir=True)
-    def delta(out_handle: T.handle, dout_handle: T.handle, dlse_handle: T.handle, delta_handle: T.handle):
+    def delta(out_handle: T.handle, dout_handle: T.handle, lse_handle: T.handle, dlse_handle: T.handle,
+              delta_handle: T.handle, lse2_handle: T.handle):
         T.func_attr({"global_symbol": "delta", "tirx.noalias": True})
         batch = T.int32()
         seqlen_q = T.int32()
         O = T.match_buffer(out_handle, (batch, seqlen_q, HQ, D), dtype)
         dO = T.match_buffer(dout_handle, (batch, seqlen_q, HQ, D), dtype)
+        LSE = T.match_buffer(lse_handle, (batch, HQ, seqlen_q), f32)
         dLSE = T.match_buffer(dlse_handle, (batch, HQ, seqlen_q), f32)
         Delta = T.match_buffer(delta_handle, (batch, HQ, seqlen_q), f32)
+        LSE2 = T.match_buffer(lse2_handle, (batch, HQ, seqlen_q), f32)
         for b, i, h, d in T.grid(batch, seqlen_q, HQ, D):
             with T.sblock("delta"):
                 vb, vi, vh, vd = T.axis.remap("SSSR", [b, i, h, d])
                 with T.init():
                     Delta[vb, vh, vi] = -dLSE[vb, vh, vi]
                 Delta[vb, vh, vi] = Delta[vb, vh, vi] + T.cast(dO[vb, vi, vh, vd], f32) * T.cast(O[vb, vi, vh, vd], f32)
+        for b, h, i in T.grid(batch, HQ, seqlen_q):
+            with T.sblock("scale_lse"):  # lse · log2 e: the dkdv and dq steps then copy it as it is
+                vb, vh, vi = T.axis.remap("SSS", [b, h, i])
+                LSE2[vb, vh, vi] = LSE[vb, vh, vi] * T.float32(LOG2E)
 
     def steps(keys_first: bool):
         """The steps both programs take, written once: (load_kv, load_q, p_and_ds). Each program
@@ -148,8 +161,12 @@ def attention_backward(spec: AttentionSpec, block_m: int, block_n: int) -> tvm.I
                     Vt[vj, vd] = padded(V, kb * BN + vj, seqlen_k, b, kb * BN + vj, hk, vd)
 
         @T.macro
-        def load_q(Qt, dOt, lse2, delta_t, Q, dO, LSE, Delta, b, h, qb, seqlen_q):
-            """The q and dout blocks qb of query head h, zero-padded, and their rows' lse and delta."""
+        def load_q(Qt, dOt, lse2, delta_t, Q, dO, LSE2, Delta, b, h, qb, seqlen_q):
+            """The q and dout blocks qb of query head h and their rows' lse · log2 e and delta, all
+            zero-padded: copies, which a schedule can make asynchronous. A row that sees no key
+            (lse -inf) is only ever in masked tiles (rows see more keys as they go down, so a block
+            whose first row sees a tile's last key has no such row), where the mask gives its p 0;
+            a row past the end has q = dout = delta = 0 and adds nothing whatever its p."""
             for i, d in T.grid(BM, D):
                 with T.sblock("load_q"):
                     vi, vd = T.axis.remap("SS", [i, d])
@@ -161,7 +178,10 @@ def attention_backward(spec: AttentionSpec, block_m: int, block_n: int) -> tvm.I
             for i in range(BM):
                 with T.sblock("load_lse"):
                     vi = T.axis.spatial(BM, i)
-                    lse2[vi] = row_lse2(LSE, b, h, qb * BM + vi, seqlen_q)
+                    lse2[vi] = T.if_then_else(qb * BM + vi < seqlen_q, LSE2[b, h, qb * BM + vi], T.float32(0))
+            for i in range(BM):
+                with T.sblock("load_delta"):
+                    vi = T.axis.spatial(BM, i)
                     delta_t[vi] = T.if_then_else(qb * BM + vi < seqlen_q, Delta[b, h, qb * BM + vi], T.float32(0))
 
         @T.macro
@@ -212,7 +232,7 @@ def attention_backward(spec: AttentionSpec, block_m: int, block_n: int) -> tvm.I
         k_handle: T.handle,
         v_handle: T.handle,
         dout_handle: T.handle,
-        lse_handle: T.handle,
+        lse2_handle: T.handle,
         delta_handle: T.handle,
         dk_handle: T.handle,
         dv_handle: T.handle,
@@ -226,7 +246,7 @@ def attention_backward(spec: AttentionSpec, block_m: int, block_n: int) -> tvm.I
         K = T.match_buffer(k_handle, (batch, seqlen_k, HKV, D), dtype)
         V = T.match_buffer(v_handle, (batch, seqlen_k, HKV, D), dtype)
         dO = T.match_buffer(dout_handle, (batch, seqlen_q, HQ, D), dtype)
-        LSE = T.match_buffer(lse_handle, (batch, HQ, seqlen_q), f32)
+        LSE2 = T.match_buffer(lse2_handle, (batch, HQ, seqlen_q), f32)
         Delta = T.match_buffer(delta_handle, (batch, HQ, seqlen_q), f32)
         dK = T.match_buffer(dk_handle, (batch, seqlen_k, HKV, D), dtype)
         dV = T.match_buffer(dv_handle, (batch, seqlen_k, HKV, D), dtype)
@@ -268,7 +288,7 @@ def attention_backward(spec: AttentionSpec, block_m: int, block_n: int) -> tvm.I
                         Pc = T.sblock_alloc_buffer((BN, BM), dtype)  # pᵀ in the input dtype, for dv
 
                         qb = T.meta_var(first_q_block(vkb, seqlen_q, seqlen_k) + vt)
-                        load_q(Qt, dOt, lse2, delta_t, Q, dO, LSE, Delta, vb, vhk * group + vg, qb, seqlen_q)
+                        load_q(Qt, dOt, lse2, delta_t, Q, dO, LSE2, Delta, vb, vhk * group + vg, qb, seqlen_q)
                         p_and_ds(Qt, Kt, dOt, Vt, lse2, delta_t, scale2, S, P, dP, dSc, qb, vkb, seqlen_q, seqlen_k)
                         for j, i in T.grid(BN, BM):
                             with T.sblock("cast_p"):
@@ -306,7 +326,7 @@ def attention_backward(spec: AttentionSpec, block_m: int, block_n: int) -> tvm.I
         k_handle: T.handle,
         v_handle: T.handle,
         dout_handle: T.handle,
-        lse_handle: T.handle,
+        lse2_handle: T.handle,
         delta_handle: T.handle,
         dq_handle: T.handle,
         softmax_scale: T.float32,
@@ -319,7 +339,7 @@ def attention_backward(spec: AttentionSpec, block_m: int, block_n: int) -> tvm.I
         K = T.match_buffer(k_handle, (batch, seqlen_k, HKV, D), dtype)
         V = T.match_buffer(v_handle, (batch, seqlen_k, HKV, D), dtype)
         dO = T.match_buffer(dout_handle, (batch, seqlen_q, HQ, D), dtype)
-        LSE = T.match_buffer(lse_handle, (batch, HQ, seqlen_q), f32)
+        LSE2 = T.match_buffer(lse2_handle, (batch, HQ, seqlen_q), f32)
         Delta = T.match_buffer(delta_handle, (batch, HQ, seqlen_q), f32)
         dQ = T.match_buffer(dq_handle, (batch, seqlen_q, HQ, D), dtype)
 
@@ -335,7 +355,7 @@ def attention_backward(spec: AttentionSpec, block_m: int, block_n: int) -> tvm.I
 
                 with T.sblock("init_scale"):
                     scale2[0] = softmax_scale * T.float32(LOG2E)
-                load_q(Qt, dOt, lse2, delta_t, Q, dO, LSE, Delta, vb, vh, vqb, seqlen_q)
+                load_q(Qt, dOt, lse2, delta_t, Q, dO, LSE2, Delta, vb, vh, vqb, seqlen_q)
                 for i, d in T.grid(BM, D):
                     with T.sblock("init_dq"):
                         vi, vd = T.axis.remap("SS", [i, d])

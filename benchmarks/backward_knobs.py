@@ -1,0 +1,88 @@
+"""The backward pass alone, for sets of backward knobs, against SDPA's flash and cuDNN backward in the
+same run (bf16, bench's grid: b·n = 16k tokens, h·d = 2048).
+
+    python benchmarks/backward_knobs.py --head-dims 128 --seqlens 2048 8192 \\
+        --knobs '{}' '{"block_n": 128, "dkdv_warps": 8}'
+
+Every kernel is built first, in ``--jobs`` processes at once (a backward module takes about half a
+minute to build); then each configuration is timed with ``tvmflash.bench``'s clock-fair rounds: one
+call of the BackwardKernel against ``torch.autograd.grad`` of SDPA's output in each backend. '{}' is
+the schedule's defaults. TFLOP/s count the backward as flash-attn does: 2.5× the forward's FLOPs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
+
+import torch
+import torch.nn.functional as F
+
+import tvmflash
+from tvmflash import bench
+
+
+def build(args):
+    head_dim, causal, knobs, heads = args
+    tvmflash.compile_backward(head_dim=head_dim, dtype="bfloat16", causal=causal, knobs=knobs or None,
+                              heads_q=heads, heads_kv=heads)
+    return args
+
+
+def sdpa_backward(backend, q, k, v, dout, causal):
+    """A call of SDPA's backward alone, in ``backend``, on a graph recorded once."""
+    with backend():
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             is_causal=causal).transpose(1, 2)
+
+    def call():
+        with backend():
+            torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+    return call
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096, 16384])
+    parser.add_argument("--causal", choices=["both", "no", "yes"], default="both")
+    parser.add_argument("--knobs", nargs="+", default=["{}"], help="JSON dicts of backward knobs")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count())
+    parser.add_argument("--repeat", type=int, default=10)
+    args = parser.parse_args(argv)
+    knob_sets = [json.loads(k) for k in args.knobs]
+    causals = {"both": (False, True), "no": (False,), "yes": (True,)}[args.causal]
+    grid = bench.GPU_GRID
+    work = [(d, c, k, grid["hidden"] // d) for d in args.head_dims for c in causals for k in knob_sets]
+    with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:  # CUDA forbids fork
+        for done in pool.map(build, work):
+            print("built", done, flush=True)
+    device = torch.device("cuda")
+    for head_dim in args.head_dims:
+        for causal in causals:
+            for seqlen in args.seqlens:
+                batch, heads = max(1, grid["tokens"] // seqlen), grid["hidden"] // head_dim
+                q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device=device, dtype=torch.bfloat16)
+                           .requires_grad_() for _ in range(3))
+                dout = torch.randn_like(q)
+                out, lse = tvmflash.attention(q.detach(), k.detach(), v.detach(), causal=causal, return_lse=True)
+                calls = {}
+                for n, knobs in enumerate(knob_sets):
+                    kernel = tvmflash.compile_backward(head_dim=head_dim, dtype="bfloat16", causal=causal,
+                                                       knobs=knobs or None)
+                    calls[f"knobs{n}"] = lambda kernel=kernel: kernel(q, k, v, out, dout, lse)
+                for name, backend in bench.sdpa_backends(device):
+                    calls[name] = sdpa_backward(backend, q, k, v, dout, causal)
+                ms = bench.time_backends(calls, device, args.repeat)
+                flops = 2.5 * bench.attention_flops(batch, heads, seqlen, seqlen, head_dim, causal)
+                row = "  ".join(f"{name} {t:.3f} ({flops / t / 1e9:.0f})" for name, t in ms.items())
+                print(f"d{head_dim} {'causal' if causal else 'full'} {seqlen:>5}  {row}", flush=True)
+    for n, knobs in enumerate(knob_sets):
+        print(f"knobs{n}: {knobs or 'defaults'}")
+
+
+if __name__ == "__main__":
+    main()
