@@ -6,8 +6,8 @@ same run (bf16, bench's grid: b·n = 16k tokens, h·d = 2048).
 
 Every kernel is built first, in ``--jobs`` processes at once (a backward module takes about half a
 minute to build); then each configuration is timed with ``tvmflash.bench``'s clock-fair rounds: one
-call of the BackwardKernel against ``torch.autograd.grad`` of SDPA's output in each backend. '{}' is
-the schedule's defaults. TFLOP/s count the backward as flash-attn does: 2.5× the forward's FLOPs.
+call of the BackwardKernel against ``torch.autograd.grad`` of SDPA's output in each backend (and,
+with ``--passes``, each of its programs alone). '{}' is the schedule's defaults. TFLOP/s count the backward as flash-attn does: 2.5× the forward's FLOPs.
 """
 
 from __future__ import annotations
@@ -44,6 +44,19 @@ def sdpa_backward(backend, q, k, v, dout, causal):
     return call
 
 
+def pass_calls(kernel, q, k, v, out, dout, lse):
+    """A call of each program of a BackwardKernel (``program_backward.PASSES``) on its own, in the
+    order and with the arguments that ``BackwardKernel.__call__`` gives them."""
+    passes = kernel.module(q.shape[2], k.shape[2]).function
+    delta, lse2, dlse = (torch.zeros_like(lse) for _ in range(3))
+    dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
+    scale = q.shape[-1] ** -0.5
+    passes["delta"](out, dout, lse, dlse, delta, lse2)
+    return {"delta": lambda: passes["delta"](out, dout, lse, dlse, delta, lse2),
+            "dkdv": lambda: passes["dkdv"](q, k, v, dout, lse2, delta, dk, dv, scale),
+            "dq": lambda: passes["dq"](q, k, v, dout, lse2, delta, dq, scale)}
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
@@ -52,6 +65,7 @@ def main(argv=None):
     parser.add_argument("--knobs", nargs="+", default=["{}"], help="JSON dicts of backward knobs")
     parser.add_argument("--jobs", type=int, default=os.cpu_count())
     parser.add_argument("--repeat", type=int, default=10)
+    parser.add_argument("--passes", action="store_true", help="also time the last knob set's delta, dkdv and dq alone")
     args = parser.parse_args(argv)
     knob_sets = [json.loads(k) for k in args.knobs]
     causals = {"both": (False, True), "no": (False,), "yes": (True,)}[args.causal]
@@ -74,6 +88,8 @@ def main(argv=None):
                     kernel = tvmflash.compile_backward(head_dim=head_dim, dtype="bfloat16", causal=causal,
                                                        knobs=knobs or None)
                     calls[f"knobs{n}"] = lambda kernel=kernel: kernel(q, k, v, out, dout, lse)
+                if args.passes:
+                    calls.update(pass_calls(kernel, q, k, v, out, dout, lse))
                 for name, backend in bench.sdpa_backends(device):
                     calls[name] = sdpa_backward(backend, q, k, v, dout, causal)
                 ms = bench.time_backends(calls, device, args.repeat)

@@ -54,11 +54,7 @@ class DecodeKernel(Kernel):
         # arithmetic, and needs no tensor cores.
         self.schedule = schedule_registry.simt_for_target(target)
         self.schedule_source = "the target's"
-        name = schedule_registry.name_of(self.schedule)
-        unknown = set(knobs or {}) - set(self.schedule.DECODE_KNOBS)
-        if unknown:
-            raise ValueError(f"knobs: {sorted(unknown)} are not decode knobs of the {name} schedule; it has "
-                             f"{sorted(self.schedule.DECODE_KNOBS)}")
+        self._check_knob_names(knobs, self.schedule.DECODE_KNOBS, "decode ")
         self.knobs = {**self.schedule.DECODE_KNOBS, **(knobs or {})}
         self.knobs_source = "given" if knobs else "defaults"
         problem = getattr(self.schedule, "decode_knob_problem", lambda *a: None)(head_dim, dtype, self.knobs)

@@ -113,12 +113,7 @@ class Kernel:
         # strides of q, k, v and out that the module reads in place are multiples of this (elements)
         self._stride_multiple = max(1, schedule_registry.stride_alignment(self.schedule) * 8
                                     // tvm.DataType(self.dtype).bits)
-        unknown = set(knobs or {}) - set(self.schedule.KNOBS)
-        if unknown:
-            raise ValueError(
-                f"knobs: {sorted(unknown)} are not knobs of the {schedule_name} schedule; it has "
-                f"{sorted(self.schedule.KNOBS)}"
-            )
+        self._check_knob_names(knobs, self.schedule.KNOBS)
         for name, value in (knobs or {}).items():
             problem = schedule_registry.knob_problem(self.schedule, name, value)
             if problem:
@@ -154,6 +149,14 @@ class Kernel:
         self.target = target
         self._cuda, self._target_name = targets.is_cuda(target), targets.describe(target)
         self._device_type, self._torch_dtype = "cuda" if self._cuda else "cpu", TORCH_DTYPES[self.dtype]
+
+    def _check_knob_names(self, knobs: dict | None, known: dict, kind: str = "") -> None:
+        """Every knob given is one of ``known``, the schedule's knobs of this ``kind`` (its KNOBS,
+        BACKWARD_KNOBS or DECODE_KNOBS)."""
+        unknown = set(knobs or {}) - set(known)
+        if unknown:
+            raise ValueError(f"knobs: {sorted(unknown)} are not {kind}knobs of the "
+                             f"{schedule_registry.name_of(self.schedule)} schedule; it has {sorted(known)}")
 
     def _fit_shared_memory(self, given: bool) -> None:
         """Knobs whose tiles need more shared memory than the target allows: an error for the
@@ -539,10 +542,7 @@ class BackwardKernel(Kernel):
         self.schedule = schedule_registry.backward_for_target(target, self.dtype, self.head_dim)
         self.schedule_source = "the target's"
         schedule_name = schedule_registry.name_of(self.schedule)
-        unknown = set(knobs or {}) - set(self.schedule.BACKWARD_KNOBS)
-        if unknown:
-            raise ValueError(f"knobs: {sorted(unknown)} are not backward knobs of the {schedule_name} schedule; it "
-                             f"has {sorted(self.schedule.BACKWARD_KNOBS)}")
+        self._check_knob_names(knobs, self.schedule.BACKWARD_KNOBS, "backward ")
         defaults = {**self.schedule.BACKWARD_KNOBS,
                     **getattr(self.schedule, "BACKWARD_KNOBS_FOR_HEAD_DIM", {}).get(self.head_dim, {})}
         self.knobs = {**defaults, **(knobs or {})}
