@@ -14,22 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
-from concurrent.futures import ProcessPoolExecutor
 
 import torch
 import torch.nn.functional as F
 
 import tvmflash
 from tvmflash import bench
-
-
-def build(args):
-    head_dim, causal, knobs, heads = args
-    tvmflash.compile_backward(head_dim=head_dim, dtype="bfloat16", causal=causal, knobs=knobs or None,
-                              heads_q=heads, heads_kv=heads)
-    return args
 
 
 def sdpa_backward(backend, q, k, v, dout, causal):
@@ -70,10 +61,9 @@ def main(argv=None):
     knob_sets = [json.loads(k) for k in args.knobs]
     causals = {"both": (False, True), "no": (False,), "yes": (True,)}[args.causal]
     grid = bench.GPU_GRID
-    work = [(d, c, k, grid["hidden"] // d) for d in args.head_dims for c in causals for k in knob_sets]
-    with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:  # CUDA forbids fork
-        for done in pool.map(build, work):
-            print("built", done, flush=True)
+    bench.build_in_parallel([("compile_backward", {"head_dim": d, "dtype": "bfloat16", "causal": c, "knobs": k or None,
+                                                    "heads_q": grid["hidden"] // d, "heads_kv": grid["hidden"] // d})
+                             for d in args.head_dims for c in causals for k in knob_sets], args.jobs)
     device = torch.device("cuda")
     for head_dim in args.head_dims:
         for causal in causals:

@@ -11,6 +11,7 @@ forward's FLOPs (5 GEMMs to 2), so forward + backward is 3.5x, halved when causa
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 import torch.nn.functional as F
@@ -37,11 +38,17 @@ def main(argv=None):
     parser.add_argument("--seqlens", type=int, nargs="+", default=grid["seqlens"])
     parser.add_argument("--no-causal", action="store_true", help="only non-causal")
     parser.add_argument("--repeat", type=int, default=10)
+    parser.add_argument("--jobs", type=int, default=os.cpu_count(), help="processes that build the kernels first")
     args = parser.parse_args(argv)
     dtype = getattr(torch, args.dtype)
+    causals = (False,) if args.no_causal else (False, True)
+    if device.type == "cuda":  # every module first, on every core
+        bench.build_in_parallel([(name, {"head_dim": d, "dtype": args.dtype, "causal": c, "heads_q": heads, "heads_kv": heads})
+                                 for name in ("compile", "compile_backward") for d in args.head_dims for c in causals
+                                 for heads in {grid["hidden"] // d}], args.jobs)
     print(f"{'d':>4} {'causal':>6} {'seqlen':>6} {'batch':>5} {'heads':>5}  backend: ms (TFLOP/s)")
     for head_dim in args.head_dims:
-        for causal in (False,) if args.no_causal else (False, True):
+        for causal in causals:
             for seqlen in args.seqlens:
                 batch, heads = max(1, grid["tokens"] // seqlen), grid["hidden"] // head_dim
                 q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device=device, dtype=dtype).requires_grad_()

@@ -27,6 +27,26 @@ class Result:
     host_us: dict | None = None  # backend -> host microseconds a call (``host_us``), where measured
 
 
+def build_in_parallel(builds: list[tuple[str, dict]], processes: int, echo=print) -> None:
+    """Build kernels into the module cache, ``processes`` at a time (a module takes tens of seconds
+    to build, on one core): each build is (the name of a tvmflash function, its keyword arguments),
+    e.g. ("compile_backward", {"head_dim": 128, ..., "heads_q": 16}). The benchmark's own calls then
+    load them from the cache. Spawned processes: CUDA, initialised here, forbids fork."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn")) as pool:
+        for build in pool.map(_build, builds):
+            echo(f"built {build[0]}({', '.join(f'{k}={v}' for k, v in build[1].items())})")
+
+
+def _build(build: tuple[str, dict]) -> tuple[str, dict]:
+    import tvmflash
+
+    getattr(tvmflash, build[0])(**build[1])
+    return build
+
+
 def attention_flops(batch, heads, seqlen_q, seqlen_k, head_dim, causal):
     """Forward FLOPs as flash-attn counts them: 2 GEMMs, halved when causal."""
     flops = 4 * batch * heads * seqlen_q * seqlen_k * head_dim
