@@ -27,6 +27,10 @@ VARIANTS = {
     "window": {"window_size": (5, 3)},
     "window-left-causal": {"causal": True, "window_size": (7, -1)},
     "window-right": {"window_size": (-1, 4)},
+    # wider than a Q block and a K/V tile (the CPU's 64, the GPU's up to 128): unmasked tiles inside,
+    # masked ones where the left edge crosses a block between its first row and its last
+    "window-wide": {"window_size": (100, 70)},
+    "window-wider": {"window_size": (300, 200)},
     "softcap": {"softcap": 5.0},
     "alibi-batch": {"alibi": "batch"},
     "causal-all": {"causal": True, "window_size": (20, -1), "softcap": 2.0, "alibi": "heads"},
@@ -35,6 +39,7 @@ VARIANTS = {
 # (seqlen_q, seqlen_k): tails on both sides, one query, and seqlen_q > seqlen_k (queries that see no
 # key under a causal mask or a right window edge)
 LENGTHS = [(77, 200), (200, 77), (1, 129), (129, 129)]
+GPU_LENGTHS = LENGTHS + [(1000, 1000), (300, 1000)]  # the GPU's tiles are up to 128 x 128
 HEADS = (4, 2)
 CPU_DTYPE, CPU_HEAD_DIM = torch.float16, 32
 
@@ -59,7 +64,7 @@ def compile_options(kwargs):
 
 def forward_matches_float64(device, dtype, head_dim, name):
     target = "cpu" if device == "cpu" else None
-    for seqlen_q, seqlen_k in LENGTHS:
+    for seqlen_q, seqlen_k in LENGTHS if device == "cpu" else GPU_LENGTHS:
         q, k, v = random_qkv(2, seqlen_q, seqlen_k, *HEADS, head_dim, dtype, device, seed=seqlen_q)
         kwargs = options(VARIANTS[name], 2, HEADS[0], device, seed=seqlen_k)
         kernel = tvmflash.compile(head_dim=head_dim, dtype=dtype, target=target, **compile_options(kwargs))
@@ -84,7 +89,7 @@ def test_forward_matches_float64_on_the_gpu(dtype, head_dim, name):
 def gradients_match_float64(device, dtype, head_dim, name):
     """Autograd through tvmflash.attention (out and, every other shape, lse in the loss) against
     float64 autograd of the reference; the rows that see no key get zero gradients."""
-    for n, (seqlen_q, seqlen_k) in enumerate(LENGTHS):
+    for n, (seqlen_q, seqlen_k) in enumerate(LENGTHS if device == "cpu" else GPU_LENGTHS):
         q, k, v = random_qkv(2, seqlen_q, seqlen_k, *HEADS, head_dim, dtype, device, seed=seqlen_q)
         kwargs = options(VARIANTS[name], 2, HEADS[0], device, seed=seqlen_k)
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]

@@ -372,8 +372,16 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_ti
                                 # for the mask.
                                 score = T.meta_var(transformed_score(
                                     spec, S[vi, vj], softmax_scale, alibi_slope(AlibiSlopes, vb, vh),
-                                    vqb * BM + vi + seqlen_k - seqlen_q - (tile * BN + vj)))
-                                if tile_visible(vqb, tile, seqlen_q, seqlen_k):
+                                    (vqb * BM - tile * BN + seqlen_k - seqlen_q) + (vi - vj)))
+                                if spec.transforms_score:
+                                    # One expression, so that the score is computed once: with a branch
+                                    # per tile, common-subexpression elimination computes it ahead of
+                                    # both (on sm90, 64 more live registers a thread, and spills).
+                                    Sm[vi, vj] = score + T.if_then_else(
+                                        T.Or(tile_visible(vqb, tile, seqlen_q, seqlen_k),
+                                             visible(vqb * BM + vi, tile * BN + vj, seqlen_q, seqlen_k)),
+                                        T.float32(0), T.float32(-math.inf))
+                                elif tile_visible(vqb, tile, seqlen_q, seqlen_k):
                                     Sm[vi, vj] = score
                                 else:
                                     Sm[vi, vj] = T.if_then_else(
