@@ -7,8 +7,13 @@ import math
 import torch
 
 
-def reference(q, k, v, *, causal=False, softmax_scale=None, dtype=torch.float64):
-    """Plain attention in ``dtype`` (default float64), flash-attn layout in and out.
+def reference(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+              dtype=torch.float64):
+    """Plain attention in ``dtype`` (default float64), flash-attn layout in and out, with flash-attn's
+    documented variants: query i sees key j iff i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k -
+    seqlen_q + right (``window_size=(left, right)``, -1: unbounded; causal: right 0); the scaled
+    score s becomes softcap · tanh(s / softcap) (softcap > 0), then gets -slope · |i + seqlen_k -
+    seqlen_q - j| (``alibi_slopes``, (heads_q,) or (batch, heads_q)).
 
     Returns (out, lse): out (batch, seqlen_q, heads_q, head_dim), lse (batch, heads_q, seqlen_q).
     A query that sees no key gets out 0 and lse -inf.
@@ -18,10 +23,23 @@ def reference(q, k, v, *, causal=False, softmax_scale=None, dtype=torch.float64)
     qh, kh, vh = (t.to(dtype).transpose(1, 2) for t in (q, k, v))
     kh, vh = kh.repeat_interleave(group, 1), vh.repeat_interleave(group, 1)
     s = (qh @ kh.transpose(-1, -2)) * scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
     seqlen_q, seqlen_k = q.shape[1], k.shape[1]
     i = torch.arange(seqlen_q, device=q.device)[:, None]
     j = torch.arange(seqlen_k, device=q.device)[None, :]
-    hidden = (j > i + seqlen_k - seqlen_q) if causal else torch.zeros_like(j > i)
+    diagonal = i + seqlen_k - seqlen_q  # the key in query i's column
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.to(device=q.device, dtype=dtype).reshape(-1, q.shape[2], 1, 1)  # (batch or 1, heads)
+        s = s - slopes * (diagonal - j).abs().to(dtype)
+    left, right = window_size
+    hidden = torch.zeros_like(j > i)
+    if causal:
+        hidden = hidden | (j > diagonal)
+    if right >= 0:
+        hidden = hidden | (j > diagonal + right)
+    if left >= 0:
+        hidden = hidden | (j < diagonal - left)
     seen = ~hidden.all(-1, keepdim=True)  # rows that see a key
     # Rows that see no key: finite scores (so that autograd gets no NaN), p 0 and lse -inf.
     s = s.masked_fill(hidden & seen, -math.inf).masked_fill(~seen, 0.0)
@@ -30,20 +48,22 @@ def reference(q, k, v, *, causal=False, softmax_scale=None, dtype=torch.float64)
     return (p @ vh).transpose(1, 2), lse
 
 
-def torch_same_dtype(q, k, v, *, causal=False, softmax_scale=None):
-    """PyTorch's own attention in the inputs' dtype: the yardstick for our rounding error."""
-    return reference(q, k, v, causal=causal, softmax_scale=softmax_scale, dtype=q.dtype)[0].to(q.dtype)
+def torch_same_dtype(q, k, v, *, causal=False, softmax_scale=None, **variant):
+    """PyTorch's own attention in the inputs' dtype: the yardstick for our rounding error. ``variant``:
+    ``reference``'s window_size, softcap and alibi_slopes."""
+    return reference(q, k, v, causal=causal, softmax_scale=softmax_scale, dtype=q.dtype, **variant)[0].to(q.dtype)
 
 
 def max_error(a, b):
     return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
 
 
-def check_attention(out, lse, q, k, v, *, causal=False, softmax_scale=None, eps=1e-5):
-    """flash-attn's rule: our error against float64 is at most 2x torch's same-dtype error + eps."""
-    ref_out, ref_lse = reference(q, k, v, causal=causal, softmax_scale=softmax_scale)
+def check_attention(out, lse, q, k, v, *, causal=False, softmax_scale=None, eps=1e-5, **variant):
+    """flash-attn's rule: our error against float64 is at most 2x torch's same-dtype error + eps.
+    ``variant``: ``reference``'s window_size, softcap and alibi_slopes."""
+    ref_out, ref_lse = reference(q, k, v, causal=causal, softmax_scale=softmax_scale, **variant)
     ours = max_error(out, ref_out)
-    theirs = max_error(torch_same_dtype(q, k, v, causal=causal, softmax_scale=softmax_scale), ref_out)
+    theirs = max_error(torch_same_dtype(q, k, v, causal=causal, softmax_scale=softmax_scale, **variant), ref_out)
     assert torch.isfinite(out).all(), "out has NaN/inf"
     assert ours <= 2 * theirs + eps, f"out error {ours:.3e} > 2 x torch's {theirs:.3e} + {eps}"
     # LSE is computed in float32 from the same inputs: only float32 rounding separates it from float64.
@@ -55,22 +75,26 @@ def check_attention(out, lse, q, k, v, *, causal=False, softmax_scale=None, eps=
     return ours, theirs
 
 
-def reference_gradients(q, k, v, dout, dlse=None, *, causal=False, softmax_scale=None, dtype=torch.float64):
-    """(dq, dk, dv) of ``reference`` in ``dtype`` for the loss sum(out·dout) + sum(lse·dlse)."""
+def reference_gradients(q, k, v, dout, dlse=None, *, causal=False, softmax_scale=None, dtype=torch.float64,
+                        **variant):
+    """(dq, dk, dv) of ``reference`` (with ``variant``) in ``dtype`` for the loss sum(out·dout) +
+    sum(lse·dlse)."""
     leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
-    out, lse = reference(*leaves, causal=causal, softmax_scale=softmax_scale, dtype=dtype)
+    out, lse = reference(*leaves, causal=causal, softmax_scale=softmax_scale, dtype=dtype, **variant)
     loss = (out * dout.to(dtype)).sum()
     if dlse is not None:
         loss = loss + (lse.masked_fill(lse == -math.inf, 0) * dlse.to(dtype)).sum()
     return torch.autograd.grad(loss, leaves)
 
 
-def check_gradients(grads, q, k, v, dout, dlse=None, *, causal=False, softmax_scale=None, eps=1e-5):
+def check_gradients(grads, q, k, v, dout, dlse=None, *, causal=False, softmax_scale=None, eps=1e-5, **variant):
     """flash-attn's rule for each of dq, dk, dv: our error against float64 is at most 2x the error
     of PyTorch's own attention in the inputs' dtype, plus eps times (1 + the gradient's largest
-    element): with one key, say, dq is exactly 0 in any dtype, and ours is off by float32 rounding."""
-    ref = reference_gradients(q, k, v, dout, dlse, causal=causal, softmax_scale=softmax_scale)
-    same = reference_gradients(q, k, v, dout, dlse, causal=causal, softmax_scale=softmax_scale, dtype=q.dtype)
+    element): with one key, say, dq is exactly 0 in any dtype, and ours is off by float32 rounding.
+    ``variant``: ``reference``'s window_size, softcap and alibi_slopes."""
+    ref = reference_gradients(q, k, v, dout, dlse, causal=causal, softmax_scale=softmax_scale, **variant)
+    same = reference_gradients(q, k, v, dout, dlse, causal=causal, softmax_scale=softmax_scale, dtype=q.dtype,
+                               **variant)
     errors = {}
     for name, ours, r, theirs in zip(("dq", "dk", "dv"), grads, ref, same):
         assert ours.shape == r.shape and ours.dtype == q.dtype, f"{name}: {ours.shape} {ours.dtype}"

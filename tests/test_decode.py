@@ -244,8 +244,7 @@ def test_choose_num_splits():
 
 
 @pytest.mark.parametrize("option,value", [
-    ("rotary_cos", torch.zeros(4, 8)), ("rotary_sin", torch.zeros(4, 8)), ("cache_leftpad", torch.zeros(2, dtype=torch.int32)),
-    ("window_size", (16, 0)), ("softcap", 30.0), ("alibi_slopes", torch.zeros(4))])
+    ("rotary_cos", torch.zeros(4, 8)), ("rotary_sin", torch.zeros(4, 8)), ("cache_leftpad", torch.zeros(2, dtype=torch.int32))])
 def test_options_not_implemented_yet(option, value):
     k_cache, v_cache, _ = make_cache(2, 16, 1, HEAD_DIM, torch.float16, "cpu")
     q = random_q(2, 1, 4, HEAD_DIM, torch.float16, "cpu")

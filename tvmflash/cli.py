@@ -39,9 +39,12 @@ def _print_modules(entries) -> None:
         spec = e.get("spec", {})
         target = json.loads(e["target"]) if str(e.get("target", "")).startswith("{") else {}
         kind = f"{target.get('kind', '?')} {target.get('arch') or target.get('mcpu') or ''}".strip()
+        variant = "".join(f" {name}={spec[name]}" for name, off in (("window_left", -1), ("window_right", -1),
+                                                                     ("softcap", 0.0), ("alibi", False))
+                          if spec.get(name, off) != off)
         # what tells modules of one spec apart: the pass, the target, the knobs, the code they were built from
         print(f"  {e.get('key')}  {e.get('schedule')} {e.get('pass', 'forward')}  d{spec.get('head_dim')} {spec.get('dtype')} "
-              f"{'causal' if spec.get('causal') else 'full'} hq{spec.get('heads_q')}/hkv{spec.get('heads_kv')}  "
+              f"{'causal' if spec.get('causal') else 'full'}{variant} hq{spec.get('heads_q')}/hkv{spec.get('heads_kv')}  "
               f"{kind}{' (CUDA source)' if e['path'].endswith('.cu') else ''}  {json.dumps(e.get('knobs'), sort_keys=True)}  "
               f"code {str(e.get('code', '?'))[:8]}  {e['bytes'] // 1024} KiB  {e.get('created', '')}")
 

@@ -18,7 +18,13 @@ import tvm
 from tvmflash import cache, lowering, program, program_decode
 from tvmflash import schedules as schedule_registry
 from tvmflash import target as targets
-from tvmflash.kernel import Kernel, build_options, dtype_name, resolve_softmax_scale
+from tvmflash.kernel import (
+    Kernel,
+    build_options,
+    dtype_name,
+    resolve_softmax_scale,
+    resolve_variant,
+)
 from tvmflash.program_decode import DecodeSpec
 
 # num_splits=0 never picks more splits than this (each split adds a partial output to write and merge).
@@ -29,7 +35,7 @@ _INT32_MAX = 2**31 - 1
 
 
 class DecodeKernel(Kernel):
-    """Flash-Decoding for one (head_dim, dtype, cache layout, target).
+    """Flash-Decoding for one (head_dim, dtype, cache layout, variant, target).
 
     Call it on torch tensors (checked; see ``program_decode`` for the layouts)::
 
@@ -43,12 +49,15 @@ class DecodeKernel(Kernel):
     seqlen_q and split count runs the same module, and a call captured in a CUDA graph replays with
     the lengths the tensor holds then. causal is an argument of the call, not of the module. Each new
     pair of head counts builds (or loads) one module, with the functions ``split`` and ``merge``.
+    The variant (a window, a softcap, ALiBi: ``compile_decode``) is the kernel's; with ALiBi each call
+    takes ``alibi_slopes``, float32 (heads_q,) or (batch, heads_q).
     """
 
     PASS = "decode"
 
-    def __init__(self, head_dim: int, dtype: str, page_size: int, target: tvm.target.Target, knobs: dict | None):
-        self._set_problem({"head_dim": head_dim, "dtype": dtype, "causal": False}, target)
+    def __init__(self, head_dim: int, dtype: str, page_size: int, target: tvm.target.Target, knobs: dict | None,
+                 variant: dict | None = None):
+        self._set_problem({"head_dim": head_dim, "dtype": dtype, "causal": False, **(variant or {})}, target)
         self.page_size = page_size
         # The CPU's schedule, or the SIMT CUDA one on every GPU: decode is bound by memory, not
         # arithmetic, and needs no tensor cores.
@@ -71,7 +80,7 @@ class DecodeKernel(Kernel):
 
     # ----------------------------------------------------------------- building (Kernel's, with these)
     def _spec(self, heads_q: int, heads_kv: int) -> DecodeSpec:
-        return DecodeSpec(self.head_dim, self.dtype, heads_q, heads_kv, self.page_size)
+        return DecodeSpec(self.head_dim, self.dtype, heads_q, heads_kv, self.page_size, **self.variant)
 
     def _code(self) -> str:
         return cache.source_digest(program, program_decode, self.schedule, schedule_registry.common, *lowering.MODULES)
@@ -98,7 +107,8 @@ class DecodeKernel(Kernel):
 
     def __repr__(self) -> str:
         layout = f"paged {self.page_size}" if self.page_size else "contiguous"
-        return (f"tvmflash.DecodeKernel(head_dim={self.head_dim}, dtype={self.dtype}, {layout}, "
+        variant = "".join(f"{name}={value!r}, " for name, value in self.variant.items())
+        return (f"tvmflash.DecodeKernel(head_dim={self.head_dim}, dtype={self.dtype}, {layout}, {variant}"
                 f"target={targets.describe(self.target)!r})")
 
     def query_blocks(self, seqlen_q: int) -> int:
@@ -115,9 +125,10 @@ class DecodeKernel(Kernel):
         return choose_num_splits(batch * heads_kv * self.query_blocks(seqlen_q), tiles, slots)
 
     def __call__(self, q, k_cache, v_cache, lengths, index, *, num_splits: int = 0, softmax_scale=None,
-                 causal: bool = False, out=None):
+                 causal: bool = False, out=None, alibi_slopes=None):
         """(out, lse) of q over the cache; see the class docstring. num_splits=0 picks the count."""
         self.check_inputs(q, k_cache, v_cache, lengths, index, out)
+        variant_arguments = self.variant_arguments(q, alibi_slopes)
         if not q.is_contiguous():
             q = q.contiguous()
         batch, seqlen_q, heads_q, _ = q.shape
@@ -142,7 +153,7 @@ class DecodeKernel(Kernel):
                                  device=q.device)
             lse_part = torch.empty((num_splits, batch, seqlen_q, heads_q), dtype=torch.float32, device=q.device)
             module.function["split"](q, k_cache, v_cache, lengths, index, o_part, lse_part, softmax_scale,
-                                     int(bool(causal)))
+                                     int(bool(causal)), *variant_arguments)
             module.function["merge"](o_part, lse_part, out, lse)
         return out, lse
 
@@ -230,31 +241,38 @@ _KERNELS: dict[str, DecodeKernel] = {}
 
 
 def compile_decode(*, head_dim: int, dtype, page_size: int = 0, target=None, knobs: dict | None = None,
-                   heads_q: int | None = None, heads_kv: int | None = None) -> DecodeKernel:
+                   heads_q: int | None = None, heads_kv: int | None = None, window_size=(-1, -1),
+                   softcap: float = 0.0, alibi: bool = False) -> DecodeKernel:
     """Compile Flash-Decoding and return a :class:`DecodeKernel` (cached in memory; modules on disk).
 
     page_size: 0 for a contiguous cache, else the paged cache's rows per page (a power of two >= 16).
     target, knobs: as ``tvmflash.compile`` (knobs of the schedule's ``DECODE_KNOBS``). heads_q /
-    heads_kv: build for these head counts now.
+    heads_kv: build for these head counts now. window_size, softcap, alibi: as ``tvmflash.compile``'s,
+    but a window's right edge 0 is no window: that is the call's ``causal``.
     """
     dtype = dtype_name(dtype)
-    DecodeSpec(head_dim, dtype, 1, 1, page_size)  # validates head_dim, dtype and page_size
+    variant = resolve_variant(False, window_size, softcap, alibi)
+    if variant.pop("causal"):
+        raise ValueError(f"window_size: a right edge of 0 is causal, an argument of each call: pass causal=True and "
+                         f"window_size=({window_size[0]}, -1)")
+    DecodeSpec(head_dim, dtype, 1, 1, page_size, **variant)  # validates head_dim, dtype and page_size
     resolved = targets.resolve(target)
-    key = cache.digest([head_dim, dtype, page_size, str(resolved), knobs])
+    key = cache.digest([head_dim, dtype, page_size, str(resolved), knobs, variant])
     kernel = _KERNELS.get(key)
     if kernel is None:
-        kernel = _KERNELS[key] = DecodeKernel(head_dim, dtype, page_size, resolved, knobs)
+        kernel = _KERNELS[key] = DecodeKernel(head_dim, dtype, page_size, resolved, knobs, variant)
     if heads_q is not None:
         kernel.module(heads_q, heads_kv if heads_kv is not None else heads_q)
     return kernel
 
 
-_BY_DEVICE: dict[tuple, DecodeKernel] = {}  # (device, dtype, head_dim, page_size) -> kernel: no hashing per call
+_BY_DEVICE: dict[tuple, DecodeKernel] = {}  # (device, dtype, head_dim, page_size, variant) -> kernel: no hashing per call
 
 
-def kernel_for(device: torch.device, dtype: torch.dtype, head_dim: int, page_size: int) -> DecodeKernel:
-    """The decode kernel for tensors on ``device`` (compiled on first use, then kept)."""
-    key = (device, dtype, head_dim, page_size)
+def kernel_for(device: torch.device, dtype: torch.dtype, head_dim: int, page_size: int, window_size=(-1, -1),
+               softcap: float = 0.0, alibi: bool = False) -> DecodeKernel:
+    """The decode kernel for tensors on ``device`` and the variant (compiled on first use, then kept)."""
+    key = (device, dtype, head_dim, page_size, window_size, softcap, alibi)
     kernel = _BY_DEVICE.get(key)
     if kernel is None:
         if device.type == "cuda":
@@ -263,7 +281,8 @@ def kernel_for(device: torch.device, dtype: torch.dtype, head_dim: int, page_siz
             target = "cpu"
         else:
             raise ValueError(f"q: expected a CPU or CUDA tensor, got one on {device}")
-        kernel = _BY_DEVICE[key] = compile_decode(head_dim=head_dim, dtype=dtype, page_size=page_size, target=target)
+        kernel = _BY_DEVICE[key] = compile_decode(head_dim=head_dim, dtype=dtype, page_size=page_size, target=target,
+                                                  window_size=window_size, softcap=softcap, alibi=alibi)
     return kernel
 
 
@@ -295,6 +314,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     block_table: int32 (batch, pages_per_seq): the pages of each sequence, in order.
     softmax_scale: defaults to 1 / sqrt(head_dim). num_splits: 0 picks the split count of the keys
     (Flash-Decoding) from the shapes and the device; 1 does not split; n uses n.
+    window_size=(left, right): query token t sees the keys from n - seqlen_q + t - left to
+    n - seqlen_q + t + right (n: the sequence's keys; -1: unbounded), and only the tiles a window
+    reaches are read. softcap > 0: scores become softcap · tanh(score / softcap). alibi_slopes,
+    float32 (heads_q,) or (batch, heads_q): -slope · |n - seqlen_q + t - p| is added to key p's
+    score (after the cap). Each window and softcap value builds a module of its own.
     return_softmax_lse: also return the LSE, float32 (batch, heads_q, seqlen_q).
 
     Returns out (q's shape and dtype), or (out, lse). A query that sees no key gets 0 and an LSE of
@@ -302,23 +326,17 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     checked (that would wait for the device): the kernel clamps them to the cache, so it never reads
     outside it.
 
-    Not implemented yet (NotImplementedError): rotary_cos/rotary_sin, cache_leftpad, window_size
-    other than (-1, -1), softcap other than 0, alibi_slopes.
+    Not implemented yet (NotImplementedError): rotary_cos/rotary_sin, cache_leftpad.
     """
     if rotary_cos is not None or rotary_sin is not None:
         raise _not_implemented("rotary_cos" if rotary_cos is not None else "rotary_sin", "<tensor>")
     if cache_leftpad is not None:
         raise _not_implemented("cache_leftpad", "<tensor>")
-    if tuple(window_size) != (-1, -1):
-        raise _not_implemented("window_size", tuple(window_size))
-    if softcap != 0.0:
-        raise _not_implemented("softcap", softcap)
-    if alibi_slopes is not None:
-        raise _not_implemented("alibi_slopes", "<tensor>")
-    for name, flag in (("causal", causal), ("return_softmax_lse", return_softmax_lse),
-                       ("rotary_interleaved", rotary_interleaved)):
+    for name, flag in (("return_softmax_lse", return_softmax_lse), ("rotary_interleaved", rotary_interleaved)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name}: expected True or False, got {flag!r}")
+    variant = resolve_variant(causal, window_size, softcap, alibi_slopes is not None)  # checks causal too
+    causal = variant.pop("causal")  # an argument of the call; the rest the kernel's
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -340,10 +358,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=device)
     if not isinstance(cache_seqlens, torch.Tensor):
         raise TypeError(f"cache_seqlens: expected an int or an int32 tensor, got {type(cache_seqlens).__name__}")
-    kernel = kernel_for(device, q.dtype, q.shape[-1], k_cache.shape[1] if paged else 0)
+    kernel = kernel_for(device, q.dtype, q.shape[-1], k_cache.shape[1] if paged else 0,
+                        (variant.get("window_left", -1), variant.get("window_right", -1)), variant.get("softcap", 0.0),
+                        variant.get("alibi", False))
     index = block_table if paged else cache_batch_idx if cache_batch_idx is not None else kernel.batch_rows(batch, device)
     # Check every argument before anything is written to the cache.
     kernel.check_inputs(q, k_cache, v_cache, cache_seqlens, index, None)
+    kernel.variant_arguments(q, alibi_slopes)
     resolve_softmax_scale(softmax_scale, q.shape[-1])
     check_num_splits(num_splits)
 
@@ -369,7 +390,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     else:
         lengths = cache_seqlens
     out, lse = kernel(q, k_cache, v_cache, lengths, index, num_splits=num_splits, softmax_scale=softmax_scale,
-                      causal=causal)
+                      causal=causal, alibi_slopes=alibi_slopes)
     return (out, lse) if return_softmax_lse else out
 
 

@@ -5,8 +5,9 @@ and backward, under torch.compile too (they call the ``tvmflash::forward`` custo
 
     from tvmflash import flash_attn_func        # instead of: from flash_attn import flash_attn_func
 
-An option tvmflash does not support yet raises ``NotImplementedError`` naming it, never silently
-changes the result: dropout_p > 0, a window other than (-1, -1), softcap other than 0, ALiBi slopes.
+The variants are flash-attn's: a sliding ``window_size``, ``softcap`` and ``alibi_slopes`` (see
+``tvmflash.attention``). An option tvmflash does not support yet raises ``NotImplementedError``
+naming it, never silently changes the result: dropout_p > 0.
 ``deterministic`` is accepted either way: tvmflash's backward has no atomics, so its gradients
 are always bitwise the same from run to run. With ``return_attn_probs`` the return is
 ``(out, softmax_lse, None)``: flash-attn returns the attention probabilities (S_dmask) only with
@@ -25,12 +26,16 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim) with nheads
     a multiple of nheads_k (GQA/MQA). softmax_scale defaults to 1/sqrt(headdim); causal masks are
-    aligned bottom-right. Returns out (batch, seqlen_q, nheads, headdim), or with
-    return_attn_probs (out, softmax_lse, None), softmax_lse float32 (batch, nheads, seqlen_q).
+    aligned bottom-right. window_size=(left, right): query i sees keys i + seqlen_k - seqlen_q - left
+    ... i + seqlen_k - seqlen_q + right (-1: unbounded). softcap > 0: scores become
+    softcap · tanh(score / softcap). alibi_slopes, float32 (nheads,) or (batch, nheads): a bias of
+    -slope · |i + seqlen_k - seqlen_q - j| is added to the score. Returns out (batch, seqlen_q,
+    nheads, headdim), or with return_attn_probs (out, softmax_lse, None), softmax_lse float32
+    (batch, nheads, seqlen_q).
     """
-    _check_options(dropout_p, window_size, softcap, alibi_slopes, causal=causal, deterministic=deterministic,
-                   return_attn_probs=return_attn_probs)
-    out, lse = attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True)
+    _check_options(dropout_p, causal=causal, deterministic=deterministic, return_attn_probs=return_attn_probs)
+    out, lse = attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True,
+                         window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -63,15 +68,9 @@ def _check_packed(name, t, count):
         raise ValueError(f"{name}: expected shape (batch, seqlen, {count}, nheads, headdim), got {tuple(t.shape)}")
 
 
-def _check_options(dropout_p, window_size, softcap, alibi_slopes, **flags):
+def _check_options(dropout_p, **flags):
     for name, value in flags.items():
         if not isinstance(value, bool):
             raise TypeError(f"{name}: expected a bool, got {value!r}")
     if dropout_p != 0:
         raise NotImplementedError(f"dropout_p: tvmflash has no dropout yet (got {dropout_p!r}); pass 0.0")
-    if tuple(window_size) != (-1, -1):
-        raise NotImplementedError(f"window_size: tvmflash has no sliding window yet (got {window_size!r}); pass (-1, -1)")
-    if softcap != 0:
-        raise NotImplementedError(f"softcap: tvmflash has no softcapping yet (got {softcap!r}); pass 0.0")
-    if alibi_slopes is not None:
-        raise NotImplementedError("alibi_slopes: tvmflash has no ALiBi yet; pass None")

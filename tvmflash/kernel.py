@@ -72,6 +72,55 @@ def check_flag(name: str, value) -> bool:
     return value
 
 
+# The variant fields of a spec (``program.AttentionSpec``): in a kernel's spec_args only where they are on,
+# so that a kernel without them is named, cached and tuned as before they existed.
+VARIANT_FIELDS = ("window_left", "window_right", "softcap", "alibi")
+WORKLOAD_FIELDS = ("head_dim", "dtype", "causal")  # what tuning records are keyed by
+
+
+def resolve_variant(causal, window_size=(-1, -1), softcap=0.0, alibi=False) -> dict:
+    """flash-attn's options, checked, as spec_args fields: ``causal`` and the variant fields that are
+    on. As flash-attn: a window's right edge 0 is causal, and causal takes no other right edge; a
+    bound of ``program.MAX_WINDOW`` or more is none (no sequence is that long)."""
+    check_flag("causal", causal)
+    check_flag("alibi", alibi)
+    if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2
+            and all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)):
+        raise TypeError(f"window_size: expected a pair of ints (left, right), got {window_size!r}")
+    if min(window_size) < -1:
+        raise ValueError(f"window_size: expected ints >= -1 (-1: no bound on that side), got {tuple(window_size)}")
+    left, right = (-1 if w >= program.MAX_WINDOW else w for w in window_size)
+    if right == 0:
+        causal = True
+    if causal:
+        right = -1
+    if not isinstance(softcap, (int, float)) or isinstance(softcap, bool):
+        raise TypeError(f"softcap: expected a float, got {softcap!r}")
+    if not 0 <= softcap < math.inf:
+        raise ValueError(f"softcap: expected a finite float >= 0 (0: off), got {softcap!r}")
+    on = {"window_left": left, "window_right": right, "softcap": float(softcap), "alibi": alibi}
+    return {"causal": causal, **{name: value for name, value in on.items() if value not in (-1, 0.0, False)}}
+
+
+def alibi_slopes_view(alibi_slopes, batch: int, heads_q: int, device: torch.device) -> torch.Tensor:
+    """``alibi_slopes`` (heads_q,) or (batch, heads_q), float32 on q's device, as the (batch, heads_q)
+    view the programs read (one row for every batch: stride 0, no copy); a TypeError or ValueError
+    that says what is wrong otherwise."""
+    if not isinstance(alibi_slopes, torch.Tensor):
+        raise TypeError(f"alibi_slopes: expected a float32 tensor (heads,) or (batch, heads), got "
+                        f"{type(alibi_slopes).__name__}")
+    if alibi_slopes.dtype != torch.float32:
+        raise TypeError(f"alibi_slopes: expected dtype torch.float32, got {alibi_slopes.dtype}")
+    if tuple(alibi_slopes.shape) not in ((heads_q,), (batch, heads_q)):
+        raise ValueError(f"alibi_slopes: expected shape ({heads_q},) or ({batch}, {heads_q}) (heads or batch, heads), "
+                         f"got {tuple(alibi_slopes.shape)}")
+    if alibi_slopes.device != device:
+        raise ValueError(f"alibi_slopes: expected device {device} (q's), got {alibi_slopes.device}")
+    if alibi_slopes.dim() == 1:
+        alibi_slopes = alibi_slopes[None].expand(batch, heads_q)
+    return alibi_slopes if alibi_slopes.stride(1) == 1 else alibi_slopes.contiguous()
+
+
 def build_options(schedule) -> dict:
     """What a schedule module asks of ``lowering.build`` (plain values: the tuner's builder workers
     receive them pickled): its PassContext config, whether its tensor-core operands are read
@@ -86,7 +135,7 @@ def _runnable_here(target: tvm.target.Target) -> bool:
 
 
 class Kernel:
-    """FlashAttention forward for one (head_dim, dtype, causal, target).
+    """FlashAttention forward for one (head_dim, dtype, causal, variant, target).
 
     Call it on torch tensors in flash-attn's layout::
 
@@ -101,6 +150,9 @@ class Kernel:
     slice of a compact tensor at a supported head_dim needs that. A new out is compact. batch and
     the sequence lengths may change from call to call without rebuilding; each new pair of head
     counts builds (or loads) one more module.
+
+    The variant (``compile``'s window_size, softcap, alibi) is the kernel's; with ALiBi each call
+    takes ``alibi_slopes``, float32 (heads_q,) or (batch, heads_q).
     """
 
     PASS = "forward"  # what the modules compute (the disk cache's metadata says it)
@@ -124,7 +176,7 @@ class Kernel:
             tuned = None
         else:  # choose_schedule may have read this schedule's best record already
             tuned = records[schedule_name] if schedule_name in records else database.lookup(
-                target, schedule_name, dict(spec_args))
+                target, schedule_name, workload(spec_args))
         defaults = default_knobs(self.schedule, self.head_dim)
         self.knobs = {**defaults, **(tuned["knobs"] if tuned else {}), **(knobs or {})}
         if knobs:
@@ -146,6 +198,8 @@ class Kernel:
         self.head_dim = spec_args["head_dim"]
         self.dtype = spec_args["dtype"]
         self.causal = spec_args["causal"]
+        self.variant = {name: spec_args[name] for name in VARIANT_FIELDS if name in spec_args}
+        self.alibi = self.variant.get("alibi", False)
         self.target = target
         self._cuda, self._target_name = targets.is_cuda(target), targets.describe(target)
         self._device_type, self._torch_dtype = "cuda" if self._cuda else "cpu", TORCH_DTYPES[self.dtype]
@@ -187,7 +241,7 @@ class Kernel:
 
     # ----------------------------------------------------------------- building
     def _spec(self, heads_q: int, heads_kv: int) -> AttentionSpec:
-        return AttentionSpec(self.head_dim, self.dtype, self.causal, heads_q, heads_kv)
+        return AttentionSpec(self.head_dim, self.dtype, self.causal, heads_q, heads_kv, **self.variant)
 
     def _code(self) -> str:
         """A digest of every module whose code shapes the build: schedules/common.py holds code of the
@@ -218,7 +272,9 @@ class Kernel:
             if found is None:
                 found = self._load(key)
                 if found is None:
-                    what = f"d{spec.head_dim} {spec.dtype}{' causal' if spec.causal else ''} hq{spec.heads_q}/hkv{spec.heads_kv}"
+                    variant = "".join(f" {name}={value}" for name, value in self.variant.items())
+                    what = (f"d{spec.head_dim} {spec.dtype}{' causal' if spec.causal else ''}{variant} "
+                            f"hq{spec.heads_q}/hkv{spec.heads_kv}")
                     logger.info("building %s for %s (%s schedule)...", what, self._target_name,
                                 schedule_registry.name_of(self.schedule))
                     found = self._build(spec, key)
@@ -307,6 +363,7 @@ class Kernel:
             "head_dim": self.head_dim,
             "dtype": self.dtype,
             "causal": self.causal,
+            **self.variant,
             "target": targets.describe(self.target),
             "schedule": schedule_registry.name_of(self.schedule),
             "schedule_source": self.schedule_source,
@@ -319,16 +376,18 @@ class Kernel:
         }
 
     def __repr__(self) -> str:
-        return (f"tvmflash.Kernel(head_dim={self.head_dim}, dtype={self.dtype}, causal={self.causal}, "
+        variant = "".join(f"{name}={value!r}, " for name, value in self.variant.items())
+        return (f"tvmflash.Kernel(head_dim={self.head_dim}, dtype={self.dtype}, causal={self.causal}, {variant}"
                 f"target={targets.describe(self.target)!r})")
 
-    def __call__(self, q, k, v, *, softmax_scale=None, out=None, return_lse=False):
+    def __call__(self, q, k, v, *, softmax_scale=None, out=None, return_lse=False, alibi_slopes=None):
         """Attention of q over k, v. See the class docstring for the shapes."""
         check_flag("return_lse", return_lse)
         softmax_scale = resolve_softmax_scale(softmax_scale, self.head_dim)
         if torch.compiler.is_compiling():  # torch.compile traces a custom op, which calls back here at run time
-            return ops.kernel_call(self, q, k, v, softmax_scale, out, return_lse)
+            return ops.kernel_call(self, q, k, v, softmax_scale, out, return_lse, alibi_slopes)
         self._check(q, k, v, out)
+        variant_arguments = self.variant_arguments(q, alibi_slopes)
         # The module reads and writes through the tensors' own strides: none is copied, but where a
         # CUDA kernel's 16-byte vectors do not fit the strides (``_usable``).
         q, k, v = self._usable(q, "q"), self._usable(k, "k"), self._usable(v, "v")
@@ -350,10 +409,22 @@ class Kernel:
             out.zero_()
             lse.fill_(-math.inf)
         elif out.numel():
-            module.function(q, k, v, out, lse, softmax_scale)
+            module.function(q, k, v, out, lse, softmax_scale, *variant_arguments)
         if given is not None and given is not out:
             out = given.copy_(out)
         return (out, lse) if return_lse else out
+
+    def variant_arguments(self, q, alibi_slopes) -> tuple:
+        """The module's arguments after softmax_scale: the ALiBi slopes' (batch, heads_q) view if the
+        kernel has ALiBi (then they are required), else none (then none may be given)."""
+        if not self.alibi:
+            if alibi_slopes is not None:
+                raise ValueError("alibi_slopes: this kernel was compiled without ALiBi (compile(..., alibi=True))")
+            return ()
+        if alibi_slopes is None:
+            raise ValueError("alibi_slopes: this kernel was compiled with ALiBi: pass the slopes, (heads,) or "
+                             "(batch, heads) float32")
+        return (alibi_slopes_view(alibi_slopes, q.shape[0], q.shape[2], q.device),)
 
     def _check(self, q, k, v, out) -> None:
         """Types, shapes, dtypes and devices (what torch.compile's fake tensors have too). The
@@ -444,6 +515,12 @@ def kernel_key(spec_args: dict, target: tvm.target.Target, knobs: dict | None) -
     return cache.digest([spec_args, str(target), knobs, schedule_registry.sm90_setting()])
 
 
+def workload(spec_args: dict) -> dict:
+    """What tuning records are keyed by: head_dim, dtype and causal (a variant runs the same tiles, so
+    its kernel takes the knobs tuned for the plain workload)."""
+    return {name: spec_args[name] for name in WORKLOAD_FIELDS}
+
+
 def by_key(key: str) -> Kernel:
     """The Kernel a custom op's ``kernel`` argument names (``Kernel.key``)."""
     return _BY_KEY[key]
@@ -460,7 +537,7 @@ def choose_schedule(target: tvm.target.Target, spec_args: dict,
     if (knobs or module is not schedule_registry.sm80 or schedule_registry.sm90_setting() != "records"
             or not schedule_registry.sm90_eligible(target, spec_args["dtype"])):
         return module, "the target's", {}
-    records = {name: database.lookup(target, name, dict(spec_args)) for name in ("sm80", "sm90")}
+    records = {name: database.lookup(target, name, workload(spec_args)) for name in ("sm80", "sm90")}
     r80, r90 = records["sm80"], records["sm90"]
     if not (r80 and r90 and r80.get("shape") == r90.get("shape")):
         if spec_args["head_dim"] in schedule_registry.sm90.SM80_HEAD_DIMS:
@@ -473,25 +550,28 @@ def choose_schedule(target: tvm.target.Target, spec_args: dict,
 
 
 def compile(*, head_dim: int, dtype, causal: bool = False, target=None, knobs: dict | None = None,
-            heads_q: int | None = None, heads_kv: int | None = None) -> Kernel:  # noqa: A001 - the API's name
+            heads_q: int | None = None, heads_kv: int | None = None, window_size=(-1, -1), softcap: float = 0.0,
+            alibi: bool = False) -> Kernel:  # noqa: A001 - the API's name
     """Compile FlashAttention forward and return a :class:`Kernel`.
 
     head_dim: 32, 64, 96, 128 or 256. dtype: "float16", "bfloat16", "float32" or the torch dtype.
-    target: None (the current torch CUDA device if there is one, else the CPU), "cpu", "cuda",
-    "sm80", "sm86", "sm89", "sm90", a ``tvm.target.Target`` or a JSON dict. knobs: overrides of the
+    causal, window_size, softcap: flash-attn's (``resolve_variant``; one kernel per value); alibi:
+    the kernel takes ALiBi slopes at each call. target: None (the current torch CUDA device if there
+    is one, else the CPU), "cpu", "cuda", "sm80", "sm86", "sm89", "sm90", a ``tvm.target.Target``
+    or a JSON dict. knobs: overrides of the
     schedule's knobs (``tvmflash.schedules.<arch>.KNOBS``). heads_q / heads_kv: build for these
     head counts now; otherwise each new head count is built at its first call.
 
     Modules are cached in memory and on disk (``$TVMFLASH_CACHE_DIR``, else ``~/.cache/tvmflash``).
     """
     dtype = dtype_name(dtype)
-    check_flag("causal", causal)
-    program.AttentionSpec(head_dim, dtype, causal)  # validates head_dim and dtype
+    variant = resolve_variant(causal, window_size, softcap, alibi)
+    program.AttentionSpec(head_dim, dtype, **variant)  # validates head_dim and dtype
     resolved = targets.resolve(target)
     # TVMFLASH_SM90 is in the key: it may change the schedule for the same target. The records
     # that choose_schedule reads are read once, when the Kernel is made (as its tuned knobs are):
     # compile() runs on every tvmflash.attention call, so a cached one reads no file.
-    spec_args = {"head_dim": head_dim, "dtype": dtype, "causal": causal}
+    spec_args = {"head_dim": head_dim, "dtype": dtype, **variant}
     key = kernel_key(spec_args, resolved, knobs)
     kernel = _KERNELS.get(key)
     if kernel is None:
@@ -523,11 +603,12 @@ def _version() -> str:
 
 # ----------------------------------------------------------------------------- the backward pass
 class BackwardKernel(Kernel):
-    """FlashAttention backward for one (head_dim, dtype, causal, target): the three programs of
+    """FlashAttention backward for one (head_dim, dtype, causal, variant, target): the three programs of
     ``tvmflash.program_backward`` (delta, dkdv, dq) built into one module per pair of head
     counts, scheduled by the target's ``schedule_backward`` and cached like the forward's::
 
         dq, dk, dv = kernel(q, k, v, out, dout, lse)              # dlse=None: lse unused by the loss
+        dq, dk, dv = kernel(q, k, v, out, dout, lse, alibi_slopes=slopes)  # a kernel with ALiBi
 
     q, out, dout: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv,
     head_dim); lse, dlse: float32 (batch, heads_q, seqlen_q), the forward's. dq, dk, dv have the
@@ -579,11 +660,14 @@ class BackwardKernel(Kernel):
     def __repr__(self) -> str:
         return "tvmflash.BackwardKernel" + super().__repr__().removeprefix("tvmflash.Kernel")
 
-    def __call__(self, q, k, v, out, dout, lse, *, dlse=None, softmax_scale=None, dq=None, dk=None, dv=None):
+    def __call__(self, q, k, v, out, dout, lse, *, dlse=None, softmax_scale=None, dq=None, dk=None, dv=None,
+                 alibi_slopes=None):
         """(dq, dk, dv) of attention(q, k, v) = out (with its lse), given dout = ∂L/∂out and
         dlse = ∂L/∂lse (None: 0). Pass dq, dk, dv to have them written in place. See the class
-        docstring for the shapes."""
+        docstring for the shapes; out and lse are those of the forward of the same variant (and
+        ALiBi slopes)."""
         self._check(q, k, v, None)
+        variant_arguments = self.variant_arguments(q, alibi_slopes)
         batch, seqlen_q, heads_q, _ = q.shape
         heads_kv = k.shape[2]
         rows = (batch, heads_q, seqlen_q)
@@ -618,25 +702,25 @@ class BackwardKernel(Kernel):
         dlse = torch.zeros_like(delta) if dlse is None else dlse.contiguous()
         passes = module.function
         passes["delta"](out, dout, lse, dlse, delta, lse2)
-        passes["dkdv"](q, k, v, dout, lse2, delta, dk, dv, softmax_scale)
-        passes["dq"](q, k, v, dout, lse2, delta, dq, softmax_scale)
+        passes["dkdv"](q, k, v, dout, lse2, delta, dk, dv, softmax_scale, *variant_arguments)
+        passes["dq"](q, k, v, dout, lse2, delta, dq, softmax_scale, *variant_arguments)
         return dq, dk, dv
 
 
 def compile_backward(*, head_dim: int, dtype, causal: bool = False, target=None, knobs: dict | None = None,
-                     heads_q: int | None = None, heads_kv: int | None = None) -> BackwardKernel:
+                     heads_q: int | None = None, heads_kv: int | None = None, window_size=(-1, -1),
+                     softcap: float = 0.0, alibi: bool = False) -> BackwardKernel:
     """Compile the FlashAttention backward and return a :class:`BackwardKernel`. The arguments are
     :func:`compile`'s; knobs override the schedule's ``BACKWARD_KNOBS``."""
     dtype = dtype_name(dtype)
-    check_flag("causal", causal)
-    program.AttentionSpec(head_dim, dtype, causal)  # validates head_dim and dtype
+    variant = resolve_variant(causal, window_size, softcap, alibi)
+    program.AttentionSpec(head_dim, dtype, **variant)  # validates head_dim and dtype
     resolved = targets.resolve(target)
-    key = cache.digest(["backward", head_dim, dtype, causal, str(resolved), knobs,
-                        schedule_registry.backward_sm80_setting()])
+    spec_args = {"head_dim": head_dim, "dtype": dtype, **variant}
+    key = cache.digest(["backward", spec_args, str(resolved), knobs, schedule_registry.backward_sm80_setting()])
     kernel = _KERNELS.get(key)
     if kernel is None:
-        kernel = _KERNELS[key] = BackwardKernel({"head_dim": head_dim, "dtype": dtype, "causal": causal},
-                                                resolved, knobs)
+        kernel = _KERNELS[key] = BackwardKernel(spec_args, resolved, knobs)
     if heads_q is not None:
         kernel.module(heads_q, heads_kv if heads_kv is not None else heads_q)
     return kernel

@@ -16,7 +16,7 @@ import torch
 from tvmflash import kernel as kernels
 from tvmflash import schedules as schedule_registry
 from tvmflash import target as targets
-from tvmflash.kernel import check_flag, compile, compile_backward, resolve_softmax_scale
+from tvmflash.kernel import check_flag, compile, compile_backward, resolve_softmax_scale, resolve_variant
 
 
 # kernel_for's answers: compile() resolves a target (a TVM object) and hashes its arguments, some
@@ -24,13 +24,16 @@ from tvmflash.kernel import check_flag, compile, compile_backward, resolve_softm
 KERNELS_FOR: dict[tuple, kernels.Kernel] = {}
 
 
-def kernel_for(q: torch.Tensor, causal: bool):
-    """The kernel for q's device, dtype and head_dim (compiled on first use, then cached)."""
-    key = (q.device, q.dtype, q.shape[-1], causal, schedule_registry.sm90_setting())
+def kernel_for(q: torch.Tensor, causal: bool, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+               alibi: bool = False):
+    """The kernel for q's device, dtype and head_dim and the variant (compiled on first use, then cached)."""
+    key = (q.device, q.dtype, q.shape[-1], causal, window_left, window_right, softcap, alibi,
+           schedule_registry.sm90_setting())
     found = KERNELS_FOR.get(key)
     if found is not None:
         return found
-    found = KERNELS_FOR[key] = compile(head_dim=q.shape[-1], dtype=q.dtype, causal=causal, target=_target_of(q))
+    found = KERNELS_FOR[key] = compile(head_dim=q.shape[-1], dtype=q.dtype, causal=causal, target=_target_of(q),
+                                       window_size=(window_left, window_right), softcap=softcap, alibi=alibi)
     return found
 
 
@@ -51,49 +54,59 @@ def _output_shapes(q):
     return q.new_empty(q.shape), q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
 
 
+# The forward and backward ops take the variant as resolve_variant's fields (causal, window_left,
+# window_right, softcap; alibi: whether alibi_slopes is given).
 @torch.library.custom_op("tvmflash::forward", mutates_args=())
-def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-            softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float,
+            window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+            alibi_slopes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) = attention forward; see :func:`attention`."""
-    return kernel_for(q, causal)(q, k, v, softmax_scale=softmax_scale, return_lse=True)
+    kernel = kernel_for(q, causal, window_left, window_right, softcap, alibi_slopes is not None)
+    return kernel(q, k, v, softmax_scale=softmax_scale, return_lse=True, alibi_slopes=alibi_slopes)
 
 
 @forward.register_fake
-def _forward_shapes(q, k, v, causal, softmax_scale):
+def _forward_shapes(q, k, v, causal, softmax_scale, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None):
     return _output_shapes(q)
 
 
-def backward_kernel_for(q: torch.Tensor, causal: bool):
-    """The backward kernel for q's device, dtype and head_dim (compiled on first use, then cached)."""
-    return compile_backward(head_dim=q.shape[-1], dtype=q.dtype, causal=causal, target=_target_of(q))
+def backward_kernel_for(q: torch.Tensor, causal: bool, window_left: int = -1, window_right: int = -1,
+                        softcap: float = 0.0, alibi: bool = False):
+    """The backward kernel for q's device, dtype and head_dim and the variant (compiled on first use,
+    then cached)."""
+    return compile_backward(head_dim=q.shape[-1], dtype=q.dtype, causal=causal, target=_target_of(q),
+                            window_size=(window_left, window_right), softcap=softcap, alibi=alibi)
 
 
 @torch.library.custom_op("tvmflash::backward", mutates_args=())
 def backward(dout: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             out: torch.Tensor, lse: torch.Tensor, causal: bool,
-             softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             out: torch.Tensor, lse: torch.Tensor, causal: bool, softmax_scale: float, window_left: int = -1,
+             window_right: int = -1, softcap: float = 0.0,
+             alibi_slopes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of :func:`forward` given the gradients of its out and lse (dlse None: 0)."""
-    return backward_kernel_for(q, causal)(q, k, v, out, dout, lse, dlse=dlse, softmax_scale=softmax_scale)
+    kernel = backward_kernel_for(q, causal, window_left, window_right, softcap, alibi_slopes is not None)
+    return kernel(q, k, v, out, dout, lse, dlse=dlse, softmax_scale=softmax_scale, alibi_slopes=alibi_slopes)
 
 
 @backward.register_fake
-def _backward_shapes(dout, dlse, q, k, v, out, lse, causal, softmax_scale):
+def _backward_shapes(dout, dlse, q, k, v, out, lse, causal, softmax_scale, window_left=-1, window_right=-1,
+                     softcap=0.0, alibi_slopes=None):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, softmax_scale = inputs
+    q, k, v, causal, softmax_scale, window_left, window_right, softcap, alibi_slopes = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
-    ctx.causal, ctx.softmax_scale = causal, softmax_scale
+    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes)
+    ctx.variant = (causal, softmax_scale, window_left, window_right, softcap)
 
 
 def _backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse = ctx.saved_tensors
+    q, k, v, out, lse, alibi_slopes = ctx.saved_tensors
     if grad_out is None:  # only lse reached the loss
         grad_out = torch.zeros_like(out)
-    dq, dk, dv = backward(grad_out, grad_lse, q, k, v, out, lse, ctx.causal, ctx.softmax_scale)
-    return dq, dk, dv, None, None
+    dq, dk, dv = backward(grad_out, grad_lse, q, k, v, out, lse, *ctx.variant, alibi_slopes)
+    return dq, dk, dv, None, None, None, None, None, None  # no gradient for the options or the ALiBi slopes
 
 
 forward.register_autograd(_backward, setup_context=_setup_context)
@@ -101,41 +114,43 @@ forward.register_autograd(_backward, setup_context=_setup_context)
 
 # A kept Kernel (``tvmflash.compile``) under torch.compile: the op names it by ``Kernel.key``.
 @torch.library.custom_op("tvmflash::kernel_forward", mutates_args=())
-def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel: str,
-                   softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel: str, softmax_scale: float,
+                   alibi_slopes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of the Kernel ``kernel`` names; see ``Kernel.__call__``."""
-    return kernels.by_key(kernel)(q, k, v, softmax_scale=softmax_scale, return_lse=True)
+    return kernels.by_key(kernel)(q, k, v, softmax_scale=softmax_scale, return_lse=True, alibi_slopes=alibi_slopes)
 
 
 @kernel_forward.register_fake
-def _kernel_forward_shapes(q, k, v, kernel, softmax_scale):
+def _kernel_forward_shapes(q, k, v, kernel, softmax_scale, alibi_slopes=None):
     kernels.by_key(kernel)._check(q, k, v, None)
     return _output_shapes(q)
 
 
 @torch.library.custom_op("tvmflash::kernel_forward_out", mutates_args=("out",))
 def kernel_forward_out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, kernel: str,
-                       softmax_scale: float) -> torch.Tensor:
+                       softmax_scale: float, alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
     """lse of the Kernel ``kernel`` names, its output written into ``out``."""
-    return kernels.by_key(kernel)(q, k, v, softmax_scale=softmax_scale, out=out, return_lse=True)[1]
+    return kernels.by_key(kernel)(q, k, v, softmax_scale=softmax_scale, out=out, return_lse=True,
+                                  alibi_slopes=alibi_slopes)[1]
 
 
 @kernel_forward_out.register_fake
-def _kernel_forward_out_shapes(q, k, v, out, kernel, softmax_scale):
+def _kernel_forward_out_shapes(q, k, v, out, kernel, softmax_scale, alibi_slopes=None):
     kernels.by_key(kernel)._check(q, k, v, out)
     return _output_shapes(q)[1]
 
 
-def kernel_call(kernel, q, k, v, softmax_scale: float, out, return_lse: bool):
+def kernel_call(kernel, q, k, v, softmax_scale: float, out, return_lse: bool, alibi_slopes=None):
     """``kernel(q, k, v, ...)`` through the custom ops (what torch.compile traces)."""
     if out is None:
-        out, lse = kernel_forward(q, k, v, kernel.key, softmax_scale)
+        out, lse = kernel_forward(q, k, v, kernel.key, softmax_scale, alibi_slopes)
     else:
-        lse = kernel_forward_out(q, k, v, out, kernel.key, softmax_scale)
+        lse = kernel_forward_out(q, k, v, out, kernel.key, softmax_scale, alibi_slopes)
     return (out, lse) if return_lse else out
 
 
-def attention(q, k, v, *, causal: bool = False, softmax_scale=None, return_lse: bool = False):
+def attention(q, k, v, *, causal: bool = False, softmax_scale=None, return_lse: bool = False, window_size=(-1, -1),
+              softcap: float = 0.0, alibi_slopes=None):
     """Exact attention softmax(q kᵀ · scale) v in flash-attn's layout.
 
     q: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim) with
@@ -145,18 +160,29 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale=None, return_lse: 
     query that sees no key gets 0 (and lse -inf). The kernel for the tensors' device, dtype and
     head_dim is compiled on first use and cached. Differentiable in q, k and v through out and lse
     (``torch.ops.tvmflash.backward``), with gradients bitwise the same from run to run.
+
+    flash-attn's variants (one kernel per window and softcap): ``window_size=(left, right)``, query i
+    sees keys i + seqlen_k - seqlen_q - left ... i + seqlen_k - seqlen_q + right (-1: no bound on
+    that side; causal is right = 0), and only the K/V tiles a window reaches are visited; ``softcap``
+    > 0 turns the scaled score s into softcap · tanh(s / softcap); ``alibi_slopes``, float32
+    (heads_q,) or (batch, heads_q), adds -slope · |i + seqlen_k - seqlen_q - j| to it (after the
+    cap). A query whose window holds no key gets 0 (and lse -inf). The slopes get no gradient.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if q.dim() != 4:
         raise ValueError(f"q: expected 4 dims (batch, seqlen, heads, head_dim), got shape {tuple(q.shape)}")
-    check_flag("causal", causal)
     check_flag("return_lse", return_lse)
+    variant = resolve_variant(causal, window_size, softcap, alibi_slopes is not None)
+    # the ops' arguments: causal and the variant fields in order (the kernel checks the slopes)
+    options = (variant["causal"], variant.get("window_left", -1), variant.get("window_right", -1),
+               variant.get("softcap", 0.0))
     softmax_scale = resolve_softmax_scale(softmax_scale, q.shape[-1])
     if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
                                                                        or v.requires_grad)):
-        out, lse = forward(q, k, v, causal, softmax_scale)
+        out, lse = forward(q, k, v, options[0], softmax_scale, *options[1:], alibi_slopes)
     else:  # eager, nothing for autograd to record: no custom op's dispatch
-        out, lse = kernel_for(q, causal)(q, k, v, softmax_scale=softmax_scale, return_lse=True)
+        out, lse = kernel_for(q, *options, alibi_slopes is not None)(q, k, v, softmax_scale=softmax_scale,
+                                                                      return_lse=True, alibi_slopes=alibi_slopes)
     return (out, lse) if return_lse else out

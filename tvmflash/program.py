@@ -11,7 +11,9 @@ Layout (flash-attn's):
 
 batch, seqlen_q and seqlen_k are symbolic, so one built module serves every length. q, k, v and
 out have symbolic batch, sequence and head strides (in elements) and a contiguous head_dim; lse is
-compact. head_dim, the head counts, dtype, causal and the tile sizes are static.
+compact. head_dim, the head counts, dtype, causal, the variants (a sliding window, a softcap, ALiBi:
+``AttentionSpec``) and the tile sizes are static. With ALiBi the slopes are one more argument:
+    alibi_slopes: (batch, heads_q)                    float32, any batch stride (0: one row for all)
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 
 import tvm
 from tvm.script import tirx as T
+from tvm.script.ir_builder import IRBuilder
 
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32")
 SUPPORTED_HEAD_DIMS = (32, 64, 96, 128, 256)
@@ -39,6 +42,10 @@ MAX_SOFTMAX_SCALE = 1.0e8
 # the same stale max). alpha is then exactly 1 on most tiles, so a schedule can skip the output's
 # rescale there (sm90: ``annotations.SKIP_UNIT_RESCALE_PRAGMA``).
 RESCALE_THRESHOLD = 8.0
+# A window bound this large is no bound (``tvmflash.kernel.resolve_variant``): no sequence is that long
+# (a tensor holds less than 2**31 elements, and head_dim is 32 or more), and the int32 index arithmetic
+# of the window's edges, a position plus or minus the bound, stays in range.
+MAX_WINDOW = 2**30
 
 
 @dataclass(frozen=True)
@@ -50,6 +57,19 @@ class AttentionSpec:
     causal: bool = False
     heads_q: int = 1
     heads_kv: int = 1
+    # flash-attn's variants. Key j is visible to query i iff
+    #   i + seqlen_k - seqlen_q - window_left <= j <= i + seqlen_k - seqlen_q + window_right
+    # (-1: no bound on that side; causal bounds the right side at 0 as well).
+    window_left: int = -1
+    window_right: int = -1
+    softcap: float = 0.0  # > 0: the scaled score s becomes softcap * tanh(s / softcap); 0: off
+    alibi: bool = False  # the scaled score gets -slope * |i + seqlen_k - seqlen_q - j| (slopes per batch, head)
+
+    @property
+    def transforms_score(self) -> bool:
+        """Does the score change on its way into the softmax (softcap or ALiBi)? The programs then
+        carry the logit itself (scaled) where they otherwise carry the unscaled q·k."""
+        return self.softcap > 0 or self.alibi
 
     def __post_init__(self):
         if self.dtype not in SUPPORTED_DTYPES:
@@ -60,11 +80,125 @@ class AttentionSpec:
             raise ValueError(
                 f"heads_q: expected a positive multiple of heads_kv={self.heads_kv}, got {self.heads_q}"
             )
+        for name in ("window_left", "window_right"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < -1:
+                raise ValueError(f"{name}: expected an int >= -1 (-1: no bound), got {value!r}")
+        if not (isinstance(self.softcap, (int, float)) and not isinstance(self.softcap, bool)
+                and 0 <= self.softcap < math.inf):
+            raise ValueError(f"softcap: expected a finite float >= 0 (0: off), got {self.softcap!r}")
+
+
+def score_scale(spec: AttentionSpec, softmax_scale):
+    """What the programs' running scores are in units of: softmax_scale, as the unscaled q·k are
+    (the scale then fuses into exp2's argument), or 1 where the score is transformed and carried as
+    the logit itself (``transformed_score``)."""
+    return T.float32(1) if spec.transforms_score else softmax_scale
+
+
+def transformed_score(spec: AttentionSpec, s, softmax_scale, slope, distance):
+    """The score that enters the softmax, in ``score_scale`` units: s (q·k, unscaled) itself, or
+    with a softcap and/or ALiBi the logit softcap * tanh(s * scale / softcap) - slope * |distance|,
+    distance = i + seqlen_k - seqlen_q - j (flash-attn's order: the bias is added after the cap)."""
+    if not spec.transforms_score:
+        return s
+    if spec.softcap > 0:
+        logit = T.tanh(s * (softmax_scale * T.float32(1 / spec.softcap))) * T.float32(spec.softcap)
+    else:
+        logit = s * softmax_scale
+    if spec.alibi:
+        logit = logit - slope * T.cast(T.abs(distance), "float32")
+    return logit
+
+
+def softcap_gradient(spec: AttentionSpec, ds, s, softmax_scale):
+    """ds (the gradient of the logit) times the softcap's derivative 1 - tanh² at the score s (the
+    softmax scale is applied with the rest at the gradients' store); ds itself without a softcap."""
+    if spec.softcap <= 0:
+        return ds
+    t = T.tanh(s * (softmax_scale * T.float32(1 / spec.softcap)))
+    return ds * (T.float32(1) - t * t)
+
+
+def alibi_slope(slopes, b, h):
+    """The ALiBi slope of batch b, head h: ``slopes[b, h]``, or None without ALiBi (slopes None)."""
+    return None if slopes is None else slopes[b, h]
+
+
+def alibi_slopes_argument(spec: AttentionSpec, batch, heads):
+    """With ALiBi, one more parameter of the PrimFunc being parsed, its slopes ``(batch, heads)``
+    float32 with any batch stride (0: one row shared); None without. (TVMScript has no optional
+    parameter: this adds it to the function's signature, after the others, only when it is used.)"""
+    if not spec.alibi:
+        return None
+    handle = T.arg("alibi_slopes_handle", T.handle())
+    stride = T.int32()
+    IRBuilder.name("alibi_slopes_stride_b", stride)
+    slopes = T.match_buffer(handle, (batch, heads), "float32", strides=(stride, 1))
+    IRBuilder.name("AlibiSlopes", slopes)
+    return slopes
+
+
+# Which keys a query sees (the forward's and the backward's rule; absolute positions, bottom-right
+# aligned as flash-attn's): key j of seqlen_k, and with causal j <= i + seqlen_k - seqlen_q, and with
+# a window i + seqlen_k - seqlen_q - window_left <= j <= i + seqlen_k - seqlen_q + window_right.
+def sees_up_to(spec: AttentionSpec, row, col, seqlen_q, seqlen_k):
+    """Is key ``col`` one of the keys, and not past query ``row``'s right bound (causal's diagonal,
+    a window's right edge)? The bound only grows with the row."""
+    seen = col < seqlen_k
+    if spec.causal:
+        seen = T.And(seen, col <= row + seqlen_k - seqlen_q)
+    if spec.window_right >= 0:
+        seen = T.And(seen, col <= row + seqlen_k - seqlen_q + spec.window_right)
+    return seen
+
+
+def sees_from(spec: AttentionSpec, row, col, seqlen_q, seqlen_k):
+    """Is key ``col`` not before query ``row``'s left window edge (which grows with the row)? Only
+    for a spec with a left window."""
+    return col >= row + seqlen_k - seqlen_q - spec.window_left
+
+
+def key_visible(spec: AttentionSpec, row, col, seqlen_q, seqlen_k):
+    """Is key ``col`` visible to query ``row``?"""
+    if spec.window_left < 0:
+        return sees_up_to(spec, row, col, seqlen_q, seqlen_k)
+    return T.And(sees_up_to(spec, row, col, seqlen_q, seqlen_k), sees_from(spec, row, col, seqlen_q, seqlen_k))
+
+
+def block_visible(spec: AttentionSpec, first_row, last_row, first_col, last_col, seqlen_q, seqlen_k):
+    """Does every query of rows first_row..last_row see every key of first_col..last_col? The
+    first row's view of the last key decides the right bound, the last row's view of the first key
+    the left window edge."""
+    inside = sees_up_to(spec, first_row, last_col, seqlen_q, seqlen_k)
+    if spec.window_left < 0:
+        return inside
+    return T.And(inside, sees_from(spec, last_row, first_col, seqlen_q, seqlen_k))
+
+
+def first_kv_block(spec: AttentionSpec, qb, block_m, block_n, seqlen_q, seqlen_k):
+    """The first K/V block (of ``block_n`` keys) Q block qb (of ``block_m`` rows) sees a key of: 0,
+    or with a left window the block of its first row's first key."""
+    if spec.window_left < 0:
+        return 0
+    return T.max(0, qb * block_m + seqlen_k - seqlen_q - spec.window_left) // block_n
+
+
+def kv_blocks_end(spec: AttentionSpec, qb, block_m, block_n, seqlen_q, seqlen_k):
+    """One past the last K/V block Q block qb sees a key of: the keys' end, or with causal or a
+    right window the block of its last row's last visible key (0 where no row sees one)."""
+    if not spec.causal and spec.window_right < 0:
+        return T.ceildiv(seqlen_k, block_n)
+    reach = (qb + 1) * block_m + seqlen_k - seqlen_q  # the last row's last visible key + 1
+    if spec.window_right > 0 and not spec.causal:
+        reach = reach + spec.window_right
+    return T.ceildiv(T.min(seqlen_k, T.max(0, reach)), block_n)
 
 
 def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_tiles: int = 1,
                       stride_alignment: int = 1):
-    """Return the forward PrimFunc ``main(q, k, v, out, lse, softmax_scale)``.
+    """Return the forward PrimFunc ``main(q, k, v, out, lse, softmax_scale)`` (and ``alibi_slopes``
+    last, with ALiBi).
 
     Each (batch, head, Q block of ``block_m`` rows) is one tile; it streams K/V tiles of
     ``block_n`` rows past its Q block with an online softmax in base 2 (the running max is taken on
@@ -72,15 +206,18 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_ti
     positive, see ``MAX_SOFTMAX_SCALE``). Rows and keys past the end of the sequence are padded with zeros on load and masked
     with -inf in the score, so no length needs to be a multiple of a tile. With ``causal``, the
     mask is aligned bottom-right (key j is seen by query i iff j <= i + seqlen_k - seqlen_q) and
-    tiles wholly above the diagonal are not visited. Only the tiles that straddle the diagonal or
-    the end of the keys are masked (``tile_visible``); the others use the scores as they are.
-    Each Q block visits at least ``min_kv_tiles`` K/V tiles (``kv_tiles``). The strides of q, k, v
-    and out are arguments, which the caller must make multiples of ``stride_alignment`` bytes.
+    tiles wholly above the diagonal are not visited; a window's edges bound the tiles a Q block
+    visits on both sides alike (``first_kv_block``, ``kv_blocks_end``). Only the tiles that straddle
+    the diagonal, a window's edge or the end of the keys are masked (``tile_visible``); the others
+    use the scores as they are. A softcap or ALiBi transforms each score in the ``score`` block
+    (``transformed_score``), which then holds the scaled logit (and the running max with it). Each
+    Q block visits at least ``min_kv_tiles`` K/V tiles (``kv_tiles``). The strides of q, k, v and
+    out are arguments, which the caller must make multiples of ``stride_alignment`` bytes.
     """
     D, BM, BN = spec.head_dim, block_m, block_n
     HQ, HKV = spec.heads_q, spec.heads_kv
     group = HQ // HKV
-    dtype, causal = spec.dtype, spec.causal
+    dtype = spec.dtype
     f32 = "float32"
     stride_multiple = max(1, stride_alignment * 8 // tvm.DataType(dtype).bits)  # in elements
 
@@ -88,30 +225,31 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_ti
         """A stride the caller makes a multiple of stride_multiple, as code generation can see it."""
         return stride if stride_multiple == 1 else stride // stride_multiple * stride_multiple
 
+    def first_kv_tile(qb, seqlen_q, seqlen_k):
+        """The first K/V tile Q block qb visits (0 without a left window)."""
+        return first_kv_block(spec, qb, BM, BN, seqlen_q, seqlen_k)
+
     def kv_tiles(qb, seqlen_q, seqlen_k):
-        """K/V tiles that Q block qb must visit (causal: those not wholly above the diagonal), and
+        """K/V tiles that Q block qb must visit from ``first_kv_tile`` on (``kv_blocks_end``), and
         at least one: a block that sees no key (seqlen_k 0, or causal with seqlen_q > seqlen_k)
         visits one all-masked tile, which leaves its rows 0 with an LSE of -inf as they must be.
         At least ``min_kv_tiles``, too: a software pipeline of s stages over the tiles runs its
         epilogue (s - 1 tiles) unguarded only where the count is provably s - 1 or more (a guard on
         each of its statements cost ptxas 100 registers and spills on sm90); the tiles past the
-        keys (or past the diagonal) are all masked and change nothing."""
-        if not causal:
-            return T.max(min_kv_tiles, T.ceildiv(seqlen_k, BN))
-        last_key = T.min(seqlen_k, T.max(0, (qb + 1) * BM + seqlen_k - seqlen_q))
-        return T.max(min_kv_tiles, T.ceildiv(last_key, BN))
+        keys (or past the diagonal, or past a window) are all masked and change nothing."""
+        end = kv_blocks_end(spec, qb, BM, BN, seqlen_q, seqlen_k)
+        if spec.window_left < 0:
+            return T.max(min_kv_tiles, end)
+        return T.max(min_kv_tiles, end - first_kv_tile(qb, seqlen_q, seqlen_k))
 
     def visible(row, col, seqlen_q, seqlen_k):
         """Is key ``col`` visible to query ``row``? (Both are absolute positions.)"""
-        if not causal:
-            return col < seqlen_k
-        return T.And(col < seqlen_k, col <= row + seqlen_k - seqlen_q)
+        return key_visible(spec, row, col, seqlen_q, seqlen_k)
 
     def tile_visible(qb, kb, seqlen_q, seqlen_k):
-        """Does every query of Q block qb (padding rows too) see every key of K/V tile kb? Visibility
-        only grows with the row and shrinks with the column, so the block's first row and the
-        tile's last key decide. Such interior tiles skip the mask."""
-        return visible(qb * BM, kb * BN + BN - 1, seqlen_q, seqlen_k)
+        """Does every query of Q block qb (padding rows too) see every key of K/V tile kb? Such
+        interior tiles skip the mask."""
+        return block_visible(spec, qb * BM, qb * BM + BM - 1, kb * BN, kb * BN + BN - 1, seqlen_q, seqlen_k)
 
     @T.prim_func(s_tir=True)
     def main(
@@ -143,6 +281,7 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_ti
         V_in = T.match_buffer(v_handle, (batch, seqlen_k, HKV, D), dtype, strides=(v_stride_b, v_stride_s, v_stride_h, 1))
         O_in = T.match_buffer(out_handle, (batch, seqlen_q, HQ, D), dtype, strides=(o_stride_b, o_stride_s, o_stride_h, 1))
         LSE = T.match_buffer(lse_handle, (batch, HQ, seqlen_q), f32)
+        AlibiSlopes = T.meta_var(alibi_slopes_argument(spec, batch, HQ))  # a parameter with ALiBi only
         Q = T.decl_buffer((batch, seqlen_q, HQ, D), dtype, data=Q_in.data,
                           strides=(rounded(q_stride_b), rounded(q_stride_s), rounded(q_stride_h), 1))
         K = T.decl_buffer((batch, seqlen_k, HKV, D), dtype, data=K_in.data,
@@ -174,7 +313,7 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_ti
                 scale2 = T.sblock_alloc_buffer((1,), f32)
 
                 with T.sblock("init_scale"):
-                    scale2[0] = softmax_scale * T.float32(LOG2E)
+                    scale2[0] = score_scale(spec, softmax_scale) * T.float32(LOG2E)
                 for i, d in T.grid(BM, D):
                     with T.sblock("load_q"):
                         vi, vd = T.axis.remap("SS", [i, d])
@@ -196,6 +335,7 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_ti
                 for kb in range(kv_tiles(vqb, seqlen_q, seqlen_k)):
                     with T.sblock("kv_step"):
                         vkb = T.axis.opaque(kv_tiles(vqb, seqlen_q, seqlen_k), kb)
+                        tile = T.meta_var(vkb if spec.window_left < 0 else first_kv_tile(vqb, seqlen_q, seqlen_k) + vkb)
                         # Per-tile buffers live in the scope of one K/V step (a software pipeline
                         # over kb can then keep several versions of them).
                         Kt = T.sblock_alloc_buffer((BN, D), dtype)  # one K tile, zero-padded
@@ -204,16 +344,16 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_ti
                             with T.sblock("load_k"):
                                 vj, vd = T.axis.remap("SS", [j, d])
                                 Kt[vj, vd] = T.if_then_else(
-                                    vkb * BN + vj < seqlen_k,
-                                    K[vb, vkb * BN + vj, vh // group, vd],
+                                    tile * BN + vj < seqlen_k,
+                                    K[vb, tile * BN + vj, vh // group, vd],
                                     T.cast(0, dtype),
                                 )
                         for j, d in T.grid(BN, D):
                             with T.sblock("load_v"):
                                 vj, vd = T.axis.remap("SS", [j, d])
                                 Vt[vj, vd] = T.if_then_else(
-                                    vkb * BN + vj < seqlen_k,
-                                    V[vb, vkb * BN + vj, vh // group, vd],
+                                    tile * BN + vj < seqlen_k,
+                                    V[vb, tile * BN + vj, vh // group, vd],
                                     T.cast(0, dtype),
                                 )
                         for i, j, d in T.grid(BM, BN, D):
@@ -223,18 +363,30 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_ti
                                     S[vi, vj] = T.float32(0)
                                 S[vi, vj] = S[vi, vj] + T.cast(Qt[vi, vd], f32) * T.cast(Kt[vj, vd], f32)
                         for i, j in T.grid(BM, BN):
-                            with T.sblock("score"):  # invisible keys -inf
+                            with T.sblock("score"):  # invisible keys -inf; softcap, ALiBi
                                 vi, vj = T.axis.remap("SS", [i, j])
                                 # The test is the same for the whole tile: lowering hoists it out
                                 # of the element loops (HoistIfThenElse; causal, it reads the Q block,
                                 # see lowering.passes.HoistBlockIndexConditions), so only the tiles
-                                # on the causal diagonal or the end of the keys pay for the mask.
-                                if tile_visible(vqb, vkb, seqlen_q, seqlen_k):
-                                    Sm[vi, vj] = S[vi, vj]
+                                # on the causal diagonal, a window's edges or the end of the keys pay
+                                # for the mask.
+                                score = T.meta_var(transformed_score(
+                                    spec, S[vi, vj], softmax_scale, alibi_slope(AlibiSlopes, vb, vh),
+                                    (vqb * BM - tile * BN + seqlen_k - seqlen_q) + (vi - vj)))
+                                if spec.transforms_score:
+                                    # One expression, so that the score is computed once: with a branch
+                                    # per tile, common-subexpression elimination computes it ahead of
+                                    # both (on sm90, 64 more live registers a thread, and spills).
+                                    Sm[vi, vj] = score + T.if_then_else(
+                                        T.Or(tile_visible(vqb, tile, seqlen_q, seqlen_k),
+                                             visible(vqb * BM + vi, tile * BN + vj, seqlen_q, seqlen_k)),
+                                        T.float32(0), T.float32(-math.inf))
+                                elif tile_visible(vqb, tile, seqlen_q, seqlen_k):
+                                    Sm[vi, vj] = score
                                 else:
                                     Sm[vi, vj] = T.if_then_else(
-                                        visible(vqb * BM + vi, vkb * BN + vj, seqlen_q, seqlen_k),
-                                        S[vi, vj],
+                                        visible(vqb * BM + vi, tile * BN + vj, seqlen_q, seqlen_k),
+                                        score,
                                         T.float32(-math.inf),
                                     )
                         # The row reductions start from constants; per-row blocks fold the tile's
@@ -302,7 +454,7 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_ti
                         T.where(vqb * BM + i < seqlen_q)
                         LSE[vb, vh, vqb * BM + vi] = T.if_then_else(
                             l[vi] > T.float32(0),
-                            m[vi] * softmax_scale + T.log(l[vi]),
+                            m[vi] * score_scale(spec, softmax_scale) + T.log(l[vi]),
                             T.float32(-math.inf),
                         )
 

@@ -15,7 +15,10 @@ With s = scale · q kᵀ, p = softmax(s) (= exp(s - lse)), out = p v and a loss 
     dp = dout · vᵀ
     ds = p ∘ (dp - delta),   delta = rowsum(dout ∘ out) - dlse
     dq = scale · ds · k,     dk = scale · dsᵀ · q
-(dlse enters because ∂lse/∂s = p: it adds dlse · p to ds.) The programs:
+(dlse enters because ∂lse/∂s = p: it adds dlse · p to ds.) With a softcap or ALiBi the softmax is
+that of the logit softcap · tanh(s / softcap) - slope · |i + seqlen_k - seqlen_q - j|
+(``program.transformed_score``), and ds (of s) is the logit's times the softcap's derivative
+1 - tanh²; the slopes get no gradient. The programs:
 
 ``delta``  delta = rowsum(dout ∘ out) - dlse, one value per query row, and lse2 = lse · log2 e
            (the steps' exp2 takes it; computed once here, the steps copy it).
@@ -32,7 +35,9 @@ With s = scale · q kᵀ, p = softmax(s) (= exp(s - lse)), out = p v and a loss 
 As in the forward: batch and the sequence lengths are symbolic; rows and keys past the ends are
 padded with zeros on load; causal masks are aligned bottom-right and tiles wholly above the
 diagonal are skipped (``dkdv`` starts at the first Q block that sees its first key, ``dq`` stops
-at the last K/V block its last row sees); only tiles on the diagonal or at the end of the keys
+at the last K/V block its last row sees), and a window's edges skip tiles on both sides alike
+(``dkdv`` also stops at the last Q block that sees its last key, ``dq`` starts at the first K/V
+block its first row sees); only tiles on the diagonal, a window's edges or at the end of the keys
 are masked. dk, dv and dq are reductions whose init carries the accumulator over from the last
 step (a reduction block needs an init to be vectorised, decomposed or tensorized). The products
 that feed a matmul (p for dv, ds for dq and dk) are rounded to the input dtype, as the forward
@@ -45,6 +50,7 @@ from __future__ import annotations
 import tvm
 from tvm.script import tirx as T
 
+from tvmflash import program
 from tvmflash.program import LOG2E, AttentionSpec
 
 # The programs of the IRModule, in the order they run (dkdv and dq both read delta).
@@ -73,37 +79,49 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int) -> tvm.IRModule:
     D, BM, BN = spec.head_dim, block_m, block_n
     HQ, HKV = spec.heads_q, spec.heads_kv
     group = HQ // HKV
-    dtype, causal = spec.dtype, spec.causal
+    dtype = spec.dtype
+    left, right = spec.window_left, spec.window_right
     f32 = "float32"
 
     def visible(row, col, seqlen_q, seqlen_k):
         """Is key ``col`` visible to query ``row``? (Both absolute positions; the forward's rule.)"""
-        if not causal:
-            return col < seqlen_k
-        return T.And(col < seqlen_k, col <= row + seqlen_k - seqlen_q)
+        return program.key_visible(spec, row, col, seqlen_q, seqlen_k)
 
     def tile_visible(qb, kb, seqlen_q, seqlen_k):
-        """Does every row of Q block qb see every key of K/V block kb? (Its first row, the block's
-        last key.) Rows past seqlen_q need no mask (``load_q``)."""
-        return visible(qb * BM, kb * BN + BN - 1, seqlen_q, seqlen_k)
+        """Does every row of Q block qb see every key of K/V block kb? Rows past seqlen_q need no
+        mask (``load_q``)."""
+        return program.block_visible(spec, qb * BM, qb * BM + BM - 1, kb * BN, kb * BN + BN - 1, seqlen_q, seqlen_k)
 
     def first_q_block(kb, seqlen_q, seqlen_k):
-        """The first Q block with a row that sees a key of K/V block kb (causal: a row that sees
-        its first key; the last row sees every key, so every block has one)."""
-        if not causal:
-            return 0
-        return T.max(0, kb * BN + seqlen_q - seqlen_k) // BM
+        """The first Q block with a row that sees a key of K/V block kb (causal or a right window: a
+        row that sees its first key; without a left window the last row sees every key, so every
+        block has one)."""
+        if spec.causal:
+            return T.max(0, kb * BN + seqlen_q - seqlen_k) // BM
+        if right >= 0:
+            return T.max(0, kb * BN + seqlen_q - seqlen_k - right) // BM
+        return 0
 
     def q_blocks(kb, seqlen_q, seqlen_k):
-        """How many Q blocks (of one query head) K/V block kb visits."""
-        return T.ceildiv(seqlen_q, BM) - first_q_block(kb, seqlen_q, seqlen_k)
+        """How many Q blocks (of one query head) K/V block kb visits: up to the last (with a left
+        window: up to the last row that sees the block's last key)."""
+        if left < 0:
+            return T.ceildiv(seqlen_q, BM) - first_q_block(kb, seqlen_q, seqlen_k)
+        end = T.min(T.ceildiv(seqlen_q, BM), T.ceildiv(T.max(0, kb * BN + BN + seqlen_q - seqlen_k + left), BM))
+        return T.max(0, end - first_q_block(kb, seqlen_q, seqlen_k))
+
+    def first_kv_block(qb, seqlen_q, seqlen_k):
+        """The first K/V block Q block qb visits (0 without a left window)."""
+        return program.first_kv_block(spec, qb, BM, BN, seqlen_q, seqlen_k)
 
     def kv_blocks(qb, seqlen_q, seqlen_k):
-        """How many K/V blocks Q block qb visits (causal: up to its last row's last key; a block
-        whose rows see no key visits none, and its dq is 0)."""
-        if not causal:
-            return T.ceildiv(seqlen_k, BN)
-        return T.ceildiv(T.min(seqlen_k, T.max(0, (qb + 1) * BM + seqlen_k - seqlen_q)), BN)
+        """How many K/V blocks Q block qb visits from ``first_kv_block`` on (causal: up to its last
+        row's last key, a window: its rows' keys; a block whose rows see no key visits none, and its
+        dq is 0)."""
+        end = program.kv_blocks_end(spec, qb, BM, BN, seqlen_q, seqlen_k)
+        if left < 0:
+            return end
+        return T.max(0, end - first_kv_block(qb, seqlen_q, seqlen_k))
 
     def padded(buffer, row, limit, *index):
         """buffer[index] for a row before ``limit``, else 0 in the input dtype."""
@@ -185,11 +203,13 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int) -> tvm.IRModule:
                     delta_t[vi] = T.if_then_else(qb * BM + vi < seqlen_q, Delta[b, h, qb * BM + vi], T.float32(0))
 
         @T.macro
-        def p_and_ds(Qt, Kt, dOt, Vt, lse2, delta_t, scale2, S, P, dP, dSc, qb, kb, seqlen_q, seqlen_k):
-            """p of Q block qb and K/V block kb, recomputed from the scores and lse (0 where masked),
-            and ds = p (dp - delta) rounded to the input dtype. Each tile's (r, c) element is that of
-            query and key ``query_key(r, c)``; its products are rows times columns: q kᵀ and
-            dout vᵀ, or k qᵀ and v doutᵀ."""
+        def p_and_ds(Qt, Kt, dOt, Vt, lse2, delta_t, scale2, S, P, dP, dSc, qb, kb, seqlen_q, seqlen_k, softmax_scale,
+                     slope):
+            """p of Q block qb and K/V block kb, recomputed from the scores and lse (0 where masked; the
+            score transformed as the forward's, ``program.transformed_score``, ALiBi's with
+            ``slope``), and ds = p (dp - delta) (times the softcap's derivative) rounded to the input
+            dtype. Each tile's (r, c) element is that of query and key ``query_key(r, c)``; its
+            products are rows times columns: q kᵀ and dout vᵀ, or k qᵀ and v doutᵀ."""
             qk_rows, qk_cols = T.meta_var((Kt, Qt) if keys_first else (Qt, Kt))
             dp_rows, dp_cols = T.meta_var((Vt, dOt) if keys_first else (dOt, Vt))
             for r, c, d in T.grid(ROWS, COLS, D):
@@ -202,12 +222,14 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int) -> tvm.IRModule:
                 with T.sblock("exp"):
                     vr, vc = T.axis.remap("SS", [r, c])
                     i, j = T.meta_var(query_key(vr, vc))
+                    score = T.meta_var(program.transformed_score(
+                        spec, S[vr, vc], softmax_scale, slope, qb * BM + i + seqlen_k - seqlen_q - (kb * BN + j)))
                     if tile_visible(qb, kb, seqlen_q, seqlen_k):
-                        P[vr, vc] = T.exp2(S[vr, vc] * scale2[0] - lse2[i])
+                        P[vr, vc] = T.exp2(score * scale2[0] - lse2[i])
                     else:
                         P[vr, vc] = T.if_then_else(
                             visible(qb * BM + i, kb * BN + j, seqlen_q, seqlen_k),
-                            T.exp2(S[vr, vc] * scale2[0] - lse2[i]),
+                            T.exp2(score * scale2[0] - lse2[i]),
                             T.float32(0),
                         )
             for r, c, d in T.grid(ROWS, COLS, D):
@@ -220,7 +242,9 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int) -> tvm.IRModule:
                 with T.sblock("ds"):  # ds = p (dp - delta)
                     vr, vc = T.axis.remap("SS", [r, c])
                     i, _ = T.meta_var(query_key(vr, vc))
-                    dSc[vr, vc] = T.cast(P[vr, vc] * (dP[vr, vc] - delta_t[i]), dtype)
+                    dSc[vr, vc] = T.cast(
+                        program.softcap_gradient(spec, P[vr, vc] * (dP[vr, vc] - delta_t[i]), S[vr, vc], softmax_scale),
+                        dtype)
 
         return load_kv, load_q, p_and_ds
 
@@ -250,6 +274,7 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int) -> tvm.IRModule:
         Delta = T.match_buffer(delta_handle, (batch, HQ, seqlen_q), f32)
         dK = T.match_buffer(dk_handle, (batch, seqlen_k, HKV, D), dtype)
         dV = T.match_buffer(dv_handle, (batch, seqlen_k, HKV, D), dtype)
+        AlibiSlopes = T.meta_var(program.alibi_slopes_argument(spec, batch, HQ))  # a parameter with ALiBi only
 
         for b, hk, kb in T.grid(batch, HKV, T.ceildiv(seqlen_k, BN)):
             with T.sblock("tile"):
@@ -261,7 +286,7 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int) -> tvm.IRModule:
                 scale2 = T.sblock_alloc_buffer((1,), f32)
 
                 with T.sblock("init_scale"):
-                    scale2[0] = softmax_scale * T.float32(LOG2E)
+                    scale2[0] = program.score_scale(spec, softmax_scale) * T.float32(LOG2E)
                 load_kv(Kt, Vt, K, V, vb, vhk, vkb, seqlen_k)
                 for j, d in T.grid(BN, D):
                     with T.sblock("init_dk"):
@@ -289,7 +314,8 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int) -> tvm.IRModule:
 
                         qb = T.meta_var(first_q_block(vkb, seqlen_q, seqlen_k) + vt)
                         load_q(Qt, dOt, lse2, delta_t, Q, dO, LSE2, Delta, vb, vhk * group + vg, qb, seqlen_q)
-                        p_and_ds(Qt, Kt, dOt, Vt, lse2, delta_t, scale2, S, P, dP, dSc, qb, vkb, seqlen_q, seqlen_k)
+                        p_and_ds(Qt, Kt, dOt, Vt, lse2, delta_t, scale2, S, P, dP, dSc, qb, vkb, seqlen_q, seqlen_k,
+                                 softmax_scale, program.alibi_slope(AlibiSlopes, vb, vhk * group + vg))
                         for j, i in T.grid(BN, BM):
                             with T.sblock("cast_p"):
                                 vj, vi = T.axis.remap("SS", [j, i])
@@ -342,6 +368,7 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int) -> tvm.IRModule:
         LSE2 = T.match_buffer(lse2_handle, (batch, HQ, seqlen_q), f32)
         Delta = T.match_buffer(delta_handle, (batch, HQ, seqlen_q), f32)
         dQ = T.match_buffer(dq_handle, (batch, seqlen_q, HQ, D), dtype)
+        AlibiSlopes = T.meta_var(program.alibi_slopes_argument(spec, batch, HQ))  # a parameter with ALiBi only
 
         for b, h, qb in T.grid(batch, HQ, T.ceildiv(seqlen_q, BM)):
             with T.sblock("tile"):
@@ -354,7 +381,7 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int) -> tvm.IRModule:
                 scale2 = T.sblock_alloc_buffer((1,), f32)
 
                 with T.sblock("init_scale"):
-                    scale2[0] = softmax_scale * T.float32(LOG2E)
+                    scale2[0] = program.score_scale(spec, softmax_scale) * T.float32(LOG2E)
                 load_q(Qt, dOt, lse2, delta_t, Q, dO, LSE2, Delta, vb, vh, vqb, seqlen_q)
                 for i, d in T.grid(BM, D):
                     with T.sblock("init_dq"):
@@ -364,6 +391,7 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int) -> tvm.IRModule:
                 for kb in range(kv_blocks(vqb, seqlen_q, seqlen_k)):
                     with T.sblock("kv_step"):
                         vkb = T.axis.opaque(kv_blocks(vqb, seqlen_q, seqlen_k), kb)
+                        block = T.meta_var(vkb if left < 0 else first_kv_block(vqb, seqlen_q, seqlen_k) + vkb)
                         Kt = T.sblock_alloc_buffer((BN, D), dtype)  # one K block, zero-padded
                         Vt = T.sblock_alloc_buffer((BN, D), dtype)  # one V block, zero-padded
                         S = T.sblock_alloc_buffer((BM, BN), f32)  # q kᵀ, unscaled
@@ -371,8 +399,9 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int) -> tvm.IRModule:
                         dP = T.sblock_alloc_buffer((BM, BN), f32)  # dout vᵀ
                         dSc = T.sblock_alloc_buffer((BM, BN), dtype)  # ds in the input dtype, for dq
 
-                        load_kv(Kt, Vt, K, V, vb, vh // group, vkb, seqlen_k)
-                        p_and_ds(Qt, Kt, dOt, Vt, lse2, delta_t, scale2, S, P, dP, dSc, vqb, vkb, seqlen_q, seqlen_k)
+                        load_kv(Kt, Vt, K, V, vb, vh // group, block, seqlen_k)
+                        p_and_ds(Qt, Kt, dOt, Vt, lse2, delta_t, scale2, S, P, dP, dSc, vqb, block, seqlen_q, seqlen_k,
+                                 softmax_scale, program.alibi_slope(AlibiSlopes, vb, vh))
                         for i, d, j in T.grid(BM, D, BN):
                             with T.sblock("dq"):  # dq += ds k
                                 vi, vd, vj = T.axis.remap("SSR", [i, d, j])

@@ -15,12 +15,15 @@ Layout (flash-attn's ``flash_attn_with_kvcache``):
     lse_part:     (num_splits, batch, seqlen_q, heads_q)             float32  natural log, per split
     out:          (batch, seqlen_q, heads_q, head_dim)           dtype
     lse:          (batch, heads_q, seqlen_q)                     float32  natural log
+    alibi_slopes: (batch, heads_q)       float32, any batch stride (with ALiBi only)
 
 batch, seqlen_q, num_splits and the cache's sizes are symbolic, and each sequence's length is read
 from ``lengths`` in the kernel: one built module serves every length, batch and split count (a decode
 step of a new length never recompiles, and a CUDA graph replays as the lengths change). head_dim, the
-head counts, dtype, the cache's layout (contiguous, or paged with its page size) and the tile sizes
-are static. causal is an argument: with one query token it changes nothing, so one module serves both.
+head counts, dtype, the cache's layout (contiguous, or paged with its page size), the variants (a
+sliding window, a softcap, ALiBi: as the forward's, ``tvmflash.program.AttentionSpec``) and the tile
+sizes are static. causal is an argument: with one query token it changes nothing, so one module serves
+both.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from typing import ClassVar
 
 from tvm.script import tirx as T
 
+from tvmflash import program
 from tvmflash.program import LOG2E, NO_MAX, RESCALE_THRESHOLD, AttentionSpec
 
 
@@ -44,11 +48,22 @@ class DecodeSpec:
     heads_kv: int
     page_size: int = 0  # 0: a contiguous cache; else the paged cache's rows per page (a power of two >= 16)
     causal: ClassVar[bool] = False  # an argument of the call, not of the module (one module serves both)
+    # the forward's variants (``AttentionSpec``), seqlen_k being each sequence's keys
+    window_left: int = -1
+    window_right: int = -1
+    softcap: float = 0.0
+    alibi: bool = False
 
     def __post_init__(self):
-        AttentionSpec(self.head_dim, self.dtype, False, self.heads_q, self.heads_kv)  # the forward's checks
+        _ = self.attention  # the forward's checks
         if self.page_size and (self.page_size < 16 or self.page_size & (self.page_size - 1)):
             raise ValueError(f"page_size: expected a power of two >= 16, got {self.page_size}")
+
+    @property
+    def attention(self) -> AttentionSpec:
+        """The forward's spec of the same head_dim, dtype, heads and variant (not causal)."""
+        return AttentionSpec(self.head_dim, self.dtype, False, self.heads_q, self.heads_kv, self.window_left,
+                             self.window_right, self.softcap, self.alibi)
 
     @property
     def group(self) -> int:
@@ -57,7 +72,8 @@ class DecodeSpec:
 
 
 def decode_split(spec: DecodeSpec, query_tokens: int, block_n: int):
-    """Return ``main(q, k_cache, v_cache, lengths, index, o_part, lse_part, softmax_scale, causal)``.
+    """Return ``main(q, k_cache, v_cache, lengths, index, o_part, lse_part, softmax_scale, causal)``
+    (and ``alibi_slopes`` last, with ALiBi).
 
     One task per (sequence b, K/V head hk, block qb of ``query_tokens`` query tokens, split s). Its
     rows are the query heads of hk's GQA group times the block's tokens (row r: token
@@ -70,7 +86,10 @@ def decode_split(spec: DecodeSpec, query_tokens: int, block_n: int):
     and an LSE of -inf, as does a row that sees no key.
 
     causal (an int32, 0 or 1): query token t of seqlen_q sees key p iff p <= lengths[b] - seqlen_q + t
-    (bottom-right, flash-attn's). Lengths are clamped to the cache's size and cache indices (the batch
+    (bottom-right, flash-attn's); a window bounds p to lengths[b] - seqlen_q + t - window_left ...
+    lengths[b] - seqlen_q + t + window_right (only the tiles it reaches are divided over the splits),
+    and a softcap or ALiBi transforms the scores as the forward does (``program.transformed_score``;
+    ALiBi's distance is lengths[b] - seqlen_q + t - p). Lengths are clamped to the cache's size and cache indices (the batch
     row, a page) to its extent, so no input reads outside the cache. The cache must hold at least
     one key (the caller answers an empty one: 0 and an LSE of -inf).
     """
@@ -78,6 +97,7 @@ def decode_split(spec: DecodeSpec, query_tokens: int, block_n: int):
     HQ, HKV, G = spec.heads_q, spec.heads_kv, spec.group
     R = QT * G  # rows of a task
     dtype, f32 = spec.dtype, "float32"
+    left, right = spec.window_left, spec.window_right
 
     # Helpers on a task's indices, inlined by TVMScript (they take the buffers and shape variables).
     def keys(lengths, vb, capacity):  # the sequence's keys, clamped to the cache's capacity
@@ -87,13 +107,38 @@ def decode_split(spec: DecodeSpec, query_tokens: int, block_n: int):
         # min(n_keys, seen by the last token, or n_keys more when not causal): arithmetic, not a select,
         # so that the lowering's common-subexpression elimination computes it once
         seen = T.min(n_keys, T.max(0, n_keys - seqlen_q + (vqb + 1) * QT) + (1 - causal) * n_keys)
+        if right >= 0:  # ... and up to the last token's right window edge
+            seen = T.min(seen, T.max(0, n_keys - seqlen_q + (vqb + 1) * QT + right))
         return T.ceildiv(seen, BN)
 
-    def first_tile(n_tiles, vs, num_splits):  # split s visits tiles [first_tile(s), first_tile(s + 1))
+    def skipped_tiles(n_keys, vqb, seqlen_q):  # tiles before the first a left window lets the block see
+        return T.max(0, n_keys - seqlen_q + vqb * QT - left) // BN
+
+    def split_tiles(n_keys, vqb, seqlen_q, causal):  # the tiles the task's splits divide among them
+        n_tiles = tiles(n_keys, vqb, seqlen_q, causal)
+        return n_tiles if left < 0 else T.max(0, n_tiles - skipped_tiles(n_keys, vqb, seqlen_q))
+
+    def first_tile(n_tiles, vs, num_splits):  # split s visits tiles [first_tile(s), first_tile(s + 1)) of them
         return vs * n_tiles // num_splits
 
+    def split_start(n_keys, n_tiles, vqb, vs, num_splits, seqlen_q):  # split s's first tile in the sequence
+        start = first_tile(n_tiles, vs, num_splits)
+        return start if left < 0 else skipped_tiles(n_keys, vqb, seqlen_q) + start
+
+    def sees_up_to(t, p, n_keys, seqlen_q, causal):  # is key p within the keys and token t's right bound?
+        seen = T.And(p < n_keys, T.Or(causal == 0, p <= n_keys - seqlen_q + t))
+        return seen if right < 0 else T.And(seen, p <= n_keys - seqlen_q + t + right)
+
     def visible(t, p, n_keys, seqlen_q, causal):  # does query token t see key position p?
-        return T.And(p < n_keys, T.Or(causal == 0, p <= n_keys - seqlen_q + t))
+        if left < 0:
+            return sees_up_to(t, p, n_keys, seqlen_q, causal)
+        return T.And(sees_up_to(t, p, n_keys, seqlen_q, causal), p >= n_keys - seqlen_q + t - left)
+
+    def tile_visible(vqb, tile, n_keys, seqlen_q, causal):  # does every row of the task see every key of the tile?
+        inside = sees_up_to(vqb * QT, tile * BN + BN - 1, n_keys, seqlen_q, causal)  # the first token, the last key
+        if left < 0:
+            return inside
+        return T.And(inside, tile * BN >= n_keys - seqlen_q + vqb * QT + QT - 1 - left)  # the last token, the first key
 
     def cache_row(index, vb, cache_rows):  # a contiguous cache's row of sequence vb
         return T.min(T.max(index[vb], 0), cache_rows - 1)
@@ -126,6 +171,7 @@ def decode_split(spec: DecodeSpec, query_tokens: int, block_n: int):
         Lengths = T.match_buffer(lengths_handle, (batch,), "int32")
         OPart = T.match_buffer(o_part_handle, (num_splits, batch, seqlen_q, HQ, D), f32)
         LSEPart = T.match_buffer(lse_part_handle, (num_splits, batch, seqlen_q, HQ), f32)
+        AlibiSlopes = T.meta_var(program.alibi_slopes_argument(spec.attention, batch, HQ))  # with ALiBi only
 
         for b, hk, qb, s in T.grid(batch, HKV, T.ceildiv(seqlen_q, QT), num_splits):
             with T.sblock("tile"):
@@ -149,7 +195,7 @@ def decode_split(spec: DecodeSpec, query_tokens: int, block_n: int):
                 bounds = T.sblock_alloc_buffer((3,), "int32")  # sequence's keys, split's first tile, cache row
 
                 with T.sblock("init_scale"):
-                    scale2[0] = softmax_scale * T.float32(LOG2E)
+                    scale2[0] = program.score_scale(spec.attention, softmax_scale) * T.float32(LOG2E)
                 for r, d in T.grid(R, D):
                     with T.sblock("load_q"):
                         vr, vd = T.axis.remap("SS", [r, d])
@@ -170,15 +216,16 @@ def decode_split(spec: DecodeSpec, query_tokens: int, block_n: int):
                         vr, vd = T.axis.remap("SS", [r, d])
                         acc[vr, vd] = T.float32(0)
 
-                # The task's keys and K/V tiles (split vs: tiles first .. first + n_steps - 1). The keys
-                # and the first tile are read once, into registers; the trip count stays an expression of
-                # the lengths (a software pipeline over the tiles needs it bound to a variable before it
-                # runs, lowering.passes.BindLoadedPipelineExtents, and that of the inputs only).
+                # The task's keys and K/V tiles (split vs: tiles first .. first + n_steps - 1; with a left
+                # window, the splits divide the tiles from the window's first on). The keys and the first
+                # tile are read once, into registers; the trip count stays an expression of the lengths
+                # (a software pipeline over the tiles needs it bound to a variable before it runs,
+                # lowering.passes.BindLoadedPipelineExtents, and that of the inputs only).
                 capacity = T.meta_var(pages_per_seq * PS if PS > 0 else cache_len)
-                n_tiles = T.meta_var(tiles(keys(Lengths, vb, capacity), vqb, seqlen_q, causal))
+                n_tiles = T.meta_var(split_tiles(keys(Lengths, vb, capacity), vqb, seqlen_q, causal))
                 with T.sblock("split_range"):
                     bounds[0] = keys(Lengths, vb, capacity)
-                    bounds[1] = first_tile(n_tiles, vs, num_splits)
+                    bounds[1] = split_start(keys(Lengths, vb, capacity), n_tiles, vqb, vs, num_splits, seqlen_q)
                     bounds[2] = cache_row(Index, vb, cache_rows) if PS == 0 else 0
                 n_keys = T.meta_var(bounds[0])
                 first = T.meta_var(bounds[1])
@@ -211,13 +258,17 @@ def decode_split(spec: DecodeSpec, query_tokens: int, block_n: int):
                                     S[vr, vj] = T.float32(0)
                                 S[vr, vj] = S[vr, vj] + Qt[vr, vd] * T.cast(Kt[vj, vd], f32)
                         for r, j in T.grid(R, BN):
-                            with T.sblock("score"):  # invisible keys -inf; only edge tiles test
+                            with T.sblock("score"):  # invisible keys -inf; only edge tiles test; softcap, ALiBi
                                 vr, vj = T.axis.remap("SS", [r, j])
-                                if visible(vqb * QT, tile * BN + BN - 1, n_keys, seqlen_q, causal):  # all rows see all keys
-                                    Sm[vr, vj] = S[vr, vj]
+                                score = T.meta_var(program.transformed_score(
+                                    spec.attention, S[vr, vj], softmax_scale,
+                                    program.alibi_slope(AlibiSlopes, vb, vhk * G + vr % G),
+                                    vqb * QT + vr // G + n_keys - seqlen_q - (tile * BN + vj)))
+                                if tile_visible(vqb, tile, n_keys, seqlen_q, causal):
+                                    Sm[vr, vj] = score
                                 else:
                                     Sm[vr, vj] = T.if_then_else(
-                                        visible(vqb * QT + vr // G, tile * BN + vj, n_keys, seqlen_q, causal), S[vr, vj],
+                                        visible(vqb * QT + vr // G, tile * BN + vj, n_keys, seqlen_q, causal), score,
                                         T.float32(-math.inf))
                         for r, j in T.grid(R, BN):
                             with T.sblock("row_max"):
@@ -276,7 +327,8 @@ def decode_split(spec: DecodeSpec, query_tokens: int, block_n: int):
                         vr = T.axis.spatial(R, r)
                         T.where(vqb * QT + r // G < seqlen_q)
                         LSEPart[vs, vb, vqb * QT + vr // G, vhk * G + vr % G] = T.if_then_else(
-                            l[vr] > T.float32(0), m[vr] * softmax_scale + T.log(l[vr]), T.float32(-math.inf))
+                            l[vr] > T.float32(0), m[vr] * program.score_scale(spec.attention, softmax_scale) + T.log(l[vr]),
+                            T.float32(-math.inf))
 
     return main
 
