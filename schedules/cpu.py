@@ -62,9 +62,10 @@ def schedule_backward(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, ve
     """Map the backward programs onto the CPU: parallel over their tiles, vectorised along
     contiguous rows. The knobs are the forward's."""
     sch.work_on("delta")
-    for name in ("delta", "scale_lse"):
-        b, i = sch.get_loops(name)[:2]
-        sch.parallel(sch.fuse(b, i))
+    b, i, h, _ = sch.get_loops("delta")
+    sch.reverse_compute_at("finish_rows", h)  # each row's sum in a register
+    sch.set_scope("delta", 0, "local")
+    sch.parallel(sch.fuse(b, i))
 
     for func in ("dkdv", "dq"):
         sch.work_on(func)

@@ -99,12 +99,27 @@ def schedule_backward(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int,
 
 
 def schedule_delta(sch: tvm.s_tir.Schedule) -> None:
-    """The delta program: one thread a query row, 128 a thread block."""
+    """The delta program: each query row's sum over head_dim by a group of lanes, each lane 16 bytes
+    of out and of dout (one vector load each), then shuffles (TVM's cross-thread reduction), and the
+    row's delta and lse2 written from the sum in registers. (A thread a row, looping over head_dim,
+    read at 34 GB/s on the H200: 0.47 ms at 16k tokens, d128.)"""
     sch.work_on("delta")
-    for name in ("delta", "scale_lse"):
-        blocks, threads = sch.split(sch.fuse(*sch.get_loops(name)[:3]), [None, 128])
-        sch.bind(blocks, "blockIdx.x")
-        sch.bind(threads, "threadIdx.x")
+    b, i, h, d = sch.get_loops("delta")
+    reads = sch.get(sch.get_sblock("delta")).reads
+    operands = [n for n, region in enumerate(reads) if region.source.name in ("dO", "O")]
+    vector = 16 * 8 // tvm.DataType(str(reads[operands[0]].source.dtype)).bits
+    lanes = int(sch.get(d).extent) // vector
+    rows, row = sch.split(sch.fuse(b, i, h), [None, max(1, 256 // lanes)])
+    lane, _ = sch.split(d, [lanes, vector])
+    for operand in operands:  # dout and out: each lane's 16 bytes in one vector load
+        loaded = sch.cache_read("delta", operand, "local")
+        sch.compute_at(loaded, lane)
+        sch.vectorize(sch.get_loops(loaded)[-1])
+    sch.reverse_compute_at("finish_rows", row)
+    sch.set_scope("delta", 0, "local")
+    sch.bind(rows, "blockIdx.x")
+    sch.bind(row, "threadIdx.y")
+    sch.bind(lane, "threadIdx.x")
 
 
 def schedule_backward_program(sch: tvm.s_tir.Schedule, func: str, threads: int, vector_bytes) -> None:

@@ -139,15 +139,17 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int) -> tvm.IRModule:
         dLSE = T.match_buffer(dlse_handle, (batch, HQ, seqlen_q), f32)
         Delta = T.match_buffer(delta_handle, (batch, HQ, seqlen_q), f32)
         LSE2 = T.match_buffer(lse2_handle, (batch, HQ, seqlen_q), f32)
+        rowsum = T.sblock_alloc_buffer((batch, seqlen_q, HQ), f32)  # a schedule keeps each row's where it is used
         for b, i, h, d in T.grid(batch, seqlen_q, HQ, D):
-            with T.sblock("delta"):
+            with T.sblock("delta"):  # from 0, the sum's identity: a schedule may sum across threads
                 vb, vi, vh, vd = T.axis.remap("SSSR", [b, i, h, d])
                 with T.init():
-                    Delta[vb, vh, vi] = -dLSE[vb, vh, vi]
-                Delta[vb, vh, vi] = Delta[vb, vh, vi] + T.cast(dO[vb, vi, vh, vd], f32) * T.cast(O[vb, vi, vh, vd], f32)
-        for b, h, i in T.grid(batch, HQ, seqlen_q):
-            with T.sblock("scale_lse"):  # lse · log2 e: the dkdv and dq steps then copy it as it is
-                vb, vh, vi = T.axis.remap("SSS", [b, h, i])
+                    rowsum[vb, vi, vh] = T.float32(0)
+                rowsum[vb, vi, vh] = rowsum[vb, vi, vh] + T.cast(dO[vb, vi, vh, vd], f32) * T.cast(O[vb, vi, vh, vd], f32)
+        for b, i, h in T.grid(batch, seqlen_q, HQ):
+            with T.sblock("finish_rows"):  # and lse · log2 e, which the dkdv and dq steps copy as it is
+                vb, vi, vh = T.axis.remap("SSS", [b, i, h])
+                Delta[vb, vh, vi] = rowsum[vb, vi, vh] - dLSE[vb, vh, vi]
                 LSE2[vb, vh, vi] = LSE[vb, vh, vi] * T.float32(LOG2E)
 
     def steps(keys_first: bool):
