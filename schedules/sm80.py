@@ -449,41 +449,8 @@ def _schedule_dq(sch: tvm.s_tir.Schedule, num_warps: int, num_stages: int, vec: 
                          f"of 16, got dq_block_m {BM}, dq_warps {num_warps}, dq_block_n {BN}, head_dim {D}")
     names = _intrin_names(dtype)
     bind_grid(sch)
-    for name in ("load_q", "load_do", "load_k", "load_v"):
-        sch.set_scope(name, 0, "shared.dyn")
-        sch.storage_align(name, 0, axis=0, factor=D, offset=8)  # ldmatrix without bank conflicts
-        _copy_to_shared(sch, name, num_warps, vec)
-    sch.set_scope("init_scale", 0, "local")
-    for name in ("load_lse", "load_delta"):
-        sch.set_scope(name, 0, "shared.dyn")
-        _row_block(sch, name, num_warps)
-
-    # s, p, dp and ds on fragments; s = q kᵀ and dp = dout vᵀ on tensor cores
-    for name in ("qk", "exp", "dp", "ds"):
-        # p feeds no mma: each lane keeps its elements in registers ("local"), which also keeps
-        # StorageRewrite from putting p in place of s (LowerWarpMemory cannot see through that)
-        sch.set_scope(name, 0, "local" if name == "exp" else "warp")
-        sch.transform_layout(name, ("write", 0), _frag_index_map)
-    for name in ("qk", "dp"):  # the blockized GEMM reads (s or dp, then A: Qt or dOt, then B: Kt or Vt)
-        block = sch.get_sblock(name)
-        _warp_gemm_operands(sch, block, num_warps, [(1, names["ld_a"]), (2, names["ld_b_trans"])])
-        sch.tensorize(sch.get_loops(block)[-3], names["mma_nt"])
-        sch.tensorize(sch.get_loops(f"{name}_init")[-2], names["fill"])
-    for name in ("exp", "ds"):
-        _fragment_elementwise(sch, name, num_warps)
-
-    # dq += ds k: ds from registers, dq in fragments across the K/V blocks
-    sch.set_scope("dq", 0, "warp")
-    sch.transform_layout("dq", ("write", 0), _frag_index_map)
-    dq = sch.get_sblock("dq")
-    dq_outer = _warp_gemm_operands(sch, dq, num_warps, [(1, None), (2, names["ld_b"])])  # (dq_acc,) dSc, Kt
-    for block in (dq_outer, dq):
-        hide_init_reads(sch, block)
-    sch.tensorize(sch.get_loops(dq)[-3], names["mma_nn"])
-    _fragment_lanes(sch, "dq_init")  # the carried-over init: nothing to do, on each lane's registers
-    _fill_fragments(sch, "init_dq", num_warps, names["fill"])
-    # (vectorised, this store fails LowerWarpMemory: "failed to rewrite load to shuffle")
-    _store_fragments(sch, "store_dq", num_warps, vector=False)
+    _backward_step(sch, ("load_q", "load_do", "load_k", "load_v"), (), num_warps, vec, names)
+    _accumulate(sch, "dq", num_warps, names)
     if num_stages > 1:
         pipeline_loads(sch, num_stages)
 
@@ -495,7 +462,8 @@ def _schedule_dkdv(sch: tvm.s_tir.Schedule, num_warps: int, num_stages: int, vec
     is the A layout of pᵀ dout and dsᵀ q, and accumulates dv and dk for its keys in fragments across
     the Q blocks. The Q, dout, K and V tiles and the rows' lse and delta sit in shared memory; with
     ``num_stages`` 2 or 3, the Q and dout blocks and their rows' lse and delta of the next steps are
-    loaded by cp.async while this one computes (the steps of all the group's query heads are one pipelined loop)."""
+    loaded by cp.async while this one computes (the steps of all the group's query heads are one
+    pipelined loop)."""
     sch.work_on("dkdv")
     dtype, BM, D, BN = buffer_info(sch)
     if BN % (16 * num_warps) or BM % 16 or D % 16:
@@ -507,36 +475,54 @@ def _schedule_dkdv(sch: tvm.s_tir.Schedule, num_warps: int, num_stages: int, vec
     sch.bind(kb, "blockIdx.x")  # causal: the first K/V blocks see the most Q blocks, and start first
     sch.bind(hk, "blockIdx.y")
     sch.bind(b, "blockIdx.z")
-    for name in ("load_k", "load_v", "load_q", "load_do"):
+    _backward_step(sch, ("load_k", "load_v", "load_q", "load_do"), ("cast_p",), num_warps, vec, names)
+    for name in ("dv", "dk"):  # dv += pᵀ dout, dk += dsᵀ q
+        _accumulate(sch, name, num_warps, names)
+    if num_stages > 1:
+        pipeline_loads(sch, num_stages, step="q_step", loads=("load_q", "load_do", "load_lse", "load_delta"))
+
+
+def _backward_step(sch: tvm.s_tir.Schedule, loads, casts, num_warps: int, vec: int, names: dict) -> None:
+    """What dkdv and dq share: their tiles (``loads``, in this order) in shared memory, rows padded for
+    ldmatrix without bank conflicts; the rows' lse and delta there too, one lane a row (each lane
+    reads those of the rows or columns it holds); s and dp on mma.sync (ldmatrix A, Bᵀ), and p, ds
+    and ``casts`` (dkdv: pᵀ in the input dtype) in the accumulator layout, each lane its elements.
+    p feeds no mma: each lane keeps it in registers ("local"), which also keeps StorageRewrite from
+    putting p in place of s (LowerWarpMemory cannot see through that)."""
+    D = buffer_info(sch)[2]
+    for name in loads:
         sch.set_scope(name, 0, "shared.dyn")
-        sch.storage_align(name, 0, axis=0, factor=D, offset=8)  # ldmatrix without bank conflicts
+        sch.storage_align(name, 0, axis=0, factor=D, offset=8)
         _copy_to_shared(sch, name, num_warps, vec)
     sch.set_scope("init_scale", 0, "local")
-    for name in ("load_lse", "load_delta"):  # read by the lanes that hold their query's column
+    for name in ("load_lse", "load_delta"):
         sch.set_scope(name, 0, "shared.dyn")
         _row_block(sch, name, num_warps)
-
-    for name in ("qk", "exp", "dp", "ds", "cast_p"):
-        sch.set_scope(name, 0, "local" if name == "exp" else "warp")  # pᵀ feeds no mma (see dq's)
+    for name in ("qk", "exp", "dp", "ds", *casts):
+        sch.set_scope(name, 0, "local" if name == "exp" else "warp")
         sch.transform_layout(name, ("write", 0), _frag_index_map)
-    for name in ("qk", "dp"):  # sᵀ = k qᵀ, dpᵀ = v doutᵀ
+    for name in ("qk", "dp"):  # the blockized GEMM reads: its output, then A, then B
         block = sch.get_sblock(name)
         _warp_gemm_operands(sch, block, num_warps, [(1, names["ld_a"]), (2, names["ld_b_trans"])])
         sch.tensorize(sch.get_loops(block)[-3], names["mma_nt"])
         sch.tensorize(sch.get_loops(f"{name}_init")[-2], names["fill"])
-    for name in ("exp", "ds", "cast_p"):
+    for name in ("exp", "ds", *casts):
         _fragment_elementwise(sch, name, num_warps)
 
-    for name in ("dv", "dk"):  # dv += pᵀ dout, dk += dsᵀ q: pᵀ and dsᵀ from registers
-        sch.set_scope(name, 0, "warp")
-        sch.transform_layout(name, ("write", 0), _frag_index_map)
-        block = sch.get_sblock(name)
-        outer = _warp_gemm_operands(sch, block, num_warps, [(1, None), (2, names["ld_b"])])
-        for blk in (outer, block):
-            hide_init_reads(sch, blk)
-        sch.tensorize(sch.get_loops(block)[-3], names["mma_nn"])
-        _fragment_lanes(sch, f"{name}_init")
-        _fill_fragments(sch, f"init_{name}", num_warps, names["fill"])
-        _store_fragments(sch, f"store_{name}", num_warps, vector=False)
-    if num_stages > 1:
-        pipeline_loads(sch, num_stages, step="q_step", loads=("load_q", "load_do", "load_lse", "load_delta"))
+
+def _accumulate(sch: tvm.s_tir.Schedule, name: str, num_warps: int, names: dict) -> None:
+    """A gradient's product (dq += ds k, dv += pᵀ dout, dk += dsᵀ q) on mma.sync: A from the registers
+    that hold it (the accumulator layout is the A layout), B by ldmatrix, the gradient in fragments
+    across the steps (its carried-over init is nothing to do on each lane's registers), zero-filled
+    first and stored from the fragments. (Vectorised, the store fails LowerWarpMemory: "failed to
+    rewrite load to shuffle".)"""
+    sch.set_scope(name, 0, "warp")
+    sch.transform_layout(name, ("write", 0), _frag_index_map)
+    block = sch.get_sblock(name)
+    outer = _warp_gemm_operands(sch, block, num_warps, [(1, None), (2, names["ld_b"])])
+    for blk in (outer, block):
+        hide_init_reads(sch, blk)
+    sch.tensorize(sch.get_loops(block)[-3], names["mma_nn"])
+    _fragment_lanes(sch, f"{name}_init")
+    _fill_fragments(sch, f"init_{name}", num_warps, names["fill"])
+    _store_fragments(sch, f"store_{name}", num_warps, vector=False)

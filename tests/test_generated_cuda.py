@@ -6,9 +6,10 @@ until the hashes are updated, in the same commit, with
 
     python tests/test_generated_cuda.py --update
 
-and the commit message says what changed in the CUDA and why. The configurations are the defaults
-at head_dim 64/128/256, causal or not, on sm80 and sm90, plus the main knob variants; heads 4/2 as
-the other cross-compile tests build them (so most modules are shared with those tests in one run).
+and the commit message says what changed in the CUDA and why. The configurations are the forward's
+defaults at head_dim 64/128/256, causal or not, on sm80 and sm90, plus the main knob variants, and
+the tensor-core backward's defaults measured on the H200 (``BACKWARD_CONFIGS``); heads 4/2 as the
+other cross-compile tests build them (so most modules are shared with those tests in one run).
 """
 
 import hashlib
@@ -45,11 +46,21 @@ CONFIGS = {
     "sm90-d64-causal-block-m-64": ("sm90", 64, "bfloat16", True, {"block_m": 64, "num_warpgroups": 1}, "1"),
     "sm90-d128-row-state-shared": ("sm90", 128, "bfloat16", False, {"row_state": "shared"}, "1"),
 }
+# name: (target, head_dim, dtype, causal) of a backward module (delta, dkdv and dq) with its defaults
+BACKWARD_CONFIGS = {
+    "backward-sm80-d64-full": ("sm80", 64, "bfloat16", False),
+    "backward-sm80-d128-causal": ("sm80", 128, "bfloat16", True),
+}
+CONFIGS.update({name: None for name in BACKWARD_CONFIGS})
 
 
 def source(name: str) -> str:
     import tvmflash
 
+    if name in BACKWARD_CONFIGS:
+        target, head_dim, dtype, causal = BACKWARD_CONFIGS[name]
+        return tvmflash.compile_backward(head_dim=head_dim, dtype=dtype, causal=causal,
+                                         target=target).source(heads_q=4, heads_kv=2)
     target, head_dim, dtype, causal, knobs, sm90 = CONFIGS[name]
     saved = os.environ.pop("TVMFLASH_SM90", None)
     if sm90 is not None:
