@@ -538,7 +538,7 @@ class VarlenKernel(Kernel):
         if torch.compiler.is_compiling():
             return ops.varlen_kernel_call(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale,
                                           out, return_lse, alibi_slopes)
-        self._check_varlen(q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q)
+        check_varlen(self, q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q)
         total_q, heads_q, _ = q.shape
         heads_kv = k.shape[1]
         batch = cu_seqlens_q.shape[0] - 1
@@ -564,23 +564,24 @@ class VarlenKernel(Kernel):
             out = given.copy_(out)
         return (out, lse) if return_lse else out
 
-    def _check_varlen(self, q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q) -> None:
-        """Types, shapes, dtypes and devices of a varlen call (what torch.compile's fake tensors have
-        too); on the CPU the values of cu_seqlens as well."""
-        self._check_tensors([("q", q), ("k", k), ("v", v)], "(total, heads, head_dim)", dims=3)
-        if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
-            raise ValueError(f"q: expected heads_q ({q.shape[1]}) to be a multiple of heads_kv ({k.shape[1]})")
-        for name, t in (("k", k), ("v", v)):
-            if t.device != q.device:
-                raise ValueError(f"{name}: expected device {q.device} (q's), got {t.device}")
-        if q.device.type != self._device_type:
-            raise ValueError(f"q: the kernel was built for {self._target_name}, got a tensor on {q.device}")
-        if out is not None and (not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype
-                                or out.device != q.device):
-            raise ValueError(f"out: expected a tensor of q's shape {tuple(q.shape)}, dtype and device, got "
-                             f"{getattr(out, 'shape', out)!r}")
-        check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q, k)
-        check_max_seqlen("max_seqlen_q", max_seqlen_q)
+
+def check_varlen(kernel: Kernel, q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q) -> None:
+    """Types, shapes, dtypes and devices of a varlen call of ``kernel`` (what torch.compile's fake tensors have
+    too); on the CPU the values of cu_seqlens as well."""
+    kernel._check_tensors([("q", q), ("k", k), ("v", v)], "(total, heads, head_dim)", dims=3)
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise ValueError(f"q: expected heads_q ({q.shape[1]}) to be a multiple of heads_kv ({k.shape[1]})")
+    for name, t in (("k", k), ("v", v)):
+        if t.device != q.device:
+            raise ValueError(f"{name}: expected device {q.device} (q's), got {t.device}")
+    if q.device.type != kernel._device_type:
+        raise ValueError(f"q: the kernel was built for {kernel._target_name}, got a tensor on {q.device}")
+    if out is not None and (not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype
+                            or out.device != q.device):
+        raise ValueError(f"out: expected a tensor of q's shape {tuple(q.shape)}, dtype and device, got "
+                         f"{getattr(out, 'shape', out)!r}")
+    check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q, k)
+    check_max_seqlen("max_seqlen_q", max_seqlen_q)
 
 
 def check_max_seqlen(name: str, value) -> int:
@@ -821,20 +822,80 @@ class BackwardKernel(Kernel):
         return dq, dk, dv
 
 
+class VarlenBackwardKernel(BackwardKernel):
+    """The backward of a :class:`VarlenKernel` (flash-attn's varlen: sequences packed without
+    padding)::
+
+        dq, dk, dv = kernel(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+
+    q, out, dout, dq: (total_q, heads_q, head_dim); k, v, dk, dv: (total_k, heads_kv, head_dim);
+    lse, dlse: float32 (heads_q, total_q), the forward's; cu_seqlens and max_seqlen_q as the
+    forward's, and max_seqlen_k, an int at least every sequence's key count (it sizes dkdv's grid).
+    """
+
+    def __call__(self, q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                 dlse=None, softmax_scale=None, dq=None, dk=None, dv=None, alibi_slopes=None):
+        """(dq, dk, dv) of the varlen attention(q, k, v) = out (with its lse); see
+        ``BackwardKernel.__call__`` and the class docstring."""
+        check_varlen(self, q, k, v, None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q)
+        check_max_seqlen("max_seqlen_k", max_seqlen_k)
+        batch = cu_seqlens_q.shape[0] - 1
+        variant_arguments = self.variant_arguments(q, alibi_slopes, batch)
+        total_q, heads_q, _ = q.shape
+        heads_kv = k.shape[1]
+        rows = (heads_q, total_q)
+        for name, t, shape, dtype in (("out", out, q.shape, q.dtype), ("dout", dout, q.shape, q.dtype),
+                                      ("lse", lse, rows, torch.float32), ("dlse", dlse, rows, torch.float32),
+                                      ("dq", dq, q.shape, q.dtype), ("dk", dk, k.shape, k.dtype),
+                                      ("dv", dv, v.shape, v.dtype)):
+            if t is None and name in ("dlse", "dq", "dk", "dv"):
+                continue
+            if not isinstance(t, torch.Tensor) or t.shape != shape or t.dtype != dtype or t.device != q.device:
+                raise ValueError(f"{name}: expected a tensor of shape {tuple(shape)}, dtype {dtype} on {q.device}, got "
+                                 + (f"shape {tuple(t.shape)}, dtype {t.dtype} on {t.device}" if isinstance(t, torch.Tensor)
+                                    else type(t).__name__))
+            if name in ("dq", "dk", "dv") and not t.is_contiguous():
+                raise ValueError(f"{name}: expected a contiguous tensor, got strides {t.stride()}")
+        softmax_scale = resolve_softmax_scale(softmax_scale, self.head_dim)
+        # As BackwardKernel: views copied once, the packed rows as one batch of the programs.
+        cuda = targets.is_cuda(self.target)
+        q, k, v, out, dout, lse = (t.clone(memory_format=torch.contiguous_format) if cuda and t.data_ptr() % 16
+                                   else t.contiguous()
+                                   for t in (q, k, v, out, dout, lse))
+        dq, dk, dv = (torch.empty_like(t) if g is None else g for t, g in ((q, dq), (k, dk), (v, dv)))
+        if not (q.numel() and k.numel() and batch):  # no query or no key: every gradient is 0
+            for grad in (dq, dk, dv):
+                grad.zero_()
+            return dq, dk, dv
+        module = self.module(heads_q, heads_kv)
+        if module.function is None:
+            raise RuntimeError(f"this {targets.describe(self.target)} kernel was cross-compiled: there is no GPU here to run it on")
+        delta, lse2 = (torch.empty((1, *rows), dtype=torch.float32, device=q.device) for _ in range(2))
+        dlse = torch.zeros_like(delta) if dlse is None else dlse.contiguous()[None]
+        q, k, v, out, dout, lse, dq4, dk4, dv4 = (t[None] for t in (q, k, v, out, dout, lse, dq, dk, dv))
+        sequences = (cu_seqlens_q, cu_seqlens_k)
+        passes = module.function
+        passes["delta"](out, dout, lse, dlse, delta, lse2)
+        passes["dkdv"](q, k, v, dout, lse2, delta, dk4, dv4, softmax_scale, *sequences, max_seqlen_k, *variant_arguments)
+        passes["dq"](q, k, v, dout, lse2, delta, dq4, softmax_scale, *sequences, max_seqlen_q, *variant_arguments)
+        return dq, dk, dv
+
+
 def compile_backward(*, head_dim: int, dtype, causal: bool = False, target=None, knobs: dict | None = None,
                      heads_q: int | None = None, heads_kv: int | None = None, window_size=(-1, -1),
-                     softcap: float = 0.0, alibi: bool = False) -> BackwardKernel:
-    """Compile the FlashAttention backward and return a :class:`BackwardKernel`. The arguments are
-    :func:`compile`'s; knobs override the schedule's ``BACKWARD_KNOBS``."""
+                     softcap: float = 0.0, alibi: bool = False, varlen: bool = False) -> BackwardKernel:
+    """Compile the FlashAttention backward and return a :class:`BackwardKernel` (varlen: a
+    :class:`VarlenBackwardKernel`). The arguments are :func:`compile`'s; knobs override the
+    schedule's ``BACKWARD_KNOBS``."""
     dtype = dtype_name(dtype)
-    variant = resolve_variant(causal, window_size, softcap, alibi)
+    variant = {**resolve_variant(causal, window_size, softcap, alibi), **varlen_field(varlen)}
     program.AttentionSpec(head_dim, dtype, **variant)  # validates head_dim and dtype
     resolved = targets.resolve(target)
     spec_args = {"head_dim": head_dim, "dtype": dtype, **variant}
     key = cache.digest(["backward", spec_args, str(resolved), knobs, schedule_registry.backward_sm80_setting()])
     kernel = _KERNELS.get(key)
     if kernel is None:
-        kernel = _KERNELS[key] = BackwardKernel(spec_args, resolved, knobs)
+        kernel = _KERNELS[key] = (VarlenBackwardKernel if varlen else BackwardKernel)(spec_args, resolved, knobs)
     if heads_q is not None:
         kernel.module(heads_q, heads_kv if heads_kv is not None else heads_q)
     return kernel

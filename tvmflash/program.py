@@ -187,35 +187,36 @@ class Sequences:
 
 @dataclass(frozen=True)
 class Packed:
-    """varlen's extra parameters: cu_seqlens_q, cu_seqlens_k (batch + 1,) int32 and max_seqlen_q."""
+    """varlen's extra parameters: cu_seqlens_q, cu_seqlens_k (batch + 1,) int32 and the longest
+    sequence's length along the grid's rows (max_seqlen_q; the backward's dkdv: max_seqlen_k)."""
 
     cu_q: object
     cu_k: object
-    max_seqlen_q: object
+    max_seqlen: object
 
     @property
     def batch(self):
         return self.cu_q.shape[0] - 1
 
 
-def varlen_arguments(spec: AttentionSpec):
+def varlen_arguments(spec: AttentionSpec, longest: str = "max_seqlen_q"):
     """With varlen, three more parameters of the PrimFunc being parsed, after softmax_scale:
-    cu_seqlens_q and cu_seqlens_k, (batch + 1,) int32, and max_seqlen_q, int32 (it sizes the grid);
+    cu_seqlens_q and cu_seqlens_k, (batch + 1,) int32, and ``longest``, int32 (it sizes the grid);
     None without."""
     if not spec.varlen:
         return None
     cu_q_handle = T.arg("cu_seqlens_q_handle", T.handle())
     cu_k_handle = T.arg("cu_seqlens_k_handle", T.handle())
-    max_seqlen_q = T.int32()
-    IRBuilder.name("max_seqlen_q", max_seqlen_q)
-    T.arg("max_seqlen_q", max_seqlen_q)
+    max_seqlen = T.int32()
+    IRBuilder.name(longest, max_seqlen)
+    T.arg(longest, max_seqlen)
     boundaries = T.int32()
     IRBuilder.name("batch_plus_1", boundaries)
     cu_q = T.match_buffer(cu_q_handle, (boundaries,), "int32")
     IRBuilder.name("CuSeqlensQ", cu_q)
     cu_k = T.match_buffer(cu_k_handle, (boundaries,), "int32")
     IRBuilder.name("CuSeqlensK", cu_k)
-    return Packed(cu_q, cu_k, max_seqlen_q)
+    return Packed(cu_q, cu_k, max_seqlen)
 
 
 def sequence_count(packed, batch):
@@ -223,9 +224,9 @@ def sequence_count(packed, batch):
     return batch if packed is None else packed.batch
 
 
-def longest(packed, seqlen_q):
-    """The query rows the grid covers per sequence: seqlen_q, or varlen's max_seqlen_q argument."""
-    return seqlen_q if packed is None else packed.max_seqlen_q
+def longest(packed, seqlen):
+    """The rows the grid covers per sequence: seqlen, or varlen's max_seqlen argument."""
+    return seqlen if packed is None else packed.max_seqlen
 
 
 def sequences(packed, b, seqlen_q, seqlen_k) -> Sequences:
