@@ -646,8 +646,14 @@ def choose_schedule(target: tvm.target.Target, spec_args: dict,
     or None}, empty if it read none). ``schedules.for_target`` decides, except on sm_90a with
     TVMFLASH_SM90 unset and no knobs given: there this device's tuned records (``tvmflash tune`` or
     the shipped logs) of both schedules, measured at the same shape, pick the faster; without them
-    the sm90 schedule serves every head_dim but those of ``sm90.SM80_HEAD_DIMS``."""
+    the sm90 schedule serves every head_dim but those of ``sm90.SM80_HEAD_DIMS``. varlen is never
+    on the sm90 schedule: its TMA copies and staged stores move whole boxes of rows, which would cross
+    from one packed sequence into the next (stores would overwrite it); the sm80 schedule's
+    predicated loads and stores stop at each sequence's end, so varlen takes sm80 there."""
     module = schedule_registry.for_target(target, spec_args["dtype"])
+    if spec_args.get("varlen") and (module is schedule_registry.sm90
+                                    or schedule_registry.sm90_eligible(target, spec_args["dtype"])):
+        return schedule_registry.sm80, "sm80's: varlen is not on the sm90 schedule (TMA boxes cross sequences)", {}
     if (knobs or module is not schedule_registry.sm80 or schedule_registry.sm90_setting() != "records"
             or not schedule_registry.sm90_eligible(target, spec_args["dtype"])):
         return module, "the target's", {}
