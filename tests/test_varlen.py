@@ -74,10 +74,10 @@ def test_forward_matches_float64_on_cpu(name):
     forward_matches_float64("cpu", CPU_DTYPE, CPU_HEAD_DIM, name, LENGTHS)
 
 
-def gradients_match_float64(device, dtype, head_dim, name, lengths, with_lse):
+def gradients_match_float64(device, dtype, head_dim, name, lengths, with_lse, heads=HEADS):
     """Autograd through flash_attn_varlen_func (out, and lse with ``with_lse``) against float64
     autograd of the reference of each sequence; packed gradients, each sequence's rows its own."""
-    q, k, v, cu_q, cu_k, max_q, max_k = packed_problem(lengths, HEADS, head_dim, dtype, device, seed=1)
+    q, k, v, cu_q, cu_k, max_q, max_k = packed_problem(lengths, heads, head_dim, dtype, device, seed=1)
     kwargs = VARIANTS[name]
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out, lse, _ = tvmflash.flash_attn_varlen_func(*leaves, cu_q, cu_k, max_q, max_k, return_attn_probs=True,
@@ -93,9 +93,10 @@ def gradients_match_float64(device, dtype, head_dim, name, lengths, with_lse):
         check_gradients(grads, *inputs, sequence(dout, cu_q, b).cpu(), seq_dlse, **kwargs)
 
 
-@pytest.mark.parametrize("name,with_lse", [("causal", False), ("window", True)])
-def test_gradients_match_float64_on_cpu(name, with_lse):
-    gradients_match_float64("cpu", CPU_DTYPE, CPU_HEAD_DIM, name, LENGTHS, with_lse)
+# causal on heads (2, 2), whose modules test_packed_forms shares; a window with GQA and dlse
+@pytest.mark.parametrize("name,with_lse,heads", [("causal", False, (2, 2)), ("window", True, HEADS)])
+def test_gradients_match_float64_on_cpu(name, with_lse, heads):
+    gradients_match_float64("cpu", CPU_DTYPE, CPU_HEAD_DIM, name, LENGTHS, with_lse, heads)
 
 
 def test_equals_the_dense_kernel_on_equal_lengths():
@@ -145,7 +146,8 @@ def test_torch_compile_traces_forward_and_backward():
     eager's gradients."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
-    q, k, v, cu_q, cu_k, max_q, max_k = packed_problem(LENGTHS, HEADS, CPU_HEAD_DIM, CPU_DTYPE, "cpu", seed=4)
+    # heads (2, 2): the causal gradient test's modules
+    q, k, v, cu_q, cu_k, max_q, max_k = packed_problem(LENGTHS, (2, 2), CPU_HEAD_DIM, CPU_DTYPE, "cpu", seed=4)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
 
     def loss(q, k, v, cu_q, cu_k):

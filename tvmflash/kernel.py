@@ -585,8 +585,9 @@ def check_varlen(kernel: Kernel, q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_s
 
 
 def check_max_seqlen(name: str, value) -> int:
-    """A max_seqlen argument: an int >= 0 (a Python int: it sizes the grid on the host)."""
-    if not isinstance(value, int) or isinstance(value, bool):
+    """A max_seqlen argument: an int >= 0 (it sizes the grid on the host; torch.compile may trace it
+    as a SymInt)."""
+    if not isinstance(value, (int, torch.SymInt)) or isinstance(value, bool):
         raise TypeError(f"{name}: expected an int, got {value!r}")
     if value < 0:
         raise ValueError(f"{name}: expected an int >= 0, got {value}")
