@@ -163,6 +163,15 @@ def test_torch_compile_traces_forward_and_backward():
     for a, t in zip(compiled, leaves):
         torch.testing.assert_close(a, t.grad)
 
+    # dynamic: the lengths traced as SymInts, one graph for two packings
+    def attend(q, k, v, cu_q, cu_k, max_q, max_k):
+        return tvmflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=True)
+
+    dynamic = torch.compile(attend, fullgraph=True, dynamic=True, backend="aot_eager")
+    for lengths in (LENGTHS, [(5, 9), (130, 60)]):
+        problem = packed_problem(lengths, (2, 2), CPU_HEAD_DIM, CPU_DTYPE, "cpu", seed=5)
+        assert torch.equal(dynamic(*problem), attend(*problem))
+
 
 def bad_arguments():
     """(change to the good arguments, error, message)."""
