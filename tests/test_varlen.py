@@ -1,7 +1,8 @@
 """flash-attn's varlen (sequences packed without padding, offsets in cu_seqlens on the device):
 forward and gradients against the float64 reference run on each sequence alone, over odd lengths
 with an empty sequence, a sequence without keys, seqlen_q != seqlen_k both ways, GQA, causal and a
-window; equality with the dense kernel on equal lengths; the packed forms; torch.compile; the
+window, and every variant at once (a window, softcap, ALiBi slopes per sequence); equality with the
+dense kernel on equal lengths; the packed forms; torch.compile; the
 checks of the arguments. The CPU tests share one module per variant (forward and backward)."""
 
 import math
@@ -19,7 +20,9 @@ LENGTHS = [(77, 200), (0, 5), (1, 129), (129, 129), (200, 77), (3, 0)]
 GPU_LENGTHS = LENGTHS + [(1000, 1000), (300, 1000), (1000, 300)]  # the GPU's tiles are up to 128 x 128
 HEADS = (4, 2)
 CPU_DTYPE, CPU_HEAD_DIM = torch.float16, 32
-VARIANTS = {"plain": {}, "causal": {"causal": True}, "window": {"window_size": (40, 7)}}
+# "alibi": slopes (batch, heads) drawn per problem, each sequence's row for its reference
+VARIANTS = {"plain": {}, "causal": {"causal": True}, "window": {"window_size": (40, 7)},
+            "all": {"causal": True, "window_size": (40, -1), "softcap": 3.0, "alibi": True}}
 
 
 def offsets(lengths, device):
@@ -44,28 +47,39 @@ def sequence(t, cu, b):
     return t[cu[b]:cu[b + 1]][None]
 
 
-def check_each_sequence(out, lse, q, k, v, cu_q, cu_k, **kwargs):
+def options(name, batch, heads_q, device):
+    """flash_attn_varlen_func's keyword arguments for VARIANTS[name], with ALiBi slopes (batch, heads_q)."""
+    kwargs = dict(VARIANTS[name])
+    if kwargs.pop("alibi", False):
+        kwargs["alibi_slopes"] = (torch.rand(batch, heads_q, generator=torch.Generator().manual_seed(7)) * 0.3).to(device)
+    return kwargs
+
+
+def check_each_sequence(out, lse, q, k, v, cu_q, cu_k, alibi_slopes=None, **kwargs):
     """out and lse (heads, total_q) of every sequence against the float64 reference of that sequence
-    alone, under flash-attn's rule."""
+    alone (with its row of the ALiBi slopes), under flash-attn's rule."""
     cu_q, cu_k = cu_q.tolist(), cu_k.tolist()
     for b in range(len(cu_q) - 1):
         if cu_q[b + 1] > cu_q[b]:
+            slopes = None if alibi_slopes is None else alibi_slopes[b].cpu()
             check_attention(sequence(out, cu_q, b).cpu(), lse[None, :, cu_q[b]:cu_q[b + 1]].cpu(),
-                            *(sequence(t, cu, b).cpu() for t, cu in ((q, cu_q), (k, cu_k), (v, cu_k))), **kwargs)
+                            *(sequence(t, cu, b).cpu() for t, cu in ((q, cu_q), (k, cu_k), (v, cu_k))),
+                            alibi_slopes=slopes, **kwargs)
 
 
 def forward_matches_float64(device, dtype, head_dim, name, lengths):
     q, k, v, cu_q, cu_k, max_q, max_k = packed_problem(lengths, HEADS, head_dim, dtype, device)
-    kwargs = VARIANTS[name]
+    kwargs = options(name, len(lengths), HEADS[0], device)
     out, lse, probs = tvmflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, return_attn_probs=True,
                                                       **kwargs)
     assert probs is None and out.shape == q.shape and lse.shape == (HEADS[0], q.shape[0])
     check_each_sequence(out, lse, q, k, v, cu_q, cu_k, **kwargs)
     # a kept kernel writes into a given out, every row of it
+    slopes = kwargs.pop("alibi_slopes", None)
     kernel = tvmflash.compile(head_dim=head_dim, dtype=dtype, target="cpu" if device == "cpu" else None,
-                              varlen=True, **kwargs)
+                              varlen=True, alibi=slopes is not None, **kwargs)
     given = poisoned_out(q)
-    assert kernel(q, k, v, cu_q, cu_k, max_q, out=given) is given
+    assert kernel(q, k, v, cu_q, cu_k, max_q, out=given, alibi_slopes=slopes) is given
     assert torch.equal(given, out)
 
 
@@ -78,7 +92,7 @@ def gradients_match_float64(device, dtype, head_dim, name, lengths, with_lse, he
     """Autograd through flash_attn_varlen_func (out, and lse with ``with_lse``) against float64
     autograd of the reference of each sequence; packed gradients, each sequence's rows its own."""
     q, k, v, cu_q, cu_k, max_q, max_k = packed_problem(lengths, heads, head_dim, dtype, device, seed=1)
-    kwargs = VARIANTS[name]
+    kwargs = options(name, len(lengths), heads[0], device)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out, lse, _ = tvmflash.flash_attn_varlen_func(*leaves, cu_q, cu_k, max_q, max_k, return_attn_probs=True,
                                                   **kwargs)
@@ -90,11 +104,14 @@ def gradients_match_float64(device, dtype, head_dim, name, lengths, with_lse, he
         grads = [sequence(t.grad, cu, b).cpu() for t, cu in zip(leaves, (cu_q, cu_k, cu_k))]
         inputs = [sequence(t, cu, b).cpu() for t, cu in ((q, cu_q), (k, cu_k), (v, cu_k))]
         seq_dlse = None if dlse is None else dlse[None, :, cu_q[b]:cu_q[b + 1]].cpu()
-        check_gradients(grads, *inputs, sequence(dout, cu_q, b).cpu(), seq_dlse, **kwargs)
+        seq_kwargs = {**kwargs, **({"alibi_slopes": kwargs["alibi_slopes"][b].cpu()} if "alibi_slopes" in kwargs else {})}
+        check_gradients(grads, *inputs, sequence(dout, cu_q, b).cpu(), seq_dlse, **seq_kwargs)
 
 
-# causal on heads (2, 2), whose modules test_packed_forms shares; a window with GQA and dlse
-@pytest.mark.parametrize("name,with_lse,heads", [("causal", False, (2, 2)), ("window", True, HEADS)])
+# causal on heads (2, 2), whose modules test_packed_forms shares; a window with GQA and dlse; every
+# variant at once (the slopes an argument of dkdv and dq too)
+@pytest.mark.parametrize("name,with_lse,heads", [("causal", False, (2, 2)), ("window", True, HEADS),
+                                                 ("all", False, HEADS)])
 def test_gradients_match_float64_on_cpu(name, with_lse, heads):
     gradients_match_float64("cpu", CPU_DTYPE, CPU_HEAD_DIM, name, LENGTHS, with_lse, heads)
 
@@ -238,7 +255,7 @@ def test_forward_matches_float64_on_the_gpu(dtype, head_dim, name):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name,with_lse", [("plain", True), ("causal", False), ("window", True)])
+@pytest.mark.parametrize("name,with_lse", [("plain", True), ("causal", False), ("window", True), ("all", False)])
 @pytest.mark.parametrize("dtype,head_dim", GPU_CONFIGS[:2], ids=str)
 def test_gradients_match_float64_on_the_gpu(dtype, head_dim, name, with_lse):
     gradients_match_float64("cuda", dtype, head_dim, name, GPU_LENGTHS, with_lse)
