@@ -474,8 +474,14 @@ class Kernel:
         self._check_tensors([("q", q), ("k", k), ("v", v)])
         if q.shape[0] != k.shape[0]:
             raise ValueError(f"k: expected batch {q.shape[0]} (from q), got shape {tuple(k.shape)}")
-        if k.shape[2] == 0 or q.shape[2] % k.shape[2]:
-            raise ValueError(f"q: expected heads_q ({q.shape[2]}) to be a multiple of heads_kv ({k.shape[2]})")
+        self._explain_heads_and_places(q, k, v, out, heads_dim=2)
+
+    def _explain_heads_and_places(self, q, k, v, out, heads_dim: int) -> None:
+        """Raise the error that says what is wrong with the head counts (dim ``heads_dim``), the
+        devices or out."""
+        if k.shape[heads_dim] == 0 or q.shape[heads_dim] % k.shape[heads_dim]:
+            raise ValueError(f"q: expected heads_q ({q.shape[heads_dim]}) to be a multiple of heads_kv "
+                             f"({k.shape[heads_dim]})")
         for name, t in (("k", k), ("v", v)):
             if t.device != q.device:
                 raise ValueError(f"{name}: expected device {q.device} (q's), got {t.device}")
@@ -569,17 +575,7 @@ def check_varlen(kernel: Kernel, q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_s
     """Types, shapes, dtypes and devices of a varlen call of ``kernel`` (what torch.compile's fake tensors have
     too); on the CPU the values of cu_seqlens as well."""
     kernel._check_tensors([("q", q), ("k", k), ("v", v)], "(total, heads, head_dim)", dims=3)
-    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
-        raise ValueError(f"q: expected heads_q ({q.shape[1]}) to be a multiple of heads_kv ({k.shape[1]})")
-    for name, t in (("k", k), ("v", v)):
-        if t.device != q.device:
-            raise ValueError(f"{name}: expected device {q.device} (q's), got {t.device}")
-    if q.device.type != kernel._device_type:
-        raise ValueError(f"q: the kernel was built for {kernel._target_name}, got a tensor on {q.device}")
-    if out is not None and (not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype
-                            or out.device != q.device):
-        raise ValueError(f"out: expected a tensor of q's shape {tuple(q.shape)}, dtype and device, got "
-                         f"{getattr(out, 'shape', out)!r}")
+    kernel._explain_heads_and_places(q, k, v, out, heads_dim=1)
     check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q, k)
     check_max_seqlen("max_seqlen_q", max_seqlen_q)
 
@@ -782,17 +778,9 @@ class BackwardKernel(Kernel):
     def __repr__(self) -> str:
         return "tvmflash.BackwardKernel" + super().__repr__().removeprefix("tvmflash.Kernel")
 
-    def __call__(self, q, k, v, out, dout, lse, *, dlse=None, softmax_scale=None, dq=None, dk=None, dv=None,
-                 alibi_slopes=None):
-        """(dq, dk, dv) of attention(q, k, v) = out (with its lse), given dout = ∂L/∂out and
-        dlse = ∂L/∂lse (None: 0). Pass dq, dk, dv to have them written in place. See the class
-        docstring for the shapes; out and lse are those of the forward of the same variant (and
-        ALiBi slopes)."""
-        self._check(q, k, v, None)
-        variant_arguments = self.variant_arguments(q, alibi_slopes)
-        batch, seqlen_q, heads_q, _ = q.shape
-        heads_kv = k.shape[2]
-        rows = (batch, heads_q, seqlen_q)
+    def _check_gradient_arguments(self, q, k, v, out, dout, lse, dlse, dq, dk, dv, rows) -> None:
+        """out and dout of q's shape and dtype, lse and dlse (None: 0) float32 of shape ``rows``, and
+        dq, dk, dv (None: new) of q's, k's and v's and contiguous, all on q's device."""
         for name, t, shape, dtype in (("out", out, q.shape, q.dtype), ("dout", dout, q.shape, q.dtype),
                                       ("lse", lse, rows, torch.float32), ("dlse", dlse, rows, torch.float32),
                                       ("dq", dq, q.shape, q.dtype), ("dk", dk, k.shape, k.dtype),
@@ -805,13 +793,29 @@ class BackwardKernel(Kernel):
                                     else type(t).__name__))
             if name in ("dq", "dk", "dv") and not t.is_contiguous():
                 raise ValueError(f"{name}: expected a contiguous tensor, got strides {t.stride()}")
-        softmax_scale = resolve_softmax_scale(softmax_scale, self.head_dim)
-        # Views (a packed qkv's unbind, autograd's expanded gradient of a sum) are copied once here,
-        # and so is a CUDA tensor whose data does not start on the 16 bytes vector loads need.
+
+    def _compact(self, *tensors):
+        """The tensors, contiguous: views (a packed qkv's unbind, autograd's expanded gradient of a
+        sum) are copied once here, and so is a CUDA tensor whose data does not start on the 16 bytes
+        vector loads need."""
         cuda = targets.is_cuda(self.target)
-        q, k, v, out, dout, lse = (t.clone(memory_format=torch.contiguous_format) if cuda and t.data_ptr() % 16
-                                   else t.contiguous()
-                                   for t in (q, k, v, out, dout, lse))
+        return tuple(t.clone(memory_format=torch.contiguous_format) if cuda and t.data_ptr() % 16 else t.contiguous()
+                     for t in tensors)
+
+    def __call__(self, q, k, v, out, dout, lse, *, dlse=None, softmax_scale=None, dq=None, dk=None, dv=None,
+                 alibi_slopes=None):
+        """(dq, dk, dv) of attention(q, k, v) = out (with its lse), given dout = ∂L/∂out and
+        dlse = ∂L/∂lse (None: 0). Pass dq, dk, dv to have them written in place. See the class
+        docstring for the shapes; out and lse are those of the forward of the same variant (and
+        ALiBi slopes)."""
+        self._check(q, k, v, None)
+        variant_arguments = self.variant_arguments(q, alibi_slopes)
+        batch, seqlen_q, heads_q, _ = q.shape
+        heads_kv = k.shape[2]
+        rows = (batch, heads_q, seqlen_q)
+        self._check_gradient_arguments(q, k, v, out, dout, lse, dlse, dq, dk, dv, rows)
+        softmax_scale = resolve_softmax_scale(softmax_scale, self.head_dim)
+        q, k, v, out, dout, lse = self._compact(q, k, v, out, dout, lse)
         dq, dk, dv = (torch.empty_like(t) if g is None else g for t, g in ((q, dq), (k, dk), (v, dv)))
         if not (q.numel() and k.numel()):  # no query or no key: every gradient is 0
             for grad in (dq, dk, dv):
@@ -851,24 +855,9 @@ class VarlenBackwardKernel(BackwardKernel):
         total_q, heads_q, _ = q.shape
         heads_kv = k.shape[1]
         rows = (heads_q, total_q)
-        for name, t, shape, dtype in (("out", out, q.shape, q.dtype), ("dout", dout, q.shape, q.dtype),
-                                      ("lse", lse, rows, torch.float32), ("dlse", dlse, rows, torch.float32),
-                                      ("dq", dq, q.shape, q.dtype), ("dk", dk, k.shape, k.dtype),
-                                      ("dv", dv, v.shape, v.dtype)):
-            if t is None and name in ("dlse", "dq", "dk", "dv"):
-                continue
-            if not isinstance(t, torch.Tensor) or t.shape != shape or t.dtype != dtype or t.device != q.device:
-                raise ValueError(f"{name}: expected a tensor of shape {tuple(shape)}, dtype {dtype} on {q.device}, got "
-                                 + (f"shape {tuple(t.shape)}, dtype {t.dtype} on {t.device}" if isinstance(t, torch.Tensor)
-                                    else type(t).__name__))
-            if name in ("dq", "dk", "dv") and not t.is_contiguous():
-                raise ValueError(f"{name}: expected a contiguous tensor, got strides {t.stride()}")
+        self._check_gradient_arguments(q, k, v, out, dout, lse, dlse, dq, dk, dv, rows)
         softmax_scale = resolve_softmax_scale(softmax_scale, self.head_dim)
-        # As BackwardKernel: views copied once, the packed rows as one batch of the programs.
-        cuda = targets.is_cuda(self.target)
-        q, k, v, out, dout, lse = (t.clone(memory_format=torch.contiguous_format) if cuda and t.data_ptr() % 16
-                                   else t.contiguous()
-                                   for t in (q, k, v, out, dout, lse))
+        q, k, v, out, dout, lse = self._compact(q, k, v, out, dout, lse)
         dq, dk, dv = (torch.empty_like(t) if g is None else g for t, g in ((q, dq), (k, dk), (v, dv)))
         if not (q.numel() and k.numel() and batch):  # no query or no key: every gradient is 0
             for grad in (dq, dk, dv):
@@ -879,6 +868,7 @@ class VarlenBackwardKernel(BackwardKernel):
             raise RuntimeError(f"this {targets.describe(self.target)} kernel was cross-compiled: there is no GPU here to run it on")
         delta, lse2 = (torch.empty((1, *rows), dtype=torch.float32, device=q.device) for _ in range(2))
         dlse = torch.zeros_like(delta) if dlse is None else dlse.contiguous()[None]
+        # the packed rows as the programs' one batch
         q, k, v, out, dout, lse, dq4, dk4, dv4 = (t[None] for t in (q, k, v, out, dout, lse, dq, dk, dv))
         sequences = (cu_seqlens_q, cu_seqlens_k)
         passes = module.function

@@ -150,6 +150,27 @@ def kernel_call(kernel, q, k, v, softmax_scale: float, out, return_lse: bool, al
     return (out, lse) if return_lse else out
 
 
+def _options(q, k, v, dims: int, layout: str, causal, return_lse, window_size, softcap, alibi_slopes) -> tuple:
+    """The forward and backward ops' variant arguments, causal and the variant fields in order
+    (``resolve_variant``; the kernel checks the slopes), after checking that q, k and v are tensors,
+    q of ``dims`` dims (``layout``), and return_lse a bool."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if q.dim() != dims:
+        raise ValueError(f"q: expected {dims} dims {layout}, got shape {tuple(q.shape)}")
+    check_flag("return_lse", return_lse)
+    variant = resolve_variant(causal, window_size, softcap, alibi_slopes is not None)
+    return (variant["causal"], variant.get("window_left", -1), variant.get("window_right", -1),
+            variant.get("softcap", 0.0))
+
+
+def _through_ops(q, k, v) -> bool:
+    """Must a call go through the custom ops: under torch.compile, or where autograd records it?"""
+    return torch.compiler.is_compiling() or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
+                                                                           or v.requires_grad))
+
+
 def attention(q, k, v, *, causal: bool = False, softmax_scale=None, return_lse: bool = False, window_size=(-1, -1),
               softcap: float = 0.0, alibi_slopes=None):
     """Exact attention softmax(q kᵀ · scale) v in flash-attn's layout.
@@ -169,19 +190,10 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale=None, return_lse: 
     (heads_q,) or (batch, heads_q), adds -slope · |i + seqlen_k - seqlen_q - j| to it (after the
     cap). A query whose window holds no key gets 0 (and lse -inf). The slopes get no gradient.
     """
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if q.dim() != 4:
-        raise ValueError(f"q: expected 4 dims (batch, seqlen, heads, head_dim), got shape {tuple(q.shape)}")
-    check_flag("return_lse", return_lse)
-    variant = resolve_variant(causal, window_size, softcap, alibi_slopes is not None)
-    # the ops' arguments: causal and the variant fields in order (the kernel checks the slopes)
-    options = (variant["causal"], variant.get("window_left", -1), variant.get("window_right", -1),
-               variant.get("softcap", 0.0))
+    options = _options(q, k, v, 4, "(batch, seqlen, heads, head_dim)", causal, return_lse, window_size, softcap,
+                       alibi_slopes)
     softmax_scale = resolve_softmax_scale(softmax_scale, q.shape[-1])
-    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
-                                                                       or v.requires_grad)):
+    if _through_ops(q, k, v):
         out, lse = forward(q, k, v, options[0], softmax_scale, *options[1:], alibi_slopes)
     else:  # eager, nothing for autograd to record: no custom op's dispatch
         out, lse = kernel_for(q, *options, alibi_slopes is not None)(q, k, v, softmax_scale=softmax_scale,
@@ -294,20 +306,12 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     offsets on the device: no padding, no loop over sequences, no rebuild for new lengths.
     Differentiable in q, k and v (``torch.ops.tvmflash.varlen_backward``), under torch.compile too.
     """
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if q.dim() != 3:
-        raise ValueError(f"q: expected 3 dims (total_q, heads, head_dim), got shape {tuple(q.shape)}")
-    check_flag("return_lse", return_lse)
+    options = _options(q, k, v, 3, "(total_q, heads, head_dim)", causal, return_lse, window_size, softcap,
+                       alibi_slopes)
     kernels.check_max_seqlen("max_seqlen_q", max_seqlen_q)
     kernels.check_max_seqlen("max_seqlen_k", max_seqlen_k)
-    variant = resolve_variant(causal, window_size, softcap, alibi_slopes is not None)
-    options = (variant["causal"], variant.get("window_left", -1), variant.get("window_right", -1),
-               variant.get("softcap", 0.0))
     softmax_scale = resolve_softmax_scale(softmax_scale, q.shape[-1])
-    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
-                                                                       or v.requires_grad)):
+    if _through_ops(q, k, v):
         out, lse = varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options[0],
                                   softmax_scale, *options[1:], alibi_slopes)
     else:  # eager, nothing for autograd to record: no custom op's dispatch
