@@ -202,6 +202,8 @@ def bad_arguments():
          "cu_seqlens_q: expected non-decreasing offsets"),
         ({"cu_seqlens_q": lambda a: torch.tensor([0, 6], dtype=torch.int32)}, ValueError,
          "cu_seqlens_k: expected the shape of cu_seqlens_q"),
+        ({"cu_seqlens_k": lambda a: a["cu_seqlens_k"].to("meta")}, ValueError,
+         r"cu_seqlens_k: expected device cpu \(q's\), got meta"),
         ({"max_seqlen_q": lambda a: 5.0}, TypeError, "max_seqlen_q: expected an int"),
         ({"max_seqlen_k": lambda a: torch.tensor(5)}, TypeError, "max_seqlen_k: expected an int"),
         ({"max_seqlen_q": lambda a: -1}, ValueError, "max_seqlen_q: expected an int >= 0"),
