@@ -230,11 +230,11 @@ def test_cuda_schedules_build_varlen():
     sm80 (mma.sync) and SIMT (float32), the sm80 and SIMT backward; on sm_90a varlen takes the sm80
     schedule (``kernel.choose_schedule``: TMA boxes would cross sequences)."""
     sources = {
-        "sm80": tvmflash.compile(head_dim=64, dtype="float16", target="sm80", causal=True, varlen=True),
-        "simt": tvmflash.compile(head_dim=64, dtype="float32", target="sm80", window_size=(30, 5), varlen=True),
-        "backward-sm80": tvmflash.compile_backward(head_dim=64, dtype="bfloat16", target="sm80", causal=True,
+        "sm80": tvmflash.compile(head_dim=32, dtype="float16", target="sm80", causal=True, varlen=True),
+        "simt": tvmflash.compile(head_dim=32, dtype="float32", target="sm80", window_size=(30, 5), varlen=True),
+        "backward-sm80": tvmflash.compile_backward(head_dim=32, dtype="bfloat16", target="sm80", causal=True,
                                                    varlen=True),
-        "backward-simt": tvmflash.compile_backward(head_dim=64, dtype="float32", target="sm80", varlen=True),
+        "backward-simt": tvmflash.compile_backward(head_dim=32, dtype="float32", target="sm80", varlen=True),
     }
     for name, kernel in sources.items():
         src = kernel.source(heads_q=4, heads_kv=2)
