@@ -14,8 +14,10 @@ if not _os.path.isdir(_os.path.join(__path__[0], "schedules")):
 # Where each name of the API lives: loaded at first use (``__getattr__``).
 _API = {"Kernel": "kernel", "compile": "kernel", "BackwardKernel": "kernel", "compile_backward": "kernel",
         "attention": "ops", "flash_attn_func": "flash_attn", "flash_attn_kvpacked_func": "flash_attn",
-        "flash_attn_qkvpacked_func": "flash_attn", "flash_attn_with_kvcache": "decode", "compile_decode": "decode",
-        "DecodeKernel": "decode"}
+        "flash_attn_qkvpacked_func": "flash_attn", "flash_attn_varlen_func": "flash_attn",
+        "flash_attn_varlen_kvpacked_func": "flash_attn", "flash_attn_varlen_qkvpacked_func": "flash_attn",
+        "varlen_attention": "ops", "VarlenKernel": "kernel", "VarlenBackwardKernel": "kernel",
+        "flash_attn_with_kvcache": "decode", "compile_decode": "decode", "DecodeKernel": "decode"}
 __all__ = [*sorted(_API), "__version__"]
 
 

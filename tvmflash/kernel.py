@@ -74,7 +74,7 @@ def check_flag(name: str, value) -> bool:
 
 # The variant fields of a spec (``program.AttentionSpec``): in a kernel's spec_args only where they are on,
 # so that a kernel without them is named, cached and tuned as before they existed.
-VARIANT_FIELDS = ("window_left", "window_right", "softcap", "alibi")
+VARIANT_FIELDS = ("window_left", "window_right", "softcap", "alibi", "varlen")
 WORKLOAD_FIELDS = ("head_dim", "dtype", "causal")  # what tuning records are keyed by
 
 
@@ -100,6 +100,11 @@ def resolve_variant(causal, window_size=(-1, -1), softcap=0.0, alibi=False) -> d
         raise ValueError(f"softcap: expected a finite float >= 0 (0: off), got {softcap!r}")
     on = {"window_left": left, "window_right": right, "softcap": float(softcap), "alibi": alibi}
     return {"causal": causal, **{name: value for name, value in on.items() if value not in (-1, 0.0, False)}}
+
+
+def varlen_field(varlen) -> dict:
+    """The spec_args field of varlen: {"varlen": True}, or none when off (dense kernels keep their keys)."""
+    return {"varlen": True} if check_flag("varlen", varlen) else {}
 
 
 def alibi_slopes_view(alibi_slopes, batch: int, heads_q: int, device: torch.device) -> torch.Tensor:
@@ -414,9 +419,10 @@ class Kernel:
             out = given.copy_(out)
         return (out, lse) if return_lse else out
 
-    def variant_arguments(self, q, alibi_slopes) -> tuple:
+    def variant_arguments(self, q, alibi_slopes, batch: int | None = None) -> tuple:
         """The module's arguments after softmax_scale: the ALiBi slopes' (batch, heads_q) view if the
-        kernel has ALiBi (then they are required), else none (then none may be given)."""
+        kernel has ALiBi (then they are required), else none (then none may be given). batch: q's
+        first dim, heads_q its third, unless given (varlen's count of sequences; heads_q q's second)."""
         if not self.alibi:
             if alibi_slopes is not None:
                 raise ValueError("alibi_slopes: this kernel was compiled without ALiBi (compile(..., alibi=True))")
@@ -424,7 +430,9 @@ class Kernel:
         if alibi_slopes is None:
             raise ValueError("alibi_slopes: this kernel was compiled with ALiBi: pass the slopes, (heads,) or "
                              "(batch, heads) float32")
-        return (alibi_slopes_view(alibi_slopes, q.shape[0], q.shape[2], q.device),)
+        if batch is None:
+            return (alibi_slopes_view(alibi_slopes, q.shape[0], q.shape[2], q.device),)
+        return (alibi_slopes_view(alibi_slopes, batch, q.shape[1], q.device),)
 
     def _check(self, q, k, v, out) -> None:
         """Types, shapes, dtypes and devices (what torch.compile's fake tensors have too). The
@@ -443,9 +451,9 @@ class Kernel:
         self._explain(q, k, v, out)
         raise ValueError(f"q, k, v, out: unexpected arguments {q!r}, {k!r}, {v!r}, {out!r}")  # pragma: no cover
 
-    def _check_tensors(self, named, layout: str = "(batch, seqlen, heads, head_dim)") -> None:
-        """Each (name, tensor) of ``named`` is a torch.Tensor of the kernel's dtype, with 4 dims
-        (``layout``) and head_dim last; the last two (k and v) have one shape."""
+    def _check_tensors(self, named, layout: str = "(batch, seqlen, heads, head_dim)", dims: int = 4) -> None:
+        """Each (name, tensor) of ``named`` is a torch.Tensor of the kernel's dtype, with ``dims``
+        dims (``layout``) and head_dim last; the last two (k and v) have one shape."""
         for name, t in named:
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -453,9 +461,9 @@ class Kernel:
         for name, t in named:
             if t.dtype != want:
                 raise TypeError(f"{name}: expected dtype {want} (the kernel was compiled for {self.dtype}), got {t.dtype}")
-            if t.dim() != 4:
-                raise ValueError(f"{name}: expected 4 dims {layout}, got shape {tuple(t.shape)}")
-            if t.shape[3] != self.head_dim:
+            if t.dim() != dims:
+                raise ValueError(f"{name}: expected {dims} dims {layout}, got shape {tuple(t.shape)}")
+            if t.shape[-1] != self.head_dim:
                 raise ValueError(f"{name}: expected head_dim {self.head_dim} in the last dim, got shape {tuple(t.shape)}")
         (k_name, k), (v_name, v) = named[-2:]
         if k.shape != v.shape:
@@ -466,8 +474,14 @@ class Kernel:
         self._check_tensors([("q", q), ("k", k), ("v", v)])
         if q.shape[0] != k.shape[0]:
             raise ValueError(f"k: expected batch {q.shape[0]} (from q), got shape {tuple(k.shape)}")
-        if k.shape[2] == 0 or q.shape[2] % k.shape[2]:
-            raise ValueError(f"q: expected heads_q ({q.shape[2]}) to be a multiple of heads_kv ({k.shape[2]})")
+        self._explain_heads_and_places(q, k, v, out, heads_dim=2)
+
+    def _explain_heads_and_places(self, q, k, v, out, heads_dim: int) -> None:
+        """Raise the error that says what is wrong with the head counts (dim ``heads_dim``), the
+        devices or out."""
+        if k.shape[heads_dim] == 0 or q.shape[heads_dim] % k.shape[heads_dim]:
+            raise ValueError(f"q: expected heads_q ({q.shape[heads_dim]}) to be a multiple of heads_kv "
+                             f"({k.shape[heads_dim]})")
         for name, t in (("k", k), ("v", v)):
             if t.device != q.device:
                 raise ValueError(f"{name}: expected device {q.device} (q's), got {t.device}")
@@ -505,6 +519,103 @@ class Kernel:
         return t.clone(memory_format=torch.contiguous_format) if copy else t
 
 
+class VarlenKernel(Kernel):
+    """FlashAttention forward over sequences packed without padding (flash-attn's varlen)::
+
+        out, lse = kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, return_lse=True)
+
+    q: (total_q, heads_q, head_dim); k, v: (total_k, heads_kv, head_dim); cu_seqlens_q and
+    cu_seqlens_k: int32 (batch + 1,) on q's device, non-decreasing from 0 to total_q (total_k):
+    sequence b is rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1 of q and cu_seqlens_k[b] ..
+    cu_seqlens_k[b + 1] - 1 of k and v. max_seqlen_q: an int, at least every sequence's query
+    count (it sizes the grid; rows past it are not computed). out has q's shape; lse is float32
+    (heads_q, total_q), flash-attn 2's varlen layout. The kernel reads the offsets on the device:
+    no padding, no loop over sequences, and new lengths need no rebuild. Causal masks, windows and
+    ALiBi distances are per sequence (bottom-right aligned); ALiBi slopes are (heads_q,) or
+    (batch, heads_q). The values of cu_seqlens are checked only on the CPU (on CUDA that would wait
+    for the device).
+    """
+
+    def __call__(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, *, softmax_scale=None, out=None,
+                 return_lse=False, alibi_slopes=None):
+        """Attention of each packed sequence of q over its keys. See the class docstring."""
+        check_flag("return_lse", return_lse)
+        softmax_scale = resolve_softmax_scale(softmax_scale, self.head_dim)
+        if torch.compiler.is_compiling():
+            return ops.varlen_kernel_call(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale,
+                                          out, return_lse, alibi_slopes)
+        check_varlen(self, q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q)
+        total_q, heads_q, _ = q.shape
+        heads_kv = k.shape[1]
+        batch = cu_seqlens_q.shape[0] - 1
+        variant_arguments = self.variant_arguments(q, alibi_slopes, batch)
+        # The module takes the packed rows as one batch: (1, total, heads, head_dim) views.
+        q, k, v = self._usable(q[None], "q"), self._usable(k[None], "k"), self._usable(v[None], "v")
+        given = out
+        if out is None or not self._fits(out[None]):
+            if out is not None:
+                self._usable(out[None], "out", copy=False)
+            out = torch.empty(q.shape[1:], dtype=q.dtype, device=q.device)
+        lse = torch.empty((heads_q, total_q), dtype=torch.float32, device=q.device)
+        module = self._modules.get((heads_q, heads_kv)) or self.module(heads_q, heads_kv)
+        if module.function is None:
+            raise RuntimeError(f"this {self._target_name} kernel was cross-compiled: there is no GPU here to run it on")
+        if out.numel() and not k.shape[1]:  # no key at all (as Kernel.__call__)
+            out.zero_()
+            lse.fill_(-math.inf)
+        elif out.numel() and batch:
+            module.function(q, k, v, out[None], lse[None], softmax_scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                            *variant_arguments)
+        if given is not None and given is not out:
+            out = given.copy_(out)
+        return (out, lse) if return_lse else out
+
+
+def check_varlen(kernel: Kernel, q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q) -> None:
+    """Types, shapes, dtypes and devices of a varlen call of ``kernel`` (what torch.compile's fake tensors have
+    too); on the CPU the values of cu_seqlens as well."""
+    kernel._check_tensors([("q", q), ("k", k), ("v", v)], "(total, heads, head_dim)", dims=3)
+    kernel._explain_heads_and_places(q, k, v, out, heads_dim=1)
+    check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q, k)
+    check_max_seqlen("max_seqlen_q", max_seqlen_q)
+
+
+def check_max_seqlen(name: str, value) -> int:
+    """A max_seqlen argument: an int >= 0 (it sizes the grid on the host; torch.compile may trace it
+    as a SymInt)."""
+    if not isinstance(value, (int, torch.SymInt)) or isinstance(value, bool):
+        raise TypeError(f"{name}: expected an int, got {value!r}")
+    if value < 0:
+        raise ValueError(f"{name}: expected an int >= 0, got {value}")
+    return value
+
+
+def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q, k) -> None:
+    """cu_seqlens_q and cu_seqlens_k: contiguous int32 (batch + 1,) tensors on q's device, of one
+    length. On the CPU also their values: non-decreasing from 0 to q's (k's) row count; on CUDA
+    reading them would wait for the device, so the kernel trusts them there."""
+    for name, cu, rows in (("cu_seqlens_q", cu_seqlens_q, q), ("cu_seqlens_k", cu_seqlens_k, k)):
+        if not isinstance(cu, torch.Tensor):
+            raise TypeError(f"{name}: expected an int32 tensor (batch + 1,), got {type(cu).__name__}")
+        if cu.dtype != torch.int32:
+            raise TypeError(f"{name}: expected dtype torch.int32, got {cu.dtype}")
+        if cu.dim() != 1 or cu.shape[0] < 1:
+            raise ValueError(f"{name}: expected shape (batch + 1,), got {tuple(cu.shape)}")
+        if cu.device != q.device:
+            raise ValueError(f"{name}: expected device {q.device} (q's), got {cu.device}")
+        if cu.stride(0) != 1 and cu.shape[0] > 1:
+            raise ValueError(f"{name}: expected a contiguous tensor, got stride {cu.stride(0)}")
+        if cu.device.type == "cpu" and not torch.compiler.is_compiling():
+            if cu[0] != 0 or cu[-1] != rows.shape[0]:
+                raise ValueError(f"{name}: expected offsets from 0 to {rows.shape[0]} (the packed rows), got "
+                                 f"{cu[0].item()} .. {cu[-1].item()}")
+            if cu.shape[0] > 1 and bool((cu[1:] < cu[:-1]).any()):
+                raise ValueError(f"{name}: expected non-decreasing offsets, got {cu.tolist()}")
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ValueError(f"cu_seqlens_k: expected the shape of cu_seqlens_q {tuple(cu_seqlens_q.shape)} (one "
+                         f"offset per sequence), got {tuple(cu_seqlens_k.shape)}")
+
+
 _KERNELS: dict[str, Kernel] = {}  # compile()'s, by kernel_key; forget_kernels() empties it
 _BY_KEY: dict[str, Kernel] = {}  # the Kernel of each key a torch.compile'd graph may name (never emptied)
 
@@ -532,8 +643,14 @@ def choose_schedule(target: tvm.target.Target, spec_args: dict,
     or None}, empty if it read none). ``schedules.for_target`` decides, except on sm_90a with
     TVMFLASH_SM90 unset and no knobs given: there this device's tuned records (``tvmflash tune`` or
     the shipped logs) of both schedules, measured at the same shape, pick the faster; without them
-    the sm90 schedule serves every head_dim but those of ``sm90.SM80_HEAD_DIMS``."""
+    the sm90 schedule serves every head_dim but those of ``sm90.SM80_HEAD_DIMS``. varlen is never
+    on the sm90 schedule: its TMA copies and staged stores move whole boxes of rows, which would cross
+    from one packed sequence into the next (stores would overwrite it); the sm80 schedule's
+    predicated loads and stores stop at each sequence's end, so varlen takes sm80 there."""
     module = schedule_registry.for_target(target, spec_args["dtype"])
+    if spec_args.get("varlen") and (module is schedule_registry.sm90
+                                    or schedule_registry.sm90_eligible(target, spec_args["dtype"])):
+        return schedule_registry.sm80, "sm80's: varlen is not on the sm90 schedule (TMA boxes cross sequences)", {}
     if (knobs or module is not schedule_registry.sm80 or schedule_registry.sm90_setting() != "records"
             or not schedule_registry.sm90_eligible(target, spec_args["dtype"])):
         return module, "the target's", {}
@@ -551,12 +668,13 @@ def choose_schedule(target: tvm.target.Target, spec_args: dict,
 
 def compile(*, head_dim: int, dtype, causal: bool = False, target=None, knobs: dict | None = None,
             heads_q: int | None = None, heads_kv: int | None = None, window_size=(-1, -1), softcap: float = 0.0,
-            alibi: bool = False) -> Kernel:  # noqa: A001 - the API's name
+            alibi: bool = False, varlen: bool = False) -> Kernel:  # noqa: A001 - the API's name
     """Compile FlashAttention forward and return a :class:`Kernel`.
 
     head_dim: 32, 64, 96, 128 or 256. dtype: "float16", "bfloat16", "float32" or the torch dtype.
     causal, window_size, softcap: flash-attn's (``resolve_variant``; one kernel per value); alibi:
-    the kernel takes ALiBi slopes at each call. target: None (the current torch CUDA device if there
+    the kernel takes ALiBi slopes at each call; varlen: a :class:`VarlenKernel`, over sequences packed
+    without padding (flash-attn's varlen). target: None (the current torch CUDA device if there
     is one, else the CPU), "cpu", "cuda", "sm80", "sm86", "sm89", "sm90", a ``tvm.target.Target``
     or a JSON dict. knobs: overrides of the
     schedule's knobs (``tvmflash.schedules.<arch>.KNOBS``). heads_q / heads_kv: build for these
@@ -565,7 +683,7 @@ def compile(*, head_dim: int, dtype, causal: bool = False, target=None, knobs: d
     Modules are cached in memory and on disk (``$TVMFLASH_CACHE_DIR``, else ``~/.cache/tvmflash``).
     """
     dtype = dtype_name(dtype)
-    variant = resolve_variant(causal, window_size, softcap, alibi)
+    variant = {**resolve_variant(causal, window_size, softcap, alibi), **varlen_field(varlen)}
     program.AttentionSpec(head_dim, dtype, **variant)  # validates head_dim and dtype
     resolved = targets.resolve(target)
     # TVMFLASH_SM90 is in the key: it may change the schedule for the same target. The records
@@ -575,7 +693,7 @@ def compile(*, head_dim: int, dtype, causal: bool = False, target=None, knobs: d
     key = kernel_key(spec_args, resolved, knobs)
     kernel = _KERNELS.get(key)
     if kernel is None:
-        kernel = _KERNELS[key] = Kernel(spec_args, resolved, knobs)
+        kernel = _KERNELS[key] = (VarlenKernel if varlen else Kernel)(spec_args, resolved, knobs)
     if heads_q is not None:
         kernel.module(heads_q, heads_kv if heads_kv is not None else heads_q)
     return kernel
@@ -660,17 +778,9 @@ class BackwardKernel(Kernel):
     def __repr__(self) -> str:
         return "tvmflash.BackwardKernel" + super().__repr__().removeprefix("tvmflash.Kernel")
 
-    def __call__(self, q, k, v, out, dout, lse, *, dlse=None, softmax_scale=None, dq=None, dk=None, dv=None,
-                 alibi_slopes=None):
-        """(dq, dk, dv) of attention(q, k, v) = out (with its lse), given dout = ∂L/∂out and
-        dlse = ∂L/∂lse (None: 0). Pass dq, dk, dv to have them written in place. See the class
-        docstring for the shapes; out and lse are those of the forward of the same variant (and
-        ALiBi slopes)."""
-        self._check(q, k, v, None)
-        variant_arguments = self.variant_arguments(q, alibi_slopes)
-        batch, seqlen_q, heads_q, _ = q.shape
-        heads_kv = k.shape[2]
-        rows = (batch, heads_q, seqlen_q)
+    def _check_gradient_arguments(self, q, k, v, out, dout, lse, dlse, dq, dk, dv, rows) -> None:
+        """out and dout of q's shape and dtype, lse and dlse (None: 0) float32 of shape ``rows``, and
+        dq, dk, dv (None: new) of q's, k's and v's and contiguous, all on q's device."""
         for name, t, shape, dtype in (("out", out, q.shape, q.dtype), ("dout", dout, q.shape, q.dtype),
                                       ("lse", lse, rows, torch.float32), ("dlse", dlse, rows, torch.float32),
                                       ("dq", dq, q.shape, q.dtype), ("dk", dk, k.shape, k.dtype),
@@ -683,13 +793,29 @@ class BackwardKernel(Kernel):
                                     else type(t).__name__))
             if name in ("dq", "dk", "dv") and not t.is_contiguous():
                 raise ValueError(f"{name}: expected a contiguous tensor, got strides {t.stride()}")
-        softmax_scale = resolve_softmax_scale(softmax_scale, self.head_dim)
-        # Views (a packed qkv's unbind, autograd's expanded gradient of a sum) are copied once here,
-        # and so is a CUDA tensor whose data does not start on the 16 bytes vector loads need.
+
+    def _compact(self, *tensors):
+        """The tensors, contiguous: views (a packed qkv's unbind, autograd's expanded gradient of a
+        sum) are copied once here, and so is a CUDA tensor whose data does not start on the 16 bytes
+        vector loads need."""
         cuda = targets.is_cuda(self.target)
-        q, k, v, out, dout, lse = (t.clone(memory_format=torch.contiguous_format) if cuda and t.data_ptr() % 16
-                                   else t.contiguous()
-                                   for t in (q, k, v, out, dout, lse))
+        return tuple(t.clone(memory_format=torch.contiguous_format) if cuda and t.data_ptr() % 16 else t.contiguous()
+                     for t in tensors)
+
+    def __call__(self, q, k, v, out, dout, lse, *, dlse=None, softmax_scale=None, dq=None, dk=None, dv=None,
+                 alibi_slopes=None):
+        """(dq, dk, dv) of attention(q, k, v) = out (with its lse), given dout = ∂L/∂out and
+        dlse = ∂L/∂lse (None: 0). Pass dq, dk, dv to have them written in place. See the class
+        docstring for the shapes; out and lse are those of the forward of the same variant (and
+        ALiBi slopes)."""
+        self._check(q, k, v, None)
+        variant_arguments = self.variant_arguments(q, alibi_slopes)
+        batch, seqlen_q, heads_q, _ = q.shape
+        heads_kv = k.shape[2]
+        rows = (batch, heads_q, seqlen_q)
+        self._check_gradient_arguments(q, k, v, out, dout, lse, dlse, dq, dk, dv, rows)
+        softmax_scale = resolve_softmax_scale(softmax_scale, self.head_dim)
+        q, k, v, out, dout, lse = self._compact(q, k, v, out, dout, lse)
         dq, dk, dv = (torch.empty_like(t) if g is None else g for t, g in ((q, dq), (k, dk), (v, dv)))
         if not (q.numel() and k.numel()):  # no query or no key: every gradient is 0
             for grad in (dq, dk, dv):
@@ -707,20 +833,66 @@ class BackwardKernel(Kernel):
         return dq, dk, dv
 
 
+class VarlenBackwardKernel(BackwardKernel):
+    """The backward of a :class:`VarlenKernel` (flash-attn's varlen: sequences packed without
+    padding)::
+
+        dq, dk, dv = kernel(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+
+    q, out, dout, dq: (total_q, heads_q, head_dim); k, v, dk, dv: (total_k, heads_kv, head_dim);
+    lse, dlse: float32 (heads_q, total_q), the forward's; cu_seqlens and max_seqlen_q as the
+    forward's, and max_seqlen_k, an int at least every sequence's key count (it sizes dkdv's grid).
+    """
+
+    def __call__(self, q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                 dlse=None, softmax_scale=None, dq=None, dk=None, dv=None, alibi_slopes=None):
+        """(dq, dk, dv) of the varlen attention(q, k, v) = out (with its lse); see
+        ``BackwardKernel.__call__`` and the class docstring."""
+        check_varlen(self, q, k, v, None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q)
+        check_max_seqlen("max_seqlen_k", max_seqlen_k)
+        batch = cu_seqlens_q.shape[0] - 1
+        variant_arguments = self.variant_arguments(q, alibi_slopes, batch)
+        total_q, heads_q, _ = q.shape
+        heads_kv = k.shape[1]
+        rows = (heads_q, total_q)
+        self._check_gradient_arguments(q, k, v, out, dout, lse, dlse, dq, dk, dv, rows)
+        softmax_scale = resolve_softmax_scale(softmax_scale, self.head_dim)
+        q, k, v, out, dout, lse = self._compact(q, k, v, out, dout, lse)
+        dq, dk, dv = (torch.empty_like(t) if g is None else g for t, g in ((q, dq), (k, dk), (v, dv)))
+        if not (q.numel() and k.numel() and batch):  # no query or no key: every gradient is 0
+            for grad in (dq, dk, dv):
+                grad.zero_()
+            return dq, dk, dv
+        module = self.module(heads_q, heads_kv)
+        if module.function is None:
+            raise RuntimeError(f"this {targets.describe(self.target)} kernel was cross-compiled: there is no GPU here to run it on")
+        delta, lse2 = (torch.empty((1, *rows), dtype=torch.float32, device=q.device) for _ in range(2))
+        dlse = torch.zeros_like(delta) if dlse is None else dlse.contiguous()[None]
+        # the packed rows as the programs' one batch
+        q, k, v, out, dout, lse, dq4, dk4, dv4 = (t[None] for t in (q, k, v, out, dout, lse, dq, dk, dv))
+        sequences = (cu_seqlens_q, cu_seqlens_k)
+        passes = module.function
+        passes["delta"](out, dout, lse, dlse, delta, lse2)
+        passes["dkdv"](q, k, v, dout, lse2, delta, dk4, dv4, softmax_scale, *sequences, max_seqlen_k, *variant_arguments)
+        passes["dq"](q, k, v, dout, lse2, delta, dq4, softmax_scale, *sequences, max_seqlen_q, *variant_arguments)
+        return dq, dk, dv
+
+
 def compile_backward(*, head_dim: int, dtype, causal: bool = False, target=None, knobs: dict | None = None,
                      heads_q: int | None = None, heads_kv: int | None = None, window_size=(-1, -1),
-                     softcap: float = 0.0, alibi: bool = False) -> BackwardKernel:
-    """Compile the FlashAttention backward and return a :class:`BackwardKernel`. The arguments are
-    :func:`compile`'s; knobs override the schedule's ``BACKWARD_KNOBS``."""
+                     softcap: float = 0.0, alibi: bool = False, varlen: bool = False) -> BackwardKernel:
+    """Compile the FlashAttention backward and return a :class:`BackwardKernel` (varlen: a
+    :class:`VarlenBackwardKernel`). The arguments are :func:`compile`'s; knobs override the
+    schedule's ``BACKWARD_KNOBS``."""
     dtype = dtype_name(dtype)
-    variant = resolve_variant(causal, window_size, softcap, alibi)
+    variant = {**resolve_variant(causal, window_size, softcap, alibi), **varlen_field(varlen)}
     program.AttentionSpec(head_dim, dtype, **variant)  # validates head_dim and dtype
     resolved = targets.resolve(target)
     spec_args = {"head_dim": head_dim, "dtype": dtype, **variant}
     key = cache.digest(["backward", spec_args, str(resolved), knobs, schedule_registry.backward_sm80_setting()])
     kernel = _KERNELS.get(key)
     if kernel is None:
-        kernel = _KERNELS[key] = BackwardKernel(spec_args, resolved, knobs)
+        kernel = _KERNELS[key] = (VarlenBackwardKernel if varlen else BackwardKernel)(spec_args, resolved, knobs)
     if heads_q is not None:
         kernel.module(heads_q, heads_kv if heads_kv is not None else heads_q)
     return kernel

@@ -25,15 +25,16 @@ KERNELS_FOR: dict[tuple, kernels.Kernel] = {}
 
 
 def kernel_for(q: torch.Tensor, causal: bool, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
-               alibi: bool = False):
+               alibi: bool = False, varlen: bool = False):
     """The kernel for q's device, dtype and head_dim and the variant (compiled on first use, then cached)."""
-    key = (q.device, q.dtype, q.shape[-1], causal, window_left, window_right, softcap, alibi,
+    key = (q.device, q.dtype, q.shape[-1], causal, window_left, window_right, softcap, alibi, varlen,
            schedule_registry.sm90_setting())
     found = KERNELS_FOR.get(key)
     if found is not None:
         return found
     found = KERNELS_FOR[key] = compile(head_dim=q.shape[-1], dtype=q.dtype, causal=causal, target=_target_of(q),
-                                       window_size=(window_left, window_right), softcap=softcap, alibi=alibi)
+                                       window_size=(window_left, window_right), softcap=softcap, alibi=alibi,
+                                       varlen=varlen)
     return found
 
 
@@ -71,11 +72,11 @@ def _forward_shapes(q, k, v, causal, softmax_scale, window_left=-1, window_right
 
 
 def backward_kernel_for(q: torch.Tensor, causal: bool, window_left: int = -1, window_right: int = -1,
-                        softcap: float = 0.0, alibi: bool = False):
+                        softcap: float = 0.0, alibi: bool = False, varlen: bool = False):
     """The backward kernel for q's device, dtype and head_dim and the variant (compiled on first use,
     then cached)."""
     return compile_backward(head_dim=q.shape[-1], dtype=q.dtype, causal=causal, target=_target_of(q),
-                            window_size=(window_left, window_right), softcap=softcap, alibi=alibi)
+                            window_size=(window_left, window_right), softcap=softcap, alibi=alibi, varlen=varlen)
 
 
 @torch.library.custom_op("tvmflash::backward", mutates_args=())
@@ -149,6 +150,27 @@ def kernel_call(kernel, q, k, v, softmax_scale: float, out, return_lse: bool, al
     return (out, lse) if return_lse else out
 
 
+def _options(q, k, v, dims: int, layout: str, causal, return_lse, window_size, softcap, alibi_slopes) -> tuple:
+    """The forward and backward ops' variant arguments, causal and the variant fields in order
+    (``resolve_variant``; the kernel checks the slopes), after checking that q, k and v are tensors,
+    q of ``dims`` dims (``layout``), and return_lse a bool."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if q.dim() != dims:
+        raise ValueError(f"q: expected {dims} dims {layout}, got shape {tuple(q.shape)}")
+    check_flag("return_lse", return_lse)
+    variant = resolve_variant(causal, window_size, softcap, alibi_slopes is not None)
+    return (variant["causal"], variant.get("window_left", -1), variant.get("window_right", -1),
+            variant.get("softcap", 0.0))
+
+
+def _through_ops(q, k, v) -> bool:
+    """Must a call go through the custom ops: under torch.compile, or where autograd records it?"""
+    return torch.compiler.is_compiling() or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
+                                                                           or v.requires_grad))
+
+
 def attention(q, k, v, *, causal: bool = False, softmax_scale=None, return_lse: bool = False, window_size=(-1, -1),
               softcap: float = 0.0, alibi_slopes=None):
     """Exact attention softmax(q kᵀ · scale) v in flash-attn's layout.
@@ -168,21 +190,132 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale=None, return_lse: 
     (heads_q,) or (batch, heads_q), adds -slope · |i + seqlen_k - seqlen_q - j| to it (after the
     cap). A query whose window holds no key gets 0 (and lse -inf). The slopes get no gradient.
     """
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if q.dim() != 4:
-        raise ValueError(f"q: expected 4 dims (batch, seqlen, heads, head_dim), got shape {tuple(q.shape)}")
-    check_flag("return_lse", return_lse)
-    variant = resolve_variant(causal, window_size, softcap, alibi_slopes is not None)
-    # the ops' arguments: causal and the variant fields in order (the kernel checks the slopes)
-    options = (variant["causal"], variant.get("window_left", -1), variant.get("window_right", -1),
-               variant.get("softcap", 0.0))
+    options = _options(q, k, v, 4, "(batch, seqlen, heads, head_dim)", causal, return_lse, window_size, softcap,
+                       alibi_slopes)
     softmax_scale = resolve_softmax_scale(softmax_scale, q.shape[-1])
-    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
-                                                                       or v.requires_grad)):
+    if _through_ops(q, k, v):
         out, lse = forward(q, k, v, options[0], softmax_scale, *options[1:], alibi_slopes)
     else:  # eager, nothing for autograd to record: no custom op's dispatch
         out, lse = kernel_for(q, *options, alibi_slopes is not None)(q, k, v, softmax_scale=softmax_scale,
                                                                       return_lse=True, alibi_slopes=alibi_slopes)
+    return (out, lse) if return_lse else out
+
+
+# ----------------------------------------------------------------------------- varlen
+# flash-attn's packed sequences: q (total_q, heads_q, d), k and v (total_k, heads_kv, d), each
+# sequence's rows from cu_seqlens (int32, batch + 1) on the device; lse (heads_q, total_q).
+def _varlen_output_shapes(q):
+    """out (compact, q's shape) and lse (heads_q, total_q), as the varlen kernel allocates them."""
+    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+@torch.library.custom_op("tvmflash::varlen_forward", mutates_args=())
+def varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                   cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
+                   softmax_scale: float, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+                   alibi_slopes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of the varlen forward; see :func:`varlen_attention`."""
+    kernel = kernel_for(q, causal, window_left, window_right, softcap, alibi_slopes is not None, varlen=True)
+    return kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale=softmax_scale, return_lse=True,
+                  alibi_slopes=alibi_slopes)
+
+
+@varlen_forward.register_fake
+def _varlen_forward_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                           window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None):
+    return _varlen_output_shapes(q)
+
+
+@torch.library.custom_op("tvmflash::varlen_backward", mutates_args=())
+def varlen_backward(dout: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor,
+                    v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                    cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
+                    softmax_scale: float, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+                    alibi_slopes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of :func:`varlen_forward` given the gradients of its out and lse (dlse None: 0)."""
+    kernel = backward_kernel_for(q, causal, window_left, window_right, softcap, alibi_slopes is not None, varlen=True)
+    return kernel(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dlse=dlse,
+                  softmax_scale=softmax_scale, alibi_slopes=alibi_slopes)
+
+
+@varlen_backward.register_fake
+def _varlen_backward_shapes(dout, dlse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                            causal, softmax_scale, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _varlen_setup_context(ctx, inputs, output):
+    (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_left,
+     window_right, softcap, alibi_slopes) = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
+    ctx.lengths = (max_seqlen_q, max_seqlen_k)
+    ctx.variant = (causal, softmax_scale, window_left, window_right, softcap)
+
+
+def _varlen_backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes = ctx.saved_tensors
+    if grad_out is None:  # only lse reached the loss
+        grad_out = torch.zeros_like(out)
+    dq, dk, dv = varlen_backward(grad_out, grad_lse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.lengths,
+                                 *ctx.variant, alibi_slopes)
+    return (dq, dk, dv) + (None,) * 10  # none for the offsets, lengths, options or ALiBi slopes
+
+
+varlen_forward.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
+
+
+# A kept VarlenKernel (``tvmflash.compile(..., varlen=True)``) under torch.compile, named by its key.
+@torch.library.custom_op("tvmflash::varlen_kernel_forward", mutates_args=())
+def varlen_kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                          cu_seqlens_k: torch.Tensor, max_seqlen_q: int, kernel: str, softmax_scale: float,
+                          alibi_slopes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of the VarlenKernel ``kernel`` names; see ``VarlenKernel.__call__``."""
+    return kernels.by_key(kernel)(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale=softmax_scale,
+                                  return_lse=True, alibi_slopes=alibi_slopes)
+
+
+@varlen_kernel_forward.register_fake
+def _varlen_kernel_forward_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, kernel, softmax_scale,
+                                  alibi_slopes=None):
+    return _varlen_output_shapes(q)
+
+
+def varlen_kernel_call(kernel, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale: float, out,
+                       return_lse: bool, alibi_slopes=None):
+    """``kernel(q, k, v, cu_seqlens_q, ...)`` of a VarlenKernel through its custom op (what
+    torch.compile traces); a given out is written by a copy."""
+    result, lse = varlen_kernel_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, kernel.key, softmax_scale,
+                                        alibi_slopes)
+    if out is not None:
+        result = out.copy_(result)
+    return (result, lse) if return_lse else result
+
+
+def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
+                     causal: bool = False, softmax_scale=None, return_lse: bool = False, window_size=(-1, -1),
+                     softcap: float = 0.0, alibi_slopes=None):
+    """:func:`attention` of sequences packed without padding (flash-attn's varlen layout).
+
+    q: (total_q, heads_q, head_dim); k, v: (total_k, heads_kv, head_dim); cu_seqlens_q,
+    cu_seqlens_k: int32 (batch + 1,) on q's device, the offsets of each sequence's first row
+    (non-decreasing from 0 to total_q, total_k); max_seqlen_q, max_seqlen_k: ints, at least every
+    sequence's length (they size the grids). Returns out with q's shape, or (out, lse) with lse
+    float32 (heads_q, total_q). Each sequence attends to its own keys only, with the causal mask,
+    window and ALiBi distances of its own lengths (bottom-right aligned). The kernel reads the
+    offsets on the device: no padding, no loop over sequences, no rebuild for new lengths.
+    Differentiable in q, k and v (``torch.ops.tvmflash.varlen_backward``), under torch.compile too.
+    """
+    options = _options(q, k, v, 3, "(total_q, heads, head_dim)", causal, return_lse, window_size, softcap,
+                       alibi_slopes)
+    kernels.check_max_seqlen("max_seqlen_q", max_seqlen_q)
+    kernels.check_max_seqlen("max_seqlen_k", max_seqlen_k)
+    softmax_scale = resolve_softmax_scale(softmax_scale, q.shape[-1])
+    if _through_ops(q, k, v):
+        out, lse = varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options[0],
+                                  softmax_scale, *options[1:], alibi_slopes)
+    else:  # eager, nothing for autograd to record: no custom op's dispatch
+        out, lse = kernel_for(q, *options, alibi_slopes is not None, varlen=True)(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale=softmax_scale, return_lse=True,
+            alibi_slopes=alibi_slopes)
     return (out, lse) if return_lse else out

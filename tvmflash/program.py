@@ -14,6 +14,15 @@ out have symbolic batch, sequence and head strides (in elements) and a contiguou
 compact. head_dim, the head counts, dtype, causal, the variants (a sliding window, a softcap, ALiBi:
 ``AttentionSpec``) and the tile sizes are static. With ALiBi the slopes are one more argument:
     alibi_slopes: (batch, heads_q)                    float32, any batch stride (0: one row for all)
+
+With ``varlen`` (flash-attn's packed sequences) the arguments hold the rows of every sequence as one
+batch, and three more arguments, after softmax_scale, say where each sequence is:
+    q, out: (1, total_q, heads_q, head_dim); k, v: (1, total_k, heads_kv, head_dim); lse: (1, heads_q, total_q)
+    cu_seqlens_q, cu_seqlens_k: (batch + 1,) int32: sequence b is rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1
+    max_seqlen_q: int32, at least every sequence's query count (the grid's Q blocks cover that many rows)
+The grid is (batch, heads_q, ceildiv(max_seqlen_q, block_m)); each tile reads its sequence's offsets
+and lengths from cu_seqlens, and the Q blocks past its sequence's end visit only ``min_kv_tiles``
+tiles and store nothing. Masks, windows and ALiBi distances are those of each sequence alone.
 """
 
 from __future__ import annotations
@@ -64,6 +73,9 @@ class AttentionSpec:
     window_right: int = -1
     softcap: float = 0.0  # > 0: the scaled score s becomes softcap * tanh(s / softcap); 0: off
     alibi: bool = False  # the scaled score gets -slope * |i + seqlen_k - seqlen_q - j| (slopes per batch, head)
+    # flash-attn's varlen: sequences packed without padding, q (total_q, heads_q, d), k and v
+    # (total_k, heads_kv, d), each sequence's rows and length read from cu_seqlens on the device
+    varlen: bool = False
 
     @property
     def transforms_score(self) -> bool:
@@ -84,6 +96,8 @@ class AttentionSpec:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < -1:
                 raise ValueError(f"{name}: expected an int >= -1 (-1: no bound), got {value!r}")
+        if not isinstance(self.varlen, bool):
+            raise TypeError(f"varlen: expected True or False, got {self.varlen!r}")
         if not (isinstance(self.softcap, (int, float)) and not isinstance(self.softcap, bool)
                 and 0 <= self.softcap < math.inf):
             raise ValueError(f"softcap: expected a finite float >= 0 (0: off), got {self.softcap!r}")
@@ -147,6 +161,81 @@ def alibi_slopes_argument(spec: AttentionSpec, batch, heads):
     slopes = T.match_buffer(handle, (batch, heads), "float32", strides=(stride, 1))
     IRBuilder.name("AlibiSlopes", slopes)
     return slopes
+
+
+@dataclass(frozen=True)
+class Sequences:
+    """Where a tile finds its sequence in the (batch, seqlen, heads, head_dim) arguments: batch
+    ``batch``, from row ``first_q`` (``first_k`` for the keys; None: 0) on, ``seqlen_q`` and
+    ``seqlen_k`` rows long. Dense: the tile's batch, whole. varlen: the one batch of packed rows,
+    the offsets and lengths read from cu_seqlens."""
+
+    batch: object
+    seqlen_q: object
+    seqlen_k: object
+    first_q: object = None
+    first_k: object = None
+
+    def q_row(self, row):
+        """The row of the (batch, seqlen_q, ...) views that is query ``row`` of the sequence."""
+        return row if self.first_q is None else self.first_q + row
+
+    def k_row(self, row):
+        """The row of the (batch, seqlen_k, ...) views that is key ``row`` of the sequence."""
+        return row if self.first_k is None else self.first_k + row
+
+
+@dataclass(frozen=True)
+class Packed:
+    """varlen's extra parameters: cu_seqlens_q, cu_seqlens_k (batch + 1,) int32 and the longest
+    sequence's length along the grid's rows (max_seqlen_q; the backward's dkdv: max_seqlen_k)."""
+
+    cu_q: object
+    cu_k: object
+    max_seqlen: object
+
+    @property
+    def batch(self):
+        return self.cu_q.shape[0] - 1
+
+
+def varlen_arguments(spec: AttentionSpec, longest: str = "max_seqlen_q"):
+    """With varlen, three more parameters of the PrimFunc being parsed, after softmax_scale:
+    cu_seqlens_q and cu_seqlens_k, (batch + 1,) int32, and ``longest``, int32 (it sizes the grid);
+    None without."""
+    if not spec.varlen:
+        return None
+    cu_q_handle = T.arg("cu_seqlens_q_handle", T.handle())
+    cu_k_handle = T.arg("cu_seqlens_k_handle", T.handle())
+    max_seqlen = T.int32()
+    IRBuilder.name(longest, max_seqlen)
+    T.arg(longest, max_seqlen)
+    boundaries = T.int32()
+    IRBuilder.name("batch_plus_1", boundaries)
+    cu_q = T.match_buffer(cu_q_handle, (boundaries,), "int32")
+    IRBuilder.name("CuSeqlensQ", cu_q)
+    cu_k = T.match_buffer(cu_k_handle, (boundaries,), "int32")
+    IRBuilder.name("CuSeqlensK", cu_k)
+    return Packed(cu_q, cu_k, max_seqlen)
+
+
+def sequence_count(packed, batch):
+    """How many sequences the grid covers: the batch, or varlen's len(cu_seqlens) - 1."""
+    return batch if packed is None else packed.batch
+
+
+def longest(packed, seqlen):
+    """The rows the grid covers per sequence: seqlen, or varlen's max_seqlen argument."""
+    return seqlen if packed is None else packed.max_seqlen
+
+
+def sequences(packed, b, seqlen_q, seqlen_k) -> Sequences:
+    """Tile b's sequence: batch b of the dense arguments (packed None), or sequence b of the packed
+    rows, cu_seqlens_q[b] .. cu_seqlens_q[b + 1] (and so for the keys)."""
+    if packed is None:
+        return Sequences(b, seqlen_q, seqlen_k)
+    return Sequences(0, packed.cu_q[b + 1] - packed.cu_q[b], packed.cu_k[b + 1] - packed.cu_k[b],
+                     packed.cu_q[b], packed.cu_k[b])
 
 
 # Which keys a query sees (the forward's and the backward's rule; absolute positions, bottom-right
@@ -222,7 +311,9 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_ti
     use the scores as they are. A softcap or ALiBi transforms each score in the ``score`` block
     (``transformed_score``), which then holds the scaled logit (and the running max with it). Each
     Q block visits at least ``min_kv_tiles`` K/V tiles (``kv_tiles``). The strides of q, k, v and
-    out are arguments, which the caller must make multiples of ``stride_alignment`` bytes.
+    out are arguments, which the caller must make multiples of ``stride_alignment`` bytes. With
+    ``spec.varlen``, ``cu_seqlens_q``, ``cu_seqlens_k`` and ``max_seqlen_q`` follow softmax_scale
+    (the module docstring says how the sequences are packed).
     """
     D, BM, BN = spec.head_dim, block_m, block_n
     HQ, HKV = spec.heads_q, spec.heads_kv
@@ -248,6 +339,8 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_ti
         each of its statements cost ptxas 100 registers and spills on sm90); the tiles past the
         keys (or past the diagonal, or past a window) are all masked and change nothing."""
         end = kv_blocks_end(spec, qb, BM, BN, seqlen_q, seqlen_k)
+        if spec.varlen:  # the grid's Q blocks past the sequence's end (max_seqlen_q sizes it) see no key
+            end = T.if_then_else(qb * BM < seqlen_q, end, 0)
         if spec.window_left < 0:
             return T.max(min_kv_tiles, end)
         return T.max(min_kv_tiles, end - first_kv_tile(qb, seqlen_q, seqlen_k))
@@ -291,7 +384,8 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_ti
         V_in = T.match_buffer(v_handle, (batch, seqlen_k, HKV, D), dtype, strides=(v_stride_b, v_stride_s, v_stride_h, 1))
         O_in = T.match_buffer(out_handle, (batch, seqlen_q, HQ, D), dtype, strides=(o_stride_b, o_stride_s, o_stride_h, 1))
         LSE = T.match_buffer(lse_handle, (batch, HQ, seqlen_q), f32)
-        AlibiSlopes = T.meta_var(alibi_slopes_argument(spec, batch, HQ))  # a parameter with ALiBi only
+        Packed_ = T.meta_var(varlen_arguments(spec))  # parameters with varlen only
+        AlibiSlopes = T.meta_var(alibi_slopes_argument(spec, sequence_count(Packed_, batch), HQ))  # with ALiBi only
         Q = T.decl_buffer((batch, seqlen_q, HQ, D), dtype, data=Q_in.data,
                           strides=(rounded(q_stride_b), rounded(q_stride_s), rounded(q_stride_h), 1))
         K = T.decl_buffer((batch, seqlen_k, HKV, D), dtype, data=K_in.data,
@@ -301,9 +395,10 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_ti
         O = T.decl_buffer((batch, seqlen_q, HQ, D), dtype, data=O_in.data,
                           strides=(rounded(o_stride_b), rounded(o_stride_s), rounded(o_stride_h), 1))
 
-        for b, h, qb in T.grid(batch, HQ, T.ceildiv(seqlen_q, BM)):
+        for b, h, qb in T.grid(sequence_count(Packed_, batch), HQ, T.ceildiv(longest(Packed_, seqlen_q), BM)):
             with T.sblock("tile"):
                 vb, vh, vqb = T.axis.remap("SSS", [b, h, qb])
+                seq = T.meta_var(sequences(Packed_, vb, seqlen_q, seqlen_k))  # the tile's sequence
                 Qt = T.sblock_alloc_buffer((BM, D), dtype)  # the Q block, zero-padded
                 S = T.sblock_alloc_buffer((BM, BN), f32)  # Q Kᵀ of one tile, unscaled
                 Sm = T.sblock_alloc_buffer((BM, BN), f32)  # S masked (invisible keys -inf)
@@ -328,8 +423,8 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_ti
                     with T.sblock("load_q"):
                         vi, vd = T.axis.remap("SS", [i, d])
                         Qt[vi, vd] = T.if_then_else(
-                            vqb * BM + vi < seqlen_q,
-                            Q[vb, vqb * BM + vi, vh, vd],
+                            vqb * BM + vi < seq.seqlen_q,
+                            Q[seq.batch, seq.q_row(vqb * BM + vi), vh, vd],
                             T.cast(0, dtype),
                         )
                 for i in range(BM):
@@ -342,10 +437,10 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_ti
                         vi, vd = T.axis.remap("SS", [i, d])
                         acc[vi, vd] = T.float32(0)
 
-                for kb in range(kv_tiles(vqb, seqlen_q, seqlen_k)):
+                for kb in range(kv_tiles(vqb, seq.seqlen_q, seq.seqlen_k)):
                     with T.sblock("kv_step"):
-                        vkb = T.axis.opaque(kv_tiles(vqb, seqlen_q, seqlen_k), kb)
-                        tile = T.meta_var(vkb if spec.window_left < 0 else first_kv_tile(vqb, seqlen_q, seqlen_k) + vkb)
+                        vkb = T.axis.opaque(kv_tiles(vqb, seq.seqlen_q, seq.seqlen_k), kb)
+                        tile = T.meta_var(vkb if spec.window_left < 0 else first_kv_tile(vqb, seq.seqlen_q, seq.seqlen_k) + vkb)
                         # Per-tile buffers live in the scope of one K/V step (a software pipeline
                         # over kb can then keep several versions of them).
                         Kt = T.sblock_alloc_buffer((BN, D), dtype)  # one K tile, zero-padded
@@ -354,16 +449,16 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_ti
                             with T.sblock("load_k"):
                                 vj, vd = T.axis.remap("SS", [j, d])
                                 Kt[vj, vd] = T.if_then_else(
-                                    tile * BN + vj < seqlen_k,
-                                    K[vb, tile * BN + vj, vh // group, vd],
+                                    tile * BN + vj < seq.seqlen_k,
+                                    K[seq.batch, seq.k_row(tile * BN + vj), vh // group, vd],
                                     T.cast(0, dtype),
                                 )
                         for j, d in T.grid(BN, D):
                             with T.sblock("load_v"):
                                 vj, vd = T.axis.remap("SS", [j, d])
                                 Vt[vj, vd] = T.if_then_else(
-                                    tile * BN + vj < seqlen_k,
-                                    V[vb, tile * BN + vj, vh // group, vd],
+                                    tile * BN + vj < seq.seqlen_k,
+                                    V[seq.batch, seq.k_row(tile * BN + vj), vh // group, vd],
                                     T.cast(0, dtype),
                                 )
                         for i, j, d in T.grid(BM, BN, D):
@@ -382,20 +477,20 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_ti
                                 # for the mask.
                                 score = T.meta_var(transformed_score(
                                     spec, S[vi, vj], softmax_scale, alibi_slope(AlibiSlopes, vb, vh),
-                                    (vqb * BM - tile * BN + seqlen_k - seqlen_q) + (vi - vj)))
+                                    (vqb * BM - tile * BN + seq.seqlen_k - seq.seqlen_q) + (vi - vj)))
                                 if spec.transforms_score:
                                     # One expression, so that the score is computed once: with a branch
                                     # per tile, common-subexpression elimination computes it ahead of
                                     # both (on sm90, 64 more live registers a thread, and spills).
                                     Sm[vi, vj] = score + T.if_then_else(
-                                        T.Or(tile_visible(vqb, tile, seqlen_q, seqlen_k),
-                                             visible(vqb * BM + vi, tile * BN + vj, seqlen_q, seqlen_k)),
+                                        T.Or(tile_visible(vqb, tile, seq.seqlen_q, seq.seqlen_k),
+                                             visible(vqb * BM + vi, tile * BN + vj, seq.seqlen_q, seq.seqlen_k)),
                                         T.float32(0), T.float32(-math.inf))
-                                elif tile_visible(vqb, tile, seqlen_q, seqlen_k):
+                                elif tile_visible(vqb, tile, seq.seqlen_q, seq.seqlen_k):
                                     Sm[vi, vj] = score
                                 else:
                                     Sm[vi, vj] = T.if_then_else(
-                                        visible(vqb * BM + vi, tile * BN + vj, seqlen_q, seqlen_k),
+                                        visible(vqb * BM + vi, tile * BN + vj, seq.seqlen_q, seq.seqlen_k),
                                         score,
                                         T.float32(-math.inf),
                                     )
@@ -456,13 +551,13 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_ti
                 for i, d in T.grid(BM, D):
                     with T.sblock("store_o"):
                         vi, vd = T.axis.remap("SS", [i, d])
-                        T.where(vqb * BM + i < seqlen_q)
-                        O[vb, vqb * BM + vi, vh, vd] = T.cast(acc[vi, vd] * l_inv[vi], dtype)
+                        T.where(vqb * BM + i < seq.seqlen_q)
+                        O[seq.batch, seq.q_row(vqb * BM + vi), vh, vd] = T.cast(acc[vi, vd] * l_inv[vi], dtype)
                 for i in range(BM):
                     with T.sblock("store_lse"):
                         vi = T.axis.spatial(BM, i)
-                        T.where(vqb * BM + i < seqlen_q)
-                        LSE[vb, vh, vqb * BM + vi] = T.if_then_else(
+                        T.where(vqb * BM + i < seq.seqlen_q)
+                        LSE[seq.batch, vh, seq.q_row(vqb * BM + vi)] = T.if_then_else(
                             l[vi] > T.float32(0),
                             m[vi] * score_scale(spec, softmax_scale) + T.log(l[vi]),
                             T.float32(-math.inf),

@@ -106,9 +106,13 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int) -> tvm.IRModule:
         """How many Q blocks (of one query head) K/V block kb visits: up to the last (with a left
         window: up to the last row that sees the block's last key)."""
         if left < 0:
-            return T.ceildiv(seqlen_q, BM) - first_q_block(kb, seqlen_q, seqlen_k)
-        end = T.min(T.ceildiv(seqlen_q, BM), T.ceildiv(T.max(0, kb * BN + BN + seqlen_q - seqlen_k + left), BM))
-        return T.max(0, end - first_q_block(kb, seqlen_q, seqlen_k))
+            count = T.ceildiv(seqlen_q, BM) - first_q_block(kb, seqlen_q, seqlen_k)
+        else:
+            end = T.min(T.ceildiv(seqlen_q, BM), T.ceildiv(T.max(0, kb * BN + BN + seqlen_q - seqlen_k + left), BM))
+            count = T.max(0, end - first_q_block(kb, seqlen_q, seqlen_k))
+        if spec.varlen:  # the grid's K/V blocks past the sequence's keys (max_seqlen_k sizes it) see no query
+            count = T.if_then_else(kb * BN < seqlen_k, count, 0)
+        return count
 
     def first_kv_block(qb, seqlen_q, seqlen_k):
         """The first K/V block Q block qb visits (0 without a left window)."""
@@ -119,6 +123,8 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int) -> tvm.IRModule:
         row's last key, a window: its rows' keys; a block whose rows see no key visits none, and its
         dq is 0)."""
         end = program.kv_blocks_end(spec, qb, BM, BN, seqlen_q, seqlen_k)
+        if spec.varlen:  # the grid's Q blocks past the sequence's end (max_seqlen_q sizes it) see no key
+            end = T.if_then_else(qb * BM < seqlen_q, end, 0)
         if left < 0:
             return end
         return T.max(0, end - first_kv_block(qb, seqlen_q, seqlen_k))
@@ -169,40 +175,41 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int) -> tvm.IRModule:
             return (c, r) if keys_first else (r, c)
 
         @T.macro
-        def load_kv(Kt, Vt, K, V, b, hk, kb, seqlen_k):
-            """The K and V blocks kb of K/V head hk, zero-padded."""
+        def load_kv(Kt, Vt, K, V, seq, hk, kb):
+            """The K and V blocks kb of K/V head hk of sequence ``seq`` (``program.Sequences``),
+            zero-padded."""
             for j, d in T.grid(BN, D):
                 with T.sblock("load_k"):
                     vj, vd = T.axis.remap("SS", [j, d])
-                    Kt[vj, vd] = padded(K, kb * BN + vj, seqlen_k, b, kb * BN + vj, hk, vd)
+                    Kt[vj, vd] = padded(K, kb * BN + vj, seq.seqlen_k, seq.batch, seq.k_row(kb * BN + vj), hk, vd)
             for j, d in T.grid(BN, D):
                 with T.sblock("load_v"):
                     vj, vd = T.axis.remap("SS", [j, d])
-                    Vt[vj, vd] = padded(V, kb * BN + vj, seqlen_k, b, kb * BN + vj, hk, vd)
+                    Vt[vj, vd] = padded(V, kb * BN + vj, seq.seqlen_k, seq.batch, seq.k_row(kb * BN + vj), hk, vd)
 
         @T.macro
-        def load_q(Qt, dOt, lse2, delta_t, Q, dO, LSE2, Delta, b, h, qb, seqlen_q):
-            """The q and dout blocks qb of query head h and their rows' lse · log2 e and delta, all
-            zero-padded: copies, which a schedule can make asynchronous. A row that sees no key
+        def load_q(Qt, dOt, lse2, delta_t, Q, dO, LSE2, Delta, seq, h, qb):
+            """The q and dout blocks qb of query head h of sequence ``seq`` and their rows' lse ·
+            log2 e and delta, all zero-padded: copies, which a schedule can make asynchronous. A row that sees no key
             (lse -inf) is only ever in masked tiles (rows see more keys as they go down, so a block
             whose first row sees a tile's last key has no such row), where the mask gives its p 0;
             a row past the end has q = dout = delta = 0 and adds nothing whatever its p."""
             for i, d in T.grid(BM, D):
                 with T.sblock("load_q"):
                     vi, vd = T.axis.remap("SS", [i, d])
-                    Qt[vi, vd] = padded(Q, qb * BM + vi, seqlen_q, b, qb * BM + vi, h, vd)
+                    Qt[vi, vd] = padded(Q, qb * BM + vi, seq.seqlen_q, seq.batch, seq.q_row(qb * BM + vi), h, vd)
             for i, d in T.grid(BM, D):
                 with T.sblock("load_do"):
                     vi, vd = T.axis.remap("SS", [i, d])
-                    dOt[vi, vd] = padded(dO, qb * BM + vi, seqlen_q, b, qb * BM + vi, h, vd)
+                    dOt[vi, vd] = padded(dO, qb * BM + vi, seq.seqlen_q, seq.batch, seq.q_row(qb * BM + vi), h, vd)
             for i in range(BM):
                 with T.sblock("load_lse"):
                     vi = T.axis.spatial(BM, i)
-                    lse2[vi] = T.if_then_else(qb * BM + vi < seqlen_q, LSE2[b, h, qb * BM + vi], T.float32(0))
+                    lse2[vi] = T.if_then_else(qb * BM + vi < seq.seqlen_q, LSE2[seq.batch, h, seq.q_row(qb * BM + vi)], T.float32(0))
             for i in range(BM):
                 with T.sblock("load_delta"):
                     vi = T.axis.spatial(BM, i)
-                    delta_t[vi] = T.if_then_else(qb * BM + vi < seqlen_q, Delta[b, h, qb * BM + vi], T.float32(0))
+                    delta_t[vi] = T.if_then_else(qb * BM + vi < seq.seqlen_q, Delta[seq.batch, h, seq.q_row(qb * BM + vi)], T.float32(0))
 
         @T.macro
         def p_and_ds(Qt, Kt, dOt, Vt, lse2, delta_t, scale2, S, P, dP, dSc, qb, kb, seqlen_q, seqlen_k, softmax_scale,
@@ -276,11 +283,13 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int) -> tvm.IRModule:
         Delta = T.match_buffer(delta_handle, (batch, HQ, seqlen_q), f32)
         dK = T.match_buffer(dk_handle, (batch, seqlen_k, HKV, D), dtype)
         dV = T.match_buffer(dv_handle, (batch, seqlen_k, HKV, D), dtype)
-        AlibiSlopes = T.meta_var(program.alibi_slopes_argument(spec, batch, HQ))  # a parameter with ALiBi only
+        Packed_ = T.meta_var(program.varlen_arguments(spec, "max_seqlen_k"))  # parameters with varlen only
+        AlibiSlopes = T.meta_var(program.alibi_slopes_argument(spec, program.sequence_count(Packed_, batch), HQ))  # with ALiBi only
 
-        for b, hk, kb in T.grid(batch, HKV, T.ceildiv(seqlen_k, BN)):
+        for b, hk, kb in T.grid(program.sequence_count(Packed_, batch), HKV, T.ceildiv(program.longest(Packed_, seqlen_k), BN)):
             with T.sblock("tile"):
                 vb, vhk, vkb = T.axis.remap("SSS", [b, hk, kb])
+                seq = T.meta_var(program.sequences(Packed_, vb, seqlen_q, seqlen_k))  # the tile's sequence
                 Kt = T.sblock_alloc_buffer((BN, D), dtype)  # the K block, zero-padded
                 Vt = T.sblock_alloc_buffer((BN, D), dtype)  # the V block, zero-padded
                 dk_acc = T.sblock_alloc_buffer((BN, D), f32)  # dsᵀ q, summed over the group's heads
@@ -289,7 +298,7 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int) -> tvm.IRModule:
 
                 with T.sblock("init_scale"):
                     scale2[0] = program.score_scale(spec, softmax_scale) * T.float32(LOG2E)
-                load_kv(Kt, Vt, K, V, vb, vhk, vkb, seqlen_k)
+                load_kv(Kt, Vt, K, V, seq, vhk, vkb)
                 for j, d in T.grid(BN, D):
                     with T.sblock("init_dk"):
                         vj, vd = T.axis.remap("SS", [j, d])
@@ -300,10 +309,10 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int) -> tvm.IRModule:
                         dv_acc[vj, vd] = T.float32(0)
 
                 # One step per (query head of the group, Q block).
-                for g, t in T.grid(group, q_blocks(vkb, seqlen_q, seqlen_k)):
+                for g, t in T.grid(group, q_blocks(vkb, seq.seqlen_q, seq.seqlen_k)):
                     with T.sblock("q_step"):
                         vg = T.axis.opaque(group, g)
-                        vt = T.axis.opaque(q_blocks(vkb, seqlen_q, seqlen_k), t)
+                        vt = T.axis.opaque(q_blocks(vkb, seq.seqlen_q, seq.seqlen_k), t)
                         Qt = T.sblock_alloc_buffer((BM, D), dtype)  # the Q block, zero-padded
                         dOt = T.sblock_alloc_buffer((BM, D), dtype)  # the dout block, zero-padded
                         lse2 = T.sblock_alloc_buffer((BM,), f32)  # lse · log2 e
@@ -314,9 +323,9 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int) -> tvm.IRModule:
                         dSc = T.sblock_alloc_buffer((BN, BM), dtype)  # dsᵀ in the input dtype, for dk
                         Pc = T.sblock_alloc_buffer((BN, BM), dtype)  # pᵀ in the input dtype, for dv
 
-                        qb = T.meta_var(first_q_block(vkb, seqlen_q, seqlen_k) + vt)
-                        load_q(Qt, dOt, lse2, delta_t, Q, dO, LSE2, Delta, vb, vhk * group + vg, qb, seqlen_q)
-                        p_and_ds(Qt, Kt, dOt, Vt, lse2, delta_t, scale2, S, P, dP, dSc, qb, vkb, seqlen_q, seqlen_k,
+                        qb = T.meta_var(first_q_block(vkb, seq.seqlen_q, seq.seqlen_k) + vt)
+                        load_q(Qt, dOt, lse2, delta_t, Q, dO, LSE2, Delta, seq, vhk * group + vg, qb)
+                        p_and_ds(Qt, Kt, dOt, Vt, lse2, delta_t, scale2, S, P, dP, dSc, qb, vkb, seq.seqlen_q, seq.seqlen_k,
                                  softmax_scale, program.alibi_slope(AlibiSlopes, vb, vhk * group + vg))
                         for j, i in T.grid(BN, BM):
                             with T.sblock("cast_p"):
@@ -338,13 +347,13 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int) -> tvm.IRModule:
                 for j, d in T.grid(BN, D):
                     with T.sblock("store_dk"):
                         vj, vd = T.axis.remap("SS", [j, d])
-                        T.where(vkb * BN + j < seqlen_k)
-                        dK[vb, vkb * BN + vj, vhk, vd] = T.cast(dk_acc[vj, vd] * softmax_scale, dtype)
+                        T.where(vkb * BN + j < seq.seqlen_k)
+                        dK[seq.batch, seq.k_row(vkb * BN + vj), vhk, vd] = T.cast(dk_acc[vj, vd] * softmax_scale, dtype)
                 for j, d in T.grid(BN, D):
                     with T.sblock("store_dv"):
                         vj, vd = T.axis.remap("SS", [j, d])
-                        T.where(vkb * BN + j < seqlen_k)
-                        dV[vb, vkb * BN + vj, vhk, vd] = T.cast(dv_acc[vj, vd], dtype)
+                        T.where(vkb * BN + j < seq.seqlen_k)
+                        dV[seq.batch, seq.k_row(vkb * BN + vj), vhk, vd] = T.cast(dv_acc[vj, vd], dtype)
 
     load_kv, load_q, p_and_ds = steps(keys_first=False)
 
@@ -370,11 +379,13 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int) -> tvm.IRModule:
         LSE2 = T.match_buffer(lse2_handle, (batch, HQ, seqlen_q), f32)
         Delta = T.match_buffer(delta_handle, (batch, HQ, seqlen_q), f32)
         dQ = T.match_buffer(dq_handle, (batch, seqlen_q, HQ, D), dtype)
-        AlibiSlopes = T.meta_var(program.alibi_slopes_argument(spec, batch, HQ))  # a parameter with ALiBi only
+        Packed_ = T.meta_var(program.varlen_arguments(spec, "max_seqlen_q"))  # parameters with varlen only
+        AlibiSlopes = T.meta_var(program.alibi_slopes_argument(spec, program.sequence_count(Packed_, batch), HQ))  # with ALiBi only
 
-        for b, h, qb in T.grid(batch, HQ, T.ceildiv(seqlen_q, BM)):
+        for b, h, qb in T.grid(program.sequence_count(Packed_, batch), HQ, T.ceildiv(program.longest(Packed_, seqlen_q), BM)):
             with T.sblock("tile"):
                 vb, vh, vqb = T.axis.remap("SSS", [b, h, qb])
+                seq = T.meta_var(program.sequences(Packed_, vb, seqlen_q, seqlen_k))  # the tile's sequence
                 Qt = T.sblock_alloc_buffer((BM, D), dtype)  # the Q block, zero-padded
                 dOt = T.sblock_alloc_buffer((BM, D), dtype)  # the dout block, zero-padded
                 lse2 = T.sblock_alloc_buffer((BM,), f32)  # lse · log2 e
@@ -384,16 +395,16 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int) -> tvm.IRModule:
 
                 with T.sblock("init_scale"):
                     scale2[0] = program.score_scale(spec, softmax_scale) * T.float32(LOG2E)
-                load_q(Qt, dOt, lse2, delta_t, Q, dO, LSE2, Delta, vb, vh, vqb, seqlen_q)
+                load_q(Qt, dOt, lse2, delta_t, Q, dO, LSE2, Delta, seq, vh, vqb)
                 for i, d in T.grid(BM, D):
                     with T.sblock("init_dq"):
                         vi, vd = T.axis.remap("SS", [i, d])
                         dq_acc[vi, vd] = T.float32(0)
 
-                for kb in range(kv_blocks(vqb, seqlen_q, seqlen_k)):
+                for kb in range(kv_blocks(vqb, seq.seqlen_q, seq.seqlen_k)):
                     with T.sblock("kv_step"):
-                        vkb = T.axis.opaque(kv_blocks(vqb, seqlen_q, seqlen_k), kb)
-                        block = T.meta_var(vkb if left < 0 else first_kv_block(vqb, seqlen_q, seqlen_k) + vkb)
+                        vkb = T.axis.opaque(kv_blocks(vqb, seq.seqlen_q, seq.seqlen_k), kb)
+                        block = T.meta_var(vkb if left < 0 else first_kv_block(vqb, seq.seqlen_q, seq.seqlen_k) + vkb)
                         Kt = T.sblock_alloc_buffer((BN, D), dtype)  # one K block, zero-padded
                         Vt = T.sblock_alloc_buffer((BN, D), dtype)  # one V block, zero-padded
                         S = T.sblock_alloc_buffer((BM, BN), f32)  # q kᵀ, unscaled
@@ -401,8 +412,8 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int) -> tvm.IRModule:
                         dP = T.sblock_alloc_buffer((BM, BN), f32)  # dout vᵀ
                         dSc = T.sblock_alloc_buffer((BM, BN), dtype)  # ds in the input dtype, for dq
 
-                        load_kv(Kt, Vt, K, V, vb, vh // group, block, seqlen_k)
-                        p_and_ds(Qt, Kt, dOt, Vt, lse2, delta_t, scale2, S, P, dP, dSc, vqb, block, seqlen_q, seqlen_k,
+                        load_kv(Kt, Vt, K, V, seq, vh // group, block)
+                        p_and_ds(Qt, Kt, dOt, Vt, lse2, delta_t, scale2, S, P, dP, dSc, vqb, block, seq.seqlen_q, seq.seqlen_k,
                                  softmax_scale, program.alibi_slope(AlibiSlopes, vb, vh))
                         for i, d, j in T.grid(BM, D, BN):
                             with T.sblock("dq"):  # dq += ds k
@@ -414,7 +425,7 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int) -> tvm.IRModule:
                 for i, d in T.grid(BM, D):
                     with T.sblock("store_dq"):
                         vi, vd = T.axis.remap("SS", [i, d])
-                        T.where(vqb * BM + i < seqlen_q)
-                        dQ[vb, vqb * BM + vi, vh, vd] = T.cast(dq_acc[vi, vd] * softmax_scale, dtype)
+                        T.where(vqb * BM + i < seq.seqlen_q)
+                        dQ[seq.batch, seq.q_row(vqb * BM + vi), vh, vd] = T.cast(dq_acc[vi, vd] * softmax_scale, dtype)
 
     return tvm.IRModule({"delta": delta, "dkdv": dkdv, "dq": dq})

@@ -1,0 +1,286 @@
+"""flash-attn's varlen (sequences packed without padding, offsets in cu_seqlens on the device):
+forward and gradients against the float64 reference run on each sequence alone, over odd lengths
+with an empty sequence, a sequence without keys, seqlen_q != seqlen_k both ways, GQA, causal and a
+window, and every variant at once (a window, softcap, ALiBi slopes per sequence); equality with the
+dense kernel on equal lengths; the packed forms; torch.compile; the
+checks of the arguments. The CPU tests share one module per variant (forward and backward)."""
+
+import math
+
+import pytest
+import torch
+from conftest import poisoned_out
+from reference import check_attention, check_gradients
+
+import tvmflash
+
+# (seqlen_q, seqlen_k) of each packed sequence: tails on both sides, no query, one query, no key,
+# seqlen_q > seqlen_k (queries that see no key under causal)
+LENGTHS = [(77, 200), (0, 5), (1, 129), (129, 129), (200, 77), (3, 0)]
+GPU_LENGTHS = LENGTHS + [(1000, 1000), (300, 1000), (1000, 300)]  # the GPU's tiles are up to 128 x 128
+HEADS = (4, 2)
+CPU_DTYPE, CPU_HEAD_DIM = torch.float16, 32
+# "alibi": slopes (batch, heads) drawn per problem, each sequence's row for its reference
+VARIANTS = {"plain": {}, "causal": {"causal": True}, "window": {"window_size": (40, 7)},
+            "all": {"causal": True, "window_size": (40, -1), "softcap": 3.0, "alibi": True}}
+
+
+def offsets(lengths, device):
+    """cu_seqlens of ``lengths``: int32 (batch + 1,), 0 first."""
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+
+
+def packed_problem(lengths, heads, head_dim, dtype, device, seed=0):
+    """q (total_q, heads_q, d), k, v (total_k, heads_kv, d), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+    max_seqlen_k for ``lengths``, a list of (seqlen_q, seqlen_k)."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths_q, lengths_k = zip(*lengths)
+    q = torch.randn(sum(lengths_q), heads[0], head_dim, generator=gen)
+    k = torch.randn(sum(lengths_k), heads[1], head_dim, generator=gen)
+    v = torch.randn(sum(lengths_k), heads[1], head_dim, generator=gen)
+    q, k, v = (t.to(dtype=dtype, device=device) for t in (q, k, v))
+    return q, k, v, offsets(lengths_q, device), offsets(lengths_k, device), max(lengths_q), max(lengths_k)
+
+
+def sequence(t, cu, b):
+    """Sequence b of the packed rows of t, as a batch of one: (1, seqlen, heads, d)."""
+    return t[cu[b]:cu[b + 1]][None]
+
+
+def options(name, batch, heads_q, device):
+    """flash_attn_varlen_func's keyword arguments for VARIANTS[name], with ALiBi slopes (batch, heads_q)."""
+    kwargs = dict(VARIANTS[name])
+    if kwargs.pop("alibi", False):
+        kwargs["alibi_slopes"] = (torch.rand(batch, heads_q, generator=torch.Generator().manual_seed(7)) * 0.3).to(device)
+    return kwargs
+
+
+def check_each_sequence(out, lse, q, k, v, cu_q, cu_k, alibi_slopes=None, **kwargs):
+    """out and lse (heads, total_q) of every sequence against the float64 reference of that sequence
+    alone (with its row of the ALiBi slopes), under flash-attn's rule."""
+    cu_q, cu_k = cu_q.tolist(), cu_k.tolist()
+    for b in range(len(cu_q) - 1):
+        if cu_q[b + 1] > cu_q[b]:
+            slopes = None if alibi_slopes is None else alibi_slopes[b].cpu()
+            check_attention(sequence(out, cu_q, b).cpu(), lse[None, :, cu_q[b]:cu_q[b + 1]].cpu(),
+                            *(sequence(t, cu, b).cpu() for t, cu in ((q, cu_q), (k, cu_k), (v, cu_k))),
+                            alibi_slopes=slopes, **kwargs)
+
+
+def forward_matches_float64(device, dtype, head_dim, name, lengths):
+    q, k, v, cu_q, cu_k, max_q, max_k = packed_problem(lengths, HEADS, head_dim, dtype, device)
+    kwargs = options(name, len(lengths), HEADS[0], device)
+    out, lse, probs = tvmflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, return_attn_probs=True,
+                                                      **kwargs)
+    assert probs is None and out.shape == q.shape and lse.shape == (HEADS[0], q.shape[0])
+    check_each_sequence(out, lse, q, k, v, cu_q, cu_k, **kwargs)
+    # a kept kernel writes into a given out, every row of it
+    slopes = kwargs.pop("alibi_slopes", None)
+    kernel = tvmflash.compile(head_dim=head_dim, dtype=dtype, target="cpu" if device == "cpu" else None,
+                              varlen=True, alibi=slopes is not None, **kwargs)
+    given = poisoned_out(q)
+    assert kernel(q, k, v, cu_q, cu_k, max_q, out=given, alibi_slopes=slopes) is given
+    assert torch.equal(given, out)
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_forward_matches_float64_on_cpu(name):
+    forward_matches_float64("cpu", CPU_DTYPE, CPU_HEAD_DIM, name, LENGTHS)
+
+
+def gradients_match_float64(device, dtype, head_dim, name, lengths, with_lse, heads=HEADS):
+    """Autograd through flash_attn_varlen_func (out, and lse with ``with_lse``) against float64
+    autograd of the reference of each sequence; packed gradients, each sequence's rows its own."""
+    q, k, v, cu_q, cu_k, max_q, max_k = packed_problem(lengths, heads, head_dim, dtype, device, seed=1)
+    kwargs = options(name, len(lengths), heads[0], device)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse, _ = tvmflash.flash_attn_varlen_func(*leaves, cu_q, cu_k, max_q, max_k, return_attn_probs=True,
+                                                  **kwargs)
+    dout = torch.randn_like(out)
+    dlse = torch.randn_like(lse).masked_fill(~torch.isfinite(lse.detach()), 0) if with_lse else None
+    torch.autograd.backward([out, lse] if with_lse else [out], [dout, dlse] if with_lse else [dout])
+    cu_q, cu_k = cu_q.tolist(), cu_k.tolist()
+    for b in range(len(cu_q) - 1):
+        grads = [sequence(t.grad, cu, b).cpu() for t, cu in zip(leaves, (cu_q, cu_k, cu_k))]
+        inputs = [sequence(t, cu, b).cpu() for t, cu in ((q, cu_q), (k, cu_k), (v, cu_k))]
+        seq_dlse = None if dlse is None else dlse[None, :, cu_q[b]:cu_q[b + 1]].cpu()
+        seq_kwargs = {**kwargs, **({"alibi_slopes": kwargs["alibi_slopes"][b].cpu()} if "alibi_slopes" in kwargs else {})}
+        check_gradients(grads, *inputs, sequence(dout, cu_q, b).cpu(), seq_dlse, **seq_kwargs)
+
+
+# causal on heads (2, 2), whose modules test_packed_forms shares; a window with GQA and dlse; every
+# variant at once (the slopes an argument of dkdv and dq too)
+@pytest.mark.parametrize("name,with_lse,heads", [("causal", False, (2, 2)), ("window", True, HEADS),
+                                                 ("all", False, HEADS)])
+def test_gradients_match_float64_on_cpu(name, with_lse, heads):
+    gradients_match_float64("cpu", CPU_DTYPE, CPU_HEAD_DIM, name, LENGTHS, with_lse, heads)
+
+
+def test_equals_the_dense_kernel_on_equal_lengths():
+    """Sequences of one length packed are a batch: the varlen kernel gives the dense kernel's
+    output and lse bit for bit (the same tiles, in the same order)."""
+    batch, seqlen_q, seqlen_k = 3, 70, 90
+    q, k, v, cu_q, cu_k, max_q, max_k = packed_problem([(seqlen_q, seqlen_k)] * batch, HEADS, CPU_HEAD_DIM,
+                                                       CPU_DTYPE, "cpu", seed=2)
+    out, lse = tvmflash.varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, causal=True, return_lse=True)
+    dense_out, dense_lse = tvmflash.attention(q.view(batch, seqlen_q, *q.shape[1:]),
+                                              k.view(batch, seqlen_k, *k.shape[1:]),
+                                              v.view(batch, seqlen_k, *v.shape[1:]), causal=True, return_lse=True)
+    assert torch.equal(out, dense_out.reshape(out.shape))
+    assert torch.equal(lse, dense_lse.transpose(0, 1).reshape(lse.shape))
+
+
+def test_new_lengths_need_no_rebuild():
+    """One module serves every packing: a second call with other lengths and another batch builds
+    nothing."""
+    kernel = tvmflash.compile(head_dim=CPU_HEAD_DIM, dtype=CPU_DTYPE, target="cpu", varlen=True)
+    for lengths in (LENGTHS, [(5, 9), (130, 60)]):
+        q, k, v, cu_q, cu_k, max_q, _ = packed_problem(lengths, HEADS, CPU_HEAD_DIM, CPU_DTYPE, "cpu")
+        out, lse = kernel(q, k, v, cu_q, cu_k, max_q, return_lse=True)
+        check_each_sequence(out, lse, q, k, v, cu_q, cu_k)
+        module = kernel.module(*HEADS)
+    assert kernel.module(*HEADS) is module and len(kernel.info()["modules"]) == 1
+
+
+def test_packed_forms():
+    """flash_attn_varlen_qkvpacked_func and _kvpacked_func are flash_attn_varlen_func of their
+    parts, and the gradient flows back into the packed tensor."""
+    lengths = [(33, 33), (0, 0), (64, 64)]
+    q, k, v, cu, _, max_len, _ = packed_problem(lengths, (2, 2), CPU_HEAD_DIM, CPU_DTYPE, "cpu", seed=3)
+    expected = tvmflash.flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len, causal=True)
+    qkv = torch.stack([q, k, v], dim=1).requires_grad_()
+    out = tvmflash.flash_attn_varlen_qkvpacked_func(qkv, cu, max_len, causal=True)
+    assert torch.equal(out, expected)
+    out.float().sum().backward()
+    assert qkv.grad.shape == qkv.shape and torch.isfinite(qkv.grad).all()
+    kv = torch.stack([k, v], dim=1)
+    assert torch.equal(tvmflash.flash_attn_varlen_kvpacked_func(q, kv, cu, cu, max_len, max_len, causal=True),
+                       expected)
+
+
+def test_torch_compile_traces_forward_and_backward():
+    """fullgraph: the varlen custom ops trace without a graph break, forward and backward, and give
+    eager's gradients."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    # heads (2, 2): the causal gradient test's modules
+    q, k, v, cu_q, cu_k, max_q, max_k = packed_problem(LENGTHS, (2, 2), CPU_HEAD_DIM, CPU_DTYPE, "cpu", seed=4)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+
+    def loss(q, k, v, cu_q, cu_k):
+        return tvmflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=True).float().square().sum()
+
+    counter = CompileCounterWithBackend("aot_eager")
+    torch.compile(loss, fullgraph=True, backend=counter)(*leaves, cu_q, cu_k).backward()
+    compiled = [t.grad.clone() for t in leaves]
+    for t in leaves:
+        t.grad = None
+    loss(*leaves, cu_q, cu_k).backward()
+    assert counter.frame_count == 1
+    for a, t in zip(compiled, leaves):
+        torch.testing.assert_close(a, t.grad)
+
+    # dynamic: the lengths traced as SymInts, one graph for two packings
+    def attend(q, k, v, cu_q, cu_k, max_q, max_k):
+        return tvmflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=True)
+
+    dynamic = torch.compile(attend, fullgraph=True, dynamic=True, backend="aot_eager")
+    for lengths in (LENGTHS, [(5, 9), (130, 60)]):
+        problem = packed_problem(lengths, (2, 2), CPU_HEAD_DIM, CPU_DTYPE, "cpu", seed=5)
+        assert torch.equal(dynamic(*problem), attend(*problem))
+
+
+def bad_arguments():
+    """(change to the good arguments, error, message)."""
+    return [
+        ({"cu_seqlens_q": lambda a: a["cu_seqlens_q"].long()}, TypeError, "cu_seqlens_q: expected dtype torch.int32"),
+        ({"cu_seqlens_k": lambda a: a["cu_seqlens_k"].tolist()}, TypeError, "cu_seqlens_k: expected an int32 tensor"),
+        ({"cu_seqlens_k": lambda a: a["cu_seqlens_k"][:-1]}, ValueError, "cu_seqlens_k: expected offsets from 0 to"),
+        ({"cu_seqlens_q": lambda a: a["cu_seqlens_q"][None]}, ValueError, r"cu_seqlens_q: expected shape \(batch \+ 1,\)"),
+        ({"cu_seqlens_q": lambda a: a["cu_seqlens_q"].flip(0)}, ValueError, "cu_seqlens_q: expected offsets from 0"),
+        ({"cu_seqlens_q": lambda a: torch.tensor([0, 5, 3, 6], dtype=torch.int32)}, ValueError,
+         "cu_seqlens_q: expected non-decreasing offsets"),
+        ({"cu_seqlens_q": lambda a: torch.tensor([0, 6], dtype=torch.int32)}, ValueError,
+         "cu_seqlens_k: expected the shape of cu_seqlens_q"),
+        ({"cu_seqlens_k": lambda a: a["cu_seqlens_k"].to("meta")}, ValueError,
+         r"cu_seqlens_k: expected device cpu \(q's\), got meta"),
+        ({"max_seqlen_q": lambda a: 5.0}, TypeError, "max_seqlen_q: expected an int"),
+        ({"max_seqlen_k": lambda a: torch.tensor(5)}, TypeError, "max_seqlen_k: expected an int"),
+        ({"max_seqlen_q": lambda a: -1}, ValueError, "max_seqlen_q: expected an int >= 0"),
+        ({"q": lambda a: a["q"][None]}, ValueError, r"q: expected 3 dims \(total_q, heads, head_dim\)"),
+        ({"k": lambda a: a["k"][:, :1].expand(-1, 3, -1), "v": lambda a: a["v"][:, :1].expand(-1, 3, -1)}, ValueError, r"q: expected heads_q \(4\) to be a multiple of heads_kv \(3\)"),
+        ({"v": lambda a: a["v"][:-1]}, ValueError, "v: expected the shape of k"),
+        ({"block_table": lambda a: torch.zeros(1, 1, dtype=torch.int32)}, NotImplementedError, "block_table"),
+        ({"dropout_p": lambda a: 0.1}, NotImplementedError, "dropout_p"),
+    ]
+
+
+@pytest.mark.parametrize("change,error,message", bad_arguments())
+def test_bad_arguments_name_the_argument(change, error, message):
+    q, k, v, cu_q, cu_k, max_q, max_k = packed_problem([(2, 3), (4, 3)], HEADS, CPU_HEAD_DIM, CPU_DTYPE, "cpu")
+    args = {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "max_seqlen_q": max_q,
+            "max_seqlen_k": max_k}
+    args.update({name: make(args) for name, make in change.items()})
+    with pytest.raises(error, match=message):
+        tvmflash.flash_attn_varlen_func(**args)
+
+
+def test_cuda_schedules_build_varlen():
+    """The CUDA schedules take varlen as they are (here, with no GPU: the source): the forward on
+    sm80 (mma.sync) and SIMT (float32), the sm80 and SIMT backward; on sm_90a varlen takes the sm80
+    schedule (``kernel.choose_schedule``: TMA boxes would cross sequences)."""
+    sources = {
+        "sm80": tvmflash.compile(head_dim=32, dtype="float16", target="sm80", causal=True, varlen=True),
+        "simt": tvmflash.compile(head_dim=32, dtype="float32", target="sm80", window_size=(30, 5), varlen=True),
+        "backward-sm80": tvmflash.compile_backward(head_dim=32, dtype="bfloat16", target="sm80", causal=True,
+                                                   varlen=True),
+        "backward-simt": tvmflash.compile_backward(head_dim=32, dtype="float32", target="sm80", varlen=True),
+    }
+    for name, kernel in sources.items():
+        src = kernel.source(heads_q=4, heads_kv=2)
+        assert "CuSeqlensQ" in src[src.index("__global__"):], name
+    assert "mma.sync" in sources["sm80"].source() and "mma.sync" in sources["backward-sm80"].source()
+    hopper = tvmflash.compile(head_dim=128, dtype="bfloat16", target="sm90", varlen=True)
+    assert hopper.info()["schedule"] == "sm80" and "varlen" in hopper.info()["schedule_source"]
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU (the default schedules: sm80's mma.sync for fp16/bf16, SIMT for float32)
+GPU_CONFIGS = [(torch.bfloat16, 128), (torch.float16, 64), (torch.float32, 32)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", VARIANTS)
+@pytest.mark.parametrize("dtype,head_dim", GPU_CONFIGS, ids=str)
+def test_forward_matches_float64_on_the_gpu(dtype, head_dim, name):
+    forward_matches_float64("cuda", dtype, head_dim, name, GPU_LENGTHS)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,with_lse", [("plain", True), ("causal", False), ("window", True), ("all", False)])
+@pytest.mark.parametrize("dtype,head_dim", GPU_CONFIGS[:2], ids=str)
+def test_gradients_match_float64_on_the_gpu(dtype, head_dim, name, with_lse):
+    gradients_match_float64("cuda", dtype, head_dim, name, GPU_LENGTHS, with_lse)
+
+
+@pytest.mark.gpu
+def test_equals_the_dense_kernel_on_the_gpu():
+    """On equal lengths, the varlen kernel (sm80) against the dense one (the target's default: sm90
+    on sm_90a) under flash-attn's rule, and a CUDA graph replayed over new offsets of the same
+    totals gives the new packing's output (the kernel reads the offsets on the device)."""
+    batch, seqlen = 4, 500
+    q, k, v, cu, _, max_len, _ = packed_problem([(seqlen, seqlen)] * batch, HEADS, 128, torch.bfloat16, "cuda")
+    out, lse = tvmflash.varlen_attention(q, k, v, cu, cu, max_len, max_len, causal=True, return_lse=True)
+    check_each_sequence(out, lse, q, k, v, cu, cu, causal=True)
+    dense = tvmflash.attention(*(t.view(batch, seqlen, *t.shape[1:]) for t in (q, k, v)), causal=True)
+    assert (out.float() - dense.reshape(out.shape).float()).abs().max().item() < 2e-2
+    graph = torch.cuda.CUDAGraph()
+    static_cu = cu.clone()
+    with torch.cuda.graph(graph):
+        graphed = tvmflash.varlen_attention(q, k, v, static_cu, static_cu, 2 * seqlen, 2 * seqlen, causal=True)
+    static_cu.copy_(offsets([2 * seqlen, 0, seqlen, seqlen], "cuda"))
+    graph.replay()
+    torch.cuda.synchronize()
+    expected = tvmflash.varlen_attention(q, k, v, static_cu, static_cu, 2 * seqlen, 2 * seqlen, causal=True)
+    assert torch.equal(graphed, expected)
+    assert math.isfinite(graphed.float().sum().item())
