@@ -548,6 +548,10 @@ def test_a_warm_run_starts_from_the_known_and_never_ends_below_them(cli_tuning_r
     with open(f"{full['work_dir']}/database_tuning_record.json") as f:
         seeds = [line for line in f if is_seed(line)]
     assert len(seeds) == 2, seeds  # the defaults and the user's knobs, each in its task
+    # The tasks that hold them are handed the first trials (MetaSchedule's scheduler goes round its
+    # tasks in order first): the user's (block_m 16, block_n 32), then the defaults' (64, 64).
+    full_run = stdout.split("== workload 2/2")[0]
+    assert re.findall(r"^\[\d+/2 trials, .*\] task (\w+):", full_run, flags=re.MULTILINE) == ["bm16_bn32", "bm64_bn64"]
 
 
 def test_a_cold_run_reads_no_record(cache_dir, monkeypatch):

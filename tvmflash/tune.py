@@ -584,6 +584,10 @@ def tune(*, head_dim: int, dtype, causal: bool, target=None, trials: int = 64, b
     spec = program.AttentionSpec(head_dim, dtype, causal, shape["heads"], shape["heads"])
     known = known_configurations(schedule, resolved, workload, cold=cold)
     tasks = make_tasks(schedule, spec, shape, space, resolved, work_dir, rng, echo, known=None if cold else known)
+    # The tasks that hold a known configuration first: MetaSchedule's task scheduler hands out its
+    # first trials in task order, and where a task is one configuration (most of sm90's), that is
+    # the only way a seed is measured early.
+    tasks.sort(key=lambda task: not task["seeds"])
     contexts = [task.pop("context") for task in tasks]
     configurations = sum(math.prod(len(values) for values in task["sampled"].values()) for task in tasks)
     if trials > configurations:  # MetaSchedule would measure some of them again
