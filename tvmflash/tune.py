@@ -644,10 +644,12 @@ def tune(*, head_dim: int, dtype, causal: bool, target=None, trials: int = 64, b
     # the known ones (the defaults; warm, the records too). Static shapes can rank configurations
     # differently (on sm90 they did), so the best few are timed again rather than the best alone.
     candidates = {label: (None, knobs) for label, knobs in known.items()}
+    search = []  # the labels of MetaSchedule's fastest: "#rank", or a known one's where it found that
     for rank, (ms_, knobs) in enumerate(progress.ranked(recheck), 1):
         knobs = {**defaults, **knobs}
-        if knobs not in known.values():
-            candidates[f"#{rank}"] = (ms_, knobs)
+        label = next((label for label, known_knobs in known.items() if known_knobs == knobs), f"#{rank}")
+        candidates[label] = (ms_, knobs)
+        search.append(label)
 
     # ---- the candidates on real tensors through tvmflash.compile, in this run ------------------
     device = torch.device("cuda" if cuda else "cpu")
@@ -664,7 +666,7 @@ def tune(*, head_dim: int, dtype, causal: bool, target=None, trials: int = 64, b
         error, tolerance = bench.error_vs_float32(out, q, k, v, causal)
         correct[label] = error <= tolerance  # flash-attn's rule, as tvmflash bench applies it
         if not correct[label]:
-            echo(f"  the {label if label in known else 'tuned'} knobs {label} give wrong results at the "
+            echo(f"  the {label + ' knobs' if label in known else 'tuned knobs ' + label} give wrong results at the "
                  f"tuning shape (max error {error:.3e} > {tolerance:.3e}): never stored")
     if not any(correct.values()):
         raise RuntimeError("tvmflash tune: neither the tuned nor the known knobs give correct results")
@@ -675,9 +677,9 @@ def tune(*, head_dim: int, dtype, causal: bool, target=None, trials: int = 64, b
         static = f"MetaSchedule {ms_:.4f} ms, " if ms_ is not None else ""
         echo(f"  {label:<8} {static}tvmflash.compile {times[label]:.4f} ms{'' if correct[label] else ' (wrong)'}: "
              f"{ {n: knobs[n] for n in knobs if knobs[n] != defaults.get(n)} or 'the defaults'}")
-    # "tuned": the fastest correct one of MetaSchedule's (else its first, to report; the defaults
-    # where it found nothing else); the record keeps the fastest correct one of it and the known.
-    tuned = [label for label in candidates if label not in known] or ["default"]
+    # "tuned": the fastest correct one of MetaSchedule's (else its first, to report); the record
+    # keeps the fastest correct one of it and the known.
+    tuned = search or ["default"]  # (recheck 0: the defaults stand for it)
     tuned_label = min((label for label in tuned if correct[label]), key=times.get, default=tuned[0])
     winner = min((label for label in (*known, tuned_label) if correct[label]), key=times.get)
     tuned_knobs, knobs = candidates[tuned_label][1], candidates[winner][1]
