@@ -669,6 +669,7 @@ def test_one_configuration_tasks_are_built_at_once(cache_dir):
     built = [line for line in lines if line.startswith("  built ")]
     assert any(line.startswith("  building the 3 one-configuration tasks at once") for line in lines), lines
     assert len(built) == 1 and built[0].startswith("  built 3/3 candidates"), lines  # nothing built again
+    assert lines[lines.index(built[0]) - 1].startswith("  building 3 candidates, "), lines  # said as it starts
     assert record["trials"] == 3 and record["tuned_ms"] > 0
 
 

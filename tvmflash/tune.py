@@ -388,6 +388,8 @@ class ProgressBuilder(ms.builder.PyBuilder):
     def _build(self, inputs):
         if not inputs:
             return []
+        # Said before the batch starts too: a GPU build takes seconds a candidate, on every core.
+        self.reporter.note(f"  building {len(inputs)} candidates, {time.perf_counter() - self.reporter.start:.0f} s")
         results = self.inner.build(inputs)
         self.built += len(results)
         self.failed += sum(1 for r in results if r.error_msg)
