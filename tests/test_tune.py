@@ -236,6 +236,25 @@ def test_failed_candidates_are_never_picked():
     assert any("too much shared memory" in line for line in lines) and "3 failed" in lines[-1]
 
 
+def test_progress_bar_on_a_terminal():
+    """On a terminal the status is one bar redrawn in place (carriage return, erase line), and other
+    lines go above it; the last bar stays on its line when the run ends."""
+    import io
+
+    stream, lines = io.StringIO(), []
+    reporter = tune.Reporter(4, lines.append, stream)
+    reporter.trial(2.0, "2.0000 ms")
+    reporter.note("  built 2/4 candidates")
+    reporter.trial(None, "failed to build: too much shared memory")
+    reporter.close()
+    text = stream.getvalue()
+    assert lines == [] and text.endswith("\n") and text.count("\n") == 2, text
+    draws = text.split("\r\x1b[K")[1:]
+    assert draws[0].startswith("[######" + "." * 18 + "] 1/4 trials, 0 failed, best 2.0000 ms, 0 s, ~0 s left"), draws
+    assert draws[1] == "  built 2/4 candidates\n" and draws[2].startswith("[######")
+    assert draws[3].startswith("[############" + "." * 12 + "] 2/4 trials, 1 failed, best 2.0000 ms"), draws
+
+
 # ----------------------------------------------------------------------------- a real tuning run
 def test_short_tuning_run_is_used_by_compile(cache_dir, monkeypatch):
     mutations = []
@@ -464,15 +483,95 @@ def test_the_fastest_few_are_timed_again_as_compile_builds_them(cache_dir, monke
     assert record["knobs"] == record["tuned_knobs"] and record["knobs"]["vector"] == int(rechecked[1][-1].rstrip("}"))
 
 
-def test_tune_several_workloads_in_one_command(cache_dir):
-    """One command tunes each (head_dim, dtype, causal) in turn and ends with a summary line each."""
-    done = cli("tune", "--head-dim", "32", "--dtype", "float32", "--causal", "both", "--trials", "2", "--target", "cpu",
-               "--seqlen", "64", "--batch", "1", "--heads", "1", env_dir=cache_dir)
-    assert done.returncode == 0, done.stderr
-    assert "== workload 1/2: d32 float32 full" in done.stdout and "== workload 2/2: d32 float32 causal" in done.stdout
-    summary = done.stdout.split("== summary")[1].strip().splitlines()[1:]
-    assert [line.split()[:3] for line in summary] == [["d32", "float32", "full"], ["d32", "float32", "causal"]]
-    assert all("default" in line and "tuned" in line for line in summary)
+# A user record for the full workload, slower than anything measured (so the run replaces it), with
+# knobs of its own: a warm run must seed the search with it and time it again.
+USER_KNOBS = {"block_m": 16, "block_n": 32, "vector": 8}
+
+
+@pytest.fixture(scope="module")
+def cli_tuning_run(tmp_path_factory):
+    """One ``tvmflash tune`` command over two workloads, warm, its output captured (not a terminal),
+    with USER_KNOBS in the user's database: several tests read it."""
+    env_dir = tmp_path_factory.mktemp("cli-tuning")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TVMFLASH_CACHE_DIR", str(env_dir))
+        database.add(database.new_record(CPU, "cpu", WORKLOAD, USER_KNOBS, 1e3))
+        done = cli("tune", "--head-dim", "32", "--dtype", "float32", "--causal", "both", "--trials", "2",
+                   "--target", "cpu", "--seqlen", "64", "--batch", "1", "--heads", "1", env_dir=env_dir)
+        assert done.returncode == 0, done.stderr
+        full = database.lookup(CPU, "cpu", WORKLOAD)
+    return done.stdout, full
+
+
+def test_tune_several_workloads_in_one_command(cli_tuning_run):
+    """One command tunes each (head_dim, dtype, causal) in turn and ends with a summary table: a row
+    each, with trials, the failed share, the search's best, the kept and the defaults' times, the
+    speedup and the wall time."""
+    stdout, _ = cli_tuning_run
+    assert "== workload 1/2: d32 float32 full" in stdout and "== workload 2/2: d32 float32 causal" in stdout
+    header, *rows = stdout.split("== summary")[1].strip().splitlines()[1:]
+    assert header.split()[:8] == ["workload", "start", "trials", "failed", "search", "ms", "kept", "ms"], header
+    assert [row.split()[:4] for row in rows] == [["d32", "float32", "full", "warm"], ["d32", "float32", "causal", "warm"]]
+    for row in rows:
+        trials, failed, _search_ms, kept_ms, default_ms, speedup, wall_s = row.split()[4:11]
+        assert 1 <= int(trials) <= 2 and failed.endswith("%") and float(wall_s) > 0, row
+        assert float(kept_ms) <= float(default_ms) and speedup.endswith("x") and float(speedup[:-1]) >= 1.0, row
+
+
+def test_progress_is_reported_a_line_a_trial_when_not_a_terminal(cli_tuning_run):
+    """Not a terminal (a pipe here): no progress bar, a plain line for each build batch and each
+    trial as it ends, with the trials done of the total, failures, best so far, elapsed and
+    remaining time."""
+    stdout, _ = cli_tuning_run
+    assert "\r" not in stdout and "\x1b[" not in stdout
+    trials = re.findall(r"^  trial (\d+): .*\((\d+)/2 trials, (\d+) failed, best ([\d.]+ ms|none yet), \d+ s"
+                        r"(, ~\d+ s left)?\)$", stdout, flags=re.MULTILINE)
+    assert [(n, done) for n, done, *_ in trials] == [("1", "1"), ("2", "2")] * 2, stdout
+    assert all(left for *_, left in trials), stdout  # the remaining time, once a trial has ended
+    assert re.search(r"^  built \d+/2 candidates", stdout, flags=re.MULTILINE), stdout
+
+
+def is_seed(line: str) -> bool:
+    """Whether a line of MetaSchedule's JSON database is one of the tuner's seeds (by its run time)."""
+    return json.loads(line)[1][1] == pytest.approx([tune._SEED_SECS])
+
+
+def test_a_warm_run_starts_from_the_known_and_never_ends_below_them(cli_tuning_run):
+    """Warm (the default), the user's record seeds MetaSchedule's database and is timed again with
+    the defaults and the search's best, in the same run: the stored record is the fastest of them."""
+    stdout, full = cli_tuning_run
+    assert "warm start: seeded the search with the default, user knobs" in stdout, stdout
+    # (with MetaSchedule's time too where the search measured them)
+    assert re.search(r"^  user +(MetaSchedule [\d.]+ ms, )?tvmflash.compile [\d.]+ ms: " + re.escape(str(USER_KNOBS)),
+                     stdout, flags=re.MULTILINE), stdout
+    assert full["start"] == "warm" and set(full["known_ms"]) == {"default", "user"}
+    assert full["mean_ms"] <= full["default_ms"] == full["known_ms"]["default"]
+    assert full["mean_ms"] == min(full["tuned_ms"], *full["known_ms"].values())
+    with open(f"{full['work_dir']}/database_tuning_record.json") as f:
+        seeds = [line for line in f if is_seed(line)]
+    assert len(seeds) == 2, seeds  # the defaults and the user's knobs, each in its task
+    # The tasks that hold them are handed the first trials (MetaSchedule's scheduler goes round its
+    # tasks in order first): the user's (block_m 16, block_n 32), then the defaults' (64, 64).
+    full_run = stdout.split("== workload 2/2")[0]
+    assert re.findall(r"^\[\d+/2 trials, .*\] task (\w+):", full_run, flags=re.MULTILINE) == ["bm16_bn32", "bm64_bn64"]
+
+
+def test_a_cold_run_reads_no_record(cache_dir, monkeypatch):
+    """--cold: nothing known seeds the search and no record is read (a user record is there, and
+    would be timed warm); the defaults are still timed, as the reference."""
+    database.add(database.new_record(CPU, "cpu", WORKLOAD, USER_KNOBS, 1e3))
+    read = []
+    monkeypatch.setattr(database, "known_records", lambda *args: read.append(args) or [])
+    lines = []
+    # One configuration, the defaults: what is timed again is the defaults alone.
+    record = tune.tune(head_dim=32, dtype="float32", causal=False, target="cpu", trials=1, batch=1, seqlen=64,
+                       heads=1, space={"block_m": [64], "block_n": [64], "vector": [16]}, seed=0, repeat=3,
+                       cold=True, echo=lines.append)
+    assert read == [] and "  cold start: no defaults or records seed the search" in lines, lines
+    assert not any(line.startswith("  user ") or "seeded" in line for line in lines), lines
+    assert record["start"] == "cold" and list(record["known_ms"]) == ["default"]
+    with open(f"{record['work_dir']}/database_tuning_record.json") as f:
+        assert [is_seed(line) for line in f] == [False], "a seed in a cold run"
 
 
 def test_bad_cli_input_is_one_line(cache_dir):
@@ -570,6 +669,7 @@ def test_one_configuration_tasks_are_built_at_once(cache_dir):
     built = [line for line in lines if line.startswith("  built ")]
     assert any(line.startswith("  building the 3 one-configuration tasks at once") for line in lines), lines
     assert len(built) == 1 and built[0].startswith("  built 3/3 candidates"), lines  # nothing built again
+    assert lines[lines.index(built[0]) - 1].startswith("  building 3 candidates, "), lines  # said as it starts
     assert record["trials"] == 3 and record["tuned_ms"] > 0
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -101,7 +102,9 @@ def _tune(args) -> int:
         raise ValueError(f"trials: expected a positive number, got {args.trials}")
     for head_dim, dtype, causal in workloads:  # every workload is valid before the first one runs
         program.AttentionSpec(head_dim, dtype, causal)
-    summary, failed = [], []
+    records, failed = [], []
+    # A progress bar on a terminal; plain lines in a log or a pipe.
+    bar_stream = sys.stdout if sys.stdout.isatty() else None
     for n, (head_dim, dtype, causal) in enumerate(workloads, 1):
         name = f"d{head_dim} {dtype} {'causal' if causal else 'full'}"
         if len(workloads) > 1:
@@ -109,18 +112,29 @@ def _tune(args) -> int:
         try:
             record = tune.tune(head_dim=head_dim, dtype=dtype, causal=causal, target=args.target,
                                trials=args.trials, batch=args.batch, seqlen=args.seqlen, heads=args.heads,
-                               work_dir=_workload_dir(args.work_dir, name, len(workloads)))
+                               work_dir=_workload_dir(args.work_dir, name, len(workloads)), cold=args.cold,
+                               echo=functools.partial(print, flush=True), bar_stream=bar_stream)
         except RuntimeError as err:  # nothing built and ran: say so, go on with the others
             print(f"tvmflash tune: {name}: {err}", file=sys.stderr)
             failed.append(name)
             continue
-        summary.append(f"{name:<24} {json.dumps(record['knobs'])}  default {record['default_ms']:.4f} ms, "
-                       f"tuned {record['tuned_ms']:.4f} ms ({record['default_ms'] / record['tuned_ms']:.2f}x), "
-                       f"{record['trials']} trials, {record['wall_s']:.0f} s")
-    if len(workloads) > 1:
-        print("== summary (knobs kept; default vs tuned at the tuning shape)")
-        print("\n".join(summary) or "no workload finished")
+        records.append((name, record))
+    print(summary_table(records))
     return 1 if failed else 0
+
+
+def summary_table(records: list[tuple[str, dict]]) -> str:
+    """The tuning summary, a row per workload: trials and the failed share, the search's best and
+    the kept record's time, the defaults' time and the speedup over them (all through
+    tvmflash.compile at the tuning shape, in the same run), the wall time and the knobs kept."""
+    header = (f"{'workload':<24} {'start':<5} {'trials':>6} {'failed':>6} {'search ms':>10} {'kept ms':>10} "
+              f"{'default ms':>10} {'speedup':>7} {'wall s':>7}  knobs kept")
+    rows = [f"{name:<24} {r['start']:<5} {r['trials']:>6} {r['failed_trials'] / max(1, r['trials']):>6.0%} "
+            f"{r['tuned_ms']:>10.4f} {r['mean_ms']:>10.4f} {r['default_ms']:>10.4f} "
+            f"{r['default_ms'] / r['mean_ms']:>6.2f}x {r['wall_s']:>7.0f}  {json.dumps(r['knobs'])}"
+            for name, r in records]
+    return "\n".join(["== summary (speedup: the defaults' time over the kept one's)", header, *rows]
+                     if rows else ["== summary: no workload finished"])
 
 
 def _cache(args) -> int:
@@ -226,6 +240,11 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--batch", type=int, default=None, help="none given: bench's tokens / --seqlen")
     t.add_argument("--heads", type=int, default=None, help="none given: bench's hidden / head_dim")
     t.add_argument("--work-dir", default=None, help="MetaSchedule's logs and database; none given: under the cache dir")
+    t.add_argument("--cold", action="store_true",
+                   help="start the search from nothing, as on a new GPU: no tuning records are read, and neither "
+                        "they nor the defaults seed it (the defaults are still timed, for the speedup and as the "
+                        "floor of what is stored). Without it the search starts from the defaults and the best "
+                        "user and shipped records, and stores the fastest of them and its own")
 
     k = command("cache", "list, show, clear or export the built modules and tuning records")
     k.add_argument("action", choices=["ls", "show", "clear", "export"])

@@ -129,7 +129,8 @@ def write(path: Path, records: list[dict]) -> None:
     cache.atomic_write(path, lambda tmp: Path(tmp).write_text(text + "\n"))
 
 
-def _same_key(a: dict, b: dict) -> bool:
+def same_key(a: dict, b: dict) -> bool:
+    """Whether two records are for the same entry (``KEY_FIELDS``): one best record is kept per key."""
     return all(a.get(f) == b.get(f) for f in KEY_FIELDS)
 
 
@@ -143,7 +144,7 @@ def add(record: dict, path: Path | None = None) -> Path:
     path = path or user_dir() / f"{slug(record['device'])}.json"
     with locked(path):
         records = read(path)
-        old = next((r for r in records if _same_key(r, record)), None)
+        old = next((r for r in records if same_key(r, record)), None)
         if old is None or record["mean_ms"] < old["mean_ms"]:
             records = [r for r in records if r is not old] + [record]
             write(path, records)
@@ -156,22 +157,30 @@ def lookup(target, schedule: str, workload: dict) -> dict | None:
     The user's records are searched first, then the shipped ones. Records that lack one of the
     schedule's knobs (tuned before the schedule had it) are passed over.
     """
+    found = known_records(target, schedule, workload)
+    return found[0] if found else None
+
+
+def known_records(target, schedule: str, workload: dict) -> list[dict]:
+    """The best usable record of the user's database, then the shipped one's (each with its
+    ``source``, the file): what a warm ``tvmflash tune`` starts from. Records that lack one of the
+    schedule's knobs, or give one a value the schedule does not take, are passed over."""
     from tvmflash import schedules as schedule_registry
 
     want = {**device_key(target), "schedule": schedule, "workload": workload}
     name = slug(want["device"]) + ".json"
     module = getattr(schedule_registry, schedule)
     knobs = set(module.KNOBS)
+    found = []
     for path in (user_dir() / name, SHIPPED_DIR / name):
         # A record without one of the schedule's knobs was tuned before that knob existed: the
         # schedule it measured is not the one its knobs would build now.
         # A record whose knob takes a value the schedule does not is not used either.
-        matches = [r for r in read(path) if _same_key(r, want) and knobs <= set(r["knobs"]) and not any(
+        matches = [r for r in read(path) if same_key(r, want) and knobs <= set(r["knobs"]) and not any(
             schedule_registry.knob_problem(module, n, v) for n, v in r["knobs"].items() if n in knobs)]
         if matches:
-            best = min(matches, key=lambda r: r["mean_ms"])
-            return {**best, "source": str(path)}
-    return None
+            found.append({**min(matches, key=lambda r: r["mean_ms"]), "source": str(path)})
+    return found
 
 
 def all_records() -> list[tuple[Path, dict]]:

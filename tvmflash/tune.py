@@ -23,6 +23,13 @@ to tvmflash's database, where ``tvmflash.compile()`` finds it.
 A task whose tiles need more shared memory than the target allows (the schedule's
 ``shared_memory_bytes``) is skipped with a message before anything is built; candidates that still
 fail to schedule, build or run are recorded by MetaSchedule as failed measurements and never picked.
+
+Warm start (the default): the known configurations (the defaults, the best user and shipped
+records) seed MetaSchedule's database, where the evolutionary search takes its initial population
+from, and are timed again with the search's best, so the stored record is never slower than they
+are. ``cold`` hides them. Progress (``Reporter``) is reported from the first build on, each build
+batch and each measurement as it comes, through MetaSchedule's extension points: a builder, a runner
+and a measure callback of our own.
 """
 
 from __future__ import annotations
@@ -138,6 +145,23 @@ class MutateKnob(ms.mutator.PyMutator):
         return MutateKnob(self._rng.randrange(2**31))
 
 
+def seed_trace(schedule_module, mod: tvm.IRModule, fixed: dict, sampled: dict, knobs: dict):
+    """The design-space trace of a task with its decisions set to ``knobs``, or None where the task
+    cannot make those knobs (another tile pair or task knob, or a value outside the space)."""
+    plain = {**schedule_module.KNOBS, **fixed}  # what the task builds for a knob outside the space
+    if any(knobs.get(name, value) != value for name, value in plain.items() if name not in sampled):
+        return None
+    if any(knobs.get(name) not in values for name, values in sampled.items()):
+        return None
+    sch = tvm.s_tir.Schedule(mod)
+    space_fn(schedule_module, fixed, sampled)(sch)
+    trace = sch.trace
+    insts = [inst for inst in trace.insts if inst.kind.name == "SampleCategorical"]
+    for (name, values), inst in zip(sampled.items(), insts):
+        trace = trace.with_decision(inst, values.index(knobs[name]), remove_postproc=True)
+    return trace
+
+
 def specialize(func, spec: program.AttentionSpec, *, batch: int, seqlen_q: int, seqlen_k: int,
                softmax_scale: float):
     """The program with a static shape and scale, its tensors compact: what MetaSchedule measures."""
@@ -184,6 +208,104 @@ def _ms_build(mod, target, _params, **options):
     Returns the runtime module: MetaSchedule's exporter takes that, not tvm.compile's Executable.
     """
     return lowering.build(mod, target, **options).mod
+
+
+class Reporter:
+    """The run's live status, from the first build on: each candidate built, each measurement as it
+    comes (trials done of the total, failures, best so far, elapsed and estimated remaining time).
+
+    With ``stream`` (a terminal) the status is one progress bar redrawn in place, and other lines
+    (``note``) are printed above it; without, each trial is a plain line through ``echo``, which is
+    what a log file or a pipe wants."""
+
+    BAR_WIDTH = 24
+
+    def __init__(self, trials: int, echo=print, stream=None):
+        self.trials, self.echo, self.stream = trials, echo, stream
+        self.done = self.failed = 0
+        self.best_ms = math.inf
+        self.start = time.perf_counter()
+
+    def status(self) -> str:
+        elapsed = time.perf_counter() - self.start
+        # The remaining time assumes the trials left cost what the trials so far did on average.
+        left = f", ~{elapsed / self.done * max(0, self.trials - self.done):.0f} s left" if self.done else ""
+        best = f"{self.best_ms:.4f} ms" if self.best_ms < math.inf else "none yet"
+        return f"{self.done}/{self.trials} trials, {self.failed} failed, best {best}, {elapsed:.0f} s{left}"
+
+    def trial(self, run_ms: float | None, what: str) -> None:
+        """One candidate measured (``run_ms``) or failed (None); ``what`` says which, for the log."""
+        self.done += 1
+        if run_ms is None:
+            self.failed += 1
+        else:
+            self.best_ms = min(self.best_ms, run_ms)
+        if self.stream is not None:
+            self._draw()
+        else:
+            self.echo(f"  trial {self.done}: {what} ({self.status()})")
+
+    def note(self, text: str) -> None:
+        """A line of its own (above the bar on a terminal)."""
+        if self.stream is None:
+            self.echo(text)
+            return
+        self.stream.write(f"\r\x1b[K{text}\n")
+        self._draw()
+
+    def close(self) -> None:
+        """Leave the last bar on its line, so what is printed next starts on a new one."""
+        if self.stream is not None:
+            self.stream.write("\n")
+            self.stream.flush()
+
+    def _draw(self) -> None:
+        filled = round(self.BAR_WIDTH * min(self.done, self.trials) / max(1, self.trials))
+        self.stream.write(f"\r\x1b[K[{'#' * filled}{'.' * (self.BAR_WIDTH - filled)}] {self.status()}")
+        self.stream.flush()
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in str(text).splitlines() if line.strip()]
+    return lines[-1] if lines else str(text)
+
+
+@derived_object
+class ReportedFuture(ms.runner.PyRunnerFuture):
+    """A runner future that tells the Reporter about its measurement once, when MetaSchedule first
+    sees it finished (it polls ``done`` between tasks) or asks for it."""
+
+    def __init__(self, inner, reporter: Reporter):
+        self.inner, self.reporter, self.reported = inner, reporter, None
+
+    def done(self) -> bool:
+        finished = self.inner.done()
+        if finished:
+            self.result()
+        return finished
+
+    def result(self):
+        if self.reported is None:
+            self.reported = result = self.inner.result()
+            secs = [float(s) for s in (result.run_secs or [])]
+            if result.error_msg or not secs or max(secs) >= _FAILED:
+                self.reporter.trial(None, f"failed to run: {_last_line(result.error_msg or 'no run time')}")
+            else:
+                run_ms = 1e3 * sum(secs) / len(secs)
+                self.reporter.trial(run_ms, f"{run_ms:.4f} ms")
+        return self.reported
+
+
+@derived_object
+class ReportingRunner(ms.runner.PyRunner):
+    """MetaSchedule's runner, each measurement reported as it comes (``ReportedFuture``): its
+    measure callbacks see a whole batch at once, and only once it is joined."""
+
+    def __init__(self, inner, reporter: Reporter):
+        self.inner, self.reporter = inner, reporter
+
+    def run(self, runner_inputs):
+        return [ReportedFuture(future, self.reporter) for future in self.inner.run(runner_inputs)]
 
 
 @derived_object
@@ -237,11 +359,10 @@ class ProgressBuilder(ms.builder.PyBuilder):
     builds ran one after the other. ``build_ahead`` builds such tasks' modules all at once, on the
     inner builder's parallel workers, and ``build`` then hands each over when it is asked for."""
 
-    def __init__(self, inner, trials: int, echo):
-        self.inner, self.trials, self.echo = inner, trials, echo
+    def __init__(self, inner, reporter: Reporter):
+        self.inner, self.reporter = inner, reporter
         self.built = self.failed = 0
         self.ahead: dict[int, list] = {}  # structural hash -> [(module, BuilderResult)]
-        self.start = time.perf_counter()
 
     def build_ahead(self, mods: list, target) -> None:
         results = self._build([ms.builder.BuilderInput(mod, target) for mod in mods])
@@ -251,7 +372,11 @@ class ProgressBuilder(ms.builder.PyBuilder):
     def build(self, build_inputs):
         results = [self._take_ahead(b.mod) for b in build_inputs]
         rest = iter(self._build([b for b, r in zip(build_inputs, results) if r is None]))
-        return [r if r is not None else next(rest) for r in results]
+        results = [r if r is not None else next(rest) for r in results]
+        for result in results:  # a candidate that failed to build never reaches the runner: its trial ends here
+            if result.error_msg:
+                self.reporter.trial(None, f"failed to build: {_last_line(result.error_msg)}")
+        return results
 
     def _take_ahead(self, mod):
         entries = self.ahead.get(tvm_ffi.structural_hash(mod), [])
@@ -263,11 +388,14 @@ class ProgressBuilder(ms.builder.PyBuilder):
     def _build(self, inputs):
         if not inputs:
             return []
+        # Said before the batch starts too: a GPU build takes seconds a candidate, on every core.
+        self.reporter.note(f"  building {len(inputs)} candidates, {time.perf_counter() - self.reporter.start:.0f} s")
         results = self.inner.build(inputs)
         self.built += len(results)
         self.failed += sum(1 for r in results if r.error_msg)
         failed = f", {self.failed} failed to build" if self.failed else ""
-        self.echo(f"  built {self.built}/{self.trials} candidates{failed}, {time.perf_counter() - self.start:.0f} s")
+        self.reporter.note(f"  built {self.built}/{self.reporter.trials} candidates{failed}, "
+                           f"{time.perf_counter() - self.reporter.start:.0f} s")
         return results
 
 
@@ -313,11 +441,12 @@ def _loggers(work_dir: Path, task_names: list[str]):
 
 
 def make_tasks(schedule, spec: program.AttentionSpec, shape: dict, space: dict, target, work_dir: Path,
-               rng: random.Random, echo) -> list[dict]:
+               rng: random.Random, echo, known: dict | None = None) -> list[dict]:
     """One MetaSchedule task per point of ``task_points`` (block_m, block_n and the schedule's
     TASK_KNOBS), on the static ``shape``; the other knobs are sampled inside it. A point the
     schedule rejects outright is skipped with a message. Returns dicts with ``name``, ``fixed``,
-    ``sampled`` and ``context`` (a TuneContext)."""
+    ``sampled``, ``context`` (a TuneContext) and ``seeds``: the traces of the ``known``
+    configurations (label -> knobs) that the task makes, [(label, trace)], for ``seed_database``."""
     schedule_name = schedule_registry.name_of(schedule)
     points = task_points(schedule, space)
     loggers = _loggers(work_dir, [task_name(p) for p in points])
@@ -340,20 +469,61 @@ def make_tasks(schedule, spec: program.AttentionSpec, shape: dict, space: dict, 
             lines = [line for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
             echo(f"  skipping {name}: the {schedule_name} schedule rejects it: {lines[-1].strip()}")
             continue
+        seeds = [(label, trace) for label, knobs in (known or {}).items()
+                 if (trace := seed_trace(schedule, mod, fixed, sampled, knobs)) is not None]
         combos = math.prod(len(v) for v in sampled.values())
         mutators = {MutateKnob(rng.randrange(2**31)): 1.0} if sampled else {}
         generator = ms.space_generator.ScheduleFn(fn, sch_rules=[], postprocs=[], mutator_probs=mutators)
         # Small spaces: a small population, and give up early once every combination is measured.
+        population = max(8, 4 * combos)
+        # Each generation starts from the database's fastest records: the seeds, and as many of
+        # this run's measurements again (MetaSchedule's default share, a fifth, holds 1 or 2).
         strategy = ms.search_strategy.EvolutionarySearch(
-            population_size=max(8, 4 * combos), init_min_unmeasured=max(2, combos), genetic_num_iters=2,
-            max_fail_count=3, genetic_max_fail_count=3)
+            population_size=population, init_measured_ratio=min(1.0, max(0.2, 2 * len(seeds) / population)),
+            init_min_unmeasured=max(2, combos), genetic_num_iters=2, max_fail_count=3, genetic_max_fail_count=3)
         context = ms.TuneContext(mod=mod, target=target, space_generator=generator, search_strategy=strategy,
                                  task_name=name, rand_state=rng.randrange(2**31), num_threads=usable_cores(),
                                  logger=logger).clone()
-        tasks.append({"name": name, "fixed": fixed, "sampled": sampled, "context": context})
+        tasks.append({"name": name, "fixed": fixed, "sampled": sampled, "context": context, "seeds": seeds})
     if not tasks:
         raise ValueError(f"space: the {schedule_name} schedule rejects every task of {space}")
     return tasks
+
+
+# A seed's run time in MetaSchedule's database: ahead of every measurement, so that each generation's
+# initial population holds the known configurations (their own times were taken at other shapes).
+_SEED_SECS = 1e-9
+
+
+def seed_database(db, contexts, tasks: list[dict]) -> list[str]:
+    """Commit each task's seeds (``make_tasks``) into MetaSchedule's database as measured records of
+    its workload: the evolutionary search picks its initial population from there. Returns the
+    labels seeded."""
+    labels = []
+    for context, task in zip(contexts, tasks):
+        if not task["seeds"]:
+            continue
+        workload = db.commit_workload(context.mod)
+        args_info = ms.arg_info.ArgInfo.from_entry_func(context.mod, remove_preproc=True)
+        for label, trace in task["seeds"]:
+            db.commit_tuning_record(ms.database.TuningRecord(trace, workload, run_secs=[_SEED_SECS],
+                                                             target=context.target, args_info=args_info))
+            labels.append(label)
+    return labels
+
+
+def known_configurations(schedule, target, workload: dict, *, cold: bool) -> dict[str, dict]:
+    """label -> knobs: the schedule's defaults (``default``), then unless ``cold`` the best record
+    of the user's database (``user``) and of the shipped one (``shipped``), where they differ."""
+    defaults = kernel.default_knobs(schedule, workload["head_dim"])
+    known = {"default": defaults}
+    if cold:
+        return known
+    for record in database.known_records(target, schedule_registry.name_of(schedule), workload):
+        knobs = {**defaults, **record["knobs"]}
+        if knobs not in known.values():
+            known["user" if Path(record["source"]).parent == database.user_dir() else "shipped"] = knobs
+    return known
 
 
 def default_shape(target, head_dim: int) -> dict:
@@ -365,15 +535,24 @@ def default_shape(target, head_dim: int) -> dict:
 def tune(*, head_dim: int, dtype, causal: bool, target=None, trials: int = 64, batch: int | None = None,
          seqlen: int | None = None, heads: int | None = None, work_dir=None, space: dict | None = None,
          trials_per_iter: int | None = None, seed: int | None = None, repeat: int = 20, recheck: int = 3,
-         echo=print) -> dict:
+         cold: bool = False, echo=print, bar_stream=None) -> dict:
     """Tune the schedule's knobs for one workload on this machine and store the best in the database.
 
     Tunes on a static (batch, seqlen, seqlen, heads, heads) shape; the record then serves every
     shape of the workload (head_dim, dtype, causal) through ``tvmflash.compile()``. ``space``
     overrides the schedule's ``SPACE`` (a subset, for a quick run). ``recheck``: how many of
-    MetaSchedule's fastest configurations are timed again through ``tvmflash.compile``. Returns the
-    new record (``default_ms``, and ``tuned_ms`` for the fastest correct one of those) with
-    ``path``, the database file.
+    MetaSchedule's fastest configurations are timed again through ``tvmflash.compile``.
+
+    Warm (the default), the search starts from what is known: the schedule's defaults and the
+    best user and shipped records seed MetaSchedule's database, and all of them are timed again
+    with the search's best, so the stored result is never slower than they are in this run.
+    ``cold`` hides them (no seeds, no records read; what a new GPU gets): the defaults are still
+    timed, as the reference and the floor of what is stored.
+
+    Progress goes to ``echo`` a line at a time, or with ``bar_stream`` (a terminal) as a progress
+    bar redrawn there. Returns the new record (``default_ms``; ``tuned_ms`` for the fastest correct
+    one of the search's; ``known_ms`` for each known configuration timed) with ``path``, the
+    database file.
     """
     dtype = kernel.dtype_name(dtype)
     kernel.check_flag("causal", causal)
@@ -405,7 +584,12 @@ def tune(*, head_dim: int, dtype, causal: bool, target=None, trials: int = 64, b
 
     rng = random.Random(seed)
     spec = program.AttentionSpec(head_dim, dtype, causal, shape["heads"], shape["heads"])
-    tasks = make_tasks(schedule, spec, shape, space, resolved, work_dir, rng, echo)
+    known = known_configurations(schedule, resolved, workload, cold=cold)
+    tasks = make_tasks(schedule, spec, shape, space, resolved, work_dir, rng, echo, known=None if cold else known)
+    # The tasks that hold a known configuration first: MetaSchedule's task scheduler hands out its
+    # first trials in task order, and where a task is one configuration (most of sm90's), that is
+    # the only way a seed is measured early.
+    tasks.sort(key=lambda task: not task["seeds"])
     contexts = [task.pop("context") for task in tasks]
     configurations = sum(math.prod(len(values) for values in task["sampled"].values()) for task in tasks)
     if trials > configurations:  # MetaSchedule would measure some of them again
@@ -413,12 +597,26 @@ def tune(*, head_dim: int, dtype, causal: bool, target=None, trials: int = 64, b
         trials = configurations
     num_cores = usable_cores()
 
+    db = ms.database.JSONDatabase(work_dir=str(work_dir))
+    if cold:
+        echo("  cold start: no defaults or records seed the search")
+    else:
+        seeded = set(seed_database(db, contexts, tasks))
+        outside = [label for label in known if label not in seeded]
+        seeded = [label for label in known if label in seeded]
+        echo(f"  warm start: seeded the search with the {', '.join(seeded) or 'no'} knobs"
+             + (f" (the {', '.join(outside)} knobs are outside the space)" if outside else ""))
+
+    reporter = Reporter(trials, echo, bar_stream)
+    echo = reporter.note  # every line from here on goes above the progress bar
     progress = Progress(tasks, trials, echo)
     config = ms.runner.EvaluatorConfig(number=3, repeat=3 if cuda else 1, min_repeat_ms=50 if cuda else 20,
                                        enable_cpu_cache_flush=False)
     builder = ProgressBuilder(ms.builder.LocalBuilder(
         max_workers=num_cores, timeout_sec=120, f_build=functools.partial(_ms_build, **kernel.build_options(schedule))),
-        trials, echo)
+        reporter)
+    runner = ReportingRunner(ms.runner.LocalRunner(timeout_sec=120, evaluator_config=config,
+                                                   f_run_evaluator=_timed_alone if cuda else None), reporter)
     with _workers_import_this_tvmflash():
         # A task of one configuration has one candidate, its design space itself: build those first,
         # all at once (the builder's workers in parallel).
@@ -433,24 +631,27 @@ def tune(*, head_dim: int, dtype, causal: bool, target=None, trials: int = 64, b
             max_trials_global=trials,
             num_trials_per_iter=trials_per_iter or max(1, min(16, trials // len(contexts))),
             builder=builder,
-            runner=ms.runner.LocalRunner(timeout_sec=120, evaluator_config=config,
-                                         f_run_evaluator=_timed_alone if cuda else None),
-            database=ms.database.JSONDatabase(work_dir=str(work_dir)),
+            runner=runner,
+            database=db,
             cost_model=ms.cost_model.CostModel.create("xgb", num_tuning_cores=num_cores),
             measure_callbacks=[*ms.measure_callback.MeasureCallback.create("default"), progress],
             task_scheduler="gradient",
         )
+    reporter.close()
+    echo = reporter.echo
     if progress.best_knobs is None:
         raise RuntimeError(f"tvmflash tune: none of {progress.done} candidates built and ran; see the logs in {work_dir}")
-    defaults = kernel.default_knobs(schedule, head_dim)
+    defaults = known["default"]
     # MetaSchedule's fastest configurations, as tvmflash.compile builds them (symbolic shapes), and
-    # the defaults. Static shapes can rank configurations differently (on sm90 they did), so the
-    # best few are timed again rather than the best alone.
-    candidates = {"default": (None, defaults)}
+    # the known ones (the defaults; warm, the records too). Static shapes can rank configurations
+    # differently (on sm90 they did), so the best few are timed again rather than the best alone.
+    candidates = {label: (None, knobs) for label, knobs in known.items()}
+    search = []  # the labels of MetaSchedule's fastest: "#rank", or a known one's where it found that
     for rank, (ms_, knobs) in enumerate(progress.ranked(recheck), 1):
         knobs = {**defaults, **knobs}
-        if knobs != defaults:
-            candidates[f"#{rank}"] = (ms_, knobs)
+        label = next((label for label, known_knobs in known.items() if known_knobs == knobs), f"#{rank}")
+        candidates[label] = (ms_, knobs)
+        search.append(label)
 
     # ---- the candidates on real tensors through tvmflash.compile, in this run ------------------
     device = torch.device("cuda" if cuda else "cpu")
@@ -467,10 +668,10 @@ def tune(*, head_dim: int, dtype, causal: bool, target=None, trials: int = 64, b
         error, tolerance = bench.error_vs_float32(out, q, k, v, causal)
         correct[label] = error <= tolerance  # flash-attn's rule, as tvmflash bench applies it
         if not correct[label]:
-            echo(f"  the {'default' if label == 'default' else 'tuned'} knobs {label} give wrong results at the "
+            echo(f"  the {label + ' knobs' if label in known else 'tuned knobs ' + label} give wrong results at the "
                  f"tuning shape (max error {error:.3e} > {tolerance:.3e}): never stored")
     if not any(correct.values()):
-        raise RuntimeError("tvmflash tune: neither the tuned nor the default knobs give correct results")
+        raise RuntimeError("tvmflash tune: neither the tuned nor the known knobs give correct results")
     with gpu_timing_lock() if cuda else contextlib.nullcontext():
         for label, kern in kernels.items():
             times[label] = bench.time_ms(lambda kern=kern: kern(q, k, v, out=out), device, repeat=repeat)
@@ -479,10 +680,10 @@ def tune(*, head_dim: int, dtype, causal: bool, target=None, trials: int = 64, b
         echo(f"  {label:<8} {static}tvmflash.compile {times[label]:.4f} ms{'' if correct[label] else ' (wrong)'}: "
              f"{ {n: knobs[n] for n in knobs if knobs[n] != defaults.get(n)} or 'the defaults'}")
     # "tuned": the fastest correct one of MetaSchedule's (else its first, to report); the record
-    # keeps the faster correct one of it and the defaults.
-    tuned = [label for label in candidates if label != "default"] or ["default"]
+    # keeps the fastest correct one of it and the known.
+    tuned = search or ["default"]  # (recheck 0: the defaults stand for it)
     tuned_label = min((label for label in tuned if correct[label]), key=times.get, default=tuned[0])
-    winner = min((label for label in ("default", tuned_label) if correct[label]), key=times.get)
+    winner = min((label for label in (*known, tuned_label) if correct[label]), key=times.get)
     tuned_knobs, knobs = candidates[tuned_label][1], candidates[winner][1]
     wall_s = time.perf_counter() - start
     record = database.new_record(
@@ -491,16 +692,18 @@ def tune(*, head_dim: int, dtype, causal: bool, target=None, trials: int = 64, b
                "heads_q": shape["heads"], "heads_kv": shape["heads"]},
         trials=progress.done, failed_trials=progress.failed, wall_s=round(wall_s, 1),
         default_ms=times["default"], tuned_ms=times[tuned_label], tuned_knobs=tuned_knobs,
+        known_ms={label: times[label] for label in known}, start="cold" if cold else "warm",
         metaschedule_ms=progress.best_ms, work_dir=str(work_dir))
     path = database.add(record)
     kernel.forget_kernels()  # compile() must see the new record
     echo(f"best knobs: {tuned_knobs} (MetaSchedule's best: {progress.best_ms:.4f} ms)")
     echo(f"tvmflash.compile at b{shape['batch']} s{shape['seqlen']} h{shape['heads']}: default {times['default']:.4f} ms, "
          f"tuned {times[tuned_label]:.4f} ms ({times['default'] / times[tuned_label]:.2f}x)")
-    kept = database.lookup(resolved, schedule_name, workload)
-    if kept and {k: v for k, v in kept.items() if k != "source"} != record:
+    # The database keeps the faster record of a key (its own time, at its own shape).
+    kept = next((r for r in database.read(path) if database.same_key(r, record)), record)
+    if kept != record:
         echo(f"kept the faster record already in {path} ({kept['mean_ms']:.4f} ms at {kept.get('shape')}): {kept['knobs']}")
     else:
-        echo(f"stored the {'default' if winner == 'default' else 'tuned'} knobs {knobs} in {path} ({progress.done} trials, "
+        echo(f"stored the {winner if winner in known else 'tuned'} knobs {knobs} in {path} ({progress.done} trials, "
              f"{progress.failed} failed, {wall_s:.0f} s)")
     return {**record, "path": str(path)}
