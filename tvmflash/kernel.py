@@ -802,6 +802,19 @@ class BackwardKernel(Kernel):
         return tuple(t.clone(memory_format=torch.contiguous_format) if cuda and t.data_ptr() % 16 else t.contiguous()
                      for t in tensors)
 
+    def _gradients_and_passes(self, q, k, v, dq, dk, dv, heads_q: int, heads_kv: int, work: bool):
+        """dq, dk, dv (new where not given) and the programs that fill them (``program_backward.PASSES``
+        by name); without ``work`` (no query or no key) the gradients are 0 and there are no programs."""
+        grads = tuple(torch.empty_like(t) if g is None else g for t, g in ((q, dq), (k, dk), (v, dv)))
+        if not work:
+            for grad in grads:
+                grad.zero_()
+            return grads, None
+        module = self.module(heads_q, heads_kv)
+        if module.function is None:
+            raise RuntimeError(f"this {targets.describe(self.target)} kernel was cross-compiled: there is no GPU here to run it on")
+        return grads, module.function
+
     def __call__(self, q, k, v, out, dout, lse, *, dlse=None, softmax_scale=None, dq=None, dk=None, dv=None,
                  alibi_slopes=None):
         """(dq, dk, dv) of attention(q, k, v) = out (with its lse), given dout = ∂L/∂out and
@@ -816,17 +829,12 @@ class BackwardKernel(Kernel):
         self._check_gradient_arguments(q, k, v, out, dout, lse, dlse, dq, dk, dv, rows)
         softmax_scale = resolve_softmax_scale(softmax_scale, self.head_dim)
         q, k, v, out, dout, lse = self._compact(q, k, v, out, dout, lse)
-        dq, dk, dv = (torch.empty_like(t) if g is None else g for t, g in ((q, dq), (k, dk), (v, dv)))
-        if not (q.numel() and k.numel()):  # no query or no key: every gradient is 0
-            for grad in (dq, dk, dv):
-                grad.zero_()
+        (dq, dk, dv), passes = self._gradients_and_passes(q, k, v, dq, dk, dv, heads_q, heads_kv,
+                                                          work=bool(q.numel() and k.numel()))
+        if passes is None:
             return dq, dk, dv
-        module = self.module(heads_q, heads_kv)
-        if module.function is None:
-            raise RuntimeError(f"this {targets.describe(self.target)} kernel was cross-compiled: there is no GPU here to run it on")
         delta, lse2 = (torch.empty(rows, dtype=torch.float32, device=q.device) for _ in range(2))
         dlse = torch.zeros_like(delta) if dlse is None else dlse.contiguous()
-        passes = module.function
         passes["delta"](out, dout, lse, dlse, delta, lse2)
         passes["dkdv"](q, k, v, dout, lse2, delta, dk, dv, softmax_scale, *variant_arguments)
         passes["dq"](q, k, v, dout, lse2, delta, dq, softmax_scale, *variant_arguments)
@@ -858,20 +866,15 @@ class VarlenBackwardKernel(BackwardKernel):
         self._check_gradient_arguments(q, k, v, out, dout, lse, dlse, dq, dk, dv, rows)
         softmax_scale = resolve_softmax_scale(softmax_scale, self.head_dim)
         q, k, v, out, dout, lse = self._compact(q, k, v, out, dout, lse)
-        dq, dk, dv = (torch.empty_like(t) if g is None else g for t, g in ((q, dq), (k, dk), (v, dv)))
-        if not (q.numel() and k.numel() and batch):  # no query or no key: every gradient is 0
-            for grad in (dq, dk, dv):
-                grad.zero_()
+        (dq, dk, dv), passes = self._gradients_and_passes(q, k, v, dq, dk, dv, heads_q, heads_kv,
+                                                          work=bool(q.numel() and k.numel() and batch))
+        if passes is None:
             return dq, dk, dv
-        module = self.module(heads_q, heads_kv)
-        if module.function is None:
-            raise RuntimeError(f"this {targets.describe(self.target)} kernel was cross-compiled: there is no GPU here to run it on")
         delta, lse2 = (torch.empty((1, *rows), dtype=torch.float32, device=q.device) for _ in range(2))
         dlse = torch.zeros_like(delta) if dlse is None else dlse.contiguous()[None]
         # the packed rows as the programs' one batch
         q, k, v, out, dout, lse, dq4, dk4, dv4 = (t[None] for t in (q, k, v, out, dout, lse, dq, dk, dv))
         sequences = (cu_seqlens_q, cu_seqlens_k)
-        passes = module.function
         passes["delta"](out, dout, lse, dlse, delta, lse2)
         passes["dkdv"](q, k, v, dout, lse2, delta, dk4, dv4, softmax_scale, *sequences, max_seqlen_k, *variant_arguments)
         passes["dq"](q, k, v, dout, lse2, delta, dq4, softmax_scale, *sequences, max_seqlen_q, *variant_arguments)
