@@ -20,6 +20,9 @@ from tvmflash.lowering.annotations import (ASYNC_PROXY_OPERANDS_ATTR, HOIST_BLOC
                                            TMA_BARRIER_PADDING_ATTR, TMA_BARRIER_PADDINGS)
 
 PIPELINE = "tvmflash"
+# The buffers of varlen's sequence offsets (``program.varlen_arguments``): read once a kernel
+# (``passes.BindBlockUniformLoads``).
+SEQUENCE_OFFSETS = ("CuSeqlensQ", "CuSeqlensK")
 
 
 def options(mod: tvm.IRModule) -> dict:
@@ -57,6 +60,7 @@ def passes_for(mod: tvm.IRModule, config) -> list:
         tma.LowerToTMA(),                                            # +
         s_tir.transform.TransformMmaBufferLayout(),
         s_tir.transform.LowerOpaqueBlock(),
+        passes.BindBlockUniformLoads(SEQUENCE_OFFSETS),              # +
         passes.LowerPragmas(),                                       # +
         tirx.transform.FlattenBuffer(),
         tirx.transform.BF16ComputeLegalize(),
