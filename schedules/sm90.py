@@ -116,6 +116,12 @@ Q_COPIES = ("threads", "tma")
 # two blocks an SM (2026-11-30, commit 4f59a48); "direct" is for one block an SM, where nothing hides the staging's
 # barriers. Correct on the H200, no faster there (2026-11-30, commit cfedb6e).
 O_STORES = ("staged", "direct")
+# The knobs varlen (packed sequences, ``program.varlen_arguments``) takes: the output straight from the
+# registers, each row's store predicated on the sequence's rows (the staging tile's copy-out takes its
+# rows from the store's region, which TensorIR cannot bound with the offsets read from cu_seqlens:
+# CompactBufferAllocation rejects it). The TMA copies read past a sequence's last key, which the mask
+# hides (``tvmflash.lowering.tma``).
+VARLEN_KNOBS = {"o_store": "direct"}
 # overlap 1, FA3's intra-warpgroup order: the step of tile j issues PV of tile j - 1, then QK^T of tile
 # j, and waits once for both; V keeps num_stages tiles and K one fewer (``common.pipeline_loads``'s
 # ``lagged``). Needs TMA and 3 stages or more. Correct on the H200; with a producer warpgroup and 3

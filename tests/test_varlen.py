@@ -6,10 +6,11 @@ dense kernel on equal lengths; the packed forms; torch.compile; the
 checks of the arguments. The CPU tests share one module per variant (forward and backward)."""
 
 import math
+import re
 
 import pytest
 import torch
-from conftest import poisoned_out
+from conftest import kv_loop_body, poisoned_out
 from reference import check_attention, check_gradients
 
 import tvmflash
@@ -225,13 +226,16 @@ def test_bad_arguments_name_the_argument(change, error, message):
         tvmflash.flash_attn_varlen_func(**args)
 
 
-def test_cuda_schedules_build_varlen():
-    """The CUDA schedules take varlen as they are (here, with no GPU: the source): the forward on
-    sm80 (mma.sync) and SIMT (float32), the sm80 and SIMT backward; on sm_90a varlen takes the sm80
-    schedule (``kernel.choose_schedule``: TMA boxes would cross sequences)."""
+def test_cuda_schedules_build_varlen(monkeypatch):
+    """The CUDA schedules take varlen (here, with no GPU: the source): the forward on sm80 (mma.sync),
+    SIMT (float32) and sm90 (wgmma, TMA K/V tiles over the packed tensor, the output stored from the
+    registers: ``sm90.VARLEN_KNOBS``), the sm80 and SIMT backward. Each kernel reads its sequence's
+    offsets once (``lowering.passes.BindBlockUniformLoads``): the K/V loop reads no cu_seqlens, and a
+    causal step tests its tile once, not each score (``HoistBlockIndexConditions``)."""
     sources = {
         "sm80": tvmflash.compile(head_dim=32, dtype="float16", target="sm80", causal=True, varlen=True),
         "simt": tvmflash.compile(head_dim=32, dtype="float32", target="sm80", window_size=(30, 5), varlen=True),
+        "sm90": tvmflash.compile(head_dim=64, dtype="bfloat16", target="sm90", causal=True, varlen=True),
         "backward-sm80": tvmflash.compile_backward(head_dim=32, dtype="bfloat16", target="sm80", causal=True,
                                                    varlen=True),
         "backward-simt": tvmflash.compile_backward(head_dim=32, dtype="float32", target="sm80", varlen=True),
@@ -239,13 +243,25 @@ def test_cuda_schedules_build_varlen():
     for name, kernel in sources.items():
         src = kernel.source(heads_q=4, heads_kv=2)
         assert "CuSeqlensQ" in src[src.index("__global__"):], name
+        if not name.startswith("backward"):
+            assert "CuSeqlens" not in kv_loop_body(src), name
     assert "mma.sync" in sources["sm80"].source() and "mma.sync" in sources["backward-sm80"].source()
-    hopper = tvmflash.compile(head_dim=128, dtype="bfloat16", target="sm90", varlen=True)
-    assert hopper.info()["schedule"] == "sm80" and "varlen" in hopper.info()["schedule_source"]
+    hopper = sources["sm90"]
+    assert hopper.info()["schedule"] == "sm90" and hopper.knobs["o_store"] == "direct"
+    src = hopper.source()
+    assert "wgmma.mma_async" in src and "tvmflash_tma_load_5d" in src
+    # the causal tile test (its last key inside the sequence's keys) once a step, not once a score: on
+    # sm90 the score loops are unrolled, on sm80 the test sits in the K/V step itself
+    tile_test = r"if \(\(\(\(kb \* (\d+)\) \+ \d+\) < \(cuseqlensk"
+    assert len(re.findall(tile_test, kv_loop_body(src))) == 1
+    assert re.search(r"\n    " + tile_test, kv_loop_body(sources["sm80"].source()))
+    monkeypatch.setenv("TVMFLASH_SM90", "1")  # (given knobs take sm80's schedule on sm_90a without it)
+    with pytest.raises(ValueError, match="varlen on the sm90 schedule takes"):
+        tvmflash.compile(head_dim=64, dtype="bfloat16", target="sm90", varlen=True, knobs={"o_store": "staged"})
 
 
 # ------------------------------------------------------------------------------------------------
-# GPU (the default schedules: sm80's mma.sync for fp16/bf16, SIMT for float32)
+# GPU (the default schedules: on sm_90a sm90's wgmma for fp16/bf16, SIMT for float32)
 GPU_CONFIGS = [(torch.bfloat16, 128), (torch.float16, 64), (torch.float32, 32)]
 
 
@@ -257,6 +273,15 @@ def test_forward_matches_float64_on_the_gpu(dtype, head_dim, name):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("name", ["causal", "all"])
+def test_forward_on_the_sm80_schedule_on_the_gpu(monkeypatch, name):
+    """On sm_90a varlen takes the sm90 schedule (fp16/bf16, d64 and up); the sm80 schedule's, which
+    sm_80 GPUs run, here with TVMFLASH_SM90=0."""
+    monkeypatch.setenv("TVMFLASH_SM90", "0")
+    forward_matches_float64("cuda", torch.bfloat16, 64, name, GPU_LENGTHS)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("name,with_lse", [("plain", True), ("causal", False), ("window", True), ("all", False)])
 @pytest.mark.parametrize("dtype,head_dim", GPU_CONFIGS[:2], ids=str)
 def test_gradients_match_float64_on_the_gpu(dtype, head_dim, name, with_lse):
@@ -265,8 +290,8 @@ def test_gradients_match_float64_on_the_gpu(dtype, head_dim, name, with_lse):
 
 @pytest.mark.gpu
 def test_equals_the_dense_kernel_on_the_gpu():
-    """On equal lengths, the varlen kernel (sm80) against the dense one (the target's default: sm90
-    on sm_90a) under flash-attn's rule, and a CUDA graph replayed over new offsets of the same
+    """On equal lengths, the varlen kernel against the dense one (both the target's default: sm90
+    on sm_90a, whose output the dense kernel stages through shared memory) under flash-attn's rule, and a CUDA graph replayed over new offsets of the same
     totals gives the new packing's output (the kernel reads the offsets on the device)."""
     batch, seqlen = 4, 500
     q, k, v, cu, _, max_len, _ = packed_problem([(seqlen, seqlen)] * batch, HEADS, 128, torch.bfloat16, "cuda")

@@ -47,9 +47,11 @@ _MODULES: dict[str, _Module] = {}  # in-memory cache: key -> module
 _LOCK = threading.Lock()
 
 
-def default_knobs(schedule, head_dim: int) -> dict:
-    """A schedule's default knobs for a head_dim: ``KNOBS``, updated by ``KNOBS_FOR_HEAD_DIM``."""
-    return {**schedule.KNOBS, **getattr(schedule, "KNOBS_FOR_HEAD_DIM", {}).get(head_dim, {})}
+def default_knobs(schedule, head_dim: int, varlen: bool = False) -> dict:
+    """A schedule's default knobs for a head_dim: ``KNOBS``, updated by ``KNOBS_FOR_HEAD_DIM`` (and
+    with varlen by ``VARLEN_KNOBS``, the knobs that varlen's packed sequences require)."""
+    return {**schedule.KNOBS, **getattr(schedule, "KNOBS_FOR_HEAD_DIM", {}).get(head_dim, {}),
+            **(getattr(schedule, "VARLEN_KNOBS", {}) if varlen else {})}
 
 
 def resolve_softmax_scale(softmax_scale, head_dim: int) -> float:
@@ -182,8 +184,13 @@ class Kernel:
         else:  # choose_schedule may have read this schedule's best record already
             tuned = records[schedule_name] if schedule_name in records else database.lookup(
                 target, schedule_name, workload(spec_args))
-        defaults = default_knobs(self.schedule, self.head_dim)
-        self.knobs = {**defaults, **(tuned["knobs"] if tuned else {}), **(knobs or {})}
+        varlen = self.variant.get("varlen", False)
+        required = getattr(self.schedule, "VARLEN_KNOBS", {}) if varlen else {}  # over the tuned (dense) knobs
+        wrong = {name: value for name, value in (knobs or {}).items() if name in required and value != required[name]}
+        if wrong:
+            raise ValueError(f"knobs: varlen on the {schedule_name} schedule takes {required}, got {wrong}")
+        defaults = default_knobs(self.schedule, self.head_dim, varlen)
+        self.knobs = {**defaults, **(tuned["knobs"] if tuned else {}), **required, **(knobs or {})}
         if knobs:
             self.knobs_source = "given"
         elif tuned:
@@ -262,6 +269,7 @@ class Kernel:
                 "spec": asdict(spec),
                 "knobs": self.knobs,
                 "target": str(self.target),
+                **({"build": self._build_options()} if self.variant.get("varlen") else {}),  # (dense keys unchanged)
             }
         )
 
@@ -342,8 +350,15 @@ class Kernel:
         return module["main"]
 
     def _build_options(self) -> dict:
-        """What ``lowering.build`` takes for this kernel's modules: its schedule's ``build_options``."""
-        return build_options(self.schedule)
+        """What ``lowering.build`` takes for this kernel's modules: its schedule's ``build_options``,
+        and for varlen the tile tests hoisted on every schedule (``HoistBlockIndexConditions``): nvcc
+        unswitched the sm80 schedule's dense K/V step on the causal tile test (two bodies in its PTX,
+        d64: 1108 and 1261 instructions) but not varlen's (one of 1694), whose test reads the
+        sequence's offsets too."""
+        options = build_options(self.schedule)
+        if self.variant.get("varlen"):
+            options["hoist_block_index_conditions"] = True
+        return options
 
     # ----------------------------------------------------------------- using
     def source(self, heads_q: int | None = None, heads_kv: int | None = None) -> str:
@@ -643,14 +658,12 @@ def choose_schedule(target: tvm.target.Target, spec_args: dict,
     or None}, empty if it read none). ``schedules.for_target`` decides, except on sm_90a with
     TVMFLASH_SM90 unset and no knobs given: there this device's tuned records (``tvmflash tune`` or
     the shipped logs) of both schedules, measured at the same shape, pick the faster; without them
-    the sm90 schedule serves every head_dim but those of ``sm90.SM80_HEAD_DIMS``. varlen is never
-    on the sm90 schedule: its TMA copies and staged stores move whole boxes of rows, which would cross
-    from one packed sequence into the next (stores would overwrite it); the sm80 schedule's
-    predicated loads and stores stop at each sequence's end, so varlen takes sm80 there."""
+    the sm90 schedule serves every head_dim but those of ``sm90.SM80_HEAD_DIMS``. varlen takes the
+    same schedules: the sm90 schedule's TMA K/V boxes read past a sequence's last key into the next
+    sequence (or, past the packed tensor's end, TMA's zeros), keys that the mask hides as it hides
+    any key past the sequence's end, as FA3 does; its output and LSE stores are the program's,
+    predicated on the sequence's rows."""
     module = schedule_registry.for_target(target, spec_args["dtype"])
-    if spec_args.get("varlen") and (module is schedule_registry.sm90
-                                    or schedule_registry.sm90_eligible(target, spec_args["dtype"])):
-        return schedule_registry.sm80, "sm80's: varlen is not on the sm90 schedule (TMA boxes cross sequences)", {}
     if (knobs or module is not schedule_registry.sm80 or schedule_registry.sm90_setting() != "records"
             or not schedule_registry.sm90_eligible(target, spec_args["dtype"])):
         return module, "the target's", {}

@@ -209,7 +209,9 @@ def _copy(plan, stmt):
     store = blocks[0].body
     if type(store).__name__ != "BufferStore":
         raise RuntimeError(f"TMA: the copy block {blocks[0].name_hint} is not one store")
-    loads = find(store.value, is_load)
+    # the tensor copied: the load of the tile's dtype (varlen's also read the sequence offsets, int32,
+    # in the row index and the predicate; TMA reads past the sequence's end, which the mask hides)
+    loads = [load for load in find(store.value, is_load) if loaded(load).dtype == store.buffer.dtype]
     if len(loads) != 1:
         raise RuntimeError(f"TMA: the copy block {blocks[0].name_hint} must read one global tensor: {loads}")
     source = loads[0]
