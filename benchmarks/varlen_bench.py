@@ -7,11 +7,11 @@
 Each row packs ``--tokens`` tokens into sequences: "equal" is tokens / length sequences of ``--length``,
 which the dense kernel runs as a batch of them; "ragged" is random lengths of 1 to 2 x length with the
 same total (the dense kernel has no such batch; its row is the equal one's). Times are
-``tvmflash.bench.time_backends``' (interleaved rounds, short bursts) of ``flash_attn_varlen_func``, the
-dense kernel of the target's default schedule (sm90 on sm_90a), and the dense sm80 schedule
-(TVMFLASH_SM90=0), the one varlen runs on; TFLOP/s count each sequence's own attention
-(``bench.attention_flops``). Each varlen result is checked first against the dense kernel (equal: at
-most 2e-2 apart) or its first sequence against float32 attention (ragged).
+``tvmflash.bench.time_backends``' (interleaved rounds, short bursts) of ``flash_attn_varlen_func`` and
+the dense kernel, both of the target's default schedule (sm90 on sm_90a), and the dense sm80 schedule
+(TVMFLASH_SM90=0); TFLOP/s count each sequence's own attention (``bench.attention_flops``). Each
+varlen result is checked first against the dense kernel (equal: at most 2e-2 apart) or its first
+sequence against float32 attention (ragged). The kernels are built first, ``--build-jobs`` at a time.
 """
 
 from __future__ import annotations
@@ -93,11 +93,26 @@ def main():
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--causal", choices=["yes", "no", "both"], default="both")
     parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--build-jobs", type=int, default=8, help="kernels built at once, before timing")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    causals = {"yes": [True], "no": [False], "both": [False, True]}[args.causal]
+    if device.type == "cuda" and args.build_jobs > 1:
+        shapes = [{"head_dim": d, "dtype": str(dtype).split(".")[-1], "causal": c, "heads_q": HEADS_Q, "heads_kv": HEADS_KV}
+                  for d in args.head_dims for c in causals]
+        bench.build_in_parallel([("compile", {**shape, **flag}) for shape in shapes for flag in ({"varlen": True}, {})],
+                                args.build_jobs)
+        saved = os.environ.get("TVMFLASH_SM90")
+        os.environ["TVMFLASH_SM90"] = "0"  # the dense sm80 kernels (spawned builds inherit it)
+        try:
+            bench.build_in_parallel([("compile", shape) for shape in shapes], args.build_jobs)
+        finally:
+            os.environ.pop("TVMFLASH_SM90")
+            if saved is not None:
+                os.environ["TVMFLASH_SM90"] = saved
     for head_dim in args.head_dims:
-        for causal in {"yes": [True], "no": [False], "both": [False, True]}[args.causal]:
+        for causal in causals:
             run(args.tokens, args.length, head_dim, causal, dtype, device, args.repeat)
 
 
