@@ -122,6 +122,19 @@ def schedule_delta(sch: tvm.s_tir.Schedule) -> None:
     sch.bind(lane, "threadIdx.x")
 
 
+def schedule_convert_dq(sch: tvm.s_tir.Schedule, threads: int = 256) -> None:
+    """The convert_dq program (dq = dq_accum · scale, rounded): elementwise, each thread four
+    consecutive floats (one 16-byte load)."""
+    sch.work_on("convert_dq")
+    loops = sch.get_loops("convert_dq")
+    fused = sch.fuse(*loops[:-1])
+    d0, d1 = sch.split(loops[-1], [None, 4])
+    bx, tx = sch.split(sch.fuse(fused, d0), [None, threads])
+    sch.bind(bx, "blockIdx.x")
+    sch.bind(tx, "threadIdx.x")
+    sch.vectorize(d1)
+
+
 def schedule_backward_program(sch: tvm.s_tir.Schedule, func: str, threads: int, vector_bytes) -> None:
     """The dkdv program (one thread a key, ``threads`` = block_n) or the dq program (one thread a
     query row, ``threads`` = block_m) on SIMT threads."""

@@ -731,7 +731,8 @@ class BackwardKernel(Kernel):
     q, out, dout: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv,
     head_dim); lse, dlse: float32 (batch, heads_q, seqlen_q), the forward's. dq, dk, dv have the
     shapes and dtype of q, k and v (dk, dv summed over each GQA group's query heads). The
-    gradients are bitwise the same from run to run (no atomics: ``program_backward``).
+    gradients are bitwise the same from run to run unless the knob ``dq_atomic`` sums dq by fp32
+    atomics (``program_backward``).
     """
 
     PASS = "backward"
@@ -765,12 +766,34 @@ class BackwardKernel(Kernel):
     def _scheduled(self, spec: AttentionSpec) -> tvm.s_tir.Schedule:
         knobs = self.knobs
         sch = tvm.s_tir.Schedule(program_backward.attention_backward(
-            spec, knobs["block_m"], knobs["block_n"], knobs.get("dq_block_m"), knobs.get("dq_block_n")))
+            spec, knobs["block_m"], knobs["block_n"], knobs.get("dq_block_m"), knobs.get("dq_block_n"),
+            dq_atomic=self.dq_atomic))
         return self.schedule.schedule_backward(sch, **self.knobs)
 
+    @property
+    def dq_atomic(self) -> bool:
+        """dq summed by fp32 atomics from dkdv (then not bitwise reproducible), or by a pass of its own."""
+        return bool(self.knobs.get("dq_atomic", False))
+
     def _entry(self, module):
-        """The three programs to call, by name (``program_backward.PASSES``)."""
-        return {name: module[name] for name in program_backward.PASSES}
+        """The three programs to call, by name (``program_backward.passes``)."""
+        return {name: module[name] for name in program_backward.passes(self.dq_atomic)}
+
+    def _dq_accumulator(self, q) -> tuple:
+        """With ``dq_atomic``: (dq_accum,), zeros of ``program_backward``'s shape for q (batch,
+        seqlen_q, heads_q, head_dim); else ()."""
+        if not self.dq_atomic:
+            return ()
+        batch, seqlen_q, heads_q, head_dim = q.shape
+        rows = program_backward.dq_accumulator_rows(seqlen_q, self.knobs["block_m"])
+        return (torch.zeros((batch, rows, heads_q, head_dim), dtype=torch.float32, device=q.device),)
+
+    def _dq(self, passes, accumulator, q, k, v, dout, lse2, delta, dq, softmax_scale, *arguments):
+        """dq: from dkdv's sum (``accumulator``: convert_dq) or by the dq pass."""
+        if accumulator:
+            passes["convert_dq"](*accumulator, dq, softmax_scale)
+        else:
+            passes["dq"](q, k, v, dout, lse2, delta, dq, softmax_scale, *arguments)
 
     def info(self) -> dict:
         return {**super().info(), "pass": self.PASS}
@@ -835,9 +858,10 @@ class BackwardKernel(Kernel):
             return dq, dk, dv
         delta, lse2 = (torch.empty(rows, dtype=torch.float32, device=q.device) for _ in range(2))
         dlse = torch.zeros_like(delta) if dlse is None else dlse.contiguous()
+        accumulator = self._dq_accumulator(q)
         passes["delta"](out, dout, lse, dlse, delta, lse2)
-        passes["dkdv"](q, k, v, dout, lse2, delta, dk, dv, softmax_scale, *variant_arguments)
-        passes["dq"](q, k, v, dout, lse2, delta, dq, softmax_scale, *variant_arguments)
+        passes["dkdv"](q, k, v, dout, lse2, delta, dk, dv, softmax_scale, *accumulator, *variant_arguments)
+        self._dq(passes, accumulator, q, k, v, dout, lse2, delta, dq, softmax_scale, *variant_arguments)
         return dq, dk, dv
 
 
@@ -875,9 +899,12 @@ class VarlenBackwardKernel(BackwardKernel):
         # the packed rows as the programs' one batch
         q, k, v, out, dout, lse, dq4, dk4, dv4 = (t[None] for t in (q, k, v, out, dout, lse, dq, dk, dv))
         sequences = (cu_seqlens_q, cu_seqlens_k)
+        accumulator = self._dq_accumulator(q)
         passes["delta"](out, dout, lse, dlse, delta, lse2)
-        passes["dkdv"](q, k, v, dout, lse2, delta, dk4, dv4, softmax_scale, *sequences, max_seqlen_k, *variant_arguments)
-        passes["dq"](q, k, v, dout, lse2, delta, dq4, softmax_scale, *sequences, max_seqlen_q, *variant_arguments)
+        passes["dkdv"](q, k, v, dout, lse2, delta, dk4, dv4, softmax_scale, *accumulator, *sequences, max_seqlen_k,
+                       *variant_arguments)
+        self._dq(passes, accumulator, q, k, v, dout, lse2, delta, dq4, softmax_scale, *sequences, max_seqlen_q,
+                 *variant_arguments)
         return dq, dk, dv
 
 

@@ -11,9 +11,10 @@ import tvm_ffi
 from tvm import tirx
 from tvm.script import tirx as T
 
-from tvmflash.lowering.annotations import REG_FENCE, REVERSED, SKIP_UNIT_RESCALE_PRAGMA, WGMMA_WAIT_PRAGMA
-from tvmflash.lowering.ir import (every_element, find, folded, loaded_buffers, map_loops, prim_func_pass, substitute,
-                                  with_children)
+from tvmflash.lowering.annotations import (ATOMIC_ADD_PRAGMA, REG_FENCE, REVERSED, SKIP_UNIT_RESCALE_PRAGMA,
+                                           WGMMA_WAIT_PRAGMA)
+from tvmflash.lowering.ir import (every_element, find, folded, is_load, loaded, loaded_buffers, map_loops, prim_func_pass,
+                                  substitute, transform, with_children)
 
 
 # ---------------------------------------------------------------------------------- reversed loops
@@ -88,22 +89,82 @@ def _skipped_where_factors_are_one(attr):
     return tirx.IfThenElse(some_lane, attr.body, None)
 
 
+def _atomic_add(store):
+    """``x[i] = x[i] + y`` as ``atomicAdd(&x[i], y)`` (its result unused: nvcc emits a ``red``)."""
+    return tirx.Evaluate(T.cuda.atomic_add(_address(store), _addend(store)))
+
+
+def _addend(store):
+    """y of a store ``x[i] = x[i] + y``."""
+    value = store.value
+    if not (isinstance(value, tirx.Add) and is_load(value.a) and loaded(value.a).same_as(store.buffer)
+            and tvm_ffi.structural_equal(list(value.a.indices), list(store.indices))):
+        raise ValueError(f"{ATOMIC_ADD_PRAGMA}: expected stores x[i] = x[i] + y, got {store}")
+    return value.b
+
+
+def _address(store):
+    return tirx.call_intrin("handle", "tirx.address_of", tirx.BufferLoad(store.buffer, store.indices))
+
+
+RED_ADD_V2 = ("__device__ __forceinline__ void tvmflash_red_add_v2(float* address, float a, float b) "
+              '{ asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" :: "l"(address), "f"(a), "f"(b) : "memory"); }')
+
+
+def _paired_atomic_add(loop):
+    """A loop of two float32 additions to adjacent elements (x[i + e] = x[i + e] + y[e], e = 0, 1, i
+    even) as one vector reduction (``red.global.add.v2.f32``, sm_90): half the atomic operations."""
+    store = loop.body
+    if not (int(loop.extent) == 2 and type(store).__name__ == "BufferStore" and str(store.buffer.dtype) == "float32"):
+        return None
+    first, second = (substitute(store, [(loop.loop_var, loop.min + e)]) for e in range(2))
+    *outer_first, last_first = first.indices
+    *outer_second, last_second = second.indices
+    if not (tvm_ffi.structural_equal(outer_first, outer_second)
+                    and tvm.sym.Analyzer().can_prove_equal(last_second - last_first, 1)):
+        return None
+    return tirx.Evaluate(T.cuda.func_call("tvmflash_red_add_v2", _address(first), _addend(first), _addend(second),
+                                          source_code=RED_ADD_V2))
+
+
+def _atomic_adds(attr, vector: bool):
+    """The statement for an ``ATOMIC_ADD_PRAGMA`` AttrStmt: its loop, each store an atomic addition;
+    with ``vector`` (sm_90, and the pragma's value 2), each loop over two adjacent elements one vector
+    reduction."""
+    body = attr.body
+    if vector and int(attr.value) == 2:
+        body = transform(body, tirx.For, _paired_atomic_add)
+    return transform(body, tirx.BufferStore, _atomic_add)
+
+
 _PRAGMA_LOWERINGS = {WGMMA_WAIT_PRAGMA: _wait_and_fence_accumulators,
-                     SKIP_UNIT_RESCALE_PRAGMA: _skipped_where_factors_are_one}
+                     SKIP_UNIT_RESCALE_PRAGMA: _skipped_where_factors_are_one,
+                     ATOMIC_ADD_PRAGMA: _atomic_adds}  # (with the target's vector reductions: _lowered_pragmas)
 
 
-def _lowered_pragmas(stmt):  # by hand: structural_map rejects the fences' loads of a buffer defined outside
+def _has_vector_reductions(func) -> bool:
+    """Does the function's target have ``red.global.add.v2.f32`` (CUDA sm_90 and newer)?"""
+    target = func.attrs.get("target") if func.attrs is not None else None
+    arch = str(target.attrs.get("arch", "")) if target is not None and target.kind.name == "cuda" else ""
+    return arch.startswith("sm_") and int("".join(c for c in arch[3:] if c.isdigit()) or 0) >= 90
+
+
+def _lowered_pragmas(stmt, vector_reductions: bool):  # by hand: structural_map rejects the fences' loads
     if isinstance(stmt, tirx.AttrStmt) and stmt.attr_key in _PRAGMA_LOWERINGS:
+        if stmt.attr_key == ATOMIC_ADD_PRAGMA:
+            return _atomic_adds(stmt, vector_reductions)
         return _PRAGMA_LOWERINGS[stmt.attr_key](stmt)
-    return with_children(stmt, _lowered_pragmas)
+    return with_children(stmt, lambda child: _lowered_pragmas(child, vector_reductions))
 
 
 def LowerPragmas():  # noqa: N802
     """After ``LowerOpaqueBlock`` (which turns a loop's pragma annotation into an AttrStmt around it):
     each loop annotated with one of tvmflash's pragmas becomes its statements. ``WGMMA_WAIT_PRAGMA``:
     the wait and fences of ``_wait_and_fence_accumulators``, then the loop;
-    ``SKIP_UNIT_RESCALE_PRAGMA``: the loop under ``_skipped_where_factors_are_one``'s warp-wide test."""
-    return prim_func_pass(lambda func: func.with_body(_lowered_pragmas(func.body)), "tvmflash.LowerPragmas")
+    ``SKIP_UNIT_RESCALE_PRAGMA``: the loop under ``_skipped_where_factors_are_one``'s warp-wide test;
+    ``ATOMIC_ADD_PRAGMA``: the loop with its additions atomic (``_atomic_adds``)."""
+    return prim_func_pass(lambda func: func.with_body(_lowered_pragmas(func.body, _has_vector_reductions(func))),
+                          "tvmflash.LowerPragmas")
 
 
 # ---------------------------------------------------------------------------------- hoisting
