@@ -48,7 +48,8 @@ class DecodeKernel(Kernel):
     is float32 (batch, heads_q, seqlen_q). Lengths are read on the device: every length, batch,
     seqlen_q and split count runs the same module, and a call captured in a CUDA graph replays with
     the lengths the tensor holds then. causal is an argument of the call, not of the module. Each new
-    pair of head counts builds (or loads) one module, with the functions ``split`` and ``merge``.
+    pair of head counts builds (or loads) one module, with the functions ``split`` and ``merge`` (and
+    ``single``, which num_splits=1 runs alone: it writes the output, with no merge).
     The variant (a window, a softcap, ALiBi: ``compile_decode``) is the kernel's; with ALiBi each call
     takes ``alibi_slopes``, float32 (heads_q,) or (batch, heads_q).
     """
@@ -89,10 +90,13 @@ class DecodeKernel(Kernel):
         return cache.digest({"pass": self.PASS, "like the forward's": super()._key(spec)})
 
     def _scheduled(self, spec: DecodeSpec) -> tvm.s_tir.Schedule:
-        """The two programs, ``split`` and ``merge``, in one module, scheduled."""
+        """The programs in one module, scheduled: ``split`` and ``merge``, and ``single`` (the split
+        program as one split writing the output itself: no merge, no partial buffers)."""
         split = program_decode.decode_split(spec, self.knobs["query_tokens"], self.knobs["block_n"])
+        single = program_decode.decode_split(spec, self.knobs["query_tokens"], self.knobs["block_n"], final=True)
         merge = program_decode.decode_merge(spec)
         mod = tvm.IRModule({"split": split.with_attr("global_symbol", "split"),
+                            "single": single.with_attr("global_symbol", "single"),
                             "merge": merge.with_attr("global_symbol", "merge")})
         return self.schedule.schedule_decode(tvm.s_tir.Schedule(mod), **self.knobs)
 
@@ -100,7 +104,7 @@ class DecodeKernel(Kernel):
         return {**build_options(self.schedule), "pass_config": getattr(self.schedule, "DECODE_PASS_CONFIG", {})}
 
     def _entry(self, module):
-        return {"split": module["split"], "merge": module["merge"]}
+        return {"split": module["split"], "single": module["single"], "merge": module["merge"]}
 
     def info(self) -> dict:
         return {**super().info(), "pass": self.PASS, "causal": "per call", "page_size": self.page_size}
@@ -148,6 +152,9 @@ class DecodeKernel(Kernel):
         if out.numel() and not (k_cache.numel() and index.numel() if self.page_size else k_cache.numel()):
             out.zero_()  # an empty cache: no key for anyone (and no tensor for the kernel to clamp into)
             lse.fill_(-math.inf)
+        elif out.numel() and num_splits == 1:  # the split kernel writes the output: no merge
+            module.function["single"](q, k_cache, v_cache, lengths, index, out, lse, softmax_scale,
+                                      int(bool(causal)), *variant_arguments)
         elif out.numel():
             o_part = torch.empty((num_splits, batch, seqlen_q, heads_q, self.head_dim), dtype=torch.float32,
                                  device=q.device)
