@@ -183,24 +183,28 @@ DECODE_PASS_CONFIG = {
     # InjectPTXAsyncCopy (TVM 0.27) then fails on the vector store index its copies meet.
     "tirx.disable_storage_rewrite": True,
 }
-# Shared rows of the K/V tiles are padded by 16 bytes: a quarter-warp's 16-byte reads of 8 rows
-# (one key each, Q Kᵀ) then fall in 8 different groups of 4 banks.
+# Shared rows of the K tiles are padded by 16 bytes: a quarter-warp's 16-byte reads of 8 rows (one
+# key each, Q Kᵀ) then fall in 8 different groups of 4 banks. V's rows are not: P V reads one key's
+# row across the threads, contiguous, and the 16 bytes a row saved let six one-warp tasks of GQA
+# 32/8 fit an SM's 228 KiB instead of five.
 _ROW_PAD_BYTES = 16
 
 
-def decode_shared_memory_bytes(head_dim: int, dtype: str, knobs: dict) -> int:
-    """Shared memory of a decode task: the K and V tiles (padded rows), P and the query rows
-    (an upper bound, for the largest GQA group of 8 a task)."""
+def decode_shared_memory_bytes(head_dim: int, dtype: str, knobs: dict, group: int = 8) -> int:
+    """Shared memory of a decode task: the K tiles (padded rows) and V tiles, the query rows and the
+    per-key buffers of the scores, P and the row sums (float32), for a GQA group of ``group``
+    query heads (default 8, the largest usual one: an upper bound)."""
     element = tvm.DataType(dtype).bits // 8
-    rows = 8 * knobs["query_tokens"]
-    return (2 * knobs["num_stages"] * knobs["block_n"] * (head_dim * element + _ROW_PAD_BYTES)
-            + rows * knobs["block_n"] * 4 + rows * head_dim * 4)
+    rows = group * knobs["query_tokens"]
+    return (knobs["num_stages"] * knobs["block_n"] * (2 * head_dim * element + _ROW_PAD_BYTES)
+            + 3 * rows * knobs["block_n"] * 4 + rows * head_dim * 4 + 64)
 
 
-def decode_tasks_per_sm(head_dim: int, dtype: str, knobs: dict) -> int:
+def decode_tasks_per_sm(head_dim: int, dtype: str, knobs: dict, group: int = 8) -> int:
     """Thread blocks of the split kernel that one SM holds at once (by shared memory and threads;
-    228 KiB and 2048 threads an SM, sm80 to sm90), for choosing the split count."""
-    by_shared = (228 * 1024) // (decode_shared_memory_bytes(head_dim, dtype, knobs) + 1024)
+    228 KiB and 2048 threads an SM, sm80 to sm90, 1 KiB reserved a block), for choosing the split
+    count."""
+    by_shared = (228 * 1024) // (decode_shared_memory_bytes(head_dim, dtype, knobs, group) + 1024)
     return max(1, min(by_shared, 2048 // knobs["threads"], 32))
 
 
@@ -302,11 +306,12 @@ def schedule_decode(sch: tvm.s_tir.Schedule, *, query_tokens: int, block_n: int,
             acc_by_threads(name)
         sch.set_scope("init_acc", 0, "local")
 
-        # K/V tiles: coalesced vector copies into padded shared rows.
+        # K/V tiles: coalesced vector copies into shared rows (K's padded).
         vector = vector_bytes // element
         for name in ("load_k", "load_v"):
             sch.set_scope(name, 0, "shared.dyn")
-            sch.storage_align(name, 0, axis=0, factor=head_dim, offset=_ROW_PAD_BYTES // element)
+            if name == "load_k":
+                sch.storage_align(name, 0, axis=0, factor=head_dim, offset=_ROW_PAD_BYTES // element)
             j, d = sch.get_loops(name)[-2:]
             d, vec = sch.split(d, [None, vector])
             by_threads([j, d])

@@ -118,11 +118,14 @@ class DecodeKernel(Kernel):
     def query_blocks(self, seqlen_q: int) -> int:
         return -(-seqlen_q // self.knobs["query_tokens"])
 
-    def auto_num_splits(self, batch: int, heads_kv: int, seqlen_q: int, max_keys: int, device: torch.device) -> int:
+    def auto_num_splits(self, batch: int, heads_kv: int, seqlen_q: int, max_keys: int, device: torch.device,
+                        group: int = 8) -> int:
         """The split count for ``num_splits=0``, from static shapes only (so that a CUDA graph's
-        buffers fit every replay): enough tasks to fill the device (``choose_num_splits``)."""
+        buffers fit every replay): enough tasks to fill the device (``choose_num_splits``). group:
+        the query heads a K/V head serves (a task's shared memory grows with it)."""
         if device.type == "cuda":
-            slots = _sm_count(device) * self.schedule.decode_tasks_per_sm(self.head_dim, self.dtype, self.knobs)
+            slots = _sm_count(device) * self.schedule.decode_tasks_per_sm(self.head_dim, self.dtype, self.knobs,
+                                                                           group)
         else:
             slots = torch.get_num_threads() * self.schedule.decode_tasks_per_core(self.knobs)
         tiles = -(-max_keys // self.knobs["block_n"])
@@ -141,7 +144,7 @@ class DecodeKernel(Kernel):
         check_num_splits(num_splits)
         if num_splits == 0:
             capacity = index.shape[1] * self.page_size if self.page_size else k_cache.shape[1]
-            num_splits = self.auto_num_splits(batch, heads_kv, seqlen_q, capacity, q.device)
+            num_splits = self.auto_num_splits(batch, heads_kv, seqlen_q, capacity, q.device, heads_q // heads_kv)
         if out is None:
             out = torch.empty_like(q)
         lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device)
