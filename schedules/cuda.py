@@ -393,13 +393,26 @@ def schedule_decode(sch: tvm.s_tir.Schedule, *, query_tokens: int, block_n: int,
     b, t, h = sch.get_loops("row")
     sch.bind(sch.fuse(t, h), "blockIdx.x")
     sch.bind(b, "blockIdx.y")
-    for name, index in [("lse_max", 0), ("lse_sum", 0)]:
-        sch.set_scope(name, index, "local")
-    d, _ = sch.get_loops("merge_o")[-2:]
+    columns = int(sch.get(sch.get_loops("store_o")[-1]).extent)  # head_dim: the block's threads
+    # The splits' LSE max and sum across the threads (a split a thread: one round trip to memory for
+    # all of them, not one a split), the results in every thread's registers.
+    sch.set_scope("finite_max", 0, "local")
+    for name in ("lse_max", "lse_sum"):
+        sch.set_scope(name, 0, "local")
+        _, s_threads = sch.split(sch.get_loops(name)[-1], [None, columns])
+        sch.bind(s_threads, "threadIdx.x")
+    # Each thread a head_dim column; the splits' partial outputs read MERGE_UNROLL at a time.
+    d, s = sch.get_loops("merge_o")[-2:]
     sch.bind(d, "threadIdx.x")
     sch.set_scope("merge_o", 0, "local")
+    sch.decompose_reduction("merge_o", s)
+    _, s_inner = sch.split(s, [None, MERGE_UNROLL])
+    sch.unroll(s_inner)
     sch.bind(sch.get_loops("store_o")[-1], "threadIdx.x")
     return sch
+
+
+MERGE_UNROLL = 8  # splits whose partial outputs a merge thread has in flight at once
 
 
 def _vectorize_rows(sch, block, vector_bytes: int) -> None:

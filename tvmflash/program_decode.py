@@ -365,17 +365,18 @@ def decode_merge(spec: DecodeSpec):
         for b, t, h in T.grid(batch, seqlen_q, HQ):
             with T.sblock("row"):
                 vb, vt, vh = T.axis.remap("SSS", [b, t, h])
-                m = T.sblock_alloc_buffer((1,), f32)  # max of the splits' LSE, 0 if all are -inf
+                lse_max = T.sblock_alloc_buffer((1,), f32)  # max of the splits' LSE
+                m = T.sblock_alloc_buffer((1,), f32)  # the same, 0 if all are -inf
                 total = T.sblock_alloc_buffer((1,), f32)  # Σ_s exp(lse_s - m)
                 acc = T.sblock_alloc_buffer((D,), f32)
                 for s in range(num_splits):
                     with T.sblock("lse_max"):
                         vs = T.axis.reduce(num_splits, s)
-                        with T.init():
-                            m[0] = T.float32(-math.inf)
-                        m[0] = T.max(m[0], LSEPart[vs, vb, vt, vh])
-                with T.sblock("finite_max"):  # exp(-inf - -inf) would be NaN
-                    m[0] = T.if_then_else(m[0] == T.float32(-math.inf), T.float32(0), m[0])
+                        with T.init():  # max's identity, so that threads can share the reduction
+                            lse_max[0] = T.min_value(f32)
+                        lse_max[0] = T.max(lse_max[0], LSEPart[vs, vb, vt, vh])
+                with T.sblock("finite_max"):  # all -inf: exp(-inf - -inf) would be NaN
+                    m[0] = T.if_then_else(lse_max[0] <= T.min_value(f32), T.float32(0), lse_max[0])
                 for s in range(num_splits):
                     with T.sblock("lse_sum"):
                         vs = T.axis.reduce(num_splits, s)
