@@ -161,10 +161,10 @@ def schedule_backward_program(sch: tvm.s_tir.Schedule, func: str, threads: int, 
 # Q Kᵀ); threads: per thread block; vector_bytes: the width of each thread's K/V copies.
 # num_stages: 1 copies each K/V tile with plain vector loads at the top of its step; 2 or 3 make the
 # K/V-tile loop a cp.async software pipeline (common.pipeline_loads), tiles num_stages - 1 ahead.
-# Defaults (chosen by reasoning, not yet measured on a GPU; benchmarks/decode_bench.py --knobs compares
-# sets): one warp a task, so that the row max is warp shuffles only (a block of several warps pays two
-# __syncthreads a row a tile in TVM's cross-thread reduction), one key a lane, 32-key tiles in two
-# stages: 35 KiB of shared memory, six tasks an SM.
+# Defaults (chosen by reasoning from the generated code, not yet measured against the other sets;
+# benchmarks/decode_bench.py --knobs compares them): one warp a task, owning its keys with its own
+# running max and sum (no barrier across warps), one key a lane, 32-key tiles in two stages,
+# unrolled, each thread its own row max: 37 KiB of shared memory for GQA 32/8, six tasks an SM.
 # row_max: "shuffle" reduces each row's tile max across the threads (TVM's cross-thread reduction:
 # warp shuffles, a row at a time, and two barriers a row in a block of several warps); "each_thread"
 # has every thread reduce the whole tile's masked scores from shared memory itself (all rows at once,
