@@ -288,7 +288,7 @@ def schedule_decode(sch: tvm.s_tir.Schedule, *, query_tokens: int, block_n: int,
         while rows % rows_inner:
             rows_inner -= 1
 
-        def acc_by_threads(block):
+        def acc_by_threads(block, rows_inner=rows_inner):
             """The (row, column) loops of a block over the accumulator (P V: and its key loop inside) as
             thread, [key,] column, row: thread t owns consecutive (row group, column) pairs, so that its
             registers compact to exactly its own, and reads V and P once a key for all of them."""
