@@ -266,8 +266,8 @@ def test_choose_num_splits():
     assert decode.choose_num_splits(tasks=256, tiles=512, slots=264) == 1
     assert decode.choose_num_splits(tasks=8, tiles=512, slots=264) == 29  # 232 of 264 slots: 88% (85% of 33 splits' 100%)
     assert decode.choose_num_splits(tasks=8, tiles=3, slots=264) == 3
-    assert decode.MAX_AUTO_SPLITS == 64  # the best is 64 splits: 55 reach 85% of its efficiency
-    assert decode.choose_num_splits(tasks=1, tiles=4096, slots=10_000) == 55
+    assert decode.MAX_AUTO_SPLITS == 128  # the best is 128 splits: 109 reach 85% of its efficiency
+    assert decode.choose_num_splits(tasks=1, tiles=4096, slots=10_000) == 109
     assert decode.choose_num_splits(tasks=8, tiles=0, slots=264) == 1
 
 

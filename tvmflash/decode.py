@@ -27,8 +27,9 @@ from tvmflash.kernel import (
 )
 from tvmflash.program_decode import DecodeSpec
 
-# num_splits=0 never picks more splits than this (each split adds a partial output to write and merge).
-MAX_AUTO_SPLITS = 64
+# num_splits=0 never picks more splits than this (each split adds a partial output to write and merge;
+# flash-attn's cap): a lone sequence needs about 100 splits to give each SM's six one-warp tasks work.
+MAX_AUTO_SPLITS = 128
 # Splits a caller may ask for: the split kernel indexes tiles with split * tiles in int32.
 MAX_SPLITS = 1024
 _INT32_MAX = 2**31 - 1
