@@ -226,14 +226,16 @@ def decode_knob_problem(head_dim: int, dtype: str, knobs: dict) -> str | None:
 def schedule_decode(sch: tvm.s_tir.Schedule, *, query_tokens: int, block_n: int, threads: int,
                     vector_bytes: int, num_stages: int, row_max: str = "shuffle",
                     unroll: int = 0) -> tvm.s_tir.Schedule:
-    """Map the decode programs (functions ``split`` and ``merge``) onto SIMT CUDA threads.
+    """Map the decode programs (functions ``split``, ``single`` and ``merge``) onto SIMT CUDA threads.
 
     split: one thread block of ``threads`` per task: blockIdx.x = (sequence, K/V head), y = query
-    block, z = split. The K/V tiles are copied into shared memory (padded rows, vector_bytes a copy,
-    coalesced). In Q Kᵀ each thread owns keys of the tile: it reads its K row 16 bytes at a time and
-    the query rows (float32, shared, broadcast) alike, so the GQA group's heads share one read of
-    the tile. The row max reduces across the threads (TVM's cross-thread reduction: warp shuffles,
-    then shared memory); the row sums stay per thread and reduce once, after the last tile. In P V
+    block, z = split. The K/V tiles are copied into shared memory (K's rows padded, vector_bytes a
+    copy, coalesced). In Q Kᵀ each thread owns keys of the tile: it reads its K row 16 bytes at a
+    time and the query rows (float32, shared, broadcast) alike, so the GQA group's heads share one
+    read of the tile. The row max: row_max="shuffle" reduces across the threads (TVM's cross-thread
+    reduction: warp shuffles, then shared memory), "each_thread" has every thread reduce the whole
+    tile from shared memory; the row sums stay per thread and reduce once, after the last tile.
+    unroll=1 unrolls Q Kᵀ's head_dim steps and P V's keys. In P V
     each thread owns (row, head_dim column) pairs of the output, in registers, and loops over the
     tile's keys reading V (shared) and P (shared, stored key-major so that one vector read
     broadcasts a key's P for every row). The per-row running max and rescale factor are replicated
@@ -243,7 +245,7 @@ def schedule_decode(sch: tvm.s_tir.Schedule, *, query_tokens: int, block_n: int,
     merge), scheduled as split.
 
     merge: one thread block per (sequence, token, head): blockIdx.x = (token, head), y = sequence;
-    one thread per head_dim column.
+    one thread per head_dim column; the LSE max and sum across the threads, a split a thread.
     """
     names = {gv.name_hint for gv in sch.mod.functions}
     for func in [name for name in ("split", "single") if name in names]:  # single: the split program, final
