@@ -27,8 +27,9 @@ from tvmflash.kernel import (
 )
 from tvmflash.program_decode import DecodeSpec
 
-# num_splits=0 never picks more splits than this (each split adds a partial output to write and merge).
-MAX_AUTO_SPLITS = 64
+# num_splits=0 never picks more splits than this (each split adds a partial output to write and merge;
+# flash-attn's cap): a lone sequence needs about 100 splits to give each SM's six one-warp tasks work.
+MAX_AUTO_SPLITS = 128
 # Splits a caller may ask for: the split kernel indexes tiles with split * tiles in int32.
 MAX_SPLITS = 1024
 _INT32_MAX = 2**31 - 1
@@ -48,7 +49,8 @@ class DecodeKernel(Kernel):
     is float32 (batch, heads_q, seqlen_q). Lengths are read on the device: every length, batch,
     seqlen_q and split count runs the same module, and a call captured in a CUDA graph replays with
     the lengths the tensor holds then. causal is an argument of the call, not of the module. Each new
-    pair of head counts builds (or loads) one module, with the functions ``split`` and ``merge``.
+    pair of head counts builds (or loads) one module, with the functions ``split`` and ``merge`` (and
+    ``single``, which num_splits=1 runs alone: it writes the output, with no merge).
     The variant (a window, a softcap, ALiBi: ``compile_decode``) is the kernel's; with ALiBi each call
     takes ``alibi_slopes``, float32 (heads_q,) or (batch, heads_q).
     """
@@ -89,10 +91,13 @@ class DecodeKernel(Kernel):
         return cache.digest({"pass": self.PASS, "like the forward's": super()._key(spec)})
 
     def _scheduled(self, spec: DecodeSpec) -> tvm.s_tir.Schedule:
-        """The two programs, ``split`` and ``merge``, in one module, scheduled."""
+        """The programs in one module, scheduled: ``split`` and ``merge``, and ``single`` (the split
+        program as one split writing the output itself: no merge, no partial buffers)."""
         split = program_decode.decode_split(spec, self.knobs["query_tokens"], self.knobs["block_n"])
+        single = program_decode.decode_split(spec, self.knobs["query_tokens"], self.knobs["block_n"], final=True)
         merge = program_decode.decode_merge(spec)
         mod = tvm.IRModule({"split": split.with_attr("global_symbol", "split"),
+                            "single": single.with_attr("global_symbol", "single"),
                             "merge": merge.with_attr("global_symbol", "merge")})
         return self.schedule.schedule_decode(tvm.s_tir.Schedule(mod), **self.knobs)
 
@@ -100,7 +105,7 @@ class DecodeKernel(Kernel):
         return {**build_options(self.schedule), "pass_config": getattr(self.schedule, "DECODE_PASS_CONFIG", {})}
 
     def _entry(self, module):
-        return {"split": module["split"], "merge": module["merge"]}
+        return {"split": module["split"], "single": module["single"], "merge": module["merge"]}
 
     def info(self) -> dict:
         return {**super().info(), "pass": self.PASS, "causal": "per call", "page_size": self.page_size}
@@ -114,11 +119,14 @@ class DecodeKernel(Kernel):
     def query_blocks(self, seqlen_q: int) -> int:
         return -(-seqlen_q // self.knobs["query_tokens"])
 
-    def auto_num_splits(self, batch: int, heads_kv: int, seqlen_q: int, max_keys: int, device: torch.device) -> int:
+    def auto_num_splits(self, batch: int, heads_kv: int, seqlen_q: int, max_keys: int, device: torch.device,
+                        group: int = 8) -> int:
         """The split count for ``num_splits=0``, from static shapes only (so that a CUDA graph's
-        buffers fit every replay): enough tasks to fill the device (``choose_num_splits``)."""
+        buffers fit every replay): enough tasks to fill the device (``choose_num_splits``). group:
+        the query heads a K/V head serves (a task's shared memory grows with it)."""
         if device.type == "cuda":
-            slots = _sm_count(device) * self.schedule.decode_tasks_per_sm(self.head_dim, self.dtype, self.knobs)
+            slots = _sm_count(device) * self.schedule.decode_tasks_per_sm(self.head_dim, self.dtype, self.knobs,
+                                                                           group)
         else:
             slots = torch.get_num_threads() * self.schedule.decode_tasks_per_core(self.knobs)
         tiles = -(-max_keys // self.knobs["block_n"])
@@ -137,7 +145,7 @@ class DecodeKernel(Kernel):
         check_num_splits(num_splits)
         if num_splits == 0:
             capacity = index.shape[1] * self.page_size if self.page_size else k_cache.shape[1]
-            num_splits = self.auto_num_splits(batch, heads_kv, seqlen_q, capacity, q.device)
+            num_splits = self.auto_num_splits(batch, heads_kv, seqlen_q, capacity, q.device, heads_q // heads_kv)
         if out is None:
             out = torch.empty_like(q)
         lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device)
@@ -148,6 +156,9 @@ class DecodeKernel(Kernel):
         if out.numel() and not (k_cache.numel() and index.numel() if self.page_size else k_cache.numel()):
             out.zero_()  # an empty cache: no key for anyone (and no tensor for the kernel to clamp into)
             lse.fill_(-math.inf)
+        elif out.numel() and num_splits == 1:  # the split kernel writes the output: no merge
+            module.function["single"](q, k_cache, v_cache, lengths, index, out, lse, softmax_scale,
+                                      int(bool(causal)), *variant_arguments)
         elif out.numel():
             o_part = torch.empty((num_splits, batch, seqlen_q, heads_q, self.head_dim), dtype=torch.float32,
                                  device=q.device)
