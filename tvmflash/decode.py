@@ -21,7 +21,9 @@ from tvmflash import target as targets
 from tvmflash.kernel import (
     Kernel,
     build_options,
+    check_strides,
     dtype_name,
+    needs_int64,
     resolve_softmax_scale,
     resolve_variant,
 )
@@ -48,7 +50,8 @@ class DecodeKernel(Kernel):
     is float32 (batch, heads_q, seqlen_q). Lengths are read on the device: every length, batch,
     seqlen_q and split count runs the same module, and a call captured in a CUDA graph replays with
     the lengths the tensor holds then. causal is an argument of the call, not of the module. Each new
-    pair of head counts builds (or loads) one module, with the functions ``split`` and ``merge``.
+    pair of head counts builds (or loads) one module, with the functions ``split`` and ``merge``; a
+    cache of more than 2**31 elements one more, that indexes in int64 (``kernel.needs_int64``).
     The variant (a window, a softcap, ALiBi: ``compile_decode``) is the kernel's; with ALiBi each call
     takes ``alibi_slopes``, float32 (heads_q,) or (batch, heads_q).
     """
@@ -85,8 +88,8 @@ class DecodeKernel(Kernel):
     def _code(self) -> str:
         return cache.source_digest(program, program_decode, self.schedule, schedule_registry.common, *lowering.MODULES)
 
-    def _key(self, spec: DecodeSpec) -> str:
-        return cache.digest({"pass": self.PASS, "like the forward's": super()._key(spec)})
+    def _key(self, spec: DecodeSpec, wide: bool = False) -> str:
+        return cache.digest({"pass": self.PASS, "like the forward's": super()._key(spec, wide)})
 
     def _scheduled(self, spec: DecodeSpec) -> tvm.s_tir.Schedule:
         """The two programs, ``split`` and ``merge``, in one module, scheduled."""
@@ -141,7 +144,10 @@ class DecodeKernel(Kernel):
         if out is None:
             out = torch.empty_like(q)
         lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device)
-        module = self.module(heads_q, heads_kv)
+        o_shape = (num_splits, batch, seqlen_q, heads_q, self.head_dim)  # the splits' partial outputs
+        # a cache (or partial output) of more than 2**31 elements takes the module that indexes in int64
+        wide = needs_int64(q, k_cache, v_cache, index) or math.prod(o_shape) > _INT32_MAX
+        module = self.module(heads_q, heads_kv, wide)
         if module.function is None:
             raise RuntimeError(f"this {targets.describe(self.target)} kernel was cross-compiled: there is no GPU "
                                "here to run it on")
@@ -149,8 +155,7 @@ class DecodeKernel(Kernel):
             out.zero_()  # an empty cache: no key for anyone (and no tensor for the kernel to clamp into)
             lse.fill_(-math.inf)
         elif out.numel():
-            o_part = torch.empty((num_splits, batch, seqlen_q, heads_q, self.head_dim), dtype=torch.float32,
-                                 device=q.device)
+            o_part = torch.empty(o_shape, dtype=torch.float32, device=q.device)
             lse_part = torch.empty((num_splits, batch, seqlen_q, heads_q), dtype=torch.float32, device=q.device)
             module.function["split"](q, k_cache, v_cache, lengths, index, o_part, lse_part, softmax_scale,
                                      int(bool(causal)), *variant_arguments)
@@ -183,9 +188,8 @@ class DecodeKernel(Kernel):
                         (index_name, index)):
             if t.device != q.device:
                 raise ValueError(f"{name}: expected device {q.device} (q's), got {t.device}")
-            if t.numel() > _INT32_MAX:
-                raise ValueError(f"{name}: tensors of more than 2**31 elements are not supported, got shape "
-                                 f"{tuple(t.shape)}")
+            if needs_int64(t):  # more than 2**31 elements: an int64 module (``__call__``)
+                check_strides(**{name: t})
         if q.device.type != ("cuda" if cuda else "cpu"):
             raise ValueError(f"q: the kernel was built for {targets.describe(self.target)}, got a tensor on {q.device}")
         for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("cache_seqlens", lengths), (index_name, index)):
