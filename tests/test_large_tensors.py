@@ -13,7 +13,13 @@ import re
 
 import pytest
 import torch
-from reference import check_attention, check_gradients, max_error, reference, torch_same_dtype
+from reference import (
+    check_attention,
+    check_gradients,
+    max_error,
+    reference,
+    torch_same_dtype,
+)
 
 import tvmflash
 from tvmflash import decode, kernel
@@ -211,18 +217,42 @@ BIG_BATCH, BIG_SEQLEN, BIG_HEADS = 2**31 // (128 * 8 * 128) + 16, 128, 8  # 2**3
 
 
 @pytest.mark.gpu
-def test_forward_and_backward_past_2_31_on_the_gpu():
-    """q, k, v of 2**31 + 2**21 elements each (bf16, d128, 128 tokens a sequence): the forward (its
-    default schedule, int64 module) and the backward, the first and last sequences against float64."""
-    q, k, v = (t.requires_grad_() for t in big_qkv(BIG_BATCH, BIG_SEQLEN, BIG_HEADS, 128))
+def test_forward_past_2_31_on_the_gpu():
+    """q, k, v of 2**31 + 2**21 elements each (bf16, d128, 128 tokens a sequence, causal): the
+    forward (its default schedule, int64 module), the first and last sequences against float64."""
+    q, k, v = big_qkv(BIG_BATCH, BIG_SEQLEN, BIG_HEADS, 128)
     assert q.numel() > 2**31
     out, lse = tvmflash.attention(q, k, v, causal=True, return_lse=True)
     for b in (0, BIG_BATCH - 1):
-        check_attention(out[b:b + 1].detach().cpu(), lse[b:b + 1].detach().cpu(),
-                        *(t[b:b + 1].detach().cpu() for t in (q, k, v)), causal=True)
+        check_attention(out[b:b + 1].cpu(), lse[b:b + 1].cpu(), *(t[b:b + 1].cpu() for t in (q, k, v)), causal=True)
+
+
+def torch_forward(q, k, v, chunk=512):
+    """(out, lse) of causal attention in float32 torch ops, ``chunk`` sequences at a time: the
+    backward test's forward, so that its process builds the backward only."""
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32, device=q.device)
+    seqlen = q.shape[1]
+    mask = torch.ones(seqlen, seqlen, dtype=torch.bool, device=q.device).tril()
+    for start in range(0, q.shape[0], chunk):
+        part = slice(start, start + chunk)
+        qc, kc, vc = (t[part].float().transpose(1, 2) for t in (q, k, v))  # (b, h, s, d)
+        scores = (qc @ kc.transpose(-1, -2) * q.shape[-1] ** -0.5).masked_fill(~mask, float("-inf"))
+        lse[part] = torch.logsumexp(scores, dim=-1)
+        out[part] = (torch.softmax(scores, dim=-1) @ vc).transpose(1, 2).to(q.dtype)
+    return out, lse
+
+
+@pytest.mark.gpu
+def test_backward_past_2_31_on_the_gpu():
+    """The backward over q, k, v, out and dout of 2**31 + 2**21 elements each (the int64 module),
+    from a float32 torch forward; the first and last sequences' gradients against float64."""
+    q, k, v = big_qkv(BIG_BATCH, BIG_SEQLEN, BIG_HEADS, 128, seed=10)
+    out, lse = torch_forward(q, k, v)
     dout = gpu_randn(q.shape, seed=9)
-    grads = torch.autograd.grad(out, (q, k, v), dout)
-    q, k, v = (t.detach() for t in (q, k, v))
+    backward = tvmflash.compile_backward(head_dim=128, dtype=torch.bfloat16, causal=True, target="cuda")
+    grads = backward(q, k, v, out, dout, lse)
+    torch.cuda.synchronize()
     for b in (0, BIG_BATCH - 1):
         check_gradients([g[b:b + 1].cpu() for g in grads], *(t[b:b + 1].cpu() for t in (q, k, v)),
                         dout[b:b + 1].cpu(), causal=True)

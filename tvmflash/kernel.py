@@ -528,13 +528,12 @@ class Kernel:
     def _fits(self, t) -> bool:
         """Can the module read or write ``t`` in place? Its last dim contiguous, its other strides
         multiples of the schedule's ``stride_multiple`` elements (16 bytes on CUDA, any on the CPU)
-        and, on CUDA, not 0 (a TMA tensor map's stride may not be), every element within 2**31 of the
-        first and, on CUDA, its data 16-byte aligned. (Its size is no condition: past 2**31 elements the
-        call takes the module that indexes in int64, ``needs_int64``; its strides must be below 2**31,
-        ``check_strides``.)
-        (b, s, h, d) tensors, (b, h, s, d) ones seen through a transpose and a packed qkv's thirds
-        all fit, for every supported head_dim."""
-        (n0, n1, n2, n3), (s0, s1, s2, s3) = t.shape, t.stride()
+        and, on CUDA, not 0 (a TMA tensor map's stride may not be) and its data 16-byte aligned. Its
+        size is no condition: past 2**31 elements the call takes the module that indexes in int64
+        (``needs_int64``; its strides must be below 2**31, ``check_strides``). (b, s, h, d) tensors,
+        (b, h, s, d) ones seen through a transpose and a packed qkv's thirds all fit, for every
+        supported head_dim."""
+        n3, (s0, s1, s2, s3) = t.shape[3], t.stride()
         multiple = self._stride_multiple
         return ((s3 == 1 or n3 <= 1) and not (s0 % multiple or s1 % multiple or s2 % multiple)
                 and not (self._cuda and (t.data_ptr() % 16 or not (s0 and s1 and s2))))
