@@ -163,3 +163,41 @@ def test_rotary_bad_input(kwargs, error, message):
     with pytest.raises(error, match=message):
         tvmflash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=3, **args)
     assert torch.equal(k_cache, before), "nothing is written on bad input"
+
+
+@pytest.mark.gpu
+def test_rotary_decode_step_in_a_cuda_graph():
+    """A decode step with rotary (two new tokens, causal, paged) captured in a CUDA graph replays as
+    cache_seqlens changes: the same output and cache as the eager call (the rotation gathers its
+    positions on the device)."""
+    dtype, batch, capacity, heads_kv = torch.bfloat16, 3, 512, 2
+    k_cache, v_cache, table = make_cache(batch, capacity, heads_kv, 128, dtype, "cuda", page_size=64)
+    cos, sin = rotary_tables(capacity, 64, dtype, "cuda")
+    cache_seqlens = torch.tensor([0, 100, 200], dtype=torch.int32, device="cuda")
+    q = random_q(batch, 2, 8, 128, dtype, "cuda")
+    k_new, v_new = (random_q(batch, 2, heads_kv, 128, dtype, "cuda", seed=s) for s in (3, 4))
+
+    def step():
+        return tvmflash.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, rotary_cos=cos, rotary_sin=sin,
+                                                cache_seqlens=cache_seqlens, block_table=table, causal=True,
+                                                rotary_interleaved=False)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # build and warm up outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = step()
+    torch.cuda.current_stream().wait_stream(stream)
+    for lengths in ([1, 2, 3], [5, 300, 510], [509, 0, 64]):
+        cache_seqlens.copy_(torch.tensor(lengths, dtype=torch.int32))
+        k_new.copy_(random_q(batch, 2, heads_kv, 128, dtype, "cuda", seed=sum(lengths)))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        replayed = out.clone()
+        rotated = decode.apply_rotary(k_new, cos, sin, cache_seqlens, False)
+        for b, length in enumerate(lengths):
+            assert torch.equal(sequence_kv(k_cache, v_cache, b, capacity, table)[0][0, length:length + 2], rotated[b])
+        assert torch.equal(replayed, step()), f"lengths {lengths}: the replay differs from the eager call"
