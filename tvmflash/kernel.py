@@ -32,6 +32,25 @@ TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32":
 _INT32_MAX = 2**31 - 1
 
 
+def needs_int64(*tensors) -> bool:
+    """Does any of the tensors (None: skipped) hold an element more than 2**31 - 1 elements past its
+    first? Their modules then index in int64 (``lowering.passes.WidenGlobalIndices``); smaller
+    problems keep int32 modules, and their speed."""
+    return any(t is not None and t.numel() and sum((n - 1) * s for n, s in zip(t.shape, t.stride())) > _INT32_MAX
+               for t in tensors)
+
+
+def check_strides(**tensors) -> None:
+    """Every stride of each named tensor (None: skipped; of a dimension longer than 1) below 2**31:
+    the modules take each stride and dimension as an int32 (only their sum of products, the offset,
+    is computed in int64). Only tensors past 2**31 elements (``needs_int64``) can fail it."""
+    for name, t in tensors.items():
+        if t is not None and any(n > 1 and s > _INT32_MAX for n, s in zip(t.shape, t.stride())):
+            raise ValueError(f"{name}: strides of 2**31 elements or more are not supported (tensors of more than "
+                             f"2**31 elements are, where one index of the first dim holds fewer), got shape "
+                             f"{tuple(t.shape)}, strides {t.stride()}")
+
+
 @dataclass
 class _Module:
     """One built (or loaded) module: a spec with fixed head counts, for one target."""
@@ -253,7 +272,7 @@ class Kernel:
         sm80 and sm90 schedules (the row-reduce intrinsic); the lowering's passes shape every build."""
         return cache.source_digest(program, self.schedule, schedule_registry.common, *lowering.MODULES)
 
-    def _key(self, spec: AttentionSpec) -> str:
+    def _key(self, spec: AttentionSpec, wide: bool = False) -> str:
         return cache.digest(
             {
                 "tvmflash": _version(),
@@ -262,16 +281,24 @@ class Kernel:
                 "spec": asdict(spec),
                 "knobs": self.knobs,
                 "target": str(self.target),
+                **({"index_bits": 64} if wide else {}),  # an int64 module's own key; int32 ones keep theirs
             }
         )
 
-    def module(self, heads_q: int, heads_kv: int) -> _Module:
-        """The module for these head counts: from memory, else from disk, else built now."""
-        found = self._modules.get((heads_q, heads_kv))
+    @staticmethod
+    def _slot(heads_q: int, heads_kv: int, wide: bool = False) -> tuple:
+        """A module's place in ``_modules``: (heads_q, heads_kv), and "int64" for a wide one."""
+        return (heads_q, heads_kv, "int64") if wide else (heads_q, heads_kv)
+
+    def module(self, heads_q: int, heads_kv: int, wide: bool = False) -> _Module:
+        """The module for these head counts: from memory, else from disk, else built now. wide: the
+        module that indexes its tensors in int64, for tensors of more than 2**31 elements
+        (``needs_int64``); a module of its own, built on first use."""
+        found = self._modules.get(self._slot(heads_q, heads_kv, wide))
         if found is not None:
             return found
         spec = self._spec(heads_q, heads_kv)
-        key = self._key(spec)
+        key = self._key(spec, wide)
         with _LOCK:
             found = _MODULES.get(key)
             if found is None:
@@ -279,14 +306,14 @@ class Kernel:
                 if found is None:
                     variant = "".join(f" {name}={value}" for name, value in self.variant.items())
                     what = (f"d{spec.head_dim} {spec.dtype}{' causal' if spec.causal else ''}{variant} "
-                            f"hq{spec.heads_q}/hkv{spec.heads_kv}")
+                            f"hq{spec.heads_q}/hkv{spec.heads_kv}{' int64' if wide else ''}")
                     logger.info("building %s for %s (%s schedule)...", what, self._target_name,
                                 schedule_registry.name_of(self.schedule))
-                    found = self._build(spec, key)
+                    found = self._build(spec, key, wide)
                 logger.info("%s %s in %.1f s%s", "built" if found.origin == "built" else "loaded", found.path or "it",
                             found.seconds, "" if found.function else " (CUDA source only: no GPU here to build for)")
                 _MODULES[key] = found
-        self._modules[(heads_q, heads_kv)] = found
+        self._modules[self._slot(heads_q, heads_kv, wide)] = found
         self._last = (heads_q, heads_kv)
         return found
 
@@ -317,10 +344,10 @@ class Kernel:
         sch = tvm.s_tir.Schedule(schedule_registry.program_for(spec, self.schedule, self.knobs))
         return self.schedule.schedule(sch, **self.knobs)
 
-    def _build(self, spec: AttentionSpec, key: str) -> _Module:
+    def _build(self, spec: AttentionSpec, key: str, wide: bool = False) -> _Module:
         start = time.perf_counter()
         sch = self._scheduled(spec)
-        executable = lowering.build(sch.mod, self.target, **self._build_options())
+        executable = lowering.build(sch.mod, self.target, **self._build_options(), wide_indices=wide)
         source = executable.mod.imports[0].inspect_source() if targets.is_cuda(self.target) else None
         seconds = time.perf_counter() - start
         runnable = _runnable_here(self.target)
@@ -328,7 +355,8 @@ class Kernel:
         try:
             meta = {"key": key, "pass": self.PASS, "spec": asdict(spec), "knobs": self.knobs, "target": str(self.target),
                     "schedule": schedule_registry.name_of(self.schedule), "tvm": tvm.__version__,
-                    "tvmflash": _version(), "code": self._code(), "created": time.strftime("%Y-%m-%d %H:%M:%S")}
+                    "tvmflash": _version(), "code": self._code(), "created": time.strftime("%Y-%m-%d %H:%M:%S"),
+                    **({"index_bits": 64} if wide else {})}
             cache.write_module(path, executable.export_library if runnable else lambda tmp: Path(tmp).write_text(source),
                                meta)
         except Exception as err:  # noqa: BLE001 - caching is an optimisation, never a failure
@@ -346,16 +374,17 @@ class Kernel:
         return build_options(self.schedule)
 
     # ----------------------------------------------------------------- using
-    def source(self, heads_q: int | None = None, heads_kv: int | None = None) -> str:
-        """The generated CUDA source, built for these head counts (default: the last used, or 1/1)."""
+    def source(self, heads_q: int | None = None, heads_kv: int | None = None, wide: bool = False) -> str:
+        """The generated CUDA source, built for these head counts (default: the last used, or 1/1);
+        wide: of the module that indexes in int64 (``module``)."""
         if not targets.is_cuda(self.target):
             raise ValueError(f"source(): only CUDA targets have CUDA source; this kernel targets {self.target}")
         if heads_q is None:
             heads_q, heads_kv = self._last or (1, 1)
-        module = self.module(heads_q, heads_kv if heads_kv is not None else heads_q)
+        module = self.module(heads_q, heads_kv if heads_kv is not None else heads_q, wide)
         if module.source is None:  # loaded from disk: build once more to see the source
             spec = self._spec(heads_q, heads_kv if heads_kv is not None else heads_q)
-            module.source = self._build(spec, self._key(spec)).source
+            module.source = self._build(spec, self._key(spec, wide), wide).source
         return module.source
 
     def scheduled_tir(self, heads_q: int = 1, heads_kv: int | None = None) -> str:
@@ -375,8 +404,9 @@ class Kernel:
             "knobs": dict(self.knobs),
             "knobs_source": self.knobs_source,
             "modules": {
-                f"heads_q={hq},heads_kv={hkv}": {"origin": m.origin, "path": m.path, "seconds": round(m.seconds, 3)}
-                for (hq, hkv), m in self._modules.items()
+                f"heads_q={slot[0]},heads_kv={slot[1]}{',int64' if len(slot) > 2 else ''}":
+                {"origin": m.origin, "path": m.path, "seconds": round(m.seconds, 3)}
+                for slot, m in self._modules.items()
             },
         }
 
@@ -405,7 +435,10 @@ class Kernel:
             self._usable(out, "out", copy=False)
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device)
-        module = self._modules.get((heads_q, heads_kv)) or self.module(heads_q, heads_kv)
+        wide = needs_int64(q, k, v, out)
+        if wide:
+            check_strides(q=q, k=k, v=v, out=out)
+        module = self._modules.get(self._slot(heads_q, heads_kv, wide)) or self.module(heads_q, heads_kv, wide)
         if module.function is None:
             raise RuntimeError(f"this {self._target_name} kernel was cross-compiled: there is no GPU here to run it on")
         if out.numel() and not k.shape[1]:
@@ -495,14 +528,14 @@ class Kernel:
     def _fits(self, t) -> bool:
         """Can the module read or write ``t`` in place? Its last dim contiguous, its other strides
         multiples of the schedule's ``stride_multiple`` elements (16 bytes on CUDA, any on the CPU)
-        and, on CUDA, not 0 (a TMA tensor map's stride may not be), every element within 2**31 of the
-        first (the kernel's index arithmetic is 32-bit) and, on CUDA, its data 16-byte aligned.
-        (b, s, h, d) tensors, (b, h, s, d) ones seen through a transpose and a packed qkv's thirds
-        all fit, for every supported head_dim."""
-        (n0, n1, n2, n3), (s0, s1, s2, s3) = t.shape, t.stride()
+        and, on CUDA, not 0 (a TMA tensor map's stride may not be) and its data 16-byte aligned. Its
+        size is no condition: past 2**31 elements the call takes the module that indexes in int64
+        (``needs_int64``; its strides must be below 2**31, ``check_strides``). (b, s, h, d) tensors,
+        (b, h, s, d) ones seen through a transpose and a packed qkv's thirds all fit, for every
+        supported head_dim."""
+        n3, (s0, s1, s2, s3) = t.shape[3], t.stride()
         multiple = self._stride_multiple
         return ((s3 == 1 or n3 <= 1) and not (s0 % multiple or s1 % multiple or s2 % multiple)
-                and (n0 - 1) * s0 + (n1 - 1) * s1 + (n2 - 1) * s2 + (n3 - 1) * s3 <= _INT32_MAX
                 and not (self._cuda and (t.data_ptr() % 16 or not (s0 and s1 and s2))))
 
     def _usable(self, t, name: str, copy: bool = True):
@@ -514,8 +547,6 @@ class Kernel:
             raise ValueError(f"{name}: expected a contiguous last dim (stride 1), got strides {t.stride()}")
         if self._cuda and t.data_ptr() % 16 and name != "out":
             raise ValueError(f"{name}: expected a 16-byte aligned data pointer, got {t.data_ptr():#x}")
-        if t.numel() > _INT32_MAX:
-            raise ValueError(f"{name}: tensors of more than 2**31 elements are not supported, got shape {tuple(t.shape)}")
         return t.clone(memory_format=torch.contiguous_format) if copy else t
 
 
@@ -557,7 +588,10 @@ class VarlenKernel(Kernel):
                 self._usable(out[None], "out", copy=False)
             out = torch.empty(q.shape[1:], dtype=q.dtype, device=q.device)
         lse = torch.empty((heads_q, total_q), dtype=torch.float32, device=q.device)
-        module = self._modules.get((heads_q, heads_kv)) or self.module(heads_q, heads_kv)
+        wide = needs_int64(q, k, v, out)
+        if wide:
+            check_strides(q=q, k=k, v=v, out=out)
+        module = self._modules.get(self._slot(heads_q, heads_kv, wide)) or self.module(heads_q, heads_kv, wide)
         if module.function is None:
             raise RuntimeError(f"this {self._target_name} kernel was cross-compiled: there is no GPU here to run it on")
         if out.numel() and not k.shape[1]:  # no key at all (as Kernel.__call__)
@@ -759,8 +793,8 @@ class BackwardKernel(Kernel):
         self._modules: dict[tuple[int, int], _Module] = {}
         self._last: tuple[int, int] | None = None
 
-    def _key(self, spec: AttentionSpec) -> str:
-        return cache.digest({"pass": self.PASS, "like the forward's": super()._key(spec),
+    def _key(self, spec: AttentionSpec, wide: bool = False) -> str:
+        return cache.digest({"pass": self.PASS, "like the forward's": super()._key(spec, wide),
                              "code": cache.source_digest(program_backward)})
 
     def _scheduled(self, spec: AttentionSpec) -> tvm.s_tir.Schedule:
@@ -833,7 +867,10 @@ class BackwardKernel(Kernel):
             for grad in grads:
                 grad.zero_()
             return grads, None
-        module = self.module(heads_q, heads_kv)
+        wide = needs_int64(q, k, v)  # dq, dk, dv, out and dout: q's, k's and v's sizes
+        if wide:
+            check_strides(q=q, k=k, v=v)
+        module = self.module(heads_q, heads_kv, wide)
         if module.function is None:
             raise RuntimeError(f"this {targets.describe(self.target)} kernel was cross-compiled: there is no GPU here to run it on")
         return grads, module.function

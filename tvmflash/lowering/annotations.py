@@ -51,3 +51,4 @@ REG_FENCE = (
 ASYNC_PROXY_OPERANDS_ATTR = "tvmflash.async_proxy_operands"
 HOIST_BLOCK_INDEX_CONDITIONS_ATTR = "tvmflash.hoist_block_index_conditions"
 TMA_BARRIER_PADDING_ATTR = "tvmflash.tma_barrier_padding"
+WIDE_INDICES_ATTR = "tvmflash.wide_indices"  # index global buffers in int64 (``passes.WidenGlobalIndices``)
