@@ -163,7 +163,7 @@ SPACE = {
     "producer": ["thread", "warpgroup"],
     "q_layout": ["core_matrices", "swizzled"],
     # q_copy "tma", o_store "direct" and overlap 1 (with 3 stages) are correct on the H200 but measured
-    # no faster over the grid (H200, commits cfedb6e and 0e948a5); left out to keep the tuning tasks few
+    # no faster over the grid (H200, commits cfedb6e and 0e948a5); left out to keep the design spaces few
     "q_copy": ["threads"],
     "o_store": ["staged"],
     "overlap": [0],

@@ -1,15 +1,18 @@
 """``tvmflash tune``: MetaSchedule search over a schedule's ``SPACE``; the best knobs go to the database.
 
-Design space. ``block_m`` and ``block_n`` are tile sizes of the *program* (they shape its buffers and
-loops), so each (block_m, block_n) pair is its own MetaSchedule task with its own workload. So is
-each value of a knob the schedule lists in ``TASK_KNOBS`` (one it needs as a plain Python value,
-such as sm80's ``num_stages``, which sets the software pipeline's stage annotations). Every
-other knob with more than one candidate becomes a ``sch.sample_categorical`` decision inside a
-``ScheduleFn`` and is handed to ``schedule(sch, **knobs)`` as the ExprRV itself (split factors take
-ExprRVs). The trace then *refers* to the decision, so replaying it with another decision gives
-another schedule; reading the value with ``sch.get(rv)`` would bake the first sample into the
-trace as a constant. TVM's own mutators only mutate categorical decisions that feed an unroll
-annotation or a thread binding, so :class:`MutateKnob` lets the evolutionary search mutate ours.
+Design space (docs/design.md, "Tuning"). A MetaSchedule task is one TensorIR program: only the
+knobs that change the program are tasks (``task_points``: ``block_m``, ``block_n``, which shape
+its buffers and loops, and the schedule's ``PROGRAM_KNOBS``, such as sm90's ``min_blocks_per_sm``,
+a function attribute). Inside a task, each valid combination of the schedule's ``STRUCTURE_KNOBS``
+(plain Python values that change which schedule steps run: layouts, copies, stage counts) is a
+design space of its own (``structures``), and every other knob with more than one candidate is a
+``sch.sample_categorical`` decision handed to ``schedule(sch, **knobs)`` as the ExprRV itself
+(split factors take ExprRVs). The trace then *refers* to the decision, so replaying it with
+another decision gives another schedule; reading the value with ``sch.get(rv)`` would bake the
+first sample into the trace as a constant. TVM's own mutators only mutate categorical decisions
+that feed an unroll annotation or a thread binding, so :class:`MutateKnob` mutates ours and moves
+candidates between structures. :class:`PreCheck` (a postprocessor) rejects candidates that cannot
+build before they are built; :class:`PromisingTasksFirst` spends the trials on tasks that can win.
 
 Tune static, run symbolic. Each task's program is specialised to a representative shape (batch,
 sequence lengths, softmax_scale), tuned with the XGBoost cost model and the evolutionary search,
@@ -20,9 +23,10 @@ tiles differently) and timed with the default knobs on real torch tensors in the
 fastest whose output passes flash-attn's error rule there (``bench.error_vs_float32``) is written
 to tvmflash's database, where ``tvmflash.compile()`` finds it.
 
-A task whose tiles need more shared memory than the target allows (the schedule's
-``shared_memory_bytes``) is skipped with a message before anything is built; candidates that still
-fail to schedule, build or run are recorded by MetaSchedule as failed measurements and never picked.
+A structure or task that ``candidate_problem`` rejects (shared memory over the target's limit, the
+schedule's ``knobs_problem``) is left out with a message before anything is built; candidates
+that still fail to schedule, build or run are recorded by MetaSchedule as failed measurements and
+never picked.
 
 Warm start (the default): the known configurations (the defaults, the best user and shipped
 records) seed MetaSchedule's database, where the evolutionary search takes its initial population
@@ -146,15 +150,11 @@ def space_fn(schedule_module, fixed: dict, sampled: dict, structures_: list[dict
         # A fresh schedule of the unscheduled module each, made once the one before is done (two
         # schedules made at once of one module, or Schedule.copy, share state that scheduling changes).
         # A structure the schedule rejects is left out (``candidate_problem`` should have caught it).
-        unscheduled, spaces, each = sch.mod, [], sch
+        unscheduled, spaces = sch.mod, []
         for index in range(len(structures_)):
-            try:
+            each = sch if index == 0 else tvm.s_tir.Schedule(unscheduled)
+            with contextlib.suppress(Exception):
                 spaces.append(_apply_structure(schedule_module, each, fixed, sampled, structures_, index, schedule_fn))
-                each = None
-            except Exception:  # noqa: BLE001
-                pass
-            if each is None:
-                each = tvm.s_tir.Schedule(unscheduled)
         return spaces
 
     return apply
@@ -199,19 +199,22 @@ class MutateKnob(ms.mutator.PyMutator):
     def apply(self, trace, _rand_state):
         choices = [inst for inst in trace.insts
                    if inst.kind.name == "SampleCategorical" and len(inst.attrs[0]) > 1]
-        names = list(self.structures[0]) if self.retrace is not None and len(self.structures) > 1 else []
+        index = structure_index(trace, self.structures)
+        current = self.structures[index]
+        # the structure knobs some other structure of the task sets otherwise
+        names = [n for n in current if any(s[n] != current[n] for s in self.structures)] if self.retrace else []
         # each knob equally likely: a structural one (names) or a sampled one (choices)
         pick = self._rng.randrange(len(names) + len(choices)) if names or choices else None
         if pick is None:
             return None
         if pick < len(names):
-            index = structure_index(trace, self.structures)
-            current, name = self.structures[index], names[pick]
-            others = [i for i, s in enumerate(self.structures)
-                      if s[name] != current[name] and all(s[n] == current[n] for n in names if n != name)]
-            if not others:  # no valid structure differs in this knob alone: any other one
-                others = [i for i in range(len(self.structures)) if i != index]
-            return self.retrace(trace, self._rng.choice(others)) if others else None
+            # a structure with another value of this knob, and of the fewest others (a layout may
+            # need another copy to go with it)
+            name = names[pick]
+            distance = {i: sum(s[n] != current[n] for n in current) for i, s in enumerate(self.structures)
+                        if s[name] != current[name]}
+            nearest = [i for i, d in distance.items() if d == min(distance.values())]
+            return self.retrace(trace, self._rng.choice(nearest))
         inst = choices[pick - len(names)]
         old = int(trace.get_decision(inst))
         new = self._rng.choice([d for d in range(len(inst.attrs[0])) if d != old])
