@@ -57,11 +57,11 @@ ROW_STATES = ("registers", "shared")
 # num_stages 2, against 259 with num_stages 1, 246 with 32-key tiles and 192 with 128-key tiles;
 # row_state "shared" 256 at num_stages 1 (its pipelined build spills). head_dim 64 alike.
 KNOBS_FOR_HEAD_DIM = {256: {"block_n": 32}}
-# Tuning space (``tvmflash tune``): one MetaSchedule task per (block_m, block_n, num_stages). A
+# Tuning space (``tvmflash tune``): one MetaSchedule task per (block_m, block_n), the program's tiles. A
 # callable gives the candidates from the knobs before it: this version needs block_m == 32 *
-# num_warps. num_stages is a task knob, not a sampled one: the pipeline's stage annotations need a
-# plain int, and a knob with several candidates inside a task is sampled (an ExprRV).
-TASK_KNOBS = ("num_stages",)
+# num_warps. num_stages is a structure knob: the pipeline's stage annotations need a plain int, so
+# each value is a design space of its own inside the task (``tune.structures``).
+STRUCTURE_KNOBS = ("num_stages",)
 SPACE = {
     "block_m": [64, 128],
     "block_n": [32, 64, 128],
