@@ -36,16 +36,35 @@ def sdpa_backward(backend, q, k, v, dout, causal):
 
 
 def pass_calls(kernel, q, k, v, out, dout, lse):
-    """A call of each program of a BackwardKernel (``program_backward.PASSES``) on its own, in the
+    """A call of each program of a BackwardKernel (``program_backward.passes``) on its own, in the
     order and with the arguments that ``BackwardKernel.__call__`` gives them."""
     passes = kernel.module(q.shape[2], k.shape[2]).function
     delta, lse2, dlse = (torch.zeros_like(lse) for _ in range(3))
     dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
     scale = q.shape[-1] ** -0.5
+    accumulator = kernel._dq_accumulator(q)
     passes["delta"](out, dout, lse, dlse, delta, lse2)
-    return {"delta": lambda: passes["delta"](out, dout, lse, dlse, delta, lse2),
-            "dkdv": lambda: passes["dkdv"](q, k, v, dout, lse2, delta, dk, dv, scale),
-            "dq": lambda: passes["dq"](q, k, v, dout, lse2, delta, dq, scale)}
+    calls = {"delta": lambda: passes["delta"](out, dout, lse, dlse, delta, lse2),
+             "dkdv": lambda: passes["dkdv"](q, k, v, dout, lse2, delta, dk, dv, scale, *accumulator)}
+    if accumulator:
+        calls["convert_dq"] = lambda: passes["convert_dq"](*accumulator, dq, scale)
+    else:
+        calls["dq"] = lambda: passes["dq"](q, k, v, dout, lse2, delta, dq, scale)
+    return calls
+
+
+def check_gradients(name, gradients, q, k, v, dout, causal):
+    """Print each gradient's largest error against float32 SDPA (math) beside bf16 SDPA's, and fail
+    where it is over flash-attn's rule (2x bf16's + 1e-5)."""
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    ref = torch.autograd.grad(F.scaled_dot_product_attention(q32.transpose(1, 2), k32.transpose(1, 2), v32.transpose(1, 2),
+                                                             is_causal=causal).transpose(1, 2), (q32, k32, v32), dout.float())
+    qb, kb, vb = (t.detach().requires_grad_() for t in (q, k, v))
+    same = torch.autograd.grad(F.scaled_dot_product_attention(qb.transpose(1, 2), kb.transpose(1, 2), vb.transpose(1, 2),
+                                                              is_causal=causal).transpose(1, 2), (qb, kb, vb), dout)
+    for grad_name, got, r, s in zip(("dq", "dk", "dv"), gradients, ref, same):
+        err, allowed = (got.float() - r).abs().max().item(), 2 * (s.float() - r).abs().max().item() + 1e-5
+        print(f"  check {name} {grad_name}: error {err:.2e}, allowed {allowed:.2e}" + ("" if err <= allowed else "  FAILED"))
 
 
 def main(argv=None):
@@ -57,6 +76,7 @@ def main(argv=None):
     parser.add_argument("--jobs", type=int, default=os.cpu_count())
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--passes", action="store_true", help="also time the last knob set's delta, dkdv and dq alone")
+    parser.add_argument("--check", action="store_true", help="first check each knob set's gradients against float32")
     args = parser.parse_args(argv)
     knob_sets = [json.loads(k) for k in args.knobs]
     causals = {"both": (False, True), "no": (False,), "yes": (True,)}[args.causal]
@@ -78,6 +98,9 @@ def main(argv=None):
                     kernel = tvmflash.compile_backward(head_dim=head_dim, dtype="bfloat16", causal=causal,
                                                        knobs=knobs or None)
                     calls[f"knobs{n}"] = lambda kernel=kernel: kernel(q, k, v, out, dout, lse)
+                    if args.check:
+                        check_gradients(f"d{head_dim} {'causal' if causal else 'full'} {seqlen} knobs{n}",
+                                        kernel(q, k, v, out, dout, lse), q, k, v, dout, causal)
                 if args.passes:
                     calls.update(pass_calls(kernel, q, k, v, out, dout, lse))
                 for name, backend in bench.sdpa_backends(device):

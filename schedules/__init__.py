@@ -71,7 +71,7 @@ def with_kernel_attrs(func, module: ModuleType, knobs: dict):
     """``func`` (the program) with the kernel attributes the schedule asks for these knobs (its
     ``kernel_attrs``, e.g. sm90's ``__launch_bounds__`` minimum of blocks per SM). A schedule's trace
     cannot set function attributes, so Kernel and the tuner put them on the program before it is
-    scheduled; the knobs they read must be plain values (a tuner task knob, not a sampled one)."""
+    scheduled; the knobs they read must be plain values (a tuner program knob, ``PROGRAM_KNOBS``, not a sampled one)."""
     attrs = getattr(module, "kernel_attrs", lambda knobs: {})(knobs)
     for key, value in attrs.items():
         func = func.with_attr(key, value)

@@ -111,15 +111,17 @@ def decode_tasks_per_core(knobs: dict) -> int:
 
 
 def schedule_decode(sch: tvm.s_tir.Schedule, *, query_tokens: int, block_n: int, vector: int) -> tvm.s_tir.Schedule:
-    """Map the decode programs (functions ``split`` and ``merge`` of the module) onto the CPU: the
-    split tasks and the merge's rows run in parallel, inner loops as the forward's."""
-    sch.work_on("split")
-    sch.parallel(sch.fuse(*sch.get_loops("tile")))
-    sch.transform_layout("load_k", ("write", 0), lambda j, d: (d, j))  # keys contiguous for the score loop
-    for name in ("load_q", "load_k", "load_v", "init_acc", "store_o", "score", "exp"):
-        _vectorize_inner(sch, name, vector)
-    _gemm_vector_inner(sch, "qk", vector)
-    _gemm_vector_inner(sch, "pv", vector)
+    """Map the decode programs (functions ``split``, ``single`` and ``merge`` of the module) onto the
+    CPU: the split tasks and the merge's rows run in parallel, inner loops as the forward's."""
+    names = {gv.name_hint for gv in sch.mod.functions}
+    for func in [name for name in ("split", "single") if name in names]:  # single: the split program, final
+        sch.work_on(func)
+        sch.parallel(sch.fuse(*sch.get_loops("tile")))
+        sch.transform_layout("load_k", ("write", 0), lambda j, d: (d, j))  # keys contiguous for the score loop
+        for name in ("load_q", "load_k", "load_v", "init_acc", "store_o", "score", "exp"):
+            _vectorize_inner(sch, name, vector)
+        _gemm_vector_inner(sch, "qk", vector)
+        _gemm_vector_inner(sch, "pv", vector)
 
     sch.work_on("merge")
     sch.parallel(sch.fuse(*sch.get_loops("row")))

@@ -122,6 +122,19 @@ def schedule_delta(sch: tvm.s_tir.Schedule) -> None:
     sch.bind(lane, "threadIdx.x")
 
 
+def schedule_convert_dq(sch: tvm.s_tir.Schedule, threads: int = 256) -> None:
+    """The convert_dq program (dq = dq_accum · scale, rounded): elementwise, each thread four
+    consecutive floats (one 16-byte load)."""
+    sch.work_on("convert_dq")
+    loops = sch.get_loops("convert_dq")
+    fused = sch.fuse(*loops[:-1])
+    d0, d1 = sch.split(loops[-1], [None, 4])
+    bx, tx = sch.split(sch.fuse(fused, d0), [None, threads])
+    sch.bind(bx, "blockIdx.x")
+    sch.bind(tx, "threadIdx.x")
+    sch.vectorize(d1)
+
+
 def schedule_backward_program(sch: tvm.s_tir.Schedule, func: str, threads: int, vector_bytes) -> None:
     """The dkdv program (one thread a key, ``threads`` = block_n) or the dq program (one thread a
     query row, ``threads`` = block_m) on SIMT threads."""
@@ -161,37 +174,50 @@ def schedule_backward_program(sch: tvm.s_tir.Schedule, func: str, threads: int, 
 # Q Kᵀ); threads: per thread block; vector_bytes: the width of each thread's K/V copies.
 # num_stages: 1 copies each K/V tile with plain vector loads at the top of its step; 2 or 3 make the
 # K/V-tile loop a cp.async software pipeline (common.pipeline_loads), tiles num_stages - 1 ahead.
-# Defaults (chosen by reasoning, not yet measured on a GPU; benchmarks/decode_bench.py --knobs compares
-# sets): one warp a task, so that the row max is warp shuffles only (a block of several warps pays two
-# __syncthreads a row a tile in TVM's cross-thread reduction), one key a lane, 32-key tiles in two
-# stages: 35 KiB of shared memory, six tasks an SM.
-DECODE_KNOBS = {"query_tokens": 1, "block_n": 32, "threads": 32, "vector_bytes": 16, "num_stages": 2}
+# Defaults (chosen by reasoning from the generated code, not yet measured against the other sets;
+# benchmarks/decode_bench.py --knobs compares them): one warp a task, owning its keys with its own
+# running max and sum (no barrier across warps), one key a lane, 32-key tiles in two stages,
+# unrolled, each thread its own row max: 37 KiB of shared memory for GQA 32/8, six tasks an SM.
+# row_max: "shuffle" reduces each row's tile max across the threads (TVM's cross-thread reduction:
+# warp shuffles, a row at a time, and two barriers a row in a block of several warps); "each_thread"
+# has every thread reduce the whole tile's masked scores from shared memory itself (all rows at once,
+# independent loads: no shuffle chain, no barrier beyond the one after the scores; block_n * rows
+# reads a thread, so for one-warp tasks). unroll: 1 unrolls Q Kᵀ's head_dim steps and P V's keys
+# (independent shared loads in flight: one warp a task has little else to hide their latency with),
+# 0 leaves the loops to nvcc (which unrolls P V by 4 and Q Kᵀ not at all).
+DECODE_KNOBS = {"query_tokens": 1, "block_n": 32, "threads": 32, "vector_bytes": 16, "num_stages": 2,
+                "row_max": "each_thread", "unroll": 1}
 DECODE_SPACE = {"query_tokens": [1, 2, 4], "block_n": [32, 64, 128, 256], "threads": [32, 64, 128, 256],
-                "vector_bytes": [4, 8, 16], "num_stages": [1, 2, 3]}
+                "vector_bytes": [4, 8, 16], "num_stages": [1, 2, 3], "row_max": ["shuffle", "each_thread"],
+                "unroll": [0, 1]}
 DECODE_PASS_CONFIG = {
     "tirx.use_async_copy": True,  # cp.async for the pipelined K/V copies
     # StorageRewrite retypes the K tile, read only 8 elements at a time, as bfloat16x8, and
     # InjectPTXAsyncCopy (TVM 0.27) then fails on the vector store index its copies meet.
     "tirx.disable_storage_rewrite": True,
 }
-# Shared rows of the K/V tiles are padded by 16 bytes: a quarter-warp's 16-byte reads of 8 rows
-# (one key each, Q Kᵀ) then fall in 8 different groups of 4 banks.
+# Shared rows of the K tiles are padded by 16 bytes: a quarter-warp's 16-byte reads of 8 rows (one
+# key each, Q Kᵀ) then fall in 8 different groups of 4 banks. V's rows are not: P V reads one key's
+# row across the threads, contiguous, and the 16 bytes a row saved let six one-warp tasks of GQA
+# 32/8 fit an SM's 228 KiB instead of five.
 _ROW_PAD_BYTES = 16
 
 
-def decode_shared_memory_bytes(head_dim: int, dtype: str, knobs: dict) -> int:
-    """Shared memory of a decode task: the K and V tiles (padded rows), P and the query rows
-    (an upper bound, for the largest GQA group of 8 a task)."""
+def decode_shared_memory_bytes(head_dim: int, dtype: str, knobs: dict, group: int = 8) -> int:
+    """Shared memory of a decode task: the K tiles (padded rows) and V tiles, the query rows and the
+    per-key buffers of the scores, P and the row sums (float32), for a GQA group of ``group``
+    query heads (default 8, the largest usual one: an upper bound)."""
     element = tvm.DataType(dtype).bits // 8
-    rows = 8 * knobs["query_tokens"]
-    return (2 * knobs["num_stages"] * knobs["block_n"] * (head_dim * element + _ROW_PAD_BYTES)
-            + rows * knobs["block_n"] * 4 + rows * head_dim * 4)
+    rows = group * knobs["query_tokens"]
+    return (knobs["num_stages"] * knobs["block_n"] * (2 * head_dim * element + _ROW_PAD_BYTES)
+            + 3 * rows * knobs["block_n"] * 4 + rows * head_dim * 4 + 64)
 
 
-def decode_tasks_per_sm(head_dim: int, dtype: str, knobs: dict) -> int:
+def decode_tasks_per_sm(head_dim: int, dtype: str, knobs: dict, group: int = 8) -> int:
     """Thread blocks of the split kernel that one SM holds at once (by shared memory and threads;
-    228 KiB and 2048 threads an SM, sm80 to sm90), for choosing the split count."""
-    by_shared = (228 * 1024) // (decode_shared_memory_bytes(head_dim, dtype, knobs) + 1024)
+    228 KiB and 2048 threads an SM, sm80 to sm90, 1 KiB reserved a block), for choosing the split
+    count."""
+    by_shared = (228 * 1024) // (decode_shared_memory_bytes(head_dim, dtype, knobs, group) + 1024)
     return max(1, min(by_shared, 2048 // knobs["threads"], 32))
 
 
@@ -203,169 +229,205 @@ def decode_knob_problem(head_dim: int, dtype: str, knobs: dict) -> str | None:
         return f"vector_bytes ({knobs['vector_bytes']}) must divide a row of head_dim {head_dim} {dtype}"
     if knobs["num_stages"] not in (1, 2, 3):
         return f"num_stages must be 1, 2 or 3, got {knobs['num_stages']!r}"
+    if knobs["row_max"] not in ("shuffle", "each_thread"):
+        return f"row_max must be 'shuffle' or 'each_thread', got {knobs['row_max']!r}"
+    if knobs["unroll"] not in (0, 1):
+        return f"unroll must be 0 or 1, got {knobs['unroll']!r}"
     return None
 
 
 def schedule_decode(sch: tvm.s_tir.Schedule, *, query_tokens: int, block_n: int, threads: int,
-                    vector_bytes: int, num_stages: int) -> tvm.s_tir.Schedule:
-    """Map the decode programs (functions ``split`` and ``merge``) onto SIMT CUDA threads.
+                    vector_bytes: int, num_stages: int, row_max: str = "shuffle",
+                    unroll: int = 0) -> tvm.s_tir.Schedule:
+    """Map the decode programs (functions ``split``, ``single`` and ``merge``) onto SIMT CUDA threads.
 
     split: one thread block of ``threads`` per task: blockIdx.x = (sequence, K/V head), y = query
-    block, z = split. The K/V tiles are copied into shared memory (padded rows, vector_bytes a copy,
-    coalesced). In Q Kᵀ each thread owns keys of the tile: it reads its K row 16 bytes at a time and
-    the query rows (float32, shared, broadcast) alike, so the GQA group's heads share one read of
-    the tile. The row max reduces across the threads (TVM's cross-thread reduction: warp shuffles,
-    then shared memory); the row sums stay per thread and reduce once, after the last tile. In P V
+    block, z = split. The K/V tiles are copied into shared memory (K's rows padded, vector_bytes a
+    copy, coalesced). In Q Kᵀ each thread owns keys of the tile: it reads its K row 16 bytes at a
+    time and the query rows (float32, shared, broadcast) alike, so the GQA group's heads share one
+    read of the tile. The row max: row_max="shuffle" reduces across the threads (TVM's cross-thread
+    reduction: warp shuffles, then shared memory), "each_thread" has every thread reduce the whole
+    tile from shared memory; the row sums stay per thread and reduce once, after the last tile.
+    unroll=1 unrolls Q Kᵀ's head_dim steps and P V's keys. In P V
     each thread owns (row, head_dim column) pairs of the output, in registers, and loops over the
     tile's keys reading V (shared) and P (shared, stored key-major so that one vector read
     broadcasts a key's P for every row). The per-row running max and rescale factor are replicated
     in every thread's registers.
 
+    single (when the module has it): the split program writing the output itself (one split, no
+    merge), scheduled as split.
+
     merge: one thread block per (sequence, token, head): blockIdx.x = (token, head), y = sequence;
-    one thread per head_dim column.
+    one thread per head_dim column; the LSE max and sum across the threads, a split a thread.
     """
-    sch.work_on("split")
-    element = element_bytes(sch, "load_k")
-    rows, head_dim = (int(x) for x in sch.get(sch.get_sblock("load_q")).writes[0].source.shape)
+    names = {gv.name_hint for gv in sch.mod.functions}
+    for func in [name for name in ("split", "single") if name in names]:  # single: the split program, final
+        sch.work_on(func)
+        element = element_bytes(sch, "load_k")
+        rows, head_dim = (int(x) for x in sch.get(sch.get_sblock("load_q")).writes[0].source.shape)
 
-    b, hk, qb, s = sch.get_loops("tile")
-    sch.bind(sch.fuse(b, hk), "blockIdx.x")  # a constant inner extent: cheap index arithmetic
-    sch.bind(qb, "blockIdx.y")
-    sch.bind(s, "blockIdx.z")
+        b, hk, qb, s = sch.get_loops("tile")
+        sch.bind(sch.fuse(b, hk), "blockIdx.x")  # a constant inner extent: cheap index arithmetic
+        sch.bind(qb, "blockIdx.y")
+        sch.bind(s, "blockIdx.z")
 
-    def by_threads(loops):
-        """Fuse ``loops`` and spread them over the threads (the inner part bound)."""
-        _, tx = sch.split(sch.fuse(*loops), [None, threads])
-        sch.bind(tx, "threadIdx.x")
+        def by_threads(loops):
+            """Fuse ``loops`` and spread them over the threads (the inner part bound)."""
+            _, tx = sch.split(sch.fuse(*loops), [None, threads])
+            sch.bind(tx, "threadIdx.x")
 
-    def keys_by_threads(block, rows_inside=True):
-        """The (row, key) loops of a per-key block: keys over the threads, rows inside (or outside,
-        as a cross-thread reduction needs its reduced loops innermost)."""
-        r, j = sch.get_loops(block)[-2:]
-        jt, jo = sch.split(j, [threads, None])  # thread t: keys t * k .. t * k + k - 1 (compact registers)
-        sch.reorder(*((jt, jo, r) if rows_inside else (r, jo, jt)))
+        def keys_by_threads(block, rows_inside=True):
+            """The (row, key) loops of a per-key block: keys over the threads, rows inside (or outside,
+            as a cross-thread reduction needs its reduced loops innermost)."""
+            r, j = sch.get_loops(block)[-2:]
+            jt, jo = sch.split(j, [threads, None])  # thread t: keys t * k .. t * k + k - 1 (compact registers)
+            sch.reorder(*((jt, jo, r) if rows_inside else (r, jo, jt)))
+            sch.bind(jt, "threadIdx.x")
+            if rows_inside:  # they index the thread's registers: unrolled, their indices are constants
+                sch.unroll(jo)
+                sch.unroll(r)
+
+        # Per-task and per-row values: every thread computes and keeps its own copy.
+        for name, index in [("init_scale", 0), ("split_range", 0), ("init_m", 0), ("alpha", 0), ("alpha", 1),
+                            ("inv_l", 0)]:
+            sch.set_scope(name, index, "local")
+        for name in ("init_m", "alpha", "update_m", "inv_l"):
+            sch.unroll(sch.get_loops(name)[-1])
+
+        sch.set_scope("load_q", 0, "shared")
+        by_threads(sch.get_loops("load_q")[-2:])
+
+        # The output accumulator, in registers: each thread owns rows_inner rows of head_dim columns
+        # (the same ones in every block that touches it); rows_inner rows of one key's P are one read.
+        rows_inner = max(1, min(rows, rows * head_dim // threads))
+        while rows % rows_inner:
+            rows_inner -= 1
+
+        def acc_by_threads(block, rows_inner=rows_inner):
+            """The (row, column) loops of a block over the accumulator (P V: and its key loop inside) as
+            thread, [key,] column, row: thread t owns consecutive (row group, column) pairs, so that its
+            registers compact to exactly its own, and reads V and P once a key for all of them."""
+            r, d = sch.get_loops(block)[-3:-1] if block == "pv" else sch.get_loops(block)[-2:]
+            keys = sch.get_loops(block)[-1:] if block == "pv" else []
+            r_outer, r_inner = sch.split(r, [None, rows_inner])
+            sch.reorder(r_outer, d, *keys, r_inner)
+            tx, columns = sch.split(sch.fuse(r_outer, d), [threads, None])
+            sch.reorder(tx, *keys, columns, r_inner)
+            sch.bind(tx, "threadIdx.x")
+            sch.unroll(columns)
+            sch.unroll(r_inner)
+
+        for name in ("init_acc", "pv", "store_o"):
+            acc_by_threads(name)
+        sch.set_scope("init_acc", 0, "local")
+
+        # K/V tiles: coalesced vector copies into shared rows (K's padded).
+        vector = vector_bytes // element
+        for name in ("load_k", "load_v"):
+            sch.set_scope(name, 0, "shared.dyn")
+            if name == "load_k":
+                sch.storage_align(name, 0, axis=0, factor=head_dim, offset=_ROW_PAD_BYTES // element)
+            j, d = sch.get_loops(name)[-2:]
+            d, vec = sch.split(d, [None, vector])
+            by_threads([j, d])
+            sch.vectorize(vec)
+
+        # Q Kᵀ: thread t owns keys t, t + threads, ...; per 16 bytes of its K row (a local copy), it
+        # reads the same columns of every query row (local copies too) and keeps its scores in registers.
+        r, j, d = sch.get_loops("qk")[-3:]
+        jt, jo = sch.split(j, [threads, None])
+        d_outer, d_inner = sch.split(d, [None, 16 // element])
+        sch.reorder(jt, jo, d_outer, r, d_inner)
         sch.bind(jt, "threadIdx.x")
-        if rows_inside:  # they index the thread's registers: unrolled, their indices are constants
-            sch.unroll(jo)
-            sch.unroll(r)
+        sch.unroll(jo)
+        sch.set_scope("qk", 0, "local")
+        sch.decompose_reduction("qk", d_outer)
+        update = sch.get_sblock("qk_update")
+        sch.unroll(r)
+        sch.unroll(d_inner)
+        # kv_step is not a stage pipeline (pv and update_m write acc and m after other blocks read
+        # them), so no block can be computed at a loop under it: the update's loop nest gets a block of
+        # its own, and the local copies go in there.
+        sch.blockize(d_outer)
+        qk_d_outer = d_outer
+        for buffer in ("Kt", "Qt"):
+            copy = sch.cache_read(update, _read_index(sch, update, buffer), "local")
+            sch.compute_at(copy, d_outer)
+            _vectorize_rows(sch, copy, 16)
 
-    # Per-task and per-row values: every thread computes and keeps its own copy.
-    for name, index in [("init_scale", 0), ("split_range", 0), ("init_m", 0), ("alpha", 0), ("alpha", 1),
-                        ("inv_l", 0)]:
-        sch.set_scope(name, index, "local")
-    for name in ("init_m", "alpha", "update_m", "inv_l"):
-        sch.unroll(sch.get_loops(name)[-1])
+        for name in ("score", "exp", "sum_p", "init_l", "update_l"):
+            keys_by_threads(name)
+        sch.set_scope("sum_p", 0, "local")
+        # The running per-key sums in shared memory: the row sum after the last tile reads them in a loop
+        # over the rows that stays rolled (it holds a cross-thread reduction), where registers would be
+        # indexed dynamically, and spill from 8 rows up.
+        sch.set_scope("init_l", 0, "shared")
+        # The masked scores in shared memory: the row max reads them in a loop over the rows that stays
+        # rolled (it holds a cross-thread reduction), where registers would be indexed dynamically.
+        sch.set_scope("score", 0, "shared")
+        # P: every thread reads every key's, key-major: P[j, 0:rows] is one broadcast vector read.
+        sch.set_scope("exp", 0, "shared")
+        sch.transform_layout("exp", ("write", 0), lambda r, j: (j, r))
+        # The row max across the threads (the key loop bound: TVM lowers it with shuffles); the row
+        # sums once, after the last tile.
+        # The results go to shared memory: the row loop around a cross-thread reduction stays rolled
+        # (TVM 0.27's LowerThreadAllreduce fails on an unrolled one), and a register array indexed by
+        # a rolled loop would be a stack array.
+        if row_max == "each_thread":  # every thread reduces every key of the tile, all rows at once, in registers
+            sch.set_scope("row_max", 0, "local")
+            for loop in sch.get_loops("row_max")[-2:]:
+                sch.unroll(loop)
+        else:
+            keys_by_threads("row_max", rows_inside=False)
+            sch.set_scope("row_max", 0, "shared")
+        keys_by_threads("row_sum", rows_inside=False)
+        sch.set_scope("row_sum", 0, "shared")
 
-    sch.set_scope("load_q", 0, "shared")
-    by_threads(sch.get_loops("load_q")[-2:])
+        # P V: keys serial in each thread; a key's P for the thread's rows, and its V for the thread's
+        # columns, read once each (vector reads into registers).
+        pv_j = sch.get_loops("pv")[-3]
+        sch.decompose_reduction("pv", pv_j)
+        pv = sch.get_sblock("pv_update")
+        sch.blockize(pv_j)  # a scope for the local copies (as in Q Kᵀ)
+        for buffer in ("P", "Vt"):
+            copy = sch.cache_read(pv, _read_index(sch, pv, buffer), "local")
+            sch.compute_at(copy, pv_j)
+            _vectorize_rows(sch, copy, 16)
+        if unroll:  # every key's loads issued ahead of its FMAs (after the copies went in: compute_at needs the loop)
+            sch.unroll(pv_j)
+            sch.unroll(qk_d_outer)
 
-    # The output accumulator, in registers: each thread owns rows_inner rows of head_dim columns
-    # (the same ones in every block that touches it); rows_inner rows of one key's P are one read.
-    rows_inner = max(1, min(rows, rows * head_dim // threads))
-    while rows % rows_inner:
-        rows_inner -= 1
+        if num_stages > 1:
+            pipeline_loads(sch, num_stages)
 
-    def acc_by_threads(block):
-        """The (row, column) loops of a block over the accumulator (P V: and its key loop inside) as
-        thread, [key,] column, row: thread t owns consecutive (row group, column) pairs, so that its
-        registers compact to exactly its own, and reads V and P once a key for all of them."""
-        r, d = sch.get_loops(block)[-3:-1] if block == "pv" else sch.get_loops(block)[-2:]
-        keys = sch.get_loops(block)[-1:] if block == "pv" else []
-        r_outer, r_inner = sch.split(r, [None, rows_inner])
-        sch.reorder(r_outer, d, *keys, r_inner)
-        tx, columns = sch.split(sch.fuse(r_outer, d), [threads, None])
-        sch.reorder(tx, *keys, columns, r_inner)
-        sch.bind(tx, "threadIdx.x")
-        sch.unroll(columns)
-        sch.unroll(r_inner)
-
-    for name in ("init_acc", "pv", "store_o"):
-        acc_by_threads(name)
-    sch.set_scope("init_acc", 0, "local")
-
-    # K/V tiles: coalesced vector copies into padded shared rows.
-    vector = vector_bytes // element
-    for name in ("load_k", "load_v"):
-        sch.set_scope(name, 0, "shared.dyn")
-        sch.storage_align(name, 0, axis=0, factor=head_dim, offset=_ROW_PAD_BYTES // element)
-        j, d = sch.get_loops(name)[-2:]
-        d, vec = sch.split(d, [None, vector])
-        by_threads([j, d])
-        sch.vectorize(vec)
-
-    # Q Kᵀ: thread t owns keys t, t + threads, ...; per 16 bytes of its K row (a local copy), it
-    # reads the same columns of every query row (local copies too) and keeps its scores in registers.
-    r, j, d = sch.get_loops("qk")[-3:]
-    jt, jo = sch.split(j, [threads, None])
-    d_outer, d_inner = sch.split(d, [None, 16 // element])
-    sch.reorder(jt, jo, d_outer, r, d_inner)
-    sch.bind(jt, "threadIdx.x")
-    sch.unroll(jo)
-    sch.set_scope("qk", 0, "local")
-    sch.decompose_reduction("qk", d_outer)
-    update = sch.get_sblock("qk_update")
-    sch.unroll(r)
-    sch.unroll(d_inner)
-    # kv_step is not a stage pipeline (pv and update_m write acc and m after other blocks read
-    # them), so no block can be computed at a loop under it: the update's loop nest gets a block of
-    # its own, and the local copies go in there.
-    sch.blockize(d_outer)
-    for buffer in ("Kt", "Qt"):
-        copy = sch.cache_read(update, _read_index(sch, update, buffer), "local")
-        sch.compute_at(copy, d_outer)
-        _vectorize_rows(sch, copy, 16)
-
-    for name in ("score", "exp", "sum_p", "init_l", "update_l"):
-        keys_by_threads(name)
-    sch.set_scope("sum_p", 0, "local")
-    # The running per-key sums in shared memory: the row sum after the last tile reads them in a loop
-    # over the rows that stays rolled (it holds a cross-thread reduction), where registers would be
-    # indexed dynamically, and spill from 8 rows up.
-    sch.set_scope("init_l", 0, "shared")
-    # The masked scores in shared memory: the row max reads them in a loop over the rows that stays
-    # rolled (it holds a cross-thread reduction), where registers would be indexed dynamically.
-    sch.set_scope("score", 0, "shared")
-    # P: every thread reads every key's, key-major: P[j, 0:rows] is one broadcast vector read.
-    sch.set_scope("exp", 0, "shared")
-    sch.transform_layout("exp", ("write", 0), lambda r, j: (j, r))
-    # The row max across the threads (the key loop bound: TVM lowers it with shuffles); the row
-    # sums once, after the last tile.
-    # The results go to shared memory: the row loop around a cross-thread reduction stays rolled
-    # (TVM 0.27's LowerThreadAllreduce fails on an unrolled one), and a register array indexed by
-    # a rolled loop would be a stack array.
-    for name in ("row_max", "row_sum"):
-        keys_by_threads(name, rows_inside=False)
-        sch.set_scope(name, 0, "shared")
-
-    # P V: keys serial in each thread; a key's P for the thread's rows, and its V for the thread's
-    # columns, read once each (vector reads into registers).
-    pv_j = sch.get_loops("pv")[-3]
-    sch.decompose_reduction("pv", pv_j)
-    pv = sch.get_sblock("pv_update")
-    sch.blockize(pv_j)  # a scope for the local copies (as in Q Kᵀ)
-    for buffer in ("P", "Vt"):
-        copy = sch.cache_read(pv, _read_index(sch, pv, buffer), "local")
-        sch.compute_at(copy, pv_j)
-        _vectorize_rows(sch, copy, 16)
-
-    if num_stages > 1:
-        pipeline_loads(sch, num_stages)
-
-    # Each thread writes the (same) LSE of every row: a row bound to a thread would index the
-    # per-row registers by threadIdx, which puts them on the stack.
-    sch.unroll(sch.get_loops("store_lse")[-1])
+        # Each thread writes the (same) LSE of every row: a row bound to a thread would index the
+        # per-row registers by threadIdx, which puts them on the stack.
+        sch.unroll(sch.get_loops("store_lse")[-1])
 
     sch.work_on("merge")
     b, t, h = sch.get_loops("row")
     sch.bind(sch.fuse(t, h), "blockIdx.x")
     sch.bind(b, "blockIdx.y")
-    for name, index in [("lse_max", 0), ("lse_sum", 0)]:
-        sch.set_scope(name, index, "local")
-    d, _ = sch.get_loops("merge_o")[-2:]
+    columns = int(sch.get(sch.get_loops("store_o")[-1]).extent)  # head_dim: the block's threads
+    # The splits' LSE max and sum across the threads (a split a thread: one round trip to memory for
+    # all of them, not one a split), the results in every thread's registers.
+    sch.set_scope("finite_max", 0, "local")
+    for name in ("lse_max", "lse_sum"):
+        sch.set_scope(name, 0, "local")
+        _, s_threads = sch.split(sch.get_loops(name)[-1], [None, columns])
+        sch.bind(s_threads, "threadIdx.x")
+    # Each thread a head_dim column; the splits' partial outputs read MERGE_UNROLL at a time.
+    d, s = sch.get_loops("merge_o")[-2:]
     sch.bind(d, "threadIdx.x")
     sch.set_scope("merge_o", 0, "local")
+    sch.decompose_reduction("merge_o", s)
+    _, s_inner = sch.split(s, [None, MERGE_UNROLL])
+    sch.unroll(s_inner)
     sch.bind(sch.get_loops("store_o")[-1], "threadIdx.x")
     return sch
+
+
+MERGE_UNROLL = 8  # splits whose partial outputs a merge thread has in flight at once
 
 
 def _vectorize_rows(sch, block, vector_bytes: int) -> None:

@@ -33,6 +33,8 @@ from __future__ import annotations
 import tvm
 from tvm.s_tir import TensorIntrin
 
+from tvmflash.lowering.annotations import ATOMIC_ADD_PRAGMA
+
 from .common import (QuadRowLayout, bind_grid, buffer_info, hide_init_reads, pipeline_loads, quad_row_block,
                      quad_row_init, register_intrin, row_quad_map, row_reduce_intrin, staged_row_block,
                      tensorize_row_reduce)
@@ -55,11 +57,11 @@ ROW_STATES = ("registers", "shared")
 # num_stages 2, against 259 with num_stages 1, 246 with 32-key tiles and 192 with 128-key tiles;
 # row_state "shared" 256 at num_stages 1 (its pipelined build spills). head_dim 64 alike.
 KNOBS_FOR_HEAD_DIM = {256: {"block_n": 32}}
-# Tuning space (``tvmflash tune``): one MetaSchedule task per (block_m, block_n, num_stages). A
+# Tuning space (``tvmflash tune``): one MetaSchedule task per (block_m, block_n), the program's tiles. A
 # callable gives the candidates from the knobs before it: this version needs block_m == 32 *
-# num_warps. num_stages is a task knob, not a sampled one: the pipeline's stage annotations need a
-# plain int, and a knob with several candidates inside a task is sampled (an ExprRV).
-TASK_KNOBS = ("num_stages",)
+# num_warps. num_stages is a structure knob: the pipeline's stage annotations need a plain int, so
+# each value is a design space of its own inside the task (``tune.structures``).
+STRUCTURE_KNOBS = ("num_stages",)
 SPACE = {
     "block_m": [64, 128],
     "block_n": [32, 64, 128],
@@ -131,6 +133,8 @@ _FP16_INTRINSICS = {
     "ld_b_trans": "mma_ldmatrix_f16_b_trans_dyn",
     "mma_nn": "mma_f16f16f32",
     "mma_nt": "mma_f16f16f32_trans_b",
+    "ld_a_trans": "mma_ldmatrix_f16_a_trans_dyn",
+    "mma_tn": "mma_f16f16f32_trans_a",
 }
 
 
@@ -259,7 +263,7 @@ def _fill_fragments(sch, name, num_warps, fill):
     sch.tensorize(i1, fill)
 
 
-def _store_fragments(sch, name, num_warps, vector=True):
+def _store_fragments(sch, name, num_warps, vector=True):  # name: a block's name, or the block
     """A (rows, cols) store block that reads mma fragments, each lane the elements it holds.
     (transform_block_layout would be shorter but it leaves the block's T.where referring to the
     removed loop var: "variables (i,) are used, but are not passed in as API arguments".) Fragment
@@ -397,7 +401,7 @@ def schedule(
 # rows a step, block_n keys, dkdv_warps warps of block_n / dkdv_warps keys) and dq's (dq_block_m rows,
 # dq_warps warps of 32 rows, dq_block_n keys a step) are knobs of their own.
 BACKWARD_KNOBS = {"block_m": 64, "block_n": 64, "dkdv_warps": 4, "dkdv_stages": 2, "dq_block_m": 64, "dq_block_n": 64,
-                  "dq_warps": 2, "dq_stages": 2, "vec": 8}
+                  "dq_warps": 2, "dq_stages": 2, "vec": 8, "dq_atomic": False}
 # dq in 32-key tiles from head_dim 96: with 64, s, p and dp (64 floats a lane each) and dq (head_dim) spill.
 BACKWARD_KNOBS_FOR_HEAD_DIM = {96: {"dq_block_n": 32}, 128: {"dq_block_n": 32}}
 BACKWARD_HEAD_DIMS = (32, 64, 96, 128)  # at 256, dk and dv alone are 512 floats a lane of 16 keys: SIMT serves it
@@ -412,25 +416,35 @@ BACKWARD_SPACE = {
     "dq_stages": list(NUM_STAGES),
     "vec": [8],
 }
+# dq_atomic (dq's share added by fp32 atomics from dkdv, FA2's way, instead of the dq pass) is no
+# tuning choice: it makes dq's rounding change from run to run, and on the H200 (bf16, 16k tokens) it
+# measured 2% slower at d64 and 29% slower at d128 (dkdv then spills).
 
 
 def backward_shared_memory_bytes(head_dim: int, dtype: str, knobs: dict) -> int:
     """Dynamic shared memory of the larger of dkdv and dq: each program's Q, dout, K and V tiles
     (rows padded by 8 elements) and its rows' lse and delta."""
-    return max((2 * bm + 2 * bn) * (head_dim + 8) * 2 + 8 * bm
-               for bm, bn in ((knobs["block_m"], knobs["block_n"]), (knobs["dq_block_m"], knobs["dq_block_n"])))
+    dkdv = (2 * knobs["block_m"] + 2 * knobs["block_n"]) * (head_dim + 8) * 2 + 8 * knobs["block_m"]
+    if knobs.get("dq_atomic"):  # and dsᵀ, for dq's share
+        return dkdv + knobs["block_n"] * (knobs["block_m"] + 8) * 2
+    return max(dkdv, (2 * knobs["dq_block_m"] + 2 * knobs["dq_block_n"]) * (head_dim + 8) * 2 + 8 * knobs["dq_block_m"])
 
 
 def schedule_backward(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, dkdv_warps: int, dkdv_stages: int,
-                      dq_block_m: int, dq_block_n: int, dq_warps: int, dq_stages: int, vec: int) -> tvm.s_tir.Schedule:
+                      dq_block_m: int, dq_block_n: int, dq_warps: int, dq_stages: int, vec: int,
+                      dq_atomic: bool = False) -> tvm.s_tir.Schedule:
     """delta on the SIMT schedule, dkdv and dq on tensor cores (``vec`` elements a copy); see above.
-    The tiles are the program's (``program_backward.attention_backward``)."""
+    The tiles are the program's (``program_backward.attention_backward``). ``dq_atomic``: the program
+    has no dq; dkdv adds dq's share atomically (``_schedule_dq_share``) and convert_dq runs on SIMT."""
     from . import cuda
 
     _register_intrinsics()
     cuda.schedule_delta(sch)
-    _schedule_dkdv(sch, dkdv_warps, dkdv_stages, vec)
-    _schedule_dq(sch, dq_warps, dq_stages, vec)
+    _schedule_dkdv(sch, dkdv_warps, dkdv_stages, vec, dq_atomic)
+    if dq_atomic:
+        cuda.schedule_convert_dq(sch)
+    else:
+        _schedule_dq(sch, dq_warps, dq_stages, vec)
     return sch
 
 
@@ -455,7 +469,7 @@ def _schedule_dq(sch: tvm.s_tir.Schedule, num_warps: int, num_stages: int, vec: 
         pipeline_loads(sch, num_stages)
 
 
-def _schedule_dkdv(sch: tvm.s_tir.Schedule, num_warps: int, num_stages: int, vec: int) -> None:
+def _schedule_dkdv(sch: tvm.s_tir.Schedule, num_warps: int, num_stages: int, vec: int, dq_atomic: bool = False) -> None:
     """dkdv on tensor cores. Its tiles are key-first (sᵀ = k qᵀ, ...), so each warp owns 16 or
     more keys (rows) of the K/V block: it computes sᵀ and dpᵀ for its keys against the whole Q block
     (ldmatrix K or V as A, q or dout as Bᵀ), keeps pᵀ and dsᵀ in the mma accumulator layout, which
@@ -475,11 +489,36 @@ def _schedule_dkdv(sch: tvm.s_tir.Schedule, num_warps: int, num_stages: int, vec
     sch.bind(kb, "blockIdx.x")  # causal: the first K/V blocks see the most Q blocks, and start first
     sch.bind(hk, "blockIdx.y")
     sch.bind(b, "blockIdx.z")
+    # dsᵀ staged in shared memory for dq's share (before ds takes the fragment layout: this copy keeps
+    # the logical one)
+    staged = sch.cache_read("dq", 0, "shared.dyn", consumer_blocks=["dq"]) if dq_atomic else None
     _backward_step(sch, ("load_k", "load_v", "load_q", "load_do"), ("cast_p",), num_warps, vec, names)
     for name in ("dv", "dk"):  # dv += pᵀ dout, dk += dsᵀ q
         _accumulate(sch, name, num_warps, names)
+    if dq_atomic:
+        _schedule_dq_share(sch, staged, num_warps, names)
     if num_stages > 1:
         pipeline_loads(sch, num_stages, step="q_step", loads=("load_q", "load_do", "load_lse", "load_delta"))
+
+
+def _schedule_dq_share(sch: tvm.s_tir.Schedule, staged, num_warps: int, names: dict) -> None:
+    """dq's share of a dkdv step, ds k, added atomically into the fp32 dq (FA2's way). Each warp holds
+    dsᵀ for its keys, but ds k sums over all the block's keys: the warps write dsᵀ to shared memory,
+    and each then takes 16 or more query rows of ds k (ldmatrix.trans dsᵀ as A, ldmatrix K as B) and
+    adds its fragments into global memory one element at a time (``ATOMIC_ADD_PRAGMA``). ``staged``:
+    the copy of dsᵀ to shared memory (``cache_read`` of dq's A)."""
+    D = buffer_info(sch)[2]
+    block = sch.get_sblock("dq")
+    sch.storage_align(staged, 0, axis=0, factor=D, offset=8)
+    _store_fragments(sch, staged, num_warps)
+    sch.set_scope(block, 0, "warp")
+    sch.transform_layout(block, ("write", 0), _frag_index_map)
+    _warp_gemm_operands(sch, block, num_warps, [(1, names["ld_a_trans"]), (2, names["ld_b"])])
+    sch.tensorize(sch.get_loops(block)[-3], names["mma_tn"])
+    sch.tensorize(sch.get_loops("dq_init")[-2], names["fill"])
+    _store_fragments(sch, "accumulate_dq", num_warps, vector=False)
+    # the loops in each lane; 2: a lane's two adjacent columns may go as one vector reduction (sm_90)
+    sch.annotate(sch.get_loops("accumulate_dq")[-5], ATOMIC_ADD_PRAGMA, 2)
 
 
 def _backward_step(sch: tvm.s_tir.Schedule, loads, casts, num_warps: int, vec: int, names: dict) -> None:

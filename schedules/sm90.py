@@ -77,6 +77,7 @@ CORE_MATRIX_ELEMENTS = 64  # 8 rows x 16 bytes of 16-bit elements
 PAD_ELEMENTS = 8  # 16 bytes after each core matrix along a row (``_pad_core_matrix_stride``)
 WG_ROWS = 64  # rows of one wgmma (the M of m64nNk16)
 WARPS_PER_WARPGROUP = 4
+SWIZZLE_ALIGNMENT = 1024  # bytes: where a 128-byte-swizzled tile must start (``lowering.tma.check_tile_alignment``)
 
 # The H200's fastest: 128-row blocks, two blocks an SM, the K/V tiles in the 128-byte swizzled layout
 # loaded by TMA in two stages. d128 bf16 b4 s4096 (2026-11-30, commit fc1cf0d, one run): 586 TFLOP/s non-causal and
@@ -142,8 +143,12 @@ NUM_STAGES = (1, 2, 3)  # 1: plain loads; 2, 3: the K/V loads in a cp.async soft
 # thread blocks share an SM: with 2 warpgroups, 128 registers a thread for 2 blocks. Without it the
 # d128 build takes 137, which leaves one block (8 warps) per SM, and nothing runs while its
 # warpgroups wait on wgmma, on loads or at the softmax's barriers.
-TASK_KNOBS = ("num_stages", "min_blocks_per_sm", "kv_layout", "kv_copy", "producer", "q_layout", "q_copy", "o_store",
-              "overlap")  # strings: MetaSchedule samples only ints
+# Tuning (``tvmflash tune``): min_blocks_per_sm is a function attribute of the program (``kernel_attrs``,
+# __launch_bounds__), so each value is a task of its own, as each tile pair is. The structure knobs
+# change which schedule steps run (strings and a stage count: MetaSchedule samples only ints into a
+# trace), so each valid combination is a design space of its own inside the task (``valid_knobs``).
+PROGRAM_KNOBS = ("min_blocks_per_sm",)
+STRUCTURE_KNOBS = ("num_stages", "kv_layout", "kv_copy", "producer", "q_layout", "q_copy", "o_store", "overlap")
 REGISTERS_PER_SM = 65536
 # Registers a thread needs at the least: d64's and d128's builds take 114-127 at 2 stages. With 64
 # (block_m 256, 2 blocks an SM) ptxas fails at d128: "Insufficient registers (64) to compile
@@ -164,7 +169,7 @@ SPACE = {
     "producer": ["thread", "warpgroup"],
     "q_layout": ["core_matrices", "swizzled"],
     # q_copy "tma", o_store "direct" and overlap 1 (with 3 stages) are correct on the H200 but measured
-    # no faster over the grid (H200, commits cfedb6e and 0e948a5); left out to keep the tuning tasks few
+    # no faster over the grid (H200, commits cfedb6e and 0e948a5); left out to keep the design spaces few
     "q_copy": ["threads"],
     "o_store": ["staged"],
     "overlap": [0],
@@ -208,8 +213,8 @@ def _q_copy_problem(q_copy: str, q_layout: str, kv_copy: str) -> str | None:
     return None
 
 
-def valid_task(point: dict) -> bool:
-    """Whether a tuning task's knobs go together (``tune.task_points`` drops the others)."""
+def valid_knobs(point: dict) -> bool:
+    """Whether knobs go together (``tune.structures`` drops the other combinations)."""
     knobs = {**KNOBS, **point}
     if knobs["kv_copy"] == "tma" and not _tma_can_copy(knobs["kv_layout"], knobs["num_stages"]):
         return False
@@ -218,6 +223,38 @@ def valid_task(point: dict) -> bool:
         return False
     return _producer_problem(knobs["producer"], knobs["kv_copy"], knobs["min_blocks_per_sm"],
                              knobs["block_m"] // WG_ROWS) is None
+
+
+def knobs_problem(head_dim: int, dtype: str, knobs: dict) -> str | None:
+    """Why a build with these knobs would fail, or None (the tuner's pre-check, ``tune.candidate_problem``;
+    shared memory is checked there): knobs that do not go together, too few registers a thread, a
+    swizzled layout at a head_dim that is no multiple of 64, and swizzled tiles off the 1024-byte
+    boundary the swizzle needs (``tvmflash.lowering.tma.MisalignedTiles``)."""
+    knobs = {**KNOBS, **knobs}
+    if not valid_knobs(knobs):
+        return "these knobs do not go together (sm90.valid_knobs)"
+    threads = WARPGROUP * knobs["block_m"] // WG_ROWS
+    if threads * knobs["min_blocks_per_sm"] * MIN_REGISTERS > REGISTERS_PER_SM:
+        return (f"{knobs['min_blocks_per_sm']} blocks of {threads} threads an SM leave "
+                f"{REGISTERS_PER_SM // (threads * knobs['min_blocks_per_sm'])} registers a thread")
+    swizzled = [name for name in ("kv_layout", "q_layout") if knobs[name] == "swizzled"]
+    if swizzled and head_dim % SWIZZLE_COLUMNS:
+        return f"{' and '.join(swizzled)} 'swizzled' needs a head_dim that is a multiple of {SWIZZLE_COLUMNS}"
+    if swizzled and knobs["kv_copy"] != "tma":
+        # Without TMA no barrier padding moves the tiles (``lowering.pipeline.build``): they sit where
+        # MergeSharedMemoryAllocations puts them, after the per-row values, then the Q tile, then the
+        # K/V tiles. Each must start on a 1024-byte boundary, so each size before one must be a multiple.
+        padded = head_dim * (CORE_MATRIX_ELEMENTS + PAD_ELEMENTS) // CORE_MATRIX_ELEMENTS
+        per_row = (5 if knobs["row_state"] == "shared" else 2) * 4 * knobs["block_m"]
+        q_tile = 2 * knobs["block_m"] * (head_dim if knobs["q_layout"] == "swizzled" else padded)
+        kv_tile = 2 * knobs["block_n"] * (head_dim if knobs["kv_layout"] == "swizzled" else padded)
+        if any(size % SWIZZLE_ALIGNMENT for size in (per_row, q_tile, kv_tile)):
+            return (f"swizzled tiles without TMA at block_m {knobs['block_m']}: the {per_row}-byte row values, "
+                    f"{q_tile}-byte Q tile and {kv_tile}-byte K/V tiles put one off the {SWIZZLE_ALIGNMENT}-byte "
+                    "boundary the swizzle needs")
+    return None
+
+
 PASS_CONFIG: dict = {"tirx.use_async_copy": True}  # cp.async for the pipelined loads
 # wgmma reads its shared-memory operands through the async proxy: a cp.async tile needs
 # fence.proxy.async after its wait (lowering.tvm_fixes.ConstantAsyncWaitCounts).

@@ -27,12 +27,13 @@ SHAPES = [
 CPU_GRID = [(torch.float32, 32, None), (torch.bfloat16, 64, (4, 2)), (torch.float16, 128, (4, 1))]
 
 
-def gradients_match_float64(device, dtype, head_dim, causal, heads=None):
+def gradients_match_float64(device, dtype, head_dim, causal, heads=None, knobs=None):
     """Over SHAPES (in these (heads_q, heads_kv) if given), half of them with a gradient on lse
-    too: the backward kernel, its outputs poisoned, against float64 autograd."""
+    too: the backward kernel (of these backward ``knobs``), its outputs poisoned, against float64
+    autograd."""
     target = "cpu" if device == "cpu" else None
     forward = tvmflash.compile(head_dim=head_dim, dtype=dtype, causal=causal, target=target)
-    backward = tvmflash.compile_backward(head_dim=head_dim, dtype=dtype, causal=causal, target=target)
+    backward = tvmflash.compile_backward(head_dim=head_dim, dtype=dtype, causal=causal, target=target, knobs=knobs)
     for n, (seqlen_q, seqlen_k, heads_q, heads_kv) in enumerate(SHAPES):
         heads_q, heads_kv = heads or (heads_q, heads_kv)
         q, k, v = random_qkv(2, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype, device)
@@ -295,6 +296,27 @@ def test_sm80_backward_builds_cuda_source(monkeypatch, dtype):
     assert tvmflash.compile_backward(head_dim=256, dtype=dtype, target="sm80").info()["schedule"] == "cuda"
     monkeypatch.setenv("TVMFLASH_BACKWARD_SM80", "0")
     assert tvmflash.compile_backward(head_dim=128, dtype=dtype, target="sm80").info()["schedule"] == "cuda"
+
+
+def test_sm80_backward_with_atomic_dq_builds_cuda_source():
+    """The knob dq_atomic: no dq program; dkdv adds ds k into the fp32 dq_accum, by red.global.add.v2.f32
+    on sm_90 and atomicAdd before, and convert_dq rounds it into dq."""
+    for target, reduction in (("sm80", "atomicAdd("), ("sm90", "red.global.add.v2.f32")):
+        kernel = tvmflash.compile_backward(head_dim=64, dtype="bfloat16", causal=True, target=target,
+                                           knobs={"dq_atomic": True})
+        assert kernel.info()["schedule"] == "sm80" and kernel.dq_atomic
+        src = kernel.source(heads_q=4, heads_kv=2)
+        assert " dq_kernel(" not in src and "convert_dq_kernel(" in src
+        dkdv = src[src.rindex("dkdv_kernel("):src.rindex("convert_dq_kernel(")]
+        assert dkdv.count("DQaccum_ptr[") >= 1 and reduction in src
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_atomic_dq_gradients_on_the_gpu(head_dim, causal):
+    """The knob dq_atomic (dq summed by fp32 atomics from dkdv) over SHAPES."""
+    gradients_match_float64("cuda", torch.bfloat16, head_dim, causal, knobs={"dq_atomic": True})
 
 
 @pytest.mark.gpu

@@ -459,10 +459,10 @@ def test_sm90_producer_needs_tma_and_one_block(monkeypatch):
     from tvmflash.schedules import sm90
     with pytest.raises(ValueError, match="producer 'warpgroup' needs kv_copy 'tma', min_blocks_per_sm 1 and block_m 128"):
         tvmflash.compile(head_dim=128, dtype="bfloat16", target="sm90", knobs={"producer": "warpgroup"}).source(1, 1)
-    assert not sm90.valid_task({"producer": "warpgroup", "min_blocks_per_sm": 2})
-    assert not sm90.valid_task({"producer": "warpgroup", "min_blocks_per_sm": 1, "block_m": 256})
-    assert not sm90.valid_task({"producer": "warpgroup", "min_blocks_per_sm": 1, "kv_copy": "cp.async"})
-    assert sm90.valid_task({"producer": "warpgroup", "min_blocks_per_sm": 1, "kv_copy": "tma"})
+    assert not sm90.valid_knobs({"producer": "warpgroup", "min_blocks_per_sm": 2})
+    assert not sm90.valid_knobs({"producer": "warpgroup", "min_blocks_per_sm": 1, "block_m": 256})
+    assert not sm90.valid_knobs({"producer": "warpgroup", "min_blocks_per_sm": 1, "kv_copy": "cp.async"})
+    assert sm90.valid_knobs({"producer": "warpgroup", "min_blocks_per_sm": 1, "kv_copy": "tma"})
     # head_dim 256 in three stages does not fit: a clear error before building
     with pytest.raises(ValueError, match="KiB of shared memory"):
         tvmflash.compile(head_dim=256, dtype="bfloat16", target="sm90",

@@ -223,6 +223,34 @@ def test_a_second_process_loads_the_decode_module_from_disk(tmp_path):
     assert runs[0]["finite"] and runs[1]["finite"] and runs[0]["info"]["pass"] == "decode"
 
 
+def test_one_split_runs_one_kernel_and_no_merge(monkeypatch):
+    """num_splits=1 runs the module's ``single`` function alone, which writes the output and the LSE
+    itself (no partial buffers, no merge); more splits run ``split`` then ``merge``. Both right."""
+    kernel = decode.compile_decode(head_dim=HEAD_DIM, dtype=torch.float32, target="cpu")
+    k_cache, v_cache, _ = make_cache(3, 64, 1, HEAD_DIM, torch.float32, "cpu")
+    lengths = torch.tensor([0, 5, 64], dtype=torch.int32)
+    index = kernel.batch_rows(3, torch.device("cpu"))
+    module = kernel.module(2, 1)
+    calls = []
+
+    def counted(name, function):
+        def call(*args):
+            calls.append(name)
+            return function(*args)
+        return call
+
+    monkeypatch.setattr(module, "function", {name: counted(name, f) for name, f in module.function.items()})
+    for seqlen_q, causal in [(1, False), (3, True)]:
+        q = random_q(3, seqlen_q, 2, HEAD_DIM, torch.float32, "cpu")
+        results = []
+        for num_splits, functions in [(1, ["single"]), (2, ["split", "merge"])]:
+            calls.clear()
+            results.append(kernel(q, k_cache, v_cache, lengths, index, num_splits=num_splits, causal=causal,
+                                  out=poisoned(q)))
+            assert calls == functions
+        check_decode(*results[0], q, k_cache, v_cache, lengths, causal=causal, more=results[1:])
+
+
 def test_empty_problems():
     k_cache, v_cache, _ = make_cache(2, 16, 1, HEAD_DIM, torch.float16, "cpu")
     q = random_q(0, 1, 2, HEAD_DIM, torch.float16, "cpu")
@@ -238,13 +266,12 @@ def test_choose_num_splits():
     assert decode.choose_num_splits(tasks=256, tiles=512, slots=264) == 1
     assert decode.choose_num_splits(tasks=8, tiles=512, slots=264) == 29  # 232 of 264 slots: 88% (85% of 33 splits' 100%)
     assert decode.choose_num_splits(tasks=8, tiles=3, slots=264) == 3
-    assert decode.MAX_AUTO_SPLITS == 64  # the best is 64 splits: 55 reach 85% of its efficiency
-    assert decode.choose_num_splits(tasks=1, tiles=4096, slots=10_000) == 55
+    assert decode.MAX_AUTO_SPLITS == 128  # the best is 128 splits: 109 reach 85% of its efficiency
+    assert decode.choose_num_splits(tasks=1, tiles=4096, slots=10_000) == 109
     assert decode.choose_num_splits(tasks=8, tiles=0, slots=264) == 1
 
 
-@pytest.mark.parametrize("option,value", [
-    ("rotary_cos", torch.zeros(4, 8)), ("rotary_sin", torch.zeros(4, 8)), ("cache_leftpad", torch.zeros(2, dtype=torch.int32))])
+@pytest.mark.parametrize("option,value", [("cache_leftpad", torch.zeros(2, dtype=torch.int32))])
 def test_options_not_implemented_yet(option, value):
     k_cache, v_cache, _ = make_cache(2, 16, 1, HEAD_DIM, torch.float16, "cpu")
     q = random_q(2, 1, 4, HEAD_DIM, torch.float16, "cpu")
@@ -313,8 +340,9 @@ def test_paged_cache_errors():
 # ------------------------------------------------------------------------------------------------
 # CUDA: the SIMT schedule's source here; numerics and CUDA graphs on a GPU
 # ------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("page_size,knobs", [(0, None), (16, {"num_stages": 1}), (256, {"block_n": 128, "threads": 128})],
-                         ids=["contiguous", "paged16-one-stage", "paged256-four-warps"])
+@pytest.mark.parametrize("page_size,knobs", [(0, None), (16, {"num_stages": 1}), (256, {"block_n": 128, "threads": 128}),
+                                             (0, {"row_max": "shuffle", "unroll": 0})],
+                         ids=["contiguous", "paged16-one-stage", "paged256-four-warps", "shuffle-max-rolled"])
 def test_cuda_decode_source_builds(page_size, knobs):
     """The SIMT decode builds to CUDA here (no GPU needed): the split kernel copies K/V 16 bytes at a
     time into padded shared rows (cp.async in a pipeline by default, plain vector loads with one
@@ -322,7 +350,7 @@ def test_cuda_decode_source_builds(page_size, knobs):
     split kernel compiles with no stack frame (no per-row value in local memory) and no spill."""
     kernel = decode.compile_decode(head_dim=128, dtype="bfloat16", page_size=page_size, target="sm90", knobs=knobs)
     src = kernel.source(heads_q=32, heads_kv=8)
-    assert "split_kernel" in src and "merge_kernel" in src
+    assert "split_kernel" in src and "merge_kernel" in src and "single_kernel" in src
     if kernel.knobs["num_stages"] > 1:
         assert "cp.async.cg.shared.global" in src and "cp.async.wait_group 0" in src
     else:
@@ -378,6 +406,8 @@ def test_decode_on_the_gpu(dtype, page_size):
 # be right before its time counts.
 GPU_KNOB_SETS = [{"num_stages": 1}, {"num_stages": 3}, {"threads": 32, "block_n": 64}, {"threads": 64, "block_n": 64},
                  {"threads": 128, "block_n": 128}, {"threads": 128, "block_n": 128, "num_stages": 1},
+                 {"threads": 128, "block_n": 128, "row_max": "shuffle"}, {"row_max": "shuffle", "unroll": 0},
+                 {"unroll": 0}, {"row_max": "shuffle"},
                  {"query_tokens": 2}, {"query_tokens": 4, "threads": 64, "block_n": 64}]
 
 

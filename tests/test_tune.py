@@ -44,10 +44,16 @@ def test_spaces_hold_knobs_of_their_schedules():
     fixed, sampled = tune.task_knobs(cpu.SPACE, 32, 64)
     assert fixed == {"block_m": 32, "block_n": 64} and sampled == {"vector": [8, 16]}
     assert len(tune.task_points(cuda, cuda.SPACE)) == 9
-    # sm80's num_stages sets pipeline annotations (a plain int): each value is its own task.
+    # Only the program's tiles are tasks; sm80's num_stages sets pipeline annotations (a plain int):
+    # each value is a design space (structure) inside the task.
     points = tune.task_points(sm80, sm80.SPACE)
-    assert len(points) == 2 * 3 * 2 and {p["num_stages"] for p in points} == {1, 2}
-    assert tune.task_name(points[-1]) == "bm128_bn128_ns2"
+    assert len(points) == 2 * 3 and tune.task_name(points[-1]) == "bm128_bn128"
+    assert tune.structures(sm80, sm80.SPACE, points[-1]) == [{"num_stages": 1}, {"num_stages": 2}]
+    # sm90: the tiles and min_blocks_per_sm (a function attribute) are the program; the rest structures.
+    points = tune.task_points(sm90, sm90.SPACE)
+    assert len(points) == 3 * 2 * 2 and set(points[0]) == {"block_m", "block_n", "min_blocks_per_sm"}
+    options = tune.structures(sm90, sm90.SPACE, {"block_m": 128, "block_n": 64, "min_blocks_per_sm": 1})
+    assert all(sm90.valid_knobs({**sm90.KNOBS, "min_blocks_per_sm": 1, **o}) for o in options) and len(options) == 12
 
 
 def test_sampled_knob_is_replayed_and_mutated():
@@ -134,6 +140,108 @@ def test_sm80_design_space_replays():
     tvm.ir.assert_structural_equal(replayed.mod, sch.mod)
 
 
+def test_structures_are_design_spaces_of_one_task(tmp_path):
+    """sm90's structure knobs (layouts, copies, stages) are not tasks: one task per program (tiles and
+    min_blocks_per_sm) holds a design space per valid structure, so one evolutionary search and one
+    cost model see them all. A candidate's trace names its structure; MutateKnob moves it to another
+    (scheduled again); the defaults seed their task."""
+    import random
+
+    spec = program.AttentionSpec(128, "bfloat16", False, 2, 2)
+    lines = []
+    space = {**sm90.SPACE, "block_m": [128], "block_n": [64]}
+    defaults = kernel.default_knobs(sm90, 128)
+    tasks = tune.make_tasks(sm90, spec, {"batch": 1, "seqlen": 512, "heads": 2}, space, targets.cuda_target("sm90"),
+                            tmp_path, random.Random(0), lines.append, known={"default": defaults})
+    assert [t["name"] for t in tasks] == ["bm128_bn64_mb1", "bm128_bn64_mb2"] and not lines
+    task = tasks[1]
+    fixed, sampled, options = task["fixed"], task["sampled"], task["structures"]
+    assert len(options) == 10 and not sampled  # mb2: no producer warpgroup
+    ((label, seed),) = task["seeds"]
+    assert label == "default" and tune.decided_knobs(seed, fixed, sampled, options) == {**defaults, **fixed}
+    spaces = task["context"].generate_design_space()
+    assert [tune.decided_knobs(s.trace, fixed, sampled, options) for s in spaces] == [{**fixed, **o} for o in options]
+    retracer = tune.Retracer(sm90, task["context"].mod, fixed, sampled, options)
+    mutator = tune.MutateKnob(3, options, retracer)
+    seen = set()
+    for _ in range(4):
+        mutated = mutator.apply(seed)
+        again = tvm.s_tir.Schedule(task["context"].mod)
+        mutated.apply_to_schedule(again, remove_postproc=True)  # replays: the trace is the new structure's
+        knobs = tune.decided_knobs(again.trace, fixed, sampled, options)
+        changed = {n for n in sm90.STRUCTURE_KNOBS if knobs[n] != defaults[n]}
+        # one knob moved, with the fewest others that must go with it (kv_layout "core_matrices"
+        # needs kv_copy "cp.async"; num_stages 1 too), to a structure of the task
+        assert changed in ({"q_layout"}, {"kv_copy"}, {"kv_layout", "kv_copy"}, {"num_stages", "kv_copy"}), changed
+        seen.add(frozenset(changed))
+    assert len(seen) > 1
+
+
+def test_pre_check_postprocessor_rejects_before_building():
+    """PreCheck (a MetaSchedule postprocessor) returns False for a candidate whose knobs
+    candidate_problem rejects, so the search samples another instead of building it."""
+    from tvm.s_tir import meta_schedule as ms
+
+    spec = program.AttentionSpec(32, "float32", False, 1, 1)
+    mod = tvm.IRModule({"main": tune.specialize(program.attention_forward(spec, 16, 32), spec, batch=1,
+                                                seqlen_q=32, seqlen_k=32, softmax_scale=0.2)})
+    fixed, sampled = tune.task_knobs({"block_m": [16], "block_n": [32], "vector": [4, 8]}, 16, 32)
+    stats = {}
+    check = tune.PreCheck(lambda knobs: "too wide" if knobs["vector"] == 8 else None, fixed, sampled, [{}], stats)
+    assert isinstance(check, ms.postproc.Postproc)
+    sch = tvm.s_tir.Schedule(mod)
+    tune.space_fn(cpu, fixed, sampled)(sch)
+    (inst,) = [i for i in sch.trace.insts if i.kind.name == "SampleCategorical"]
+    verdicts = []
+    for decision in (0, 1):
+        replayed = tvm.s_tir.Schedule(mod)
+        sch.trace.with_decision(inst, decision, remove_postproc=True).apply_to_schedule(replayed, remove_postproc=True)
+        verdicts.append(check.apply(replayed))
+    assert verdicts == [True, False] and stats == {"rejected": 1}
+    # sm90: what fails to build is a problem before building
+    sm90_target = targets.cuda_target("sm90")
+    assert "64 registers" in tune.candidate_problem(sm90, sm90_target, 128, "bfloat16",
+                                                    {"block_m": 256, "num_warpgroups": 4, "min_blocks_per_sm": 2})
+    assert "1024-byte" in tune.candidate_problem(sm90, sm90_target, 128, "bfloat16", {
+        "block_m": 64, "num_warpgroups": 1, "kv_copy": "cp.async", "num_stages": 2})
+    assert "shared memory" in tune.candidate_problem(sm80, targets.cuda_target("sm80"), 128, "bfloat16", {
+        "block_m": 128, "num_warps": 4, "block_n": 128, "num_stages": 2})
+    assert tune.candidate_problem(sm90, sm90_target, 128, "bfloat16", {}) is None  # the defaults
+
+
+@pytest.mark.parametrize("schedule,head_dim,block_m,block_n", [
+    (sm90, 128, 64, 64), (sm90, 128, 128, 64), (sm90, 64, 64, 128), (sm80, 128, 128, 64)],
+    ids=["sm90-d128-bm64", "sm90-d128-bm128", "sm90-d64-bm64", "sm80-d128-bm128"])
+def test_pre_check_accepts_exactly_the_candidates_that_build(schedule, head_dim, block_m, block_n):
+    """Every structure of a task of the space, built for its GPU (cross-compiled: no GPU here): the
+    pre-check (tune.candidate_problem) accepts exactly the ones that build. (MisalignedTiles was most
+    of the failed candidates on the H200: swizzled tiles without TMA off the 1024-byte boundary.)"""
+    target = targets.cuda_target(schedule.__name__.rsplit(".", 1)[-1])
+    spec = program.AttentionSpec(head_dim, "bfloat16", True, 2, 2)
+    point = {"block_m": block_m, "block_n": block_n, **({"min_blocks_per_sm": 2} if schedule is sm90 else {})}
+    options = tune.structures(schedule, schedule.SPACE, point)
+    fixed, sampled = tune.task_knobs(schedule.SPACE, **point, structure_names=list(options[0]))
+    plain = {**schedule.KNOBS, **fixed}
+    from tvmflash import schedules as registry
+    mod = tvm.IRModule({"main": tune.specialize(registry.program_for(spec, schedule, plain), spec, batch=1,
+                                                seqlen_q=512, seqlen_k=512, softmax_scale=0.1)})
+    outcomes = []
+    for structure in options:
+        problem = tune.candidate_problem(schedule, target, head_dim, "bfloat16", {**plain, **structure})
+        sch = tvm.s_tir.Schedule(mod)
+        try:
+            tune.space_fn(schedule, fixed, sampled, [structure])(sch)
+            tune._ms_build(sch.mod, target, None, **kernel.build_options(schedule))
+            error = None
+        except Exception as err:  # noqa: BLE001 - any failure to schedule or build
+            error = f"{type(err).__name__}: {str(err).splitlines()[-1] if str(err) else ''}"
+        outcomes.append((problem is None, error is None))
+        assert (problem is None) == (error is None), (structure, problem, error)
+    assert any(built for _, built in outcomes)
+    if (schedule, block_m) == (sm90, 64):
+        assert not all(built for _, built in outcomes)  # the check has failures to predict here
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
 @pytest.mark.parametrize("schedule,block_m,causal,kv_copy", [
     (sm80, 128, False, None), (sm80, 64, True, None), (sm90, 64, False, "cp.async"), (sm90, 64, True, "tma")],
@@ -187,8 +295,8 @@ def test_rejected_tile_pairs_are_skipped(tmp_path):
     space = {**sm80.SPACE, "block_m": [64], "block_n": [40, 64], "num_stages": [1]}
     tasks = tune.make_tasks(sm80, spec, {"batch": 1, "seqlen": 256, "heads": 2}, space, targets.cuda_target("sm80"),
                             tmp_path, random.Random(0), lines.append)
-    assert [t["name"] for t in tasks] == ["bm64_bn64_ns1"] and tasks[0]["fixed"]["num_warps"] == 2
-    assert len(lines) == 1 and lines[0].startswith("  skipping bm64_bn40_ns1")
+    assert [t["name"] for t in tasks] == ["bm64_bn64"] and tasks[0]["fixed"]["num_warps"] == 2
+    assert len(lines) == 1 and lines[0].startswith("  skipping bm64_bn40: the sm80 schedule rejects it")
     with pytest.raises(ValueError, match="rejects every"):
         tune.make_tasks(sm80, spec, {"batch": 1, "seqlen": 256, "heads": 2}, {**space, "block_n": [40]},
                         targets.cuda_target("sm80"), tmp_path, random.Random(0), lines.append)
@@ -204,8 +312,8 @@ def test_tasks_over_the_shared_memory_limit_are_skipped(tmp_path):
     space = {**sm80.SPACE, "block_m": [128], "block_n": [128], "num_stages": [1, 2]}
     tasks = tune.make_tasks(sm80, spec, {"batch": 1, "seqlen": 256, "heads": 2}, space, targets.cuda_target("sm80"),
                             tmp_path, random.Random(0), lines.append)
-    assert [t["name"] for t in tasks] == ["bm128_bn128_ns1"]
-    assert lines == ["  skipping bm128_bn128_ns2: it needs 174 KiB of shared memory, cuda sm_80 allows 163 KiB"], lines
+    assert [t["name"] for t in tasks] == ["bm128_bn128"] and tasks[0]["structures"] == [{"num_stages": 1}]
+    assert lines == ["  bm128_bn128: leaving out ns2: it needs 174 KiB of shared memory, cuda sm_80 allows 163 KiB"], lines
 
 
 def test_failed_candidates_are_never_picked():
@@ -234,6 +342,23 @@ def test_failed_candidates_are_never_picked():
     assert progress.done == 4 and progress.failed == 3
     assert progress.best_knobs == {"block_m": 16, "block_n": 32, "vector": 4} and progress.best_ms == pytest.approx(2.0)
     assert any("too much shared memory" in line for line in lines) and "3 failed" in lines[-1]
+
+
+def test_trials_go_to_the_tasks_that_can_win():
+    """PromisingTasksFirst: tasks are alternatives, so after the exploring share of the batches (one
+    each, in order of promise) the trials go to the tasks within 10% of the best, never round-robin
+    to one that measured slower or was not tried."""
+    progress = tune.Progress([{"name": str(i)} for i in range(4)], 24, lambda line: None)
+    scheduler = tune.PromisingTasksFirst(progress, batches=6)  # 3 batches to explore
+    scheduler.given = [0, 0, 0, 0]
+    picks = []
+    for best in ({}, {0: 1.0}, {0: 1.0, 1: 2.0}, {0: 1.0, 1: 2.0, 2: 1.05}, None, None, None):
+        progress.task_best.update(best or {})
+        task_id = scheduler.choose([0, 1, 2, 3])
+        scheduler.given[task_id] += 1
+        picks.append(task_id)
+    assert picks == [0, 1, 2, 0, 2, 0, 2]
+    assert scheduler.choose([1, 3]) == 3  # the near-best tasks are done: the untried one next
 
 
 def test_progress_bar_on_a_terminal():
@@ -550,10 +675,10 @@ def test_a_warm_run_starts_from_the_known_and_never_ends_below_them(cli_tuning_r
     with open(f"{full['work_dir']}/database_tuning_record.json") as f:
         seeds = [line for line in f if is_seed(line)]
     assert len(seeds) == 2, seeds  # the defaults and the user's knobs, each in its task
-    # The tasks that hold them are handed the first trials (MetaSchedule's scheduler goes round its
-    # tasks in order first): the user's (block_m 16, block_n 32), then the defaults' (64, 64).
+    # The task that holds the user's record is handed the first trials (PromisingTasksFirst: the user's
+    # record, then the shipped one, then the defaults), here both of them.
     full_run = stdout.split("== workload 2/2")[0]
-    assert re.findall(r"^\[\d+/2 trials, .*\] task (\w+):", full_run, flags=re.MULTILINE) == ["bm16_bn32", "bm64_bn64"]
+    assert re.findall(r"^\[\d+/2 trials, .*\] task (\w+):", full_run, flags=re.MULTILINE)[0] == "bm16_bn32"
 
 
 def test_a_cold_run_reads_no_record(cache_dir, monkeypatch):
@@ -598,11 +723,10 @@ def test_sm90_tasks_that_leave_too_few_registers_are_skipped(tmp_path, monkeypat
              "q_layout": ["core_matrices"]}
     tasks = tune.make_tasks(sm90, spec, {"batch": 1, "seqlen": 512, "heads": 2}, space, targets.cuda_target("sm90"),
                             tmp_path, random.Random(0), lines.append)
-    # (a producer warpgroup needs block_m 128: those points are not tasks)
-    assert [t["name"] for t in tasks] == ["bm256_bn64_ns2_mb1_swizzled_tma_thread_qcore_matrices_qcthreads_ostaged_ov0",
-                                          "bm256_bn64_ns2_mb1_swizzled_cp.async_thread_qcore_matrices_qcthreads_ostaged_ov0"]
-    assert len(lines) == 2 and all(line.startswith("  skipping bm256_bn64_ns2_mb2_swizzled") and "64 registers" in line
-                                   for line in lines)
+    # (a producer warpgroup needs block_m 128: those structures are never made)
+    assert [t["name"] for t in tasks] == ["bm256_bn64_mb1"]
+    assert [s["kv_copy"] for s in tasks[0]["structures"]] == ["tma", "cp.async"]
+    assert len(lines) == 1 and lines[0].startswith("  skipping bm256_bn64_mb2: ns2_swizzled") and "64 registers" in lines[0]
 
 
 def test_sm90a_serves_head_dim_32_with_sm80(cache_dir, monkeypatch):
@@ -701,3 +825,24 @@ def test_shipped_records_match_the_current_spaces():
             space = getattr(schedules, record["schedule"]).SPACE
             missing = set(space) - set(record["knobs"])
             assert not missing, f"{path.name}: a {record['schedule']} record of {record['workload']} lacks {sorted(missing)}"
+
+
+def test_tune_all_retunes_every_shipped_workload(cache_dir, monkeypatch, tmp_path, capsys):
+    """``tvmflash tune --all`` takes its workloads from the shipped records (tuning_logs/), each once;
+    without --all, --head-dim is needed."""
+    from tvmflash import cli as tvmflash_cli
+
+    shipped = tmp_path / "shipped"
+    record = database.new_record(CPU, "cpu", WORKLOAD, {"block_m": 16, "block_n": 32, "vector": 8}, 1.0)
+    database.write(shipped / "some-gpu.json", [record, {**record, "device": "another"}])
+    monkeypatch.setattr(database, "SHIPPED_DIR", shipped)
+    assert tvmflash_cli.shipped_workloads() == [(32, "float32", False)]
+    assert tvmflash_cli.main(["tune", "--all", "--trials", "1", "--target", "cpu", "--seqlen", "64", "--batch", "1",
+                              "--heads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "d32 float32 full" in out.split("== summary")[1]
+    stored = [r for path, r in database.all_records() if path.parent == database.user_dir()]
+    assert [(r["workload"], r["trials"]) for r in stored] == [(WORKLOAD, 1)]
+    with pytest.raises(SystemExit) as exit_:
+        tvmflash_cli.main(["tune", "--trials", "1"])
+    assert exit_.value.code != 0 and "--head-dim" in capsys.readouterr().err

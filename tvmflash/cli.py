@@ -94,10 +94,17 @@ def _workload_dir(work_dir, name: str, count: int):
 
 
 def _tune(args) -> int:
-    from tvmflash import program, tune
+    from tvmflash import database, program, tune
 
-    workloads = [(head_dim, dtype, causal) for head_dim in args.head_dim for dtype in args.dtype
-                 for causal in {"no": (False,), "yes": (True,), "both": (False, True)}[args.causal]]
+    if args.all:
+        workloads = shipped_workloads()
+        if not workloads:
+            raise ValueError(f"--all: no shipped tuning records in {database.SHIPPED_DIR}")
+    elif not args.head_dim:
+        raise ValueError("tune: give --head-dim (one or more), or --all for every shipped workload")
+    else:
+        workloads = [(head_dim, dtype, causal) for head_dim in args.head_dim for dtype in args.dtype
+                     for causal in {"no": (False,), "yes": (True,), "both": (False, True)}[args.causal]]
     if args.trials < 1:
         raise ValueError(f"trials: expected a positive number, got {args.trials}")
     for head_dim, dtype, causal in workloads:  # every workload is valid before the first one runs
@@ -121,6 +128,19 @@ def _tune(args) -> int:
         records.append((name, record))
     print(summary_table(records))
     return 1 if failed else 0
+
+
+def shipped_workloads() -> list[tuple[int, str, bool]]:
+    """(head_dim, dtype, causal) of every workload with a shipped record (``tuning_logs/``), sorted:
+    what ``tvmflash tune --all`` re-tunes for this GPU."""
+    from tvmflash import database
+
+    found = set()
+    for path in sorted(database.SHIPPED_DIR.glob("*.json")):
+        for record in database.read(path):
+            workload = record["workload"]
+            found.add((workload["head_dim"], workload["dtype"], workload["causal"]))
+    return sorted(found)
 
 
 def summary_table(records: list[tuple[str, dict]]) -> str:
@@ -229,7 +249,10 @@ def parser() -> argparse.ArgumentParser:
                         "transpose(1, 2) views of them (strided, no copy) and on contiguous copies, in one run")
 
     t = command("tune", "tune the schedule's knobs on this machine (MetaSchedule); store the best")
-    t.add_argument("--head-dim", type=int, nargs="+", required=True, help="one or more; each is a workload")
+    t.add_argument("--head-dim", type=int, nargs="+", default=None, help="one or more; each is a workload")
+    t.add_argument("--all", action="store_true",
+                   help="re-tune every workload that has a shipped record (tuning_logs/) for this GPU, "
+                        "instead of --head-dim/--dtype/--causal")
     t.add_argument("--dtype", nargs="+", default=["bfloat16"], choices=dtypes, help="one or more")
     t.add_argument("--causal", nargs="?", const="yes", default="no", choices=["no", "yes", "both"],
                    help="--causal alone means yes; both tunes each workload with and without")

@@ -21,14 +21,17 @@ from tvmflash import target as targets
 from tvmflash.kernel import (
     Kernel,
     build_options,
+    check_strides,
     dtype_name,
+    needs_int64,
     resolve_softmax_scale,
     resolve_variant,
 )
 from tvmflash.program_decode import DecodeSpec
 
-# num_splits=0 never picks more splits than this (each split adds a partial output to write and merge).
-MAX_AUTO_SPLITS = 64
+# num_splits=0 never picks more splits than this (each split adds a partial output to write and merge;
+# flash-attn's cap): a lone sequence needs about 100 splits to give each SM's six one-warp tasks work.
+MAX_AUTO_SPLITS = 128
 # Splits a caller may ask for: the split kernel indexes tiles with split * tiles in int32.
 MAX_SPLITS = 1024
 _INT32_MAX = 2**31 - 1
@@ -48,7 +51,9 @@ class DecodeKernel(Kernel):
     is float32 (batch, heads_q, seqlen_q). Lengths are read on the device: every length, batch,
     seqlen_q and split count runs the same module, and a call captured in a CUDA graph replays with
     the lengths the tensor holds then. causal is an argument of the call, not of the module. Each new
-    pair of head counts builds (or loads) one module, with the functions ``split`` and ``merge``.
+    pair of head counts builds (or loads) one module, with the functions ``split`` and ``merge`` (and
+    ``single``, which num_splits=1 runs alone: it writes the output, with no merge); a cache of more
+    than 2**31 elements one more, that indexes in int64 (``kernel.needs_int64``).
     The variant (a window, a softcap, ALiBi: ``compile_decode``) is the kernel's; with ALiBi each call
     takes ``alibi_slopes``, float32 (heads_q,) or (batch, heads_q).
     """
@@ -85,14 +90,17 @@ class DecodeKernel(Kernel):
     def _code(self) -> str:
         return cache.source_digest(program, program_decode, self.schedule, schedule_registry.common, *lowering.MODULES)
 
-    def _key(self, spec: DecodeSpec) -> str:
-        return cache.digest({"pass": self.PASS, "like the forward's": super()._key(spec)})
+    def _key(self, spec: DecodeSpec, wide: bool = False) -> str:
+        return cache.digest({"pass": self.PASS, "like the forward's": super()._key(spec, wide)})
 
     def _scheduled(self, spec: DecodeSpec) -> tvm.s_tir.Schedule:
-        """The two programs, ``split`` and ``merge``, in one module, scheduled."""
+        """The programs in one module, scheduled: ``split`` and ``merge``, and ``single`` (the split
+        program as one split writing the output itself: no merge, no partial buffers)."""
         split = program_decode.decode_split(spec, self.knobs["query_tokens"], self.knobs["block_n"])
+        single = program_decode.decode_split(spec, self.knobs["query_tokens"], self.knobs["block_n"], final=True)
         merge = program_decode.decode_merge(spec)
         mod = tvm.IRModule({"split": split.with_attr("global_symbol", "split"),
+                            "single": single.with_attr("global_symbol", "single"),
                             "merge": merge.with_attr("global_symbol", "merge")})
         return self.schedule.schedule_decode(tvm.s_tir.Schedule(mod), **self.knobs)
 
@@ -100,7 +108,7 @@ class DecodeKernel(Kernel):
         return {**build_options(self.schedule), "pass_config": getattr(self.schedule, "DECODE_PASS_CONFIG", {})}
 
     def _entry(self, module):
-        return {"split": module["split"], "merge": module["merge"]}
+        return {"split": module["split"], "single": module["single"], "merge": module["merge"]}
 
     def info(self) -> dict:
         return {**super().info(), "pass": self.PASS, "causal": "per call", "page_size": self.page_size}
@@ -114,11 +122,14 @@ class DecodeKernel(Kernel):
     def query_blocks(self, seqlen_q: int) -> int:
         return -(-seqlen_q // self.knobs["query_tokens"])
 
-    def auto_num_splits(self, batch: int, heads_kv: int, seqlen_q: int, max_keys: int, device: torch.device) -> int:
+    def auto_num_splits(self, batch: int, heads_kv: int, seqlen_q: int, max_keys: int, device: torch.device,
+                        group: int = 8) -> int:
         """The split count for ``num_splits=0``, from static shapes only (so that a CUDA graph's
-        buffers fit every replay): enough tasks to fill the device (``choose_num_splits``)."""
+        buffers fit every replay): enough tasks to fill the device (``choose_num_splits``). group:
+        the query heads a K/V head serves (a task's shared memory grows with it)."""
         if device.type == "cuda":
-            slots = _sm_count(device) * self.schedule.decode_tasks_per_sm(self.head_dim, self.dtype, self.knobs)
+            slots = _sm_count(device) * self.schedule.decode_tasks_per_sm(self.head_dim, self.dtype, self.knobs,
+                                                                           group)
         else:
             slots = torch.get_num_threads() * self.schedule.decode_tasks_per_core(self.knobs)
         tiles = -(-max_keys // self.knobs["block_n"])
@@ -137,20 +148,25 @@ class DecodeKernel(Kernel):
         check_num_splits(num_splits)
         if num_splits == 0:
             capacity = index.shape[1] * self.page_size if self.page_size else k_cache.shape[1]
-            num_splits = self.auto_num_splits(batch, heads_kv, seqlen_q, capacity, q.device)
+            num_splits = self.auto_num_splits(batch, heads_kv, seqlen_q, capacity, q.device, heads_q // heads_kv)
         if out is None:
             out = torch.empty_like(q)
         lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device)
-        module = self.module(heads_q, heads_kv)
+        o_shape = (num_splits, batch, seqlen_q, heads_q, self.head_dim)  # the splits' partial outputs
+        # a cache (or partial output) of more than 2**31 elements takes the module that indexes in int64
+        wide = needs_int64(q, k_cache, v_cache, index) or math.prod(o_shape) > _INT32_MAX
+        module = self.module(heads_q, heads_kv, wide)
         if module.function is None:
             raise RuntimeError(f"this {targets.describe(self.target)} kernel was cross-compiled: there is no GPU "
                                "here to run it on")
         if out.numel() and not (k_cache.numel() and index.numel() if self.page_size else k_cache.numel()):
             out.zero_()  # an empty cache: no key for anyone (and no tensor for the kernel to clamp into)
             lse.fill_(-math.inf)
+        elif out.numel() and num_splits == 1:  # the split kernel writes the output: no merge
+            module.function["single"](q, k_cache, v_cache, lengths, index, out, lse, softmax_scale,
+                                      int(bool(causal)), *variant_arguments)
         elif out.numel():
-            o_part = torch.empty((num_splits, batch, seqlen_q, heads_q, self.head_dim), dtype=torch.float32,
-                                 device=q.device)
+            o_part = torch.empty(o_shape, dtype=torch.float32, device=q.device)
             lse_part = torch.empty((num_splits, batch, seqlen_q, heads_q), dtype=torch.float32, device=q.device)
             module.function["split"](q, k_cache, v_cache, lengths, index, o_part, lse_part, softmax_scale,
                                      int(bool(causal)), *variant_arguments)
@@ -183,9 +199,8 @@ class DecodeKernel(Kernel):
                         (index_name, index)):
             if t.device != q.device:
                 raise ValueError(f"{name}: expected device {q.device} (q's), got {t.device}")
-            if t.numel() > _INT32_MAX:
-                raise ValueError(f"{name}: tensors of more than 2**31 elements are not supported, got shape "
-                                 f"{tuple(t.shape)}")
+            if needs_int64(t):  # more than 2**31 elements: an int64 module (``__call__``)
+                check_strides(**{name: t})
         if q.device.type != ("cuda" if cuda else "cpu"):
             raise ValueError(f"q: the kernel was built for {targets.describe(self.target)}, got a tensor on {q.device}")
         for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("cache_seqlens", lengths), (index_name, index)):
@@ -320,16 +335,23 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     float32 (heads_q,) or (batch, heads_q): -slope · |n - seqlen_q + t - p| is added to key p's
     score (after the cap). Each window and softcap value builds a module of its own.
     return_softmax_lse: also return the LSE, float32 (batch, heads_q, seqlen_q).
+    rotary_cos, rotary_sin (both or neither, with k and v): (seqlen_ro, rotary_dim / 2), q's dtype
+    and device, contiguous; rotary_dim a multiple of 16 up to head_dim, seqlen_ro at least the
+    cache's capacity. Rotary embedding as flash-attn's: the new k is rotated at positions
+    cache_seqlens[b], cache_seqlens[b] + 1, ... before it is appended; q is rotated at the same
+    positions if causal or local (a window), else every token of q at position cache_seqlens[b].
+    rotary_interleaved=True rotates the pairs of dims (0, 1), (2, 3), ... (GPT-J); False the pairs
+    (i, i + rotary_dim / 2) (GPT-NeoX). The dims past rotary_dim are left as they are. The rotation
+    is torch ops on q and k before the kernel (``apply_rotary``: float32 arithmetic, rounded to
+    q's dtype, as flash-attn's kernel does; no host sync, so a CUDA graph captures it).
 
     Returns out (q's shape and dtype), or (out, lse). A query that sees no key gets 0 and an LSE of
     -inf. On the CPU, lengths and indices outside the cache are a ValueError; on a GPU they are not
     checked (that would wait for the device): the kernel clamps them to the cache, so it never reads
     outside it.
 
-    Not implemented yet (NotImplementedError): rotary_cos/rotary_sin, cache_leftpad.
+    Not implemented yet (NotImplementedError): cache_leftpad.
     """
-    if rotary_cos is not None or rotary_sin is not None:
-        raise _not_implemented("rotary_cos" if rotary_cos is not None else "rotary_sin", "<tensor>")
     if cache_leftpad is not None:
         raise _not_implemented("cache_leftpad", "<tensor>")
     for name, flag in (("return_softmax_lse", return_softmax_lse), ("rotary_interleaved", rotary_interleaved)):
@@ -382,8 +404,17 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                 raise ValueError(f"{name}: expected the cache's dtype {k_cache.dtype} and device {device}, got "
                                  f"{t.dtype} on {t.device}")
         new = k.shape[1]
+    rotary = rotary_cos is not None or rotary_sin is not None
+    if rotary:
+        _check_rotary(rotary_cos, rotary_sin, q, k, capacity)
     if device.type == "cpu":  # checking on a GPU would wait for it: there the kernel clamps instead
         _check_cache_values(cache_seqlens, new, capacity, index, paged, k_cache.shape[0])
+    if rotary:
+        # flash-attn's rule: q's tokens at successive positions if causal or local, else all at
+        # cache_seqlens (a window bound as long as the cache is none, as flash-attn clears it)
+        local = any(0 <= variant.get(side, -1) < capacity for side in ("window_left", "window_right"))
+        k = apply_rotary(k, rotary_cos, rotary_sin, cache_seqlens, rotary_interleaved)
+        q = apply_rotary(q, rotary_cos, rotary_sin, cache_seqlens, rotary_interleaved, successive=causal or local)
     if new:
         _append(k_cache, v_cache, k, v, cache_seqlens, index, paged)
         lengths = cache_seqlens + new
@@ -392,6 +423,55 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     out, lse = kernel(q, k_cache, v_cache, lengths, index, num_splits=num_splits, softmax_scale=softmax_scale,
                       causal=causal, alibi_slopes=alibi_slopes)
     return (out, lse) if return_softmax_lse else out
+
+
+def _check_rotary(rotary_cos, rotary_sin, q, k, capacity) -> None:
+    """flash-attn's checks of rotary_cos and rotary_sin (before anything is written to the cache)."""
+    if rotary_cos is None or rotary_sin is None:
+        raise ValueError(f"{'rotary_sin' if rotary_sin is None else 'rotary_cos'}: expected rotary_cos and rotary_sin "
+                         "both or neither")
+    if k is None:
+        raise ValueError("rotary_cos: rotary embedding needs the new k and v to append to the cache (flash-attn's rule)")
+    head_dim = q.shape[-1]
+    for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 2 or t.shape != rotary_cos.shape:
+            raise ValueError(f"{name}: expected shape (seqlen_ro, rotary_dim / 2), rotary_cos's and rotary_sin's alike, "
+                             f"got {tuple(t.shape)}")
+        if t.dtype != q.dtype or t.device != q.device:
+            raise ValueError(f"{name}: expected q's dtype {q.dtype} and device {q.device}, got {t.dtype} on {t.device}")
+    seqlen_ro, rotary_dim = rotary_cos.shape[0], 2 * rotary_cos.shape[1]
+    if not 0 < rotary_dim <= head_dim or rotary_dim % 16:
+        raise ValueError(f"rotary_cos: expected rotary_dim (2 x its last dim) a multiple of 16 up to head_dim {head_dim}, "
+                         f"got {rotary_dim}")
+    if seqlen_ro < capacity:
+        raise ValueError(f"rotary_cos: expected at least the cache's {capacity} positions (seqlen_ro), got {seqlen_ro}")
+
+
+def apply_rotary(x, cos, sin, offsets, interleaved: bool, successive: bool = True):
+    """x (batch, seqlen, heads, head_dim) rotated as flash-attn's ``apply_rotary_emb``: token i of
+    sequence b at position offsets[b] + i (``successive``), or every token at offsets[b]. cos, sin:
+    (seqlen_ro, rotary_dim / 2); the first rotary_dim dims rotate, in pairs (0, 1), (2, 3), ... if
+    ``interleaved``, else (i, i + rotary_dim / 2); the rest are copied. Computed in float32 and
+    rounded to x's dtype; a new tensor. Torch ops only, with the positions gathered on the device
+    (no host sync; positions past the table are clamped to its last, as the cache's lengths are
+    clamped by the kernel)."""
+    half = cos.shape[1]
+    positions = offsets.long()[:, None]
+    if successive:
+        positions = positions + torch.arange(x.shape[1], device=x.device)
+    positions = positions.clamp(0, cos.shape[0] - 1).expand(x.shape[0], x.shape[1])
+    c = cos[positions].float()[:, :, None, :]  # (batch, seqlen, 1, rotary_dim / 2)
+    s = sin[positions].float()[:, :, None, :]
+    rotated = x[..., : 2 * half].float()
+    if interleaved:
+        x1, x2 = rotated[..., 0::2], rotated[..., 1::2]
+        rotated = torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2)
+    else:
+        x1, x2 = rotated[..., :half], rotated[..., half:]
+        rotated = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+    return torch.cat((rotated.to(x.dtype), x[..., 2 * half:]), dim=-1)
 
 
 def _check_cache_values(cache_seqlens, new, capacity, index, paged, cache_rows) -> None:

@@ -9,8 +9,9 @@ ones ``tvmflash::varlen_forward``)::
 The variants are flash-attn's: a sliding ``window_size``, ``softcap`` and ``alibi_slopes`` (see
 ``tvmflash.attention``). An option tvmflash does not support yet raises ``NotImplementedError``
 naming it, never silently changes the result: dropout_p > 0.
-``deterministic`` is accepted either way: tvmflash's backward has no atomics, so its gradients
-are always bitwise the same from run to run. With ``return_attn_probs`` the return is
+``deterministic`` is accepted either way: tvmflash's backward has no atomics (its dq is a pass of
+its own unless a kernel is compiled with the backward knob ``dq_atomic``), so its gradients are
+always bitwise the same from run to run. With ``return_attn_probs`` the return is
 ``(out, softmax_lse, None)``: flash-attn returns the attention probabilities (S_dmask) only with
 dropout and None without, and tvmflash has no dropout. Unlike flash-attn's, softmax_lse carries a
 gradient.

@@ -32,6 +32,25 @@ TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32":
 _INT32_MAX = 2**31 - 1
 
 
+def needs_int64(*tensors) -> bool:
+    """Does any of the tensors (None: skipped) hold an element more than 2**31 - 1 elements past its
+    first? Their modules then index in int64 (``lowering.passes.WidenGlobalIndices``); smaller
+    problems keep int32 modules, and their speed."""
+    return any(t is not None and t.numel() and sum((n - 1) * s for n, s in zip(t.shape, t.stride())) > _INT32_MAX
+               for t in tensors)
+
+
+def check_strides(**tensors) -> None:
+    """Every stride of each named tensor (None: skipped; of a dimension longer than 1) below 2**31:
+    the modules take each stride and dimension as an int32 (only their sum of products, the offset,
+    is computed in int64). Only tensors past 2**31 elements (``needs_int64``) can fail it."""
+    for name, t in tensors.items():
+        if t is not None and any(n > 1 and s > _INT32_MAX for n, s in zip(t.shape, t.stride())):
+            raise ValueError(f"{name}: strides of 2**31 elements or more are not supported (tensors of more than "
+                             f"2**31 elements are, where one index of the first dim holds fewer), got shape "
+                             f"{tuple(t.shape)}, strides {t.stride()}")
+
+
 @dataclass
 class _Module:
     """One built (or loaded) module: a spec with fixed head counts, for one target."""
@@ -260,7 +279,7 @@ class Kernel:
         sm80 and sm90 schedules (the row-reduce intrinsic); the lowering's passes shape every build."""
         return cache.source_digest(program, self.schedule, schedule_registry.common, *lowering.MODULES)
 
-    def _key(self, spec: AttentionSpec) -> str:
+    def _key(self, spec: AttentionSpec, wide: bool = False) -> str:
         return cache.digest(
             {
                 "tvmflash": _version(),
@@ -270,16 +289,24 @@ class Kernel:
                 "knobs": self.knobs,
                 "target": str(self.target),
                 **({"build": self._build_options()} if self.variant.get("varlen") else {}),  # (dense keys unchanged)
+                **({"index_bits": 64} if wide else {}),  # an int64 module's own key; int32 ones keep theirs
             }
         )
 
-    def module(self, heads_q: int, heads_kv: int) -> _Module:
-        """The module for these head counts: from memory, else from disk, else built now."""
-        found = self._modules.get((heads_q, heads_kv))
+    @staticmethod
+    def _slot(heads_q: int, heads_kv: int, wide: bool = False) -> tuple:
+        """A module's place in ``_modules``: (heads_q, heads_kv), and "int64" for a wide one."""
+        return (heads_q, heads_kv, "int64") if wide else (heads_q, heads_kv)
+
+    def module(self, heads_q: int, heads_kv: int, wide: bool = False) -> _Module:
+        """The module for these head counts: from memory, else from disk, else built now. wide: the
+        module that indexes its tensors in int64, for tensors of more than 2**31 elements
+        (``needs_int64``); a module of its own, built on first use."""
+        found = self._modules.get(self._slot(heads_q, heads_kv, wide))
         if found is not None:
             return found
         spec = self._spec(heads_q, heads_kv)
-        key = self._key(spec)
+        key = self._key(spec, wide)
         with _LOCK:
             found = _MODULES.get(key)
             if found is None:
@@ -287,14 +314,14 @@ class Kernel:
                 if found is None:
                     variant = "".join(f" {name}={value}" for name, value in self.variant.items())
                     what = (f"d{spec.head_dim} {spec.dtype}{' causal' if spec.causal else ''}{variant} "
-                            f"hq{spec.heads_q}/hkv{spec.heads_kv}")
+                            f"hq{spec.heads_q}/hkv{spec.heads_kv}{' int64' if wide else ''}")
                     logger.info("building %s for %s (%s schedule)...", what, self._target_name,
                                 schedule_registry.name_of(self.schedule))
-                    found = self._build(spec, key)
+                    found = self._build(spec, key, wide)
                 logger.info("%s %s in %.1f s%s", "built" if found.origin == "built" else "loaded", found.path or "it",
                             found.seconds, "" if found.function else " (CUDA source only: no GPU here to build for)")
                 _MODULES[key] = found
-        self._modules[(heads_q, heads_kv)] = found
+        self._modules[self._slot(heads_q, heads_kv, wide)] = found
         self._last = (heads_q, heads_kv)
         return found
 
@@ -325,10 +352,10 @@ class Kernel:
         sch = tvm.s_tir.Schedule(schedule_registry.program_for(spec, self.schedule, self.knobs))
         return self.schedule.schedule(sch, **self.knobs)
 
-    def _build(self, spec: AttentionSpec, key: str) -> _Module:
+    def _build(self, spec: AttentionSpec, key: str, wide: bool = False) -> _Module:
         start = time.perf_counter()
         sch = self._scheduled(spec)
-        executable = lowering.build(sch.mod, self.target, **self._build_options())
+        executable = lowering.build(sch.mod, self.target, **self._build_options(), wide_indices=wide)
         source = executable.mod.imports[0].inspect_source() if targets.is_cuda(self.target) else None
         seconds = time.perf_counter() - start
         runnable = _runnable_here(self.target)
@@ -336,7 +363,8 @@ class Kernel:
         try:
             meta = {"key": key, "pass": self.PASS, "spec": asdict(spec), "knobs": self.knobs, "target": str(self.target),
                     "schedule": schedule_registry.name_of(self.schedule), "tvm": tvm.__version__,
-                    "tvmflash": _version(), "code": self._code(), "created": time.strftime("%Y-%m-%d %H:%M:%S")}
+                    "tvmflash": _version(), "code": self._code(), "created": time.strftime("%Y-%m-%d %H:%M:%S"),
+                    **({"index_bits": 64} if wide else {})}
             cache.write_module(path, executable.export_library if runnable else lambda tmp: Path(tmp).write_text(source),
                                meta)
         except Exception as err:  # noqa: BLE001 - caching is an optimisation, never a failure
@@ -361,16 +389,17 @@ class Kernel:
         return options
 
     # ----------------------------------------------------------------- using
-    def source(self, heads_q: int | None = None, heads_kv: int | None = None) -> str:
-        """The generated CUDA source, built for these head counts (default: the last used, or 1/1)."""
+    def source(self, heads_q: int | None = None, heads_kv: int | None = None, wide: bool = False) -> str:
+        """The generated CUDA source, built for these head counts (default: the last used, or 1/1);
+        wide: of the module that indexes in int64 (``module``)."""
         if not targets.is_cuda(self.target):
             raise ValueError(f"source(): only CUDA targets have CUDA source; this kernel targets {self.target}")
         if heads_q is None:
             heads_q, heads_kv = self._last or (1, 1)
-        module = self.module(heads_q, heads_kv if heads_kv is not None else heads_q)
+        module = self.module(heads_q, heads_kv if heads_kv is not None else heads_q, wide)
         if module.source is None:  # loaded from disk: build once more to see the source
             spec = self._spec(heads_q, heads_kv if heads_kv is not None else heads_q)
-            module.source = self._build(spec, self._key(spec)).source
+            module.source = self._build(spec, self._key(spec, wide), wide).source
         return module.source
 
     def scheduled_tir(self, heads_q: int = 1, heads_kv: int | None = None) -> str:
@@ -390,8 +419,9 @@ class Kernel:
             "knobs": dict(self.knobs),
             "knobs_source": self.knobs_source,
             "modules": {
-                f"heads_q={hq},heads_kv={hkv}": {"origin": m.origin, "path": m.path, "seconds": round(m.seconds, 3)}
-                for (hq, hkv), m in self._modules.items()
+                f"heads_q={slot[0]},heads_kv={slot[1]}{',int64' if len(slot) > 2 else ''}":
+                {"origin": m.origin, "path": m.path, "seconds": round(m.seconds, 3)}
+                for slot, m in self._modules.items()
             },
         }
 
@@ -420,7 +450,10 @@ class Kernel:
             self._usable(out, "out", copy=False)
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device)
-        module = self._modules.get((heads_q, heads_kv)) or self.module(heads_q, heads_kv)
+        wide = needs_int64(q, k, v, out)
+        if wide:
+            check_strides(q=q, k=k, v=v, out=out)
+        module = self._modules.get(self._slot(heads_q, heads_kv, wide)) or self.module(heads_q, heads_kv, wide)
         if module.function is None:
             raise RuntimeError(f"this {self._target_name} kernel was cross-compiled: there is no GPU here to run it on")
         if out.numel() and not k.shape[1]:
@@ -510,14 +543,14 @@ class Kernel:
     def _fits(self, t) -> bool:
         """Can the module read or write ``t`` in place? Its last dim contiguous, its other strides
         multiples of the schedule's ``stride_multiple`` elements (16 bytes on CUDA, any on the CPU)
-        and, on CUDA, not 0 (a TMA tensor map's stride may not be), every element within 2**31 of the
-        first (the kernel's index arithmetic is 32-bit) and, on CUDA, its data 16-byte aligned.
-        (b, s, h, d) tensors, (b, h, s, d) ones seen through a transpose and a packed qkv's thirds
-        all fit, for every supported head_dim."""
-        (n0, n1, n2, n3), (s0, s1, s2, s3) = t.shape, t.stride()
+        and, on CUDA, not 0 (a TMA tensor map's stride may not be) and its data 16-byte aligned. Its
+        size is no condition: past 2**31 elements the call takes the module that indexes in int64
+        (``needs_int64``; its strides must be below 2**31, ``check_strides``). (b, s, h, d) tensors,
+        (b, h, s, d) ones seen through a transpose and a packed qkv's thirds all fit, for every
+        supported head_dim."""
+        n3, (s0, s1, s2, s3) = t.shape[3], t.stride()
         multiple = self._stride_multiple
         return ((s3 == 1 or n3 <= 1) and not (s0 % multiple or s1 % multiple or s2 % multiple)
-                and (n0 - 1) * s0 + (n1 - 1) * s1 + (n2 - 1) * s2 + (n3 - 1) * s3 <= _INT32_MAX
                 and not (self._cuda and (t.data_ptr() % 16 or not (s0 and s1 and s2))))
 
     def _usable(self, t, name: str, copy: bool = True):
@@ -529,8 +562,6 @@ class Kernel:
             raise ValueError(f"{name}: expected a contiguous last dim (stride 1), got strides {t.stride()}")
         if self._cuda and t.data_ptr() % 16 and name != "out":
             raise ValueError(f"{name}: expected a 16-byte aligned data pointer, got {t.data_ptr():#x}")
-        if t.numel() > _INT32_MAX:
-            raise ValueError(f"{name}: tensors of more than 2**31 elements are not supported, got shape {tuple(t.shape)}")
         return t.clone(memory_format=torch.contiguous_format) if copy else t
 
 
@@ -572,7 +603,10 @@ class VarlenKernel(Kernel):
                 self._usable(out[None], "out", copy=False)
             out = torch.empty(q.shape[1:], dtype=q.dtype, device=q.device)
         lse = torch.empty((heads_q, total_q), dtype=torch.float32, device=q.device)
-        module = self._modules.get((heads_q, heads_kv)) or self.module(heads_q, heads_kv)
+        wide = needs_int64(q, k, v, out)
+        if wide:
+            check_strides(q=q, k=k, v=v, out=out)
+        module = self._modules.get(self._slot(heads_q, heads_kv, wide)) or self.module(heads_q, heads_kv, wide)
         if module.function is None:
             raise RuntimeError(f"this {self._target_name} kernel was cross-compiled: there is no GPU here to run it on")
         if out.numel() and not k.shape[1]:  # no key at all (as Kernel.__call__)
@@ -744,7 +778,8 @@ class BackwardKernel(Kernel):
     q, out, dout: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv,
     head_dim); lse, dlse: float32 (batch, heads_q, seqlen_q), the forward's. dq, dk, dv have the
     shapes and dtype of q, k and v (dk, dv summed over each GQA group's query heads). The
-    gradients are bitwise the same from run to run (no atomics: ``program_backward``).
+    gradients are bitwise the same from run to run unless the knob ``dq_atomic`` sums dq by fp32
+    atomics (``program_backward``).
     """
 
     PASS = "backward"
@@ -771,19 +806,41 @@ class BackwardKernel(Kernel):
         self._modules: dict[tuple[int, int], _Module] = {}
         self._last: tuple[int, int] | None = None
 
-    def _key(self, spec: AttentionSpec) -> str:
-        return cache.digest({"pass": self.PASS, "like the forward's": super()._key(spec),
+    def _key(self, spec: AttentionSpec, wide: bool = False) -> str:
+        return cache.digest({"pass": self.PASS, "like the forward's": super()._key(spec, wide),
                              "code": cache.source_digest(program_backward)})
 
     def _scheduled(self, spec: AttentionSpec) -> tvm.s_tir.Schedule:
         knobs = self.knobs
         sch = tvm.s_tir.Schedule(program_backward.attention_backward(
-            spec, knobs["block_m"], knobs["block_n"], knobs.get("dq_block_m"), knobs.get("dq_block_n")))
+            spec, knobs["block_m"], knobs["block_n"], knobs.get("dq_block_m"), knobs.get("dq_block_n"),
+            dq_atomic=self.dq_atomic))
         return self.schedule.schedule_backward(sch, **self.knobs)
 
+    @property
+    def dq_atomic(self) -> bool:
+        """dq summed by fp32 atomics from dkdv (then not bitwise reproducible), or by a pass of its own."""
+        return bool(self.knobs.get("dq_atomic", False))
+
     def _entry(self, module):
-        """The three programs to call, by name (``program_backward.PASSES``)."""
-        return {name: module[name] for name in program_backward.PASSES}
+        """The three programs to call, by name (``program_backward.passes``)."""
+        return {name: module[name] for name in program_backward.passes(self.dq_atomic)}
+
+    def _dq_accumulator(self, q) -> tuple:
+        """With ``dq_atomic``: (dq_accum,), zeros of ``program_backward``'s shape for q (batch,
+        seqlen_q, heads_q, head_dim); else ()."""
+        if not self.dq_atomic:
+            return ()
+        batch, seqlen_q, heads_q, head_dim = q.shape
+        rows = program_backward.dq_accumulator_rows(seqlen_q, self.knobs["block_m"])
+        return (torch.zeros((batch, rows, heads_q, head_dim), dtype=torch.float32, device=q.device),)
+
+    def _dq(self, passes, accumulator, q, k, v, dout, lse2, delta, dq, softmax_scale, *arguments):
+        """dq: from dkdv's sum (``accumulator``: convert_dq) or by the dq pass."""
+        if accumulator:
+            passes["convert_dq"](*accumulator, dq, softmax_scale)
+        else:
+            passes["dq"](q, k, v, dout, lse2, delta, dq, softmax_scale, *arguments)
 
     def info(self) -> dict:
         return {**super().info(), "pass": self.PASS}
@@ -823,7 +880,10 @@ class BackwardKernel(Kernel):
             for grad in grads:
                 grad.zero_()
             return grads, None
-        module = self.module(heads_q, heads_kv)
+        wide = needs_int64(q, k, v)  # dq, dk, dv, out and dout: q's, k's and v's sizes
+        if wide:
+            check_strides(q=q, k=k, v=v)
+        module = self.module(heads_q, heads_kv, wide)
         if module.function is None:
             raise RuntimeError(f"this {targets.describe(self.target)} kernel was cross-compiled: there is no GPU here to run it on")
         return grads, module.function
@@ -848,9 +908,10 @@ class BackwardKernel(Kernel):
             return dq, dk, dv
         delta, lse2 = (torch.empty(rows, dtype=torch.float32, device=q.device) for _ in range(2))
         dlse = torch.zeros_like(delta) if dlse is None else dlse.contiguous()
+        accumulator = self._dq_accumulator(q)
         passes["delta"](out, dout, lse, dlse, delta, lse2)
-        passes["dkdv"](q, k, v, dout, lse2, delta, dk, dv, softmax_scale, *variant_arguments)
-        passes["dq"](q, k, v, dout, lse2, delta, dq, softmax_scale, *variant_arguments)
+        passes["dkdv"](q, k, v, dout, lse2, delta, dk, dv, softmax_scale, *accumulator, *variant_arguments)
+        self._dq(passes, accumulator, q, k, v, dout, lse2, delta, dq, softmax_scale, *variant_arguments)
         return dq, dk, dv
 
 
@@ -888,9 +949,12 @@ class VarlenBackwardKernel(BackwardKernel):
         # the packed rows as the programs' one batch
         q, k, v, out, dout, lse, dq4, dk4, dv4 = (t[None] for t in (q, k, v, out, dout, lse, dq, dk, dv))
         sequences = (cu_seqlens_q, cu_seqlens_k)
+        accumulator = self._dq_accumulator(q)
         passes["delta"](out, dout, lse, dlse, delta, lse2)
-        passes["dkdv"](q, k, v, dout, lse2, delta, dk4, dv4, softmax_scale, *sequences, max_seqlen_k, *variant_arguments)
-        passes["dq"](q, k, v, dout, lse2, delta, dq4, softmax_scale, *sequences, max_seqlen_q, *variant_arguments)
+        passes["dkdv"](q, k, v, dout, lse2, delta, dk4, dv4, softmax_scale, *accumulator, *sequences, max_seqlen_k,
+                       *variant_arguments)
+        self._dq(passes, accumulator, q, k, v, dout, lse2, delta, dq4, softmax_scale, *sequences, max_seqlen_q,
+                 *variant_arguments)
         return dq, dk, dv
 
 

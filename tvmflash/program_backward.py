@@ -27,10 +27,12 @@ that of the logit softcap · tanh(s / softcap) - slope · |i + seqlen_k - seqlen
            GQA/MQA group are summed in the tile's fp32 accumulators (no atomics). p is recomputed
            from q, k and the saved lse.
 ``dq``     one tile per (batch, query head, Q block): the K/V blocks stream past it, recomputing p
-           and ds. A pass of its own rather than fp32 atomics from ``dkdv``: each dq element is
-           summed by one tile in a fixed order, so gradients are bitwise reproducible from run to
-           run (``deterministic=True`` costs nothing), at the price of computing q kᵀ and
-           dout vᵀ twice.
+           and ds. A pass of its own by default: each dq element is summed by one tile in a fixed
+           order, so gradients are bitwise reproducible from run to run (``deterministic=True``
+           costs nothing), at the price of computing q kᵀ and dout vᵀ twice. With ``dq_atomic``
+           (``attention_backward``), FA2's way, dkdv adds each step's ds k into an fp32
+           accumulator instead and ``convert_dq`` rounds it: five products instead of seven, but an
+           fp32 addition to memory per element per step, in an order that changes from run to run.
 
 As in the forward: batch and the sequence lengths are symbolic; rows and keys past the ends are
 padded with zeros on load; causal masks are aligned bottom-right and tiles wholly above the
@@ -49,33 +51,65 @@ from __future__ import annotations
 
 import tvm
 from tvm.script import tirx as T
+from tvm.script.ir_builder import IRBuilder
 
 from tvmflash import program
 from tvmflash.program import LOG2E, AttentionSpec
 
-# The programs of the IRModule, in the order they run (dkdv and dq both read delta).
-PASSES = ("delta", "dkdv", "dq")
+def passes(dq_atomic: bool = False) -> tuple:
+    """The programs of the IRModule, in the order they run (dkdv and dq both read delta; convert_dq
+    reads what dkdv summed)."""
+    return ("delta", "dkdv", "convert_dq") if dq_atomic else ("delta", "dkdv", "dq")
+
+
+def dq_accumulator_rows(seqlen_q: int, block_m: int) -> int:
+    """The rows of dq_accum for ``seqlen_q`` query rows (varlen: every sequence's, packed): enough
+    for the last Q block's rows past the end, whose share is 0 (q = dout = delta = 0 there)."""
+    return seqlen_q + block_m
 
 
 def attention_backward(spec: AttentionSpec, block_m: int, block_n: int, dq_block_m: int | None = None,
-                       dq_block_n: int | None = None) -> tvm.IRModule:
+                       dq_block_n: int | None = None, dq_atomic: bool = False) -> tvm.IRModule:
     """The backward programs for a spec: dkdv in tiles of ``block_m`` query rows by ``block_n`` keys,
     dq in tiles of ``dq_block_m`` by ``dq_block_n`` (by default dkdv's).
 
     ``delta(out, dout, lse, dlse, delta, lse2)``,
     ``dkdv(q, k, v, dout, lse2, delta, dk, dv, softmax_scale)``,
     ``dq(q, k, v, dout, lse2, delta, dq, softmax_scale)``: shapes in the module docstring. Run them
-    in ``PASSES``' order.
+    in ``passes()``' order.
+
+    ``dq_atomic``: no dq program; dkdv also adds each step's ds k into ``dq_accum`` (float32
+    (batch, ``dq_accumulator_rows``, heads_q, head_dim), zeroed by the caller), after softmax_scale:
+    ``dkdv(q, k, v, dout, lse2, delta, dk, dv, softmax_scale, dq_accum)``, and
+    ``convert_dq(dq_accum, dq, softmax_scale)`` scales and rounds it into dq. Every K/V tile adds into
+    the same rows, so a schedule that runs tiles at once makes the addition atomic, and the sum's
+    order (its rounding) changes from run to run.
     """
-    module = _programs(spec, block_m, block_n)
+    module = _programs(spec, block_m, block_n, dq_atomic)
+    if dq_atomic:
+        return module
     dq_tile = (dq_block_m or block_m, dq_block_n or block_n)
     if dq_tile != (block_m, block_n):
         module["dq"] = _programs(spec, *dq_tile)["dq"]
     return module
 
 
-def _programs(spec: AttentionSpec, block_m: int, block_n: int) -> tvm.IRModule:
-    """The three programs, all in tiles of ``block_m`` query rows by ``block_n`` keys."""
+def _dq_accumulator_argument(dq_atomic: bool, batch, heads: int, head_dim: int):
+    """With ``dq_atomic``, one more parameter of the dkdv being parsed: dq_accum, float32 (batch,
+    rows, heads, head_dim); None without."""
+    if not dq_atomic:
+        return None
+    handle = T.arg("dq_accum_handle", T.handle())
+    rows = T.int32()
+    IRBuilder.name("dq_accum_rows", rows)
+    accum = T.match_buffer(handle, (batch, rows, heads, head_dim), "float32")
+    IRBuilder.name("DQaccum", accum)
+    return accum
+
+
+def _programs(spec: AttentionSpec, block_m: int, block_n: int, dq_atomic: bool = False) -> tvm.IRModule:
+    """The three programs, all in tiles of ``block_m`` query rows by ``block_n`` keys (``dq_atomic``:
+    delta, dkdv with dq's share, convert_dq)."""
     D, BM, BN = spec.head_dim, block_m, block_n
     HQ, HKV = spec.heads_q, spec.heads_kv
     group = HQ // HKV
@@ -283,6 +317,7 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int) -> tvm.IRModule:
         Delta = T.match_buffer(delta_handle, (batch, HQ, seqlen_q), f32)
         dK = T.match_buffer(dk_handle, (batch, seqlen_k, HKV, D), dtype)
         dV = T.match_buffer(dv_handle, (batch, seqlen_k, HKV, D), dtype)
+        DQaccum = T.meta_var(_dq_accumulator_argument(dq_atomic, batch, HQ, D))  # with dq_atomic only
         Packed_ = T.meta_var(program.varlen_arguments(spec, "max_seqlen_k"))  # parameters with varlen only
         AlibiSlopes = T.meta_var(program.alibi_slopes_argument(spec, program.sequence_count(Packed_, batch), HQ))  # with ALiBi only
 
@@ -322,6 +357,8 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int) -> tvm.IRModule:
                         dP = T.sblock_alloc_buffer((BN, BM), f32)  # dpᵀ = v doutᵀ
                         dSc = T.sblock_alloc_buffer((BN, BM), dtype)  # dsᵀ in the input dtype, for dk
                         Pc = T.sblock_alloc_buffer((BN, BM), dtype)  # pᵀ in the input dtype, for dv
+                        if dq_atomic:
+                            dq_share = T.sblock_alloc_buffer((BM, D), f32)  # ds k of this K/V block
 
                         qb = T.meta_var(first_q_block(vkb, seq.seqlen_q, seq.seqlen_k) + vt)
                         load_q(Qt, dOt, lse2, delta_t, Q, dO, LSE2, Delta, seq, vhk * group + vg, qb)
@@ -343,6 +380,24 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int) -> tvm.IRModule:
                                 with T.init():  # carried over from the last step
                                     dk_acc[vj, vd] = dk_acc[vj, vd]
                                 dk_acc[vj, vd] = dk_acc[vj, vd] + T.cast(dSc[vj, vi], f32) * T.cast(Qt[vi, vd], f32)
+                        if dq_atomic:
+                            for i, d, j in T.grid(BM, D, BN):
+                                with T.sblock("dq"):  # this K/V block's share of dq: ds k
+                                    vi, vd, vj = T.axis.remap("SSR", [i, d, j])
+                                    with T.init():
+                                        dq_share[vi, vd] = T.float32(0)
+                                    dq_share[vi, vd] = dq_share[vi, vd] + T.cast(dSc[vj, vi], f32) * T.cast(Kt[vj, vd], f32)
+                            for i, d in T.grid(BM, D):
+                                with T.sblock("accumulate_dq"):  # summed over the K/V tiles in any order
+                                    vi, vd = T.axis.remap("SS", [i, d])
+                                    row = T.meta_var(seq.q_row(qb * BM + vi))
+                                    # declared a write alone: the tiles' additions commute (a schedule
+                                    # that runs tiles at once makes them atomic), so no tile waits on
+                                    # another's, and the tiles stay independent (a grid)
+                                    T.reads(dq_share[vi, vd])
+                                    T.writes(DQaccum[seq.batch, row, vhk * group + vg, vd])
+                                    DQaccum[seq.batch, row, vhk * group + vg, vd] = (
+                                        DQaccum[seq.batch, row, vhk * group + vg, vd] + dq_share[vi, vd])
 
                 for j, d in T.grid(BN, D):
                     with T.sblock("store_dk"):
@@ -428,4 +483,19 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int) -> tvm.IRModule:
                         T.where(vqb * BM + i < seq.seqlen_q)
                         dQ[seq.batch, seq.q_row(vqb * BM + vi), vh, vd] = T.cast(dq_acc[vi, vd] * softmax_scale, dtype)
 
+    @T.prim_func(s_tir=True)
+    def convert_dq(dq_accum_handle: T.handle, dq_handle: T.handle, softmax_scale: T.float32):
+        T.func_attr({"global_symbol": "convert_dq", "tirx.noalias": True})
+        batch = T.int32()
+        seqlen_q = T.int32()
+        rows = T.int32()
+        DQaccum = T.match_buffer(dq_accum_handle, (batch, rows, HQ, D), f32)
+        dQ = T.match_buffer(dq_handle, (batch, seqlen_q, HQ, D), dtype)
+        for b, i, h, d in T.grid(batch, seqlen_q, HQ, D):
+            with T.sblock("convert_dq"):
+                vb, vi, vh, vd = T.axis.remap("SSSS", [b, i, h, d])
+                dQ[vb, vi, vh, vd] = T.cast(DQaccum[vb, vi, vh, vd] * softmax_scale, dtype)
+
+    if dq_atomic:
+        return tvm.IRModule({"delta": delta, "dkdv": dkdv, "convert_dq": convert_dq})
     return tvm.IRModule({"delta": delta, "dkdv": dkdv, "dq": dq})

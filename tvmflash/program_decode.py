@@ -71,9 +71,11 @@ class DecodeSpec:
         return self.heads_q // self.heads_kv
 
 
-def decode_split(spec: DecodeSpec, query_tokens: int, block_n: int):
+def decode_split(spec: DecodeSpec, query_tokens: int, block_n: int, final: bool = False):
     """Return ``main(q, k_cache, v_cache, lengths, index, o_part, lse_part, softmax_scale, causal)``
-    (and ``alibi_slopes`` last, with ALiBi).
+    (and ``alibi_slopes`` last, with ALiBi); with ``final``, ``main(q, k_cache, v_cache, lengths,
+    index, out, lse, softmax_scale, causal)``: one split, whose results are the output (q's dtype) and
+    the LSE (batch, heads_q, seqlen_q) themselves, so that no merge runs.
 
     One task per (sequence b, K/V head hk, block qb of ``query_tokens`` query tokens, split s). Its
     rows are the query heads of hk's GQA group times the block's tokens (row r: token
@@ -169,11 +171,16 @@ def decode_split(spec: DecodeSpec, query_tokens: int, block_n: int):
             V = T.match_buffer(v_handle, (cache_rows, cache_len, HKV, D), dtype)
             Index = T.match_buffer(index_handle, (batch,), "int32")
         Lengths = T.match_buffer(lengths_handle, (batch,), "int32")
-        OPart = T.match_buffer(o_part_handle, (num_splits, batch, seqlen_q, HQ, D), f32)
-        LSEPart = T.match_buffer(lse_part_handle, (num_splits, batch, seqlen_q, HQ), f32)
+        if final:  # the output and the LSE, of the one split
+            O = T.match_buffer(o_part_handle, (batch, seqlen_q, HQ, D), dtype)
+            LSE = T.match_buffer(lse_part_handle, (batch, HQ, seqlen_q), f32)
+        else:
+            OPart = T.match_buffer(o_part_handle, (num_splits, batch, seqlen_q, HQ, D), f32)
+            LSEPart = T.match_buffer(lse_part_handle, (num_splits, batch, seqlen_q, HQ), f32)
         AlibiSlopes = T.meta_var(program.alibi_slopes_argument(spec.attention, batch, HQ))  # with ALiBi only
 
-        for b, hk, qb, s in T.grid(batch, HKV, T.ceildiv(seqlen_q, QT), num_splits):
+        splits = T.meta_var(1 if final else num_splits)
+        for b, hk, qb, s in T.grid(batch, HKV, T.ceildiv(seqlen_q, QT), splits):
             with T.sblock("tile"):
                 vb, vhk, vqb, vs = T.axis.remap("SSSS", [b, hk, qb, s])
                 Qt = T.sblock_alloc_buffer((R, D), f32)  # the task's query rows, zero-padded, in float32
@@ -225,12 +232,12 @@ def decode_split(spec: DecodeSpec, query_tokens: int, block_n: int):
                 n_tiles = T.meta_var(split_tiles(keys(Lengths, vb, capacity), vqb, seqlen_q, causal))
                 with T.sblock("split_range"):
                     bounds[0] = keys(Lengths, vb, capacity)
-                    bounds[1] = split_start(keys(Lengths, vb, capacity), n_tiles, vqb, vs, num_splits, seqlen_q)
+                    bounds[1] = split_start(keys(Lengths, vb, capacity), n_tiles, vqb, vs, splits, seqlen_q)
                     bounds[2] = cache_row(Index, vb, cache_rows) if PS == 0 else 0
                 n_keys = T.meta_var(bounds[0])
                 first = T.meta_var(bounds[1])
                 row = T.meta_var(bounds[2])
-                n_steps = T.meta_var(first_tile(n_tiles, vs + 1, num_splits) - first_tile(n_tiles, vs, num_splits))
+                n_steps = T.meta_var(first_tile(n_tiles, vs + 1, splits) - first_tile(n_tiles, vs, splits))
                 for kb in range(n_steps):
                     with T.sblock("kv_step"):
                         vkb = T.axis.opaque(n_steps, kb)
@@ -321,14 +328,21 @@ def decode_split(spec: DecodeSpec, query_tokens: int, block_n: int):
                     with T.sblock("store_o"):
                         vr, vd = T.axis.remap("SS", [r, d])
                         T.where(vqb * QT + r // G < seqlen_q)
-                        OPart[vs, vb, vqb * QT + vr // G, vhk * G + vr % G, vd] = acc[vr, vd] * l_inv[vr]
+                        if final:
+                            O[vb, vqb * QT + vr // G, vhk * G + vr % G, vd] = T.cast(acc[vr, vd] * l_inv[vr], dtype)
+                        else:
+                            OPart[vs, vb, vqb * QT + vr // G, vhk * G + vr % G, vd] = acc[vr, vd] * l_inv[vr]
                 for r in range(R):
                     with T.sblock("store_lse"):
                         vr = T.axis.spatial(R, r)
                         T.where(vqb * QT + r // G < seqlen_q)
-                        LSEPart[vs, vb, vqb * QT + vr // G, vhk * G + vr % G] = T.if_then_else(
+                        row_lse = T.meta_var(T.if_then_else(
                             l[vr] > T.float32(0), m[vr] * program.score_scale(spec.attention, softmax_scale) + T.log(l[vr]),
-                            T.float32(-math.inf))
+                            T.float32(-math.inf)))
+                        if final:
+                            LSE[vb, vhk * G + vr % G, vqb * QT + vr // G] = row_lse
+                        else:
+                            LSEPart[vs, vb, vqb * QT + vr // G, vhk * G + vr % G] = row_lse
 
     return main
 
@@ -351,17 +365,18 @@ def decode_merge(spec: DecodeSpec):
         for b, t, h in T.grid(batch, seqlen_q, HQ):
             with T.sblock("row"):
                 vb, vt, vh = T.axis.remap("SSS", [b, t, h])
-                m = T.sblock_alloc_buffer((1,), f32)  # max of the splits' LSE, 0 if all are -inf
+                lse_max = T.sblock_alloc_buffer((1,), f32)  # max of the splits' LSE
+                m = T.sblock_alloc_buffer((1,), f32)  # the same, 0 if all are -inf
                 total = T.sblock_alloc_buffer((1,), f32)  # Σ_s exp(lse_s - m)
                 acc = T.sblock_alloc_buffer((D,), f32)
                 for s in range(num_splits):
                     with T.sblock("lse_max"):
                         vs = T.axis.reduce(num_splits, s)
-                        with T.init():
-                            m[0] = T.float32(-math.inf)
-                        m[0] = T.max(m[0], LSEPart[vs, vb, vt, vh])
-                with T.sblock("finite_max"):  # exp(-inf - -inf) would be NaN
-                    m[0] = T.if_then_else(m[0] == T.float32(-math.inf), T.float32(0), m[0])
+                        with T.init():  # max's identity, so that threads can share the reduction
+                            lse_max[0] = T.min_value(f32)
+                        lse_max[0] = T.max(lse_max[0], LSEPart[vs, vb, vt, vh])
+                with T.sblock("finite_max"):  # all -inf: exp(-inf - -inf) would be NaN
+                    m[0] = T.if_then_else(lse_max[0] <= T.min_value(f32), T.float32(0), lse_max[0])
                 for s in range(num_splits):
                     with T.sblock("lse_sum"):
                         vs = T.axis.reduce(num_splits, s)

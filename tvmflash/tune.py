@@ -1,15 +1,18 @@
 """``tvmflash tune``: MetaSchedule search over a schedule's ``SPACE``; the best knobs go to the database.
 
-Design space. ``block_m`` and ``block_n`` are tile sizes of the *program* (they shape its buffers and
-loops), so each (block_m, block_n) pair is its own MetaSchedule task with its own workload. So is
-each value of a knob the schedule lists in ``TASK_KNOBS`` (one it needs as a plain Python value,
-such as sm80's ``num_stages``, which sets the software pipeline's stage annotations). Every
-other knob with more than one candidate becomes a ``sch.sample_categorical`` decision inside a
-``ScheduleFn`` and is handed to ``schedule(sch, **knobs)`` as the ExprRV itself (split factors take
-ExprRVs). The trace then *refers* to the decision, so replaying it with another decision gives
-another schedule; reading the value with ``sch.get(rv)`` would bake the first sample into the
-trace as a constant. TVM's own mutators only mutate categorical decisions that feed an unroll
-annotation or a thread binding, so :class:`MutateKnob` lets the evolutionary search mutate ours.
+Design space (docs/design.md, "Tuning"). A MetaSchedule task is one TensorIR program: only the
+knobs that change the program are tasks (``task_points``: ``block_m``, ``block_n``, which shape
+its buffers and loops, and the schedule's ``PROGRAM_KNOBS``, such as sm90's ``min_blocks_per_sm``,
+a function attribute). Inside a task, each valid combination of the schedule's ``STRUCTURE_KNOBS``
+(plain Python values that change which schedule steps run: layouts, copies, stage counts) is a
+design space of its own (``structures``), and every other knob with more than one candidate is a
+``sch.sample_categorical`` decision handed to ``schedule(sch, **knobs)`` as the ExprRV itself
+(split factors take ExprRVs). The trace then *refers* to the decision, so replaying it with
+another decision gives another schedule; reading the value with ``sch.get(rv)`` would bake the
+first sample into the trace as a constant. TVM's own mutators only mutate categorical decisions
+that feed an unroll annotation or a thread binding, so :class:`MutateKnob` mutates ours and moves
+candidates between structures. :class:`PreCheck` (a postprocessor) rejects candidates that cannot
+build before they are built; :class:`PromisingTasksFirst` spends the trials on tasks that can win.
 
 Tune static, run symbolic. Each task's program is specialised to a representative shape (batch,
 sequence lengths, softmax_scale), tuned with the XGBoost cost model and the evolutionary search,
@@ -20,9 +23,10 @@ tiles differently) and timed with the default knobs on real torch tensors in the
 fastest whose output passes flash-attn's error rule there (``bench.error_vs_float32``) is written
 to tvmflash's database, where ``tvmflash.compile()`` finds it.
 
-A task whose tiles need more shared memory than the target allows (the schedule's
-``shared_memory_bytes``) is skipped with a message before anything is built; candidates that still
-fail to schedule, build or run are recorded by MetaSchedule as failed measurements and never picked.
+A structure or task that ``candidate_problem`` rejects (shared memory over the target's limit, the
+schedule's ``knobs_problem``) is left out with a message before anything is built; candidates
+that still fail to schedule, build or run are recorded by MetaSchedule as failed measurements and
+never picked.
 
 Warm start (the default): the known configurations (the defaults, the best user and shipped
 records) seed MetaSchedule's database, where the evolutionary search takes its initial population
@@ -62,11 +66,22 @@ _FAILED = 1e9  # MetaSchedule's run time for a failed candidate is 1e10 s
 
 def task_points(schedule, space: dict) -> list[dict]:
     """One dict per MetaSchedule task: a value for block_m, block_n and each of the schedule's
-    ``TASK_KNOBS`` found in ``space`` (their product, less the points its ``valid_task`` rejects)."""
-    names = ["block_m", "block_n", *(n for n in getattr(schedule, "TASK_KNOBS", ()) if n in space)]
-    valid = getattr(schedule, "valid_task", lambda point: True)
-    points = (dict(zip(names, values)) for values in itertools.product(*(space[n] for n in names)))
-    return [point for point in points if valid(point)]
+    ``PROGRAM_KNOBS`` found in ``space``: the knobs that change the TensorIR program itself (its
+    tiles; sm90's ``min_blocks_per_sm``, a function attribute of the program). Every other knob is
+    decided inside the task (``structures`` and the sampled knobs of ``task_knobs``)."""
+    names = ["block_m", "block_n", *(n for n in getattr(schedule, "PROGRAM_KNOBS", ()) if n in space)]
+    return [dict(zip(names, values)) for values in itertools.product(*(space[n] for n in names))]
+
+
+def structures(schedule, space: dict, point: dict) -> list[dict]:
+    """The combinations of the schedule's ``STRUCTURE_KNOBS`` in ``space`` that go with a task's
+    ``point`` (the schedule's ``valid_knobs``): knobs the schedule needs as plain Python values,
+    because they change which schedule steps run (a layout, who copies, the pipeline's stages).
+    Each is a design space of its own inside the one task; [{}] where the schedule has none."""
+    names = [n for n in getattr(schedule, "STRUCTURE_KNOBS", ()) if n in space and n not in point]
+    valid = getattr(schedule, "valid_knobs", lambda knobs: True)
+    combos = (dict(zip(names, values)) for values in itertools.product(*(space[n] for n in names)))
+    return [combo for combo in combos if valid({**schedule.KNOBS, **point, **combo})]
 
 
 def task_name(point: dict) -> str:
@@ -78,13 +93,15 @@ def task_name(point: dict) -> str:
 def task_knobs(space: dict, block_m: int, block_n: int, **task) -> tuple[dict, dict]:
     """Split a task's knobs into fixed ones (one candidate) and sampled ones (name -> candidates).
 
-    ``task`` holds the values of the task's other ``TASK_KNOBS``. A value in ``space`` is a list of
-    candidates, or a callable that takes the knobs resolved so far (block_m, block_n, the task's
-    knobs and the fixed knobs before it) and returns the list.
+    ``task`` holds the values of the task's other knobs (``PROGRAM_KNOBS``, or a structure's, which
+    ``make_tasks`` passes as ``structure_names``' values are skipped here). A value in ``space`` is a
+    list of candidates, or a callable that takes the knobs resolved so far (block_m, block_n, the
+    task's knobs and the fixed knobs before it) and returns the list.
     """
+    skip = set(task.pop("structure_names", ()))
     fixed, sampled = {"block_m": block_m, "block_n": block_n, **task}, {}
     for name, values in space.items():
-        if name in fixed:
+        if name in fixed or name in skip:
             continue
         values = list(values(fixed) if callable(values) else values)
         if not values:
@@ -96,37 +113,85 @@ def task_knobs(space: dict, block_m: int, block_n: int, **task) -> tuple[dict, d
     return fixed, sampled
 
 
-def space_fn(schedule_module, fixed: dict, sampled: dict):
-    """The ScheduleFn body: sample each sampled knob, then run the schedule with the ExprRVs."""
+# A design space's structure is a SampleCategorical of one candidate (the structure's index in the
+# task's list), kept in the trace by an annotation of the root block (a decision nothing reads would be
+# dead code). One candidate: MetaSchedule re-samples decisions when it replays a design space, and the
+# structure must stay the one the trace's steps were made for; ``MutateKnob`` moves a candidate to
+# another structure by scheduling it again.
+_STRUCTURE_ANNOTATION = "tvmflash.structure"
 
-    def apply(sch: tvm.s_tir.Schedule) -> tvm.s_tir.Schedule:
-        knobs = dict(fixed)
-        for name, values in sampled.items():
-            # The design space itself takes the default (else the first) candidate, so generating it
-            # cannot fail on an invalid sample; the search re-samples every decision anyway.
-            default = schedule_module.KNOBS.get(name)
-            knobs[name] = sch.sample_categorical(candidates=values, probs=[1.0 / len(values)] * len(values),
-                                                 decision=values.index(default) if default in values else 0)
-        return schedule_module.schedule(sch, **knobs)
+
+def _apply_structure(schedule_module, sch, fixed: dict, sampled: dict, structures_: list[dict], index: int,
+                     schedule_fn=None):
+    knobs = {**fixed, **structures_[index]}
+    if structures_[index]:
+        rv = sch.sample_categorical(candidates=[index], probs=[1.0], decision=0)
+        func_name = sch.mod.get_global_vars()[0].name_hint
+        sch.annotate(sch.get_sblock("root", func_name=func_name), _STRUCTURE_ANNOTATION, rv)
+    for name, values in sampled.items():
+        # The design space itself takes the default (else the first) candidate, so generating it
+        # cannot fail on an invalid sample; the search re-samples every decision anyway.
+        default = schedule_module.KNOBS.get(name)
+        knobs[name] = sch.sample_categorical(candidates=values, probs=[1.0 / len(values)] * len(values),
+                                             decision=values.index(default) if default in values else 0)
+    return (schedule_fn or schedule_module.schedule)(sch, **knobs)
+
+
+def space_fn(schedule_module, fixed: dict, sampled: dict, structures_: list[dict] | None = None, schedule_fn=None,
+             only: int | None = None):
+    """The ScheduleFn body: one design space per structure (``structures``; ``only``: that one
+    alone), each sampling the sampled knobs, then running the schedule (``schedule_fn``, default the
+    module's forward ``schedule``) with their ExprRVs and the structure's plain values."""
+    structures_ = structures_ or [{}]
+
+    def apply(sch: tvm.s_tir.Schedule):
+        if only is not None or len(structures_) == 1:
+            return _apply_structure(schedule_module, sch, fixed, sampled, structures_, only or 0, schedule_fn)
+        # A fresh schedule of the unscheduled module each, made once the one before is done (two
+        # schedules made at once of one module, or Schedule.copy, share state that scheduling changes).
+        # A structure the schedule rejects is left out (``candidate_problem`` should have caught it).
+        unscheduled, spaces = sch.mod, []
+        for index in range(len(structures_)):
+            each = sch if index == 0 else tvm.s_tir.Schedule(unscheduled)
+            with contextlib.suppress(Exception):
+                spaces.append(_apply_structure(schedule_module, each, fixed, sampled, structures_, index, schedule_fn))
+        return spaces
 
     return apply
 
 
-def decided_knobs(trace, fixed: dict, sampled: dict) -> dict:
-    """The knob values one candidate's trace stands for (its SampleCategorical decisions, in order)."""
+def structure_index(trace, structures_: list[dict] | None) -> int:
+    """Which of the task's structures a candidate's trace was made for."""
+    if not structures_ or not structures_[0]:
+        return 0
+    first = next(inst for inst in trace.insts if inst.kind.name == "SampleCategorical")
+    return int(first.attrs[0][0])
+
+
+def decided_knobs(trace, fixed: dict, sampled: dict, structures_: list[dict] | None = None) -> dict:
+    """The knob values one candidate's trace stands for: its structure (``structure_index``) and
+    its sampled knobs' SampleCategorical decisions, in order."""
     insts = [inst for inst in trace.insts if inst.kind.name == "SampleCategorical"]
+    structure = {}
+    if structures_ and structures_[0]:
+        structure, insts = structures_[structure_index(trace, structures_)], insts[1:]
     if len(insts) != len(sampled):
         raise RuntimeError(f"expected {len(sampled)} sampled knobs in the trace, found {len(insts)}")
     chosen = {name: values[int(trace.get_decision(inst))] for (name, values), inst in zip(sampled.items(), insts)}
-    return {**fixed, **chosen}
+    return {**fixed, **structure, **chosen}
 
 
 @derived_object
 class MutateKnob(ms.mutator.PyMutator):
-    """Mutate one sampled knob: move a random SampleCategorical decision to another candidate."""
+    """Mutate one knob: move a random sampled knob's SampleCategorical decision to another
+    candidate, or (``retrace``, a task of several structures) move the candidate to another of the
+    task's structures that differs in one structural knob, with the same sampled decisions. TVM's
+    own mutators only mutate categorical decisions that feed an unroll annotation or a thread
+    binding, and none changes a design space."""
 
-    def __init__(self, seed: int = 0):
+    def __init__(self, seed: int = 0, structures_: list[dict] | None = None, retrace=None):
         self._rng = random.Random(seed)
+        self.structures, self.retrace = structures_ or [{}], retrace
 
     def _initialize_with_tune_context(self, context) -> None:
         pass
@@ -134,32 +199,83 @@ class MutateKnob(ms.mutator.PyMutator):
     def apply(self, trace, _rand_state):
         choices = [inst for inst in trace.insts
                    if inst.kind.name == "SampleCategorical" and len(inst.attrs[0]) > 1]
-        if not choices:
+        index = structure_index(trace, self.structures)
+        current = self.structures[index]
+        # the structure knobs some other structure of the task sets otherwise
+        names = [n for n in current if any(s[n] != current[n] for s in self.structures)] if self.retrace else []
+        # each knob equally likely: a structural one (names) or a sampled one (choices)
+        pick = self._rng.randrange(len(names) + len(choices)) if names or choices else None
+        if pick is None:
             return None
-        inst = self._rng.choice(choices)
+        if pick < len(names):
+            # a structure with another value of this knob, and of the fewest others (a layout may
+            # need another copy to go with it)
+            name = names[pick]
+            distance = {i: sum(s[n] != current[n] for n in current) for i, s in enumerate(self.structures)
+                        if s[name] != current[name]}
+            nearest = [i for i, d in distance.items() if d == min(distance.values())]
+            return self.retrace(trace, self._rng.choice(nearest))
+        inst = choices[pick - len(names)]
         old = int(trace.get_decision(inst))
         new = self._rng.choice([d for d in range(len(inst.attrs[0])) if d != old])
         return trace.with_decision(inst, new, remove_postproc=True)
 
     def clone(self):
-        return MutateKnob(self._rng.randrange(2**31))
+        return MutateKnob(self._rng.randrange(2**31), self.structures, self.retrace)
 
 
-def seed_trace(schedule_module, mod: tvm.IRModule, fixed: dict, sampled: dict, knobs: dict):
-    """The design-space trace of a task with its decisions set to ``knobs``, or None where the task
-    cannot make those knobs (another tile pair or task knob, or a value outside the space)."""
-    plain = {**schedule_module.KNOBS, **fixed}  # what the task builds for a knob outside the space
-    if any(knobs.get(name, value) != value for name, value in plain.items() if name not in sampled):
+class Retracer:
+    """The design-space trace of a task's structure with given sampled decisions (``MutateKnob``
+    and the seeds): the schedule is run again on the task's module, once a structure (cached)."""
+
+    def __init__(self, schedule_module, mod: tvm.IRModule, fixed: dict, sampled: dict, structures_: list[dict],
+                 schedule_fn=None):
+        self.args = (schedule_module, fixed, sampled, structures_ or [{}], schedule_fn)
+        self.mod, self.traces = mod, {}
+
+    def trace(self, index: int):
+        if index not in self.traces:
+            schedule_module, fixed, sampled, structures_, schedule_fn = self.args
+            sch = tvm.s_tir.Schedule(self.mod)
+            space_fn(schedule_module, fixed, sampled, structures_, schedule_fn, only=index)(sch)
+            self.traces[index] = sch.trace
+        return self.traces[index]
+
+    def with_decisions(self, index: int, decisions: list[int]):
+        trace = self.trace(index)
+        insts = [inst for inst in trace.insts if inst.kind.name == "SampleCategorical" and len(inst.attrs[0]) > 1]
+        for inst, decision in zip(insts, decisions):
+            trace = trace.with_decision(inst, decision, remove_postproc=True)
+        return trace
+
+    def __call__(self, trace, index: int):
+        """``trace``'s sampled decisions on structure ``index`` (None if the schedule rejects it)."""
+        insts = [inst for inst in trace.insts if inst.kind.name == "SampleCategorical" and len(inst.attrs[0]) > 1]
+        try:
+            return self.with_decisions(index, [int(trace.get_decision(inst)) for inst in insts])
+        except Exception:  # noqa: BLE001 - a structure the schedule rejects: no mutation
+            return None
+
+
+def seed_trace(schedule_module, mod: tvm.IRModule, fixed: dict, sampled: dict, knobs: dict,
+               structures_: list[dict] | None = None, schedule_fn=None, retracer: Retracer | None = None,
+               defaults: dict | None = None):
+    """The design-space trace of a task with its structure and decisions set to ``knobs``, or None
+    where the task cannot make those knobs (another tile pair or program knob, or a value outside
+    the space). ``defaults``: the knobs a knob outside the space takes (the module's ``KNOBS``)."""
+    structures_ = structures_ or [{}]
+    plain = {**(defaults or schedule_module.KNOBS), **fixed}  # what the task builds for a knob outside the space
+    names = set(structures_[0])
+    if any(knobs.get(name, value) != value for name, value in plain.items() if name not in sampled and name not in names):
         return None
     if any(knobs.get(name) not in values for name, values in sampled.items()):
         return None
-    sch = tvm.s_tir.Schedule(mod)
-    space_fn(schedule_module, fixed, sampled)(sch)
-    trace = sch.trace
-    insts = [inst for inst in trace.insts if inst.kind.name == "SampleCategorical"]
-    for (name, values), inst in zip(sampled.items(), insts):
-        trace = trace.with_decision(inst, values.index(knobs[name]), remove_postproc=True)
-    return trace
+    index = next((i for i, s in enumerate(structures_) if all(knobs.get(n, plain.get(n)) == v for n, v in s.items())),
+                 None)
+    if index is None:
+        return None
+    retracer = retracer or Retracer(schedule_module, mod, fixed, sampled, structures_, schedule_fn)
+    return retracer.with_decisions(index, [values.index(knobs[name]) for name, values in sampled.items()])
 
 
 def specialize(func, spec: program.AttentionSpec, *, batch: int, seqlen_q: int, seqlen_k: int,
@@ -317,6 +433,8 @@ class Progress(ms.measure_callback.PyMeasureCallback):
         self.done = self.failed = 0
         self.best_ms, self.best_knobs = math.inf, None
         self.measured: dict[str, tuple[float, dict]] = {}  # each configuration's fastest run
+        self.task_best: dict[int, float] = {}  # task id -> its fastest run (ms), for PromisingTasksFirst
+        self.on_join: list = []  # called with the task id each time a task's batch comes back
         self.start = time.perf_counter()
 
     def ranked(self, n: int) -> list[tuple[float, dict]]:
@@ -325,6 +443,8 @@ class Progress(ms.measure_callback.PyMeasureCallback):
 
     def apply(self, task_scheduler, task_id, measure_candidates, builder_results, runner_results):
         task = self.tasks[task_id]
+        for hook in self.on_join:
+            hook(task_id)
         if not measure_candidates:
             return
         for cand, built, ran in zip(measure_candidates, builder_results, runner_results):
@@ -338,15 +458,66 @@ class Progress(ms.measure_callback.PyMeasureCallback):
                     self.echo(f"  candidate failed ({task['name']}): {lines[-1] if lines else error}")
                 continue
             ms_ = 1e3 * sum(secs) / len(secs)
-            knobs = decided_knobs(cand.sch.trace, task["fixed"], task["sampled"])
+            knobs = decided_knobs(cand.sch.trace, task["fixed"], task["sampled"], task.get("structures"))
             key = repr(sorted(knobs.items()))
             if key not in self.measured or ms_ < self.measured[key][0]:
                 self.measured[key] = (ms_, knobs)
+            self.task_best[task_id] = min(ms_, self.task_best.get(task_id, math.inf))
             if ms_ < self.best_ms:
                 self.best_ms, self.best_knobs = ms_, knobs
         best = f"{self.best_ms:.4f} ms {self.best_knobs}" if self.best_knobs else "none yet"
         self.echo(f"[{self.done}/{self.trials} trials, {self.failed} failed, {time.perf_counter() - self.start:.0f} s] "
                   f"task {task['name']}: best so far {best}")
+
+
+@derived_object
+class PromisingTasksFirst(ms.task_scheduler.PyTaskScheduler):
+    """MetaSchedule task scheduler for tasks that are *alternatives* (each task one program of the
+    same kernel, and only the fastest matters). TVM's "gradient" scheduler minimises the weighted
+    *sum* of the tasks' latencies (a network's operators) and starts with a round of every task;
+    round-robin spreads trials evenly. Here the tasks come in order of promise (``tune``: the ones
+    holding the known configurations first, then the programs nearest to the defaults), at most
+    ``explore`` of the batches go to tasks not tried yet, one batch each in that order, and the
+    others to the tasks whose best is within ``near`` of the best so far (the fewest batches
+    first); a task that measured slower than that gets no more trials."""
+
+    def __init__(self, progress, batches: int, explore: float = 0.5, near: float = 1.1):
+        super().__init__()
+        self.progress, self.near = progress, near
+        self.explore_batches = max(1, math.ceil(batches * explore))
+        self.given: list[int] = []
+        self.in_flight: set[int] = set()
+        progress.on_join.append(self.in_flight.discard)
+
+    def choose(self, alive: list[int]) -> int:
+        best = self.progress.task_best
+        unexplored = [i for i in alive if not self.given[i]]
+        explored_batches = sum(1 for g in self.given if g)
+        if unexplored and (explored_batches < self.explore_batches or not best):
+            return unexplored[0]
+        top = min(best.values(), default=math.inf)
+        contenders = [i for i in alive if best.get(i, math.inf) <= self.near * top]
+        if contenders:
+            return min(contenders, key=lambda i: (self.given[i], i))
+        return unexplored[0] if unexplored else min(alive, key=lambda i: (self.given[i], i))
+
+    def next_task_id(self) -> int:
+        scheduler = self._outer()
+        records = scheduler.tasks_
+        if not self.given:
+            self.given = [0] * len(records)
+        for i in range(len(records)):
+            scheduler.touch_task(i)  # joins a task whose measurements have all come back
+        alive = [i for i in range(len(records)) if not records[i].is_terminated]
+        if not alive:
+            return -1
+        task_id = self.choose(alive)
+        if task_id in self.in_flight:
+            scheduler.join_running_task(task_id)
+            self.in_flight.discard(task_id)
+        self.in_flight.add(task_id)
+        self.given[task_id] += 1
+        return task_id
 
 
 @derived_object
@@ -402,7 +573,7 @@ class ProgressBuilder(ms.builder.PyBuilder):
 def _design_space(schedule, task: dict, context) -> tvm.IRModule:
     """The module of a task's design space (its one candidate when it samples no knob)."""
     sch = tvm.s_tir.Schedule(context.mod)
-    space_fn(schedule, task["fixed"], task["sampled"])(sch)
+    space_fn(schedule, task["fixed"], task["sampled"], task.get("structures"))(sch)
     return sch.mod
 
 
@@ -440,40 +611,95 @@ def _loggers(work_dir: Path, task_names: list[str]):
     return [ms.logging.get_logger(n) for n in names]
 
 
+def candidate_problem(schedule, target, head_dim: int, dtype: str, knobs: dict) -> str | None:
+    """Why a candidate with these knobs cannot build or run on ``target``, or None: checked before
+    anything is built (``PreCheck``, ``make_tasks``). Shared memory over the target's limit, then
+    the schedule's own ``knobs_problem`` (sm90: registers, TMA and swizzle alignment, knobs that do
+    not go together)."""
+    knobs = {**schedule.KNOBS, **knobs}
+    over = targets.shared_memory_over(target, schedule, head_dim, dtype, knobs)
+    if over is not None:
+        return f"it needs {over}"
+    check = getattr(schedule, "knobs_problem", None)
+    return check(head_dim, dtype, knobs) if check is not None and targets.is_cuda(target) else None
+
+
+@derived_object
+class PreCheck(ms.postproc.PyPostproc):
+    """MetaSchedule postprocessor: rejects (returns False for) a candidate whose knobs
+    ``candidate_problem`` says cannot build or run, so that the search samples another before
+    anything is built or measured. ``stats["rejected"]`` counts them (shared by the clones)."""
+
+    def __init__(self, check, fixed: dict, sampled: dict, structures_: list[dict], stats: dict):
+        self.check, self.fixed, self.sampled, self.structures, self.stats = check, fixed, sampled, structures_, stats
+
+    def _initialize_with_tune_context(self, context) -> None:
+        pass
+
+    def apply(self, sch) -> bool:
+        problem = self.check(decided_knobs(sch.trace, self.fixed, self.sampled, self.structures))
+        if problem is not None:
+            self.stats["rejected"] = self.stats.get("rejected", 0) + 1
+        return problem is None
+
+    def clone(self):
+        return PreCheck(self.check, self.fixed, self.sampled, self.structures, self.stats)
+
+
 def make_tasks(schedule, spec: program.AttentionSpec, shape: dict, space: dict, target, work_dir: Path,
-               rng: random.Random, echo, known: dict | None = None) -> list[dict]:
-    """One MetaSchedule task per point of ``task_points`` (block_m, block_n and the schedule's
-    TASK_KNOBS), on the static ``shape``; the other knobs are sampled inside it. A point the
-    schedule rejects outright is skipped with a message. Returns dicts with ``name``, ``fixed``,
-    ``sampled``, ``context`` (a TuneContext) and ``seeds``: the traces of the ``known``
-    configurations (label -> knobs) that the task makes, [(label, trace)], for ``seed_database``."""
+               rng: random.Random, echo, known: dict | None = None, stats: dict | None = None) -> list[dict]:
+    """One MetaSchedule task per point of ``task_points`` (the knobs that change the program), on
+    the static ``shape``. Inside it, one design space per structure (``structures``) that
+    ``candidate_problem`` and the schedule accept, the other knobs sampled; ``PreCheck`` rejects
+    the sampled candidates that cannot build. A structure or point rejected outright is left out
+    with a message. Returns dicts with ``name``, ``fixed``, ``sampled``, ``structures``,
+    ``context`` (a TuneContext) and ``seeds``: the traces of the ``known`` configurations (label
+    -> knobs) that the task makes, [(label, trace)], for ``seed_database``."""
     schedule_name = schedule_registry.name_of(schedule)
     points = task_points(schedule, space)
     loggers = _loggers(work_dir, [task_name(p) for p in points])
+    stats = {} if stats is None else stats
+
+    def check(knobs):
+        return candidate_problem(schedule, target, spec.head_dim, spec.dtype, knobs)
+
     tasks = []
     for point, logger in zip(points, loggers):
         name = task_name(point)
-        fixed, sampled = task_knobs(space, **point)
+        options = structures(schedule, space, point)
+        fixed, sampled = task_knobs(space, **point, structure_names=list(options[0]) if options else ())
         plain = {**schedule.KNOBS, **fixed}  # the task's knobs; the defaults fill in the sampled ones
         func = specialize(schedule_registry.program_for(spec, schedule, plain), spec, batch=shape["batch"],
                           seqlen_q=shape["seqlen"], seqlen_k=shape["seqlen"], softmax_scale=1.0 / math.sqrt(spec.head_dim))
         mod = tvm.IRModule({"main": func})
-        fn = space_fn(schedule, fixed, sampled)
-        problem = targets.shared_memory_over(target, schedule, spec.head_dim, spec.dtype, plain)
-        if problem is not None:
-            echo(f"  skipping {name}: it needs {problem}")
+        kept, reasons = [], []
+        for structure in options:
+            problem = check({**plain, **structure})
+            if problem is None:
+                kept.append(structure)
+            else:
+                reasons.append(f"{task_name(structure)}: {problem}" if structure else problem)
+        if kept:  # the schedule runs on the first (the others are tried as the design spaces are made)
+            try:
+                space_fn(schedule, fixed, sampled, kept[:1])(tvm.s_tir.Schedule(mod))
+            except Exception as err:  # noqa: BLE001 - any schedule error means "not this program"
+                lines = [line for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
+                reasons, kept = [f"the {schedule_name} schedule rejects it: {lines[-1].strip()}"], []
+        if not kept:
+            echo(f"  skipping {name}: {reasons[0]}" + (f" (and {len(reasons) - 1} more)" if len(reasons) > 1 else ""))
             continue
-        try:
-            fn(tvm.s_tir.Schedule(mod))
-        except Exception as err:  # noqa: BLE001 - any schedule error means "not this pair"
-            lines = [line for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
-            echo(f"  skipping {name}: the {schedule_name} schedule rejects it: {lines[-1].strip()}")
-            continue
+        for reason in reasons:
+            echo(f"  {name}: leaving out {reason}")
+        if getattr(schedule, "min_kv_tiles", None) and len({schedule.min_kv_tiles({**plain, **s}) for s in kept}) > 1:
+            raise ValueError(f"space: the structures of {name} need programs with different min_kv_tiles")
+        retracer = Retracer(schedule, mod, fixed, sampled, kept)
+        fn = space_fn(schedule, fixed, sampled, kept)
         seeds = [(label, trace) for label, knobs in (known or {}).items()
-                 if (trace := seed_trace(schedule, mod, fixed, sampled, knobs)) is not None]
-        combos = math.prod(len(v) for v in sampled.values())
-        mutators = {MutateKnob(rng.randrange(2**31)): 1.0} if sampled else {}
-        generator = ms.space_generator.ScheduleFn(fn, sch_rules=[], postprocs=[], mutator_probs=mutators)
+                 if (trace := seed_trace(schedule, mod, fixed, sampled, knobs, kept, retracer=retracer)) is not None]
+        combos = len(kept) * math.prod(len(v) for v in sampled.values())
+        mutators = {MutateKnob(rng.randrange(2**31), kept, retracer): 1.0} if combos > 1 else {}
+        generator = ms.space_generator.ScheduleFn(fn, sch_rules=[], postprocs=[PreCheck(check, fixed, sampled, kept, stats)],
+                                                  mutator_probs=mutators)
         # Small spaces: a small population, and give up early once every combination is measured.
         population = max(8, 4 * combos)
         # Each generation starts from the database's fastest records: the seeds, and as many of
@@ -484,7 +710,8 @@ def make_tasks(schedule, spec: program.AttentionSpec, shape: dict, space: dict, 
         context = ms.TuneContext(mod=mod, target=target, space_generator=generator, search_strategy=strategy,
                                  task_name=name, rand_state=rng.randrange(2**31), num_threads=usable_cores(),
                                  logger=logger).clone()
-        tasks.append({"name": name, "fixed": fixed, "sampled": sampled, "context": context, "seeds": seeds})
+        tasks.append({"name": name, "fixed": fixed, "sampled": sampled, "structures": kept, "context": context,
+                      "seeds": seeds, "point": point})
     if not tasks:
         raise ValueError(f"space: the {schedule_name} schedule rejects every task of {space}")
     return tasks
@@ -585,13 +812,20 @@ def tune(*, head_dim: int, dtype, causal: bool, target=None, trials: int = 64, b
     rng = random.Random(seed)
     spec = program.AttentionSpec(head_dim, dtype, causal, shape["heads"], shape["heads"])
     known = known_configurations(schedule, resolved, workload, cold=cold)
-    tasks = make_tasks(schedule, spec, shape, space, resolved, work_dir, rng, echo, known=None if cold else known)
-    # The tasks that hold a known configuration first: MetaSchedule's task scheduler hands out its
-    # first trials in task order, and where a task is one configuration (most of sm90's), that is
-    # the only way a seed is measured early.
-    tasks.sort(key=lambda task: not task["seeds"])
+    stats: dict = {}  # PreCheck's count of candidates rejected before building
+    tasks = make_tasks(schedule, spec, shape, space, resolved, work_dir, rng, echo, known=None if cold else known,
+                       stats=stats)
+    echo(f"  {len(tasks)} tasks (programs), {sum(len(t['structures']) for t in tasks)} design spaces")
+    # The tasks in order of promise, for PromisingTasksFirst: those holding the user's best record,
+    # the shipped one and the defaults (records were kept only where faster than the defaults), then
+    # the programs that differ from the defaults' in the fewest knobs.
+    rank = {"user": 0, "shipped": 1, "default": 2}
+    defaults_point = known["default"]
+    tasks.sort(key=lambda task: (min((rank[label] for label, _ in task["seeds"]), default=len(rank)),
+                                 sum(value != defaults_point.get(name) for name, value in task["point"].items())))
     contexts = [task.pop("context") for task in tasks]
-    configurations = sum(math.prod(len(values) for values in task["sampled"].values()) for task in tasks)
+    configurations = sum(len(task["structures"]) * math.prod(len(values) for values in task["sampled"].values())
+                         for task in tasks)
     if trials > configurations:  # MetaSchedule would measure some of them again
         echo(f"  the space has {configurations} configurations: {configurations} trials measure each once")
         trials = configurations
@@ -620,25 +854,29 @@ def tune(*, head_dim: int, dtype, causal: bool, target=None, trials: int = 64, b
     with _workers_import_this_tvmflash():
         # A task of one configuration has one candidate, its design space itself: build those first,
         # all at once (the builder's workers in parallel).
-        single = [(task, context) for task, context in zip(tasks, contexts) if not task["sampled"]]
+        single = [(task, context) for task, context in zip(tasks, contexts)
+                  if not task["sampled"] and len(task["structures"]) == 1]
         if len(single) > 1 and trials >= len(contexts):
             echo(f"  building the {len(single)} one-configuration tasks at once, {num_cores} at a time")
             builder.build_ahead([_design_space(schedule, task, context) for task, context in single], resolved)
+        per_iter = trials_per_iter or max(2, min(16, trials // 4))
         ms.tune_tasks(
             tasks=contexts,
             task_weights=[1.0] * len(contexts),
             work_dir=str(work_dir),
             max_trials_global=trials,
-            num_trials_per_iter=trials_per_iter or max(1, min(16, trials // len(contexts))),
+            num_trials_per_iter=per_iter,
             builder=builder,
             runner=runner,
             database=db,
             cost_model=ms.cost_model.CostModel.create("xgb", num_tuning_cores=num_cores),
             measure_callbacks=[*ms.measure_callback.MeasureCallback.create("default"), progress],
-            task_scheduler="gradient",
+            task_scheduler=PromisingTasksFirst(progress, batches=math.ceil(trials / per_iter)),
         )
     reporter.close()
     echo = reporter.echo
+    echo(f"  {progress.failed} of {progress.done} measured candidates failed; the pre-check rejected "
+         f"{stats.get('rejected', 0)} candidates before building")
     if progress.best_knobs is None:
         raise RuntimeError(f"tvmflash tune: none of {progress.done} candidates built and ran; see the logs in {work_dir}")
     defaults = known["default"]

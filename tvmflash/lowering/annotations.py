@@ -33,6 +33,11 @@ WGMMA_WAIT_PRAGMA = "pragma_tvmflash_wgmma_wait"
 # RESCALE_THRESHOLD that is rare after the first tiles (``passes.LowerPragmas``).
 SKIP_UNIT_RESCALE_PRAGMA = "pragma_tvmflash_skip_unit_rescale"
 
+# A loop annotated so, whose stores all read-modify-write ``x[i] = x[i] + y``, adds atomically instead
+# (``atomicAdd(&x[i], y)``; ``passes.LowerPragmas``): thread blocks that sum into the same memory
+# (the backward's dq from every K/V tile).
+ATOMIC_ADD_PRAGMA = "pragma_tvmflash_atomic_add"
+
 # A register fence of one float (a wgmma accumulator element): the compiler may not move reads of it
 # above the wgmma wait that precedes the fence. The sm90 schedule's wgmma intrinsics and the
 # WGMMA_WAIT_PRAGMA lowering emit it.
@@ -46,3 +51,4 @@ REG_FENCE = (
 ASYNC_PROXY_OPERANDS_ATTR = "tvmflash.async_proxy_operands"
 HOIST_BLOCK_INDEX_CONDITIONS_ATTR = "tvmflash.hoist_block_index_conditions"
 TMA_BARRIER_PADDING_ATTR = "tvmflash.tma_barrier_padding"
+WIDE_INDICES_ATTR = "tvmflash.wide_indices"  # index global buffers in int64 (``passes.WidenGlobalIndices``)

@@ -11,7 +11,8 @@ import tvm_ffi
 from tvm import tirx
 from tvm.script import tirx as T
 
-from tvmflash.lowering.annotations import REG_FENCE, REVERSED, SKIP_UNIT_RESCALE_PRAGMA, WGMMA_WAIT_PRAGMA
+from tvmflash.lowering.annotations import (ATOMIC_ADD_PRAGMA, REG_FENCE, REVERSED, SKIP_UNIT_RESCALE_PRAGMA,
+                                           WGMMA_WAIT_PRAGMA)
 from tvmflash.lowering.ir import (every_element, find, folded, is_load, loaded, loaded_buffers, map_loops, prim_func_pass,
                                   substitute, transform, with_children)
 
@@ -97,22 +98,82 @@ def _skipped_where_factors_are_one(attr):
     return tirx.IfThenElse(some_lane, attr.body, None)
 
 
+def _atomic_add(store):
+    """``x[i] = x[i] + y`` as ``atomicAdd(&x[i], y)`` (its result unused: nvcc emits a ``red``)."""
+    return tirx.Evaluate(T.cuda.atomic_add(_address(store), _addend(store)))
+
+
+def _addend(store):
+    """y of a store ``x[i] = x[i] + y``."""
+    value = store.value
+    if not (isinstance(value, tirx.Add) and is_load(value.a) and loaded(value.a).same_as(store.buffer)
+            and tvm_ffi.structural_equal(list(value.a.indices), list(store.indices))):
+        raise ValueError(f"{ATOMIC_ADD_PRAGMA}: expected stores x[i] = x[i] + y, got {store}")
+    return value.b
+
+
+def _address(store):
+    return tirx.call_intrin("handle", "tirx.address_of", tirx.BufferLoad(store.buffer, store.indices))
+
+
+RED_ADD_V2 = ("__device__ __forceinline__ void tvmflash_red_add_v2(float* address, float a, float b) "
+              '{ asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" :: "l"(address), "f"(a), "f"(b) : "memory"); }')
+
+
+def _paired_atomic_add(loop):
+    """A loop of two float32 additions to adjacent elements (x[i + e] = x[i + e] + y[e], e = 0, 1, i
+    even) as one vector reduction (``red.global.add.v2.f32``, sm_90): half the atomic operations."""
+    store = loop.body
+    if not (int(loop.extent) == 2 and type(store).__name__ == "BufferStore" and str(store.buffer.dtype) == "float32"):
+        return None
+    first, second = (substitute(store, [(loop.loop_var, loop.min + e)]) for e in range(2))
+    *outer_first, last_first = first.indices
+    *outer_second, last_second = second.indices
+    if not (tvm_ffi.structural_equal(outer_first, outer_second)
+                    and tvm.sym.Analyzer().can_prove_equal(last_second - last_first, 1)):
+        return None
+    return tirx.Evaluate(T.cuda.func_call("tvmflash_red_add_v2", _address(first), _addend(first), _addend(second),
+                                          source_code=RED_ADD_V2))
+
+
+def _atomic_adds(attr, vector: bool):
+    """The statement for an ``ATOMIC_ADD_PRAGMA`` AttrStmt: its loop, each store an atomic addition;
+    with ``vector`` (sm_90, and the pragma's value 2), each loop over two adjacent elements one vector
+    reduction."""
+    body = attr.body
+    if vector and int(attr.value) == 2:
+        body = transform(body, tirx.For, _paired_atomic_add)
+    return transform(body, tirx.BufferStore, _atomic_add)
+
+
 _PRAGMA_LOWERINGS = {WGMMA_WAIT_PRAGMA: _wait_and_fence_accumulators,
-                     SKIP_UNIT_RESCALE_PRAGMA: _skipped_where_factors_are_one}
+                     SKIP_UNIT_RESCALE_PRAGMA: _skipped_where_factors_are_one,
+                     ATOMIC_ADD_PRAGMA: _atomic_adds}  # (with the target's vector reductions: _lowered_pragmas)
 
 
-def _lowered_pragmas(stmt):  # by hand: structural_map rejects the fences' loads of a buffer defined outside
+def _has_vector_reductions(func) -> bool:
+    """Does the function's target have ``red.global.add.v2.f32`` (CUDA sm_90 and newer)?"""
+    target = func.attrs.get("target") if func.attrs is not None else None
+    arch = str(target.attrs.get("arch", "")) if target is not None and target.kind.name == "cuda" else ""
+    return arch.startswith("sm_") and int("".join(c for c in arch[3:] if c.isdigit()) or 0) >= 90
+
+
+def _lowered_pragmas(stmt, vector_reductions: bool):  # by hand: structural_map rejects the fences' loads
     if isinstance(stmt, tirx.AttrStmt) and stmt.attr_key in _PRAGMA_LOWERINGS:
+        if stmt.attr_key == ATOMIC_ADD_PRAGMA:
+            return _atomic_adds(stmt, vector_reductions)
         return _PRAGMA_LOWERINGS[stmt.attr_key](stmt)
-    return with_children(stmt, _lowered_pragmas)
+    return with_children(stmt, lambda child: _lowered_pragmas(child, vector_reductions))
 
 
 def LowerPragmas():  # noqa: N802
     """After ``LowerOpaqueBlock`` (which turns a loop's pragma annotation into an AttrStmt around it):
     each loop annotated with one of tvmflash's pragmas becomes its statements. ``WGMMA_WAIT_PRAGMA``:
     the wait and fences of ``_wait_and_fence_accumulators``, then the loop;
-    ``SKIP_UNIT_RESCALE_PRAGMA``: the loop under ``_skipped_where_factors_are_one``'s warp-wide test."""
-    return prim_func_pass(lambda func: func.with_body(_lowered_pragmas(func.body)), "tvmflash.LowerPragmas")
+    ``SKIP_UNIT_RESCALE_PRAGMA``: the loop under ``_skipped_where_factors_are_one``'s warp-wide test;
+    ``ATOMIC_ADD_PRAGMA``: the loop with its additions atomic (``_atomic_adds``)."""
+    return prim_func_pass(lambda func: func.with_body(_lowered_pragmas(func.body, _has_vector_reductions(func))),
+                          "tvmflash.LowerPragmas")
 
 
 # ---------------------------------------------------------------------------------- block-uniform loads
@@ -360,3 +421,74 @@ def UniformWarpgroupDescriptors():  # noqa: N802
     registers and are moved to uniform ones before every wgmma (two R2UR and a constant move each,
     16 of the 44 of a d128 K/V step's wgmma issue). After the shuffle they are uniform values."""
     return prim_func_pass(_uniform_warpgroup_descriptors, "tvmflash.UniformWarpgroupDescriptors")
+
+
+# ---------------------------------------------------------------------------------- 64-bit offsets
+_ARITHMETIC = ("Add", "Sub", "Mul", "LShift", "FloorDiv", "FloorMod", "Div", "Mod", "Min", "Max", "RShift")
+_PRODUCTS = ("Mul", "LShift")
+
+
+def _int64(expr):
+    """``expr``, an int32 index (scalar or vector), computed in int64 wherever a product may pass
+    2**31: the arithmetic above each product is made int64 from the leaves up (a variable, a load, a
+    call is cast; constants become int64). A subexpression with no product (a dimension's own index:
+    ``blockIdx.x >> 3``, ``min(p, capacity - 1)``) stays int32 and is cast once: every dimension is
+    below 2**31. One walk of the expression (``_widened_index``)."""
+    return _widened_index(expr)[0]
+
+
+def _widened_index(expr):
+    """(``expr`` in int64 as ``_int64`` says, whether it holds a product)."""
+    kind = type(expr).__name__
+    ty = str(expr.ty)
+    if not ty.startswith("int32"):
+        return expr, False
+    wide_ty = ty.replace("int32", "int64")
+    if kind == "IntImm":
+        return tirx.IntImm("int64", expr.value), False
+    if kind in _ARITHMETIC:
+        (a, product_a), (b, product_b) = _widened_index(expr.a), _widened_index(expr.b)
+        if product_a or product_b or kind in _PRODUCTS:
+            return getattr(tirx, kind)(a, b), True
+    elif kind == "Ramp":
+        (base, product_base), (stride, product_stride) = _widened_index(expr.base), _widened_index(expr.stride)
+        if product_base or product_stride:
+            return tirx.Ramp(base, stride, expr.lanes), True
+    elif kind == "Broadcast":
+        value, product = _widened_index(expr.value)
+        if product:
+            return tirx.Broadcast(value, expr.lanes), True
+    elif kind == "Select":
+        (a, product_a), (b, product_b) = _widened_index(expr.true_value), _widened_index(expr.false_value)
+        if product_a or product_b:
+            return tirx.Select(expr.condition, a, b), True
+    return tirx.Cast(wide_ty, expr), False
+
+
+def _is_global(data) -> bool:
+    return getattr(data.ty, "storage_scope", None) in ("global", "")
+
+
+def _widened(node):
+    kind = type(node).__name__
+    if kind in ("TensorLoad", "BufferLoad") and _is_global(node.source.data):
+        return tirx.BufferLoad(node.source, [_int64(i) for i in node.indices])
+    if kind == "BufferStore" and _is_global(node.buffer.data):
+        return tirx.BufferStore(node.buffer, node.value, [_int64(i) for i in node.indices])
+    if kind == "Call" and getattr(node.op, "name", "") == "tirx.tvm_access_ptr" and _is_global(node.args[1]):
+        args = list(node.args)
+        args[2] = _int64(args[2])
+        return tvm.ir.expr.Call(node.op, args, node.attrs, ty_args=node.ty_args, span=node.span, ret_ty=node.ty)
+    return node
+
+
+def WidenGlobalIndices():  # noqa: N802
+    """After FlattenBuffer and VectorizeLoop, in a build for tensors of 2**31 elements or more: every
+    index into a global buffer (a kernel argument) is computed in int64 (``_int64``). Each dimension's
+    index stays int32 (every dimension, and every stride, is below 2**31); their flattened sum of
+    products is what may pass 2**31. Builds for smaller tensors skip this pass and keep their int32
+    arithmetic (and their generated code) unchanged."""
+    def run(func):
+        return func.with_body(tvm_ffi.structural_map(
+            func.body, [((tirx.BufferStore, tvm.ir.expr.TensorLoad, tvm.ir.expr.Call), _widened)]))
+    return prim_func_pass(run, "tvmflash.WidenGlobalIndices")

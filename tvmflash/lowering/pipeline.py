@@ -17,7 +17,7 @@ from tvm import s_tir, tirx
 
 from tvmflash.lowering import passes, tma, tvm_fixes
 from tvmflash.lowering.annotations import (ASYNC_PROXY_OPERANDS_ATTR, HOIST_BLOCK_INDEX_CONDITIONS_ATTR,
-                                           TMA_BARRIER_PADDING_ATTR, TMA_BARRIER_PADDINGS)
+                                           TMA_BARRIER_PADDING_ATTR, TMA_BARRIER_PADDINGS, WIDE_INDICES_ATTR)
 
 PIPELINE = "tvmflash"
 # The buffers of varlen's sequence offsets (``program.varlen_arguments``): read once a kernel
@@ -29,7 +29,7 @@ def options(mod: tvm.IRModule) -> dict:
     """The build options that the module's PrimFuncs carry (``build`` sets them)."""
     found = {}
     for func in mod.functions.values():
-        for key in (ASYNC_PROXY_OPERANDS_ATTR, HOIST_BLOCK_INDEX_CONDITIONS_ATTR):
+        for key in (ASYNC_PROXY_OPERANDS_ATTR, HOIST_BLOCK_INDEX_CONDITIONS_ATTR, WIDE_INDICES_ATTR):
             if func.attrs is not None and key in func.attrs:
                 found[key] = bool(func.attrs[key])
     return found
@@ -67,6 +67,10 @@ def passes_for(mod: tvm.IRModule, config) -> list:
         tirx.transform.NarrowDataType(32),
         s_tir.transform.LoopPartition(),
         tirx.transform.VectorizeLoop(not bool(config.get("tirx.disable_vectorize", False))),
+    ]
+    if opts.get(WIDE_INDICES_ATTR):
+        pipeline.append(passes.WidenGlobalIndices())                 # + (tensors of 2**31 elements or more)
+    pipeline += [
         s_tir.transform.InjectVirtualThread(),
         s_tir.transform.InjectDoubleBuffer(),
     ]
@@ -152,20 +156,23 @@ tirx.register_tir_pipeline(PIPELINE, _factory)  # TVM's extension point for a pi
 
 
 def build(mod: tvm.IRModule, target: tvm.target.Target, *, pass_config: dict | None = None,
-          async_proxy_operands: bool = False, hoist_block_index_conditions: bool = False):
+          async_proxy_operands: bool = False, hoist_block_index_conditions: bool = False,
+          wide_indices: bool = False):
     """``tvm.compile`` a scheduled module through this pipeline.
 
     pass_config: the PassContext config (the schedule's ``PASS_CONFIG``). async_proxy_operands: the
     tensor-core operands are read through the async proxy (wgmma), so each cp.async wait is followed
     by a proxy fence. hoist_block_index_conditions: ``passes.HoistBlockIndexConditions`` instead of
-    TVM's HoistIfThenElse. A TMA build whose tiles ``tma.CheckTileAlignment`` finds off the
-    swizzle's 1024-byte boundary is built again with larger barriers (``TMA_BARRIER_PADDINGS``), and
-    raises ``tma.MisalignedTiles`` if none fits.
+    TVM's HoistIfThenElse. wide_indices: global buffers are indexed in int64
+    (``passes.WidenGlobalIndices``), for tensors of 2**31 elements or more. A TMA build whose tiles
+    ``tma.CheckTileAlignment`` finds off the swizzle's 1024-byte boundary is built again with larger
+    barriers (``TMA_BARRIER_PADDINGS``), and raises ``tma.MisalignedTiles`` if none fits.
     """
     def with_options(func, padding):
-        return (func.with_attr(ASYNC_PROXY_OPERANDS_ATTR, async_proxy_operands)
+        func = (func.with_attr(ASYNC_PROXY_OPERANDS_ATTR, async_proxy_operands)
                 .with_attr(HOIST_BLOCK_INDEX_CONDITIONS_ATTR, hoist_block_index_conditions)
                 .with_attr(TMA_BARRIER_PADDING_ATTR, padding))
+        return func.with_attr(WIDE_INDICES_ATTR, True) if wide_indices else func
 
     for padding in TMA_BARRIER_PADDINGS:  # until the TMA tiles sit on 1024-byte boundaries (one try, mostly)
         optioned = tvm.IRModule({gvar: with_options(func, padding) for gvar, func in mod.functions.items()})

@@ -92,9 +92,11 @@ def _zero_filling(call):
     16 or 0."""
     dst, dst_offset, src, src_offset, size, predicate = call.args
     dst_bytes, src_bytes = (tvm.DataType(str(ptr.ty.element_type.dtype)).bits // 8 for ptr in (dst, src))
-    name = f"tvmflash_cp_async_zfill_16_{dst_bytes}_{src_bytes}"
+    wide = str(src_offset.ty) == "int64"  # an offset into a tensor of 2**31 elements or more (WidenGlobalIndices)
+    name = f"tvmflash_cp_async_zfill_16_{dst_bytes}_{src_bytes}" + ("_i64" if wide else "")
     source = (
-        f"\n__forceinline__ __device__ void {name}(void* dst, int dst_off, void* src, int src_off, int predicate) {{\n"
+        f"\n__forceinline__ __device__ void {name}(void* dst, int dst_off, void* src, "
+        f"{'long long' if wide else 'int'} src_off, int predicate) {{\n"
         f"  unsigned int dst_addr = __cvta_generic_to_shared((uint8_t*)dst + dst_off * {dst_bytes});\n"
         f"  uint8_t* src_p = (uint8_t*)src + src_off * {src_bytes};\n"
         "  // src-size 0 reads nothing and fills the 16 bytes with zeros\n"
