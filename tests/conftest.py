@@ -32,6 +32,20 @@ def random_qkv(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype, de
     return (t.to(dtype=dtype, device=device) for t in (q, k, v))
 
 
+def captured_in_a_cuda_graph(step):
+    """(graph, step's outputs): ``step`` run once on a side stream (builds and warms up outside the
+    capture), then captured in a CUDA graph; replaying it writes the outputs again."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outputs = step()
+    torch.cuda.current_stream().wait_stream(stream)
+    return graph, outputs
+
+
 def poisoned_out(q):
     """An output buffer full of NaN: any element the kernel fails to write shows up."""
     return torch.full_like(q, float("nan"))

@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 import torch
-from conftest import devices
+from conftest import captured_in_a_cuda_graph, devices
 from reference import max_error, reference, torch_same_dtype
 
 import tvmflash
@@ -459,14 +459,7 @@ def test_cuda_graph_replays_with_new_lengths(page_size):
         return tvmflash.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=cache_seqlens,
                                                 block_table=table, return_softmax_lse=True)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # build and warm up outside the capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out, lse = step()
-    torch.cuda.current_stream().wait_stream(stream)
+    graph, (out, lse) = captured_in_a_cuda_graph(step)
     for lengths in ([1, 2, 3], [5, 300, 698], [699, 0, 64]):
         cache_seqlens.copy_(torch.tensor(lengths, dtype=torch.int32))
         q.copy_(random_q(batch, 1, heads_q, 128, dtype, "cuda", seed=sum(lengths)))

@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from conftest import devices
+from conftest import captured_in_a_cuda_graph, devices
 from reference import max_error, reference, torch_same_dtype
 from test_decode import make_cache, random_q, sequence_kv
 
@@ -182,14 +182,7 @@ def test_rotary_decode_step_in_a_cuda_graph():
                                                 cache_seqlens=cache_seqlens, block_table=table, causal=True,
                                                 rotary_interleaved=False)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # build and warm up outside the capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = step()
-    torch.cuda.current_stream().wait_stream(stream)
+    graph, out = captured_in_a_cuda_graph(step)
     for lengths in ([1, 2, 3], [5, 300, 510], [509, 0, 64]):
         cache_seqlens.copy_(torch.tensor(lengths, dtype=torch.int32))
         k_new.copy_(random_q(batch, 2, heads_kv, 128, dtype, "cuda", seed=sum(lengths)))
