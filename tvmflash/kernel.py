@@ -293,6 +293,18 @@ class Kernel:
             }
         )
 
+    def _module_for(self, heads_q: int, heads_kv: int, **tensors):
+        """The module to run on these named tensors: built (or loaded) for the head counts, indexing in
+        int64 where one holds more than 2**31 elements (``needs_int64``; their strides checked), and
+        not cross-compiled."""
+        wide = needs_int64(*tensors.values())
+        if wide:
+            check_strides(**tensors)
+        module = self._modules.get(self._slot(heads_q, heads_kv, wide)) or self.module(heads_q, heads_kv, wide)
+        if module.function is None:
+            raise RuntimeError(f"this {self._target_name} kernel was cross-compiled: there is no GPU here to run it on")
+        return module
+
     @staticmethod
     def _slot(heads_q: int, heads_kv: int, wide: bool = False) -> tuple:
         """A module's place in ``_modules``: (heads_q, heads_kv), and "int64" for a wide one."""
@@ -450,12 +462,7 @@ class Kernel:
             self._usable(out, "out", copy=False)
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device)
-        wide = needs_int64(q, k, v, out)
-        if wide:
-            check_strides(q=q, k=k, v=v, out=out)
-        module = self._modules.get(self._slot(heads_q, heads_kv, wide)) or self.module(heads_q, heads_kv, wide)
-        if module.function is None:
-            raise RuntimeError(f"this {self._target_name} kernel was cross-compiled: there is no GPU here to run it on")
+        module = self._module_for(heads_q, heads_kv, q=q, k=k, v=v, out=out)
         if out.numel() and not k.shape[1]:
             # No key at all: every row sees none (0, and an LSE of -inf). Answered here, as the TMA
             # builds' tensor maps cannot describe an empty K or V.
@@ -603,12 +610,7 @@ class VarlenKernel(Kernel):
                 self._usable(out[None], "out", copy=False)
             out = torch.empty(q.shape[1:], dtype=q.dtype, device=q.device)
         lse = torch.empty((heads_q, total_q), dtype=torch.float32, device=q.device)
-        wide = needs_int64(q, k, v, out)
-        if wide:
-            check_strides(q=q, k=k, v=v, out=out)
-        module = self._modules.get(self._slot(heads_q, heads_kv, wide)) or self.module(heads_q, heads_kv, wide)
-        if module.function is None:
-            raise RuntimeError(f"this {self._target_name} kernel was cross-compiled: there is no GPU here to run it on")
+        module = self._module_for(heads_q, heads_kv, q=q, k=k, v=v, out=out)
         if out.numel() and not k.shape[1]:  # no key at all (as Kernel.__call__)
             out.zero_()
             lse.fill_(-math.inf)
@@ -873,20 +875,15 @@ class BackwardKernel(Kernel):
                      for t in tensors)
 
     def _gradients_and_passes(self, q, k, v, dq, dk, dv, heads_q: int, heads_kv: int, work: bool):
-        """dq, dk, dv (new where not given) and the programs that fill them (``program_backward.PASSES``
+        """dq, dk, dv (new where not given) and the programs that fill them (``program_backward.passes``
         by name); without ``work`` (no query or no key) the gradients are 0 and there are no programs."""
         grads = tuple(torch.empty_like(t) if g is None else g for t, g in ((q, dq), (k, dk), (v, dv)))
         if not work:
             for grad in grads:
                 grad.zero_()
             return grads, None
-        wide = needs_int64(q, k, v)  # dq, dk, dv, out and dout: q's, k's and v's sizes
-        if wide:
-            check_strides(q=q, k=k, v=v)
-        module = self.module(heads_q, heads_kv, wide)
-        if module.function is None:
-            raise RuntimeError(f"this {targets.describe(self.target)} kernel was cross-compiled: there is no GPU here to run it on")
-        return grads, module.function
+        # dq, dk, dv, out and dout have q's, k's and v's sizes
+        return grads, self._module_for(heads_q, heads_kv, q=q, k=k, v=v).function
 
     def __call__(self, q, k, v, out, dout, lse, *, dlse=None, softmax_scale=None, dq=None, dk=None, dv=None,
                  alibi_slopes=None):
