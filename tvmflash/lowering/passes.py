@@ -130,7 +130,7 @@ def _paired_atomic_add(loop):
     *outer_first, last_first = first.indices
     *outer_second, last_second = second.indices
     if not (tvm_ffi.structural_equal(outer_first, outer_second)
-                    and tvm.sym.Analyzer().can_prove_equal(last_second - last_first, 1)):
+            and tvm.sym.Analyzer().can_prove_equal(last_second - last_first, 1)):
         return None
     return tirx.Evaluate(T.cuda.func_call("tvmflash_red_add_v2", _address(first), _addend(first), _addend(second),
                                           source_code=RED_ADD_V2))
@@ -146,11 +146,6 @@ def _atomic_adds(attr, vector: bool):
     return transform(body, tirx.BufferStore, _atomic_add)
 
 
-_PRAGMA_LOWERINGS = {WGMMA_WAIT_PRAGMA: _wait_and_fence_accumulators,
-                     SKIP_UNIT_RESCALE_PRAGMA: _skipped_where_factors_are_one,
-                     ATOMIC_ADD_PRAGMA: _atomic_adds}  # (with the target's vector reductions: _lowered_pragmas)
-
-
 def _has_vector_reductions(func) -> bool:
     """Does the function's target have ``red.global.add.v2.f32`` (CUDA sm_90 and newer)?"""
     target = func.attrs.get("target") if func.attrs is not None else None
@@ -158,12 +153,17 @@ def _has_vector_reductions(func) -> bool:
     return arch.startswith("sm_") and int("".join(c for c in arch[3:] if c.isdigit()) or 0) >= 90
 
 
-def _lowered_pragmas(stmt, vector_reductions: bool):  # by hand: structural_map rejects the fences' loads
-    if isinstance(stmt, tirx.AttrStmt) and stmt.attr_key in _PRAGMA_LOWERINGS:
-        if stmt.attr_key == ATOMIC_ADD_PRAGMA:
-            return _atomic_adds(stmt, vector_reductions)
-        return _PRAGMA_LOWERINGS[stmt.attr_key](stmt)
-    return with_children(stmt, lambda child: _lowered_pragmas(child, vector_reductions))
+def _pragma_lowerings(func) -> dict:
+    """Each of tvmflash's pragmas and the function that lowers its AttrStmt, for ``func``'s target."""
+    return {WGMMA_WAIT_PRAGMA: _wait_and_fence_accumulators,
+            SKIP_UNIT_RESCALE_PRAGMA: _skipped_where_factors_are_one,
+            ATOMIC_ADD_PRAGMA: functools.partial(_atomic_adds, vector=_has_vector_reductions(func))}
+
+
+def _lowered_pragmas(stmt, lowerings: dict):  # by hand: structural_map rejects the fences' loads
+    if isinstance(stmt, tirx.AttrStmt) and stmt.attr_key in lowerings:
+        return lowerings[stmt.attr_key](stmt)
+    return with_children(stmt, lambda child: _lowered_pragmas(child, lowerings))
 
 
 def LowerPragmas():  # noqa: N802
@@ -172,7 +172,7 @@ def LowerPragmas():  # noqa: N802
     the wait and fences of ``_wait_and_fence_accumulators``, then the loop;
     ``SKIP_UNIT_RESCALE_PRAGMA``: the loop under ``_skipped_where_factors_are_one``'s warp-wide test;
     ``ATOMIC_ADD_PRAGMA``: the loop with its additions atomic (``_atomic_adds``)."""
-    return prim_func_pass(lambda func: func.with_body(_lowered_pragmas(func.body, _has_vector_reductions(func))),
+    return prim_func_pass(lambda func: func.with_body(_lowered_pragmas(func.body, _pragma_lowerings(func))),
                           "tvmflash.LowerPragmas")
 
 
