@@ -7,7 +7,8 @@ same run (bf16, bench's grid: b·n = 16k tokens, h·d = 2048).
 Every kernel is built first, in ``--jobs`` processes at once (a backward module takes about half a
 minute to build); then each configuration is timed with ``tvmflash.bench``'s clock-fair rounds: one
 call of the BackwardKernel against ``torch.autograd.grad`` of SDPA's output in each backend (and,
-with ``--passes``, each of its programs alone). '{}' is the schedule's defaults. TFLOP/s count the backward as flash-attn does: 2.5× the forward's FLOPs.
+with ``--passes``, each of its programs alone). '{}' is the schedule's defaults; a knob set's
+"schedule" picks the schedule (TVMFLASH_BACKWARD: "sm80", "sm90", "simt"), e.g. '{"schedule": "sm90"}'. TFLOP/s count the backward as flash-attn does: 2.5× the forward's FLOPs.
 """
 
 from __future__ import annotations
@@ -79,11 +80,13 @@ def main(argv=None):
     parser.add_argument("--check", action="store_true", help="first check each knob set's gradients against float32")
     args = parser.parse_args(argv)
     knob_sets = [json.loads(k) for k in args.knobs]
+    schedules = [{"TVMFLASH_BACKWARD": knobs.pop("schedule")} if "schedule" in knobs else {} for knobs in knob_sets]
     causals = {"both": (False, True), "no": (False,), "yes": (True,)}[args.causal]
     grid = bench.GPU_GRID
     bench.build_in_parallel([("compile_backward", {"head_dim": d, "dtype": "bfloat16", "causal": c, "knobs": k or None,
-                                                    "heads_q": grid["hidden"] // d, "heads_kv": grid["hidden"] // d})
-                             for d in args.head_dims for c in causals for k in knob_sets], args.jobs)
+                                                    "heads_q": grid["hidden"] // d, "heads_kv": grid["hidden"] // d},
+                              env)
+                             for d in args.head_dims for c in causals for k, env in zip(knob_sets, schedules)], args.jobs)
     device = torch.device("cuda")
     for head_dim in args.head_dims:
         for causal in causals:
@@ -94,9 +97,10 @@ def main(argv=None):
                 dout = torch.randn_like(q)
                 out, lse = tvmflash.attention(q.detach(), k.detach(), v.detach(), causal=causal, return_lse=True)
                 calls = {}
-                for n, knobs in enumerate(knob_sets):
-                    kernel = tvmflash.compile_backward(head_dim=head_dim, dtype="bfloat16", causal=causal,
-                                                       knobs=knobs or None)
+                for n, (knobs, env) in enumerate(zip(knob_sets, schedules)):
+                    with bench.environment(env):
+                        kernel = tvmflash.compile_backward(head_dim=head_dim, dtype="bfloat16", causal=causal,
+                                                           knobs=knobs or None)
                     calls[f"knobs{n}"] = lambda kernel=kernel: kernel(q, k, v, out, dout, lse)
                     if args.check:
                         check_gradients(f"d{head_dim} {'causal' if causal else 'full'} {seqlen} knobs{n}",
@@ -109,8 +113,8 @@ def main(argv=None):
                 flops = 2.5 * bench.attention_flops(batch, heads, seqlen, seqlen, head_dim, causal)
                 row = "  ".join(f"{name} {t:.3f} ({flops / t / 1e9:.0f})" for name, t in ms.items())
                 print(f"d{head_dim} {'causal' if causal else 'full'} {seqlen:>5}  {row}", flush=True)
-    for n, knobs in enumerate(knob_sets):
-        print(f"knobs{n}: {knobs or 'defaults'}")
+    for n, (knobs, env) in enumerate(zip(knob_sets, schedules)):
+        print(f"knobs{n}: {knobs or 'defaults'} {env or ''}")
 
 
 if __name__ == "__main__":

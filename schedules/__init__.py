@@ -98,11 +98,16 @@ def name_of(module: ModuleType) -> str:
     return module.__name__.rsplit(".", 1)[-1]
 
 
-def backward_sm80_setting() -> bool:
-    """By default the sm80 backward (dkdv and dq on tensor cores) serves fp16/bf16 on sm80 and newer
-    at the head_dims it has (``sm80.BACKWARD_HEAD_DIMS``); TVMFLASH_BACKWARD_SM80=0 puts the SIMT
-    schedule in its place."""
-    return os.environ.get("TVMFLASH_BACKWARD_SM80", "") != "0"
+BACKWARD_SCHEDULES = ("simt", "sm80", "sm90")
+
+
+def backward_setting() -> str:
+    """TVMFLASH_BACKWARD: the backward schedule asked for, one of ``BACKWARD_SCHEDULES``, or "" (unset):
+    the default (``backward_for_target``)."""
+    value = os.environ.get("TVMFLASH_BACKWARD", "")
+    if value not in ("", *BACKWARD_SCHEDULES):
+        raise ValueError(f"TVMFLASH_BACKWARD: expected one of {BACKWARD_SCHEDULES} or unset, got {value!r}")
+    return value
 
 
 def simt_for_target(target) -> ModuleType:
@@ -116,12 +121,17 @@ def simt_for_target(target) -> ModuleType:
 
 
 def backward_for_target(target, dtype: str, head_dim: int) -> ModuleType:
-    """The schedule module whose ``schedule_backward`` serves a target, dtype and head_dim: the
-    CPU's; on a GPU, sm80's where it serves (``backward_sm80_setting``), else the SIMT schedule."""
+    """The schedule module whose ``schedule_backward`` serves a target, dtype and head_dim: the CPU's;
+    on a GPU, for fp16/bf16 at the head_dims each has, sm80's (mma.sync) on sm80 and newer, or sm90's
+    (wgmma) on sm_90a where TVMFLASH_BACKWARD=sm90 asks for it; else, or with TVMFLASH_BACKWARD=simt,
+    the SIMT schedule."""
     if target.kind.name == "cuda":
         from tvmflash.target import compute_capability
 
-        if (backward_sm80_setting() and compute_capability(target) >= 80 and dtype in sm80.DTYPES
+        setting = backward_setting()
+        if setting == "sm90" and sm90_eligible(target, dtype) and head_dim in sm90.BACKWARD_HEAD_DIMS:
+            return sm90
+        if (setting != "simt" and compute_capability(target) >= 80 and dtype in sm80.DTYPES
                 and head_dim in sm80.BACKWARD_HEAD_DIMS):
             return sm80
     return simt_for_target(target)

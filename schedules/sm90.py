@@ -900,3 +900,149 @@ def schedule(
     if overlap:  # the last PV is waited for, and its accumulators fenced, before the output reads them
         sch.annotate(sch.get_loops("store_o")[-3], WGMMA_WAIT_PRAGMA, 0)  # its first per-thread loop
     return sch
+
+
+# --------------------------------------------------------------------------------------------
+# the backward pass (``tvmflash.program_backward``): dkdv and dq on wgmma
+# --------------------------------------------------------------------------------------------
+# delta runs on the SIMT schedule. dkdv's tile is block_n keys (64 a warpgroup) and block_m query
+# rows a step; dq's is dq_block_m query rows (64 a warpgroup) and dq_block_n keys a step. Each
+# program's stream of tiles (dkdv: Q, dout and their rows' lse and delta; dq: K and V) is loaded by
+# cp.async in a pipeline of ``*_stages`` (1: plain loads).
+BACKWARD_KNOBS = {"block_m": 64, "block_n": 128, "dq_block_m": 128, "dq_block_n": 64, "dkdv_stages": 2,
+                  "dq_stages": 2, "vec": 8}
+# d64: dq in 32-key steps, 8-10% faster than 64 over bench's grid; at d128 4-7% slower (H200, 2026-12-02,
+# benchmarks/backward_knobs.py, 2k and 16k tokens)
+BACKWARD_KNOBS_FOR_HEAD_DIM = {64: {"dq_block_n": 32}}
+BACKWARD_HEAD_DIMS = (64, 128)
+BACKWARD_SPACE = {
+    "block_m": [32, 64],
+    "block_n": [64, 128],
+    "dq_block_m": [64, 128],
+    "dq_block_n": [32, 64],
+    "dkdv_stages": [1, 2],
+    "dq_stages": [1, 2],
+    "vec": [8],
+}
+
+
+def backward_shared_memory_bytes(head_dim: int, dtype: str, knobs: dict) -> int:
+    """Dynamic shared memory of the larger of dkdv and dq: each program's tiles in padded core
+    matrices (``_pad_core_matrix_stride``), the streamed ones once a stage, and the rows' lse and delta."""
+    padded = head_dim * (CORE_MATRIX_ELEMENTS + PAD_ELEMENTS) // CORE_MATRIX_ELEMENTS
+    dkdv = (2 * knobs["block_n"] + 2 * knobs["block_m"] * knobs["dkdv_stages"]) * padded * 2 \
+        + 8 * knobs["block_m"] * knobs["dkdv_stages"]
+    dq = (2 * knobs["dq_block_m"] + 2 * knobs["dq_block_n"] * knobs["dq_stages"]) * padded * 2 + 8 * knobs["dq_block_m"]
+    return max(dkdv, dq)
+
+
+def schedule_backward(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, dq_block_m: int, dq_block_n: int,
+                      dkdv_stages: int, dq_stages: int, vec: int) -> tvm.s_tir.Schedule:
+    """delta on the SIMT schedule, dkdv and dq on wgmma (``vec`` elements a copy). The tiles are the
+    program's (``program_backward.attention_backward``)."""
+    from . import cuda
+
+    cuda.schedule_delta(sch)
+    _schedule_dkdv(sch, dkdv_stages, vec)
+    _schedule_dq(sch, dq_stages, vec)
+    return sch
+
+
+def _backward_warpgroups(rows: int, what: str) -> int:
+    if rows % WG_ROWS:
+        raise ValueError(f"knobs: the sm90 backward gives each warpgroup 64 {what}, so it needs a multiple of 64, "
+                         f"got {rows}")
+    return rows // WG_ROWS
+
+
+def _schedule_dkdv(sch: tvm.s_tir.Schedule, num_stages: int, vec: int) -> None:
+    """dkdv: its tiles are key-first (sᵀ = k qᵀ, ...), so warpgroup g owns keys [64 g, 64 g + 64) of
+    the K/V block, as the forward's warpgroups own query rows: sᵀ and dpᵀ on wgmma with K or V as A
+    and q or dout as B (K-major), pᵀ and dsᵀ in the accumulator registers, which are the A operand
+    of dv += pᵀ dout and dk += dsᵀ q (the "rs" form, dout and q as N-major B), and dv, dk in
+    accumulator registers across the Q blocks, stored from them."""
+    sch.work_on("dkdv")
+    dtype, BM, D, BN = buffer_info(sch)
+    groups = _backward_warpgroups(BN, "keys (block_n)")
+    if BM % 16 or D % 16:
+        raise ValueError(f"knobs: the sm90 dkdv needs block_m and head_dim multiples of 16, got {BM} and {D}")
+    sch.fuse(*sch.get_loops("q_step")[-2:])  # (query head of the group, Q block)
+    b, hk, kb = sch.get_loops("tile")
+    sch.bind(kb, "blockIdx.x")  # causal: the first K/V blocks see the most Q blocks, and start first
+    sch.bind(hk, "blockIdx.y")
+    sch.bind(b, "blockIdx.z")
+    _backward_tiles(sch, ("load_k", "load_v", "load_q", "load_do"), groups, vec)
+    for name in ("load_lse", "load_delta"):  # BM rows, any number of warpgroups
+        _spread_rows(sch, name, groups)
+    _backward_step(sch, ("cast_p",), groups, BM, D, dtype, num_stages)
+    for name in ("dv", "dk"):
+        _backward_accumulate(sch, name, groups, D, BM, dtype)
+    if num_stages > 1:
+        pipeline_loads(sch, num_stages, step="q_step", loads=("load_q", "load_do", "load_lse", "load_delta"))
+
+
+def _schedule_dq(sch: tvm.s_tir.Schedule, num_stages: int, vec: int) -> None:
+    """dq, mapped as the forward is (a Q block, the K/V blocks streamed past it): s and dp on wgmma
+    with q or dout as A and K or V as B (K-major), p and ds in accumulator registers, ds the A operand
+    of dq += ds k (K as N-major B), dq in accumulator registers across the K/V blocks."""
+    sch.work_on("dq")
+    dtype, BM, D, BN = buffer_info(sch)
+    groups = _backward_warpgroups(BM, "query rows (dq_block_m)")
+    if BN % 16 or D % 16:
+        raise ValueError(f"knobs: the sm90 dq needs dq_block_n and head_dim multiples of 16, got {BN} and {D}")
+    bind_grid(sch)
+    _backward_tiles(sch, ("load_q", "load_do", "load_k", "load_v"), groups, vec)
+    for name in ("load_lse", "load_delta"):
+        sch.set_scope(name, 0, "shared.dyn")
+        _row_block(sch, name, groups)
+    _backward_step(sch, (), groups, BN, D, dtype, num_stages)
+    _backward_accumulate(sch, "dq", groups, D, BN, dtype)
+    if num_stages > 1:
+        pipeline_loads(sch, num_stages)
+
+
+def _backward_tiles(sch, loads, groups, vec):
+    """The tiles in shared memory as padded core matrices, copied along their rows."""
+    for name in loads:
+        sch.set_scope(name, 0, "shared.dyn")
+        sch.transform_layout(name, ("write", 0), _core_matrix_map)
+        _pad_core_matrix_stride(sch, name)
+        _copy_along_rows(sch, name, groups, vec)
+
+
+def _spread_rows(sch, name, groups):
+    """A per-row copy of any number of rows over the block's threads."""
+    sch.set_scope(name, 0, "shared.dyn")
+    _, ty, tx = sch.split(sch.get_loops(name)[-1], [None, groups, WARPGROUP])
+    sch.bind(ty, "threadIdx.y")
+    sch.bind(tx, "threadIdx.x")
+
+
+def _backward_step(sch, casts, groups, cols, D, dtype, num_stages):
+    """What dkdv and dq share: s and dp on wgmma ("ss": A and B K-major from shared memory, N =
+    ``cols``), p, ds and ``casts`` on the accumulator registers, each thread its elements."""
+    sch.set_scope("init_scale", 0, "local")  # each thread its copy of the scale
+    for name in ("qk", "dp"):
+        sch.set_scope(name, 0, "local")
+        sch.transform_layout(name, ("write", 0), _acc_index_map)
+        rows = _warpgroup_gemm(sch, name, groups)
+        sch.tensorize(rows, wgmma_intrin_name(cols, D, dtype, "k", fence_operands=num_stages == 1))
+    for name in ("exp", "ds", *casts):
+        sch.set_scope(name, 0, "local")
+        sch.transform_layout(name, ("write", 0), _acc_index_map)
+        _acc_block(sch, name, groups)
+
+
+def _backward_accumulate(sch, name, groups, D, k, dtype):
+    """A gradient's product on wgmma ("rs": A, the p or ds of the step, from the accumulator
+    registers; B N-major from shared memory), the gradient in accumulator registers across the
+    steps, zeroed first and stored from them (each thread its pairs of adjacent columns)."""
+    sch.set_scope(name, 0, "local")
+    sch.transform_layout(name, ("write", 0), _acc_index_map)
+    block = sch.get_sblock(name)
+    rows = _warpgroup_gemm(sch, block, groups)
+    hide_init_reads(sch, block)
+    sch.tensorize(rows, wgmma_intrin_name(D, k, dtype, "mn", a_regs=True))
+    _acc_block(sch, f"init_{name}", groups)
+    _acc_block(sch, f"store_{name}", groups)
+    sch.vectorize(sch.get_loops(f"store_{name}")[-1])

@@ -206,7 +206,7 @@ def test_backward_modules_are_cached(backward_kernel, monkeypatch):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_simt_backward_builds_cuda_source(monkeypatch, dtype):
-    monkeypatch.setenv("TVMFLASH_BACKWARD_SM80", "0")  # sm80's serves bfloat16 at head_dim 128 by default
+    monkeypatch.setenv("TVMFLASH_BACKWARD", "simt")  # sm80's serves bfloat16 at head_dim 128 by default
     kernel = tvmflash.compile_backward(head_dim=128, dtype=dtype, causal=True, target="sm80")
     src = kernel.source(heads_q=8, heads_kv=2)
     for name in ("delta_kernel", "dkdv_kernel", "dq_kernel"):
@@ -283,7 +283,7 @@ def test_misaligned_and_strided_gradient_views_on_the_gpu():
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_sm80_backward_builds_cuda_source(monkeypatch, dtype):
     """fp16/bf16 on sm80: dkdv and dq on mma.sync with ldmatrix operands, their next tiles loaded by
-    cp.async; TVMFLASH_BACKWARD_SM80=0 and head_dim 256 take the SIMT schedule."""
+    cp.async; TVMFLASH_BACKWARD=simt and head_dim 256 take the SIMT schedule."""
     kernel = tvmflash.compile_backward(head_dim=128, dtype=dtype, causal=True, target="sm80")
     assert kernel.info()["schedule"] == "sm80"
     src = kernel.source(heads_q=4, heads_kv=2)
@@ -294,8 +294,24 @@ def test_sm80_backward_builds_cuda_source(monkeypatch, dtype):
         assert f"mma.sync.aligned.m16n8k16.row.col.f32.{ptx_type}.{ptx_type}.f32" in program and "ldmatrix" in program
         assert "cp_async_commit_group" in program
     assert tvmflash.compile_backward(head_dim=256, dtype=dtype, target="sm80").info()["schedule"] == "cuda"
-    monkeypatch.setenv("TVMFLASH_BACKWARD_SM80", "0")
+    monkeypatch.setenv("TVMFLASH_BACKWARD", "simt")
     assert tvmflash.compile_backward(head_dim=128, dtype=dtype, target="sm80").info()["schedule"] == "cuda"
+
+
+def test_sm90_backward_builds_cuda_source(monkeypatch):
+    """TVMFLASH_BACKWARD=sm90 on sm_90a: dkdv and dq on wgmma (s and dp from shared memory, the
+    gradients' products with p or ds from registers), the streamed tiles by cp.async; sm80's serves
+    a head_dim sm90's does not have."""
+    monkeypatch.setenv("TVMFLASH_BACKWARD", "sm90")
+    kernel = tvmflash.compile_backward(head_dim=64, dtype="bfloat16", causal=True, target="sm90")
+    assert kernel.info()["schedule"] == "sm90"
+    src = kernel.source(heads_q=4, heads_kv=2)
+    dq = src[src.rindex("dq_kernel("):]
+    dkdv = src[src.rindex("dkdv_kernel("):src.rindex("dq_kernel(")]
+    for program in (dq, dkdv):  # "ss": A and B by descriptors (s, dp); "rs": A from registers (the gradients)
+        assert "_ss_mma_async_sync_aligned_m64n64k16" in program and "_rs_mma_async_sync_aligned_m64n64k16" in program
+        assert "cp_async_commit_group" in program and "mma_sync" not in program
+    assert tvmflash.compile_backward(head_dim=32, dtype="bfloat16", target="sm90").info()["schedule"] == "sm80"
 
 
 def test_sm80_backward_with_atomic_dq_builds_cuda_source():
@@ -321,11 +337,24 @@ def test_atomic_dq_gradients_on_the_gpu(head_dim, causal):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_sm90_backward_gradients_on_the_gpu(monkeypatch, dtype, head_dim, causal):
+    """The wgmma backward (TVMFLASH_BACKWARD=sm90, sm_90a only) over SHAPES."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the sm90 backward needs sm_90a")
+    monkeypatch.setenv("TVMFLASH_BACKWARD", "sm90")
+    assert tvmflash.compile_backward(head_dim=head_dim, dtype=dtype, causal=causal).info()["schedule"] == "sm90"
+    gradients_match_float64("cuda", dtype, head_dim, causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [32, 64, 96, 128])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_simt_backward_gradients_on_the_gpu(monkeypatch, dtype, head_dim, causal):
-    """The SIMT backward where the sm80 one serves by default (TVMFLASH_BACKWARD_SM80=0), over SHAPES;
+    """The SIMT backward where the sm80 one serves by default (TVMFLASH_BACKWARD=simt), over SHAPES;
     the default schedules are test_gradients_match_float64_on_the_gpu's."""
-    monkeypatch.setenv("TVMFLASH_BACKWARD_SM80", "0")
+    monkeypatch.setenv("TVMFLASH_BACKWARD", "simt")
     assert tvmflash.compile_backward(head_dim=head_dim, dtype=dtype, causal=causal).info()["schedule"] == "cuda"
     gradients_match_float64("cuda", dtype, head_dim, causal)

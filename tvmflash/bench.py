@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -30,8 +32,9 @@ class Result:
 def build_in_parallel(builds: list[tuple[str, dict]], processes: int, echo=print) -> None:
     """Build kernels into the module cache, ``processes`` at a time (a module takes tens of seconds
     to build, on one core): each build is (the name of a tvmflash function, its keyword arguments),
-    e.g. ("compile_backward", {"head_dim": 128, ..., "heads_q": 16}). The benchmark's own calls then
-    load them from the cache. Spawned processes: CUDA, initialised here, forbids fork."""
+    e.g. ("compile_backward", {"head_dim": 128, ..., "heads_q": 16}), and optionally environment
+    variables to set for it (e.g. {"TVMFLASH_BACKWARD": "sm90"}). The benchmark's own calls then load
+    them from the cache. Spawned processes: CUDA, initialised here, forbids fork."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
@@ -40,11 +43,28 @@ def build_in_parallel(builds: list[tuple[str, dict]], processes: int, echo=print
             echo(f"built {build[0]}({', '.join(f'{k}={v}' for k, v in build[1].items())})")
 
 
-def _build(build: tuple[str, dict]) -> tuple[str, dict]:
+def _build(build: tuple) -> tuple:
     import tvmflash
 
-    getattr(tvmflash, build[0])(**build[1])
+    name, kwargs, env = (*build, {})[:3]
+    with environment(env):
+        getattr(tvmflash, name)(**kwargs)
     return build
+
+
+@contextlib.contextmanager
+def environment(variables: dict):
+    """Set these environment variables (e.g. TVMFLASH_BACKWARD, which picks a schedule) within."""
+    saved = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def attention_flops(batch, heads, seqlen_q, seqlen_k, head_dim, causal):

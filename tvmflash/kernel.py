@@ -966,7 +966,7 @@ def compile_backward(*, head_dim: int, dtype, causal: bool = False, target=None,
     program.AttentionSpec(head_dim, dtype, **variant)  # validates head_dim and dtype
     resolved = targets.resolve(target)
     spec_args = {"head_dim": head_dim, "dtype": dtype, **variant}
-    key = cache.digest(["backward", spec_args, str(resolved), knobs, schedule_registry.backward_sm80_setting()])
+    key = cache.digest(["backward", spec_args, str(resolved), knobs, schedule_registry.backward_setting()])
     kernel = _KERNELS.get(key)
     if kernel is None:
         kernel = _KERNELS[key] = (VarlenBackwardKernel if varlen else BackwardKernel)(spec_args, resolved, knobs)
