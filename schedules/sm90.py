@@ -65,7 +65,7 @@ from __future__ import annotations
 import tvm
 from tvm.s_tir import TensorIntrin
 
-from tvmflash.lowering.annotations import (REG_FENCE, SKIP_UNIT_RESCALE_PRAGMA, SWIZZLE_COLUMNS, TMA_BARRIER_BYTES,
+from tvmflash.lowering.annotations import (ATOMIC_ADD_PRAGMA, REG_FENCE, SKIP_UNIT_RESCALE_PRAGMA, SWIZZLE_COLUMNS, TMA_BARRIER_BYTES,
                                            TMA_BARRIER_PADDINGS, TMA_LOAD, TMA_PRODUCERS, WGMMA_WAIT_PRAGMA)
 
 from .common import (QuadRowLayout, bind_grid, buffer_info, hide_init_reads, pipeline_loads, quad_row_block,
@@ -419,7 +419,7 @@ def _swizzled_map(r, c):
 
 def wgmma_intrin_name(n: int, k: int, dtype: str, b_major: str, a_regs: bool = False,
                       fence_operands: bool = True, b_swizzled: bool = False, a_swizzled: bool = False,
-                      wait: bool = True) -> str:
+                      wait: bool = True, a_major: str = "k") -> str:
     """Register (once) and name the intrinsic for a 64 x n x k GEMM on wgmma.
 
     A (64 x k) is a K-major shared-memory tile in ``_core_matrix_map`` layout, or with
@@ -428,7 +428,9 @@ def wgmma_intrin_name(n: int, k: int, dtype: str, b_major: str, a_regs: bool = F
     CUTLASS's SM90 ALayout_64x16). B is a shared-memory tile, K-major (an n x k tile,
     ``b_major="k"``: S = Q K^T) or N-major (a k x n tile, ``b_major="mn"``: O += P V). C is the
     float32 accumulator, per thread (``_acc_index_map``). b_swizzled, a_swizzled: the shared-memory
-    tile is in the 128-byte swizzled layout (``_swizzled_map``) instead of core matrices.
+    tile is in the 128-byte swizzled layout (``_swizzled_map``) instead of core matrices. a_major
+    "mn": A is a k x 64 shared-memory tile in core matrices, read transposed (``imm-trans-a``; the
+    backward's dsᵀ as the A of ds k).
 
     wait: end with ``wgmma.wait_group 0`` (the result is ready when the intrinsic ends), or only
     commit the group (overlap: a later wait, of the next GEMM or before the result is read, ends it).
@@ -443,6 +445,8 @@ def wgmma_intrin_name(n: int, k: int, dtype: str, b_major: str, a_regs: bool = F
         name += "_sw128"
     if a_swizzled:
         name += "_asw128"
+    if a_major == "mn":
+        name += "_amn"
     if not wait:
         name += "_nowait"
     if not a_regs and not fence_operands:
@@ -451,24 +455,27 @@ def wgmma_intrin_name(n: int, k: int, dtype: str, b_major: str, a_regs: bool = F
         TensorIntrin.get(name)
     except Exception:  # noqa: BLE001 - not registered yet
         TensorIntrin.register(name, *_wgmma_desc_impl(n, k, dtype, b_major, a_regs, fence_operands, b_swizzled,
-                                                        a_swizzled, wait))
+                                                        a_swizzled, wait, a_major))
     return name
 
 
 def _wgmma_desc_impl(n, k, dtype, b_major, a_regs, fence_operands=True, b_swizzled=False, a_swizzled=False,
-                     wait=True):
+                     wait=True, a_major="k"):
     from tvm.script import tirx as T
 
     if n % 8 or not 8 <= n <= 256 or k % 16:
         raise ValueError(f"wgmma: n must be a multiple of 8 in [8, 256] and k of 16, got n={n}, k={k}")
     nr = n // 2  # accumulator registers per thread
     a_shape = (k // 2,) if a_regs else (k // SWIZZLE_COLUMNS, 64, 8, 8) if a_swizzled else (8, k // 8, 8, 8)
+    if a_major == "mn":  # a k x 64 tile, core matrices (_core_matrix_map)
+        assert not (a_regs or a_swizzled), "an M-major A is a shared-memory tile in core matrices"
+        a_shape = (k // 8, 8, 8, 8)
     a_scope = "local" if a_regs else "shared.dyn"
     a_whole = tuple(slice(0, e) for e in a_shape)
     b_shape = (n // 8, k // 8, 8, 8) if b_major == "k" else (k // 8, n // 8, 8, 8)
     if b_swizzled:  # _swizzled_map's (64-column half, row, chunk, element) of the k x n (K) or n x k (V) tile
         b_shape = (k // SWIZZLE_COLUMNS, n, 8, 8) if b_major == "k" else (n // SWIZZLE_COLUMNS, k, 8, 8)
-    trans_b = 0 if b_major == "k" else 1
+    trans_a, trans_b = (0 if major == "k" else 1 for major in (a_major, b_major))
     ptx = _PTX_TYPE[dtype]
     shape = f"m64n{n}k16"
     mma = getattr(getattr(T.ptx.wgmma.mma_async.sync.aligned, shape).f32, ptx)
@@ -479,6 +486,8 @@ def _wgmma_desc_impl(n, k, dtype, b_major, a_regs, fence_operands=True, b_swizzl
             return A[_acc_layout(vi, vk)[1]]
         if a_swizzled:  # K-major, as K in b_at
             return A[_swizzled_map(vi, vk)]
+        if a_major == "mn":
+            return A[vk // 8, vi // 8, vk % 8, vi % 8]
         return A[vi // 8, vk // 8, vi % 8, vk % 8]
 
     def b_at(B, vj, vk):
@@ -519,6 +528,8 @@ def _wgmma_desc_impl(n, k, dtype, b_major, a_regs, fence_operands=True, b_swizzl
     def a_descriptor(A, sa0, sa1, ks):
         if a_swizzled:
             return k_major_swizzled(A, sa0, sa1, ks)
+        if a_major == "mn":  # as an N-major B: LBO = K-direction (r//8) stride, SBO = M-direction
+            return _descriptor(A, ks * 2 * sa0, sa0 // 8, sa1 // 8)
         # K-major: LBO = K-direction core-matrix stride, SBO = M-direction.
         return _descriptor(A, ks * 2 * sa1, sa1 // 8, sa0 // 8)
 
@@ -582,7 +593,7 @@ def _wgmma_desc_impl(n, k, dtype, b_major, a_regs, fence_operands=True, b_swizzl
                 T.ptx.wgmma.fence.sync.aligned()
                 for ks in T.unroll(k // 16):
                     mma(*[C[r] for r in range(nr)], a_descriptor(A, sa0, sa1, ks), b_descriptor(B, sb0, sb1, ks),
-                        T.bool(True), 1, 1, 0, trans_b)
+                        T.bool(True), 1, 1, trans_a, trans_b)
                 wgmma_end(C)
 
     @T.prim_func(s_tir=True)
@@ -910,7 +921,7 @@ def schedule(
 # program's stream of tiles (dkdv: Q, dout and their rows' lse and delta; dq: K and V) is loaded by
 # cp.async in a pipeline of ``*_stages`` (1: plain loads).
 BACKWARD_KNOBS = {"block_m": 64, "block_n": 128, "dq_block_m": 128, "dq_block_n": 64, "dkdv_stages": 2,
-                  "dq_stages": 2, "vec": 8}
+                  "dq_stages": 2, "vec": 8, "dq_atomic": False}
 # d64: dq in 32-key steps, 8-10% faster than 64 over bench's grid; at d128 4-7% slower (H200, 2026-12-02,
 # benchmarks/backward_knobs.py, 2k and 16k tokens)
 BACKWARD_KNOBS_FOR_HEAD_DIM = {64: {"dq_block_n": 32}}
@@ -937,14 +948,18 @@ def backward_shared_memory_bytes(head_dim: int, dtype: str, knobs: dict) -> int:
 
 
 def schedule_backward(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, dq_block_m: int, dq_block_n: int,
-                      dkdv_stages: int, dq_stages: int, vec: int) -> tvm.s_tir.Schedule:
+                      dkdv_stages: int, dq_stages: int, vec: int, dq_atomic: bool = False) -> tvm.s_tir.Schedule:
     """delta on the SIMT schedule, dkdv and dq on wgmma (``vec`` elements a copy). The tiles are the
-    program's (``program_backward.attention_backward``)."""
+    program's (``program_backward.attention_backward``). ``dq_atomic``: the program has no dq; dkdv
+    adds dq's share atomically (``_schedule_dq_share``) and convert_dq runs on SIMT."""
     from . import cuda
 
     cuda.schedule_delta(sch)
-    _schedule_dkdv(sch, dkdv_stages, vec)
-    _schedule_dq(sch, dq_stages, vec)
+    _schedule_dkdv(sch, dkdv_stages, vec, dq_atomic)
+    if dq_atomic:
+        cuda.schedule_convert_dq(sch)
+    else:
+        _schedule_dq(sch, dq_stages, vec)
     return sch
 
 
@@ -955,7 +970,7 @@ def _backward_warpgroups(rows: int, what: str) -> int:
     return rows // WG_ROWS
 
 
-def _schedule_dkdv(sch: tvm.s_tir.Schedule, num_stages: int, vec: int) -> None:
+def _schedule_dkdv(sch: tvm.s_tir.Schedule, num_stages: int, vec: int, dq_atomic: bool = False) -> None:
     """dkdv: its tiles are key-first (sᵀ = k qᵀ, ...), so warpgroup g owns keys [64 g, 64 g + 64) of
     the K/V block, as the forward's warpgroups own query rows: sᵀ and dpᵀ on wgmma with K or V as A
     and q or dout as B (K-major), pᵀ and dsᵀ in the accumulator registers, which are the A operand
@@ -971,14 +986,58 @@ def _schedule_dkdv(sch: tvm.s_tir.Schedule, num_stages: int, vec: int) -> None:
     sch.bind(kb, "blockIdx.x")  # causal: the first K/V blocks see the most Q blocks, and start first
     sch.bind(hk, "blockIdx.y")
     sch.bind(b, "blockIdx.z")
+    # dsᵀ staged in shared memory for dq's share (before ds takes the accumulator layout: this copy
+    # keeps the logical one)
+    staged = sch.cache_read("dq", 0, "shared.dyn", consumer_blocks=["dq"]) if dq_atomic else None
     _backward_tiles(sch, ("load_k", "load_v", "load_q", "load_do"), groups, vec)
     for name in ("load_lse", "load_delta"):  # BM rows, any number of warpgroups
         _spread_rows(sch, name, groups)
     _backward_step(sch, ("cast_p",), groups, BM, D, dtype, num_stages)
     for name in ("dv", "dk"):
         _backward_accumulate(sch, name, groups, D, BM, dtype)
+    if dq_atomic:
+        _schedule_dq_share(sch, staged, groups, BM, D, BN, dtype)
     if num_stages > 1:
         pipeline_loads(sch, num_stages, step="q_step", loads=("load_q", "load_do", "load_lse", "load_delta"))
+
+
+def _schedule_dq_share(sch, staged, groups, BM, D, BN, dtype):
+    """dq's share of a dkdv step, ds k, added atomically into the fp32 dq (FA2's way, as sm80's
+    ``dq_atomic``). Each warpgroup holds dsᵀ of its keys, but ds k sums over all the block's keys:
+    the threads write their dsᵀ elements to shared memory (core matrices), and each warpgroup then
+    makes the 64 query rows of ds k for its share of the head_dim columns on wgmma (dsᵀ read
+    transposed as A, K N-major as B) and adds its accumulator registers into global memory, two
+    adjacent columns a ``red.global.add.v2.f32`` (``ATOMIC_ADD_PRAGMA``)."""
+    cols = D // groups
+    if BM != WG_ROWS or cols % 8:
+        raise ValueError(f"knobs: the sm90 dq_atomic makes ds k in one wgmma of 64 query rows, each warpgroup "
+                         f"head_dim / warpgroups columns (a multiple of 8): it needs block_m 64 and head_dim "
+                         f"a multiple of {8 * groups}, got block_m {BM} and head_dim {D}")
+    sch.transform_layout(staged, ("write", 0), _core_matrix_map)
+    _pad_core_matrix_stride(sch, staged)
+    _acc_block(sch, staged, groups)
+    sch.vectorize(sch.get_loops(staged)[-1])
+
+    def by_columns(i, d):  # (query row, column) -> (warpgroup, register): warpgroups split the columns
+        return (d // cols, _acc_layout(i, d % cols)[1])
+
+    block = sch.get_sblock("dq")
+    sch.set_scope(block, 0, "local")
+    sch.transform_layout(block, ("write", 0), by_columns)
+    i, d, j = sch.get_loops(block)[-3:]
+    wg, d = sch.split(d, [groups, cols])
+    sch.reorder(wg, i, d, j)
+    sch.bind(wg, "threadIdx.y")
+    init = sch.decompose_reduction(block, i)
+    _bind_acc_threads(sch, init)
+    sch.tensorize(i, wgmma_intrin_name(cols, BN, dtype, "mn", a_major="mn"))
+    i, d = sch.get_loops("accumulate_dq")[-2:]
+    wg, d = sch.split(d, [groups, cols])
+    sch.reorder(wg, i, d)
+    sch.bind(wg, "threadIdx.y")
+    _bind_acc_threads(sch, "accumulate_dq")
+    # the loops in each thread; 2: a thread's two adjacent columns go as one vector reduction
+    sch.annotate(sch.get_loops("accumulate_dq")[-3], ATOMIC_ADD_PRAGMA, 2)
 
 
 def _schedule_dq(sch: tvm.s_tir.Schedule, num_stages: int, vec: int) -> None:

@@ -55,8 +55,8 @@ def test_gradients_match_float64_on_cpu(dtype, head_dim, heads, causal):
 @pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 256])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_gradients_match_float64_on_the_gpu(dtype, head_dim, causal):
-    """The default schedules: sm80's (tensor cores) for fp16/bf16 up to head_dim 128 on sm80 and
-    newer, the SIMT one otherwise."""
+    """The default schedules: for fp16/bf16 sm90's (wgmma) at head_dim 64 and 128 on sm_90a, sm80's
+    (mma.sync) up to head_dim 128 on sm80 and newer; the SIMT one otherwise."""
     gradients_match_float64("cuda", dtype, head_dim, causal)
 
 
@@ -299,24 +299,33 @@ def test_sm80_backward_builds_cuda_source(monkeypatch, dtype):
 
 
 def test_sm90_backward_builds_cuda_source(monkeypatch):
-    """TVMFLASH_BACKWARD=sm90 on sm_90a: dkdv and dq on wgmma (s and dp from shared memory, the
-    gradients' products with p or ds from registers), the streamed tiles by cp.async; sm80's serves
-    a head_dim sm90's does not have."""
-    monkeypatch.setenv("TVMFLASH_BACKWARD", "sm90")
+    """On sm_90a, dkdv and dq on wgmma by default (s and dp with both operands from shared memory, the
+    gradients' products with p or ds from registers), the streamed tiles by cp.async; with dq_atomic,
+    dkdv's dq share on wgmma too (dsᵀ from shared memory, read transposed), added by
+    red.global.add.v2.f32. sm80's serves a head_dim sm90's does not have, and TVMFLASH_BACKWARD=sm80."""
     kernel = tvmflash.compile_backward(head_dim=64, dtype="bfloat16", causal=True, target="sm90")
     assert kernel.info()["schedule"] == "sm90"
     src = kernel.source(heads_q=4, heads_kv=2)
     dq = src[src.rindex("dq_kernel("):]
     dkdv = src[src.rindex("dkdv_kernel("):src.rindex("dq_kernel(")]
     for program in (dq, dkdv):  # "ss": A and B by descriptors (s, dp); "rs": A from registers (the gradients)
-        assert "_ss_mma_async_sync_aligned_m64n64k16" in program and "_rs_mma_async_sync_aligned_m64n64k16" in program
+        assert "_ss_mma_async_sync_aligned_m64n" in program and "_rs_mma_async_sync_aligned_m64n" in program
         assert "cp_async_commit_group" in program and "mma_sync" not in program
+    kernel = tvmflash.compile_backward(head_dim=64, dtype="bfloat16", causal=True, target="sm90",
+                                       knobs={"dq_atomic": True})
+    src = kernel.source(heads_q=4, heads_kv=2)
+    dkdv = src[src.rindex("dkdv_kernel("):src.rindex("convert_dq_kernel(")]
+    assert " dq_kernel(" not in src and "tvmflash_red_add_v2(" in dkdv
+    assert "_ss_mma_async_sync_aligned_m64n32k16_f32_bf16_bf16_1_1_1_1(" in dkdv  # ds k: A and B transposed
     assert tvmflash.compile_backward(head_dim=32, dtype="bfloat16", target="sm90").info()["schedule"] == "sm80"
+    monkeypatch.setenv("TVMFLASH_BACKWARD", "sm80")
+    assert tvmflash.compile_backward(head_dim=64, dtype="bfloat16", target="sm90").info()["schedule"] == "sm80"
 
 
-def test_sm80_backward_with_atomic_dq_builds_cuda_source():
+def test_sm80_backward_with_atomic_dq_builds_cuda_source(monkeypatch):
     """The knob dq_atomic: no dq program; dkdv adds ds k into the fp32 dq_accum, by red.global.add.v2.f32
     on sm_90 and atomicAdd before, and convert_dq rounds it into dq."""
+    monkeypatch.setenv("TVMFLASH_BACKWARD", "sm80")  # on sm_90a too
     for target, reduction in (("sm80", "atomicAdd("), ("sm90", "red.global.add.v2.f32")):
         kernel = tvmflash.compile_backward(head_dim=64, dtype="bfloat16", causal=True, target=target,
                                            knobs={"dq_atomic": True})
@@ -327,11 +336,21 @@ def test_sm80_backward_with_atomic_dq_builds_cuda_source():
         assert dkdv.count("DQaccum_ptr[") >= 1 and reduction in src
 
 
+def _on_sm_90a_only(schedule):
+    if schedule == "sm90" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the sm90 backward needs sm_90a")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_atomic_dq_gradients_on_the_gpu(head_dim, causal):
-    """The knob dq_atomic (dq summed by fp32 atomics from dkdv) over SHAPES."""
+@pytest.mark.parametrize("schedule", ["sm80", "sm90"])
+def test_atomic_dq_gradients_on_the_gpu(monkeypatch, schedule, head_dim, causal):
+    """The knob dq_atomic (dq summed by fp32 atomics from dkdv) over SHAPES, on each tensor-core schedule."""
+    _on_sm_90a_only(schedule)
+    monkeypatch.setenv("TVMFLASH_BACKWARD", schedule)
+    kernel = tvmflash.compile_backward(head_dim=head_dim, dtype=torch.bfloat16, causal=causal, knobs={"dq_atomic": True})
+    assert kernel.info()["schedule"] == schedule
     gradients_match_float64("cuda", torch.bfloat16, head_dim, causal, knobs={"dq_atomic": True})
 
 
@@ -339,12 +358,13 @@ def test_atomic_dq_gradients_on_the_gpu(head_dim, causal):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_sm90_backward_gradients_on_the_gpu(monkeypatch, dtype, head_dim, causal):
-    """The wgmma backward (TVMFLASH_BACKWARD=sm90, sm_90a only) over SHAPES."""
+def test_sm80_backward_gradients_on_the_gpu(monkeypatch, dtype, head_dim, causal):
+    """The sm80 backward (mma.sync) where sm90's serves by default (TVMFLASH_BACKWARD=sm80 on sm_90a),
+    over SHAPES."""
     if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the sm90 backward needs sm_90a")
-    monkeypatch.setenv("TVMFLASH_BACKWARD", "sm90")
-    assert tvmflash.compile_backward(head_dim=head_dim, dtype=dtype, causal=causal).info()["schedule"] == "sm90"
+        pytest.skip("sm80's is the default here: test_gradients_match_float64_on_the_gpu")
+    monkeypatch.setenv("TVMFLASH_BACKWARD", "sm80")
+    assert tvmflash.compile_backward(head_dim=head_dim, dtype=dtype, causal=causal).info()["schedule"] == "sm80"
     gradients_match_float64("cuda", dtype, head_dim, causal)
 
 
@@ -353,7 +373,7 @@ def test_sm90_backward_gradients_on_the_gpu(monkeypatch, dtype, head_dim, causal
 @pytest.mark.parametrize("head_dim", [32, 64, 96, 128])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_simt_backward_gradients_on_the_gpu(monkeypatch, dtype, head_dim, causal):
-    """The SIMT backward where the sm80 one serves by default (TVMFLASH_BACKWARD=simt), over SHAPES;
+    """The SIMT backward where a tensor-core one serves by default (TVMFLASH_BACKWARD=simt), over SHAPES;
     the default schedules are test_gradients_match_float64_on_the_gpu's."""
     monkeypatch.setenv("TVMFLASH_BACKWARD", "simt")
     assert tvmflash.compile_backward(head_dim=head_dim, dtype=dtype, causal=causal).info()["schedule"] == "cuda"
