@@ -56,6 +56,19 @@ def bind_grid(sch: tvm.s_tir.Schedule) -> None:
 
 
 
+def dkdv_grid(sch: tvm.s_tir.Schedule, dq_atomic: bool):
+    """What the tensor-core schedules of the backward's dkdv share: the steps over the GQA group's query
+    heads and Q blocks as one loop; (batch, K/V head, K/V block) -> blockIdx.(z, y, x), so that with a
+    causal mask the first K/V blocks, which see the most Q blocks, start first; and with ``dq_atomic``
+    the copy of dsᵀ to shared memory that dq's share reads, made before ds takes its register layout
+    (so that the copy keeps the logical one). Returns that copy's block, or None."""
+    sch.fuse(*sch.get_loops("q_step")[-2:])
+    b, hk, kb = sch.get_loops("tile")
+    sch.bind(kb, "blockIdx.x")
+    sch.bind(hk, "blockIdx.y")
+    sch.bind(b, "blockIdx.z")
+    return sch.cache_read("dq", 0, "shared.dyn", consumer_blocks=["dq"]) if dq_atomic else None
+
 def register_intrin(name: str, desc, impl) -> None:
     """TensorIntrin.register, tolerant of a name already registered (a module reloaded)."""
     from tvm.s_tir import TensorIntrin

@@ -35,9 +35,9 @@ from tvm.s_tir import TensorIntrin
 
 from tvmflash.lowering.annotations import ATOMIC_ADD_PRAGMA
 
-from .common import (QuadRowLayout, bind_grid, buffer_info, hide_init_reads, pipeline_loads, quad_row_block,
-                     quad_row_init, register_intrin, row_quad_map, row_reduce_intrin, staged_row_block,
-                     tensorize_row_reduce)
+from .common import (QuadRowLayout, bind_grid, buffer_info, dkdv_grid, hide_init_reads, pipeline_loads,
+                     quad_row_block, quad_row_init, register_intrin, row_quad_map, row_reduce_intrin,
+                     staged_row_block, tensorize_row_reduce)
 
 WARP = 32
 
@@ -484,14 +484,7 @@ def _schedule_dkdv(sch: tvm.s_tir.Schedule, num_warps: int, num_stages: int, vec
         raise ValueError(f"knobs: the sm80 dkdv needs block_n a multiple of 16 * dkdv_warps and block_m, head_dim "
                          f"multiples of 16, got block_n {BN}, dkdv_warps {num_warps}, block_m {BM}, head_dim {D}")
     names = _intrin_names(dtype)
-    sch.fuse(*sch.get_loops("q_step")[-2:])  # (query head of the group, Q block)
-    b, hk, kb = sch.get_loops("tile")
-    sch.bind(kb, "blockIdx.x")  # causal: the first K/V blocks see the most Q blocks, and start first
-    sch.bind(hk, "blockIdx.y")
-    sch.bind(b, "blockIdx.z")
-    # dsᵀ staged in shared memory for dq's share (before ds takes the fragment layout: this copy keeps
-    # the logical one)
-    staged = sch.cache_read("dq", 0, "shared.dyn", consumer_blocks=["dq"]) if dq_atomic else None
+    staged = dkdv_grid(sch, dq_atomic)  # dsᵀ's copy to shared memory with dq_atomic
     _backward_step(sch, ("load_k", "load_v", "load_q", "load_do"), ("cast_p",), num_warps, vec, names)
     for name in ("dv", "dk"):  # dv += pᵀ dout, dk += dsᵀ q
         _accumulate(sch, name, num_warps, names)

@@ -68,8 +68,9 @@ from tvm.s_tir import TensorIntrin
 from tvmflash.lowering.annotations import (ATOMIC_ADD_PRAGMA, REG_FENCE, SKIP_UNIT_RESCALE_PRAGMA, SWIZZLE_COLUMNS, TMA_BARRIER_BYTES,
                                            TMA_BARRIER_PADDINGS, TMA_LOAD, TMA_PRODUCERS, WGMMA_WAIT_PRAGMA)
 
-from .common import (QuadRowLayout, bind_grid, buffer_info, hide_init_reads, pipeline_loads, quad_row_block,
-                     quad_row_init, row_quad_map, row_reduce_intrin, staged_row_block, tensorize_row_reduce)
+from .common import (QuadRowLayout, bind_grid, buffer_info, dkdv_grid, hide_init_reads, pipeline_loads,
+                     quad_row_block, quad_row_init, row_quad_map, row_reduce_intrin, staged_row_block,
+                     tensorize_row_reduce)
 from .sm80 import DTYPES, STRIDE_ALIGNMENT  # noqa: F401 - the same fp16/bf16 pair, 16-byte copies
 
 WARPGROUP = 128
@@ -919,12 +920,16 @@ def schedule(
 # delta runs on the SIMT schedule. dkdv's tile is block_n keys (64 a warpgroup) and block_m query
 # rows a step; dq's is dq_block_m query rows (64 a warpgroup) and dq_block_n keys a step. Each
 # program's stream of tiles (dkdv: Q, dout and their rows' lse and delta; dq: K and V) is loaded by
-# cp.async in a pipeline of ``*_stages`` (1: plain loads).
+# cp.async in a pipeline of ``*_stages`` (1: plain loads). dq_atomic (the default): no dq pass; dkdv
+# adds each step's ds k into an fp32 accumulator (``_schedule_dq_share``), 5-20% faster over bench's
+# grid (H200, 2026-12-02, commit aab1fe2, benchmarks/backward_knobs.py at 2k and 16k tokens);
+# deterministic=True turns it off (``kernel.BackwardKernel``).
 BACKWARD_KNOBS = {"block_m": 64, "block_n": 128, "dq_block_m": 128, "dq_block_n": 64, "dkdv_stages": 2,
-                  "dq_stages": 2, "vec": 8, "dq_atomic": False}
-# d64: dq in 32-key steps, 8-10% faster than 64 over bench's grid; at d128 4-7% slower (H200, 2026-12-02,
-# benchmarks/backward_knobs.py, 2k and 16k tokens)
-BACKWARD_KNOBS_FOR_HEAD_DIM = {64: {"dq_block_n": 32}}
+                  "dq_stages": 2, "vec": 8, "dq_atomic": True}
+# d64, dq pass: 32-key steps, 8-10% faster than 64 (at d128 4-7% slower). d128, dq_atomic: dkdv's Q
+# blocks by plain loads, 253 registers a thread and no spills (two stages spill 400 bytes): 1.02-1.17x
+# the two stages' speed; at d64 two stages are 3-7% faster (H200, 2026-12-02, commits c022a92, aab1fe2).
+BACKWARD_KNOBS_FOR_HEAD_DIM = {64: {"dq_block_n": 32}, 128: {"dkdv_stages": 1}}
 BACKWARD_HEAD_DIMS = (64, 128)
 BACKWARD_SPACE = {
     "block_m": [32, 64],
@@ -934,16 +939,23 @@ BACKWARD_SPACE = {
     "dkdv_stages": [1, 2],
     "dq_stages": [1, 2],
     "vec": [8],
+    "dq_atomic": [True, False],
 }
 
 
 def backward_shared_memory_bytes(head_dim: int, dtype: str, knobs: dict) -> int:
     """Dynamic shared memory of the larger of dkdv and dq: each program's tiles in padded core
-    matrices (``_pad_core_matrix_stride``), the streamed ones once a stage, and the rows' lse and delta."""
-    padded = head_dim * (CORE_MATRIX_ELEMENTS + PAD_ELEMENTS) // CORE_MATRIX_ELEMENTS
-    dkdv = (2 * knobs["block_n"] + 2 * knobs["block_m"] * knobs["dkdv_stages"]) * padded * 2 \
+    matrices (``_pad_core_matrix_stride``), the streamed ones once a stage, and the rows' lse and
+    delta; with dq_atomic, dkdv's dsᵀ tile (block_n x block_m) and no dq."""
+    def padded(cols):
+        return cols * (CORE_MATRIX_ELEMENTS + PAD_ELEMENTS) // CORE_MATRIX_ELEMENTS
+
+    dkdv = (2 * knobs["block_n"] + 2 * knobs["block_m"] * knobs["dkdv_stages"]) * padded(head_dim) * 2 \
         + 8 * knobs["block_m"] * knobs["dkdv_stages"]
-    dq = (2 * knobs["dq_block_m"] + 2 * knobs["dq_block_n"] * knobs["dq_stages"]) * padded * 2 + 8 * knobs["dq_block_m"]
+    if knobs.get("dq_atomic"):
+        return dkdv + knobs["block_n"] * padded(knobs["block_m"]) * 2
+    dq = (2 * knobs["dq_block_m"] + 2 * knobs["dq_block_n"] * knobs["dq_stages"]) * padded(head_dim) * 2 \
+        + 8 * knobs["dq_block_m"]
     return max(dkdv, dq)
 
 
@@ -981,14 +993,7 @@ def _schedule_dkdv(sch: tvm.s_tir.Schedule, num_stages: int, vec: int, dq_atomic
     groups = _backward_warpgroups(BN, "keys (block_n)")
     if BM % 16 or D % 16:
         raise ValueError(f"knobs: the sm90 dkdv needs block_m and head_dim multiples of 16, got {BM} and {D}")
-    sch.fuse(*sch.get_loops("q_step")[-2:])  # (query head of the group, Q block)
-    b, hk, kb = sch.get_loops("tile")
-    sch.bind(kb, "blockIdx.x")  # causal: the first K/V blocks see the most Q blocks, and start first
-    sch.bind(hk, "blockIdx.y")
-    sch.bind(b, "blockIdx.z")
-    # dsᵀ staged in shared memory for dq's share (before ds takes the accumulator layout: this copy
-    # keeps the logical one)
-    staged = sch.cache_read("dq", 0, "shared.dyn", consumer_blocks=["dq"]) if dq_atomic else None
+    staged = dkdv_grid(sch, dq_atomic)  # dsᵀ's copy to shared memory with dq_atomic
     _backward_tiles(sch, ("load_k", "load_v", "load_q", "load_do"), groups, vec)
     for name in ("load_lse", "load_delta"):  # BM rows, any number of warpgroups
         _spread_rows(sch, name, groups)

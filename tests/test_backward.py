@@ -9,6 +9,7 @@ from conftest import poisoned_out, random_qkv
 from reference import check_gradients
 
 import tvmflash
+from tvmflash import program_backward
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 # (seqlen_q, seqlen_k, heads_q, heads_kv): tails on both sides, Lq != Lk both ways (causal with
@@ -217,7 +218,8 @@ def test_simt_backward_builds_cuda_source(monkeypatch, dtype):
 @pytest.mark.gpu
 def test_peak_memory_at_16k_tokens():
     """Extra memory stays O(N): above q, k, v, out, dout and the gradients themselves, the backward
-    takes only lse-sized rows (delta; dlse zeros) -- nothing of seqlen_q x seqlen_k."""
+    takes only lse-sized rows (delta; dlse zeros) and, where it sums dq by atomics (dq_atomic), dq's
+    fp32 accumulator -- nothing of seqlen_q x seqlen_k."""
     batch, seqlen, heads, head_dim = 1, 16384, 8, 128
     q, k, v = random_qkv(batch, seqlen, seqlen, heads, heads, head_dim, torch.bfloat16, "cuda")
     leaves = [t.requires_grad_() for t in (q, k, v)]
@@ -235,8 +237,11 @@ def test_peak_memory_at_16k_tokens():
     extra = torch.cuda.max_memory_allocated() - before
     tensor_bytes = q.numel() * q.element_size()
     row_bytes = batch * heads * seqlen * 4
-    # out and the three gradients are q-sized; lse, delta and dlse rows; 1 MiB of slack
-    assert extra <= 4 * tensor_bytes + 4 * row_bytes + 2**20, f"{extra / 2**20:.1f} MiB"
+    kernel = tvmflash.ops.backward_kernel_for(q, True)
+    accumulator = (batch * program_backward.dq_accumulator_rows(seqlen, kernel.knobs["block_m"]) * heads * head_dim * 4
+                   if kernel.dq_atomic else 0)
+    # out and the three gradients are q-sized; lse, delta and dlse rows; dq's accumulator; 1 MiB of slack
+    assert extra <= 4 * tensor_bytes + 4 * row_bytes + accumulator + 2**20, f"{extra / 2**20:.1f} MiB"
     assert extra < batch * heads * seqlen * seqlen * 2 / 8  # far below one bf16 score matrix
 
 
@@ -299,24 +304,28 @@ def test_sm80_backward_builds_cuda_source(monkeypatch, dtype):
 
 
 def test_sm90_backward_builds_cuda_source(monkeypatch):
-    """On sm_90a, dkdv and dq on wgmma by default (s and dp with both operands from shared memory, the
-    gradients' products with p or ds from registers), the streamed tiles by cp.async; with dq_atomic,
-    dkdv's dq share on wgmma too (dsᵀ from shared memory, read transposed), added by
-    red.global.add.v2.f32. sm80's serves a head_dim sm90's does not have, and TVMFLASH_BACKWARD=sm80."""
-    kernel = tvmflash.compile_backward(head_dim=64, dtype="bfloat16", causal=True, target="sm90")
-    assert kernel.info()["schedule"] == "sm90"
+    """On sm_90a, dkdv and dq on wgmma (s and dp with both operands from shared memory, the
+    gradients' products with p or ds from registers), the streamed tiles by cp.async. By default
+    (dq_atomic) dkdv makes dq's share on wgmma too (dsᵀ from shared memory, read transposed) and adds
+    it by red.global.add.v2.f32; deterministic=True takes the dq pass. sm80's serves a head_dim sm90's
+    does not have, and TVMFLASH_BACKWARD=sm80."""
+    kernel = tvmflash.compile_backward(head_dim=64, dtype="bfloat16", causal=True, target="sm90", deterministic=True)
+    assert kernel.info()["schedule"] == "sm90" and not kernel.dq_atomic
     src = kernel.source(heads_q=4, heads_kv=2)
     dq = src[src.rindex("dq_kernel("):]
     dkdv = src[src.rindex("dkdv_kernel("):src.rindex("dq_kernel(")]
     for program in (dq, dkdv):  # "ss": A and B by descriptors (s, dp); "rs": A from registers (the gradients)
         assert "_ss_mma_async_sync_aligned_m64n" in program and "_rs_mma_async_sync_aligned_m64n" in program
         assert "cp_async_commit_group" in program and "mma_sync" not in program
-    kernel = tvmflash.compile_backward(head_dim=64, dtype="bfloat16", causal=True, target="sm90",
-                                       knobs={"dq_atomic": True})
+    kernel = tvmflash.compile_backward(head_dim=64, dtype="bfloat16", causal=True, target="sm90")
+    assert kernel.dq_atomic
     src = kernel.source(heads_q=4, heads_kv=2)
     dkdv = src[src.rindex("dkdv_kernel("):src.rindex("convert_dq_kernel(")]
     assert " dq_kernel(" not in src and "tvmflash_red_add_v2(" in dkdv
     assert "_ss_mma_async_sync_aligned_m64n32k16_f32_bf16_bf16_1_1_1_1(" in dkdv  # ds k: A and B transposed
+    with pytest.raises(ValueError, match="deterministic"):
+        tvmflash.compile_backward(head_dim=64, dtype="bfloat16", target="sm90", knobs={"dq_atomic": True},
+                                  deterministic=True)
     assert tvmflash.compile_backward(head_dim=32, dtype="bfloat16", target="sm90").info()["schedule"] == "sm80"
     monkeypatch.setenv("TVMFLASH_BACKWARD", "sm80")
     assert tvmflash.compile_backward(head_dim=64, dtype="bfloat16", target="sm90").info()["schedule"] == "sm80"

@@ -9,9 +9,9 @@ ones ``tvmflash::varlen_forward``)::
 The variants are flash-attn's: a sliding ``window_size``, ``softcap`` and ``alibi_slopes`` (see
 ``tvmflash.attention``). An option tvmflash does not support yet raises ``NotImplementedError``
 naming it, never silently changes the result: dropout_p > 0.
-``deterministic`` is accepted either way: tvmflash's backward has no atomics (its dq is a pass of
-its own unless a kernel is compiled with the backward knob ``dq_atomic``), so its gradients are
-always bitwise the same from run to run. With ``return_attn_probs`` the return is
+``deterministic`` is flash-attn's: where the backward sums dq by fp32 atomics (sm90's default, the
+backward knob ``dq_atomic``) the gradients' rounding changes from run to run, and
+``deterministic=True`` makes them bitwise the same (dq by a pass of its own). With ``return_attn_probs`` the return is
 ``(out, softmax_lse, None)``: flash-attn returns the attention probabilities (S_dmask) only with
 dropout and None without, and tvmflash has no dropout. Unlike flash-attn's, softmax_lse carries a
 gradient.
@@ -37,7 +37,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     """
     _check_options(dropout_p, causal=causal, deterministic=deterministic, return_attn_probs=return_attn_probs)
     out, lse = attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True,
-                         window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
+                         window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                         deterministic=deterministic)
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -80,7 +81,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                   "flash_attn_with_kvcache does")
     out, lse = varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                                 softmax_scale=softmax_scale, return_lse=True, window_size=window_size,
-                                softcap=softcap, alibi_slopes=alibi_slopes)
+                                softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic)
     return (out, lse, None) if return_attn_probs else out
 
 

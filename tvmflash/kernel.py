@@ -781,12 +781,13 @@ class BackwardKernel(Kernel):
     head_dim); lse, dlse: float32 (batch, heads_q, seqlen_q), the forward's. dq, dk, dv have the
     shapes and dtype of q, k and v (dk, dv summed over each GQA group's query heads). The
     gradients are bitwise the same from run to run unless the knob ``dq_atomic`` sums dq by fp32
-    atomics (``program_backward``).
+    atomics (``program_backward``): sm90's default, where that measures faster. ``deterministic``
+    (``compile_backward``) turns it off.
     """
 
     PASS = "backward"
 
-    def __init__(self, spec_args: dict, target: tvm.target.Target, knobs: dict | None):
+    def __init__(self, spec_args: dict, target: tvm.target.Target, knobs: dict | None, deterministic: bool = False):
         self._set_problem(spec_args, target)
         self.schedule = schedule_registry.backward_for_target(target, self.dtype, self.head_dim)
         self.schedule_source = "the target's"
@@ -796,6 +797,11 @@ class BackwardKernel(Kernel):
                     **getattr(self.schedule, "BACKWARD_KNOBS_FOR_HEAD_DIM", {}).get(self.head_dim, {})}
         self.knobs = {**defaults, **(knobs or {})}
         self.knobs_source = "given" if knobs else "defaults"
+        if deterministic and self.dq_atomic:  # the dq pass instead: one sum a dq element, in a fixed order
+            if (knobs or {}).get("dq_atomic"):
+                raise ValueError("knobs: dq_atomic sums dq by fp32 atomics, in an order that changes from run to "
+                                 "run, and deterministic=True asks for bitwise-equal gradients: leave one out")
+            self.knobs["dq_atomic"] = False
         needs = getattr(self.schedule, "backward_shared_memory_bytes", None)
         if needs and targets.is_cuda(target):
             need = needs(self.head_dim, self.dtype, self.knobs)
@@ -957,19 +963,22 @@ class VarlenBackwardKernel(BackwardKernel):
 
 def compile_backward(*, head_dim: int, dtype, causal: bool = False, target=None, knobs: dict | None = None,
                      heads_q: int | None = None, heads_kv: int | None = None, window_size=(-1, -1),
-                     softcap: float = 0.0, alibi: bool = False, varlen: bool = False) -> BackwardKernel:
+                     softcap: float = 0.0, alibi: bool = False, varlen: bool = False,
+                     deterministic: bool = False) -> BackwardKernel:
     """Compile the FlashAttention backward and return a :class:`BackwardKernel` (varlen: a
     :class:`VarlenBackwardKernel`). The arguments are :func:`compile`'s; knobs override the
-    schedule's ``BACKWARD_KNOBS``."""
+    schedule's ``BACKWARD_KNOBS``. deterministic: gradients bitwise the same from run to run (dq by
+    a pass of its own even where the schedule's default sums it by atomics, the knob ``dq_atomic``)."""
     dtype = dtype_name(dtype)
     variant = {**resolve_variant(causal, window_size, softcap, alibi), **varlen_field(varlen)}
     program.AttentionSpec(head_dim, dtype, **variant)  # validates head_dim and dtype
     resolved = targets.resolve(target)
     spec_args = {"head_dim": head_dim, "dtype": dtype, **variant}
-    key = cache.digest(["backward", spec_args, str(resolved), knobs, schedule_registry.backward_setting()])
+    key = cache.digest(["backward", spec_args, str(resolved), knobs, schedule_registry.backward_setting(), deterministic])
     kernel = _KERNELS.get(key)
     if kernel is None:
-        kernel = _KERNELS[key] = (VarlenBackwardKernel if varlen else BackwardKernel)(spec_args, resolved, knobs)
+        kernel = _KERNELS[key] = (VarlenBackwardKernel if varlen else BackwardKernel)(spec_args, resolved, knobs,
+                                                                                      deterministic)
     if heads_q is not None:
         kernel.module(heads_q, heads_kv if heads_kv is not None else heads_q)
     return kernel

@@ -60,54 +60,58 @@ def _output_shapes(q):
 @torch.library.custom_op("tvmflash::forward", mutates_args=())
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float,
             window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
-            alibi_slopes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) = attention forward; see :func:`attention`."""
+            alibi_slopes: torch.Tensor | None = None, deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) = attention forward; see :func:`attention` (deterministic: its backward's)."""
     kernel = kernel_for(q, causal, window_left, window_right, softcap, alibi_slopes is not None)
     return kernel(q, k, v, softmax_scale=softmax_scale, return_lse=True, alibi_slopes=alibi_slopes)
 
 
 @forward.register_fake
-def _forward_shapes(q, k, v, causal, softmax_scale, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None):
+def _forward_shapes(q, k, v, causal, softmax_scale, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None,
+                    deterministic=False):
     return _output_shapes(q)
 
 
 def backward_kernel_for(q: torch.Tensor, causal: bool, window_left: int = -1, window_right: int = -1,
-                        softcap: float = 0.0, alibi: bool = False, varlen: bool = False):
+                        softcap: float = 0.0, alibi: bool = False, varlen: bool = False, deterministic: bool = False):
     """The backward kernel for q's device, dtype and head_dim and the variant (compiled on first use,
     then cached)."""
     return compile_backward(head_dim=q.shape[-1], dtype=q.dtype, causal=causal, target=_target_of(q),
-                            window_size=(window_left, window_right), softcap=softcap, alibi=alibi, varlen=varlen)
+                            window_size=(window_left, window_right), softcap=softcap, alibi=alibi, varlen=varlen,
+                            deterministic=deterministic)
 
 
 @torch.library.custom_op("tvmflash::backward", mutates_args=())
 def backward(dout: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              out: torch.Tensor, lse: torch.Tensor, causal: bool, softmax_scale: float, window_left: int = -1,
-             window_right: int = -1, softcap: float = 0.0,
-             alibi_slopes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             window_right: int = -1, softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
+             deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of :func:`forward` given the gradients of its out and lse (dlse None: 0)."""
-    kernel = backward_kernel_for(q, causal, window_left, window_right, softcap, alibi_slopes is not None)
+    kernel = backward_kernel_for(q, causal, window_left, window_right, softcap, alibi_slopes is not None,
+                                 deterministic=deterministic)
     return kernel(q, k, v, out, dout, lse, dlse=dlse, softmax_scale=softmax_scale, alibi_slopes=alibi_slopes)
 
 
 @backward.register_fake
 def _backward_shapes(dout, dlse, q, k, v, out, lse, causal, softmax_scale, window_left=-1, window_right=-1,
-                     softcap=0.0, alibi_slopes=None):
+                     softcap=0.0, alibi_slopes=None, deterministic=False):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, softmax_scale, window_left, window_right, softcap, alibi_slopes = inputs
+    q, k, v, causal, softmax_scale, window_left, window_right, softcap, alibi_slopes, deterministic = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, alibi_slopes)
     ctx.variant = (causal, softmax_scale, window_left, window_right, softcap)
+    ctx.deterministic = deterministic
 
 
 def _backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse, alibi_slopes = ctx.saved_tensors
     if grad_out is None:  # only lse reached the loss
         grad_out = torch.zeros_like(out)
-    dq, dk, dv = backward(grad_out, grad_lse, q, k, v, out, lse, *ctx.variant, alibi_slopes)
-    return dq, dk, dv, None, None, None, None, None, None  # no gradient for the options or the ALiBi slopes
+    dq, dk, dv = backward(grad_out, grad_lse, q, k, v, out, lse, *ctx.variant, alibi_slopes, ctx.deterministic)
+    return (dq, dk, dv) + (None,) * 7  # no gradient for the options or the ALiBi slopes
 
 
 forward.register_autograd(_backward, setup_context=_setup_context)
@@ -172,7 +176,7 @@ def _through_ops(q, k, v) -> bool:
 
 
 def attention(q, k, v, *, causal: bool = False, softmax_scale=None, return_lse: bool = False, window_size=(-1, -1),
-              softcap: float = 0.0, alibi_slopes=None):
+              softcap: float = 0.0, alibi_slopes=None, deterministic: bool = False):
     """Exact attention softmax(q kᵀ · scale) v in flash-attn's layout.
 
     q: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim) with
@@ -181,7 +185,9 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale=None, return_lse: 
     1/sqrt(head_dim). With causal and seqlen_q != seqlen_k the mask is aligned bottom-right; a
     query that sees no key gets 0 (and lse -inf). The kernel for the tensors' device, dtype and
     head_dim is compiled on first use and cached. Differentiable in q, k and v through out and lse
-    (``torch.ops.tvmflash.backward``), with gradients bitwise the same from run to run.
+    (``torch.ops.tvmflash.backward``). Where it measures faster (the sm90 backward) dq is summed by
+    fp32 atomics, in an order that changes from run to run; ``deterministic=True`` gives gradients
+    bitwise the same from run to run (dq by a pass of its own), as they always are elsewhere.
 
     flash-attn's variants (one kernel per window and softcap): ``window_size=(left, right)``, query i
     sees keys i + seqlen_k - seqlen_q - left ... i + seqlen_k - seqlen_q + right (-1: no bound on
@@ -194,7 +200,8 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale=None, return_lse: 
                        alibi_slopes)
     softmax_scale = resolve_softmax_scale(softmax_scale, q.shape[-1])
     if _through_ops(q, k, v):
-        out, lse = forward(q, k, v, options[0], softmax_scale, *options[1:], alibi_slopes)
+        out, lse = forward(q, k, v, options[0], softmax_scale, *options[1:], alibi_slopes, check_flag("deterministic",
+                                                                                                  deterministic))
     else:  # eager, nothing for autograd to record: no custom op's dispatch
         out, lse = kernel_for(q, *options, alibi_slopes is not None)(q, k, v, softmax_scale=softmax_scale,
                                                                       return_lse=True, alibi_slopes=alibi_slopes)
@@ -213,8 +220,8 @@ def _varlen_output_shapes(q):
 def varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                    cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
                    softmax_scale: float, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
-                   alibi_slopes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) of the varlen forward; see :func:`varlen_attention`."""
+                   alibi_slopes: torch.Tensor | None = None, deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of the varlen forward; see :func:`varlen_attention` (deterministic: its backward's)."""
     kernel = kernel_for(q, causal, window_left, window_right, softcap, alibi_slopes is not None, varlen=True)
     return kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale=softmax_scale, return_lse=True,
                   alibi_slopes=alibi_slopes)
@@ -222,7 +229,7 @@ def varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens
 
 @varlen_forward.register_fake
 def _varlen_forward_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                           window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None):
+                           window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, deterministic=False):
     return _varlen_output_shapes(q)
 
 
@@ -231,26 +238,30 @@ def varlen_backward(dout: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tens
                     v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, cu_seqlens_q: torch.Tensor,
                     cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
                     softmax_scale: float, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
-                    alibi_slopes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    alibi_slopes: torch.Tensor | None = None,
+                    deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of :func:`varlen_forward` given the gradients of its out and lse (dlse None: 0)."""
-    kernel = backward_kernel_for(q, causal, window_left, window_right, softcap, alibi_slopes is not None, varlen=True)
+    kernel = backward_kernel_for(q, causal, window_left, window_right, softcap, alibi_slopes is not None, varlen=True,
+                                 deterministic=deterministic)
     return kernel(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dlse=dlse,
                   softmax_scale=softmax_scale, alibi_slopes=alibi_slopes)
 
 
 @varlen_backward.register_fake
 def _varlen_backward_shapes(dout, dlse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                            causal, softmax_scale, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None):
+                            causal, softmax_scale, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None,
+                            deterministic=False):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _varlen_setup_context(ctx, inputs, output):
     (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_left,
-     window_right, softcap, alibi_slopes) = inputs
+     window_right, softcap, alibi_slopes, deterministic) = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
     ctx.lengths = (max_seqlen_q, max_seqlen_k)
     ctx.variant = (causal, softmax_scale, window_left, window_right, softcap)
+    ctx.deterministic = deterministic
 
 
 def _varlen_backward(ctx, grad_out, grad_lse):
@@ -258,8 +269,8 @@ def _varlen_backward(ctx, grad_out, grad_lse):
     if grad_out is None:  # only lse reached the loss
         grad_out = torch.zeros_like(out)
     dq, dk, dv = varlen_backward(grad_out, grad_lse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.lengths,
-                                 *ctx.variant, alibi_slopes)
-    return (dq, dk, dv) + (None,) * 10  # none for the offsets, lengths, options or ALiBi slopes
+                                 *ctx.variant, alibi_slopes, ctx.deterministic)
+    return (dq, dk, dv) + (None,) * 11  # none for the offsets, lengths, options or ALiBi slopes
 
 
 varlen_forward.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
@@ -294,7 +305,7 @@ def varlen_kernel_call(kernel, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
                      causal: bool = False, softmax_scale=None, return_lse: bool = False, window_size=(-1, -1),
-                     softcap: float = 0.0, alibi_slopes=None):
+                     softcap: float = 0.0, alibi_slopes=None, deterministic: bool = False):
     """:func:`attention` of sequences packed without padding (flash-attn's varlen layout).
 
     q: (total_q, heads_q, head_dim); k, v: (total_k, heads_kv, head_dim); cu_seqlens_q,
@@ -304,7 +315,8 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     float32 (heads_q, total_q). Each sequence attends to its own keys only, with the causal mask,
     window and ALiBi distances of its own lengths (bottom-right aligned). The kernel reads the
     offsets on the device: no padding, no loop over sequences, no rebuild for new lengths.
-    Differentiable in q, k and v (``torch.ops.tvmflash.varlen_backward``), under torch.compile too.
+    Differentiable in q, k and v (``torch.ops.tvmflash.varlen_backward``), under torch.compile too;
+    ``deterministic`` as :func:`attention`'s.
     """
     options = _options(q, k, v, 3, "(total_q, heads, head_dim)", causal, return_lse, window_size, softcap,
                        alibi_slopes)
@@ -313,7 +325,8 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     softmax_scale = resolve_softmax_scale(softmax_scale, q.shape[-1])
     if _through_ops(q, k, v):
         out, lse = varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options[0],
-                                  softmax_scale, *options[1:], alibi_slopes)
+                                  softmax_scale, *options[1:], alibi_slopes,
+                                  check_flag("deterministic", deterministic))
     else:  # eager, nothing for autograd to record: no custom op's dispatch
         out, lse = kernel_for(q, *options, alibi_slopes is not None, varlen=True)(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale=softmax_scale, return_lse=True,
