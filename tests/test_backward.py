@@ -28,13 +28,14 @@ SHAPES = [
 CPU_GRID = [(torch.float32, 32, None), (torch.bfloat16, 64, (4, 2)), (torch.float16, 128, (4, 1))]
 
 
-def gradients_match_float64(device, dtype, head_dim, causal, heads=None, knobs=None):
+def gradients_match_float64(device, dtype, head_dim, causal, heads=None, knobs=None, deterministic=False):
     """Over SHAPES (in these (heads_q, heads_kv) if given), half of them with a gradient on lse
-    too: the backward kernel (of these backward ``knobs``), its outputs poisoned, against float64
-    autograd."""
+    too: the backward kernel (of these backward ``knobs``, ``deterministic`` or not), its outputs
+    poisoned, against float64 autograd."""
     target = "cpu" if device == "cpu" else None
     forward = tvmflash.compile(head_dim=head_dim, dtype=dtype, causal=causal, target=target)
-    backward = tvmflash.compile_backward(head_dim=head_dim, dtype=dtype, causal=causal, target=target, knobs=knobs)
+    backward = tvmflash.compile_backward(head_dim=head_dim, dtype=dtype, causal=causal, target=target, knobs=knobs,
+                                         deterministic=deterministic)
     for n, (seqlen_q, seqlen_k, heads_q, heads_kv) in enumerate(SHAPES):
         heads_q, heads_kv = heads or (heads_q, heads_kv)
         q, k, v = random_qkv(2, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype, device)
@@ -361,6 +362,14 @@ def test_atomic_dq_gradients_on_the_gpu(monkeypatch, schedule, head_dim, causal)
     kernel = tvmflash.compile_backward(head_dim=head_dim, dtype=torch.bfloat16, causal=causal, knobs={"dq_atomic": True})
     assert kernel.info()["schedule"] == schedule
     gradients_match_float64("cuda", torch.bfloat16, head_dim, causal, knobs={"dq_atomic": True})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_deterministic_gradients_match_float64_on_the_gpu(head_dim, causal):
+    """deterministic=True where the default sums dq by atomics (sm90): the dq pass, over SHAPES."""
+    gradients_match_float64("cuda", torch.bfloat16, head_dim, causal, deterministic=True)
 
 
 @pytest.mark.gpu
