@@ -124,12 +124,14 @@ def backward_for_target(target, dtype: str, head_dim: int) -> ModuleType:
     """The schedule module whose ``schedule_backward`` serves a target, dtype and head_dim: the CPU's;
     on a GPU, for fp16/bf16 at the head_dims each has, sm90's (wgmma) on sm_90a, else sm80's
     (mma.sync) on sm80 and newer; else the SIMT schedule. TVMFLASH_BACKWARD=sm80 or simt
-    (``backward_setting``) skips the schedules before it."""
+    (``backward_setting``) skips the schedules before it; so does TVMFLASH_SM90=0 for sm90's, unless
+    TVMFLASH_BACKWARD=sm90 asks for it."""
     if target.kind.name == "cuda":
         from tvmflash.target import compute_capability
 
         setting = backward_setting()
-        if setting in ("", "sm90") and sm90_eligible(target, dtype) and head_dim in sm90.BACKWARD_HEAD_DIMS:
+        wanted = setting == "sm90" or (setting == "" and sm90_setting() != "off")
+        if wanted and sm90_eligible(target, dtype) and head_dim in sm90.BACKWARD_HEAD_DIMS:
             return sm90
         if (setting != "simt" and compute_capability(target) >= 80 and dtype in sm80.DTYPES
                 and head_dim in sm80.BACKWARD_HEAD_DIMS):

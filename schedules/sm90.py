@@ -51,6 +51,12 @@ Mapping:
     its max: with the program's ``RESCALE_THRESHOLD`` that is most tiles after the first few (64 of a
     d128 K/V step's ~400 instructions; H200, 2026-12-01, commit 29a3231: +2-6% against cuDNN).
 
+The backward (``schedule_backward``, the last section): dkdv and dq mapped as the forward, each
+warpgroup 64 rows (keys in dkdv, queries in dq), s and dp in the "ss" form, the gradients' products in
+the "rs" form from p or ds in the accumulator registers; by default (``dq_atomic``) dkdv also makes dq's
+share on wgmma from dsᵀ staged in shared memory and adds it by vector atomics. The default backward on
+sm_90a at head_dim 64 and 128 (``schedules.backward_for_target``).
+
 Accumulator registers in TensorIR: a ``local`` buffer is per thread, and CompactBufferAllocation
 only drops a thread dimension from it when each access names that thread; a tensorized block's
 match_buffer covers all 128 threads, so the thread dimension would stay (a 128x larger array in

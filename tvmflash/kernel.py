@@ -815,8 +815,9 @@ class BackwardKernel(Kernel):
         self._last: tuple[int, int] | None = None
 
     def _key(self, spec: AttentionSpec, wide: bool = False) -> str:
+        # schedules/cuda.py: the tensor-core schedules run delta and convert_dq on its SIMT schedule
         return cache.digest({"pass": self.PASS, "like the forward's": super()._key(spec, wide),
-                             "code": cache.source_digest(program_backward)})
+                             "code": cache.source_digest(program_backward, schedule_registry.cuda)})
 
     def _scheduled(self, spec: AttentionSpec) -> tvm.s_tir.Schedule:
         knobs = self.knobs
@@ -974,7 +975,8 @@ def compile_backward(*, head_dim: int, dtype, causal: bool = False, target=None,
     program.AttentionSpec(head_dim, dtype, **variant)  # validates head_dim and dtype
     resolved = targets.resolve(target)
     spec_args = {"head_dim": head_dim, "dtype": dtype, **variant}
-    key = cache.digest(["backward", spec_args, str(resolved), knobs, schedule_registry.backward_setting(), deterministic])
+    key = cache.digest(["backward", spec_args, str(resolved), knobs, schedule_registry.backward_setting(),
+                        schedule_registry.sm90_setting(), deterministic])
     kernel = _KERNELS.get(key)
     if kernel is None:
         kernel = _KERNELS[key] = (VarlenBackwardKernel if varlen else BackwardKernel)(spec_args, resolved, knobs,
