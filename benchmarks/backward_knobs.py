@@ -8,7 +8,8 @@ Every kernel is built first, in ``--jobs`` processes at once (a backward module 
 minute to build); then each configuration is timed with ``tvmflash.bench``'s clock-fair rounds: one
 call of the BackwardKernel against ``torch.autograd.grad`` of SDPA's output in each backend (and,
 with ``--passes``, each of its programs alone). '{}' is the schedule's defaults; a knob set's
-"schedule" picks the schedule (TVMFLASH_BACKWARD: "sm80", "sm90", "simt"), e.g. '{"schedule": "sm90"}'. TFLOP/s count the backward as flash-attn does: 2.5× the forward's FLOPs.
+"schedule" picks the schedule (TVMFLASH_BACKWARD: "sm80", "sm90", "simt"), e.g. '{"schedule": "sm80"}'.
+TFLOP/s count the backward as flash-attn does: 2.5× the forward's FLOPs.
 """
 
 from __future__ import annotations
@@ -86,7 +87,8 @@ def main(argv=None):
     bench.build_in_parallel([("compile_backward", {"head_dim": d, "dtype": "bfloat16", "causal": c, "knobs": k or None,
                                                     "heads_q": grid["hidden"] // d, "heads_kv": grid["hidden"] // d},
                               env)
-                             for d in args.head_dims for c in causals for k, env in zip(knob_sets, schedules)], args.jobs)
+                             for d in args.head_dims for c in causals
+                             for k, env in zip(knob_sets, schedules)], args.jobs)
     device = torch.device("cuda")
     for head_dim in args.head_dims:
         for causal in causals:

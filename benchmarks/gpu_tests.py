@@ -37,8 +37,9 @@ def main() -> int:
     groups = [ids[i::args.jobs] for i in range(min(args.jobs, len(ids)))]
     print(f"{len(ids)} GPU tests in {len(groups)} processes; logs in {logs}", flush=True)
     start = time.time()
-    running = [(i, subprocess.Popen([sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-m", "gpu", *group],
-                                    stdout=open(logs / f"group{i}.log", "w"), stderr=subprocess.STDOUT))
+    pytest = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-m", "gpu"]  # -v: a line a test
+    running = [(i, subprocess.Popen([*pytest, *group], stdout=open(logs / f"group{i}.log", "w"),
+                                    stderr=subprocess.STDOUT))
                for i, group in enumerate(groups)]
     totals, failed, unfinished = {}, False, []
     while running:  # report each process as it ends

@@ -71,8 +71,9 @@ from __future__ import annotations
 import tvm
 from tvm.s_tir import TensorIntrin
 
-from tvmflash.lowering.annotations import (ATOMIC_ADD_PRAGMA, REG_FENCE, SKIP_UNIT_RESCALE_PRAGMA, SWIZZLE_COLUMNS, TMA_BARRIER_BYTES,
-                                           TMA_BARRIER_PADDINGS, TMA_LOAD, TMA_PRODUCERS, WGMMA_WAIT_PRAGMA)
+from tvmflash.lowering.annotations import (ATOMIC_ADD_PRAGMA, REG_FENCE, SKIP_UNIT_RESCALE_PRAGMA, SWIZZLE_COLUMNS,
+                                           TMA_BARRIER_BYTES, TMA_BARRIER_PADDINGS, TMA_LOAD, TMA_PRODUCERS,
+                                           WGMMA_WAIT_PRAGMA)
 
 from .common import (QuadRowLayout, bind_grid, buffer_info, dkdv_grid, hide_init_reads, pipeline_loads,
                      quad_row_block, quad_row_init, row_quad_map, row_reduce_intrin, staged_row_block,

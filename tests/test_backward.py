@@ -359,7 +359,8 @@ def test_atomic_dq_gradients_on_the_gpu(monkeypatch, schedule, head_dim, causal)
     """The knob dq_atomic (dq summed by fp32 atomics from dkdv) over SHAPES, on each tensor-core schedule."""
     _on_sm_90a_only(schedule)
     monkeypatch.setenv("TVMFLASH_BACKWARD", schedule)
-    kernel = tvmflash.compile_backward(head_dim=head_dim, dtype=torch.bfloat16, causal=causal, knobs={"dq_atomic": True})
+    kernel = tvmflash.compile_backward(head_dim=head_dim, dtype=torch.bfloat16, causal=causal,
+                                       knobs={"dq_atomic": True})
     assert kernel.info()["schedule"] == schedule
     gradients_match_float64("cuda", torch.bfloat16, head_dim, causal, knobs={"dq_atomic": True})
 

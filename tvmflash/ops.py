@@ -220,7 +220,8 @@ def _varlen_output_shapes(q):
 def varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                    cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
                    softmax_scale: float, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
-                   alibi_slopes: torch.Tensor | None = None, deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                   alibi_slopes: torch.Tensor | None = None,
+                   deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of the varlen forward; see :func:`varlen_attention` (deterministic: its backward's)."""
     kernel = kernel_for(q, causal, window_left, window_right, softcap, alibi_slopes is not None, varlen=True)
     return kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale=softmax_scale, return_lse=True,
