@@ -70,7 +70,8 @@ def main() -> int:
                 totals[what] = totals.get(what, 0) + int(count)
     print(", ".join(f"{count} {what}" for what, count in totals.items()), f"in {time.time() - start:.0f} s")
     if unfinished:  # passed or not: their processes' logs say how far they got
-        print(f"{len(unfinished)} tests of the killed processes did not finish or did not pass:", *unfinished, sep="\n    ")
+        print(f"{len(unfinished)} tests of the killed processes did not finish or did not pass:", *unfinished,
+              sep="\n    ")
     return 1 if failed else 0
 
 
