@@ -1022,9 +1022,10 @@ def _schedule_dq_share(sch, staged, groups, BM, D, BN, dtype):
     adjacent columns a ``red.global.add.v2.f32`` (``ATOMIC_ADD_PRAGMA``)."""
     cols = D // groups
     if BM != WG_ROWS or cols % 8:
-        raise ValueError(f"knobs: the sm90 dq_atomic makes ds k in one wgmma of 64 query rows, each warpgroup "
-                         f"head_dim / warpgroups columns (a multiple of 8): it needs block_m 64 and head_dim "
-                         f"a multiple of {8 * groups}, got block_m {BM} and head_dim {D}")
+        raise ValueError(f"knobs: the sm90 dq_atomic (the default) makes ds k in one wgmma of 64 query rows, each "
+                         f"warpgroup head_dim / warpgroups columns (a multiple of 8): it needs block_m 64 and "
+                         f"head_dim a multiple of {8 * groups}, got block_m {BM} and head_dim {D}; with other "
+                         f"tiles pass dq_atomic False (dq by a pass of its own)")
     sch.transform_layout(staged, ("write", 0), _core_matrix_map)
     _pad_core_matrix_stride(sch, staged)
     _acc_block(sch, staged, groups)
