@@ -928,14 +928,14 @@ def schedule(
 # rows a step; dq's is dq_block_m query rows (64 a warpgroup) and dq_block_n keys a step. Each
 # program's stream of tiles (dkdv: Q, dout and their rows' lse and delta; dq: K and V) is loaded by
 # cp.async in a pipeline of ``*_stages`` (1: plain loads). dq_atomic (the default): no dq pass; dkdv
-# adds each step's ds k into an fp32 accumulator (``_schedule_dq_share``), 5-20% faster over bench's
-# grid (H200, 2026-12-02, commit aab1fe2, benchmarks/backward_knobs.py at 2k and 16k tokens);
+# adds each step's ds k into an fp32 accumulator (``_schedule_dq_share``), 2-4% faster at d64 and 7-20%
+# at d128 over bench's grid (H200, 2026-12-02, commit aab1fe2, benchmarks/backward_knobs.py, 2k and 16k);
 # deterministic=True turns it off (``kernel.BackwardKernel``).
 BACKWARD_KNOBS = {"block_m": 64, "block_n": 128, "dq_block_m": 128, "dq_block_n": 64, "dkdv_stages": 2,
                   "dq_stages": 2, "vec": 8, "dq_atomic": True}
 # d64, dq pass: 32-key steps, 8-10% faster than 64 (at d128 4-7% slower). d128, dq_atomic: dkdv's Q
-# blocks by plain loads, 253 registers a thread and no spills (two stages spill 400 bytes): 1.02-1.17x
-# the two stages' speed; at d64 two stages are 3-7% faster (H200, 2026-12-02, commits c022a92, aab1fe2).
+# blocks by plain loads, 253 registers a thread and no spills (two stages spill 400 bytes): 1.01-1.17x
+# the two stages' speed; at d64 two stages are 5-17% faster (H200, 2026-12-02, commits c022a92, aab1fe2).
 BACKWARD_KNOBS_FOR_HEAD_DIM = {64: {"dq_block_n": 32}, 128: {"dkdv_stages": 1}}
 BACKWARD_HEAD_DIMS = (64, 128)
 BACKWARD_SPACE = {
