@@ -139,6 +139,8 @@ def test_boolean_options_take_booleans(kernel, flag):
         tvmflash.attention(q, k, v, return_lse=flag)
     with pytest.raises(TypeError, match=r"return_lse: expected True or False, got"):
         kernel(q, k, v, return_lse=flag)
+    with pytest.raises(TypeError, match=r"deterministic: expected True or False, got"):
+        tvmflash.attention(q, k, v, deterministic=flag)
 
 
 @pytest.mark.parametrize("target,knobs,message", [

@@ -198,10 +198,10 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale=None, return_lse: 
     """
     options = _options(q, k, v, 4, "(batch, seqlen, heads, head_dim)", causal, return_lse, window_size, softcap,
                        alibi_slopes)
+    check_flag("deterministic", deterministic)
     softmax_scale = resolve_softmax_scale(softmax_scale, q.shape[-1])
     if _through_ops(q, k, v):
-        out, lse = forward(q, k, v, options[0], softmax_scale, *options[1:], alibi_slopes, check_flag("deterministic",
-                                                                                                  deterministic))
+        out, lse = forward(q, k, v, options[0], softmax_scale, *options[1:], alibi_slopes, deterministic)
     else:  # eager, nothing for autograd to record: no custom op's dispatch
         out, lse = kernel_for(q, *options, alibi_slopes is not None)(q, k, v, softmax_scale=softmax_scale,
                                                                       return_lse=True, alibi_slopes=alibi_slopes)
@@ -321,13 +321,13 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     """
     options = _options(q, k, v, 3, "(total_q, heads, head_dim)", causal, return_lse, window_size, softcap,
                        alibi_slopes)
+    check_flag("deterministic", deterministic)
     kernels.check_max_seqlen("max_seqlen_q", max_seqlen_q)
     kernels.check_max_seqlen("max_seqlen_k", max_seqlen_k)
     softmax_scale = resolve_softmax_scale(softmax_scale, q.shape[-1])
     if _through_ops(q, k, v):
         out, lse = varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options[0],
-                                  softmax_scale, *options[1:], alibi_slopes,
-                                  check_flag("deterministic", deterministic))
+                                  softmax_scale, *options[1:], alibi_slopes, deterministic)
     else:  # eager, nothing for autograd to record: no custom op's dispatch
         out, lse = kernel_for(q, *options, alibi_slopes is not None, varlen=True)(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale=softmax_scale, return_lse=True,
