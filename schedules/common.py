@@ -55,7 +55,6 @@ def bind_grid(sch: tvm.s_tir.Schedule) -> None:
     sch.bind(b, "blockIdx.z")
 
 
-
 def dkdv_grid(sch: tvm.s_tir.Schedule, dq_atomic: bool):
     """What the tensor-core schedules of the backward's dkdv share: the steps over the GQA group's query
     heads and Q blocks as one loop; (batch, K/V head, K/V block) -> blockIdx.(z, y, x), so that with a
@@ -68,6 +67,7 @@ def dkdv_grid(sch: tvm.s_tir.Schedule, dq_atomic: bool):
     sch.bind(hk, "blockIdx.y")
     sch.bind(b, "blockIdx.z")
     return sch.cache_read("dq", 0, "shared.dyn", consumer_blocks=["dq"]) if dq_atomic else None
+
 
 def register_intrin(name: str, desc, impl) -> None:
     """TensorIntrin.register, tolerant of a name already registered (a module reloaded)."""

@@ -1034,20 +1034,20 @@ def _schedule_dq_share(sch, staged, groups, BM, D, BN, dtype):
     def by_columns(i, d):  # (query row, column) -> (warpgroup, register): warpgroups split the columns
         return (d // cols, _acc_layout(i, d % cols)[1])
 
+    def columns_by_warpgroup(i, d):  # (query row, column) loops -> warpgroup outside the rows; the rows loop
+        wg, d = sch.split(d, [groups, cols])
+        sch.reorder(wg, i, d)
+        sch.bind(wg, "threadIdx.y")
+        return i
+
     block = sch.get_sblock("dq")
     sch.set_scope(block, 0, "local")
     sch.transform_layout(block, ("write", 0), by_columns)
-    i, d, j = sch.get_loops(block)[-3:]
-    wg, d = sch.split(d, [groups, cols])
-    sch.reorder(wg, i, d, j)
-    sch.bind(wg, "threadIdx.y")
+    i = columns_by_warpgroup(*sch.get_loops(block)[-3:-1])  # (i, d, j): the reduction j stays innermost
     init = sch.decompose_reduction(block, i)
     _bind_acc_threads(sch, init)
     sch.tensorize(i, wgmma_intrin_name(cols, BN, dtype, "mn", a_major="mn"))
-    i, d = sch.get_loops("accumulate_dq")[-2:]
-    wg, d = sch.split(d, [groups, cols])
-    sch.reorder(wg, i, d)
-    sch.bind(wg, "threadIdx.y")
+    columns_by_warpgroup(*sch.get_loops("accumulate_dq")[-2:])
     _bind_acc_threads(sch, "accumulate_dq")
     # the loops in each thread; 2: a thread's two adjacent columns go as one vector reduction
     sch.annotate(sch.get_loops("accumulate_dq")[-3], ATOMIC_ADD_PRAGMA, 2)
