@@ -40,6 +40,14 @@ def needs_int64(*tensors) -> bool:
                for t in tensors)
 
 
+def one_batch(t: torch.Tensor) -> torch.Tensor:
+    """Packed rows (rows, ...) as the programs' batch of one, (1, rows, ...), with no copy. Its batch
+    stride is the row stride, not torch's rows x row stride: the modules take each stride as an int32,
+    and past 2**31 elements that product would wrap (negative, which a TMA tensor map rejects). The one
+    batch's index is 0, so the stride is never used."""
+    return t.as_strided((1, *t.shape), (t.stride(0), *t.stride()), t.storage_offset())
+
+
 def check_strides(**tensors) -> None:
     """Every stride of each named tensor (None: skipped; of a dimension longer than 1) below 2**31:
     the modules take each stride and dimension as an int32 (only their sum of products, the offset,
@@ -603,20 +611,20 @@ class VarlenKernel(Kernel):
         batch = cu_seqlens_q.shape[0] - 1
         variant_arguments = self.variant_arguments(q, alibi_slopes, batch)
         # The module takes the packed rows as one batch: (1, total, heads, head_dim) views.
-        q, k, v = self._usable(q[None], "q"), self._usable(k[None], "k"), self._usable(v[None], "v")
+        q, k, v = (self._usable(one_batch(t), name)[0] for t, name in ((q, "q"), (k, "k"), (v, "v")))
         given = out
-        if out is None or not self._fits(out[None]):
+        if out is None or not self._fits(one_batch(out)):
             if out is not None:
-                self._usable(out[None], "out", copy=False)
-            out = torch.empty(q.shape[1:], dtype=q.dtype, device=q.device)
+                self._usable(one_batch(out), "out", copy=False)
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         lse = torch.empty((heads_q, total_q), dtype=torch.float32, device=q.device)
         module = self._module_for(heads_q, heads_kv, q=q, k=k, v=v, out=out)
-        if out.numel() and not k.shape[1]:  # no key at all (as Kernel.__call__)
+        if out.numel() and not k.shape[0]:  # no key at all (as Kernel.__call__)
             out.zero_()
             lse.fill_(-math.inf)
         elif out.numel() and batch:
-            module.function(q, k, v, out[None], lse[None], softmax_scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                            *variant_arguments)
+            module.function(*map(one_batch, (q, k, v, out, lse)), softmax_scale, cu_seqlens_q, cu_seqlens_k,
+                            max_seqlen_q, *variant_arguments)
         if given is not None and given is not out:
             out = given.copy_(out)
         return (out, lse) if return_lse else out
@@ -951,7 +959,7 @@ class VarlenBackwardKernel(BackwardKernel):
         delta, lse2 = (torch.empty((1, *rows), dtype=torch.float32, device=q.device) for _ in range(2))
         dlse = torch.zeros_like(delta) if dlse is None else dlse.contiguous()[None]
         # the packed rows as the programs' one batch
-        q, k, v, out, dout, lse, dq4, dk4, dv4 = (t[None] for t in (q, k, v, out, dout, lse, dq, dk, dv))
+        q, k, v, out, dout, lse, dq4, dk4, dv4 = map(one_batch, (q, k, v, out, dout, lse, dq, dk, dv))
         sequences = (cu_seqlens_q, cu_seqlens_k)
         accumulator = self._dq_accumulator(q)
         passes["delta"](out, dout, lse, dlse, delta, lse2)
