@@ -763,7 +763,8 @@ def tune(*, head_dim: int, dtype, causal: bool, target=None, trials: int = 64, b
          seqlen: int | None = None, heads: int | None = None, work_dir=None, space: dict | None = None,
          trials_per_iter: int | None = None, seed: int | None = None, repeat: int = 20, recheck: int = 3,
          cold: bool = False, echo=print, bar_stream=None) -> dict:
-    """Tune the schedule's knobs for one workload on this machine and store the best in the database.
+    """Tune the knobs of the schedule that ``tvmflash.compile`` picks (``kernel.choose_schedule``) for one
+    workload on this machine and store the best in the database.
 
     Tunes on a static (batch, seqlen, seqlen, heads, heads) shape; the record then serves every
     shape of the workload (head_dim, dtype, causal) through ``tvmflash.compile()``. ``space``
@@ -787,7 +788,9 @@ def tune(*, head_dim: int, dtype, causal: bool, target=None, trials: int = 64, b
     if trials < 1:
         raise ValueError(f"trials: expected a positive number, got {trials}")
     resolved = targets.resolve(target)
-    schedule = schedule_registry.for_target(resolved, dtype)
+    # the schedule that tvmflash.compile would pick (on sm_90a the sm90 one unless TVMFLASH_SM90=0 or
+    # this device's records favour sm80), not the target's first: a record of another would go unread
+    schedule, why, _ = kernel.choose_schedule(resolved, {"head_dim": head_dim, "dtype": dtype, "causal": causal}, None)
     schedule_name = schedule_registry.name_of(schedule)
     space = dict(space or schedule.SPACE)
     unknown = set(space) - set(schedule.KNOBS)
@@ -805,7 +808,7 @@ def tune(*, head_dim: int, dtype, causal: bool, target=None, trials: int = 64, b
                     f"{schedule_name}-d{head_dim}-{dtype}-{'causal' if causal else 'full'}-{time.strftime('%Y%m%d-%H%M%S')}")
     work_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    echo(f"tvmflash tune: {schedule_name} schedule on {targets.describe(resolved)}, d{head_dim} {dtype} "
+    echo(f"tvmflash tune: {schedule_name} schedule ({why}) on {targets.describe(resolved)}, d{head_dim} {dtype} "
          f"{'causal' if causal else 'full'}, shape b{shape['batch']} s{shape['seqlen']} h{shape['heads']}, "
          f"{trials} trials; work dir {work_dir}")
 
