@@ -693,6 +693,11 @@ def make_tasks(schedule, spec: program.AttentionSpec, shape: dict, space: dict, 
         if getattr(schedule, "min_kv_tiles", None) and len({schedule.min_kv_tiles({**plain, **s}) for s in kept}) > 1:
             raise ValueError(f"space: the structures of {name} need programs with different min_kv_tiles")
         retracer = Retracer(schedule, mod, fixed, sampled, kept)
+        # Every structure's trace now, on this thread: MutateKnob runs on the search's threads, and
+        # the schedule run there, beside the threads replaying traces of the same module, crashed
+        # the process on the H200 (a segfault in Tensorize, a double free).
+        for index in range(len(kept)):
+            retracer.trace(index)
         fn = space_fn(schedule, fixed, sampled, kept)
         seeds = [(label, trace) for label, knobs in (known or {}).items()
                  if (trace := seed_trace(schedule, mod, fixed, sampled, knobs, kept, retracer=retracer)) is not None]
