@@ -31,7 +31,6 @@ Mapping (FA2 style):
 from __future__ import annotations
 
 import tvm
-from tvm.s_tir import TensorIntrin
 
 from tvmflash.lowering.annotations import ATOMIC_ADD_PRAGMA
 
@@ -92,50 +91,167 @@ DTYPES = ("float16", "bfloat16")  # float32 has no exact tensor-core path: the S
 
 
 # --------------------------------------------------------------------------------------------
-# intrinsics (imported lazily: importing tvm.s_tir.tensor_intrin.cuda takes a while)
+# mma.sync m16n8k16 and ldmatrix intrinsics, fp16 and bf16
 # --------------------------------------------------------------------------------------------
-_REGISTERED = False
+# Our own rather than tvm.s_tir.tensor_intrin.cuda's: importing that module parses ~500 TVMScript
+# functions for every target (about a minute), and it has no bf16 ones. These are its
+# get_ldmatrix_intrin, get_mma_intrin and get_mma_fill_intrin for 16 x 16 x 16 tiles, so the code
+# generated is the same.
+_PTX_TYPE = {"float16": "fp16", "bfloat16": "bf16"}
 
 
-def _register_intrinsics():
-    """Register what TVM lacks: bf16 twins of its fp16 ldmatrix and mma intrinsics."""
-    global _REGISTERED
-    if _REGISTERED:
-        return
-    import tvm.s_tir.tensor_intrin.cuda  # noqa: F401 - registers the fp16 intrinsics
+def _ldmatrix_intrin(dtype, operand, transposed):
+    """ldmatrix.x4 of a 16 x 16 tile in shared.dyn into its mma fragment (``_ldmatrix_layout``),
+    as operand "A" (rows x k) or "B" (k x cols); ``transposed``: the tile in shared memory is the
+    operand transposed."""
+    from tvm.script import tirx as T
 
-    # TVM generates fp16 ldmatrix/mma intrinsics only; the bf16 ones differ in the element type
-    # and the PTX type name alone, so derive them from the fp16 descriptions.
-    for role, name in _FP16_INTRINSICS.items():
-        fp16 = TensorIntrin.get(name)
-        register_intrin(f"tvmflash_{role}_bf16", _as_bf16(fp16.desc), _as_bf16(fp16.impl))
-    _REGISTERED = True
+    # ldmatrix's .trans: mma.sync takes A row-major and B column-major, so B's tile as stored needs
+    # it and A's does not; a transposed tile the other way round.
+    trans = transposed if operand == "A" else not transposed
+
+    def row_offset(tx, stride):  # lane tx's address: one 8-element row of the four 8 x 8 matrices
+        if transposed:
+            return stride * 8 * (tx // 16) + stride * (tx % 8) + 8 * ((tx % 16) // 8)
+        return stride * (tx % 16) + 8 * (tx // 16)
+
+    @T.prim_func(s_tir=True)
+    def desc(warp_handle: T.handle, shared_handle: T.handle) -> None:
+        shared = T.match_buffer(shared_handle, (16, 16), dtype, align=64, offset_factor=16, scope="shared.dyn")
+        warp = T.match_buffer(warp_handle, (WARP, 8), dtype, align=64, offset_factor=16, scope="warp")
+        with T.sblock("root"):
+            T.reads(shared[0:16, 0:16])
+            T.writes(warp[0:WARP, 0:8])
+            for ax0, ax1 in T.grid(16, 16):
+                with T.sblock("shared_warp"):
+                    v0, v1 = T.axis.remap("SS", [ax0, ax1])
+                    T.reads(shared[v0, v1])
+                    lane, reg = T.meta_var(_ldmatrix_layout(v0, v1))
+                    T.writes(warp[lane, reg])
+                    warp[lane, reg] = shared[v0, v1]
+
+    @T.prim_func(s_tir=True)
+    def impl(warp_handle: T.handle, shared_handle: T.handle) -> None:
+        s0 = T.int32()
+        s1 = T.int32()
+        shared = T.match_buffer(shared_handle, (16, 16), dtype, align=64, offset_factor=16, scope="shared.dyn",
+                                strides=[s0, s1])
+        warp = T.match_buffer(warp_handle, (WARP, 8), dtype, align=64, offset_factor=16, scope="warp")
+        with T.sblock("root"):
+            T.reads(shared[0:16, 0:16])
+            T.writes(warp[0:WARP, 0:8])
+            for tx in T.thread_binding(0, WARP, "threadIdx.x"):
+                T.evaluate(T.ptx_legacy.ldmatrix(trans, 4, ".b16", warp.data, warp.elem_offset + 8 * tx,
+                                                 shared.access_ptr("r"), row_offset(tx, s0), dtype=dtype))
+
+    return desc, impl
 
 
-def _as_bf16(func):
-    text = func.script().replace('"float16"', '"bfloat16"').replace('"fp16"', '"bf16"')
-    # The printer drops the result type of the ldmatrix/mma calls, and without it the parser
-    # types them int8, which makes the code generator emit its int8 fallback for ldmatrix.trans.
-    lines = []
-    for line in text.splitlines():
-        stripped = line.strip()
-        if stripped.startswith("T.ptx_legacy.ldmatrix(") and stripped.endswith(")"):
-            line = line[: line.rindex(")")] + ', dtype="bfloat16")'
-        elif stripped.startswith("T.ptx_legacy.mma(") and stripped.endswith(")"):
-            line = line[: line.rindex(")")] + ', dtype="float32")'
-        lines.append(line)
-    return tvm.script.from_source("\n".join(lines))
+def _mma_intrin(dtype, a_transposed, b_transposed):
+    """C += A B on fragments (float32 C): two mma.sync m16n8k16, one per 8-column half of C;
+    ``a_transposed``/``b_transposed``: the fragment holds the operand transposed."""
+    from tvm.script import tirx as T
+
+    ptx = _PTX_TYPE[dtype]
+
+    def fragment(buffer, row, col, transposed):
+        return buffer[_ldmatrix_layout(col, row) if transposed else _ldmatrix_layout(row, col)]
+
+    def mma_half(A, B, C, tx, half):  # C's columns 8 half .. 8 half + 7: B's and C's registers 4 half ..
+        return T.ptx_legacy.mma("m16n8k16", "row", "col", ptx, ptx, "fp32", A.data, A.elem_offset + tx * 8,
+                                B.data, B.elem_offset + tx * 8 + 4 * half, C.data, C.elem_offset + tx * 8 + 4 * half,
+                                False, dtype="float32")
+
+    @T.prim_func(s_tir=True)
+    def desc(a: T.handle, b: T.handle, c: T.handle) -> None:
+        A = T.match_buffer(a, (WARP, 8), dtype, align=64, offset_factor=16, scope="warp")
+        B = T.match_buffer(b, (WARP, 8), dtype, align=64, offset_factor=16, scope="warp")
+        C = T.match_buffer(c, (WARP, 8), "float32", align=64, offset_factor=16, scope="warp")
+        with T.sblock("root"):
+            T.reads(C[0:WARP, 0:8], A[0:WARP, 0:8], B[0:WARP, 0:8])
+            T.writes(C[0:WARP, 0:8])
+            for i, j, k in T.grid(16, 16, 16):
+                with T.sblock("C"):
+                    vi, vj, vk = T.axis.remap("SSR", [i, j, k])
+                    lane, reg = T.meta_var(_ldmatrix_layout(vi, vj))
+                    T.reads(C[lane, reg], fragment(A, vi, vk, a_transposed), fragment(B, vk, vj, b_transposed))
+                    T.writes(C[lane, reg])
+                    C[lane, reg] += T.Cast("float32", fragment(A, vi, vk, a_transposed)) * T.Cast(
+                        "float32", fragment(B, vk, vj, b_transposed))
+
+    @T.prim_func(s_tir=True)
+    def impl(a: T.handle, b: T.handle, c: T.handle) -> None:
+        A = T.match_buffer(a, (WARP, 8), dtype, align=64, offset_factor=16, scope="warp")
+        B = T.match_buffer(b, (WARP, 8), dtype, align=64, offset_factor=16, scope="warp")
+        C = T.match_buffer(c, (WARP, 8), "float32", align=64, offset_factor=16, scope="warp")
+        with T.sblock("root"):
+            T.reads(C[0:WARP, 0:8], A[0:WARP, 0:8], B[0:WARP, 0:8])
+            T.writes(C[0:WARP, 0:8])
+            for tx in T.thread_binding(0, WARP, "threadIdx.x"):
+                T.evaluate(mma_half(A, B, C, tx, 0))
+                T.evaluate(mma_half(A, B, C, tx, 1))
+
+    return desc, impl
 
 
-_FP16_INTRINSICS = {
-    "ld_a": "mma_ldmatrix_f16_a_dyn",
-    "ld_b": "mma_ldmatrix_f16_b_dyn",
-    "ld_b_trans": "mma_ldmatrix_f16_b_trans_dyn",
-    "mma_nn": "mma_f16f16f32",
-    "mma_nt": "mma_f16f16f32_trans_b",
-    "ld_a_trans": "mma_ldmatrix_f16_a_trans_dyn",
-    "mma_tn": "mma_f16f16f32_trans_a",
+def _fill_intrin():
+    """Zero a 16 x 16 float32 tile of fragments."""
+    from tvm.script import tirx as T
+
+    @T.prim_func(s_tir=True)
+    def desc(a: T.handle) -> None:
+        C = T.match_buffer(a, [WARP, 8], dtype="float32", scope="warp")
+        with T.sblock("root"):
+            T.reads()
+            T.writes(C[0:WARP, 0:8])
+            for i0, i1 in T.grid(16, 16):
+                with T.sblock("C_warp"):
+                    i, j = T.axis.remap("SS", [i0, i1])
+                    lane, reg = T.meta_var(_ldmatrix_layout(i, j))
+                    T.reads()
+                    T.writes(C[lane, reg])
+                    C[lane, reg] = T.float32(0)
+
+    @T.prim_func(s_tir=True)
+    def impl(a: T.handle) -> None:
+        C = T.match_buffer(a, [WARP, 8], dtype="float32", scope="warp", offset_factor=1)
+        with T.sblock("root"):
+            T.reads()
+            T.writes(C[0:WARP, 0:8])
+            for tx in T.thread_binding(0, WARP, "threadIdx.x"):
+                T.evaluate(T.cuda.mma_fill_legacy(8, C.data, C.elem_offset, dtype="float32"))
+
+    return desc, impl
+
+
+_ROLES = {  # role: the intrinsic's generator and its arguments after the dtype
+    "ld_a": (_ldmatrix_intrin, "A", False),
+    "ld_a_trans": (_ldmatrix_intrin, "A", True),
+    "ld_b": (_ldmatrix_intrin, "B", False),
+    "ld_b_trans": (_ldmatrix_intrin, "B", True),
+    "mma_nn": (_mma_intrin, False, False),
+    "mma_nt": (_mma_intrin, False, True),
+    "mma_tn": (_mma_intrin, True, False),
 }
+_FILL = "tvmflash_mma_fill_f32"
+_REGISTERED: set[str] = set()
+
+
+def _intrin_names(dtype):
+    """Tensor intrinsic names by role (``_ROLES`` and "fill"), for fp16 or bf16 operands; registers
+    them on first use."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype: the sm80 schedule takes {DTYPES}, got {dtype!r}")
+    names = {role: f"tvmflash_{role}_{_PTX_TYPE[dtype]}" for role in _ROLES}
+    for role, name in names.items():
+        if name not in _REGISTERED:
+            make, *args = _ROLES[role]
+            register_intrin(name, *make(dtype, *args))
+            _REGISTERED.add(name)
+    if _FILL not in _REGISTERED:
+        register_intrin(_FILL, *_fill_intrin())
+        _REGISTERED.add(_FILL)
+    return {**names, "fill": _FILL}
 
 
 def frag_rows(n_rows: int, n_cols: int) -> QuadRowLayout:
@@ -156,21 +272,10 @@ def frag_rows(n_rows: int, n_cols: int) -> QuadRowLayout:
 
 
 
-def _intrin_names(dtype):
-    """Tensor intrinsic names by role; the bf16 ones are those _register_intrinsics derives."""
-    if dtype == "float16":
-        names = dict(_FP16_INTRINSICS)
-    elif dtype == "bfloat16":
-        names = {role: f"tvmflash_{role}_bf16" for role in _FP16_INTRINSICS}
-    else:
-        raise ValueError(f"dtype: the sm80 schedule takes {DTYPES}, got {dtype!r}")
-    return {**names, "fill": "mma_fill_16x16_f32"}
-
-
 def _ldmatrix_layout(i, j):
-    from tvm.s_tir.tensor_intrin.cuda import shared_16x16_to_ldmatrix_32x8_layout
-
-    return shared_16x16_to_ldmatrix_32x8_layout(i, j)
+    """(row, col) of a 16 x 16 tile -> (lane, register) of its mma fragment (ldmatrix's, mma.sync's):
+    lane 4 r + q holds rows r and r + 8 of columns 2 q, 2 q + 1, 2 q + 8 and 2 q + 9."""
+    return 4 * (i % 8) + (j % 8) // 2, 4 * (j // 8) + (i // 8) * 2 + (j % 2)
 
 
 def _frag_index_map(i, j):
@@ -300,7 +405,6 @@ def schedule(
     row_state: str = "registers",
 ) -> tvm.s_tir.Schedule:
     """Map the attention program onto sm80 tensor cores. See the module docstring."""
-    _register_intrinsics()
     dtype, BM, D, BN = buffer_info(sch)
     assert (BM, BN) == (block_m, block_n), "schedule knobs must match the program's tiles"
     if block_m != WARP * num_warps:
@@ -438,7 +542,6 @@ def schedule_backward(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, dk
     has no dq; dkdv adds dq's share atomically (``_schedule_dq_share``) and convert_dq runs on SIMT."""
     from . import cuda
 
-    _register_intrinsics()
     cuda.schedule_delta(sch)
     _schedule_dkdv(sch, dkdv_warps, dkdv_stages, vec, dq_atomic)
     if dq_atomic:
