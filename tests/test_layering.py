@@ -117,3 +117,15 @@ def test_nothing_assigns_to_tvm(path):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr"):
             assert not _rooted_at(node.args[0], tvm_names), f"{module_name(path)}:{node.lineno} sets an attribute of TVM"
     assert "CODEGEN_REGISTRY" not in path.read_text(), f"{module_name(path)} reaches into TVM's codegen registry"
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_module_imports_tvms_intrinsic_library(path):
+    """The schedules register their own tensor-core intrinsics: importing TVM's library
+    (``tvm.s_tir.tensor_intrin``, which parses some 500 TVMScript functions) costs a process's first
+    build about a minute."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+        assert not any(n.startswith("tvm.s_tir.tensor_intrin") for n in names), (
+            f"{module_name(path)}:{node.lineno} imports TVM's intrinsic library")
