@@ -8,6 +8,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 import tvm
 
 import tvmflash
@@ -781,6 +782,25 @@ def test_sm90_serves_a_workload_unless_records_favour_sm80(cache_dir, monkeypatc
     monkeypatch.delenv("TVMFLASH_SM90")
     database.add(database.new_record(target, "sm80", workload, dict(sm80.KNOBS), 1.6, shape={**shape, "batch": 8}))
     assert chosen()[0] == "sm90"  # sm80's best record is at another shape: nothing to compare
+
+
+def test_tune_takes_the_schedule_compile_picks(cache_dir, monkeypatch):
+    """On sm_90a the sm90 schedule serves the forward (at d32 the sm80 one), so that is the space the
+    tuner searches; TVMFLASH_SM90=0 takes sm80's. Without xgboost (MetaSchedule's cost model) it
+    stops there, before building anything."""
+    monkeypatch.delenv("TVMFLASH_SM90", raising=False)
+    for name, value in (("is_available", True), ("get_device_name", "a test GPU"), ("get_device_capability", (9, 0))):
+        monkeypatch.setattr(torch.cuda, name, lambda *_, value=value: value)
+    find_spec = tune.importlib.util.find_spec
+    monkeypatch.setattr(tune.importlib.util, "find_spec", lambda name: None if name == "xgboost" else find_spec(name))
+    for head_dim, setting, expected in ((128, None, "sm90"), (32, None, "sm80"), (128, "0", "sm80")):
+        if setting is not None:
+            monkeypatch.setenv("TVMFLASH_SM90", setting)
+        lines = []
+        with pytest.raises(RuntimeError, match="needs xgboost"):
+            tune.tune(head_dim=head_dim, dtype="bfloat16", causal=False, target="sm90", echo=lines.append)
+        assert lines[0].startswith(f"tvmflash tune: {expected} schedule"), lines
+    assert not list(cache_dir.glob("**/*.so"))
 
 
 def test_one_configuration_tasks_are_built_at_once(cache_dir):

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import itertools
 import math
 import os
@@ -816,6 +817,8 @@ def tune(*, head_dim: int, dtype, causal: bool, target=None, trials: int = 64, b
     echo(f"tvmflash tune: {schedule_name} schedule ({why}) on {targets.describe(resolved)}, d{head_dim} {dtype} "
          f"{'causal' if causal else 'full'}, shape b{shape['batch']} s{shape['seqlen']} h{shape['heads']}, "
          f"{trials} trials; work dir {work_dir}")
+    if importlib.util.find_spec("xgboost") is None:  # else the first search round fails, after the first builds
+        raise RuntimeError("tvmflash tune: MetaSchedule's cost model needs xgboost (pip install xgboost-cpu)")
 
     rng = random.Random(seed)
     spec = program.AttentionSpec(head_dim, dtype, causal, shape["heads"], shape["heads"])
