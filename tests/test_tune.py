@@ -441,6 +441,25 @@ def test_database_round_trip(cache_dir):
     assert database.lookup(CPU, "cpu", {**WORKLOAD, "causal": True}) is None
 
 
+def test_records_of_other_sequence_lengths_never_compete(cache_dir, tmp_path):
+    """A record tuned at 512 keys is always faster than one tuned at 4096: each seqlen bucket keeps
+    its own best (in the database and in an export), and a lookup takes the record of the length's
+    bucket, else the longest bucket's."""
+    knobs = {name: dict(cpu.KNOBS, block_m=value) for name, value in (("long", 64), ("short", 16))}
+    long_ = database.new_record(CPU, "cpu", WORKLOAD, knobs["long"], 2.0, shape={"seqlen_k": 4096})
+    short = database.new_record(CPU, "cpu", WORKLOAD, knobs["short"], 0.2, shape={"seqlen_k": 512})
+    path = database.add(long_)
+    database.add(short)
+    assert database.read(path) == [long_, short]
+    assert database.record_id(long_) != database.record_id(short)
+    assert database.lookup(CPU, "cpu", WORKLOAD)["knobs"] == knobs["long"]
+    assert database.lookup(CPU, "cpu", WORKLOAD, seqlen_k=300)["knobs"] == knobs["short"]
+    assert database.lookup(CPU, "cpu", WORKLOAD, seqlen_k=2048)["knobs"] == knobs["long"]
+    database.add({**long_, "knobs": knobs["short"], "mean_ms": 1.5, "shape": {"seqlen_k": 8192}})  # same bucket, faster
+    assert database.lookup(CPU, "cpu", WORKLOAD)["mean_ms"] == 1.5 and len(database.read(path)) == 2
+    assert len(database.read(database.export_best(tmp_path / "export")[0])) == 2
+
+
 def test_records_never_cross_devices_or_targets(cache_dir):
     mine = database.device_key(CPU)
     # Another CPU's target, whatever this host is (on a znver4 host "llvm znver4" is the host's own).

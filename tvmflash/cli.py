@@ -170,9 +170,10 @@ def _cache(args) -> int:
         print(f"tuning records: {len(records)} (user: {database.user_dir()}, shipped: {database.SHIPPED_DIR})")
         for path, r in records:
             w = r.get("workload", {})
+            at = f" at s{r['shape'].get('seqlen_k')}" if isinstance(r.get("shape"), dict) else ""  # its seqlen bucket's
             print(f"  {database.record_id(r)}  {'shipped' if path.parent == database.SHIPPED_DIR else 'user'}  "
                   f"{r.get('device')}  {r.get('schedule')}  d{w.get('head_dim')} {w.get('dtype')} "
-                  f"{'causal' if w.get('causal') else 'full'}  {r.get('mean_ms', float('nan')):.4f} ms  "
+                  f"{'causal' if w.get('causal') else 'full'}  {r.get('mean_ms', float('nan')):.4f} ms{at}  "
                   f"{json.dumps(r.get('knobs'))}  {r.get('created', '')}")
     elif args.action == "show":
         if not args.key:

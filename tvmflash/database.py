@@ -1,7 +1,8 @@
 """Tuned knobs, per GPU: a small JSON database that never leaks records across GPUs.
 
 A record says: on this GPU (name and compute capability) and target, with these tvmflash and TVM
-versions, this schedule runs this workload (head_dim, dtype, causal) fastest with these knobs.
+versions, this schedule runs this workload (head_dim, dtype, causal) fastest with these knobs, at
+sequence lengths of its tuning shape's bucket (``SEQLEN_BUCKETS``).
 The user's database (under the cache dir, written by ``tvmflash tune``) is layered over the
 read-only logs shipped in ``tuning_logs/``; the user's records win.
 
@@ -27,8 +28,13 @@ from tvmflash import cache
 # second without them.
 
 FORMAT = 1
-# What makes two records the same entry: one best record per key.
+# What makes two records the same entry, with the sequence-length bucket of their tuning shape
+# (``bucket``): one best record per key.
 KEY_FIELDS = ("device", "compute_capability", "target", "tvm", "tvmflash", "schedule", "workload")
+# Records tuned at different sequence lengths never compete on time (a shorter one always looks
+# faster): each bucket of seqlen_k keeps its own best, up to and above these bounds.
+SEQLEN_BUCKETS = (1024,)
+_UNSHAPED_SEQLEN = 4096  # a record without a shape was tuned at the GPU grid's default
 
 
 def _shipped_dir() -> Path:
@@ -129,14 +135,29 @@ def write(path: Path, records: list[dict]) -> None:
     cache.atomic_write(path, lambda tmp: Path(tmp).write_text(text + "\n"))
 
 
-def same_key(a: dict, b: dict) -> bool:
-    """Whether two records are for the same entry (``KEY_FIELDS``): one best record is kept per key."""
+def seqlen_bucket(seqlen_k: int) -> int:
+    """The bucket of a key length: how many of ``SEQLEN_BUCKETS`` lie below it."""
+    return sum(seqlen_k > bound for bound in SEQLEN_BUCKETS)
+
+
+def bucket(record: dict) -> int:
+    """The seqlen bucket of the shape a record was tuned at."""
+    return seqlen_bucket((record.get("shape") or {}).get("seqlen_k", _UNSHAPED_SEQLEN))
+
+
+def _same_fields(a: dict, b: dict) -> bool:
     return all(a.get(f) == b.get(f) for f in KEY_FIELDS)
+
+
+def same_key(a: dict, b: dict) -> bool:
+    """Whether two records are for the same entry (``KEY_FIELDS`` and ``bucket``): one best record
+    is kept per key."""
+    return _same_fields(a, b) and bucket(a) == bucket(b)
 
 
 def record_id(record: dict) -> str:
     """A short, stable name for a record's key (what ``tvmflash cache show`` takes)."""
-    return cache.digest({f: record.get(f) for f in KEY_FIELDS})[:12]
+    return cache.digest({**{f: record.get(f) for f in KEY_FIELDS}, "bucket": bucket(record)})[:12]
 
 
 def add(record: dict, path: Path | None = None) -> Path:
@@ -151,20 +172,22 @@ def add(record: dict, path: Path | None = None) -> Path:
     return path
 
 
-def lookup(target, schedule: str, workload: dict) -> dict | None:
+def lookup(target, schedule: str, workload: dict, seqlen_k: int | None = None) -> dict | None:
     """The best record for this device, target, versions, schedule and workload, or None.
 
     The user's records are searched first, then the shipped ones. Records that lack one of the
-    schedule's knobs (tuned before the schedule had it) are passed over.
+    schedule's knobs (tuned before the schedule had it) are passed over. ``seqlen_k``: the record
+    of its bucket where there is one; otherwise, and by default, that of the longest bucket.
     """
-    found = known_records(target, schedule, workload)
+    found = known_records(target, schedule, workload, seqlen_k)
     return found[0] if found else None
 
 
-def known_records(target, schedule: str, workload: dict) -> list[dict]:
+def known_records(target, schedule: str, workload: dict, seqlen_k: int | None = None) -> list[dict]:
     """The best usable record of the user's database, then the shipped one's (each with its
     ``source``, the file): what a warm ``tvmflash tune`` starts from. Records that lack one of the
-    schedule's knobs, or give one a value the schedule does not take, are passed over."""
+    schedule's knobs, or give one a value the schedule does not take, are passed over. Of a file's
+    records, those of ``seqlen_k``'s bucket if it has any, else those of its longest bucket."""
     from tvmflash import schedules as schedule_registry
 
     want = {**device_key(target), "schedule": schedule, "workload": workload}
@@ -176,9 +199,13 @@ def known_records(target, schedule: str, workload: dict) -> list[dict]:
         # A record without one of the schedule's knobs was tuned before that knob existed: the
         # schedule it measured is not the one its knobs would build now.
         # A record whose knob takes a value the schedule does not is not used either.
-        matches = [r for r in read(path) if same_key(r, want) and knobs <= set(r["knobs"]) and not any(
+        matches = [r for r in read(path) if _same_fields(r, want) and knobs <= set(r["knobs"]) and not any(
             schedule_registry.knob_problem(module, n, v) for n, v in r["knobs"].items() if n in knobs)]
+        buckets = {bucket(r) for r in matches}
         if matches:
+            wanted = seqlen_bucket(seqlen_k) if seqlen_k is not None and seqlen_bucket(seqlen_k) in buckets \
+                else max(buckets)
+            matches = [r for r in matches if bucket(r) == wanted]
             found.append({**min(matches, key=lambda r: r["mean_ms"]), "source": str(path)})
     return found
 

@@ -745,14 +745,16 @@ def seed_database(db, contexts, tasks: list[dict]) -> list[str]:
     return labels
 
 
-def known_configurations(schedule, target, workload: dict, *, cold: bool) -> dict[str, dict]:
+def known_configurations(schedule, target, workload: dict, *, cold: bool,
+                         seqlen_k: int | None = None) -> dict[str, dict]:
     """label -> knobs: the schedule's defaults (``default``), then unless ``cold`` the best record
-    of the user's database (``user``) and of the shipped one (``shipped``), where they differ."""
+    of the user's database (``user``) and of the shipped one (``shipped``), where they differ: of
+    ``seqlen_k``'s bucket where it has one (``database.known_records``)."""
     defaults = kernel.default_knobs(schedule, workload["head_dim"])
     known = {"default": defaults}
     if cold:
         return known
-    for record in database.known_records(target, schedule_registry.name_of(schedule), workload):
+    for record in database.known_records(target, schedule_registry.name_of(schedule), workload, seqlen_k):
         knobs = {**defaults, **record["knobs"]}
         if knobs not in known.values():
             known["user" if Path(record["source"]).parent == database.user_dir() else "shipped"] = knobs
@@ -822,7 +824,7 @@ def tune(*, head_dim: int, dtype, causal: bool, target=None, trials: int = 64, b
 
     rng = random.Random(seed)
     spec = program.AttentionSpec(head_dim, dtype, causal, shape["heads"], shape["heads"])
-    known = known_configurations(schedule, resolved, workload, cold=cold)
+    known = known_configurations(schedule, resolved, workload, cold=cold, seqlen_k=shape["seqlen"])
     stats: dict = {}  # PreCheck's count of candidates rejected before building
     tasks = make_tasks(schedule, spec, shape, space, resolved, work_dir, rng, echo, known=None if cold else known,
                        stats=stats)
