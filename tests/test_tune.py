@@ -460,6 +460,25 @@ def test_records_of_other_sequence_lengths_never_compete(cache_dir, tmp_path):
     assert len(database.read(database.export_best(tmp_path / "export")[0])) == 2
 
 
+def test_a_call_runs_the_knobs_tuned_for_its_key_lengths(cache_dir):
+    """With records of two seqlen buckets, a kernel runs the longest bucket's knobs, and a call whose
+    keys fall in the other bucket that bucket's, in a module of its own; no length builds twice."""
+    knobs = {"long": dict(cpu.KNOBS, block_m=32, block_n=32), "short": dict(cpu.KNOBS, block_m=16, block_n=32)}
+    database.add(database.new_record(CPU, "cpu", WORKLOAD, knobs["long"], 2.0, shape={"seqlen_k": 4096}))
+    database.add(database.new_record(CPU, "cpu", WORKLOAD, knobs["short"], 0.2, shape={"seqlen_k": 512}))
+    kern = tvmflash.compile(head_dim=32, dtype="float32", causal=False, target="cpu")
+    info = kern.info()
+    assert info["knobs"] == knobs["long"], info
+    assert info["seqlen_buckets"]["seqlen_k <= 1024"]["knobs"] == knobs["short"], info
+    short = kern._by_bucket[0]
+    for seqlen_k, runs in ((53, short), (1100, kern), (700, short)):
+        q, k, v = torch.randn(1, 37, 2, 32), torch.randn(1, seqlen_k, 2, 32), torch.randn(1, seqlen_k, 2, 32)
+        ref = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v))).transpose(1, 2)
+        assert torch.allclose(kern(q, k, v), ref, atol=1e-4)
+        assert list(runs._modules) == [(2, 2)]
+    assert kern._modules[(2, 2)] is not short._modules[(2, 2)]
+
+
 def test_records_never_cross_devices_or_targets(cache_dir):
     mine = database.device_key(CPU)
     # Another CPU's target, whatever this host is (on a znver4 host "llvm znver4" is the host's own).

@@ -140,6 +140,16 @@ def seqlen_bucket(seqlen_k: int) -> int:
     return sum(seqlen_k > bound for bound in SEQLEN_BUCKETS)
 
 
+def bucket_seqlens() -> list[int]:
+    """A key length in each bucket, in bucket order."""
+    return [*SEQLEN_BUCKETS, SEQLEN_BUCKETS[-1] + 1]
+
+
+def bucket_label(index: int) -> str:
+    """'seqlen_k <= 1024', 'seqlen_k > 1024'."""
+    return f"seqlen_k <= {SEQLEN_BUCKETS[index]}" if index < len(SEQLEN_BUCKETS) else f"seqlen_k > {SEQLEN_BUCKETS[-1]}"
+
+
 def bucket(record: dict) -> int:
     """The seqlen bucket of the shape a record was tuned at."""
     return seqlen_bucket((record.get("shape") or {}).get("seqlen_k", _UNSHAPED_SEQLEN))

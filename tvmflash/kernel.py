@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import os
@@ -229,7 +230,31 @@ class Kernel:
         self._fit_shared_memory(given=bool(knobs))
         self._modules: dict[tuple[int, int], _Module] = {}
         self._last: tuple[int, int] | None = None
+        # seqlen bucket -> this kernel with that bucket's tuned knobs, where they differ from these
+        self._by_bucket = self._bucket_kernels(schedule_name, workload(spec_args), database.bucket(tuned)) \
+            if tuned and not varlen else {}
         _BY_KEY[self.key] = self
+
+    def _bucket_kernels(self, schedule_name: str, tuned_workload: dict, own: int) -> dict:
+        """Copies of this kernel with the knobs tuned for another seqlen_k bucket than ``own`` (that of
+        the record these knobs came from: the longest bucket's) (``database.SEQLEN_BUCKETS``), by
+        bucket, where that bucket has a record of its own whose knobs differ from these: a call whose
+        key length falls there runs them (``__call__``), in modules of their own."""
+        children = {}
+        for index, seqlen in enumerate(database.bucket_seqlens()):
+            record = None if index == own else database.lookup(self.target, schedule_name, tuned_workload, seqlen)
+            if record is None or database.bucket(record) != index:
+                continue
+            child = copy.copy(self)
+            child.knobs = {**default_knobs(self.schedule, self.head_dim), **record["knobs"]}
+            if child.knobs == self.knobs:
+                continue
+            child.knobs_source = (f"tuned for {database.bucket_label(index)} ({record['source']}, "
+                                  f"{record['mean_ms']:.3f} ms at {record.get('shape')})")
+            child._modules, child._last, child._by_bucket = {}, None, {}
+            child._fit_shared_memory(given=False)
+            children[index] = child
+        return children
 
     def _set_problem(self, spec_args: dict, target: tvm.target.Target) -> None:
         """The workload and target, and plain values of them for the call path (torch.compile traces
@@ -438,6 +463,9 @@ class Kernel:
             "schedule_source": self.schedule_source,
             "knobs": dict(self.knobs),
             "knobs_source": self.knobs_source,
+            **({"seqlen_buckets": {database.bucket_label(index): {"knobs": dict(child.knobs),
+                                                                  "knobs_source": child.knobs_source}
+                                   for index, child in self._by_bucket.items()}} if self._by_bucket else {}),
             "modules": {
                 f"heads_q={slot[0]},heads_kv={slot[1]}{',int64' if len(slot) > 2 else ''}":
                 {"origin": m.origin, "path": m.path, "seconds": round(m.seconds, 3)}
@@ -457,6 +485,11 @@ class Kernel:
         if torch.compiler.is_compiling():  # torch.compile traces a custom op, which calls back here at run time
             return ops.kernel_call(self, q, k, v, softmax_scale, out, return_lse, alibi_slopes)
         self._check(q, k, v, out)
+        if self._by_bucket:  # another seqlen bucket's tuned knobs (``_bucket_kernels``)
+            other = self._by_bucket.get(database.seqlen_bucket(k.shape[1]))
+            if other is not None:
+                return other(q, k, v, softmax_scale=softmax_scale, out=out, return_lse=return_lse,
+                             alibi_slopes=alibi_slopes)
         variant_arguments = self.variant_arguments(q, alibi_slopes)
         # The module reads and writes through the tensors' own strides: none is copied, but where a
         # CUDA kernel's 16-byte vectors do not fit the strides (``_usable``).
