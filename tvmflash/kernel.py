@@ -191,6 +191,9 @@ class Kernel:
     """
 
     PASS = "forward"  # what the modules compute (the disk cache's metadata says it)
+    # seqlen bucket -> a copy with that bucket's tuned knobs (``_bucket_kernels``); none for the
+    # kernels of other passes (backward, decode), which keep this empty one
+    _by_bucket: dict = {}
 
     def __init__(self, spec_args: dict, target: tvm.target.Target, knobs: dict | None):
         self._set_problem(spec_args, target)
@@ -230,7 +233,6 @@ class Kernel:
         self._fit_shared_memory(given=bool(knobs))
         self._modules: dict[tuple[int, int], _Module] = {}
         self._last: tuple[int, int] | None = None
-        # seqlen bucket -> this kernel with that bucket's tuned knobs, where they differ from these
         self._by_bucket = self._bucket_kernels(schedule_name, workload(spec_args), database.bucket(tuned)) \
             if tuned and not varlen else {}
         _BY_KEY[self.key] = self
