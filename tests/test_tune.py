@@ -659,7 +659,8 @@ def cli_tuning_run(tmp_path_factory):
     env_dir = tmp_path_factory.mktemp("cli-tuning")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("TVMFLASH_CACHE_DIR", str(env_dir))
-        database.add(database.new_record(CPU, "cpu", WORKLOAD, USER_KNOBS, 1e3))
+        # (at the run's shape: records of another seqlen bucket would be kept apart from its own)
+        database.add(database.new_record(CPU, "cpu", WORKLOAD, USER_KNOBS, 1e3, shape={"seqlen_k": 64}))
         done = cli("tune", "--head-dim", "32", "--dtype", "float32", "--causal", "both", "--trials", "2",
                    "--target", "cpu", "--seqlen", "64", "--batch", "1", "--heads", "1", env_dir=env_dir)
         assert done.returncode == 0, done.stderr
