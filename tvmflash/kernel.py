@@ -238,10 +238,10 @@ class Kernel:
         _BY_KEY[self.key] = self
 
     def _bucket_kernels(self, schedule_name: str, tuned_workload: dict, own: int) -> dict:
-        """Copies of this kernel with the knobs tuned for another seqlen_k bucket than ``own`` (that of
-        the record these knobs came from: the longest bucket's) (``database.SEQLEN_BUCKETS``), by
-        bucket, where that bucket has a record of its own whose knobs differ from these: a call whose
-        key length falls there runs them (``__call__``), in modules of their own."""
+        """By seqlen_k bucket (``database.SEQLEN_BUCKETS``): a copy of this kernel with that bucket's
+        tuned knobs, in modules of its own, for each bucket other than ``own`` (the bucket of the
+        record these knobs came from) whose record has other knobs. ``__call__`` runs the copy for
+        key lengths in its bucket."""
         children = {}
         for index, seqlen in enumerate(database.bucket_seqlens()):
             record = None if index == own else database.lookup(self.target, schedule_name, tuned_workload, seqlen)
