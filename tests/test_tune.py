@@ -345,6 +345,24 @@ def test_failed_candidates_are_never_picked():
     assert any("too much shared memory" in line for line in lines) and "3 failed" in lines[-1]
 
 
+def test_a_task_is_exhausted_once_its_configurations_are_measured():
+    """A task whose every configuration is measured, or whose search round found nothing new, gets
+    no more search rounds (on the H200 each such round cost 6 s and found nothing)."""
+    from tvm.s_tir import meta_schedule as ms
+
+    progress = tune.Progress([{"name": "a", "fixed": {}, "structures": [{}], "sampled": {}}, {"name": "b"}], 4,
+                             lambda line: None)
+    scheduler = ms.task_scheduler.TaskScheduler.create("round-robin")
+    assert tune.configurations({"structures": [{}, {}], "sampled": {"vec": [4, 8], "unroll": [0, 1, 2]}}) == 12
+    progress.apply(scheduler, 1, [], [], [])
+    assert progress.exhausted == {1}
+    a = tvm.te.placeholder((4,), name="a")
+    sch = tvm.s_tir.Schedule(tvm.te.create_prim_func([a, tvm.te.compute((4,), lambda i: a[i] + 1.0)]))
+    progress.apply(scheduler, 0, [ms.MeasureCandidate(sch, [])], [ms.builder.BuilderResult("a.tar", None)],
+                   [ms.runner.RunnerResult([1e-3], None)])
+    assert progress.exhausted == {0, 1} and progress.best_ms == pytest.approx(1.0)
+
+
 def test_trials_go_to_the_tasks_that_can_win():
     """PromisingTasksFirst: tasks are alternatives, so after the exploring share of the batches (one
     each, in order of promise) the trials go to the tasks within 10% of the best, never round-robin
@@ -794,7 +812,7 @@ def test_sm90a_serves_head_dim_32_with_sm80(cache_dir, monkeypatch):
 def test_sm90_serves_a_workload_unless_records_favour_sm80(cache_dir, monkeypatch):
     """With TVMFLASH_SM90 unset, an sm_90a kernel uses the sm90 schedule unless this device's tuned
     records for the workload, at the same shape, say the sm80 schedule is faster; 0 keeps sm80, and
-    given knobs keep the target's schedule."""
+    given knobs keep the target's schedule unless some are sm90's alone."""
     monkeypatch.delenv("TVMFLASH_SM90", raising=False)
     target = targets.cuda_target("sm90")
     workload = {"head_dim": 128, "dtype": "bfloat16", "causal": False}
@@ -816,6 +834,8 @@ def test_sm90_serves_a_workload_unless_records_favour_sm80(cache_dir, monkeypatc
     assert schedule == "sm90" and source.startswith("tuned records: sm90 1.700 ms, sm80 1.800 ms")
     assert knobs == knobs90
     assert chosen(knobs={"num_stages": 1})[0] == "sm80"
+    # knobs that only the sm90 schedule has select it (the tuner passes its records' knobs that way)
+    assert chosen(knobs={"kv_copy": "cp.async", "num_stages": 1})[:2] == ("sm90", "the knobs' (knobs of the sm90 schedule only)")
     monkeypatch.setenv("TVMFLASH_SM90", "0")
     assert chosen()[0] == "sm80"
     monkeypatch.delenv("TVMFLASH_SM90")

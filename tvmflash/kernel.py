@@ -737,24 +737,31 @@ def choose_schedule(target: tvm.target.Target, spec_args: dict,
     or None}, empty if it read none). ``schedules.for_target`` decides, except on sm_90a with
     TVMFLASH_SM90 unset and no knobs given: there this device's tuned records (``tvmflash tune`` or
     the shipped logs) of both schedules, measured at the same shape, pick the faster; without them
-    the sm90 schedule serves every head_dim but those of ``sm90.SM80_HEAD_DIMS``. varlen takes the
+    the sm90 schedule serves every head_dim but those of ``sm90.SM80_HEAD_DIMS``. Given knobs keep
+    the target's schedule, unless (on sm_90a, TVMFLASH_SM90 not 0) some are the sm90 schedule's
+    alone: ``tvmflash tune`` and a user pass its records' knobs that way. varlen takes the
     same schedules: the sm90 schedule's TMA K/V boxes read past a sequence's last key into the next
     sequence (or, past the packed tensor's end, TMA's zeros), keys that the mask hides as it hides
     any key past the sequence's end, as FA3 does; its output and LSE stores are the program's,
     predicated on the sequence's rows."""
     module = schedule_registry.for_target(target, spec_args["dtype"])
-    if (knobs or module is not schedule_registry.sm80 or schedule_registry.sm90_setting() != "records"
+    sm80, sm90 = schedule_registry.sm80, schedule_registry.sm90
+    if (knobs and module is sm80 and schedule_registry.sm90_setting() != "off"
+            and schedule_registry.sm90_eligible(target, spec_args["dtype"])
+            and not set(knobs) <= set(sm80.KNOBS) and set(knobs) <= set(sm90.KNOBS)):
+        return sm90, "the knobs' (knobs of the sm90 schedule only)", {}
+    if (knobs or module is not sm80 or schedule_registry.sm90_setting() != "records"
             or not schedule_registry.sm90_eligible(target, spec_args["dtype"])):
         return module, "the target's", {}
     records = {name: database.lookup(target, name, workload(spec_args)) for name in ("sm80", "sm90")}
     r80, r90 = records["sm80"], records["sm90"]
     if not (r80 and r90 and r80.get("shape") == r90.get("shape")):
-        if spec_args["head_dim"] in schedule_registry.sm90.SM80_HEAD_DIMS:
+        if spec_args["head_dim"] in sm90.SM80_HEAD_DIMS:
             return module, (f"sm80's for head_dim {spec_args['head_dim']} on sm_90a (measured faster than sm90; "
                             "no tuning records of both schedules to compare)"), records
-        return schedule_registry.sm90, "sm_90a's (no tuning records of both schedules to compare)", records
+        return sm90, "sm_90a's (no tuning records of both schedules to compare)", records
     times = f"sm90 {r90['mean_ms']:.3f} ms, sm80 {r80['mean_ms']:.3f} ms at {r90.get('shape')}"
-    return (schedule_registry.sm90, f"tuned records: {times}", records) if r90["mean_ms"] <= r80["mean_ms"] else \
+    return (sm90, f"tuned records: {times}", records) if r90["mean_ms"] <= r80["mean_ms"] else \
         (module, f"tuned records favour sm80: {times}", records)
 
 

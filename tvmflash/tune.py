@@ -435,6 +435,10 @@ class Progress(ms.measure_callback.PyMeasureCallback):
         self.best_ms, self.best_knobs = math.inf, None
         self.measured: dict[str, tuple[float, dict]] = {}  # each configuration's fastest run
         self.task_best: dict[int, float] = {}  # task id -> its fastest run (ms), for PromisingTasksFirst
+        # task id -> the configurations measured (failed ones too); a task is exhausted once it has
+        # measured them all or a search round of it found nothing new (PromisingTasksFirst skips it)
+        self.task_measured: dict[int, set] = {}
+        self.exhausted: set[int] = set()
         self.on_join: list = []  # called with the task id each time a task's batch comes back
         self.start = time.perf_counter()
 
@@ -447,9 +451,13 @@ class Progress(ms.measure_callback.PyMeasureCallback):
         for hook in self.on_join:
             hook(task_id)
         if not measure_candidates:
+            self.exhausted.add(task_id)
             return
         for cand, built, ran in zip(measure_candidates, builder_results, runner_results):
             self.done += 1
+            knobs = decided_knobs(cand.sch.trace, task["fixed"], task["sampled"], task.get("structures"))
+            key = repr(sorted(knobs.items()))
+            self.task_measured.setdefault(task_id, set()).add(key)
             secs = [float(s) for s in (ran.run_secs or [])]
             error = built.error_msg or ran.error_msg
             if error or not secs or max(secs) >= _FAILED:
@@ -459,13 +467,13 @@ class Progress(ms.measure_callback.PyMeasureCallback):
                     self.echo(f"  candidate failed ({task['name']}): {lines[-1] if lines else error}")
                 continue
             ms_ = 1e3 * sum(secs) / len(secs)
-            knobs = decided_knobs(cand.sch.trace, task["fixed"], task["sampled"], task.get("structures"))
-            key = repr(sorted(knobs.items()))
             if key not in self.measured or ms_ < self.measured[key][0]:
                 self.measured[key] = (ms_, knobs)
             self.task_best[task_id] = min(ms_, self.task_best.get(task_id, math.inf))
             if ms_ < self.best_ms:
                 self.best_ms, self.best_knobs = ms_, knobs
+        if len(self.task_measured[task_id]) >= configurations(task):
+            self.exhausted.add(task_id)
         best = f"{self.best_ms:.4f} ms {self.best_knobs}" if self.best_knobs else "none yet"
         self.echo(f"[{self.done}/{self.trials} trials, {self.failed} failed, {time.perf_counter() - self.start:.0f} s] "
                   f"task {task['name']}: best so far {best}")
@@ -509,15 +517,22 @@ class PromisingTasksFirst(ms.task_scheduler.PyTaskScheduler):
             self.given = [0] * len(records)
         for i in range(len(records)):
             scheduler.touch_task(i)  # joins a task whose measurements have all come back
-        alive = [i for i in range(len(records)) if not records[i].is_terminated]
-        if not alive:
-            return -1
-        task_id = self.choose(alive)
-        if task_id in self.in_flight:
+        while True:  # a task joined here may turn out exhausted: then choose again
+            alive = [i for i in range(len(records)) if not records[i].is_terminated and i not in self.progress.exhausted]
+            if not alive:
+                return -1  # MetaSchedule joins the tasks still in flight
+            task_id = self.choose(alive)
+            if task_id not in self.in_flight:
+                break
             scheduler.join_running_task(task_id)
             self.in_flight.discard(task_id)
+            if task_id not in self.progress.exhausted:
+                break
         self.in_flight.add(task_id)
         self.given[task_id] += 1
+        # said before the search round, which takes seconds to a minute on a GPU task's space
+        self.progress.echo(f"  searching task {self.progress.tasks[task_id]['name']} "
+                           f"({time.perf_counter() - self.progress.start:.0f} s)")
         return task_id
 
 
@@ -569,6 +584,11 @@ class ProgressBuilder(ms.builder.PyBuilder):
         self.reporter.note(f"  built {self.built}/{self.reporter.trials} candidates{failed}, "
                            f"{time.perf_counter() - self.reporter.start:.0f} s")
         return results
+
+
+def configurations(task: dict) -> int:
+    """How many configurations a task (``make_tasks``) holds: its structures times its sampled knobs' values."""
+    return len(task.get("structures") or [{}]) * math.prod(len(values) for values in task.get("sampled", {}).values())
 
 
 def _design_space(schedule, task: dict, context) -> tvm.IRModule:
@@ -702,7 +722,7 @@ def make_tasks(schedule, spec: program.AttentionSpec, shape: dict, space: dict, 
         fn = space_fn(schedule, fixed, sampled, kept)
         seeds = [(label, trace) for label, knobs in (known or {}).items()
                  if (trace := seed_trace(schedule, mod, fixed, sampled, knobs, kept, retracer=retracer)) is not None]
-        combos = len(kept) * math.prod(len(v) for v in sampled.values())
+        combos = configurations({"structures": kept, "sampled": sampled})
         mutators = {MutateKnob(rng.randrange(2**31), kept, retracer): 1.0} if combos > 1 else {}
         generator = ms.space_generator.ScheduleFn(fn, sch_rules=[], postprocs=[PreCheck(check, fixed, sampled, kept, stats)],
                                                   mutator_probs=mutators)
@@ -837,11 +857,10 @@ def tune(*, head_dim: int, dtype, causal: bool, target=None, trials: int = 64, b
     tasks.sort(key=lambda task: (min((rank[label] for label, _ in task["seeds"]), default=len(rank)),
                                  sum(value != defaults_point.get(name) for name, value in task["point"].items())))
     contexts = [task.pop("context") for task in tasks]
-    configurations = sum(len(task["structures"]) * math.prod(len(values) for values in task["sampled"].values())
-                         for task in tasks)
-    if trials > configurations:  # MetaSchedule would measure some of them again
-        echo(f"  the space has {configurations} configurations: {configurations} trials measure each once")
-        trials = configurations
+    total = sum(configurations(task) for task in tasks)
+    if trials > total:  # MetaSchedule would measure some of them again
+        echo(f"  the space has {total} configurations: {total} trials measure each once")
+        trials = total
     num_cores = usable_cores()
 
     db = ms.database.JSONDatabase(work_dir=str(work_dir))
