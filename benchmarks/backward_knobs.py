@@ -56,16 +56,10 @@ def pass_calls(kernel, q, k, v, out, dout, lse):
 
 
 def check_gradients(name, gradients, q, k, v, dout, causal):
-    """Print each gradient's largest error against float32 SDPA (math) beside bf16 SDPA's, and fail
-    where it is over flash-attn's rule (2x bf16's + 1e-5)."""
-    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
-    ref = torch.autograd.grad(F.scaled_dot_product_attention(q32.transpose(1, 2), k32.transpose(1, 2), v32.transpose(1, 2),
-                                                             is_causal=causal).transpose(1, 2), (q32, k32, v32), dout.float())
-    qb, kb, vb = (t.detach().requires_grad_() for t in (q, k, v))
-    same = torch.autograd.grad(F.scaled_dot_product_attention(qb.transpose(1, 2), kb.transpose(1, 2), vb.transpose(1, 2),
-                                                              is_causal=causal).transpose(1, 2), (qb, kb, vb), dout)
-    for grad_name, got, r, s in zip(("dq", "dk", "dv"), gradients, ref, same):
-        err, allowed = (got.float() - r).abs().max().item(), 2 * (s.float() - r).abs().max().item() + 1e-5
+    """Print each gradient's largest error against float32 SDPA (math), on two heads, beside what
+    flash-attn's rule allows (2x bf16 SDPA's + 1e-5)."""
+    for grad_name, (err, allowed) in zip(("dq", "dk", "dv"), bench.gradient_errors_vs_float32(gradients, q, k, v, dout,
+                                                                                            causal)):
         print(f"  check {name} {grad_name}: error {err:.2e}, allowed {allowed:.2e}" + ("" if err <= allowed else "  FAILED"))
 
 

@@ -78,17 +78,28 @@ def with_kernel_attrs(func, module: ModuleType, knobs: dict):
     return func
 
 
-def knob_problem(module: ModuleType, name: str, value) -> str | None:
-    """None if ``value`` is a value of the schedule's knob ``name``, else why not: one of the
-    schedule's ``CHOICES`` for the knob where it lists them, else a positive int for an int knob
-    (tile sizes, vector widths, counts). Checked before anything is built: a block_m of 0 or "big"
-    would otherwise fail deep inside TVM."""
-    default = module.KNOBS[name]
+KNOB_TABLES = {"forward": "KNOBS", "backward": "BACKWARD_KNOBS", "decode": "DECODE_KNOBS"}
+
+
+def knob_table(module: ModuleType, pass_: str = "forward") -> dict:
+    """A schedule's default knobs of one pass (``KNOB_TABLES``): what its records of that pass hold."""
+    return getattr(module, KNOB_TABLES[pass_], {})
+
+
+def knob_problem(module: ModuleType, name: str, value, table: dict | None = None) -> str | None:
+    """None if ``value`` is a value of the schedule's knob ``name`` (of ``table``, default its
+    forward ``KNOBS``), else why not: one of the schedule's ``CHOICES`` for the knob where it lists
+    them, else True or False for a flag, a positive int for an int knob (tile sizes, vector widths,
+    counts). Checked before anything is built: a block_m of 0 or "big" would otherwise fail deep
+    inside TVM."""
+    default = (module.KNOBS if table is None else table)[name]
     choices = getattr(module, "CHOICES", {}).get(name)
     if choices is not None:
         if value in choices and type(value) is type(default):
             return None
         return f"knobs: {name}: the {name_of(module)} schedule takes one of {list(choices)}, got {value!r}"
+    if isinstance(default, bool):
+        return None if isinstance(value, bool) else f"knobs: {name}: expected True or False, got {value!r}"
     if isinstance(default, int) and not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
         return f"knobs: {name}: expected a positive int, got {value!r}"
     return None

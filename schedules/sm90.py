@@ -982,6 +982,23 @@ def schedule_backward(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, dq
     return sch
 
 
+def backward_knobs_problem(head_dim: int, dtype: str, knobs: dict) -> str | None:
+    """Why these backward knobs cannot be scheduled, or None: checked when a BackwardKernel is made,
+    before anything is built (the tuner leaves such configurations out)."""
+    if knobs.get("dq_atomic"):
+        return _dq_share_problem(knobs["block_m"], head_dim, max(1, knobs["block_n"] // WG_ROWS))
+    return None
+
+
+def _dq_share_problem(block_m: int, head_dim: int, groups: int) -> str | None:
+    if block_m != WG_ROWS or (head_dim // groups) % 8:
+        return (f"knobs: the sm90 dq_atomic (the default) makes ds k in one wgmma of 64 query rows, each warpgroup "
+                f"head_dim / warpgroups columns (a multiple of 8): it needs block_m 64 and head_dim a multiple of "
+                f"{8 * groups}, got block_m {block_m} and head_dim {head_dim}; with other tiles pass dq_atomic False "
+                f"(dq by a pass of its own)")
+    return None
+
+
 def _backward_warpgroups(rows: int, what: str) -> int:
     if rows % WG_ROWS:
         raise ValueError(f"knobs: the sm90 backward gives each warpgroup 64 {what}, so it needs a multiple of 64, "
@@ -1020,12 +1037,10 @@ def _schedule_dq_share(sch, staged, groups, BM, D, BN, dtype):
     makes the 64 query rows of ds k for its share of the head_dim columns on wgmma (dsᵀ read
     transposed as A, K N-major as B) and adds its accumulator registers into global memory, two
     adjacent columns a ``red.global.add.v2.f32`` (``ATOMIC_ADD_PRAGMA``)."""
+    problem = _dq_share_problem(BM, D, groups)
+    if problem:
+        raise ValueError(problem)
     cols = D // groups
-    if BM != WG_ROWS or cols % 8:
-        raise ValueError(f"knobs: the sm90 dq_atomic (the default) makes ds k in one wgmma of 64 query rows, each "
-                         f"warpgroup head_dim / warpgroups columns (a multiple of 8): it needs block_m 64 and "
-                         f"head_dim a multiple of {8 * groups}, got block_m {BM} and head_dim {D}; with other "
-                         f"tiles pass dq_atomic False (dq by a pass of its own)")
     sch.transform_layout(staged, ("write", 0), _core_matrix_map)
     _pad_core_matrix_stride(sch, staged)
     _acc_block(sch, staged, groups)

@@ -1,6 +1,7 @@
 """Tuning (issue 5): design spaces, a real short llvm tuning run, the tuning database and the CLI."""
 
 import json
+import random
 import re
 import shutil
 import subprocess
@@ -901,7 +902,8 @@ def test_shipped_records_match_the_current_spaces():
     assert shipped
     for path in shipped:
         for record in json.loads(path.read_text())["records"]:
-            space = getattr(schedules, record["schedule"]).SPACE
+            module = getattr(schedules, record["schedule"])
+            space = module.BACKWARD_SPACE if record["workload"].get("pass") == "backward" else module.SPACE
             missing = set(space) - set(record["knobs"])
             assert not missing, f"{path.name}: a {record['schedule']} record of {record['workload']} lacks {sorted(missing)}"
 
@@ -915,7 +917,7 @@ def test_tune_all_retunes_every_shipped_workload(cache_dir, monkeypatch, tmp_pat
     record = database.new_record(CPU, "cpu", WORKLOAD, {"block_m": 16, "block_n": 32, "vector": 8}, 1.0)
     database.write(shipped / "some-gpu.json", [record, {**record, "device": "another"}])
     monkeypatch.setattr(database, "SHIPPED_DIR", shipped)
-    assert tvmflash_cli.shipped_workloads() == [(32, "float32", False)]
+    assert tvmflash_cli.shipped_workloads() == [(32, "float32", False, "forward")]
     assert tvmflash_cli.main(["tune", "--all", "--trials", "1", "--target", "cpu", "--seqlen", "64", "--batch", "1",
                               "--heads", "1"]) == 0
     out = capsys.readouterr().out
@@ -925,3 +927,50 @@ def test_tune_all_retunes_every_shipped_workload(cache_dir, monkeypatch, tmp_pat
     with pytest.raises(SystemExit) as exit_:
         tvmflash_cli.main(["tune", "--trials", "1"])
     assert exit_.value.code != 0 and "--head-dim" in capsys.readouterr().err
+
+
+def test_the_backward_space_known_configurations_first(monkeypatch):
+    """``tune_backward.candidates``: the known configurations, then a random draw of the rest of the
+    space (callable knobs resolved from the knobs before them), each once, leaving out before any
+    build those a BackwardKernel refuses (the schedule's ``backward_knobs_problem``, shared memory)."""
+    from tvmflash import tune_backward
+
+    assert tune_backward.space_points({"m": [32, 64], "warps": lambda knobs: [knobs["m"] // 32], "v": [8]}) == [
+        {"m": 32, "warps": 1, "v": 8}, {"m": 64, "warps": 2, "v": 8}]
+    target, spec_args = targets.cuda_target("sm90"), {"head_dim": 128, "dtype": "bfloat16", "causal": False}
+    defaults = kernel.backward_default_knobs(sm90, 128)
+    known = {"default": defaults, "user": {**defaults, "block_n": 64}}
+    chosen, problems = tune_backward.candidates(sm90, spec_args, target, known, 12, random.Random(0))
+    assert [label for label, _ in chosen[:3]] == ["default", "user", "#1"] and len(chosen) == 12
+    assert len({repr(sorted(knobs.items())) for _, knobs in chosen}) == 12  # no configuration twice
+    every = tune_backward.space_points(sm90.BACKWARD_SPACE)
+    all_chosen, problems = tune_backward.candidates(sm90, spec_args, target, known, 1000, random.Random(0))
+    assert len(all_chosen) + len(problems) == len(every)
+    # dq_atomic with 32-row Q blocks (ds k takes 64 rows a wgmma): a quarter of the space, on the H200
+    # 23 of 96 trials failed to schedule before this was checked first
+    assert len(problems) == len(every) // 4 and all("pass dq_atomic False" in p for p in problems)
+    monkeypatch.setattr(sm90, "BACKWARD_SHARED_MEMORY_LIMIT", 100 * 1024, raising=False)
+    fitting, problems = tune_backward.candidates(sm90, spec_args, target, {}, 1000, random.Random(0))
+    assert any("shared memory" in p for p in problems) and len(fitting) + len(problems) == len(every)
+
+
+def test_tune_backward_stores_a_record_compile_backward_reads(cache_dir, capsys):
+    """``tvmflash tune --pass backward`` on the CPU: the defaults and a draw of the space, built in
+    parallel processes, each checked against float32 and timed; the fastest is stored as a record of
+    the workload's backward, which compile_backward then runs (a forward kernel reads none of it)."""
+    from tvmflash import cli as tvmflash_cli
+
+    assert tvmflash_cli.main(["tune", "--pass", "backward", "--head-dim", "32", "--dtype", "float32", "--causal",
+                              "--trials", "2", "--target", "cpu", "--seqlen", "64", "--batch", "1", "--heads", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "measuring 2 configurations (default first)" in out and "trial 2/2" in out, out
+    assert "d32 float32 causal backward" in out.split("== summary")[1]
+    (record,) = [r for path, r in database.all_records() if path.parent == database.user_dir()]
+    assert record["workload"] == {"head_dim": 32, "dtype": "float32", "causal": True, "pass": "backward"}
+    assert record["trials"] == 2 and record["failed_trials"] == 0 and set(record["known_ms"]) == {"default"}
+    kernel.forget_kernels()
+    backward = tvmflash.compile_backward(head_dim=32, dtype="float32", causal=True, target="cpu")
+    assert backward.knobs == record["knobs"] and backward.knobs_source.startswith("tuned (")
+    assert tvmflash.compile(head_dim=32, dtype="float32", causal=True, target="cpu").knobs_source == "defaults"
+    varlen = tvmflash.compile_backward(head_dim=32, dtype="float32", causal=True, target="cpu", varlen=True)
+    assert varlen.knobs_source == "defaults"

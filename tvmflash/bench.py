@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from tvmflash.kernel import TORCH_DTYPES, compile
 
@@ -29,27 +30,41 @@ class Result:
     host_us: dict | None = None  # backend -> host microseconds a call (``host_us``), where measured
 
 
-def build_in_parallel(builds: list[tuple[str, dict]], processes: int, echo=print) -> None:
+def build_in_parallel(builds: list[tuple[str, dict]], processes: int, echo=print,
+                      keep_going: bool = False) -> list[str | None]:
     """Build kernels into the module cache, ``processes`` at a time (a module takes tens of seconds
     to build, on one core): each build is (the name of a tvmflash function, its keyword arguments),
     e.g. ("compile_backward", {"head_dim": 128, ..., "heads_q": 16}), and optionally environment
     variables to set for it (e.g. {"TVMFLASH_BACKWARD": "sm90"}). The benchmark's own calls then load
-    them from the cache. Spawned processes: CUDA, initialised here, forbids fork."""
+    them from the cache. Spawned processes: CUDA, initialised here, forbids fork.
+
+    Returns each build's error (None where it built). The first error is raised unless
+    ``keep_going`` (the tuner's: a candidate that fails to build is a failed trial)."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
+    errors = []
     with ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn")) as pool:
-        for build in pool.map(_build, builds):
-            echo(f"built {build[0]}({', '.join(f'{k}={v}' for k, v in build[1].items())})")
+        for build, error in zip(builds, pool.map(_build, builds)):
+            call = f"{build[0]}({', '.join(f'{k}={v}' for k, v in build[1].items())})"
+            if error and not keep_going:
+                raise RuntimeError(f"{call}: {error}")
+            echo(f"failed to build {call}: {error}" if error else f"built {call}")
+            errors.append(error)
+    return errors
 
 
-def _build(build: tuple) -> tuple:
+def _build(build: tuple) -> str | None:
     import tvmflash
 
     name, kwargs, env = (*build, {})[:3]
-    with environment(env):
-        getattr(tvmflash, name)(**kwargs)
-    return build
+    try:
+        with environment(env):
+            getattr(tvmflash, name)(**kwargs)
+    except Exception as err:  # noqa: BLE001 - reported as this build's error
+        lines = [line for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
+        return f"{type(err).__name__}: {lines[-1].strip()}"
+    return None
 
 
 @contextlib.contextmanager
@@ -225,6 +240,23 @@ def error_vs_float32(out, q, k, v, causal, heads=2, rows=1024):
     ours = (out_.float() - ref).abs().max().item()
     theirs = (attend(q.dtype).float() - ref).abs().max().item()
     return ours, 2 * theirs + 1e-5
+
+
+def gradient_errors_vs_float32(grads, q, k, v, dout, causal, heads=2) -> list[tuple[float, float]]:
+    """(error, allowed) of each of dq, dk, dv on the first ``heads`` heads (query heads; as many key
+    heads) against float32 SDPA (math): flash-attn's rule allows 2x the error of torch's same-dtype
+    attention, plus 1e-5. q, k, v, dout: (batch, seqlen, heads, head_dim), as many query as key heads."""
+    sl = (slice(None), slice(None), slice(0, heads))
+
+    def grads_in(dtype):
+        leaves = [t[sl].detach().to(dtype).requires_grad_() for t in (q, k, v)]
+        out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in leaves), is_causal=causal).transpose(1, 2)
+        return torch.autograd.grad(out, leaves, dout[sl].to(dtype))
+
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        ref, same = grads_in(torch.float32), grads_in(q.dtype)
+    return [((got[sl].float() - r).abs().max().item(), 2 * (s.float() - r).abs().max().item() + 1e-5)
+            for got, r, s in zip(grads, ref, same)]
 
 
 def run(*, device=None, dtype="bfloat16", head_dims=(64, 128), causal=(False, True), seqlens=None,

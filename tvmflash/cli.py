@@ -94,7 +94,7 @@ def _workload_dir(work_dir, name: str, count: int):
 
 
 def _tune(args) -> int:
-    from tvmflash import database, program, tune
+    from tvmflash import database, program, tune, tune_backward
 
     if args.all:
         workloads = shipped_workloads()
@@ -103,24 +103,29 @@ def _tune(args) -> int:
     elif not args.head_dim:
         raise ValueError("tune: give --head-dim (one or more), or --all for every shipped workload")
     else:
-        workloads = [(head_dim, dtype, causal) for head_dim in args.head_dim for dtype in args.dtype
+        workloads = [(head_dim, dtype, causal, args.pass_) for head_dim in args.head_dim for dtype in args.dtype
                      for causal in {"no": (False,), "yes": (True,), "both": (False, True)}[args.causal]]
     if args.trials < 1:
         raise ValueError(f"trials: expected a positive number, got {args.trials}")
-    for head_dim, dtype, causal in workloads:  # every workload is valid before the first one runs
+    for head_dim, dtype, causal, _ in workloads:  # every workload is valid before the first one runs
         program.AttentionSpec(head_dim, dtype, causal)
     records, failed = [], []
     # A progress bar on a terminal; plain lines in a log or a pipe.
     bar_stream = sys.stdout if sys.stdout.isatty() else None
-    for n, (head_dim, dtype, causal) in enumerate(workloads, 1):
-        name = f"d{head_dim} {dtype} {'causal' if causal else 'full'}"
+    echo = functools.partial(print, flush=True)
+    for n, (head_dim, dtype, causal, pass_) in enumerate(workloads, 1):
+        name = f"d{head_dim} {dtype} {'causal' if causal else 'full'}" + ("" if pass_ == "forward" else f" {pass_}")
         if len(workloads) > 1:
             print(f"== workload {n}/{len(workloads)}: {name}", flush=True)
+        shape = {"batch": args.batch, "seqlen": args.seqlen, "heads": args.heads}
         try:
-            record = tune.tune(head_dim=head_dim, dtype=dtype, causal=causal, target=args.target,
-                               trials=args.trials, batch=args.batch, seqlen=args.seqlen, heads=args.heads,
-                               work_dir=_workload_dir(args.work_dir, name, len(workloads)), cold=args.cold,
-                               echo=functools.partial(print, flush=True), bar_stream=bar_stream)
+            if pass_ == "backward":
+                record = tune_backward.tune_backward(head_dim=head_dim, dtype=dtype, causal=causal, target=args.target,
+                                                     trials=args.trials, cold=args.cold, echo=echo, **shape)
+            else:
+                record = tune.tune(head_dim=head_dim, dtype=dtype, causal=causal, target=args.target,
+                                   trials=args.trials, work_dir=_workload_dir(args.work_dir, name, len(workloads)),
+                                   cold=args.cold, echo=echo, bar_stream=bar_stream, **shape)
         except RuntimeError as err:  # nothing built and ran: say so, go on with the others
             print(f"tvmflash tune: {name}: {err}", file=sys.stderr)
             failed.append(name)
@@ -130,16 +135,16 @@ def _tune(args) -> int:
     return 1 if failed else 0
 
 
-def shipped_workloads() -> list[tuple[int, str, bool]]:
-    """(head_dim, dtype, causal) of every workload with a shipped record (``tuning_logs/``), sorted:
-    what ``tvmflash tune --all`` re-tunes for this GPU."""
+def shipped_workloads() -> list[tuple[int, str, bool, str]]:
+    """(head_dim, dtype, causal, pass) of every workload with a shipped record (``tuning_logs/``),
+    sorted: what ``tvmflash tune --all`` re-tunes for this GPU."""
     from tvmflash import database
 
     found = set()
     for path in sorted(database.SHIPPED_DIR.glob("*.json")):
         for record in database.read(path):
             workload = record["workload"]
-            found.add((workload["head_dim"], workload["dtype"], workload["causal"]))
+            found.add((workload["head_dim"], workload["dtype"], workload["causal"], workload.get("pass", "forward")))
     return sorted(found)
 
 
@@ -173,7 +178,8 @@ def _cache(args) -> int:
             at = f" at s{r['shape'].get('seqlen_k')}" if isinstance(r.get("shape"), dict) else ""  # its seqlen bucket's
             print(f"  {database.record_id(r)}  {'shipped' if path.parent == database.SHIPPED_DIR else 'user'}  "
                   f"{r.get('device')}  {r.get('schedule')}  d{w.get('head_dim')} {w.get('dtype')} "
-                  f"{'causal' if w.get('causal') else 'full'}  {r.get('mean_ms', float('nan')):.4f} ms{at}  "
+                  f"{'causal' if w.get('causal') else 'full'}{' ' + w['pass'] if 'pass' in w else ''}  "
+                  f"{r.get('mean_ms', float('nan')):.4f} ms{at}  "
                   f"{json.dumps(r.get('knobs'))}  {r.get('created', '')}")
     elif args.action == "show":
         if not args.key:
@@ -257,7 +263,10 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--dtype", nargs="+", default=["bfloat16"], choices=dtypes, help="one or more")
     t.add_argument("--causal", nargs="?", const="yes", default="no", choices=["no", "yes", "both"],
                    help="--causal alone means yes; both tunes each workload with and without")
-    t.add_argument("--trials", type=int, default=64, help="MetaSchedule trials, over all tile sizes")
+    t.add_argument("--pass", dest="pass_", choices=["forward", "backward"], default="forward",
+                   help="the forward's knobs (MetaSchedule's search) or the backward's (its space measured: "
+                        "the known configurations, then a random sample)")
+    t.add_argument("--trials", type=int, default=64, help="trials (configurations measured), over all tile sizes")
     t.add_argument("--target", default=None, help="cpu, cuda, sm80, ...; none given: this machine's")
     t.add_argument("--seqlen", type=int, default=None,
                    help="the shape tuned on; none given: 4096 on a GPU, 512 on a CPU")

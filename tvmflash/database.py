@@ -1,7 +1,8 @@
 """Tuned knobs, per GPU: a small JSON database that never leaks records across GPUs.
 
 A record says: on this GPU (name and compute capability) and target, with these tvmflash and TVM
-versions, this schedule runs this workload (head_dim, dtype, causal) fastest with these knobs, at
+versions, this schedule runs this workload (head_dim, dtype, causal, and "pass": "backward" for the
+backward's knobs; the forward's have no pass) fastest with these knobs, at
 sequence lengths of its tuning shape's bucket (``SEQLEN_BUCKETS``).
 The user's database (under the cache dir, written by ``tvmflash tune``) is layered over the
 read-only logs shipped in ``tuning_logs/``; the user's records win.
@@ -203,14 +204,15 @@ def known_records(target, schedule: str, workload: dict, seqlen_k: int | None = 
     want = {**device_key(target), "schedule": schedule, "workload": workload}
     name = slug(want["device"]) + ".json"
     module = getattr(schedule_registry, schedule)
-    knobs = set(module.KNOBS)
+    table = schedule_registry.knob_table(module, workload.get("pass", "forward"))
+    knobs = set(table)
     found = []
     for path in (user_dir() / name, SHIPPED_DIR / name):
         # A record without one of the schedule's knobs was tuned before that knob existed: the
         # schedule it measured is not the one its knobs would build now.
         # A record whose knob takes a value the schedule does not is not used either.
         matches = [r for r in read(path) if _same_fields(r, want) and knobs <= set(r["knobs"]) and not any(
-            schedule_registry.knob_problem(module, n, v) for n, v in r["knobs"].items() if n in knobs)]
+            schedule_registry.knob_problem(module, n, v, table) for n, v in r["knobs"].items() if n in knobs)]
         buckets = {bucket(r) for r in matches}
         if matches:
             wanted = seqlen_bucket(seqlen_k) if seqlen_k is not None and seqlen_bucket(seqlen_k) in buckets \

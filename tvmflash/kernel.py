@@ -82,6 +82,12 @@ def default_knobs(schedule, head_dim: int, varlen: bool = False) -> dict:
             **(getattr(schedule, "VARLEN_KNOBS", {}) if varlen else {})}
 
 
+def backward_default_knobs(schedule, head_dim: int) -> dict:
+    """A schedule's default backward knobs for a head_dim: ``BACKWARD_KNOBS``, updated by
+    ``BACKWARD_KNOBS_FOR_HEAD_DIM``."""
+    return {**schedule.BACKWARD_KNOBS, **getattr(schedule, "BACKWARD_KNOBS_FOR_HEAD_DIM", {}).get(head_dim, {})}
+
+
 def resolve_softmax_scale(softmax_scale, head_dim: int) -> float:
     """The scale to use: 1/sqrt(head_dim) for None; a TypeError for anything but a finite number,
     a ValueError outside (0, program.MAX_SOFTMAX_SCALE]."""
@@ -726,6 +732,11 @@ def workload(spec_args: dict) -> dict:
     return {name: spec_args[name] for name in WORKLOAD_FIELDS}
 
 
+def backward_workload(spec_args: dict) -> dict:
+    """What the backward's tuning records are keyed by: the forward's workload and its pass."""
+    return {**workload(spec_args), "pass": "backward"}
+
+
 def by_key(key: str) -> Kernel:
     """The Kernel a custom op's ``kernel`` argument names (``Kernel.key``)."""
     return _BY_KEY[key]
@@ -843,15 +854,27 @@ class BackwardKernel(Kernel):
         self.schedule_source = "the target's"
         schedule_name = schedule_registry.name_of(self.schedule)
         self._check_knob_names(knobs, self.schedule.BACKWARD_KNOBS, "backward ")
-        defaults = {**self.schedule.BACKWARD_KNOBS,
-                    **getattr(self.schedule, "BACKWARD_KNOBS_FOR_HEAD_DIM", {}).get(self.head_dim, {})}
-        self.knobs = {**defaults, **(knobs or {})}
-        self.knobs_source = "given" if knobs else "defaults"
+        defaults = backward_default_knobs(self.schedule, self.head_dim)
+        # the caller's knobs, else those `tvmflash tune --pass backward` stored for this GPU (dense
+        # kernels: varlen keeps the defaults), else the defaults
+        tuned = None if knobs or self.variant.get("varlen") else database.lookup(
+            target, schedule_name, backward_workload(spec_args))
+        self.knobs = {**defaults, **(tuned["knobs"] if tuned else {}), **(knobs or {})}
+        if knobs:
+            self.knobs_source = "given"
+        elif tuned:
+            self.knobs_source = f"tuned ({tuned['source']}, {tuned['mean_ms']:.3f} ms at {tuned.get('shape')})"
+        else:
+            self.knobs_source = "defaults"
         if deterministic and self.dq_atomic:  # the dq pass instead: one sum a dq element, in a fixed order
             if (knobs or {}).get("dq_atomic"):
                 raise ValueError("knobs: dq_atomic sums dq by fp32 atomics, in an order that changes from run to "
                                  "run, and deterministic=True asks for bitwise-equal gradients: leave one out")
             self.knobs["dq_atomic"] = False
+        check = getattr(self.schedule, "backward_knobs_problem", None)
+        problem = check(self.head_dim, self.dtype, self.knobs) if check and targets.is_cuda(target) else None
+        if problem:
+            raise ValueError(problem)
         needs = getattr(self.schedule, "backward_shared_memory_bytes", None)
         if needs and targets.is_cuda(target):
             need = needs(self.head_dim, self.dtype, self.knobs)
