@@ -787,6 +787,31 @@ def default_shape(target, head_dim: int) -> dict:
             "heads": max(1, grid["hidden"] // head_dim)}
 
 
+def tuning_request(head_dim: int, dtype, causal: bool, trials: int, target, batch: int | None, seqlen: int | None,
+                   heads: int | None) -> tuple[str, tvm.target.Target, dict]:
+    """A tuning run's arguments, checked: the dtype's name, the resolved target and the tuning shape
+    (``default_shape``, with the batch, seqlen and heads given)."""
+    dtype = kernel.dtype_name(dtype)
+    kernel.check_flag("causal", causal)
+    program.AttentionSpec(head_dim, dtype, causal)  # validates head_dim and dtype
+    if trials < 1:
+        raise ValueError(f"trials: expected a positive number, got {trials}")
+    resolved = targets.resolve(target)
+    shape = default_shape(resolved, head_dim)
+    shape.update({k: v for k, v in {"batch": batch, "seqlen": seqlen, "heads": heads}.items() if v is not None})
+    if min(shape.values()) < 1:
+        raise ValueError(f"shape: expected positive batch, seqlen and heads, got {shape}")
+    return dtype, resolved, shape
+
+
+def require_gpu(target) -> bool:
+    """Whether ``target`` is a GPU; a ValueError if it is one and torch sees none to run on."""
+    cuda = targets.is_cuda(target)
+    if cuda and not torch.cuda.is_available():
+        raise ValueError(f"target: tuning {targets.describe(target)} needs a CUDA GPU to run on; none is visible")
+    return cuda
+
+
 def tune(*, head_dim: int, dtype, causal: bool, target=None, trials: int = 64, batch: int | None = None,
          seqlen: int | None = None, heads: int | None = None, work_dir=None, space: dict | None = None,
          trials_per_iter: int | None = None, seed: int | None = None, repeat: int = 20, recheck: int = 3,
@@ -810,12 +835,7 @@ def tune(*, head_dim: int, dtype, causal: bool, target=None, trials: int = 64, b
     one of the search's; ``known_ms`` for each known configuration timed) with ``path``, the
     database file.
     """
-    dtype = kernel.dtype_name(dtype)
-    kernel.check_flag("causal", causal)
-    program.AttentionSpec(head_dim, dtype, causal)  # validates head_dim and dtype
-    if trials < 1:
-        raise ValueError(f"trials: expected a positive number, got {trials}")
-    resolved = targets.resolve(target)
+    dtype, resolved, shape = tuning_request(head_dim, dtype, causal, trials, target, batch, seqlen, heads)
     # the schedule that tvmflash.compile would pick (on sm_90a the sm90 one unless TVMFLASH_SM90=0 or
     # this device's records favour sm80), not the target's first: a record of another would go unread
     schedule, why, _ = kernel.choose_schedule(resolved, {"head_dim": head_dim, "dtype": dtype, "causal": causal}, None)
@@ -824,13 +844,7 @@ def tune(*, head_dim: int, dtype, causal: bool, target=None, trials: int = 64, b
     unknown = set(space) - set(schedule.KNOBS)
     if unknown:
         raise ValueError(f"space: {sorted(unknown)} are not knobs of the {schedule_name} schedule")
-    shape = default_shape(resolved, head_dim)
-    shape.update({k: v for k, v in {"batch": batch, "seqlen": seqlen, "heads": heads}.items() if v is not None})
-    if min(shape.values()) < 1:
-        raise ValueError(f"shape: expected positive batch, seqlen and heads, got {shape}")
-    cuda = targets.is_cuda(resolved)
-    if cuda and not torch.cuda.is_available():
-        raise ValueError(f"target: tuning {targets.describe(resolved)} needs a CUDA GPU to run on; none is visible")
+    cuda = require_gpu(resolved)
     workload = {"head_dim": head_dim, "dtype": dtype, "causal": causal}
     work_dir = Path(work_dir or cache.cache_dir() / "tuning-work" /
                     f"{schedule_name}-d{head_dim}-{dtype}-{'causal' if causal else 'full'}-{time.strftime('%Y%m%d-%H%M%S')}")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from tvmflash import bench, database, kernel, program, tune
+from tvmflash import bench, database, kernel, tune
 from tvmflash import schedules as schedule_registry
 from tvmflash import target as targets
 
@@ -72,21 +72,10 @@ def tune_backward(*, head_dim: int, dtype, causal: bool, target=None, trials: in
     are read (the defaults are still timed, as the reference and the floor of what is stored).
     ``jobs``: build processes (default: the usable cores). Returns the new record with ``path``.
     """
-    dtype = kernel.dtype_name(dtype)
-    kernel.check_flag("causal", causal)
-    program.AttentionSpec(head_dim, dtype, causal)  # validates head_dim and dtype
-    if trials < 1:
-        raise ValueError(f"trials: expected a positive number, got {trials}")
-    resolved = targets.resolve(target)
-    cuda = targets.is_cuda(resolved)
-    if cuda and not torch.cuda.is_available():
-        raise ValueError(f"target: tuning {targets.describe(resolved)} needs a CUDA GPU to run on; none is visible")
+    dtype, resolved, shape = tune.tuning_request(head_dim, dtype, causal, trials, target, batch, seqlen, heads)
+    cuda = tune.require_gpu(resolved)
     schedule = schedule_registry.backward_for_target(resolved, dtype, head_dim)
     schedule_name = schedule_registry.name_of(schedule)
-    shape = tune.default_shape(resolved, head_dim)
-    shape.update({k: v for k, v in {"batch": batch, "seqlen": seqlen, "heads": heads}.items() if v is not None})
-    if min(shape.values()) < 1:
-        raise ValueError(f"shape: expected positive batch, seqlen and heads, got {shape}")
     spec_args = {"head_dim": head_dim, "dtype": dtype, "causal": causal}
     workload = kernel.backward_workload(spec_args)
     start = time.perf_counter()
