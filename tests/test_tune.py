@@ -917,7 +917,7 @@ def test_tune_all_retunes_every_shipped_workload(cache_dir, monkeypatch, tmp_pat
     record = database.new_record(CPU, "cpu", WORKLOAD, {"block_m": 16, "block_n": 32, "vector": 8}, 1.0)
     database.write(shipped / "some-gpu.json", [record, {**record, "device": "another"}])
     monkeypatch.setattr(database, "SHIPPED_DIR", shipped)
-    assert tvmflash_cli.shipped_workloads() == [(32, "float32", False, "forward")]
+    assert tvmflash_cli.shipped_workloads() == [(32, "float32", False, "forward", 0)]
     assert tvmflash_cli.main(["tune", "--all", "--trials", "1", "--target", "cpu", "--seqlen", "64", "--batch", "1",
                               "--heads", "1"]) == 0
     out = capsys.readouterr().out
@@ -930,27 +930,29 @@ def test_tune_all_retunes_every_shipped_workload(cache_dir, monkeypatch, tmp_pat
 
 
 def test_the_backward_space_known_configurations_first(monkeypatch):
-    """``tune_backward.candidates``: the known configurations, then a random draw of the rest of the
+    """``tune_passes.candidates``: the known configurations, then a random draw of the rest of the
     space (callable knobs resolved from the knobs before them), each once, leaving out before any
     build those a BackwardKernel refuses (the schedule's ``backward_knobs_problem``, shared memory)."""
-    from tvmflash import tune_backward
+    from tvmflash import tune_passes
 
-    assert tune_backward.space_points({"m": [32, 64], "warps": lambda knobs: [knobs["m"] // 32], "v": [8]}) == [
+    assert tune_passes.space_points({"m": [32, 64], "warps": lambda knobs: [knobs["m"] // 32], "v": [8]}) == [
         {"m": 32, "warps": 1, "v": 8}, {"m": 64, "warps": 2, "v": 8}]
-    target, spec_args = targets.cuda_target("sm90"), {"head_dim": 128, "dtype": "bfloat16", "causal": False}
+    shape = {"batch": 4, "seqlen": 4096, "heads": 16}
+    backward = tune_passes.Backward(128, "bfloat16", False, targets.cuda_target("sm90"), shape)
+    assert backward.schedule is sm90
     defaults = kernel.backward_default_knobs(sm90, 128)
     known = {"default": defaults, "user": {**defaults, "block_n": 64}}
-    chosen, problems = tune_backward.candidates(sm90, spec_args, target, known, 12, random.Random(0))
+    chosen, problems = tune_passes.candidates(backward, known, 12, random.Random(0))
     assert [label for label, _ in chosen[:3]] == ["default", "user", "#1"] and len(chosen) == 12
     assert len({repr(sorted(knobs.items())) for _, knobs in chosen}) == 12  # no configuration twice
-    every = tune_backward.space_points(sm90.BACKWARD_SPACE)
-    all_chosen, problems = tune_backward.candidates(sm90, spec_args, target, known, 1000, random.Random(0))
+    every = tune_passes.space_points(sm90.BACKWARD_SPACE)
+    all_chosen, problems = tune_passes.candidates(backward, known, 1000, random.Random(0))
     assert len(all_chosen) + len(problems) == len(every)
     # dq_atomic with 32-row Q blocks (ds k takes 64 rows a wgmma): a quarter of the space, on the H200
     # 23 of 96 trials failed to schedule before this was checked first
     assert len(problems) == len(every) // 4 and all("pass dq_atomic False" in p for p in problems)
     monkeypatch.setattr(sm90, "BACKWARD_SHARED_MEMORY_LIMIT", 100 * 1024, raising=False)
-    fitting, problems = tune_backward.candidates(sm90, spec_args, target, {}, 1000, random.Random(0))
+    fitting, problems = tune_passes.candidates(backward, {}, 1000, random.Random(0))
     assert any("shared memory" in p for p in problems) and len(fitting) + len(problems) == len(every)
 
 
@@ -974,3 +976,23 @@ def test_tune_backward_stores_a_record_compile_backward_reads(cache_dir, capsys)
     assert tvmflash.compile(head_dim=32, dtype="float32", causal=True, target="cpu").knobs_source == "defaults"
     varlen = tvmflash.compile_backward(head_dim=32, dtype="float32", causal=True, target="cpu", varlen=True)
     assert varlen.knobs_source == "defaults"
+
+
+def test_tune_decode_stores_a_record_compile_decode_reads(cache_dir, capsys):
+    """``tvmflash tune --pass decode`` on the CPU: one query token over full caches, a quarter as many
+    K/V heads as query heads; the record is the cache layout's (a paged kernel keeps its defaults)."""
+    from tvmflash import cli as tvmflash_cli
+    from tvmflash import decode
+
+    assert tvmflash_cli.main(["tune", "--pass", "decode", "--head-dim", "32", "--dtype", "float32", "--trials", "2",
+                              "--target", "cpu", "--seqlen", "96", "--batch", "2", "--heads", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "'heads_q': 4, 'heads_kv': 1" in out and "trial 2/2" in out and "d32 float32 full decode" in out, out
+    (record,) = [r for path, r in database.all_records() if path.parent == database.user_dir()]
+    assert record["workload"] == decode.decode_workload(32, "float32", 0) and record["failed_trials"] == 0
+    contiguous = decode.compile_decode(head_dim=32, dtype="float32", target="cpu")
+    assert contiguous.knobs == record["knobs"] and contiguous.knobs_source.startswith("tuned (")
+    assert decode.compile_decode(head_dim=32, dtype="float32", page_size=16, target="cpu").knobs_source == "defaults"
+    with pytest.raises(SystemExit):
+        tvmflash_cli.main(["tune", "--head-dim", "32", "--page-size", "16", "--target", "cpu"])
+    assert "--page-size" in capsys.readouterr().err

@@ -94,7 +94,7 @@ def _workload_dir(work_dir, name: str, count: int):
 
 
 def _tune(args) -> int:
-    from tvmflash import database, program, tune, tune_backward
+    from tvmflash import database, program, tune, tune_passes
 
     if args.all:
         workloads = shipped_workloads()
@@ -103,25 +103,30 @@ def _tune(args) -> int:
     elif not args.head_dim:
         raise ValueError("tune: give --head-dim (one or more), or --all for every shipped workload")
     else:
-        workloads = [(head_dim, dtype, causal, args.pass_) for head_dim in args.head_dim for dtype in args.dtype
+        workloads = [(head_dim, dtype, causal, args.pass_, args.page_size) for head_dim in args.head_dim
+                     for dtype in args.dtype
                      for causal in {"no": (False,), "yes": (True,), "both": (False, True)}[args.causal]]
     if args.trials < 1:
         raise ValueError(f"trials: expected a positive number, got {args.trials}")
-    for head_dim, dtype, causal, _ in workloads:  # every workload is valid before the first one runs
+    for head_dim, dtype, causal, pass_, page_size in workloads:  # every workload is valid before the first runs
         program.AttentionSpec(head_dim, dtype, causal)
+        if pass_ != "decode" and page_size:
+            raise ValueError("--page-size: a cache layout, for --pass decode only")
     records, failed = [], []
     # A progress bar on a terminal; plain lines in a log or a pipe.
     bar_stream = sys.stdout if sys.stdout.isatty() else None
     echo = functools.partial(print, flush=True)
-    for n, (head_dim, dtype, causal, pass_) in enumerate(workloads, 1):
-        name = f"d{head_dim} {dtype} {'causal' if causal else 'full'}" + ("" if pass_ == "forward" else f" {pass_}")
+    for n, (head_dim, dtype, causal, pass_, page_size) in enumerate(workloads, 1):
+        name = (f"d{head_dim} {dtype} {'causal' if causal else 'full'}" + ("" if pass_ == "forward" else f" {pass_}")
+                + (f" paged {page_size}" if page_size else ""))
         if len(workloads) > 1:
             print(f"== workload {n}/{len(workloads)}: {name}", flush=True)
         shape = {"batch": args.batch, "seqlen": args.seqlen, "heads": args.heads}
         try:
-            if pass_ == "backward":
-                record = tune_backward.tune_backward(head_dim=head_dim, dtype=dtype, causal=causal, target=args.target,
-                                                     trials=args.trials, cold=args.cold, echo=echo, **shape)
+            if pass_ != "forward":
+                record = tune_passes.tune_pass(pass_, head_dim=head_dim, dtype=dtype, causal=causal, target=args.target,
+                                               trials=args.trials, page_size=page_size, cold=args.cold, echo=echo,
+                                               **shape)
             else:
                 record = tune.tune(head_dim=head_dim, dtype=dtype, causal=causal, target=args.target,
                                    trials=args.trials, work_dir=_workload_dir(args.work_dir, name, len(workloads)),
@@ -135,16 +140,17 @@ def _tune(args) -> int:
     return 1 if failed else 0
 
 
-def shipped_workloads() -> list[tuple[int, str, bool, str]]:
-    """(head_dim, dtype, causal, pass) of every workload with a shipped record (``tuning_logs/``),
-    sorted: what ``tvmflash tune --all`` re-tunes for this GPU."""
+def shipped_workloads() -> list[tuple[int, str, bool, str, int]]:
+    """(head_dim, dtype, causal, pass, page_size) of every workload with a shipped record
+    (``tuning_logs/``), sorted: what ``tvmflash tune --all`` re-tunes for this GPU."""
     from tvmflash import database
 
     found = set()
     for path in sorted(database.SHIPPED_DIR.glob("*.json")):
         for record in database.read(path):
             workload = record["workload"]
-            found.add((workload["head_dim"], workload["dtype"], workload["causal"], workload.get("pass", "forward")))
+            found.add((workload["head_dim"], workload["dtype"], workload["causal"], workload.get("pass", "forward"),
+                       workload.get("page_size", 0)))
     return sorted(found)
 
 
@@ -263,15 +269,19 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--dtype", nargs="+", default=["bfloat16"], choices=dtypes, help="one or more")
     t.add_argument("--causal", nargs="?", const="yes", default="no", choices=["no", "yes", "both"],
                    help="--causal alone means yes; both tunes each workload with and without")
-    t.add_argument("--pass", dest="pass_", choices=["forward", "backward"], default="forward",
-                   help="the forward's knobs (MetaSchedule's search) or the backward's (its space measured: "
-                        "the known configurations, then a random sample)")
+    t.add_argument("--pass", dest="pass_", choices=["forward", "backward", "decode"], default="forward",
+                   help="the forward's knobs (MetaSchedule's search), or the backward's or decode's (their space "
+                        "measured: the known configurations, then a random draw)")
+    t.add_argument("--page-size", type=int, default=0,
+                   help="--pass decode: tune for a paged KV cache of pages this many rows (0: contiguous)")
     t.add_argument("--trials", type=int, default=64, help="trials (configurations measured), over all tile sizes")
     t.add_argument("--target", default=None, help="cpu, cuda, sm80, ...; none given: this machine's")
     t.add_argument("--seqlen", type=int, default=None,
-                   help="the shape tuned on; none given: 4096 on a GPU, 512 on a CPU")
-    t.add_argument("--batch", type=int, default=None, help="none given: bench's tokens / --seqlen")
-    t.add_argument("--heads", type=int, default=None, help="none given: bench's hidden / head_dim")
+                   help="the shape tuned on; none given: 4096 on a GPU, 512 on a CPU (decode: the KV length, "
+                        "16384 on a GPU)")
+    t.add_argument("--batch", type=int, default=None, help="none given: bench's tokens / --seqlen (decode: 32 on a GPU)")
+    t.add_argument("--heads", type=int, default=None,
+                   help="none given: bench's hidden / head_dim (decode: 32 query heads on a GPU, a quarter as many K/V heads)")
     t.add_argument("--work-dir", default=None, help="MetaSchedule's logs and database; none given: under the cache dir")
     t.add_argument("--cold", action="store_true",
                    help="start the search from nothing, as on a new GPU: no tuning records are read, and neither "

@@ -15,7 +15,7 @@ import math
 import torch
 import tvm
 
-from tvmflash import cache, lowering, program, program_decode
+from tvmflash import cache, database, lowering, program, program_decode
 from tvmflash import schedules as schedule_registry
 from tvmflash import target as targets
 from tvmflash.kernel import (
@@ -69,8 +69,17 @@ class DecodeKernel(Kernel):
         self.schedule = schedule_registry.simt_for_target(target)
         self.schedule_source = "the target's"
         self._check_knob_names(knobs, self.schedule.DECODE_KNOBS, "decode ")
-        self.knobs = {**self.schedule.DECODE_KNOBS, **(knobs or {})}
-        self.knobs_source = "given" if knobs else "defaults"
+        # the caller's knobs, else those `tvmflash tune --pass decode` stored for this device and cache
+        # layout, else the defaults
+        tuned = None if knobs else database.lookup(target, schedule_registry.name_of(self.schedule),
+                                                   decode_workload(head_dim, dtype, page_size))
+        self.knobs = {**self.schedule.DECODE_KNOBS, **(tuned["knobs"] if tuned else {}), **(knobs or {})}
+        if knobs:
+            self.knobs_source = "given"
+        elif tuned:
+            self.knobs_source = f"tuned ({tuned['source']}, {tuned['mean_ms']:.3f} ms at {tuned.get('shape')})"
+        else:
+            self.knobs_source = "defaults"
         problem = getattr(self.schedule, "decode_knob_problem", lambda *a: None)(head_dim, dtype, self.knobs)
         if problem:
             raise ValueError(f"knobs: {problem}")
@@ -253,6 +262,18 @@ def _sm_count(device: torch.device) -> int:
 
 
 _KERNELS: dict[str, DecodeKernel] = {}
+
+
+def decode_workload(head_dim: int, dtype: str, page_size: int) -> dict:
+    """What decode's tuning records are keyed by: head_dim, dtype and the cache layout (0:
+    contiguous), with its pass (a variant takes the plain workload's knobs, as the forward's)."""
+    return {"head_dim": head_dim, "dtype": dtype, "causal": False, "pass": "decode", "page_size": page_size}
+
+
+def forget_kernels() -> None:
+    """Drop the in-memory decode kernels, so the next one looks up tuned knobs afresh."""
+    _KERNELS.clear()
+    _BY_DEVICE.clear()
 
 
 def compile_decode(*, head_dim: int, dtype, page_size: int = 0, target=None, knobs: dict | None = None,

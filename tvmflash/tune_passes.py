@@ -1,0 +1,262 @@
+"""``tvmflash tune --pass backward|decode``: a pass's knobs for this machine, by measuring its space.
+
+The backward is three programs run as one call (delta; dkdv; dq by a pass of its own, or by
+dkdv's fp32 atomics), and decode two (the splits and their merge, or one that writes the output):
+their knobs change which programs run as well as their tiles. MetaSchedule measures one program's
+candidates, so these passes are not searched by it: their spaces are small (sm90's
+``BACKWARD_SPACE`` holds 128 configurations), or, for decode, cheap to build (seconds a
+candidate), and a budget of trials covers much of them. The known configurations (the defaults
+and, unless ``cold``, the best user and shipped records) come first, then a random draw of the
+rest, leaving out what the pass's kernel refuses before building (shared memory, the schedule's
+own checks); each is built in parallel processes (``bench.build_in_parallel``) as
+``compile_backward`` / ``compile_decode`` build it, checked against float32 with flash-attn's rule
+and timed whole on the tuning shape's tensors, one at a time (``tune.gpu_timing_lock``). The
+fastest correct one is stored as a record of the workload's pass (``kernel.backward_workload``,
+``decode.decode_workload``), which the pass's kernel then reads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from tvmflash import bench, database, decode, kernel, tune
+from tvmflash import schedules as schedule_registry
+from tvmflash import target as targets
+
+# The decode tuning shape: the serving grid of BENCHMARKS.md (GQA 32/8, one query token) on a GPU;
+# --heads sets the query heads, a quarter of them the K/V heads.
+_DECODE_SHAPE = {"cuda": {"batch": 32, "seqlen": 16384, "heads": 32}, "cpu": {"batch": 2, "seqlen": 1024, "heads": 4}}
+GQA_GROUP = 4
+
+
+def space_points(space: dict) -> list[dict]:
+    """Every configuration of a space: a list of values a knob, or a callable of the knobs resolved
+    before it that returns that list (e.g. sm80's dq_warps, from dq_block_m)."""
+    points = [{}]
+    for name, values in space.items():
+        points = [{**point, name: value} for point in points
+                  for value in (values(point) if callable(values) else values)]
+    return points
+
+
+class Backward:
+    """The backward pass: ``compile_backward``'s kernel, timed on (q, k, v, out, dout, lse) of the
+    tuning shape, its gradients checked on two heads."""
+
+    name, space_name, builder = "backward", "BACKWARD_SPACE", "compile_backward"
+
+    def __init__(self, head_dim: int, dtype: str, causal: bool, target, shape: dict):
+        self.spec_args = {"head_dim": head_dim, "dtype": dtype, "causal": causal}
+        self.target, self.shape = target, shape
+        self.schedule = schedule_registry.backward_for_target(target, dtype, head_dim)
+        self.defaults = kernel.backward_default_knobs(self.schedule, head_dim)
+        self.workload = kernel.backward_workload(self.spec_args)
+        self.heads = (shape["heads"], shape["heads"])
+        self.record_shape = {"batch": shape["batch"], "seqlen_q": shape["seqlen"], "seqlen_k": shape["seqlen"],
+                             "heads_q": shape["heads"], "heads_kv": shape["heads"]}
+
+    def kernel(self, knobs: dict):
+        """The kernel of these knobs (a ValueError where it refuses them; builds nothing)."""
+        return kernel.compile_backward(**self.spec_args, target=self.target, knobs=knobs)
+
+    def check(self, knobs: dict) -> None:
+        kernel.BackwardKernel(self.spec_args, self.target, knobs)
+
+    def build_kwargs(self, knobs: dict) -> dict:
+        return {**self.spec_args, "target": self.target, "knobs": knobs, "heads_q": self.heads[0],
+                "heads_kv": self.heads[1]}
+
+    def inputs(self, device: torch.device) -> None:
+        gen = torch.Generator().manual_seed(0)
+        b, s, h, d = self.shape["batch"], self.shape["seqlen"], self.shape["heads"], self.spec_args["head_dim"]
+        self.q, self.k, self.v, self.dout = (torch.randn(b, s, h, d, generator=gen).to(
+            device=device, dtype=kernel.TORCH_DTYPES[self.spec_args["dtype"]]) for _ in range(4))
+        forward = kernel.compile(**self.spec_args, target=self.target)
+        self.out, self.lse = forward(self.q, self.k, self.v, return_lse=True)
+
+    def call(self, kern):
+        return lambda: kern(self.q, self.k, self.v, self.out, self.dout, self.lse)
+
+    def wrong(self, result) -> list[str]:
+        errors = bench.gradient_errors_vs_float32(result, self.q, self.k, self.v, self.dout, self.spec_args["causal"])
+        return [f"{name} error {err:.2e} > {allowed:.2e}"
+                for name, (err, allowed) in zip(("dq", "dk", "dv"), errors) if not err <= allowed]
+
+
+class Decode:
+    """Decode (Flash-Decoding over a KV cache): ``compile_decode``'s kernel, one query token a
+    sequence over full caches of the tuning shape (``page_size``: paged), the split count its
+    own (num_splits=0); the output checked on two query heads."""
+
+    name, space_name, builder = "decode", "DECODE_SPACE", "compile_decode"
+
+    def __init__(self, head_dim: int, dtype: str, causal: bool, target, shape: dict, page_size: int = 0):
+        if causal:
+            raise ValueError("causal: decode's causal is an argument of each call, not of the kernel: tune without it")
+        self.head_dim, self.dtype, self.page_size = head_dim, dtype, page_size
+        self.target, self.shape = target, shape
+        self.schedule = schedule_registry.simt_for_target(target)
+        self.defaults = dict(self.schedule.DECODE_KNOBS)
+        self.workload = decode.decode_workload(head_dim, dtype, page_size)
+        self.heads = (shape["heads"], max(1, shape["heads"] // GQA_GROUP))
+        self.record_shape = {"batch": shape["batch"], "seqlen_q": 1, "seqlen_k": shape["seqlen"],
+                             "heads_q": self.heads[0], "heads_kv": self.heads[1]}
+
+    def kernel(self, knobs: dict):
+        return decode.compile_decode(head_dim=self.head_dim, dtype=self.dtype, page_size=self.page_size,
+                                     target=self.target, knobs=knobs)
+
+    def check(self, knobs: dict) -> None:
+        decode.DecodeKernel(self.head_dim, self.dtype, self.page_size, self.target, knobs)
+
+    def build_kwargs(self, knobs: dict) -> dict:
+        return {"head_dim": self.head_dim, "dtype": self.dtype, "page_size": self.page_size, "target": self.target,
+                "knobs": knobs, "heads_q": self.heads[0], "heads_kv": self.heads[1]}
+
+    def inputs(self, device: torch.device) -> None:
+        gen = torch.Generator().manual_seed(0)
+        b, s = self.shape["batch"], self.shape["seqlen"]
+        (hq, hkv), d, dtype = self.heads, self.head_dim, kernel.TORCH_DTYPES[self.dtype]
+        self.q = torch.randn(b, 1, hq, d, generator=gen).to(device=device, dtype=dtype)
+        self.k, self.v = (torch.randn(b, s, hkv, d, generator=gen).to(device=device, dtype=dtype) for _ in range(2))
+        self.lengths = torch.full((b,), s, dtype=torch.int32, device=device)
+        if self.page_size:  # the pages in order: page i of sequence j is page j * pages + i
+            pages = -(-s // self.page_size)
+            cache = [torch.zeros(b * pages * self.page_size, hkv, d, device=device, dtype=dtype) for _ in range(2)]
+            for c, t in zip(cache, (self.k, self.v)):
+                c.view(b, pages * self.page_size, hkv, d)[:, :s] = t
+            self.k_cache, self.v_cache = (c.view(b * pages, self.page_size, hkv, d) for c in cache)
+            self.index = torch.arange(b * pages, dtype=torch.int32, device=device).view(b, pages)
+        else:
+            self.k_cache, self.v_cache = self.k, self.v
+            self.index = torch.arange(b, dtype=torch.int32, device=device)
+
+    def call(self, kern):
+        return lambda: kern(self.q, self.k_cache, self.v_cache, self.lengths, self.index)
+
+    def wrong(self, result) -> list[str]:
+        group = self.heads[0] // self.heads[1]
+        k, v = (t.repeat_interleave(group, dim=2) for t in (self.k, self.v))
+        err, allowed = bench.error_vs_float32(result[0], self.q, k, v, False)
+        return [] if err <= allowed else [f"out error {err:.2e} > {allowed:.2e}"]
+
+
+PASSES = {"backward": Backward, "decode": Decode}
+
+
+def candidates(pass_, known: dict, trials: int, rng: random.Random,
+               space: dict | None = None) -> tuple[list[tuple[str, dict]], list[str]]:
+    """[(label, knobs)] to measure: the known configurations (label -> knobs), then configurations
+    of ``space`` (default the pass's space in its schedule) drawn at random, ``trials`` in all; and
+    why the configurations left out could not run (its kernel refuses them before building)."""
+    chosen, problems, rest = list(known.items()), [], []
+    for point in space_points(space if space is not None else getattr(pass_.schedule, pass_.space_name)):
+        knobs = {**pass_.defaults, **point}
+        if knobs in known.values():
+            continue
+        try:
+            pass_.check(knobs)
+        except ValueError as err:
+            problems.append(str(err))
+            continue
+        rest.append(knobs)
+    rng.shuffle(rest)
+    chosen += [(f"#{n}", knobs) for n, knobs in enumerate(rest[:max(0, trials - len(chosen))], 1)]
+    return chosen, problems
+
+
+def tune_pass(pass_name: str, *, head_dim: int, dtype, causal: bool = False, target=None, trials: int = 64,
+              batch: int | None = None, seqlen: int | None = None, heads: int | None = None, page_size: int = 0,
+              space: dict | None = None, seed: int | None = None, repeat: int = 10, cold: bool = False,
+              jobs: int | None = None, echo=print) -> dict:
+    """Tune one pass's knobs ("backward" or "decode": ``PASSES``; the schedule its kernel picks,
+    that schedule's space or ``space``) for one workload on this machine and store the fastest
+    correct configuration.
+
+    The tuning shape: the backward's is the forward tuner's (batch, seqlen, heads: query and key
+    heads alike); decode's is ``_DECODE_SHAPE`` (batch, the KV length, query heads; a quarter as
+    many K/V heads; ``page_size``: a paged cache). ``trials`` configurations in all, the known
+    ones first. ``cold``: no records are read (the defaults are still timed, as the reference and
+    the floor of what is stored). ``jobs``: build processes (default: the usable cores). Returns
+    the new record with ``path``.
+    """
+    if pass_name not in PASSES:
+        raise ValueError(f"pass: expected one of {sorted(PASSES)}, got {pass_name!r}")
+    dtype, resolved, shape = tune.tuning_request(head_dim, dtype, causal, trials, target, batch, seqlen, heads)
+    if pass_name == "decode":
+        shape = {**_DECODE_SHAPE["cuda" if targets.is_cuda(resolved) else "cpu"],
+                 **{k: v for k, v in {"batch": batch, "seqlen": seqlen, "heads": heads}.items() if v is not None}}
+    pass_ = PASSES[pass_name](head_dim, dtype, causal, resolved, shape,
+                              **({"page_size": page_size} if pass_name == "decode" else {}))
+    cuda = tune.require_gpu(resolved)
+    schedule_name = schedule_registry.name_of(pass_.schedule)
+    start = time.perf_counter()
+    layout = f", pages of {page_size}" if page_size else ""
+    echo(f"tvmflash tune --pass {pass_name}: {schedule_name} schedule on {targets.describe(resolved)}, d{head_dim} "
+         f"{dtype} {'causal' if causal else 'full'}{layout}, shape {pass_.record_shape}, {trials} trials")
+
+    known = {"default": pass_.defaults}
+    if not cold:
+        for record in database.known_records(resolved, schedule_name, pass_.workload, shape["seqlen"]):
+            knobs = {**pass_.defaults, **record["knobs"]}
+            if knobs not in known.values():
+                known["user" if Path(record["source"]).parent == database.user_dir() else "shipped"] = knobs
+    chosen, problems = candidates(pass_, known, trials, random.Random(seed), space)
+    echo(f"  measuring {len(chosen)} configurations ({', '.join(known)} first); {len(problems)} of the space "
+         f"left out before building" + (f", e.g. {problems[0]}" if problems else ""))
+
+    # ---- build, every core at once (a GPU backward module takes about half a minute, on one core)
+    processes = jobs or tune.usable_cores()
+    echo(f"  building {len(chosen)} candidates, {processes} at a time")
+    errors = bench.build_in_parallel([(pass_.builder, pass_.build_kwargs(knobs)) for _, knobs in chosen], processes,
+                                     echo=lambda line: None, keep_going=True)
+    echo(f"  built {sum(e is None for e in errors)}/{len(chosen)} ({sum(e is not None for e in errors)} failed), "
+         f"{time.perf_counter() - start:.0f} s")
+
+    # ---- check and time each on the same tensors, in this process
+    device = torch.device("cuda" if cuda else "cpu")
+    pass_.inputs(device)
+    times, failed = {}, 0
+    for n, ((label, knobs), error) in enumerate(zip(chosen, errors), 1):
+        changed = {name: knobs[name] for name in knobs if knobs[name] != pass_.defaults.get(name)}
+        what = label if label in known else f"{label} {changed}"
+        if error is None:
+            kern = pass_.kernel(knobs)
+            wrong = pass_.wrong(pass_.call(kern)())
+            error = f"wrong results: {', '.join(wrong)}" if wrong else None
+        if error is not None:
+            failed += 1
+            echo(f"  trial {n}/{len(chosen)} {what}: failed ({error})")
+            continue
+        with tune.gpu_timing_lock() if cuda else contextlib.nullcontext():
+            times[label] = bench.time_ms(pass_.call(kern), device, repeat=repeat)
+        echo(f"  trial {n}/{len(chosen)} {what}: {times[label]:.4f} ms (best {min(times.values()):.4f} ms, "
+             f"{time.perf_counter() - start:.0f} s)")
+    if "default" not in times:
+        raise RuntimeError(f"tvmflash tune --pass {pass_name}: the default knobs failed at the tuning shape")
+    winner = min(times, key=times.get)
+    searched = [label for label in times if label not in known]
+    tuned = min(searched, key=times.get) if searched else "default"
+    knobs = dict(chosen)[winner]
+    wall_s = time.perf_counter() - start
+    record = database.new_record(
+        resolved, schedule_name, pass_.workload, knobs, times[winner], shape=pass_.record_shape,
+        trials=len(chosen), failed_trials=failed, wall_s=round(wall_s, 1), default_ms=times["default"],
+        tuned_ms=times[tuned], tuned_knobs=dict(chosen)[tuned], known_ms={label: times.get(label) for label in known},
+        start="cold" if cold else "warm")
+    path = database.add(record)
+    kernel.forget_kernels()  # the pass's kernel must see the new record
+    decode.forget_kernels()
+    kept = next((r for r in database.read(path) if database.same_key(r, record)), record)
+    echo(f"{pass_name} at {pass_.record_shape}: default {times['default']:.4f} ms, best {times[winner]:.4f} ms "
+         f"({times['default'] / times[winner]:.2f}x, {winner}): {knobs}")
+    if kept != record:
+        echo(f"kept the faster record already in {path} ({kept['mean_ms']:.4f} ms at {kept.get('shape')}): {kept['knobs']}")
+    else:
+        echo(f"stored it in {path} ({len(chosen)} trials, {failed} failed, {wall_s:.0f} s)")
+    return {**record, "path": str(path)}
