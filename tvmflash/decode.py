@@ -73,13 +73,7 @@ class DecodeKernel(Kernel):
         # layout, else the defaults
         tuned = None if knobs else database.lookup(target, schedule_registry.name_of(self.schedule),
                                                    decode_workload(head_dim, dtype, page_size))
-        self.knobs = {**self.schedule.DECODE_KNOBS, **(tuned["knobs"] if tuned else {}), **(knobs or {})}
-        if knobs:
-            self.knobs_source = "given"
-        elif tuned:
-            self.knobs_source = f"tuned ({tuned['source']}, {tuned['mean_ms']:.3f} ms at {tuned.get('shape')})"
-        else:
-            self.knobs_source = "defaults"
+        self._take_knobs(self.schedule.DECODE_KNOBS, tuned, knobs)
         problem = getattr(self.schedule, "decode_knob_problem", lambda *a: None)(head_dim, dtype, self.knobs)
         if problem:
             raise ValueError(f"knobs: {problem}")

@@ -284,6 +284,17 @@ class Kernel:
             raise ValueError(f"knobs: {sorted(unknown)} are not {kind}knobs of the "
                              f"{schedule_registry.name_of(self.schedule)} schedule; it has {sorted(known)}")
 
+    def _take_knobs(self, defaults: dict, tuned: dict | None, given: dict | None) -> None:
+        """The knobs of another pass's kernel (backward, decode): the caller's over a tuned record's
+        over the defaults, and ``knobs_source``, where they came from."""
+        self.knobs = {**defaults, **(tuned["knobs"] if tuned else {}), **(given or {})}
+        if given:
+            self.knobs_source = "given"
+        elif tuned:
+            self.knobs_source = f"tuned ({tuned['source']}, {tuned['mean_ms']:.3f} ms at {tuned.get('shape')})"
+        else:
+            self.knobs_source = "defaults"
+
     def _fit_shared_memory(self, given: bool) -> None:
         """Knobs whose tiles need more shared memory than the target allows: an error for the
         caller's own, else the defaults (or tuned knobs) shrunk along the schedule's SPACE, fewer
@@ -859,13 +870,7 @@ class BackwardKernel(Kernel):
         # kernels: varlen keeps the defaults), else the defaults
         tuned = None if knobs or self.variant.get("varlen") else database.lookup(
             target, schedule_name, backward_workload(spec_args))
-        self.knobs = {**defaults, **(tuned["knobs"] if tuned else {}), **(knobs or {})}
-        if knobs:
-            self.knobs_source = "given"
-        elif tuned:
-            self.knobs_source = f"tuned ({tuned['source']}, {tuned['mean_ms']:.3f} ms at {tuned.get('shape')})"
-        else:
-            self.knobs_source = "defaults"
+        self._take_knobs(defaults, tuned, knobs)
         if deterministic and self.dq_atomic:  # the dq pass instead: one sum a dq element, in a fixed order
             if (knobs or {}).get("dq_atomic"):
                 raise ValueError("knobs: dq_atomic sums dq by fp32 atomics, in an order that changes from run to "
