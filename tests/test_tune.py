@@ -674,17 +674,25 @@ USER_KNOBS = {"block_m": 16, "block_n": 32, "vector": 8}
 @pytest.fixture(scope="module")
 def cli_tuning_run(tmp_path_factory):
     """One ``tvmflash tune`` command over two workloads, warm, its output captured (not a terminal),
-    with USER_KNOBS in the user's database: several tests read it."""
+    with USER_KNOBS in the user's database: several tests read it. In this process (its ``main``):
+    a new one would import TVM's intrinsic library again for MetaSchedule, a minute of CI."""
+    import contextlib
+    import io
+
+    from tvmflash import cli as tvmflash_cli
+
     env_dir = tmp_path_factory.mktemp("cli-tuning")
-    with pytest.MonkeyPatch.context() as patch:
+    out, err = io.StringIO(), io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         patch.setenv("TVMFLASH_CACHE_DIR", str(env_dir))
         # (at the run's shape: records of another seqlen bucket would be kept apart from its own)
         database.add(database.new_record(CPU, "cpu", WORKLOAD, USER_KNOBS, 1e3, shape={"seqlen_k": 64}))
-        done = cli("tune", "--head-dim", "32", "--dtype", "float32", "--causal", "both", "--trials", "2",
-                   "--target", "cpu", "--seqlen", "64", "--batch", "1", "--heads", "1", env_dir=env_dir)
-        assert done.returncode == 0, done.stderr
+        code = tvmflash_cli.main(["tune", "--head-dim", "32", "--dtype", "float32", "--causal", "both", "--trials", "2",
+                                  "--target", "cpu", "--seqlen", "64", "--batch", "1", "--heads", "1"])
+        assert code == 0, err.getvalue()
         full = database.lookup(CPU, "cpu", WORKLOAD)
-    return done.stdout, full
+    kernel.forget_kernels()  # kernels made while the run's cache dir was set read its records
+    return out.getvalue(), full
 
 
 def test_tune_several_workloads_in_one_command(cli_tuning_run):

@@ -1,8 +1,9 @@
 """Tuned knobs, per GPU: a small JSON database that never leaks records across GPUs.
 
 A record says: on this GPU (name and compute capability) and target, with these tvmflash and TVM
-versions, this schedule runs this workload (head_dim, dtype, causal, and "pass": "backward" for the
-backward's knobs; the forward's have no pass) fastest with these knobs, at
+versions, this schedule runs this workload (head_dim, dtype, causal, and "pass": "backward" or
+"decode", with decode's cache layout "page_size", for those passes' knobs; the forward's have no
+pass) fastest with these knobs, at
 sequence lengths of its tuning shape's bucket (``SEQLEN_BUCKETS``).
 The user's database (under the cache dir, written by ``tvmflash tune``) is layered over the
 read-only logs shipped in ``tuning_logs/``; the user's records win.
