@@ -160,8 +160,21 @@ STRUCTURE_KNOBS = ("num_stages", "kv_layout", "kv_copy", "producer", "q_layout",
 REGISTERS_PER_SM = 65536
 # Registers a thread needs at the least: d64's and d128's builds take 114-127 at 2 stages. With 64
 # (block_m 256, 2 blocks an SM) ptxas fails at d128: "Insufficient registers (64) to compile
-# instruction ... register target of 94 or higher" (the wgmma's accumulator operands).
+# instruction ... register target of 94 or higher" (the wgmma's accumulator operands). One wgmma of
+# m64nN holds N/2 fp32 accumulators a thread and about 30 more registers: at d256 (P V, m64n256)
+# ptxas wants 158 ("Insufficient registers (128) ... register target of 158 or higher").
 MIN_REGISTERS = 128
+WGMMA_OPERAND_REGISTERS = 30
+
+
+def register_problem(head_dim: int, block_n: int, threads: int, min_blocks_per_sm: int) -> str | None:
+    """Why ``min_blocks_per_sm`` blocks of ``threads`` leave a thread too few registers, or None."""
+    left = min(255, REGISTERS_PER_SM // (threads * min_blocks_per_sm))
+    need = max(MIN_REGISTERS, max(head_dim, block_n) // 2 + WGMMA_OPERAND_REGISTERS)
+    if left >= need:
+        return None
+    return (f"{min_blocks_per_sm} blocks of {threads} threads an SM leave {left} registers a thread, and the "
+            f"accumulators need {need} at head_dim {head_dim} and block_n {block_n}")
 SPACE = {
     # block_m 256: four warpgroups (512 threads, at most 128 registers each) share each K/V tile
     # (the default, see KNOBS).
@@ -241,10 +254,10 @@ def knobs_problem(head_dim: int, dtype: str, knobs: dict) -> str | None:
     knobs = {**KNOBS, **knobs}
     if not valid_knobs(knobs):
         return "these knobs do not go together (sm90.valid_knobs)"
-    threads = WARPGROUP * knobs["block_m"] // WG_ROWS
-    if threads * knobs["min_blocks_per_sm"] * MIN_REGISTERS > REGISTERS_PER_SM:
-        return (f"{knobs['min_blocks_per_sm']} blocks of {threads} threads an SM leave "
-                f"{REGISTERS_PER_SM // (threads * knobs['min_blocks_per_sm'])} registers a thread")
+    registers = register_problem(head_dim, knobs["block_n"], WARPGROUP * knobs["block_m"] // WG_ROWS,
+                                 knobs["min_blocks_per_sm"])
+    if registers is not None:
+        return registers
     swizzled = [name for name in ("kv_layout", "q_layout") if knobs[name] == "swizzled"]
     if swizzled and head_dim % SWIZZLE_COLUMNS:
         return f"{' and '.join(swizzled)} 'swizzled' needs a head_dim that is a multiple of {SWIZZLE_COLUMNS}"
@@ -822,12 +835,9 @@ def schedule(
         raise ValueError(f"row_state: the sm90 schedule takes one of {ROW_STATES}, got {row_state!r}")
     if not isinstance(min_blocks_per_sm, int) or min_blocks_per_sm < 1:
         raise ValueError(f"min_blocks_per_sm: expected a positive int, got {min_blocks_per_sm!r}")
-    threads = WARPGROUP * num_warpgroups
-    if threads * min_blocks_per_sm * MIN_REGISTERS > REGISTERS_PER_SM:
-        raise ValueError(f"min_blocks_per_sm: {min_blocks_per_sm} blocks of {threads} threads an SM leave "
-                         f"{REGISTERS_PER_SM // (threads * min_blocks_per_sm)} registers a thread, and the "
-                         f"accumulators need {MIN_REGISTERS}: at most {REGISTERS_PER_SM // (threads * MIN_REGISTERS)} "
-                         f"with block_m {block_m}")
+    registers = register_problem(D, block_n, WARPGROUP * num_warpgroups, min_blocks_per_sm)
+    if registers is not None:
+        raise ValueError(f"min_blocks_per_sm: {registers}")
     # With the K/V loads pipelined, each K/V step opens with its tile's cp.async wait,
     # fence.proxy.async and a barrier (covering Q's stores too): the intrinsic's own would be a
     # second barrier a K/V step.

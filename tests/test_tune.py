@@ -796,6 +796,20 @@ def test_sm90_tasks_that_leave_too_few_registers_are_skipped(tmp_path, monkeypat
     assert len(lines) == 1 and lines[0].startswith("  skipping bm256_bn64_mb2: ns2_swizzled") and "64 registers" in lines[0]
 
 
+def test_sm90_register_floor_follows_the_widest_wgmma():
+    """One wgmma of m64nN holds N/2 fp32 accumulators a thread: at d256 ptxas wanted 158 registers
+    for P V and aborted the build at 128 (2 blocks of 256 threads, or one of 512). The pre-check
+    rejects those before building; d128 at 128 registers still builds."""
+    base = {**sm90.KNOBS, **sm90.KNOBS_FOR_HEAD_DIM[256]}
+    for knobs in ({"min_blocks_per_sm": 2}, {"block_m": 256, "num_warpgroups": 4}):
+        problem = sm90.knobs_problem(256, "bfloat16", {**base, **knobs})
+        assert problem is not None and "leave 128 registers" in problem and "need 158" in problem, problem
+    assert sm90.knobs_problem(256, "bfloat16", base) is None
+    assert sm90.knobs_problem(128, "bfloat16", {**sm90.KNOBS, "min_blocks_per_sm": 2}) is None
+    with pytest.raises(ValueError, match="need 158"):
+        tvmflash.compile(head_dim=256, dtype="bfloat16", target="sm90", knobs={"min_blocks_per_sm": 2}).module(2, 2)
+
+
 def test_sm90a_serves_head_dim_32_with_sm80(cache_dir, monkeypatch):
     """At head_dim 32 the sm80 schedule measured faster on the H200, so sm_90a uses it unless
     TVMFLASH_SM90=1, knobs or this device's records of both schedules say otherwise; other
