@@ -810,6 +810,32 @@ def test_sm90_register_floor_follows_the_widest_wgmma():
         tvmflash.compile(head_dim=256, dtype="bfloat16", target="sm90", knobs={"min_blocks_per_sm": 2}).module(2, 2)
 
 
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+@pytest.mark.parametrize("head_dim,builds", [(256, False), (128, True)], ids=["d256-aborts", "d128-builds"])
+def test_sm90_register_floor_agrees_with_ptxas(head_dim, builds, monkeypatch):
+    """Two blocks of 256 threads an SM (128 registers a thread), compiled by nvcc for sm_90a: ptxas
+    aborts at d256 (P V's m64n256 wgmma) and builds d128, as ``sm90.register_problem`` says."""
+    from tvm.support import nvcc
+
+    knobs = {**sm90.KNOBS, **sm90.KNOBS_FOR_HEAD_DIM.get(head_dim, {}), "min_blocks_per_sm": 2}
+    assert (sm90.register_problem(head_dim, knobs["block_n"], 256, 2) is None) == builds
+    monkeypatch.setattr(sm90, "register_problem", lambda *_: None)  # schedule it anyway, for ptxas to judge
+    spec = program.AttentionSpec(head_dim, "bfloat16", False, 2, 2)
+    from tvmflash import schedules as registry
+    func = tune.specialize(registry.program_for(spec, sm90, knobs), spec, batch=1, seqlen_q=512, seqlen_k=512,
+                           softmax_scale=0.1)
+    sch = tvm.s_tir.Schedule(tvm.IRModule({"main": func}))
+    sm90.schedule(sch, **knobs)
+    target = targets.cuda_target("sm90")
+    source = tune._ms_build(sch.mod, target, None, **kernel.build_options(sm90)).imports[0].inspect_source()
+    if builds:
+        with target:
+            nvcc.compile_cuda(source, target_format="cubin", arch="sm_90a", compiler="nvcc")
+        return
+    with target, pytest.raises(Exception, match=r"Insufficient registers \(128\)"):
+        nvcc.compile_cuda(source, target_format="cubin", arch="sm_90a", compiler="nvcc")
+
+
 def test_sm90a_serves_head_dim_32_with_sm80(cache_dir, monkeypatch):
     """At head_dim 32 the sm80 schedule measured faster on the H200, so sm_90a uses it unless
     TVMFLASH_SM90=1, knobs or this device's records of both schedules say otherwise; other
