@@ -765,16 +765,15 @@ def seed_database(db, contexts, tasks: list[dict]) -> list[str]:
     return labels
 
 
-def known_configurations(schedule, target, workload: dict, *, cold: bool,
+def known_configurations(target, schedule_name: str, workload: dict, defaults: dict, *, cold: bool,
                          seqlen_k: int | None = None) -> dict[str, dict]:
-    """label -> knobs: the schedule's defaults (``default``), then unless ``cold`` the best record
-    of the user's database (``user``) and of the shipped one (``shipped``), where they differ: of
-    ``seqlen_k``'s bucket where it has one (``database.known_records``)."""
-    defaults = kernel.default_knobs(schedule, workload["head_dim"])
+    """label -> knobs: ``defaults`` (``default``), then unless ``cold`` the best record of the user's
+    database (``user``) and of the shipped one (``shipped``) for ``workload`` (with its ``pass``),
+    where they differ: of ``seqlen_k``'s bucket where it has one (``database.known_records``)."""
     known = {"default": defaults}
     if cold:
         return known
-    for record in database.known_records(target, schedule_registry.name_of(schedule), workload, seqlen_k):
+    for record in database.known_records(target, schedule_name, workload, seqlen_k):
         knobs = {**defaults, **record["knobs"]}
         if knobs not in known.values():
             known["user" if Path(record["source"]).parent == database.user_dir() else "shipped"] = knobs
@@ -788,16 +787,16 @@ def default_shape(target, head_dim: int) -> dict:
 
 
 def tuning_request(head_dim: int, dtype, causal: bool, trials: int, target, batch: int | None, seqlen: int | None,
-                   heads: int | None) -> tuple[str, tvm.target.Target, dict]:
+                   heads: int | None, shape_for=None) -> tuple[str, tvm.target.Target, dict]:
     """A tuning run's arguments, checked: the dtype's name, the resolved target and the tuning shape
-    (``default_shape``, with the batch, seqlen and heads given)."""
+    (``shape_for(target, head_dim)``, by default ``default_shape``, with the batch, seqlen and heads given)."""
     dtype = kernel.dtype_name(dtype)
     kernel.check_flag("causal", causal)
     program.AttentionSpec(head_dim, dtype, causal)  # validates head_dim and dtype
     if trials < 1:
         raise ValueError(f"trials: expected a positive number, got {trials}")
     resolved = targets.resolve(target)
-    shape = default_shape(resolved, head_dim)
+    shape = dict((shape_for or default_shape)(resolved, head_dim))
     shape.update({k: v for k, v in {"batch": batch, "seqlen": seqlen, "heads": heads}.items() if v is not None})
     if min(shape.values()) < 1:
         raise ValueError(f"shape: expected positive batch, seqlen and heads, got {shape}")
@@ -858,7 +857,8 @@ def tune(*, head_dim: int, dtype, causal: bool, target=None, trials: int = 64, b
 
     rng = random.Random(seed)
     spec = program.AttentionSpec(head_dim, dtype, causal, shape["heads"], shape["heads"])
-    known = known_configurations(schedule, resolved, workload, cold=cold, seqlen_k=shape["seqlen"])
+    known = known_configurations(resolved, schedule_name, workload, kernel.default_knobs(schedule, head_dim), cold=cold,
+                                 seqlen_k=shape["seqlen"])
     stats: dict = {}  # PreCheck's count of candidates rejected before building
     tasks = make_tasks(schedule, spec, shape, space, resolved, work_dir, rng, echo, known=None if cold else known,
                        stats=stats)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import random
 import time
-from pathlib import Path
 
 import torch
 
@@ -31,7 +30,12 @@ from tvmflash import target as targets
 # The decode tuning shape: the serving grid of BENCHMARKS.md (GQA 32/8, one query token) on a GPU;
 # --heads sets the query heads, a quarter of them the K/V heads.
 _DECODE_SHAPE = {"cuda": {"batch": 32, "seqlen": 16384, "heads": 32}, "cpu": {"batch": 2, "seqlen": 1024, "heads": 4}}
+
 GQA_GROUP = 4
+
+
+def _decode_shape(target, _head_dim: int) -> dict:
+    return _DECODE_SHAPE["cuda" if targets.is_cuda(target) else "cpu"]
 
 
 def space_points(space: dict) -> list[dict]:
@@ -187,10 +191,8 @@ def tune_pass(pass_name: str, *, head_dim: int, dtype, causal: bool = False, tar
     """
     if pass_name not in PASSES:
         raise ValueError(f"pass: expected one of {sorted(PASSES)}, got {pass_name!r}")
-    dtype, resolved, shape = tune.tuning_request(head_dim, dtype, causal, trials, target, batch, seqlen, heads)
-    if pass_name == "decode":
-        shape = {**_DECODE_SHAPE["cuda" if targets.is_cuda(resolved) else "cpu"],
-                 **{k: v for k, v in {"batch": batch, "seqlen": seqlen, "heads": heads}.items() if v is not None}}
+    dtype, resolved, shape = tune.tuning_request(head_dim, dtype, causal, trials, target, batch, seqlen, heads,
+                                                 shape_for=_decode_shape if pass_name == "decode" else None)
     pass_ = PASSES[pass_name](head_dim, dtype, causal, resolved, shape,
                               **({"page_size": page_size} if pass_name == "decode" else {}))
     cuda = tune.require_gpu(resolved)
@@ -200,12 +202,8 @@ def tune_pass(pass_name: str, *, head_dim: int, dtype, causal: bool = False, tar
     echo(f"tvmflash tune --pass {pass_name}: {schedule_name} schedule on {targets.describe(resolved)}, d{head_dim} "
          f"{dtype} {'causal' if causal else 'full'}{layout}, shape {pass_.record_shape}, {trials} trials")
 
-    known = {"default": pass_.defaults}
-    if not cold:
-        for record in database.known_records(resolved, schedule_name, pass_.workload, shape["seqlen"]):
-            knobs = {**pass_.defaults, **record["knobs"]}
-            if knobs not in known.values():
-                known["user" if Path(record["source"]).parent == database.user_dir() else "shipped"] = knobs
+    known = tune.known_configurations(resolved, schedule_name, pass_.workload, pass_.defaults, cold=cold,
+                                      seqlen_k=shape["seqlen"])
     chosen, problems = candidates(pass_, known, trials, random.Random(seed), space)
     echo(f"  measuring {len(chosen)} configurations ({', '.join(known)} first); {len(problems)} of the space "
          f"left out before building" + (f", e.g. {problems[0]}" if problems else ""))
