@@ -87,20 +87,33 @@ def reference_gradients(q, k, v, dout, dlse=None, *, causal=False, softmax_scale
     return torch.autograd.grad(loss, leaves)
 
 
-def check_gradients(grads, q, k, v, dout, dlse=None, *, causal=False, softmax_scale=None, eps=1e-5, **variant):
-    """flash-attn's rule for each of dq, dk, dv: our error against float64 is at most 2x the error
-    of PyTorch's own attention in the inputs' dtype, plus eps times (1 + the gradient's largest
-    element): with one key, say, dq is exactly 0 in any dtype, and ours is off by float32 rounding.
-    ``variant``: ``reference``'s window_size, softcap and alibi_slopes."""
+def gradient_references(q, k, v, dout, dlse=None, *, causal=False, softmax_scale=None, **variant):
+    """(float64 gradients, torch's gradients in the inputs' dtype), each (dq, dk, dv): what
+    ``check_gradient_errors`` compares ours with."""
     ref = reference_gradients(q, k, v, dout, dlse, causal=causal, softmax_scale=softmax_scale, **variant)
     same = reference_gradients(q, k, v, dout, dlse, causal=causal, softmax_scale=softmax_scale, dtype=q.dtype,
                                **variant)
+    return ref, same
+
+
+def check_gradient_errors(grads, ref, same, dtype, eps=1e-5) -> dict:
+    """flash-attn's rule for each of dq, dk, dv: our error against float64 (``ref``) is at most 2x
+    the error of PyTorch's own attention in ``dtype`` (``same``), plus eps times (1 + the gradient's
+    largest element): with one key, say, dq is exactly 0 in any dtype, and ours is off by float32
+    rounding. Returns name -> (our error, torch's)."""
     errors = {}
     for name, ours, r, theirs in zip(("dq", "dk", "dv"), grads, ref, same):
-        assert ours.shape == r.shape and ours.dtype == q.dtype, f"{name}: {ours.shape} {ours.dtype}"
+        assert ours.shape == r.shape and ours.dtype == dtype, f"{name}: {ours.shape} {ours.dtype}"
         assert torch.isfinite(ours).all(), f"{name} has NaN/inf"
         err, their_err = max_error(ours, r), max_error(theirs, r)
         floor = eps * (1 + (r.abs().max().item() if r.numel() else 0.0))
         assert err <= 2 * their_err + floor, f"{name} error {err:.3e} > 2 x torch's {their_err:.3e} + {floor:.1e}"
         errors[name] = (err, their_err)
     return errors
+
+
+def check_gradients(grads, q, k, v, dout, dlse=None, *, causal=False, softmax_scale=None, eps=1e-5, **variant):
+    """``check_gradient_errors`` of ``grads`` against the references of this attention (``variant``:
+    ``reference``'s window_size, softcap and alibi_slopes)."""
+    ref, same = gradient_references(q, k, v, dout, dlse, causal=causal, softmax_scale=softmax_scale, **variant)
+    return check_gradient_errors(grads, ref, same, q.dtype, eps)
