@@ -53,7 +53,7 @@ def imports(path: Path):
 # What each layer may import from tvmflash (a prefix match), besides itself.
 LAYERS = {
     "tvmflash.lowering": ("tvmflash.lowering",),
-    "tvmflash.program": (),
+    "tvmflash.program": ("tvmflash.lowering.annotations",),
     "tvmflash.program_backward": ("tvmflash.program",),
     "tvmflash.program_decode": ("tvmflash.program",),
     "tvmflash.schedules": ("tvmflash.schedules", "tvmflash.lowering", "tvmflash.program", "tvmflash.program_backward",

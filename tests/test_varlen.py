@@ -258,7 +258,9 @@ def test_cuda_schedules_build_varlen(monkeypatch):
     # sm90 the score loops are unrolled, on sm80 the test sits in the K/V step itself
     tile_test = r"if \(\(\(\(kb \* (\d+)\) \+ \d+\) < \(cuseqlensk"
     assert len(re.findall(tile_test, kv_loop_body(src))) == 1
-    assert re.search(r"\n    " + tile_test, kv_loop_body(sources["sm80"].source()))
+    step = [line for line in kv_loop_body(sources["sm80"].source()).split("\n") if line.strip()]
+    top = len(step[0]) - len(step[0].lstrip())  # the indent of the K/V step's own statements
+    assert any(re.match(" " * top + tile_test, line) for line in step)
     monkeypatch.setenv("TVMFLASH_SM90", "1")  # (given knobs take sm80's schedule on sm_90a without it)
     with pytest.raises(ValueError, match="varlen on the sm90 schedule takes"):
         tvmflash.compile(head_dim=64, dtype="bfloat16", target="sm90", varlen=True, knobs={"o_store": "staged"})
@@ -313,3 +315,34 @@ def test_equals_the_dense_kernel_on_the_gpu():
     expected = tvmflash.varlen_attention(q, k, v, static_cu, static_cu, 2 * seqlen, 2 * seqlen, causal=True)
     assert torch.equal(graphed, expected)
     assert math.isfinite(graphed.float().sum().item())
+
+
+def test_tiles_past_their_sequence_run_nothing():
+    """varlen's grid covers the longest sequence's rows; a tile past its own sequence's end returns at
+    once (flash-attn's early return) instead of loading zeros and running a masked step: the
+    forward's tile and the backward's dkdv and dq tiles carry ``RUNS_IF``, which the lowering
+    (``passes.RunBlocksIf``) makes one test around the tile, uniform over its threads. Dense
+    programs have no such test. (The numerics tests above run such tiles: lengths of 0 to 200.)"""
+    import tvm
+
+    from tvmflash import program, program_backward
+    from tvmflash.lowering import passes
+    from tvmflash.lowering.annotations import RUNS_IF
+    from tvmflash.lowering.ir import find
+
+    def tiles(mod):
+        return [block for func in mod.functions.values()
+                for block in find(func.body, lambda n: isinstance(n, tvm.s_tir.SBlock) and n.name_hint == "tile")]
+
+    for varlen in (True, False):
+        spec = program.AttentionSpec(32, "float16", True, 2, 2, varlen=varlen)
+        mod = tvm.IRModule({"main": program.attention_forward(spec, 64, 64)})
+        backward = program_backward.attention_backward(spec, 64, 64)
+        for module, count in ((mod, 1), (backward, 2)):  # the forward's tile; dkdv's and dq's
+            blocks = tiles(module)
+            assert len(blocks) == count and all((RUNS_IF in block.annotations) == varlen for block in blocks)
+            for block in tiles(passes.RunBlocksIf()(module)):
+                guarded = isinstance(block.body, tvm.tirx.IfThenElse)
+                assert guarded == varlen and RUNS_IF not in block.annotations
+                if guarded:
+                    assert block.body.condition.op.name == "tirx.tvm_thread_invariant"

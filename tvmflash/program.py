@@ -34,6 +34,8 @@ import tvm
 from tvm.script import tirx as T
 from tvm.script.ir_builder import IRBuilder
 
+from tvmflash.lowering.annotations import RUNS_IF
+
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32")
 SUPPORTED_HEAD_DIMS = (32, 64, 96, 128, 256)
 
@@ -229,6 +231,17 @@ def longest(packed, seqlen):
     return seqlen if packed is None else packed.max_seqlen
 
 
+def runs_if(packed, b, first: int, keys: bool = False) -> dict:
+    """A tile block's annotation (``RUNS_IF``) for a tile whose first query row (``keys``: key) is
+    ``first``: none for the dense arguments, whose grid is their rows; varlen's grid covers the
+    longest sequence's rows, and a tile past its own sequence's end runs nothing (flash-attn's early
+    return): it writes nothing, and would load a tile of zeros and run masked steps for nothing."""
+    if packed is None:
+        return {}
+    cu = packed.cu_k if keys else packed.cu_q
+    return {RUNS_IF: first < cu[b + 1] - cu[b]}
+
+
 def sequences(packed, b, seqlen_q, seqlen_k) -> Sequences:
     """Tile b's sequence: batch b of the dense arguments (packed None), or sequence b of the packed
     rows, cu_seqlens_q[b] .. cu_seqlens_q[b + 1] (and so for the keys)."""
@@ -398,6 +411,7 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_ti
         for b, h, qb in T.grid(sequence_count(Packed_, batch), HQ, T.ceildiv(longest(Packed_, seqlen_q), BM)):
             with T.sblock("tile"):
                 vb, vh, vqb = T.axis.remap("SSS", [b, h, qb])
+                T.sblock_attr(runs_if(Packed_, vb, vqb * BM))
                 seq = T.meta_var(sequences(Packed_, vb, seqlen_q, seqlen_k))  # the tile's sequence
                 Qt = T.sblock_alloc_buffer((BM, D), dtype)  # the Q block, zero-padded
                 S = T.sblock_alloc_buffer((BM, BN), f32)  # Q Kᵀ of one tile, unscaled

@@ -324,6 +324,7 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int, dq_atomic: bool =
         for b, hk, kb in T.grid(program.sequence_count(Packed_, batch), HKV, T.ceildiv(program.longest(Packed_, seqlen_k), BN)):
             with T.sblock("tile"):
                 vb, vhk, vkb = T.axis.remap("SSS", [b, hk, kb])
+                T.sblock_attr(program.runs_if(Packed_, vb, vkb * BN, keys=True))
                 seq = T.meta_var(program.sequences(Packed_, vb, seqlen_q, seqlen_k))  # the tile's sequence
                 Kt = T.sblock_alloc_buffer((BN, D), dtype)  # the K block, zero-padded
                 Vt = T.sblock_alloc_buffer((BN, D), dtype)  # the V block, zero-padded
@@ -440,6 +441,7 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int, dq_atomic: bool =
         for b, h, qb in T.grid(program.sequence_count(Packed_, batch), HQ, T.ceildiv(program.longest(Packed_, seqlen_q), BM)):
             with T.sblock("tile"):
                 vb, vh, vqb = T.axis.remap("SSS", [b, h, qb])
+                T.sblock_attr(program.runs_if(Packed_, vb, vqb * BM))
                 seq = T.meta_var(program.sequences(Packed_, vb, seqlen_q, seqlen_k))  # the tile's sequence
                 Qt = T.sblock_alloc_buffer((BM, D), dtype)  # the Q block, zero-padded
                 dOt = T.sblock_alloc_buffer((BM, D), dtype)  # the dout block, zero-padded

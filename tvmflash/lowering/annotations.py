@@ -1,7 +1,13 @@
-"""What a schedule writes into its TensorIR for the lowering to act on: loop and block annotations,
-pragmas, and the layout constants that the sm90 schedule and the TMA lowering share.
+"""What a schedule (or the program) writes into its TensorIR for the lowering to act on: loop and block
+annotations, pragmas, and the layout constants that the sm90 schedule and the TMA lowering share.
 
-Schedules import these names from here; the lowering never imports a schedule."""
+Schedules and the programs import these names from here; the lowering never imports a schedule."""
+
+# A block annotation, from the program: the block runs only where this condition (of its iteration
+# variables) holds, else not at all (``passes.RunBlocksIf``): varlen's Q blocks past their sequence's
+# end, flash-attn's early return. (A block predicate, T.where, would make the bindings within
+# non-affine for the schedules; an ``if`` in the program would move the statements they count.)
+RUNS_IF = "tvmflash.runs_if"
 
 # A loop annotation: the loop visits its iterations last to first (``passes.ReverseLoops``; TensorIR's
 # Schedule has no primitive that reverses a loop).

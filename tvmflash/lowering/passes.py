@@ -11,7 +11,7 @@ import tvm_ffi
 from tvm import tirx
 from tvm.script import tirx as T
 
-from tvmflash.lowering.annotations import (ATOMIC_ADD_PRAGMA, REG_FENCE, REVERSED, SKIP_UNIT_RESCALE_PRAGMA,
+from tvmflash.lowering.annotations import (ATOMIC_ADD_PRAGMA, REG_FENCE, REVERSED, RUNS_IF, SKIP_UNIT_RESCALE_PRAGMA,
                                            WGMMA_WAIT_PRAGMA)
 from tvmflash.lowering.ir import (every_element, find, folded, is_load, loaded, loaded_buffers, map_loops, prim_func_pass,
                                   substitute, transform, with_children)
@@ -36,6 +36,28 @@ def ReverseLoops():  # noqa: N802 - named as TVM's passes are
     Schedule has no primitive that reverses a loop."""
     return prim_func_pass(lambda func: func.with_body(tvm_ffi.structural_map(func.body, (tirx.For, _reversed))),
                           "tvmflash.ReverseLoops")
+
+
+# ---------------------------------------------------------------------------------- guarded blocks
+def _run_if(block):
+    if RUNS_IF not in block.annotations:
+        return block
+    annotations = {key: value for key, value in block.annotations.items() if key != RUNS_IF}
+    # the same for every thread of the block: ThreadSync then places barriers under it
+    uniform = T.tvm_thread_invariant(block.annotations[RUNS_IF])
+    return tvm.s_tir.SBlock(block.iter_vars, block.reads, block.writes, block.name_hint,
+                            tirx.IfThenElse(uniform, block.body, None), block.init, block.alloc_buffers,
+                            block.match_buffers, annotations)
+
+
+def RunBlocksIf():  # noqa: N802
+    """Before the blocks are lowered: a block annotated ``RUNS_IF`` (by the program) runs its body only
+    where that condition of its iteration variables holds. On a GPU the block is a thread block, so
+    the test is uniform: varlen's Q blocks past their own sequence's end return at once instead of
+    loading a Q block of zeros and running a masked K/V tile."""
+    def run(func):
+        return func.with_body(tvm_ffi.structural_map(func.body, (tvm.s_tir.SBlock, _run_if)))
+    return prim_func_pass(run, "tvmflash.RunBlocksIf")
 
 
 # ---------------------------------------------------------------------------------- loaded extents

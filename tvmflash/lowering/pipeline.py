@@ -40,6 +40,7 @@ def passes_for(mod: tvm.IRModule, config) -> list:
     opts = options(mod)
     pipeline = [
         passes.ReverseLoops(),                                       # +
+        passes.RunBlocksIf(),                                        # +
         s_tir.transform.CanonicalizeLoop(),
         s_tir.transform.LowerCrossThreadReduction(),
         s_tir.transform.LowerInitBlock(),
