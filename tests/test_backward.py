@@ -273,6 +273,41 @@ def test_simt_backward_default_knobs_fit_static_shared_memory():
         tvmflash.compile_backward(head_dim=256, dtype="float32", target="sm80", knobs={"block_m": 32, "block_n": 32})
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_strided_q_k_v_are_read_in_place(device, monkeypatch):
+    """q, k and v as a packed qkv's thirds (a GPT layer's ``qkv.unflatten(-1, (3, h, d)).unbind(2)``)
+    and as transposed (b, h, s, d) tensors: the backward reads them through their strides, as the
+    forward does (flash-attn's too), and gives the gradients of compact copies bit for bit."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    batch, seqlen, heads, head_dim = 2, 77, 4, 64
+    gen = torch.Generator().manual_seed(5)
+    qkv = torch.randn(batch, seqlen, 3 * heads * head_dim, generator=gen).to(device=device, dtype=dtype)
+    packed = qkv.unflatten(-1, (3, heads, head_dim)).unbind(2)
+    transposed = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in packed]
+    kernel = tvmflash.compile_backward(head_dim=head_dim, dtype=dtype, causal=True)
+    out, lse = tvmflash.attention(*packed, causal=True, return_lse=True)
+    dout = torch.randn(out.shape, generator=gen).to(device=device, dtype=dtype)
+    expected = kernel(*(t.contiguous() for t in packed), out, dout, lse)
+    copies, contiguous, clone = [], torch.Tensor.contiguous, torch.Tensor.clone
+
+    def copied(copy):
+        def call(t, *args, **kwargs):
+            result = copy(t, *args, **kwargs)
+            if result.data_ptr() != t.data_ptr():
+                copies.append(tuple(t.shape))
+            return result
+        return call
+
+    monkeypatch.setattr(torch.Tensor, "contiguous", copied(contiguous))
+    monkeypatch.setattr(torch.Tensor, "clone", copied(clone))
+    for views in (packed, transposed):
+        assert not any(t.is_contiguous() for t in views)
+        grads = kernel(*views, out, dout, lse)
+        assert all(torch.equal(g, e) for g, e in zip(grads, expected))
+        assert all(g.is_contiguous() for g in grads)
+    assert not copies  # (a view the programs cannot read is cloned: none here)
+
+
 @pytest.mark.gpu
 def test_misaligned_and_strided_gradient_views_on_the_gpu():
     """dout as a view that starts 2 bytes into its storage, and as an expanded (stride 0) tensor."""

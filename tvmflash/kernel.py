@@ -49,6 +49,12 @@ def one_batch(t: torch.Tensor) -> torch.Tensor:
     return t.as_strided((1, *t.shape), (t.stride(0), *t.stride()), t.storage_offset())
 
 
+def stride_multiple(schedule, dtype: str) -> int:
+    """The multiple (in elements) that the strides of the tensors a schedule's modules read in place
+    must be: its ``stride_alignment`` in bytes (16 on CUDA, for vector loads)."""
+    return max(1, schedule_registry.stride_alignment(schedule) * 8 // tvm.DataType(dtype).bits)
+
+
 def check_strides(**tensors) -> None:
     """Every stride of each named tensor (None: skipped; of a dimension longer than 1) below 2**31:
     the modules take each stride and dimension as an int32 (only their sum of products, the offset,
@@ -206,9 +212,7 @@ class Kernel:
         self.key = kernel_key(spec_args, target, knobs)
         self.schedule, self.schedule_source, records = choose_schedule(target, spec_args, knobs)
         schedule_name = schedule_registry.name_of(self.schedule)
-        # strides of q, k, v and out that the module reads in place are multiples of this (elements)
-        self._stride_multiple = max(1, schedule_registry.stride_alignment(self.schedule) * 8
-                                    // tvm.DataType(self.dtype).bits)
+        self._stride_multiple = stride_multiple(self.schedule, self.dtype)
         self._check_knob_names(knobs, self.schedule.KNOBS)
         for name, value in (knobs or {}).items():
             problem = schedule_registry.knob_problem(self.schedule, name, value)
@@ -863,6 +867,7 @@ class BackwardKernel(Kernel):
         self._set_problem(spec_args, target)
         self.schedule = schedule_registry.backward_for_target(target, self.dtype, self.head_dim)
         self.schedule_source = "the target's"
+        self._stride_multiple = stride_multiple(self.schedule, self.dtype)
         schedule_name = schedule_registry.name_of(self.schedule)
         self._check_knob_names(knobs, self.schedule.BACKWARD_KNOBS, "backward ")
         defaults = backward_default_knobs(self.schedule, self.head_dim)
@@ -901,7 +906,7 @@ class BackwardKernel(Kernel):
         knobs = self.knobs
         sch = tvm.s_tir.Schedule(program_backward.attention_backward(
             spec, knobs["block_m"], knobs["block_n"], knobs.get("dq_block_m"), knobs.get("dq_block_n"),
-            dq_atomic=self.dq_atomic))
+            dq_atomic=self.dq_atomic, stride_alignment=schedule_registry.stride_alignment(self.schedule)))
         return self.schedule.schedule_backward(sch, **self.knobs)
 
     @property
@@ -951,24 +956,27 @@ class BackwardKernel(Kernel):
             if name in ("dq", "dk", "dv") and not t.is_contiguous():
                 raise ValueError(f"{name}: expected a contiguous tensor, got strides {t.stride()}")
 
-    def _compact(self, *tensors):
-        """The tensors, contiguous: views (a packed qkv's unbind, autograd's expanded gradient of a
-        sum) are copied once here, and so is a CUDA tensor whose data does not start on the 16 bytes
-        vector loads need."""
-        cuda = targets.is_cuda(self.target)
-        return tuple(t.clone(memory_format=torch.contiguous_format) if cuda and t.data_ptr() % 16 else t.contiguous()
-                     for t in tensors)
+    def _readable(self, t, strided: bool = True):
+        """``t`` itself where the programs can read it in place, else a compact copy. q, k and v
+        (``strided``) are read through their strides (``_fits``: a packed qkv's thirds, a
+        transposed (b, h, s, d) tensor); out, dout and lse must be compact. A CUDA tensor whose
+        data is off the 16 bytes vector loads need is copied too."""
+        if not t.numel() or (self._fits(t) if strided else t.is_contiguous() and not (self._cuda and t.data_ptr() % 16)):
+            return t
+        return t.clone(memory_format=torch.contiguous_format)
 
-    def _gradients_and_passes(self, q, k, v, dq, dk, dv, heads_q: int, heads_kv: int, work: bool):
-        """dq, dk, dv (new where not given) and the programs that fill them (``program_backward.passes``
-        by name); without ``work`` (no query or no key) the gradients are 0 and there are no programs."""
-        grads = tuple(torch.empty_like(t) if g is None else g for t, g in ((q, dq), (k, dk), (v, dv)))
+    def _gradients_and_passes(self, q, k, v, out, dout, dq, dk, dv, heads_q: int, heads_kv: int, work: bool):
+        """dq, dk, dv (new where not given, compact) and the programs that fill them
+        (``program_backward.passes`` by name); without ``work`` (no query or no key) the gradients
+        are 0 and there are no programs."""
+        grads = tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) if g is None else g
+                      for t, g in ((q, dq), (k, dk), (v, dv)))
         if not work:
             for grad in grads:
                 grad.zero_()
             return grads, None
-        # dq, dk, dv, out and dout have q's, k's and v's sizes
-        return grads, self._module_for(heads_q, heads_kv, q=q, k=k, v=v).function
+        # dq, dk, dv, out and dout are compact, of q's, k's and v's sizes; q, k and v may have any strides
+        return grads, self._module_for(heads_q, heads_kv, q=q, k=k, v=v, out=out, dout=dout).function
 
     def __call__(self, q, k, v, out, dout, lse, *, dlse=None, softmax_scale=None, dq=None, dk=None, dv=None,
                  alibi_slopes=None):
@@ -983,8 +991,9 @@ class BackwardKernel(Kernel):
         rows = (batch, heads_q, seqlen_q)
         self._check_gradient_arguments(q, k, v, out, dout, lse, dlse, dq, dk, dv, rows)
         softmax_scale = resolve_softmax_scale(softmax_scale, self.head_dim)
-        q, k, v, out, dout, lse = self._compact(q, k, v, out, dout, lse)
-        (dq, dk, dv), passes = self._gradients_and_passes(q, k, v, dq, dk, dv, heads_q, heads_kv,
+        q, k, v = map(self._readable, (q, k, v))
+        out, dout, lse = (self._readable(t, strided=False) for t in (out, dout, lse))
+        (dq, dk, dv), passes = self._gradients_and_passes(q, k, v, out, dout, dq, dk, dv, heads_q, heads_kv,
                                                           work=bool(q.numel() and k.numel()))
         if passes is None:
             return dq, dk, dv
@@ -1021,8 +1030,9 @@ class VarlenBackwardKernel(BackwardKernel):
         rows = (heads_q, total_q)
         self._check_gradient_arguments(q, k, v, out, dout, lse, dlse, dq, dk, dv, rows)
         softmax_scale = resolve_softmax_scale(softmax_scale, self.head_dim)
-        q, k, v, out, dout, lse = self._compact(q, k, v, out, dout, lse)
-        (dq, dk, dv), passes = self._gradients_and_passes(q, k, v, dq, dk, dv, heads_q, heads_kv,
+        q, k, v = (self._readable(one_batch(t))[0] for t in (q, k, v))
+        out, dout, lse = (self._readable(t, strided=False) for t in (out, dout, lse))
+        (dq, dk, dv), passes = self._gradients_and_passes(q, k, v, out, dout, dq, dk, dv, heads_q, heads_kv,
                                                           work=bool(q.numel() and k.numel() and batch))
         if passes is None:
             return dq, dk, dv

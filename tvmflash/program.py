@@ -307,6 +307,31 @@ def kv_blocks_end(spec: AttentionSpec, qb, block_m, block_n, seqlen_q, seqlen_k)
     return T.ceildiv(T.min(seqlen_k, T.max(0, reach)), block_n)
 
 
+def strided_argument(handle, shape, dtype: str, name: str):
+    """A (batch, seqlen, heads, head_dim) tensor parameter of the PrimFunc being parsed, taken with any
+    batch, sequence and head strides (int32 arguments ``{name}_stride_b``, ``_s``, ``_h``, in
+    elements) and a contiguous head_dim: (b, s, h, d) tensors, (b, h, s, d) ones seen through a
+    transpose and a packed qkv's thirds alike, without a copy. The strides are loop-invariant
+    kernel arguments. Read it through ``aligned_strides``' view."""
+    strides = (T.int32(), T.int32(), T.int32())
+    for axis, stride in zip("bsh", strides):
+        IRBuilder.name(f"{name}_stride_{axis}", stride)
+    buffer = T.match_buffer(handle, shape, dtype, strides=(*strides, 1))
+    IRBuilder.name(f"{name}_in", buffer)
+    return buffer
+
+
+def aligned_strides(buffer, stride_alignment: int) -> tuple:
+    """The strides of a ``strided_argument`` rounded down to a multiple of ``stride_alignment``
+    bytes, for a view of it (``T.decl_buffer(..., data=buffer.data, strides=...)``): the caller
+    passes only such strides, so the view is the argument, and CUDA code generation, which emits a
+    16-byte vector load or store only where it can prove the index a multiple of the vector (a plain
+    stride argument made gathers of scalar loads), sees it. The rounding costs two shifts a stride,
+    out of every loop."""
+    multiple = max(1, stride_alignment * 8 // tvm.DataType(buffer.dtype).bits)  # in elements
+    return (*(s if multiple == 1 else s // multiple * multiple for s in buffer.strides[:3]), 1)
+
+
 def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_tiles: int = 1,
                       stride_alignment: int = 1):
     """Return the forward PrimFunc ``main(q, k, v, out, lse, softmax_scale)`` (and ``alibi_slopes``
@@ -333,12 +358,6 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_ti
     group = HQ // HKV
     dtype = spec.dtype
     f32 = "float32"
-    stride_multiple = max(1, stride_alignment * 8 // tvm.DataType(dtype).bits)  # in elements
-
-    def rounded(stride):
-        """A stride the caller makes a multiple of stride_multiple, as code generation can see it."""
-        return stride if stride_multiple == 1 else stride // stride_multiple * stride_multiple
-
     def first_kv_tile(qb, seqlen_q, seqlen_k):
         """The first K/V tile Q block qb visits (0 without a left window)."""
         return first_kv_block(spec, qb, BM, BN, seqlen_q, seqlen_k)
@@ -380,33 +399,18 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_ti
         batch = T.int32()
         seqlen_q = T.int32()
         seqlen_k = T.int32()
-        # q, k, v and out are taken with any batch, sequence and head strides (in elements) and a
-        # contiguous head_dim: (b, s, h, d) tensors and (b, h, s, d) ones seen through a transpose
-        # alike, without a copy. The strides are loop-invariant kernel arguments. The program reads
-        # and writes through views of the arguments whose strides are rounded down to a multiple of
-        # ``stride_alignment`` bytes: the caller passes only such strides, so the views are the
-        # arguments, and CUDA code generation, which emits a 16-byte vector load or store only where
-        # it can prove the index a multiple of the vector (a plain stride argument made gathers of
-        # scalar loads), sees it. The rounding costs two shifts a stride, out of every loop.
-        q_stride_b, q_stride_s, q_stride_h = T.int32(), T.int32(), T.int32()
-        k_stride_b, k_stride_s, k_stride_h = T.int32(), T.int32(), T.int32()
-        v_stride_b, v_stride_s, v_stride_h = T.int32(), T.int32(), T.int32()
-        o_stride_b, o_stride_s, o_stride_h = T.int32(), T.int32(), T.int32()
-        Q_in = T.match_buffer(q_handle, (batch, seqlen_q, HQ, D), dtype, strides=(q_stride_b, q_stride_s, q_stride_h, 1))
-        K_in = T.match_buffer(k_handle, (batch, seqlen_k, HKV, D), dtype, strides=(k_stride_b, k_stride_s, k_stride_h, 1))
-        V_in = T.match_buffer(v_handle, (batch, seqlen_k, HKV, D), dtype, strides=(v_stride_b, v_stride_s, v_stride_h, 1))
-        O_in = T.match_buffer(out_handle, (batch, seqlen_q, HQ, D), dtype, strides=(o_stride_b, o_stride_s, o_stride_h, 1))
+        # q, k, v and out with any strides (``strided_argument``), read through aligned views
+        Q_in = T.meta_var(strided_argument(q_handle, (batch, seqlen_q, HQ, D), dtype, "q"))
+        K_in = T.meta_var(strided_argument(k_handle, (batch, seqlen_k, HKV, D), dtype, "k"))
+        V_in = T.meta_var(strided_argument(v_handle, (batch, seqlen_k, HKV, D), dtype, "v"))
+        O_in = T.meta_var(strided_argument(out_handle, (batch, seqlen_q, HQ, D), dtype, "o"))
         LSE = T.match_buffer(lse_handle, (batch, HQ, seqlen_q), f32)
         Packed_ = T.meta_var(varlen_arguments(spec))  # parameters with varlen only
         AlibiSlopes = T.meta_var(alibi_slopes_argument(spec, sequence_count(Packed_, batch), HQ))  # with ALiBi only
-        Q = T.decl_buffer((batch, seqlen_q, HQ, D), dtype, data=Q_in.data,
-                          strides=(rounded(q_stride_b), rounded(q_stride_s), rounded(q_stride_h), 1))
-        K = T.decl_buffer((batch, seqlen_k, HKV, D), dtype, data=K_in.data,
-                          strides=(rounded(k_stride_b), rounded(k_stride_s), rounded(k_stride_h), 1))
-        V = T.decl_buffer((batch, seqlen_k, HKV, D), dtype, data=V_in.data,
-                          strides=(rounded(v_stride_b), rounded(v_stride_s), rounded(v_stride_h), 1))
-        O = T.decl_buffer((batch, seqlen_q, HQ, D), dtype, data=O_in.data,
-                          strides=(rounded(o_stride_b), rounded(o_stride_s), rounded(o_stride_h), 1))
+        Q = T.decl_buffer((batch, seqlen_q, HQ, D), dtype, data=Q_in.data, strides=aligned_strides(Q_in, stride_alignment))
+        K = T.decl_buffer((batch, seqlen_k, HKV, D), dtype, data=K_in.data, strides=aligned_strides(K_in, stride_alignment))
+        V = T.decl_buffer((batch, seqlen_k, HKV, D), dtype, data=V_in.data, strides=aligned_strides(V_in, stride_alignment))
+        O = T.decl_buffer((batch, seqlen_q, HQ, D), dtype, data=O_in.data, strides=aligned_strides(O_in, stride_alignment))
 
         for b, h, qb in T.grid(sequence_count(Packed_, batch), HQ, T.ceildiv(longest(Packed_, seqlen_q), BM)):
             with T.sblock("tile"):

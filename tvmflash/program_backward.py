@@ -69,7 +69,7 @@ def dq_accumulator_rows(seqlen_q: int, block_m: int) -> int:
 
 
 def attention_backward(spec: AttentionSpec, block_m: int, block_n: int, dq_block_m: int | None = None,
-                       dq_block_n: int | None = None, dq_atomic: bool = False) -> tvm.IRModule:
+                       dq_block_n: int | None = None, dq_atomic: bool = False, stride_alignment: int = 1) -> tvm.IRModule:
     """The backward programs for a spec: dkdv in tiles of ``block_m`` query rows by ``block_n`` keys,
     dq in tiles of ``dq_block_m`` by ``dq_block_n`` (by default dkdv's).
 
@@ -85,12 +85,12 @@ def attention_backward(spec: AttentionSpec, block_m: int, block_n: int, dq_block
     the same rows, so a schedule that runs tiles at once makes the addition atomic, and the sum's
     order (its rounding) changes from run to run.
     """
-    module = _programs(spec, block_m, block_n, dq_atomic)
+    module = _programs(spec, block_m, block_n, dq_atomic, stride_alignment)
     if dq_atomic:
         return module
     dq_tile = (dq_block_m or block_m, dq_block_n or block_n)
     if dq_tile != (block_m, block_n):
-        module["dq"] = _programs(spec, *dq_tile)["dq"]
+        module["dq"] = _programs(spec, *dq_tile, stride_alignment=stride_alignment)["dq"]
     return module
 
 
@@ -107,7 +107,8 @@ def _dq_accumulator_argument(dq_atomic: bool, batch, heads: int, head_dim: int):
     return accum
 
 
-def _programs(spec: AttentionSpec, block_m: int, block_n: int, dq_atomic: bool = False) -> tvm.IRModule:
+def _programs(spec: AttentionSpec, block_m: int, block_n: int, dq_atomic: bool = False,
+              stride_alignment: int = 1) -> tvm.IRModule:
     """The three programs, all in tiles of ``block_m`` query rows by ``block_n`` keys (``dq_atomic``:
     delta, dkdv with dq's share, convert_dq)."""
     D, BM, BN = spec.head_dim, block_m, block_n
@@ -309,9 +310,9 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int, dq_atomic: bool =
         batch = T.int32()
         seqlen_q = T.int32()
         seqlen_k = T.int32()
-        Q = T.match_buffer(q_handle, (batch, seqlen_q, HQ, D), dtype)
-        K = T.match_buffer(k_handle, (batch, seqlen_k, HKV, D), dtype)
-        V = T.match_buffer(v_handle, (batch, seqlen_k, HKV, D), dtype)
+        Q_in = T.meta_var(program.strided_argument(q_handle, (batch, seqlen_q, HQ, D), dtype, "q"))
+        K_in = T.meta_var(program.strided_argument(k_handle, (batch, seqlen_k, HKV, D), dtype, "k"))
+        V_in = T.meta_var(program.strided_argument(v_handle, (batch, seqlen_k, HKV, D), dtype, "v"))
         dO = T.match_buffer(dout_handle, (batch, seqlen_q, HQ, D), dtype)
         LSE2 = T.match_buffer(lse2_handle, (batch, HQ, seqlen_q), f32)
         Delta = T.match_buffer(delta_handle, (batch, HQ, seqlen_q), f32)
@@ -320,6 +321,11 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int, dq_atomic: bool =
         DQaccum = T.meta_var(_dq_accumulator_argument(dq_atomic, batch, HQ, D))  # with dq_atomic only
         Packed_ = T.meta_var(program.varlen_arguments(spec, "max_seqlen_k"))  # parameters with varlen only
         AlibiSlopes = T.meta_var(program.alibi_slopes_argument(spec, program.sequence_count(Packed_, batch), HQ))  # with ALiBi only
+        # q, k and v with any strides (``program.strided_argument``: a packed qkv's thirds, as the
+        # forward takes them), read through aligned views; dout (and delta's out) compact
+        Q = T.decl_buffer(Q_in.shape, dtype, data=Q_in.data, strides=program.aligned_strides(Q_in, stride_alignment))
+        K = T.decl_buffer(K_in.shape, dtype, data=K_in.data, strides=program.aligned_strides(K_in, stride_alignment))
+        V = T.decl_buffer(V_in.shape, dtype, data=V_in.data, strides=program.aligned_strides(V_in, stride_alignment))
 
         for b, hk, kb in T.grid(program.sequence_count(Packed_, batch), HKV, T.ceildiv(program.longest(Packed_, seqlen_k), BN)):
             with T.sblock("tile"):
@@ -428,15 +434,20 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int, dq_atomic: bool =
         batch = T.int32()
         seqlen_q = T.int32()
         seqlen_k = T.int32()
-        Q = T.match_buffer(q_handle, (batch, seqlen_q, HQ, D), dtype)
-        K = T.match_buffer(k_handle, (batch, seqlen_k, HKV, D), dtype)
-        V = T.match_buffer(v_handle, (batch, seqlen_k, HKV, D), dtype)
+        Q_in = T.meta_var(program.strided_argument(q_handle, (batch, seqlen_q, HQ, D), dtype, "q"))
+        K_in = T.meta_var(program.strided_argument(k_handle, (batch, seqlen_k, HKV, D), dtype, "k"))
+        V_in = T.meta_var(program.strided_argument(v_handle, (batch, seqlen_k, HKV, D), dtype, "v"))
         dO = T.match_buffer(dout_handle, (batch, seqlen_q, HQ, D), dtype)
         LSE2 = T.match_buffer(lse2_handle, (batch, HQ, seqlen_q), f32)
         Delta = T.match_buffer(delta_handle, (batch, HQ, seqlen_q), f32)
         dQ = T.match_buffer(dq_handle, (batch, seqlen_q, HQ, D), dtype)
         Packed_ = T.meta_var(program.varlen_arguments(spec, "max_seqlen_q"))  # parameters with varlen only
         AlibiSlopes = T.meta_var(program.alibi_slopes_argument(spec, program.sequence_count(Packed_, batch), HQ))  # with ALiBi only
+        # q, k and v with any strides (``program.strided_argument``: a packed qkv's thirds, as the
+        # forward takes them), read through aligned views; dout (and delta's out) compact
+        Q = T.decl_buffer(Q_in.shape, dtype, data=Q_in.data, strides=program.aligned_strides(Q_in, stride_alignment))
+        K = T.decl_buffer(K_in.shape, dtype, data=K_in.data, strides=program.aligned_strides(K_in, stride_alignment))
+        V = T.decl_buffer(V_in.shape, dtype, data=V_in.data, strides=program.aligned_strides(V_in, stride_alignment))
 
         for b, h, qb in T.grid(program.sequence_count(Packed_, batch), HQ, T.ceildiv(program.longest(Packed_, seqlen_q), BM)):
             with T.sblock("tile"):
