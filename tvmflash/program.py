@@ -358,6 +358,7 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_ti
     group = HQ // HKV
     dtype = spec.dtype
     f32 = "float32"
+
     def first_kv_tile(qb, seqlen_q, seqlen_k):
         """The first K/V tile Q block qb visits (0 without a left window)."""
         return first_kv_block(spec, qb, BM, BN, seqlen_q, seqlen_k)

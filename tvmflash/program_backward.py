@@ -76,7 +76,9 @@ def attention_backward(spec: AttentionSpec, block_m: int, block_n: int, dq_block
     ``delta(out, dout, lse, dlse, delta, lse2)``,
     ``dkdv(q, k, v, dout, lse2, delta, dk, dv, softmax_scale)``,
     ``dq(q, k, v, dout, lse2, delta, dq, softmax_scale)``: shapes in the module docstring. Run them
-    in ``passes()``' order.
+    in ``passes()``' order. q, k and v are taken with any batch, sequence and head strides, as the
+    forward takes them (``program.strided_argument``), which the caller must make multiples of
+    ``stride_alignment`` bytes; the other tensors compact.
 
     ``dq_atomic``: no dq program; dkdv also adds each step's ds k into ``dq_accum`` (float32
     (batch, ``dq_accumulator_rows``, heads_q, head_dim), zeroed by the caller), after softmax_scale:
