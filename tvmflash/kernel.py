@@ -49,12 +49,6 @@ def one_batch(t: torch.Tensor) -> torch.Tensor:
     return t.as_strided((1, *t.shape), (t.stride(0), *t.stride()), t.storage_offset())
 
 
-def stride_multiple(schedule, dtype: str) -> int:
-    """The multiple (in elements) that the strides of the tensors a schedule's modules read in place
-    must be: its ``stride_alignment`` in bytes (16 on CUDA, for vector loads)."""
-    return max(1, schedule_registry.stride_alignment(schedule) * 8 // tvm.DataType(dtype).bits)
-
-
 def check_strides(**tensors) -> None:
     """Every stride of each named tensor (None: skipped; of a dimension longer than 1) below 2**31:
     the modules take each stride and dimension as an int32 (only their sum of products, the offset,
@@ -212,7 +206,7 @@ class Kernel:
         self.key = kernel_key(spec_args, target, knobs)
         self.schedule, self.schedule_source, records = choose_schedule(target, spec_args, knobs)
         schedule_name = schedule_registry.name_of(self.schedule)
-        self._stride_multiple = stride_multiple(self.schedule, self.dtype)
+        self._stride_multiple = program.stride_multiple(schedule_registry.stride_alignment(self.schedule), self.dtype)
         self._check_knob_names(knobs, self.schedule.KNOBS)
         for name, value in (knobs or {}).items():
             problem = schedule_registry.knob_problem(self.schedule, name, value)
@@ -867,7 +861,7 @@ class BackwardKernel(Kernel):
         self._set_problem(spec_args, target)
         self.schedule = schedule_registry.backward_for_target(target, self.dtype, self.head_dim)
         self.schedule_source = "the target's"
-        self._stride_multiple = stride_multiple(self.schedule, self.dtype)
+        self._stride_multiple = program.stride_multiple(schedule_registry.stride_alignment(self.schedule), self.dtype)
         schedule_name = schedule_registry.name_of(self.schedule)
         self._check_knob_names(knobs, self.schedule.BACKWARD_KNOBS, "backward ")
         defaults = backward_default_knobs(self.schedule, self.head_dim)
@@ -961,9 +955,8 @@ class BackwardKernel(Kernel):
         (``strided``) are read through their strides (``_fits``: a packed qkv's thirds, a
         transposed (b, h, s, d) tensor); out, dout and lse must be compact. A CUDA tensor whose
         data is off the 16 bytes vector loads need is copied too."""
-        if not t.numel() or (self._fits(t) if strided else t.is_contiguous() and not (self._cuda and t.data_ptr() % 16)):
-            return t
-        return t.clone(memory_format=torch.contiguous_format)
+        fits = self._fits(t) if strided else t.is_contiguous() and not (self._cuda and t.data_ptr() % 16)
+        return t if fits or not t.numel() else t.clone(memory_format=torch.contiguous_format)
 
     def _gradients_and_passes(self, q, k, v, out, dout, dq, dk, dv, heads_q: int, heads_kv: int, work: bool):
         """dq, dk, dv (new where not given, compact) and the programs that fill them

@@ -321,6 +321,11 @@ def strided_argument(handle, shape, dtype: str, name: str):
     return buffer
 
 
+def stride_multiple(stride_alignment: int, dtype: str) -> int:
+    """``stride_alignment`` bytes in elements of ``dtype`` (at least 1)."""
+    return max(1, stride_alignment * 8 // tvm.DataType(dtype).bits)
+
+
 def aligned_strides(buffer, stride_alignment: int) -> tuple:
     """The strides of a ``strided_argument`` rounded down to a multiple of ``stride_alignment``
     bytes, for a view of it (``T.decl_buffer(..., data=buffer.data, strides=...)``): the caller
@@ -328,7 +333,7 @@ def aligned_strides(buffer, stride_alignment: int) -> tuple:
     16-byte vector load or store only where it can prove the index a multiple of the vector (a plain
     stride argument made gathers of scalar loads), sees it. The rounding costs two shifts a stride,
     out of every loop."""
-    multiple = max(1, stride_alignment * 8 // tvm.DataType(buffer.dtype).bits)  # in elements
+    multiple = stride_multiple(stride_alignment, str(buffer.dtype))
     return (*(s if multiple == 1 else s // multiple * multiple for s in buffer.strides[:3]), 1)
 
 

@@ -30,7 +30,6 @@ from tvmflash import target as targets
 # The decode tuning shape: the serving grid of BENCHMARKS.md (GQA 32/8, one query token) on a GPU;
 # --heads sets the query heads, a quarter of them the K/V heads.
 _DECODE_SHAPE = {"cuda": {"batch": 32, "seqlen": 16384, "heads": 32}, "cpu": {"batch": 2, "seqlen": 1024, "heads": 4}}
-
 GQA_GROUP = 4
 
 
