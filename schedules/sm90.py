@@ -941,11 +941,8 @@ def schedule(
 # adds each step's ds k into an fp32 accumulator (``_schedule_dq_share``), 2-4% faster at d64 and 7-20%
 # at d128 over bench's grid (H200, 2026-12-02, commit aab1fe2, benchmarks/backward_knobs.py, 2k and 16k);
 # deterministic=True turns it off (``kernel.BackwardKernel``).
-# overlap (FA3's order within a warpgroup): a step issues s and dp together and waits for s alone
-# before p's exponentials, which then run while dp is on the tensor cores, and dkdv issues dv += pᵀ dout
-# and dk += dsᵀ q back to back, waiting once for both.
 BACKWARD_KNOBS = {"block_m": 64, "block_n": 128, "dq_block_m": 128, "dq_block_n": 64, "dkdv_stages": 2,
-                  "dq_stages": 2, "vec": 8, "dq_atomic": True, "overlap": False}
+                  "dq_stages": 2, "vec": 8, "dq_atomic": True}
 # d64, dq pass: 32-key steps, 8-10% faster than 64 (at d128 4-7% slower). d128, dq_atomic: dkdv's Q
 # blocks by plain loads, 253 registers a thread and no spills (two stages spill 400 bytes): 1.01-1.17x
 # the two stages' speed; at d64 two stages are 5-17% faster (H200, 2026-12-02, commits c022a92, aab1fe2).
@@ -960,7 +957,6 @@ BACKWARD_SPACE = {
     "dq_stages": [1, 2],
     "vec": [8],
     "dq_atomic": [True, False],
-    "overlap": [False, True],
 }
 
 
@@ -981,19 +977,18 @@ def backward_shared_memory_bytes(head_dim: int, dtype: str, knobs: dict) -> int:
 
 
 def schedule_backward(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, dq_block_m: int, dq_block_n: int,
-                      dkdv_stages: int, dq_stages: int, vec: int, dq_atomic: bool = False,
-                      overlap: bool = False) -> tvm.s_tir.Schedule:
+                      dkdv_stages: int, dq_stages: int, vec: int, dq_atomic: bool = False) -> tvm.s_tir.Schedule:
     """delta on the SIMT schedule, dkdv and dq on wgmma (``vec`` elements a copy). The tiles are the
     program's (``program_backward.attention_backward``). ``dq_atomic``: the program has no dq; dkdv
     adds dq's share atomically (``_schedule_dq_share``) and convert_dq runs on SIMT."""
     from . import cuda
 
     cuda.schedule_delta(sch)
-    _schedule_dkdv(sch, dkdv_stages, vec, dq_atomic, overlap)
+    _schedule_dkdv(sch, dkdv_stages, vec, dq_atomic)
     if dq_atomic:
         cuda.schedule_convert_dq(sch)
     else:
-        _schedule_dq(sch, dq_stages, vec, overlap)
+        _schedule_dq(sch, dq_stages, vec)
     return sch
 
 
@@ -1021,8 +1016,7 @@ def _backward_warpgroups(rows: int, what: str) -> int:
     return rows // WG_ROWS
 
 
-def _schedule_dkdv(sch: tvm.s_tir.Schedule, num_stages: int, vec: int, dq_atomic: bool = False,
-                   overlap: bool = False) -> None:
+def _schedule_dkdv(sch: tvm.s_tir.Schedule, num_stages: int, vec: int, dq_atomic: bool = False) -> None:
     """dkdv: its tiles are key-first (sᵀ = k qᵀ, ...), so warpgroup g owns keys [64 g, 64 g + 64) of
     the K/V block, as the forward's warpgroups own query rows: sᵀ and dpᵀ on wgmma with K or V as A
     and q or dout as B (K-major), pᵀ and dsᵀ in the accumulator registers, which are the A operand
@@ -1037,11 +1031,9 @@ def _schedule_dkdv(sch: tvm.s_tir.Schedule, num_stages: int, vec: int, dq_atomic
     _backward_tiles(sch, ("load_k", "load_v", "load_q", "load_do"), groups, vec)
     for name in ("load_lse", "load_delta"):  # BM rows, any number of warpgroups
         _spread_rows(sch, name, groups)
-    _backward_step(sch, ("cast_p",), groups, BM, D, dtype, num_stages, overlap)
-    _backward_accumulate(sch, "dv", groups, D, BM, dtype, wait=not overlap)  # overlap: dk's wait ends it
-    _backward_accumulate(sch, "dk", groups, D, BM, dtype)
-    if overlap:  # the last step's dv is waited for, and its accumulators fenced, before the store reads them
-        sch.annotate(sch.get_loops("store_dv")[-3], WGMMA_WAIT_PRAGMA, 0)  # its first per-thread loop
+    _backward_step(sch, ("cast_p",), groups, BM, D, dtype, num_stages)
+    for name in ("dv", "dk"):
+        _backward_accumulate(sch, name, groups, D, BM, dtype)
     if dq_atomic:
         _schedule_dq_share(sch, staged, groups, BM, D, BN, dtype)
     if num_stages > 1:
@@ -1086,7 +1078,7 @@ def _schedule_dq_share(sch, staged, groups, BM, D, BN, dtype):
     sch.annotate(sch.get_loops("accumulate_dq")[-3], ATOMIC_ADD_PRAGMA, 2)
 
 
-def _schedule_dq(sch: tvm.s_tir.Schedule, num_stages: int, vec: int, overlap: bool = False) -> None:
+def _schedule_dq(sch: tvm.s_tir.Schedule, num_stages: int, vec: int) -> None:
     """dq, mapped as the forward is (a Q block, the K/V blocks streamed past it): s and dp on wgmma
     with q or dout as A and K or V as B (K-major), p and ds in accumulator registers, ds the A operand
     of dq += ds k (K as N-major B), dq in accumulator registers across the K/V blocks."""
@@ -1100,7 +1092,7 @@ def _schedule_dq(sch: tvm.s_tir.Schedule, num_stages: int, vec: int, overlap: bo
     for name in ("load_lse", "load_delta"):
         sch.set_scope(name, 0, "shared.dyn")
         _row_block(sch, name, groups)
-    _backward_step(sch, (), groups, BN, D, dtype, num_stages, overlap)
+    _backward_step(sch, (), groups, BN, D, dtype, num_stages)
     _backward_accumulate(sch, "dq", groups, D, BN, dtype)
     if num_stages > 1:
         pipeline_loads(sch, num_stages)
@@ -1123,28 +1115,24 @@ def _spread_rows(sch, name, groups):
     sch.bind(tx, "threadIdx.x")
 
 
-def _backward_step(sch, casts, groups, cols, D, dtype, num_stages, overlap=False):
+def _backward_step(sch, casts, groups, cols, D, dtype, num_stages):
     """What dkdv and dq share: s and dp on wgmma ("ss": A and B K-major from shared memory, N =
-    ``cols``), p, ds and ``casts`` on the accumulator registers, each thread its elements. dp follows
-    s: s's fence and barrier make the step's tiles visible to both (one stage). ``overlap``: s and dp
-    are committed without a wait; p waits for s alone (``wgmma.wait_group 1``), ds for dp."""
+    ``cols``), p, ds and ``casts`` on the accumulator registers, each thread its elements. With one
+    stage, s's fence and barrier make the step's tiles visible to both products (dp reads none that
+    is written after them)."""
     sch.set_scope("init_scale", 0, "local")  # each thread its copy of the scale
     for name in ("qk", "dp"):
         sch.set_scope(name, 0, "local")
         sch.transform_layout(name, ("write", 0), _acc_index_map)
         rows = _warpgroup_gemm(sch, name, groups)
-        sch.tensorize(rows, wgmma_intrin_name(cols, D, dtype, "k", fence_operands=num_stages == 1 and name == "qk",
-                                              wait=not overlap))
+        sch.tensorize(rows, wgmma_intrin_name(cols, D, dtype, "k", fence_operands=num_stages == 1 and name == "qk"))
     for name in ("exp", "ds", *casts):
         sch.set_scope(name, 0, "local")
         sch.transform_layout(name, ("write", 0), _acc_index_map)
         _acc_block(sch, name, groups)
-    if overlap:  # on each block's first per-thread loop
-        sch.annotate(sch.get_loops("exp")[-3], WGMMA_WAIT_PRAGMA, 1)
-        sch.annotate(sch.get_loops("ds")[-3], WGMMA_WAIT_PRAGMA, 0)
 
 
-def _backward_accumulate(sch, name, groups, D, k, dtype, wait=True):
+def _backward_accumulate(sch, name, groups, D, k, dtype):
     """A gradient's product on wgmma ("rs": A, the p or ds of the step, from the accumulator
     registers; B N-major from shared memory), the gradient in accumulator registers across the
     steps, zeroed first and stored from them (each thread its pairs of adjacent columns)."""
@@ -1153,7 +1141,7 @@ def _backward_accumulate(sch, name, groups, D, k, dtype, wait=True):
     block = sch.get_sblock(name)
     rows = _warpgroup_gemm(sch, block, groups)
     hide_init_reads(sch, block)
-    sch.tensorize(rows, wgmma_intrin_name(D, k, dtype, "mn", a_regs=True, wait=wait))
+    sch.tensorize(rows, wgmma_intrin_name(D, k, dtype, "mn", a_regs=True))
     _acc_block(sch, f"init_{name}", groups)
     _acc_block(sch, f"store_{name}", groups)
     sch.vectorize(sch.get_loops(f"store_{name}")[-1])

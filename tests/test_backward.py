@@ -407,21 +407,6 @@ def test_atomic_dq_gradients_on_the_gpu(monkeypatch, schedule, head_dim, causal)
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("dq_atomic", [True, False], ids=["dq_atomic", "dq_pass"])
-def test_sm90_overlap_gradients_on_the_gpu(monkeypatch, dq_atomic, head_dim, causal):
-    """The sm90 knob overlap (s and dp issued together, p's exponentials while dp runs; dkdv's dv and dk
-    back to back) over SHAPES, with dq by atomics or by its pass."""
-    _on_sm_90a_only("sm90")
-    monkeypatch.setenv("TVMFLASH_BACKWARD", "sm90")
-    knobs = {"overlap": True, "dq_atomic": dq_atomic}
-    assert tvmflash.compile_backward(head_dim=head_dim, dtype=torch.bfloat16, causal=causal,
-                                     knobs=knobs).info()["schedule"] == "sm90"
-    gradients_match_float64("cuda", torch.bfloat16, head_dim, causal, knobs=knobs)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("head_dim", [64, 128])
 def test_deterministic_gradients_match_float64_on_the_gpu(head_dim, causal):
     """deterministic=True where the default sums dq by atomics (sm90): the dq pass, over SHAPES."""
     gradients_match_float64("cuda", torch.bfloat16, head_dim, causal, deterministic=True)

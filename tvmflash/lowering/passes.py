@@ -92,26 +92,15 @@ def BindLoadedPipelineExtents():  # noqa: N802
 
 
 # ---------------------------------------------------------------------------------- pragmas
-def _wgmma_accumulators(func) -> set:
-    """The names of the buffers whose elements ``func``'s wgmma instructions take as operands (their
-    accumulators, and in the "rs" form A's registers)."""
-    def is_wgmma(node):  # tirx.ptx.wgmma_{dtype}_{ss,rs}: the "ss" and "rs" forms of wgmma.mma_async
-        name = getattr(getattr(node, "op", None), "name", "")
-        return isinstance(node, tvm.ir.expr.Call) and name.startswith("tirx.ptx.wgmma_") and name.endswith(("_ss", "_rs"))
-
-    calls = find(func.body, is_wgmma)
-    return {loaded(arg).name for call in calls for arg in call.args if is_load(arg)}
-
-
-def _wait_and_fence_accumulators(attr, accumulators: set):
-    """The statements for a ``WGMMA_WAIT_PRAGMA`` AttrStmt of value n: ``wgmma.wait_group n`` (all but
-    the n wgmma groups committed last are done), a register fence of each element of the wgmma
-    accumulators its loop reads (local float32 buffers), then the loop."""
-    read = [buffer for name, buffer in loaded_buffers(attr.body).items()
-            if name in accumulators and buffer.scope() == "local" and str(buffer.dtype) == "float32"]
+def _wait_and_fence_accumulators(attr):
+    """The statements for a ``WGMMA_WAIT_PRAGMA`` AttrStmt: ``wgmma.wait_group 0``, a register fence
+    of each element of the accumulators its loop reads (local float32 buffers named ``acc``), then
+    the loop."""
+    accumulators = [buffer for name, buffer in loaded_buffers(attr.body).items()
+                    if name.startswith("acc") and buffer.scope() == "local" and str(buffer.dtype) == "float32"]
     fences = [tirx.Evaluate(T.cuda.func_call("tvmflash_wgmma_reg_fence", element, source_code=REG_FENCE))
-              for buffer in read for element in every_element(buffer)]
-    wait = tirx.Evaluate(T.ptx.wgmma.wait_group.sync.aligned(int(attr.value)))
+              for buffer in accumulators for element in every_element(buffer)]
+    wait = tirx.Evaluate(T.ptx.wgmma.wait_group.sync.aligned(0))
     return tirx.SeqStmt([wait, *fences, attr.body])
 
 
@@ -188,7 +177,7 @@ def _has_vector_reductions(func) -> bool:
 
 def _pragma_lowerings(func) -> dict:
     """Each of tvmflash's pragmas and the function that lowers its AttrStmt, for ``func``'s target."""
-    return {WGMMA_WAIT_PRAGMA: functools.partial(_wait_and_fence_accumulators, accumulators=_wgmma_accumulators(func)),
+    return {WGMMA_WAIT_PRAGMA: _wait_and_fence_accumulators,
             SKIP_UNIT_RESCALE_PRAGMA: _skipped_where_factors_are_one,
             ATOMIC_ADD_PRAGMA: functools.partial(_atomic_adds, vector=_has_vector_reductions(func))}
 
