@@ -371,6 +371,21 @@ def test_sm90_backward_builds_cuda_source(monkeypatch):
     assert tvmflash.compile_backward(head_dim=64, dtype="bfloat16", target="sm90").info()["schedule"] == "sm80"
 
 
+def test_sm90_one_stage_products_share_one_fence():
+    """With one stage (plain loads), s's fence.proxy.async and barrier make a step's tiles visible to
+    both of its products from shared memory: dp adds none of its own. dkdv: s's and dq's share's (it
+    reads dsᵀ, copied to shared memory in the step); dq: s's alone."""
+    fence = "fence_proxy_proxy_async_shared__cta();"
+    kernel = tvmflash.compile_backward(head_dim=128, dtype="bfloat16", target="sm90",
+                                       knobs={"dkdv_stages": 1, "dq_atomic": True})
+    src = kernel.source(heads_q=4, heads_kv=2)
+    assert src[src.rindex("dkdv_kernel("):src.rindex("convert_dq_kernel(")].count(fence) == 2
+    kernel = tvmflash.compile_backward(head_dim=128, dtype="bfloat16", target="sm90",
+                                       knobs={"dq_atomic": False, "dq_stages": 1})
+    src = kernel.source(heads_q=4, heads_kv=2)
+    assert src[src.rindex("dq_kernel("):].count(fence) == 1
+
+
 def test_sm80_backward_with_atomic_dq_builds_cuda_source(monkeypatch):
     """The knob dq_atomic: no dq program; dkdv adds ds k into the fp32 dq_accum, by red.global.add.v2.f32
     on sm_90 and atomicAdd before, and convert_dq rounds it into dq."""
