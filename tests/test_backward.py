@@ -206,6 +206,20 @@ def test_backward_modules_are_cached(backward_kernel, monkeypatch):
     assert again.info()["pass"] == "backward"
 
 
+def test_a_training_step_finds_its_backward_kernel_without_compile(monkeypatch):
+    """loss.backward() through attention() looks its backward kernel up by (device, dtype, head_dim,
+    variant), as the forward does: compile_backward resolves a target and hashes its arguments (some
+    250 us a call), which at small sizes left the GPU idle between the kernels of a step."""
+    q, k, v = (torch.randn(1, 8, 2, 32, requires_grad=True) for _ in range(3))
+    tvmflash.attention(q, k, v, causal=True).sum().backward()  # builds (or loads) and keeps the kernels
+    monkeypatch.setattr(tvmflash.ops, "compile_backward", lambda **kw: pytest.fail("compile_backward on a step"))
+    monkeypatch.setattr(tvmflash.ops, "compile", lambda **kw: pytest.fail("compile on a step"))
+    for t in (q, k, v):
+        t.grad = None
+    tvmflash.attention(q, k, v, causal=True).sum().backward()
+    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_simt_backward_builds_cuda_source(monkeypatch, dtype):
     monkeypatch.setenv("TVMFLASH_BACKWARD", "simt")  # sm80's serves bfloat16 at head_dim 128 by default

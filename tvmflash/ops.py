@@ -19,8 +19,9 @@ from tvmflash import target as targets
 from tvmflash.kernel import check_flag, compile, compile_backward, resolve_softmax_scale, resolve_variant
 
 
-# kernel_for's answers: compile() resolves a target (a TVM object) and hashes its arguments, some
-# 100 us a call; attention() runs at every step of a model. Emptied by ``kernel.forget_kernels``.
+# kernel_for's and backward_kernel_for's answers: compile() resolves a target (a TVM object) and hashes
+# its arguments, some 100-250 us a call; attention() runs at every step of a model. Emptied by
+# ``kernel.forget_kernels``.
 KERNELS_FOR: dict[tuple, kernels.Kernel] = {}
 
 
@@ -75,10 +76,16 @@ def _forward_shapes(q, k, v, causal, softmax_scale, window_left=-1, window_right
 def backward_kernel_for(q: torch.Tensor, causal: bool, window_left: int = -1, window_right: int = -1,
                         softcap: float = 0.0, alibi: bool = False, varlen: bool = False, deterministic: bool = False):
     """The backward kernel for q's device, dtype and head_dim and the variant (compiled on first use,
-    then cached)."""
-    return compile_backward(head_dim=q.shape[-1], dtype=q.dtype, causal=causal, target=_target_of(q),
-                            window_size=(window_left, window_right), softcap=softcap, alibi=alibi, varlen=varlen,
-                            deterministic=deterministic)
+    then cached, as ``kernel_for``'s: a training step runs it at every layer)."""
+    key = ("backward", q.device, q.dtype, q.shape[-1], causal, window_left, window_right, softcap, alibi, varlen,
+           deterministic, schedule_registry.sm90_setting(), schedule_registry.backward_setting())
+    found = KERNELS_FOR.get(key)
+    if found is None:
+        found = KERNELS_FOR[key] = compile_backward(
+            head_dim=q.shape[-1], dtype=q.dtype, causal=causal, target=_target_of(q),
+            window_size=(window_left, window_right), softcap=softcap, alibi=alibi, varlen=varlen,
+            deterministic=deterministic)
+    return found
 
 
 @torch.library.custom_op("tvmflash::backward", mutates_args=())
