@@ -4,8 +4,9 @@ cuDNN backends, timed in the same run (tvmflash.bench.time_backends: interleaved
     python benchmarks/decode_bench.py                       # issue 24's grid: GQA 32/8, d128, bf16,
                                                             # batch 1/8/32, KV 4k/16k/64k, contiguous + paged 16
     python benchmarks/decode_bench.py --batch 32 --seqlen 16384 --splits 1 2 4 8   # split counts side by side
-    python benchmarks/decode_bench.py --knobs '{}' '{"num_stages": 3}' '{"block_n": 64, "threads": 64}'
-                                                            # SIMT knob sets side by side ({}: the defaults)
+    python benchmarks/decode_bench.py --knobs '{}' '{"num_stages": 3}' '{"schedule": "simt"}'
+                                                            # knob sets side by side ({}: the defaults;
+                                                            # "schedule": "simt" or "sm80" picks one)
     python benchmarks/decode_bench.py --eager               # plain calls instead of CUDA-graph replays
 
 One query token per sequence, every sequence with the full KV length. Bandwidth is the K and V cache
@@ -140,6 +141,14 @@ def rotating(calls, graph):
     return run
 
 
+def knob_set(knobs: dict) -> dict:
+    """compile_decode's arguments for a --knobs set: its "schedule" key ("sm80" or "simt") picks the
+    schedule, the rest are that schedule's knobs ({}: the defaults)."""
+    knobs = dict(knobs)
+    schedule = knobs.pop("schedule", None)
+    return {"knobs": knobs or None, "schedule": schedule}
+
+
 def prebuild(args, heads_q, heads_kv):
     """Build every (page size, knob set) module in ``args.jobs`` processes at once, into the disk
     cache that the timed kernels then load (a fresh temporary one unless TVMFLASH_CACHE_DIR is set)."""
@@ -150,11 +159,12 @@ def prebuild(args, heads_q, heads_kv):
 
     os.environ.setdefault("TVMFLASH_CACHE_DIR", tempfile.mkdtemp(prefix="tvmflash-decode-bench-"))
     code = ("import json, sys, torch; from tvmflash import decode; "
+            "sys.path.insert(0, sys.argv[7]); from decode_bench import knob_set; "
             "decode.compile_decode(head_dim=int(sys.argv[1]), dtype=getattr(torch, sys.argv[2]), "
-            "page_size=int(sys.argv[3]), knobs=json.loads(sys.argv[4]) or None, heads_q=int(sys.argv[5]), "
-            "heads_kv=int(sys.argv[6]))")
+            "page_size=int(sys.argv[3]), heads_q=int(sys.argv[5]), heads_kv=int(sys.argv[6]), "
+            "**knob_set(json.loads(sys.argv[4])))")
     pending = [[sys.executable, "-c", code, str(args.head_dim), args.dtype, str(page_size), json.dumps(knobs),
-                str(heads_q), str(heads_kv)] for page_size in args.page_size for knobs in args.knobs]
+                str(heads_q), str(heads_kv), os.path.dirname(os.path.abspath(__file__))] for page_size in args.page_size for knobs in args.knobs]
     running = []
     while pending or running:
         while pending and len(running) < args.jobs:
@@ -175,7 +185,8 @@ def main():
     parser.add_argument("--splits", type=int, nargs="+", default=[0],
                         help="tvmflash split counts to time side by side (0: its own choice; default 0)")
     parser.add_argument("--knobs", type=json.loads, nargs="+", default=[{}],
-                        help="SIMT decode knob sets to time side by side, JSON each (cuda.DECODE_KNOBS; {}: defaults)")
+                        help="decode knob sets to time side by side, JSON each ({}: the defaults; "
+                             "\"schedule\": \"simt\" or \"sm80\" picks the schedule whose DECODE_KNOBS the rest are)")
     parser.add_argument("--eager", action="store_true", help="time plain calls, not CUDA-graph replays")
     parser.add_argument("--jobs", type=int, default=1,
                         help="build the knob sets' modules in this many processes first (into TVMFLASH_CACHE_DIR)")
@@ -193,7 +204,7 @@ def main():
     if args.jobs > 1:
         prebuild(args, heads_q, heads_kv)
     kernels = {(page_size, k): decode.compile_decode(head_dim=args.head_dim, dtype=dtype, page_size=page_size,
-                                                     knobs=knobs or None)
+                                                     **knob_set(knobs))
                for page_size in args.page_size for k, knobs in enumerate(args.knobs)}
     header = None
     for batch in args.batch:

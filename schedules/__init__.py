@@ -122,13 +122,35 @@ def backward_setting() -> str:
 
 
 def simt_for_target(target) -> ModuleType:
-    """The CPU's schedule module, else the SIMT CUDA one on every GPU: what serves the backward by
-    default and decode (bound by memory, not arithmetic: no tensor cores needed)."""
+    """The CPU's schedule module, else the SIMT CUDA one on every GPU: what serves the backward and
+    decode where no tensor-core schedule does (float32, GPUs before sm80)."""
     if target.kind.name == "llvm":
         return cpu
     if target.kind.name == "cuda":
         return cuda
     raise ValueError(f"target: no tvmflash schedule for target kind {target.kind.name!r}")
+
+
+DECODE_SCHEDULES = ("simt", "sm80")
+
+
+def decode_for_target(target, dtype: str, head_dim: int, name: str | None = None) -> ModuleType:
+    """The schedule module whose ``schedule_decode`` serves a target: on a GPU of sm80 or newer, for
+    fp16/bf16 and a head_dim multiple of 16, sm80's (mma.sync: the products cost a few instructions
+    a tile, which leaves the kernel to stream the cache); else the SIMT one, or the CPU's. name
+    ("simt" or "sm80"; None: TVMFLASH_DECODE, else the default) asks for one."""
+    name = name or os.environ.get("TVMFLASH_DECODE", "")
+    if name not in ("", *DECODE_SCHEDULES):
+        raise ValueError(f"decode schedule: expected one of {DECODE_SCHEDULES} or unset, got {name!r}")
+    if name != "simt" and target.kind.name == "cuda":
+        from tvmflash.target import compute_capability
+
+        if compute_capability(target) >= 80 and dtype in sm80.DTYPES and head_dim % 16 == 0:
+            return sm80
+    if name == "sm80":
+        raise ValueError(f"decode schedule sm80: needs a GPU of sm80 or newer, fp16 or bf16 and a head_dim multiple "
+                         f"of 16; got {target.kind.name}, {dtype}, head_dim {head_dim}")
+    return simt_for_target(target)
 
 
 def backward_for_target(target, dtype: str, head_dim: int) -> ModuleType:

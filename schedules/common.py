@@ -520,3 +520,13 @@ def _sblock_names(stmt):
     if isinstance(stmt, SBlock):
         return {str(stmt.name_hint)} | _sblock_names(stmt.body)
     return set()
+
+
+def read_index(sch, block, name: str) -> int:
+    """The index, among a block's reads, of the program's buffer ``name`` (set_scope and cache_read
+    append scopes to the name: Kt_shared.dyn, l_keys_local)."""
+    block = sch.get_sblock(block) if isinstance(block, str) else block
+    names = [str(region.source.name) for region in sch.get(block).reads]
+    for scope in ("_shared.dyn", "_shared", "_local"):
+        names = [n.removesuffix(scope) for n in names]
+    return names.index(name)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import tvm
 
+from .common import read_index
+
 # Measured on a 2-core AVX-512 Xeon (bf16 and fp32, d64, s512): 64x64 tiles with 16-wide vectors
 # were about 10% faster than 32x64 with 8-wide ones.
 KNOBS = {"block_m": 64, "block_n": 64, "vector": 16}
@@ -78,7 +80,7 @@ def schedule_backward(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, ve
         columns = {"dkdv": (("qk", "Qt", None), ("dp", "dOt", None)),
                    "dq": (("qk", "Kt", None), ("dp", "Vt", "load_v"))}[func]
         for name, operand, load in columns:
-            block = load or sch.cache_read(name, _read_index(sch, name, operand), "global", consumer_blocks=[name])
+            block = load or sch.cache_read(name, read_index(sch, name, operand), "global", consumer_blocks=[name])
             sch.transform_layout(block, ("write", 0), lambda r, d: (d, r))
         # ... and dv += pᵀ dout, dk += dsᵀ q, dq += ds k along head_dim.
         for name in ("qk", "dp") + (("dv", "dk") if func == "dkdv" else ("dq",)):
@@ -91,10 +93,6 @@ def schedule_backward(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, ve
     return sch
 
 
-def _read_index(sch, block_name, buffer_name):
-    """The index of a block's read of the named buffer (for cache_read)."""
-    reads = sch.get(sch.get_sblock(block_name)).reads
-    return next(n for n, region in enumerate(reads) if region.source.name == buffer_name)
 # ------------------------------------------------------------------------------------------------
 # decode (tvmflash.program_decode): the split program and the merge program
 # ------------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import tvm
 
-from .common import element_bytes, pipeline_loads
+from .common import element_bytes, pipeline_loads, read_index
 
 KNOBS = {"block_m": 64, "block_n": 32, "vector_bytes": 16}
 # The strides of q, k, v and out are whole 16-byte vectors (``program.attention_forward``'s
@@ -257,8 +257,7 @@ def schedule_decode(sch: tvm.s_tir.Schedule, *, query_tokens: int, block_n: int,
     single (when the module has it): the split program writing the output itself (one split, no
     merge), scheduled as split.
 
-    merge: one thread block per (sequence, token, head): blockIdx.x = (token, head), y = sequence;
-    one thread per head_dim column; the LSE max and sum across the threads, a split a thread.
+    merge: ``schedule_decode_merge``.
     """
     names = {gv.name_hint for gv in sch.mod.functions}
     for func in [name for name in ("split", "single") if name in names]:  # single: the split program, final
@@ -351,7 +350,7 @@ def schedule_decode(sch: tvm.s_tir.Schedule, *, query_tokens: int, block_n: int,
         sch.blockize(d_outer)
         qk_d_outer = d_outer
         for buffer in ("Kt", "Qt"):
-            copy = sch.cache_read(update, _read_index(sch, update, buffer), "local")
+            copy = sch.cache_read(update, read_index(sch, update, buffer), "local")
             sch.compute_at(copy, d_outer)
             _vectorize_rows(sch, copy, 16)
 
@@ -390,7 +389,7 @@ def schedule_decode(sch: tvm.s_tir.Schedule, *, query_tokens: int, block_n: int,
         pv = sch.get_sblock("pv_update")
         sch.blockize(pv_j)  # a scope for the local copies (as in Q Kᵀ)
         for buffer in ("P", "Vt"):
-            copy = sch.cache_read(pv, _read_index(sch, pv, buffer), "local")
+            copy = sch.cache_read(pv, read_index(sch, pv, buffer), "local")
             sch.compute_at(copy, pv_j)
             _vectorize_rows(sch, copy, 16)
         if unroll:  # every key's loads issued ahead of its FMAs (after the copies went in: compute_at needs the loop)
@@ -404,6 +403,14 @@ def schedule_decode(sch: tvm.s_tir.Schedule, *, query_tokens: int, block_n: int,
         # per-row registers by threadIdx, which puts them on the stack.
         sch.unroll(sch.get_loops("store_lse")[-1])
 
+    schedule_decode_merge(sch)
+    return sch
+
+
+def schedule_decode_merge(sch: tvm.s_tir.Schedule) -> None:
+    """The merge of a decode module (function ``merge``): one thread block per (sequence, token, head),
+    blockIdx.x = (token, head), y = sequence; one thread per head_dim column; the LSE max and sum
+    across the threads, a split a thread."""
     sch.work_on("merge")
     b, t, h = sch.get_loops("row")
     sch.bind(sch.fuse(t, h), "blockIdx.x")
@@ -424,7 +431,6 @@ def schedule_decode(sch: tvm.s_tir.Schedule, *, query_tokens: int, block_n: int,
     _, s_inner = sch.split(s, [None, MERGE_UNROLL])
     sch.unroll(s_inner)
     sch.bind(sch.get_loops("store_o")[-1], "threadIdx.x")
-    return sch
 
 
 MERGE_UNROLL = 8  # splits whose partial outputs a merge thread has in flight at once
@@ -444,12 +450,3 @@ def _vectorize_rows(sch, block, vector_bytes: int) -> None:
         _, inner = sch.split(loop, [None, lanes])
         sch.vectorize(inner)
 
-
-def _read_index(sch, block, name: str) -> int:
-    """The index, among a block's reads, of the program's buffer ``name`` (set_scope and cache_read
-    append scopes to the name: Kt_shared.dyn, l_keys_local)."""
-    block = sch.get_sblock(block) if isinstance(block, str) else block
-    names = [str(region.source.name) for region in sch.get(block).reads]
-    for scope in ("_shared.dyn", "_shared", "_local"):
-        names = [n.removesuffix(scope) for n in names]
-    return names.index(name)

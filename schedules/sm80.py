@@ -30,13 +30,16 @@ Mapping (FA2 style):
 
 from __future__ import annotations
 
+import math
+
 import tvm
 
 from tvmflash.lowering.annotations import ATOMIC_ADD_PRAGMA
 
 from .common import (QuadRowLayout, bind_grid, buffer_info, dkdv_grid, hide_init_reads, pipeline_loads,
-                     quad_row_block, quad_row_init, register_intrin, row_quad_map, row_reduce_intrin,
+                     quad_row_block, quad_row_init, read_index, register_intrin, row_quad_map, row_reduce_intrin,
                      staged_row_block, tensorize_row_reduce)
+from .cuda import schedule_decode_merge
 
 WARP = 32
 
@@ -306,7 +309,8 @@ def _warp_gemm_operands(sch, block, num_warps, operands):
     """Cut a GEMM block (loops: rows, cols, reduction) into 16x16x16 mma tiles, give each warp its
     rows, and load the operands into register fragments with ldmatrix.
 
-    operands: (read index of the block, ldmatrix intrinsic) for A and B. Returns the blockized
+    operands: (read index of the blockized block, or the buffer's name; ldmatrix intrinsic) for A and
+    B. Returns the blockized
     outer block; the caller tensorizes the mma itself (``sch.get_loops(block)[-3]``).
     """
     i, n, k = sch.get_loops(block)
@@ -327,6 +331,8 @@ def _warp_gemm_operands(sch, block, num_warps, operands):
     for index, intrin in operands:
         if intrin is None:  # already an mma fragment ("warp" scope)
             continue
+        if isinstance(index, str):  # the program's buffer name
+            index = read_index(sch, outer, index)
         fragment = sch.cache_read(outer, index, "warp")
         sch.compute_at(fragment, k0)
         loads.append((fragment, intrin))
@@ -661,3 +667,116 @@ def _accumulate(sch: tvm.s_tir.Schedule, name: str, num_warps: int, names: dict)
     _fragment_lanes(sch, f"{name}_init")
     _fill_fragments(sch, f"init_{name}", num_warps, names["fill"])
     _store_fragments(sch, f"store_{name}", num_warps, vector=False)
+
+
+# --------------------------------------------------------------------------------------------
+# Decode (``tvmflash.program_decode``, built with tensor_cores=True) on tensor cores: a task's rows
+# (its GQA group's query heads times its query tokens) in 16-row mma tiles, one warp each, so that
+# the products cost a few mma.sync a K/V tile and the kernel is left to stream the cache.
+# --------------------------------------------------------------------------------------------
+# block_n: keys per K/V tile; num_stages: K/V tiles in flight (cp.async, 1: plain loads); vec: elements
+# a copy moves. On the H200 (GQA 32/8, d128) 32-key tiles in three stages (four tasks an SM) read as fast
+# as 64-key tiles in two (three an SM) at batch 32, and 1-7% faster at batch 8 (BENCHMARKS.md).
+DECODE_KNOBS = {"block_n": 32, "num_stages": 3, "vec": 8}
+DECODE_SPACE = {"block_n": [32, 64, 128], "num_stages": [1, 2, 3, 4], "vec": [8]}
+DECODE_PASS_CONFIG = PASS_CONFIG
+DECODE_TENSOR_CORES = True  # the program variant this schedule maps (program_decode.decode_split)
+WARP_ROWS = 16  # a warp's rows of a task: one mma tile
+
+
+def decode_query_tokens(group: int, knobs: dict) -> int:
+    """Query tokens of a task: the fewest whose rows (group x tokens) fill whole 16-row mma tiles."""
+    return WARP_ROWS // math.gcd(WARP_ROWS, group)
+
+
+def decode_shared_memory_bytes(head_dim: int, dtype: str, knobs: dict, group: int = 8) -> int:
+    """Shared memory of a task: its query rows and num_stages K/V tile pairs (rows padded by 8
+    elements), and the final row values staged for store_lse."""
+    rows = group * decode_query_tokens(group, knobs)
+    tiles = rows + 2 * knobs["block_n"] * max(1, knobs["num_stages"])
+    return tiles * (head_dim + 8) * 2 + 8 * rows
+
+
+def decode_tasks_per_sm(head_dim: int, dtype: str, knobs: dict, group: int = 8) -> int:
+    """Thread blocks of the split kernel one SM holds at once, by shared memory (228 KiB an SM, sm80
+    to sm90, 1 KiB reserved a block; at most 32 blocks), for choosing the split count."""
+    return max(1, min(32, (228 * 1024) // (decode_shared_memory_bytes(head_dim, dtype, knobs, group) + 1024)))
+
+
+def decode_knob_problem(head_dim: int, dtype: str, knobs: dict) -> str | None:
+    """Why these decode knobs cannot build, or None."""
+    if dtype not in DTYPES:
+        return f"the sm80 decode schedule takes {DTYPES}, got {dtype}"
+    if head_dim % 16 or knobs["block_n"] % 16:
+        return f"head_dim ({head_dim}) and block_n ({knobs['block_n']}) must be multiples of 16"
+    if knobs["num_stages"] not in (1, 2, 3, 4):
+        return f"num_stages must be 1 to 4, got {knobs['num_stages']!r}"
+    if knobs["vec"] not in (2, 4, 8):
+        return f"vec must be 2, 4 or 8, got {knobs['vec']!r}"
+    return None
+
+
+def schedule_decode(sch: tvm.s_tir.Schedule, *, block_n: int, num_stages: int, vec: int) -> tvm.s_tir.Schedule:
+    """Map the decode programs (functions ``split``, ``single`` and ``merge``) onto tensor cores.
+
+    split (and single, the same with one split): one thread block per task, blockIdx.x = (sequence,
+    K/V head), y = query block, z = split; one warp per 16 rows. As the forward (``schedule``):
+    the query rows and num_stages K/V tiles in padded shared rows (cp.async pipeline), S = Q Kᵀ
+    and acc += P V with ldmatrix and mma.sync, the softmax on the fragments, the per-row values on
+    the quads. The per-key running sums of P (``l_keys``) are fragments too, summed across the
+    quads once, after the last tile. merge: SIMT, as ``cuda.schedule_decode_merge``.
+    """
+    for func in [gv.name_hint for gv in sch.mod.functions if gv.name_hint in ("split", "single")]:
+        sch.work_on(func)
+        names = _intrin_names(str(sch.get(sch.get_sblock("load_k")).writes[0].source.dtype))
+        rows, head_dim = (int(x) for x in sch.get(sch.get_sblock("load_q")).writes[0].source.shape)
+        warps = rows // WARP_ROWS
+        b, hk, qb, s = sch.get_loops("tile")
+        sch.bind(sch.fuse(b, hk), "blockIdx.x")
+        sch.bind(qb, "blockIdx.y")
+        sch.bind(s, "blockIdx.z")
+        sch.set_scope("init_scale", 0, "local")
+        sch.set_scope("split_range", 0, "local")
+
+        for name in ("load_q", "load_k", "load_v"):
+            sch.set_scope(name, 0, "shared.dyn")
+            sch.storage_align(name, 0, axis=0, factor=head_dim, offset=8)  # ldmatrix's 8 rows in 8 bank groups
+            _copy_to_shared(sch, name, warps, vec)
+
+        # Per-row values in each quad's registers (row_quad_map), as the forward's row_state "registers".
+        for name, index in (("init_m", 0), ("row_max", 0), ("alpha", 0), ("alpha", 1), ("row_sum", 0),
+                            ("inv_l", 0)):
+            sch.set_scope(name, index, "local")
+            sch.transform_layout(name, ("write", index), row_quad_map)
+        # Tiles of (rows, keys) and the accumulator as mma fragments.
+        for name in ("qk", "score", "exp", "cast_p", "init_l", "sum_p", "pv"):
+            sch.set_scope(name, 0, "warp")
+            sch.transform_layout(name, ("write", 0), _frag_index_map)
+
+        qk = sch.get_sblock("qk")
+        _warp_gemm_operands(sch, qk, warps, [("Qt", names["ld_a"]), ("Kt", names["ld_b_trans"])])
+        sch.tensorize(sch.get_loops(qk)[-3], names["mma_nt"])
+        sch.tensorize(sch.get_loops("qk_init")[-2], names["fill"])
+        for name in ("score", "exp", "cast_p", "init_l", "sum_p", "update_l"):
+            _fragment_elementwise(sch, name, warps)
+        tensorize_row_reduce(sch, "row_max", row_reduce_intrin("max", frag_rows(WARP_ROWS, block_n), "local"),
+                             warps, WARP, quad_row_init(sch))
+        tensorize_row_reduce(sch, "row_sum", row_reduce_intrin("sum", frag_rows(WARP_ROWS, block_n), "local"),
+                             warps, WARP, quad_row_init(sch))
+
+        pv = sch.get_sblock("pv")
+        pv_o = _warp_gemm_operands(sch, pv, warps, [("Pc", None), ("Vt", names["ld_b"])])
+        for block in (pv_o, pv):
+            hide_init_reads(sch, block)
+        sch.tensorize(sch.get_loops(pv)[-3], names["mma_nn"])
+        _fragment_lanes(sch, "pv_init")  # the rescale
+        _fill_fragments(sch, "init_acc", warps, names["fill"])
+        _store_fragments(sch, "store_o", warps)
+
+        for name in ("init_m", "alpha", "update_m", "inv_l"):
+            quad_row_block(sch, name, warps)
+        staged_row_block(sch, "store_lse", warps, lambda sch, name: _row_block(sch, name, warps))
+        if num_stages > 1:
+            pipeline_loads(sch, num_stages)
+    schedule_decode_merge(sch)
+    return sch

@@ -348,7 +348,8 @@ def test_cuda_decode_source_builds(page_size, knobs):
     time into padded shared rows (cp.async in a pipeline by default, plain vector loads with one
     stage), reduces the row max with warp shuffles, and the merge kernel is there; with nvcc, the
     split kernel compiles with no stack frame (no per-row value in local memory) and no spill."""
-    kernel = decode.compile_decode(head_dim=128, dtype="bfloat16", page_size=page_size, target="sm90", knobs=knobs)
+    kernel = decode.compile_decode(head_dim=128, dtype="bfloat16", page_size=page_size, target="sm90", knobs=knobs,
+                                   schedule="simt")
     src = kernel.source(heads_q=32, heads_kv=8)
     assert "split_kernel" in src and "merge_kernel" in src and "single_kernel" in src
     if kernel.knobs["num_stages"] > 1:
@@ -361,6 +362,48 @@ def test_cuda_decode_source_builds(page_size, knobs):
         pytest.skip("nvcc is not installed")
     report = ptxas_report(src, "sm_90a")
     assert "0 bytes stack frame, 0 bytes spill stores" in report["split_kernel"], report["split_kernel"]
+
+
+@pytest.mark.parametrize("page_size,knobs,heads", [(0, None, (32, 8)), (16, {"num_stages": 1}, (8, 1)),
+                                                   (256, {"block_n": 32, "num_stages": 4}, (12, 2))],
+                         ids=["contiguous-group4", "paged16-one-stage-group8", "paged256-four-stages-group6"])
+def test_sm80_decode_source_builds(page_size, knobs, heads):
+    """The tensor-core decode (the default on sm80+ GPUs for fp16/bf16) builds to CUDA here: Q Kᵀ and
+    P V are ldmatrix + mma.sync, the K/V tiles are cp.async copies in a pipeline (plain vector loads
+    with one stage), and a task's rows fill whole 16-row tiles: 32/8 heads take 4 query tokens a task
+    (one warp), 8/1 two, and 12/2 (a group of 6) eight, in three warps."""
+    kernel = decode.compile_decode(head_dim=128, dtype="bfloat16", page_size=page_size, target="sm90", knobs=knobs)
+    assert kernel.schedule.__name__.endswith("sm80") and kernel.tensor_cores
+    group = heads[0] // heads[1]
+    assert kernel.query_tokens(group) * group == {4: 16, 8: 16, 6: 48}[group]
+    src = kernel.source(*heads)
+    assert "split_kernel" in src and "merge_kernel" in src and "single_kernel" in src
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in src and "ldmatrix.sync.aligned" in src
+    warps = group * kernel.query_tokens(group) // 16
+    assert f"__launch_bounds__({32 * warps}) split_kernel" in src
+    if kernel.knobs["num_stages"] > 1:
+        assert "cp.async.cg.shared.global" in src
+    else:
+        assert "cp.async" not in src
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc is not installed")
+    report = ptxas_report(src, "sm_90a")
+    assert "0 bytes stack frame" in report["single_kernel"], report["single_kernel"]
+
+
+def test_decode_schedule_choice():
+    """sm80's tensor cores on sm80+ targets for fp16/bf16; SIMT for float32, older GPUs, or when asked."""
+    def chosen(**kwargs):
+        return decode.compile_decode(head_dim=64, **kwargs).schedule.__name__.rsplit(".", 1)[-1]
+
+    assert chosen(dtype="float16", target="sm80") == "sm80"
+    assert chosen(dtype="bfloat16", target="sm90", schedule="simt") == "cuda"
+    assert chosen(dtype="float32", target="sm90") == "cuda"
+    assert chosen(dtype="float32", target="cpu") == "cpu"
+    with pytest.raises(ValueError, match="decode schedule sm80: needs a GPU of sm80 or newer"):
+        chosen(dtype="float32", target="sm90", schedule="sm80")
+    with pytest.raises(ValueError, match="expected one of"):
+        chosen(dtype="float16", target="sm90", schedule="wgmma")
 
 
 def ptxas_report(src: str, arch: str) -> dict:
@@ -384,11 +427,14 @@ def ptxas_report(src: str, arch: str) -> dict:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("schedule", ["sm80", "simt"])
 @pytest.mark.parametrize("page_size", [0, 16, 256], ids=["contiguous", "paged16", "paged256"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_decode_on_the_gpu(dtype, page_size):
-    """GQA 32/8 and 8/1 at head_dim 128 on the GPU: decode and a causal chunk, ragged lengths (0 and
-    the full cache), automatic and given split counts, against float64."""
+def test_decode_on_the_gpu(dtype, page_size, schedule, monkeypatch):
+    """GQA 32/8 and 8/1 at head_dim 128 on the GPU, with either schedule (TVMFLASH_DECODE): decode and
+    a causal chunk, ragged lengths (0 and the full cache), automatic and given split counts, against
+    float64."""
+    monkeypatch.setenv("TVMFLASH_DECODE", schedule)
     capacity = 1000
     lengths = torch.tensor([0, 1, 129, 555, capacity], dtype=torch.int32)
     batch = len(lengths)
@@ -402,24 +448,34 @@ def test_decode_on_the_gpu(dtype, page_size):
             check_decode(*results[0], q, k_cache, v_cache, lengths, causal=causal, block_table=table, more=results[1:])
 
 
-# Knob sets of the SIMT decode schedule worth timing (benchmarks/decode_bench.py --knobs): each must
-# be right before its time counts.
-GPU_KNOB_SETS = [{"num_stages": 1}, {"num_stages": 3}, {"threads": 32, "block_n": 64}, {"threads": 64, "block_n": 64},
-                 {"threads": 128, "block_n": 128}, {"threads": 128, "block_n": 128, "num_stages": 1},
-                 {"threads": 128, "block_n": 128, "row_max": "shuffle"}, {"row_max": "shuffle", "unroll": 0},
-                 {"unroll": 0}, {"row_max": "shuffle"},
-                 {"query_tokens": 2}, {"query_tokens": 4, "threads": 64, "block_n": 64}]
+# Knob sets of the decode schedules worth timing (benchmarks/decode_bench.py --knobs; "schedule" picks
+# one, as there): each must be right before its time counts.
+SIMT_KNOB_SETS = [{}, {"num_stages": 1}, {"num_stages": 3}, {"threads": 32, "block_n": 64},
+                  {"threads": 64, "block_n": 64}, {"threads": 128, "block_n": 128},
+                  {"threads": 128, "block_n": 128, "num_stages": 1}, {"threads": 128, "block_n": 128, "row_max": "shuffle"},
+                  {"row_max": "shuffle", "unroll": 0}, {"unroll": 0}, {"row_max": "shuffle"},
+                  {"query_tokens": 2}, {"query_tokens": 4, "threads": 64, "block_n": 64}]
+GPU_KNOB_SETS = ([{"schedule": "simt", **knobs} for knobs in SIMT_KNOB_SETS]
+                 + [{"num_stages": 1}, {"block_n": 64, "num_stages": 2}, {"block_n": 64, "num_stages": 3},
+                    {"num_stages": 4}, {"block_n": 128, "num_stages": 2}])
+
+
+def knob_set(knobs: dict) -> dict:
+    """compile_decode's arguments for a knob set (its "schedule" key apart)."""
+    knobs = dict(knobs)
+    schedule = knobs.pop("schedule", None)
+    return {"knobs": knobs or None, "schedule": schedule}
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("knobs", GPU_KNOB_SETS, ids=lambda k: "-".join(f"{n}{v}" for n, v in k.items()))
+@pytest.mark.parametrize("knobs", GPU_KNOB_SETS, ids=lambda k: "-".join(f"{n}{v}" for n, v in k.items()) or "defaults")
 def test_decode_knob_sets_on_the_gpu(knobs):
     """Each knob set the benchmark compares, contiguous and paged (16), on decode and a causal chunk
     of 5 tokens, one split and several, against float64."""
     capacity, dtype = 700, torch.bfloat16
     lengths = torch.tensor([0, 33, 400, capacity], dtype=torch.int32)
     for page_size in (0, 16):
-        kernel = decode.compile_decode(head_dim=128, dtype=dtype, page_size=page_size, knobs=knobs)
+        kernel = decode.compile_decode(head_dim=128, dtype=dtype, page_size=page_size, **knob_set(knobs))
         k_cache, v_cache, table = make_cache(len(lengths), capacity, 8, 128, dtype, "cuda", page_size)
         index = table if page_size else kernel.batch_rows(len(lengths), torch.device("cuda"))
         for seqlen_q, causal in [(1, False), (5, True)]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import torch
 import tvm
@@ -61,12 +62,13 @@ class DecodeKernel(Kernel):
     PASS = "decode"
 
     def __init__(self, head_dim: int, dtype: str, page_size: int, target: tvm.target.Target, knobs: dict | None,
-                 variant: dict | None = None):
+                 variant: dict | None = None, schedule: str | None = None):
         self._set_problem({"head_dim": head_dim, "dtype": dtype, "causal": False, **(variant or {})}, target)
         self.page_size = page_size
-        # The CPU's schedule, or the SIMT CUDA one on every GPU: decode is bound by memory, not
-        # arithmetic, and needs no tensor cores.
-        self.schedule = schedule_registry.simt_for_target(target)
+        # sm80's tensor cores on sm80+ GPUs (fp16/bf16), else SIMT threads, or the CPU's schedule
+        self.schedule = schedule_registry.decode_for_target(target, dtype, head_dim, schedule)
+        # the program variant the schedule maps: operands in q's dtype for tensor cores, else float32
+        self.tensor_cores = getattr(self.schedule, "DECODE_TENSOR_CORES", False)
         self.schedule_source = "the target's"
         self._check_knob_names(knobs, self.schedule.DECODE_KNOBS, "decode ")
         # the caller's knobs, else those `tvmflash tune --pass decode` stored for this device and cache
@@ -91,7 +93,8 @@ class DecodeKernel(Kernel):
         return DecodeSpec(self.head_dim, self.dtype, heads_q, heads_kv, self.page_size, **self.variant)
 
     def _code(self) -> str:
-        return cache.source_digest(program, program_decode, self.schedule, schedule_registry.common, *lowering.MODULES)
+        return cache.source_digest(program, program_decode, self.schedule, schedule_registry.common,
+                                   schedule_registry.cuda, *lowering.MODULES)  # cuda: the merge's schedule
 
     def _key(self, spec: DecodeSpec, wide: bool = False) -> str:
         return cache.digest({"pass": self.PASS, "like the forward's": super()._key(spec, wide)})
@@ -99,8 +102,9 @@ class DecodeKernel(Kernel):
     def _scheduled(self, spec: DecodeSpec) -> tvm.s_tir.Schedule:
         """The programs in one module, scheduled: ``split`` and ``merge``, and ``single`` (the split
         program as one split writing the output itself: no merge, no partial buffers)."""
-        split = program_decode.decode_split(spec, self.knobs["query_tokens"], self.knobs["block_n"])
-        single = program_decode.decode_split(spec, self.knobs["query_tokens"], self.knobs["block_n"], final=True)
+        split, single = (program_decode.decode_split(spec, self.query_tokens(spec.group), self.knobs["block_n"],
+                                                     final=final, tensor_cores=self.tensor_cores)
+                         for final in (False, True))
         merge = program_decode.decode_merge(spec)
         mod = tvm.IRModule({"split": split.with_attr("global_symbol", "split"),
                             "single": single.with_attr("global_symbol", "single"),
@@ -122,8 +126,14 @@ class DecodeKernel(Kernel):
         return (f"tvmflash.DecodeKernel(head_dim={self.head_dim}, dtype={self.dtype}, {layout}, {variant}"
                 f"target={targets.describe(self.target)!r})")
 
-    def query_blocks(self, seqlen_q: int) -> int:
-        return -(-seqlen_q // self.knobs["query_tokens"])
+    def query_tokens(self, group: int) -> int:
+        """Query tokens of a task, for a GQA group of ``group`` query heads (the tensor-core schedule fills
+        whole mma tiles of rows; the others take the knob)."""
+        rule = getattr(self.schedule, "decode_query_tokens", None)
+        return rule(group, self.knobs) if rule else self.knobs["query_tokens"]
+
+    def query_blocks(self, seqlen_q: int, group: int) -> int:
+        return -(-seqlen_q // self.query_tokens(group))
 
     def auto_num_splits(self, batch: int, heads_kv: int, seqlen_q: int, max_keys: int, device: torch.device,
                         group: int = 8) -> int:
@@ -136,7 +146,7 @@ class DecodeKernel(Kernel):
         else:
             slots = torch.get_num_threads() * self.schedule.decode_tasks_per_core(self.knobs)
         tiles = -(-max_keys // self.knobs["block_n"])
-        return choose_num_splits(batch * heads_kv * self.query_blocks(seqlen_q), tiles, slots)
+        return choose_num_splits(batch * heads_kv * self.query_blocks(seqlen_q, group), tiles, slots)
 
     def __call__(self, q, k_cache, v_cache, lengths, index, *, num_splits: int = 0, softmax_scale=None,
                  causal: bool = False, out=None, alibi_slopes=None):
@@ -272,13 +282,14 @@ def forget_kernels() -> None:
 
 def compile_decode(*, head_dim: int, dtype, page_size: int = 0, target=None, knobs: dict | None = None,
                    heads_q: int | None = None, heads_kv: int | None = None, window_size=(-1, -1),
-                   softcap: float = 0.0, alibi: bool = False) -> DecodeKernel:
+                   softcap: float = 0.0, alibi: bool = False, schedule: str | None = None) -> DecodeKernel:
     """Compile Flash-Decoding and return a :class:`DecodeKernel` (cached in memory; modules on disk).
 
     page_size: 0 for a contiguous cache, else the paged cache's rows per page (a power of two >= 16).
     target, knobs: as ``tvmflash.compile`` (knobs of the schedule's ``DECODE_KNOBS``). heads_q /
     heads_kv: build for these head counts now. window_size, softcap, alibi: as ``tvmflash.compile``'s,
-    but a window's right edge 0 is no window: that is the call's ``causal``.
+    but a window's right edge 0 is no window: that is the call's ``causal``. schedule: "sm80" (tensor
+    cores) or "simt"; None: TVMFLASH_DECODE, else sm80's where it applies (``schedules.decode_for_target``).
     """
     dtype = dtype_name(dtype)
     variant = resolve_variant(False, window_size, softcap, alibi)
@@ -287,22 +298,23 @@ def compile_decode(*, head_dim: int, dtype, page_size: int = 0, target=None, kno
                          f"window_size=({window_size[0]}, -1)")
     DecodeSpec(head_dim, dtype, 1, 1, page_size, **variant)  # validates head_dim, dtype and page_size
     resolved = targets.resolve(target)
-    key = cache.digest([head_dim, dtype, page_size, str(resolved), knobs, variant])
+    module = schedule_registry.decode_for_target(resolved, dtype, head_dim, schedule)
+    key = cache.digest([head_dim, dtype, page_size, str(resolved), knobs, variant, schedule_registry.name_of(module)])
     kernel = _KERNELS.get(key)
     if kernel is None:
-        kernel = _KERNELS[key] = DecodeKernel(head_dim, dtype, page_size, resolved, knobs, variant)
+        kernel = _KERNELS[key] = DecodeKernel(head_dim, dtype, page_size, resolved, knobs, variant, schedule)
     if heads_q is not None:
         kernel.module(heads_q, heads_kv if heads_kv is not None else heads_q)
     return kernel
 
 
-_BY_DEVICE: dict[tuple, DecodeKernel] = {}  # (device, dtype, head_dim, page_size, variant) -> kernel: no hashing per call
+_BY_DEVICE: dict[tuple, DecodeKernel] = {}  # (device, dtype, head_dim, page_size, variant, TVMFLASH_DECODE) -> kernel
 
 
 def kernel_for(device: torch.device, dtype: torch.dtype, head_dim: int, page_size: int, window_size=(-1, -1),
                softcap: float = 0.0, alibi: bool = False) -> DecodeKernel:
     """The decode kernel for tensors on ``device`` and the variant (compiled on first use, then kept)."""
-    key = (device, dtype, head_dim, page_size, window_size, softcap, alibi)
+    key = (device, dtype, head_dim, page_size, window_size, softcap, alibi, os.environ.get("TVMFLASH_DECODE", ""))
     kernel = _BY_DEVICE.get(key)
     if kernel is None:
         if device.type == "cuda":

@@ -71,7 +71,8 @@ class DecodeSpec:
         return self.heads_q // self.heads_kv
 
 
-def decode_split(spec: DecodeSpec, query_tokens: int, block_n: int, final: bool = False):
+def decode_split(spec: DecodeSpec, query_tokens: int, block_n: int, final: bool = False,
+                 tensor_cores: bool = False):
     """Return ``main(q, k_cache, v_cache, lengths, index, o_part, lse_part, softmax_scale, causal)``
     (and ``alibi_slopes`` last, with ALiBi); with ``final``, ``main(q, k_cache, v_cache, lengths,
     index, out, lse, softmax_scale, causal)``: one split, whose results are the output (q's dtype) and
@@ -87,6 +88,10 @@ def decode_split(spec: DecodeSpec, query_tokens: int, block_n: int, final: bool 
     RESCALE_THRESHOLD only) and writes its normalised output and LSE. A split with no key writes 0
     and an LSE of -inf, as does a row that sees no key.
 
+    tensor_cores: the query rows stay in q's dtype and P V takes P cast to it (``Pc``, block
+    ``cast_p``), as in the forward, so that both products can run on tensor cores; else the query rows
+    and P are float32 (exact products for a SIMT schedule).
+
     causal (an int32, 0 or 1): query token t of seqlen_q sees key p iff p <= lengths[b] - seqlen_q + t
     (bottom-right, flash-attn's); a window bounds p to lengths[b] - seqlen_q + t - window_left ...
     lengths[b] - seqlen_q + t + window_right (only the tiles it reaches are divided over the splits),
@@ -99,6 +104,7 @@ def decode_split(spec: DecodeSpec, query_tokens: int, block_n: int, final: bool 
     HQ, HKV, G = spec.heads_q, spec.heads_kv, spec.group
     R = QT * G  # rows of a task
     dtype, f32 = spec.dtype, "float32"
+    q_dtype = dtype if tensor_cores else f32  # the query rows' type in the task (exact either way)
     left, right = spec.window_left, spec.window_right
 
     # Helpers on a task's indices, inlined by TVMScript (they take the buffers and shape variables).
@@ -183,10 +189,11 @@ def decode_split(spec: DecodeSpec, query_tokens: int, block_n: int, final: bool 
         for b, hk, qb, s in T.grid(batch, HKV, T.ceildiv(seqlen_q, QT), splits):
             with T.sblock("tile"):
                 vb, vhk, vqb, vs = T.axis.remap("SSSS", [b, hk, qb, s])
-                Qt = T.sblock_alloc_buffer((R, D), f32)  # the task's query rows, zero-padded, in float32
+                Qt = T.sblock_alloc_buffer((R, D), q_dtype)  # the task's query rows, zero-padded
                 S = T.sblock_alloc_buffer((R, BN), f32)  # Q Kᵀ of one tile, unscaled
                 Sm = T.sblock_alloc_buffer((R, BN), f32)  # S masked (invisible keys -inf)
                 P = T.sblock_alloc_buffer((R, BN), f32)  # exp2((S - running max) * scale2)
+                Pc = T.sblock_alloc_buffer((R, BN), dtype)  # P in q's dtype (tensor_cores only)
                 m = T.sblock_alloc_buffer((R,), f32)  # running max of the unscaled scores
                 m_tile = T.sblock_alloc_buffer((R,), f32)
                 m_new = T.sblock_alloc_buffer((R,), f32)
@@ -208,8 +215,8 @@ def decode_split(spec: DecodeSpec, query_tokens: int, block_n: int, final: bool 
                         vr, vd = T.axis.remap("SS", [r, d])
                         Qt[vr, vd] = T.if_then_else(
                             vqb * QT + vr // G < seqlen_q,
-                            T.cast(Q[vb, vqb * QT + vr // G, vhk * G + vr % G, vd], f32),
-                            T.float32(0))
+                            T.cast(Q[vb, vqb * QT + vr // G, vhk * G + vr % G, vd], q_dtype),
+                            T.cast(0, q_dtype))
                 for r in range(R):
                     with T.sblock("init_m"):
                         vr = T.axis.spatial(R, r)
@@ -263,7 +270,7 @@ def decode_split(spec: DecodeSpec, query_tokens: int, block_n: int, final: bool 
                                 vr, vj, vd = T.axis.remap("SSR", [r, j, d])
                                 with T.init():
                                     S[vr, vj] = T.float32(0)
-                                S[vr, vj] = S[vr, vj] + Qt[vr, vd] * T.cast(Kt[vj, vd], f32)
+                                S[vr, vj] = S[vr, vj] + T.cast(Qt[vr, vd], f32) * T.cast(Kt[vj, vd], f32)
                         for r, j in T.grid(R, BN):
                             with T.sblock("score"):  # invisible keys -inf; only edge tiles test; softcap, ALiBi
                                 vr, vj = T.axis.remap("SS", [r, j])
@@ -299,12 +306,20 @@ def decode_split(spec: DecodeSpec, query_tokens: int, block_n: int, final: bool 
                             with T.sblock("sum_p"):
                                 vr, vj = T.axis.remap("SS", [r, j])
                                 l_keys_new[vr, vj] = l_keys[vr, vj] * alpha[vr] + P[vr, vj]
+                        if tensor_cores:
+                            for r, j in T.grid(R, BN):
+                                with T.sblock("cast_p"):
+                                    vr, vj = T.axis.remap("SS", [r, j])
+                                    Pc[vr, vj] = T.cast(P[vr, vj], dtype)
                         for r, d, j in T.grid(R, D, BN):
-                            with T.sblock("pv"):  # P stays float32: no tensor core to feed
+                            with T.sblock("pv"):
                                 vr, vd, vj = T.axis.remap("SSR", [r, d, j])
                                 with T.init():
                                     acc[vr, vd] = acc[vr, vd] * alpha[vr]
-                                acc[vr, vd] = acc[vr, vd] + P[vr, vj] * T.cast(Vt[vj, vd], f32)
+                                if tensor_cores:
+                                    acc[vr, vd] = acc[vr, vd] + T.cast(Pc[vr, vj], f32) * T.cast(Vt[vj, vd], f32)
+                                else:
+                                    acc[vr, vd] = acc[vr, vd] + P[vr, vj] * T.cast(Vt[vj, vd], f32)
                         for r in range(R):
                             with T.sblock("update_m"):  # m and l move on in blocks of their own
                                 vr = T.axis.spatial(R, r)

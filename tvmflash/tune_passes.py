@@ -103,7 +103,7 @@ class Decode:
             raise ValueError("causal: decode's causal is an argument of each call, not of the kernel: tune without it")
         self.head_dim, self.dtype, self.page_size = head_dim, dtype, page_size
         self.target, self.shape = target, shape
-        self.schedule = schedule_registry.simt_for_target(target)
+        self.schedule = schedule_registry.decode_for_target(target, dtype, head_dim)
         self.defaults = dict(self.schedule.DECODE_KNOBS)
         self.workload = decode.decode_workload(head_dim, dtype, page_size)
         self.heads = (shape["heads"], max(1, shape["heads"] // GQA_GROUP))
