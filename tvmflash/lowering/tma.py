@@ -405,7 +405,8 @@ def lowered_to_tma(func: tirx.PrimFunc) -> tirx.PrimFunc:
         if not (isinstance(node, tvm.s_tir.SBlock) and node.name_hint == "tile"):
             return None
         buffers = [*node.alloc_buffers, plan.barriers, plan.consumed, plan.issued, plan.released]
-        stmts, k = _pipeline_start(node.body)
+        inside, under_test = _inside_run_if(node.body)
+        stmts, k = _pipeline_start(inside)
         stmts, q_issue = _one_off_copy(plan, stmts, k)
         if plan.producer == "warpgroup":
             work, moved = _split_warpgroups(plan, stmts, k, q_issue, node.alloc_buffers)
@@ -415,7 +416,8 @@ def lowered_to_tma(func: tirx.PrimFunc) -> tirx.PrimFunc:
             if q_issue is not None:  # every thread waits on the Q barrier: its set-up must be seen first
                 init += [tirx.Evaluate(T.tvm_storage_sync("shared")), q_issue]
             work = unmarked(tirx.SeqStmt([*init, *stmts[:k], *_q_tile_visible(), *stmts[k:]]), _ISSUE_MARK)
-        start = tirx.SeqStmt([*[tirx.BufferStore(b, 0, [0]) for b in (plan.consumed, plan.issued, plan.released)], work])
+        start = under_test(tirx.SeqStmt([*[tirx.BufferStore(b, 0, [0]) for b in (plan.consumed, plan.issued,
+                                                                                 plan.released)], work]))
         return tvm.s_tir.SBlock(node.iter_vars, node.reads, node.writes, node.name_hint, start, node.init,
                                 buffers, node.match_buffers, node.annotations)
     body = transform(body, tvm.s_tir.SBlock, allocate)
@@ -522,6 +524,17 @@ def _one_off_copy(plan, stmts, k):
     wait = _call("tvmflash_mbarrier_wait", plan.q_full(), 0)
     first = tirx.all(*[var == 0 for tag, (var, _) in plan.threads.items() if tag.startswith("threadIdx")])
     return [*stmts[:i], wait, *stmts[i + 1:]], tirx.IfThenElse(first, issue, None)
+
+
+def _inside_run_if(body):
+    """A tile's body and a function that puts a body back where it was: under the uniform test that
+    ``passes.RunBlocksIf`` wraps a tile in (varlen's Q blocks past their sequence), the statements
+    inside it, so that the Q tile's proxy fence (``_q_tile_visible``) lands after the Q tile's stores
+    and not before the test, ahead of them."""
+    if (isinstance(body, tirx.IfThenElse) and body.else_case is None
+            and is_call(body.condition, "tirx.tvm_thread_invariant")):
+        return body.then_case, lambda inner: tirx.IfThenElse(body.condition, inner, None)
+    return body, lambda inner: inner
 
 
 def _pipeline_start(work):
