@@ -107,6 +107,25 @@ def test_decode_matches_float64(device, dtype, page_size):
             check_decode(*results[0], q, k_cache, v_cache, lengths, causal=causal, block_table=table, more=results[1:])
 
 
+def test_tensor_core_program_matches_float64_on_cpu(monkeypatch):
+    """The program the tensor-core schedule maps (``decode_split(tensor_cores=True)``: query rows in q's
+    dtype, P cast to it for P V) runs here on the CPU's schedule, so CI checks its numerics: decode and
+    a causal chunk, GQA 4/2, ragged lengths, one split and several, against float64."""
+    from tvmflash import schedules
+
+    monkeypatch.setattr(schedules.cpu, "DECODE_TENSOR_CORES", True, raising=False)
+    kernel = decode.DecodeKernel(HEAD_DIM, "bfloat16", 16, tvmflash.target.resolve("cpu"), None)
+    assert kernel.tensor_cores
+    capacity, dtype = 100, torch.bfloat16
+    lengths = torch.tensor([0, 1, 63, capacity], dtype=torch.int32)
+    k_cache, v_cache, table = make_cache(len(lengths), capacity, 2, HEAD_DIM, dtype, "cpu", page_size=16)
+    for seqlen_q, causal in [(1, False), (3, True)]:
+        q = random_q(len(lengths), seqlen_q, 4, HEAD_DIM, dtype, "cpu", seed=seqlen_q)
+        results = [kernel(q, k_cache, v_cache, lengths, table, num_splits=n, causal=causal, out=poisoned(q))
+                   for n in (1, 3)]
+        check_decode(*results[0], q, k_cache, v_cache, lengths, causal=causal, block_table=table, more=results[1:])
+
+
 @pytest.mark.parametrize("device", devices())
 def test_paged_and_contiguous_caches_agree(device):
     """The same keys in a contiguous cache and scattered over pages of 16 give the same bits."""

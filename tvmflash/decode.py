@@ -97,7 +97,8 @@ class DecodeKernel(Kernel):
                                    schedule_registry.cuda, *lowering.MODULES)  # cuda: the merge's schedule
 
     def _key(self, spec: DecodeSpec, wide: bool = False) -> str:
-        return cache.digest({"pass": self.PASS, "like the forward's": super()._key(spec, wide)})
+        return cache.digest({"pass": self.PASS, "like the forward's": super()._key(spec, wide),
+                             "tensor cores": self.tensor_cores})
 
     def _scheduled(self, spec: DecodeSpec) -> tvm.s_tir.Schedule:
         """The programs in one module, scheduled: ``split`` and ``merge``, and ``single`` (the split
