@@ -411,8 +411,9 @@ def test_sm80_decode_source_builds(page_size, knobs, heads):
         assert "0 bytes stack frame, 0 bytes spill stores" in report[name], report[name]
 
 
-def test_decode_schedule_choice():
-    """sm80's tensor cores on sm80+ targets for fp16/bf16; SIMT for float32, older GPUs, or when asked."""
+def test_decode_schedule_choice(monkeypatch):
+    """sm80's tensor cores on sm80+ targets for fp16/bf16; SIMT for float32, older GPUs, or when asked
+    (the argument, or TVMFLASH_DECODE)."""
     def chosen(**kwargs):
         return decode.compile_decode(head_dim=64, **kwargs).schedule.__name__.rsplit(".", 1)[-1]
 
@@ -424,6 +425,9 @@ def test_decode_schedule_choice():
         chosen(dtype="float32", target="sm90", schedule="sm80")
     with pytest.raises(ValueError, match="expected one of"):
         chosen(dtype="float16", target="sm90", schedule="wgmma")
+    monkeypatch.setenv("TVMFLASH_DECODE", "simt")
+    assert chosen(dtype="float16", target="sm80") == "cuda"
+    assert chosen(dtype="float16", target="sm80", schedule="sm80") == "sm80"
 
 
 def ptxas_report(src: str, arch: str) -> dict:
