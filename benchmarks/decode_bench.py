@@ -159,12 +159,11 @@ def prebuild(args, heads_q, heads_kv):
 
     os.environ.setdefault("TVMFLASH_CACHE_DIR", tempfile.mkdtemp(prefix="tvmflash-decode-bench-"))
     code = ("import json, sys, torch; from tvmflash import decode; "
-            "sys.path.insert(0, sys.argv[7]); from decode_bench import knob_set; "
             "decode.compile_decode(head_dim=int(sys.argv[1]), dtype=getattr(torch, sys.argv[2]), "
             "page_size=int(sys.argv[3]), heads_q=int(sys.argv[5]), heads_kv=int(sys.argv[6]), "
-            "**knob_set(json.loads(sys.argv[4])))")
-    pending = [[sys.executable, "-c", code, str(args.head_dim), args.dtype, str(page_size), json.dumps(knobs),
-                str(heads_q), str(heads_kv), os.path.dirname(os.path.abspath(__file__))] for page_size in args.page_size for knobs in args.knobs]
+            "**json.loads(sys.argv[4]))")
+    pending = [[sys.executable, "-c", code, str(args.head_dim), args.dtype, str(page_size), json.dumps(knob_set(knobs)),
+                str(heads_q), str(heads_kv)] for page_size in args.page_size for knobs in args.knobs]
     running = []
     while pending or running:
         while pending and len(running) < args.jobs:
