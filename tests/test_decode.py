@@ -411,6 +411,13 @@ def test_sm80_decode_source_builds(page_size, knobs, heads):
         assert "0 bytes stack frame, 0 bytes spill stores" in report[name], report[name]
 
 
+def test_sm80_decode_rejects_16_key_tiles():
+    """block_n 16 builds, but on the H200 it returned wrong results (``sm80.decode_knob_problem``): it
+    is refused with the reason, never run."""
+    with pytest.raises(ValueError, match="block_n .16. of 32"):
+        decode.compile_decode(head_dim=128, dtype="bfloat16", target="sm90", knobs={"block_n": 16})
+
+
 def test_decode_schedule_choice(monkeypatch):
     """sm80's tensor cores on sm80+ targets for fp16/bf16; SIMT for float32, older GPUs, or when asked
     (the argument, or TVMFLASH_DECODE)."""
