@@ -27,6 +27,7 @@ tiles and store nothing. Masks, windows and ALiBi distances are those of each se
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -254,15 +255,15 @@ def sequences(packed, b, seqlen_q, seqlen_k) -> Sequences:
 # Which keys a query sees (the forward's and the backward's rule; absolute positions, bottom-right
 # aligned as flash-attn's): key j of seqlen_k, and with causal j <= i + seqlen_k - seqlen_q, and with
 # a window i + seqlen_k - seqlen_q - window_left <= j <= i + seqlen_k - seqlen_q + window_right.
-def sees_up_to(spec: AttentionSpec, row, col, seqlen_q, seqlen_k):
-    """Is key ``col`` one of the keys, and not past query ``row``'s right bound (causal's diagonal,
-    a window's right edge)? The bound only grows with the row."""
-    seen = col < seqlen_k
+def right_bounds(spec: AttentionSpec, row, col, seqlen_q, seqlen_k) -> list:
+    """The tests that key ``col`` is one of the keys and not past query ``row``'s right bound
+    (causal's diagonal, a window's right edge). The bound only grows with the row."""
+    tests = [col < seqlen_k]
     if spec.causal:
-        seen = T.And(seen, col <= row + seqlen_k - seqlen_q)
+        tests.append(col <= row + seqlen_k - seqlen_q)
     if spec.window_right >= 0:
-        seen = T.And(seen, col <= row + seqlen_k - seqlen_q + spec.window_right)
-    return seen
+        tests.append(col <= row + seqlen_k - seqlen_q + spec.window_right)
+    return tests
 
 
 def sees_from(spec: AttentionSpec, row, col, seqlen_q, seqlen_k):
@@ -272,17 +273,20 @@ def sees_from(spec: AttentionSpec, row, col, seqlen_q, seqlen_k):
 
 
 def key_visible(spec: AttentionSpec, row, col, seqlen_q, seqlen_k):
-    """Is key ``col`` visible to query ``row``?"""
-    if spec.window_left < 0:
-        return sees_up_to(spec, row, col, seqlen_q, seqlen_k)
-    return T.And(sees_up_to(spec, row, col, seqlen_q, seqlen_k), sees_from(spec, row, col, seqlen_q, seqlen_k))
+    """Is key ``col`` visible to query ``row``? The tests are joined by a bitwise and, which
+    evaluates every one: with a short-circuit ``&&`` NVVM may branch per score and recompute the
+    row's bound in each branch (varlen, where the lengths come from cu_seqlens)."""
+    tests = right_bounds(spec, row, col, seqlen_q, seqlen_k)
+    if spec.window_left >= 0:
+        tests.append(sees_from(spec, row, col, seqlen_q, seqlen_k))
+    return functools.reduce(T.bitwise_and, tests)
 
 
 def block_visible(spec: AttentionSpec, first_row, last_row, first_col, last_col, seqlen_q, seqlen_k):
     """Does every query of rows first_row..last_row see every key of first_col..last_col? The
     first row's view of the last key decides the right bound, the last row's view of the first key
     the left window edge."""
-    inside = sees_up_to(spec, first_row, last_col, seqlen_q, seqlen_k)
+    inside = functools.reduce(T.And, right_bounds(spec, first_row, last_col, seqlen_q, seqlen_k))
     if spec.window_left < 0:
         return inside
     return T.And(inside, sees_from(spec, last_row, first_col, seqlen_q, seqlen_k))

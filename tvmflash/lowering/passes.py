@@ -268,6 +268,13 @@ def BindBlockUniformLoads(names):  # noqa: N802
 
 
 # ---------------------------------------------------------------------------------- hoisting
+def _block_uniform(value, varying: set) -> bool:
+    """Is ``value`` the same for every thread of a block: it reads none of the ``varying`` variables
+    (thread indices, loop variables, let variables of such values) and loads global memory only?"""
+    return (not any(var in varying for var in find(value, lambda n: isinstance(n, tirx.Var)))
+            and all(loaded(load).scope() == "global" for load in find(value, is_load)))
+
+
 def _block_indices_aliased(func, aliases: dict):
     """``func`` with its blockIdx.* variables (and the let variables bound outside every loop) read
     through aliases (new variables, added to ``aliases``) in the condition of each IfThenElse that is
@@ -275,12 +282,21 @@ def _block_indices_aliased(func, aliases: dict):
     for attr in find(func.body, lambda n: isinstance(n, tirx.AttrStmt) and n.attr_key == "thread_extent"):
         if attr.node.thread_tag.startswith("blockIdx"):
             aliases[attr.node.var] = tirx.Var(attr.node.var.name + "_alias", attr.node.var.ty)
-    # and the loads bound once a kernel, outside every loop (varlen's sequence offsets,
-    # ``BindBlockUniformLoads``): HoistIfThenElse keeps a condition that reads a let variable in its loop
-    in_loops = [bind.var for loop in find(func.body, lambda n: isinstance(n, tirx.For))
-                for bind in find(loop.body, lambda n: isinstance(n, tirx.Bind))]
-    for bind in find(func.body, lambda n: isinstance(n, tirx.Bind) and is_load(n.value)):
-        if not any(bind.var.same_as(v) for v in in_loops):
+    # and the let variables bound outside every loop to a value the same for the whole thread block
+    # (``_block_uniform``): varlen's sequence offsets (``BindBlockUniformLoads``) and its K/V tile
+    # count (``BindLoadedPipelineExtents``). HoistIfThenElse keeps a condition that reads a let
+    # variable in its loop: the pipeline epilogue's causal tile test, on the count, was tested per
+    # score (varlen d64 causal, sm90: 64 tests a K/V step).
+    in_loops = {bind.var for loop in find(func.body, lambda n: isinstance(n, tirx.For))
+                for bind in find(loop.body, lambda n: isinstance(n, tirx.Bind))}
+    varying = {attr.node.var for attr in find(func.body, lambda n: isinstance(n, tirx.AttrStmt)
+                                              and n.attr_key == "thread_extent")
+               if not attr.node.thread_tag.startswith("blockIdx")}
+    varying |= {loop.loop_var for loop in find(func.body, lambda n: isinstance(n, tirx.For))}
+    for bind in find(func.body, lambda n: isinstance(n, tirx.Bind)):  # in program order
+        if bind.var in in_loops or not _block_uniform(bind.value, varying):
+            varying.add(bind.var)
+        else:
             aliases[bind.var] = tirx.Var(bind.var.name + "_alias", bind.var.ty)
 
     def condition_aliased(loop):
