@@ -677,8 +677,9 @@ class VarlenKernel(Kernel):
         elif out4.numel() and batch:
             module.function(q4, k4, v4, out4, lse, softmax_scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                             *variant_arguments)
-        result = out if in_place else out4[0] if out is None else out.copy_(out4[0])
-        return (result, lse[0]) if return_lse else result
+        if not in_place:  # out4 is a tensor of its own: the result, or copied into the given out
+            out = out4[0] if out is None else out.copy_(out4[0])
+        return (out, lse[0]) if return_lse else out
 
 
 def check_varlen(kernel: Kernel, q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q) -> None:
