@@ -37,8 +37,15 @@ def needs_int64(*tensors) -> bool:
     """Does any of the tensors (None: skipped) hold an element more than 2**31 - 1 elements past its
     first? Their modules then index in int64 (``lowering.passes.WidenGlobalIndices``); smaller
     problems keep int32 modules, and their speed."""
-    return any(t is not None and t.numel() and sum((n - 1) * s for n, s in zip(t.shape, t.stride())) > _INT32_MAX
-               for t in tensors)
+    for t in tensors:
+        if t is None or not t.numel():
+            continue
+        # a contiguous tensor's last element is numel - 1 past its first (the common case, and a C
+        # call: this runs at every call of every kernel, a training step's included)
+        last = t.numel() - 1 if t.is_contiguous() else sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+        if last > _INT32_MAX:
+            return True
+    return False
 
 
 def one_batch(t: torch.Tensor) -> torch.Tensor:
