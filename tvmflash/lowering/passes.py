@@ -279,7 +279,8 @@ def _block_indices_aliased(func, aliases: dict):
     """``func`` with its blockIdx.* variables (and the let variables bound outside every loop) read
     through aliases (new variables, added to ``aliases``) in the condition of each IfThenElse that is
     a loop's whole body: what HoistIfThenElse would lift out of that loop."""
-    for attr in find(func.body, lambda n: isinstance(n, tirx.AttrStmt) and n.attr_key == "thread_extent"):
+    thread_extents = find(func.body, lambda n: isinstance(n, tirx.AttrStmt) and n.attr_key == "thread_extent")
+    for attr in thread_extents:
         if attr.node.thread_tag.startswith("blockIdx"):
             aliases[attr.node.var] = tirx.Var(attr.node.var.name + "_alias", attr.node.var.ty)
     # and the let variables bound outside every loop to a value the same for the whole thread block
@@ -287,12 +288,10 @@ def _block_indices_aliased(func, aliases: dict):
     # count (``BindLoadedPipelineExtents``). HoistIfThenElse keeps a condition that reads a let
     # variable in its loop: the pipeline epilogue's causal tile test, on the count, was tested per
     # score (varlen d64 causal, sm90: 64 tests a K/V step).
-    in_loops = {bind.var for loop in find(func.body, lambda n: isinstance(n, tirx.For))
-                for bind in find(loop.body, lambda n: isinstance(n, tirx.Bind))}
-    varying = {attr.node.var for attr in find(func.body, lambda n: isinstance(n, tirx.AttrStmt)
-                                              and n.attr_key == "thread_extent")
-               if not attr.node.thread_tag.startswith("blockIdx")}
-    varying |= {loop.loop_var for loop in find(func.body, lambda n: isinstance(n, tirx.For))}
+    loops = find(func.body, lambda n: isinstance(n, tirx.For))
+    in_loops = {bind.var for loop in loops for bind in find(loop.body, lambda n: isinstance(n, tirx.Bind))}
+    varying = {attr.node.var for attr in thread_extents if not attr.node.thread_tag.startswith("blockIdx")}
+    varying |= {loop.loop_var for loop in loops}
     for bind in find(func.body, lambda n: isinstance(n, tirx.Bind)):  # in program order
         if bind.var in in_loops or not _block_uniform(bind.value, varying):
             varying.add(bind.var)
