@@ -936,17 +936,26 @@ def schedule(
 # --------------------------------------------------------------------------------------------
 # delta runs on the SIMT schedule. dkdv's tile is block_n keys (64 a warpgroup) and block_m query
 # rows a step; dq's is dq_block_m query rows (64 a warpgroup) and dq_block_n keys a step. Each
-# program's stream of tiles (dkdv: Q, dout and their rows' lse and delta; dq: K and V) is loaded by
-# cp.async in a pipeline of ``*_stages`` (1: plain loads). dq_atomic (the default): no dq pass; dkdv
-# adds each step's ds k into an fp32 accumulator (``_schedule_dq_share``), 2-4% faster at d64 and 7-20%
-# at d128 over bench's grid (H200, 2026-12-02, commit aab1fe2, benchmarks/backward_knobs.py, 2k and 16k);
-# deterministic=True turns it off (``kernel.BackwardKernel``).
+# program's stream of tiles (dkdv: Q, dout and their rows' lse and delta; dq: K and V) is loaded in a
+# pipeline of ``*_stages`` (1: plain loads), by cp.async or, dkdv's with ``dkdv_copy`` "tma" (the
+# default), by TMA: one thread copies a Q block's q and dout (swizzled tiles) and its rows' lse and
+# delta on the stage's mbarrier (``tvmflash.lowering.tma``), so the other threads spend no registers
+# or instructions on the copies and the loads need no block-wide barrier. With the epilogue's guards
+# merged (``lowering.passes.MergeAdjacentGuards``; 237-246 registers a thread at d128, no spills) the
+# backward runs 1.21-1.33x SDPA flash at d128 and 1.17-1.24x at d64, against 0.95-1.02x with the
+# plain loads at d128 and the cp.async pipeline at d64 (H200, 2026-12-02, benchmarks/backward_knobs.py
+# at 2k and 8k tokens, BENCHMARKS.md). Dense only: varlen's rows past a sequence's end
+# must read as zeros, not as the next sequence's, so varlen keeps cp.async
+# (``BACKWARD_VARLEN_KNOBS_FOR_HEAD_DIM``). dq_atomic (the default): no dq pass; dkdv adds each
+# step's ds k into an fp32 accumulator (``_schedule_dq_share``), 1.05-1.10x the dq pass with TMA
+# (measured before the guards were merged); deterministic=True turns it off (``kernel.BackwardKernel``).
 BACKWARD_KNOBS = {"block_m": 64, "block_n": 128, "dq_block_m": 128, "dq_block_n": 64, "dkdv_stages": 2,
-                  "dq_stages": 2, "vec": 8, "dq_atomic": True}
-# d64, dq pass: 32-key steps, 8-10% faster than 64 (at d128 4-7% slower). d128, dq_atomic: dkdv's Q
-# blocks by plain loads, 253 registers a thread and no spills (two stages spill 400 bytes): 1.01-1.17x
-# the two stages' speed; at d64 two stages are 5-17% faster (H200, 2026-12-02, commits c022a92, aab1fe2).
-BACKWARD_KNOBS_FOR_HEAD_DIM = {64: {"dq_block_n": 32}, 128: {"dkdv_stages": 1}}
+                  "dq_stages": 2, "vec": 8, "dq_atomic": True, "dkdv_copy": "tma"}
+# d64, dq pass: 32-key steps, 8-10% faster than 64 (at d128 4-7% slower; H200, 2026-12-02, commit c022a92).
+BACKWARD_KNOBS_FOR_HEAD_DIM = {64: {"dq_block_n": 32}}
+# varlen by cp.async: at d128 by plain loads, 1.01-1.17x the two stages' speed (which spill 400 bytes
+# there), at d64 in two stages, 5-17% faster than one (H200, 2026-12-02, commit aab1fe2)
+BACKWARD_VARLEN_KNOBS_FOR_HEAD_DIM = {64: {"dkdv_copy": "cp.async"}, 128: {"dkdv_copy": "cp.async", "dkdv_stages": 1}}
 BACKWARD_HEAD_DIMS = (64, 128)
 BACKWARD_SPACE = {
     "block_m": [32, 64],
@@ -957,6 +966,7 @@ BACKWARD_SPACE = {
     "dq_stages": [1, 2],
     "vec": [8],
     "dq_atomic": [True, False],
+    "dkdv_copy": lambda knobs: list(KV_COPIES) if knobs["dkdv_stages"] > 1 else ["cp.async"],  # TMA fills stages
 }
 
 
@@ -967,8 +977,10 @@ def backward_shared_memory_bytes(head_dim: int, dtype: str, knobs: dict) -> int:
     def padded(cols):
         return cols * (CORE_MATRIX_ELEMENTS + PAD_ELEMENTS) // CORE_MATRIX_ELEMENTS
 
-    dkdv = (2 * knobs["block_n"] + 2 * knobs["block_m"] * knobs["dkdv_stages"]) * padded(head_dim) * 2 \
-        + 8 * knobs["block_m"] * knobs["dkdv_stages"]
+    tma = knobs.get("dkdv_copy") == "tma"  # swizzled q and dout (no padding), after the barriers, on 1 KiB
+    stream = 2 * knobs["block_m"] * knobs["dkdv_stages"] * (head_dim if tma else padded(head_dim)) * 2
+    dkdv = 2 * knobs["block_n"] * padded(head_dim) * 2 + stream + 8 * knobs["block_m"] * knobs["dkdv_stages"] \
+        + (TMA_BARRIER_BYTES["thread"] + SWIZZLE_ALIGNMENT if tma else 0)
     if knobs.get("dq_atomic"):
         return dkdv + knobs["block_n"] * padded(knobs["block_m"]) * 2
     dq = (2 * knobs["dq_block_m"] + 2 * knobs["dq_block_n"] * knobs["dq_stages"]) * padded(head_dim) * 2 \
@@ -977,14 +989,15 @@ def backward_shared_memory_bytes(head_dim: int, dtype: str, knobs: dict) -> int:
 
 
 def schedule_backward(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, dq_block_m: int, dq_block_n: int,
-                      dkdv_stages: int, dq_stages: int, vec: int, dq_atomic: bool = False) -> tvm.s_tir.Schedule:
+                      dkdv_stages: int, dq_stages: int, vec: int, dq_atomic: bool = False,
+                      dkdv_copy: str = "cp.async") -> tvm.s_tir.Schedule:
     """delta on the SIMT schedule, dkdv and dq on wgmma (``vec`` elements a copy). The tiles are the
     program's (``program_backward.attention_backward``). ``dq_atomic``: the program has no dq; dkdv
     adds dq's share atomically (``_schedule_dq_share``) and convert_dq runs on SIMT."""
     from . import cuda
 
     cuda.schedule_delta(sch)
-    _schedule_dkdv(sch, dkdv_stages, vec, dq_atomic)
+    _schedule_dkdv(sch, dkdv_stages, vec, dq_atomic, dkdv_copy)
     if dq_atomic:
         cuda.schedule_convert_dq(sch)
     else:
@@ -995,6 +1008,13 @@ def schedule_backward(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, dq
 def backward_knobs_problem(head_dim: int, dtype: str, knobs: dict) -> str | None:
     """Why these backward knobs cannot be scheduled, or None: checked when a BackwardKernel is made,
     before anything is built (the tuner leaves such configurations out)."""
+    copy = knobs.get("dkdv_copy", "cp.async")
+    if copy not in KV_COPIES:
+        return f"knobs: dkdv_copy takes one of {KV_COPIES}, got {copy!r}"
+    if copy == "tma" and (knobs["dkdv_stages"] < 2 or head_dim % SWIZZLE_COLUMNS):
+        return (f"knobs: dkdv_copy 'tma' copies into a pipeline's stages, in 64-column swizzled halves: it needs "
+                f"dkdv_stages >= 2 and a head_dim that is a multiple of {SWIZZLE_COLUMNS}, got "
+                f"{knobs['dkdv_stages']} and {head_dim}")
     if knobs.get("dq_atomic"):
         return _dq_share_problem(knobs["block_m"], head_dim, max(1, knobs["block_n"] // WG_ROWS))
     return None
@@ -1016,7 +1036,8 @@ def _backward_warpgroups(rows: int, what: str) -> int:
     return rows // WG_ROWS
 
 
-def _schedule_dkdv(sch: tvm.s_tir.Schedule, num_stages: int, vec: int, dq_atomic: bool = False) -> None:
+def _schedule_dkdv(sch: tvm.s_tir.Schedule, num_stages: int, vec: int, dq_atomic: bool = False,
+                   copy: str = "cp.async") -> None:
     """dkdv: its tiles are key-first (sᵀ = k qᵀ, ...), so warpgroup g owns keys [64 g, 64 g + 64) of
     the K/V block, as the forward's warpgroups own query rows: sᵀ and dpᵀ on wgmma with K or V as A
     and q or dout as B (K-major), pᵀ and dsᵀ in the accumulator registers, which are the A operand
@@ -1028,12 +1049,20 @@ def _schedule_dkdv(sch: tvm.s_tir.Schedule, num_stages: int, vec: int, dq_atomic
     if BM % 16 or D % 16:
         raise ValueError(f"knobs: the sm90 dkdv needs block_m and head_dim multiples of 16, got {BM} and {D}")
     staged = dkdv_grid(sch, dq_atomic)  # dsᵀ's copy to shared memory with dq_atomic
-    _backward_tiles(sch, ("load_k", "load_v", "load_q", "load_do"), groups, vec)
+    tma = copy == "tma"
+    _backward_tiles(sch, ("load_k", "load_v") if tma else ("load_k", "load_v", "load_q", "load_do"), groups, vec)
     for name in ("load_lse", "load_delta"):  # BM rows, any number of warpgroups
         _spread_rows(sch, name, groups)
-    _backward_step(sch, ("cast_p",), groups, BM, D, dtype, num_stages)
+    if tma:  # q and dout swizzled, as TMA writes them; they and the rows' values copied by TMA
+        for name in ("load_q", "load_do"):
+            sch.set_scope(name, 0, "shared.dyn")
+            sch.transform_layout(name, ("write", 0), _swizzled_map, assume_injective_transform=True)
+            _copy_along_rows(sch, name, groups, vec)
+        for name in ("load_q", "load_do", "load_lse", "load_delta"):
+            sch.annotate(sch.get_sblock(name), TMA_LOAD, "thread")
+    _backward_step(sch, ("cast_p",), groups, BM, D, dtype, num_stages, b_swizzled=tma)
     for name in ("dv", "dk"):
-        _backward_accumulate(sch, name, groups, D, BM, dtype)
+        _backward_accumulate(sch, name, groups, D, BM, dtype, b_swizzled=tma)
     if dq_atomic:
         _schedule_dq_share(sch, staged, groups, BM, D, BN, dtype)
     if num_stages > 1:
@@ -1115,7 +1144,7 @@ def _spread_rows(sch, name, groups):
     sch.bind(tx, "threadIdx.x")
 
 
-def _backward_step(sch, casts, groups, cols, D, dtype, num_stages):
+def _backward_step(sch, casts, groups, cols, D, dtype, num_stages, b_swizzled=False):
     """What dkdv and dq share: s and dp on wgmma ("ss": A and B K-major from shared memory, N =
     ``cols``), p, ds and ``casts`` on the accumulator registers, each thread its elements. With one
     stage, s's fence and barrier make the step's tiles visible to both products (dp reads none that
@@ -1125,14 +1154,15 @@ def _backward_step(sch, casts, groups, cols, D, dtype, num_stages):
         sch.set_scope(name, 0, "local")
         sch.transform_layout(name, ("write", 0), _acc_index_map)
         rows = _warpgroup_gemm(sch, name, groups)
-        sch.tensorize(rows, wgmma_intrin_name(cols, D, dtype, "k", fence_operands=num_stages == 1 and name == "qk"))
+        sch.tensorize(rows, wgmma_intrin_name(cols, D, dtype, "k", fence_operands=num_stages == 1 and name == "qk",
+                                              b_swizzled=b_swizzled))
     for name in ("exp", "ds", *casts):
         sch.set_scope(name, 0, "local")
         sch.transform_layout(name, ("write", 0), _acc_index_map)
         _acc_block(sch, name, groups)
 
 
-def _backward_accumulate(sch, name, groups, D, k, dtype):
+def _backward_accumulate(sch, name, groups, D, k, dtype, b_swizzled=False):
     """A gradient's product on wgmma ("rs": A, the p or ds of the step, from the accumulator
     registers; B N-major from shared memory), the gradient in accumulator registers across the
     steps, zeroed first and stored from them (each thread its pairs of adjacent columns)."""
@@ -1141,7 +1171,7 @@ def _backward_accumulate(sch, name, groups, D, k, dtype):
     block = sch.get_sblock(name)
     rows = _warpgroup_gemm(sch, block, groups)
     hide_init_reads(sch, block)
-    sch.tensorize(rows, wgmma_intrin_name(D, k, dtype, "mn", a_regs=True))
+    sch.tensorize(rows, wgmma_intrin_name(D, k, dtype, "mn", a_regs=True, b_swizzled=b_swizzled))
     _acc_block(sch, f"init_{name}", groups)
     _acc_block(sch, f"store_{name}", groups)
     sch.vectorize(sch.get_loops(f"store_{name}")[-1])

@@ -357,7 +357,7 @@ def test_sm80_backward_builds_cuda_source(monkeypatch, dtype, head_dim):
 
 def test_sm90_backward_builds_cuda_source(monkeypatch):
     """On sm_90a, dkdv and dq on wgmma (s and dp with both operands from shared memory, the
-    gradients' products with p or ds from registers), the streamed tiles by cp.async. By default
+    gradients' products with p or ds from registers), dkdv's streamed tiles by TMA, dq's by cp.async. By default
     (dq_atomic) dkdv makes dq's share on wgmma too (dsᵀ from shared memory, read transposed) and adds
     it by red.global.add.v2.f32; deterministic=True takes the dq pass. sm80's serves a head_dim sm90's
     does not have, and TVMFLASH_BACKWARD=sm80."""
@@ -368,7 +368,8 @@ def test_sm90_backward_builds_cuda_source(monkeypatch):
     dkdv = src[src.rindex("dkdv_kernel("):src.rindex("dq_kernel(")]
     for program in (dq, dkdv):  # "ss": A and B by descriptors (s, dp); "rs": A from registers (the gradients)
         assert "_ss_mma_async_sync_aligned_m64n" in program and "_rs_mma_async_sync_aligned_m64n" in program
-        assert "cp_async_commit_group" in program and "mma_sync" not in program
+        assert "mma_sync" not in program
+    assert "cp_async_commit_group" in dq and "tvmflash_tma_load_5d(" in dkdv
     kernel = tvmflash.compile_backward(head_dim=64, dtype="bfloat16", causal=True, target="sm90")
     assert kernel.dq_atomic
     src = kernel.source(heads_q=4, heads_kv=2)
@@ -391,13 +392,37 @@ def test_sm90_one_stage_products_share_one_fence():
     reads dsᵀ, copied to shared memory in the step); dq: s's alone."""
     fence = "fence_proxy_proxy_async_shared__cta();"
     kernel = tvmflash.compile_backward(head_dim=128, dtype="bfloat16", target="sm90",
-                                       knobs={"dkdv_stages": 1, "dq_atomic": True})
+                                       knobs={"dkdv_stages": 1, "dkdv_copy": "cp.async", "dq_atomic": True})
     src = kernel.source(heads_q=4, heads_kv=2)
     assert src[src.rindex("dkdv_kernel("):src.rindex("convert_dq_kernel(")].count(fence) == 2
     kernel = tvmflash.compile_backward(head_dim=128, dtype="bfloat16", target="sm90",
                                        knobs={"dq_atomic": False, "dq_stages": 1})
     src = kernel.source(heads_q=4, heads_kv=2)
     assert src[src.rindex("dq_kernel("):].count(fence) == 1
+
+
+def test_sm90_dkdv_by_tma_builds_cuda_source():
+    """dkdv_copy "tma": one thread copies each Q block's q and dout (5-D tensor maps, swizzled) and its
+    rows' lse and delta (3-D, no swizzle) on the stage's mbarrier; no thread copies them by cp.async,
+    and the step's tiles need no block-wide barrier (the dsᵀ staging keeps its two). Refused with
+    one stage or a head_dim not a multiple of 64, and for varlen, whose rows past a sequence's
+    end must read as zeros."""
+    knobs = {"dkdv_stages": 2, "dkdv_copy": "tma"}
+    kernel = tvmflash.compile_backward(head_dim=128, dtype="bfloat16", causal=True, target="sm90", knobs=knobs)
+    src = kernel.source(heads_q=4, heads_kv=2)
+    dkdv = src[src.rindex("dkdv_kernel("):src.rindex("convert_dq_kernel(")]
+    assert dkdv.count("tvmflash_tma_load_5d(") == 4 and dkdv.count("tvmflash_tma_load_3d(") == 4  # prologue, loop
+    assert "cp_async" not in dkdv and "CUtensorMap LSE2_tensormap" in src and "CUtensorMap Delta_tensormap" in src
+    loop = dkdv[dkdv.index("for (int g_t_fused"):]
+    assert loop[:loop.index("tvmflash_release_after_wgmma")].count("__syncthreads()") == 0
+    for bad, match in (({"dkdv_stages": 1, "dkdv_copy": "tma"}, "dkdv_stages >= 2"),
+                       ({"dkdv_copy": "bulk"}, "dkdv_copy takes")):
+        with pytest.raises(ValueError, match=match):
+            tvmflash.compile_backward(head_dim=128, dtype="bfloat16", target="sm90", knobs=bad)
+    with pytest.raises(ValueError, match="varlen backward takes dkdv_copy"):
+        tvmflash.compile_backward(head_dim=128, dtype="bfloat16", target="sm90", knobs=knobs, varlen=True)
+    varlen = tvmflash.compile_backward(head_dim=128, dtype="bfloat16", target="sm90", varlen=True)
+    assert varlen.knobs["dkdv_copy"] == "cp.async"
 
 
 def test_sm80_backward_with_atomic_dq_builds_cuda_source(monkeypatch):
@@ -431,6 +456,17 @@ def test_atomic_dq_gradients_on_the_gpu(monkeypatch, schedule, head_dim, causal)
                                        knobs={"dq_atomic": True})
     assert kernel.info()["schedule"] == schedule
     gradients_match_float64("cuda", torch.bfloat16, head_dim, causal, knobs={"dq_atomic": True})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dq_atomic", [True, False], ids=["dq_atomic", "dq_pass"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_sm90_dkdv_by_tma_gradients_on_the_gpu(head_dim, causal, dq_atomic):
+    """dkdv_copy "tma" over SHAPES (odd lengths: TMA's zero fill past the end; GQA and MQA)."""
+    _on_sm_90a_only("sm90")
+    gradients_match_float64("cuda", torch.bfloat16, head_dim, causal,
+                            knobs={"dkdv_stages": 2, "dkdv_copy": "tma", "dq_atomic": dq_atomic})
 
 
 @pytest.mark.gpu

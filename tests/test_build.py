@@ -50,3 +50,31 @@ def test_conditions_on_a_block_index_are_hoisted_out_of_their_loop():
     assert plain.count(loops) == 1 and plain.index(loops) < plain.index("if by * 16 < n")
     assert hoisted.count(loops) == 2 and hoisted.index("if by * 16 < n") < hoisted.index(loops)
     assert "alias" not in hoisted
+
+
+def test_adjacent_statements_under_one_uniform_condition_share_one_if():
+    """``passes.MergeAdjacentGuards``: a pipeline's epilogue guards each statement on its own; runs of
+    one condition that reads no buffer and no thread index become one ``if``, marked thread-invariant
+    (so ThreadSync may place barriers inside). A condition on threadIdx.x, or on a buffer's value,
+    stays where it is."""
+    from tvmflash.lowering import passes
+
+    @T.prim_func
+    def guarded(a: T.Buffer((4,), "float32"), n: T.int32):
+        tx = T.launch_thread("threadIdx.x", 32)
+        if 1 <= n:
+            a[0] = T.float32(1)
+        if 1 <= n:
+            a[1] = T.float32(2)
+        if tx < n:
+            a[2] = T.float32(3)
+        if tx < n:
+            a[3] = T.float32(4)
+        if a[0] < T.float32(1):
+            a[2] = T.float32(5)
+        if a[0] < T.float32(1):
+            a[3] = T.float32(6)
+
+    merged = passes.MergeAdjacentGuards()(tvm.IRModule({"main": guarded}))["main"].script()
+    assert merged.count("1 <= n") == 1 and "T.tvm_thread_invariant(1 <= n)" in merged
+    assert merged.count("tx < n") == 2 and merged.count("a[0] < T.float32(1.0)") == 2

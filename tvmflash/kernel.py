@@ -848,6 +848,14 @@ def _version() -> str:
 
 
 # ----------------------------------------------------------------------------- the backward pass
+def _row_values(rows: tuple, device) -> tuple:
+    """delta and lse2 for the backward's programs: float32 of shape ``rows`` (batch, heads_q,
+    seqlen_q), each head's rows ``program_backward.padded_rows`` apart."""
+    *outer, seqlen_q = rows
+    return tuple(torch.empty((*outer, program_backward.padded_rows(seqlen_q)), dtype=torch.float32,
+                             device=device)[..., :seqlen_q] for _ in range(2))
+
+
 class BackwardKernel(Kernel):
     """FlashAttention backward for one (head_dim, dtype, causal, variant, target): the three programs of
     ``tvmflash.program_backward`` (delta, dkdv, dq) built into one module per pair of head
@@ -878,7 +886,12 @@ class BackwardKernel(Kernel):
         # kernels: varlen keeps the defaults), else the defaults
         tuned = None if knobs or self.variant.get("varlen") else database.lookup(
             target, schedule_name, backward_workload(spec_args))
+        if self.variant.get("varlen"):
+            defaults.update(getattr(self.schedule, "BACKWARD_VARLEN_KNOBS_FOR_HEAD_DIM", {}).get(self.head_dim, {}))
         self._take_knobs(defaults, tuned, knobs)
+        if self.variant.get("varlen") and self.knobs.get("dkdv_copy") == "tma":
+            raise ValueError("knobs: dkdv_copy 'tma' reads the rows past a sequence's end, which varlen packs with the "
+                             "next sequence's: the varlen backward takes dkdv_copy 'cp.async'")
         if deterministic and self.dq_atomic:  # the dq pass instead: one sum a dq element, in a fixed order
             if (knobs or {}).get("dq_atomic"):
                 raise ValueError("knobs: dq_atomic sums dq by fp32 atomics, in an order that changes from run to "
@@ -999,8 +1012,8 @@ class BackwardKernel(Kernel):
                                                           work=bool(q.numel() and k.numel()))
         if passes is None:
             return dq, dk, dv
-        delta, lse2 = (torch.empty(rows, dtype=torch.float32, device=q.device) for _ in range(2))
-        dlse = torch.zeros_like(delta) if dlse is None else dlse.contiguous()
+        delta, lse2 = _row_values(rows, q.device)
+        dlse = torch.zeros(rows, dtype=torch.float32, device=q.device) if dlse is None else dlse.contiguous()
         accumulator = self._dq_accumulator(q)
         passes["delta"](out, dout, lse, dlse, delta, lse2)
         passes["dkdv"](q, k, v, dout, lse2, delta, dk, dv, softmax_scale, *accumulator, *variant_arguments)
@@ -1038,8 +1051,8 @@ class VarlenBackwardKernel(BackwardKernel):
                                                           work=bool(q.numel() and k.numel() and batch))
         if passes is None:
             return dq, dk, dv
-        delta, lse2 = (torch.empty((1, *rows), dtype=torch.float32, device=q.device) for _ in range(2))
-        dlse = torch.zeros_like(delta) if dlse is None else dlse.contiguous()[None]
+        delta, lse2 = _row_values((1, *rows), q.device)
+        dlse = torch.zeros((1, *rows), dtype=torch.float32, device=q.device) if dlse is None else dlse.contiguous()[None]
         # the packed rows as the programs' one batch
         q, k, v, out, dout, lse, dq4, dk4, dv4 = map(one_batch, (q, k, v, out, dout, lse, dq, dk, dv))
         sequences = (cu_seqlens_q, cu_seqlens_k)

@@ -9,6 +9,8 @@ Layout (flash-attn's; the forward's, plus the gradients):
     out:              (batch, seqlen_q, heads_q,  head_dim)   dtype, the forward's output
     lse, dlse, delta: (batch, heads_q,  seqlen_q)              float32 (lse in natural log)
     lse2:             (batch, heads_q,  seqlen_q)              float32, lse · log2 e
+(delta and lse2, which the caller allocates for the programs, with any batch and head strides:
+``ROW_VALUE_ALIGNMENT`` keeps a TMA copy of their rows possible.)
 
 With s = scale · q kᵀ, p = softmax(s) (= exp(s - lse)), out = p v and a loss L(out, lse):
     dv = pᵀ · dout
@@ -96,6 +98,28 @@ def attention_backward(spec: AttentionSpec, block_m: int, block_n: int, dq_block
     return module
 
 
+# delta's and lse2's head stride, in elements, is a multiple of this (``padded_rows``): 16 bytes, so
+# that TMA may copy their rows (its strides are multiples of 16 bytes)
+ROW_VALUE_ALIGNMENT = 4
+
+
+def padded_rows(seqlen_q: int) -> int:
+    """The head stride of delta and lse2 for ``seqlen_q`` rows: the caller allocates (batch,
+    heads_q, padded_rows(seqlen_q)) and passes the first ``seqlen_q`` of each head's rows."""
+    return -(-seqlen_q // ROW_VALUE_ALIGNMENT) * ROW_VALUE_ALIGNMENT
+
+
+def _row_values_argument(handle, shape, name: str):
+    """A (batch, heads_q, seqlen_q) float32 parameter (delta, lse2) with any batch and head strides
+    (int32 arguments ``{name}_stride_b``, ``_h``), named ``name`` upper-cased."""
+    strides = (T.int32(), T.int32())
+    for axis, stride in zip("bh", strides):
+        IRBuilder.name(f"{name}_stride_{axis}", stride)
+    buffer = T.match_buffer(handle, shape, "float32", strides=(*strides, 1))
+    IRBuilder.name(name.upper() if name == "lse2" else name.capitalize(), buffer)
+    return buffer
+
+
 def _dq_accumulator_argument(dq_atomic: bool, batch, heads: int, head_dim: int):
     """With ``dq_atomic``, one more parameter of the dkdv being parsed: dq_accum, float32 (batch,
     rows, heads, head_dim); None without."""
@@ -180,8 +204,8 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int, dq_atomic: bool =
         dO = T.match_buffer(dout_handle, (batch, seqlen_q, HQ, D), dtype)
         LSE = T.match_buffer(lse_handle, (batch, HQ, seqlen_q), f32)
         dLSE = T.match_buffer(dlse_handle, (batch, HQ, seqlen_q), f32)
-        Delta = T.match_buffer(delta_handle, (batch, HQ, seqlen_q), f32)
-        LSE2 = T.match_buffer(lse2_handle, (batch, HQ, seqlen_q), f32)
+        Delta = T.meta_var(_row_values_argument(delta_handle, (batch, HQ, seqlen_q), "delta"))
+        LSE2 = T.meta_var(_row_values_argument(lse2_handle, (batch, HQ, seqlen_q), "lse2"))
         rowsum = T.sblock_alloc_buffer((batch, seqlen_q, HQ), f32)  # a schedule keeps each row's where it is used
         for b, i, h, d in T.grid(batch, seqlen_q, HQ, D):
             with T.sblock("delta"):  # from 0, the sum's identity: a schedule may sum across threads
@@ -316,8 +340,8 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int, dq_atomic: bool =
         K_in = T.meta_var(program.strided_argument(k_handle, (batch, seqlen_k, HKV, D), dtype, "k"))
         V_in = T.meta_var(program.strided_argument(v_handle, (batch, seqlen_k, HKV, D), dtype, "v"))
         dO = T.match_buffer(dout_handle, (batch, seqlen_q, HQ, D), dtype)
-        LSE2 = T.match_buffer(lse2_handle, (batch, HQ, seqlen_q), f32)
-        Delta = T.match_buffer(delta_handle, (batch, HQ, seqlen_q), f32)
+        LSE2 = T.meta_var(_row_values_argument(lse2_handle, (batch, HQ, seqlen_q), "lse2"))
+        Delta = T.meta_var(_row_values_argument(delta_handle, (batch, HQ, seqlen_q), "delta"))
         dK = T.match_buffer(dk_handle, (batch, seqlen_k, HKV, D), dtype)
         dV = T.match_buffer(dv_handle, (batch, seqlen_k, HKV, D), dtype)
         DQaccum = T.meta_var(_dq_accumulator_argument(dq_atomic, batch, HQ, D))  # with dq_atomic only
@@ -440,8 +464,8 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int, dq_atomic: bool =
         K_in = T.meta_var(program.strided_argument(k_handle, (batch, seqlen_k, HKV, D), dtype, "k"))
         V_in = T.meta_var(program.strided_argument(v_handle, (batch, seqlen_k, HKV, D), dtype, "v"))
         dO = T.match_buffer(dout_handle, (batch, seqlen_q, HQ, D), dtype)
-        LSE2 = T.match_buffer(lse2_handle, (batch, HQ, seqlen_q), f32)
-        Delta = T.match_buffer(delta_handle, (batch, HQ, seqlen_q), f32)
+        LSE2 = T.meta_var(_row_values_argument(lse2_handle, (batch, HQ, seqlen_q), "lse2"))
+        Delta = T.meta_var(_row_values_argument(delta_handle, (batch, HQ, seqlen_q), "delta"))
         dQ = T.match_buffer(dq_handle, (batch, seqlen_q, HQ, D), dtype)
         Packed_ = T.meta_var(program.varlen_arguments(spec, "max_seqlen_q"))  # parameters with varlen only
         AlibiSlopes = T.meta_var(program.alibi_slopes_argument(spec, program.sequence_count(Packed_, batch), HQ))  # with ALiBi only

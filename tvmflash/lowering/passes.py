@@ -529,3 +529,43 @@ def WidenGlobalIndices():  # noqa: N802
         return func.with_body(tvm_ffi.structural_map(
             func.body, [((tirx.BufferStore, tvm.ir.expr.TensorLoad, tvm.ir.expr.Call), _widened)]))
     return prim_func_pass(run, "tvmflash.WidenGlobalIndices")
+
+
+def _merged_guards(seq, threads):
+    """``seq`` with each run of adjacent ``if (c) {...}`` (no else) of one condition ``c`` that reads
+    no buffer and no thread index made one ``if (tvm_thread_invariant(c))``: sound, as no statement
+    can change such a condition, and the mark lets ThreadSync plan barriers inside it."""
+    def uniform(stmt):
+        return (isinstance(stmt, tirx.IfThenElse) and stmt.else_case is None and not find(stmt.condition, is_load)
+                and not find(stmt.condition, lambda n: isinstance(n, tirx.Var) and any(n.same_as(t) for t in threads)))
+
+    stmts, merged = [], False
+    for stmt in seq.seq:
+        previous = stmts[-1] if stmts else None
+        if uniform(stmt) and uniform(previous) and tvm_ffi.structural_equal(previous.condition, stmt.condition):
+            body = [part for case in (previous.then_case, stmt.then_case)
+                    for part in (case.seq if isinstance(case, tirx.SeqStmt) else [case])]
+            stmts[-1] = tirx.IfThenElse(stmt.condition, tirx.SeqStmt(body), None)
+            merged = True
+        else:
+            stmts.append(stmt)
+    if not merged:
+        return None
+    stmts = [tirx.IfThenElse(T.tvm_thread_invariant(s.condition), s.then_case, None)
+             if isinstance(s, tirx.IfThenElse) and isinstance(s.then_case, tirx.SeqStmt) and uniform(s) else s
+             for s in stmts]
+    return tirx.SeqStmt(stmts) if len(stmts) > 1 else stmts[0]
+
+
+def _guards_merged(func):
+    threads = [n.node.var for n in find(func.body, lambda n: isinstance(n, tirx.AttrStmt)
+                                        and n.attr_key == "thread_extent" and n.node.thread_tag.startswith("threadIdx"))]
+    return func.with_body(transform(func.body, tirx.SeqStmt, lambda seq: _merged_guards(seq, threads)))
+
+
+def MergeAdjacentGuards():  # noqa: N802
+    """After LowerOpaqueBlock: adjacent statements under one block-uniform condition share one ``if``
+    (``_merged_guards``). InjectSoftwarePipeline guards each statement of a pipeline's epilogue on its
+    own (the loop may have had no step); ptxas then kept the sm90 dkdv's step values in registers across
+    the separate branches and spilled (d128 with TMA: 580 bytes, none with the guards merged)."""
+    return prim_func_pass(_guards_merged, "tvmflash.MergeAdjacentGuards")

@@ -61,6 +61,7 @@ def passes_for(mod: tvm.IRModule, config) -> list:
         tma.LowerToTMA(),                                            # +
         s_tir.transform.TransformMmaBufferLayout(),
         s_tir.transform.LowerOpaqueBlock(),
+        passes.MergeAdjacentGuards(),                                # + (a pipeline's epilogue)
         passes.BindBlockUniformLoads(SEQUENCE_OFFSETS),              # +
         passes.LowerPragmas(),                                       # +
         tirx.transform.FlattenBuffer(),

@@ -1,10 +1,12 @@
-"""K/V tiles by TMA: the software pipeline's cp.async copies become tensor-memory-accelerator
-copies completing on mbarriers (sm_90a).
+"""Streamed tiles by TMA: the software pipeline's cp.async copies become tensor-memory-accelerator
+copies completing on mbarriers (sm_90a). The forward's K/V tiles; the backward dkdv's Q blocks (q
+and dout as the forward's K and V, and the rows' lse and delta, ``_row_vector_copy``).
 
 A schedule asks for it by annotating its pipelined copy blocks ``TMA_LOAD`` (the sm90 schedule's
-``kv_copy="tma"``), after laying their tiles out as TMA writes them (128-byte swizzle, 64-column
-halves). TensorIR has no TMA copy, so ``lowered_to_tma`` rewrites what InjectSoftwarePipeline made
-of those blocks (``LowerToTMA``, right after that pass in ``pipeline.py``):
+``kv_copy="tma"`` and ``dkdv_copy="tma"``), after laying their tiles out as TMA writes them (128-byte
+swizzle, 64-column halves; a row vector as it is). TensorIR has no TMA copy, so ``lowered_to_tma``
+rewrites what InjectSoftwarePipeline made of those blocks (``LowerToTMA``, right after that pass in
+``pipeline.py``):
 
   * each commit group of annotated copies (one K/V tile) becomes one thread's
     ``mbarrier.arrive.expect_tx`` on the stage's "full" barrier and one ``cp.async.bulk.tensor`` per
@@ -16,8 +18,8 @@ of those blocks (``LowerToTMA``, right after that pass in ``pipeline.py``):
     barrier is left in the K/V loop: a warpgroup waits only for its own tile, and the issuing
     thread only for the stage it refills (FA3's pipeline, with thread 0 as the producer);
   * the host encodes one tensor map per global tensor (``tensormap_encode_tiled``: the 5-D view
-    (64 elements, row, 64-column half, head, batch), 128-byte swizzle), which reaches the kernel as a
-    ``__grid_constant__`` parameter.
+    (64 elements, row, 64-column half, head, batch), 128-byte swizzle; a row vector's 3-D (row, head,
+    batch), no swizzle), which reaches the kernel as a ``__grid_constant__`` parameter.
 
 Phases: a thread's k-th wait on the full barriers is for tile k, in stage k % num_stages, phase
 (k // num_stages) % 2; the producer counts its issues the same way. Each is a per-thread counter
@@ -45,6 +47,8 @@ live (after the last wait it may reuse their bytes, for the LSE staging).
 """
 
 from __future__ import annotations
+
+import math
 
 import tvm
 import tvm.sym
@@ -97,6 +101,13 @@ _HELPERS = {
         '  asm volatile("cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"\n'
         '               " [%0], [%1, {%2, %3, %4, %5, %6}], [%7];"\n'
         f'               :: "r"({_SMEM}(dst)), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4), "r"({_SMEM}(bar))\n'
+        '               : "memory");\n}'),
+    "tvmflash_tma_load_3d": (
+        "__device__ __forceinline__ void tvmflash_tma_load_3d(void* dst, unsigned long long map, void* bar,\n"
+        "                                                     int c0, int c1, int c2) {\n"
+        '  asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"\n'
+        '               " [%0], [%1, {%2, %3, %4}], [%5];"\n'
+        f'               :: "r"({_SMEM}(dst)), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"({_SMEM}(bar))\n'
         '               : "memory");\n}'),
     "tvmflash_named_barrier": (
         "__device__ __forceinline__ void tvmflash_named_barrier(int id, int threads) {\n"
@@ -202,7 +213,8 @@ def _copy(plan, stmt):
     """The annotated copy block in ``stmt`` (an ``async_scope``'s body, or the statement of the Q tile's
     one-off copy) -> (its stage and number of stages, or None for the one-off copy; a function from the
     barrier it completes on to its tensor-map TMA call; its bytes). A pipeline's tile has its stages
-    first, (stages, halves, rows, 8, 8); the Q tile is (halves, rows, 8, 8)."""
+    first, (stages, halves, rows, 8, 8); the Q tile is (halves, rows, 8, 8); a row vector's (of a
+    (batch, heads, seqlen) tensor) is (stages, rows)."""
     blocks = find(stmt, lambda n: isinstance(n, tvm.s_tir.SBlock) and TMA_LOAD in n.annotations)
     if len(blocks) != 1:
         raise RuntimeError(f"TMA: expected one annotated copy block in an async scope, found {len(blocks)}")
@@ -220,9 +232,11 @@ def _copy(plan, stmt):
     zero += [(var, tirx.const(0, "int32")) for tag, (var, _) in plan.threads.items() if tag.startswith("threadIdx")]
     analyzer = tvm.sym.Analyzer()
     at_origin = lambda e: analyzer.simplify(substitute(e, zero))  # noqa: E731
-    batch, row, head, col = [at_origin(i) for i in source.indices]
     destination = [at_origin(i) for i in store.indices]
     tile = store.buffer
+    if len(source.indices) == 3:  # a row vector, (batch, head, row): the backward's lse and delta
+        return _row_vector_copy(plan, source, tile, destination, [at_origin(i) for i in source.indices])
+    batch, row, head, col = [at_origin(i) for i in source.indices]
     if len(tile.shape) == 4:  # the Q tile
         stage, (halves, rows) = None, (int(e) for e in tile.shape[:2])
     else:  # the pipeline's versions of a K or V tile
@@ -235,6 +249,20 @@ def _copy(plan, stmt):
         "tvmflash_tma_load_5d", _pointer(tile, _flat(tile, destination)), T.address_of(tensor_map),
         barrier, col % SWIZZLE_COLUMNS, row, col // SWIZZLE_COLUMNS, head, batch))
     return stage, call, SWIZZLE_COLUMNS * rows * halves * tile.dtype.bits // 8
+
+
+def _row_vector_copy(plan, source, tile, destination, origin):
+    """``_copy`` of a pipeline's (stages, rows) tile of a (batch, heads, seqlen) float32 tensor (the
+    backward's lse and delta a Q block): one 3-D TMA copy of ``rows`` values, no swizzle, rows past
+    the end zero-filled."""
+    batch, head, row = origin
+    stages, rows = (int(e) for e in tile.shape)
+    plan.num_stages = max(plan.num_stages or 0, stages)
+    tensor_map = plan.tensor_map(loaded(source), (rows,))
+    call = lambda barrier: tirx.Evaluate(_device_call(  # noqa: E731
+        "tvmflash_tma_load_3d", _pointer(tile, _flat(tile, destination)), T.address_of(tensor_map), barrier,
+        row, head, batch))
+    return (destination[0], stages), call, rows * tile.dtype.bits // 8
 
 
 def _issue(plan, commit):
@@ -288,9 +316,12 @@ def _reads_tiles(stmt, tiles):
     return bool(find(stmt, reads))
 
 
+_TMA_LOADS = {"tvmflash_tma_load_5d": 1024, "tvmflash_tma_load_3d": 128}  # each copy's shared-memory alignment
+
+
 def _names_tma_issue(node):
     return (type(node).__name__ == "Call" and node.op.name == "tirx.cuda.func_call"
-            and node.args[0].value == "tvmflash_tma_load_5d")
+            and node.args[0].value in _TMA_LOADS)
 
 
 def _only_commits_or_waits(stmt):
@@ -311,9 +342,10 @@ def _guarded(stmt, body):
     """``body`` (statements) under ``stmt``'s predicate, where ``stmt`` is a predicated block (the
     software pipeline's prologue and epilogue run some stages in some of their steps only)."""
     predicate = getattr(stmt, "predicate", None)
+    body = tirx.SeqStmt(body) if len(body) > 1 else body[0]
     if predicate is None or (isinstance(predicate, tirx.IntImm) and predicate.value == 1):
-        return tirx.SeqStmt(body)
-    return tirx.IfThenElse(predicate, tirx.SeqStmt(body), None)
+        return body
+    return tirx.IfThenElse(predicate, body, None)
 
 
 def _waits_and_releases(plan, stmt, tiles):
@@ -321,7 +353,9 @@ def _waits_and_releases(plan, stmt, tiles):
     holds it, every thread waits on the tile's full barrier as early as it can (after the step's
     issue, or the loop before: not between wgmma.fence and the wgmma, where ptxas would add a
     warpgroup.arrive), and arrives on its empty barrier right after the last statement that reads
-    a TMA tile. The mark is then renamed, so that the sequences around do not do it again.
+    a TMA tile, each under the predicate of the statement it goes with (the pipeline's epilogue
+    runs a step only where the loop had one). The mark is then renamed, so that the sequences
+    around do not do it again.
 
     With overlap, V has one stage more than K, and a step reads V of the tile before the one it waits
     for: there, the wait is only where the sequence reads K (not before the pipeline's last PV), and
@@ -355,16 +389,18 @@ def _waits_and_releases(plan, stmt, tiles):
                 seq.insert(last + 1, _guarded(seq[readers[-1]], [
                     _call("tvmflash_release_after_wgmma", plan.empty(tirx.floormod(released, plan.num_stages))),
                     tirx.BufferStore(plan.released, released + 1, [0])]))
-            else:
+            else:  # under the reader's predicate too: a pipeline of no step (dkdv's K/V block that no
+                # query sees) runs its epilogue's statements under a false one
                 stage = tirx.floormod(plan.consumed[0] - 1, plan.num_stages)
-                seq.insert(last + 1, _call("tvmflash_release_after_wgmma", plan.empty(stage)))
+                seq.insert(last + 1, _guarded(seq[readers[-1]], [
+                    _call("tvmflash_release_after_wgmma", plan.empty(stage))]))
         k_readers = [i for i in range(marked[0], len(seq)) if reads(seq[i], early)]
         if k_readers:
             first = marked[0]
             while first > 0 and not find(seq[first - 1], lambda n: isinstance(n, tirx.For) or _names_tma_issue(n)):
                 first -= 1
-            wait = _wait_for_next_tile(plan)  # with overlap, under the predicate of the K tile's reader
-            seq[first:first] = [_guarded(seq[k_readers[0]], wait)] if lagged else wait
+            wait = _wait_for_next_tile(plan)  # under the predicate of the (K) tile's first reader
+            seq[first:first] = [_guarded(seq[k_readers[0]], wait)]
         return transform(tirx.SeqStmt(seq), tirx.AttrStmt, lambda n: tirx.AttrStmt(
             n.node, _RELEASED_MARK, n.value, n.body) if is_attr(n, _WAIT_MARK) else None)
     return transform(stmt, tirx.SeqStmt, rewrite)
@@ -425,7 +461,7 @@ def lowered_to_tma(func: tirx.PrimFunc) -> tirx.PrimFunc:
         body = transform(body, tirx.For, lambda n: tirx.For(
             n.loop_var, n.min, n.extent + 1, n.kind, n.body, n.thread_binding, n.annotations)
             if n.thread_binding is not None and n.thread_binding.thread_tag == "threadIdx.y" else None)
-    copies = len(find(body, lambda n: is_call(n, "tirx.cuda.func_call") and n.args[0].value == "tvmflash_tma_load_5d"))
+    copies = len(find(body, _names_tma_issue))
     return func.with_body(_after_declarations(body, _encode_tensor_maps(plan), plan.tensor_maps)).with_attr(
         _TMA_COPIES_ATTR, copies)
 
@@ -580,12 +616,25 @@ def consumer_barriers(func: tirx.PrimFunc) -> tirx.PrimFunc:
 
 def _encode_tensor_maps(plan):
     """Host statements: one tensor map per global tensor, over its (64 elements, row, 64-column half,
-    head, batch) view, the box one tile (64, rows, halves, 1, 1), 128-byte swizzle. The row, head and
-    batch strides are the buffer's (the program's stride arguments), in bytes."""
+    head, batch) view, the box one tile (64, rows, halves, 1, 1), 128-byte swizzle; a row vector's
+    (``_row_vector_copy``) over its (row, head, batch) view, the box (rows, 1, 1), no swizzle. The
+    strides are the buffer's (the program's stride arguments), in bytes; TMA needs them multiples of
+    16 bytes."""
     stmts = []
     for buffer, (var, box) in plan.tensor_maps.items():
+        strides = list(buffer.strides) or [math.prod(buffer.shape[i + 1:]) for i in range(len(buffer.shape))]
+        if len(buffer.shape) == 3:
+            batch, heads, seqlen = buffer.shape
+            batch_stride, head_stride, _ = strides
+            element = buffer.dtype.bits // 8
+            stmts.append(tirx.Bind(var, T.tvm_stack_alloca("tensormap", 1)))
+            stmts.append(tirx.Evaluate(T.tensormap_encode_tiled(
+                var, buffer.data, seqlen, heads, batch, tirx.Cast("int64", head_stride) * element,
+                tirx.Cast("int64", batch_stride) * element, *box, 1, 1, 1, 1, 1, descriptor_dtype=str(buffer.dtype),
+                rank=3, l2_promotion=L2_PROMOTION_128B)))
+            continue
         batch, seqlen, heads, head_dim = buffer.shape
-        batch_stride, row_stride, head_stride, _ = buffer.strides
+        batch_stride, row_stride, head_stride, _ = strides
         element = buffer.dtype.bits // 8
         dims = [SWIZZLE_COLUMNS, seqlen, head_dim // SWIZZLE_COLUMNS, heads, batch]
         strides = [tirx.Cast("int64", row_stride) * element, SWIZZLE_COLUMNS * element,  # a stride may pass 2**31 bytes
@@ -641,8 +690,9 @@ def check_tile_alignment(func: tirx.PrimFunc) -> tirx.PrimFunc:
     the check cannot read."""
     expected = int((func.attrs or {}).get(_TMA_COPIES_ATTR, 0))
     calls = find(func.body, lambda n: is_call(n, "tirx.cuda.func_call"))
-    copies = [(c.args[1], 0) for c in calls if c.args[0].value == "tvmflash_tma_load_5d"]
-    operands = [(c.args[1], c.args[2]) for c in calls
+    # (pointer, 16-byte units past it, the boundary it needs, how far past the boundary it may start)
+    copies = [(c.args[1], 0, _TMA_LOADS[c.args[0].value], 1) for c in calls if c.args[0].value in _TMA_LOADS]
+    operands = [(c.args[1], c.args[2], 1024, 128) for c in calls
                 if c.args[0].value == "tvmflash_wgmma_descriptor" and int(c.args[5]) == _SWIZZLE_128B_LAYOUT]
     if expected and not (copies and operands):
         raise RuntimeError(f"TMA alignment check: the build wrote {expected} TMA copies, but the check finds "
@@ -650,12 +700,12 @@ def check_tile_alignment(func: tirx.PrimFunc) -> tirx.PrimFunc:
     # let variables bound to arithmetic are inlined; one bound to a call (the warpgroup index, a shuffle)
     # stays a variable, as the loop and thread indices do
     lets = [(var, value) for var, value in let_values(func.body) if not find(value, lambda n: isinstance(n, tvm.ir.expr.Call))]
-    for pointers, what, slack in ((copies, "a TMA tile", 1), (operands, "a swizzled wgmma operand", 128)):
-        for pointer, units16 in pointers:
+    for pointers, what in ((copies, "a TMA tile"), (operands, "a swizzled wgmma operand")):
+        for pointer, units16, boundary, slack in pointers:
             for byte, expression in _shared_byte_offsets(pointer, what, lets, units16):
-                if byte % 1024 >= slack:
-                    raise MisalignedTiles(f"TMA: {what} lands at shared-memory byte {byte}, not on a 1024-byte "
-                                          f"boundary ({expression}); the swizzled copies would be wrong")
+                if byte % boundary >= slack:
+                    raise MisalignedTiles(f"TMA: {what} lands at shared-memory byte {byte}, not on a {boundary}-byte "
+                                          f"boundary ({expression}); the copies would be wrong")
     return func
 
 
