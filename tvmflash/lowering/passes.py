@@ -531,13 +531,16 @@ def WidenGlobalIndices():  # noqa: N802
     return prim_func_pass(run, "tvmflash.WidenGlobalIndices")
 
 
-def _merged_guards(seq, threads):
-    """``seq`` with each run of adjacent ``if (c) {...}`` (no else) of one condition ``c`` that reads
-    no buffer and no thread index made one ``if (tvm_thread_invariant(c))``: sound, as no statement
-    can change such a condition, and the mark lets ThreadSync plan barriers inside it."""
-    def uniform(stmt):
-        return (isinstance(stmt, tirx.IfThenElse) and stmt.else_case is None and not find(stmt.condition, is_load)
-                and not find(stmt.condition, lambda n: isinstance(n, tirx.Var) and any(n.same_as(t) for t in threads)))
+def _merged_guards(seq, varying):
+    """``seq`` with each run of adjacent ``if (c) {...}`` (no else) of one non-constant condition ``c``
+    that reads no buffer and none of the ``varying`` variables (thread indices, loop variables) made
+    one ``if (tvm_thread_invariant(c))``: sound, as no statement can change such a condition, and the
+    mark lets ThreadSync plan barriers inside it. (A loop's own guards, such as a pipeline's on its
+    next tile, stay as they are: the passes after this one read that loop's statements.)"""
+    def uniform(stmt):  # (a constant condition is left to StmtSimplify)
+        return (isinstance(stmt, tirx.IfThenElse) and stmt.else_case is None
+                and not isinstance(stmt.condition, tirx.IntImm) and not find(stmt.condition, is_load)
+                and not find(stmt.condition, lambda n: isinstance(n, tirx.Var) and any(n.same_as(v) for v in varying)))
 
     stmts, merged = [], False
     for stmt in seq.seq:
@@ -558,9 +561,10 @@ def _merged_guards(seq, threads):
 
 
 def _guards_merged(func):
-    threads = [n.node.var for n in find(func.body, lambda n: isinstance(n, tirx.AttrStmt)
+    varying = [n.node.var for n in find(func.body, lambda n: isinstance(n, tirx.AttrStmt)
                                         and n.attr_key == "thread_extent" and n.node.thread_tag.startswith("threadIdx"))]
-    return func.with_body(transform(func.body, tirx.SeqStmt, lambda seq: _merged_guards(seq, threads)))
+    varying += [n.loop_var for n in find(func.body, lambda n: isinstance(n, tirx.For))]
+    return func.with_body(transform(func.body, tirx.SeqStmt, lambda seq: _merged_guards(seq, varying)))
 
 
 def MergeAdjacentGuards():  # noqa: N802
