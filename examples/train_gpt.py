@@ -2,6 +2,7 @@
 
     python examples/train_gpt.py --attn tvmflash            # on the GPU if there is one (bf16), else the CPU
     python examples/train_gpt.py --attn sdpa                # the same model and data on PyTorch's SDPA
+    python examples/train_gpt.py --attn sdpa-flash          # SDPA's flash backend (FA2); sdpa-cudnn: cuDNN's
     python examples/train_gpt.py --attn naive --steps 50    # softmax(q kᵀ) v written out
 
 A character-level GPT (6 layers, width 384, 6 heads of 64 by default) trained on text this script
@@ -20,6 +21,7 @@ import time
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import tvmflash
 
@@ -43,19 +45,26 @@ def make_text(chars: int, seed: int = 0) -> str:
     return "\n".join(lines)
 
 
+SDPA_BACKENDS = {"sdpa-flash": SDPBackend.FLASH_ATTENTION, "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION}
+ATTENTIONS = ["tvmflash", "sdpa", *SDPA_BACKENDS, "naive"]
+
+
 def attention(q, k, v, kind: str):
     """Causal attention of (batch, seqlen, heads, head_dim) tensors, in the same layout."""
     if kind == "tvmflash":
         return tvmflash.attention(q, k, v, causal=True)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-    if kind == "sdpa":
+    if kind == "sdpa":  # PyTorch's choice of backend
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    elif kind in SDPA_BACKENDS:  # one backend, named
+        with sdpa_kernel(SDPA_BACKENDS[kind]):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     elif kind == "naive":
         scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
         hidden = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
         out = scores.masked_fill(hidden, float("-inf")).softmax(-1) @ v
     else:
-        raise ValueError(f"attn: expected tvmflash, sdpa or naive, got {kind!r}")
+        raise ValueError(f"attn: expected one of {ATTENTIONS}, got {kind!r}")
     return out.transpose(1, 2)
 
 
@@ -89,7 +98,8 @@ class GPT(nn.Module):
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--attn", choices=["tvmflash", "sdpa", "naive"], default="tvmflash")
+    parser.add_argument("--attn", choices=ATTENTIONS, default="tvmflash",
+                        help="sdpa: PyTorch's choice of backend; sdpa-flash, sdpa-cudnn: that backend")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=1024)
