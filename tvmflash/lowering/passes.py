@@ -542,21 +542,18 @@ def _merged_guards(seq, varying):
                 and not isinstance(stmt.condition, tirx.IntImm) and not find(stmt.condition, is_load)
                 and not find(stmt.condition, lambda n: isinstance(n, tirx.Var) and any(n.same_as(v) for v in varying)))
 
-    stmts, merged = [], False
+    runs = []  # [condition, statements]: a run of guarded statements, or [None, [statement]]
     for stmt in seq.seq:
-        previous = stmts[-1] if stmts else None
-        if uniform(stmt) and uniform(previous) and tvm_ffi.structural_equal(previous.condition, stmt.condition):
-            body = [part for case in (previous.then_case, stmt.then_case)
-                    for part in (case.seq if isinstance(case, tirx.SeqStmt) else [case])]
-            stmts[-1] = tirx.IfThenElse(stmt.condition, tirx.SeqStmt(body), None)
-            merged = True
+        if uniform(stmt) and runs and runs[-1][0] is not None and tvm_ffi.structural_equal(runs[-1][0], stmt.condition):
+            runs[-1][1].append(stmt)
         else:
-            stmts.append(stmt)
-    if not merged:
+            runs.append([stmt.condition if uniform(stmt) else None, [stmt]])
+    if len(runs) == len(seq.seq):
         return None
-    stmts = [tirx.IfThenElse(T.tvm_thread_invariant(s.condition), s.then_case, None)
-             if isinstance(s, tirx.IfThenElse) and isinstance(s.then_case, tirx.SeqStmt) and uniform(s) else s
-             for s in stmts]
+    stmts = [run[0] if len(run) == 1 else tirx.IfThenElse(T.tvm_thread_invariant(condition), tirx.SeqStmt(
+        [part for guarded in run for part in (guarded.then_case.seq if isinstance(guarded.then_case, tirx.SeqStmt)
+                                              else [guarded.then_case])]), None)
+        for condition, run in runs]
     return tirx.SeqStmt(stmts) if len(stmts) > 1 else stmts[0]
 
 
