@@ -710,6 +710,18 @@ def _pad_core_matrix_stride(sch, block):
     sch.storage_align(block, 0, axis=1, factor=CORE_MATRIX_ELEMENTS, offset=PAD_ELEMENTS)
 
 
+def _tile_in_shared_memory(sch, name, num_warpgroups, vec, swizzled):
+    """The tile that block ``name`` writes, in dynamic shared memory as wgmma reads it: 128-byte
+    swizzled (``_swizzled_map``, as TMA writes it) or in padded core matrices; copied along its rows."""
+    sch.set_scope(name, 0, "shared.dyn")
+    if swizzled:
+        sch.transform_layout(name, ("write", 0), _swizzled_map, assume_injective_transform=True)
+    else:
+        sch.transform_layout(name, ("write", 0), _core_matrix_map)
+        _pad_core_matrix_stride(sch, name)
+    _copy_along_rows(sch, name, num_warpgroups, vec)
+
+
 def _store_o_through_shared_memory(sch, head_dim, num_warpgroups, vec, swizzled):
     """The output goes to global memory through shared memory: the accumulator threads write their
     pairs of adjacent columns (one 32-bit store each) into a row-major tile whose rows are padded
@@ -871,13 +883,7 @@ def schedule(
 
     # ---- Q, K, V tiles into shared memory, as q_layout and kv_layout say ----------------------
     for name in ("load_q", "load_k", "load_v"):
-        sch.set_scope(name, 0, "shared.dyn")
-        if q_swizzled if name == "load_q" else swizzled:
-            sch.transform_layout(name, ("write", 0), _swizzled_map, assume_injective_transform=True)
-        else:
-            sch.transform_layout(name, ("write", 0), _core_matrix_map)
-            _pad_core_matrix_stride(sch, name)
-        _copy_along_rows(sch, name, num_warpgroups, vec)
+        _tile_in_shared_memory(sch, name, num_warpgroups, vec, q_swizzled if name == "load_q" else swizzled)
         if (q_copy if name == "load_q" else kv_copy) == "tma":  # lowered to one thread's TMA copy (tvmflash.lowering.tma)
             sch.annotate(sch.get_sblock(name), TMA_LOAD, producer)
 
@@ -1050,14 +1056,11 @@ def _schedule_dkdv(sch: tvm.s_tir.Schedule, num_stages: int, vec: int, dq_atomic
         raise ValueError(f"knobs: the sm90 dkdv needs block_m and head_dim multiples of 16, got {BM} and {D}")
     staged = dkdv_grid(sch, dq_atomic)  # dsᵀ's copy to shared memory with dq_atomic
     tma = copy == "tma"
-    _backward_tiles(sch, ("load_k", "load_v") if tma else ("load_k", "load_v", "load_q", "load_do"), groups, vec)
+    for name in ("load_k", "load_v", "load_q", "load_do"):  # q and dout swizzled for TMA
+        _tile_in_shared_memory(sch, name, groups, vec, swizzled=tma and name in ("load_q", "load_do"))
     for name in ("load_lse", "load_delta"):  # BM rows, any number of warpgroups
         _spread_rows(sch, name, groups)
-    if tma:  # q and dout swizzled, as TMA writes them; they and the rows' values copied by TMA
-        for name in ("load_q", "load_do"):
-            sch.set_scope(name, 0, "shared.dyn")
-            sch.transform_layout(name, ("write", 0), _swizzled_map, assume_injective_transform=True)
-            _copy_along_rows(sch, name, groups, vec)
+    if tma:  # the Q block's tiles and its rows' values by TMA
         for name in ("load_q", "load_do", "load_lse", "load_delta"):
             sch.annotate(sch.get_sblock(name), TMA_LOAD, "thread")
     _backward_step(sch, ("cast_p",), groups, BM, D, dtype, num_stages, b_swizzled=tma)
@@ -1117,7 +1120,8 @@ def _schedule_dq(sch: tvm.s_tir.Schedule, num_stages: int, vec: int) -> None:
     if BN % 16 or D % 16:
         raise ValueError(f"knobs: the sm90 dq needs dq_block_n and head_dim multiples of 16, got {BN} and {D}")
     bind_grid(sch)
-    _backward_tiles(sch, ("load_q", "load_do", "load_k", "load_v"), groups, vec)
+    for name in ("load_q", "load_do", "load_k", "load_v"):
+        _tile_in_shared_memory(sch, name, groups, vec, swizzled=False)
     for name in ("load_lse", "load_delta"):
         sch.set_scope(name, 0, "shared.dyn")
         _row_block(sch, name, groups)
@@ -1125,15 +1129,6 @@ def _schedule_dq(sch: tvm.s_tir.Schedule, num_stages: int, vec: int) -> None:
     _backward_accumulate(sch, "dq", groups, D, BN, dtype)
     if num_stages > 1:
         pipeline_loads(sch, num_stages)
-
-
-def _backward_tiles(sch, loads, groups, vec):
-    """The tiles in shared memory as padded core matrices, copied along their rows."""
-    for name in loads:
-        sch.set_scope(name, 0, "shared.dyn")
-        sch.transform_layout(name, ("write", 0), _core_matrix_map)
-        _pad_core_matrix_stride(sch, name)
-        _copy_along_rows(sch, name, groups, vec)
 
 
 def _spread_rows(sch, name, groups):
