@@ -110,13 +110,13 @@ def padded_rows(seqlen_q: int) -> int:
 
 
 def _row_values_argument(handle, shape, name: str):
-    """A (batch, heads_q, seqlen_q) float32 parameter (delta, lse2) with any batch and head strides
-    (int32 arguments ``{name}_stride_b``, ``_h``), named ``name`` upper-cased."""
+    """A (batch, heads_q, seqlen_q) float32 parameter (Delta, LSE2) named ``name``, with any batch and
+    head strides (int32 arguments ``{name.lower()}_stride_b``, ``_h``)."""
     strides = (T.int32(), T.int32())
     for axis, stride in zip("bh", strides):
-        IRBuilder.name(f"{name}_stride_{axis}", stride)
+        IRBuilder.name(f"{name.lower()}_stride_{axis}", stride)
     buffer = T.match_buffer(handle, shape, "float32", strides=(*strides, 1))
-    IRBuilder.name(name.upper() if name == "lse2" else name.capitalize(), buffer)
+    IRBuilder.name(name, buffer)
     return buffer
 
 
@@ -204,8 +204,8 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int, dq_atomic: bool =
         dO = T.match_buffer(dout_handle, (batch, seqlen_q, HQ, D), dtype)
         LSE = T.match_buffer(lse_handle, (batch, HQ, seqlen_q), f32)
         dLSE = T.match_buffer(dlse_handle, (batch, HQ, seqlen_q), f32)
-        Delta = T.meta_var(_row_values_argument(delta_handle, (batch, HQ, seqlen_q), "delta"))
-        LSE2 = T.meta_var(_row_values_argument(lse2_handle, (batch, HQ, seqlen_q), "lse2"))
+        Delta = T.meta_var(_row_values_argument(delta_handle, (batch, HQ, seqlen_q), "Delta"))
+        LSE2 = T.meta_var(_row_values_argument(lse2_handle, (batch, HQ, seqlen_q), "LSE2"))
         rowsum = T.sblock_alloc_buffer((batch, seqlen_q, HQ), f32)  # a schedule keeps each row's where it is used
         for b, i, h, d in T.grid(batch, seqlen_q, HQ, D):
             with T.sblock("delta"):  # from 0, the sum's identity: a schedule may sum across threads
@@ -340,8 +340,8 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int, dq_atomic: bool =
         K_in = T.meta_var(program.strided_argument(k_handle, (batch, seqlen_k, HKV, D), dtype, "k"))
         V_in = T.meta_var(program.strided_argument(v_handle, (batch, seqlen_k, HKV, D), dtype, "v"))
         dO = T.match_buffer(dout_handle, (batch, seqlen_q, HQ, D), dtype)
-        LSE2 = T.meta_var(_row_values_argument(lse2_handle, (batch, HQ, seqlen_q), "lse2"))
-        Delta = T.meta_var(_row_values_argument(delta_handle, (batch, HQ, seqlen_q), "delta"))
+        LSE2 = T.meta_var(_row_values_argument(lse2_handle, (batch, HQ, seqlen_q), "LSE2"))
+        Delta = T.meta_var(_row_values_argument(delta_handle, (batch, HQ, seqlen_q), "Delta"))
         dK = T.match_buffer(dk_handle, (batch, seqlen_k, HKV, D), dtype)
         dV = T.match_buffer(dv_handle, (batch, seqlen_k, HKV, D), dtype)
         DQaccum = T.meta_var(_dq_accumulator_argument(dq_atomic, batch, HQ, D))  # with dq_atomic only
@@ -464,8 +464,8 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int, dq_atomic: bool =
         K_in = T.meta_var(program.strided_argument(k_handle, (batch, seqlen_k, HKV, D), dtype, "k"))
         V_in = T.meta_var(program.strided_argument(v_handle, (batch, seqlen_k, HKV, D), dtype, "v"))
         dO = T.match_buffer(dout_handle, (batch, seqlen_q, HQ, D), dtype)
-        LSE2 = T.meta_var(_row_values_argument(lse2_handle, (batch, HQ, seqlen_q), "lse2"))
-        Delta = T.meta_var(_row_values_argument(delta_handle, (batch, HQ, seqlen_q), "delta"))
+        LSE2 = T.meta_var(_row_values_argument(lse2_handle, (batch, HQ, seqlen_q), "LSE2"))
+        Delta = T.meta_var(_row_values_argument(delta_handle, (batch, HQ, seqlen_q), "Delta"))
         dQ = T.match_buffer(dq_handle, (batch, seqlen_q, HQ, D), dtype)
         Packed_ = T.meta_var(program.varlen_arguments(spec, "max_seqlen_q"))  # parameters with varlen only
         AlibiSlopes = T.meta_var(program.alibi_slopes_argument(spec, program.sequence_count(Packed_, batch), HQ))  # with ALiBi only

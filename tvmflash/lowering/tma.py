@@ -622,27 +622,21 @@ def _encode_tensor_maps(plan):
     16 bytes."""
     stmts = []
     for buffer, (var, box) in plan.tensor_maps.items():
-        strides = list(buffer.strides) or [math.prod(buffer.shape[i + 1:]) for i in range(len(buffer.shape))]
-        if len(buffer.shape) == 3:
-            batch, heads, seqlen = buffer.shape
-            batch_stride, head_stride, _ = strides
-            element = buffer.dtype.bits // 8
-            stmts.append(tirx.Bind(var, T.tvm_stack_alloca("tensormap", 1)))
-            stmts.append(tirx.Evaluate(T.tensormap_encode_tiled(
-                var, buffer.data, seqlen, heads, batch, tirx.Cast("int64", head_stride) * element,
-                tirx.Cast("int64", batch_stride) * element, *box, 1, 1, 1, 1, 1, descriptor_dtype=str(buffer.dtype),
-                rank=3, l2_promotion=L2_PROMOTION_128B)))
-            continue
-        batch, seqlen, heads, head_dim = buffer.shape
-        batch_stride, row_stride, head_stride, _ = strides
         element = buffer.dtype.bits // 8
-        dims = [SWIZZLE_COLUMNS, seqlen, head_dim // SWIZZLE_COLUMNS, heads, batch]
-        strides = [tirx.Cast("int64", row_stride) * element, SWIZZLE_COLUMNS * element,  # a stride may pass 2**31 bytes
-                   tirx.Cast("int64", head_stride) * element, tirx.Cast("int64", batch_stride) * element]
+        strides = list(buffer.strides) or [math.prod(buffer.shape[i + 1:]) for i in range(len(buffer.shape))]
+        in_bytes = [tirx.Cast("int64", stride) * element for stride in strides]  # a stride may pass 2**31 bytes
+        if len(buffer.shape) == 3:  # (batch, heads, seqlen) -> (row, head, batch)
+            batch, heads, seqlen = buffer.shape
+            dims, byte_strides, swizzle = [seqlen, heads, batch], [in_bytes[1], in_bytes[0]], 0
+        else:  # (batch, seqlen, heads, head_dim) -> (64 elements, row, 64-column half, head, batch)
+            batch, seqlen, heads, head_dim = buffer.shape
+            dims = [SWIZZLE_COLUMNS, seqlen, head_dim // SWIZZLE_COLUMNS, heads, batch]
+            byte_strides, swizzle = [in_bytes[1], SWIZZLE_COLUMNS * element, in_bytes[2], in_bytes[0]], SWIZZLE_128B
+        rank = len(dims)
         stmts.append(tirx.Bind(var, T.tvm_stack_alloca("tensormap", 1)))
         stmts.append(tirx.Evaluate(T.tensormap_encode_tiled(
-            var, buffer.data, *dims, *strides, *box, 1, 1, *[1] * 5, descriptor_dtype=str(buffer.dtype), rank=5,
-            swizzle=SWIZZLE_128B, l2_promotion=L2_PROMOTION_128B)))
+            var, buffer.data, *dims, *byte_strides, *box, *[1] * (rank - len(box)), *[1] * rank,
+            descriptor_dtype=str(buffer.dtype), rank=rank, swizzle=swizzle, l2_promotion=L2_PROMOTION_128B)))
     return stmts
 
 
