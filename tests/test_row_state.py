@@ -1,14 +1,18 @@
 """The row_state knob of sm80 and sm90: the per-row softmax state in registers on the quads
-(default; no __syncthreads in the softmax) or in shared memory. CPU only: the CUDA source and nvcc."""
+(default; no __syncthreads in the softmax) or in shared memory: the CUDA source, nvcc and, on an
+sm_90a GPU, the sm90 forward with each."""
 
 import re
 import shutil
 
 import pytest
+import torch
 import tvm
+from conftest import kv_loop_body, poisoned_out, random_qkv
+from reference import check_attention
+from test_numerics import SHAPES
 
 import tvmflash
-from conftest import kv_loop_body
 
 
 def test_row_state_rejects_unknown():
@@ -97,3 +101,18 @@ def test_registers_row_state_stays_in_registers(head_dim):
         # head_dim 128 runs at the 255-register cap in both modes: the 16 registers of per-row
         # state cost a few bytes of spills there (24 B stack measured), never the arrays themselves.
         assert stack <= 64
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("row_state", ["registers", "shared"])
+def test_sm90_row_state_on_the_gpu(monkeypatch, row_state, causal):
+    """The sm90 forward with either row state, over the edge shapes of test_numerics' SHAPES."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the sm90 schedule needs an sm_90a GPU")
+    monkeypatch.setenv("TVMFLASH_SM90", "1")
+    kernel = tvmflash.compile(head_dim=128, dtype=torch.bfloat16, causal=causal, knobs={"row_state": row_state})
+    for seqlen_q, seqlen_k, heads_q, heads_kv in SHAPES:
+        q, k, v = random_qkv(2, seqlen_q, seqlen_k, heads_q, heads_kv, 128, torch.bfloat16, "cuda")
+        out, lse = kernel(q, k, v, out=poisoned_out(q), return_lse=True)
+        check_attention(out, lse, q, k, v, causal=causal)

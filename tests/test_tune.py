@@ -1044,3 +1044,14 @@ def test_tune_decode_stores_a_record_compile_decode_reads(cache_dir, capsys):
     with pytest.raises(SystemExit):
         tvmflash_cli.main(["tune", "--head-dim", "32", "--page-size", "16", "--target", "cpu"])
     assert "--page-size" in capsys.readouterr().err
+
+
+def test_a_tuning_shape_keeps_the_grids_tokens_at_any_seqlen():
+    """``--seqlen`` alone: bench's tokens in batches of that length (a GPU's 16k, a CPU's 2k)."""
+    from tvmflash import tune
+
+    for target, seqlen, batch in (("sm90", 512, 32), ("sm90", None, 4), ("cpu", 256, 8)):
+        _, _, shape = tune.tuning_request(128, "bfloat16", False, 1, target, None, seqlen, None)
+        assert (shape["batch"], shape["heads"]) == (batch, 16 if target == "sm90" else 4)
+    assert tune.tuning_request(128, "bfloat16", False, 1, "sm90", 3, 512, 2)[2] == {"seqlen": 512, "batch": 3,
+                                                                                    "heads": 2}

@@ -780,10 +780,11 @@ def known_configurations(target, schedule_name: str, workload: dict, defaults: d
     return known
 
 
-def default_shape(target, head_dim: int) -> dict:
+def default_shape(target, head_dim: int, seqlen: int | None = None) -> dict:
+    """bench's grid at ``seqlen`` (none given: the grid's default): its tokens in batches of it."""
     grid = _DEFAULT_SHAPE["cuda" if targets.is_cuda(target) else "cpu"]
-    return {"seqlen": grid["seqlen"], "batch": max(1, grid["tokens"] // grid["seqlen"]),
-            "heads": max(1, grid["hidden"] // head_dim)}
+    seqlen = seqlen or grid["seqlen"]
+    return {"seqlen": seqlen, "batch": max(1, grid["tokens"] // seqlen), "heads": max(1, grid["hidden"] // head_dim)}
 
 
 def tuning_request(head_dim: int, dtype, causal: bool, trials: int, target, batch: int | None, seqlen: int | None,
@@ -796,7 +797,7 @@ def tuning_request(head_dim: int, dtype, causal: bool, trials: int, target, batc
     if trials < 1:
         raise ValueError(f"trials: expected a positive number, got {trials}")
     resolved = targets.resolve(target)
-    shape = dict((shape_for or default_shape)(resolved, head_dim))
+    shape = dict(shape_for(resolved, head_dim) if shape_for else default_shape(resolved, head_dim, seqlen))
     shape.update({k: v for k, v in {"batch": batch, "seqlen": seqlen, "heads": heads}.items() if v is not None})
     if min(shape.values()) < 1:
         raise ValueError(f"shape: expected positive batch, seqlen and heads, got {shape}")
