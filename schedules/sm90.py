@@ -955,10 +955,13 @@ def schedule(
 # (``BACKWARD_VARLEN_KNOBS_FOR_HEAD_DIM``). dq_atomic (the default): no dq pass; dkdv adds each
 # step's ds k into an fp32 accumulator (``_schedule_dq_share``), 1.05-1.10x the dq pass with TMA
 # (measured before the guards were merged); deterministic=True turns it off (``kernel.BackwardKernel``).
+# wgmma_overlap: dp's wgmma only committed, so that p's exponentials run while it does (ds waits
+# for it), and dv's too, so that dk's wait ends both; without it each product is waited for at once.
 BACKWARD_KNOBS = {"block_m": 64, "block_n": 128, "dq_block_m": 128, "dq_block_n": 64, "dkdv_stages": 2,
-                  "dq_stages": 2, "vec": 8, "dq_atomic": True, "dkdv_copy": "tma"}
+                  "dq_stages": 2, "vec": 8, "dq_atomic": True, "dkdv_copy": "tma", "wgmma_overlap": True}
 # d64, dq pass: 32-key steps, 8-10% faster than 64 (at d128 4-7% slower; H200, 2026-12-02, commit c022a92).
-BACKWARD_KNOBS_FOR_HEAD_DIM = {64: {"dq_block_n": 32}}
+# d64 without wgmma_overlap: 2-3% faster than with it, where d128 gains 1-6% (H200, 2026-12-02).
+BACKWARD_KNOBS_FOR_HEAD_DIM = {64: {"dq_block_n": 32, "wgmma_overlap": False}}
 # varlen by cp.async: at d128 by plain loads, 1.01-1.17x the two stages' speed (which spill 400 bytes
 # there), at d64 in two stages, 5-17% faster than one (H200, 2026-12-02, commit aab1fe2)
 BACKWARD_VARLEN_KNOBS_FOR_HEAD_DIM = {64: {"dkdv_copy": "cp.async"}, 128: {"dkdv_copy": "cp.async", "dkdv_stages": 1}}
@@ -973,6 +976,7 @@ BACKWARD_SPACE = {
     "vec": [8],
     "dq_atomic": [True, False],
     "dkdv_copy": lambda knobs: list(KV_COPIES) if knobs["dkdv_stages"] > 1 else ["cp.async"],  # TMA fills stages
+    "wgmma_overlap": [True, False],
 }
 
 
@@ -996,18 +1000,19 @@ def backward_shared_memory_bytes(head_dim: int, dtype: str, knobs: dict) -> int:
 
 def schedule_backward(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, dq_block_m: int, dq_block_n: int,
                       dkdv_stages: int, dq_stages: int, vec: int, dq_atomic: bool = False,
-                      dkdv_copy: str = "cp.async") -> tvm.s_tir.Schedule:
+                      dkdv_copy: str = "cp.async", wgmma_overlap: bool = False) -> tvm.s_tir.Schedule:
     """delta on the SIMT schedule, dkdv and dq on wgmma (``vec`` elements a copy). The tiles are the
     program's (``program_backward.attention_backward``). ``dq_atomic``: the program has no dq; dkdv
-    adds dq's share atomically (``_schedule_dq_share``) and convert_dq runs on SIMT."""
+    adds dq's share atomically (``_schedule_dq_share``) and convert_dq runs on SIMT. ``wgmma_overlap``:
+    ``BACKWARD_KNOBS``' comment."""
     from . import cuda
 
     cuda.schedule_delta(sch)
-    _schedule_dkdv(sch, dkdv_stages, vec, dq_atomic, dkdv_copy)
+    _schedule_dkdv(sch, dkdv_stages, vec, dq_atomic, dkdv_copy, wgmma_overlap)
     if dq_atomic:
         cuda.schedule_convert_dq(sch)
     else:
-        _schedule_dq(sch, dq_stages, vec)
+        _schedule_dq(sch, dq_stages, vec, wgmma_overlap)
     return sch
 
 
@@ -1043,7 +1048,7 @@ def _backward_warpgroups(rows: int, what: str) -> int:
 
 
 def _schedule_dkdv(sch: tvm.s_tir.Schedule, num_stages: int, vec: int, dq_atomic: bool = False,
-                   copy: str = "cp.async") -> None:
+                   copy: str = "cp.async", overlap: bool = False) -> None:
     """dkdv: its tiles are key-first (sᵀ = k qᵀ, ...), so warpgroup g owns keys [64 g, 64 g + 64) of
     the K/V block, as the forward's warpgroups own query rows: sᵀ and dpᵀ on wgmma with K or V as A
     and q or dout as B (K-major), pᵀ and dsᵀ in the accumulator registers, which are the A operand
@@ -1063,9 +1068,9 @@ def _schedule_dkdv(sch: tvm.s_tir.Schedule, num_stages: int, vec: int, dq_atomic
     if tma:  # the Q block's tiles and its rows' values by TMA
         for name in ("load_q", "load_do", "load_lse", "load_delta"):
             sch.annotate(sch.get_sblock(name), TMA_LOAD, "thread")
-    _backward_step(sch, ("cast_p",), groups, BM, D, dtype, num_stages, b_swizzled=tma)
-    for name in ("dv", "dk"):
-        _backward_accumulate(sch, name, groups, D, BM, dtype, b_swizzled=tma)
+    _backward_step(sch, ("cast_p",), groups, BM, D, dtype, num_stages, overlap, b_swizzled=tma)
+    for name in ("dv", "dk"):  # with overlap dv is only committed: dk's wait ends both
+        _backward_accumulate(sch, name, groups, D, BM, dtype, b_swizzled=tma, wait=not overlap or name == "dk")
     if dq_atomic:
         _schedule_dq_share(sch, staged, groups, BM, D, BN, dtype)
     if num_stages > 1:
@@ -1110,7 +1115,7 @@ def _schedule_dq_share(sch, staged, groups, BM, D, BN, dtype):
     sch.annotate(sch.get_loops("accumulate_dq")[-3], ATOMIC_ADD_PRAGMA, 2)
 
 
-def _schedule_dq(sch: tvm.s_tir.Schedule, num_stages: int, vec: int) -> None:
+def _schedule_dq(sch: tvm.s_tir.Schedule, num_stages: int, vec: int, overlap: bool = False) -> None:
     """dq, mapped as the forward is (a Q block, the K/V blocks streamed past it): s and dp on wgmma
     with q or dout as A and K or V as B (K-major), p and ds in accumulator registers, ds the A operand
     of dq += ds k (K as N-major B), dq in accumulator registers across the K/V blocks."""
@@ -1125,7 +1130,7 @@ def _schedule_dq(sch: tvm.s_tir.Schedule, num_stages: int, vec: int) -> None:
     for name in ("load_lse", "load_delta"):
         sch.set_scope(name, 0, "shared.dyn")
         _row_block(sch, name, groups)
-    _backward_step(sch, (), groups, BN, D, dtype, num_stages)
+    _backward_step(sch, (), groups, BN, D, dtype, num_stages, overlap)
     _backward_accumulate(sch, "dq", groups, D, BN, dtype)
     if num_stages > 1:
         pipeline_loads(sch, num_stages)
@@ -1139,9 +1144,10 @@ def _spread_rows(sch, name, groups):
     sch.bind(tx, "threadIdx.x")
 
 
-def _backward_step(sch, casts, groups, cols, D, dtype, num_stages, b_swizzled=False):
+def _backward_step(sch, casts, groups, cols, D, dtype, num_stages, overlap, b_swizzled=False):
     """What dkdv and dq share: s and dp on wgmma ("ss": A and B K-major from shared memory, N =
-    ``cols``), p, ds and ``casts`` on the accumulator registers, each thread its elements. With one
+    ``cols``), p, ds and ``casts`` on the accumulator registers, each thread its elements. With
+    ``overlap`` dp's wgmma is only committed: p's exponentials run while it does, and ds waits for it. With one
     stage, s's fence and barrier make the step's tiles visible to both products (dp reads none that
     is written after them)."""
     sch.set_scope("init_scale", 0, "local")  # each thread its copy of the scale
@@ -1150,23 +1156,26 @@ def _backward_step(sch, casts, groups, cols, D, dtype, num_stages, b_swizzled=Fa
         sch.transform_layout(name, ("write", 0), _acc_index_map)
         rows = _warpgroup_gemm(sch, name, groups)
         sch.tensorize(rows, wgmma_intrin_name(cols, D, dtype, "k", fence_operands=num_stages == 1 and name == "qk",
-                                              b_swizzled=b_swizzled))
+                                              b_swizzled=b_swizzled, wait=not overlap or name == "qk"))
     for name in ("exp", "ds", *casts):
         sch.set_scope(name, 0, "local")
         sch.transform_layout(name, ("write", 0), _acc_index_map)
         _acc_block(sch, name, groups)
+    if overlap:
+        sch.annotate(sch.get_loops("ds")[-3], WGMMA_WAIT_PRAGMA, "dP")  # its first per-thread loop
 
 
-def _backward_accumulate(sch, name, groups, D, k, dtype, b_swizzled=False):
+def _backward_accumulate(sch, name, groups, D, k, dtype, b_swizzled=False, wait=True):
     """A gradient's product on wgmma ("rs": A, the p or ds of the step, from the accumulator
     registers; B N-major from shared memory), the gradient in accumulator registers across the
-    steps, zeroed first and stored from them (each thread its pairs of adjacent columns)."""
+    steps, zeroed first and stored from them (each thread its pairs of adjacent columns). Without
+    ``wait`` only committed: a later product's wait ends it."""
     sch.set_scope(name, 0, "local")
     sch.transform_layout(name, ("write", 0), _acc_index_map)
     block = sch.get_sblock(name)
     rows = _warpgroup_gemm(sch, block, groups)
     hide_init_reads(sch, block)
-    sch.tensorize(rows, wgmma_intrin_name(D, k, dtype, "mn", a_regs=True, b_swizzled=b_swizzled))
+    sch.tensorize(rows, wgmma_intrin_name(D, k, dtype, "mn", a_regs=True, b_swizzled=b_swizzled, wait=wait))
     _acc_block(sch, f"init_{name}", groups)
     _acc_block(sch, f"store_{name}", groups)
     sch.vectorize(sch.get_loops(f"store_{name}")[-1])

@@ -425,6 +425,23 @@ def test_sm90_dkdv_by_tma_builds_cuda_source():
     assert varlen.knobs["dkdv_copy"] == "cp.async"
 
 
+def test_sm90_wgmma_overlap_waits_later():
+    """wgmma_overlap: dp's wgmma is only committed, and the exponentials of p come before its wait;
+    dv's is only committed, and dk's wait ends both. Without it each product is waited for at once."""
+    for overlap in (True, False):
+        kernel = tvmflash.compile_backward(head_dim=128, dtype="bfloat16", target="sm90",
+                                           knobs={"wgmma_overlap": overlap})
+        src = kernel.source(heads_q=4, heads_kv=2)
+        dkdv = src[src.rindex("dkdv_kernel("):src.rindex("convert_dq_kernel(")]
+        loop = dkdv[dkdv.index("for (int g_t_fused"):]
+        wait = "wait_group_sync_aligned_0()"
+        dp = loop.index("(dP_local_ptr[0], dP_local_ptr[1]")
+        dv = loop.index("(dv_acc_local_ptr[0], dv_acc_local_ptr[1]")
+        dk = loop.index("(dk_acc_local_ptr[0], dk_acc_local_ptr[1]")
+        assert ("exp2f(" in loop[dp:loop.index(wait, dp)]) == overlap
+        assert (loop.index(wait, dv) > dk) == overlap
+
+
 def test_sm80_backward_with_atomic_dq_builds_cuda_source(monkeypatch):
     """The knob dq_atomic: no dq program; dkdv adds ds k into the fp32 dq_accum, by red.global.add.v2.f32
     on sm_90 and atomicAdd before, and convert_dq rounds it into dq."""

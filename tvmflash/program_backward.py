@@ -288,6 +288,12 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int, dq_atomic: bool =
                     with T.init():
                         S[vr, vc] = T.float32(0)
                     S[vr, vc] = S[vr, vc] + T.cast(qk_rows[vr, vd], f32) * T.cast(qk_cols[vc, vd], f32)
+            for r, c, d in T.grid(ROWS, COLS, D):
+                with T.sblock("dp"):  # dp = dout vᵀ
+                    vr, vc, vd = T.axis.remap("SSR", [r, c, d])
+                    with T.init():
+                        dP[vr, vc] = T.float32(0)
+                    dP[vr, vc] = dP[vr, vc] + T.cast(dp_rows[vr, vd], f32) * T.cast(dp_cols[vc, vd], f32)
             for r, c in T.grid(ROWS, COLS):
                 with T.sblock("exp"):
                     vr, vc = T.axis.remap("SS", [r, c])
@@ -302,12 +308,6 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int, dq_atomic: bool =
                             T.exp2(score * scale2[0] - lse2[i]),
                             T.float32(0),
                         )
-            for r, c, d in T.grid(ROWS, COLS, D):
-                with T.sblock("dp"):  # dp = dout vᵀ
-                    vr, vc, vd = T.axis.remap("SSR", [r, c, d])
-                    with T.init():
-                        dP[vr, vc] = T.float32(0)
-                    dP[vr, vc] = dP[vr, vc] + T.cast(dp_rows[vr, vd], f32) * T.cast(dp_cols[vc, vd], f32)
             for r, c in T.grid(ROWS, COLS):
                 with T.sblock("ds"):  # ds = p (dp - delta)
                     vr, vc = T.axis.remap("SS", [r, c])

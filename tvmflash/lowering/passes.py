@@ -94,10 +94,11 @@ def BindLoadedPipelineExtents():  # noqa: N802
 # ---------------------------------------------------------------------------------- pragmas
 def _wait_and_fence_accumulators(attr):
     """The statements for a ``WGMMA_WAIT_PRAGMA`` AttrStmt: ``wgmma.wait_group 0``, a register fence
-    of each element of the accumulators its loop reads (local float32 buffers named ``acc``), then
-    the loop."""
+    of each element of the accumulators its loop reads (local float32 buffers whose names start with
+    the pragma's value where it is a string, else with ``acc``), then the loop."""
+    prefix = attr.value.value if isinstance(attr.value, tvm.ir.StringImm) else "acc"
     accumulators = [buffer for name, buffer in loaded_buffers(attr.body).items()
-                    if name.startswith("acc") and buffer.scope() == "local" and str(buffer.dtype) == "float32"]
+                    if name.startswith(prefix) and buffer.scope() == "local" and str(buffer.dtype) == "float32"]
     fences = [tirx.Evaluate(T.cuda.func_call("tvmflash_wgmma_reg_fence", element, source_code=REG_FENCE))
               for buffer in accumulators for element in every_element(buffer)]
     wait = tirx.Evaluate(T.ptx.wgmma.wait_group.sync.aligned(0))
