@@ -947,8 +947,8 @@ def schedule(
 # default), by TMA: one thread copies a Q block's q and dout (swizzled tiles) and its rows' lse and
 # delta on the stage's mbarrier (``tvmflash.lowering.tma``), so the other threads spend no registers
 # or instructions on the copies and the loads need no block-wide barrier. With the epilogue's guards
-# merged (``lowering.passes.MergeAdjacentGuards``; 237-246 registers a thread at d128, no spills) the
-# backward runs 1.21-1.33x SDPA flash at d128 and 1.17-1.24x at d64, against 0.95-1.02x with the
+# merged (``lowering.passes.MergeAdjacentGuards``; 241-250 registers a thread at d128, no spills) the
+# backward runs 1.22-1.40x SDPA flash at d128 and 1.15-1.21x at d64, against 0.95-1.02x with the
 # plain loads at d128 and the cp.async pipeline at d64 (H200, 2026-12-02, benchmarks/backward_knobs.py
 # at 2k and 8k tokens, BENCHMARKS.md). Dense only: varlen's rows past a sequence's end
 # must read as zeros, not as the next sequence's, so varlen keeps cp.async
@@ -960,7 +960,8 @@ def schedule(
 BACKWARD_KNOBS = {"block_m": 64, "block_n": 128, "dq_block_m": 128, "dq_block_n": 64, "dkdv_stages": 2,
                   "dq_stages": 2, "vec": 8, "dq_atomic": True, "dkdv_copy": "tma", "wgmma_overlap": True}
 # d64, dq pass: 32-key steps, 8-10% faster than 64 (at d128 4-7% slower; H200, 2026-12-02, commit c022a92).
-# d64 without wgmma_overlap: 2-3% faster than with it, where d128 gains 1-6% (H200, 2026-12-02).
+# d64 without wgmma_overlap: 0.2-0.7% faster than with it; at d128 it gains 2.0-2.4% non-causal, 0.3-0.4%
+# causal (H200, 2026-12-02, benchmarks/backward_knobs.py at 2k and 8k tokens, commit 9d49f3b).
 BACKWARD_KNOBS_FOR_HEAD_DIM = {64: {"dq_block_n": 32, "wgmma_overlap": False}}
 # varlen by cp.async: at d128 by plain loads, 1.01-1.17x the two stages' speed (which spill 400 bytes
 # there), at d64 in two stages, 5-17% faster than one (H200, 2026-12-02, commit aab1fe2)

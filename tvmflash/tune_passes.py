@@ -4,7 +4,7 @@ The backward is three programs run as one call (delta; dkdv; dq by a pass of its
 dkdv's fp32 atomics), and decode two (the splits and their merge, or one that writes the output):
 their knobs change which programs run as well as their tiles. MetaSchedule measures one program's
 candidates, so these passes are not searched by it: their spaces are small (sm90's
-``BACKWARD_SPACE`` holds 128 configurations), or, for decode, cheap to build (seconds a
+``BACKWARD_SPACE`` holds 384 configurations), or, for decode, cheap to build (seconds a
 candidate), and a budget of trials covers much of them. The known configurations (the defaults
 and, unless ``cold``, the best user and shipped records) come first, then a random draw of the
 rest, leaving out what the pass's kernel refuses before building (shared memory, the schedule's
