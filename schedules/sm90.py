@@ -1005,7 +1005,7 @@ def schedule_backward(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, dq
     """delta on the SIMT schedule, dkdv and dq on wgmma (``vec`` elements a copy). The tiles are the
     program's (``program_backward.attention_backward``). ``dq_atomic``: the program has no dq; dkdv
     adds dq's share atomically (``_schedule_dq_share``) and convert_dq runs on SIMT. ``wgmma_overlap``:
-    ``BACKWARD_KNOBS``' comment."""
+    see the comment above ``BACKWARD_KNOBS``."""
     from . import cuda
 
     cuda.schedule_delta(sch)
@@ -1148,9 +1148,9 @@ def _spread_rows(sch, name, groups):
 def _backward_step(sch, casts, groups, cols, D, dtype, num_stages, overlap, b_swizzled=False):
     """What dkdv and dq share: s and dp on wgmma ("ss": A and B K-major from shared memory, N =
     ``cols``), p, ds and ``casts`` on the accumulator registers, each thread its elements. With
-    ``overlap`` dp's wgmma is only committed: p's exponentials run while it does, and ds waits for it. With one
-    stage, s's fence and barrier make the step's tiles visible to both products (dp reads none that
-    is written after them)."""
+    ``overlap`` dp's wgmma is only committed: p's exponentials run while it does, and ds waits for
+    it. With one stage, s's fence and barrier make the step's tiles visible to both products (dp
+    reads none that is written after them)."""
     sch.set_scope("init_scale", 0, "local")  # each thread its copy of the scale
     for name in ("qk", "dp"):
         sch.set_scope(name, 0, "local")

@@ -6,29 +6,13 @@ import sys
 
 import pytest
 import torch
-from conftest import devices, poisoned_out, random_qkv
+from conftest import SHAPES, devices, poisoned_out, random_qkv
 from reference import check_attention
 
 import tvmflash
 from tvmflash import program
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
-# (seqlen_q, seqlen_k, heads_q, heads_kv): tails on both sides, Lq != Lk both ways, and three
-# head layouts (MHA 2/2, GQA 4/2, MQA 4/1): each layout is one build per kernel.
-SHAPES = [
-    (1, 1, 2, 2),
-    (17, 17, 4, 2),
-    (127, 127, 2, 2),
-    (128, 128, 4, 1),
-    (129, 129, 2, 2),
-    (1000, 1000, 2, 2),
-    (1, 129, 4, 1),
-    (17, 1000, 2, 2),
-    (129, 17, 4, 2),
-    (1000, 128, 4, 1),
-    (320, 191, 2, 2),  # whole K/V tiles and a ragged last one; causal diagonal crosses tiles
-    (64, 257, 4, 2),  # seqlen_k one past a multiple of every block_n
-]
 
 
 @pytest.mark.parametrize("device", devices())

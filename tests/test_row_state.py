@@ -8,9 +8,8 @@ import shutil
 import pytest
 import torch
 import tvm
-from conftest import kv_loop_body, poisoned_out, random_qkv
+from conftest import SHAPES, kv_loop_body, poisoned_out, random_qkv
 from reference import check_attention
-from test_numerics import SHAPES
 
 import tvmflash
 
@@ -107,7 +106,7 @@ def test_registers_row_state_stays_in_registers(head_dim):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("row_state", ["registers", "shared"])
 def test_sm90_row_state_on_the_gpu(monkeypatch, row_state, causal):
-    """The sm90 forward with either row state, over the edge shapes of test_numerics' SHAPES."""
+    """The sm90 forward with either row state, over the edge shapes of SHAPES."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the sm90 schedule needs an sm_90a GPU")
     monkeypatch.setenv("TVMFLASH_SM90", "1")

@@ -31,9 +31,9 @@ TMA_BARRIER_PADDINGS = (0, 256, 512, 768)
 SWIZZLE_COLUMNS = 64
 
 # A loop annotated so (a schedule has no primitive that inserts a statement) is preceded by
-# ``wgmma.wait_group 0`` and a register fence of the accumulators it reads, those named ``acc``... or,
-# where the annotation's value is a string, named so: the loop reads the result of a wgmma that was
-# only committed (``passes.LowerPragmas``).
+# ``wgmma.wait_group 0`` and a register fence of the accumulators it reads (the local float32 buffers
+# whose names start with the annotation's value where it is a string, else with ``acc``): the loop
+# reads the result of a wgmma that was only committed (``passes.LowerPragmas``).
 WGMMA_WAIT_PRAGMA = "pragma_tvmflash_wgmma_wait"
 # A loop annotated so, one that scales a thread's elements by per-row factors (the output's rescale
 # by alpha), runs only where a lane of the warp has a factor other than 1; with the program's
