@@ -8,8 +8,8 @@ import torch
 os.environ.setdefault("TVMFLASH_CACHE_DIR", tempfile.mkdtemp(prefix="tvmflash-test-cache-"))
 
 HAS_GPU = torch.cuda.is_available()
-# The forward tests' edge shapes, (seqlen_q, seqlen_k, heads_q, heads_kv): tails on both sides, Lq != Lk both ways, and three
-# head layouts (MHA 2/2, GQA 4/2, MQA 4/1): each layout is one build per kernel.
+# The forward tests' edge shapes, (seqlen_q, seqlen_k, heads_q, heads_kv): tails on both sides, Lq != Lk
+# both ways, and three head layouts (MHA 2/2, GQA 4/2, MQA 4/1): each layout is one build per kernel.
 SHAPES = [
     (1, 1, 2, 2),
     (17, 17, 4, 2),

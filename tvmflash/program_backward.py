@@ -289,7 +289,7 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int, dq_atomic: bool =
                         S[vr, vc] = T.float32(0)
                     S[vr, vc] = S[vr, vc] + T.cast(qk_rows[vr, vd], f32) * T.cast(qk_cols[vc, vd], f32)
             for r, c, d in T.grid(ROWS, COLS, D):
-                with T.sblock("dp"):  # dp = dout vᵀ, right after s: a schedule may run both under p
+                with T.sblock("dp"):  # dp = dout vᵀ, right after s: a schedule can issue both before p
                     vr, vc, vd = T.axis.remap("SSR", [r, c, d])
                     with T.init():
                         dP[vr, vc] = T.float32(0)
