@@ -14,7 +14,8 @@ Mapping:
     128-byte swizzled layout, as is the output's staging tile then; a swizzled Q tile may be
     copied by TMA (``q_copy``). K and V (``kv_layout``, default
     "swizzled") are in the 128-byte swizzled layout (``_swizzled_map``: 64-column halves of
-    128-byte rows, 16-byte chunks permuted by row), or padded core matrices like Q. All are
+    128-byte rows, 16-byte chunks permuted by row; at a head_dim that is no multiple of 64, d96, the
+    64-byte swizzle: 32-column groups of 64-byte rows), or padded core matrices like Q. All are
     copied along the rows, 16 bytes a thread. The K/V tiles are loaded in a software pipeline
     (num_stages 2, the default, or 3), by TMA (``kv_copy`` "tma", the default: ``tvmflash.lowering.tma``
     turns the pipeline's copies into one thread's ``cp.async.bulk.tensor`` on the stage's
@@ -71,9 +72,10 @@ from __future__ import annotations
 import tvm
 from tvm.s_tir import TensorIntrin
 
-from tvmflash.lowering.annotations import (ATOMIC_ADD_PRAGMA, REG_FENCE, SKIP_UNIT_RESCALE_PRAGMA, SWIZZLE_COLUMNS,
-                                           TMA_BARRIER_BYTES, TMA_BARRIER_PADDINGS, TMA_LOAD, TMA_PRODUCERS,
-                                           WGMMA_WAIT_PRAGMA)
+from tvmflash.lowering.annotations import (ATOMIC_ADD_PRAGMA, NARROW_SWIZZLE_COLUMNS, REG_FENCE,
+                                           SKIP_UNIT_RESCALE_PRAGMA, SWIZZLE_COLUMNS, TMA_BARRIER_BYTES,
+                                           TMA_BARRIER_PADDINGS, TMA_LOAD, TMA_PRODUCERS, WGMMA_WAIT_PRAGMA,
+                                           swizzle_columns)
 
 from .common import (QuadRowLayout, bind_grid, buffer_info, dkdv_grid, hide_init_reads, pipeline_loads,
                      quad_row_block, quad_row_init, row_quad_map, row_reduce_intrin, staged_row_block,
@@ -249,7 +251,7 @@ def valid_knobs(point: dict) -> bool:
 def knobs_problem(head_dim: int, dtype: str, knobs: dict) -> str | None:
     """Why a build with these knobs would fail, or None (the tuner's pre-check, ``tune.candidate_problem``;
     shared memory is checked there): knobs that do not go together, too few registers a thread, a
-    swizzled layout at a head_dim that is no multiple of 64, and swizzled tiles off the 1024-byte
+    swizzled layout at a head_dim that is no multiple of 32, and swizzled tiles off the 1024-byte
     boundary the swizzle needs (``tvmflash.lowering.tma.MisalignedTiles``)."""
     knobs = {**KNOBS, **knobs}
     if not valid_knobs(knobs):
@@ -259,8 +261,8 @@ def knobs_problem(head_dim: int, dtype: str, knobs: dict) -> str | None:
     if registers is not None:
         return registers
     swizzled = [name for name in ("kv_layout", "q_layout") if knobs[name] == "swizzled"]
-    if swizzled and head_dim % SWIZZLE_COLUMNS:
-        return f"{' and '.join(swizzled)} 'swizzled' needs a head_dim that is a multiple of {SWIZZLE_COLUMNS}"
+    if swizzled and swizzle_columns(head_dim) is None:
+        return f"{' and '.join(swizzled)} 'swizzled' needs a head_dim that is a multiple of {NARROW_SWIZZLE_COLUMNS}"
     if swizzled and knobs["kv_copy"] != "tma":
         # Without TMA no barrier padding moves the tiles (``lowering.pipeline.build``): they sit where
         # MergeSharedMemoryAllocations puts them, after the per-row values, then the Q tile, then the
@@ -424,23 +426,30 @@ _DESCRIPTOR = (
 # 16-bit elements); each half is row-major, a row 128 bytes, and the 16-byte chunk c of row r sits at
 # chunk c ^ (r % 8). The descriptor says so with layout type 1; the tile must start on a 1024-byte
 # boundary (8 rows, where the pattern repeats).
-NO_SWIZZLE, SWIZZLE_128B = 0, 1
+# The 64-byte swizzle (a head_dim that is no multiple of 64: ``annotations.swizzle_columns``) is the
+# same with groups of 32 columns, a row 64 bytes, chunk c of row r at c ^ (r // 2 % 4), layout type 2,
+# the pattern repeating every 512 bytes.
+NO_SWIZZLE, SWIZZLE_128B, SWIZZLE_64B = 0, 1, 2
+SWIZZLE_LAYOUTS = {SWIZZLE_COLUMNS: SWIZZLE_128B, NARROW_SWIZZLE_COLUMNS: SWIZZLE_64B}  # columns -> layout type
 
 
-def _xor8(a, b):
-    """a ^ b for a, b in [0, 8), in floordiv/floormod arithmetic that TVM's analyzer can bound
+def _xor(a, b, bits):
+    """a ^ b for a, b in [0, 2 ** bits), in floordiv/floormod arithmetic that TVM's analyzer can bound
     (transform_layout computes the new buffer's shape from it)."""
-    return sum(((a // m % 2 + b // m % 2) % 2) * m for m in (1, 2, 4))
+    return sum(((a // m % 2 + b // m % 2) % 2) * m for m in (1, 2, 4)[:bits])
 
 
-def _swizzled_map(r, c):
-    """Row-major (rows, cols) tile -> the 128-byte swizzled layout (half, r, chunk, element)."""
-    return (c // SWIZZLE_COLUMNS, r, _xor8(c % SWIZZLE_COLUMNS // 8, r % 8), c % 8)
+def _swizzled_map(r, c, columns=SWIZZLE_COLUMNS):
+    """Row-major (rows, cols) tile -> the swizzled layout of rows of ``columns`` elements (group, r,
+    chunk, element): 128-byte (64 columns) or 64-byte (32)."""
+    chunks = columns // 8
+    phase = r % 8 if chunks == 8 else r % 8 // (8 // chunks)  # the 128-byte line within 8 rows of 128 bytes
+    return (c // columns, r, _xor(c % columns // 8, phase, chunks.bit_length() - 1), c % 8)
 
 
 def wgmma_intrin_name(n: int, k: int, dtype: str, b_major: str, a_regs: bool = False,
                       fence_operands: bool = True, b_swizzled: bool = False, a_swizzled: bool = False,
-                      wait: bool = True, a_major: str = "k") -> str:
+                      wait: bool = True, a_major: str = "k", swizzle: int = SWIZZLE_COLUMNS) -> str:
     """Register (once) and name the intrinsic for a 64 x n x k GEMM on wgmma.
 
     A (64 x k) is a K-major shared-memory tile in ``_core_matrix_map`` layout, or with
@@ -449,7 +458,8 @@ def wgmma_intrin_name(n: int, k: int, dtype: str, b_major: str, a_regs: bool = F
     CUTLASS's SM90 ALayout_64x16). B is a shared-memory tile, K-major (an n x k tile,
     ``b_major="k"``: S = Q K^T) or N-major (a k x n tile, ``b_major="mn"``: O += P V). C is the
     float32 accumulator, per thread (``_acc_index_map``). b_swizzled, a_swizzled: the shared-memory
-    tile is in the 128-byte swizzled layout (``_swizzled_map``) instead of core matrices. a_major
+    tile is in the swizzled layout (``_swizzled_map``; rows of ``swizzle`` columns, 64: 128-byte, 32:
+    64-byte) instead of core matrices. a_major
     "mn": A is a k x 64 shared-memory tile in core matrices, read transposed (``imm-trans-a``; the
     backward's dsᵀ as the A of ds k).
 
@@ -463,9 +473,9 @@ def wgmma_intrin_name(n: int, k: int, dtype: str, b_major: str, a_regs: bool = F
     """
     name = f"tvmflash_wgmma_m64n{n}k{k}_{_PTX_TYPE[dtype]}_{'r' if a_regs else 's'}_b{b_major}"
     if b_swizzled:
-        name += "_sw128"
+        name += f"_sw{2 * swizzle}"
     if a_swizzled:
-        name += "_asw128"
+        name += f"_asw{2 * swizzle}"
     if a_major == "mn":
         name += "_amn"
     if not wait:
@@ -476,26 +486,27 @@ def wgmma_intrin_name(n: int, k: int, dtype: str, b_major: str, a_regs: bool = F
         TensorIntrin.get(name)
     except Exception:  # noqa: BLE001 - not registered yet
         TensorIntrin.register(name, *_wgmma_desc_impl(n, k, dtype, b_major, a_regs, fence_operands, b_swizzled,
-                                                        a_swizzled, wait, a_major))
+                                                        a_swizzled, wait, a_major, swizzle))
     return name
 
 
 def _wgmma_desc_impl(n, k, dtype, b_major, a_regs, fence_operands=True, b_swizzled=False, a_swizzled=False,
-                     wait=True, a_major="k"):
+                     wait=True, a_major="k", swizzle=SWIZZLE_COLUMNS):
     from tvm.script import tirx as T
 
     if n % 8 or not 8 <= n <= 256 or k % 16:
         raise ValueError(f"wgmma: n must be a multiple of 8 in [8, 256] and k of 16, got n={n}, k={k}")
     nr = n // 2  # accumulator registers per thread
-    a_shape = (k // 2,) if a_regs else (k // SWIZZLE_COLUMNS, 64, 8, 8) if a_swizzled else (8, k // 8, 8, 8)
+    w, chunks, layout = swizzle, swizzle // 8, SWIZZLE_LAYOUTS[swizzle]
+    a_shape = (k // 2,) if a_regs else (k // w, 64, chunks, 8) if a_swizzled else (8, k // 8, 8, 8)
     if a_major == "mn":  # a k x 64 tile, core matrices (_core_matrix_map)
         assert not (a_regs or a_swizzled), "an M-major A is a shared-memory tile in core matrices"
         a_shape = (k // 8, 8, 8, 8)
     a_scope = "local" if a_regs else "shared.dyn"
     a_whole = tuple(slice(0, e) for e in a_shape)
     b_shape = (n // 8, k // 8, 8, 8) if b_major == "k" else (k // 8, n // 8, 8, 8)
-    if b_swizzled:  # _swizzled_map's (64-column half, row, chunk, element) of the k x n (K) or n x k (V) tile
-        b_shape = (k // SWIZZLE_COLUMNS, n, 8, 8) if b_major == "k" else (n // SWIZZLE_COLUMNS, k, 8, 8)
+    if b_swizzled:  # _swizzled_map's (column group, row, chunk, element) of the k x n (K) or n x k (V) tile
+        b_shape = (k // w, n, chunks, 8) if b_major == "k" else (n // w, k, chunks, 8)
     trans_a, trans_b = (0 if major == "k" else 1 for major in (a_major, b_major))
     ptx = _PTX_TYPE[dtype]
     shape = f"m64n{n}k16"
@@ -506,14 +517,14 @@ def _wgmma_desc_impl(n, k, dtype, b_major, a_regs, fence_operands=True, b_swizzl
         if a_regs:
             return A[_acc_layout(vi, vk)[1]]
         if a_swizzled:  # K-major, as K in b_at
-            return A[_swizzled_map(vi, vk)]
+            return A[_swizzled_map(vi, vk, w)]
         if a_major == "mn":
             return A[vk // 8, vi // 8, vk % 8, vi % 8]
         return A[vi // 8, vk // 8, vi % 8, vk % 8]
 
     def b_at(B, vj, vk):
         if b_swizzled:
-            return B[_swizzled_map(vj, vk)] if b_major == "k" else B[_swizzled_map(vk, vj)]
+            return B[_swizzled_map(vj, vk, w)] if b_major == "k" else B[_swizzled_map(vk, vj, w)]
         if b_major == "k":
             return B[vj // 8, vk // 8, vj % 8, vk % 8]
         return B[vk // 8, vj // 8, vk % 8, vj % 8]
@@ -527,7 +538,7 @@ def _wgmma_desc_impl(n, k, dtype, b_major, a_regs, fence_operands=True, b_swizzl
         B = T.match_buffer(b, b_shape, dtype, offset_factor=1, scope="shared.dyn")
         C = T.match_buffer(c, (nr,), "float32", offset_factor=1, scope="local")
         with T.sblock("root"):
-            T.reads(C[0:nr], A[a_whole], B[0 : b_shape[0], 0 : b_shape[1], 0:8, 0:8])
+            T.reads(C[0:nr], A[a_whole], B[0 : b_shape[0], 0 : b_shape[1], 0 : b_shape[2], 0:8])
             T.writes(C[0:nr])
             for i, j, kk in T.grid(64, n, k):
                 with T.sblock("update"):
@@ -542,9 +553,9 @@ def _wgmma_desc_impl(n, k, dtype, b_major, a_regs, fence_operands=True, b_swizzl
                                 layout, source_code=_DESCRIPTOR, return_type="uint64")
 
     def k_major_swizzled(X, s0, s1, ks):
-        # s0: a 64-column half's stride, s1: a row's (64 elements, 128 bytes); a k16 slice starts 32
-        # bytes into the rows of its half; LBO unused; SBO: 8 rows, 1024 bytes (8 s1 * 2 / 16 = s1 units)
-        return _descriptor(X, (ks * 16) // SWIZZLE_COLUMNS * s0 + ks * 16 % SWIZZLE_COLUMNS, 1, s1, SWIZZLE_128B)
+        # s0: a column group's stride, s1: a row's (w elements, 2 w bytes); a k16 slice starts 32
+        # bytes into the rows of its group; LBO unused; SBO: 8 rows, 16 w bytes (8 s1 * 2 / 16 = s1 units)
+        return _descriptor(X, (ks * 16) // w * s0 + ks * 16 % w, 1, s1, layout)
 
     def a_descriptor(A, sa0, sa1, ks):
         if a_swizzled:
@@ -556,11 +567,11 @@ def _wgmma_desc_impl(n, k, dtype, b_major, a_regs, fence_operands=True, b_swizzl
 
     def b_descriptor(B, sb0, sb1, ks):
         # Descriptor fields are in 16-byte units; 2-byte elements.
-        if b_swizzled:  # sb0: a 64-column half's stride, sb1: a row's (64 elements, 128 bytes)
+        if b_swizzled:  # sb0: a column group's stride, sb1: a row's (w elements)
             if b_major == "k":
                 return k_major_swizzled(B, sb0, sb1, ks)
-            # N-major: a k16 slice is 16 rows; LBO: from one 64-column half to the next
-            return _descriptor(B, ks * 16 * sb1, sb0 // 8, sb1, SWIZZLE_128B)
+            # N-major: a k16 slice is 16 rows; LBO: from one column group to the next
+            return _descriptor(B, ks * 16 * sb1, sb0 // 8, sb1, layout)
         if b_major == "k":  # K-major: LBO = K-direction core-matrix stride, SBO = N-direction
             return _descriptor(B, ks * 2 * sb1, sb1 // 8, sb0 // 8)
         # N-major: LBO = K-direction (r//8) stride, SBO = N-direction (c//8).
@@ -606,7 +617,7 @@ def _wgmma_desc_impl(n, k, dtype, b_major, a_regs, fence_operands=True, b_swizzl
         B = T.match_buffer(b, b_shape, dtype, offset_factor=1, scope="shared.dyn", strides=[sb0, sb1, 8, 1])
         C = T.match_buffer(c, (nr,), "float32", offset_factor=1, scope="local")
         with T.sblock("root"):
-            T.reads(C[0:nr], A[a_whole], B[0 : b_shape[0], 0 : b_shape[1], 0:8, 0:8])
+            T.reads(C[0:nr], A[a_whole], B[0 : b_shape[0], 0 : b_shape[1], 0 : b_shape[2], 0:8])
             T.writes(C[0:nr])
             for tx in T.thread_binding(WARPGROUP, thread="threadIdx.x"):
                 shared_operands_visible()
@@ -625,7 +636,7 @@ def _wgmma_desc_impl(n, k, dtype, b_major, a_regs, fence_operands=True, b_swizzl
         B = T.match_buffer(b, b_shape, dtype, offset_factor=1, scope="shared.dyn", strides=[sb0, sb1, 8, 1])
         C = T.match_buffer(c, (nr,), "float32", offset_factor=1, scope="local")
         with T.sblock("root"):
-            T.reads(C[0:nr], A[a_whole], B[0 : b_shape[0], 0 : b_shape[1], 0:8, 0:8])
+            T.reads(C[0:nr], A[a_whole], B[0 : b_shape[0], 0 : b_shape[1], 0 : b_shape[2], 0:8])
             T.writes(C[0:nr])
             for tx in T.thread_binding(WARPGROUP, thread="threadIdx.x"):
                 # A's registers as 32-bit pairs: register 4 ks + r of the k16 slice ks is the pair
@@ -710,19 +721,20 @@ def _pad_core_matrix_stride(sch, block):
     sch.storage_align(block, 0, axis=1, factor=CORE_MATRIX_ELEMENTS, offset=PAD_ELEMENTS)
 
 
-def _tile_in_shared_memory(sch, name, num_warpgroups, vec, swizzled):
-    """The tile that block ``name`` writes, in dynamic shared memory as wgmma reads it: 128-byte
-    swizzled (``_swizzled_map``, as TMA writes it) or in padded core matrices; copied along its rows."""
+def _tile_in_shared_memory(sch, name, num_warpgroups, vec, swizzled, columns=SWIZZLE_COLUMNS):
+    """The tile that block ``name`` writes, in dynamic shared memory as wgmma reads it: swizzled in rows
+    of ``columns`` (``_swizzled_map``, as TMA writes it) or in padded core matrices; copied along its rows."""
     sch.set_scope(name, 0, "shared.dyn")
     if swizzled:
-        sch.transform_layout(name, ("write", 0), _swizzled_map, assume_injective_transform=True)
+        sch.transform_layout(name, ("write", 0), lambda r, c: _swizzled_map(r, c, columns),
+                             assume_injective_transform=True)
     else:
         sch.transform_layout(name, ("write", 0), _core_matrix_map)
         _pad_core_matrix_stride(sch, name)
     _copy_along_rows(sch, name, num_warpgroups, vec)
 
 
-def _store_o_through_shared_memory(sch, head_dim, num_warpgroups, vec, swizzled):
+def _store_o_through_shared_memory(sch, head_dim, num_warpgroups, vec, swizzled, columns=SWIZZLE_COLUMNS):
     """The output goes to global memory through shared memory: the accumulator threads write their
     pairs of adjacent columns (one 32-bit store each) into a row-major tile whose rows are padded
     by 16 bytes (so the 8 rows a warp writes at once hit different banks), then all threads copy
@@ -730,14 +742,14 @@ def _store_o_through_shared_memory(sch, head_dim, num_warpgroups, vec, swizzled)
     stores, each warp's touching 8 sectors for 64 bytes. The tile reuses the K/V and Q tiles'
     shared memory (dead by then). H200, d128 bf16, 128-row blocks: 0.421 -> 0.361 ms at 1k
     tokens non-causal, 0.864 -> 0.819 ms at 4k causal (H200, 2026-11-30, commit 4f59a48). ``swizzled``
-    (q_layout "swizzled"): the tile is in the 128-byte swizzled layout instead, as large as the Q
+    (q_layout "swizzled"): the tile is in the Q tile's swizzled layout instead, as large as the Q
     tile and as free of bank conflicts (the 8 rows a warp writes at once land in 8 different
     16-byte chunks)."""
     _acc_block(sch, "store_o", num_warpgroups)
     sch.vectorize(sch.get_loops("store_o")[-1])  # a thread's two adjacent columns
     copy = sch.cache_write("store_o", 0, "shared.dyn")
     if swizzled:  # the tile is (1, block_m, 1, head_dim), a slice of O
-        sch.transform_layout("store_o", ("write", 0), lambda b, r, h, c: _swizzled_map(r, c),
+        sch.transform_layout("store_o", ("write", 0), lambda b, r, h, c: _swizzled_map(r, c, columns),
                              assume_injective_transform=True)
     else:  # axis 2's stride is the row stride
         sch.storage_align("store_o", 0, axis=2, factor=head_dim, offset=PAD_ELEMENTS)
@@ -856,15 +868,18 @@ def schedule(
     if kv_layout not in KV_LAYOUTS:
         raise ValueError(f"kv_layout: the sm90 schedule takes one of {KV_LAYOUTS}, got {kv_layout!r}")
     swizzled = kv_layout == "swizzled"
-    if swizzled and D % SWIZZLE_COLUMNS:
-        raise ValueError(f"kv_layout: 'swizzled' needs a head_dim that is a multiple of {SWIZZLE_COLUMNS}, got {D}")
+    columns = swizzle_columns(D)  # 64 (the 128-byte swizzle) or, at d96, 32 (64-byte)
+    if swizzled and columns is None:
+        raise ValueError(f"kv_layout: 'swizzled' needs a head_dim that is a multiple of {NARROW_SWIZZLE_COLUMNS}, "
+                         f"got {D}")
     if o_store not in O_STORES:
         raise ValueError(f"o_store: the sm90 schedule takes one of {O_STORES}, got {o_store!r}")
     if q_layout not in Q_LAYOUTS:
         raise ValueError(f"q_layout: the sm90 schedule takes one of {Q_LAYOUTS}, got {q_layout!r}")
     q_swizzled = q_layout == "swizzled"
-    if q_swizzled and D % SWIZZLE_COLUMNS:
-        raise ValueError(f"q_layout: 'swizzled' needs a head_dim that is a multiple of {SWIZZLE_COLUMNS}, got {D}")
+    if q_swizzled and columns is None:
+        raise ValueError(f"q_layout: 'swizzled' needs a head_dim that is a multiple of {NARROW_SWIZZLE_COLUMNS}, "
+                         f"got {D}")
     if kv_copy not in KV_COPIES:
         raise ValueError(f"kv_copy: the sm90 schedule takes one of {KV_COPIES}, got {kv_copy!r}")
     if kv_copy == "tma" and not _tma_can_copy(kv_layout, num_stages):
@@ -875,15 +890,16 @@ def schedule(
     if problem:
         raise ValueError(problem)
     qk_intrin = wgmma_intrin_name(BN, D, dtype, "k", fence_operands=num_stages == 1, b_swizzled=swizzled,
-                                  a_swizzled=q_swizzled)
-    pv_intrin = wgmma_intrin_name(D, BN, dtype, "mn", a_regs=True, b_swizzled=swizzled, wait=not overlap)
+                                  a_swizzled=q_swizzled, swizzle=columns)
+    pv_intrin = wgmma_intrin_name(D, BN, dtype, "mn", a_regs=True, b_swizzled=swizzled, wait=not overlap,
+                                  swizzle=columns)
 
     # ---- grid -----------------------------------------------------------------------------
     bind_grid(sch)
 
     # ---- Q, K, V tiles into shared memory, as q_layout and kv_layout say ----------------------
     for name in ("load_q", "load_k", "load_v"):
-        _tile_in_shared_memory(sch, name, num_warpgroups, vec, q_swizzled if name == "load_q" else swizzled)
+        _tile_in_shared_memory(sch, name, num_warpgroups, vec, q_swizzled if name == "load_q" else swizzled, columns)
         if (q_copy if name == "load_q" else kv_copy) == "tma":  # lowered to one thread's TMA copy (tvmflash.lowering.tma)
             sch.annotate(sch.get_sblock(name), TMA_LOAD, producer)
 
@@ -913,7 +929,7 @@ def schedule(
 
     _acc_block(sch, "init_acc", num_warpgroups)
     if o_store == "staged":
-        _store_o_through_shared_memory(sch, D, num_warpgroups, vec, q_swizzled)
+        _store_o_through_shared_memory(sch, D, num_warpgroups, vec, q_swizzled, columns)
     else:  # each thread stores the pairs of adjacent columns it holds
         _acc_block(sch, "store_o", num_warpgroups)
         sch.vectorize(sch.get_loops("store_o")[-1])

@@ -329,6 +329,61 @@ def test_sm90_kv_tiles_are_swizzled(monkeypatch, head_dim, block_n, num_stages):
     assert re.search(rf"tvmflash_wgmma_descriptor\(.*?, 9, {9 * head_dim // 8}, 0\)", src)  # Q: padded core matrices
 
 
+@pytest.mark.parametrize("columns,bits", [(64, 3), (32, 2)])
+def test_swizzled_map_is_the_hardware_swizzle(columns, bits):
+    """_swizzled_map puts element (r, c) of a 16-bit tile where the 128-byte (64 columns) or 64-byte
+    (32) swizzle of TMA and wgmma does, CUTLASS's Swizzle<bits, 4, 3> of its row-major offset within
+    a column group: the 16-byte chunk (bits 4 and up) XOR the 128-byte line (bits 7 and up)."""
+    from schedules.sm90 import _swizzled_map
+
+    rows = 16
+    for r, c in itertools.product(range(rows), range(2 * columns)):
+        group, row, chunk, element = _swizzled_map(r, c, columns)  # plain ints in, plain ints out
+        logical = (r * columns + c % columns) * 2  # bytes into the group, row-major
+        swizzled = logical ^ (((logical >> 7) & (2 ** bits - 1)) << 4)
+        assert (group, row) == (c // columns, r) and (chunk * 8 + element) * 2 + row * columns * 2 == swizzled
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_sm90_d96_tiles_take_the_64_byte_swizzle(monkeypatch, causal):
+    """head_dim 96 is no multiple of 64: swizzled K/V tiles take the 64-byte swizzle, rows of 32
+    columns (layout type 2). QK^T's K descriptors: LBO 1 (unused), SBO 32 (8 rows of 64 bytes), each
+    0 or 16 elements into a 512-byte-aligned group of 8 rows; PV's V descriptors: LBO one 32-column
+    group (block_n rows of 64 bytes), SBO 32. TMA copies each tile whole on the stage's barrier."""
+    monkeypatch.setenv("TVMFLASH_SM90", "1")
+    kernel = tvmflash.compile(head_dim=96, dtype="bfloat16", causal=causal, target="sm90",
+                              knobs={"kv_layout": "swizzled", "kv_copy": "tma", "num_stages": 2})
+    src = kernel.source(heads_q=4, heads_kv=2)
+    block_n = kernel.knobs["block_n"]
+    assert not [d for d in descriptors(src) if d[3] == "1"]
+    swizzled = [(offset, lbo, sbo) for offset, lbo, sbo, layout in descriptors(src) if layout == "2"]
+    k_tiles = [offset for offset, lbo, sbo in swizzled if (lbo, sbo) == ("1", "32")]
+    v_tiles = [offset for offset, lbo, sbo in swizzled if (lbo, sbo) == (str(block_n * 32 // 8), "32")]
+    assert len(k_tiles) + len(v_tiles) == len(swizzled) and k_tiles and v_tiles
+    for offsets, within_rows in ((k_tiles, {0, 16}), (v_tiles, {0})):
+        for offset in offsets:
+            elements = element_offsets(offset)
+            assert elements and all(e % 256 in within_rows for e in elements), offset
+    body = kv_loop_body(src)
+    assert "cp_async" not in body and re.search(rf"tvmflash_mbarrier_expect_tx\(.*?, {2 * block_n * 96 * 2}\);", body)
+
+
+def test_tensor_maps_of_the_64_byte_swizzle():
+    """A tile in rows of 32 columns (d96) is copied through a (32 elements, row, 32-column group, head,
+    batch) view with CU_TENSOR_MAP_SWIZZLE_64B."""
+    import types
+
+    from tvm import tirx
+    from tvm.script import tirx as T
+
+    buffer = tirx.decl_buffer((4, tirx.Var("seqlen_k", "int32"), 2, 96), "bfloat16", "K")
+    plan = types.SimpleNamespace(tensor_maps={buffer: (tirx.Var("K_tensormap", ty=T.handle("tensormap").ty), (32, 64, 3))})
+    _, encode = tma._encode_tensor_maps(plan)
+    dims, group_stride = encode.value.args[2:7], encode.value.args[8]
+    assert [str(d) for d in dims] == ["32", "seqlen_k", "3", "2", "4"] and int(group_stride) == 64
+    assert "swizzle=2" in str(encode.value)
+
+
 @pytest.mark.parametrize("dtype,pair", [("bfloat16", "nv_bfloat162"), ("float16", "half2")])
 def test_sm90_output_goes_out_through_shared_memory(monkeypatch, dtype, pair):
     """The accumulator threads write the output tile to shared memory in pairs of adjacent columns
@@ -484,7 +539,7 @@ def test_sm90_three_stage_tma_pipeline(monkeypatch, producer):
 
 def test_sm90_swizzled_q_tile(monkeypatch):
     """q_layout="swizzled": QK^T reads Q through 128-byte-swizzled descriptors (layout 1), as it reads
-    K; with a producer warpgroup the output's staging reuses the Q tile's memory, so three stages of
+    K (at d96 64-byte, layout 2); with a producer warpgroup the output's staging reuses the Q tile's memory, so three stages of
     block_n 128 fit at head_dim 128 (227 KiB)."""
     from tvmflash.schedules import sm90
     monkeypatch.setenv("TVMFLASH_SM90", "1")
@@ -496,9 +551,10 @@ def test_sm90_swizzled_q_tile(monkeypatch):
     knobs = {"producer": "warpgroup", "min_blocks_per_sm": 1, "block_n": 128, "num_stages": 3}
     assert sm90.shared_memory_bytes(128, "bfloat16", {**knobs, "q_layout": "swizzled"}) <= 227 * 1024
     assert sm90.shared_memory_bytes(128, "bfloat16", knobs) > 227 * 1024
-    with pytest.raises(ValueError, match="q_layout: 'swizzled' needs a head_dim that is a multiple of 64"):
-        tvmflash.compile(head_dim=96, dtype="bfloat16", target="sm90",
-                         knobs={"q_layout": "swizzled", "kv_layout": "core_matrices", "kv_copy": "cp.async"}).source(1, 1)
+    # at d96 (no multiple of 64) the swizzled Q tile takes the 64-byte swizzle (layout 2)
+    src = tvmflash.compile(head_dim=96, dtype="bfloat16", target="sm90",
+                           knobs={"q_layout": "swizzled", "kv_layout": "core_matrices", "kv_copy": "cp.async"}).source(4, 2)
+    assert layouts(src) == {"0", "2"}
 
 
 @pytest.mark.parametrize("producer", ["thread", "warpgroup"])

@@ -43,6 +43,27 @@ def test_other_head_dims_on_the_gpu(dtype, head_dim, causal):
         check_attention(out, lse, q, k, v, causal=causal)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("q_copy", ["threads", "tma"])
+def test_sm90_d96_swizzled_tiles_by_tma_on_the_gpu(monkeypatch, q_copy, dtype, causal):
+    """head_dim 96 with the K/V tiles by TMA in the 64-byte swizzle (rows of 32 columns), the Q tile
+    in padded core matrices or (q_copy "tma") swizzled too and the output staged in its layout, over
+    the edge shapes of SHAPES, on an sm_90a GPU."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the sm90 schedule needs an sm_90a GPU")
+    monkeypatch.setenv("TVMFLASH_SM90", "1")
+    knobs = {"kv_layout": "swizzled", "kv_copy": "tma", "num_stages": 2}
+    if q_copy == "tma":
+        knobs.update(q_layout="swizzled", q_copy="tma")
+    kernel = tvmflash.compile(head_dim=96, dtype=dtype, causal=causal, knobs=knobs)
+    for seqlen_q, seqlen_k, heads_q, heads_kv in SHAPES:
+        q, k, v = random_qkv(2, seqlen_q, seqlen_k, heads_q, heads_kv, 96, dtype, "cuda")
+        out, lse = kernel(q, k, v, out=poisoned_out(q), return_lse=True)
+        check_attention(out, lse, q, k, v, causal=causal)
+
+
 @pytest.mark.parametrize("device", devices())
 def test_attention_function_and_scale(device):
     q, k, v = random_qkv(1, 77, 55, 4, 2, 64, torch.bfloat16, device)

@@ -56,8 +56,8 @@ import tvm_ffi
 from tvm import tirx
 from tvm.script import tirx as T
 
-from tvmflash.lowering.annotations import (SWIZZLE_COLUMNS, TMA_BARRIER_BYTES, TMA_BARRIER_PADDING_ATTR, TMA_LOAD,
-                                           TMA_PRODUCERS)
+from tvmflash.lowering.annotations import (NARROW_SWIZZLE_COLUMNS, SWIZZLE_COLUMNS, TMA_BARRIER_BYTES,
+                                           TMA_BARRIER_PADDING_ATTR, TMA_LOAD, TMA_PRODUCERS)
 from tvmflash.lowering.ir import (find, inlined, is_attr, is_call, is_load, let_values, loaded, prim_func_pass,
                                   substitute, transform, unmarked)
 
@@ -68,7 +68,8 @@ _CONSUMER_MARK = "tvmflash.tma_consumers"  # around the consumer warpgroups' cod
 # to the two consumer warpgroups (128 * 24 + 256 * 240 <= 65536).
 PRODUCER_REGISTERS, CONSUMER_REGISTERS = 24, 240
 CONSUMER_BARRIER = 1  # named barrier id of the consumer warpgroups (0 is __syncthreads)
-SWIZZLE_128B, L2_PROMOTION_128B = 3, 2  # CUtensorMapSwizzle, CUtensorMapL2promotion
+SWIZZLE_64B, SWIZZLE_128B, L2_PROMOTION_128B = 2, 3, 2  # CUtensorMapSwizzle, CUtensorMapL2promotion
+_TMA_SWIZZLES = {SWIZZLE_COLUMNS: SWIZZLE_128B, NARROW_SWIZZLE_COLUMNS: SWIZZLE_64B}  # a swizzled row's columns
 
 _SMEM = "(unsigned)__cvta_generic_to_shared"
 # One CUDA helper per function (TVM emits a helper's source once per function name).
@@ -238,17 +239,18 @@ def _copy(plan, stmt):
         return _row_vector_copy(plan, source, tile, destination, [at_origin(i) for i in source.indices])
     batch, row, head, col = [at_origin(i) for i in source.indices]
     if len(tile.shape) == 4:  # the Q tile
-        stage, (halves, rows) = None, (int(e) for e in tile.shape[:2])
+        stage, (halves, rows, chunks) = None, (int(e) for e in tile.shape[:3])
     else:  # the pipeline's versions of a K or V tile
-        stages, halves, rows = (int(e) for e in tile.shape[:3])
+        stages, halves, rows, chunks = (int(e) for e in tile.shape[:4])
         # K and V have the same number of stages, or (overlap) V one more: the barriers follow V's
         plan.num_stages = max(plan.num_stages or 0, stages)
         stage = (destination[0], stages)
-    tensor_map = plan.tensor_map(loaded(source), (SWIZZLE_COLUMNS, rows, halves))
+    columns = 8 * chunks  # a swizzled row: 64 (the 128-byte swizzle) or 32 (64-byte)
+    tensor_map = plan.tensor_map(loaded(source), (columns, rows, halves))
     call = lambda barrier: tirx.Evaluate(_device_call(  # noqa: E731
         "tvmflash_tma_load_5d", _pointer(tile, _flat(tile, destination)), T.address_of(tensor_map),
-        barrier, col % SWIZZLE_COLUMNS, row, col // SWIZZLE_COLUMNS, head, batch))
-    return stage, call, SWIZZLE_COLUMNS * rows * halves * tile.dtype.bits // 8
+        barrier, col % columns, row, col // columns, head, batch))
+    return stage, call, columns * rows * halves * tile.dtype.bits // 8
 
 
 def _row_vector_copy(plan, source, tile, destination, origin):
@@ -628,10 +630,11 @@ def _encode_tensor_maps(plan):
         if len(buffer.shape) == 3:  # (batch, heads, seqlen) -> (row, head, batch)
             batch, heads, seqlen = buffer.shape
             dims, byte_strides, swizzle = [seqlen, heads, batch], [in_bytes[1], in_bytes[0]], 0
-        else:  # (batch, seqlen, heads, head_dim) -> (64 elements, row, 64-column half, head, batch)
+        else:  # (batch, seqlen, heads, head_dim) -> (columns, row, column group, head, batch)
             batch, seqlen, heads, head_dim = buffer.shape
-            dims = [SWIZZLE_COLUMNS, seqlen, head_dim // SWIZZLE_COLUMNS, heads, batch]
-            byte_strides, swizzle = [in_bytes[1], SWIZZLE_COLUMNS * element, in_bytes[2], in_bytes[0]], SWIZZLE_128B
+            columns = box[0]  # 64: the 128-byte swizzle; 32: 64-byte
+            dims = [columns, seqlen, head_dim // columns, heads, batch]
+            byte_strides, swizzle = [in_bytes[1], columns * element, in_bytes[2], in_bytes[0]], _TMA_SWIZZLES[columns]
         rank = len(dims)
         stmts.append(tirx.Bind(var, T.tvm_stack_alloca("tensormap", 1)))
         stmts.append(tirx.Evaluate(T.tensormap_encode_tiled(
@@ -646,7 +649,9 @@ class MisalignedTiles(RuntimeError):
 
 
 _TMA_COPIES_ATTR = "tvmflash.tma_copies"  # set by lowered_to_tma: how many TMA copies it wrote
-_SWIZZLE_128B_LAYOUT = 1  # a wgmma descriptor's layout type for the 128-byte swizzle
+# a wgmma descriptor's layout type for the 128-byte and 64-byte swizzles -> (the boundary its tile starts
+# on, how far past one an operand may start: a k16 slice of a K-major tile starts 32 bytes along a row)
+_SWIZZLED_OPERANDS = {1: (1024, 128), 2: (512, 64)}
 
 
 def _shared_byte_offsets(pointer, what, lets, units16=0):
@@ -686,8 +691,8 @@ def check_tile_alignment(func: tirx.PrimFunc) -> tirx.PrimFunc:
     calls = find(func.body, lambda n: is_call(n, "tirx.cuda.func_call"))
     # (pointer, 16-byte units past it, the boundary it needs, how far past the boundary it may start)
     copies = [(c.args[1], 0, _TMA_LOADS[c.args[0].value], 1) for c in calls if c.args[0].value in _TMA_LOADS]
-    operands = [(c.args[1], c.args[2], 1024, 128) for c in calls
-                if c.args[0].value == "tvmflash_wgmma_descriptor" and int(c.args[5]) == _SWIZZLE_128B_LAYOUT]
+    operands = [(c.args[1], c.args[2], *_SWIZZLED_OPERANDS[int(c.args[5])]) for c in calls
+                if c.args[0].value == "tvmflash_wgmma_descriptor" and int(c.args[5]) in _SWIZZLED_OPERANDS]
     if expected and not (copies and operands):
         raise RuntimeError(f"TMA alignment check: the build wrote {expected} TMA copies, but the check finds "
                            f"{len(copies)} TMA copies and {len(operands)} swizzled wgmma operands to check")
