@@ -30,8 +30,16 @@ VARIANTS = {
                                                        "overlap": 1, "q_copy": "tma", "o_store": "direct"}},
     64: {"default": None, "q_swizzled": dict(QSW), "wg_bn128_ns3_qsw": {**WG, **QSW, "block_n": 128, "num_stages": 3}},
     256: {"default": None, "q_swizzled": dict(QSW)},
+    # the 64-byte swizzle (K/V by TMA in 32-column groups) against d96's padded core matrices
+    96: {"default": None, "kv_tma": {"kv_layout": "swizzled", "kv_copy": "tma", "num_stages": 2},
+         "kv_tma_ns3": {"kv_layout": "swizzled", "kv_copy": "tma", "num_stages": 3},
+         "kv_tma_qsw": {"kv_layout": "swizzled", "kv_copy": "tma", "num_stages": 2, **QSW},
+         "kv_tma_qtma": {"kv_layout": "swizzled", "kv_copy": "tma", "num_stages": 2, **QSW, "q_copy": "tma"},
+         "kv_tma_bn128_mb1": {"kv_layout": "swizzled", "kv_copy": "tma", "num_stages": 2, "block_n": 128,
+                              "min_blocks_per_sm": 1},
+         "wg_bn128_ns3": {**WG, "kv_layout": "swizzled", "kv_copy": "tma", "num_stages": 3, "block_n": 128}},
 }
-HEADS = {64: 16, 128: 16, 256: 8}
+HEADS = {64: 16, 96: 16, 128: 16, 256: 8}
 CAUSAL = (False, True)
 SHAPES = ((16, 1024), (4, 4096), (2, 8192))
 

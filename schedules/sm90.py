@@ -95,12 +95,14 @@ SWIZZLE_ALIGNMENT = 1024  # bytes: where a 128-byte-swizzled tile must start (``
 # and 378 with padded core matrices and plain loads (the default at cb572b6). 256-row blocks (4 warpgroups, one
 # block an SM) and 128-key tiles at one block an SM measured slower. d64 takes 128-key tiles. With
 # the rescale skip (29a3231) and hoisted causal test: 650 and 618 TFLOP/s (0.96x and 1.05x cuDNN).
-# head_dims that are no multiple of 64 keep the padded core matrices, and one stage (cp.async).
+# d96 (no multiple of 64) takes the same pipeline in the 64-byte swizzle: 1.33-1.45x its padded core
+# matrices by cp.async (the default before f24148f), 1.02-1.04x cuDNN non-causal and 1.09-1.24x causal at
+# 1k-8k tokens (H200, bf16, 2026-12-03, benchmarks/sm90_knobs.py 96). d32 keeps the padded core matrices.
 KNOBS = {"block_m": 128, "block_n": 64, "num_warpgroups": 2, "num_stages": 2, "vec": 8, "min_blocks_per_sm": 2,
          "row_state": "registers", "kv_layout": "swizzled", "kv_copy": "tma", "producer": "thread",
          "q_layout": "core_matrices", "q_copy": "threads", "o_store": "staged", "overlap": 0}
 KNOBS_FOR_HEAD_DIM = {64: {"block_n": 128}, 256: {"min_blocks_per_sm": 1},  # d256: 197 registers a thread
-                      **{d: {"kv_layout": "core_matrices", "num_stages": 1, "kv_copy": "cp.async"} for d in (32, 96)}}
+                      32: {"kv_layout": "core_matrices", "num_stages": 1, "kv_copy": "cp.async"}}
 # head_dims that sm_90a serves with the sm80 schedule by default (tvmflash.kernel.choose_schedule):
 # at d32 each wgmma does too little to pay off. H200, bf16 (2026-11-30, commit fc1cf0d): sm80
 # 214/228 TFLOP/s non-causal at 1k/4k tokens, 150/214 causal; sm90 168/190 and 114/148.

@@ -35,7 +35,8 @@ def test_forward_matches_float64(device, dtype, head_dim, causal):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_other_head_dims_on_the_gpu(dtype, head_dim, causal):
     """The other head_dims on what compile() picks for this GPU (on sm_90a: sm80 at 32; sm90 with
-    padded core matrices at 96, TMA and one block an SM at 256), over the edge shapes of SHAPES."""
+    the K/V tiles by TMA in the 64-byte swizzle at 96, one block an SM at 256), over the edge shapes
+    of SHAPES."""
     kernel = tvmflash.compile(head_dim=head_dim, dtype=dtype, causal=causal)
     for seqlen_q, seqlen_k, heads_q, heads_kv in SHAPES:
         q, k, v = random_qkv(2, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype, "cuda")
@@ -46,17 +47,16 @@ def test_other_head_dims_on_the_gpu(dtype, head_dim, causal):
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("q_copy", ["threads", "tma"])
-def test_sm90_d96_swizzled_tiles_by_tma_on_the_gpu(monkeypatch, q_copy, dtype, causal):
-    """head_dim 96 with the K/V tiles by TMA in the 64-byte swizzle (rows of 32 columns), the Q tile
-    in padded core matrices or (q_copy "tma") swizzled too and the output staged in its layout, over
-    the edge shapes of SHAPES, on an sm_90a GPU."""
+@pytest.mark.parametrize("knobs", [{"kv_layout": "core_matrices", "kv_copy": "cp.async", "num_stages": 1},
+                                   {"q_layout": "swizzled", "q_copy": "tma"}], ids=["core_matrices", "q_by_tma"])
+def test_sm90_d96_layouts_on_the_gpu(monkeypatch, knobs, dtype, causal):
+    """head_dim 96's other layouts in the tuning space (its default, the K/V tiles by TMA in the
+    64-byte swizzle, is test_other_head_dims'): all tiles in padded core matrices by cp.async, or the
+    Q tile swizzled too and copied by TMA (the output staged in its layout), over the edge shapes of
+    SHAPES, on an sm_90a GPU."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the sm90 schedule needs an sm_90a GPU")
     monkeypatch.setenv("TVMFLASH_SM90", "1")
-    knobs = {"kv_layout": "swizzled", "kv_copy": "tma", "num_stages": 2}
-    if q_copy == "tma":
-        knobs.update(q_layout="swizzled", q_copy="tma")
     kernel = tvmflash.compile(head_dim=96, dtype=dtype, causal=causal, knobs=knobs)
     for seqlen_q, seqlen_k, heads_q, heads_kv in SHAPES:
         q, k, v = random_qkv(2, seqlen_q, seqlen_k, heads_q, heads_kv, 96, dtype, "cuda")

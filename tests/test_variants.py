@@ -81,7 +81,7 @@ def test_forward_matches_float64_on_cpu(name):
 # and the combined ones on the other schedules and head_dims (sm80 at d32, SIMT in float32, sm90 at
 # d256 with one block an SM). One build each: 24 forward, 9 backward, 5 decode.
 GPU_CONFIGS = [(torch.bfloat16, 128), (torch.float16, 64)]
-GPU_OTHER_CONFIGS = [(torch.float16, 32), (torch.float32, 64), (torch.bfloat16, 256)]
+GPU_OTHER_CONFIGS = [(torch.float16, 32), (torch.float32, 64), (torch.bfloat16, 256), (torch.bfloat16, 96)]
 
 
 @pytest.mark.gpu

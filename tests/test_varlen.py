@@ -298,7 +298,7 @@ def test_sm90_varlen_masks_its_diagonal_tile_as_cheaply_as_dense():
 
 # ------------------------------------------------------------------------------------------------
 # GPU (the default schedules: on sm_90a sm90's wgmma for fp16/bf16, SIMT for float32)
-GPU_CONFIGS = [(torch.bfloat16, 128), (torch.float16, 64), (torch.float32, 32)]
+GPU_CONFIGS = [(torch.bfloat16, 128), (torch.float16, 64), (torch.float32, 32), (torch.bfloat16, 96)]
 
 
 @pytest.mark.gpu
