@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import gc
 import logging
 import math
 import os
@@ -426,6 +427,10 @@ class Kernel:
         sch = self._scheduled(spec)
         executable = lowering.build(sch.mod, self.target, **self._build_options(), wide_indices=wide)
         source = executable.mod.imports[0].inspect_source() if targets.is_cuda(self.target) else None
+        # TVMScript's parser keeps the Python stack of each T.prim_func in a reference cycle (its
+        # inspect.stack()), and with it the frames of the call that needed this module and their
+        # tensors (the first training step's activations): free it now, not at the next full collection
+        gc.collect()
         seconds = time.perf_counter() - start
         runnable = _runnable_here(self.target)
         path = self._path(key)
