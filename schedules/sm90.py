@@ -95,7 +95,7 @@ SWIZZLE_ALIGNMENT = 1024  # bytes: where a 128-byte-swizzled tile must start (``
 # and 378 with padded core matrices and plain loads (the default at cb572b6). 256-row blocks (4 warpgroups, one
 # block an SM) and 128-key tiles at one block an SM measured slower. d64 takes 128-key tiles. With
 # the rescale skip (29a3231) and hoisted causal test: 650 and 618 TFLOP/s (0.96x and 1.05x cuDNN).
-# d96 (no multiple of 64) takes the same pipeline in the 64-byte swizzle: 1.33-1.45x its padded core
+# d96 (no multiple of 64) takes the same pipeline in the 64-byte swizzle: 1.37-1.45x its padded core
 # matrices by cp.async (the default before f24148f), 1.02-1.04x cuDNN non-causal and 1.09-1.24x causal at
 # 1k-8k tokens (H200, bf16, 2026-12-03, benchmarks/sm90_knobs.py 96). d32 keeps the padded core matrices.
 KNOBS = {"block_m": 128, "block_n": 64, "num_warpgroups": 2, "num_stages": 2, "vec": 8, "min_blocks_per_sm": 2,
