@@ -74,8 +74,8 @@ from tvm.s_tir import TensorIntrin
 
 from tvmflash.lowering.annotations import (ATOMIC_ADD_PRAGMA, NARROW_SWIZZLE_COLUMNS, REG_FENCE,
                                            SKIP_UNIT_RESCALE_PRAGMA, SWIZZLE_COLUMNS, TMA_BARRIER_BYTES,
-                                           TMA_BARRIER_PADDINGS, TMA_LOAD, TMA_PRODUCERS, WGMMA_WAIT_PRAGMA,
-                                           swizzle_columns)
+                                           TMA_BARRIER_PADDINGS, TMA_LOAD, TMA_PRODUCERS, WGMMA_SWIZZLE_LAYOUTS,
+                                           WGMMA_WAIT_PRAGMA, swizzle_columns)
 
 from .common import (QuadRowLayout, bind_grid, buffer_info, dkdv_grid, hide_init_reads, pipeline_loads,
                      quad_row_block, quad_row_init, row_quad_map, row_reduce_intrin, staged_row_block,
@@ -408,7 +408,7 @@ _REG_FENCE_U32 = (  # the same for the A registers of the "rs" form (bf16/fp16 p
 )
 # A wgmma matrix descriptor, as a value (PTX ISA "Matrix Descriptor Format"): start address, leading
 # and stride byte offsets, each in 16-byte units, and the layout type in bits 62-63 (``NO_SWIZZLE``
-# or ``SWIZZLE_128B``). TVM's encoder writes through a pointer into a local buffer, and
+# or a swizzle's, ``WGMMA_SWIZZLE_LAYOUTS``). TVM's encoder writes through a pointer into a local buffer, and
 # InjectSoftwarePipeline (static shapes) splits such a buffer's allocation from its uses ("Buffer
 # access occurs outside a statement scope"). The start comes as the buffer's own start (the same for
 # every wgmma of a loop) plus the operand's offset in 16-byte units, which TIR folds to a constant and
@@ -431,8 +431,7 @@ _DESCRIPTOR = (
 # The 64-byte swizzle (a head_dim that is no multiple of 64: ``annotations.swizzle_columns``) is the
 # same with groups of 32 columns, a row 64 bytes, chunk c of row r at c ^ (r // 2 % 4), layout type 2,
 # the pattern repeating every 512 bytes.
-NO_SWIZZLE, SWIZZLE_128B, SWIZZLE_64B = 0, 1, 2
-SWIZZLE_LAYOUTS = {SWIZZLE_COLUMNS: SWIZZLE_128B, NARROW_SWIZZLE_COLUMNS: SWIZZLE_64B}  # columns -> layout type
+NO_SWIZZLE = 0  # the layout type of padded core matrices; the swizzles' are WGMMA_SWIZZLE_LAYOUTS
 
 
 def _xor(a, b, bits):
@@ -499,7 +498,7 @@ def _wgmma_desc_impl(n, k, dtype, b_major, a_regs, fence_operands=True, b_swizzl
     if n % 8 or not 8 <= n <= 256 or k % 16:
         raise ValueError(f"wgmma: n must be a multiple of 8 in [8, 256] and k of 16, got n={n}, k={k}")
     nr = n // 2  # accumulator registers per thread
-    w, chunks, layout = swizzle, swizzle // 8, SWIZZLE_LAYOUTS[swizzle]
+    w, chunks, layout = swizzle, swizzle // 8, WGMMA_SWIZZLE_LAYOUTS[swizzle]
     a_shape = (k // 2,) if a_regs else (k // w, 64, chunks, 8) if a_swizzled else (8, k // 8, 8, 8)
     if a_major == "mn":  # a k x 64 tile, core matrices (_core_matrix_map)
         assert not (a_regs or a_swizzled), "an M-major A is a shared-memory tile in core matrices"

@@ -32,12 +32,15 @@ SWIZZLE_COLUMNS = 64
 # Where a head_dim is no multiple of SWIZZLE_COLUMNS (d96), the 64-byte swizzle (layout type 2, TMA's
 # SWIZZLE_64B): groups of 32 columns, one 64-byte row each.
 NARROW_SWIZZLE_COLUMNS = 32
+# A wgmma descriptor's layout type for each swizzle, by its rows' columns (0: no swizzle)
+WGMMA_SWIZZLE_LAYOUTS = {SWIZZLE_COLUMNS: 1, NARROW_SWIZZLE_COLUMNS: 2}
 
 
 def swizzle_columns(head_dim: int) -> int | None:
     """The columns of a swizzled tile's row group at this head_dim: the widest swizzle that divides it
     (None: neither does)."""
     return next((c for c in (SWIZZLE_COLUMNS, NARROW_SWIZZLE_COLUMNS) if head_dim % c == 0), None)
+
 
 # A loop annotated so (a schedule has no primitive that inserts a statement) is preceded by
 # ``wgmma.wait_group 0`` and a register fence of the accumulators it reads (the local float32 buffers

@@ -57,7 +57,8 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from tvmflash.lowering.annotations import (NARROW_SWIZZLE_COLUMNS, SWIZZLE_COLUMNS, TMA_BARRIER_BYTES,
-                                           TMA_BARRIER_PADDING_ATTR, TMA_LOAD, TMA_PRODUCERS)
+                                           TMA_BARRIER_PADDING_ATTR, TMA_LOAD, TMA_PRODUCERS,
+                                           WGMMA_SWIZZLE_LAYOUTS)
 from tvmflash.lowering.ir import (find, inlined, is_attr, is_call, is_load, let_values, loaded, prim_func_pass,
                                   substitute, transform, unmarked)
 
@@ -649,9 +650,10 @@ class MisalignedTiles(RuntimeError):
 
 
 _TMA_COPIES_ATTR = "tvmflash.tma_copies"  # set by lowered_to_tma: how many TMA copies it wrote
-# a wgmma descriptor's layout type for the 128-byte and 64-byte swizzles -> (the boundary its tile starts
-# on, how far past one an operand may start: a k16 slice of a K-major tile starts 32 bytes along a row)
-_SWIZZLED_OPERANDS = {1: (1024, 128), 2: (512, 64)}
+# a wgmma descriptor's swizzle layout type -> (the boundary its tile starts on, 8 rows of 2 c bytes for rows
+# of c columns; how far past one an operand may start, up to a row: a k16 slice of a K-major tile starts 32
+# bytes along a row)
+_SWIZZLED_OPERANDS = {layout: (16 * c, 2 * c) for c, layout in WGMMA_SWIZZLE_LAYOUTS.items()}
 
 
 def _shared_byte_offsets(pointer, what, lets, units16=0):
