@@ -30,22 +30,36 @@ def schedule(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, vector: int
         _vectorize_inner(sch, name, vector)
 
     # S[i, :] += Q[i, d] * Kᵀ[d, :]: keys innermost, vectorised.
-    _gemm_vector_inner(sch, "qk", vector)
+    _gemm_register_tile(sch, "qk", vector)
     # acc[i, :] += P[i, j] * V[j, :]: head_dim innermost, vectorised.
-    _gemm_vector_inner(sch, "pv", vector)
+    _gemm_register_tile(sch, "pv", vector)
 
     for name in ("score", "exp", "cast_p"):
         _vectorize_inner(sch, name, vector)
     return sch
 
 
-def _gemm_vector_inner(sch, block_name, vector):
-    """A (rows, cols, reduction) block as rows, reduction, cols: the output row is updated along
-    contiguous columns, vectorised; the init is its own block."""
-    i, n, k = sch.get_loops(block_name)
-    sch.reorder(i, k, n)
-    _, inner = sch.split(n, [None, vector])
-    sch.vectorize(inner)
+def _gemm_register_tile(sch, block_name, vector):
+    """A (rows, cols, reduction) block as a register tile: up to 4 rows by up to 4 vectors of
+    contiguous columns, updated along the whole reduction before the next tile (the rows and vectors
+    unrolled, so LLVM keeps the 16 accumulators in registers; one broadcast of the left operand feeds
+    a row's vectors). The init is its own block."""
+    i, n, k = sch.get_loops(block_name)[-3:]
+    rows_extent, cols_extent = (int(sch.get(loop).extent) for loop in (i, n))
+    # A sampled vector (the tuner's ExprRV) is at most SPACE's widest, and divides it.
+    width = vector if isinstance(vector, int) else max(SPACE["vector"])
+    rows = next(r for r in (4, 2, 1) if rows_extent % r == 0)
+    vectors = next((v for v in (4, 3, 2, 1) if cols_extent % (v * width) == 0), None)
+    io, ii = sch.split(i, [None, rows])
+    if vectors is None:  # columns no multiple of a vector: one vector at a time, the last predicated
+        no, nv = sch.split(n, [None, vector])
+        sch.reorder(io, no, k, ii, nv)
+    else:
+        no, nr, nv = sch.split(n, [None, vectors, vector])
+        sch.reorder(io, no, k, ii, nr, nv)
+        sch.unroll(nr)
+    sch.vectorize(nv)
+    sch.unroll(ii)
     sch.decompose_reduction(block_name, k)
 
 
@@ -84,7 +98,7 @@ def schedule_backward(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, ve
             sch.transform_layout(block, ("write", 0), lambda r, d: (d, r))
         # ... and dv += pᵀ dout, dk += dsᵀ q, dq += ds k along head_dim.
         for name in ("qk", "dp") + (("dv", "dk") if func == "dkdv" else ("dq",)):
-            _gemm_vector_inner(sch, name, vector)
+            _gemm_register_tile(sch, name, vector)
         loads = ("load_q", "load_do", "load_k", "load_v")
         inits = ("init_dk", "init_dv", "store_dk", "store_dv") if func == "dkdv" else ("init_dq", "store_dq")
         elementwise = ("exp", "ds") + (("cast_p",) if func == "dkdv" else ())
@@ -118,8 +132,8 @@ def schedule_decode(sch: tvm.s_tir.Schedule, *, query_tokens: int, block_n: int,
         sch.transform_layout("load_k", ("write", 0), lambda j, d: (d, j))  # keys contiguous for the score loop
         for name in ("load_q", "load_k", "load_v", "init_acc", "store_o", "score", "exp"):
             _vectorize_inner(sch, name, vector)
-        _gemm_vector_inner(sch, "qk", vector)
-        _gemm_vector_inner(sch, "pv", vector)
+        _gemm_register_tile(sch, "qk", vector)
+        _gemm_register_tile(sch, "pv", vector)
 
     sch.work_on("merge")
     sch.parallel(sch.fuse(*sch.get_loops("row")))

@@ -78,3 +78,32 @@ def test_adjacent_statements_under_one_uniform_condition_share_one_if():
     merged = passes.MergeAdjacentGuards()(tvm.IRModule({"main": guarded}))["main"].script()
     assert merged.count("1 <= n") == 1 and "T.tvm_thread_invariant(1 <= n)" in merged
     assert merged.count("tx < n") == 2 and merged.count("a[0] < T.float32(1.0)") == 2
+
+
+def test_exp2_on_the_cpu_is_a_vectorised_polynomial_as_exact_as_float32_needs():
+    """``passes.PolynomialExp2OnCPU``: a vectorised float32 exp2 built for the CPU calls no libm
+    function, and matches float64's exp2 within 2e-7 relative where the result is a normal float;
+    -inf and anything at or below -127 give 0, 128 and above inf, NaN stays NaN."""
+
+    @T.prim_func
+    def powers_of_two(x: T.Buffer((4096,), "float32"), y: T.Buffer((4096,), "float32")):
+        for o in range(256):
+            for i in T.vectorized(16):
+                y[o * 16 + i] = T.exp2(x[o * 16 + i])
+
+    target = tvm.target.Target({"kind": "llvm"})
+    run = lowering.build(tvm.IRModule({"main": powers_of_two}), target)
+    llvm_ir = run.mod.inspect_source("ll")
+    assert "llvm.exp2" not in llvm_ir and "exp2f" not in llvm_ir
+
+    rng = np.random.default_rng(0)
+    special = [-np.inf, -1e30, -200.0, -127.0, -126.9, 0.0, -0.0, 0.5, -0.5, 127.4, 128.0, 300.0, np.inf, np.nan]
+    x = np.concatenate([special, rng.uniform(-126, 127, 4096 - len(special))]).astype("float32")
+    y = tvm.runtime.tensor(np.full(4096, -1, "float32"))
+    run(tvm.runtime.tensor(x), y)
+    got, want = y.numpy().astype("float64"), np.exp2(x.astype("float64"))
+    normal = (x > -126) & (x < 127.5)
+    assert np.max(np.abs(got[normal] / want[normal] - 1)) < 2e-7
+    assert (got[x <= -127] == 0).all()
+    assert np.isinf(got[x >= 128]).all() and (got[x >= 128] > 0).all()
+    assert np.isnan(got[np.isnan(x)]).all()

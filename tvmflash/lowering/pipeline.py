@@ -68,6 +68,7 @@ def passes_for(mod: tvm.IRModule, config) -> list:
         tirx.transform.BF16ComputeLegalize(),
         tirx.transform.NarrowDataType(32),
         s_tir.transform.LoopPartition(),
+        passes.PolynomialExp2OnCPU(),                                # + (llvm: a vector exp2 was libm calls)
         tirx.transform.VectorizeLoop(not bool(config.get("tirx.disable_vectorize", False))),
     ]
     if opts.get(WIDE_INDICES_ATTR):
