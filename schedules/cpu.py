@@ -1,4 +1,5 @@
-"""CPU (llvm) schedule: one task per (batch, head, Q block), vectorised inner loops."""
+"""CPU (llvm) schedule: one task per (batch, head, Q block); GEMMs as register tiles, the other loops
+vectorised."""
 
 from __future__ import annotations
 
@@ -6,8 +7,8 @@ import tvm
 
 from .common import read_index
 
-# Measured on a 2-core AVX-512 Xeon (bf16 and fp32, d64, s512): 64x64 tiles with 16-wide vectors
-# were about 10% faster than 32x64 with 8-wide ones.
+# 64x64 tiles with 16-wide vectors: the fastest at d64 and d128 (bf16, s1024) on a 2-core AVX-512
+# machine against block_n 128, block_m 32 and 8-wide vectors (BENCHMARKS.md, CPU).
 KNOBS = {"block_m": 64, "block_n": 64, "vector": 16}
 # Tuning space (``tvmflash tune``): block_m / block_n are the program's tile sizes, one
 # MetaSchedule task per pair; ``vector`` is sampled inside each task (it may be an ExprRV).
