@@ -582,8 +582,9 @@ _EXP2_COEFFICIENTS = (1.535336188319500e-4, 1.339887440266574e-3, 9.618437357674
 
 def polynomial_exp2(x):
     """float32 2**x in arithmetic that vectorises: x = n + f with n an integer and |f| <= 0.5, 2**n
-    written into a float's exponent bits, 2**f a polynomial. 0 for x <= -127 (2**-127 and below are
-    denormals; -inf gives 0 as libm's does), inf from 127.5 up, NaN for NaN."""
+    written into a float's exponent bits, 2**f a polynomial. 0 below -126.5 (where libm's would be at
+    most twice the smallest normal float, or a denormal; -inf gives 0 as libm's does), inf from 127.5
+    up, NaN for NaN."""
     f32 = "float32"
     value = tirx.Var("exp2_x", f32)
     clamped = tirx.Var("exp2_clamped", f32)
