@@ -169,10 +169,16 @@ def _atomic_adds(attr, vector: bool):
     return transform(body, tirx.BufferStore, _atomic_add)
 
 
+def _target_of(func, kind: str):
+    """The target ``tvm.compile`` bound to ``func`` where it is of ``kind`` ("cuda", "llvm"), else None."""
+    target = func.attrs.get("target") if func.attrs is not None else None
+    return target if target is not None and target.kind.name == kind else None
+
+
 def _has_vector_reductions(func) -> bool:
     """Does the function's target have ``red.global.add.v2.f32`` (CUDA sm_90 and newer)?"""
-    target = func.attrs.get("target") if func.attrs is not None else None
-    arch = str(target.attrs.get("arch", "")) if target is not None and target.kind.name == "cuda" else ""
+    target = _target_of(func, "cuda")
+    arch = str(target.attrs.get("arch", "")) if target is not None else ""
     return arch.startswith("sm_") and int("".join(c for c in arch[3:] if c.isdigit()) or 0) >= 90
 
 
@@ -602,18 +608,13 @@ def polynomial_exp2(x):
                 tirx.Select(tirx.isnan(value), value, result)))))
 
 
-def _on_llvm(func) -> bool:
-    target = func.attrs.get("target") if func.attrs is not None else None
-    return target is not None and target.kind.name == "llvm"
-
-
 def PolynomialExp2OnCPU():  # noqa: N802
     """Before VectorizeLoop, in the functions built for the CPU (llvm): each float32 ``exp2`` becomes
     ``polynomial_exp2``. LLVM turns a vector ``llvm.exp2`` into one libm call an element (no vector
     math library is linked), which took a third of the CPU forward's time; the polynomial vectorises
     with the loop around it. CUDA keeps its ``ex2.approx``."""
     def rewrite(func):
-        if not _on_llvm(func):
+        if _target_of(func, "llvm") is None:
             return func
         return func.with_body(transform(func.body, tvm.ir.expr.Call, lambda call: polynomial_exp2(call.args[0])
                                         if is_call(call, "tirx.exp2") and str(call.ty) == "float32" else None))
