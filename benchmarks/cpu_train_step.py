@@ -3,24 +3,17 @@
     python benchmarks/cpu_train_step.py [--seqlen 1024] [--batch 2] [--hidden 512] [--calls 10]
 
 bf16, flash-attn's layout (batch, seqlen, heads, head_dim), heads = hidden / head_dim, d64 and d128,
-full and causal; prints each backend's time a step and SDPA's time over tvmflash's (above 1.00x,
-tvmflash is faster). The gradients are checked by the test suite (``tests/test_backward.py``)."""
+full and causal; prints each backend's median time a step (``tvmflash.bench.time_ms``) and SDPA's
+time over tvmflash's (above 1.00x, tvmflash is faster). The gradients are checked by the test suite
+(``tests/test_backward.py``)."""
 
 import argparse
-import time
 
 import torch
 import torch.nn.functional as F
 
 import tvmflash
-
-
-def time_ms(step, calls: int) -> float:
-    step()  # builds on first use
-    start = time.perf_counter()
-    for _ in range(calls):
-        step()
-    return (time.perf_counter() - start) / calls * 1e3
+from tvmflash.bench import time_ms
 
 
 def main():
@@ -44,7 +37,7 @@ def main():
                 out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=causal)
                 out.backward(dout.transpose(1, 2))
 
-            mine, theirs = time_ms(ours, args.calls), time_ms(sdpa, args.calls)
+            mine, theirs = (time_ms(step, torch.device("cpu"), repeat=args.calls) for step in (ours, sdpa))
             print(f"d{head_dim} {'causal' if causal else 'full':6} b{args.batch} s{args.seqlen} h{heads}: "
                   f"tvmflash {mine:7.1f} ms  sdpa {theirs:7.1f} ms  {theirs / mine:.2f}x", flush=True)
 
