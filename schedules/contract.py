@@ -132,6 +132,11 @@ class KnobSet:
             points = [{**point, knob.name: value} for point in points for value in knob.candidates(point)]
         return [point for point in points if self.rules is None or self.rules(point) is None]
 
+    def accepts(self, knobs: dict) -> bool:
+        """Whether ``knobs`` (a tuning record's) name every knob of this set with values it takes: a record
+        made before a knob existed, or after one was dropped, is not this schedule's any more."""
+        return set(knobs) == set(self.names) and self.problem(knobs) is None
+
     def problem(self, knobs: dict, head_dim: int | None = None, dtype: str | None = None) -> str | None:
         """The one knob validation: None if ``knobs`` (some or all of this set's, the defaults filling
         in the rest) are valid, else why not. Names first, then each value, then the rules between
