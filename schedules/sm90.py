@@ -20,7 +20,7 @@ Mapping:
     (num_stages 2, the default, or 3), by TMA (``kv_copy`` "tma", the default: ``tvmflash.lowering.tma``
     turns the pipeline's copies into one thread's ``cp.async.bulk.tensor`` on the stage's
     mbarriers, and the K/V loop keeps no __syncthreads) or by every thread's cp.async ("cp.async":
-    each step waits for its tile and syncs once, ``lowering.passes.OneBarrierPerPipelinedStep``),
+    each step waits for its tile and syncs once, ``lowering.cp_async_barriers.OneBarrierPerPipelinedStep``),
     or plainly (num_stages 1). QK^T
     reads both operands through descriptors ("ss" form), K K-major; PV takes P from registers
     ("rs" form) and V through a descriptor, N-major (``imm-trans-b`` = 1), so V is never
@@ -285,7 +285,7 @@ PASS_CONFIG: dict = {"tirx.use_async_copy": True}  # cp.async for the pipelined 
 # fence.proxy.async after its wait (lowering.tvm_fixes.ConstantAsyncWaitCounts).
 ASYNC_PROXY_OPERANDS = True
 # The causal tile test reads the Q block (blockIdx.y), which TVM's HoistIfThenElse will not hoist out
-# of the score's element loops (``lowering.passes.HoistBlockIndexConditions``): without it each
+# of the score's element loops (``lowering.uniformity.HoistBlockIndexConditions``): without it each
 # score of a causal K/V step kept a branch of its own. H200, causal, vs cuDNN: d128 0.87/0.94/0.94 ->
 # 0.98/1.05/1.05 at 1k/4k/8k, d64 0.82/0.85/0.85 -> 1.05/1.13/1.13 (H200, 2026-12-01, commit 29a3231).
 HOIST_BLOCK_INDEX_CONDITIONS = True
@@ -470,7 +470,7 @@ def wgmma_intrin_name(n: int, k: int, dtype: str, b_major: str, a_regs: bool = F
     fence_operands ("ss" form only): begin with ``fence.proxy.async`` and a barrier, so that the
     threads' shared-memory writes are visible to wgmma. Off where the caller's code already does
     both before it (the cp.async pipeline's wait, ``lowering.tvm_fixes.ConstantAsyncWaitCounts``,
-    at the top of the K/V step: ``lowering.passes.OneBarrierPerPipelinedStep``).
+    at the top of the K/V step: ``lowering.cp_async_barriers.OneBarrierPerPipelinedStep``).
     """
     name = f"tvmflash_wgmma_m64n{n}k{k}_{_PTX_TYPE[dtype]}_{'r' if a_regs else 's'}_b{b_major}"
     if b_swizzled:
@@ -964,7 +964,7 @@ def schedule(
 # default), by TMA: one thread copies a Q block's q and dout (swizzled tiles) and its rows' lse and
 # delta on the stage's mbarrier (``tvmflash.lowering.tma``), so the other threads spend no registers
 # or instructions on the copies and the loads need no block-wide barrier. With the epilogue's guards
-# merged (``lowering.passes.MergeAdjacentGuards``; 241-250 registers a thread at d128, no spills) the
+# merged (``lowering.uniformity.MergeAdjacentGuards``; 241-250 registers a thread at d128, no spills) the
 # backward runs 1.22-1.40x SDPA flash at d128 and 1.15-1.21x at d64, against 0.95-1.02x with the
 # plain loads at d128 and the cp.async pipeline at d64 (H200, 2026-12-02, benchmarks/backward_knobs.py
 # at 2k and 8k tokens, BENCHMARKS.md). Dense only: varlen's rows past a sequence's end

@@ -100,7 +100,7 @@ def test_sm80_pipelined_kv_loads_use_cp_async(num_stages):
     src = kernel.source(heads_q=4, heads_kv=2)
     assert "cp.async.cg.shared.global" in src and "cp.async.commit_group" in src
     # At the top of the steady-state loop, before the step's own copies are issued: wait until all
-    # but the num_stages - 2 newest copies are done (passes.OneBarrierPerPipelinedStep).
+    # but the num_stages - 2 newest copies are done (cp_async_barriers.OneBarrierPerPipelinedStep).
     assert f"cp.async.wait_group {num_stages - 2};" in src
     assert ("& 1)" if num_stages == 2 else "% 3)") in src  # the buffer version of a K/V tile
     for arch in ("sm_80", "sm_90a"):
@@ -250,7 +250,7 @@ def test_pipelined_kv_step_waits_for_its_tile_first(monkeypatch, schedule, causa
     tile (on sm90 with fence.proxy.async after it, so wgmma sees the cp.async writes) and one
     barrier, and only then issues the next tile's copies: one __syncthreads a step. TVM's order
     (barrier, copies, wait, barrier) has two, and on sm90 the fence then also waits for the copies
-    just issued (passes.OneBarrierPerPipelinedStep)."""
+    just issued (cp_async_barriers.OneBarrierPerPipelinedStep)."""
     monkeypatch.setenv("TVMFLASH_SM90", "1" if schedule == "sm90" else "0")
     knobs = {"num_stages": 2, **({"kv_copy": "cp.async"} if schedule == "sm90" else {})}
     kernel = tvmflash.compile(head_dim=64, dtype="bfloat16", causal=causal, target=schedule, knobs=knobs)

@@ -567,7 +567,7 @@ def _one_off_copy(plan, stmts, k):
 
 def _inside_run_if(body):
     """A tile's body and a function that puts a body back where it was: under the uniform test that
-    ``passes.RunBlocksIf`` wraps a tile in (varlen's Q blocks past their sequence), the statements
+    ``loops_and_blocks.RunBlocksIf`` wraps a tile in (varlen's Q blocks past their sequence), the statements
     inside it, so that the Q tile's proxy fence (``_q_tile_visible``) lands after the Q tile's stores
     and not before the test, ahead of them."""
     if (isinstance(body, tirx.IfThenElse) and body.else_case is None

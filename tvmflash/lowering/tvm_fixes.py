@@ -2,7 +2,7 @@
 
 Each is a pass in ``pipeline.py``'s list, says which TVM behaviour it works around, and should be
 dropped once the TVM that tvmflash pins fixes it (``tests/test_generated_cuda.py`` then shows
-what changes). tvmflash's own lowerings are in ``passes.py`` and ``tma.py``.
+what changes). tvmflash's own lowerings are in the other modules of this package.
 """
 
 from __future__ import annotations
