@@ -107,3 +107,12 @@ def test_exp2_on_the_cpu_is_a_vectorised_polynomial_as_exact_as_float32_needs():
     assert (got[x <= -127] == 0).all()
     assert np.isinf(got[x >= 128]).all() and (got[x >= 128] > 0).all()
     assert np.isnan(got[np.isnan(x)]).all()
+
+
+def test_every_lowering_module_is_in_the_build_cache_key():
+    """``lowering.MODULES`` (whose source is in the build cache's key) holds every module of the package:
+    a change to any pass builds anew."""
+    from pathlib import Path
+
+    here = {path.stem for path in Path(lowering.__file__).parent.glob("*.py") if path.stem != "__init__"}
+    assert {module.__name__.rsplit(".", 1)[1] for module in lowering.MODULES} == here

@@ -13,18 +13,18 @@ RUNS_IF = "tvmflash.runs_if"
 # TensorIR's Schedule has no primitive that reverses a loop).
 REVERSED = "tvmflash.reversed"
 
-# Block annotation: this pipelined global -> shared copy goes by TMA (``tma.LowerToTMA``), issued by the
-# producer the annotation names; that adds TMA_BARRIER_BYTES[producer] of mbarriers to the kernel's
-# shared memory. The sizes keep the tiles that shared-memory merging packs after the barriers on
-# 1024-byte boundaries (the swizzle's), for the buffers each build has (``tma.CheckTileAlignment``
-# checks every build).
+# Block annotation: this pipelined global -> shared copy goes by TMA (``tma_copies.LowerToTMA``), issued
+# by the producer the annotation names; that adds TMA_BARRIER_BYTES[producer] of mbarriers to the
+# kernel's shared memory. The sizes keep the tiles that shared-memory merging packs after the barriers
+# on 1024-byte boundaries (the swizzle's), for the buffers each build has
+# (``tile_alignment.CheckTileAlignment`` checks every build).
 TMA_LOAD = "tvmflash.tma_load"
 TMA_PRODUCERS = ("thread", "warpgroup")  # thread 0 of the first warpgroup, or a producer warpgroup (FA3's)
 TMA_BARRIER_BYTES = {"thread": 512, "warpgroup": 1024}
 # Shared-memory merging packs the buffers live together by size, smallest first, so the K/V tiles land
 # after the barriers and every smaller buffer. TMA_BARRIER_BYTES suits the defaults; where the smaller
 # buffers add up to another multiple of 256 bytes, a build grows the barriers by one of these
-# (``lowering.build`` tries them in turn until ``tma.CheckTileAlignment`` passes).
+# (``lowering.build`` tries them in turn until ``tile_alignment.CheckTileAlignment`` passes).
 TMA_BARRIER_PADDINGS = (0, 256, 512, 768)
 # The 128-byte swizzle of 16-bit tiles (wgmma descriptors' layout type 1, TMA's SWIZZLE_128B): a tile
 # is cut into halves of this many columns, one 128-byte row each.

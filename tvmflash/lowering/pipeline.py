@@ -15,8 +15,8 @@ from __future__ import annotations
 import tvm
 from tvm import s_tir, tirx
 
-from tvmflash.lowering import (cp_async_barriers, cpu_exp2, loops_and_blocks, pragmas, tma, tvm_fixes, uniformity,
-                               wide_indices)
+from tvmflash.lowering import (cp_async_barriers, cpu_exp2, loops_and_blocks, pragmas, tile_alignment, tma_copies,
+                               tma_producer_warpgroup, tvm_fixes, uniformity, wide_indices)
 from tvmflash.lowering.annotations import (ASYNC_PROXY_OPERANDS_ATTR, HOIST_BLOCK_INDEX_CONDITIONS_ATTR,
                                            TMA_BARRIER_PADDING_ATTR, TMA_BARRIER_PADDINGS, WIDE_INDICES_ATTR)
 
@@ -59,7 +59,7 @@ def passes_for(mod: tvm.IRModule, config) -> list:
         s_tir.transform.AnnotateIrregularLoop(),
         loops_and_blocks.BindLoadedPipelineExtents(),                # + (decode's per-sequence tile loop)
         s_tir.transform.InjectSoftwarePipeline(),
-        tma.LowerToTMA(),                                            # +
+        tma_copies.LowerToTMA(),                                     # +
         s_tir.transform.TransformMmaBufferLayout(),
         s_tir.transform.LowerOpaqueBlock(),
         uniformity.MergeAdjacentGuards(),                            # + (a pipeline's epilogue)
@@ -114,7 +114,7 @@ def passes_for(mod: tvm.IRModule, config) -> list:
         # accumulator rescale sits under a block-uniform guard ("Cannot insert syncs inside
         # condition"), as InjectSoftwarePipeline writes around the epilogue of a pipeline over the
         # symbolic number of K/V tiles.
-        tma.NameConsumerBarriers(),                                  # + (after the last ThreadSync)
+        tma_producer_warpgroup.NameConsumerBarriers(),               # + (after the last ThreadSync)
         s_tir.transform.InferFragment(),
         s_tir.transform.LowerThreadAllreduce(),
     ]
@@ -124,7 +124,7 @@ def passes_for(mod: tvm.IRModule, config) -> list:
         pipeline.append(s_tir.transform.InjectPTXLDG32())
     pipeline += [
         s_tir.transform.MergeSharedMemoryAllocations(),
-        tma.CheckTileAlignment(),                                    # + (where the tiles landed; see build)
+        tile_alignment.CheckTileAlignment(),                         # + (where the tiles landed; see build)
         # (after the merge, which rewrites the pointers of TVM's own cp.async but not of a call of ours)
         tvm_fixes.ZeroFillingCpAsync(),                              # fix
         tvm_fixes.ConstantAsyncWaitCounts(proxy_fence=opts.get(ASYNC_PROXY_OPERANDS_ATTR, False)),  # fix
@@ -168,9 +168,10 @@ def build(mod: tvm.IRModule, target: tvm.target.Target, *, pass_config: dict | N
     tensor-core operands are read through the async proxy (wgmma), so each cp.async wait is followed
     by a proxy fence. hoist_block_index_conditions: ``uniformity.HoistBlockIndexConditions`` instead
     of TVM's HoistIfThenElse. wide_indices: global buffers are indexed in int64
-    (``wide_indices.WidenGlobalIndices``), for tensors of 2**31 elements or more. A TMA build whose tiles
-    ``tma.CheckTileAlignment`` finds off the swizzle's 1024-byte boundary is built again with larger
-    barriers (``TMA_BARRIER_PADDINGS``), and raises ``tma.MisalignedTiles`` if none fits.
+    (``wide_indices.WidenGlobalIndices``), for tensors of 2**31 elements or more. A TMA build whose
+    tiles ``tile_alignment.CheckTileAlignment`` finds off the swizzle's 1024-byte boundary is built
+    again with larger barriers (``TMA_BARRIER_PADDINGS``), and raises ``tile_alignment.MisalignedTiles``
+    if none fits.
     """
     def with_options(func, padding):
         func = (func.with_attr(ASYNC_PROXY_OPERANDS_ATTR, async_proxy_operands)
@@ -183,6 +184,6 @@ def build(mod: tvm.IRModule, target: tvm.target.Target, *, pass_config: dict | N
         with tvm.transform.PassContext(opt_level=3, config=pass_config or {}):
             try:
                 return tvm.compile(optioned, target=target, tir_pipeline=PIPELINE)
-            except tma.MisalignedTiles as err:
+            except tile_alignment.MisalignedTiles as err:
                 misaligned = err
     raise misaligned
