@@ -42,8 +42,8 @@ def _tile_wait_first(loop_body):
     read last step), issue the copies, wait, barrier (the tile just waited for), compute. Once the
     wait comes first, its barrier also orders last step's reads before the refill, so one barrier
     is enough. On sm90 the wait's ``fence.proxy.async`` (``tvm_fixes.ConstantAsyncWaitCounts``), a
-    ``MEMBAR.ALL.CTA`` in SASS, then also stops waiting for the copies just issued. H200, d128
-    bf16 non-causal: sm90 at block_m 256 325 -> 397 TFLOP/s, sm80 324 -> 343 (commit 8763f5b).
+    ``MEMBAR.ALL.CTA`` in SASS, then also stops waiting for the copies just issued. Measured faster
+    on both sm80 and sm90 than the two-barrier step.
     """
     commit, wait = [], []
 

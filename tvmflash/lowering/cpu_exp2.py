@@ -39,8 +39,8 @@ def polynomial_exp2(x):
 def PolynomialExp2OnCPU():  # noqa: N802
     """Before VectorizeLoop, in the functions built for the CPU (llvm): each float32 ``exp2`` becomes
     ``polynomial_exp2``. LLVM turns a vector ``llvm.exp2`` into one libm call an element (no vector
-    math library is linked), which took a third of the CPU forward's time; the polynomial vectorises
-    with the loop around it. CUDA keeps its ``ex2.approx``."""
+    math library is linked), which took a large share of the CPU forward's time; the polynomial
+    vectorises with the loop around it. CUDA keeps its ``ex2.approx``."""
     def rewrite(func):
         if target_of(func, "llvm") is None:
             return func

@@ -63,7 +63,7 @@ def _extent_bound(loop):
             loop.extent, lambda n: type(n).__name__ in ("TensorLoad", "BufferLoad")):
         return loop
     # A constant floor stays in sight: the program's max(min_kv_tiles, count) keeps the pipeline's
-    # epilogue unguarded (``sm90.min_kv_tiles``); under a guard, varlen's sm90 wgmma spilled 2.6 KB.
+    # epilogue unguarded (``sm90.min_kv_tiles``); under a guard, varlen's sm90 wgmma spilled registers.
     floor, counted = None, loop.extent
     if isinstance(loop.extent, tirx.Max):
         for a, b in ((loop.extent.a, loop.extent.b), (loop.extent.b, loop.extent.a)):

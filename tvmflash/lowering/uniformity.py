@@ -74,10 +74,9 @@ def BindBlockUniformLoads(names):  # noqa: N802
     sequence starts and ends) is read once, into a variable bound at the kernel's start, and that
     variable is read everywhere else. Left as loads, they were repeated in each mask test and loop
     bound, and nvcc could hoist none of them out of the score's element loops (a load under a branch may
-    not move ahead of it): varlen's causal forward ran 2.5x slower than the dense one at equal lengths
-    (H200), slower than its own non-causal forward. sm80, d64 causal: the K/V step's PTX went from 2828
-    instructions with 258 global loads to 1694 with none (dense: 1108 on interior tiles, 1261 on
-    masked ones). The let values of other variables keep their loads (``BindLoadedPipelineExtents``'
+    not move ahead of it): varlen's causal forward ran far slower than the dense one at equal lengths,
+    slower than its own non-causal forward, and its K/V step held global loads that the dense one does
+    not. The let values of other variables keep their loads (``BindLoadedPipelineExtents``'
     tile count): StmtSimplify inlines a pure integer let value, and the pipeline's guards on the count
     then no longer simplify away."""
     return prim_func_pass(lambda func: _block_uniform_loads_bound(func, set(names)), "tvmflash.BindBlockUniformLoads")
@@ -103,7 +102,7 @@ def _block_indices_aliased(func, aliases: dict):
     # (``_block_uniform``): varlen's sequence offsets (``BindBlockUniformLoads``) and its K/V tile
     # count (``BindLoadedPipelineExtents``). HoistIfThenElse keeps a condition that reads a let
     # variable in its loop: the pipeline epilogue's causal tile test, on the count, was tested per
-    # score (varlen d64 causal, sm90: 64 tests a K/V step).
+    # score.
     loops = find(func.body, lambda n: isinstance(n, tirx.For))
     in_loops = {bind.var for loop in loops for bind in find(loop.body, lambda n: isinstance(n, tirx.Bind))}
     varying = {attr.node.var for attr in thread_extents if not attr.node.thread_tag.startswith("blockIdx")}
@@ -129,8 +128,8 @@ def HoistBlockIndexConditions():  # noqa: N802
     HoistIfThenElse leaves a condition in its loop when the condition reads a thread index, blockIdx.*
     included, although a block index is the same for the whole kernel body. The causal tile test
     (``program.tile_visible``) reads the Q block, so on sm90 each of a causal K/V step's score
-    elements kept its own branch on it (d128: 762 SASS instructions a step against 472; d64: 1241
-    against 657), where the non-causal test is hoisted out of the element loops. The block indices
+    elements kept its own branch on it (a step of far more instructions than the non-causal one),
+    where the non-causal test is hoisted out of the element loops. The block indices
     are renamed in the conditions for the pass (a block index is bound around the whole kernel,
     outside every loop the pass can hoist out of) and restored after it."""
     aliases = {}  # block index -> its alias, per function
@@ -181,7 +180,7 @@ def MergeAdjacentGuards():  # noqa: N802
     """After LowerOpaqueBlock: adjacent statements under one block-uniform condition share one ``if``
     (``_merged_guards``). InjectSoftwarePipeline guards each statement of a pipeline's epilogue on its
     own (the loop may have had no step); ptxas then kept the sm90 dkdv's step values in registers across
-    the separate branches and spilled (d128 with TMA: 580 bytes, none with the guards merged)."""
+    the separate branches and spilled (and did not with the guards merged)."""
     return prim_func_pass(_guards_merged, "tvmflash.MergeAdjacentGuards")
 
 
@@ -226,5 +225,5 @@ def UniformWarpgroupDescriptors():  # noqa: N802
     threadIdx.y (the warpgroup) is the same across a warp where threadIdx.x spans whole warps, but
     nvcc does not know that: the Q tile's descriptors, which depend on it, then sit in ordinary
     registers and are moved to uniform ones before every wgmma (two R2UR and a constant move each,
-    16 of the 44 of a d128 K/V step's wgmma issue). After the shuffle they are uniform values."""
+    a large share of a K/V step's wgmma issue). After the shuffle they are uniform values."""
     return prim_func_pass(_uniform_warpgroup_descriptors, "tvmflash.UniformWarpgroupDescriptors")
