@@ -93,7 +93,6 @@ def _atomic_adds(attr, vector: bool):
     return transform(body, tirx.BufferStore, _atomic_add)
 
 
-
 def _has_vector_reductions(func) -> bool:
     """Does the function's target have ``red.global.add.v2.f32`` (CUDA sm_90 and newer)?"""
     target = target_of(func, "cuda")

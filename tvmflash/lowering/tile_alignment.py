@@ -13,6 +13,7 @@ from tvmflash.lowering.annotations import WGMMA_SWIZZLE_LAYOUTS
 from tvmflash.lowering.ir import find, inlined, is_call, is_load, let_values, loaded, prim_func_pass, substitute
 from tvmflash.lowering.tma_device_functions import TMA_LOADS
 
+
 @tvm_ffi.register_error  # so that it reaches ``pipeline.build`` through TVM's pass machinery as itself
 class MisalignedTiles(RuntimeError):
     """A TMA tile or a swizzled wgmma operand off the swizzle's 1024-byte boundary."""
@@ -82,5 +83,3 @@ def check_tile_alignment(func: tirx.PrimFunc) -> tirx.PrimFunc:
 def CheckTileAlignment():  # noqa: N802
     """``check_tile_alignment``, as a pass."""
     return prim_func_pass(check_tile_alignment, "tvmflash.CheckTileAlignment")
-
-

@@ -108,7 +108,6 @@ def _names_tma_issue(node):
             and node.args[0].value in TMA_LOADS)
 
 
-
 def _only_commits_or_waits(stmt):
     """Whether ``stmt`` only commits wgmma groups or waits for them."""
     calls = find(stmt, lambda n: type(n).__name__ == "Call")
@@ -251,7 +250,6 @@ def lowered_to_tma(func: tirx.PrimFunc) -> tirx.PrimFunc:
         TMA_COPIES_ATTR, copies)
 
 
-
 def _after_declarations(body, stmts, buffers):
     """``body`` with ``stmts`` (host statements that read ``buffers``) before everything but the
     declarations of those buffers (the program's strided views of its arguments)."""
@@ -310,4 +308,3 @@ def LowerToTMA():  # noqa: N802 - named as TVM's passes are
     """Right after InjectSoftwarePipeline: the TMA_LOAD copies on TMA (``lowered_to_tma``; its barriers
     grown by the function's ``TMA_BARRIER_PADDING_ATTR`` bytes)."""
     return prim_func_pass(lowered_to_tma, "tvmflash.LowerToTMA")
-

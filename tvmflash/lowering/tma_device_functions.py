@@ -72,17 +72,18 @@ _HELPERS = {
 
 
 def device_call(name, *args):
+    """A call of the device function ``name``, its source carried with the call."""
     return T.cuda.func_call(name, *args, source_code=_HELPERS[name])
 
 
 def device_statement(name, *args):
+    """``device_call`` as a statement."""
     return tirx.Evaluate(device_call(name, *args))
 
 
 def untracked_pointer(buffer, offset):
     """A pointer into ``buffer`` that ThreadSync does not count as an access (mask 0)."""
     return T.tvm_access_ptr(T.type_annotation(buffer.dtype), buffer.data, offset, 1, 0)
-
 
 
 TMA_LOADS = {"tvmflash_tma_load_5d": 1024, "tvmflash_tma_load_3d": 128}  # each copy's shared-memory alignment

@@ -145,7 +145,9 @@ def _row_vector_copy(plan, source, tile, destination, origin):
         row, head, batch))
     return (destination[0], stages), call, rows * tile.dtype.bits // 8
 
+
 def reads_tiles(stmt, tiles):
+    """Whether ``stmt`` reads one of ``tiles`` (a load, or a pointer into it)."""
     def reads(node):
         if is_load(node):
             return any(loaded(node).same_as(t) for t in tiles)
@@ -161,4 +163,3 @@ def q_tile_visible():
     proxy), and the barriers' set-up to every thread. Here rather than at the first issue, which may
     sit in a loop of the pipeline's prologue."""
     return [device_statement("tvmflash_fence_proxy_async"), tirx.Evaluate(T.tvm_storage_sync("shared"))]
-

@@ -104,7 +104,6 @@ def consumer_barriers(func: tirx.PrimFunc) -> tirx.PrimFunc:
     return func.with_body(transform(func.body, tirx.AttrStmt, name_barriers))
 
 
-
 def NameConsumerBarriers():  # noqa: N802
     """After the last ThreadSync: ``consumer_barriers``."""
     return prim_func_pass(consumer_barriers, "tvmflash.NameConsumerBarriers")

@@ -39,4 +39,3 @@ def encode_tensor_maps(plan):
             var, buffer.data, *dims, *byte_strides, *box, *[1] * (rank - len(box)), *[1] * rank,
             descriptor_dtype=str(buffer.dtype), rank=rank, swizzle=swizzle, l2_promotion=L2_PROMOTION_128B)))
     return stmts
-
