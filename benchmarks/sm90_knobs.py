@@ -1,4 +1,4 @@
-"""sm90 knob variants (the producer warpgroup of tvmflash.lowering.tma, block_n, stages) built in
+"""sm90 knob variants (the producer warpgroup of tvmflash.lowering.tma_producer_warpgroup, block_n, stages) built in
 parallel, checked against an fp32 reference (flash-attn's rule: error <= 2x cuDNN's bf16 error + 1e-5),
 timed interleaved with cuDNN in one process, on an sm_90a GPU. VARIANTS: name -> knobs, per head_dim.
 

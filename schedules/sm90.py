@@ -17,10 +17,10 @@ Mapping:
     128-byte rows, 16-byte chunks permuted by row; at a head_dim that is no multiple of 64, d96, the
     64-byte swizzle: 32-column groups of 64-byte rows), or padded core matrices like Q. All are
     copied along the rows, 16 bytes a thread. The K/V tiles are loaded in a software pipeline
-    (num_stages 2, the default, or 3), by TMA (``kv_copy`` "tma", the default: ``tvmflash.lowering.tma``
+    (num_stages 2, the default, or 3), by TMA (``kv_copy`` "tma", the default: ``tvmflash.lowering.tma_copies``
     turns the pipeline's copies into one thread's ``cp.async.bulk.tensor`` on the stage's
     mbarriers, and the K/V loop keeps no __syncthreads) or by every thread's cp.async ("cp.async":
-    each step waits for its tile and syncs once, ``lowering.passes.OneBarrierPerPipelinedStep``),
+    each step waits for its tile and syncs once, ``lowering.cp_async_barriers.OneBarrierPerPipelinedStep``),
     or plainly (num_stages 1). QK^T
     reads both operands through descriptors ("ss" form), K K-major; PV takes P from registers
     ("rs" form) and V through a descriptor, N-major (``imm-trans-b`` = 1), so V is never
@@ -37,7 +37,7 @@ Mapping:
     thread per row (about 5 more __syncthreads per tile).
   * producer (default "thread"): who issues the TMA copies, thread 0 of the first warpgroup or, as
     in FA3, a warpgroup of its own that gives its registers to the two consumer warpgroups
-    (``tvmflash.lowering.tma``; one block an SM, 240 registers a consumer thread, room for block_n 128 at
+    (``tvmflash.lowering.tma_producer_warpgroup``; one block an SM, 240 registers a consumer thread, room for block_n 128 at
     d128). Correct on the H200 but slower than the default there so far (H200, 2026-11-30, commit b2194be:
     0.93-0.95x at d128 non-causal, 0.83x causal; 2fccb1c, with q_layout "swizzled" and three
     stages of block_n 128: 0.86-0.92x non-causal, 0.75-0.82x causal); it is in the tuning space.
@@ -87,7 +87,7 @@ CORE_MATRIX_ELEMENTS = 64  # 8 rows x 16 bytes of 16-bit elements
 PAD_ELEMENTS = 8  # 16 bytes after each core matrix along a row (``_pad_core_matrix_stride``)
 WG_ROWS = 64  # rows of one wgmma (the M of m64nNk16)
 WARPS_PER_WARPGROUP = 4
-SWIZZLE_ALIGNMENT = 1024  # bytes: where a 128-byte-swizzled tile must start (``lowering.tma.check_tile_alignment``)
+SWIZZLE_ALIGNMENT = 1024  # bytes: where a 128-byte-swizzled tile must start (``lowering.tile_alignment.check_tile_alignment``)
 
 # The H200's fastest: 128-row blocks, two blocks an SM, the K/V tiles in the 128-byte swizzled layout
 # loaded by TMA in two stages. d128 bf16 b4 s4096 (2026-11-30, commit fc1cf0d, one run): 586 TFLOP/s non-causal and
@@ -133,7 +133,7 @@ O_STORES = ("staged", "direct")
 # registers, each row's store predicated on the sequence's rows (the staging tile's copy-out takes its
 # rows from the store's region, which TensorIR cannot bound with the offsets read from cu_seqlens:
 # CompactBufferAllocation rejects it). The TMA copies read past a sequence's last key, which the mask
-# hides (``tvmflash.lowering.tma``).
+# hides (``tvmflash.lowering.tma_copies``).
 VARLEN_KNOBS = {"o_store": "direct"}
 # overlap 1, FA3's intra-warpgroup order: the step of tile j issues PV of tile j - 1, then QK^T of tile
 # j, and waits once for both; V keeps num_stages tiles and K one fewer (``common.pipeline_loads``'s
@@ -142,10 +142,10 @@ VARLEN_KNOBS = {"o_store": "direct"}
 # run, slower at 1k tokens and causal (H200, 2026-12-01, commit 0e948a5).
 OVERLAPS = (0, 1)
 # How the pipelined K/V tiles are copied: every thread's cp.async, 16 bytes each, then a block-wide
-# barrier a step; or TMA (``tvmflash.lowering.tma``): one thread issues each tile, completing on the stage's
+# barrier a step; or TMA (``tvmflash.lowering.tma_copies``): one thread issues each tile, completing on the stage's
 # mbarrier, and no block-wide barrier is left in the K/V loop. TMA needs the swizzled layout.
 KV_COPIES = ("cp.async", "tma")
-# Who issues the TMA copies (``annotations.TMA_PRODUCERS``, lowered by ``tvmflash.lowering.tma``): thread 0 of the
+# Who issues the TMA copies (``annotations.TMA_PRODUCERS``, lowered by ``tvmflash.lowering.tma_copies``): thread 0 of the
 # first warpgroup, between its own wgmma; or, as in FA3, a warpgroup of its own (threadIdx.y ==
 # num_warpgroups), which gives its registers to the others (setmaxnreg: 240 a consumer thread), so one
 # thread block fills the SM.
@@ -205,7 +205,7 @@ CHOICES = {"num_stages": NUM_STAGES, "row_state": ROW_STATES, "kv_layout": KV_LA
 
 
 def _tma_can_copy(kv_layout: str, num_stages: int) -> bool:
-    """TMA copies only swizzled tiles, and only in a pipeline (``tvmflash.lowering.tma`` lowers its stages)."""
+    """TMA copies only swizzled tiles, and only in a pipeline (``tvmflash.lowering.tma_copies`` lowers its stages)."""
     return kv_layout == "swizzled" and num_stages > 1
 
 
@@ -254,7 +254,7 @@ def knobs_problem(head_dim: int, dtype: str, knobs: dict) -> str | None:
     """Why a build with these knobs would fail, or None (the tuner's pre-check, ``tune.candidate_problem``;
     shared memory is checked there): knobs that do not go together, too few registers a thread, a
     swizzled layout at a head_dim that is no multiple of 32, and swizzled tiles off the 1024-byte
-    boundary the swizzle needs (``tvmflash.lowering.tma.MisalignedTiles``)."""
+    boundary the swizzle needs (``tvmflash.lowering.tile_alignment.MisalignedTiles``)."""
     knobs = {**KNOBS, **knobs}
     if not valid_knobs(knobs):
         return "these knobs do not go together (sm90.valid_knobs)"
@@ -285,7 +285,7 @@ PASS_CONFIG: dict = {"tirx.use_async_copy": True}  # cp.async for the pipelined 
 # fence.proxy.async after its wait (lowering.tvm_fixes.ConstantAsyncWaitCounts).
 ASYNC_PROXY_OPERANDS = True
 # The causal tile test reads the Q block (blockIdx.y), which TVM's HoistIfThenElse will not hoist out
-# of the score's element loops (``lowering.passes.HoistBlockIndexConditions``): without it each
+# of the score's element loops (``lowering.uniformity.HoistBlockIndexConditions``): without it each
 # score of a causal K/V step kept a branch of its own. H200, causal, vs cuDNN: d128 0.87/0.94/0.94 ->
 # 0.98/1.05/1.05 at 1k/4k/8k, d64 0.82/0.85/0.85 -> 1.05/1.13/1.13 (H200, 2026-12-01, commit 29a3231).
 HOIST_BLOCK_INDEX_CONDITIONS = True
@@ -311,7 +311,7 @@ def shared_memory_bytes(head_dim: int, dtype: str, knobs: dict) -> int:
     padded by 16 bytes each, ``_pad_core_matrix_stride``, or swizzled, unpadded) and num_stages K/V
     tile pairs (``kv_layout``, the same choice), or the output's staging tile if that is larger
     (``_store_o_through_shared_memory``: it reuses their memory; with a producer warpgroup only the
-    Q tile's, ``tvmflash.lowering.tma._split_warpgroups``), plus the per-row values staged in shared memory
+    Q tile's, ``tvmflash.lowering.tma_producer_warpgroup.split_warpgroups``), plus the per-row values staged in shared memory
     (row_state "shared": m_tile, l_tile, m_new, alpha, inv_l; "registers": m and l, for store_lse),
     and the mbarriers of TMA copies with their largest padding."""
     knobs = {**KNOBS, **knobs}  # a knob not given is the schedule's default
@@ -470,7 +470,7 @@ def wgmma_intrin_name(n: int, k: int, dtype: str, b_major: str, a_regs: bool = F
     fence_operands ("ss" form only): begin with ``fence.proxy.async`` and a barrier, so that the
     threads' shared-memory writes are visible to wgmma. Off where the caller's code already does
     both before it (the cp.async pipeline's wait, ``lowering.tvm_fixes.ConstantAsyncWaitCounts``,
-    at the top of the K/V step: ``lowering.passes.OneBarrierPerPipelinedStep``).
+    at the top of the K/V step: ``lowering.cp_async_barriers.OneBarrierPerPipelinedStep``).
     """
     name = f"tvmflash_wgmma_m64n{n}k{k}_{_PTX_TYPE[dtype]}_{'r' if a_regs else 's'}_b{b_major}"
     if b_swizzled:
@@ -901,7 +901,7 @@ def schedule(
     # ---- Q, K, V tiles into shared memory, as q_layout and kv_layout say ----------------------
     for name in ("load_q", "load_k", "load_v"):
         _tile_in_shared_memory(sch, name, num_warpgroups, vec, q_swizzled if name == "load_q" else swizzled, columns)
-        if (q_copy if name == "load_q" else kv_copy) == "tma":  # lowered to one thread's TMA copy (tvmflash.lowering.tma)
+        if (q_copy if name == "load_q" else kv_copy) == "tma":  # lowered to one thread's TMA copy (tvmflash.lowering.tma_copies)
             sch.annotate(sch.get_sblock(name), TMA_LOAD, producer)
 
     # ---- qk: S = Q K^T on wgmma, S in accumulator registers --------------------------------
@@ -962,9 +962,9 @@ def schedule(
 # program's stream of tiles (dkdv: Q, dout and their rows' lse and delta; dq: K and V) is loaded in a
 # pipeline of ``*_stages`` (1: plain loads), by cp.async or, dkdv's with ``dkdv_copy`` "tma" (the
 # default), by TMA: one thread copies a Q block's q and dout (swizzled tiles) and its rows' lse and
-# delta on the stage's mbarrier (``tvmflash.lowering.tma``), so the other threads spend no registers
+# delta on the stage's mbarrier (``tvmflash.lowering.tma_copies``), so the other threads spend no registers
 # or instructions on the copies and the loads need no block-wide barrier. With the epilogue's guards
-# merged (``lowering.passes.MergeAdjacentGuards``; 241-250 registers a thread at d128, no spills) the
+# merged (``lowering.uniformity.MergeAdjacentGuards``; 241-250 registers a thread at d128, no spills) the
 # backward runs 1.22-1.40x SDPA flash at d128 and 1.15-1.21x at d64, against 0.95-1.02x with the
 # plain loads at d128 and the cp.async pipeline at d64 (H200, 2026-12-02, benchmarks/backward_knobs.py
 # at 2k and 8k tokens, BENCHMARKS.md). Dense only: varlen's rows past a sequence's end

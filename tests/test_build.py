@@ -28,11 +28,11 @@ def test_a_loop_annotated_reversed_runs_last_to_first():
 
 def test_conditions_on_a_block_index_are_hoisted_out_of_their_loop():
     """TVM's HoistIfThenElse keeps a test that reads blockIdx.y inside its loop; with
-    ``passes.HoistBlockIndexConditions`` it moves out (one branch, two loops), and blockIdx.y is itself
+    ``uniformity.HoistBlockIndexConditions`` it moves out (one branch, two loops), and blockIdx.y is itself
     again afterwards (no alias variable left)."""
     from tvm import s_tir
 
-    from tvmflash.lowering import passes
+    from tvmflash.lowering import uniformity
 
     @T.prim_func
     def masked(a: T.Buffer((64,), "float32"), b: T.Buffer((64,), "float32"), n: T.int32):
@@ -45,7 +45,7 @@ def test_conditions_on_a_block_index_are_hoisted_out_of_their_loop():
 
     mod = tvm.IRModule({"main": masked})
     plain = s_tir.transform.HoistIfThenElse()(mod)["main"].script()
-    hoisted = passes.HoistBlockIndexConditions()(mod)["main"].script()
+    hoisted = uniformity.HoistBlockIndexConditions()(mod)["main"].script()
     loops = "for i in T.unroll(64):"
     assert plain.count(loops) == 1 and plain.index(loops) < plain.index("if by * 16 < n")
     assert hoisted.count(loops) == 2 and hoisted.index("if by * 16 < n") < hoisted.index(loops)
@@ -53,11 +53,11 @@ def test_conditions_on_a_block_index_are_hoisted_out_of_their_loop():
 
 
 def test_adjacent_statements_under_one_uniform_condition_share_one_if():
-    """``passes.MergeAdjacentGuards``: a pipeline's epilogue guards each statement on its own; runs of
+    """``uniformity.MergeAdjacentGuards``: a pipeline's epilogue guards each statement on its own; runs of
     one condition that reads no buffer and no thread index become one ``if``, marked thread-invariant
     (so ThreadSync may place barriers inside). A condition on threadIdx.x, or on a buffer's value,
     stays where it is."""
-    from tvmflash.lowering import passes
+    from tvmflash.lowering import uniformity
 
     @T.prim_func
     def guarded(a: T.Buffer((4,), "float32"), n: T.int32):
@@ -75,13 +75,13 @@ def test_adjacent_statements_under_one_uniform_condition_share_one_if():
         if a[0] < T.float32(1):
             a[3] = T.float32(6)
 
-    merged = passes.MergeAdjacentGuards()(tvm.IRModule({"main": guarded}))["main"].script()
+    merged = uniformity.MergeAdjacentGuards()(tvm.IRModule({"main": guarded}))["main"].script()
     assert merged.count("1 <= n") == 1 and "T.tvm_thread_invariant(1 <= n)" in merged
     assert merged.count("tx < n") == 2 and merged.count("a[0] < T.float32(1.0)") == 2
 
 
 def test_exp2_on_the_cpu_is_a_vectorised_polynomial_as_exact_as_float32_needs():
-    """``passes.PolynomialExp2OnCPU``: a vectorised float32 exp2 built for the CPU calls no libm
+    """``cpu_exp2.PolynomialExp2OnCPU``: a vectorised float32 exp2 built for the CPU calls no libm
     function, and matches float64's exp2 within 2e-7 relative where the result is a normal float;
     -inf and anything at or below -127 give 0, 128 and above inf, NaN stays NaN."""
 
@@ -107,3 +107,12 @@ def test_exp2_on_the_cpu_is_a_vectorised_polynomial_as_exact_as_float32_needs():
     assert (got[x <= -127] == 0).all()
     assert np.isinf(got[x >= 128]).all() and (got[x >= 128] > 0).all()
     assert np.isnan(got[np.isnan(x)]).all()
+
+
+def test_every_lowering_module_is_in_the_build_cache_key():
+    """``lowering.MODULES`` (whose source is in the build cache's key) holds every module of the package:
+    a change to any pass builds anew."""
+    from pathlib import Path
+
+    here = {path.stem for path in Path(lowering.__file__).parent.glob("*.py") if path.stem != "__init__"}
+    assert {module.__name__.rsplit(".", 1)[1] for module in lowering.MODULES} == here

@@ -10,7 +10,7 @@ import tvm
 
 import tvmflash
 from conftest import kv_loop_body
-from tvmflash.lowering import annotations, pipeline, tma
+from tvmflash.lowering import annotations, pipeline, tile_alignment, tma_tensor_maps
 
 # A pointer into dynamic shared memory in the generated CUDA: its element type and index.
 _TILE_POINTER = r"\(\(&\(\(\((\w+)\*\)buf_dyn_shmem_ptr\)\[([^\]]*)\]\)\)"
@@ -100,7 +100,7 @@ def test_sm80_pipelined_kv_loads_use_cp_async(num_stages):
     src = kernel.source(heads_q=4, heads_kv=2)
     assert "cp.async.cg.shared.global" in src and "cp.async.commit_group" in src
     # At the top of the steady-state loop, before the step's own copies are issued: wait until all
-    # but the num_stages - 2 newest copies are done (passes.OneBarrierPerPipelinedStep).
+    # but the num_stages - 2 newest copies are done (cp_async_barriers.OneBarrierPerPipelinedStep).
     assert f"cp.async.wait_group {num_stages - 2};" in src
     assert ("& 1)" if num_stages == 2 else "% 3)") in src  # the buffer version of a K/V tile
     for arch in ("sm_80", "sm_90a"):
@@ -250,7 +250,7 @@ def test_pipelined_kv_step_waits_for_its_tile_first(monkeypatch, schedule, causa
     tile (on sm90 with fence.proxy.async after it, so wgmma sees the cp.async writes) and one
     barrier, and only then issues the next tile's copies: one __syncthreads a step. TVM's order
     (barrier, copies, wait, barrier) has two, and on sm90 the fence then also waits for the copies
-    just issued (passes.OneBarrierPerPipelinedStep)."""
+    just issued (cp_async_barriers.OneBarrierPerPipelinedStep)."""
     monkeypatch.setenv("TVMFLASH_SM90", "1" if schedule == "sm90" else "0")
     knobs = {"num_stages": 2, **({"kv_copy": "cp.async"} if schedule == "sm90" else {})}
     kernel = tvmflash.compile(head_dim=64, dtype="bfloat16", causal=causal, target=schedule, knobs=knobs)
@@ -378,7 +378,7 @@ def test_tensor_maps_of_the_64_byte_swizzle():
 
     buffer = tirx.decl_buffer((4, tirx.Var("seqlen_k", "int32"), 2, 96), "bfloat16", "K")
     plan = types.SimpleNamespace(tensor_maps={buffer: (tirx.Var("K_tensormap", ty=T.handle("tensormap").ty), (32, 64, 3))})
-    _, encode = tma._encode_tensor_maps(plan)
+    _, encode = tma_tensor_maps.encode_tensor_maps(plan)
     dims, group_stride = encode.value.args[2:7], encode.value.args[8]
     assert [str(d) for d in dims] == ["32", "seqlen_k", "3", "2", "4"] and int(group_stride) == 64
     assert "swizzle=2" in str(encode.value)
@@ -453,7 +453,7 @@ def test_pipeline_epilogue_is_not_guarded_statement_by_statement(monkeypatch, sm
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_sm90_kv_tiles_come_by_tma(monkeypatch, head_dim, causal):
-    """The default sm90 build loads K/V tiles by TMA (tvmflash.lowering.tma): the kernel takes a
+    """The default sm90 build loads K/V tiles by TMA (tvmflash.lowering.tma_copies): the kernel takes a
     __grid_constant__ tensor map for K and one for V, one thread issues each stage's two
     cp.async.bulk.tensor copies after arriving on its full mbarrier with the bytes to expect, and
     the K/V loop has no __syncthreads (mbarrier waits and arrives order it) and no cp.async. The
@@ -686,11 +686,11 @@ def _descriptors_at(*places, attrs=None):
 def test_tile_alignment_check_reads_swizzled_descriptors():
     """check_tile_alignment reads the swizzled wgmma operands in the IR (the Q tile is no TMA
     destination): a k16 slice may start 32, 64 or 96 bytes into a 1024-byte-aligned tile, nowhere else."""
-    tma.check_tile_alignment(_descriptors_at((33280, 0), (33280, 6), (33280 - 48, 6)))
-    with pytest.raises(tma.MisalignedTiles, match="swizzled wgmma operand"):
-        tma.check_tile_alignment(_descriptors_at((33280, 16)))
-    with pytest.raises(tma.MisalignedTiles, match="swizzled wgmma operand"):
-        tma.check_tile_alignment(_descriptors_at((33280 + 128, 0)))
+    tile_alignment.check_tile_alignment(_descriptors_at((33280, 0), (33280, 6), (33280 - 48, 6)))
+    with pytest.raises(tile_alignment.MisalignedTiles, match="swizzled wgmma operand"):
+        tile_alignment.check_tile_alignment(_descriptors_at((33280, 16)))
+    with pytest.raises(tile_alignment.MisalignedTiles, match="swizzled wgmma operand"):
+        tile_alignment.check_tile_alignment(_descriptors_at((33280 + 128, 0)))
 
 
 def test_tile_alignment_check_fails_closed():
@@ -700,12 +700,12 @@ def test_tile_alignment_check_fails_closed():
     from tvm.script import tirx as T
 
     with pytest.raises(RuntimeError, match="finds 0 TMA copies"):
-        tma.check_tile_alignment(_descriptors_at((33280, 0), attrs=2))
+        tile_alignment.check_tile_alignment(_descriptors_at((33280, 0), attrs=2))
     global_memory = tirx.decl_buffer((1024,), "bfloat16", "g")
     unreadable = tirx.PrimFunc([], tirx.Evaluate(T.cuda.func_call(
         "tvmflash_wgmma_descriptor", T.address_of(global_memory[0]), 0, 1, 64, 1, source_code="", return_type="uint64")))
     with pytest.raises(RuntimeError, match="cannot read where a swizzled wgmma operand lands"):
-        tma.check_tile_alignment(unreadable)
+        tile_alignment.check_tile_alignment(unreadable)
 
 
 def test_misaligned_tma_tiles_fail_the_build(monkeypatch):
@@ -732,7 +732,7 @@ def test_tensor_maps_take_the_buffer_strides():
     batch, seqlen = tirx.Var("batch", "int32"), tirx.Var("seqlen_k", "int32")
     buffer = tirx.decl_buffer((batch, seqlen, 2, 128), "bfloat16", "K", strides=[*strides, 1])
     plan = types.SimpleNamespace(tensor_maps={buffer: (tirx.Var("K_tensormap", ty=T.handle("tensormap").ty), (64, 64, 2))})
-    _, encode = tma._encode_tensor_maps(plan)
+    _, encode = tma_tensor_maps.encode_tensor_maps(plan)
     # (map, data, 5 dims, 4 strides in bytes: row, 64-column half, head, batch, ...)
     row, half, head, batch_stride = (str(arg) for arg in encode.value.args[7:11])
     assert "k_stride_s" in row and "k_stride_h" in head and "k_stride_b" in batch_stride and half == "128"

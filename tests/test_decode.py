@@ -573,14 +573,14 @@ def test_gpu_decode_never_rebuilds(monkeypatch):
 
 
 def test_a_pipelined_loop_over_a_loaded_count_gets_it_bound_first():
-    """lowering.passes.BindLoadedPipelineExtents: a loop marked for the software pipeline whose trip
+    """lowering.loops_and_blocks.BindLoadedPipelineExtents: a loop marked for the software pipeline whose trip
     count is read from a buffer runs over a variable bound to that value; other loops stay as they
     are."""
     import tvm
     from tvm import tirx
     from tvm.script import tirx as T
 
-    from tvmflash.lowering import passes
+    from tvmflash.lowering import loops_and_blocks
 
     @T.prim_func
     def loops(n: T.Buffer((1,), "int32"), a: T.Buffer((64,), "float32"), m: T.int32):
@@ -591,7 +591,7 @@ def test_a_pipelined_loop_over_a_loaded_count_gets_it_bound_first():
         for k in T.serial(m, annotations={"software_pipeline_stage": [0, 1]}):
             a[k] = T.float32(3)
 
-    body = passes.BindLoadedPipelineExtents()(tvm.IRModule({"main": loops}))["main"].body
+    body = loops_and_blocks.BindLoadedPipelineExtents()(tvm.IRModule({"main": loops}))["main"].body
     stmts = list(body.seq)
     assert isinstance(stmts[0], tirx.Bind) and stmts[1].extent.same_as(stmts[0].var)
     def loads(expr):

@@ -1,6 +1,6 @@
 """Tensors of more than 2**31 elements (issue 24, item 4): their offsets pass int32, so a call on
 them takes a module of its own that indexes its global buffers in int64
-(``lowering.passes.WidenGlobalIndices``, chosen by ``kernel.needs_int64``); smaller problems keep
+(``lowering.wide_indices.WidenGlobalIndices``, chosen by ``kernel.needs_int64``); smaller problems keep
 their int32 modules, whose CUDA is unchanged (``test_generated_cuda.py``).
 
 On the CPU the large tensors are views into (or caches in) storage that is allocated but mostly

@@ -253,7 +253,7 @@ def test_pipelined_candidates_build_with_static_shapes(schedule, block_m, causal
     InjectSoftwarePipeline guards each statement of the K/V step apart, which split a local
     buffer's allocation in an intrinsic (a row reduction's scratch, a wgmma descriptor) from its
     uses; and a cp.async.wait_group count was left as ``if_then_else(True & True, 1, 0)`` (causal,
-    block_m 64). The TMA lowering (tvmflash.lowering.tma) must take the static-shape pipeline too; there, at
+    block_m 64). The TMA lowering (tvmflash.lowering.tma_copies) must take the static-shape pipeline too; there, at
     block_m 64, shared-memory merging put the K/V tiles off the swizzle's 1024-byte boundary until the
     build learned to grow the barriers (``annotations.TMA_BARRIER_PADDINGS``)."""
     spec = program.AttentionSpec(64, "bfloat16", causal, 2, 2)
@@ -276,8 +276,8 @@ def test_pipelined_candidates_build_with_static_shapes(schedule, block_m, causal
 
     options = kernel.build_options(schedule)
     if kv_copy == "cp.async":
-        from tvmflash.lowering import tma
-        with pytest.raises(tma.MisalignedTiles, match="swizzled wgmma operand"):
+        from tvmflash.lowering import tile_alignment
+        with pytest.raises(tile_alignment.MisalignedTiles, match="swizzled wgmma operand"):
             build({**task, "kv_layout": "swizzled"})
     built = build(task)
     source = built.imports[0].inspect_source()

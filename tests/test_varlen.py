@@ -234,7 +234,7 @@ def test_bad_arguments_name_the_argument(change, error, message):
 def test_sm90_q_tile_is_fenced_for_wgmma_after_its_stores(varlen):
     """On sm90 the threads store the Q tile to shared memory and wgmma (the async proxy) reads it: a
     fence.proxy.async and a barrier must come after the last of those stores and before the K/V
-    pipeline starts. Under varlen's early-return test (``passes.RunBlocksIf``) the fence went in
+    pipeline starts. Under varlen's early-return test (``loops_and_blocks.RunBlocksIf``) the fence went in
     before the test, ahead of the stores, and on the H200 some Q blocks then read a stale tile
     (d128 causal, 8 x 2048 tokens: errors up to 0.14 in 3 of 8 sequences; tree 9e96fc7)."""
     src = tvmflash.compile(head_dim=128, dtype="bfloat16", target="sm90", causal=True, varlen=varlen).source(16, 16)
@@ -249,7 +249,7 @@ def test_cuda_schedules_build_varlen(monkeypatch):
     """The CUDA schedules take varlen (here, with no GPU: the source): the forward on sm80 (mma.sync),
     SIMT (float32) and sm90 (wgmma, TMA K/V tiles over the packed tensor, the output stored from the
     registers: ``sm90.VARLEN_KNOBS``), the sm80 and SIMT backward. Each kernel reads its sequence's
-    offsets once (``lowering.passes.BindBlockUniformLoads``): the K/V loop reads no cu_seqlens, and a
+    offsets once (``lowering.uniformity.BindBlockUniformLoads``): the K/V loop reads no cu_seqlens, and a
     causal step tests its tile once, not each score (``HoistBlockIndexConditions``)."""
     sources = {
         "sm80": tvmflash.compile(head_dim=32, dtype="float16", target="sm80", causal=True, varlen=True),
@@ -286,7 +286,7 @@ def test_sm90_varlen_masks_its_diagonal_tile_as_cheaply_as_dense():
     tokens) it took 1.23x the dense time with 34% more instructions, from two things the test reads
     in the generated CUDA: the pipeline's last step tested its tile once a score, not once, because
     HoistIfThenElse kept a test on a let variable (the tile count) in the score loops
-    (``passes._block_uniform``); and a score's bounds were joined by ``&&``, which nvcc compiled to
+    (``uniformity._block_uniform``); and a score's bounds were joined by ``&&``, which nvcc compiled to
     a branch a score (``program.key_visible``: ``&``)."""
     src = tvmflash.compile(head_dim=64, dtype="bfloat16", target="sm90", causal=True, varlen=True).source(16, 16)
     tests = [line for line in src.split("\n") if line.lstrip().startswith("if (")]
@@ -365,12 +365,12 @@ def test_tiles_past_their_sequence_run_nothing():
     """varlen's grid covers the longest sequence's rows; a tile past its own sequence's end returns at
     once (flash-attn's early return) instead of loading zeros and running a masked step: the
     forward's tile and the backward's dkdv and dq tiles carry ``RUNS_IF``, which the lowering
-    (``passes.RunBlocksIf``) makes one test around the tile, uniform over its threads. Dense
+    (``loops_and_blocks.RunBlocksIf``) makes one test around the tile, uniform over its threads. Dense
     programs have no such test. (The numerics tests above run such tiles: lengths of 0 to 200.)"""
     import tvm
 
     from tvmflash import program, program_backward
-    from tvmflash.lowering import passes
+    from tvmflash.lowering import loops_and_blocks
     from tvmflash.lowering.annotations import RUNS_IF
     from tvmflash.lowering.ir import find
 
@@ -385,7 +385,7 @@ def test_tiles_past_their_sequence_run_nothing():
         for module, count in ((mod, 1), (backward, 2)):  # the forward's tile; dkdv's and dq's
             blocks = tiles(module)
             assert len(blocks) == count and all((RUNS_IF in block.annotations) == varlen for block in blocks)
-            for block in tiles(passes.RunBlocksIf()(module)):
+            for block in tiles(loops_and_blocks.RunBlocksIf()(module)):
                 guarded = isinstance(block.body, tvm.tirx.IfThenElse)
                 assert guarded == varlen and RUNS_IF not in block.annotations
                 if guarded:

@@ -36,7 +36,7 @@ _INT32_MAX = 2**31 - 1
 
 def needs_int64(*tensors) -> bool:
     """Does any of the tensors (None: skipped) hold an element more than 2**31 - 1 elements past its
-    first? Their modules then index in int64 (``lowering.passes.WidenGlobalIndices``); smaller
+    first? Their modules then index in int64 (``lowering.wide_indices.WidenGlobalIndices``); smaller
     problems keep int32 modules, and their speed."""
     for t in tensors:
         if t is None or not t.numel():

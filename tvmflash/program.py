@@ -500,7 +500,7 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_ti
                                 vi, vj = T.axis.remap("SS", [i, j])
                                 # The test is the same for the whole tile: lowering hoists it out
                                 # of the element loops (HoistIfThenElse; causal, it reads the Q block,
-                                # see lowering.passes.HoistBlockIndexConditions), so only the tiles
+                                # see lowering.uniformity.HoistBlockIndexConditions), so only the tiles
                                 # on the causal diagonal, a window's edges or the end of the keys pay
                                 # for the mask.
                                 score = T.meta_var(transformed_score(

@@ -234,7 +234,7 @@ def decode_split(spec: DecodeSpec, query_tokens: int, block_n: int, final: bool 
                 # window, the splits divide the tiles from the window's first on). The keys and the first
                 # tile are read once, into registers; the trip count stays an expression of the lengths
                 # (a software pipeline over the tiles needs it bound to a variable before it runs,
-                # lowering.passes.BindLoadedPipelineExtents, and that of the inputs only).
+                # lowering.loops_and_blocks.BindLoadedPipelineExtents, and that of the inputs only).
                 capacity = T.meta_var(pages_per_seq * PS if PS > 0 else cache_len)
                 n_tiles = T.meta_var(split_tiles(keys(Lengths, vb, capacity), vqb, seqlen_q, causal))
                 with T.sblock("split_range"):

@@ -2,9 +2,17 @@
 TVM's pass list with tvmflash's passes in their places.
 
 - ``pipeline.py``: the pass list, in order, and ``build``;
-- ``passes.py``: tvmflash's own passes (reversed loops, pragmas, hoisting, one barrier a step,
-  uniform wgmma descriptors);
-- ``tma.py``: the K/V pipeline's copies on TMA and mbarriers (sm_90a), and the tile-alignment check;
+- tvmflash's own passes, a module a role: ``loops_and_blocks.py`` (reversed loops, blocks run under a
+  condition, a pipelined loop's trip count read from memory), ``pragmas.py`` (the pragmas' statements,
+  atomic additions among them), ``uniformity.py`` (block-uniform loads, conditions and guards,
+  warp-uniform wgmma descriptors), ``cp_async_barriers.py`` (one barrier a cp.async pipeline's step),
+  ``wide_indices.py`` (int64 indices into large tensors), ``cpu_exp2.py`` (exp2 as a polynomial on
+  the CPU);
+- the K/V pipeline's copies on TMA and mbarriers (sm_90a): ``tma_copies.py`` (the pass, and how its
+  waits and releases follow the pipeline), ``tma_plan.py`` (what it works from, each copy block read as
+  one TMA copy), ``tma_producer_warpgroup.py`` (FA3's producer warpgroup and its consumers' named
+  barriers), ``tma_tensor_maps.py`` (the host's tensor maps), ``tma_device_functions.py`` (the PTX they
+  call); and ``tile_alignment.py``, the check that the swizzled tiles sit on their boundaries;
 - ``tvm_fixes.py``: workarounds for TVM 0.27, each naming what it works around;
 - ``annotations.py``: what schedules write into their TensorIR for these passes to act on;
 - ``ir.py``: small TIR helpers the passes share.
@@ -13,7 +21,11 @@ Imports run one way: the kernel and the tuner import ``build``, schedules import
 and nothing here imports a schedule or the program.
 """
 
-from tvmflash.lowering import annotations, ir, passes, pipeline, tma, tvm_fixes
+from tvmflash.lowering import (annotations, cp_async_barriers, cpu_exp2, ir, loops_and_blocks, pipeline, pragmas,
+                               tile_alignment, tma_copies, tma_device_functions, tma_plan, tma_producer_warpgroup,
+                               tma_tensor_maps, tvm_fixes, uniformity, wide_indices)
 from tvmflash.lowering.pipeline import build  # noqa: F401
 
-MODULES = (annotations, ir, passes, pipeline, tma, tvm_fixes)  # their source is in the build cache's key
+# their source is in the build cache's key
+MODULES = (annotations, cp_async_barriers, cpu_exp2, ir, loops_and_blocks, pipeline, pragmas, tile_alignment, tma_copies,
+           tma_device_functions, tma_plan, tma_producer_warpgroup, tma_tensor_maps, tvm_fixes, uniformity, wide_indices)

@@ -4,27 +4,27 @@ annotations, pragmas, and the layout constants that the sm90 schedule and the TM
 Schedules and the programs import these names from here; the lowering never imports a schedule."""
 
 # A block annotation, from the program: the block runs only where this condition (of its iteration
-# variables) holds, else not at all (``passes.RunBlocksIf``): varlen's Q blocks past their sequence's
-# end, flash-attn's early return. (A block predicate, T.where, would make the bindings within
+# variables) holds, else not at all (``loops_and_blocks.RunBlocksIf``): varlen's Q blocks past their
+# sequence's end, flash-attn's early return. (A block predicate, T.where, would make the bindings within
 # non-affine for the schedules; an ``if`` in the program would move the statements they count.)
 RUNS_IF = "tvmflash.runs_if"
 
-# A loop annotation: the loop visits its iterations last to first (``passes.ReverseLoops``; TensorIR's
-# Schedule has no primitive that reverses a loop).
+# A loop annotation: the loop visits its iterations last to first (``loops_and_blocks.ReverseLoops``;
+# TensorIR's Schedule has no primitive that reverses a loop).
 REVERSED = "tvmflash.reversed"
 
-# Block annotation: this pipelined global -> shared copy goes by TMA (``tma.LowerToTMA``), issued by the
-# producer the annotation names; that adds TMA_BARRIER_BYTES[producer] of mbarriers to the kernel's
-# shared memory. The sizes keep the tiles that shared-memory merging packs after the barriers on
-# 1024-byte boundaries (the swizzle's), for the buffers each build has (``tma.CheckTileAlignment``
-# checks every build).
+# Block annotation: this pipelined global -> shared copy goes by TMA (``tma_copies.LowerToTMA``), issued
+# by the producer the annotation names; that adds TMA_BARRIER_BYTES[producer] of mbarriers to the
+# kernel's shared memory. The sizes keep the tiles that shared-memory merging packs after the barriers
+# on 1024-byte boundaries (the swizzle's), for the buffers each build has
+# (``tile_alignment.CheckTileAlignment`` checks every build).
 TMA_LOAD = "tvmflash.tma_load"
 TMA_PRODUCERS = ("thread", "warpgroup")  # thread 0 of the first warpgroup, or a producer warpgroup (FA3's)
 TMA_BARRIER_BYTES = {"thread": 512, "warpgroup": 1024}
 # Shared-memory merging packs the buffers live together by size, smallest first, so the K/V tiles land
 # after the barriers and every smaller buffer. TMA_BARRIER_BYTES suits the defaults; where the smaller
 # buffers add up to another multiple of 256 bytes, a build grows the barriers by one of these
-# (``lowering.build`` tries them in turn until ``tma.CheckTileAlignment`` passes).
+# (``lowering.build`` tries them in turn until ``tile_alignment.CheckTileAlignment`` passes).
 TMA_BARRIER_PADDINGS = (0, 256, 512, 768)
 # The 128-byte swizzle of 16-bit tiles (wgmma descriptors' layout type 1, TMA's SWIZZLE_128B): a tile
 # is cut into halves of this many columns, one 128-byte row each.
@@ -45,15 +45,15 @@ def swizzle_columns(head_dim: int) -> int | None:
 # A loop annotated so (a schedule has no primitive that inserts a statement) is preceded by
 # ``wgmma.wait_group 0`` and a register fence of the accumulators it reads (the local float32 buffers
 # whose names start with the annotation's value where it is a string, else with ``acc``): the loop
-# reads the result of a wgmma that was only committed (``passes.LowerPragmas``).
+# reads the result of a wgmma that was only committed (``pragmas.LowerPragmas``).
 WGMMA_WAIT_PRAGMA = "pragma_tvmflash_wgmma_wait"
 # A loop annotated so, one that scales a thread's elements by per-row factors (the output's rescale
 # by alpha), runs only where a lane of the warp has a factor other than 1; with the program's
-# RESCALE_THRESHOLD that is rare after the first tiles (``passes.LowerPragmas``).
+# RESCALE_THRESHOLD that is rare after the first tiles (``pragmas.LowerPragmas``).
 SKIP_UNIT_RESCALE_PRAGMA = "pragma_tvmflash_skip_unit_rescale"
 
 # A loop annotated so, whose stores all read-modify-write ``x[i] = x[i] + y``, adds atomically instead
-# (``atomicAdd(&x[i], y)``; ``passes.LowerPragmas``): thread blocks that sum into the same memory
+# (``atomicAdd(&x[i], y)``; ``pragmas.LowerPragmas``): thread blocks that sum into the same memory
 # (the backward's dq from every K/V tile).
 ATOMIC_ADD_PRAGMA = "pragma_tvmflash_atomic_add"
 
@@ -70,4 +70,4 @@ REG_FENCE = (
 ASYNC_PROXY_OPERANDS_ATTR = "tvmflash.async_proxy_operands"
 HOIST_BLOCK_INDEX_CONDITIONS_ATTR = "tvmflash.hoist_block_index_conditions"
 TMA_BARRIER_PADDING_ATTR = "tvmflash.tma_barrier_padding"
-WIDE_INDICES_ATTR = "tvmflash.wide_indices"  # index global buffers in int64 (``passes.WidenGlobalIndices``)
+WIDE_INDICES_ATTR = "tvmflash.wide_indices"  # index global buffers in int64 (``wide_indices.WidenGlobalIndices``)

@@ -130,6 +130,12 @@ def folded(expr):
     return expr
 
 
+def target_of(func, kind: str):
+    """The target ``tvm.compile`` bound to ``func`` where it is of ``kind`` ("cuda", "llvm"), else None."""
+    target = func.attrs.get("target") if func.attrs is not None else None
+    return target if target is not None and target.kind.name == kind else None
+
+
 def prim_func_pass(function, name: str):
     """A pass that maps each PrimFunc of a module through ``function(func) -> func``."""
     return tirx.transform.prim_func_pass(lambda func, _mod, _ctx: function(func), opt_level=0, name=name)

@@ -2,9 +2,9 @@
 ``default_s_tir_pipeline``), written out once, with tvmflash's passes in their places.
 
 Every build, CPU and CUDA, the Kernel's and the tuner's, goes through ``build`` below, which runs
-``tvm.compile(mod, target, tir_pipeline=PIPELINE)``. Lines marked ``+`` are tvmflash's own
-(``passes.py``, ``tma.py``); lines marked ``fix`` work around TVM 0.27 (``tvm_fixes.py``); the rest
-is TVM's list as it stands, in its order.
+``tvm.compile(mod, target, tir_pipeline=PIPELINE)``. Lines marked ``+`` are tvmflash's own (each
+module a role, listed in ``lowering/__init__.py``); lines marked ``fix`` work around TVM 0.27
+(``tvm_fixes.py``); the rest is TVM's list as it stands, in its order.
 
 A build's options travel as attributes of its PrimFunc (``annotations.*_ATTR``), set by ``build``
 from the schedule's ``build_options``, and are read here when the pipeline runs.
@@ -15,13 +15,14 @@ from __future__ import annotations
 import tvm
 from tvm import s_tir, tirx
 
-from tvmflash.lowering import passes, tma, tvm_fixes
+from tvmflash.lowering import (cp_async_barriers, cpu_exp2, loops_and_blocks, pragmas, tile_alignment, tma_copies,
+                               tma_producer_warpgroup, tvm_fixes, uniformity, wide_indices)
 from tvmflash.lowering.annotations import (ASYNC_PROXY_OPERANDS_ATTR, HOIST_BLOCK_INDEX_CONDITIONS_ATTR,
                                            TMA_BARRIER_PADDING_ATTR, TMA_BARRIER_PADDINGS, WIDE_INDICES_ATTR)
 
 PIPELINE = "tvmflash"
 # The buffers of varlen's sequence offsets (``program.varlen_arguments``): read once a kernel
-# (``passes.BindBlockUniformLoads``).
+# (``uniformity.BindBlockUniformLoads``).
 SEQUENCE_OFFSETS = ("CuSeqlensQ", "CuSeqlensK")
 
 
@@ -39,8 +40,8 @@ def passes_for(mod: tvm.IRModule, config) -> list:
     """The pass list for ``mod`` under the current PassContext's ``config``."""
     opts = options(mod)
     pipeline = [
-        passes.ReverseLoops(),                                       # +
-        passes.RunBlocksIf(),                                        # +
+        loops_and_blocks.ReverseLoops(),                             # +
+        loops_and_blocks.RunBlocksIf(),                              # +
         s_tir.transform.CanonicalizeLoop(),
         s_tir.transform.LowerCrossThreadReduction(),
         s_tir.transform.LowerInitBlock(),
@@ -56,23 +57,23 @@ def passes_for(mod: tvm.IRModule, config) -> list:
         tvm_fixes.CompactAgainAfterMatchBuffers(),                   # fix
         s_tir.transform.InjectPermutedLayout(),
         s_tir.transform.AnnotateIrregularLoop(),
-        passes.BindLoadedPipelineExtents(),                          # + (decode's per-sequence tile loop)
+        loops_and_blocks.BindLoadedPipelineExtents(),                # + (decode's per-sequence tile loop)
         s_tir.transform.InjectSoftwarePipeline(),
-        tma.LowerToTMA(),                                            # +
+        tma_copies.LowerToTMA(),                                     # +
         s_tir.transform.TransformMmaBufferLayout(),
         s_tir.transform.LowerOpaqueBlock(),
-        passes.MergeAdjacentGuards(),                                # + (a pipeline's epilogue)
-        passes.BindBlockUniformLoads(SEQUENCE_OFFSETS),              # +
-        passes.LowerPragmas(),                                       # +
+        uniformity.MergeAdjacentGuards(),                            # + (a pipeline's epilogue)
+        uniformity.BindBlockUniformLoads(SEQUENCE_OFFSETS),          # +
+        pragmas.LowerPragmas(),                                      # +
         tirx.transform.FlattenBuffer(),
         tirx.transform.BF16ComputeLegalize(),
         tirx.transform.NarrowDataType(32),
         s_tir.transform.LoopPartition(),
-        passes.PolynomialExp2OnCPU(),                                # + (llvm: a vector exp2 was libm calls)
+        cpu_exp2.PolynomialExp2OnCPU(),                              # + (llvm: a vector exp2 was libm calls)
         tirx.transform.VectorizeLoop(not bool(config.get("tirx.disable_vectorize", False))),
     ]
     if opts.get(WIDE_INDICES_ATTR):
-        pipeline.append(passes.WidenGlobalIndices())                 # + (tensors of 2**31 elements or more)
+        pipeline.append(wide_indices.WidenGlobalIndices())           # + (tensors of 2**31 elements or more)
     pipeline += [
         s_tir.transform.InjectVirtualThread(),
         s_tir.transform.InjectDoubleBuffer(),
@@ -82,7 +83,7 @@ def passes_for(mod: tvm.IRModule, config) -> list:
     if config.get("tirx.use_async_copy", False):
         pipeline.append(s_tir.transform.LowerAsyncDMA())
     pipeline += [
-        passes.HoistBlockIndexConditions() if opts.get(HOIST_BLOCK_INDEX_CONDITIONS_ATTR)  # +, sm90
+        uniformity.HoistBlockIndexConditions() if opts.get(HOIST_BLOCK_INDEX_CONDITIONS_ATTR)  # +, sm90
         else s_tir.transform.HoistIfThenElse(),
         tirx.transform.UnrollLoop(),
         s_tir.transform.RenormalizeSplitPattern(),
@@ -95,7 +96,7 @@ def passes_for(mod: tvm.IRModule, config) -> list:
     if bool(config.get("tirx.s_tir.ldg32", False)):
         pipeline.append(s_tir.transform.InjectPTXLDG32(True))
     if not bool(config.get("tirx.disable_cse_tir", False)):
-        pipeline += [passes.UniformWarpgroupDescriptors(),          # + (before CSE shares the offsets)
+        pipeline += [uniformity.UniformWarpgroupDescriptors(),      # + (before CSE shares the offsets)
                      tirx.transform.CommonSubexprElim()]
     if bool(config.get("tirx.instrument_lwp", False)):
         pipeline.append(s_tir.transform.InstrumentProfileIntrinsics())
@@ -107,13 +108,13 @@ def passes_for(mod: tvm.IRModule, config) -> list:
         tirx.transform.AnnotateEntryFunc(),
         s_tir.transform.ThreadSync("shared"),
         s_tir.transform.ThreadSync("shared.dyn"),
-        passes.OneBarrierPerPipelinedStep(),                         # +
+        cp_async_barriers.OneBarrierPerPipelinedStep(),              # +
         # fix: no ThreadSync("warp"). The barriers it plans for "warp"-scope buffers are never emitted
         # for CUDA (those buffers become registers), but in TVM 0.27 it aborts a build whose mma
         # accumulator rescale sits under a block-uniform guard ("Cannot insert syncs inside
         # condition"), as InjectSoftwarePipeline writes around the epilogue of a pipeline over the
         # symbolic number of K/V tiles.
-        tma.NameConsumerBarriers(),                                  # + (after the last ThreadSync)
+        tma_producer_warpgroup.NameConsumerBarriers(),               # + (after the last ThreadSync)
         s_tir.transform.InferFragment(),
         s_tir.transform.LowerThreadAllreduce(),
     ]
@@ -123,7 +124,7 @@ def passes_for(mod: tvm.IRModule, config) -> list:
         pipeline.append(s_tir.transform.InjectPTXLDG32())
     pipeline += [
         s_tir.transform.MergeSharedMemoryAllocations(),
-        tma.CheckTileAlignment(),                                    # + (where the tiles landed; see build)
+        tile_alignment.CheckTileAlignment(),                         # + (where the tiles landed; see build)
         # (after the merge, which rewrites the pointers of TVM's own cp.async but not of a call of ours)
         tvm_fixes.ZeroFillingCpAsync(),                              # fix
         tvm_fixes.ConstantAsyncWaitCounts(proxy_fence=opts.get(ASYNC_PROXY_OPERANDS_ATTR, False)),  # fix
@@ -165,11 +166,12 @@ def build(mod: tvm.IRModule, target: tvm.target.Target, *, pass_config: dict | N
 
     pass_config: the PassContext config (the schedule's ``PASS_CONFIG``). async_proxy_operands: the
     tensor-core operands are read through the async proxy (wgmma), so each cp.async wait is followed
-    by a proxy fence. hoist_block_index_conditions: ``passes.HoistBlockIndexConditions`` instead of
-    TVM's HoistIfThenElse. wide_indices: global buffers are indexed in int64
-    (``passes.WidenGlobalIndices``), for tensors of 2**31 elements or more. A TMA build whose tiles
-    ``tma.CheckTileAlignment`` finds off the swizzle's 1024-byte boundary is built again with larger
-    barriers (``TMA_BARRIER_PADDINGS``), and raises ``tma.MisalignedTiles`` if none fits.
+    by a proxy fence. hoist_block_index_conditions: ``uniformity.HoistBlockIndexConditions`` instead
+    of TVM's HoistIfThenElse. wide_indices: global buffers are indexed in int64
+    (``wide_indices.WidenGlobalIndices``), for tensors of 2**31 elements or more. A TMA build whose
+    tiles ``tile_alignment.CheckTileAlignment`` finds off the swizzle's 1024-byte boundary is built
+    again with larger barriers (``TMA_BARRIER_PADDINGS``), and raises ``tile_alignment.MisalignedTiles``
+    if none fits.
     """
     def with_options(func, padding):
         func = (func.with_attr(ASYNC_PROXY_OPERANDS_ATTR, async_proxy_operands)
@@ -182,6 +184,6 @@ def build(mod: tvm.IRModule, target: tvm.target.Target, *, pass_config: dict | N
         with tvm.transform.PassContext(opt_level=3, config=pass_config or {}):
             try:
                 return tvm.compile(optioned, target=target, tir_pipeline=PIPELINE)
-            except tma.MisalignedTiles as err:
+            except tile_alignment.MisalignedTiles as err:
                 misaligned = err
     raise misaligned

@@ -2,7 +2,7 @@
 
 Each is a pass in ``pipeline.py``'s list, says which TVM behaviour it works around, and should be
 dropped once the TVM that tvmflash pins fixes it (``tests/test_generated_cuda.py`` then shows
-what changes). tvmflash's own lowerings are in ``passes.py`` and ``tma.py``.
+what changes). tvmflash's own lowerings are in the other modules of this package.
 """
 
 from __future__ import annotations
@@ -90,9 +90,8 @@ _CP_ASYNC = "tirx.s_tir.cp_async_raw"  # the raw cp.async that InjectPTXAsyncCop
 def _zero_filling(call):
     """A predicated 16-byte cp.async as our own helper: ``cp.async ..., 16, src_size`` with src_size
     16 or 0, with CUTLASS's L2 prefetch hint (``.L2::128B``: L2 fetches the copy's whole 128-byte
-    line). H200, decode (GQA 32/8, d128, bf16; the K/V tiles are these copies): 3.86 / 4.08 TB/s at
-    batch 32, 4k / 16k keys, without the hint, 3.96 / 4.20 with it, 3.90 / 4.14 with ``.L2::256B``;
-    batch 8 3.17 / 3.85 -> 3.24 / 3.95 (2026-12-02, two interleaved runs each)."""
+    line). The decode, whose K/V tiles are these copies, measured faster with the hint than without
+    it or with ``.L2::256B``."""
     dst, dst_offset, src, src_offset, size, predicate = call.args
     dst_bytes, src_bytes = (tvm.DataType(str(ptr.ty.element_type.dtype)).bits // 8 for ptr in (dst, src))
     wide = str(src_offset.ty) == "int64"  # an offset into a tensor of 2**31 elements or more (WidenGlobalIndices)
@@ -116,7 +115,7 @@ def ZeroFillingCpAsync():  # noqa: N802
 
     TVM 0.27's CUDA code generator prints InjectPTXAsyncCopy's predicated copy as ``@p cp.async``
     then ``@!p st.shared.v4 0``: in SASS an LDGSTS, an STS and three never-executed LDS fillers per
-    copy, 80 issue slots per K/V tile at head_dim 128. The zero-filling form is one LDGSTS with the
+    copy. The zero-filling form is one LDGSTS with the
     same result.
     """
     def rewrite(call):

@@ -1,0 +1,123 @@
+"""``LowerPragmas``: the loops that schedules annotate with one of tvmflash's pragmas
+(``annotations.WGMMA_WAIT_PRAGMA``, ``SKIP_UNIT_RESCALE_PRAGMA``, ``ATOMIC_ADD_PRAGMA``) become the
+statements each asks for; a schedule has no primitive that inserts a statement."""
+
+from __future__ import annotations
+
+import functools
+
+import tvm
+import tvm_ffi
+from tvm import tirx
+from tvm.script import tirx as T
+
+from tvmflash.lowering.annotations import ATOMIC_ADD_PRAGMA, REG_FENCE, SKIP_UNIT_RESCALE_PRAGMA, WGMMA_WAIT_PRAGMA
+from tvmflash.lowering.ir import (every_element, find, is_load, loaded, loaded_buffers, prim_func_pass, substitute,
+                                  target_of, transform, with_children)
+
+
+def _wait_and_fence_accumulators(attr):
+    """The statements for a ``WGMMA_WAIT_PRAGMA`` AttrStmt: ``wgmma.wait_group 0``, a register fence
+    of each element of the accumulators its loop reads (local float32 buffers whose names start with
+    the pragma's value where it is a string, else with ``acc``), then the loop."""
+    prefix = attr.value.value if isinstance(attr.value, tvm.ir.StringImm) else "acc"
+    accumulators = [buffer for name, buffer in loaded_buffers(attr.body).items()
+                    if name.startswith(prefix) and buffer.scope() == "local" and str(buffer.dtype) == "float32"]
+    fences = [tirx.Evaluate(T.cuda.func_call("tvmflash_wgmma_reg_fence", element, source_code=REG_FENCE))
+              for buffer in accumulators for element in every_element(buffer)]
+    wait = tirx.Evaluate(T.ptx.wgmma.wait_group.sync.aligned(0))
+    return tirx.SeqStmt([wait, *fences, attr.body])
+
+
+def _skipped_where_factors_are_one(attr):
+    """The statement for a ``SKIP_UNIT_RESCALE_PRAGMA`` AttrStmt: its loop, ``x[i] = x[i] * f[...]``
+    over the elements a thread holds, run only where some lane of the warp has a factor other than 1
+    (``__any_sync`` over every element of the thread's factor buffers ``f``: a branch the whole warp
+    takes or skips, which nvcc keeps as a branch; a per-thread test became a predicate on each
+    multiply)."""
+    scaled = {store.buffer.name for store in find(attr.body, lambda n: type(n).__name__ == "BufferStore")}
+    factors = {name: buffer for name, buffer in loaded_buffers(attr.body).items() if name not in scaled}
+    if len(scaled) != 1 or not factors or any(b.scope() != "local" for b in factors.values()):
+        raise ValueError(f"{attr.attr_key}: expected a loop that scales one buffer by local factors, got "
+                         f"stores to {sorted(scaled)} and factors {sorted(factors)}")
+    not_one = [element != tirx.const(1, buffer.dtype) for buffer in factors.values() for element in every_element(buffer)]
+    some_lane = tirx.call_extern("bool", "__any_sync", tirx.const(0xFFFFFFFF, "uint32"), functools.reduce(tirx.Or, not_one))
+    return tirx.IfThenElse(some_lane, attr.body, None)
+
+
+def _atomic_add(store):
+    """``x[i] = x[i] + y`` as ``atomicAdd(&x[i], y)`` (its result unused: nvcc emits a ``red``)."""
+    return tirx.Evaluate(T.cuda.atomic_add(_address(store), _addend(store)))
+
+
+def _addend(store):
+    """y of a store ``x[i] = x[i] + y``."""
+    value = store.value
+    if not (isinstance(value, tirx.Add) and is_load(value.a) and loaded(value.a).same_as(store.buffer)
+            and tvm_ffi.structural_equal(list(value.a.indices), list(store.indices))):
+        raise ValueError(f"{ATOMIC_ADD_PRAGMA}: expected stores x[i] = x[i] + y, got {store}")
+    return value.b
+
+
+def _address(store):
+    return tirx.call_intrin("handle", "tirx.address_of", tirx.BufferLoad(store.buffer, store.indices))
+
+
+RED_ADD_V2 = ("__device__ __forceinline__ void tvmflash_red_add_v2(float* address, float a, float b) "
+              '{ asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" :: "l"(address), "f"(a), "f"(b) : "memory"); }')
+
+
+def _paired_atomic_add(loop):
+    """A loop of two float32 additions to adjacent elements (x[i + e] = x[i + e] + y[e], e = 0, 1, i
+    even) as one vector reduction (``red.global.add.v2.f32``, sm_90): half the atomic operations."""
+    store = loop.body
+    if not (int(loop.extent) == 2 and type(store).__name__ == "BufferStore" and str(store.buffer.dtype) == "float32"):
+        return None
+    first, second = (substitute(store, [(loop.loop_var, loop.min + e)]) for e in range(2))
+    *outer_first, last_first = first.indices
+    *outer_second, last_second = second.indices
+    if not (tvm_ffi.structural_equal(outer_first, outer_second)
+            and tvm.sym.Analyzer().can_prove_equal(last_second - last_first, 1)):
+        return None
+    return tirx.Evaluate(T.cuda.func_call("tvmflash_red_add_v2", _address(first), _addend(first), _addend(second),
+                                          source_code=RED_ADD_V2))
+
+
+def _atomic_adds(attr, vector: bool):
+    """The statement for an ``ATOMIC_ADD_PRAGMA`` AttrStmt: its loop, each store an atomic addition;
+    with ``vector`` (sm_90, and the pragma's value 2), each loop over two adjacent elements one vector
+    reduction."""
+    body = attr.body
+    if vector and int(attr.value) == 2:
+        body = transform(body, tirx.For, _paired_atomic_add)
+    return transform(body, tirx.BufferStore, _atomic_add)
+
+
+def _has_vector_reductions(func) -> bool:
+    """Does the function's target have ``red.global.add.v2.f32`` (CUDA sm_90 and newer)?"""
+    target = target_of(func, "cuda")
+    arch = str(target.attrs.get("arch", "")) if target is not None else ""
+    return arch.startswith("sm_") and int("".join(c for c in arch[3:] if c.isdigit()) or 0) >= 90
+
+
+def _pragma_lowerings(func) -> dict:
+    """Each of tvmflash's pragmas and the function that lowers its AttrStmt, for ``func``'s target."""
+    return {WGMMA_WAIT_PRAGMA: _wait_and_fence_accumulators,
+            SKIP_UNIT_RESCALE_PRAGMA: _skipped_where_factors_are_one,
+            ATOMIC_ADD_PRAGMA: functools.partial(_atomic_adds, vector=_has_vector_reductions(func))}
+
+
+def _lowered_pragmas(stmt, lowerings: dict):  # by hand: structural_map rejects the fences' loads
+    if isinstance(stmt, tirx.AttrStmt) and stmt.attr_key in lowerings:
+        return lowerings[stmt.attr_key](stmt)
+    return with_children(stmt, lambda child: _lowered_pragmas(child, lowerings))
+
+
+def LowerPragmas():  # noqa: N802
+    """After ``LowerOpaqueBlock`` (which turns a loop's pragma annotation into an AttrStmt around it):
+    each loop annotated with one of tvmflash's pragmas becomes its statements. ``WGMMA_WAIT_PRAGMA``:
+    the wait and fences of ``_wait_and_fence_accumulators``, then the loop;
+    ``SKIP_UNIT_RESCALE_PRAGMA``: the loop under ``_skipped_where_factors_are_one``'s warp-wide test;
+    ``ATOMIC_ADD_PRAGMA``: the loop with its additions atomic (``_atomic_adds``)."""
+    return prim_func_pass(lambda func: func.with_body(_lowered_pragmas(func.body, _pragma_lowerings(func))),
+                          "tvmflash.LowerPragmas")
