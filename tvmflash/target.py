@@ -8,12 +8,14 @@ from typing import Any
 import tvm
 
 # Per-block limits the CUDA tag database gets wrong or leaves out (sm80: 163 KiB opt-in shared
-# memory; sm90: 227 KiB).
+# memory; sm90 and sm100: 227 KiB; sm120: 99 KiB).
 _CUDA_ARCHS = {
     "sm80": {"arch": "sm_80", "max_shared_memory_per_block": 166912},
     "sm86": {"arch": "sm_86", "max_shared_memory_per_block": 101376},
     "sm89": {"arch": "sm_89", "max_shared_memory_per_block": 101376},
     "sm90": {"arch": "sm_90a", "max_shared_memory_per_block": 232448},
+    "sm100": {"arch": "sm_100", "max_shared_memory_per_block": 232448},
+    "sm120": {"arch": "sm_120", "max_shared_memory_per_block": 101376},
 }
 
 
@@ -27,7 +29,7 @@ def cpu_target() -> tvm.target.Target:
 
 
 def cuda_target(name: str) -> tvm.target.Target:
-    """``name`` is one of "sm80", "sm86", "sm89", "sm90"."""
+    """``name`` is one of ``_CUDA_ARCHS``: "sm80", "sm86", "sm89", "sm90", "sm100", "sm120"."""
     limits = _CUDA_ARCHS[name]
     return tvm.target.Target(
         {"kind": "cuda", "max_threads_per_block": 1024, "thread_warp_size": 32, **limits}
@@ -37,8 +39,9 @@ def cuda_target(name: str) -> tvm.target.Target:
 def cuda_device_target(device_index: int | None = None) -> tvm.target.Target | None:
     """The target for a torch CUDA device (default: the current one), or None without a GPU.
 
-    Known architectures get their tuned limits; newer GPUs take the newest architecture we know,
-    older ones their own arch (the portable SIMT schedule serves them).
+    Known architectures get their tuned limits. Others run under their own arch: a newer one with the
+    limits of the known architecture of its family (sm_90a's wgmma does not exist past sm90, so no
+    newer GPU may take that build), an older one with none (the portable SIMT schedule serves it).
     """
     try:
         import torch
@@ -48,19 +51,20 @@ def cuda_device_target(device_index: int | None = None) -> tvm.target.Target | N
         return None
     major, minor = torch.cuda.get_device_capability(device_index)
     name = f"sm{major}{minor}"
-    if name not in _CUDA_ARCHS and major >= 8:
-        name = "sm90" if major >= 9 else "sm80"
     if name in _CUDA_ARCHS:
         return cuda_target(name)
+    family = next((known for known in sorted(_CUDA_ARCHS, key=lambda n: int(n[2:]), reverse=True)
+                   if int(known[2:]) // 10 <= major), None) if major >= 8 else None
+    limits = {"max_shared_memory_per_block": _CUDA_ARCHS[family]["max_shared_memory_per_block"]} if family else {}
     return tvm.target.Target({"kind": "cuda", "arch": f"sm_{major}{minor}", "max_threads_per_block": 1024,
-                              "thread_warp_size": 32})
+                              "thread_warp_size": 32, **limits})
 
 
 def resolve(target: Any = None) -> tvm.target.Target:
     """Turn what the user passed as ``target=`` into a TVM target.
 
     None means the current torch CUDA device if there is one, else the CPU. Strings: "cpu",
-    "cuda" (the current GPU), "sm80", "sm86", "sm89", "sm90". A ``tvm.target.Target`` or a JSON
+    "cuda" (the current GPU), "sm80", "sm86", "sm89", "sm90", "sm100", "sm120". A ``tvm.target.Target`` or a JSON
     dict is used as it is.
     """
     if isinstance(target, tvm.target.Target):
