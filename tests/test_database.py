@@ -183,6 +183,7 @@ def test_shipped_records_match_the_current_spaces():
             assert not missing, f"{path.name}: a {record['schedule']} record of {record['workload']} lacks {sorted(missing)}"
 
 
+# ----------------------------------------------------------------------------- the records choose sm80 or sm90
 def test_sm90a_serves_head_dim_32_with_sm80(cache_dir, monkeypatch):
     """At head_dim 32 the sm80 schedule measured faster on the H200, so sm_90a uses it unless
     TVMFLASH_SM90=1, knobs or this device's records of both schedules say otherwise; other

@@ -8,14 +8,13 @@ import tvmflash
 from tvmflash import database, kernel
 from tvmflash import target as targets
 from tvmflash.schedules import sm90
+from tvmflash.tune import measured
 
 
 def test_the_backward_space_known_configurations_first(monkeypatch):
     """``measured.candidates``: the known configurations, then a random draw of the rest of the
     space (callable knobs resolved from the knobs before them), each once, leaving out before any
     build those a BackwardKernel refuses (the schedule's ``backward_knobs_problem``, shared memory)."""
-    from tvmflash.tune import measured
-
     assert measured.space_points({"m": [32, 64], "warps": lambda knobs: [knobs["m"] // 32], "v": [8]}) == [
         {"m": 32, "warps": 1, "v": 8}, {"m": 64, "warps": 2, "v": 8}]
     shape = {"batch": 4, "seqlen": 4096, "heads": 16}
