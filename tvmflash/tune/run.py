@@ -79,13 +79,6 @@ def require_gpu(target) -> bool:
     return cuda
 
 
-def _design_space(schedule, task: dict, context) -> tvm.IRModule:
-    """The module of a task's design space (its one candidate when it samples no knob)."""
-    sch = tvm.s_tir.Schedule(context.mod)
-    space_fn(schedule, task["fixed"], task["sampled"], task.get("structures"))(sch)
-    return sch.mod
-
-
 def tune(*, head_dim: int, dtype, causal: bool, target=None, trials: int = 64, batch: int | None = None,
          seqlen: int | None = None, heads: int | None = None, work_dir=None, space: dict | None = None,
          trials_per_iter: int | None = None, seed: int | None = None, repeat: int = 20, recheck: int = 3,
@@ -252,6 +245,13 @@ def _search(schedule, tasks: list[dict], contexts: list, db, target, work_dir: P
         )
     reporter.close()
     return progress
+
+
+def _design_space(schedule, task: dict, context) -> tvm.IRModule:
+    """The module of a task's design space (its one candidate when it samples no knob)."""
+    sch = tvm.s_tir.Schedule(context.mod)
+    space_fn(schedule, task["fixed"], task["sampled"], task.get("structures"))(sch)
+    return sch.mod
 
 
 def _rechecked_candidates(known: dict, progress: Progress, recheck: int) -> tuple[dict, list[str]]:
