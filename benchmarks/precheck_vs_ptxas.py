@@ -4,7 +4,7 @@ built as the tuner builds it and compiled by nvcc for sm_90a (no GPU needed).
     python benchmarks/precheck_vs_ptxas.py 256 96 128 64 --jobs 2
 
 For each head_dim: how many configurations the space holds, how many the pre-check
-(``tune.candidate_problem``) accepts, and how many of those fail to schedule, build or compile
+(``tune.space.candidate_problem``) accepts, and how many of those fail to schedule, build or compile
 (ptxas included: "Insufficient registers" is only found there). Issue 23's goal is at most 10% of the
 measured candidates failing; every failure here is a wasted trial on the GPU.
 """
@@ -20,20 +20,21 @@ from concurrent.futures import ProcessPoolExecutor
 
 def configurations(head_dim: int) -> list[tuple[dict, str | None]]:
     """(knobs, the pre-check's objection or None) for every configuration of sm90's SPACE."""
-    from tvmflash import kernel, tune
+    from tvmflash import kernel
     from tvmflash import schedules as registry
     from tvmflash import target as targets
+    from tvmflash.tune import space
 
     sm90, target = registry.sm90, targets.cuda_target("sm90")
     found = []
-    for point in tune.task_points(sm90, sm90.SPACE):
-        options = tune.structures(sm90, sm90.SPACE, point)
-        fixed, sampled = tune.task_knobs(sm90.SPACE, **point, structure_names=list(options[0]) if options else ())
+    for point in space.task_points(sm90, sm90.SPACE):
+        options = space.structures(sm90, sm90.SPACE, point)
+        fixed, sampled = space.task_knobs(sm90.SPACE, **point, structure_names=list(options[0]) if options else ())
         base = {**kernel.default_knobs(sm90, head_dim), **fixed}
         for structure in options or [{}]:
             for values in itertools.product(*sampled.values()):
                 knobs = {**base, **structure, **dict(zip(sampled, values))}
-                found.append((knobs, tune.candidate_problem(sm90, target, head_dim, "bfloat16", knobs)))
+                found.append((knobs, space.candidate_problem(sm90, target, head_dim, "bfloat16", knobs)))
     return found
 
 
@@ -42,19 +43,20 @@ def build(job: tuple[int, dict]) -> str | None:
     import tvm
     from tvm.support import nvcc
 
-    from tvmflash import kernel, program, tune
+    from tvmflash import kernel, program
     from tvmflash import schedules as registry
     from tvmflash import target as targets
+    from tvmflash.tune import builder, task
 
     head_dim, knobs = job
     sm90, target = registry.sm90, targets.cuda_target("sm90")
     spec = program.AttentionSpec(head_dim, "bfloat16", False, 2, 2)
     try:
-        func = tune.specialize(registry.program_for(spec, sm90, knobs), spec, batch=1, seqlen_q=512, seqlen_k=512,
+        func = task.specialize(registry.program_for(spec, sm90, knobs), spec, batch=1, seqlen_q=512, seqlen_k=512,
                                softmax_scale=0.1)
         sch = tvm.s_tir.Schedule(tvm.IRModule({"main": func}))
         sm90.schedule(sch, **knobs)
-        source = tune._ms_build(sch.mod, target, None, **kernel.build_options(sm90)).imports[0].inspect_source()
+        source = builder.ms_build(sch.mod, target, None, **kernel.build_options(sm90)).imports[0].inspect_source()
         with target:
             nvcc.compile_cuda(source, target_format="cubin", arch="sm_90a", compiler="nvcc")
     except Exception as err:  # noqa: BLE001 - any failure is the answer

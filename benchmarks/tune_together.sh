@@ -21,7 +21,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/gpu.txt
 one() {
   local name=$1 cores=$2 args=$3 cache=/tmp/tvmflash-tune-$1 visible=${CUDA_VISIBLE_DEVICES:-all}
   mkdir -p "$cache"
-  ln -sf /tmp/tvmflash-gpu-timing.lock "$cache/gpu-timing-${visible//,/-}.lock"  # tune.gpu_timing_lock's file
+  ln -sf /tmp/tvmflash-gpu-timing.lock "$cache/gpu-timing-${visible//,/-}.lock"  # tune.runner.gpu_timing_lock's file
   echo "== tvmflash tune $args (cores $cores, limit $LIMIT s)" > "$OUT/$name.txt"
   # shellcheck disable=SC2086 # the arguments are words
   TVMFLASH_CACHE_DIR=$cache timeout "$LIMIT" taskset -c "$cores" python3 -m tvmflash.cli tune $args \

@@ -1,4 +1,6 @@
 import os
+import subprocess
+import sys
 import tempfile
 
 import pytest
@@ -77,3 +79,20 @@ def kv_loop_body(src: str) -> str:
         if depth == 0:
             return src[start + 1:end]
     raise AssertionError("unbalanced K/V loop")
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    """A fresh cache dir (modules and tuning records) and no in-memory kernels."""
+    from tvmflash import kernel
+
+    monkeypatch.setenv("TVMFLASH_CACHE_DIR", str(tmp_path))
+    kernel.forget_kernels()
+    yield tmp_path
+    kernel.forget_kernels()
+
+
+def cli(*args, env_dir):
+    """``tvmflash ARGS`` in a process of its own, with ``env_dir`` its cache dir."""
+    env = dict(os.environ, TVMFLASH_CACHE_DIR=str(env_dir))
+    return subprocess.run([sys.executable, "-m", "tvmflash.cli", *args], capture_output=True, text=True, env=env)

@@ -1,11 +1,19 @@
 """The tvmflash command line, run as a user would."""
 
 import os
+import json
 import re
 import subprocess
 import sys
 
 import pytest
+
+from conftest import cli
+from tvmflash import database
+from tvmflash import target as targets
+
+CPU = targets.cpu_target()
+WORKLOAD = {"head_dim": 32, "dtype": "float32", "causal": False}
 
 
 def tvmflash(*args):
@@ -103,3 +111,62 @@ def test_bench_on_gpu():
     assert "sdpa-flash" in out and "tvmflash-bhsd ms" in out and "strided (b, h, s, d) views" in out, out
     host = re.search(r"host time a call, the GPU kept busy \(.*\): tvmflash (\d+) us, sdpa-flash (\d+) us", out)
     assert host and all(0 < int(us) < 10_000 for us in host.groups())
+
+
+def test_cache_commands(cache_dir, tmp_path):
+    rec = database.new_record(CPU, "cpu", WORKLOAD, {"block_m": 16, "block_n": 32, "vector": 8}, 1.5)
+    database.add(rec)
+    slow = {**rec, "knobs": {"block_m": 64}, "mean_ms": 9.0, "workload": {**WORKLOAD, "causal": True}}
+    database.add(slow)
+    rid = database.record_id(rec)
+
+    done = cli("cache", "ls", env_dir=cache_dir)
+    assert done.returncode == 0, done.stderr
+    shipped = sum(len(database.read(f)) for f in database.SHIPPED_DIR.glob("*.json"))  # e.g. the H200's
+    assert f"tuning records: {2 + shipped}" in done.stdout and rid in done.stdout and "cached modules: 0" in done.stdout
+
+    done = cli("cache", "show", rid[:8], env_dir=cache_dir)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["knobs"] == rec["knobs"]
+
+    out = tmp_path / "exported"
+    existing = {**rec, "device": rec["device"], "tvm": "0.26.0"}  # another key, already shipped: kept
+    database.write(out / f"{database.slug(rec['device'])}.json", [existing])
+    done = cli("cache", "export", "--out", str(out), env_dir=cache_dir)
+    assert done.returncode == 0, done.stderr
+    (written,) = out.glob("*.json")
+    assert len(database.read(written)) == 3
+
+    done = cli("cache", "clear", env_dir=cache_dir)
+    assert done.returncode == 0 and "deleting 0 cached modules" in done.stdout and "2 tuning records" in done.stdout
+    assert not database.user_dir().exists()
+
+
+def test_bad_cli_input_is_one_line(cache_dir):
+    for args in (("tune", "--head-dim", "80"), ("tune", "--head-dim", "64", "--trials", "0", "--target", "cpu"),
+                 ("tune", "--head-dim", "64", "80", "--target", "cpu"),  # refused before 64 is tuned
+                 ("cache", "show", "no-such-key")):
+        done = cli(*args, env_dir=cache_dir)
+        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def test_tune_all_retunes_every_shipped_workload(cache_dir, monkeypatch, tmp_path, capsys):
+    """``tvmflash tune --all`` takes its workloads from the shipped records (tuning_logs/), each once;
+    without --all, --head-dim is needed."""
+    from tvmflash import cli as tvmflash_cli
+
+    shipped = tmp_path / "shipped"
+    record = database.new_record(CPU, "cpu", WORKLOAD, {"block_m": 16, "block_n": 32, "vector": 8}, 1.0)
+    database.write(shipped / "some-gpu.json", [record, {**record, "device": "another"}])
+    monkeypatch.setattr(database, "SHIPPED_DIR", shipped)
+    assert tvmflash_cli.shipped_workloads() == [(32, "float32", False, "forward", 0)]
+    assert tvmflash_cli.main(["tune", "--all", "--trials", "1", "--target", "cpu", "--seqlen", "64", "--batch", "1",
+                              "--heads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "d32 float32 full" in out.split("== summary")[1]
+    stored = [r for path, r in database.all_records() if path.parent == database.user_dir()]
+    assert [(r["workload"], r["trials"]) for r in stored] == [(WORKLOAD, 1)]
+    with pytest.raises(SystemExit) as exit_:
+        tvmflash_cli.main(["tune", "--trials", "1"])
+    assert exit_.value.code != 0 and "--head-dim" in capsys.readouterr().err

@@ -94,7 +94,7 @@ def _workload_dir(work_dir, name: str, count: int):
 
 
 def _tune(args) -> int:
-    from tvmflash import database, program, tune, tune_passes
+    from tvmflash import database, program, tune
 
     if args.all:
         workloads = shipped_workloads()
@@ -124,9 +124,8 @@ def _tune(args) -> int:
         shape = {"batch": args.batch, "seqlen": args.seqlen, "heads": args.heads}
         try:
             if pass_ != "forward":
-                record = tune_passes.tune_pass(pass_, head_dim=head_dim, dtype=dtype, causal=causal, target=args.target,
-                                               trials=args.trials, page_size=page_size, cold=args.cold, echo=echo,
-                                               **shape)
+                record = tune.tune_pass(pass_, head_dim=head_dim, dtype=dtype, causal=causal, target=args.target,
+                                        trials=args.trials, page_size=page_size, cold=args.cold, echo=echo, **shape)
             else:
                 record = tune.tune(head_dim=head_dim, dtype=dtype, causal=causal, target=args.target,
                                    trials=args.trials, work_dir=_workload_dir(args.work_dir, name, len(workloads)),

@@ -1,4 +1,5 @@
-"""``tvmflash tune --pass backward|decode``: a pass's knobs for this machine, by measuring its space.
+"""The measured spaces, ``tvmflash tune --pass backward|decode``: the backward's and decode's knobs for
+this machine, by measuring their spaces.
 
 The backward is three programs run as one call (delta; dkdv; dq by a pass of its own, or by
 dkdv's fp32 atomics), and decode two (the splits and their merge, or one that writes the output):
@@ -10,7 +11,7 @@ and, unless ``cold``, the best user and shipped records) come first, then a rand
 rest, leaving out what the pass's kernel refuses before building (shared memory, the schedule's
 own checks); each is built in parallel processes (``bench.build_in_parallel``) as
 ``compile_backward`` / ``compile_decode`` build it, checked against float32 with flash-attn's rule
-and timed whole on the tuning shape's tensors, one at a time (``tune.gpu_timing_lock``). The
+and timed whole on the tuning shape's tensors, one at a time (``runner.gpu_timing_lock``). The
 fastest correct one is stored as a record of the workload's pass (``kernel.backward_workload``,
 ``decode.decode_workload``), which the pass's kernel then reads.
 """
@@ -23,9 +24,13 @@ import time
 
 import torch
 
-from tvmflash import bench, database, decode, kernel, tune
+from tvmflash import bench, database, decode, kernel
 from tvmflash import schedules as schedule_registry
 from tvmflash import target as targets
+from tvmflash.tune.builder import usable_cores
+from tvmflash.tune.run import known_configurations, require_gpu, tuning_request
+from tvmflash.tune.runner import gpu_timing_lock
+from tvmflash.tune.space import decode_defaults, measured_space
 
 # The decode tuning shape: the serving grid of BENCHMARKS.md (GQA 32/8, one query token) on a GPU;
 # --heads sets the query heads, a quarter of them the K/V heads.
@@ -104,7 +109,7 @@ class Decode:
         self.head_dim, self.dtype, self.page_size = head_dim, dtype, page_size
         self.target, self.shape = target, shape
         self.schedule = schedule_registry.decode_for_target(target, dtype, head_dim)
-        self.defaults = dict(self.schedule.DECODE_KNOBS)
+        self.defaults = decode_defaults(self.schedule)
         self.workload = decode.decode_workload(head_dim, dtype, page_size)
         self.heads = (shape["heads"], max(1, shape["heads"] // GQA_GROUP))
         self.record_shape = {"batch": shape["batch"], "seqlen_q": 1, "seqlen_k": shape["seqlen"],
@@ -158,7 +163,7 @@ def candidates(pass_, known: dict, trials: int, rng: random.Random,
     of ``space`` (default the pass's space in its schedule) drawn at random, ``trials`` in all; and
     why the configurations left out could not run (its kernel refuses them before building)."""
     chosen, problems, rest = list(known.items()), [], []
-    for point in space_points(space if space is not None else getattr(pass_.schedule, pass_.space_name)):
+    for point in space_points(space if space is not None else measured_space(pass_.schedule, pass_.space_name)):
         knobs = {**pass_.defaults, **point}
         if knobs in known.values():
             continue
@@ -190,25 +195,25 @@ def tune_pass(pass_name: str, *, head_dim: int, dtype, causal: bool = False, tar
     """
     if pass_name not in PASSES:
         raise ValueError(f"pass: expected one of {sorted(PASSES)}, got {pass_name!r}")
-    dtype, resolved, shape = tune.tuning_request(head_dim, dtype, causal, trials, target, batch, seqlen, heads,
-                                                 shape_for=_decode_shape if pass_name == "decode" else None)
+    dtype, resolved, shape = tuning_request(head_dim, dtype, causal, trials, target, batch, seqlen, heads,
+                                            shape_for=_decode_shape if pass_name == "decode" else None)
     pass_ = PASSES[pass_name](head_dim, dtype, causal, resolved, shape,
                               **({"page_size": page_size} if pass_name == "decode" else {}))
-    cuda = tune.require_gpu(resolved)
+    cuda = require_gpu(resolved)
     schedule_name = schedule_registry.name_of(pass_.schedule)
     start = time.perf_counter()
     layout = f", pages of {page_size}" if page_size else ""
     echo(f"tvmflash tune --pass {pass_name}: {schedule_name} schedule on {targets.describe(resolved)}, d{head_dim} "
          f"{dtype} {'causal' if causal else 'full'}{layout}, shape {pass_.record_shape}, {trials} trials")
 
-    known = tune.known_configurations(resolved, schedule_name, pass_.workload, pass_.defaults, cold=cold,
-                                      seqlen_k=shape["seqlen"])
+    known = known_configurations(resolved, schedule_name, pass_.workload, pass_.defaults, cold=cold,
+                                 seqlen_k=shape["seqlen"])
     chosen, problems = candidates(pass_, known, trials, random.Random(seed), space)
     echo(f"  measuring {len(chosen)} configurations ({', '.join(known)} first); {len(problems)} of the space "
          f"left out before building" + (f", e.g. {problems[0]}" if problems else ""))
 
     # ---- build, every core at once (a GPU backward module takes about half a minute, on one core)
-    processes = jobs or tune.usable_cores()
+    processes = jobs or usable_cores()
     echo(f"  building {len(chosen)} candidates, {processes} at a time")
     errors = bench.build_in_parallel([(pass_.builder, pass_.build_kwargs(knobs)) for _, knobs in chosen], processes,
                                      echo=lambda line: None, keep_going=True)
@@ -230,7 +235,7 @@ def tune_pass(pass_name: str, *, head_dim: int, dtype, causal: bool = False, tar
             failed += 1
             echo(f"  trial {n}/{len(chosen)} {what}: failed ({error})")
             continue
-        with tune.gpu_timing_lock() if cuda else contextlib.nullcontext():
+        with gpu_timing_lock() if cuda else contextlib.nullcontext():
             times[label] = bench.time_ms(pass_.call(kern), device, repeat=repeat)
         echo(f"  trial {n}/{len(chosen)} {what}: {times[label]:.4f} ms (best {min(times.values()):.4f} ms, "
              f"{time.perf_counter() - start:.0f} s)")

@@ -1,0 +1,57 @@
+"""``tvmflash tune``: MetaSchedule search over a schedule's ``SPACE``; the best knobs go to the database.
+
+Laid out as MetaSchedule is, a file a role (one extension class each), imports running down the list:
+
+- ``measured.py``: the backward's and decode's spaces, measured whole rather than searched
+  (``tune_pass``, ``tvmflash tune --pass backward|decode``);
+- ``run.py``: the driver, ``tune``, and the tuning request (shape, known configurations) that
+  ``measured.py`` shares;
+- ``task.py``: the tasks, one TuneContext a program, and the seeds committed into MetaSchedule's database;
+- ``task_scheduler.py``: ``PromisingTasksFirst``, which spends the trials on the tasks that can win;
+- ``builder.py``, ``runner.py``: MetaSchedule's, reporting as they go; Kernel's build in the
+  builder's workers, one process's GPU timings at a time in the runner's;
+- ``progress.py``: the live status (``Reporter``) and the measure callback (``Progress``);
+- ``mutator.py``: ``MutateKnob``; ``postproc.py``: ``PreCheck``;
+- ``space.py``: the design space (tasks, structures, sampled decisions, seed traces, what cannot
+  build), and every read of a schedule module's attributes.
+
+Design space (docs/design.md, "Tuning"). A MetaSchedule task is one TensorIR program: only the
+knobs that change the program are tasks (``task_points``: ``block_m``, ``block_n``, which shape
+its buffers and loops, and the schedule's ``PROGRAM_KNOBS``, such as sm90's ``min_blocks_per_sm``,
+a function attribute). Inside a task, each valid combination of the schedule's ``STRUCTURE_KNOBS``
+(plain Python values that change which schedule steps run: layouts, copies, stage counts) is a
+design space of its own (``structures``), and every other knob with more than one candidate is a
+``sch.sample_categorical`` decision handed to ``schedule(sch, **knobs)`` as the ExprRV itself
+(split factors take ExprRVs). The trace then *refers* to the decision, so replaying it with
+another decision gives another schedule; reading the value with ``sch.get(rv)`` would bake the
+first sample into the trace as a constant. TVM's own mutators only mutate categorical decisions
+that feed an unroll annotation or a thread binding, so ``MutateKnob`` mutates ours and moves
+candidates between structures. ``PreCheck`` (a postprocessor) rejects candidates that cannot
+build before they are built; ``PromisingTasksFirst`` spends the trials on tasks that can win.
+
+Tune static, run symbolic. Each task's program is specialised to a representative shape (batch,
+sequence lengths, softmax_scale), tuned with the XGBoost cost model and the evolutionary search,
+and built exactly as :class:`tvmflash.Kernel` builds (``lowering.build``: the schedule's
+PassContext config and the TVM workarounds). MetaSchedule's few fastest configurations
+(``recheck``) are then built as ``tvmflash.compile`` builds them (symbolic shapes, which may rank
+tiles differently) and timed with the default knobs on real torch tensors in the same run; the
+fastest whose output passes flash-attn's error rule there (``bench.error_vs_float32``) is written
+to tvmflash's database, where ``tvmflash.compile()`` finds it.
+
+A structure or task that ``candidate_problem`` rejects (shared memory over the target's limit, the
+schedule's ``knobs_problem``) is left out with a message before anything is built; candidates
+that still fail to schedule, build or run are recorded by MetaSchedule as failed measurements and
+never picked.
+
+Warm start (the default): the known configurations (the defaults, the best user and shipped
+records) seed MetaSchedule's database, where the evolutionary search takes its initial population
+from, and are timed again with the search's best, so the stored record is never slower than they
+are. ``cold`` hides them. Progress (``Reporter``) is reported from the first build on, each build
+batch and each measurement as it comes, through MetaSchedule's extension points: a builder, a runner
+and a measure callback of our own.
+"""
+
+from tvmflash.tune.measured import tune_pass
+from tvmflash.tune.run import tune
+
+__all__ = ["tune", "tune_pass"]

@@ -1,0 +1,100 @@
+"""The builder: Kernel's build in MetaSchedule's workers (``ms_build``), each batch reported as it
+goes and the one-configuration tasks built ahead at once (:class:`ProgressBuilder`)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from pathlib import Path
+
+import tvm_ffi
+from tvm.ir.utils import derived_object
+from tvm.s_tir import meta_schedule as ms
+
+import tvmflash
+from tvmflash import lowering
+from tvmflash.tune.progress import Reporter, last_line
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity: ``taskset`` splits a machine between
+    several ``tvmflash tune`` processes, whose thread pools would otherwise each take every core)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def ms_build(mod, target, _params, **options):
+    """MetaSchedule's f_build: the same build as Kernel's (runs in a builder worker process).
+
+    Returns the runtime module: MetaSchedule's exporter takes that, not tvm.compile's Executable.
+    """
+    return lowering.build(mod, target, **options).mod
+
+
+@contextlib.contextmanager
+def workers_import_this_tvmflash():
+    """Builder workers are fresh processes that unpickle ``ms_build`` by reference: make them
+    import this tvmflash (a source checkout may not be the installed one)."""
+    root = str(Path(tvmflash.__file__).resolve().parent.parent)
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([root] + ([old] if old else []))
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = old
+
+
+@derived_object
+class ProgressBuilder(ms.builder.PyBuilder):
+    """MetaSchedule's builder, saying how many candidates are built as it goes. MetaSchedule runs
+    the measure callbacks (``Progress``) only once every task's first batch is built and run, which
+    with one configuration a task is most of a tuning run: without this it would be silent.
+
+    MetaSchedule asks for one task's candidates at a time, so with one configuration a task the
+    builds ran one after the other. ``build_ahead`` builds such tasks' modules all at once, on the
+    inner builder's parallel workers, and ``build`` then hands each over when it is asked for."""
+
+    def __init__(self, inner, reporter: Reporter):
+        self.inner, self.reporter = inner, reporter
+        self.built = self.failed = 0
+        self.ahead: dict[int, list] = {}  # structural hash -> [(module, BuilderResult)]
+
+    def build_ahead(self, mods: list, target) -> None:
+        results = self._build([ms.builder.BuilderInput(mod, target) for mod in mods])
+        for mod, result in zip(mods, results):
+            self.ahead.setdefault(tvm_ffi.structural_hash(mod), []).append((mod, result))
+
+    def build(self, build_inputs):
+        results = [self._take_ahead(b.mod) for b in build_inputs]
+        rest = iter(self._build([b for b, r in zip(build_inputs, results) if r is None]))
+        results = [r if r is not None else next(rest) for r in results]
+        for result in results:  # a candidate that failed to build never reaches the runner: its trial ends here
+            if result.error_msg:
+                self.reporter.trial(None, f"failed to build: {last_line(result.error_msg)}")
+        return results
+
+    def _take_ahead(self, mod):
+        entries = self.ahead.get(tvm_ffi.structural_hash(mod), [])
+        for i, (built_mod, result) in enumerate(entries):
+            if tvm_ffi.structural_equal(built_mod, mod):
+                return entries.pop(i)[1]
+        return None
+
+    def _build(self, inputs):
+        if not inputs:
+            return []
+        # Said before the batch starts too: a GPU build takes seconds a candidate, on every core.
+        self.reporter.note(f"  building {len(inputs)} candidates, {time.perf_counter() - self.reporter.start:.0f} s")
+        results = self.inner.build(inputs)
+        self.built += len(results)
+        self.failed += sum(1 for r in results if r.error_msg)
+        failed = f", {self.failed} failed to build" if self.failed else ""
+        self.reporter.note(f"  built {self.built}/{self.reporter.trials} candidates{failed}, "
+                           f"{time.perf_counter() - self.reporter.start:.0f} s")
+        return results
