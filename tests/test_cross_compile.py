@@ -198,7 +198,8 @@ def test_sm90_softmax_on_accumulator_registers(monkeypatch):
 def test_row_reduce_layouts_cover_their_tiles():
     """common.row_reduce_intrin's layouts (sm80 mma fragments, sm90 wgmma accumulators): the
     elements a thread reduces for its k-th row are exactly that row's elements it holds."""
-    from tvmflash.schedules import sm80, sm90
+    from tvmflash.schedules import sm90
+    from tvmflash.schedules.sm80 import fragments
 
     def check(layout, owner):  # owner(r, c) -> (thread, buffer index) of element (r, c)
         seen, slots = set(), set()
@@ -217,17 +218,17 @@ def test_row_reduce_layouts_cover_their_tiles():
         assert len(slots) == layout.threads * layout.rows_per_thread  # a thread's rows are distinct
 
     def frag_owner(r, c):  # (row tile, col tile, lane, register): lane is the thread
-        index = tuple(int(v) for v in sm80._frag_index_map(r, c))
+        index = tuple(int(v) for v in fragments.frag_index_map(r, c))
         return index[2], index
 
-    check(sm80.frag_rows(32, 64), frag_owner)
+    check(fragments.frag_rows(32, 64), frag_owner)
     acc = sm90.acc_rows(64)
     check(acc, lambda r, c: (sm90._acc_layout(r, c)[0], (sm90._acc_layout(r, c)[1],)))
     # One intrinsic for both layouts and both outputs (shared memory, the quads' registers).
     from tvm.s_tir import TensorIntrin
     from tvmflash.schedules import common
 
-    for layout in (sm80.frag_rows(32, 64), acc):
+    for layout in (fragments.frag_rows(32, 64), acc):
         for out_scope in ("shared.dyn", "local"):
             TensorIntrin.get(common.row_reduce_intrin("sum", layout, out_scope))
 
