@@ -15,7 +15,7 @@ import tvm
 import tvmflash
 from tvmflash import database, kernel, program, tune
 from tvmflash import target as targets
-from tvmflash.schedules import cpu, cuda, sm80, sm90
+from tvmflash.schedules import cpu, simt, sm80, sm90
 
 CPU = targets.cpu_target()
 WORKLOAD = {"head_dim": 32, "dtype": "float32", "causal": False}
@@ -36,7 +36,7 @@ def vector_widths(sch):
 
 # ----------------------------------------------------------------------------- design spaces
 def test_spaces_hold_knobs_of_their_schedules():
-    for module in (cpu, cuda, sm80):
+    for module in (cpu, simt, sm80):
         assert set(module.SPACE) <= set(module.KNOBS)
         assert module.KNOBS["block_m"] in module.SPACE["block_m"] and module.KNOBS["block_n"] in module.SPACE["block_n"]
     # sm80 needs block_m == 32 * num_warps: num_warps is derived, never sampled.
@@ -45,7 +45,7 @@ def test_spaces_hold_knobs_of_their_schedules():
         assert fixed["num_warps"] * 32 == block_m and fixed["num_stages"] == 2 and not sampled
     fixed, sampled = tune.task_knobs(cpu.SPACE, 32, 64)
     assert fixed == {"block_m": 32, "block_n": 64} and sampled == {"vector": [8, 16]}
-    assert len(tune.task_points(cuda, cuda.SPACE)) == 9
+    assert len(tune.task_points(simt, simt.SPACE)) == 9
     # Only the program's tiles are tasks; sm80's num_stages sets pipeline annotations (a plain int):
     # each value is a design space (structure) inside the task.
     points = tune.task_points(sm80, sm80.SPACE)
@@ -107,9 +107,9 @@ def test_cuda_spaces_cross_compile():
                                                      softmax_scale=0.1)})
 
     mod = static(64, 32)
-    fixed, sampled = tune.task_knobs(cuda.SPACE, 64, 32)
+    fixed, sampled = tune.task_knobs(simt.SPACE, 64, 32)
     sch = tvm.s_tir.Schedule(mod)
-    tune.space_fn(cuda, fixed, sampled)(sch)
+    tune.space_fn(simt, fixed, sampled)(sch)
     (inst,) = [i for i in sch.trace.insts if i.kind.name == "SampleCategorical"]
     sources = set()
     for decision in range(len(sampled["vector_bytes"])):
@@ -513,7 +513,7 @@ def test_records_never_cross_devices_or_targets(cache_dir):
     path = database.user_dir() / f"{database.slug(mine['device'])}.json"
     database.write(path, [{**base, **o} for o in other])
     assert database.lookup(CPU, "cpu", WORKLOAD) is None
-    assert database.lookup(CPU, "cuda", WORKLOAD) is None
+    assert database.lookup(CPU, "simt", WORKLOAD) is None
     # A record made for a GPU is never used for another GPU or for the CPU.
     h200 = {**base, "device": "NVIDIA H200", "compute_capability": "9.0", "target": "cuda sm_90a"}
     database.write(database.user_dir() / "nvidia-h200.json", [h200])

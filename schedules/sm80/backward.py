@@ -9,7 +9,7 @@ import tvm
 
 from tvmflash.lowering.annotations import ATOMIC_ADD_PRAGMA
 
-from .. import cuda
+from .. import simt
 from ..common import bind_grid, buffer_info, dkdv_grid, hide_init_reads, pipeline_loads
 from .fragments import (copy_to_shared, fill_fragments, frag_index_map, fragment_elementwise, fragment_lanes, row_block,
                         store_fragments, warp_gemm_operands)
@@ -23,10 +23,10 @@ def schedule_backward(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, dk
     """delta on the SIMT schedule, dkdv and dq on tensor cores (``vec`` elements a copy); see above.
     The tiles are the program's (``program_backward.attention_backward``). ``dq_atomic``: the program
     has no dq; dkdv adds dq's share atomically (``_schedule_dq_share``) and convert_dq runs on SIMT."""
-    cuda.schedule_delta(sch)
+    simt.schedule_delta(sch)
     _schedule_dkdv(sch, dkdv_warps, dkdv_stages, vec, dq_atomic)
     if dq_atomic:
-        cuda.schedule_convert_dq(sch)
+        simt.schedule_convert_dq(sch)
     else:
         _schedule_dq(sch, dq_warps, dq_stages, vec)
     return sch

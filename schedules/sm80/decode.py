@@ -8,7 +8,7 @@ import tvm
 
 from ..common import (hide_init_reads, pipeline_loads, quad_row_block, quad_row_init, row_quad_map, row_reduce_intrin,
                       staged_row_block, tensorize_row_reduce)
-from ..cuda import schedule_decode_merge
+from ..simt import schedule_decode_merge
 from .fragments import (copy_to_shared, fill_fragments, frag_index_map, frag_rows, fragment_elementwise, fragment_lanes,
                         row_block, store_fragments, warp_gemm_operands)
 from .intrinsics import intrin_names
@@ -23,7 +23,7 @@ def schedule_decode(sch: tvm.s_tir.Schedule, *, block_n: int, num_stages: int, v
     the query rows and num_stages K/V tiles in padded shared rows (cp.async pipeline), S = Q Kᵀ
     and acc += P V with ldmatrix and mma.sync, the softmax on the fragments, the per-row values on
     the quads. The per-key running sums of P (``l_keys``) are fragments too, summed across the
-    quads once, after the last tile. merge: SIMT, as ``cuda.schedule_decode_merge``.
+    quads once, after the last tile. merge: SIMT, as ``simt.schedule_decode_merge``.
     """
     for func in [gv.name_hint for gv in sch.mod.functions if gv.name_hint in ("split", "single")]:
         sch.work_on(func)
