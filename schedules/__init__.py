@@ -10,10 +10,10 @@ from __future__ import annotations
 import os
 from types import ModuleType
 
-from . import common, cpu, cuda, sm80, sm90  # noqa: F401 - common: in the build cache key (kernel.py)
+from . import common, cpu, simt, sm80, sm90  # noqa: F401 - common: in the build cache key (kernel.py)
 
 # The schedule for each compute capability, newest first; the CPU has its own.
-_CUDA_BY_CAPABILITY: list[tuple[int, ModuleType]] = [(80, sm80), (0, cuda)]
+_CUDA_BY_CAPABILITY: list[tuple[int, ModuleType]] = [(80, sm80), (0, simt)]
 
 
 def sm90_setting() -> str:
@@ -127,7 +127,7 @@ def simt_for_target(target) -> ModuleType:
     if target.kind.name == "llvm":
         return cpu
     if target.kind.name == "cuda":
-        return cuda
+        return simt
     raise ValueError(f"target: no tvmflash schedule for target kind {target.kind.name!r}")
 
 

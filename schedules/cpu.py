@@ -7,14 +7,35 @@ import tvm
 
 from .common import read_index
 
-# 64x64 tiles with 16-wide vectors: the fastest at d64 and d128 (bf16, s1024) on a 2-core AVX-512
+# ------------------------------------------------------------------------------------------------
+# knobs: the forward's, the backward's and the decode's
+# ------------------------------------------------------------------------------------------------
+# 64x64 tiles with 16-wide vectors: measured the fastest at head_dim 64 and 128 on an AVX-512
 # machine against block_n 128, block_m 32 and 8-wide vectors (BENCHMARKS.md, CPU).
 KNOBS = {"block_m": 64, "block_n": 64, "vector": 16}
 # Tuning space (``tvmflash tune``): block_m / block_n are the program's tile sizes, one
 # MetaSchedule task per pair; ``vector`` is sampled inside each task (it may be an ExprRV).
 SPACE = {"block_m": [16, 32, 64], "block_n": [32, 64, 128], "vector": [8, 16]}
 
+# The backward (``schedule_backward``): its own knobs, as its tiles need not be the forward's.
+BACKWARD_KNOBS = {"block_m": 64, "block_n": 64, "vector": 16}
+BACKWARD_SPACE = {"block_m": [16, 32, 64], "block_n": [32, 64, 128], "vector": [8, 16]}
 
+# The decode (``schedule_decode``). query_tokens: query tokens per task (its rows are those tokens
+# times the GQA group's heads); block_n: keys per K/V tile. The CPU is not where decode speed is
+# measured: small tiles keep the partial buffers small and the tasks many.
+DECODE_KNOBS = {"query_tokens": 1, "block_n": 64, "vector": 16}
+DECODE_SPACE = {"query_tokens": [1, 2, 4], "block_n": [32, 64, 128], "vector": [8, 16]}
+
+
+def decode_tasks_per_core(knobs: dict) -> int:
+    """Split tasks a core should have to run (``tvmflash.decode`` picks the split count from it)."""
+    return 1
+
+
+# ------------------------------------------------------------------------------------------------
+# the forward (tvmflash.program)
+# ------------------------------------------------------------------------------------------------
 def schedule(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, vector: int) -> tvm.s_tir.Schedule:
     """Map the attention program onto the CPU.
 
@@ -70,11 +91,9 @@ def _vectorize_inner(sch, block_name, vector):
     sch.vectorize(inner)
 
 
-# The backward (``tvmflash.program_backward``): its own knobs, as its tiles need not be the forward's.
-BACKWARD_KNOBS = {"block_m": 64, "block_n": 64, "vector": 16}
-BACKWARD_SPACE = {"block_m": [16, 32, 64], "block_n": [32, 64, 128], "vector": [8, 16]}
-
-
+# ------------------------------------------------------------------------------------------------
+# the backward (tvmflash.program_backward)
+# ------------------------------------------------------------------------------------------------
 def schedule_backward(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, vector: int) -> tvm.s_tir.Schedule:
     """Map the backward programs onto the CPU: parallel over their tiles, vectorised along
     contiguous rows. The knobs are the forward's."""
@@ -111,18 +130,6 @@ def schedule_backward(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, ve
 # ------------------------------------------------------------------------------------------------
 # decode (tvmflash.program_decode): the split program and the merge program
 # ------------------------------------------------------------------------------------------------
-# query_tokens: query tokens per task (its rows are those tokens times the GQA group's heads);
-# block_n: keys per K/V tile. The CPU is not where decode speed is measured: small tiles keep the
-# partial buffers small and the tasks many.
-DECODE_KNOBS = {"query_tokens": 1, "block_n": 64, "vector": 16}
-DECODE_SPACE = {"query_tokens": [1, 2, 4], "block_n": [32, 64, 128], "vector": [8, 16]}
-
-
-def decode_tasks_per_core(knobs: dict) -> int:
-    """Split tasks a core should have to run (``tvmflash.decode`` picks the split count from it)."""
-    return 1
-
-
 def schedule_decode(sch: tvm.s_tir.Schedule, *, query_tokens: int, block_n: int, vector: int) -> tvm.s_tir.Schedule:
     """Map the decode programs (functions ``split``, ``single`` and ``merge`` of the module) onto the
     CPU: the split tasks and the merge's rows run in parallel, inner loops as the forward's."""

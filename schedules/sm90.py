@@ -1023,12 +1023,12 @@ def schedule_backward(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, dq
     program's (``program_backward.attention_backward``). ``dq_atomic``: the program has no dq; dkdv
     adds dq's share atomically (``_schedule_dq_share``) and convert_dq runs on SIMT. ``wgmma_overlap``:
     see the comment above ``BACKWARD_KNOBS``."""
-    from . import cuda
+    from . import simt
 
-    cuda.schedule_delta(sch)
+    simt.schedule_delta(sch)
     _schedule_dkdv(sch, dkdv_stages, vec, dq_atomic, dkdv_copy, wgmma_overlap)
     if dq_atomic:
-        cuda.schedule_convert_dq(sch)
+        simt.schedule_convert_dq(sch)
     else:
         _schedule_dq(sch, dq_stages, vec, wgmma_overlap)
     return sch

@@ -227,7 +227,7 @@ def test_simt_backward_builds_cuda_source(monkeypatch, dtype):
     src = kernel.source(heads_q=8, heads_kv=2)
     for name in ("delta_kernel", "dkdv_kernel", "dq_kernel"):
         assert "__global__ void __launch_bounds__" in src and name in src
-    assert kernel.info()["schedule"] == "cuda" and "atomicAdd" not in src
+    assert kernel.info()["schedule"] == "simt" and "atomicAdd" not in src
 
 
 @pytest.mark.gpu
@@ -278,12 +278,12 @@ def test_torch_compile_trains_on_the_gpu():
 
 
 def test_simt_backward_default_knobs_fit_static_shared_memory():
-    from tvmflash.schedules import cuda
+    from tvmflash.schedules import simt
 
     for head_dim in (32, 64, 96, 128, 256):
         kernel = tvmflash.compile_backward(head_dim=head_dim, dtype="float32", target="sm80")
-        assert cuda.backward_shared_memory_bytes(head_dim, "float32", kernel.knobs) <= 48 * 1024
-    with pytest.raises(ValueError, match=r"need 64 KiB of shared memory, the cuda backward on cuda sm_80 has 48 KiB"):
+        assert simt.backward_shared_memory_bytes(head_dim, "float32", kernel.knobs) <= 48 * 1024
+    with pytest.raises(ValueError, match=r"need 64 KiB of shared memory, the simt backward on cuda sm_80 has 48 KiB"):
         tvmflash.compile_backward(head_dim=256, dtype="float32", target="sm80", knobs={"block_m": 32, "block_n": 32})
 
 
@@ -350,9 +350,9 @@ def test_sm80_backward_builds_cuda_source(monkeypatch, dtype, head_dim):
     for program in (dq, dkdv):
         assert f"mma.sync.aligned.m16n8k16.row.col.f32.{ptx_type}.{ptx_type}.f32" in program and "ldmatrix" in program
         assert "cp_async_commit_group" in program
-    assert tvmflash.compile_backward(head_dim=256, dtype=dtype, target="sm80").info()["schedule"] == "cuda"
+    assert tvmflash.compile_backward(head_dim=256, dtype=dtype, target="sm80").info()["schedule"] == "simt"
     monkeypatch.setenv("TVMFLASH_BACKWARD", "simt")
-    assert tvmflash.compile_backward(head_dim=128, dtype=dtype, target="sm80").info()["schedule"] == "cuda"
+    assert tvmflash.compile_backward(head_dim=128, dtype=dtype, target="sm80").info()["schedule"] == "simt"
 
 
 def test_sm90_backward_builds_cuda_source(monkeypatch):
@@ -516,5 +516,5 @@ def test_simt_backward_gradients_on_the_gpu(monkeypatch, dtype, head_dim, causal
     """The SIMT backward where a tensor-core one serves by default (TVMFLASH_BACKWARD=simt), over SHAPES;
     the default schedules are test_gradients_match_float64_on_the_gpu's."""
     monkeypatch.setenv("TVMFLASH_BACKWARD", "simt")
-    assert tvmflash.compile_backward(head_dim=head_dim, dtype=dtype, causal=causal).info()["schedule"] == "cuda"
+    assert tvmflash.compile_backward(head_dim=head_dim, dtype=dtype, causal=causal).info()["schedule"] == "simt"
     gradients_match_float64("cuda", dtype, head_dim, causal)

@@ -187,3 +187,19 @@ def test_a_build_keeps_no_caller_tensors_alive(tmp_path, monkeypatch):
     finally:
         gc.enable()
     assert kernel.module(1, 1).origin == "built" and freed
+
+
+def test_source_digest_covers_every_file_of_a_package(tmp_path, monkeypatch):
+    """A schedule package (``schedules/sm80/``) is keyed by all its files: editing any one of them
+    invalidates the builds, not only an edit of its ``__init__.py``."""
+    import importlib
+
+    package = tmp_path / "digest_probe"
+    package.mkdir()
+    (package / "__init__.py").write_text("from .role import VALUE\n")
+    (package / "role.py").write_text("VALUE = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module("digest_probe")
+    before = cache.source_digest(module)
+    (package / "role.py").write_text("VALUE = 2\n")
+    assert cache.source_digest(module) != before

@@ -86,7 +86,7 @@ def test_records_never_cross_devices_or_targets(cache_dir):
     path = database.user_dir() / f"{database.slug(mine['device'])}.json"
     database.write(path, [{**base, **o} for o in other])
     assert database.lookup(CPU, "cpu", WORKLOAD) is None
-    assert database.lookup(CPU, "cuda", WORKLOAD) is None
+    assert database.lookup(CPU, "simt", WORKLOAD) is None
     # A record made for a GPU is never used for another GPU or for the CPU.
     h200 = {**base, "device": "NVIDIA H200", "compute_capability": "9.0", "target": "cuda sm_90a"}
     database.write(database.user_dir() / "nvidia-h200.json", [h200])

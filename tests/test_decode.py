@@ -425,15 +425,15 @@ def test_decode_schedule_choice(monkeypatch):
         return decode.compile_decode(head_dim=64, **kwargs).schedule.__name__.rsplit(".", 1)[-1]
 
     assert chosen(dtype="float16", target="sm80") == "sm80"
-    assert chosen(dtype="bfloat16", target="sm90", schedule="simt") == "cuda"
-    assert chosen(dtype="float32", target="sm90") == "cuda"
+    assert chosen(dtype="bfloat16", target="sm90", schedule="simt") == "simt"
+    assert chosen(dtype="float32", target="sm90") == "simt"
     assert chosen(dtype="float32", target="cpu") == "cpu"
     with pytest.raises(ValueError, match="decode schedule sm80: needs a GPU of sm80 or newer"):
         chosen(dtype="float32", target="sm90", schedule="sm80")
     with pytest.raises(ValueError, match="expected one of"):
         chosen(dtype="float16", target="sm90", schedule="wgmma")
     monkeypatch.setenv("TVMFLASH_DECODE", "simt")
-    assert chosen(dtype="float16", target="sm80") == "cuda"
+    assert chosen(dtype="float16", target="sm80") == "simt"
     assert chosen(dtype="float16", target="sm80", schedule="sm80") == "sm80"
 
 

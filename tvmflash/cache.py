@@ -25,10 +25,13 @@ def digest(obj) -> str:
 
 
 def source_digest(*modules) -> str:
-    """Hash of Python modules' source, so editing a program or schedule invalidates its builds."""
+    """Hash of Python modules' source, so editing a program or schedule invalidates its builds. A
+    package's source is all its .py files, sorted: a schedule package's roles are separate files."""
     h = hashlib.sha256()
     for module in modules:
-        h.update(Path(module.__file__).read_bytes())
+        path = Path(module.__file__)
+        for file in sorted(path.parent.rglob("*.py")) if hasattr(module, "__path__") else [path]:
+            h.update(file.read_bytes())
     return h.hexdigest()[:20]
 
 

@@ -94,7 +94,7 @@ class DecodeKernel(Kernel):
 
     def _code(self) -> str:
         return cache.source_digest(program, program_decode, self.schedule, schedule_registry.common,
-                                   schedule_registry.cuda, *lowering.MODULES)  # cuda: the merge's schedule
+                                   schedule_registry.simt, *lowering.MODULES)  # simt: the merge's schedule
 
     def _key(self, spec: DecodeSpec, wide: bool = False) -> str:
         return cache.digest({"pass": self.PASS, "like the forward's": super()._key(spec, wide),

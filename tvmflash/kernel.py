@@ -919,9 +919,9 @@ class BackwardKernel(Kernel):
         self._last: tuple[int, int] | None = None
 
     def _key(self, spec: AttentionSpec, wide: bool = False) -> str:
-        # schedules/cuda.py: the tensor-core schedules run delta and convert_dq on its SIMT schedule
+        # schedules/simt.py: the tensor-core schedules run delta and convert_dq on its SIMT schedule
         return cache.digest({"pass": self.PASS, "like the forward's": super()._key(spec, wide),
-                             "code": cache.source_digest(program_backward, schedule_registry.cuda)})
+                             "code": cache.source_digest(program_backward, schedule_registry.simt)})
 
     def _scheduled(self, spec: AttentionSpec) -> tvm.s_tir.Schedule:
         knobs = self.knobs

@@ -1,7 +1,7 @@
 """Flash-Decoding as two TensorIR programs: attention of a few query tokens over a KV cache, with the
 keys split over several thread blocks (tasks), and the merge of the splits' partial results.
 
-This file states *what* is computed; ``schedules/`` (``schedule_decode`` of ``cpu.py`` and ``cuda.py``)
+This file states *what* is computed; ``schedules/`` (``schedule_decode`` of ``cpu.py`` and ``simt.py``)
 map it onto hardware by its block names (``load_q``, ``load_k``, ``qk``, ``row_max``, ``pv``, ...).
 
 Layout (flash-attn's ``flash_attn_with_kvcache``):

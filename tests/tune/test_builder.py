@@ -8,7 +8,7 @@ import tvm
 
 from tvmflash import kernel, program, tune
 from tvmflash import target as targets
-from tvmflash.schedules import cpu, cuda, sm80, sm90
+from tvmflash.schedules import cpu, simt, sm80, sm90
 from tvmflash.tune.builder import ms_build
 from tvmflash.tune.space import space_fn, task_knobs
 from tvmflash.tune.task import specialize
@@ -37,9 +37,9 @@ def test_cuda_spaces_cross_compile():
                                                      softmax_scale=0.1)})
 
     mod = static(64, 32)
-    fixed, sampled = task_knobs(cuda.SPACE, 64, 32)
+    fixed, sampled = task_knobs(simt.SPACE, 64, 32)
     sch = tvm.s_tir.Schedule(mod)
-    space_fn(cuda, fixed, sampled)(sch)
+    space_fn(simt, fixed, sampled)(sch)
     (inst,) = [i for i in sch.trace.insts if i.kind.name == "SampleCategorical"]
     sources = set()
     for decision in range(len(sampled["vector_bytes"])):
@@ -66,7 +66,7 @@ def test_pipelined_candidates_build_with_static_shapes(schedule, block_m, causal
     InjectSoftwarePipeline guards each statement of the K/V step apart, which split a local
     buffer's allocation in an intrinsic (a row reduction's scratch, a wgmma descriptor) from its
     uses; and a cp.async.wait_group count was left as ``if_then_else(True & True, 1, 0)`` (causal,
-    block_m 64). The TMA lowering (tvmflash.lowering.tma) must take the static-shape pipeline too; there, at
+    block_m 64). The TMA lowering (tvmflash.lowering.tma_copies) must take the static-shape pipeline too; there, at
     block_m 64, shared-memory merging put the K/V tiles off the swizzle's 1024-byte boundary until the
     build learned to grow the barriers (``annotations.TMA_BARRIER_PADDINGS``)."""
     spec = program.AttentionSpec(64, "bfloat16", causal, 2, 2)
@@ -89,8 +89,8 @@ def test_pipelined_candidates_build_with_static_shapes(schedule, block_m, causal
 
     options = kernel.build_options(schedule)
     if kv_copy == "cp.async":
-        from tvmflash.lowering import tma
-        with pytest.raises(tma.MisalignedTiles, match="swizzled wgmma operand"):
+        from tvmflash.lowering import tile_alignment
+        with pytest.raises(tile_alignment.MisalignedTiles, match="swizzled wgmma operand"):
             build({**task, "kv_layout": "swizzled"})
     built = build(task)
     source = built.imports[0].inspect_source()

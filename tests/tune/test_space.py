@@ -4,13 +4,13 @@ and a design space's trace replays."""
 import tvm
 
 from tvmflash import program
-from tvmflash.schedules import cpu, cuda, sm80, sm90
+from tvmflash.schedules import cpu, simt, sm80, sm90
 from tvmflash.tune.space import space_fn, structures, task_knobs, task_name, task_points
 from tvmflash.tune.task import specialize
 
 
 def test_spaces_hold_knobs_of_their_schedules():
-    for module in (cpu, cuda, sm80):
+    for module in (cpu, simt, sm80):
         assert set(module.SPACE) <= set(module.KNOBS)
         assert module.KNOBS["block_m"] in module.SPACE["block_m"] and module.KNOBS["block_n"] in module.SPACE["block_n"]
     # sm80 needs block_m == 32 * num_warps: num_warps is derived, never sampled.
@@ -19,7 +19,7 @@ def test_spaces_hold_knobs_of_their_schedules():
         assert fixed["num_warps"] * 32 == block_m and fixed["num_stages"] == 2 and not sampled
     fixed, sampled = task_knobs(cpu.SPACE, 32, 64)
     assert fixed == {"block_m": 32, "block_n": 64} and sampled == {"vector": [8, 16]}
-    assert len(task_points(cuda, cuda.SPACE)) == 9
+    assert len(task_points(simt, simt.SPACE)) == 9
     # Only the program's tiles are tasks; sm80's num_stages sets pipeline annotations (a plain int):
     # each value is a design space (structure) inside the task.
     points = task_points(sm80, sm80.SPACE)

@@ -1,8 +1,10 @@
-"""Portable CUDA schedule (SIMT, no tensor cores): the fallback for any NVIDIA GPU.
+"""Portable CUDA schedule (SIMT, no tensor cores): the fallback for any NVIDIA GPU, and what serves
+float32 and the head_dims the tensor-core schedules do not.
 
-One thread block per (batch, head, Q block) and one thread per query row: the row's Q, running
-max/sum and output accumulator stay in registers, and each K/V tile is loaded cooperatively into
-shared memory with vectorised copies.
+The forward: one thread block per (batch, head, Q block) and one thread per query row: the row's Q,
+running max/sum and output accumulator stay in registers, and each K/V tile is loaded cooperatively
+into shared memory with vectorised copies. The backward and the decode are mapped further down. The
+knobs of all three come first.
 """
 
 from __future__ import annotations
@@ -11,6 +13,9 @@ import tvm
 
 from .common import element_bytes, pipeline_loads, read_index
 
+# ------------------------------------------------------------------------------------------------
+# knobs: the forward's, the backward's and the decode's, their checks and shared-memory models
+# ------------------------------------------------------------------------------------------------
 KNOBS = {"block_m": 64, "block_n": 32, "vector_bytes": 16}
 # The strides of q, k, v and out are whole 16-byte vectors (``program.attention_forward``'s
 # stride_alignment; ``kernel.Kernel`` copies a tensor whose strides are not): the copies move 16 bytes.
@@ -22,14 +27,100 @@ SPACE = {"block_m": [32, 64, 128], "block_n": [16, 32, 64], "vector_bytes": [4, 
 # at least one float32 and at most 16 bytes.
 CHOICES = {"vector_bytes": (4, 8, 16)}
 
-# Blocks that work on one query row each: their row loop becomes threadIdx.x.
-_ROW_BLOCKS = ("load_q", "init_ml", "init_acc", "qk", "score", "row_max", "exp", "alpha", "row_sum", "cast_p", "pv",
-               "merge_l", "update_ml", "inv_l", "store_o", "store_lse")
-
 
 def shared_memory_bytes(head_dim: int, dtype: str, knobs: dict) -> int:
     """Shared memory a build with these knobs needs: one K tile and one V tile."""
     return 2 * knobs["block_n"] * head_dim * tvm.DataType(dtype).bits // 8
+
+
+# The backward (``schedule_backward``): its own tiles, as they need not be the forward's.
+BACKWARD_KNOBS = {"block_m": 32, "block_n": 32, "vector_bytes": 16}
+BACKWARD_KNOBS_FOR_HEAD_DIM = {256: {"block_m": 16, "block_n": 16}}  # float32 tiles within 48 KiB
+BACKWARD_SPACE = {"block_m": [16, 32, 64], "block_n": [16, 32, 64, 128], "vector_bytes": [4, 8, 16]}
+BACKWARD_SHARED_MEMORY_LIMIT = 48 * 1024  # static shared memory, whatever the GPU allows with opt-in
+
+
+def backward_shared_memory_bytes(head_dim: int, dtype: str, knobs: dict) -> int:
+    """Shared memory of the larger backward program: dkdv's Q and dout blocks (and its rows'
+    lse and delta), or dq's K and V blocks."""
+    element = tvm.DataType(dtype).bits // 8
+    return max(2 * knobs["block_m"] * (head_dim * element + 4), 2 * knobs["block_n"] * head_dim * element)
+
+
+# The decode (``schedule_decode``). query_tokens: query tokens per task (its rows: those tokens
+# times the GQA group's heads); block_n: keys per K/V tile, a multiple of threads (each thread owns
+# block_n / threads keys of a tile in Q Kᵀ); threads: per thread block; vector_bytes: the width of
+# each thread's K/V copies. num_stages: 1 copies each K/V tile with plain vector loads at the top of
+# its step; 2 or 3 make the K/V-tile loop a cp.async software pipeline (common.pipeline_loads),
+# tiles num_stages - 1 ahead.
+# Defaults (chosen by reasoning from the generated code, not yet measured against the other sets;
+# benchmarks/decode_bench.py --knobs compares them): one warp a task, owning its keys with its own
+# running max and sum (no barrier across warps), one key a lane, 32-key tiles in two stages,
+# unrolled, each thread its own row max: 37 KiB of shared memory for GQA 32/8, six tasks an SM.
+# row_max: "shuffle" reduces each row's tile max across the threads (TVM's cross-thread reduction:
+# warp shuffles, a row at a time, and two barriers a row in a block of several warps); "each_thread"
+# has every thread reduce the whole tile's masked scores from shared memory itself (all rows at
+# once, independent loads: no shuffle chain, no barrier beyond the one after the scores; block_n *
+# rows reads a thread, so for one-warp tasks). unroll: 1 unrolls Q Kᵀ's head_dim steps and P V's
+# keys (independent shared loads in flight: one warp a task has little else to hide their latency
+# with), 0 leaves the loops to nvcc (which unrolls P V by 4 and Q Kᵀ not at all).
+DECODE_KNOBS = {"query_tokens": 1, "block_n": 32, "threads": 32, "vector_bytes": 16, "num_stages": 2,
+                "row_max": "each_thread", "unroll": 1}
+DECODE_SPACE = {"query_tokens": [1, 2, 4], "block_n": [32, 64, 128, 256], "threads": [32, 64, 128, 256],
+                "vector_bytes": [4, 8, 16], "num_stages": [1, 2, 3], "row_max": ["shuffle", "each_thread"],
+                "unroll": [0, 1]}
+DECODE_PASS_CONFIG = {
+    "tirx.use_async_copy": True,  # cp.async for the pipelined K/V copies
+    # StorageRewrite retypes the K tile, read only 8 elements at a time, as bfloat16x8, and
+    # InjectPTXAsyncCopy (TVM 0.27) then fails on the vector store index its copies meet.
+    "tirx.disable_storage_rewrite": True,
+}
+# Shared rows of the K tiles are padded by 16 bytes: a quarter-warp's 16-byte reads of 8 rows (one
+# key each, Q Kᵀ) then fall in 8 different groups of 4 banks. V's rows are not: P V reads one key's
+# row across the threads, contiguous, and the 16 bytes a row saved let six one-warp tasks of GQA
+# 32/8 fit an SM's 228 KiB instead of five.
+_ROW_PAD_BYTES = 16
+
+
+def decode_shared_memory_bytes(head_dim: int, dtype: str, knobs: dict, group: int = 8) -> int:
+    """Shared memory of a decode task: the K tiles (padded rows) and V tiles, the query rows and the
+    per-key buffers of the scores, P and the row sums (float32), for a GQA group of ``group``
+    query heads (default 8, the largest usual one: an upper bound)."""
+    element = tvm.DataType(dtype).bits // 8
+    rows = group * knobs["query_tokens"]
+    return (knobs["num_stages"] * knobs["block_n"] * (2 * head_dim * element + _ROW_PAD_BYTES)
+            + 3 * rows * knobs["block_n"] * 4 + rows * head_dim * 4 + 64)
+
+
+def decode_tasks_per_sm(head_dim: int, dtype: str, knobs: dict, group: int = 8) -> int:
+    """Thread blocks of the split kernel that one SM holds at once (by shared memory and threads;
+    228 KiB and 2048 threads an SM, sm80 to sm90, 1 KiB reserved a block), for choosing the split
+    count."""
+    by_shared = (228 * 1024) // (decode_shared_memory_bytes(head_dim, dtype, knobs, group) + 1024)
+    return max(1, min(by_shared, 2048 // knobs["threads"], 32))
+
+
+def decode_knob_problem(head_dim: int, dtype: str, knobs: dict) -> str | None:
+    """Why these decode knobs cannot build, or None."""
+    if knobs["block_n"] % knobs["threads"]:
+        return f"block_n ({knobs['block_n']}) must be a multiple of threads ({knobs['threads']})"
+    if (head_dim * tvm.DataType(dtype).bits // 8) % knobs["vector_bytes"]:
+        return f"vector_bytes ({knobs['vector_bytes']}) must divide a row of head_dim {head_dim} {dtype}"
+    if knobs["num_stages"] not in (1, 2, 3):
+        return f"num_stages must be 1, 2 or 3, got {knobs['num_stages']!r}"
+    if knobs["row_max"] not in ("shuffle", "each_thread"):
+        return f"row_max must be 'shuffle' or 'each_thread', got {knobs['row_max']!r}"
+    if knobs["unroll"] not in (0, 1):
+        return f"unroll must be 0 or 1, got {knobs['unroll']!r}"
+    return None
+
+
+# ------------------------------------------------------------------------------------------------
+# the forward (tvmflash.program)
+# ------------------------------------------------------------------------------------------------
+# Blocks that work on one query row each: their row loop becomes threadIdx.x.
+_ROW_BLOCKS = ("load_q", "init_ml", "init_acc", "qk", "score", "row_max", "exp", "alpha", "row_sum", "cast_p", "pv",
+               "merge_l", "update_ml", "inv_l", "store_o", "store_lse")
 
 
 def schedule(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, vector_bytes: int) -> tvm.s_tir.Schedule:
@@ -70,24 +161,13 @@ def _copy_to_shared(sch, name, threads, vector_bytes):
     sch.vectorize(vec)
 
 
-# The backward (``tvmflash.program_backward``). dkdv runs one thread per key (block_n threads): the
-# key's rows of K, V, dk and dv, and its column of each (block_m, block_n) tile, stay in its
-# registers; the Q and dout blocks are copied into shared memory, where every thread reads the same
-# element at a time (a broadcast). dq runs one thread per query row (block_m threads), as the
-# forward does, with the K and V blocks in shared memory.
-BACKWARD_KNOBS = {"block_m": 32, "block_n": 32, "vector_bytes": 16}
-BACKWARD_KNOBS_FOR_HEAD_DIM = {256: {"block_m": 16, "block_n": 16}}  # float32 tiles within 48 KiB
-BACKWARD_SPACE = {"block_m": [16, 32, 64], "block_n": [16, 32, 64, 128], "vector_bytes": [4, 8, 16]}
-BACKWARD_SHARED_MEMORY_LIMIT = 48 * 1024  # static shared memory, whatever the GPU allows with opt-in
-
-
-def backward_shared_memory_bytes(head_dim: int, dtype: str, knobs: dict) -> int:
-    """Shared memory of the larger backward program: dkdv's Q and dout blocks (and its rows'
-    lse and delta), or dq's K and V blocks."""
-    element = tvm.DataType(dtype).bits // 8
-    return max(2 * knobs["block_m"] * (head_dim * element + 4), 2 * knobs["block_n"] * head_dim * element)
-
-
+# ------------------------------------------------------------------------------------------------
+# the backward (tvmflash.program_backward): delta, dkdv and dq on SIMT threads
+# ------------------------------------------------------------------------------------------------
+# dkdv runs one thread per key (block_n threads): the key's rows of K, V, dk and dv, and its column
+# of each (block_m, block_n) tile, stay in its registers; the Q and dout blocks are copied into shared
+# memory, where every thread reads the same element at a time (a broadcast). dq runs one thread per
+# query row (block_m threads), as the forward does, with the K and V blocks in shared memory.
 def schedule_backward(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int,
                       vector_bytes: int) -> tvm.s_tir.Schedule:
     """Map the backward programs onto CUDA threads (see above). vector_bytes: the width of the
@@ -102,7 +182,7 @@ def schedule_delta(sch: tvm.s_tir.Schedule) -> None:
     """The delta program: each query row's sum over head_dim by a group of lanes, each lane 16 bytes
     of out and of dout (one vector load each), then shuffles (TVM's cross-thread reduction), and the
     row's delta and lse2 written from the sum in registers. (A thread a row, looping over head_dim,
-    read at 34 GB/s on the H200: 0.47 ms at 16k tokens, d128.)"""
+    measured far slower: it reads out and dout with little of the memory bandwidth.)"""
     sch.work_on("delta")
     b, i, h, d = sch.get_loops("delta")
     reads = sch.get(sch.get_sblock("delta")).reads
@@ -160,82 +240,17 @@ def schedule_backward_program(sch: tvm.s_tir.Schedule, func: str, threads: int, 
     for name, index in [("init_scale", 0), ("qk", 0), ("exp", 0), ("dp", 0), ("ds", 0)] + own:
         sch.set_scope(name, index, "local")
     # Each product's inner loop unrolled; its outer loop kept (ptxas unrolled it too at head_dim
-    # 64 in float32, and spilled 12-19 KiB a thread).
+    # 64 in float32, and spilled kilobytes a thread).
     for name in ("qk", "dp") + (("dv", "dk") if func == "dkdv" else ("dq",)):
         sch.decompose_reduction(name, sch.get_loops(name)[2])
         outer, inner = sch.get_loops(f"{name}_update")[-2:]
         sch.unroll(inner)
         sch.annotate(outer, "disable_unroll", True)
+
+
 # ------------------------------------------------------------------------------------------------
 # decode (tvmflash.program_decode): the split program and the merge program, on SIMT threads
 # ------------------------------------------------------------------------------------------------
-# query_tokens: query tokens per task (its rows: those tokens times the GQA group's heads); block_n:
-# keys per K/V tile, a multiple of threads (each thread owns block_n / threads keys of a tile in
-# Q Kᵀ); threads: per thread block; vector_bytes: the width of each thread's K/V copies.
-# num_stages: 1 copies each K/V tile with plain vector loads at the top of its step; 2 or 3 make the
-# K/V-tile loop a cp.async software pipeline (common.pipeline_loads), tiles num_stages - 1 ahead.
-# Defaults (chosen by reasoning from the generated code, not yet measured against the other sets;
-# benchmarks/decode_bench.py --knobs compares them): one warp a task, owning its keys with its own
-# running max and sum (no barrier across warps), one key a lane, 32-key tiles in two stages,
-# unrolled, each thread its own row max: 37 KiB of shared memory for GQA 32/8, six tasks an SM.
-# row_max: "shuffle" reduces each row's tile max across the threads (TVM's cross-thread reduction:
-# warp shuffles, a row at a time, and two barriers a row in a block of several warps); "each_thread"
-# has every thread reduce the whole tile's masked scores from shared memory itself (all rows at once,
-# independent loads: no shuffle chain, no barrier beyond the one after the scores; block_n * rows
-# reads a thread, so for one-warp tasks). unroll: 1 unrolls Q Kᵀ's head_dim steps and P V's keys
-# (independent shared loads in flight: one warp a task has little else to hide their latency with),
-# 0 leaves the loops to nvcc (which unrolls P V by 4 and Q Kᵀ not at all).
-DECODE_KNOBS = {"query_tokens": 1, "block_n": 32, "threads": 32, "vector_bytes": 16, "num_stages": 2,
-                "row_max": "each_thread", "unroll": 1}
-DECODE_SPACE = {"query_tokens": [1, 2, 4], "block_n": [32, 64, 128, 256], "threads": [32, 64, 128, 256],
-                "vector_bytes": [4, 8, 16], "num_stages": [1, 2, 3], "row_max": ["shuffle", "each_thread"],
-                "unroll": [0, 1]}
-DECODE_PASS_CONFIG = {
-    "tirx.use_async_copy": True,  # cp.async for the pipelined K/V copies
-    # StorageRewrite retypes the K tile, read only 8 elements at a time, as bfloat16x8, and
-    # InjectPTXAsyncCopy (TVM 0.27) then fails on the vector store index its copies meet.
-    "tirx.disable_storage_rewrite": True,
-}
-# Shared rows of the K tiles are padded by 16 bytes: a quarter-warp's 16-byte reads of 8 rows (one
-# key each, Q Kᵀ) then fall in 8 different groups of 4 banks. V's rows are not: P V reads one key's
-# row across the threads, contiguous, and the 16 bytes a row saved let six one-warp tasks of GQA
-# 32/8 fit an SM's 228 KiB instead of five.
-_ROW_PAD_BYTES = 16
-
-
-def decode_shared_memory_bytes(head_dim: int, dtype: str, knobs: dict, group: int = 8) -> int:
-    """Shared memory of a decode task: the K tiles (padded rows) and V tiles, the query rows and the
-    per-key buffers of the scores, P and the row sums (float32), for a GQA group of ``group``
-    query heads (default 8, the largest usual one: an upper bound)."""
-    element = tvm.DataType(dtype).bits // 8
-    rows = group * knobs["query_tokens"]
-    return (knobs["num_stages"] * knobs["block_n"] * (2 * head_dim * element + _ROW_PAD_BYTES)
-            + 3 * rows * knobs["block_n"] * 4 + rows * head_dim * 4 + 64)
-
-
-def decode_tasks_per_sm(head_dim: int, dtype: str, knobs: dict, group: int = 8) -> int:
-    """Thread blocks of the split kernel that one SM holds at once (by shared memory and threads;
-    228 KiB and 2048 threads an SM, sm80 to sm90, 1 KiB reserved a block), for choosing the split
-    count."""
-    by_shared = (228 * 1024) // (decode_shared_memory_bytes(head_dim, dtype, knobs, group) + 1024)
-    return max(1, min(by_shared, 2048 // knobs["threads"], 32))
-
-
-def decode_knob_problem(head_dim: int, dtype: str, knobs: dict) -> str | None:
-    """Why these decode knobs cannot build, or None."""
-    if knobs["block_n"] % knobs["threads"]:
-        return f"block_n ({knobs['block_n']}) must be a multiple of threads ({knobs['threads']})"
-    if (head_dim * tvm.DataType(dtype).bits // 8) % knobs["vector_bytes"]:
-        return f"vector_bytes ({knobs['vector_bytes']}) must divide a row of head_dim {head_dim} {dtype}"
-    if knobs["num_stages"] not in (1, 2, 3):
-        return f"num_stages must be 1, 2 or 3, got {knobs['num_stages']!r}"
-    if knobs["row_max"] not in ("shuffle", "each_thread"):
-        return f"row_max must be 'shuffle' or 'each_thread', got {knobs['row_max']!r}"
-    if knobs["unroll"] not in (0, 1):
-        return f"unroll must be 0 or 1, got {knobs['unroll']!r}"
-    return None
-
-
 def schedule_decode(sch: tvm.s_tir.Schedule, *, query_tokens: int, block_n: int, threads: int,
                     vector_bytes: int, num_stages: int, row_max: str = "shuffle",
                     unroll: int = 0) -> tvm.s_tir.Schedule:

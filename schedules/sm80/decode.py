@@ -1,0 +1,81 @@
+"""The sm80 decode (``tvmflash.program_decode``, built with tensor_cores=True) on tensor cores: a
+task's rows (its GQA group's query heads times its query tokens) in 16-row mma tiles, one warp each,
+so that the products cost a few mma.sync a K/V tile and the kernel is left to stream the cache."""
+
+from __future__ import annotations
+
+import tvm
+
+from ..common import (hide_init_reads, pipeline_loads, quad_row_block, quad_row_init, row_quad_map, row_reduce_intrin,
+                      staged_row_block, tensorize_row_reduce)
+from ..simt import schedule_decode_merge
+from .fragments import (copy_to_shared, fill_fragments, frag_index_map, frag_rows, fragment_elementwise, fragment_lanes,
+                        row_block, store_fragments, warp_gemm_operands)
+from .intrinsics import intrin_names
+from .knobs import WARP, WARP_ROWS
+
+
+def schedule_decode(sch: tvm.s_tir.Schedule, *, block_n: int, num_stages: int, vec: int) -> tvm.s_tir.Schedule:
+    """Map the decode programs (functions ``split``, ``single`` and ``merge``) onto tensor cores.
+
+    split (and single, the same with one split): one thread block per task, blockIdx.x = (sequence,
+    K/V head), y = query block, z = split; one warp per 16 rows. As the forward (``forward.schedule``):
+    the query rows and num_stages K/V tiles in padded shared rows (cp.async pipeline), S = Q Kᵀ
+    and acc += P V with ldmatrix and mma.sync, the softmax on the fragments, the per-row values on
+    the quads. The per-key running sums of P (``l_keys``) are fragments too, summed across the
+    quads once, after the last tile. merge: SIMT, as ``simt.schedule_decode_merge``.
+    """
+    for func in [gv.name_hint for gv in sch.mod.functions if gv.name_hint in ("split", "single")]:
+        sch.work_on(func)
+        names = intrin_names(str(sch.get(sch.get_sblock("load_k")).writes[0].source.dtype))
+        rows, head_dim = (int(x) for x in sch.get(sch.get_sblock("load_q")).writes[0].source.shape)
+        warps = rows // WARP_ROWS
+        b, hk, qb, s = sch.get_loops("tile")
+        sch.bind(sch.fuse(b, hk), "blockIdx.x")
+        sch.bind(qb, "blockIdx.y")
+        sch.bind(s, "blockIdx.z")
+        sch.set_scope("init_scale", 0, "local")
+        sch.set_scope("split_range", 0, "local")
+
+        for name in ("load_q", "load_k", "load_v"):
+            sch.set_scope(name, 0, "shared.dyn")
+            sch.storage_align(name, 0, axis=0, factor=head_dim, offset=8)  # ldmatrix's 8 rows in 8 bank groups
+            copy_to_shared(sch, name, warps, vec)
+
+        # Per-row values in each quad's registers (row_quad_map), as the forward's row_state "registers".
+        for name, index in (("init_m", 0), ("row_max", 0), ("alpha", 0), ("alpha", 1), ("row_sum", 0),
+                            ("inv_l", 0)):
+            sch.set_scope(name, index, "local")
+            sch.transform_layout(name, ("write", index), row_quad_map)
+        # Tiles of (rows, keys) and the accumulator as mma fragments.
+        for name in ("qk", "score", "exp", "cast_p", "init_l", "sum_p", "pv"):
+            sch.set_scope(name, 0, "warp")
+            sch.transform_layout(name, ("write", 0), frag_index_map)
+
+        qk = sch.get_sblock("qk")
+        warp_gemm_operands(sch, qk, warps, [("Qt", names["ld_a"]), ("Kt", names["ld_b_trans"])])
+        sch.tensorize(sch.get_loops(qk)[-3], names["mma_nt"])
+        sch.tensorize(sch.get_loops("qk_init")[-2], names["fill"])
+        for name in ("score", "exp", "cast_p", "init_l", "sum_p", "update_l"):
+            fragment_elementwise(sch, name, warps)
+        tensorize_row_reduce(sch, "row_max", row_reduce_intrin("max", frag_rows(WARP_ROWS, block_n), "local"),
+                             warps, WARP, quad_row_init(sch))
+        tensorize_row_reduce(sch, "row_sum", row_reduce_intrin("sum", frag_rows(WARP_ROWS, block_n), "local"),
+                             warps, WARP, quad_row_init(sch))
+
+        pv = sch.get_sblock("pv")
+        pv_o = warp_gemm_operands(sch, pv, warps, [("Pc", None), ("Vt", names["ld_b"])])
+        for block in (pv_o, pv):
+            hide_init_reads(sch, block)
+        sch.tensorize(sch.get_loops(pv)[-3], names["mma_nn"])
+        fragment_lanes(sch, "pv_init")  # the rescale
+        fill_fragments(sch, "init_acc", warps, names["fill"])
+        store_fragments(sch, "store_o", warps)
+
+        for name in ("init_m", "alpha", "update_m", "inv_l"):
+            quad_row_block(sch, name, warps)
+        staged_row_block(sch, "store_lse", warps, lambda sch, name: row_block(sch, name, warps))
+        if num_stages > 1:
+            pipeline_loads(sch, num_stages)
+    schedule_decode_merge(sch)
+    return sch
