@@ -158,21 +158,32 @@ class KnobSet:
 
 
 @dataclass(frozen=True)
+class DecodeTasks:
+    """What decode's kernel needs of a schedule besides its knobs. tensor_cores: the program variant it
+    maps (operands in q's dtype on tensor cores, else float32). query_tokens(group, knobs): the query
+    tokens a task holds for a GQA group of ``group`` query heads. per_processor(head_dim, dtype, knobs,
+    group): the tasks one SM (one core on the CPU) runs at once, which the split count fills."""
+
+    tensor_cores: bool = False
+    query_tokens: Callable[[int, dict], int] = lambda group, knobs: knobs["query_tokens"]
+    per_processor: Callable[[int, str, dict, int], int] = lambda head_dim, dtype, knobs, group: 1
+
+
+@dataclass(frozen=True)
 class ProgramSchedule:
     """How a schedule maps one program (forward, backward or decode).
 
     knobs: its ``KnobSet``. apply: ``apply(sch, **knobs) -> sch``. head_dims: the head_dims it can
     serve (None: every one the program takes); preferred_head_dims: those where it is the default
     choice over the schedules after it (None: all it serves). pass_config: the PassContext config of
-    its builds (None: the schedule's). extra: what that program's kernel needs besides (decode's
-    rules for its tasks)."""
+    its builds (None: the schedule's). tasks: decode's ``DecodeTasks``."""
 
     knobs: KnobSet
     apply: Callable
     head_dims: tuple[int, ...] | None = None
     preferred_head_dims: tuple[int, ...] | None = None
     pass_config: Mapping[str, Any] | None = None
-    extra: Mapping[str, Any] = field(default_factory=dict)
+    tasks: DecodeTasks | None = None
 
     def serves(self, head_dim: int) -> bool:
         return self.head_dims is None or head_dim in self.head_dims

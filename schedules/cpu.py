@@ -3,34 +3,41 @@ vectorised."""
 
 from __future__ import annotations
 
+import sys
+
 import tvm
 
+from . import common
 from .common import read_index
+from .contract import TILE, DecodeTasks, Knob, KnobSet, ProgramSchedule, Schedule
 
 # ------------------------------------------------------------------------------------------------
 # knobs: the forward's, the backward's and the decode's
 # ------------------------------------------------------------------------------------------------
 # 64x64 tiles with 16-wide vectors: measured the fastest at head_dim 64 and 128 on an AVX-512
-# machine against block_n 128, block_m 32 and 8-wide vectors (BENCHMARKS.md, CPU).
-KNOBS = {"block_m": 64, "block_n": 64, "vector": 16}
-# Tuning space (``tvmflash tune``): block_m / block_n are the program's tile sizes, one
-# MetaSchedule task per pair; ``vector`` is sampled inside each task (it may be an ExprRV).
-SPACE = {"block_m": [16, 32, 64], "block_n": [32, 64, 128], "vector": [8, 16]}
-
+# machine against block_n 128, block_m 32 and 8-wide vectors (BENCHMARKS.md, CPU). block_m / block_n
+# are the program's tile sizes, one MetaSchedule task per pair; ``vector`` (the SIMD width of the
+# inner loops, in elements) is sampled inside each task (it may be an ExprRV).
+VECTORS = (4, 8, 16, 32)
+FORWARD = KnobSet("cpu", "forward", (
+    Knob("block_m", 64, space=(16, 32, 64), role=TILE),
+    Knob("block_n", 64, space=(32, 64, 128), role=TILE),
+    Knob("vector", 16, choices=VECTORS, space=(8, 16)),
+))
 # The backward (``schedule_backward``): its own knobs, as its tiles need not be the forward's.
-BACKWARD_KNOBS = {"block_m": 64, "block_n": 64, "vector": 16}
-BACKWARD_SPACE = {"block_m": [16, 32, 64], "block_n": [32, 64, 128], "vector": [8, 16]}
-
+BACKWARD = KnobSet("cpu", "backward", (
+    Knob("block_m", 64, space=(16, 32, 64), role=TILE),
+    Knob("block_n", 64, space=(32, 64, 128), role=TILE),
+    Knob("vector", 16, choices=VECTORS, space=(8, 16)),
+))
 # The decode (``schedule_decode``). query_tokens: query tokens per task (its rows are those tokens
 # times the GQA group's heads); block_n: keys per K/V tile. The CPU is not where decode speed is
 # measured: small tiles keep the partial buffers small and the tasks many.
-DECODE_KNOBS = {"query_tokens": 1, "block_n": 64, "vector": 16}
-DECODE_SPACE = {"query_tokens": [1, 2, 4], "block_n": [32, 64, 128], "vector": [8, 16]}
-
-
-def decode_tasks_per_core(knobs: dict) -> int:
-    """Split tasks a core should have to run (``tvmflash.decode`` picks the split count from it)."""
-    return 1
+DECODE = KnobSet("cpu", "decode", (
+    Knob("query_tokens", 1, space=(1, 2, 4)),
+    Knob("block_n", 64, space=(32, 64, 128)),
+    Knob("vector", 16, choices=VECTORS, space=(8, 16)),
+))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -152,3 +159,13 @@ def schedule_decode(sch: tvm.s_tir.Schedule, *, query_tokens: int, block_n: int,
     sch.decompose_reduction("merge_o", s)
     _vectorize_inner(sch, "store_o", vector)
     return sch
+
+
+# One split task a core (``DecodeTasks``' default): decode picks its split count from it.
+SCHEDULE = Schedule(
+    name="cpu", target_kind="llvm", dtypes=("float16", "bfloat16", "float32"),
+    forward=ProgramSchedule(FORWARD, schedule),
+    backward=ProgramSchedule(BACKWARD, schedule_backward),
+    decode=ProgramSchedule(DECODE, schedule_decode, tasks=DecodeTasks()),
+    sources=(sys.modules[__name__], common),
+)

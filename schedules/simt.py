@@ -9,23 +9,22 @@ knobs of all three come first.
 
 from __future__ import annotations
 
+import sys
+
 import tvm
 
+from . import common
 from .common import element_bytes, pipeline_loads, read_index
+from .contract import TILE, DecodeTasks, Knob, KnobSet, ProgramSchedule, Schedule
 
 # ------------------------------------------------------------------------------------------------
 # knobs: the forward's, the backward's and the decode's, their checks and shared-memory models
 # ------------------------------------------------------------------------------------------------
-KNOBS = {"block_m": 64, "block_n": 32, "vector_bytes": 16}
 # The strides of q, k, v and out are whole 16-byte vectors (``program.attention_forward``'s
-# stride_alignment; ``kernel.Kernel`` copies a tensor whose strides are not): the copies move 16 bytes.
+# stride_alignment; a kernel copies a tensor whose strides are not): the copies move 16 bytes.
 STRIDE_ALIGNMENT = 16
-# Tuning space (``tvmflash tune``): one MetaSchedule task per (block_m, block_n); vector_bytes is
-# sampled inside each task (it may be an ExprRV).
-SPACE = {"block_m": [32, 64, 128], "block_n": [16, 32, 64], "vector_bytes": [4, 8, 16]}
-# The values a knob may take, where not any positive int (``schedules.knob_problem``): a copy moves
-# at least one float32 and at most 16 bytes.
-CHOICES = {"vector_bytes": (4, 8, 16)}
+DTYPES = ("float16", "bfloat16", "float32")
+VECTOR_BYTES = (4, 8, 16)  # a copy moves at least one float32 and at most 16 bytes
 
 
 def shared_memory_bytes(head_dim: int, dtype: str, knobs: dict) -> int:
@@ -33,11 +32,12 @@ def shared_memory_bytes(head_dim: int, dtype: str, knobs: dict) -> int:
     return 2 * knobs["block_n"] * head_dim * tvm.DataType(dtype).bits // 8
 
 
-# The backward (``schedule_backward``): its own tiles, as they need not be the forward's.
-BACKWARD_KNOBS = {"block_m": 32, "block_n": 32, "vector_bytes": 16}
-BACKWARD_KNOBS_FOR_HEAD_DIM = {256: {"block_m": 16, "block_n": 16}}  # float32 tiles within 48 KiB
-BACKWARD_SPACE = {"block_m": [16, 32, 64], "block_n": [16, 32, 64, 128], "vector_bytes": [4, 8, 16]}
-BACKWARD_SHARED_MEMORY_LIMIT = 48 * 1024  # static shared memory, whatever the GPU allows with opt-in
+# One MetaSchedule task per (block_m, block_n); vector_bytes is sampled inside each task (an ExprRV).
+FORWARD = KnobSet("simt", "forward", (
+    Knob("block_m", 64, space=(32, 64, 128), role=TILE),
+    Knob("block_n", 32, space=(16, 32, 64), role=TILE),
+    Knob("vector_bytes", 16, choices=VECTOR_BYTES, space=VECTOR_BYTES),
+), shared_memory=shared_memory_bytes)
 
 
 def backward_shared_memory_bytes(head_dim: int, dtype: str, knobs: dict) -> int:
@@ -45,6 +45,15 @@ def backward_shared_memory_bytes(head_dim: int, dtype: str, knobs: dict) -> int:
     lse and delta), or dq's K and V blocks."""
     element = tvm.DataType(dtype).bits // 8
     return max(2 * knobs["block_m"] * (head_dim * element + 4), 2 * knobs["block_n"] * head_dim * element)
+
+
+# The backward (``schedule_backward``): its own tiles, as they need not be the forward's; at d256 the
+# float32 tiles fit 48 KiB, the static shared memory it is limited to whatever the GPU allows with opt-in.
+BACKWARD = KnobSet("simt", "backward", (
+    Knob("block_m", 32, space=(16, 32, 64), by_head_dim={256: 16}, role=TILE),
+    Knob("block_n", 32, space=(16, 32, 64, 128), by_head_dim={256: 16}, role=TILE),
+    Knob("vector_bytes", 16, choices=VECTOR_BYTES, space=VECTOR_BYTES),
+), shared_memory=backward_shared_memory_bytes, shared_memory_limit=48 * 1024)
 
 
 # The decode (``schedule_decode``). query_tokens: query tokens per task (its rows: those tokens
@@ -64,11 +73,6 @@ def backward_shared_memory_bytes(head_dim: int, dtype: str, knobs: dict) -> int:
 # rows reads a thread, so for one-warp tasks). unroll: 1 unrolls Q Kᵀ's head_dim steps and P V's
 # keys (independent shared loads in flight: one warp a task has little else to hide their latency
 # with), 0 leaves the loops to nvcc (which unrolls P V by 4 and Q Kᵀ not at all).
-DECODE_KNOBS = {"query_tokens": 1, "block_n": 32, "threads": 32, "vector_bytes": 16, "num_stages": 2,
-                "row_max": "each_thread", "unroll": 1}
-DECODE_SPACE = {"query_tokens": [1, 2, 4], "block_n": [32, 64, 128, 256], "threads": [32, 64, 128, 256],
-                "vector_bytes": [4, 8, 16], "num_stages": [1, 2, 3], "row_max": ["shuffle", "each_thread"],
-                "unroll": [0, 1]}
 DECODE_PASS_CONFIG = {
     "tirx.use_async_copy": True,  # cp.async for the pipelined K/V copies
     # StorageRewrite retypes the K tile, read only 8 elements at a time, as bfloat16x8, and
@@ -100,19 +104,29 @@ def decode_tasks_per_sm(head_dim: int, dtype: str, knobs: dict, group: int = 8) 
     return max(1, min(by_shared, 2048 // knobs["threads"], 32))
 
 
-def decode_knob_problem(head_dim: int, dtype: str, knobs: dict) -> str | None:
-    """Why these decode knobs cannot build, or None."""
+def decode_rules(knobs: dict) -> str | None:
+    """Why these decode knobs do not go together, or None."""
     if knobs["block_n"] % knobs["threads"]:
         return f"block_n ({knobs['block_n']}) must be a multiple of threads ({knobs['threads']})"
+    return None
+
+
+def decode_build_problem(head_dim: int, dtype: str, knobs: dict) -> str | None:
+    """Why these decode knobs cannot build at this head_dim and dtype, or None."""
     if (head_dim * tvm.DataType(dtype).bits // 8) % knobs["vector_bytes"]:
         return f"vector_bytes ({knobs['vector_bytes']}) must divide a row of head_dim {head_dim} {dtype}"
-    if knobs["num_stages"] not in (1, 2, 3):
-        return f"num_stages must be 1, 2 or 3, got {knobs['num_stages']!r}"
-    if knobs["row_max"] not in ("shuffle", "each_thread"):
-        return f"row_max must be 'shuffle' or 'each_thread', got {knobs['row_max']!r}"
-    if knobs["unroll"] not in (0, 1):
-        return f"unroll must be 0 or 1, got {knobs['unroll']!r}"
     return None
+
+
+DECODE = KnobSet("simt", "decode", (
+    Knob("query_tokens", 1, space=(1, 2, 4)),
+    Knob("block_n", 32, space=(32, 64, 128, 256)),
+    Knob("threads", 32, space=(32, 64, 128, 256)),
+    Knob("vector_bytes", 16, choices=VECTOR_BYTES, space=VECTOR_BYTES),
+    Knob("num_stages", 2, choices=(1, 2, 3), space=(1, 2, 3)),
+    Knob("row_max", "each_thread", choices=("shuffle", "each_thread"), space=("shuffle", "each_thread")),
+    Knob("unroll", 1, choices=(0, 1), space=(0, 1)),
+), rules=decode_rules, build_problem=decode_build_problem, shared_memory=decode_shared_memory_bytes)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -465,3 +479,12 @@ def _vectorize_rows(sch, block, vector_bytes: int) -> None:
         _, inner = sch.split(loop, [None, lanes])
         sch.vectorize(inner)
 
+
+SCHEDULE = Schedule(
+    name="simt", target_kind="cuda", dtypes=DTYPES, stride_alignment=STRIDE_ALIGNMENT,
+    forward=ProgramSchedule(FORWARD, schedule),
+    backward=ProgramSchedule(BACKWARD, schedule_backward),
+    decode=ProgramSchedule(DECODE, schedule_decode, pass_config=DECODE_PASS_CONFIG,
+                           tasks=DecodeTasks(per_processor=decode_tasks_per_sm)),
+    sources=(sys.modules[__name__], common),
+)

@@ -1,14 +1,16 @@
-"""The sm80 schedule's knobs: the defaults, tuning spaces and choices of the forward, backward and
-decode, and the checks and shared-memory models that say which knobs build and fit."""
+"""The sm80 schedule's knobs, declared once (``schedules.contract``): the forward's, the backward's and
+decode's, with the checks and shared-memory models that say which knobs build and fit."""
 
 from __future__ import annotations
 
 import math
 
+from ..contract import DERIVED, STRUCTURE, TILE, Knob, KnobSet
+
 WARP = 32  # threads of a warp: the forward and dq give each warp 32 query rows (block_m = 32 * num_warps)
 DTYPES = ("float16", "bfloat16")  # float32 has no exact tensor-core path: the SIMT schedule serves it
 # The strides of q, k, v and out are whole 16-byte vectors (``program.attention_forward``'s
-# stride_alignment; ``kernel.Kernel`` copies a tensor whose strides are not): the copies move 16 bytes.
+# stride_alignment; a kernel copies a tensor whose strides are not): the copies move 16 bytes.
 STRIDE_ALIGNMENT = 16
 PASS_CONFIG = {
     "tirx.use_async_copy": True,
@@ -18,70 +20,34 @@ PASS_CONFIG = {
     # LowerWarpMemory cannot see through CSE'd store indices into warp buffers.
     "tirx.disable_cse_tir": True,
 }
-
-# --------------------------------------------------------------------------------------------
-# The forward (``forward.schedule``)
-# --------------------------------------------------------------------------------------------
-# The defaults (row_state "registers", 64-key tiles, two stages) measured the fastest at head_dim 64
-# and 128 against one stage, 32- or 128-key tiles and row_state "shared", whose pipelined build
-# spills (benchmarks/row_state_check.py, BENCHMARKS.md).
-KNOBS = {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 2, "vec": 8, "row_state": "registers"}
-KNOBS_FOR_HEAD_DIM = {256: {"block_n": 32}}
 NUM_STAGES = (1, 2, 3)  # 1: plain loads; 2, 3: cp.async software pipeline over the K/V tiles
 # Where the per-row running values (m, m_new, alpha, l) live. "registers": replicated on the 4
 # lanes of the quad that holds the row's fragment elements (FA2's way); the K/V step then has only
 # the barriers that guard the K/V shared tiles. "shared": shared memory, one lane per row
 # (ThreadSync then puts ~7 __syncthreads in each K/V step); kept as a knob for comparison.
 ROW_STATES = ("registers", "shared")
-# Tuning space (``tvmflash tune``): one MetaSchedule task per (block_m, block_n), the program's tiles. A
-# callable gives the candidates from the knobs before it: this version needs block_m == 32 *
-# num_warps. num_stages is a structure knob: the pipeline's stage annotations need a plain int, so
-# each value is a design space of its own inside the task (``tune.structures``).
-STRUCTURE_KNOBS = ("num_stages",)
-SPACE = {
-    "block_m": [64, 128],
-    "block_n": [32, 64, 128],
-    "num_warps": lambda knobs: [knobs["block_m"] // WARP],
-    "num_stages": [1, 2],
-    "vec": [8],
-    "row_state": ["registers"],
-}
-# The values a knob may take, where not any positive int (``schedules.knob_problem``).
-CHOICES = {"num_stages": NUM_STAGES, "row_state": ROW_STATES}
 
 
 def shared_memory_bytes(head_dim: int, dtype: str, knobs: dict) -> int:
-    """Shared memory a build with these knobs needs: the Q tile and num_stages K/V tile pairs,
-    rows padded by 8 elements, plus the per-row values staged for store_lse (a few per row)."""
+    """Shared memory a forward build with these knobs needs: the Q tile and num_stages K/V tile
+    pairs, rows padded by 8 elements, plus the per-row values staged for store_lse (a few per row)."""
     row_bytes = (head_dim + 8) * (2 if dtype in DTYPES else 4)
     tiles = knobs["block_m"] + 2 * knobs["block_n"] * max(1, knobs["num_stages"])
     return tiles * row_bytes + 8 * 4 * knobs["block_m"]
 
 
-# --------------------------------------------------------------------------------------------
-# The backward (``backward.schedule_backward``): dkdv's tile (block_m query rows a step, block_n
-# keys, dkdv_warps warps of block_n / dkdv_warps keys) and dq's (dq_block_m rows, dq_warps warps of
-# 32 rows, dq_block_n keys a step) are knobs of their own.
-# --------------------------------------------------------------------------------------------
-BACKWARD_KNOBS = {"block_m": 64, "block_n": 64, "dkdv_warps": 4, "dkdv_stages": 2, "dq_block_m": 64, "dq_block_n": 64,
-                  "dq_warps": 2, "dq_stages": 2, "vec": 8, "dq_atomic": False}
-# dq in 32-key tiles from head_dim 96: with 64, s, p and dp (64 floats a lane each) and dq (head_dim) spill.
-BACKWARD_KNOBS_FOR_HEAD_DIM = {96: {"dq_block_n": 32}, 128: {"dq_block_n": 32}}
-BACKWARD_HEAD_DIMS = (32, 64, 96, 128)  # at 256, dk and dv alone are 512 floats a lane of 16 keys: SIMT serves it
-BACKWARD_SPACE = {
-    "block_m": [32, 64, 128],
-    "block_n": [32, 64, 128],
-    "dkdv_warps": [2, 4, 8],
-    "dkdv_stages": list(NUM_STAGES),
-    "dq_block_m": [32, 64, 128],
-    "dq_block_n": [32, 64],
-    "dq_warps": lambda knobs: [knobs["dq_block_m"] // WARP],
-    "dq_stages": list(NUM_STAGES),
-    "vec": [8],
-}
-# dq_atomic (dq's share added by fp32 atomics from dkdv, FA2's way, instead of the dq pass) is no
-# tuning choice: it makes dq's rounding change from run to run, and it measured slower (at head_dim
-# 128 dkdv then spills).
+# The defaults (row_state "registers", 64-key tiles, two stages) measured the fastest at head_dim 64
+# and 128 against one stage, 32- or 128-key tiles and row_state "shared", whose pipelined build
+# spills. One MetaSchedule task per (block_m, block_n); num_stages is a structure knob: the
+# pipeline's stage annotations need a plain int.
+FORWARD = KnobSet("sm80", "forward", (
+    Knob("block_m", 128, space=(64, 128), role=TILE),
+    Knob("block_n", 64, space=(32, 64, 128), by_head_dim={256: 32}, role=TILE),
+    Knob("num_warps", 4, space=lambda knobs: [knobs["block_m"] // WARP], role=DERIVED),  # block_m == 32 * num_warps
+    Knob("num_stages", 2, choices=NUM_STAGES, space=(1, 2), role=STRUCTURE),
+    Knob("vec", 8),
+    Knob("row_state", "registers", choices=ROW_STATES),
+), shared_memory=shared_memory_bytes)
 
 
 def backward_shared_memory_bytes(head_dim: int, dtype: str, knobs: dict) -> int:
@@ -93,27 +59,36 @@ def backward_shared_memory_bytes(head_dim: int, dtype: str, knobs: dict) -> int:
     return max(dkdv, (2 * knobs["dq_block_m"] + 2 * knobs["dq_block_n"]) * (head_dim + 8) * 2 + 8 * knobs["dq_block_m"])
 
 
-# --------------------------------------------------------------------------------------------
-# Decode (``decode.schedule_decode``): block_n: keys per K/V tile; num_stages: K/V tiles in flight
-# (cp.async, 1: plain loads); vec: elements a copy moves. A task's query tokens are no knob: the
-# fewest whose rows fill whole mma tiles (``decode_query_tokens``).
-# --------------------------------------------------------------------------------------------
-# 32-key tiles in three stages (four tasks an SM) measured as fast as 64-key tiles in two (three an
-# SM) at large batches, and faster at small ones (BENCHMARKS.md).
-DECODE_KNOBS = {"block_n": 32, "num_stages": 3, "vec": 8}
-DECODE_SPACE = {"block_n": [32, 64, 128], "num_stages": [1, 2, 3, 4], "vec": [8]}
-DECODE_PASS_CONFIG = PASS_CONFIG
-DECODE_TENSOR_CORES = True  # the program variant this schedule maps (program_decode.decode_split)
-WARP_ROWS = 16  # a warp's rows of a task: one mma tile
+# dkdv's tile (block_m query rows a step, block_n keys, dkdv_warps warps of block_n / dkdv_warps keys)
+# and dq's (dq_block_m rows, dq_warps warps of 32 rows, dq_block_n keys a step). dq in 32-key tiles
+# from head_dim 96: with 64, s, p and dp (64 floats a lane each) and dq (head_dim) spill. dq_atomic
+# (dq's share added by fp32 atomics from dkdv, FA2's way) is no tuning choice: it makes dq's rounding
+# change from run to run, and it measured slower (at head_dim 128 dkdv then spills).
+BACKWARD = KnobSet("sm80", "backward", (
+    Knob("block_m", 64, space=(32, 64, 128), role=TILE),
+    Knob("block_n", 64, space=(32, 64, 128), role=TILE),
+    Knob("dkdv_warps", 4, space=(2, 4, 8)),
+    Knob("dkdv_stages", 2, choices=NUM_STAGES, space=NUM_STAGES),
+    Knob("dq_block_m", 64, space=(32, 64, 128), role=TILE),
+    Knob("dq_block_n", 64, space=(32, 64), by_head_dim={96: 32, 128: 32}, role=TILE),
+    Knob("dq_warps", 2, space=lambda knobs: [knobs["dq_block_m"] // WARP], role=DERIVED),
+    Knob("dq_stages", 2, choices=NUM_STAGES, space=NUM_STAGES),
+    Knob("vec", 8),
+    Knob("dq_atomic", False),
+), shared_memory=backward_shared_memory_bytes)
+# at 256, dk and dv alone are 512 floats a lane of 16 keys: SIMT serves it
+BACKWARD_HEAD_DIMS = (32, 64, 96, 128)
+
+WARP_ROWS = 16  # a warp's rows of a decode task: one mma tile
 
 
 def decode_query_tokens(group: int, knobs: dict) -> int:
-    """Query tokens of a task: the fewest whose rows (group x tokens) fill whole 16-row mma tiles."""
+    """Query tokens of a decode task: the fewest whose rows (group x tokens) fill whole 16-row mma tiles."""
     return WARP_ROWS // math.gcd(WARP_ROWS, group)
 
 
 def decode_shared_memory_bytes(head_dim: int, dtype: str, knobs: dict, group: int = 8) -> int:
-    """Shared memory of a task: its query rows and num_stages K/V tile pairs (rows padded by 8
+    """Shared memory of a decode task: its query rows and num_stages K/V tile pairs (rows padded by 8
     elements), and the final row values staged for store_lse."""
     rows = group * decode_query_tokens(group, knobs)
     tiles = rows + 2 * knobs["block_n"] * max(1, knobs["num_stages"])
@@ -126,7 +101,7 @@ def decode_tasks_per_sm(head_dim: int, dtype: str, knobs: dict, group: int = 8) 
     return max(1, min(32, (228 * 1024) // (decode_shared_memory_bytes(head_dim, dtype, knobs, group) + 1024)))
 
 
-def decode_knob_problem(head_dim: int, dtype: str, knobs: dict) -> str | None:
+def decode_build_problem(head_dim: int, dtype: str, knobs: dict) -> str | None:
     """Why these decode knobs cannot build, or None."""
     if dtype not in DTYPES:
         return f"the sm80 decode schedule takes {DTYPES}, got {dtype}"
@@ -134,8 +109,15 @@ def decode_knob_problem(head_dim: int, dtype: str, knobs: dict) -> str | None:
         # block_n 16 builds, but on the GPU it gave wrong results (fewer keys read than the cache
         # holds); not understood yet
         return f"head_dim ({head_dim}) must be a multiple of 16 and block_n ({knobs['block_n']}) of 32"
-    if knobs["num_stages"] not in (1, 2, 3, 4):
-        return f"num_stages must be 1 to 4, got {knobs['num_stages']!r}"
-    if knobs["vec"] not in (2, 4, 8):
-        return f"vec must be 2, 4 or 8, got {knobs['vec']!r}"
     return None
+
+
+# block_n: keys per K/V tile; num_stages: K/V tiles in flight (cp.async, 1: plain loads); vec: elements
+# a copy moves. 32-key tiles in three stages (four tasks an SM) measured as fast as 64-key tiles in
+# two (three an SM) at large batches, and faster at small ones. A task's query tokens are no knob:
+# the fewest whose rows fill whole mma tiles (``decode_query_tokens``).
+DECODE = KnobSet("sm80", "decode", (
+    Knob("block_n", 32, space=(32, 64, 128)),
+    Knob("num_stages", 3, choices=(1, 2, 3, 4), space=(1, 2, 3, 4)),
+    Knob("vec", 8, choices=(2, 4, 8)),
+), build_problem=decode_build_problem, shared_memory=decode_shared_memory_bytes)
