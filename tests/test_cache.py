@@ -187,3 +187,24 @@ def test_a_build_keeps_no_caller_tensors_alive(tmp_path, monkeypatch):
     finally:
         gc.enable()
     assert kernel.module(1, 1).origin == "built" and freed
+
+
+def test_a_packages_source_digest_covers_all_its_files(tmp_path):
+    """A schedule split into a package (``schedules/sm90/``): editing any of its files, not only its
+    ``__init__.py``, changes the build cache's key."""
+    import types
+
+    package = tmp_path / "schedule"
+    (package / "part").mkdir(parents=True)
+    for name in ("__init__.py", "knobs.py", "part/__init__.py", "part/forward.py"):
+        (package / name).write_text(f"# {name}\n")
+    module = types.ModuleType("schedule")
+    module.__file__, module.__path__ = str(package / "__init__.py"), [str(package)]
+    assert [p.relative_to(package).as_posix() for p in cache.source_files(module)] == [
+        "__init__.py", "knobs.py", "part/__init__.py", "part/forward.py"]
+    before = cache.source_digest(module)
+    (package / "part" / "forward.py").write_text("# changed\n")
+    assert cache.source_digest(module) != before
+    plain = types.ModuleType("plain")
+    plain.__file__ = str(package / "knobs.py")
+    assert cache.source_files(plain) == [package / "knobs.py"]
