@@ -143,7 +143,7 @@ def test_sm90_wgmma_schedule_serves_sm_90a(monkeypatch, dtype):
 def test_sm90_accumulator_layout_matches_cutlass():
     """schedules.sm90's wgmma accumulator layout against an independent statement of it: CUTLASS's
     CLayout_64xN = ((4,8,4),(2,2,N/8)):((128,1,16),(64,8,512)), (thread, value) -> m + 64 n."""
-    from tvmflash.schedules import sm90
+    from tvmflash.schedules.sm90 import layouts
 
     for n in (8, 64, 136, 256):
         seen = set()
@@ -152,19 +152,19 @@ def test_sm90_accumulator_layout_matches_cutlass():
                 index = ((thread % 4) * 128 + (thread // 4 % 8) + (thread // 32) * 16
                          + (reg % 2) * 64 + (reg // 2 % 2) * 8 + (reg // 4) * 512)
                 row, col = index % 64, index // 64
-                assert sm90._acc_matrix(thread, reg) == (row, col)
-                assert sm90._acc_layout(row, col) == (thread, reg)
+                assert layouts.acc_matrix(thread, reg) == (row, col)
+                assert layouts.acc_layout(row, col) == (thread, reg)
                 seen.add((row, col))
         assert len(seen) == 64 * n
 
 
 def test_sm90_rs_a_registers_match_cutlass():
     """The PV wgmma takes P from registers ("rs" form) as it is: for its k16 slice ks, A value v
-    of thread t is accumulator register 8 ks + v of S (``_wgmma_desc_impl``'s impl_rs packs values
+    of thread t is accumulator register 8 ks + v of S (``wgmma._wgmma_desc_impl``'s impl_rs packs values
     2r, 2r + 1 into 32-bit A register 4 ks + r). Against an independent statement of the A layout:
     CUTLASS's ALayout_64x16 = ((4,8,4),(2,2,2)):((128,1,16),(64,8,512)), (thread, value) -> m + 64 k.
     (Which half of a 32-bit register holds value 2r is the PTX packing rule, left to the GPU check.)"""
-    from tvmflash.schedules import sm90
+    from tvmflash.schedules.sm90 import layouts
 
     for n in (64, 128):
         for ks in range(n // 16):
@@ -173,7 +173,7 @@ def test_sm90_rs_a_registers_match_cutlass():
                     index = ((t % 4) * 128 + (t // 4 % 8) + (t // 32) * 16
                              + (v % 2) * 64 + (v // 2 % 2) * 8 + (v // 4) * 512)
                     m, k = index % 64, index // 64
-                    assert sm90._acc_layout(m, 16 * ks + k) == (t, 8 * ks + v)
+                    assert layouts.acc_layout(m, 16 * ks + k) == (t, 8 * ks + v)
 
 
 def test_sm90_softmax_on_accumulator_registers(monkeypatch):
@@ -199,6 +199,7 @@ def test_row_reduce_layouts_cover_their_tiles():
     """common.row_reduce_intrin's layouts (sm80 mma fragments, sm90 wgmma accumulators): the
     elements a thread reduces for its k-th row are exactly that row's elements it holds."""
     from tvmflash.schedules import sm80, sm90
+    from tvmflash.schedules.sm90 import layouts as sm90_layouts
 
     def check(layout, owner):  # owner(r, c) -> (thread, buffer index) of element (r, c)
         seen, slots = set(), set()
@@ -222,7 +223,7 @@ def test_row_reduce_layouts_cover_their_tiles():
 
     check(sm80.frag_rows(32, 64), frag_owner)
     acc = sm90.acc_rows(64)
-    check(acc, lambda r, c: (sm90._acc_layout(r, c)[0], (sm90._acc_layout(r, c)[1],)))
+    check(acc, lambda r, c: (sm90_layouts.acc_layout(r, c)[0], (sm90_layouts.acc_layout(r, c)[1],)))
     # One intrinsic for both layouts and both outputs (shared memory, the quads' registers).
     from tvm.s_tir import TensorIntrin
     from tvmflash.schedules import common
@@ -290,7 +291,7 @@ def test_sm90_core_matrices_are_padded_and_copied_along_rows(monkeypatch, head_d
     """Q/K/V tiles: core matrices 144 bytes apart along a row (the descriptors' K-major LBO is 9
     16-byte units, an 8-row group of head_dim/8 core matrices the SBO), and each 16-byte copy
     goes to row threadIdx.x // (head_dim/8), so 8 threads copy 128 contiguous bytes of a row:
-    whole sectors, spread over the banks (schedules.sm90._pad_core_matrix_stride)."""
+    whole sectors, spread over the banks (schedules.sm90.layouts.pad_core_matrix_stride)."""
     monkeypatch.setenv("TVMFLASH_SM90", "1")
     src = tvmflash.compile(head_dim=head_dim, dtype="bfloat16", target="sm90",
                            knobs={"kv_layout": "core_matrices", "num_stages": 1, "kv_copy": "cp.async"}
@@ -331,14 +332,14 @@ def test_sm90_kv_tiles_are_swizzled(monkeypatch, head_dim, block_n, num_stages):
 
 @pytest.mark.parametrize("columns,bits", [(64, 3), (32, 2)])
 def test_swizzled_map_is_the_hardware_swizzle(columns, bits):
-    """_swizzled_map puts element (r, c) of a 16-bit tile where the 128-byte (64 columns) or 64-byte
+    """layouts.swizzled_map puts element (r, c) of a 16-bit tile where the 128-byte (64 columns) or 64-byte
     (32) swizzle of TMA and wgmma does, CUTLASS's Swizzle<bits, 4, 3> of its row-major offset within
     a column group: the 16-byte chunk (bits 4 and up) XOR the 128-byte line (bits 7 and up)."""
-    from schedules.sm90 import _swizzled_map
+    from tvmflash.schedules.sm90.layouts import swizzled_map
 
     rows = 16
     for r, c in itertools.product(range(rows), range(2 * columns)):
-        group, row, chunk, element = _swizzled_map(r, c, columns)  # plain ints in, plain ints out
+        group, row, chunk, element = swizzled_map(r, c, columns)  # plain ints in, plain ints out
         logical = (r * columns + c % columns) * 2  # bytes into the group, row-major
         swizzled = logical ^ (((logical >> 7) & (2 ** bits - 1)) << 4)
         assert (group, row) == (c // columns, r) and (chunk * 8 + element) * 2 + row * columns * 2 == swizzled
@@ -388,7 +389,7 @@ def test_tensor_maps_of_the_64_byte_swizzle():
 def test_sm90_output_goes_out_through_shared_memory(monkeypatch, dtype, pair):
     """The accumulator threads write the output tile to shared memory in pairs of adjacent columns
     (one 32-bit store each), and the tile goes to global memory in 16-byte row pieces: no 2-byte
-    stores to O (schedules.sm90._store_o_through_shared_memory)."""
+    stores to O (schedules.sm90.forward._store_o_through_shared_memory)."""
     monkeypatch.setenv("TVMFLASH_SM90", "1")
     src = tvmflash.compile(head_dim=128, dtype=dtype, target="sm90").source(heads_q=2, heads_kv=2)
     to_global = [line.strip() for line in src.splitlines() if "O_ptr" in line and "=" in line and "__global__" not in line]

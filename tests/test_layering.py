@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCES = sorted([*ROOT.glob("tvmflash/**/*.py"), *ROOT.glob("schedules/*.py")])
+SOURCES = sorted([*ROOT.glob("tvmflash/**/*.py"), *ROOT.glob("schedules/**/*.py")])
 
 
 def module_name(path: Path) -> str:
