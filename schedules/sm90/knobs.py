@@ -54,8 +54,8 @@ VARLEN_KNOBS = {"o_store": "direct"}
 # overlap 1, FA3's intra-warpgroup order: the step of tile j issues PV of tile j - 1, then QK^T of tile
 # j, and waits once for both; V keeps num_stages tiles and K one fewer (``common.pipeline_loads``'s
 # ``lagged``). Needs TMA and 3 stages or more. Correct on the H200; with a producer warpgroup and 3
-# stages of block_n 128 it measured a little faster than the default at d128 non-causal, and slower
-# at 1k tokens and causal.
+# stages of block_n 128 it measured a little faster than the default at d128 non-causal in one run,
+# and slower at 1k tokens and causal.
 OVERLAPS = (0, 1)
 # How the pipelined K/V tiles are copied: every thread's cp.async, 16 bytes each, then a block-wide
 # barrier a step; or TMA (``tvmflash.lowering.tma``): one thread issues each tile, completing on the stage's
