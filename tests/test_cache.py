@@ -189,17 +189,22 @@ def test_a_build_keeps_no_caller_tensors_alive(tmp_path, monkeypatch):
     assert kernel.module(1, 1).origin == "built" and freed
 
 
-def test_source_digest_covers_every_file_of_a_package(tmp_path, monkeypatch):
-    """A schedule package (``schedules/sm80/``) is keyed by all its files: editing any one of them
-    invalidates the builds, not only an edit of its ``__init__.py``."""
-    import importlib
+def test_a_packages_source_digest_covers_all_its_files(tmp_path):
+    """A schedule split into a package (``schedules/sm90/``): editing any of its files, not only its
+    ``__init__.py``, changes the build cache's key."""
+    import types
 
-    package = tmp_path / "digest_probe"
-    package.mkdir()
-    (package / "__init__.py").write_text("from .role import VALUE\n")
-    (package / "role.py").write_text("VALUE = 1\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    module = importlib.import_module("digest_probe")
+    package = tmp_path / "schedule"
+    (package / "part").mkdir(parents=True)
+    for name in ("__init__.py", "knobs.py", "part/__init__.py", "part/forward.py"):
+        (package / name).write_text(f"# {name}\n")
+    module = types.ModuleType("schedule")
+    module.__file__, module.__path__ = str(package / "__init__.py"), [str(package)]
+    assert [p.relative_to(package).as_posix() for p in cache.source_files(module)] == [
+        "__init__.py", "knobs.py", "part/__init__.py", "part/forward.py"]
     before = cache.source_digest(module)
-    (package / "role.py").write_text("VALUE = 2\n")
+    (package / "part" / "forward.py").write_text("# changed\n")
     assert cache.source_digest(module) != before
+    plain = types.ModuleType("plain")
+    plain.__file__ = str(package / "knobs.py")
+    assert cache.source_files(plain) == [package / "knobs.py"]

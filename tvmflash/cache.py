@@ -24,14 +24,22 @@ def digest(obj) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
+def source_files(module) -> list[Path]:
+    """A module's source: its file, or for a package (a schedule split by role) all of its .py
+    files, sorted."""
+    path = Path(module.__file__)
+    if not hasattr(module, "__path__"):
+        return [path]
+    return sorted(path.parent.rglob("*.py"))
+
+
 def source_digest(*modules) -> str:
     """Hash of Python modules' source, so editing a program or schedule invalidates its builds. A
     package's source is all its .py files, sorted: a schedule package's roles are separate files."""
     h = hashlib.sha256()
     for module in modules:
-        path = Path(module.__file__)
-        for file in sorted(path.parent.rglob("*.py")) if hasattr(module, "__path__") else [path]:
-            h.update(file.read_bytes())
+        for path in source_files(module):
+            h.update(path.read_bytes())
     return h.hexdigest()[:20]
 
 

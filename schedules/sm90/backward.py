@@ -1,0 +1,182 @@
+"""The sm90 backward (``schedule_backward``, of ``tvmflash.program_backward``): dkdv and dq on wgmma.
+
+delta runs on the SIMT schedule. dkdv and dq are mapped as the forward is, each warpgroup 64 rows
+(keys in dkdv, queries in dq): dkdv's tile is block_n keys (64 a warpgroup) and block_m query rows a
+step; dq's is dq_block_m query rows (64 a warpgroup) and dq_block_n keys a step. s and dp are in the
+"ss" form, the gradients' products in the "rs" form from p or ds in the accumulator registers. By
+default (``dq_atomic``) dkdv also makes dq's share on wgmma from dsᵀ staged in shared memory and
+adds it by vector atomics. Each program's stream of tiles is loaded in a pipeline, dkdv's by TMA by
+default (the knobs and the reasons for their defaults: ``knobs.BACKWARD_KNOBS``). The default
+backward on sm_90a at head_dim 64 and 128 (``schedules.backward_for_target``).
+"""
+
+from __future__ import annotations
+
+import tvm
+
+from tvmflash.lowering.annotations import ATOMIC_ADD_PRAGMA, TMA_LOAD, WGMMA_WAIT_PRAGMA
+
+from ..common import bind_grid, buffer_info, dkdv_grid, hide_init_reads, pipeline_loads
+from .knobs import dq_share_problem
+from .layouts import (WARPGROUP, WG_ROWS, acc_block, acc_index_map, acc_layout, bind_acc_threads, core_matrix_map,
+                      pad_core_matrix_stride, row_block, tile_in_shared_memory)
+from .wgmma import warpgroup_gemm, wgmma_intrin_name
+
+
+def schedule_backward(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, dq_block_m: int, dq_block_n: int,
+                      dkdv_stages: int, dq_stages: int, vec: int, dq_atomic: bool = False,
+                      dkdv_copy: str = "cp.async", wgmma_overlap: bool = False) -> tvm.s_tir.Schedule:
+    """delta on the SIMT schedule, dkdv and dq on wgmma (``vec`` elements a copy). The tiles are the
+    program's (``program_backward.attention_backward``). ``dq_atomic``: the program has no dq; dkdv
+    adds dq's share atomically (``_schedule_dq_share``) and convert_dq runs on SIMT. ``wgmma_overlap``:
+    see the comment above ``knobs.BACKWARD_KNOBS``."""
+    from .. import simt
+
+    simt.schedule_delta(sch)
+    _schedule_dkdv(sch, dkdv_stages, vec, dq_atomic, dkdv_copy, wgmma_overlap)
+    if dq_atomic:
+        simt.schedule_convert_dq(sch)
+    else:
+        _schedule_dq(sch, dq_stages, vec, wgmma_overlap)
+    return sch
+
+
+def _backward_warpgroups(rows: int, what: str) -> int:
+    if rows % WG_ROWS:
+        raise ValueError(f"knobs: the sm90 backward gives each warpgroup 64 {what}, so it needs a multiple of 64, "
+                         f"got {rows}")
+    return rows // WG_ROWS
+
+
+def _schedule_dkdv(sch: tvm.s_tir.Schedule, num_stages: int, vec: int, dq_atomic: bool = False,
+                   copy: str = "cp.async", overlap: bool = False) -> None:
+    """dkdv: its tiles are key-first (sᵀ = k qᵀ, ...), so warpgroup g owns keys [64 g, 64 g + 64) of
+    the K/V block, as the forward's warpgroups own query rows: sᵀ and dpᵀ on wgmma with K or V as A
+    and q or dout as B (K-major), pᵀ and dsᵀ in the accumulator registers, which are the A operand
+    of dv += pᵀ dout and dk += dsᵀ q (the "rs" form, dout and q as N-major B), and dv, dk in
+    accumulator registers across the Q blocks, stored from them."""
+    sch.work_on("dkdv")
+    dtype, BM, D, BN = buffer_info(sch)
+    groups = _backward_warpgroups(BN, "keys (block_n)")
+    if BM % 16 or D % 16:
+        raise ValueError(f"knobs: the sm90 dkdv needs block_m and head_dim multiples of 16, got {BM} and {D}")
+    staged = dkdv_grid(sch, dq_atomic)  # dsᵀ's copy to shared memory with dq_atomic
+    tma = copy == "tma"
+    for name in ("load_k", "load_v", "load_q", "load_do"):  # q and dout swizzled for TMA
+        tile_in_shared_memory(sch, name, groups, vec, swizzled=tma and name in ("load_q", "load_do"))
+    for name in ("load_lse", "load_delta"):  # BM rows, any number of warpgroups
+        _spread_rows(sch, name, groups)
+    if tma:  # the Q block's tiles and its rows' values by TMA
+        for name in ("load_q", "load_do", "load_lse", "load_delta"):
+            sch.annotate(sch.get_sblock(name), TMA_LOAD, "thread")
+    _backward_step(sch, ("cast_p",), groups, BM, D, dtype, num_stages, overlap, b_swizzled=tma)
+    for name in ("dv", "dk"):  # with overlap dv is only committed: dk's wait ends both
+        _backward_accumulate(sch, name, groups, D, BM, dtype, b_swizzled=tma, wait=not overlap or name == "dk")
+    if dq_atomic:
+        _schedule_dq_share(sch, staged, groups, BM, D, BN, dtype)
+    if num_stages > 1:
+        pipeline_loads(sch, num_stages, step="q_step", loads=("load_q", "load_do", "load_lse", "load_delta"))
+
+
+def _schedule_dq_share(sch, staged, groups, BM, D, BN, dtype):
+    """dq's share of a dkdv step, ds k, added atomically into the fp32 dq (FA2's way, as sm80's
+    ``dq_atomic``). Each warpgroup holds dsᵀ of its keys, but ds k sums over all the block's keys:
+    the threads write their dsᵀ elements to shared memory (core matrices), and each warpgroup then
+    makes the 64 query rows of ds k for its share of the head_dim columns on wgmma (dsᵀ read
+    transposed as A, K N-major as B) and adds its accumulator registers into global memory, two
+    adjacent columns a ``red.global.add.v2.f32`` (``ATOMIC_ADD_PRAGMA``)."""
+    problem = dq_share_problem(BM, D, groups)
+    if problem:
+        raise ValueError(problem)
+    cols = D // groups
+    sch.transform_layout(staged, ("write", 0), core_matrix_map)
+    pad_core_matrix_stride(sch, staged)
+    acc_block(sch, staged, groups)
+    sch.vectorize(sch.get_loops(staged)[-1])
+
+    def by_columns(i, d):  # (query row, column) -> (warpgroup, register): warpgroups split the columns
+        return (d // cols, acc_layout(i, d % cols)[1])
+
+    def columns_by_warpgroup(i, d):  # (query row, column) loops -> warpgroup outside the rows; the rows loop
+        wg, d = sch.split(d, [groups, cols])
+        sch.reorder(wg, i, d)
+        sch.bind(wg, "threadIdx.y")
+        return i
+
+    block = sch.get_sblock("dq")
+    sch.set_scope(block, 0, "local")
+    sch.transform_layout(block, ("write", 0), by_columns)
+    i = columns_by_warpgroup(*sch.get_loops(block)[-3:-1])  # (i, d, j): the reduction j stays innermost
+    init = sch.decompose_reduction(block, i)
+    bind_acc_threads(sch, init)
+    sch.tensorize(i, wgmma_intrin_name(cols, BN, dtype, "mn", a_major="mn"))
+    columns_by_warpgroup(*sch.get_loops("accumulate_dq")[-2:])
+    bind_acc_threads(sch, "accumulate_dq")
+    # the loops in each thread; 2: a thread's two adjacent columns go as one vector reduction
+    sch.annotate(sch.get_loops("accumulate_dq")[-3], ATOMIC_ADD_PRAGMA, 2)
+
+
+def _schedule_dq(sch: tvm.s_tir.Schedule, num_stages: int, vec: int, overlap: bool = False) -> None:
+    """dq, mapped as the forward is (a Q block, the K/V blocks streamed past it): s and dp on wgmma
+    with q or dout as A and K or V as B (K-major), p and ds in accumulator registers, ds the A operand
+    of dq += ds k (K as N-major B), dq in accumulator registers across the K/V blocks."""
+    sch.work_on("dq")
+    dtype, BM, D, BN = buffer_info(sch)
+    groups = _backward_warpgroups(BM, "query rows (dq_block_m)")
+    if BN % 16 or D % 16:
+        raise ValueError(f"knobs: the sm90 dq needs dq_block_n and head_dim multiples of 16, got {BN} and {D}")
+    bind_grid(sch)
+    for name in ("load_q", "load_do", "load_k", "load_v"):
+        tile_in_shared_memory(sch, name, groups, vec, swizzled=False)
+    for name in ("load_lse", "load_delta"):
+        sch.set_scope(name, 0, "shared.dyn")
+        row_block(sch, name, groups)
+    _backward_step(sch, (), groups, BN, D, dtype, num_stages, overlap)
+    _backward_accumulate(sch, "dq", groups, D, BN, dtype)
+    if num_stages > 1:
+        pipeline_loads(sch, num_stages)
+
+
+def _spread_rows(sch, name, groups):
+    """A per-row copy of any number of rows over the block's threads."""
+    sch.set_scope(name, 0, "shared.dyn")
+    _, ty, tx = sch.split(sch.get_loops(name)[-1], [None, groups, WARPGROUP])
+    sch.bind(ty, "threadIdx.y")
+    sch.bind(tx, "threadIdx.x")
+
+
+def _backward_step(sch, casts, groups, cols, D, dtype, num_stages, overlap, b_swizzled=False):
+    """What dkdv and dq share: s and dp on wgmma ("ss": A and B K-major from shared memory, N =
+    ``cols``), p, ds and ``casts`` on the accumulator registers, each thread its elements. With
+    ``overlap`` dp's wgmma is only committed: p's exponentials run while it does, and ds waits for
+    it. With one stage, s's fence and barrier make the step's tiles visible to both products (dp
+    reads none that is written after them)."""
+    sch.set_scope("init_scale", 0, "local")  # each thread its copy of the scale
+    for name in ("qk", "dp"):
+        sch.set_scope(name, 0, "local")
+        sch.transform_layout(name, ("write", 0), acc_index_map)
+        rows = warpgroup_gemm(sch, name, groups)
+        sch.tensorize(rows, wgmma_intrin_name(cols, D, dtype, "k", fence_operands=num_stages == 1 and name == "qk",
+                                              b_swizzled=b_swizzled, wait=not overlap or name == "qk"))
+    for name in ("exp", "ds", *casts):
+        sch.set_scope(name, 0, "local")
+        sch.transform_layout(name, ("write", 0), acc_index_map)
+        acc_block(sch, name, groups)
+    if overlap:
+        sch.annotate(sch.get_loops("ds")[-3], WGMMA_WAIT_PRAGMA, "dP")  # its first per-thread loop
+
+
+def _backward_accumulate(sch, name, groups, D, k, dtype, b_swizzled=False, wait=True):
+    """A gradient's product on wgmma ("rs": A, the p or ds of the step, from the accumulator
+    registers; B N-major from shared memory), the gradient in accumulator registers across the
+    steps, zeroed first and stored from them (each thread its pairs of adjacent columns). Without
+    ``wait`` only committed: a later product's wait ends it."""
+    sch.set_scope(name, 0, "local")
+    sch.transform_layout(name, ("write", 0), acc_index_map)
+    block = sch.get_sblock(name)
+    rows = warpgroup_gemm(sch, block, groups)
+    hide_init_reads(sch, block)
+    sch.tensorize(rows, wgmma_intrin_name(D, k, dtype, "mn", a_regs=True, b_swizzled=b_swizzled, wait=wait))
+    acc_block(sch, f"init_{name}", groups)
+    acc_block(sch, f"store_{name}", groups)
+    sch.vectorize(sch.get_loops(f"store_{name}")[-1])

@@ -1,0 +1,330 @@
+"""The sm90 schedule's knobs: their defaults (forward, varlen, backward, per head_dim), the values
+they take, the tuning spaces, the checks of knobs that do not go together or do not fit (registers,
+shared memory), the kernel attributes they ask for, and the schedule's build flags."""
+
+from __future__ import annotations
+
+from tvmflash.lowering.annotations import (NARROW_SWIZZLE_COLUMNS, SWIZZLE_COLUMNS, TMA_BARRIER_BYTES,
+                                           TMA_BARRIER_PADDINGS, TMA_PRODUCERS, swizzle_columns)
+
+from ..sm80 import DTYPES, STRIDE_ALIGNMENT  # noqa: F401 - the same fp16/bf16 pair, 16-byte copies
+from .layouts import CORE_MATRIX_ELEMENTS, PAD_ELEMENTS, SWIZZLE_ALIGNMENT, WARPGROUP, WG_ROWS
+
+# The H200's fastest (BENCHMARKS.md): 128-row blocks, two blocks an SM, the K/V tiles in the 128-byte
+# swizzled layout loaded by TMA in two stages, ahead of the same pipeline on cp.async and of padded core
+# matrices with plain loads. 256-row blocks (4 warpgroups, one block an SM) and 128-key tiles at one
+# block an SM measured slower. d64 takes 128-key tiles. d96 (no multiple of 64) takes the same pipeline
+# in the 64-byte swizzle, faster than its padded core matrices by cp.async. d32 keeps the padded core
+# matrices.
+KNOBS = {"block_m": 128, "block_n": 64, "num_warpgroups": 2, "num_stages": 2, "vec": 8, "min_blocks_per_sm": 2,
+         "row_state": "registers", "kv_layout": "swizzled", "kv_copy": "tma", "producer": "thread",
+         "q_layout": "core_matrices", "q_copy": "threads", "o_store": "staged", "overlap": 0}
+KNOBS_FOR_HEAD_DIM = {64: {"block_n": 128}, 256: {"min_blocks_per_sm": 1},  # d256: 197 registers a thread
+                      32: {"kv_layout": "core_matrices", "num_stages": 1, "kv_copy": "cp.async"}}
+# head_dims that sm_90a serves with the sm80 schedule by default (tvmflash.kernel.choose_schedule):
+# at d32 each wgmma does too little to pay off, and the sm80 schedule measured faster on the H200.
+SM80_HEAD_DIMS = (32,)
+# Where the per-row running values (m, l, ...) live, as in sm80: "registers", on the quads that hold
+# the rows; "shared", one thread per row in shared memory (about 5 more barriers a K/V step).
+ROW_STATES = ("registers", "shared")
+# How the K/V tiles sit in shared memory: wgmma's "interleaved" core matrices, padded
+# (``layouts.pad_core_matrix_stride``), or the 128-byte swizzled layout (``layouts.swizzled_map``),
+# which TMA can write.
+KV_LAYOUTS = ("core_matrices", "swizzled")
+# How the Q tile and the output's staging tile sit in shared memory: padded core matrices and padded
+# rows, or both in the 128-byte swizzled layout, unpadded (1/8 less memory: d128, block_m 128, 32 KiB
+# each instead of 36 and 34), so that the output tile fits in the Q tile's memory.
+Q_LAYOUTS = KV_LAYOUTS
+# How the Q tile is copied: by every thread's loads and stores, or (with q_layout "swizzled" and TMA
+# K/V tiles) by one TMA copy that the producer issues first thing, on a barrier of its own, as FA3
+# does: the consumers wait for it instead of loading it. Correct on the H200, no faster there.
+Q_COPIES = ("threads", "tma")
+# How the output reaches global memory: "staged" through a shared-memory tile (16-byte stores along
+# its rows, ``forward._store_o_through_shared_memory``), or "direct" from the accumulator registers,
+# two adjacent columns a store, with no barrier (FA3 without its TMA store). Staging measured faster at
+# two blocks an SM; "direct" is for one block an SM, where nothing hides the staging's barriers.
+# Correct on the H200, no faster there.
+O_STORES = ("staged", "direct")
+# The knobs varlen (packed sequences, ``program.varlen_arguments``) takes: the output straight from the
+# registers, each row's store predicated on the sequence's rows (the staging tile's copy-out takes its
+# rows from the store's region, which TensorIR cannot bound with the offsets read from cu_seqlens:
+# CompactBufferAllocation rejects it). The TMA copies read past a sequence's last key, which the mask
+# hides (``tvmflash.lowering.tma_copies``).
+VARLEN_KNOBS = {"o_store": "direct"}
+# overlap 1, FA3's intra-warpgroup order: the step of tile j issues PV of tile j - 1, then QK^T of tile
+# j, and waits once for both; V keeps num_stages tiles and K one fewer (``common.pipeline_loads``'s
+# ``lagged``). Needs TMA and 3 stages or more. Correct on the H200; with a producer warpgroup and 3
+# stages of block_n 128 it measured a little faster than the default at d128 non-causal in one run,
+# and slower at 1k tokens and causal.
+OVERLAPS = (0, 1)
+# How the pipelined K/V tiles are copied: every thread's cp.async, 16 bytes each, then a block-wide
+# barrier a step; or TMA (``tvmflash.lowering.tma_copies``): one thread issues each tile, completing on the stage's
+# mbarrier, and no block-wide barrier is left in the K/V loop. TMA needs the swizzled layout.
+KV_COPIES = ("cp.async", "tma")
+# Who issues the TMA copies (``annotations.TMA_PRODUCERS``, lowered by ``tvmflash.lowering.tma_copies``): thread 0 of the
+# first warpgroup, between its own wgmma; or, as in FA3, a warpgroup of its own (threadIdx.y ==
+# num_warpgroups), which gives its registers to the others (setmaxnreg: 240 a consumer thread), so one
+# thread block fills the SM.
+PRODUCERS = TMA_PRODUCERS
+NUM_STAGES = (1, 2, 3)  # 1: plain loads; 2, 3: the K/V loads in a cp.async software pipeline (as sm80)
+# min_blocks_per_sm > 1 asks ptxas (``__launch_bounds__``) for few enough registers that that many
+# thread blocks share an SM: with 2 warpgroups, 128 registers a thread for 2 blocks. Without it the
+# d128 build takes 137, which leaves one block (8 warps) per SM, and nothing runs while its
+# warpgroups wait on wgmma, on loads or at the softmax's barriers.
+# Tuning (``tvmflash tune``): min_blocks_per_sm is a function attribute of the program (``kernel_attrs``,
+# __launch_bounds__), so each value is a task of its own, as each tile pair is. The structure knobs
+# change which schedule steps run (strings and a stage count: MetaSchedule samples only ints into a
+# trace), so each valid combination is a design space of its own inside the task (``valid_knobs``).
+PROGRAM_KNOBS = ("min_blocks_per_sm",)
+STRUCTURE_KNOBS = ("num_stages", "kv_layout", "kv_copy", "producer", "q_layout", "q_copy", "o_store", "overlap")
+REGISTERS_PER_SM = 65536
+# Registers a thread needs at the least: d64's and d128's builds take 114-127 at 2 stages. With 64
+# (block_m 256, 2 blocks an SM) ptxas fails at d128: "Insufficient registers (64) to compile
+# instruction ... register target of 94 or higher" (the wgmma's accumulator operands). One wgmma of
+# m64nN holds N/2 fp32 accumulators a thread and about 30 more registers: at d256 (P V, m64n256)
+# ptxas wants 158 ("Insufficient registers (128) ... register target of 158 or higher").
+MIN_REGISTERS = 128
+WGMMA_OPERAND_REGISTERS = 30
+
+
+def register_problem(head_dim: int, block_n: int, threads: int, min_blocks_per_sm: int) -> str | None:
+    """Why ``min_blocks_per_sm`` blocks of ``threads`` leave a thread too few registers, or None."""
+    left = min(255, REGISTERS_PER_SM // (threads * min_blocks_per_sm))
+    need = max(MIN_REGISTERS, max(head_dim, block_n) // 2 + WGMMA_OPERAND_REGISTERS)
+    if left >= need:
+        return None
+    return (f"{min_blocks_per_sm} blocks of {threads} threads an SM leave {left} registers a thread, and the "
+            f"accumulators need {need} at head_dim {head_dim} and block_n {block_n}")
+
+
+SPACE = {
+    # block_m 256: four warpgroups (512 threads, at most 128 registers each) share each K/V tile
+    # (the default, see KNOBS).
+    "block_m": [64, 128, 256],
+    "block_n": [64, 128],
+    "num_warpgroups": lambda knobs: [knobs["block_m"] // WG_ROWS],
+    "num_stages": [1, 2],
+    "vec": [8],
+    "min_blocks_per_sm": [1, 2],
+    "row_state": ["registers"],
+    "kv_layout": ["swizzled", "core_matrices"],
+    "kv_copy": ["tma", "cp.async"],
+    "producer": ["thread", "warpgroup"],
+    "q_layout": ["core_matrices", "swizzled"],
+    # q_copy "tma", o_store "direct" and overlap 1 (with 3 stages) are correct on the H200 but measured
+    # no faster over the grid; left out to keep the design spaces few
+    "q_copy": ["threads"],
+    "o_store": ["staged"],
+    "overlap": [0],
+}
+# The values a knob may take, where not any positive int (``schedules.knob_problem``).
+CHOICES = {"num_stages": NUM_STAGES, "row_state": ROW_STATES, "kv_layout": KV_LAYOUTS, "kv_copy": KV_COPIES,
+           "producer": PRODUCERS, "q_layout": Q_LAYOUTS, "q_copy": Q_COPIES, "o_store": O_STORES, "overlap": OVERLAPS}
+
+
+def tma_can_copy(kv_layout: str, num_stages: int) -> bool:
+    """TMA copies only swizzled tiles, and only in a pipeline (``tvmflash.lowering.tma_copies`` lowers its stages)."""
+    return kv_layout == "swizzled" and num_stages > 1
+
+
+def producer_problem(producer: str, kv_copy: str, min_blocks_per_sm: int, num_warpgroups: int) -> str | None:
+    """Why this producer does not go with these knobs, or None."""
+    if producer not in PRODUCERS:
+        return f"producer: the sm90 schedule takes one of {PRODUCERS}, got {producer!r}"
+    if producer == "warpgroup" and (kv_copy != "tma" or min_blocks_per_sm != 1 or num_warpgroups != 2):
+        return (f"producer 'warpgroup' needs kv_copy 'tma', min_blocks_per_sm 1 and block_m 128 (two consumer "
+                f"warpgroups take 240 registers a thread), got {kv_copy!r}, {min_blocks_per_sm} and "
+                f"{WG_ROWS * num_warpgroups}")
+    return None
+
+
+def overlap_problem(overlap: int, kv_copy: str, num_stages: int) -> str | None:
+    """Why this overlap does not go with these knobs, or None."""
+    if overlap not in OVERLAPS:
+        return f"overlap: the sm90 schedule takes one of {OVERLAPS}, got {overlap!r}"
+    if overlap and (kv_copy != "tma" or num_stages < 3):
+        return f"overlap 1 needs kv_copy 'tma' and num_stages >= 3, got {kv_copy!r} and {num_stages}"
+    return None
+
+
+def q_copy_problem(q_copy: str, q_layout: str, kv_copy: str) -> str | None:
+    """Why this Q copy does not go with these knobs, or None."""
+    if q_copy not in Q_COPIES:
+        return f"q_copy: the sm90 schedule takes one of {Q_COPIES}, got {q_copy!r}"
+    if q_copy == "tma" and (q_layout != "swizzled" or kv_copy != "tma"):
+        return f"q_copy 'tma' needs q_layout 'swizzled' and kv_copy 'tma', got {q_layout!r} and {kv_copy!r}"
+    return None
+
+
+def valid_knobs(point: dict) -> bool:
+    """Whether knobs go together (``tune.structures`` drops the other combinations)."""
+    knobs = {**KNOBS, **point}
+    if knobs["kv_copy"] == "tma" and not tma_can_copy(knobs["kv_layout"], knobs["num_stages"]):
+        return False
+    if q_copy_problem(knobs["q_copy"], knobs["q_layout"], knobs["kv_copy"]) or overlap_problem(
+            knobs["overlap"], knobs["kv_copy"], knobs["num_stages"]):
+        return False
+    return producer_problem(knobs["producer"], knobs["kv_copy"], knobs["min_blocks_per_sm"],
+                             knobs["block_m"] // WG_ROWS) is None
+
+
+def knobs_problem(head_dim: int, dtype: str, knobs: dict) -> str | None:
+    """Why a build with these knobs would fail, or None (the tuner's pre-check, ``tune.candidate_problem``;
+    shared memory is checked there): knobs that do not go together, too few registers a thread, a
+    swizzled layout at a head_dim that is no multiple of 32, and swizzled tiles off the 1024-byte
+    boundary the swizzle needs (``tvmflash.lowering.tile_alignment.MisalignedTiles``)."""
+    knobs = {**KNOBS, **knobs}
+    if not valid_knobs(knobs):
+        return "these knobs do not go together (sm90.valid_knobs)"
+    registers = register_problem(head_dim, knobs["block_n"], WARPGROUP * knobs["block_m"] // WG_ROWS,
+                                 knobs["min_blocks_per_sm"])
+    if registers is not None:
+        return registers
+    swizzled = [name for name in ("kv_layout", "q_layout") if knobs[name] == "swizzled"]
+    if swizzled and swizzle_columns(head_dim) is None:
+        return f"{' and '.join(swizzled)} 'swizzled' needs a head_dim that is a multiple of {NARROW_SWIZZLE_COLUMNS}"
+    if swizzled and knobs["kv_copy"] != "tma":
+        # Without TMA no barrier padding moves the tiles (``lowering.pipeline.build``): they sit where
+        # MergeSharedMemoryAllocations puts them, after the per-row values, then the Q tile, then the
+        # K/V tiles. Each must start on a 1024-byte boundary, so each size before one must be a multiple.
+        padded = head_dim * (CORE_MATRIX_ELEMENTS + PAD_ELEMENTS) // CORE_MATRIX_ELEMENTS
+        per_row = (5 if knobs["row_state"] == "shared" else 2) * 4 * knobs["block_m"]
+        q_tile = 2 * knobs["block_m"] * (head_dim if knobs["q_layout"] == "swizzled" else padded)
+        kv_tile = 2 * knobs["block_n"] * (head_dim if knobs["kv_layout"] == "swizzled" else padded)
+        if any(size % SWIZZLE_ALIGNMENT for size in (per_row, q_tile, kv_tile)):
+            return (f"swizzled tiles without TMA at block_m {knobs['block_m']}: the {per_row}-byte row values, "
+                    f"{q_tile}-byte Q tile and {kv_tile}-byte K/V tiles put one off the {SWIZZLE_ALIGNMENT}-byte "
+                    "boundary the swizzle needs")
+    return None
+
+
+PASS_CONFIG: dict = {"tirx.use_async_copy": True}  # cp.async for the pipelined loads
+# wgmma reads its shared-memory operands through the async proxy: a cp.async tile needs
+# fence.proxy.async after its wait (lowering.tvm_fixes.ConstantAsyncWaitCounts).
+ASYNC_PROXY_OPERANDS = True
+# The causal tile test reads the Q block (blockIdx.y), which TVM's HoistIfThenElse will not hoist out
+# of the score's element loops (``lowering.uniformity.HoistBlockIndexConditions``): without it each
+# score of a causal K/V step kept a branch of its own, which measured clearly slower on the H200 (causal,
+# d64 and d128).
+HOIST_BLOCK_INDEX_CONDITIONS = True
+
+
+def min_kv_tiles(knobs: dict) -> int:
+    """K/V tiles a Q block visits at the least (``schedules.program_for``): a TMA pipeline of s
+    stages gets s - 1, so that the program's count is provably enough for the pipeline's epilogue
+    to run unguarded (guarded, at 3 stages of block_n 128 its wgmma spilled at 255 registers and ran
+    at less than half the speed). A cp.async pipeline keeps 1: unguarded, its epilogue's wait counts
+    are not constants."""
+    return knobs["num_stages"] - 1 if knobs["kv_copy"] == "tma" and knobs["num_stages"] > 2 else 1
+
+
+def kernel_attrs(knobs: dict) -> dict:
+    """Function attributes for these knobs (``schedules.with_kernel_attrs``): min_blocks_per_sm
+    as ``__launch_bounds__(threads, min_blocks_per_sm)``."""
+    blocks = knobs.get("min_blocks_per_sm", 1)
+    return {"tirx.launch_bounds_min_blocks_per_sm": blocks} if blocks > 1 else {}
+
+
+def shared_memory_bytes(head_dim: int, dtype: str, knobs: dict) -> int:
+    """Shared memory a build with these knobs needs: the Q tile (``q_layout``: wgmma core matrices
+    padded by 16 bytes each, ``layouts.pad_core_matrix_stride``, or swizzled, unpadded) and
+    num_stages K/V tile pairs (``kv_layout``, the same choice), or the output's staging tile if that
+    is larger (``forward._store_o_through_shared_memory``: it reuses their memory; with a producer
+    warpgroup only the Q tile's, ``tvmflash.lowering.tma_producer_warpgroup.split_warpgroups``), plus the per-row values
+    staged in shared memory (row_state "shared": m_tile, l_tile, m_new, alpha, inv_l; "registers": m
+    and l, for store_lse), and the mbarriers of TMA copies with their largest padding."""
+    knobs = {**KNOBS, **knobs}  # a knob not given is the schedule's default
+    padded = head_dim * (CORE_MATRIX_ELEMENTS + PAD_ELEMENTS) // CORE_MATRIX_ELEMENTS
+    kv_row = head_dim if knobs["kv_layout"] == "swizzled" else padded
+    q_swizzled = knobs["q_layout"] == "swizzled"
+    q_tile = knobs["block_m"] * (head_dim if q_swizzled else padded)
+    kv_tiles = knobs["block_n"] * (2 * knobs["num_stages"] - knobs["overlap"]) * kv_row  # overlap: K a stage fewer
+    output_tile = knobs["block_m"] * (head_dim if q_swizzled else head_dim + PAD_ELEMENTS)
+    if knobs["o_store"] == "direct":  # no staging tile
+        output_tile = 0
+    if knobs["producer"] == "warpgroup":
+        staged = kv_tiles + max(q_tile, output_tile)
+    else:
+        staged = max(q_tile + kv_tiles, output_tile)
+    per_row = (5 if knobs["row_state"] == "shared" else 2) * 4 * knobs["block_m"]
+    barriers = TMA_BARRIER_BYTES[knobs["producer"]] + max(TMA_BARRIER_PADDINGS) if knobs["kv_copy"] == "tma" else 0
+    return staged * 2 + per_row + barriers
+
+
+# The backward's knobs (``backward.schedule_backward``). Each program's stream of tiles (dkdv: Q, dout
+# and their rows' lse and delta; dq: K and V) is loaded in a pipeline of ``*_stages`` (1: plain loads),
+# by cp.async or, dkdv's with ``dkdv_copy`` "tma" (the default), by TMA: one thread copies a Q block's
+# q and dout (swizzled tiles) and its rows' lse and delta on the stage's mbarrier
+# (``tvmflash.lowering.tma_copies``), so the other threads spend no registers or instructions on the copies
+# and the loads need no block-wide barrier. With the epilogue's guards merged
+# (``lowering.uniformity.MergeAdjacentGuards``: no spills at d128) it measured faster than the plain loads
+# at d128 and the cp.async pipeline at d64 (BENCHMARKS.md). Dense only: varlen's rows past a
+# sequence's end must read as zeros, not as the next sequence's, so varlen keeps cp.async
+# (``BACKWARD_VARLEN_KNOBS_FOR_HEAD_DIM``). dq_atomic (the default): no dq pass; dkdv adds each step's
+# ds k into an fp32 accumulator (``backward._schedule_dq_share``), measured faster than the dq pass;
+# deterministic=True turns it off (``kernel.BackwardKernel``). wgmma_overlap: dp's wgmma only
+# committed, so that p's exponentials run while it does (ds waits for it), and dv's too, so that dk's
+# wait ends both; without it each product is waited for at once.
+BACKWARD_KNOBS = {"block_m": 64, "block_n": 128, "dq_block_m": 128, "dq_block_n": 64, "dkdv_stages": 2,
+                  "dq_stages": 2, "vec": 8, "dq_atomic": True, "dkdv_copy": "tma", "wgmma_overlap": True}
+# d64: the dq pass in 32-key steps measured faster than in 64 (at d128 slower), and wgmma_overlap
+# off a little faster than on (at d128 it gains).
+BACKWARD_KNOBS_FOR_HEAD_DIM = {64: {"dq_block_n": 32, "wgmma_overlap": False}}
+# varlen by cp.async: at d128 by plain loads, faster than two stages (which spill there), at d64 in two
+# stages, faster than one
+BACKWARD_VARLEN_KNOBS_FOR_HEAD_DIM = {64: {"dkdv_copy": "cp.async"}, 128: {"dkdv_copy": "cp.async", "dkdv_stages": 1}}
+BACKWARD_HEAD_DIMS = (64, 128)
+BACKWARD_SPACE = {
+    "block_m": [32, 64],
+    "block_n": [64, 128],
+    "dq_block_m": [64, 128],
+    "dq_block_n": [32, 64],
+    "dkdv_stages": [1, 2],
+    "dq_stages": [1, 2],
+    "vec": [8],
+    "dq_atomic": [True, False],
+    "dkdv_copy": lambda knobs: list(KV_COPIES) if knobs["dkdv_stages"] > 1 else ["cp.async"],  # TMA fills stages
+    "wgmma_overlap": [True, False],
+}
+
+
+def backward_shared_memory_bytes(head_dim: int, dtype: str, knobs: dict) -> int:
+    """Dynamic shared memory of the larger of dkdv and dq: each program's tiles in padded core
+    matrices (``layouts.pad_core_matrix_stride``), the streamed ones once a stage, and the rows' lse and
+    delta; with dq_atomic, dkdv's dsᵀ tile (block_n x block_m) and no dq."""
+    def padded(cols):
+        return cols * (CORE_MATRIX_ELEMENTS + PAD_ELEMENTS) // CORE_MATRIX_ELEMENTS
+
+    tma = knobs.get("dkdv_copy") == "tma"  # swizzled q and dout (no padding), after the barriers, on 1 KiB
+    stream = 2 * knobs["block_m"] * knobs["dkdv_stages"] * (head_dim if tma else padded(head_dim)) * 2
+    dkdv = 2 * knobs["block_n"] * padded(head_dim) * 2 + stream + 8 * knobs["block_m"] * knobs["dkdv_stages"] \
+        + (TMA_BARRIER_BYTES["thread"] + SWIZZLE_ALIGNMENT if tma else 0)
+    if knobs.get("dq_atomic"):
+        return dkdv + knobs["block_n"] * padded(knobs["block_m"]) * 2
+    dq = (2 * knobs["dq_block_m"] + 2 * knobs["dq_block_n"] * knobs["dq_stages"]) * padded(head_dim) * 2 \
+        + 8 * knobs["dq_block_m"]
+    return max(dkdv, dq)
+
+
+def backward_knobs_problem(head_dim: int, dtype: str, knobs: dict) -> str | None:
+    """Why these backward knobs cannot be scheduled, or None: checked when a BackwardKernel is made,
+    before anything is built (the tuner leaves such configurations out)."""
+    copy = knobs.get("dkdv_copy", "cp.async")
+    if copy not in KV_COPIES:
+        return f"knobs: dkdv_copy takes one of {KV_COPIES}, got {copy!r}"
+    if copy == "tma" and (knobs["dkdv_stages"] < 2 or head_dim % SWIZZLE_COLUMNS):
+        return (f"knobs: dkdv_copy 'tma' copies into a pipeline's stages, in 64-column swizzled halves: it needs "
+                f"dkdv_stages >= 2 and a head_dim that is a multiple of {SWIZZLE_COLUMNS}, got "
+                f"{knobs['dkdv_stages']} and {head_dim}")
+    if knobs.get("dq_atomic"):
+        return dq_share_problem(knobs["block_m"], head_dim, max(1, knobs["block_n"] // WG_ROWS))
+    return None
+
+
+def dq_share_problem(block_m: int, head_dim: int, groups: int) -> str | None:
+    if block_m != WG_ROWS or (head_dim // groups) % 8:
+        return (f"knobs: the sm90 dq_atomic (the default) makes ds k in one wgmma of 64 query rows, each warpgroup "
+                f"head_dim / warpgroups columns (a multiple of 8): it needs block_m 64 and head_dim a multiple of "
+                f"{8 * groups}, got block_m {block_m} and head_dim {head_dim}; with other tiles pass dq_atomic False "
+                f"(dq by a pass of its own)")
+    return None
