@@ -1,12 +1,13 @@
 """sm90 (Hopper, sm_90a) schedule: QK^T and PV on ``wgmma.mma_async``.
 
-On sm_90a it is the default, unless the tuning records say the sm80 schedule is faster for a
-workload (``tvmflash.kernel.choose_schedule``; ``TVMFLASH_SM90=1`` forces it, 0 turns it off).
-Correct on the H200 (the GPU tests pass with it). BENCHMARKS.md has its H200 grids.
+On sm_90a it is the default at the head_dims it prefers, unless this GPU's tuning records say the
+sm80 schedule is faster for a workload (``tvmflash.choice``; ``TVMFLASH_SM90=1`` forces it, 0 turns
+it off). wgmma exists on sm_90a alone: no other GPU runs this schedule.
 
 One file per role:
-  * ``knobs``: the knob tables (defaults, per head_dim, varlen, backward), their values and tuning
-    spaces, the knob checks, the shared-memory model, the kernel attributes and the build flags.
+  * ``knobs``: the forward's and the backward's knobs, declared once, with the rules between them,
+    the build checks (registers, alignment), the shared-memory models, the kernel attributes and the
+    build flags.
   * ``layouts``: the wgmma accumulator's registers, core matrices and swizzled tiles, and the steps
     that put a tile or an accumulator there.
   * ``wgmma``: the wgmma tensor intrinsics and their matrix descriptors.
@@ -14,21 +15,25 @@ One file per role:
   * ``backward``: ``schedule_backward``, dkdv and dq.
 """
 
+import sys
+
+from .. import common, simt
+from ..contract import ProgramSchedule, Schedule
 from .backward import schedule_backward
 from .forward import schedule
-from .knobs import (ASYNC_PROXY_OPERANDS, BACKWARD_HEAD_DIMS, BACKWARD_KNOBS, BACKWARD_KNOBS_FOR_HEAD_DIM,
-                    BACKWARD_SPACE, BACKWARD_VARLEN_KNOBS_FOR_HEAD_DIM, CHOICES, DTYPES, HOIST_BLOCK_INDEX_CONDITIONS,
-                    KNOBS, KNOBS_FOR_HEAD_DIM, PASS_CONFIG, PROGRAM_KNOBS, SM80_HEAD_DIMS, SPACE, STRIDE_ALIGNMENT,
-                    STRUCTURE_KNOBS, VARLEN_KNOBS, backward_knobs_problem, backward_shared_memory_bytes, kernel_attrs,
-                    knobs_problem, min_kv_tiles, register_problem, shared_memory_bytes, valid_knobs)
+from .knobs import (ASYNC_PROXY_OPERANDS, BACKWARD, BACKWARD_HEAD_DIMS, DTYPES, FORWARD, HOIST_BLOCK_INDEX_CONDITIONS,
+                    PASS_CONFIG, PREFERRED_HEAD_DIMS, STRIDE_ALIGNMENT, kernel_attrs, min_kv_tiles)
 from .layouts import acc_rows
 from .wgmma import wgmma_intrin_name
 
-__all__ = [
-    "ASYNC_PROXY_OPERANDS", "BACKWARD_HEAD_DIMS", "BACKWARD_KNOBS", "BACKWARD_KNOBS_FOR_HEAD_DIM", "BACKWARD_SPACE",
-    "BACKWARD_VARLEN_KNOBS_FOR_HEAD_DIM", "CHOICES", "DTYPES", "HOIST_BLOCK_INDEX_CONDITIONS", "KNOBS",
-    "KNOBS_FOR_HEAD_DIM", "PASS_CONFIG", "PROGRAM_KNOBS", "SM80_HEAD_DIMS", "SPACE", "STRIDE_ALIGNMENT",
-    "STRUCTURE_KNOBS", "VARLEN_KNOBS", "acc_rows", "backward_knobs_problem", "backward_shared_memory_bytes",
-    "kernel_attrs", "knobs_problem", "min_kv_tiles", "register_problem", "schedule", "schedule_backward",
-    "shared_memory_bytes", "valid_knobs", "wgmma_intrin_name",
-]
+__all__ = ["SCHEDULE", "acc_rows", "schedule", "schedule_backward", "wgmma_intrin_name"]
+
+SCHEDULE = Schedule(
+    name="sm90", target_kind="cuda", dtypes=DTYPES, compute_capabilities=(90,), stride_alignment=STRIDE_ALIGNMENT,
+    pass_config=PASS_CONFIG, async_proxy_operands=ASYNC_PROXY_OPERANDS,
+    hoist_block_index_conditions=HOIST_BLOCK_INDEX_CONDITIONS, kernel_attrs=kernel_attrs, min_kv_tiles=min_kv_tiles,
+    forward=ProgramSchedule(FORWARD, schedule, preferred_head_dims=PREFERRED_HEAD_DIMS),
+    backward=ProgramSchedule(BACKWARD, schedule_backward, head_dims=BACKWARD_HEAD_DIMS),
+    # simt: the backward's delta and convert_dq run on its schedule
+    sources=(sys.modules[__name__], common, simt),
+)

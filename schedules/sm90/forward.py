@@ -51,14 +51,13 @@ from __future__ import annotations
 
 import tvm
 
-from tvmflash.lowering.annotations import (NARROW_SWIZZLE_COLUMNS, SKIP_UNIT_RESCALE_PRAGMA, SWIZZLE_COLUMNS,
+from tvmflash.lowering.annotations import (SKIP_UNIT_RESCALE_PRAGMA, SWIZZLE_COLUMNS,
                                            TMA_LOAD, WGMMA_WAIT_PRAGMA, swizzle_columns)
 
 from ..common import (bind_grid, buffer_info, hide_init_reads, pipeline_loads, quad_row_block, quad_row_init,
                       row_quad_map, row_reduce_intrin, staged_row_block, tensorize_row_reduce)
-from .knobs import (DTYPES, KV_COPIES, KV_LAYOUTS, NUM_STAGES, O_STORES, Q_LAYOUTS, ROW_STATES, overlap_problem,
-                    producer_problem, q_copy_problem, register_problem, tma_can_copy)
-from .layouts import (PAD_ELEMENTS, WARPGROUP, WARPS_PER_WARPGROUP, WG_ROWS, acc_block, acc_index_map, acc_rows,
+from .knobs import FORWARD
+from .layouts import (PAD_ELEMENTS, WARPGROUP, WARPS_PER_WARPGROUP, acc_block, acc_index_map, acc_rows,
                       row_block, swizzled_map, tile_in_shared_memory)
 from .wgmma import warpgroup_gemm, wgmma_intrin_name
 
@@ -161,49 +160,14 @@ def schedule(
     is a kernel attribute, ``knobs.kernel_attrs``: the caller puts it on the program.)"""
     dtype, BM, D, BN = buffer_info(sch)
     assert (BM, BN) == (block_m, block_n), "schedule knobs must match the program's tiles"
-    if block_m != WG_ROWS * num_warpgroups:
-        raise ValueError(f"block_m: the sm90 schedule gives each warpgroup 64 rows, so block_m must be "
-                         f"64 * num_warpgroups = {WG_ROWS * num_warpgroups}, got {block_m}")
-    if block_n % 16 or block_n > 256 or D % 16:
-        raise ValueError(f"block_n and head_dim: expected multiples of 16 (block_n <= 256), got {block_n} and {D}")
-    if not isinstance(num_stages, int) or num_stages not in NUM_STAGES:
-        raise ValueError(f"num_stages: the sm90 schedule takes one of {NUM_STAGES}, got {num_stages!r}")
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype: the sm90 schedule takes {DTYPES}, got {dtype!r}")
-    if row_state not in ROW_STATES:
-        raise ValueError(f"row_state: the sm90 schedule takes one of {ROW_STATES}, got {row_state!r}")
-    if not isinstance(min_blocks_per_sm, int) or min_blocks_per_sm < 1:
-        raise ValueError(f"min_blocks_per_sm: expected a positive int, got {min_blocks_per_sm!r}")
-    registers = register_problem(D, block_n, WARPGROUP * num_warpgroups, min_blocks_per_sm)
-    if registers is not None:
-        raise ValueError(f"min_blocks_per_sm: {registers}")
-    # With the K/V loads pipelined, each K/V step opens with its tile's cp.async wait,
-    # fence.proxy.async and a barrier (covering Q's stores too): the intrinsic's own would be a
-    # second barrier a K/V step.
-    if kv_layout not in KV_LAYOUTS:
-        raise ValueError(f"kv_layout: the sm90 schedule takes one of {KV_LAYOUTS}, got {kv_layout!r}")
-    swizzled = kv_layout == "swizzled"
-    columns = swizzle_columns(D)  # 64 (the 128-byte swizzle) or, at d96, 32 (64-byte)
-    if swizzled and columns is None:
-        raise ValueError(f"kv_layout: 'swizzled' needs a head_dim that is a multiple of {NARROW_SWIZZLE_COLUMNS}, "
-                         f"got {D}")
-    if o_store not in O_STORES:
-        raise ValueError(f"o_store: the sm90 schedule takes one of {O_STORES}, got {o_store!r}")
-    if q_layout not in Q_LAYOUTS:
-        raise ValueError(f"q_layout: the sm90 schedule takes one of {Q_LAYOUTS}, got {q_layout!r}")
-    q_swizzled = q_layout == "swizzled"
-    if q_swizzled and columns is None:
-        raise ValueError(f"q_layout: 'swizzled' needs a head_dim that is a multiple of {NARROW_SWIZZLE_COLUMNS}, "
-                         f"got {D}")
-    if kv_copy not in KV_COPIES:
-        raise ValueError(f"kv_copy: the sm90 schedule takes one of {KV_COPIES}, got {kv_copy!r}")
-    if kv_copy == "tma" and not tma_can_copy(kv_layout, num_stages):
-        raise ValueError(f"kv_copy 'tma' needs kv_layout 'swizzled' and num_stages >= 2, got {kv_layout!r} and "
-                         f"{num_stages}: pass kv_copy='cp.async' with these")
-    problem = (producer_problem(producer, kv_copy, min_blocks_per_sm, num_warpgroups)
-               or q_copy_problem(q_copy, q_layout, kv_copy) or overlap_problem(overlap, kv_copy, num_stages))
+    problem = FORWARD.problem(
+        {"block_m": block_m, "block_n": block_n, "num_warpgroups": num_warpgroups, "vec": vec, "num_stages": num_stages,
+         "min_blocks_per_sm": min_blocks_per_sm, "row_state": row_state, "kv_layout": kv_layout, "kv_copy": kv_copy,
+         "producer": producer, "q_layout": q_layout, "q_copy": q_copy, "o_store": o_store, "overlap": overlap}, D, dtype)
     if problem:
         raise ValueError(problem)
+    swizzled, q_swizzled = kv_layout == "swizzled", q_layout == "swizzled"
+    columns = swizzle_columns(D)  # 64 (the 128-byte swizzle) or, at d96, 32 (64-byte)
     qk_intrin = wgmma_intrin_name(BN, D, dtype, "k", fence_operands=num_stages == 1, b_swizzled=swizzled,
                                   a_swizzled=q_swizzled, swizzle=columns)
     pv_intrin = wgmma_intrin_name(D, BN, dtype, "mn", a_regs=True, b_swizzled=swizzled, wait=not overlap,

@@ -1,29 +1,16 @@
-"""The sm90 schedule's knobs: their defaults (forward, varlen, backward, per head_dim), the values
-they take, the tuning spaces, the checks of knobs that do not go together or do not fit (registers,
-shared memory), the kernel attributes they ask for, and the schedule's build flags."""
+"""The sm90 schedule's knobs, declared once (``schedules.contract``): the forward's and the backward's,
+with the rules between them, the checks of what does not build or fit (registers, alignment, shared
+memory), the kernel attributes they ask for, and the schedule's build flags."""
 
 from __future__ import annotations
 
 from tvmflash.lowering.annotations import (NARROW_SWIZZLE_COLUMNS, SWIZZLE_COLUMNS, TMA_BARRIER_BYTES,
                                            TMA_BARRIER_PADDINGS, TMA_PRODUCERS, swizzle_columns)
 
-from ..sm80 import DTYPES, STRIDE_ALIGNMENT  # noqa: F401 - the same fp16/bf16 pair, 16-byte copies
+from ..contract import DERIVED, PROGRAM, STRUCTURE, TILE, Knob, KnobSet
+from ..sm80.knobs import DTYPES, STRIDE_ALIGNMENT  # the same fp16/bf16 pair, 16-byte copies
 from .layouts import CORE_MATRIX_ELEMENTS, PAD_ELEMENTS, SWIZZLE_ALIGNMENT, WARPGROUP, WG_ROWS
 
-# The H200's fastest (BENCHMARKS.md): 128-row blocks, two blocks an SM, the K/V tiles in the 128-byte
-# swizzled layout loaded by TMA in two stages, ahead of the same pipeline on cp.async and of padded core
-# matrices with plain loads. 256-row blocks (4 warpgroups, one block an SM) and 128-key tiles at one
-# block an SM measured slower. d64 takes 128-key tiles. d96 (no multiple of 64) takes the same pipeline
-# in the 64-byte swizzle, faster than its padded core matrices by cp.async. d32 keeps the padded core
-# matrices.
-KNOBS = {"block_m": 128, "block_n": 64, "num_warpgroups": 2, "num_stages": 2, "vec": 8, "min_blocks_per_sm": 2,
-         "row_state": "registers", "kv_layout": "swizzled", "kv_copy": "tma", "producer": "thread",
-         "q_layout": "core_matrices", "q_copy": "threads", "o_store": "staged", "overlap": 0}
-KNOBS_FOR_HEAD_DIM = {64: {"block_n": 128}, 256: {"min_blocks_per_sm": 1},  # d256: 197 registers a thread
-                      32: {"kv_layout": "core_matrices", "num_stages": 1, "kv_copy": "cp.async"}}
-# head_dims that sm_90a serves with the sm80 schedule by default (tvmflash.kernel.choose_schedule):
-# at d32 each wgmma does too little to pay off, and the sm80 schedule measured faster on the H200.
-SM80_HEAD_DIMS = (32,)
 # Where the per-row running values (m, l, ...) live, as in sm80: "registers", on the quads that hold
 # the rows; "shared", one thread per row in shared memory (about 5 more barriers a K/V step).
 ROW_STATES = ("registers", "shared")
@@ -45,12 +32,6 @@ Q_COPIES = ("threads", "tma")
 # two blocks an SM; "direct" is for one block an SM, where nothing hides the staging's barriers.
 # Correct on the H200, no faster there.
 O_STORES = ("staged", "direct")
-# The knobs varlen (packed sequences, ``program.varlen_arguments``) takes: the output straight from the
-# registers, each row's store predicated on the sequence's rows (the staging tile's copy-out takes its
-# rows from the store's region, which TensorIR cannot bound with the offsets read from cu_seqlens:
-# CompactBufferAllocation rejects it). The TMA copies read past a sequence's last key, which the mask
-# hides (``tvmflash.lowering.tma_copies``).
-VARLEN_KNOBS = {"o_store": "direct"}
 # overlap 1, FA3's intra-warpgroup order: the step of tile j issues PV of tile j - 1, then QK^T of tile
 # j, and waits once for both; V keeps num_stages tiles and K one fewer (``common.pipeline_loads``'s
 # ``lagged``). Needs TMA and 3 stages or more. Correct on the H200; with a producer warpgroup and 3
@@ -71,12 +52,6 @@ NUM_STAGES = (1, 2, 3)  # 1: plain loads; 2, 3: the K/V loads in a cp.async soft
 # thread blocks share an SM: with 2 warpgroups, 128 registers a thread for 2 blocks. Without it the
 # d128 build takes 137, which leaves one block (8 warps) per SM, and nothing runs while its
 # warpgroups wait on wgmma, on loads or at the softmax's barriers.
-# Tuning (``tvmflash tune``): min_blocks_per_sm is a function attribute of the program (``kernel_attrs``,
-# __launch_bounds__), so each value is a task of its own, as each tile pair is. The structure knobs
-# change which schedule steps run (strings and a stage count: MetaSchedule samples only ints into a
-# trace), so each valid combination is a design space of its own inside the task (``valid_knobs``).
-PROGRAM_KNOBS = ("min_blocks_per_sm",)
-STRUCTURE_KNOBS = ("num_stages", "kv_layout", "kv_copy", "producer", "q_layout", "q_copy", "o_store", "overlap")
 REGISTERS_PER_SM = 65536
 # Registers a thread needs at the least: d64's and d128's builds take 114-127 at 2 stages. With 64
 # (block_m 256, 2 blocks an SM) ptxas fails at d128: "Insufficient registers (64) to compile
@@ -97,31 +72,6 @@ def register_problem(head_dim: int, block_n: int, threads: int, min_blocks_per_s
             f"accumulators need {need} at head_dim {head_dim} and block_n {block_n}")
 
 
-SPACE = {
-    # block_m 256: four warpgroups (512 threads, at most 128 registers each) share each K/V tile
-    # (the default, see KNOBS).
-    "block_m": [64, 128, 256],
-    "block_n": [64, 128],
-    "num_warpgroups": lambda knobs: [knobs["block_m"] // WG_ROWS],
-    "num_stages": [1, 2],
-    "vec": [8],
-    "min_blocks_per_sm": [1, 2],
-    "row_state": ["registers"],
-    "kv_layout": ["swizzled", "core_matrices"],
-    "kv_copy": ["tma", "cp.async"],
-    "producer": ["thread", "warpgroup"],
-    "q_layout": ["core_matrices", "swizzled"],
-    # q_copy "tma", o_store "direct" and overlap 1 (with 3 stages) are correct on the H200 but measured
-    # no faster over the grid; left out to keep the design spaces few
-    "q_copy": ["threads"],
-    "o_store": ["staged"],
-    "overlap": [0],
-}
-# The values a knob may take, where not any positive int (``schedules.knob_problem``).
-CHOICES = {"num_stages": NUM_STAGES, "row_state": ROW_STATES, "kv_layout": KV_LAYOUTS, "kv_copy": KV_COPIES,
-           "producer": PRODUCERS, "q_layout": Q_LAYOUTS, "q_copy": Q_COPIES, "o_store": O_STORES, "overlap": OVERLAPS}
-
-
 def tma_can_copy(kv_layout: str, num_stages: int) -> bool:
     """TMA copies only swizzled tiles, and only in a pipeline (``tvmflash.lowering.tma_copies`` lowers its stages)."""
     return kv_layout == "swizzled" and num_stages > 1
@@ -129,8 +79,6 @@ def tma_can_copy(kv_layout: str, num_stages: int) -> bool:
 
 def producer_problem(producer: str, kv_copy: str, min_blocks_per_sm: int, num_warpgroups: int) -> str | None:
     """Why this producer does not go with these knobs, or None."""
-    if producer not in PRODUCERS:
-        return f"producer: the sm90 schedule takes one of {PRODUCERS}, got {producer!r}"
     if producer == "warpgroup" and (kv_copy != "tma" or min_blocks_per_sm != 1 or num_warpgroups != 2):
         return (f"producer 'warpgroup' needs kv_copy 'tma', min_blocks_per_sm 1 and block_m 128 (two consumer "
                 f"warpgroups take 240 registers a thread), got {kv_copy!r}, {min_blocks_per_sm} and "
@@ -140,8 +88,6 @@ def producer_problem(producer: str, kv_copy: str, min_blocks_per_sm: int, num_wa
 
 def overlap_problem(overlap: int, kv_copy: str, num_stages: int) -> str | None:
     """Why this overlap does not go with these knobs, or None."""
-    if overlap not in OVERLAPS:
-        return f"overlap: the sm90 schedule takes one of {OVERLAPS}, got {overlap!r}"
     if overlap and (kv_copy != "tma" or num_stages < 3):
         return f"overlap 1 needs kv_copy 'tma' and num_stages >= 3, got {kv_copy!r} and {num_stages}"
     return None
@@ -149,37 +95,37 @@ def overlap_problem(overlap: int, kv_copy: str, num_stages: int) -> str | None:
 
 def q_copy_problem(q_copy: str, q_layout: str, kv_copy: str) -> str | None:
     """Why this Q copy does not go with these knobs, or None."""
-    if q_copy not in Q_COPIES:
-        return f"q_copy: the sm90 schedule takes one of {Q_COPIES}, got {q_copy!r}"
     if q_copy == "tma" and (q_layout != "swizzled" or kv_copy != "tma"):
         return f"q_copy 'tma' needs q_layout 'swizzled' and kv_copy 'tma', got {q_layout!r} and {kv_copy!r}"
     return None
 
 
-def valid_knobs(point: dict) -> bool:
-    """Whether knobs go together (``tune.structures`` drops the other combinations)."""
-    knobs = {**KNOBS, **point}
+def forward_rules(knobs: dict) -> str | None:
+    """Why complete forward knobs do not go together, or None (``tune`` leaves such structures out)."""
     if knobs["kv_copy"] == "tma" and not tma_can_copy(knobs["kv_layout"], knobs["num_stages"]):
-        return False
-    if q_copy_problem(knobs["q_copy"], knobs["q_layout"], knobs["kv_copy"]) or overlap_problem(
-            knobs["overlap"], knobs["kv_copy"], knobs["num_stages"]):
-        return False
-    return producer_problem(knobs["producer"], knobs["kv_copy"], knobs["min_blocks_per_sm"],
-                             knobs["block_m"] // WG_ROWS) is None
+        return (f"kv_copy 'tma' needs kv_layout 'swizzled' and num_stages >= 2, got {knobs['kv_layout']!r} and "
+                f"{knobs['num_stages']}")
+    if knobs["num_warpgroups"] * WG_ROWS != knobs["block_m"]:
+        return f"block_m ({knobs['block_m']}) must be 64 * num_warpgroups ({knobs['num_warpgroups']})"
+    return (q_copy_problem(knobs["q_copy"], knobs["q_layout"], knobs["kv_copy"])
+            or overlap_problem(knobs["overlap"], knobs["kv_copy"], knobs["num_stages"])
+            or producer_problem(knobs["producer"], knobs["kv_copy"], knobs["min_blocks_per_sm"],
+                                knobs["num_warpgroups"]))
 
 
-def knobs_problem(head_dim: int, dtype: str, knobs: dict) -> str | None:
-    """Why a build with these knobs would fail, or None (the tuner's pre-check, ``tune.candidate_problem``;
-    shared memory is checked there): knobs that do not go together, too few registers a thread, a
-    swizzled layout at a head_dim that is no multiple of 32, and swizzled tiles off the 1024-byte
-    boundary the swizzle needs (``tvmflash.lowering.tile_alignment.MisalignedTiles``)."""
-    knobs = {**KNOBS, **knobs}
-    if not valid_knobs(knobs):
-        return "these knobs do not go together (sm90.valid_knobs)"
+def forward_build_problem(head_dim: int, dtype: str, knobs: dict) -> str | None:
+    """Why a forward build with these complete knobs would fail, or None (shared memory is the
+    ``shared_memory`` model's): too few registers a thread, a swizzled layout at a head_dim that is no
+    multiple of 32, and swizzled tiles off the 1024-byte boundary the swizzle needs
+    (``tvmflash.lowering.tile_alignment.MisalignedTiles``)."""
+    if dtype not in DTYPES:
+        return f"the sm90 schedule takes {DTYPES}, got {dtype!r}"
+    if knobs["block_n"] % 16 or knobs["block_n"] > 256 or head_dim % 16:
+        return f"block_n and head_dim: expected multiples of 16 (block_n <= 256), got {knobs['block_n']} and {head_dim}"
     registers = register_problem(head_dim, knobs["block_n"], WARPGROUP * knobs["block_m"] // WG_ROWS,
                                  knobs["min_blocks_per_sm"])
     if registers is not None:
-        return registers
+        return f"min_blocks_per_sm: {registers}"
     swizzled = [name for name in ("kv_layout", "q_layout") if knobs[name] == "swizzled"]
     if swizzled and swizzle_columns(head_dim) is None:
         return f"{' and '.join(swizzled)} 'swizzled' needs a head_dim that is a multiple of {NARROW_SWIZZLE_COLUMNS}"
@@ -233,7 +179,6 @@ def shared_memory_bytes(head_dim: int, dtype: str, knobs: dict) -> int:
     warpgroup only the Q tile's, ``tvmflash.lowering.tma_producer_warpgroup.split_warpgroups``), plus the per-row values
     staged in shared memory (row_state "shared": m_tile, l_tile, m_new, alpha, inv_l; "registers": m
     and l, for store_lse), and the mbarriers of TMA copies with their largest padding."""
-    knobs = {**KNOBS, **knobs}  # a knob not given is the schedule's default
     padded = head_dim * (CORE_MATRIX_ELEMENTS + PAD_ELEMENTS) // CORE_MATRIX_ELEMENTS
     kv_row = head_dim if knobs["kv_layout"] == "swizzled" else padded
     q_swizzled = knobs["q_layout"] == "swizzled"
@@ -251,6 +196,44 @@ def shared_memory_bytes(head_dim: int, dtype: str, knobs: dict) -> int:
     return staged * 2 + per_row + barriers
 
 
+# The H200's fastest (BENCHMARKS.md): 128-row blocks, two blocks an SM, the K/V tiles in the 128-byte
+# swizzled layout loaded by TMA in two stages, ahead of the same pipeline on cp.async and of padded core
+# matrices with plain loads. 256-row blocks (4 warpgroups, one block an SM) and 128-key tiles at one
+# block an SM measured slower. d64 takes 128-key tiles. d96 (no multiple of 64) takes the same pipeline
+# in the 64-byte swizzle, faster than its padded core matrices by cp.async. d32 keeps the padded core
+# matrices.
+# Tuning: the tiles and min_blocks_per_sm (``kernel_attrs``: __launch_bounds__, a function attribute
+# of the program) are MetaSchedule tasks; the structure knobs change which schedule steps run (strings
+# and a stage count: MetaSchedule samples only ints into a trace), so each valid combination is a
+# design space of its own inside the task. block_m 256: four warpgroups (512 threads, at most 128
+# registers each) share each K/V tile. q_copy "tma", o_store "direct" and overlap 1 (with 3 stages) are
+# correct on the H200 but measured no faster over the grid: left out of the space to keep the design
+# spaces few. varlen's packed sequences take the output straight from the registers, each row's store
+# predicated on the sequence's rows (the staging tile's copy-out takes its rows from the store's
+# region, which TensorIR cannot bound with the offsets read from cu_seqlens); the TMA copies read past
+# a sequence's last key, which the mask hides. At d32 each wgmma does too little to pay off: sm_90a
+# prefers the sm80 schedule there (``PREFERRED_HEAD_DIMS``), which measured faster.
+FORWARD = KnobSet("sm90", "forward", (
+    Knob("block_m", 128, space=(64, 128, 256), role=TILE),
+    Knob("block_n", 64, space=(64, 128), by_head_dim={64: 128}, role=TILE),
+    Knob("num_warpgroups", 2, space=lambda knobs: [knobs["block_m"] // WG_ROWS], role=DERIVED),
+    Knob("num_stages", 2, choices=NUM_STAGES, space=(1, 2), by_head_dim={32: 1}, role=STRUCTURE),
+    Knob("vec", 8),
+    # d256's accumulators take 197 registers a thread: one block an SM
+    Knob("min_blocks_per_sm", 2, space=(1, 2), by_head_dim={256: 1}, role=PROGRAM),
+    Knob("row_state", "registers", choices=ROW_STATES),
+    Knob("kv_layout", "swizzled", choices=KV_LAYOUTS, space=("swizzled", "core_matrices"),
+         by_head_dim={32: "core_matrices"}, role=STRUCTURE),
+    Knob("kv_copy", "tma", choices=KV_COPIES, space=("tma", "cp.async"), by_head_dim={32: "cp.async"}, role=STRUCTURE),
+    Knob("producer", "thread", choices=PRODUCERS, space=("thread", "warpgroup"), role=STRUCTURE),
+    Knob("q_layout", "core_matrices", choices=Q_LAYOUTS, space=("core_matrices", "swizzled"), role=STRUCTURE),
+    Knob("q_copy", "threads", choices=Q_COPIES, role=STRUCTURE),
+    Knob("o_store", "staged", choices=O_STORES, varlen="direct", role=STRUCTURE),
+    Knob("overlap", 0, choices=OVERLAPS, role=STRUCTURE),
+), rules=forward_rules, build_problem=forward_build_problem, shared_memory=shared_memory_bytes)
+PREFERRED_HEAD_DIMS = (64, 96, 128, 256)
+
+
 # The backward's knobs (``backward.schedule_backward``). Each program's stream of tiles (dkdv: Q, dout
 # and their rows' lse and delta; dq: K and V) is loaded in a pipeline of ``*_stages`` (1: plain loads),
 # by cp.async or, dkdv's with ``dkdv_copy`` "tma" (the default), by TMA: one thread copies a Q block's
@@ -259,33 +242,12 @@ def shared_memory_bytes(head_dim: int, dtype: str, knobs: dict) -> int:
 # and the loads need no block-wide barrier. With the epilogue's guards merged
 # (``lowering.uniformity.MergeAdjacentGuards``: no spills at d128) it measured faster than the plain loads
 # at d128 and the cp.async pipeline at d64 (BENCHMARKS.md). Dense only: varlen's rows past a
-# sequence's end must read as zeros, not as the next sequence's, so varlen keeps cp.async
-# (``BACKWARD_VARLEN_KNOBS_FOR_HEAD_DIM``). dq_atomic (the default): no dq pass; dkdv adds each step's
-# ds k into an fp32 accumulator (``backward._schedule_dq_share``), measured faster than the dq pass;
-# deterministic=True turns it off (``kernel.BackwardKernel``). wgmma_overlap: dp's wgmma only
+# sequence's end must read as zeros, not as the next sequence's, so varlen keeps cp.async (``BACKWARD``).
+# dq_atomic (the default): no dq pass; dkdv adds each step's ds k into an fp32 accumulator
+# (``backward._schedule_dq_share``), measured faster than the dq pass; deterministic=True turns it off
+# (``tvmflash.choice.backward``). wgmma_overlap: dp's wgmma only
 # committed, so that p's exponentials run while it does (ds waits for it), and dv's too, so that dk's
 # wait ends both; without it each product is waited for at once.
-BACKWARD_KNOBS = {"block_m": 64, "block_n": 128, "dq_block_m": 128, "dq_block_n": 64, "dkdv_stages": 2,
-                  "dq_stages": 2, "vec": 8, "dq_atomic": True, "dkdv_copy": "tma", "wgmma_overlap": True}
-# d64: the dq pass in 32-key steps measured faster than in 64 (at d128 slower), and wgmma_overlap
-# off a little faster than on (at d128 it gains).
-BACKWARD_KNOBS_FOR_HEAD_DIM = {64: {"dq_block_n": 32, "wgmma_overlap": False}}
-# varlen by cp.async: at d128 by plain loads, faster than two stages (which spill there), at d64 in two
-# stages, faster than one
-BACKWARD_VARLEN_KNOBS_FOR_HEAD_DIM = {64: {"dkdv_copy": "cp.async"}, 128: {"dkdv_copy": "cp.async", "dkdv_stages": 1}}
-BACKWARD_HEAD_DIMS = (64, 128)
-BACKWARD_SPACE = {
-    "block_m": [32, 64],
-    "block_n": [64, 128],
-    "dq_block_m": [64, 128],
-    "dq_block_n": [32, 64],
-    "dkdv_stages": [1, 2],
-    "dq_stages": [1, 2],
-    "vec": [8],
-    "dq_atomic": [True, False],
-    "dkdv_copy": lambda knobs: list(KV_COPIES) if knobs["dkdv_stages"] > 1 else ["cp.async"],  # TMA fills stages
-    "wgmma_overlap": [True, False],
-}
 
 
 def backward_shared_memory_bytes(head_dim: int, dtype: str, knobs: dict) -> int:
@@ -306,25 +268,45 @@ def backward_shared_memory_bytes(head_dim: int, dtype: str, knobs: dict) -> int:
     return max(dkdv, dq)
 
 
-def backward_knobs_problem(head_dim: int, dtype: str, knobs: dict) -> str | None:
-    """Why these backward knobs cannot be scheduled, or None: checked when a BackwardKernel is made,
-    before anything is built (the tuner leaves such configurations out)."""
-    copy = knobs.get("dkdv_copy", "cp.async")
-    if copy not in KV_COPIES:
-        return f"knobs: dkdv_copy takes one of {KV_COPIES}, got {copy!r}"
-    if copy == "tma" and (knobs["dkdv_stages"] < 2 or head_dim % SWIZZLE_COLUMNS):
-        return (f"knobs: dkdv_copy 'tma' copies into a pipeline's stages, in 64-column swizzled halves: it needs "
-                f"dkdv_stages >= 2 and a head_dim that is a multiple of {SWIZZLE_COLUMNS}, got "
-                f"{knobs['dkdv_stages']} and {head_dim}")
-    if knobs.get("dq_atomic"):
-        return dq_share_problem(knobs["block_m"], head_dim, max(1, knobs["block_n"] // WG_ROWS))
-    return None
-
-
 def dq_share_problem(block_m: int, head_dim: int, groups: int) -> str | None:
+    """Why dkdv cannot make dq's share (``dq_atomic``) with these tiles, or None."""
     if block_m != WG_ROWS or (head_dim // groups) % 8:
-        return (f"knobs: the sm90 dq_atomic (the default) makes ds k in one wgmma of 64 query rows, each warpgroup "
+        return (f"the sm90 dq_atomic (the default) makes ds k in one wgmma of 64 query rows, each warpgroup "
                 f"head_dim / warpgroups columns (a multiple of 8): it needs block_m 64 and head_dim a multiple of "
                 f"{8 * groups}, got block_m {block_m} and head_dim {head_dim}; with other tiles pass dq_atomic False "
                 f"(dq by a pass of its own)")
     return None
+
+
+def backward_build_problem(head_dim: int, dtype: str, knobs: dict) -> str | None:
+    """Why these complete backward knobs cannot be scheduled, or None: checked when a backward kernel is
+    made, before anything is built (the tuner leaves such configurations out)."""
+    if knobs["dkdv_copy"] == "tma" and (knobs["dkdv_stages"] < 2 or head_dim % SWIZZLE_COLUMNS):
+        return (f"dkdv_copy 'tma' copies into a pipeline's stages, in 64-column swizzled halves: it needs "
+                f"dkdv_stages >= 2 and a head_dim that is a multiple of {SWIZZLE_COLUMNS}, got "
+                f"{knobs['dkdv_stages']} and {head_dim}")
+    if knobs["dq_atomic"]:
+        return dq_share_problem(knobs["block_m"], head_dim, max(1, knobs["block_n"] // WG_ROWS))
+    return None
+
+
+# d64: the dq pass in 32-key steps measured faster than in 64 (at d128 slower), and wgmma_overlap off a
+# little faster than on (at d128 it gains). varlen by cp.async (TMA would read the next sequence's rows
+# past a sequence's end, where the program needs zeros): at d128 by plain loads, faster than two
+# stages (which spill there), at d64 in two stages, faster than one. dkdv_copy "tma" fills a
+# pipeline's stages: with one stage, cp.async alone.
+BACKWARD = KnobSet("sm90", "backward", (
+    Knob("block_m", 64, space=(32, 64), role=TILE),
+    Knob("block_n", 128, space=(64, 128), role=TILE),
+    Knob("dq_block_m", 128, space=(64, 128), role=TILE),
+    Knob("dq_block_n", 64, space=(32, 64), by_head_dim={64: 32}, role=TILE),
+    Knob("dkdv_stages", 2, space=(1, 2)),
+    Knob("dq_stages", 2, space=(1, 2)),
+    Knob("vec", 8),
+    Knob("dq_atomic", True, space=(True, False)),
+    Knob("dkdv_copy", "tma", choices=KV_COPIES, varlen="cp.async", role=DERIVED,
+         space=lambda knobs: list(KV_COPIES) if knobs["dkdv_stages"] > 1 else ["cp.async"]),
+    Knob("wgmma_overlap", True, space=(True, False), by_head_dim={64: False}),
+), build_problem=backward_build_problem, shared_memory=backward_shared_memory_bytes,
+   varlen_by_head_dim={128: {"dkdv_stages": 1}})
+BACKWARD_HEAD_DIMS = (64, 128)
