@@ -19,16 +19,17 @@ from .contract import TILE, DecodeTasks, Knob, KnobSet, ProgramSchedule, Schedul
 # are the program's tile sizes, one MetaSchedule task per pair; ``vector`` (the SIMD width of the
 # inner loops, in elements) is sampled inside each task (it may be an ExprRV).
 VECTORS = (4, 8, 16, 32)
+SAMPLED_VECTORS = (8, 16)  # the tuning space's
 FORWARD = KnobSet("cpu", "forward", (
     Knob("block_m", 64, space=(16, 32, 64), role=TILE),
     Knob("block_n", 64, space=(32, 64, 128), role=TILE),
-    Knob("vector", 16, choices=VECTORS, space=(8, 16)),
+    Knob("vector", 16, choices=VECTORS, space=SAMPLED_VECTORS),
 ))
 # The backward (``schedule_backward``): its own knobs, as its tiles need not be the forward's.
 BACKWARD = KnobSet("cpu", "backward", (
     Knob("block_m", 64, space=(16, 32, 64), role=TILE),
     Knob("block_n", 64, space=(32, 64, 128), role=TILE),
-    Knob("vector", 16, choices=VECTORS, space=(8, 16)),
+    Knob("vector", 16, choices=VECTORS, space=SAMPLED_VECTORS),
 ))
 # The decode (``schedule_decode``). query_tokens: query tokens per task (its rows are those tokens
 # times the GQA group's heads); block_n: keys per K/V tile. The CPU is not where decode speed is
@@ -36,7 +37,7 @@ BACKWARD = KnobSet("cpu", "backward", (
 DECODE = KnobSet("cpu", "decode", (
     Knob("query_tokens", 1, space=(1, 2, 4)),
     Knob("block_n", 64, space=(32, 64, 128)),
-    Knob("vector", 16, choices=VECTORS, space=(8, 16)),
+    Knob("vector", 16, choices=VECTORS, space=SAMPLED_VECTORS),
 ))
 
 
@@ -75,8 +76,8 @@ def _gemm_register_tile(sch, block_name, vector):
     a row's vectors). The init is its own block."""
     i, n, k = sch.get_loops(block_name)[-3:]
     rows_extent, cols_extent = (int(sch.get(loop).extent) for loop in (i, n))
-    # A sampled vector (the tuner's ExprRV) is at most SPACE's widest, and divides it.
-    width = vector if isinstance(vector, int) else max(SPACE["vector"])
+    # A sampled vector (the tuner's ExprRV) is at most the space's widest, and divides it.
+    width = vector if isinstance(vector, int) else max(SAMPLED_VECTORS)
     rows = next(r for r in (4, 2, 1) if rows_extent % r == 0)
     vectors = next((v for v in (4, 3, 2, 1) if cols_extent % (v * width) == 0), None)
     io, ii = sch.split(i, [None, rows])

@@ -21,13 +21,13 @@ import math
 import re
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 from tvmflash import cache
 
-# TVM (and the schedules and targets, which import it) load where a record is made or looked up:
-# listing, showing, exporting and clearing records (``tvmflash cache``) start in a fraction of a
-# second without them.
+# TVM (and the targets, which import it) load where a record is made or looked up: listing, showing,
+# exporting and clearing records (``tvmflash cache``) start in a fraction of a second without it.
 
 FORMAT = 1
 # What makes two records the same entry, with the sequence-length bucket of their tuning shape
@@ -184,36 +184,30 @@ def add(record: dict, path: Path | None = None) -> Path:
     return path
 
 
-def lookup(target, schedule: str, workload: dict, seqlen_k: int | None = None) -> dict | None:
+def lookup(target, schedule: str, workload: dict, seqlen_k: int | None = None, *,
+           usable: Callable[[dict], bool]) -> dict | None:
     """The best record for this device, target, versions, schedule and workload, or None.
 
-    The user's records are searched first, then the shipped ones. Records that lack one of the
-    schedule's knobs (tuned before the schedule had it) are passed over. ``seqlen_k``: the record
-    of its bucket where there is one; otherwise, and by default, that of the longest bucket.
+    The user's records are searched first, then the shipped ones. ``usable(knobs)``: whether a
+    record's knobs are the schedule's as it is now (``KnobSet.accepts``). ``seqlen_k``: the record of
+    its bucket where there is one; otherwise, and by default, that of the longest bucket.
     """
-    found = known_records(target, schedule, workload, seqlen_k)
+    found = known_records(target, schedule, workload, seqlen_k, usable=usable)
     return found[0] if found else None
 
 
-def known_records(target, schedule: str, workload: dict, seqlen_k: int | None = None) -> list[dict]:
+def known_records(target, schedule: str, workload: dict, seqlen_k: int | None = None, *,
+                  usable: Callable[[dict], bool]) -> list[dict]:
     """The best usable record of the user's database, then the shipped one's (each with its
-    ``source``, the file): what a warm ``tvmflash tune`` starts from. Records that lack one of the
-    schedule's knobs, or give one a value the schedule does not take, are passed over. Of a file's
+    ``source``, the file): what a warm ``tvmflash tune`` starts from. A record whose knobs are not
+    ``usable`` is passed over: tuned before one of the schedule's knobs existed, or with a value the
+    schedule does not take, it measured a schedule that its knobs would not build now. Of a file's
     records, those of ``seqlen_k``'s bucket if it has any, else those of its longest bucket."""
-    from tvmflash import schedules as schedule_registry
-
     want = {**device_key(target), "schedule": schedule, "workload": workload}
     name = slug(want["device"]) + ".json"
-    module = getattr(schedule_registry, schedule)
-    table = schedule_registry.knob_table(module, workload.get("pass", "forward"))
-    knobs = set(table)
     found = []
     for path in (user_dir() / name, SHIPPED_DIR / name):
-        # A record without one of the schedule's knobs was tuned before that knob existed: the
-        # schedule it measured is not the one its knobs would build now.
-        # A record whose knob takes a value the schedule does not is not used either.
-        matches = [r for r in read(path) if _same_fields(r, want) and knobs <= set(r["knobs"]) and not any(
-            schedule_registry.knob_problem(module, n, v, table) for n, v in r["knobs"].items() if n in knobs)]
+        matches = [r for r in read(path) if _same_fields(r, want) and usable(r["knobs"])]
         buckets = {bucket(r) for r in matches}
         if matches:
             wanted = seqlen_bucket(seqlen_k) if seqlen_k is not None and seqlen_bucket(seqlen_k) in buckets \

@@ -8,7 +8,7 @@ from tvmflash.lowering.annotations import (NARROW_SWIZZLE_COLUMNS, SWIZZLE_COLUM
                                            TMA_BARRIER_PADDINGS, TMA_PRODUCERS, swizzle_columns)
 
 from ..contract import DERIVED, PROGRAM, STRUCTURE, TILE, Knob, KnobSet
-from ..sm80.knobs import DTYPES, STRIDE_ALIGNMENT  # the same fp16/bf16 pair, 16-byte copies
+from ..sm80.knobs import DTYPES, STRIDE_ALIGNMENT  # noqa: F401 - the same fp16/bf16 pair, 16-byte copies
 from .layouts import CORE_MATRIX_ELEMENTS, PAD_ELEMENTS, SWIZZLE_ALIGNMENT, WARPGROUP, WG_ROWS
 
 # Where the per-row running values (m, l, ...) live, as in sm80: "registers", on the quads that hold

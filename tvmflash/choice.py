@@ -1,0 +1,300 @@
+"""One place chooses: the schedule that maps each program (forward, backward, decode) for a target,
+dtype and head_dim, and the knobs it runs with.
+
+The schedule: the caller's ``schedule=``, else the environment (``settings``: TVMFLASH_SM90,
+TVMFLASH_BACKWARD and TVMFLASH_DECODE are read here alone), else the target's: the first schedule of
+``schedules.SCHEDULES`` that can serve the program, dtype and head_dim and prefers that head_dim
+(sm90 on sm_90a, sm80 from sm80, SIMT on every GPU, the CPU's on the CPU). On sm_90a this GPU's
+tuning records of sm80 and sm90, measured at one shape, decide the forward between the two.
+
+The knobs: the caller's over a tuning record's (this GPU's, the user's or the shipped ones,
+``database``) over the schedule's defaults for the head_dim, with what varlen requires; checked once
+by the schedule's ``KnobSet.problem`` and against the target's shared memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass
+
+from tvmflash import database
+from tvmflash import schedules as registry
+from tvmflash import target as targets
+from tvmflash.schedules.contract import KnobSet, Schedule
+
+WORKLOAD_FIELDS = ("head_dim", "dtype", "causal")  # what tuning records are keyed by
+SM90_SETTINGS = {"": "records", "0": "off", "1": "on"}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The environment's say. sm90 (TVMFLASH_SM90): "records" (unset: sm90 on sm_90a unless this GPU's
+    records favour sm80), "on" (1: sm90 wherever it can serve) or "off" (0: never). backward
+    (TVMFLASH_BACKWARD) and decode (TVMFLASH_DECODE): the name of the schedule asked for, or None."""
+
+    sm90: str = "records"
+    backward: str | None = None
+    decode: str | None = None
+
+
+def settings() -> Settings:
+    """The environment's settings; a ValueError for a value none takes."""
+    sm90 = os.environ.get("TVMFLASH_SM90", "")
+    if sm90 not in SM90_SETTINGS:
+        raise ValueError(f"TVMFLASH_SM90: expected 1 (on), 0 (off) or unset (by the tuning records), got {sm90!r}")
+    asked = {}
+    for program in ("backward", "decode"):
+        variable, value = f"TVMFLASH_{program.upper()}", os.environ.get(f"TVMFLASH_{program.upper()}", "")
+        names = tuple(name for name, s in registry.SCHEDULES.items() if s.program(program) is not None)
+        if value not in ("", *names):
+            raise ValueError(f"{variable}: expected one of {names} or unset, got {value!r}")
+        asked[program] = value or None
+    return Settings(SM90_SETTINGS[sm90], **asked)
+
+
+def workload(spec_args: dict, program: str = "forward", page_size: int = 0) -> dict:
+    """What a program's tuning records are keyed by: head_dim, dtype and causal; the backward's and
+    decode's name their program, and decode's its cache layout (causal is an argument of its calls)."""
+    found = {name: spec_args[name] for name in WORKLOAD_FIELDS}
+    if program == "decode":
+        return {**found, "causal": False, "pass": "decode", "page_size": page_size}
+    return found if program == "forward" else {**found, "pass": program}
+
+
+# ----------------------------------------------------------------------------------------- schedule
+def serve_problem(schedule: Schedule, program: str, target, dtype: str, head_dim: int) -> str | None:
+    """None if ``schedule`` can map ``program`` for this target, dtype and head_dim, else why not."""
+    mapped = schedule.program(program)
+    if mapped is None:
+        return f"the {schedule.name} schedule has no {program}"
+    if target.kind.name != schedule.target_kind:
+        return f"the {schedule.name} schedule runs on {schedule.target_kind}, not {target.kind.name}"
+    cc = targets.compute_capability(target) or 0
+    if (schedule.compute_capabilities is not None and cc not in schedule.compute_capabilities) or \
+            (schedule.min_compute_capability is not None and cc < schedule.min_compute_capability):
+        return f"the {schedule.name} schedule does not run on {targets.describe(target)}"
+    if dtype not in schedule.dtypes:
+        return f"the {schedule.name} schedule takes {list(schedule.dtypes)}, got {dtype}"
+    if not mapped.serves(head_dim):
+        return f"the {schedule.name} {program} serves head_dim {list(mapped.head_dims)}, got {head_dim}"
+    return None
+
+
+def choose_schedule(program: str, target, spec_args: dict, *, schedule: str | None = None,
+                    knobs_given: bool = False) -> tuple[Schedule, str, dict]:
+    """The schedule for a program, why, and the tuning records read to decide ({name: record}, which
+    the knobs' lookup then reuses). ``schedule``: the caller's name for one (``schedules.SCHEDULES``).
+    Given knobs keep the target's schedule (no records decide)."""
+    dtype, head_dim, env = spec_args["dtype"], spec_args["head_dim"], settings()
+    asked, why = schedule, "given"
+    if asked is None and program in ("backward", "decode"):
+        asked, why = getattr(env, program), f"TVMFLASH_{program.upper()}"
+    if asked is None and program != "decode" and env.sm90 == "on" and target.kind.name == "cuda" \
+            and serve_problem(registry.SCHEDULES["sm90"], program, target, dtype, head_dim) is None:
+        asked, why = "sm90", "TVMFLASH_SM90=1"
+    if asked is not None:
+        if asked not in registry.SCHEDULES:
+            raise ValueError(f"schedule: expected one of {sorted(registry.SCHEDULES)}, got {asked!r}")
+        problem = serve_problem(registry.SCHEDULES[asked], program, target, dtype, head_dim)
+        if problem:
+            raise ValueError(f"schedule {asked!r} ({why}): {problem}")
+        return registry.SCHEDULES[asked], why, {}
+    able = [s for s in registry.SCHEDULES.values() if serve_problem(s, program, target, dtype, head_dim) is None
+            and not (s.name == "sm90" and (env.sm90 == "off" or program == "decode"))]
+    if not able:
+        raise ValueError(f"target: no tvmflash schedule maps the {program} on {targets.describe(target)} for "
+                         f"{dtype} at head_dim {head_dim}")
+    first = next((s for s in able if s.program(program).prefers(head_dim)), able[0])
+    names = [s.name for s in able]
+    if program != "forward" or knobs_given or names[:2] != ["sm90", "sm80"]:
+        return first, "the target's" + newer_gpu_note(target, first), {}
+    return by_records(target, spec_args, first)
+
+
+_NOTED: set = set()
+
+
+def newer_gpu_note(target, schedule: Schedule) -> str:
+    """On a GPU newer than any schedule is written for (sm100, sm120, ...), a note that it runs the sm80
+    schedule built for its own arch, logged once an arch; else ""."""
+    cc = targets.compute_capability(target)
+    if schedule.name != "sm80" or cc is None or cc <= 90:
+        return ""
+    note = f" (no schedule is written for sm_{cc} yet: the sm80 mma.sync schedule, built for sm_{cc})"
+    if cc not in _NOTED:
+        _NOTED.add(cc)
+        logging.getLogger("tvmflash").warning("tvmflash: %s", note.strip(" ()"))
+    return note
+
+
+def by_records(target, spec_args: dict, preferred: Schedule) -> tuple[Schedule, str, dict]:
+    """sm90 or sm80 for the forward on sm_90a: the faster by this GPU's records of both, measured at one
+    shape; without them ``preferred``, the one that prefers the head_dim."""
+    records = {name: database.lookup(target, name, workload(spec_args), usable=registry.SCHEDULES[name].forward.knobs.accepts)
+               for name in ("sm80", "sm90")}
+    r80, r90 = records["sm80"], records["sm90"]
+    if not (r80 and r90 and r80.get("shape") == r90.get("shape")):
+        return preferred, f"{preferred.name} at head_dim {spec_args['head_dim']} on sm_90a (no tuning records of both " \
+                          "schedules to compare)", records
+    times = f"sm90 {r90['mean_ms']:.3f} ms, sm80 {r80['mean_ms']:.3f} ms at {r90.get('shape')}"
+    if r90["mean_ms"] <= r80["mean_ms"]:
+        return registry.SCHEDULES["sm90"], f"tuned records: {times}", records
+    return registry.SCHEDULES["sm80"], f"tuned records favour sm80: {times}", records
+
+
+# -------------------------------------------------------------------------------------------- knobs
+def check_knobs(knobset: KnobSet, knobs: dict, head_dim: int | None = None, dtype: str | None = None) -> None:
+    """``KnobSet.problem`` as a ValueError."""
+    problem = knobset.problem(knobs, head_dim, dtype)
+    if problem:
+        raise ValueError(problem)
+
+
+def record_source(record: dict) -> str:
+    return f"{record['source']}, {record['mean_ms']:.3f} ms at {record.get('shape')}"
+
+
+def take_knobs(knobset: KnobSet, defaults: dict, record: dict | None, given: dict | None,
+               required: dict | None = None) -> tuple[dict, str]:
+    """The caller's knobs over a tuning record's over the defaults (with ``required`` over the record's),
+    and where they came from."""
+    given = given or {}
+    knobs = {**defaults, **(record["knobs"] if record else {}), **(required or {}), **given}
+    if given:
+        return knobs, "given"
+    if record is None:
+        return knobs, "defaults"
+    if knobs == defaults:  # tuning stores the defaults where none of its candidates beat them
+        return knobs, f"defaults (tuning found none faster: {record_source(record)})"
+    return knobs, f"tuned ({record_source(record)})"
+
+
+def lookup(target, schedule: Schedule, program: str, workload_: dict, seqlen_k: int | None = None) -> dict | None:
+    """The best tuning record of this device for the schedule's program and workload, or None."""
+    return database.lookup(target, schedule.name, workload_, seqlen_k, usable=schedule.program(program).knobs.accepts)
+
+
+def shared_memory_over(target, knobset: KnobSet, head_dim: int, dtype: str, knobs: dict) -> str | None:
+    """None if the tiles of these knobs fit the target's shared memory per block (and the knob set's own
+    cap), else what they need against what is allowed."""
+    limit = target.attrs.get("max_shared_memory_per_block") if targets.is_cuda(target) else None
+    if limit is None or knobset.shared_memory is None:
+        return None
+    limit = min(int(limit), knobset.shared_memory_limit or math.inf)
+    need = knobset.shared_memory(head_dim, dtype, knobs)
+    if need <= limit:
+        return None
+    return f"{need / 1024:.0f} KiB of shared memory, the {knobset.schedule} {knobset.program} on " \
+           f"{targets.describe(target)} allows {limit / 1024:.0f} KiB"
+
+
+def fit_shared_memory(target, knobset: KnobSet, head_dim: int, dtype: str, knobs: dict, source: str,
+                      given: bool) -> tuple[dict, str]:
+    """Knobs whose tiles need more shared memory than the target allows: an error for the caller's own,
+    else the defaults (or tuned knobs) shrunk along the space, fewer pipeline stages first, then
+    smaller K/V tiles, then smaller Q blocks."""
+    problem = shared_memory_over(target, knobset, head_dim, dtype, knobs)
+    if problem is None:
+        return knobs, source
+    if given:
+        raise ValueError(f"knobs: {knobs} need {problem}; try a smaller block_n or num_stages")
+    space, shrunk = knobset.space(), dict(knobs)
+    for name in ("num_stages", "block_n", "block_m"):
+        values = space.get(name)
+        for value in sorted(v for v in (values if isinstance(values, list) else []) if v < shrunk.get(name, 0))[::-1]:
+            shrunk[name] = value
+            for dependent, rule in space.items():  # e.g. num_warps follows block_m
+                if callable(rule):
+                    shrunk[dependent] = rule(shrunk)[0]
+            if shared_memory_over(target, knobset, head_dim, dtype, shrunk) is None:
+                return shrunk, f"{source}, shrunk to fit shared memory (they needed {problem})"
+    raise ValueError(f"no knobs of the {knobset.schedule} schedule fit the shared memory at head_dim {head_dim}: "
+                     f"the {source} knobs need {problem}")
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A program's schedule and knobs, and why. record: the tuning record the knobs came from."""
+
+    schedule: Schedule
+    schedule_source: str
+    knobs: dict
+    knobs_source: str
+    record: dict | None = None
+
+
+def forward(target, spec_args: dict, knobs: dict | None, schedule: str | None = None) -> Choice:
+    """The forward's (or varlen's) schedule and knobs."""
+    chosen, why, records = choose_schedule("forward", target, spec_args, schedule=schedule, knobs_given=bool(knobs))
+    knobset, head_dim, dtype = chosen.forward.knobs, spec_args["head_dim"], spec_args["dtype"]
+    varlen = spec_args.get("varlen", False)
+    check_knobs(knobset, knobs or {})
+    required = knobset.varlen_required() if varlen else {}
+    wrong = {name: value for name, value in (knobs or {}).items() if name in required and value != required[name]}
+    if wrong:
+        raise ValueError(f"knobs: varlen on the {chosen.name} schedule takes {required}, got {wrong}")
+    record = None if knobs else records.get(chosen.name) if chosen.name in records else \
+        lookup(target, chosen, "forward", workload(spec_args))
+    resolved, source = take_knobs(knobset, knobset.defaults(head_dim, varlen), record, knobs, required)
+    check_knobs(knobset, resolved, head_dim if targets.is_cuda(target) else None, dtype)
+    resolved, source = fit_shared_memory(target, knobset, head_dim, dtype, resolved, source, given=bool(knobs))
+    return Choice(chosen, why, resolved, source, record)
+
+
+def forward_for_bucket(target, choice: Choice, spec_args: dict, index: int) -> Choice | None:
+    """The forward's knobs tuned for another seqlen bucket (``database.SEQLEN_BUCKETS``), where its record
+    has knobs other than ``choice``'s; else None."""
+    seqlen = database.bucket_seqlens()[index]
+    record = lookup(target, choice.schedule, "forward", workload(spec_args), seqlen)
+    if record is None or database.bucket(record) != index:
+        return None
+    knobset = choice.schedule.forward.knobs
+    knobs = {**knobset.defaults(spec_args["head_dim"]), **record["knobs"]}
+    if knobs == choice.knobs:
+        return None
+    knobs, source = fit_shared_memory(target, knobset, spec_args["head_dim"], spec_args["dtype"], knobs,
+                                      f"tuned for {database.bucket_label(index)} ({record_source(record)})", False)
+    return Choice(choice.schedule, choice.schedule_source, knobs, source, record)
+
+
+def backward(target, spec_args: dict, knobs: dict | None, deterministic: bool = False,
+             schedule: str | None = None) -> Choice:
+    """The backward's schedule and knobs. deterministic: dq by a pass of its own (the knob dq_atomic off)."""
+    chosen, why, _ = choose_schedule("backward", target, spec_args, schedule=schedule, knobs_given=bool(knobs))
+    knobset, head_dim, dtype = chosen.backward.knobs, spec_args["head_dim"], spec_args["dtype"]
+    varlen = spec_args.get("varlen", False)
+    check_knobs(knobset, knobs or {})
+    required = knobset.varlen_required() if varlen else {}
+    wrong = {name: value for name, value in (knobs or {}).items() if name in required and value != required[name]}
+    if wrong:
+        raise ValueError(f"knobs: varlen on the {chosen.name} backward takes {required}, got {wrong}")
+    # varlen keeps the defaults: the records are the dense kernels'
+    record = None if knobs or varlen else lookup(target, chosen, "backward", workload(spec_args, "backward"))
+    resolved, source = take_knobs(knobset, knobset.defaults(head_dim, varlen), record, knobs, required)
+    if deterministic and resolved.get("dq_atomic"):  # the dq pass instead: one sum a dq element, in a fixed order
+        if (knobs or {}).get("dq_atomic"):
+            raise ValueError("knobs: dq_atomic sums dq by fp32 atomics, in an order that changes from run to run, "
+                             "and deterministic=True asks for bitwise-equal gradients: leave one out")
+        resolved["dq_atomic"] = False
+    if targets.is_cuda(target):
+        check_knobs(knobset, resolved, head_dim, dtype)
+        problem = shared_memory_over(target, knobset, head_dim, dtype, resolved)
+        if problem:
+            raise ValueError(f"knobs: {resolved} need {problem}; try a smaller block_m or block_n")
+    return Choice(chosen, why, resolved, source, record)
+
+
+def decode(target, spec_args: dict, page_size: int, knobs: dict | None, schedule: str | None = None) -> Choice:
+    """Decode's schedule and knobs."""
+    chosen, why, _ = choose_schedule("decode", target, spec_args, schedule=schedule, knobs_given=bool(knobs))
+    knobset, head_dim, dtype = chosen.decode.knobs, spec_args["head_dim"], spec_args["dtype"]
+    check_knobs(knobset, knobs or {})
+    record = None if knobs else lookup(target, chosen, "decode", workload(spec_args, "decode", page_size))
+    resolved, source = take_knobs(knobset, knobset.defaults(head_dim), record, knobs)
+    check_knobs(knobset, resolved, head_dim, dtype)
+    problem = shared_memory_over(target, knobset, head_dim, dtype, resolved)
+    if problem:
+        raise ValueError(f"knobs: {resolved} need {problem}; try a smaller block_n")
+    return Choice(chosen, why, resolved, source, record)
