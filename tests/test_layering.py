@@ -1,5 +1,5 @@
-"""The code's structure: imports run one way (the torch API and the CLI -> kernel and tuner -> program and
-schedules -> lowering), no module reads another's private names, and nothing assigns to TVM's modules
+"""The code's structure: every module is on one floor (``FLOORS``), imports run one way down the floors
+with no exemption and no cycle, no module reads another's private names, and nothing assigns to TVM's modules
 or registries (tvmflash extends TVM through its extension points only: a pipeline of its own, its own
 intrinsics and calls). Read from the source with ``ast``; nothing is imported."""
 
@@ -50,28 +50,67 @@ def imports(path: Path):
                 yield base, names
 
 
-# What each layer may import from tvmflash (a prefix match), besides itself.
-LAYERS = {
-    "tvmflash.lowering": ("tvmflash.lowering",),
-    "tvmflash.program": ("tvmflash.lowering.annotations",),
-    "tvmflash.program_backward": ("tvmflash.program",),
-    "tvmflash.program_decode": ("tvmflash.program",),
-    "tvmflash.schedules": ("tvmflash.schedules", "tvmflash.lowering", "tvmflash.program", "tvmflash.program_backward",
-                           "tvmflash.target"),
-    "tvmflash.target": (),
-    "tvmflash.cache": (),
-}
+# The floors, top to bottom: a module may import from its own floor and the floors below it, never
+# from one above. Every module of tvmflash is on one (``test_every_module_is_on_a_floor``).
+FLOORS = (
+    ("the API: torch functions and ops, the command line", ("tvmflash", "tvmflash.ops", "tvmflash.flash_attn",
+                                                            "tvmflash.cli")),
+    ("tuning", ("tvmflash.tune",)),
+    ("measuring", ("tvmflash.bench",)),
+    ("kernels: compile, build, cache, call", ("tvmflash.kernels",)),
+    ("the choice of schedule and knobs", ("tvmflash.choice",)),
+    ("tuning records", ("tvmflash.database",)),
+    ("schedules", ("tvmflash.schedules",)),
+    ("the programs", ("tvmflash.program", "tvmflash.program_backward", "tvmflash.program_decode")),
+    ("the lowering", ("tvmflash.lowering",)),
+    ("targets, the disk cache, the version", ("tvmflash.target", "tvmflash.cache", "tvmflash.version")),
+)
+
+
+def floor_of(module: str) -> int:
+    """The index in ``FLOORS`` of the floor that holds ``module`` (its longest matching prefix)."""
+    best = max(((len(prefix), index) for index, (_, prefixes) in enumerate(FLOORS) for prefix in prefixes
+                if module == prefix or module.startswith(prefix + ".")), default=None)
+    assert best is not None, f"{module} is on no floor of tests/test_layering.py's FLOORS"
+    return best[1]
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_module_is_on_a_floor(path):
+    floor_of(module_name(path))
 
 
 @pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_imports_run_one_way(path):
+    """No module imports from a floor above its own, at module level or inside a function."""
     here = module_name(path)
-    layer = next((name for name in LAYERS if here == name or here.startswith(name + ".")), None)
-    if layer is None:
-        return  # the top: kernel, tune, database, bench, ops, cli may import what is below them
     for module, _ in imports(path):
-        assert any(module == ok or module.startswith(ok + ".") for ok in LAYERS[layer]), (
-            f"{here} imports {module}: {layer} may import only {LAYERS[layer] or 'nothing of tvmflash'}")
+        assert floor_of(module) >= floor_of(here), (
+            f"{here} ({FLOORS[floor_of(here)][0]}) imports {module}, a floor above ({FLOORS[floor_of(module)][0]})")
+
+
+def test_no_import_cycle():
+    """Within a floor too, imports run one way: the graph of tvmflash's imports (a package's import of its
+    own submodules left out, as a package's ``__init__`` naming its parts is no cycle) has no cycle."""
+    graph = {module_name(path): {m for m, _ in imports(path)} for path in SOURCES}
+    for here, targets in graph.items():
+        targets.discard(here)
+        graph[here] = {t for t in targets if not t.startswith(here + ".")}
+    state: dict = {}
+
+    def visit(node, trail):
+        state[node] = "open"
+        for after in sorted(graph.get(node, ())):
+            if state.get(after) == "open":
+                cycle = trail[trail.index(after):] + [after] if after in trail else [node, after]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if after not in state:
+                visit(after, trail + [after])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
 
 
 @pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(ROOT)))

@@ -2,7 +2,7 @@
 
 import os as _os
 
-__version__ = "0.1.0"
+from tvmflash.version import __version__
 
 # Installed, the top-level schedules/ folder is the subpackage tvmflash.schedules (package-dir in
 # pyproject.toml). Run from a source checkout, find it beside this package.

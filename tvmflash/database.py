@@ -54,7 +54,7 @@ def device_key(target) -> dict:
     """What a record is keyed by, besides the workload: the device, the target and the versions."""
     import tvm
 
-    from tvmflash import __version__
+    from tvmflash.version import __version__
     from tvmflash import target as targets
 
     if targets.is_cuda(target):
