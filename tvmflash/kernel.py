@@ -936,8 +936,8 @@ class BackwardKernel(Kernel):
         return bool(self.knobs.get("dq_atomic", False))
 
     def _entry(self, module):
-        """The three programs to call, by name (``program_backward.passes``)."""
-        return {name: module[name] for name in program_backward.passes(self.dq_atomic)}
+        """The three programs to call, by name (``program_backward.programs``)."""
+        return {name: module[name] for name in program_backward.programs(self.dq_atomic)}
 
     def _dq_accumulator(self, q) -> tuple:
         """With ``dq_atomic``: (dq_accum,), zeros of ``program_backward``'s shape for q (batch,
@@ -987,7 +987,7 @@ class BackwardKernel(Kernel):
 
     def _gradients_and_passes(self, q, k, v, out, dout, dq, dk, dv, heads_q: int, heads_kv: int, work: bool):
         """dq, dk, dv (new where not given, compact) and the programs that fill them
-        (``program_backward.passes`` by name); without ``work`` (no query or no key) the gradients
+        (``program_backward.programs`` by name); without ``work`` (no query or no key) the gradients
         are 0 and there are no programs."""
         grads = tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) if g is None else g
                       for t, g in ((q, dq), (k, dk), (v, dv)))
