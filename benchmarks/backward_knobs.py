@@ -44,7 +44,7 @@ def program_calls(kernel, q, k, v, out, dout, lse):
     delta, lse2, dlse = (torch.zeros_like(lse) for _ in range(3))
     dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
     scale = q.shape[-1] ** -0.5
-    accumulator = kernel._dq_accumulator(q)
+    accumulator = kernel.dq_accumulator(q)
     programs["delta"](out, dout, lse, dlse, delta, lse2)
     calls = {"delta": lambda: programs["delta"](out, dout, lse, dlse, delta, lse2),
              "dkdv": lambda: programs["dkdv"](q, k, v, dout, lse2, delta, dk, dv, scale, *accumulator)}

@@ -20,7 +20,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 def configurations(head_dim: int) -> list[tuple[dict, str | None]]:
     """(knobs, the pre-check's objection or None) for every configuration of sm90's SPACE."""
-    from tvmflash import kernel, tune
+    from tvmflash import choice, tune
     from tvmflash import schedules as registry
     from tvmflash import target as targets
 
@@ -29,7 +29,7 @@ def configurations(head_dim: int) -> list[tuple[dict, str | None]]:
     for point in tune.task_points(sm90, sm90.SPACE):
         options = tune.structures(sm90, sm90.SPACE, point)
         fixed, sampled = tune.task_knobs(sm90.SPACE, **point, structure_names=list(options[0]) if options else ())
-        base = {**kernel.default_knobs(sm90, head_dim), **fixed}
+        base = {**choice.default_knobs(sm90, head_dim), **fixed}
         for structure in options or [{}]:
             for values in itertools.product(*sampled.values()):
                 knobs = {**base, **structure, **dict(zip(sampled, values))}
@@ -42,7 +42,7 @@ def build(job: tuple[int, dict]) -> str | None:
     import tvm
     from tvm.support import nvcc
 
-    from tvmflash import kernel, program, tune
+    from tvmflash import choice, program, tune
     from tvmflash import schedules as registry
     from tvmflash import target as targets
 
@@ -54,7 +54,7 @@ def build(job: tuple[int, dict]) -> str | None:
                                softmax_scale=0.1)
         sch = tvm.s_tir.Schedule(tvm.IRModule({"main": func}))
         sm90.schedule(sch, **knobs)
-        source = tune._ms_build(sch.mod, target, None, **kernel.build_options(sm90)).imports[0].inspect_source()
+        source = tune._ms_build(sch.mod, target, None, **choice.build_options(sm90)).imports[0].inspect_source()
         with target:
             nvcc.compile_cuda(source, target_format="cubin", arch="sm_90a", compiler="nvcc")
     except Exception as err:  # noqa: BLE001 - any failure is the answer

@@ -13,7 +13,7 @@ import torch
 import tvm
 
 import tvmflash
-from tvmflash import database, kernel, program, tune
+from tvmflash import choice, database, kernels, program, tune
 from tvmflash import target as targets
 from tvmflash.schedules import cpu, cuda, sm80, sm90
 
@@ -25,9 +25,9 @@ WORKLOAD = {"head_dim": 32, "dtype": "float32", "causal": False}
 def cache_dir(tmp_path, monkeypatch):
     """A fresh cache dir (modules and tuning records) and no in-memory kernels."""
     monkeypatch.setenv("TVMFLASH_CACHE_DIR", str(tmp_path))
-    kernel.forget_kernels()
+    kernels.forget_kernels()
     yield tmp_path
-    kernel.forget_kernels()
+    kernels.forget_kernels()
 
 
 def vector_widths(sch):
@@ -152,7 +152,7 @@ def test_structures_are_design_spaces_of_one_task(tmp_path):
     spec = program.AttentionSpec(128, "bfloat16", False, 2, 2)
     lines = []
     space = {**sm90.SPACE, "block_m": [128], "block_n": [64]}
-    defaults = kernel.default_knobs(sm90, 128)
+    defaults = choice.default_knobs(sm90, 128)
     tasks = tune.make_tasks(sm90, spec, {"batch": 1, "seqlen": 512, "heads": 2}, space, targets.cuda_target("sm90"),
                             tmp_path, random.Random(0), lines.append, known={"default": defaults})
     assert [t["name"] for t in tasks] == ["bm128_bn64_mb1", "bm128_bn64_mb2"] and not lines
@@ -233,7 +233,7 @@ def test_pre_check_accepts_exactly_the_candidates_that_build(schedule, head_dim,
         sch = tvm.s_tir.Schedule(mod)
         try:
             tune.space_fn(schedule, fixed, sampled, [structure])(sch)
-            tune._ms_build(sch.mod, target, None, **kernel.build_options(schedule))
+            tune._ms_build(sch.mod, target, None, **choice.build_options(schedule))
             error = None
         except Exception as err:  # noqa: BLE001 - any failure to schedule or build
             error = f"{type(err).__name__}: {str(err).splitlines()[-1] if str(err) else ''}"
@@ -274,7 +274,7 @@ def test_pipelined_candidates_build_with_static_shapes(schedule, block_m, causal
         target = targets.cuda_target("sm90" if schedule is sm90 else "sm80")
         return tune._ms_build(sch.mod, target, None, **options)
 
-    options = kernel.build_options(schedule)
+    options = choice.build_options(schedule)
     if kv_copy == "cp.async":
         from tvmflash.lowering import tma
         with pytest.raises(tma.MisalignedTiles, match="swizzled wgmma operand"):
@@ -435,7 +435,7 @@ def test_short_tuning_run_is_used_by_compile(cache_dir, monkeypatch):
     # A new compile() (symbolic shapes) picks the record up, and runs at another shape.
     kern = tvmflash.compile(head_dim=32, dtype="float32", causal=False, target="cpu")
     # (the defaults may win at this shape: the record then keeps them, and they are not called tuned)
-    won = "defaults" if record["knobs"] == kernel.default_knobs(cpu, 32) else "tuned"
+    won = "defaults" if record["knobs"] == choice.default_knobs(cpu, 32) else "tuned"
     assert kern.info()["knobs_source"].startswith(won), kern.info()
     assert kern.knobs == record["knobs"]
     import torch
@@ -489,13 +489,13 @@ def test_a_call_runs_the_knobs_tuned_for_its_key_lengths(cache_dir):
     info = kern.info()
     assert info["knobs"] == knobs["long"], info
     assert info["seqlen_buckets"]["seqlen_k <= 1024"]["knobs"] == knobs["short"], info
-    short = kern._by_bucket[0]
+    short = kern.by_bucket[0]
     for seqlen_k, runs in ((53, short), (1100, kern), (700, short)):
         q, k, v = torch.randn(1, 37, 2, 32), torch.randn(1, seqlen_k, 2, 32), torch.randn(1, seqlen_k, 2, 32)
         ref = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v))).transpose(1, 2)
         assert torch.allclose(kern(q, k, v), ref, atol=1e-4)
-        assert list(runs._modules) == [(2, 2)]
-    assert kern._modules[(2, 2)] is not short._modules[(2, 2)]
+        assert list(runs.build.modules) == [(2, 2)]
+    assert kern.build.modules[(2, 2)] is not short.build.modules[(2, 2)]
 
 
 def test_records_never_cross_devices_or_targets(cache_dir):
@@ -565,7 +565,7 @@ def test_stored_defaults_are_not_called_tuned(cache_dir):
     """Where no candidate beat the defaults, tuning stores them: bench and info() called them tuned."""
     from tvmflash import bench
 
-    database.add(database.new_record(CPU, "cpu", WORKLOAD, kernel.default_knobs(cpu, 32), 1.0))
+    database.add(database.new_record(CPU, "cpu", WORKLOAD, choice.default_knobs(cpu, 32), 1.0))
     info = tvmflash.compile(head_dim=32, dtype="float32", target="cpu").info()
     assert info["knobs_source"].startswith("defaults (tuning found none faster: "), info
     lines = []
@@ -645,7 +645,7 @@ def test_tuned_knobs_with_wrong_results_are_never_stored(cache_dir, monkeypatch)
                        heads=1, space={"block_m": [16], "block_n": [32], "vector": [4, 8]}, seed=0, repeat=3,
                        echo=lines.append)
     assert len(checked) == 3 and any("the tuned knobs #" in line and "give wrong results" in line for line in lines), lines
-    assert record["knobs"] == kernel.default_knobs(cpu, 32)
+    assert record["knobs"] == choice.default_knobs(cpu, 32)
 
 
 def test_the_fastest_few_are_timed_again_as_compile_builds_them(cache_dir, monkeypatch):
@@ -691,7 +691,7 @@ def cli_tuning_run(tmp_path_factory):
                                   "--target", "cpu", "--seqlen", "64", "--batch", "1", "--heads", "1"])
         assert code == 0, err.getvalue()
         full = database.lookup(CPU, "cpu", WORKLOAD)
-    kernel.forget_kernels()  # kernels made while the run's cache dir was set read its records
+    kernels.forget_kernels()  # kernels made while the run's cache dir was set read its records
     return out.getvalue(), full
 
 
@@ -827,7 +827,7 @@ def test_sm90_register_floor_agrees_with_ptxas(head_dim, builds, monkeypatch):
     sch = tvm.s_tir.Schedule(tvm.IRModule({"main": func}))
     sm90.schedule(sch, **knobs)
     target = targets.cuda_target("sm90")
-    source = tune._ms_build(sch.mod, target, None, **kernel.build_options(sm90)).imports[0].inspect_source()
+    source = tune._ms_build(sch.mod, target, None, **choice.build_options(sm90)).imports[0].inspect_source()
     if builds:
         with target:
             nvcc.compile_cuda(source, target_format="cubin", arch="sm_90a", compiler="nvcc")
@@ -841,7 +841,7 @@ def test_sm90a_serves_head_dim_32_with_sm80(cache_dir, monkeypatch):
     TVMFLASH_SM90=1, knobs or this device's records of both schedules say otherwise; other
     head_dims stay on sm90."""
     monkeypatch.delenv("TVMFLASH_SM90", raising=False)
-    kernel.forget_kernels()
+    kernels.forget_kernels()
     info = tvmflash.compile(head_dim=32, dtype="bfloat16", target="sm90").info()
     assert info["schedule"] == "sm80" and "head_dim 32" in info["schedule_source"]
     assert tvmflash.compile(head_dim=64, dtype="bfloat16", target="sm90").info()["schedule"] == "sm90"
@@ -854,7 +854,7 @@ def test_sm90a_serves_head_dim_32_with_sm80(cache_dir, monkeypatch):
     database.add(database.new_record(target, "sm80", workload, dict(sm80.KNOBS), 1.8, shape=shape))
     knobs90 = {**sm90.KNOBS, "kv_layout": "core_matrices", "num_stages": 1, "kv_copy": "cp.async"}
     database.add(database.new_record(target, "sm90", workload, knobs90, 1.7, shape=shape))
-    kernel.forget_kernels()
+    kernels.forget_kernels()
     assert tvmflash.compile(head_dim=32, dtype="bfloat16", target="sm90").info()["schedule"] == "sm90"
 
 
@@ -869,7 +869,7 @@ def test_sm90_serves_a_workload_unless_records_favour_sm80(cache_dir, monkeypatc
     knobs90 = {**sm90.KNOBS, "block_m": 256, "num_warpgroups": 4, "min_blocks_per_sm": 1}
 
     def chosen(**kwargs):
-        kernel.forget_kernels()
+        kernels.forget_kernels()
         kern = tvmflash.compile(head_dim=128, dtype="bfloat16", target="sm90", **kwargs)
         return kern.info()["schedule"], kern.info()["schedule_source"], kern.knobs
 
@@ -989,7 +989,7 @@ def test_the_backward_space_known_configurations_first(monkeypatch):
     shape = {"batch": 4, "seqlen": 4096, "heads": 16}
     backward = tune_passes.Backward(128, "bfloat16", False, targets.cuda_target("sm90"), shape)
     assert backward.schedule is sm90
-    defaults = kernel.backward_default_knobs(sm90, 128)
+    defaults = choice.backward_default_knobs(sm90, 128)
     known = {"default": defaults, "user": {**defaults, "block_n": 64}}
     chosen, problems = tune_passes.candidates(backward, known, 12, random.Random(0))
     assert [label for label, _ in chosen[:3]] == ["default", "user", "#1"] and len(chosen) == 12
@@ -1019,7 +1019,7 @@ def test_tune_backward_stores_a_record_compile_backward_reads(cache_dir, capsys)
     (record,) = [r for path, r in database.all_records() if path.parent == database.user_dir()]
     assert record["workload"] == {"head_dim": 32, "dtype": "float32", "causal": True, "pass": "backward"}
     assert record["trials"] == 2 and record["failed_trials"] == 0 and set(record["known_ms"]) == {"default"}
-    kernel.forget_kernels()
+    kernels.forget_kernels()
     backward = tvmflash.compile_backward(head_dim=32, dtype="float32", causal=True, target="cpu")
     assert backward.knobs == record["knobs"] and backward.knobs_source.startswith("tuned (")
     assert tvmflash.compile(head_dim=32, dtype="float32", causal=True, target="cpu").knobs_source == "defaults"
@@ -1031,17 +1031,16 @@ def test_tune_decode_stores_a_record_compile_decode_reads(cache_dir, capsys):
     """``tvmflash tune --pass decode`` on the CPU: one query token over full caches, a quarter as many
     K/V heads as query heads; the record is the cache layout's (a paged kernel keeps its defaults)."""
     from tvmflash import cli as tvmflash_cli
-    from tvmflash import decode
 
     assert tvmflash_cli.main(["tune", "--pass", "decode", "--head-dim", "32", "--dtype", "float32", "--trials", "2",
                               "--target", "cpu", "--seqlen", "96", "--batch", "2", "--heads", "4"]) == 0
     out = capsys.readouterr().out
     assert "'heads_q': 4, 'heads_kv': 1" in out and "trial 2/2" in out and "d32 float32 full decode" in out, out
     (record,) = [r for path, r in database.all_records() if path.parent == database.user_dir()]
-    assert record["workload"] == decode.decode_workload(32, "float32", 0) and record["failed_trials"] == 0
-    contiguous = decode.compile_decode(head_dim=32, dtype="float32", target="cpu")
+    assert record["workload"] == choice.decode_workload(32, "float32", 0) and record["failed_trials"] == 0
+    contiguous = kernels.compile_decode(head_dim=32, dtype="float32", target="cpu")
     assert contiguous.knobs == record["knobs"] and contiguous.knobs_source.startswith("tuned (")
-    assert decode.compile_decode(head_dim=32, dtype="float32", page_size=16, target="cpu").knobs_source == "defaults"
+    assert kernels.compile_decode(head_dim=32, dtype="float32", page_size=16, target="cpu").knobs_source == "defaults"
     with pytest.raises(SystemExit):
         tvmflash_cli.main(["tune", "--head-dim", "32", "--page-size", "16", "--target", "cpu"])
     assert "--page-size" in capsys.readouterr().err

@@ -55,7 +55,8 @@ from tvm.s_tir import meta_schedule as ms
 from tvm.ir.utils import derived_object
 
 import tvmflash
-from tvmflash import bench, cache, database, kernel, lowering, program
+from tvmflash import bench, cache, choice, database, lowering, program
+from tvmflash.kernels import checks, compile, forget_kernels
 from tvmflash import schedules as schedule_registry
 from tvmflash import target as targets
 
@@ -791,8 +792,8 @@ def tuning_request(head_dim: int, dtype, causal: bool, trials: int, target, batc
                    heads: int | None, shape_for=None) -> tuple[str, tvm.target.Target, dict]:
     """A tuning run's arguments, checked: the dtype's name, the resolved target and the tuning shape
     (``shape_for(target, head_dim)``, by default ``default_shape``, with the batch, seqlen and heads given)."""
-    dtype = kernel.dtype_name(dtype)
-    kernel.check_flag("causal", causal)
+    dtype = checks.dtype_name(dtype)
+    checks.check_flag("causal", causal)
     program.AttentionSpec(head_dim, dtype, causal)  # validates head_dim and dtype
     if trials < 1:
         raise ValueError(f"trials: expected a positive number, got {trials}")
@@ -816,7 +817,7 @@ def tune(*, head_dim: int, dtype, causal: bool, target=None, trials: int = 64, b
          seqlen: int | None = None, heads: int | None = None, work_dir=None, space: dict | None = None,
          trials_per_iter: int | None = None, seed: int | None = None, repeat: int = 20, recheck: int = 3,
          cold: bool = False, echo=print, bar_stream=None) -> dict:
-    """Tune the knobs of the schedule that ``tvmflash.compile`` picks (``kernel.choose_schedule``) for one
+    """Tune the knobs of the schedule that ``tvmflash.compile`` picks (``choice.choose_schedule``) for one
     workload on this machine and store the best in the database.
 
     Tunes on a static (batch, seqlen, seqlen, heads, heads) shape; the record then serves every
@@ -838,7 +839,7 @@ def tune(*, head_dim: int, dtype, causal: bool, target=None, trials: int = 64, b
     dtype, resolved, shape = tuning_request(head_dim, dtype, causal, trials, target, batch, seqlen, heads)
     # the schedule that tvmflash.compile would pick (on sm_90a the sm90 one unless TVMFLASH_SM90=0 or
     # this device's records favour sm80), not the target's first: a record of another would go unread
-    schedule, why, _ = kernel.choose_schedule(resolved, {"head_dim": head_dim, "dtype": dtype, "causal": causal}, None)
+    schedule, why, _ = choice.choose_schedule(resolved, {"head_dim": head_dim, "dtype": dtype, "causal": causal}, None)
     schedule_name = schedule_registry.name_of(schedule)
     space = dict(space or schedule.SPACE)
     unknown = set(space) - set(schedule.KNOBS)
@@ -858,7 +859,7 @@ def tune(*, head_dim: int, dtype, causal: bool, target=None, trials: int = 64, b
 
     rng = random.Random(seed)
     spec = program.AttentionSpec(head_dim, dtype, causal, shape["heads"], shape["heads"])
-    known = known_configurations(resolved, schedule_name, workload, kernel.default_knobs(schedule, head_dim), cold=cold,
+    known = known_configurations(resolved, schedule_name, workload, choice.default_knobs(schedule, head_dim), cold=cold,
                                  seqlen_k=shape["seqlen"])
     stats: dict = {}  # PreCheck's count of candidates rejected before building
     tasks = make_tasks(schedule, spec, shape, space, resolved, work_dir, rng, echo, known=None if cold else known,
@@ -894,7 +895,7 @@ def tune(*, head_dim: int, dtype, causal: bool, target=None, trials: int = 64, b
     config = ms.runner.EvaluatorConfig(number=3, repeat=3 if cuda else 1, min_repeat_ms=50 if cuda else 20,
                                        enable_cpu_cache_flush=False)
     builder = ProgressBuilder(ms.builder.LocalBuilder(
-        max_workers=num_cores, timeout_sec=120, f_build=functools.partial(_ms_build, **kernel.build_options(schedule))),
+        max_workers=num_cores, timeout_sec=120, f_build=functools.partial(_ms_build, **choice.build_options(schedule))),
         reporter)
     runner = ReportingRunner(ms.runner.LocalRunner(timeout_sec=120, evaluator_config=config,
                                                    f_run_evaluator=_timed_alone if cuda else None), reporter)
@@ -942,11 +943,11 @@ def tune(*, head_dim: int, dtype, causal: bool, target=None, trials: int = 64, b
     device = torch.device("cuda" if cuda else "cpu")
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(shape["batch"], shape["seqlen"], shape["heads"], head_dim, generator=gen)
-               .to(device=device, dtype=kernel.TORCH_DTYPES[dtype]) for _ in range(3))
+               .to(device=device, dtype=checks.TORCH_DTYPES[dtype]) for _ in range(3))
     out = torch.empty_like(q)
     kernels, correct, times = {}, {}, {}
     for label, (_ms, knobs) in candidates.items():  # builds (or loads) before taking the GPU, and checks
-        kernels[label] = kern = kernel.compile(head_dim=head_dim, dtype=dtype, causal=causal, target=resolved,
+        kernels[label] = kern = compile(head_dim=head_dim, dtype=dtype, causal=causal, target=resolved,
                                                knobs=knobs)
         out.fill_(float("nan"))
         kern(q, k, v, out=out)
@@ -980,7 +981,7 @@ def tune(*, head_dim: int, dtype, causal: bool, target=None, trials: int = 64, b
         known_ms={label: times[label] for label in known}, start="cold" if cold else "warm",
         metaschedule_ms=progress.best_ms, work_dir=str(work_dir))
     path = database.add(record)
-    kernel.forget_kernels()  # compile() must see the new record
+    forget_kernels()  # compile() must see the new record
     echo(f"best knobs: {tuned_knobs} (MetaSchedule's best: {progress.best_ms:.4f} ms)")
     echo(f"tvmflash.compile at b{shape['batch']} s{shape['seqlen']} h{shape['heads']}: default {times['default']:.4f} ms, "
          f"tuned {times[tuned_label]:.4f} ms ({times['default'] / times[tuned_label]:.2f}x)")

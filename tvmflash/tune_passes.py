@@ -11,8 +11,8 @@ rest, leaving out what the pass's kernel refuses before building (shared memory,
 own checks); each is built in parallel processes (``bench.build_in_parallel``) as
 ``compile_backward`` / ``compile_decode`` build it, checked against float32 with flash-attn's rule
 and timed whole on the tuning shape's tensors, one at a time (``tune.gpu_timing_lock``). The
-fastest correct one is stored as a record of the workload's pass (``kernel.backward_workload``,
-``decode.decode_workload``), which the pass's kernel then reads.
+fastest correct one is stored as a record of the workload's pass (``choice.backward_workload``,
+``choice.decode_workload``), which the pass's kernel then reads.
 """
 
 from __future__ import annotations
@@ -23,9 +23,10 @@ import time
 
 import torch
 
-from tvmflash import bench, database, decode, kernel, tune
+from tvmflash import bench, choice, database, kernels, tune
 from tvmflash import schedules as schedule_registry
 from tvmflash import target as targets
+from tvmflash.kernels.checks import TORCH_DTYPES
 
 # The decode tuning shape: the serving grid of BENCHMARKS.md (GQA 32/8, one query token) on a GPU;
 # --heads sets the query heads, a quarter of them the K/V heads.
@@ -56,19 +57,19 @@ class Backward:
     def __init__(self, head_dim: int, dtype: str, causal: bool, target, shape: dict):
         self.spec_args = {"head_dim": head_dim, "dtype": dtype, "causal": causal}
         self.target, self.shape = target, shape
-        self.schedule = schedule_registry.backward_for_target(target, dtype, head_dim)
-        self.defaults = kernel.backward_default_knobs(self.schedule, head_dim)
-        self.workload = kernel.backward_workload(self.spec_args)
+        self.schedule = choice.backward_schedule(target, dtype, head_dim)
+        self.defaults = choice.backward_default_knobs(self.schedule, head_dim)
+        self.workload = choice.backward_workload(self.spec_args)
         self.heads = (shape["heads"], shape["heads"])
         self.record_shape = {"batch": shape["batch"], "seqlen_q": shape["seqlen"], "seqlen_k": shape["seqlen"],
                              "heads_q": shape["heads"], "heads_kv": shape["heads"]}
 
     def kernel(self, knobs: dict):
         """The kernel of these knobs (a ValueError where it refuses them; builds nothing)."""
-        return kernel.compile_backward(**self.spec_args, target=self.target, knobs=knobs)
+        return kernels.compile_backward(**self.spec_args, target=self.target, knobs=knobs)
 
     def check(self, knobs: dict) -> None:
-        kernel.BackwardKernel(self.spec_args, self.target, knobs)
+        kernels.BackwardKernel(self.spec_args, self.target, knobs)
 
     def build_kwargs(self, knobs: dict) -> dict:
         return {**self.spec_args, "target": self.target, "knobs": knobs, "heads_q": self.heads[0],
@@ -78,8 +79,8 @@ class Backward:
         gen = torch.Generator().manual_seed(0)
         b, s, h, d = self.shape["batch"], self.shape["seqlen"], self.shape["heads"], self.spec_args["head_dim"]
         self.q, self.k, self.v, self.dout = (torch.randn(b, s, h, d, generator=gen).to(
-            device=device, dtype=kernel.TORCH_DTYPES[self.spec_args["dtype"]]) for _ in range(4))
-        forward = kernel.compile(**self.spec_args, target=self.target)
+            device=device, dtype=TORCH_DTYPES[self.spec_args["dtype"]]) for _ in range(4))
+        forward = kernels.compile(**self.spec_args, target=self.target)
         self.out, self.lse = forward(self.q, self.k, self.v, return_lse=True)
 
     def call(self, kern):
@@ -103,19 +104,19 @@ class Decode:
             raise ValueError("causal: decode's causal is an argument of each call, not of the kernel: tune without it")
         self.head_dim, self.dtype, self.page_size = head_dim, dtype, page_size
         self.target, self.shape = target, shape
-        self.schedule = schedule_registry.decode_for_target(target, dtype, head_dim)
+        self.schedule = choice.decode_schedule(target, dtype, head_dim)
         self.defaults = dict(self.schedule.DECODE_KNOBS)
-        self.workload = decode.decode_workload(head_dim, dtype, page_size)
+        self.workload = choice.decode_workload(head_dim, dtype, page_size)
         self.heads = (shape["heads"], max(1, shape["heads"] // GQA_GROUP))
         self.record_shape = {"batch": shape["batch"], "seqlen_q": 1, "seqlen_k": shape["seqlen"],
                              "heads_q": self.heads[0], "heads_kv": self.heads[1]}
 
     def kernel(self, knobs: dict):
-        return decode.compile_decode(head_dim=self.head_dim, dtype=self.dtype, page_size=self.page_size,
+        return kernels.compile_decode(head_dim=self.head_dim, dtype=self.dtype, page_size=self.page_size,
                                      target=self.target, knobs=knobs)
 
     def check(self, knobs: dict) -> None:
-        decode.DecodeKernel(self.head_dim, self.dtype, self.page_size, self.target, knobs)
+        kernels.DecodeKernel(self.head_dim, self.dtype, self.page_size, self.target, knobs)
 
     def build_kwargs(self, knobs: dict) -> dict:
         return {"head_dim": self.head_dim, "dtype": self.dtype, "page_size": self.page_size, "target": self.target,
@@ -124,7 +125,7 @@ class Decode:
     def inputs(self, device: torch.device) -> None:
         gen = torch.Generator().manual_seed(0)
         b, s = self.shape["batch"], self.shape["seqlen"]
-        (hq, hkv), d, dtype = self.heads, self.head_dim, kernel.TORCH_DTYPES[self.dtype]
+        (hq, hkv), d, dtype = self.heads, self.head_dim, TORCH_DTYPES[self.dtype]
         self.q = torch.randn(b, 1, hq, d, generator=gen).to(device=device, dtype=dtype)
         self.k, self.v = (torch.randn(b, s, hkv, d, generator=gen).to(device=device, dtype=dtype) for _ in range(2))
         self.lengths = torch.full((b,), s, dtype=torch.int32, device=device)
@@ -247,8 +248,7 @@ def tune_pass(pass_name: str, *, head_dim: int, dtype, causal: bool = False, tar
         tuned_ms=times[tuned], tuned_knobs=dict(chosen)[tuned], known_ms={label: times.get(label) for label in known},
         start="cold" if cold else "warm")
     path = database.add(record)
-    kernel.forget_kernels()  # the pass's kernel must see the new record
-    decode.forget_kernels()
+    kernels.forget_kernels()  # the pass's kernel must see the new record
     kept = next((r for r in database.read(path) if database.same_key(r, record)), record)
     echo(f"{pass_name} at {pass_.record_shape}: default {times['default']:.4f} ms, best {times[winner]:.4f} ms "
          f"({times['default'] / times[winner]:.2f}x, {winner}): {knobs}")
