@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from types import ModuleType
 
-from . import common, cpu, cuda, sm80, sm90  # noqa: F401 - common: in the build cache key (kernel.py)
+from . import common, cpu, cuda, sm80, sm90  # noqa: F401 - common: in the build cache key (kernels/build.py)
 
 # The schedule for each compute capability, newest first; the CPU has its own.
 _CUDA_BY_CAPABILITY: list[tuple[int, ModuleType]] = [(80, sm80), (0, cuda)]
@@ -20,7 +20,7 @@ def sm90_setting() -> str:
     """TVMFLASH_SM90: "on" (1), "off" (0) or "records" (unset). By default the wgmma schedule
     (sm_90a only: wgmma is not on later GPUs) serves every workload but head_dim 32
     (``sm90.SM80_HEAD_DIMS``) and one where this device's tuning records say the sm80 schedule is
-    faster (``tvmflash.kernel.choose_schedule``); 1 forces it, 0 keeps it off."""
+    faster (``tvmflash.choice.choose_schedule``); 1 forces it, 0 keeps it off."""
     return {"": "records", "0": "off"}.get(os.environ.get("TVMFLASH_SM90", ""), "on")
 
 
@@ -33,7 +33,7 @@ def sm90_eligible(target, dtype: str) -> bool:
 
 def for_target(target, dtype: str) -> ModuleType:
     """The schedule module that serves a ``tvm.target.Target`` and dtype (sm90 only when
-    TVMFLASH_SM90=1; ``tvmflash.kernel.choose_schedule`` may still pick it by the records)."""
+    TVMFLASH_SM90=1; ``tvmflash.choice.choose_schedule`` may still pick it by the records)."""
     if target.kind.name == "llvm":
         return cpu
     if target.kind.name == "cuda":

@@ -119,7 +119,7 @@ DECODE_SPACE = {"query_tokens": [1, 2, 4], "block_n": [32, 64, 128], "vector": [
 
 
 def decode_tasks_per_core(knobs: dict) -> int:
-    """Split tasks a core should have to run (``tvmflash.decode`` picks the split count from it)."""
+    """Split tasks a core should have to run (``tvmflash.kernels.decode`` picks the split count from it)."""
     return 1
 
 

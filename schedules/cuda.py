@@ -13,7 +13,7 @@ from .common import element_bytes, pipeline_loads, read_index
 
 KNOBS = {"block_m": 64, "block_n": 32, "vector_bytes": 16}
 # The strides of q, k, v and out are whole 16-byte vectors (``program.attention_forward``'s
-# stride_alignment; ``kernel.Kernel`` copies a tensor whose strides are not): the copies move 16 bytes.
+# stride_alignment; ``kernels.Kernel`` copies a tensor whose strides are not): the copies move 16 bytes.
 STRIDE_ALIGNMENT = 16
 # Tuning space (``tvmflash tune``): one MetaSchedule task per (block_m, block_n); vector_bytes is
 # sampled inside each task (it may be an ExprRV).

@@ -46,7 +46,7 @@ WARP = 32
 
 KNOBS = {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 2, "vec": 8, "row_state": "registers"}
 # The strides of q, k, v and out are whole 16-byte vectors (``program.attention_forward``'s
-# stride_alignment; ``kernel.Kernel`` copies a tensor whose strides are not): the copies move 16 bytes.
+# stride_alignment; ``kernels.Kernel`` copies a tensor whose strides are not): the copies move 16 bytes.
 STRIDE_ALIGNMENT = 16
 NUM_STAGES = (1, 2, 3)  # 1: plain loads; 2, 3: cp.async software pipeline over the K/V tiles
 # Where the per-row running values (m, m_new, alpha, l) live. "registers": replicated on the 4

@@ -1,7 +1,7 @@
 """sm90 (Hopper, sm_90a) schedule: QK^T and PV on ``wgmma.mma_async``.
 
 On sm_90a it is the default, unless the tuning records say the sm80 schedule is faster for a
-workload (``tvmflash.kernel.choose_schedule``; ``TVMFLASH_SM90=1`` forces it, 0 turns it off).
+workload (``tvmflash.choice.choose_schedule``; ``TVMFLASH_SM90=1`` forces it, 0 turns it off).
 Correct on the H200 (the GPU tests pass with it). BENCHMARKS.md has its H200 grids.
 
 Mapping:
@@ -103,7 +103,7 @@ KNOBS = {"block_m": 128, "block_n": 64, "num_warpgroups": 2, "num_stages": 2, "v
          "q_layout": "core_matrices", "q_copy": "threads", "o_store": "staged", "overlap": 0}
 KNOBS_FOR_HEAD_DIM = {64: {"block_n": 128}, 256: {"min_blocks_per_sm": 1},  # d256: 197 registers a thread
                       32: {"kv_layout": "core_matrices", "num_stages": 1, "kv_copy": "cp.async"}}
-# head_dims that sm_90a serves with the sm80 schedule by default (tvmflash.kernel.choose_schedule):
+# head_dims that sm_90a serves with the sm80 schedule by default (tvmflash.choice.choose_schedule):
 # at d32 each wgmma does too little to pay off. H200, bf16 (2026-11-30, commit fc1cf0d): sm80
 # 214/228 TFLOP/s non-causal at 1k/4k tokens, 150/214 causal; sm90 168/190 and 114/148.
 SM80_HEAD_DIMS = (32,)
@@ -971,7 +971,7 @@ def schedule(
 # must read as zeros, not as the next sequence's, so varlen keeps cp.async
 # (``BACKWARD_VARLEN_KNOBS_FOR_HEAD_DIM``). dq_atomic (the default): no dq pass; dkdv adds each
 # step's ds k into an fp32 accumulator (``_schedule_dq_share``), 1.05-1.10x the dq pass with TMA
-# (measured before the guards were merged); deterministic=True turns it off (``kernel.BackwardKernel``).
+# (measured before the guards were merged); deterministic=True turns it off (``choice.resolve_backward``).
 # wgmma_overlap: dp's wgmma only committed, so that p's exponentials run while it does (ds waits
 # for it), and dv's too, so that dk's wait ends both; without it each product is waited for at once.
 BACKWARD_KNOBS = {"block_m": 64, "block_n": 128, "dq_block_m": 128, "dq_block_n": 64, "dkdv_stages": 2,
