@@ -67,23 +67,22 @@ class Kernel:
         self.schedule, self.schedule_source, self.knobs, self.knobs_source, _ = chosen
         stride_multiple = program.stride_multiple(schedule_registry.stride_alignment(self.schedule), self.dtype)
         self.arguments = Arguments(self.head_dim, self.dtype, target, self.variant.get("alibi", False), stride_multiple)
-        self._use(self._new_build())
+        self._own_build()
         # seqlen bucket -> a copy with that bucket's tuned knobs, in modules of its own; ``__call__`` runs
         # the copy for key lengths in its bucket
         self.by_bucket = self._bucket_kernels(choice.bucket_knobs(target, spec_args, chosen))
         registry.remember(self)
 
-    def _use(self, build: Build) -> None:
-        """Own ``build``, and offer its ``module``, ``source`` and ``scheduled_tir`` as this kernel's."""
+    def _own_build(self) -> None:
+        """A Build of this kernel's knobs (``build.Build``), whose ``module``, ``source`` and
+        ``scheduled_tir`` are this kernel's."""
+        options = kernel_build_options(self.schedule, self.variant)
+        build = Build(kind="forward", target=self.target, schedule=self.schedule, knobs=self.knobs,
+                      variant=self.variant, spec=self.spec, programs=self._scheduled,
+                      entry=lambda module: module["main"],
+                      code=(program, self.schedule, schedule_registry.common, *lowering.MODULES), options=options,
+                      key_fields={"build": options} if self.variant.get("varlen") else {})  # (dense keys unchanged)
         self.build, self.module, self.source, self.scheduled_tir = build, build.module, build.source, build.scheduled_tir
-
-    def _new_build(self) -> Build:
-        return Build(kind="forward", target=self.target, schedule=self.schedule, knobs=self.knobs,
-                     variant=self.variant, spec=self.spec, programs=self._scheduled, entry=lambda module: module["main"],
-                     code=(program, self.schedule, schedule_registry.common, *lowering.MODULES),
-                     options=kernel_build_options(self.schedule, self.variant),
-                     key_fields={"build": kernel_build_options(self.schedule, self.variant)}
-                     if self.variant.get("varlen") else {})  # (dense keys unchanged)
 
     def _bucket_kernels(self, knobs_by_bucket: dict) -> dict:
         """A copy of this kernel for each seqlen bucket's knobs (``choice.bucket_knobs``)."""
@@ -91,7 +90,7 @@ class Kernel:
         for index, (knobs, source) in knobs_by_bucket.items():
             child = copy.copy(self)
             child.knobs, child.knobs_source, child.by_bucket = knobs, source, {}
-            child._use(child._new_build())
+            child._own_build()
             children[index] = child
         return children
 
