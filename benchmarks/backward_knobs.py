@@ -37,21 +37,21 @@ def sdpa_backward(backend, q, k, v, dout, causal):
     return call
 
 
-def pass_calls(kernel, q, k, v, out, dout, lse):
-    """A call of each program of a BackwardKernel (``program_backward.passes``) on its own, in the
+def program_calls(kernel, q, k, v, out, dout, lse):
+    """A call of each program of a BackwardKernel (``program_backward.programs``) on its own, in the
     order and with the arguments that ``BackwardKernel.__call__`` gives them."""
-    passes = kernel.module(q.shape[2], k.shape[2]).function
+    programs = kernel.module(q.shape[2], k.shape[2]).function
     delta, lse2, dlse = (torch.zeros_like(lse) for _ in range(3))
     dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
     scale = q.shape[-1] ** -0.5
-    accumulator = kernel._dq_accumulator(q)
-    passes["delta"](out, dout, lse, dlse, delta, lse2)
-    calls = {"delta": lambda: passes["delta"](out, dout, lse, dlse, delta, lse2),
-             "dkdv": lambda: passes["dkdv"](q, k, v, dout, lse2, delta, dk, dv, scale, *accumulator)}
+    accumulator = kernel.dq_accumulator(q)
+    programs["delta"](out, dout, lse, dlse, delta, lse2)
+    calls = {"delta": lambda: programs["delta"](out, dout, lse, dlse, delta, lse2),
+             "dkdv": lambda: programs["dkdv"](q, k, v, dout, lse2, delta, dk, dv, scale, *accumulator)}
     if accumulator:
-        calls["convert_dq"] = lambda: passes["convert_dq"](*accumulator, dq, scale)
+        calls["convert_dq"] = lambda: programs["convert_dq"](*accumulator, dq, scale)
     else:
-        calls["dq"] = lambda: passes["dq"](q, k, v, dout, lse2, delta, dq, scale)
+        calls["dq"] = lambda: programs["dq"](q, k, v, dout, lse2, delta, dq, scale)
     return calls
 
 
@@ -102,7 +102,7 @@ def main(argv=None):
                         check_gradients(f"d{head_dim} {'causal' if causal else 'full'} {seqlen} knobs{n}",
                                         kernel(q, k, v, out, dout, lse), q, k, v, dout, causal)
                 if args.passes:
-                    calls.update(pass_calls(kernel, q, k, v, out, dout, lse))
+                    calls.update(program_calls(kernel, q, k, v, out, dout, lse))
                 for name, backend in bench.sdpa_backends(device):
                     calls[name] = sdpa_backward(backend, q, k, v, dout, causal)
                 ms = bench.time_backends(calls, device, args.repeat)

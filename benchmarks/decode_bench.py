@@ -27,7 +27,7 @@ import math
 
 import torch
 
-from tvmflash import bench, decode
+from tvmflash import bench, kernels
 
 L2_BYTES = 64 << 20  # at least the L2 of an H100/H200 (50/60 MiB): working sets are kept 4x larger
 
@@ -158,8 +158,8 @@ def prebuild(args, heads_q, heads_kv):
     import tempfile
 
     os.environ.setdefault("TVMFLASH_CACHE_DIR", tempfile.mkdtemp(prefix="tvmflash-decode-bench-"))
-    code = ("import json, sys, torch; from tvmflash import decode; "
-            "decode.compile_decode(head_dim=int(sys.argv[1]), dtype=getattr(torch, sys.argv[2]), "
+    code = ("import json, sys, torch; from tvmflash import kernels; "
+            "kernels.compile_decode(head_dim=int(sys.argv[1]), dtype=getattr(torch, sys.argv[2]), "
             "page_size=int(sys.argv[3]), heads_q=int(sys.argv[5]), heads_kv=int(sys.argv[6]), "
             "**json.loads(sys.argv[4]))")
     pending = [[sys.executable, "-c", code, str(args.head_dim), args.dtype, str(page_size), json.dumps(knob_set(knobs)),
@@ -202,8 +202,8 @@ def main():
           f"{args.dtype}, one query token, {'eager calls' if args.eager else 'CUDA-graph replays'}")
     if args.jobs > 1:
         prebuild(args, heads_q, heads_kv)
-    kernels = {(page_size, k): decode.compile_decode(head_dim=args.head_dim, dtype=dtype, page_size=page_size,
-                                                     **knob_set(knobs))
+    built = {(page_size, k): kernels.compile_decode(head_dim=args.head_dim, dtype=dtype, page_size=page_size,
+                                                    **knob_set(knobs))
                for page_size in args.page_size for k, knobs in enumerate(args.knobs)}
     header = None
     for batch in args.batch:
@@ -216,7 +216,7 @@ def main():
                                                  device, seed) for seed in range(copies)]
                         for page_size in sorted(set(args.page_size) | {0})}
             calls, rows = {}, []
-            for (page_size, k), kernel in kernels.items():
+            for (page_size, k), kernel in built.items():
                 for splits in args.splits:
                     name = f"{page_size}/{k}/{splits}"
                     runs = [tvmflash_call(p, kernel, splits) for p in problems[page_size]]
@@ -234,7 +234,7 @@ def main():
                 print(header)
                 print("-" * len(header))
             for name, page_size, k, splits, error, tolerance in rows:
-                auto = kernels[(page_size, k)].auto_num_splits(batch, heads_kv, 1, seqlen, device, heads_q // heads_kv)
+                auto = built[(page_size, k)].auto_num_splits(batch, heads_kv, 1, seqlen, device, heads_q // heads_kv)
                 layout = f"paged{page_size}" if page_size else "contiguous"
                 knobs = f" k{k}" if len(args.knobs) > 1 else ""
                 length = f"{seqlen // 1024}k" if seqlen % 1024 == 0 else str(seqlen)
@@ -246,7 +246,7 @@ def main():
                 print(row + f"{error:>10.2e} {'yes' if error <= tolerance else 'NO'}")
             del problems, calls, per_copy
             torch.cuda.empty_cache()
-    for (page_size, k), kernel in kernels.items():
+    for (page_size, k), kernel in built.items():
         info = kernel.info()
         print(f"tvmflash {'paged ' + str(page_size) if page_size else 'contiguous'}"
               f"{f' k{k}' if len(args.knobs) > 1 else ''}: {info['schedule']} schedule, {info['knobs_source']} "

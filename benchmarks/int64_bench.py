@@ -1,5 +1,5 @@
 """What indexing in int64 costs: the same problem through its int32 module and through the int64 one
-(``kernel.needs_int64`` forced true), decode and forward, on the GPU. Problems of 2**31 elements or
+(``kernels.checks.needs_int64`` forced true where the kernels call it), decode and forward, on the GPU. Problems of 2**31 elements or
 more always take the int64 module; smaller ones the int32 module, so this measures what a problem
 just past 2**31 pays.
 
@@ -9,17 +9,18 @@ just past 2**31 pays.
 import torch
 
 import tvmflash
-from tvmflash import bench, decode, kernel
+from tvmflash import bench
+from tvmflash.kernels import build, decode
 
 
 def timed(fn, wide: bool) -> float:
-    saved_decode, saved_kernel = decode.needs_int64, kernel.needs_int64
+    saved_decode, saved_build = decode.needs_int64, build.needs_int64
     if wide:
-        decode.needs_int64 = kernel.needs_int64 = lambda *tensors: True
+        decode.needs_int64 = build.needs_int64 = lambda *tensors: True
     try:
         return bench.time_ms(fn, torch.device("cuda"), warmup=3, repeat=30)
     finally:
-        decode.needs_int64, kernel.needs_int64 = saved_decode, saved_kernel
+        decode.needs_int64, build.needs_int64 = saved_decode, saved_build
 
 
 def main():

@@ -9,7 +9,8 @@ from conftest import poisoned_out, random_qkv
 from reference import check_gradients
 
 import tvmflash
-from tvmflash import program_backward
+from tvmflash import kernels, program_backward
+from tvmflash.kernels import build
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 # (seqlen_q, seqlen_k, heads_q, heads_kv): tails on both sides, Lq != Lk both ways (causal with
@@ -197,12 +198,12 @@ def test_backward_modules_are_cached(backward_kernel, monkeypatch):
     """A second BackwardKernel loads the module from disk (as a new process would, with nothing in
     memory); the forward's module of the same spec and knobs is another file."""
     backward_kernel.module(2, 1)
-    monkeypatch.setattr(tvmflash.kernel, "_MODULES", {})
-    again = tvmflash.kernel.BackwardKernel(
+    monkeypatch.setattr(build, "_MODULES", {})
+    again = kernels.BackwardKernel(
         {"head_dim": 64, "dtype": "float16", "causal": False}, backward_kernel.target, None)
     assert again.module(2, 1).origin == "disk cache"
     forward = tvmflash.compile(head_dim=64, dtype="float16", target="cpu", knobs=backward_kernel.knobs)
-    assert forward._key(forward._spec(2, 1)) != backward_kernel._key(backward_kernel._spec(2, 1))
+    assert forward.build.key(forward.spec(2, 1)) != backward_kernel.build.key(backward_kernel.spec(2, 1))
     assert again.info()["pass"] == "backward"
 
 

@@ -49,15 +49,15 @@ def test_corrupt_cache_file_is_rebuilt(tmp_path, monkeypatch):
 
 TRUNCATE_SCRIPT = """
 import warnings, torch, tvmflash
-from tvmflash import kernel as kernels
+from tvmflash.kernels import build
 kernel = tvmflash.compile(head_dim=32, dtype="float32", causal=True, target="cpu")
 path = kernel.module(2, 1).path
 q, k, v = torch.randn(1, 9, 2, 32), torch.randn(1, 7, 1, 32), torch.randn(1, 7, 1, 32)
 for size in (1000, 4096, 20000):
     with open(path, "r+b") as f:  # cut in place, as a full disk or a killed copy leaves it
         f.truncate(size)
-    kernels._MODULES.clear()
-    kernel._modules.clear()
+    build._MODULES.clear()
+    kernel.build.modules.clear()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         module = kernel.module(2, 1)
@@ -80,11 +80,12 @@ def test_module_with_broken_metadata_is_listed_cleared_and_rebuilt(tmp_path, mon
     """A module whose .json is garbage or missing is not loaded unchecked: it is rebuilt, and until
     then ``cache ls`` lists it as unusable and ``cache clear`` counts it."""
     from tvmflash import cli
-    from tvmflash import kernel as kernels
+    from tvmflash import kernels
+    from tvmflash.kernels import build
 
     monkeypatch.setenv("TVMFLASH_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(kernels, "_KERNELS", {})  # nothing built in another test's cache dir
-    monkeypatch.setattr(kernels, "_MODULES", {})
+    monkeypatch.setattr(build, "_MODULES", {})
     kernel = tvmflash.compile(head_dim=32, dtype="float32", target="cpu")
     path = kernel.module(1, 1).path
     meta = tmp_path / "modules" / (os.path.basename(path)[:-3] + ".json")
@@ -96,8 +97,8 @@ def test_module_with_broken_metadata_is_listed_cleared_and_rebuilt(tmp_path, mon
         assert cli.main(["cache", "ls"]) == 0
         listed = capsys.readouterr().out
         assert "cached modules: 1" in listed and "unusable: its metadata" in listed, listed
-        monkeypatch.setattr(kernels, "_MODULES", {})
-        kernel._modules.clear()
+        monkeypatch.setattr(build, "_MODULES", {})
+        kernel.build.modules.clear()
         with pytest.warns(UserWarning, match="rebuilding cached module .*: its metadata"):
             assert kernel.module(1, 1).origin == "built"
     meta.write_text("garbage")
@@ -111,13 +112,14 @@ def test_cross_compile_is_cached_on_disk(tmp_path, monkeypatch, caplog):
     and was not written to the disk cache: its CUDA source is, and builds and loads are logged."""
     import logging
 
-    from tvmflash import kernel as kernels
+    from tvmflash import kernels
+    from tvmflash.kernels import build
 
     monkeypatch.setenv("TVMFLASH_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a machine without a GPU, whatever this one is
     for fresh in range(2):  # a new process, as far as the kernels and modules in memory go
         monkeypatch.setattr(kernels, "_KERNELS", {})
-        monkeypatch.setattr(kernels, "_MODULES", {})
+        monkeypatch.setattr(build, "_MODULES", {})
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="tvmflash"):
             kernel = tvmflash.compile(head_dim=32, dtype="float32", target="sm80", heads_q=2)
@@ -135,11 +137,12 @@ def test_cross_compile_is_cached_on_disk(tmp_path, monkeypatch, caplog):
 def test_cache_listing_tells_modules_apart(tmp_path, monkeypatch, capsys):
     """Modules of one spec built with other knobs (or targets, or code) were listed alike."""
     from tvmflash import cli
-    from tvmflash import kernel as kernels
+    from tvmflash import kernels
+    from tvmflash.kernels import build
 
     monkeypatch.setenv("TVMFLASH_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(kernels, "_KERNELS", {})
-    monkeypatch.setattr(kernels, "_MODULES", {})
+    monkeypatch.setattr(build, "_MODULES", {})
     for knobs in (None, {"block_m": 32}):
         tvmflash.compile(head_dim=32, dtype="float32", target="cpu", knobs=knobs, heads_q=3)
     assert cli.main(["cache", "ls"]) == 0

@@ -13,7 +13,8 @@ from conftest import captured_in_a_cuda_graph, devices
 from reference import max_error, reference, torch_same_dtype
 
 import tvmflash
-from tvmflash import decode, lowering
+from tvmflash import lowering
+from tvmflash.kernels import decode
 
 HEAD_DIM = 64
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
@@ -97,8 +98,8 @@ def test_decode_matches_float64(device, dtype, page_size):
     batch = len(lengths)
     for heads_q, heads_kv in [(4, 2), (4, 1)]:
         k_cache, v_cache, table = make_cache(batch, capacity, heads_kv, HEAD_DIM, dtype, device, page_size)
-        kernel = decode.compile_decode(head_dim=HEAD_DIM, dtype=dtype, page_size=page_size,
-                                       target="cpu" if device == "cpu" else None)
+        kernel = tvmflash.compile_decode(head_dim=HEAD_DIM, dtype=dtype, page_size=page_size,
+                                         target="cpu" if device == "cpu" else None)
         index = table if page_size else kernel.batch_rows(batch, torch.device(device))
         for seqlen_q, causal in [(1, False), (3, False), (4, True)]:
             q = random_q(batch, seqlen_q, heads_q, HEAD_DIM, dtype, device, seed=seqlen_q)
@@ -114,7 +115,7 @@ def test_tensor_core_program_matches_float64_on_cpu(monkeypatch):
     from tvmflash import schedules
 
     monkeypatch.setattr(schedules.cpu, "DECODE_TENSOR_CORES", True, raising=False)
-    kernel = decode.DecodeKernel(HEAD_DIM, "bfloat16", 16, tvmflash.target.resolve("cpu"), None)
+    kernel = tvmflash.DecodeKernel(HEAD_DIM, "bfloat16", 16, tvmflash.target.resolve("cpu"), None)
     assert kernel.tensor_cores
     capacity, dtype = 100, torch.bfloat16
     lengths = torch.tensor([0, 1, 63, capacity], dtype=torch.int32)
@@ -245,7 +246,7 @@ def test_a_second_process_loads_the_decode_module_from_disk(tmp_path):
 def test_one_split_runs_one_kernel_and_no_merge(monkeypatch):
     """num_splits=1 runs the module's ``single`` function alone, which writes the output and the LSE
     itself (no partial buffers, no merge); more splits run ``split`` then ``merge``. Both right."""
-    kernel = decode.compile_decode(head_dim=HEAD_DIM, dtype=torch.float32, target="cpu")
+    kernel = tvmflash.compile_decode(head_dim=HEAD_DIM, dtype=torch.float32, target="cpu")
     k_cache, v_cache, _ = make_cache(3, 64, 1, HEAD_DIM, torch.float32, "cpu")
     lengths = torch.tensor([0, 5, 64], dtype=torch.int32)
     index = kernel.batch_rows(3, torch.device("cpu"))
@@ -367,8 +368,8 @@ def test_cuda_decode_source_builds(page_size, knobs):
     time into padded shared rows (cp.async in a pipeline by default, plain vector loads with one
     stage), reduces the row max with warp shuffles, and the merge kernel is there; with nvcc, the
     split kernel compiles with no stack frame (no per-row value in local memory) and no spill."""
-    kernel = decode.compile_decode(head_dim=128, dtype="bfloat16", page_size=page_size, target="sm90", knobs=knobs,
-                                   schedule="simt")
+    kernel = tvmflash.compile_decode(head_dim=128, dtype="bfloat16", page_size=page_size, target="sm90", knobs=knobs,
+                                     schedule="simt")
     src = kernel.source(heads_q=32, heads_kv=8)
     assert "split_kernel" in src and "merge_kernel" in src and "single_kernel" in src
     if kernel.knobs["num_stages"] > 1:
@@ -391,7 +392,7 @@ def test_sm80_decode_source_builds(page_size, knobs, heads):
     P V are ldmatrix + mma.sync, the K/V tiles are cp.async copies in a pipeline (plain vector loads
     with one stage), and a task's rows fill whole 16-row tiles: 32/8 heads take 4 query tokens a task
     (one warp), 8/1 two, and 12/2 (a group of 6) eight, in three warps."""
-    kernel = decode.compile_decode(head_dim=128, dtype="bfloat16", page_size=page_size, target="sm90", knobs=knobs)
+    kernel = tvmflash.compile_decode(head_dim=128, dtype="bfloat16", page_size=page_size, target="sm90", knobs=knobs)
     assert kernel.schedule.__name__.endswith("sm80") and kernel.tensor_cores
     group = heads[0] // heads[1]
     assert kernel.query_tokens(group) * group == {4: 16, 8: 16, 6: 48}[group]
@@ -415,14 +416,14 @@ def test_sm80_decode_rejects_16_key_tiles():
     """block_n 16 builds, but on the H200 it returned wrong results (``sm80.decode_knob_problem``): it
     is refused with the reason, never run."""
     with pytest.raises(ValueError, match="block_n .16. of 32"):
-        decode.compile_decode(head_dim=128, dtype="bfloat16", target="sm90", knobs={"block_n": 16})
+        tvmflash.compile_decode(head_dim=128, dtype="bfloat16", target="sm90", knobs={"block_n": 16})
 
 
 def test_decode_schedule_choice(monkeypatch):
     """sm80's tensor cores on sm80+ targets for fp16/bf16; SIMT for float32, older GPUs, or when asked
     (the argument, or TVMFLASH_DECODE)."""
     def chosen(**kwargs):
-        return decode.compile_decode(head_dim=64, **kwargs).schedule.__name__.rsplit(".", 1)[-1]
+        return tvmflash.compile_decode(head_dim=64, **kwargs).schedule.__name__.rsplit(".", 1)[-1]
 
     assert chosen(dtype="float16", target="sm80") == "sm80"
     assert chosen(dtype="bfloat16", target="sm90", schedule="simt") == "simt"
@@ -506,7 +507,7 @@ def test_decode_knob_sets_on_the_gpu(knobs):
     capacity, dtype = 700, torch.bfloat16
     lengths = torch.tensor([0, 33, 400, capacity], dtype=torch.int32)
     for page_size in (0, 16):
-        kernel = decode.compile_decode(head_dim=128, dtype=dtype, page_size=page_size, **knob_set(knobs))
+        kernel = tvmflash.compile_decode(head_dim=128, dtype=dtype, page_size=page_size, **knob_set(knobs))
         k_cache, v_cache, table = make_cache(len(lengths), capacity, 8, 128, dtype, "cuda", page_size)
         index = table if page_size else kernel.batch_rows(len(lengths), torch.device("cuda"))
         for seqlen_q, causal in [(1, False), (5, True)]:

@@ -1,6 +1,6 @@
 """Tensors of more than 2**31 elements (issue 24, item 4): their offsets pass int32, so a call on
 them takes a module of its own that indexes its global buffers in int64
-(``lowering.wide_indices.WidenGlobalIndices``, chosen by ``kernel.needs_int64``); smaller problems keep
+(``lowering.wide_indices.WidenGlobalIndices``, chosen by ``checks.needs_int64``); smaller problems keep
 their int32 modules, whose CUDA is unchanged (``test_generated_cuda.py``).
 
 On the CPU the large tensors are views into (or caches in) storage that is allocated but mostly
@@ -22,7 +22,7 @@ from reference import (
 )
 
 import tvmflash
-from tvmflash import decode, kernel
+from tvmflash.kernels import checks
 
 INT32_MAX = 2**31 - 1
 D = 64
@@ -35,14 +35,14 @@ def lazy(numel, dtype=torch.float16, device="cpu"):
 
 def test_needs_int64_only_past_2_31():
     small = torch.empty(4, 16, 2, D)
-    assert not kernel.needs_int64(small, None)
+    assert not checks.needs_int64(small, None)
     storage = lazy(2**31 + 2**16)
     exact = storage[: 2**31].view(2**15, 2**10, 1, D)  # offsets up to 2**31 - 1: int32 still holds them
-    assert not kernel.needs_int64(exact)
-    assert kernel.needs_int64(storage.view(-1, 1, 1, D))  # 2**31 + 2**16 elements
-    assert kernel.needs_int64(storage.as_strided((3, 4, 1, D), (2**30, D, D, 1)))  # a view reaching past 2**31
+    assert not checks.needs_int64(exact)
+    assert checks.needs_int64(storage.view(-1, 1, 1, D))  # 2**31 + 2**16 elements
+    assert checks.needs_int64(storage.as_strided((3, 4, 1, D), (2**30, D, D, 1)))  # a view reaching past 2**31
     with pytest.raises(ValueError, match="strides of 2..31 elements or more are not supported"):
-        kernel.check_strides(k=storage.as_strided((2, 4, 1, D), (2**31, D, D, 1)))
+        checks.check_strides(k=storage.as_strided((2, 4, 1, D), (2**31, D, D, 1)))
 
 
 def test_int64_module_is_a_module_of_its_own():
@@ -51,9 +51,9 @@ def test_int64_module_is_a_module_of_its_own():
     built = tvmflash.compile(head_dim=D, dtype="float16", target="cpu")
     q = torch.randn(2, 5, 4, D).half()
     built(q, q[:, :, :2], q[:, :, :2])
-    assert (4, 2) in built._modules and (4, 2, "int64") not in built._modules
-    spec = built._spec(4, 2)
-    assert built._key(spec) == built._key(spec, wide=False) != built._key(spec, wide=True)
+    assert (4, 2) in built.build.modules and (4, 2, "int64") not in built.build.modules
+    spec = built.spec(4, 2)
+    assert built.build.key(spec) == built.build.key(spec, wide=False) != built.build.key(spec, wide=True)
 
 
 def sequence_reference_check(out, q, k_seq, v_seq, b):
@@ -117,7 +117,7 @@ def test_forward_and_varlen_past_2_31_elements_on_cpu():
     k.copy_(torch.randn(k.shape, generator=gen))
     v.copy_(torch.randn(v.shape, generator=gen))
     q = torch.randn(3, 17, 4, D, generator=gen).half()
-    assert kernel.needs_int64(k) and not kernel.needs_int64(q)
+    assert checks.needs_int64(k) and not checks.needs_int64(q)
     out, lse = tvmflash.attention(q, k, v, causal=True, return_lse=True)
     check_attention(out, lse, q, k.contiguous(), v.contiguous(), causal=True)
 
@@ -140,7 +140,7 @@ def test_int64_modules_index_in_64_bits(which):
     """Cross-compiled CUDA: an int32 module has no 64-bit index arithmetic; the int64 module of the
     same kernel computes every offset into K (and the cp.async copies' source offsets) in int64."""
     if which == "decode":
-        built = decode.compile_decode(head_dim=128, dtype="bfloat16", target="sm90")
+        built = tvmflash.compile_decode(head_dim=128, dtype="bfloat16", target="sm90")
         sources = [built.source(32, 8, wide=wide) for wide in (False, True)]
     elif which == "varlen-sm80":
         built = tvmflash.compile(head_dim=64, dtype="bfloat16", target="sm90", varlen=True)  # sm80 on sm_90a

@@ -28,7 +28,7 @@ def is_module(name: str) -> bool:
 
 def imports(path: Path):
     """(tvmflash module, the names taken from it) for each import of a tvmflash module in ``path``; a
-    submodule taken by name (``from tvmflash import kernel``) counts as that module."""
+    submodule taken by name (``from tvmflash import program``) counts as that module."""
     here = module_name(path)
     package = here if path.name == "__init__.py" else here.rsplit(".", 1)[0]
     for node in ast.walk(ast.parse(path.read_text())):

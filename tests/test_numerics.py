@@ -197,9 +197,9 @@ def test_which_layouts_a_cuda_kernel_copies(layout, copied):
     cuda = tvmflash.compile(head_dim=64, dtype=torch.bfloat16, target="sm80")
     cpu = tvmflash.compile(head_dim=64, dtype=torch.bfloat16, target="cpu")
     t = laid_out(torch.randn(2, 9, 3, 64).bfloat16(), layout)
-    assert (cuda._usable(t, "q") is not t) == copied
-    assert torch.equal(cuda._usable(t, "q"), t)
-    assert cpu._usable(t, "q") is t
+    assert (cuda.arguments.usable(t, "q") is not t) == copied
+    assert torch.equal(cuda.arguments.usable(t, "q"), t)
+    assert cpu.arguments.usable(t, "q") is t
 
 
 @pytest.mark.parametrize("device", devices())

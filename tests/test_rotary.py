@@ -13,7 +13,7 @@ from reference import max_error, reference, torch_same_dtype
 from test_decode import make_cache, random_q, sequence_kv
 
 import tvmflash
-from tvmflash import decode
+from tvmflash import flash_attn
 
 HEAD_DIM = 64
 
@@ -134,12 +134,12 @@ def test_apply_rotary_matches_reference():
     for interleaved in (True, False):
         for successive in (True, False):
             positions = offsets.long()[:, None] + (torch.arange(5) if successive else torch.zeros(5, dtype=torch.long))
-            got = decode.apply_rotary(x, cos, sin, offsets, interleaved, successive)
+            got = flash_attn.apply_rotary(x, cos, sin, offsets, interleaved, successive)
             want = rotary_reference(x, cos, sin, positions, interleaved)
             assert max_error(got, want) < 1e-5
             assert torch.equal(got[..., 32:], x[..., 32:])
-    assert max_error(decode.apply_rotary(x, cos, sin, offsets, True),
-                     decode.apply_rotary(x, cos, sin, offsets, False)) > 0.1  # the pairing matters
+    assert max_error(flash_attn.apply_rotary(x, cos, sin, offsets, True),
+                     flash_attn.apply_rotary(x, cos, sin, offsets, False)) > 0.1  # the pairing matters
 
 
 @pytest.mark.parametrize("kwargs,error,message", [
@@ -190,7 +190,7 @@ def test_rotary_decode_step_in_a_cuda_graph():
         graph.replay()
         torch.cuda.synchronize()
         replayed = out.clone()
-        rotated = decode.apply_rotary(k_new, cos, sin, cache_seqlens, False)
+        rotated = flash_attn.apply_rotary(k_new, cos, sin, cache_seqlens, False)
         for b, length in enumerate(lengths):
             assert torch.equal(sequence_kv(k_cache, v_cache, b, capacity, table)[0][0, length:length + 2], rotated[b])
         assert torch.equal(replayed, step()), f"lengths {lengths}: the replay differs from the eager call"

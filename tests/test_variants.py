@@ -19,7 +19,6 @@ from reference import (
 from test_decode import make_cache, random_q, sequence_kv
 
 import tvmflash
-from tvmflash import decode
 
 # name: flash-attn's options, "alibi" standing for slopes of that shape ("heads": (heads,), "batch":
 # (batch, heads)). Windows leave queries no key where seqlen_q > seqlen_k (the right edge).
@@ -190,8 +189,8 @@ def test_variants_build_cuda_source():
         "sm80": tvmflash.compile(head_dim=64, dtype="float16", target="sm80", **variant).source(heads_q=4, heads_kv=2),
         "backward": tvmflash.compile_backward(head_dim=64, dtype="bfloat16", target="sm80",
                                               **variant).source(heads_q=4, heads_kv=2),
-        "decode": decode.compile_decode(head_dim=128, dtype="bfloat16", target="sm90", window_size=(100, -1),
-                                        softcap=30.0, alibi=True).source(heads_q=32, heads_kv=8),
+        "decode": tvmflash.compile_decode(head_dim=128, dtype="bfloat16", target="sm90", window_size=(100, -1),
+                                          softcap=30.0, alibi=True).source(heads_q=32, heads_kv=8),
     }
     for name, src in sources.items():
         kernels = src[src.index("__global__"):]
@@ -264,7 +263,7 @@ def test_decode_window_right_edge_zero_is_causal():
     causal = tvmflash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=50, window_size=(5, -1), causal=True)
     assert torch.equal(windowed, causal)
     with pytest.raises(ValueError, match="a right edge of 0 is causal"):
-        decode.compile_decode(head_dim=64, dtype=CPU_DTYPE, target="cpu", window_size=(5, 0))
+        tvmflash.compile_decode(head_dim=64, dtype=CPU_DTYPE, target="cpu", window_size=(5, 0))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -12,12 +12,12 @@ if not _os.path.isdir(_os.path.join(__path__[0], "schedules")):
         __path__.append(_checkout)
 
 # Where each name of the API lives: loaded at first use (``__getattr__``).
-_API = {"Kernel": "kernel", "compile": "kernel", "BackwardKernel": "kernel", "compile_backward": "kernel",
+_API = {"Kernel": "kernels", "compile": "kernels", "BackwardKernel": "kernels", "compile_backward": "kernels",
         "attention": "ops", "flash_attn_func": "flash_attn", "flash_attn_kvpacked_func": "flash_attn",
         "flash_attn_qkvpacked_func": "flash_attn", "flash_attn_varlen_func": "flash_attn",
         "flash_attn_varlen_kvpacked_func": "flash_attn", "flash_attn_varlen_qkvpacked_func": "flash_attn",
-        "varlen_attention": "ops", "VarlenKernel": "kernel", "VarlenBackwardKernel": "kernel",
-        "flash_attn_with_kvcache": "decode", "compile_decode": "decode", "DecodeKernel": "decode"}
+        "varlen_attention": "ops", "VarlenKernel": "kernels", "VarlenBackwardKernel": "kernels",
+        "flash_attn_with_kvcache": "flash_attn", "compile_decode": "kernels", "DecodeKernel": "kernels"}
 __all__ = [*sorted(_API), "__version__"]
 
 
@@ -28,5 +28,6 @@ def __getattr__(name):
         raise AttributeError(f"module 'tvmflash' has no attribute {name!r}")
     import importlib
 
+    importlib.import_module("tvmflash.ops")  # first: it gives the kernels their torch.compile routes (kernels.registry)
     value = globals()[name] = getattr(importlib.import_module(f"tvmflash.{_API[name]}"), name)  # found here from now on
     return value

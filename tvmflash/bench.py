@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tvmflash.kernel import TORCH_DTYPES, compile
+from tvmflash.kernels import compile
+from tvmflash.kernels.checks import TORCH_DTYPES
 
 # The grid: batch * seqlen = 16k tokens, heads * head_dim = 2048.
 GPU_GRID = {"tokens": 16384, "hidden": 2048, "seqlens": [512, 1024, 2048, 4096, 8192, 16384]}

@@ -1,4 +1,5 @@
-"""flash-attn 2's functions (``flash_attn.flash_attn_func`` and the packed forms) on tvmflash.
+"""flash-attn 2's functions (``flash_attn.flash_attn_func``, the packed forms and
+``flash_attn_with_kvcache``) on tvmflash.
 
 Same signatures, layout and returns, so code written for flash-attn runs on tvmflash, forward
 and backward, under torch.compile too (they call the ``tvmflash::forward`` custom op, the varlen
@@ -14,12 +15,30 @@ backward knob ``dq_atomic``) the gradients' rounding changes from run to run, an
 ``deterministic=True`` makes them bitwise the same (dq by a pass of its own). With ``return_attn_probs`` the return is
 ``(out, softmax_lse, None)``: flash-attn returns the attention probabilities (S_dmask) only with
 dropout and None without, and tvmflash has no dropout. Unlike flash-attn's, softmax_lse carries a
-gradient.
+gradient. ``flash_attn_with_kvcache`` (decode over a KV cache) calls a ``kernels.DecodeKernel``: it
+appends new keys and values to the cache in place, rotates them, picks the split count, and returns
+the output (and the LSE).
 """
 
 from __future__ import annotations
 
-from tvmflash.ops import attention, varlen_attention
+import torch
+
+from tvmflash import choice
+from tvmflash.kernels import DecodeKernel, compile_decode, registry
+from tvmflash.kernels.checks import (
+    check_cache_values,
+    check_flag,
+    check_flash_attn_options,
+    check_kvcache_layout,
+    check_new_keys,
+    check_num_splits,
+    check_packed,
+    check_rotary,
+    resolve_softmax_scale,
+    resolve_variant,
+)
+from tvmflash.ops import attention, target_of, varlen_attention
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
@@ -35,7 +54,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     nheads, headdim), or with return_attn_probs (out, softmax_lse, None), softmax_lse float32
     (batch, nheads, seqlen_q).
     """
-    _check_options(dropout_p, causal=causal, deterministic=deterministic, return_attn_probs=return_attn_probs)
+    check_flash_attn_options(dropout_p, causal=causal, deterministic=deterministic, return_attn_probs=return_attn_probs)
     out, lse = attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True,
                          window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                          deterministic=deterministic)
@@ -46,7 +65,7 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
                               softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
     """:func:`flash_attn_func` of qkv: (batch, seqlen, 3, nheads, headdim), q, k and v stacked
     (the gradient flows back into qkv)."""
-    _check_packed("qkv", qkv, 3)
+    check_packed("qkv", qkv, 3)
     q, k, v = qkv.unbind(2)
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                            deterministic, return_attn_probs)
@@ -56,7 +75,7 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
     """:func:`flash_attn_func` of q and kv: (batch, seqlen_k, 2, nheads_k, headdim), k and v
     stacked."""
-    _check_packed("kv", kv, 2)
+    check_packed("kv", kv, 2)
     k, v = kv.unbind(2)
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                            deterministic, return_attn_probs)
@@ -75,7 +94,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     softmax_lse, None), softmax_lse float32 (nheads, total_q). block_table (a paged KV cache)
     raises NotImplementedError: use :func:`tvmflash.flash_attn_with_kvcache` for decoding.
     """
-    _check_options(dropout_p, causal=causal, deterministic=deterministic, return_attn_probs=return_attn_probs)
+    check_flash_attn_options(dropout_p, causal=causal, deterministic=deterministic, return_attn_probs=return_attn_probs)
     if block_table is not None:
         raise NotImplementedError("block_table: tvmflash's varlen takes no paged KV cache; "
                                   "flash_attn_with_kvcache does")
@@ -90,7 +109,7 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
                                      return_attn_probs=False):
     """:func:`flash_attn_varlen_func` of qkv: (total, 3, nheads, headdim), q, k and v stacked, one
     cu_seqlens and max_seqlen for all three (the gradient flows back into qkv)."""
-    _check_packed("qkv", qkv, 3, varlen=True)
+    check_packed("qkv", qkv, 3, varlen=True)
     q, k, v = qkv.unbind(1)
     return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale,
                                   causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
@@ -100,28 +119,165 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
                                     softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                                     alibi_slopes=None, deterministic=False, return_attn_probs=False):
     """:func:`flash_attn_varlen_func` of q and kv: (total_k, 2, nheads_k, headdim), k and v stacked."""
-    _check_packed("kv", kv, 2, varlen=True)
+    check_packed("kv", kv, 2, varlen=True)
     k, v = kv.unbind(1)
     return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                                   softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                                   return_attn_probs)
 
 
-def _check_packed(name, t, count, varlen=False):
-    import torch
-
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if varlen:
-        if t.dim() != 4 or t.shape[1] != count:
-            raise ValueError(f"{name}: expected shape (total, {count}, nheads, headdim), got {tuple(t.shape)}")
-    elif t.dim() != 5 or t.shape[2] != count:
-        raise ValueError(f"{name}: expected shape (batch, seqlen, {count}, nheads, headdim), got {tuple(t.shape)}")
+# ----------------------------------------------------------------------------- decode over a KV cache
+# (device, dtype, head_dim, page_size, variant, TVMFLASH_DECODE) -> decode kernel; emptied by forget_kernels
+_BY_DEVICE: dict[tuple, DecodeKernel] = {}
+registry.on_forget(_BY_DEVICE.clear)
 
 
-def _check_options(dropout_p, **flags):
-    for name, value in flags.items():
-        if not isinstance(value, bool):
-            raise TypeError(f"{name}: expected a bool, got {value!r}")
-    if dropout_p != 0:
-        raise NotImplementedError(f"dropout_p: tvmflash has no dropout yet (got {dropout_p!r}); pass 0.0")
+def decode_kernel_for(q, page_size: int, window_size=(-1, -1), softcap: float = 0.0,
+                      alibi: bool = False) -> DecodeKernel:
+    """The decode kernel for q's device, dtype and head_dim, the cache layout and the variant (compiled on
+    first use, then kept)."""
+    key = (q.device, q.dtype, q.shape[-1], page_size, window_size, softcap, alibi, choice.decode_setting())
+    kernel = _BY_DEVICE.get(key)
+    if kernel is None:
+        kernel = _BY_DEVICE[key] = compile_decode(head_dim=q.shape[-1], dtype=q.dtype, page_size=page_size,
+                                                  target=target_of(q), window_size=window_size, softcap=softcap,
+                                                  alibi=alibi)
+    return kernel
+
+
+def _not_implemented(option: str, value) -> NotImplementedError:
+    return NotImplementedError(f"flash_attn_with_kvcache: {option}={value!r} is not implemented yet in tvmflash")
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
+                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+    """Attention of q over a KV cache, with flash-attn 2's arguments and semantics.
+
+    q: (batch, seqlen_q, heads_q, head_dim): one token a sequence for decode, a few for chunked
+    prefill or speculative decoding (causal within the chunk with ``causal=True``: query token t of
+    seqlen_q sees the keys up to cache length - seqlen_q + t, bottom-right).
+    k_cache, v_cache: (cache_batch, cache_len, heads_kv, head_dim), or with ``block_table``
+    (num_pages, page_size, heads_kv, head_dim), page_size a power of two >= 16; heads_q a multiple
+    of heads_kv (GQA/MQA). Contiguous, q's dtype (fp16, bf16 or fp32) and device.
+    k, v (optional, both or neither): (batch, seqlen_new, heads_kv, head_dim), written into the cache
+    in place at positions cache_seqlens[b] ... cache_seqlens[b] + seqlen_new - 1 before attending;
+    the attention then sees cache_seqlens + seqlen_new keys. ``cache_seqlens`` itself is not
+    updated (as in flash-attn).
+    cache_seqlens: int, or int32 (batch,): the keys each sequence has in the cache; None: the whole
+    cache (cache_len, or pages_per_seq * page_size). Read on the device: a new length never
+    recompiles, and a CUDA graph replays with the values the tensor holds at replay.
+    cache_batch_idx: int32 (batch,): the cache row of each sequence (contiguous cache only); None
+    means row b for sequence b.
+    block_table: int32 (batch, pages_per_seq): the pages of each sequence, in order.
+    softmax_scale: defaults to 1 / sqrt(head_dim). num_splits: 0 picks the split count of the keys
+    (Flash-Decoding) from the shapes and the device; 1 does not split; n uses n.
+    window_size=(left, right): query token t sees the keys from n - seqlen_q + t - left to
+    n - seqlen_q + t + right (n: the sequence's keys; -1: unbounded), and only the tiles a window
+    reaches are read. softcap > 0: scores become softcap · tanh(score / softcap). alibi_slopes,
+    float32 (heads_q,) or (batch, heads_q): -slope · |n - seqlen_q + t - p| is added to key p's
+    score (after the cap). Each window and softcap value builds a module of its own.
+    return_softmax_lse: also return the LSE, float32 (batch, heads_q, seqlen_q).
+    rotary_cos, rotary_sin (both or neither, with k and v): (seqlen_ro, rotary_dim / 2), q's dtype
+    and device, contiguous; rotary_dim a multiple of 16 up to head_dim, seqlen_ro at least the
+    cache's capacity. Rotary embedding as flash-attn's: the new k is rotated at positions
+    cache_seqlens[b], cache_seqlens[b] + 1, ... before it is appended; q is rotated at the same
+    positions if causal or local (a window), else every token of q at position cache_seqlens[b].
+    rotary_interleaved=True rotates the pairs of dims (0, 1), (2, 3), ... (GPT-J); False the pairs
+    (i, i + rotary_dim / 2) (GPT-NeoX). The dims past rotary_dim are left as they are. The rotation
+    is torch ops on q and k before the kernel (``apply_rotary``: float32 arithmetic, rounded to
+    q's dtype, as flash-attn's kernel does; no host sync, so a CUDA graph captures it).
+
+    Returns out (q's shape and dtype), or (out, lse). A query that sees no key gets 0 and an LSE of
+    -inf. On the CPU, lengths and indices outside the cache are a ValueError; on a GPU they are not
+    checked (that would wait for the device): the kernel clamps them to the cache, so it never reads
+    outside it.
+
+    Not implemented yet (NotImplementedError): cache_leftpad.
+    """
+    if cache_leftpad is not None:
+        raise _not_implemented("cache_leftpad", "<tensor>")
+    check_flag("return_softmax_lse", return_softmax_lse)
+    check_flag("rotary_interleaved", rotary_interleaved)
+    variant = resolve_variant(causal, window_size, softcap, alibi_slopes is not None)  # checks causal too
+    causal = variant.pop("causal")  # an argument of the call; the rest the kernel's
+    check_kvcache_layout(q, k_cache, v_cache, cache_batch_idx, block_table)
+    batch, device = q.shape[0], q.device
+    paged = block_table is not None
+    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+
+    if cache_seqlens is None:
+        cache_seqlens = capacity
+    if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=device)
+    if not isinstance(cache_seqlens, torch.Tensor):
+        raise TypeError(f"cache_seqlens: expected an int or an int32 tensor, got {type(cache_seqlens).__name__}")
+    kernel = decode_kernel_for(q, k_cache.shape[1] if paged else 0,
+                               (variant.get("window_left", -1), variant.get("window_right", -1)),
+                               variant.get("softcap", 0.0), variant.get("alibi", False))
+    index = block_table if paged else cache_batch_idx if cache_batch_idx is not None else kernel.batch_rows(batch, device)
+    # Check every argument before anything is written to the cache.
+    kernel.check_inputs(q, k_cache, v_cache, cache_seqlens, index, None)
+    kernel.variant_arguments(q, alibi_slopes)
+    resolve_softmax_scale(softmax_scale, q.shape[-1])
+    check_num_splits(num_splits)
+    check_new_keys(k, v, k_cache, batch, device)
+    new = 0 if k is None else k.shape[1]
+    rotary = rotary_cos is not None or rotary_sin is not None
+    if rotary:
+        check_rotary(rotary_cos, rotary_sin, q, k, capacity)
+    if device.type == "cpu":  # checking on a GPU would wait for it: there the kernel clamps instead
+        check_cache_values(cache_seqlens, new, capacity, index, paged, k_cache.shape[0])
+    if rotary:
+        # flash-attn's rule: q's tokens at successive positions if causal or local, else all at
+        # cache_seqlens (a window bound as long as the cache is none, as flash-attn clears it)
+        local = any(0 <= variant.get(side, -1) < capacity for side in ("window_left", "window_right"))
+        k = apply_rotary(k, rotary_cos, rotary_sin, cache_seqlens, rotary_interleaved)
+        q = apply_rotary(q, rotary_cos, rotary_sin, cache_seqlens, rotary_interleaved, successive=causal or local)
+    if new:
+        _append(k_cache, v_cache, k, v, cache_seqlens, index, paged)
+        lengths = cache_seqlens + new
+    else:
+        lengths = cache_seqlens
+    out, lse = kernel(q, k_cache, v_cache, lengths, index, num_splits=num_splits, softmax_scale=softmax_scale,
+                      causal=causal, alibi_slopes=alibi_slopes)
+    return (out, lse) if return_softmax_lse else out
+
+
+def apply_rotary(x, cos, sin, offsets, interleaved: bool, successive: bool = True):
+    """x (batch, seqlen, heads, head_dim) rotated as flash-attn's ``apply_rotary_emb``: token i of
+    sequence b at position offsets[b] + i (``successive``), or every token at offsets[b]. cos, sin:
+    (seqlen_ro, rotary_dim / 2); the first rotary_dim dims rotate, in pairs (0, 1), (2, 3), ... if
+    ``interleaved``, else (i, i + rotary_dim / 2); the rest are copied. Computed in float32 and
+    rounded to x's dtype; a new tensor. Torch ops only, with the positions gathered on the device
+    (no host sync; positions past the table are clamped to its last, as the cache's lengths are
+    clamped by the kernel)."""
+    half = cos.shape[1]
+    positions = offsets.long()[:, None]
+    if successive:
+        positions = positions + torch.arange(x.shape[1], device=x.device)
+    positions = positions.clamp(0, cos.shape[0] - 1).expand(x.shape[0], x.shape[1])
+    c = cos[positions].float()[:, :, None, :]  # (batch, seqlen, 1, rotary_dim / 2)
+    s = sin[positions].float()[:, :, None, :]
+    rotated = x[..., : 2 * half].float()
+    if interleaved:
+        x1, x2 = rotated[..., 0::2], rotated[..., 1::2]
+        rotated = torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2)
+    else:
+        x1, x2 = rotated[..., :half], rotated[..., half:]
+        rotated = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+    return torch.cat((rotated.to(x.dtype), x[..., 2 * half:]), dim=-1)
+
+
+def _append(k_cache, v_cache, k, v, cache_seqlens, index, paged) -> None:
+    """Write k, v (batch, seqlen_new, heads_kv, head_dim) into the caches at cache_seqlens[b] + i, in
+    place (torch indexing: no host sync, so a CUDA graph captures it)."""
+    positions = cache_seqlens.long()[:, None] + torch.arange(k.shape[1], device=k.device)  # (batch, seqlen_new)
+    if paged:
+        page_size = k_cache.shape[1]
+        rows = (index.long().gather(1, positions // page_size), positions % page_size)
+    else:
+        rows = (index.long()[:, None], positions)
+    k_cache[rows] = k
+    v_cache[rows] = v

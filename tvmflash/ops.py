@@ -13,33 +13,33 @@ from __future__ import annotations
 
 import torch
 
-from tvmflash import kernel as kernels
-from tvmflash import schedules as schedule_registry
+from tvmflash import choice, kernels
 from tvmflash import target as targets
-from tvmflash.kernel import check_flag, compile, compile_backward, resolve_softmax_scale, resolve_variant
-
+from tvmflash.kernels import compile, compile_backward, registry
+from tvmflash.kernels.checks import check_flag, check_max_seqlen, resolve_softmax_scale, resolve_variant
 
 # kernel_for's and backward_kernel_for's answers: compile() resolves a target (a TVM object) and hashes
 # its arguments, some 100-250 us a call; attention() runs at every step of a model. Emptied by
-# ``kernel.forget_kernels``.
+# ``kernels.forget_kernels``.
 KERNELS_FOR: dict[tuple, kernels.Kernel] = {}
+registry.on_forget(KERNELS_FOR.clear)
 
 
 def kernel_for(q: torch.Tensor, causal: bool, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
                alibi: bool = False, varlen: bool = False):
     """The kernel for q's device, dtype and head_dim and the variant (compiled on first use, then cached)."""
     key = (q.device, q.dtype, q.shape[-1], causal, window_left, window_right, softcap, alibi, varlen,
-           schedule_registry.sm90_setting())
+           choice.forward_setting())
     found = KERNELS_FOR.get(key)
     if found is not None:
         return found
-    found = KERNELS_FOR[key] = compile(head_dim=q.shape[-1], dtype=q.dtype, causal=causal, target=_target_of(q),
+    found = KERNELS_FOR[key] = compile(head_dim=q.shape[-1], dtype=q.dtype, causal=causal, target=target_of(q),
                                        window_size=(window_left, window_right), softcap=softcap, alibi=alibi,
                                        varlen=varlen)
     return found
 
 
-def _target_of(q: torch.Tensor):
+def target_of(q: torch.Tensor):
     """The target for q's device."""
     if q.device.type == "cuda":
         target = targets.cuda_device_target(q.device.index)
@@ -78,11 +78,11 @@ def backward_kernel_for(q: torch.Tensor, causal: bool, window_left: int = -1, wi
     """The backward kernel for q's device, dtype and head_dim and the variant (compiled on first use,
     then cached, as ``kernel_for``'s: a training step runs it at every layer)."""
     key = ("backward", q.device, q.dtype, q.shape[-1], causal, window_left, window_right, softcap, alibi, varlen,
-           deterministic, schedule_registry.sm90_setting(), schedule_registry.backward_setting())
+           deterministic, *choice.backward_setting())
     found = KERNELS_FOR.get(key)
     if found is None:
         found = KERNELS_FOR[key] = compile_backward(
-            head_dim=q.shape[-1], dtype=q.dtype, causal=causal, target=_target_of(q),
+            head_dim=q.shape[-1], dtype=q.dtype, causal=causal, target=target_of(q),
             window_size=(window_left, window_right), softcap=softcap, alibi=alibi, varlen=varlen,
             deterministic=deterministic)
     return found
@@ -134,7 +134,7 @@ def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel: st
 
 @kernel_forward.register_fake
 def _kernel_forward_shapes(q, k, v, kernel, softmax_scale, alibi_slopes=None):
-    kernels.by_key(kernel)._check(q, k, v, None)
+    kernels.by_key(kernel).arguments.check(q, k, v, None)
     return _output_shapes(q)
 
 
@@ -148,7 +148,7 @@ def kernel_forward_out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: t
 
 @kernel_forward_out.register_fake
 def _kernel_forward_out_shapes(q, k, v, out, kernel, softmax_scale, alibi_slopes=None):
-    kernels.by_key(kernel)._check(q, k, v, out)
+    kernels.by_key(kernel).arguments.check(q, k, v, out)
     return _output_shapes(q)[1]
 
 
@@ -159,6 +159,10 @@ def kernel_call(kernel, q, k, v, softmax_scale: float, out, return_lse: bool, al
     else:
         lse = kernel_forward_out(q, k, v, out, kernel.key, softmax_scale, alibi_slopes)
     return (out, lse) if return_lse else out
+
+
+# Kernel.__call__ under torch.compile takes this route from kernels.registry: the kernels never import ops
+registry.add_route("forward", kernel_call)
 
 
 def _options(q, k, v, dims: int, layout: str, causal, return_lse, window_size, softcap, alibi_slopes) -> tuple:
@@ -311,6 +315,9 @@ def varlen_kernel_call(kernel, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     return (result, lse) if return_lse else result
 
 
+registry.add_route("varlen", varlen_kernel_call)  # as "forward", for VarlenKernel.__call__
+
+
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
                      causal: bool = False, softmax_scale=None, return_lse: bool = False, window_size=(-1, -1),
                      softcap: float = 0.0, alibi_slopes=None, deterministic: bool = False):
@@ -329,8 +336,8 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     options = _options(q, k, v, 3, "(total_q, heads, head_dim)", causal, return_lse, window_size, softcap,
                        alibi_slopes)
     check_flag("deterministic", deterministic)
-    kernels.check_max_seqlen("max_seqlen_q", max_seqlen_q)
-    kernels.check_max_seqlen("max_seqlen_k", max_seqlen_k)
+    check_max_seqlen("max_seqlen_q", max_seqlen_q)
+    check_max_seqlen("max_seqlen_k", max_seqlen_k)
     softmax_scale = resolve_softmax_scale(softmax_scale, q.shape[-1])
     if _through_ops(q, k, v):
         out, lse = varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options[0],

@@ -54,7 +54,7 @@ MAX_SOFTMAX_SCALE = 1.0e8
 # the same stale max). alpha is then exactly 1 on most tiles, so a schedule can skip the output's
 # rescale there (sm90: ``annotations.SKIP_UNIT_RESCALE_PRAGMA``).
 RESCALE_THRESHOLD = 8.0
-# A window bound this large is no bound (``tvmflash.kernel.resolve_variant``): no sequence is that long
+# A window bound this large is no bound (``tvmflash.kernels.checks.resolve_variant``): no sequence is that long
 # (a tensor holds less than 2**31 elements, and head_dim is 32 or more), and the int32 index arithmetic
 # of the window's edges, a position plus or minus the bound, stays in range.
 MAX_WINDOW = 2**30

@@ -58,7 +58,7 @@ from tvm.script.ir_builder import IRBuilder
 from tvmflash import program
 from tvmflash.program import LOG2E, AttentionSpec
 
-def passes(dq_atomic: bool = False) -> tuple:
+def programs(dq_atomic: bool = False) -> tuple:
     """The programs of the IRModule, in the order they run (dkdv and dq both read delta; convert_dq
     reads what dkdv summed)."""
     return ("delta", "dkdv", "convert_dq") if dq_atomic else ("delta", "dkdv", "dq")
@@ -78,7 +78,7 @@ def attention_backward(spec: AttentionSpec, block_m: int, block_n: int, dq_block
     ``delta(out, dout, lse, dlse, delta, lse2)``,
     ``dkdv(q, k, v, dout, lse2, delta, dk, dv, softmax_scale)``,
     ``dq(q, k, v, dout, lse2, delta, dq, softmax_scale)``: shapes in the module docstring. Run them
-    in ``passes()``' order. q, k and v are taken with any batch, sequence and head strides, as the
+    in ``programs()``' order. q, k and v are taken with any batch, sequence and head strides, as the
     forward takes them (``program.strided_argument``), which the caller must make multiples of
     ``stride_alignment`` bytes; the other tensors compact.
 

@@ -1,0 +1,120 @@
+"""The kernels: the attention programs compiled for a target, cached, and called on torch tensors.
+
+``compile`` (the forward, dense or varlen), ``compile_backward`` and ``compile_decode`` make (or find)
+a kernel. Each kernel owns a ``build.Build`` (its cache key, modules in memory and on disk), gets its
+schedule and knobs from ``tvmflash.choice``, and checks its arguments with ``checks``.
+"""
+
+from __future__ import annotations
+
+from tvmflash import cache, choice, program
+from tvmflash import schedules as schedule_registry
+from tvmflash import target as targets
+from tvmflash.kernels import registry
+from tvmflash.kernels.backward import BackwardKernel, VarlenBackwardKernel
+from tvmflash.kernels.checks import dtype_name, resolve_variant, varlen_field
+from tvmflash.kernels.decode import DecodeKernel
+from tvmflash.kernels.forward import Kernel, kernel_key
+from tvmflash.kernels.registry import by_key
+from tvmflash.kernels.varlen import VarlenKernel
+from tvmflash.program_decode import DecodeSpec
+
+__all__ = ["BackwardKernel", "DecodeKernel", "Kernel", "VarlenBackwardKernel", "VarlenKernel", "by_key", "compile",
+           "compile_backward", "compile_decode", "forget_kernels"]
+
+_KERNELS: dict[str, Kernel | BackwardKernel] = {}  # compile()'s and compile_backward()'s, by key
+_DECODE_KERNELS: dict[str, DecodeKernel] = {}  # compile_decode()'s, by key
+
+
+def compile(*, head_dim: int, dtype, causal: bool = False, target=None, knobs: dict | None = None,
+            heads_q: int | None = None, heads_kv: int | None = None, window_size=(-1, -1), softcap: float = 0.0,
+            alibi: bool = False, varlen: bool = False) -> Kernel:  # noqa: A001 - the API's name
+    """Compile FlashAttention forward and return a :class:`Kernel`.
+
+    head_dim: 32, 64, 96, 128 or 256. dtype: "float16", "bfloat16", "float32" or the torch dtype.
+    causal, window_size, softcap: flash-attn's (``resolve_variant``; one kernel per value); alibi:
+    the kernel takes ALiBi slopes at each call; varlen: a :class:`VarlenKernel`, over sequences packed
+    without padding (flash-attn's varlen). target: None (the current torch CUDA device if there
+    is one, else the CPU), "cpu", "cuda", "sm80", "sm86", "sm89", "sm90", a ``tvm.target.Target``
+    or a JSON dict. knobs: overrides of the
+    schedule's knobs (``tvmflash.schedules.<arch>.KNOBS``). heads_q / heads_kv: build for these
+    head counts now; otherwise each new head count is built at its first call.
+
+    Modules are cached in memory and on disk (``$TVMFLASH_CACHE_DIR``, else ``~/.cache/tvmflash``).
+    """
+    dtype = dtype_name(dtype)
+    variant = {**resolve_variant(causal, window_size, softcap, alibi), **varlen_field(varlen)}
+    program.AttentionSpec(head_dim, dtype, **variant)  # validates head_dim and dtype
+    resolved = targets.resolve(target)
+    # The environment's schedule setting is in the key: it may change the schedule for the same
+    # target. The records that choice.choose_schedule reads are read once, when the Kernel is made
+    # (as its tuned knobs are): compile() runs on every tvmflash.attention call, so a cached one
+    # reads no file.
+    spec_args = {"head_dim": head_dim, "dtype": dtype, **variant}
+    key = kernel_key(spec_args, resolved, knobs)
+    kernel = _KERNELS.get(key)
+    if kernel is None:
+        kernel = _KERNELS[key] = (VarlenKernel if varlen else Kernel)(spec_args, resolved, knobs)
+    if heads_q is not None:
+        kernel.module(heads_q, heads_kv if heads_kv is not None else heads_q)
+    return kernel
+
+
+def compile_backward(*, head_dim: int, dtype, causal: bool = False, target=None, knobs: dict | None = None,
+                     heads_q: int | None = None, heads_kv: int | None = None, window_size=(-1, -1),
+                     softcap: float = 0.0, alibi: bool = False, varlen: bool = False,
+                     deterministic: bool = False) -> BackwardKernel:
+    """Compile the FlashAttention backward and return a :class:`BackwardKernel` (varlen: a
+    :class:`VarlenBackwardKernel`). The arguments are :func:`compile`'s; knobs override the
+    schedule's ``BACKWARD_KNOBS``. deterministic: gradients bitwise the same from run to run (dq by
+    a program of its own even where the schedule's default sums it by atomics, the knob ``dq_atomic``)."""
+    dtype = dtype_name(dtype)
+    variant = {**resolve_variant(causal, window_size, softcap, alibi), **varlen_field(varlen)}
+    program.AttentionSpec(head_dim, dtype, **variant)  # validates head_dim and dtype
+    resolved = targets.resolve(target)
+    spec_args = {"head_dim": head_dim, "dtype": dtype, **variant}
+    key = cache.digest(["backward", spec_args, str(resolved), knobs, *choice.backward_setting(), deterministic])
+    kernel = _KERNELS.get(key)
+    if kernel is None:
+        kernel = _KERNELS[key] = (VarlenBackwardKernel if varlen else BackwardKernel)(spec_args, resolved, knobs,
+                                                                                      deterministic)
+    if heads_q is not None:
+        kernel.module(heads_q, heads_kv if heads_kv is not None else heads_q)
+    return kernel
+
+
+def compile_decode(*, head_dim: int, dtype, page_size: int = 0, target=None, knobs: dict | None = None,
+                   heads_q: int | None = None, heads_kv: int | None = None, window_size=(-1, -1),
+                   softcap: float = 0.0, alibi: bool = False, schedule: str | None = None) -> DecodeKernel:
+    """Compile Flash-Decoding and return a :class:`DecodeKernel` (cached in memory; modules on disk).
+
+    page_size: 0 for a contiguous cache, else the paged cache's rows per page (a power of two >= 16).
+    target, knobs: as ``tvmflash.compile`` (knobs of the schedule's ``DECODE_KNOBS``). heads_q /
+    heads_kv: build for these head counts now. window_size, softcap, alibi: as ``tvmflash.compile``'s,
+    but a window's right edge 0 is no window: that is the call's ``causal``. schedule: "sm80" (tensor
+    cores) or "simt"; None: TVMFLASH_DECODE, else sm80's where it applies (``choice.decode_schedule``).
+    """
+    dtype = dtype_name(dtype)
+    variant = resolve_variant(False, window_size, softcap, alibi)
+    if variant.pop("causal"):
+        raise ValueError(f"window_size: a right edge of 0 is causal, an argument of each call: pass causal=True and "
+                         f"window_size=({window_size[0]}, -1)")
+    DecodeSpec(head_dim, dtype, 1, 1, page_size, **variant)  # validates head_dim, dtype and page_size
+    resolved = targets.resolve(target)
+    module = choice.decode_schedule(resolved, dtype, head_dim, schedule)
+    key = cache.digest([head_dim, dtype, page_size, str(resolved), knobs, variant, schedule_registry.name_of(module)])
+    kernel = _DECODE_KERNELS.get(key)
+    if kernel is None:
+        kernel = _DECODE_KERNELS[key] = DecodeKernel(head_dim, dtype, page_size, resolved, knobs, variant, schedule)
+    if heads_q is not None:
+        kernel.module(heads_q, heads_kv if heads_kv is not None else heads_q)
+    return kernel
+
+
+def forget_kernels() -> None:
+    """Drop the in-memory kernels (and the caches above that hold them), so the next ``compile()``,
+    ``compile_backward()`` or ``compile_decode()`` looks up tuned knobs afresh (after ``tvmflash
+    tune`` wrote new ones). Built modules stay cached."""
+    _KERNELS.clear()
+    _DECODE_KERNELS.clear()
+    registry.forget()

@@ -1,0 +1,200 @@
+"""The backward kernels: FlashAttention's backward (dense and varlen) for one workload and target."""
+
+from __future__ import annotations
+
+import torch
+import tvm
+
+from tvmflash import cache, choice, lowering, program, program_backward
+from tvmflash import schedules as schedule_registry
+from tvmflash import target as targets
+from tvmflash.kernels.build import Build, describe
+from tvmflash.kernels.checks import (
+    VARIANT_FIELDS,
+    Arguments,
+    check_gradient_arguments,
+    check_max_seqlen,
+    resolve_softmax_scale,
+)
+from tvmflash.kernels.forward import kernel_build_options
+from tvmflash.kernels.varlen import one_batch
+from tvmflash.program import AttentionSpec
+
+
+def row_values(rows: tuple, device) -> tuple:
+    """delta and lse2 for the backward's programs: float32 of shape ``rows`` (batch, heads_q,
+    seqlen_q), each head's rows ``program_backward.padded_rows`` apart."""
+    *outer, seqlen_q = rows
+    return tuple(torch.empty((*outer, program_backward.padded_rows(seqlen_q)), dtype=torch.float32,
+                             device=device)[..., :seqlen_q] for _ in range(2))
+
+
+class BackwardKernel:
+    """FlashAttention backward for one (head_dim, dtype, causal, variant, target): the three programs of
+    ``tvmflash.program_backward`` (delta, dkdv, dq) built into one module per pair of head
+    counts, scheduled by the target's ``schedule_backward`` and cached like the forward's::
+
+        dq, dk, dv = kernel(q, k, v, out, dout, lse)              # dlse=None: lse unused by the loss
+        dq, dk, dv = kernel(q, k, v, out, dout, lse, alibi_slopes=slopes)  # a kernel with ALiBi
+
+    q, out, dout: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv,
+    head_dim); lse, dlse: float32 (batch, heads_q, seqlen_q), the forward's. dq, dk, dv have the
+    shapes and dtype of q, k and v (dk, dv summed over each GQA group's query heads). The
+    gradients are bitwise the same from run to run unless the knob ``dq_atomic`` sums dq by fp32
+    atomics (``program_backward``): sm90's default, where that measures faster. ``deterministic``
+    (``compile_backward``) turns it off.
+    """
+
+    PASS = "backward"
+
+    def __init__(self, spec_args: dict, target: tvm.target.Target, knobs: dict | None, deterministic: bool = False):
+        self.head_dim, self.dtype, self.causal = spec_args["head_dim"], spec_args["dtype"], spec_args["causal"]
+        self.variant = {name: spec_args[name] for name in VARIANT_FIELDS if name in spec_args}
+        self.target = target
+        self.schedule, self.schedule_source, self.knobs, self.knobs_source, _ = choice.resolve_backward(
+            target, spec_args, knobs, deterministic)
+        stride_multiple = program.stride_multiple(schedule_registry.stride_alignment(self.schedule), self.dtype)
+        self.arguments = Arguments(self.head_dim, self.dtype, target, self.variant.get("alibi", False), stride_multiple)
+        options = kernel_build_options(self.schedule, self.variant)  # the forward's
+        # schedules/cuda.py: the tensor-core schedules run delta and convert_dq on its SIMT schedule
+        self.build = Build(kind=self.PASS, target=target, schedule=self.schedule, knobs=self.knobs,
+                           variant=self.variant, spec=self.spec, programs=self._scheduled, entry=self._entry,
+                           code=(program, self.schedule, schedule_registry.common, *lowering.MODULES),
+                           options=options, key_fields={"build": options} if self.variant.get("varlen") else {},
+                           outer={"pass": self.PASS, "code": cache.source_digest(program_backward, schedule_registry.cuda)})
+        # as the forward's: a module for some head counts, its CUDA source, its scheduled TensorIR
+        self.module, self.source, self.scheduled_tir = self.build.module, self.build.source, self.build.scheduled_tir
+
+    # ----------------------------------------------------------------- building
+    def spec(self, heads_q: int, heads_kv: int) -> AttentionSpec:
+        return AttentionSpec(self.head_dim, self.dtype, self.causal, heads_q, heads_kv, **self.variant)
+
+    def _scheduled(self, spec: AttentionSpec) -> tvm.s_tir.Schedule:
+        knobs = self.knobs
+        sch = tvm.s_tir.Schedule(program_backward.attention_backward(
+            spec, knobs["block_m"], knobs["block_n"], knobs.get("dq_block_m"), knobs.get("dq_block_n"),
+            dq_atomic=self.dq_atomic, stride_alignment=schedule_registry.stride_alignment(self.schedule)))
+        return self.schedule.schedule_backward(sch, **self.knobs)
+
+    @property
+    def dq_atomic(self) -> bool:
+        """dq summed by fp32 atomics from dkdv (then not bitwise reproducible), or by a program of its own."""
+        return bool(self.knobs.get("dq_atomic", False))
+
+    def _entry(self, module):
+        """The three programs to call, by name (``program_backward.programs``)."""
+        return {name: module[name] for name in program_backward.programs(self.dq_atomic)}
+
+    # ----------------------------------------------------------------- using
+    def info(self) -> dict:
+        """What this kernel is, and where each of its modules came from."""
+        return describe(self, after={"pass": self.PASS})
+
+    def __repr__(self) -> str:
+        variant = "".join(f"{name}={value!r}, " for name, value in self.variant.items())
+        return (f"tvmflash.BackwardKernel(head_dim={self.head_dim}, dtype={self.dtype}, causal={self.causal}, "
+                f"{variant}target={targets.describe(self.target)!r})")
+
+    def dq_accumulator(self, q) -> tuple:
+        """With ``dq_atomic``: (dq_accum,), zeros of ``program_backward``'s shape for q (batch,
+        seqlen_q, heads_q, head_dim); else ()."""
+        if not self.dq_atomic:
+            return ()
+        batch, seqlen_q, heads_q, head_dim = q.shape
+        rows = program_backward.dq_accumulator_rows(seqlen_q, self.knobs["block_m"])
+        return (torch.zeros((batch, rows, heads_q, head_dim), dtype=torch.float32, device=q.device),)
+
+    @staticmethod
+    def _dq(programs, accumulator, q, k, v, dout, lse2, delta, dq, softmax_scale, *arguments):
+        """dq: from dkdv's sum (``accumulator``: convert_dq) or by the dq program."""
+        if accumulator:
+            programs["convert_dq"](*accumulator, dq, softmax_scale)
+        else:
+            programs["dq"](q, k, v, dout, lse2, delta, dq, softmax_scale, *arguments)
+
+    def _gradients_and_programs(self, q, k, v, out, dout, dq, dk, dv, heads_q: int, heads_kv: int, work: bool):
+        """dq, dk, dv (new where not given, compact) and the programs that fill them
+        (``program_backward.programs`` by name); without ``work`` (no query or no key) the gradients
+        are 0 and there are no programs."""
+        grads = tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) if g is None else g
+                      for t, g in ((q, dq), (k, dk), (v, dv)))
+        if not work:
+            for grad in grads:
+                grad.zero_()
+            return grads, None
+        # dq, dk, dv, out and dout are compact, of q's, k's and v's sizes; q, k and v may have any strides
+        return grads, self.build.module_for(heads_q, heads_kv, q=q, k=k, v=v, out=out, dout=dout).function
+
+    def __call__(self, q, k, v, out, dout, lse, *, dlse=None, softmax_scale=None, dq=None, dk=None, dv=None,
+                 alibi_slopes=None):
+        """(dq, dk, dv) of attention(q, k, v) = out (with its lse), given dout = ∂L/∂out and
+        dlse = ∂L/∂lse (None: 0). Pass dq, dk, dv to have them written in place. See the class
+        docstring for the shapes; out and lse are those of the forward of the same variant (and
+        ALiBi slopes)."""
+        arguments = self.arguments
+        arguments.check(q, k, v, None)
+        variant_arguments = arguments.variant_arguments(q, alibi_slopes)
+        batch, seqlen_q, heads_q, _ = q.shape
+        heads_kv = k.shape[2]
+        rows = (batch, heads_q, seqlen_q)
+        check_gradient_arguments(q, k, v, out, dout, lse, dlse, dq, dk, dv, rows)
+        softmax_scale = resolve_softmax_scale(softmax_scale, self.head_dim)
+        q, k, v = map(arguments.readable, (q, k, v))
+        out, dout, lse = (arguments.readable(t, strided=False) for t in (out, dout, lse))
+        (dq, dk, dv), programs = self._gradients_and_programs(q, k, v, out, dout, dq, dk, dv, heads_q, heads_kv,
+                                                              work=bool(q.numel() and k.numel()))
+        if programs is None:
+            return dq, dk, dv
+        delta, lse2 = row_values(rows, q.device)
+        dlse = torch.zeros(rows, dtype=torch.float32, device=q.device) if dlse is None else dlse.contiguous()
+        accumulator = self.dq_accumulator(q)
+        programs["delta"](out, dout, lse, dlse, delta, lse2)
+        programs["dkdv"](q, k, v, dout, lse2, delta, dk, dv, softmax_scale, *accumulator, *variant_arguments)
+        self._dq(programs, accumulator, q, k, v, dout, lse2, delta, dq, softmax_scale, *variant_arguments)
+        return dq, dk, dv
+
+
+class VarlenBackwardKernel(BackwardKernel):
+    """The backward of a :class:`VarlenKernel` (flash-attn's varlen: sequences packed without
+    padding)::
+
+        dq, dk, dv = kernel(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+
+    q, out, dout, dq: (total_q, heads_q, head_dim); k, v, dk, dv: (total_k, heads_kv, head_dim);
+    lse, dlse: float32 (heads_q, total_q), the forward's; cu_seqlens and max_seqlen_q as the
+    forward's, and max_seqlen_k, an int at least every sequence's key count (it sizes dkdv's grid).
+    It is the BackwardKernel (its spec's ``varlen`` field set) with the packed call.
+    """
+
+    def __call__(self, q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                 dlse=None, softmax_scale=None, dq=None, dk=None, dv=None, alibi_slopes=None):
+        """(dq, dk, dv) of the varlen attention(q, k, v) = out (with its lse); see
+        ``BackwardKernel.__call__`` and the class docstring."""
+        arguments = self.arguments
+        arguments.check_varlen(q, k, v, None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q)
+        check_max_seqlen("max_seqlen_k", max_seqlen_k)
+        batch = cu_seqlens_q.shape[0] - 1
+        variant_arguments = arguments.variant_arguments(q, alibi_slopes, batch)
+        total_q, heads_q, _ = q.shape
+        heads_kv = k.shape[1]
+        rows = (heads_q, total_q)
+        check_gradient_arguments(q, k, v, out, dout, lse, dlse, dq, dk, dv, rows)
+        softmax_scale = resolve_softmax_scale(softmax_scale, self.head_dim)
+        q, k, v = (arguments.readable(one_batch(t))[0] for t in (q, k, v))
+        out, dout, lse = (arguments.readable(t, strided=False) for t in (out, dout, lse))
+        (dq, dk, dv), programs = self._gradients_and_programs(q, k, v, out, dout, dq, dk, dv, heads_q, heads_kv,
+                                                              work=bool(q.numel() and k.numel() and batch))
+        if programs is None:
+            return dq, dk, dv
+        delta, lse2 = row_values((1, *rows), q.device)
+        dlse = torch.zeros((1, *rows), dtype=torch.float32, device=q.device) if dlse is None else dlse.contiguous()[None]
+        # the packed rows as the programs' one batch
+        q, k, v, out, dout, lse, dq4, dk4, dv4 = map(one_batch, (q, k, v, out, dout, lse, dq, dk, dv))
+        sequences = (cu_seqlens_q, cu_seqlens_k)
+        accumulator = self.dq_accumulator(q)
+        programs["delta"](out, dout, lse, dlse, delta, lse2)
+        programs["dkdv"](q, k, v, dout, lse2, delta, dk4, dv4, softmax_scale, *accumulator, *sequences, max_seqlen_k,
+                         *variant_arguments)
+        self._dq(programs, accumulator, q, k, v, dout, lse2, delta, dq4, softmax_scale, *sequences, max_seqlen_q,
+                 *variant_arguments)
+        return dq, dk, dv

@@ -1,0 +1,441 @@
+"""Every argument check of the kernels and their torch API: options (dtype, flags, softmax_scale, the
+variant), tensors (types, shapes, dtypes, devices, strides, sizes), varlen's offsets and decode's
+cache. Each error names the argument and says what was expected."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tvmflash import program
+from tvmflash import target as targets
+
+TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+INT32_MAX = 2**31 - 1
+# Splits a caller may ask of decode: the split kernel indexes tiles with split * tiles in int32.
+MAX_SPLITS = 1024
+# The variant fields of a spec (``program.AttentionSpec``): in a kernel's spec_args only where they are on,
+# so that a kernel without them is named, cached and tuned as before they existed.
+VARIANT_FIELDS = ("window_left", "window_right", "softcap", "alibi", "varlen")
+
+
+# ----------------------------------------------------------------------------- options
+def dtype_name(dtype) -> str:
+    for name, torch_dtype in TORCH_DTYPES.items():
+        if dtype in (name, torch_dtype):
+            return name
+    raise TypeError(f"dtype: expected one of {list(TORCH_DTYPES)} or the torch dtype, got {dtype!r}")
+
+
+def resolve_softmax_scale(softmax_scale, head_dim: int) -> float:
+    """The scale to use: 1/sqrt(head_dim) for None; a TypeError for anything but a finite number,
+    a ValueError outside (0, program.MAX_SOFTMAX_SCALE]."""
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if not isinstance(softmax_scale, (int, float)) or not math.isfinite(softmax_scale):
+        raise TypeError(f"softmax_scale: expected a finite float, got {softmax_scale!r}")
+    if not 0 < softmax_scale <= program.MAX_SOFTMAX_SCALE:
+        raise ValueError(f"softmax_scale: expected a positive float up to {program.MAX_SOFTMAX_SCALE:g} (the "
+                         f"kernel takes each row's max before scaling), got {softmax_scale!r}")
+    return float(softmax_scale)
+
+
+def check_flag(name: str, value) -> bool:
+    """A boolean option: True or False; anything else (``causal="no"``, 1, None) is a TypeError."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected True or False, got {value!r}")
+    return value
+
+
+def resolve_variant(causal, window_size=(-1, -1), softcap=0.0, alibi=False) -> dict:
+    """flash-attn's options, checked, as spec_args fields: ``causal`` and the variant fields that are
+    on. As flash-attn: a window's right edge 0 is causal, and causal takes no other right edge; a
+    bound of ``program.MAX_WINDOW`` or more is none (no sequence is that long)."""
+    check_flag("causal", causal)
+    check_flag("alibi", alibi)
+    if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2
+            and all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)):
+        raise TypeError(f"window_size: expected a pair of ints (left, right), got {window_size!r}")
+    if min(window_size) < -1:
+        raise ValueError(f"window_size: expected ints >= -1 (-1: no bound on that side), got {tuple(window_size)}")
+    left, right = (-1 if w >= program.MAX_WINDOW else w for w in window_size)
+    if right == 0:
+        causal = True
+    if causal:
+        right = -1
+    if not isinstance(softcap, (int, float)) or isinstance(softcap, bool):
+        raise TypeError(f"softcap: expected a float, got {softcap!r}")
+    if not 0 <= softcap < math.inf:
+        raise ValueError(f"softcap: expected a finite float >= 0 (0: off), got {softcap!r}")
+    on = {"window_left": left, "window_right": right, "softcap": float(softcap), "alibi": alibi}
+    return {"causal": causal, **{name: value for name, value in on.items() if value not in (-1, 0.0, False)}}
+
+
+def varlen_field(varlen) -> dict:
+    """The spec_args field of varlen: {"varlen": True}, or none when off (dense kernels keep their keys)."""
+    return {"varlen": True} if check_flag("varlen", varlen) else {}
+
+
+def check_max_seqlen(name: str, value) -> int:
+    """A max_seqlen argument: an int >= 0 (it sizes the grid on the host; torch.compile may trace it
+    as a SymInt)."""
+    if not isinstance(value, (int, torch.SymInt)) or isinstance(value, bool):
+        raise TypeError(f"{name}: expected an int, got {value!r}")
+    if value < 0:
+        raise ValueError(f"{name}: expected an int >= 0, got {value}")
+    return value
+
+
+def check_num_splits(num_splits) -> None:
+    if not isinstance(num_splits, int) or isinstance(num_splits, bool) or not 0 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits: expected an int from 0 (automatic) to {MAX_SPLITS}, got {num_splits!r}")
+
+
+# ----------------------------------------------------------------------------- tensors
+def needs_int64(*tensors) -> bool:
+    """Does any of the tensors (None: skipped) hold an element more than 2**31 - 1 elements past its
+    first? Their modules then index in int64 (``lowering.wide_indices.WidenGlobalIndices``); smaller
+    problems keep int32 modules, and their speed."""
+    for t in tensors:
+        if t is None or not t.numel():
+            continue
+        # a contiguous tensor's last element is numel - 1 past its first (the common case, and a C
+        # call: this runs at every call of every kernel, a training step's included)
+        last = t.numel() - 1 if t.is_contiguous() else sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+        if last > INT32_MAX:
+            return True
+    return False
+
+
+def check_strides(**tensors) -> None:
+    """Every stride of each named tensor (None: skipped; of a dimension longer than 1) below 2**31:
+    the modules take each stride and dimension as an int32 (only their sum of products, the offset,
+    is computed in int64). Only tensors past 2**31 elements (``needs_int64``) can fail it."""
+    for name, t in tensors.items():
+        if t is not None and any(n > 1 and s > INT32_MAX for n, s in zip(t.shape, t.stride())):
+            raise ValueError(f"{name}: strides of 2**31 elements or more are not supported (tensors of more than "
+                             f"2**31 elements are, where one index of the first dim holds fewer), got shape "
+                             f"{tuple(t.shape)}, strides {t.stride()}")
+
+
+def alibi_slopes_view(alibi_slopes, batch: int, heads_q: int, device: torch.device) -> torch.Tensor:
+    """``alibi_slopes`` (heads_q,) or (batch, heads_q), float32 on q's device, as the (batch, heads_q)
+    view the programs read (one row for every batch: stride 0, no copy); a TypeError or ValueError
+    that says what is wrong otherwise."""
+    if not isinstance(alibi_slopes, torch.Tensor):
+        raise TypeError(f"alibi_slopes: expected a float32 tensor (heads,) or (batch, heads), got "
+                        f"{type(alibi_slopes).__name__}")
+    if alibi_slopes.dtype != torch.float32:
+        raise TypeError(f"alibi_slopes: expected dtype torch.float32, got {alibi_slopes.dtype}")
+    if tuple(alibi_slopes.shape) not in ((heads_q,), (batch, heads_q)):
+        raise ValueError(f"alibi_slopes: expected shape ({heads_q},) or ({batch}, {heads_q}) (heads or batch, heads), "
+                         f"got {tuple(alibi_slopes.shape)}")
+    if alibi_slopes.device != device:
+        raise ValueError(f"alibi_slopes: expected device {device} (q's), got {alibi_slopes.device}")
+    if alibi_slopes.dim() == 1:
+        alibi_slopes = alibi_slopes[None].expand(batch, heads_q)
+    return alibi_slopes if alibi_slopes.stride(1) == 1 else alibi_slopes.contiguous()
+
+
+def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q, k) -> None:
+    """cu_seqlens_q and cu_seqlens_k: contiguous int32 (batch + 1,) tensors on q's device, of one
+    length. On the CPU also their values: non-decreasing from 0 to q's (k's) row count; on CUDA
+    reading them would wait for the device, so the kernel trusts them there."""
+    for name, cu, rows in (("cu_seqlens_q", cu_seqlens_q, q), ("cu_seqlens_k", cu_seqlens_k, k)):
+        if not isinstance(cu, torch.Tensor):
+            raise TypeError(f"{name}: expected an int32 tensor (batch + 1,), got {type(cu).__name__}")
+        if cu.dtype != torch.int32:
+            raise TypeError(f"{name}: expected dtype torch.int32, got {cu.dtype}")
+        if cu.dim() != 1 or cu.shape[0] < 1:
+            raise ValueError(f"{name}: expected shape (batch + 1,), got {tuple(cu.shape)}")
+        if cu.device != q.device:
+            raise ValueError(f"{name}: expected device {q.device} (q's), got {cu.device}")
+        if cu.stride(0) != 1 and cu.shape[0] > 1:
+            raise ValueError(f"{name}: expected a contiguous tensor, got stride {cu.stride(0)}")
+        if cu.device.type == "cpu" and not torch.compiler.is_compiling():
+            if cu[0] != 0 or cu[-1] != rows.shape[0]:
+                raise ValueError(f"{name}: expected offsets from 0 to {rows.shape[0]} (the packed rows), got "
+                                 f"{cu[0].item()} .. {cu[-1].item()}")
+            if cu.shape[0] > 1 and bool((cu[1:] < cu[:-1]).any()):
+                raise ValueError(f"{name}: expected non-decreasing offsets, got {cu.tolist()}")
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ValueError(f"cu_seqlens_k: expected the shape of cu_seqlens_q {tuple(cu_seqlens_q.shape)} (one "
+                         f"offset per sequence), got {tuple(cu_seqlens_k.shape)}")
+
+
+def check_gradient_arguments(q, k, v, out, dout, lse, dlse, dq, dk, dv, rows) -> None:
+    """The backward's: out and dout of q's shape and dtype, lse and dlse (None: 0) float32 of shape
+    ``rows``, and dq, dk, dv (None: new) of q's, k's and v's and contiguous, all on q's device."""
+    for name, t, shape, dtype in (("out", out, q.shape, q.dtype), ("dout", dout, q.shape, q.dtype),
+                                  ("lse", lse, rows, torch.float32), ("dlse", dlse, rows, torch.float32),
+                                  ("dq", dq, q.shape, q.dtype), ("dk", dk, k.shape, k.dtype),
+                                  ("dv", dv, v.shape, v.dtype)):
+        if t is None and name in ("dlse", "dq", "dk", "dv"):
+            continue
+        if not isinstance(t, torch.Tensor) or t.shape != shape or t.dtype != dtype or t.device != q.device:
+            raise ValueError(f"{name}: expected a tensor of shape {tuple(shape)}, dtype {dtype} on {q.device}, got "
+                             + (f"shape {tuple(t.shape)}, dtype {t.dtype} on {t.device}" if isinstance(t, torch.Tensor)
+                                else type(t).__name__))
+        if name in ("dq", "dk", "dv") and not t.is_contiguous():
+            raise ValueError(f"{name}: expected a contiguous tensor, got strides {t.stride()}")
+
+
+class Arguments:
+    """What the tensors of one kernel's calls must be (its head_dim, dtype, target, variant and
+    stride multiple), with the checks and the in-place-or-copy rule that every kernel's call path
+    shares. Plain values only: torch.compile traces no TVM object."""
+
+    def __init__(self, head_dim: int, dtype: str, target, alibi: bool = False, stride_multiple: int = 1):
+        self.head_dim, self.dtype, self.alibi, self.stride_multiple = head_dim, dtype, alibi, stride_multiple
+        self.cuda, self.target_name = targets.is_cuda(target), targets.describe(target)
+        self.device_type, self.torch_dtype = "cuda" if self.cuda else "cpu", TORCH_DTYPES[dtype]
+
+    def check(self, q, k, v, out) -> None:
+        """Types, shapes, dtypes and devices of a dense call (what torch.compile's fake tensors have
+        too). The common case is one test (this runs at every call); ``explain`` says what is wrong."""
+        want = self.torch_dtype
+        try:
+            qs, ks, device = q.shape, k.shape, q.device
+            if (q.dtype is want and k.dtype is want and v.dtype is want and len(qs) == 4 and len(ks) == 4
+                    and qs[3] == self.head_dim and ks == v.shape and ks[3] == self.head_dim and qs[0] == ks[0]
+                    and ks[2] and not qs[2] % ks[2] and device.type == self.device_type and k.device == device
+                    and v.device == device and (out is None or (isinstance(out, torch.Tensor) and out.shape == qs
+                                                                and out.dtype is want and out.device == device))):
+                return
+        except (AttributeError, TypeError):
+            pass
+        self.explain(q, k, v, out)
+        raise ValueError(f"q, k, v, out: unexpected arguments {q!r}, {k!r}, {v!r}, {out!r}")  # pragma: no cover
+
+    def check_tensors(self, named, layout: str = "(batch, seqlen, heads, head_dim)", dims: int = 4) -> None:
+        """Each (name, tensor) of ``named`` is a torch.Tensor of the kernel's dtype, with ``dims``
+        dims (``layout``) and head_dim last; the last two (k and v) have one shape."""
+        for name, t in named:
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        want = self.torch_dtype
+        for name, t in named:
+            if t.dtype != want:
+                raise TypeError(f"{name}: expected dtype {want} (the kernel was compiled for {self.dtype}), got {t.dtype}")
+            if t.dim() != dims:
+                raise ValueError(f"{name}: expected {dims} dims {layout}, got shape {tuple(t.shape)}")
+            if t.shape[-1] != self.head_dim:
+                raise ValueError(f"{name}: expected head_dim {self.head_dim} in the last dim, got shape {tuple(t.shape)}")
+        (k_name, k), (v_name, v) = named[-2:]
+        if k.shape != v.shape:
+            raise ValueError(f"{v_name}: expected the shape of {k_name} {tuple(k.shape)}, got {tuple(v.shape)}")
+
+    def explain(self, q, k, v, out) -> None:
+        """Raise the error that says what is wrong with a dense call's arguments (``check``'s slow path)."""
+        self.check_tensors([("q", q), ("k", k), ("v", v)])
+        if q.shape[0] != k.shape[0]:
+            raise ValueError(f"k: expected batch {q.shape[0]} (from q), got shape {tuple(k.shape)}")
+        self.explain_heads_and_places(q, k, v, out, heads_dim=2)
+
+    def explain_heads_and_places(self, q, k, v, out, heads_dim: int) -> None:
+        """Raise the error that says what is wrong with the head counts (dim ``heads_dim``), the
+        devices or out."""
+        if k.shape[heads_dim] == 0 or q.shape[heads_dim] % k.shape[heads_dim]:
+            raise ValueError(f"q: expected heads_q ({q.shape[heads_dim]}) to be a multiple of heads_kv "
+                             f"({k.shape[heads_dim]})")
+        for name, t in (("k", k), ("v", v)):
+            if t.device != q.device:
+                raise ValueError(f"{name}: expected device {q.device} (q's), got {t.device}")
+        if q.device.type != self.device_type:
+            raise ValueError(f"q: the kernel was built for {self.target_name}, got a tensor on {q.device}")
+        if out is not None and (not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype
+                                or out.device != q.device):
+            raise ValueError(f"out: expected a tensor of q's shape {tuple(q.shape)}, dtype and device, got "
+                             f"{getattr(out, 'shape', out)!r}")
+
+    def check_varlen(self, q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q) -> None:
+        """Types, shapes, dtypes and devices of a varlen call (what torch.compile's fake tensors have
+        too); on the CPU the values of cu_seqlens as well."""
+        self.check_tensors([("q", q), ("k", k), ("v", v)], "(total, heads, head_dim)", dims=3)
+        self.explain_heads_and_places(q, k, v, out, heads_dim=1)
+        check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q, k)
+        check_max_seqlen("max_seqlen_q", max_seqlen_q)
+
+    def variant_arguments(self, q, alibi_slopes, batch: int | None = None) -> tuple:
+        """The module's arguments after softmax_scale: the ALiBi slopes' (batch, heads_q) view if the
+        kernel has ALiBi (then they are required), else none (then none may be given). batch: q's
+        first dim, heads_q its third, unless given (varlen's count of sequences; heads_q q's second)."""
+        if not self.alibi:
+            if alibi_slopes is not None:
+                raise ValueError("alibi_slopes: this kernel was compiled without ALiBi (compile(..., alibi=True))")
+            return ()
+        if alibi_slopes is None:
+            raise ValueError("alibi_slopes: this kernel was compiled with ALiBi: pass the slopes, (heads,) or "
+                             "(batch, heads) float32")
+        if batch is None:
+            return (alibi_slopes_view(alibi_slopes, q.shape[0], q.shape[2], q.device),)
+        return (alibi_slopes_view(alibi_slopes, batch, q.shape[1], q.device),)
+
+    def fits(self, t) -> bool:
+        """Can the module read or write ``t`` in place? Its last dim contiguous, its other strides
+        multiples of the schedule's ``stride_multiple`` elements (16 bytes on CUDA, any on the CPU)
+        and, on CUDA, not 0 (a TMA tensor map's stride may not be) and its data 16-byte aligned. Its
+        size is no condition: past 2**31 elements the call takes the module that indexes in int64
+        (``needs_int64``; its strides must be below 2**31, ``check_strides``). (b, s, h, d) tensors,
+        (b, h, s, d) ones seen through a transpose and a packed qkv's thirds all fit, for every
+        supported head_dim."""
+        n3, (s0, s1, s2, s3) = t.shape[3], t.stride()
+        multiple = self.stride_multiple
+        return ((s3 == 1 or n3 <= 1) and not (s0 % multiple or s1 % multiple or s2 % multiple)
+                and not (self.cuda and (t.data_ptr() % 16 or not (s0 and s1 and s2))))
+
+    def usable(self, t, name: str, copy: bool = True):
+        """``t`` itself where the module can read it in place (``fits``), else a compact copy (strides
+        that are no whole 16-byte vectors on CUDA), else a ValueError that says why."""
+        if not t.numel() or self.fits(t):
+            return t
+        if t.shape[3] > 1 and t.stride(3) != 1 and name != "out":
+            raise ValueError(f"{name}: expected a contiguous last dim (stride 1), got strides {t.stride()}")
+        if self.cuda and t.data_ptr() % 16 and name != "out":
+            raise ValueError(f"{name}: expected a 16-byte aligned data pointer, got {t.data_ptr():#x}")
+        return t.clone(memory_format=torch.contiguous_format) if copy else t
+
+    def readable(self, t, strided: bool = True):
+        """The backward's: ``t`` itself where the programs can read it in place, else a compact copy.
+        q, k and v (``strided``) are read through their strides (``fits``: a packed qkv's thirds, a
+        transposed (b, h, s, d) tensor); out, dout and lse must be compact. A CUDA tensor whose
+        data is off the 16 bytes vector loads need is copied too."""
+        fits = self.fits(t) if strided else t.is_contiguous() and not (self.cuda and t.data_ptr() % 16)
+        return t if fits or not t.numel() else t.clone(memory_format=torch.contiguous_format)
+
+    def check_decode(self, page_size: int, q, k_cache, v_cache, lengths, index, out) -> None:
+        """A decode call's tensors (see ``DecodeKernel``): q, the caches (``page_size`` rows a page,
+        0: contiguous), the lengths, the cache rows or block table, and out (None: new)."""
+        for name, t in (("cache_seqlens", lengths), ("block_table" if page_size else "cache_batch_idx", index)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        self.check_tensors([("q", q), ("k_cache", k_cache), ("v_cache", v_cache)],
+                           "(pages, page_size, heads, head_dim)" if page_size else "(batch, seqlen, heads, head_dim)")
+        heads_kv = k_cache.shape[2]
+        if heads_kv == 0 or q.shape[2] % heads_kv:
+            raise ValueError(f"q: expected heads_q ({q.shape[2]}) to be a multiple of the cache's heads_kv ({heads_kv})")
+        if page_size and k_cache.shape[1] != page_size:
+            raise ValueError(f"k_cache: expected pages of {page_size} rows (num_pages, page_size, heads_kv, "
+                             f"head_dim), got shape {tuple(k_cache.shape)}")
+        batch = q.shape[0]
+        index_shape = "(batch, pages_per_seq)" if page_size else "(batch,)"
+        index_name = "block_table" if page_size else "cache_batch_idx"
+        if lengths.dtype != torch.int32 or lengths.shape != (batch,):
+            raise ValueError(f"cache_seqlens: expected int32 of shape ({batch},), got {lengths.dtype} of shape "
+                             f"{tuple(lengths.shape)}")
+        if index.dtype != torch.int32 or index.dim() != (2 if page_size else 1) or index.shape[0] != batch:
+            raise ValueError(f"{index_name}: expected int32 of shape {index_shape} with batch {batch}, got "
+                             f"{index.dtype} of shape {tuple(index.shape)}")
+        for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("cache_seqlens", lengths),
+                        (index_name, index)):
+            if t.device != q.device:
+                raise ValueError(f"{name}: expected device {q.device} (q's), got {t.device}")
+            if needs_int64(t):  # more than 2**31 elements: an int64 module (``DecodeKernel.__call__``)
+                check_strides(**{name: t})
+        if q.device.type != self.device_type:
+            raise ValueError(f"q: the kernel was built for {self.target_name}, got a tensor on {q.device}")
+        for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("cache_seqlens", lengths), (index_name, index)):
+            if not t.is_contiguous():  # the cache is written in place: never copied behind the caller's back
+                raise ValueError(f"{name}: expected a contiguous tensor, got strides {t.stride()}")
+        if q.numel() and q.stride(3) != 1:
+            raise ValueError(f"q: expected a contiguous last dim (stride 1), got strides {q.stride()}")
+        if self.cuda:
+            for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+                if t.data_ptr() % 16:
+                    raise ValueError(f"{name}: expected a 16-byte aligned data pointer, got {t.data_ptr():#x}")
+        if out is not None and (not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype
+                                or out.device != q.device or not out.is_contiguous()):
+            raise ValueError(f"out: expected a contiguous tensor of q's shape {tuple(q.shape)}, dtype and device, got "
+                             f"{getattr(out, 'shape', out)!r}")
+
+
+# ----------------------------------------------------------------------------- flash-attn's functions
+def check_packed(name, t, count, varlen=False):
+    """A packed qkv (``count`` 3) or kv (2) of flash-attn's packed functions."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if varlen:
+        if t.dim() != 4 or t.shape[1] != count:
+            raise ValueError(f"{name}: expected shape (total, {count}, nheads, headdim), got {tuple(t.shape)}")
+    elif t.dim() != 5 or t.shape[2] != count:
+        raise ValueError(f"{name}: expected shape (batch, seqlen, {count}, nheads, headdim), got {tuple(t.shape)}")
+
+
+def check_flash_attn_options(dropout_p, **flags):
+    """flash-attn's flags (bools) and dropout_p (tvmflash has no dropout: only 0)."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name}: expected a bool, got {value!r}")
+    if dropout_p != 0:
+        raise NotImplementedError(f"dropout_p: tvmflash has no dropout yet (got {dropout_p!r}); pass 0.0")
+
+
+def check_kvcache_layout(q, k_cache, v_cache, cache_batch_idx, block_table) -> None:
+    """q and the caches are 4-dim tensors; a paged cache (``block_table``, int32 (batch,
+    pages_per_seq)) takes no cache_batch_idx."""
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name}: expected 4 dims, got shape {tuple(t.shape)}")
+    paged = block_table is not None
+    if paged and cache_batch_idx is not None:
+        raise ValueError("cache_batch_idx: a paged cache (block_table) takes no cache_batch_idx; its block table "
+                         "names each sequence's pages")
+    if paged and (not isinstance(block_table, torch.Tensor) or block_table.dim() != 2):
+        raise ValueError(f"block_table: expected an int32 tensor (batch, pages_per_seq), got "
+                         f"{getattr(block_table, 'shape', block_table)!r}")
+
+
+def check_new_keys(k, v, k_cache, batch: int, device) -> None:
+    """The new k and v to append to the cache: both or neither, (batch, seqlen_new, heads_kv,
+    head_dim) of the cache's dtype on q's device."""
+    if (k is None) != (v is None):
+        raise ValueError(f"{'v' if k is not None else 'k'}: expected k and v both or neither, got only "
+                         f"{'k' if k is not None else 'v'}")
+    if k is None:
+        return
+    want = (batch, k.shape[1] if isinstance(k, torch.Tensor) and k.dim() == 4 else -1, *k_cache.shape[2:])
+    for name, t in (("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4 or tuple(t.shape) != want:
+            raise ValueError(f"{name}: expected shape (batch, seqlen_new, heads_kv, head_dim) = {want}, got "
+                             f"{getattr(t, 'shape', t)!r}")
+        if t.dtype != k_cache.dtype or t.device != device:
+            raise ValueError(f"{name}: expected the cache's dtype {k_cache.dtype} and device {device}, got "
+                             f"{t.dtype} on {t.device}")
+
+
+def check_rotary(rotary_cos, rotary_sin, q, k, capacity) -> None:
+    """flash-attn's checks of rotary_cos and rotary_sin (before anything is written to the cache)."""
+    if rotary_cos is None or rotary_sin is None:
+        raise ValueError(f"{'rotary_sin' if rotary_sin is None else 'rotary_cos'}: expected rotary_cos and rotary_sin "
+                         "both or neither")
+    if k is None:
+        raise ValueError("rotary_cos: rotary embedding needs the new k and v to append to the cache (flash-attn's rule)")
+    head_dim = q.shape[-1]
+    for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 2 or t.shape != rotary_cos.shape:
+            raise ValueError(f"{name}: expected shape (seqlen_ro, rotary_dim / 2), rotary_cos's and rotary_sin's alike, "
+                             f"got {tuple(t.shape)}")
+        if t.dtype != q.dtype or t.device != q.device:
+            raise ValueError(f"{name}: expected q's dtype {q.dtype} and device {q.device}, got {t.dtype} on {t.device}")
+    seqlen_ro, rotary_dim = rotary_cos.shape[0], 2 * rotary_cos.shape[1]
+    if not 0 < rotary_dim <= head_dim or rotary_dim % 16:
+        raise ValueError(f"rotary_cos: expected rotary_dim (2 x its last dim) a multiple of 16 up to head_dim {head_dim}, "
+                         f"got {rotary_dim}")
+    if seqlen_ro < capacity:
+        raise ValueError(f"rotary_cos: expected at least the cache's {capacity} positions (seqlen_ro), got {seqlen_ro}")
+
+
+def check_cache_values(cache_seqlens, new, capacity, index, paged, cache_rows) -> None:
+    """Lengths and indices within the cache (CPU tensors: this reads their values)."""
+    if cache_seqlens.numel() and (cache_seqlens.min() < 0 or cache_seqlens.max() + new > capacity):
+        raise ValueError(f"cache_seqlens: expected lengths from 0 to the cache's {capacity} keys"
+                         + (f" less the {new} new ones" if new else "") + f", got {cache_seqlens.tolist()}")
+    if index.numel() and (index.min() < 0 or index.max() >= cache_rows):
+        name, what = ("block_table", "page") if paged else ("cache_batch_idx", "cache row")
+        raise ValueError(f"{name}: expected {what} indices from 0 to {cache_rows - 1}, got values from "
+                         f"{index.min().item()} to {index.max().item()}")

@@ -1,0 +1,153 @@
+"""The forward kernel: FlashAttention's forward for one workload and target, called on torch tensors."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+import tvm
+
+from tvmflash import cache, choice, database, lowering, program
+from tvmflash import schedules as schedule_registry
+from tvmflash import target as targets
+from tvmflash.kernels import registry
+from tvmflash.kernels.build import Build, describe
+from tvmflash.kernels.checks import VARIANT_FIELDS, Arguments, check_flag, resolve_softmax_scale
+from tvmflash.program import AttentionSpec
+
+
+def kernel_key(spec_args: dict, target: tvm.target.Target, knobs: dict | None) -> str:
+    """What names a Kernel: its spec, target and given knobs, and the environment's schedule setting
+    (``choice.forward_setting``: it may change the schedule for the same target)."""
+    return cache.digest([spec_args, str(target), knobs, choice.forward_setting()])
+
+
+def kernel_build_options(schedule, variant: dict) -> dict:
+    """What ``lowering.build`` takes for a forward or backward kernel's modules: its schedule's
+    options (``choice.build_options``), and for varlen the tile tests hoisted on every schedule
+    (``HoistBlockIndexConditions``): nvcc unswitches the sm80 schedule's dense K/V step on the causal
+    tile test (two bodies in its PTX) but not varlen's (one body), whose test reads the sequence's
+    offsets too."""
+    options = choice.build_options(schedule)
+    if variant.get("varlen"):
+        options["hoist_block_index_conditions"] = True
+    return options
+
+
+class Kernel:
+    """FlashAttention forward for one (head_dim, dtype, causal, variant, target).
+
+    Call it on torch tensors in flash-attn's layout::
+
+        out = kernel(q, k, v)                   # q: (batch, seqlen_q, heads_q, head_dim)
+        out, lse = kernel(q, k, v, return_lse=True)  # k, v: (batch, seqlen_k, heads_kv, head_dim)
+
+    out has q's shape and dtype; lse is float32 of shape (batch, heads_q, seqlen_q). The tensors
+    are read (and out written) in place through their strides, which may be any with a contiguous
+    last dim: (b, s, h, d) tensors and (b, h, s, d) ones seen through ``transpose(1, 2)`` alike. On
+    CUDA a tensor whose batch, sequence or head stride is no multiple of 16 bytes, or 0 (a
+    broadcast), is copied first (out: written to a compact tensor, then copied); no transpose or
+    slice of a compact tensor at a supported head_dim needs that. A new out is compact. batch and
+    the sequence lengths may change from call to call without rebuilding; each new pair of head
+    counts builds (or loads) one more module.
+
+    The variant (``compile``'s window_size, softcap, alibi) is the kernel's; with ALiBi each call
+    takes ``alibi_slopes``, float32 (heads_q,) or (batch, heads_q). ``module``, ``source`` and
+    ``scheduled_tir`` are those of the kernel's ``build`` (``build.Build``): a module for some head
+    counts, its CUDA source, its scheduled TensorIR.
+    """
+
+    def __init__(self, spec_args: dict, target: tvm.target.Target, knobs: dict | None):
+        self.head_dim, self.dtype, self.causal = spec_args["head_dim"], spec_args["dtype"], spec_args["causal"]
+        self.variant = {name: spec_args[name] for name in VARIANT_FIELDS if name in spec_args}
+        self.target = target
+        self.key = kernel_key(spec_args, target, knobs)
+        chosen = choice.resolve_forward(target, spec_args, knobs)
+        self.schedule, self.schedule_source, self.knobs, self.knobs_source, _ = chosen
+        stride_multiple = program.stride_multiple(schedule_registry.stride_alignment(self.schedule), self.dtype)
+        self.arguments = Arguments(self.head_dim, self.dtype, target, self.variant.get("alibi", False), stride_multiple)
+        self._own_build()
+        # seqlen bucket -> a copy with that bucket's tuned knobs, in modules of its own; ``__call__`` runs
+        # the copy for key lengths in its bucket
+        self.by_bucket = self._bucket_kernels(choice.bucket_knobs(target, spec_args, chosen))
+        registry.remember(self)
+
+    def _own_build(self) -> None:
+        """A Build of this kernel's knobs (``build.Build``), whose ``module``, ``source`` and
+        ``scheduled_tir`` are this kernel's."""
+        options = kernel_build_options(self.schedule, self.variant)
+        build = Build(kind="forward", target=self.target, schedule=self.schedule, knobs=self.knobs,
+                      variant=self.variant, spec=self.spec, programs=self._scheduled,
+                      entry=lambda module: module["main"],
+                      code=(program, self.schedule, schedule_registry.common, *lowering.MODULES), options=options,
+                      key_fields={"build": options} if self.variant.get("varlen") else {})  # (dense keys unchanged)
+        self.build, self.module, self.source, self.scheduled_tir = build, build.module, build.source, build.scheduled_tir
+
+    def _bucket_kernels(self, knobs_by_bucket: dict) -> dict:
+        """A copy of this kernel for each seqlen bucket's knobs (``choice.bucket_knobs``)."""
+        children = {}
+        for index, (knobs, source) in knobs_by_bucket.items():
+            child = copy.copy(self)
+            child.knobs, child.knobs_source, child.by_bucket = knobs, source, {}
+            child._own_build()
+            children[index] = child
+        return children
+
+    # ----------------------------------------------------------------- building
+    def spec(self, heads_q: int, heads_kv: int) -> AttentionSpec:
+        return AttentionSpec(self.head_dim, self.dtype, self.causal, heads_q, heads_kv, **self.variant)
+
+    def _scheduled(self, spec: AttentionSpec) -> tvm.s_tir.Schedule:
+        sch = tvm.s_tir.Schedule(schedule_registry.program_for(spec, self.schedule, self.knobs))
+        return self.schedule.schedule(sch, **self.knobs)
+
+    # ----------------------------------------------------------------- using
+    def info(self) -> dict:
+        """What this kernel is, and where each of its modules came from."""
+        return describe(self, {"seqlen_buckets": {database.bucket_label(index): {"knobs": dict(child.knobs),
+                                                                                 "knobs_source": child.knobs_source}
+                                                  for index, child in self.by_bucket.items()}} if self.by_bucket else {})
+
+    def __repr__(self) -> str:
+        variant = "".join(f"{name}={value!r}, " for name, value in self.variant.items())
+        return (f"tvmflash.Kernel(head_dim={self.head_dim}, dtype={self.dtype}, causal={self.causal}, {variant}"
+                f"target={targets.describe(self.target)!r})")
+
+    def __call__(self, q, k, v, *, softmax_scale=None, out=None, return_lse=False, alibi_slopes=None):
+        """Attention of q over k, v. See the class docstring for the shapes."""
+        check_flag("return_lse", return_lse)
+        softmax_scale = resolve_softmax_scale(softmax_scale, self.head_dim)
+        if torch.compiler.is_compiling():  # torch.compile traces a custom op, which calls back here at run time
+            return registry.route("forward")(self, q, k, v, softmax_scale, out, return_lse, alibi_slopes)
+        arguments = self.arguments
+        arguments.check(q, k, v, out)
+        if self.by_bucket:  # another seqlen bucket's tuned knobs (``_bucket_kernels``)
+            other = self.by_bucket.get(database.seqlen_bucket(k.shape[1]))
+            if other is not None:
+                return other(q, k, v, softmax_scale=softmax_scale, out=out, return_lse=return_lse,
+                             alibi_slopes=alibi_slopes)
+        variant_arguments = arguments.variant_arguments(q, alibi_slopes)
+        # The module reads and writes through the tensors' own strides: none is copied, but where a
+        # CUDA kernel's 16-byte vectors do not fit the strides (``Arguments.usable``).
+        q, k, v = arguments.usable(q, "q"), arguments.usable(k, "k"), arguments.usable(v, "v")
+        batch, seqlen_q, heads_q, _ = q.shape
+        heads_kv = k.shape[2]
+        given = out
+        if out is None:
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        elif not arguments.fits(out):  # written to a compact tensor, then copied into out
+            arguments.usable(out, "out", copy=False)
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device)
+        module = self.build.module_for(heads_q, heads_kv, q=q, k=k, v=v, out=out)
+        if out.numel() and not k.shape[1]:
+            # No key at all: every row sees none (0, and an LSE of -inf). Answered here, as the TMA
+            # builds' tensor maps cannot describe an empty K or V.
+            out.zero_()
+            lse.fill_(-math.inf)
+        elif out.numel():
+            module.function(q, k, v, out, lse, softmax_scale, *variant_arguments)
+        if given is not None and given is not out:
+            out = given.copy_(out)
+        return (out, lse) if return_lse else out
