@@ -56,12 +56,12 @@ def build_in_parallel(builds: list[tuple[str, dict]], processes: int, echo=print
 
 
 def _build(build: tuple) -> str | None:
-    import tvmflash
+    from tvmflash import kernels
 
     name, kwargs, env = (*build, {})[:3]
     try:
         with environment(env):
-            getattr(tvmflash, name)(**kwargs)
+            getattr(kernels, name)(**kwargs)
     except Exception as err:  # noqa: BLE001 - reported as this build's error
         lines = [line for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
         return f"{type(err).__name__}: {lines[-1].strip()}"

@@ -8,7 +8,6 @@ schedule and knobs from ``tvmflash.choice``, and checks its arguments with ``che
 from __future__ import annotations
 
 from tvmflash import cache, choice, program
-from tvmflash import schedules as schedule_registry
 from tvmflash import target as targets
 from tvmflash.kernels import registry
 from tvmflash.kernels.backward import BackwardKernel, VarlenBackwardKernel
@@ -28,17 +27,18 @@ _DECODE_KERNELS: dict[str, DecodeKernel] = {}  # compile_decode()'s, by key
 
 def compile(*, head_dim: int, dtype, causal: bool = False, target=None, knobs: dict | None = None,
             heads_q: int | None = None, heads_kv: int | None = None, window_size=(-1, -1), softcap: float = 0.0,
-            alibi: bool = False, varlen: bool = False) -> Kernel:  # noqa: A001 - the API's name
+            alibi: bool = False, varlen: bool = False, schedule: str | None = None) -> Kernel:  # noqa: A001
     """Compile FlashAttention forward and return a :class:`Kernel`.
 
     head_dim: 32, 64, 96, 128 or 256. dtype: "float16", "bfloat16", "float32" or the torch dtype.
     causal, window_size, softcap: flash-attn's (``resolve_variant``; one kernel per value); alibi:
     the kernel takes ALiBi slopes at each call; varlen: a :class:`VarlenKernel`, over sequences packed
     without padding (flash-attn's varlen). target: None (the current torch CUDA device if there
-    is one, else the CPU), "cpu", "cuda", "sm80", "sm86", "sm89", "sm90", a ``tvm.target.Target``
-    or a JSON dict. knobs: overrides of the
-    schedule's knobs (``tvmflash.schedules.<arch>.KNOBS``). heads_q / heads_kv: build for these
-    head counts now; otherwise each new head count is built at its first call.
+    is one, else the CPU), "cpu", "cuda", "sm80", "sm86", "sm89", "sm90", "sm100", "sm120", a
+    ``tvm.target.Target`` or a JSON dict. schedule: the name of the schedule to use ("sm90", "sm80",
+    "simt", "cpu"; None: ``tvmflash.choice`` picks). knobs: overrides of that schedule's forward knobs
+    (``kernel.info()["knobs"]``; each schedule declares them in its ``knobs``). heads_q / heads_kv:
+    build for these head counts now; otherwise each new head count is built at its first call.
 
     Modules are cached in memory and on disk (``$TVMFLASH_CACHE_DIR``, else ``~/.cache/tvmflash``).
     """
@@ -46,15 +46,14 @@ def compile(*, head_dim: int, dtype, causal: bool = False, target=None, knobs: d
     variant = {**resolve_variant(causal, window_size, softcap, alibi), **varlen_field(varlen)}
     program.AttentionSpec(head_dim, dtype, **variant)  # validates head_dim and dtype
     resolved = targets.resolve(target)
-    # The environment's schedule setting is in the key: it may change the schedule for the same
-    # target. The records that choice.choose_schedule reads are read once, when the Kernel is made
-    # (as its tuned knobs are): compile() runs on every tvmflash.attention call, so a cached one
-    # reads no file.
+    # The environment's settings are in the key: they may change the schedule for the same target.
+    # The records that choice reads are read once, when the Kernel is made (as its tuned knobs are):
+    # compile() runs on every tvmflash.attention call, so a cached one reads no file.
     spec_args = {"head_dim": head_dim, "dtype": dtype, **variant}
-    key = kernel_key(spec_args, resolved, knobs)
+    key = kernel_key(spec_args, resolved, knobs, schedule)
     kernel = _KERNELS.get(key)
     if kernel is None:
-        kernel = _KERNELS[key] = (VarlenKernel if varlen else Kernel)(spec_args, resolved, knobs)
+        kernel = _KERNELS[key] = (VarlenKernel if varlen else Kernel)(spec_args, resolved, knobs, schedule)
     if heads_q is not None:
         kernel.module(heads_q, heads_kv if heads_kv is not None else heads_q)
     return kernel
@@ -63,21 +62,21 @@ def compile(*, head_dim: int, dtype, causal: bool = False, target=None, knobs: d
 def compile_backward(*, head_dim: int, dtype, causal: bool = False, target=None, knobs: dict | None = None,
                      heads_q: int | None = None, heads_kv: int | None = None, window_size=(-1, -1),
                      softcap: float = 0.0, alibi: bool = False, varlen: bool = False,
-                     deterministic: bool = False) -> BackwardKernel:
+                     deterministic: bool = False, schedule: str | None = None) -> BackwardKernel:
     """Compile the FlashAttention backward and return a :class:`BackwardKernel` (varlen: a
     :class:`VarlenBackwardKernel`). The arguments are :func:`compile`'s; knobs override the
-    schedule's ``BACKWARD_KNOBS``. deterministic: gradients bitwise the same from run to run (dq by
+    schedule's backward knobs. deterministic: gradients bitwise the same from run to run (dq by
     a program of its own even where the schedule's default sums it by atomics, the knob ``dq_atomic``)."""
     dtype = dtype_name(dtype)
     variant = {**resolve_variant(causal, window_size, softcap, alibi), **varlen_field(varlen)}
     program.AttentionSpec(head_dim, dtype, **variant)  # validates head_dim and dtype
     resolved = targets.resolve(target)
     spec_args = {"head_dim": head_dim, "dtype": dtype, **variant}
-    key = cache.digest(["backward", spec_args, str(resolved), knobs, *choice.backward_setting(), deterministic])
+    key = cache.digest(["backward", spec_args, str(resolved), knobs, schedule, choice.settings(), deterministic])
     kernel = _KERNELS.get(key)
     if kernel is None:
         kernel = _KERNELS[key] = (VarlenBackwardKernel if varlen else BackwardKernel)(spec_args, resolved, knobs,
-                                                                                      deterministic)
+                                                                                      deterministic, schedule)
     if heads_q is not None:
         kernel.module(heads_q, heads_kv if heads_kv is not None else heads_q)
     return kernel
@@ -89,10 +88,10 @@ def compile_decode(*, head_dim: int, dtype, page_size: int = 0, target=None, kno
     """Compile Flash-Decoding and return a :class:`DecodeKernel` (cached in memory; modules on disk).
 
     page_size: 0 for a contiguous cache, else the paged cache's rows per page (a power of two >= 16).
-    target, knobs: as ``tvmflash.compile`` (knobs of the schedule's ``DECODE_KNOBS``). heads_q /
-    heads_kv: build for these head counts now. window_size, softcap, alibi: as ``tvmflash.compile``'s,
-    but a window's right edge 0 is no window: that is the call's ``causal``. schedule: "sm80" (tensor
-    cores) or "simt"; None: TVMFLASH_DECODE, else sm80's where it applies (``choice.decode_schedule``).
+    target, knobs: as ``tvmflash.compile`` (knobs of the schedule's decode). heads_q / heads_kv: build
+    for these head counts now. window_size, softcap, alibi: as ``tvmflash.compile``'s, but a window's
+    right edge 0 is no window: that is the call's ``causal``. schedule: "sm80" (tensor cores), "simt" or
+    "cpu"; None: TVMFLASH_DECODE, else the target's (``tvmflash.choice``).
     """
     dtype = dtype_name(dtype)
     variant = resolve_variant(False, window_size, softcap, alibi)
@@ -101,8 +100,7 @@ def compile_decode(*, head_dim: int, dtype, page_size: int = 0, target=None, kno
                          f"window_size=({window_size[0]}, -1)")
     DecodeSpec(head_dim, dtype, 1, 1, page_size, **variant)  # validates head_dim, dtype and page_size
     resolved = targets.resolve(target)
-    module = choice.decode_schedule(resolved, dtype, head_dim, schedule)
-    key = cache.digest([head_dim, dtype, page_size, str(resolved), knobs, variant, schedule_registry.name_of(module)])
+    key = cache.digest([head_dim, dtype, page_size, str(resolved), knobs, variant, schedule, choice.settings()])
     kernel = _DECODE_KERNELS.get(key)
     if kernel is None:
         kernel = _DECODE_KERNELS[key] = DecodeKernel(head_dim, dtype, page_size, resolved, knobs, variant, schedule)

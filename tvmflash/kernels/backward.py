@@ -6,7 +6,6 @@ import torch
 import tvm
 
 from tvmflash import cache, choice, lowering, program, program_backward
-from tvmflash import schedules as schedule_registry
 from tvmflash import target as targets
 from tvmflash.kernels.build import Build, describe
 from tvmflash.kernels.checks import (
@@ -47,21 +46,22 @@ class BackwardKernel:
 
     PASS = "backward"
 
-    def __init__(self, spec_args: dict, target: tvm.target.Target, knobs: dict | None, deterministic: bool = False):
+    def __init__(self, spec_args: dict, target: tvm.target.Target, knobs: dict | None, deterministic: bool = False,
+                 schedule: str | None = None):
         self.head_dim, self.dtype, self.causal = spec_args["head_dim"], spec_args["dtype"], spec_args["causal"]
         self.variant = {name: spec_args[name] for name in VARIANT_FIELDS if name in spec_args}
         self.target = target
-        self.schedule, self.schedule_source, self.knobs, self.knobs_source, _ = choice.resolve_backward(
-            target, spec_args, knobs, deterministic)
-        stride_multiple = program.stride_multiple(schedule_registry.stride_alignment(self.schedule), self.dtype)
+        chosen = choice.backward(target, spec_args, knobs, deterministic, schedule)
+        self.schedule, self.schedule_source = chosen.schedule, chosen.schedule_source
+        self.knobs, self.knobs_source = chosen.knobs, chosen.knobs_source
+        stride_multiple = program.stride_multiple(self.schedule.stride_alignment, self.dtype)
         self.arguments = Arguments(self.head_dim, self.dtype, target, self.variant.get("alibi", False), stride_multiple)
-        options = kernel_build_options(self.schedule, self.variant)  # the forward's
-        # schedules/cuda.py: the tensor-core schedules run delta and convert_dq on its SIMT schedule
+        options = kernel_build_options(self.schedule, self.variant, "backward")
         self.build = Build(kind=self.PASS, target=target, schedule=self.schedule, knobs=self.knobs,
                            variant=self.variant, spec=self.spec, programs=self._scheduled, entry=self._entry,
-                           code=(program, self.schedule, schedule_registry.common, *lowering.MODULES),
+                           code=(program, *self.schedule.sources, *lowering.MODULES),
                            options=options, key_fields={"build": options} if self.variant.get("varlen") else {},
-                           outer={"pass": self.PASS, "code": cache.source_digest(program_backward, schedule_registry.cuda)})
+                           outer={"pass": self.PASS, "code": cache.source_digest(program_backward)})
         # as the forward's: a module for some head counts, its CUDA source, its scheduled TensorIR
         self.module, self.source, self.scheduled_tir = self.build.module, self.build.source, self.build.scheduled_tir
 
@@ -73,8 +73,8 @@ class BackwardKernel:
         knobs = self.knobs
         sch = tvm.s_tir.Schedule(program_backward.attention_backward(
             spec, knobs["block_m"], knobs["block_n"], knobs.get("dq_block_m"), knobs.get("dq_block_n"),
-            dq_atomic=self.dq_atomic, stride_alignment=schedule_registry.stride_alignment(self.schedule)))
-        return self.schedule.schedule_backward(sch, **self.knobs)
+            dq_atomic=self.dq_atomic, stride_alignment=self.schedule.stride_alignment))
+        return self.schedule.backward.apply(sch, **self.knobs)
 
     @property
     def dq_atomic(self) -> bool:

@@ -12,7 +12,6 @@ import time
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Any, Callable
 
 import torch
@@ -24,9 +23,9 @@ os.environ.setdefault("TVM_NUM_THREADS", str(torch.get_num_threads()))
 import tvm  # noqa: E402
 
 from tvmflash import cache, lowering  # noqa: E402
-from tvmflash import schedules as schedule_registry  # noqa: E402
 from tvmflash import target as targets  # noqa: E402
 from tvmflash.kernels.checks import check_strides, needs_int64  # noqa: E402
+from tvmflash.schedules.contract import Schedule  # noqa: E402
 
 # Builds and loads are logged at INFO (the CLI shows them): a GPU build takes tens of seconds on a CPU.
 logger = logging.getLogger("tvmflash")
@@ -53,7 +52,7 @@ def runnable_here(target: tvm.target.Target) -> bool:
 
 def version() -> str:
     """tvmflash's version (in every module's key)."""
-    from tvmflash import __version__
+    from tvmflash.version import __version__
 
     return __version__
 
@@ -72,7 +71,7 @@ class Build:
     shares a key with the forward's.
     """
 
-    def __init__(self, *, kind: str, target: tvm.target.Target, schedule: ModuleType, knobs: dict, variant: dict,
+    def __init__(self, *, kind: str, target: tvm.target.Target, schedule: Schedule, knobs: dict, variant: dict,
                  spec: Callable, programs: Callable, entry: Callable, code: tuple, options: dict,
                  key_fields: dict | None = None, outer: dict | None = None):
         self.kind, self.target, self.schedule, self.knobs, self.variant = kind, target, schedule, knobs, variant
@@ -124,7 +123,7 @@ class Build:
                     what = (f"d{spec.head_dim} {spec.dtype}{' causal' if spec.causal else ''}{variant} "
                             f"hq{spec.heads_q}/hkv{spec.heads_kv}{' int64' if wide else ''}")
                     logger.info("building %s for %s (%s schedule)...", what, self.target_name,
-                                schedule_registry.name_of(self.schedule))
+                                self.schedule.name)
                     found = self._build(spec, key, wide)
                 logger.info("%s %s in %.1f s%s", "built" if found.origin == "built" else "loaded", found.path or "it",
                             found.seconds, "" if found.function else " (CUDA source only: no GPU here to build for)")
@@ -185,7 +184,7 @@ class Build:
         path = self._path(key)
         try:
             meta = {"key": key, "pass": self.kind, "spec": asdict(spec), "knobs": self.knobs, "target": str(self.target),
-                    "schedule": schedule_registry.name_of(self.schedule), "tvm": tvm.__version__,
+                    "schedule": self.schedule.name, "tvm": tvm.__version__,
                     "tvmflash": version(), "code": self.code_digest(), "created": time.strftime("%Y-%m-%d %H:%M:%S"),
                     **({"index_bits": 64} if wide else {})}
             cache.write_module(path, executable.export_library if runnable else lambda tmp: Path(tmp).write_text(source),
@@ -232,7 +231,7 @@ def describe(kernel, extra: dict | None = None, after: dict | None = None) -> di
         "causal": kernel.causal,
         **kernel.variant,
         "target": targets.describe(kernel.target),
-        "schedule": schedule_registry.name_of(kernel.schedule),
+        "schedule": kernel.schedule.name,
         "schedule_source": kernel.schedule_source,
         "knobs": dict(kernel.knobs),
         "knobs_source": kernel.knobs_source,

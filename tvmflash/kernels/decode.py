@@ -15,7 +15,6 @@ import torch
 import tvm
 
 from tvmflash import choice, lowering, program, program_decode
-from tvmflash import schedules as schedule_registry
 from tvmflash import target as targets
 from tvmflash.kernels.build import Build, describe
 from tvmflash.kernels.checks import INT32_MAX, Arguments, check_num_splits, needs_int64, resolve_softmax_scale
@@ -54,18 +53,19 @@ class DecodeKernel:
         self.head_dim, self.dtype, self.causal, self.page_size = head_dim, dtype, False, page_size
         self.variant, self.target = dict(variant or {}), target
         # sm80's tensor cores on sm80+ GPUs (fp16/bf16), else SIMT threads, or the CPU's schedule
-        self.schedule, self.schedule_source, self.knobs, self.knobs_source, _ = choice.resolve_decode(
-            target, head_dim, dtype, page_size, knobs, schedule)
+        chosen = choice.decode(target, {"head_dim": head_dim, "dtype": dtype, "causal": False}, page_size, knobs,
+                               schedule)
+        self.schedule, self.schedule_source = chosen.schedule, chosen.schedule_source
+        self.knobs, self.knobs_source = chosen.knobs, chosen.knobs_source
+        self.tasks = self.schedule.decode.tasks
         # the program variant the schedule maps: operands in q's dtype for tensor cores, else float32
-        self.tensor_cores = getattr(self.schedule, "DECODE_TENSOR_CORES", False)
+        self.tensor_cores = self.tasks.tensor_cores
         self.arguments = Arguments(head_dim, dtype, target, self.variant.get("alibi", False))
         self.build = Build(kind=self.PASS, target=target, schedule=self.schedule, knobs=self.knobs,
                            variant=self.variant, spec=self.spec, programs=self._scheduled,
                            entry=lambda module: {name: module[name] for name in ("split", "single", "merge")},
-                           # cuda: the merge's schedule
-                           code=(program, program_decode, self.schedule, schedule_registry.common,
-                                 schedule_registry.cuda, *lowering.MODULES),
-                           options=choice.decode_build_options(self.schedule),
+                           code=(program, program_decode, *self.schedule.sources, *lowering.MODULES),
+                           options=self.schedule.build_options("decode"),
                            outer={"pass": self.PASS, "tensor cores": self.tensor_cores})
         # as the forward's: a module for some head counts, its CUDA source, its scheduled TensorIR
         self.module, self.source, self.scheduled_tir = self.build.module, self.build.source, self.build.scheduled_tir
@@ -85,7 +85,7 @@ class DecodeKernel:
         mod = tvm.IRModule({"split": split.with_attr("global_symbol", "split"),
                             "single": single.with_attr("global_symbol", "single"),
                             "merge": merge.with_attr("global_symbol", "merge")})
-        return self.schedule.schedule_decode(tvm.s_tir.Schedule(mod), **self.knobs)
+        return self.schedule.decode.apply(tvm.s_tir.Schedule(mod), **self.knobs)
 
     def info(self) -> dict:
         """What this kernel is, and where each of its modules came from."""
@@ -101,8 +101,7 @@ class DecodeKernel:
     def query_tokens(self, group: int) -> int:
         """Query tokens of a task, for a GQA group of ``group`` query heads (the tensor-core schedule fills
         whole mma tiles of rows; the others take the knob)."""
-        rule = getattr(self.schedule, "decode_query_tokens", None)
-        return rule(group, self.knobs) if rule else self.knobs["query_tokens"]
+        return self.tasks.query_tokens(group, self.knobs)
 
     def query_blocks(self, seqlen_q: int, group: int) -> int:
         return -(-seqlen_q // self.query_tokens(group))
@@ -112,11 +111,8 @@ class DecodeKernel:
         """The split count for ``num_splits=0``, from static shapes only (so that a CUDA graph's
         buffers fit every replay): enough tasks to fill the device (``choose_num_splits``). group:
         the query heads a K/V head serves (a task's shared memory grows with it)."""
-        if device.type == "cuda":
-            slots = _sm_count(device) * self.schedule.decode_tasks_per_sm(self.head_dim, self.dtype, self.knobs,
-                                                                           group)
-        else:
-            slots = torch.get_num_threads() * self.schedule.decode_tasks_per_core(self.knobs)
+        processors = _sm_count(device) if device.type == "cuda" else torch.get_num_threads()
+        slots = processors * self.tasks.per_processor(self.head_dim, self.dtype, self.knobs, group)
         tiles = -(-max_keys // self.knobs["block_n"])
         return choose_num_splits(batch * heads_kv * self.query_blocks(seqlen_q, group), tiles, slots)
 

@@ -15,21 +15,22 @@ from tvmflash.kernels import registry
 from tvmflash.kernels.build import Build, describe
 from tvmflash.kernels.checks import VARIANT_FIELDS, Arguments, check_flag, resolve_softmax_scale
 from tvmflash.program import AttentionSpec
+from tvmflash.schedules.contract import Schedule
 
 
-def kernel_key(spec_args: dict, target: tvm.target.Target, knobs: dict | None) -> str:
-    """What names a Kernel: its spec, target and given knobs, and the environment's schedule setting
-    (``choice.forward_setting``: it may change the schedule for the same target)."""
-    return cache.digest([spec_args, str(target), knobs, choice.forward_setting()])
+def kernel_key(spec_args: dict, target: tvm.target.Target, knobs: dict | None, schedule: str | None = None) -> str:
+    """What names a Kernel: its spec, target, given knobs and schedule, and the environment's settings
+    (``choice.settings``: they may change the schedule for the same target)."""
+    return cache.digest([spec_args, str(target), knobs, *([schedule] if schedule else []), choice.settings()])
 
 
-def kernel_build_options(schedule, variant: dict) -> dict:
+def kernel_build_options(schedule: Schedule, variant: dict, program_name: str = "forward") -> dict:
     """What ``lowering.build`` takes for a forward or backward kernel's modules: its schedule's
-    options (``choice.build_options``), and for varlen the tile tests hoisted on every schedule
+    options (``Schedule.build_options``), and for varlen the tile tests hoisted on every schedule
     (``HoistBlockIndexConditions``): nvcc unswitches the sm80 schedule's dense K/V step on the causal
     tile test (two bodies in its PTX) but not varlen's (one body), whose test reads the sequence's
     offsets too."""
-    options = choice.build_options(schedule)
+    options = schedule.build_options(program_name)
     if variant.get("varlen"):
         options["hoist_block_index_conditions"] = True
     return options
@@ -58,19 +59,21 @@ class Kernel:
     counts, its CUDA source, its scheduled TensorIR.
     """
 
-    def __init__(self, spec_args: dict, target: tvm.target.Target, knobs: dict | None):
+    def __init__(self, spec_args: dict, target: tvm.target.Target, knobs: dict | None, schedule: str | None = None):
         self.head_dim, self.dtype, self.causal = spec_args["head_dim"], spec_args["dtype"], spec_args["causal"]
         self.variant = {name: spec_args[name] for name in VARIANT_FIELDS if name in spec_args}
         self.target = target
-        self.key = kernel_key(spec_args, target, knobs)
-        chosen = choice.resolve_forward(target, spec_args, knobs)
-        self.schedule, self.schedule_source, self.knobs, self.knobs_source, _ = chosen
-        stride_multiple = program.stride_multiple(schedule_registry.stride_alignment(self.schedule), self.dtype)
+        self.key = kernel_key(spec_args, target, knobs, schedule)
+        chosen = choice.forward(target, spec_args, knobs, schedule)
+        self.schedule, self.schedule_source = chosen.schedule, chosen.schedule_source
+        self.knobs, self.knobs_source = chosen.knobs, chosen.knobs_source
+        stride_multiple = program.stride_multiple(self.schedule.stride_alignment, self.dtype)
         self.arguments = Arguments(self.head_dim, self.dtype, target, self.variant.get("alibi", False), stride_multiple)
         self._own_build()
         # seqlen bucket -> a copy with that bucket's tuned knobs, in modules of its own; ``__call__`` runs
-        # the copy for key lengths in its bucket
-        self.by_bucket = self._bucket_kernels(choice.bucket_knobs(target, spec_args, chosen))
+        # the copy for key lengths in its bucket (varlen: the dense kernels' records are no varlen's)
+        self.by_bucket = {} if self.variant.get("varlen") or chosen.record is None else self._bucket_kernels(
+            target, spec_args, chosen)
         registry.remember(self)
 
     def _own_build(self) -> None:
@@ -80,18 +83,24 @@ class Kernel:
         build = Build(kind="forward", target=self.target, schedule=self.schedule, knobs=self.knobs,
                       variant=self.variant, spec=self.spec, programs=self._scheduled,
                       entry=lambda module: module["main"],
-                      code=(program, self.schedule, schedule_registry.common, *lowering.MODULES), options=options,
+                      code=(program, *self.schedule.sources, *lowering.MODULES), options=options,
                       key_fields={"build": options} if self.variant.get("varlen") else {})  # (dense keys unchanged)
         self.build, self.module, self.source, self.scheduled_tir = build, build.module, build.source, build.scheduled_tir
 
-    def _bucket_kernels(self, knobs_by_bucket: dict) -> dict:
-        """A copy of this kernel for each seqlen bucket's knobs (``choice.bucket_knobs``)."""
+    def _bucket_kernels(self, target, spec_args: dict, chosen: choice.Choice) -> dict:
+        """By seqlen_k bucket (``database.SEQLEN_BUCKETS``) other than that of the record these knobs
+        came from: a copy of this kernel with that bucket's tuned knobs, where they differ
+        (``choice.forward_for_bucket``)."""
         children = {}
-        for index, (knobs, source) in knobs_by_bucket.items():
-            child = copy.copy(self)
-            child.knobs, child.knobs_source, child.by_bucket = knobs, source, {}
-            child._own_build()
-            children[index] = child
+        for index in range(len(database.bucket_seqlens())):
+            if index == database.bucket(chosen.record):
+                continue
+            found = choice.forward_for_bucket(target, chosen, spec_args, index)
+            if found is not None:
+                child = copy.copy(self)
+                child.knobs, child.knobs_source, child.by_bucket = found.knobs, found.knobs_source, {}
+                child._own_build()
+                children[index] = child
         return children
 
     # ----------------------------------------------------------------- building
@@ -100,7 +109,7 @@ class Kernel:
 
     def _scheduled(self, spec: AttentionSpec) -> tvm.s_tir.Schedule:
         sch = tvm.s_tir.Schedule(schedule_registry.program_for(spec, self.schedule, self.knobs))
-        return self.schedule.schedule(sch, **self.knobs)
+        return self.schedule.forward.apply(sch, **self.knobs)
 
     # ----------------------------------------------------------------- using
     def info(self) -> dict:
