@@ -78,7 +78,9 @@ class KnobSet:
     rules: ``rules(knobs) -> str | None``, why complete knobs do not go together (any head_dim).
     build_problem: ``build_problem(head_dim, dtype, knobs) -> str | None``, why a build with complete
     knobs would fail on the GPU (registers, alignment). shared_memory: ``shared_memory(head_dim, dtype,
-    knobs) -> bytes`` a build needs; shared_memory_limit: a cap below the target's (static shared
+    knobs) -> bytes`` a build needs. precheck: ``precheck(head_dim, dtype, knobs) -> str | None``, what
+    the tuner also leaves out before building: configurations that a cheap model says would fail at
+    build time (a caller's own knobs are left to the build, which says so too). shared_memory_limit: a cap below the target's (static shared
     memory). varlen_by_head_dim: knobs varlen takes at some head_dims (over the defaults, below the
     caller's). The tuner's design space is ``space()``."""
 
@@ -88,6 +90,7 @@ class KnobSet:
     rules: Callable[[dict], str | None] | None = None
     build_problem: Callable[[int, str, dict], str | None] | None = None
     shared_memory: Callable[[int, str, dict], int] | None = None
+    precheck: Callable[[int, str, dict], str | None] | None = None
     shared_memory_limit: int | None = None
     varlen_by_head_dim: Mapping[int, dict] = field(default_factory=dict)
 
@@ -137,14 +140,16 @@ class KnobSet:
         made before a knob existed, or after one was dropped, is not this schedule's any more."""
         return set(knobs) == set(self.names) and self.problem(knobs) is None
 
-    def problem(self, knobs: dict, head_dim: int | None = None, dtype: str | None = None) -> str | None:
+    def problem(self, knobs: dict, head_dim: int | None = None, dtype: str | None = None,
+                tuning: bool = False) -> str | None:
         """The one knob validation: None if ``knobs`` (some or all of this set's, the defaults filling
         in the rest) are valid, else why not. Names first, then each value, then the rules between
-        knobs, then, given a head_dim and dtype, the build's own limits (``build_problem``)."""
+        knobs, then, given a head_dim and dtype, the build's own limits (``build_problem``, and for the
+        tuner, ``tuning``, its ``precheck``)."""
         unknown = sorted(set(knobs) - set(self.names))
         if unknown:
-            return (f"knobs: {unknown} are not {self.program} knobs of the {self.schedule} schedule; it has "
-                    f"{sorted(self.names)}")
+            which = "" if self.program == "forward" else f"{self.program} "
+            return f"knobs: {unknown} are not {which}knobs of the {self.schedule} schedule; it has {sorted(self.names)}"
         by_name = self.by_name
         for name, value in knobs.items():
             problem = by_name[name].value_problem(value, self.schedule)
@@ -152,8 +157,9 @@ class KnobSet:
                 return f"knobs: {name}: {problem}"
         complete = {**self.defaults(head_dim), **knobs}
         problem = self.rules(complete) if self.rules is not None else None
-        if problem is None and head_dim is not None and dtype is not None and self.build_problem is not None:
-            problem = self.build_problem(head_dim, dtype, complete)
+        for check in ((self.build_problem, self.precheck if tuning else None) if head_dim and dtype else ()):
+            if problem is None and check is not None:
+                problem = check(head_dim, dtype, complete)
         return None if problem is None else f"knobs: {problem}"
 
 

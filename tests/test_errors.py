@@ -146,10 +146,11 @@ def test_boolean_options_take_booleans(kernel, flag):
 @pytest.mark.parametrize("target,knobs,message", [
     ("cpu", {"block_m": 0}, r"knobs: block_m: expected a positive int, got 0"),
     ("cpu", {"block_n": "big"}, r"knobs: block_n: expected a positive int, got 'big'"),
-    ("cpu", {"vector": True}, r"knobs: vector: expected a positive int, got True"),
+    ("sm80", {"vec": True}, r"knobs: vec: expected a positive int, got True"),
+    ("cpu", {"vector": 3}, r"knobs: vector: the cpu schedule takes one of \[4, 8, 16, 32\], got 3"),
     ("sm80", {"num_stages": 4}, r"knobs: num_stages: the sm80 schedule takes one of \[1, 2, 3\], got 4"),
     ("sm80", {"row_state": "fast"}, r"knobs: row_state: the sm80 schedule takes one of \['registers', 'shared'\], got 'fast'"),
-], ids=["zero", "str", "bool", "choice", "str-choice"])
+], ids=["zero", "str", "bool", "vector", "choice", "str-choice"])
 def test_bad_knob_values(target, knobs, message):
     """block_m 0 failed in TVM (DiagnosticError: divide by zero), "big" with a type mismatch: knob
     values are checked against the schedule before anything is built."""
@@ -164,5 +165,6 @@ def test_tuned_knobs_of_bad_values_are_passed_over(tmp_path, monkeypatch):
 
     monkeypatch.setenv("TVMFLASH_CACHE_DIR", str(tmp_path))
     workload = {"head_dim": 64, "dtype": "float16", "causal": False}
-    database.add(database.new_record(targets.cpu_target(), "cpu", workload, {**cpu.KNOBS, "block_m": 0}, 1.0))
-    assert database.lookup(targets.cpu_target(), "cpu", workload) is None
+    database.add(database.new_record(targets.cpu_target(), "cpu", workload, {**cpu.FORWARD.defaults(), "block_m": 0},
+                                     1.0))
+    assert database.lookup(targets.cpu_target(), "cpu", workload, usable=cpu.FORWARD.accepts) is None

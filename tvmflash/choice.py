@@ -152,6 +152,19 @@ def check_knobs(knobset: KnobSet, knobs: dict, head_dim: int | None = None, dtyp
         raise ValueError(problem)
 
 
+def given_knobs_problem(schedule: Schedule, program: str, knobs: dict | None, varlen: bool) -> dict:
+    """Check the caller's knobs of a program (``KnobSet.problem``, and with varlen what it requires);
+    return what varlen requires ({} without)."""
+    knobset = schedule.program(program).knobs
+    check_knobs(knobset, knobs or {})
+    required = knobset.varlen_required() if varlen else {}
+    wrong = {name: value for name, value in (knobs or {}).items() if name in required and value != required[name]}
+    if wrong:
+        which = "schedule" if program == "forward" else program
+        raise ValueError(f"knobs: varlen on the {schedule.name} {which} takes {required}, got {wrong}")
+    return required
+
+
 def record_source(record: dict) -> str:
     return f"{record['source']}, {record['mean_ms']:.3f} ms at {record.get('shape')}"
 
@@ -176,18 +189,24 @@ def lookup(target, schedule: Schedule, program: str, workload_: dict, seqlen_k: 
     return database.lookup(target, schedule.name, workload_, seqlen_k, usable=schedule.program(program).knobs.accepts)
 
 
-def shared_memory_over(target, knobset: KnobSet, head_dim: int, dtype: str, knobs: dict) -> str | None:
-    """None if the tiles of these knobs fit the target's shared memory per block (and the knob set's own
-    cap), else what they need against what is allowed."""
+def shared_memory_needed(target, knobset: KnobSet, head_dim: int, dtype: str, knobs: dict) -> tuple[int, int] | None:
+    """(bytes needed, bytes allowed) where the tiles of these knobs need more shared memory a block than
+    the target allows (or the knob set's own cap, a schedule's static shared memory), else None."""
     limit = target.attrs.get("max_shared_memory_per_block") if targets.is_cuda(target) else None
     if limit is None or knobset.shared_memory is None:
         return None
     limit = min(int(limit), knobset.shared_memory_limit or math.inf)
     need = knobset.shared_memory(head_dim, dtype, knobs)
-    if need <= limit:
+    return None if need <= limit else (need, limit)
+
+
+def shared_memory_over(target, knobset: KnobSet, head_dim: int, dtype: str, knobs: dict) -> str | None:
+    """None if the tiles of these knobs fit the target's shared memory per block, else what they need
+    against what it allows, as a message."""
+    over = shared_memory_needed(target, knobset, head_dim, dtype, knobs)
+    if over is None:
         return None
-    return f"{need / 1024:.0f} KiB of shared memory, the {knobset.schedule} {knobset.program} on " \
-           f"{targets.describe(target)} allows {limit / 1024:.0f} KiB"
+    return f"{over[0] / 1024:.0f} KiB of shared memory, {targets.describe(target)} allows {over[1] / 1024:.0f} KiB"
 
 
 def fit_shared_memory(target, knobset: KnobSet, head_dim: int, dtype: str, knobs: dict, source: str,
@@ -230,11 +249,7 @@ def forward(target, spec_args: dict, knobs: dict | None, schedule: str | None = 
     chosen, why, records = choose_schedule("forward", target, spec_args, schedule=schedule, knobs_given=bool(knobs))
     knobset, head_dim, dtype = chosen.forward.knobs, spec_args["head_dim"], spec_args["dtype"]
     varlen = spec_args.get("varlen", False)
-    check_knobs(knobset, knobs or {})
-    required = knobset.varlen_required() if varlen else {}
-    wrong = {name: value for name, value in (knobs or {}).items() if name in required and value != required[name]}
-    if wrong:
-        raise ValueError(f"knobs: varlen on the {chosen.name} schedule takes {required}, got {wrong}")
+    required = given_knobs_problem(chosen, "forward", knobs, varlen)
     record = None if knobs else records.get(chosen.name) if chosen.name in records else \
         lookup(target, chosen, "forward", workload(spec_args))
     resolved, source = take_knobs(knobset, knobset.defaults(head_dim, varlen), record, knobs, required)
@@ -265,11 +280,7 @@ def backward(target, spec_args: dict, knobs: dict | None, deterministic: bool = 
     chosen, why, _ = choose_schedule("backward", target, spec_args, schedule=schedule, knobs_given=bool(knobs))
     knobset, head_dim, dtype = chosen.backward.knobs, spec_args["head_dim"], spec_args["dtype"]
     varlen = spec_args.get("varlen", False)
-    check_knobs(knobset, knobs or {})
-    required = knobset.varlen_required() if varlen else {}
-    wrong = {name: value for name, value in (knobs or {}).items() if name in required and value != required[name]}
-    if wrong:
-        raise ValueError(f"knobs: varlen on the {chosen.name} backward takes {required}, got {wrong}")
+    required = given_knobs_problem(chosen, "backward", knobs, varlen)
     # varlen keeps the defaults: the records are the dense kernels'
     record = None if knobs or varlen else lookup(target, chosen, "backward", workload(spec_args, "backward"))
     resolved, source = take_knobs(knobset, knobset.defaults(head_dim, varlen), record, knobs, required)
@@ -280,9 +291,11 @@ def backward(target, spec_args: dict, knobs: dict | None, deterministic: bool = 
         resolved["dq_atomic"] = False
     if targets.is_cuda(target):
         check_knobs(knobset, resolved, head_dim, dtype)
-        problem = shared_memory_over(target, knobset, head_dim, dtype, resolved)
-        if problem:
-            raise ValueError(f"knobs: {resolved} need {problem}; try a smaller block_m or block_n")
+        over = shared_memory_needed(target, knobset, head_dim, dtype, resolved)
+        if over:
+            raise ValueError(f"knobs: {resolved} need {over[0] / 1024:.0f} KiB of shared memory, the {chosen.name} "
+                             f"backward on {targets.describe(target)} has {over[1] / 1024:.0f} KiB; try a smaller "
+                             "block_m or block_n")
     return Choice(chosen, why, resolved, source, record)
 
 

@@ -115,9 +115,8 @@ def forward_rules(knobs: dict) -> str | None:
 
 def forward_build_problem(head_dim: int, dtype: str, knobs: dict) -> str | None:
     """Why a forward build with these complete knobs would fail, or None (shared memory is the
-    ``shared_memory`` model's): too few registers a thread, a swizzled layout at a head_dim that is no
-    multiple of 32, and swizzled tiles off the 1024-byte boundary the swizzle needs
-    (``tvmflash.lowering.tile_alignment.MisalignedTiles``)."""
+    ``shared_memory`` model's): the dtype, tile sizes wgmma cannot take, too few registers a thread, a
+    swizzled layout at a head_dim that is no multiple of 32."""
     if dtype not in DTYPES:
         return f"the sm90 schedule takes {DTYPES}, got {dtype!r}"
     if knobs["block_n"] % 16 or knobs["block_n"] > 256 or head_dim % 16:
@@ -129,6 +128,14 @@ def forward_build_problem(head_dim: int, dtype: str, knobs: dict) -> str | None:
     swizzled = [name for name in ("kv_layout", "q_layout") if knobs[name] == "swizzled"]
     if swizzled and swizzle_columns(head_dim) is None:
         return f"{' and '.join(swizzled)} 'swizzled' needs a head_dim that is a multiple of {NARROW_SWIZZLE_COLUMNS}"
+    return None
+
+
+def forward_precheck(head_dim: int, dtype: str, knobs: dict) -> str | None:
+    """What the tuner leaves out before building: swizzled tiles without TMA that
+    ``MergeSharedMemoryAllocations`` would place off the 1024-byte boundary the swizzle needs
+    (``tvmflash.lowering.tile_alignment.MisalignedTiles``, which the build raises)."""
+    swizzled = [name for name in ("kv_layout", "q_layout") if knobs[name] == "swizzled"]
     if swizzled and knobs["kv_copy"] != "tma":
         # Without TMA no barrier padding moves the tiles (``lowering.pipeline.build``): they sit where
         # MergeSharedMemoryAllocations puts them, after the per-row values, then the Q tile, then the
@@ -230,7 +237,8 @@ FORWARD = KnobSet("sm90", "forward", (
     Knob("q_copy", "threads", choices=Q_COPIES, role=STRUCTURE),
     Knob("o_store", "staged", choices=O_STORES, varlen="direct", role=STRUCTURE),
     Knob("overlap", 0, choices=OVERLAPS, role=STRUCTURE),
-), rules=forward_rules, build_problem=forward_build_problem, shared_memory=shared_memory_bytes)
+), rules=forward_rules, build_problem=forward_build_problem, precheck=forward_precheck,
+   shared_memory=shared_memory_bytes)
 PREFERRED_HEAD_DIMS = (64, 96, 128, 256)
 
 

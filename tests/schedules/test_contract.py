@@ -35,7 +35,7 @@ def test_the_space_and_its_points_are_derived_from_the_declaration():
 
 
 @pytest.mark.parametrize("knobs, message", [
-    ({"block_k": 64}, "knobs: ['block_k'] are not forward knobs of the demo schedule"),
+    ({"block_k": 64}, "knobs: ['block_k'] are not knobs of the demo schedule"),
     ({"block_m": 0}, "knobs: block_m: expected a positive int, got 0"),
     ({"block_m": True}, "knobs: block_m: expected a positive int, got True"),
     ({"num_stages": 4}, "knobs: num_stages: the demo schedule takes one of [1, 2, 3], got 4"),

@@ -11,6 +11,17 @@ import pytest
 
 import tvmflash
 from conftest import kv_loop_body
+from tvmflash.schedules.sm90 import knobs as sm90_knobs
+
+
+def valid(point: dict) -> bool:
+    """Whether forward knobs go together (the schedule's rules), the defaults filling in the rest."""
+    return sm90_knobs.FORWARD.rules({**sm90_knobs.FORWARD.defaults(), **point}) is None
+
+
+def shared_memory(head_dim: int, knobs: dict) -> int:
+    """The forward's shared memory for these knobs, the defaults at head_dim filling in the rest."""
+    return sm90_knobs.shared_memory_bytes(head_dim, "bfloat16", {**sm90_knobs.FORWARD.defaults(head_dim), **knobs})
 
 # A pointer into dynamic shared memory in the generated CUDA: its element type and index.
 _TILE_POINTER = r"\(\(&\(\(\((\w+)\*\)buf_dyn_shmem_ptr\)\[([^\]]*)\]\)\)"
@@ -309,13 +320,12 @@ def test_sm90_producer_needs_tma_and_one_block(monkeypatch):
     """A producer warpgroup without TMA, or with two blocks an SM, is a clear error; the tuner's
     task filter drops those points."""
     monkeypatch.setenv("TVMFLASH_SM90", "1")
-    from tvmflash.schedules import sm90
     with pytest.raises(ValueError, match="producer 'warpgroup' needs kv_copy 'tma', min_blocks_per_sm 1 and block_m 128"):
         tvmflash.compile(head_dim=128, dtype="bfloat16", target="sm90", knobs={"producer": "warpgroup"}).source(1, 1)
-    assert not sm90.valid_knobs({"producer": "warpgroup", "min_blocks_per_sm": 2})
-    assert not sm90.valid_knobs({"producer": "warpgroup", "min_blocks_per_sm": 1, "block_m": 256})
-    assert not sm90.valid_knobs({"producer": "warpgroup", "min_blocks_per_sm": 1, "kv_copy": "cp.async"})
-    assert sm90.valid_knobs({"producer": "warpgroup", "min_blocks_per_sm": 1, "kv_copy": "tma"})
+    assert not valid({"producer": "warpgroup", "min_blocks_per_sm": 2})
+    assert not valid({"producer": "warpgroup", "min_blocks_per_sm": 1, "block_m": 256})
+    assert not valid({"producer": "warpgroup", "min_blocks_per_sm": 1, "kv_copy": "cp.async"})
+    assert valid({"producer": "warpgroup", "min_blocks_per_sm": 1, "kv_copy": "tma"})
     # head_dim 256 in three stages does not fit: a clear error before building
     with pytest.raises(ValueError, match="KiB of shared memory"):
         tvmflash.compile(head_dim=256, dtype="bfloat16", target="sm90",
@@ -325,7 +335,7 @@ def test_sm90_producer_needs_tma_and_one_block(monkeypatch):
 @pytest.mark.parametrize("producer", ["thread", "warpgroup"])
 def test_sm90_three_stage_tma_pipeline(monkeypatch, producer):
     """Three TMA stages: the prologue issues two tiles (in a loop that TVM unrolls), yet the barriers
-    are set up once; every Q block visits at least two K/V tiles (``sm90.min_kv_tiles``), so no
+    are set up once; every Q block visits at least two K/V tiles (``sm90.SCHEDULE.min_kv_tiles``), so no
     statement of the pipeline's epilogue is guarded by the count of tiles (guarded, ptxas spilled)."""
     monkeypatch.setenv("TVMFLASH_SM90", "1")
     knobs = {"producer": producer, "min_blocks_per_sm": 1, "block_n": 128, "num_stages": 3, "q_layout": "swizzled"}
@@ -339,7 +349,6 @@ def test_sm90_swizzled_q_tile(monkeypatch):
     """q_layout="swizzled": QK^T reads Q through 128-byte-swizzled descriptors (layout 1), as it reads
     K (at d96 64-byte, layout 2); with a producer warpgroup the output's staging reuses the Q tile's memory, so three stages of
     block_n 128 fit at head_dim 128 (227 KiB)."""
-    from tvmflash.schedules import sm90
     monkeypatch.setenv("TVMFLASH_SM90", "1")
     def layouts(src):
         return {layout for *_, layout in descriptors(src)}
@@ -347,8 +356,8 @@ def test_sm90_swizzled_q_tile(monkeypatch):
     src = tvmflash.compile(head_dim=128, dtype="bfloat16", target="sm90", knobs={"q_layout": "swizzled"}).source(4, 2)
     assert layouts(src) == {"1"} and "wgmma.mma_async" in src
     knobs = {"producer": "warpgroup", "min_blocks_per_sm": 1, "block_n": 128, "num_stages": 3}
-    assert sm90.shared_memory_bytes(128, "bfloat16", {**knobs, "q_layout": "swizzled"}) <= 227 * 1024
-    assert sm90.shared_memory_bytes(128, "bfloat16", knobs) > 227 * 1024
+    assert shared_memory(128, {**knobs, "q_layout": "swizzled"}) <= 227 * 1024
+    assert shared_memory(128, knobs) > 227 * 1024
     # at d96 (no multiple of 64) the swizzled Q tile takes the 64-byte swizzle (layout 2)
     src = tvmflash.compile(head_dim=96, dtype="bfloat16", target="sm90",
                            knobs={"q_layout": "swizzled", "kv_layout": "core_matrices", "kv_copy": "cp.async"}).source(4, 2)
@@ -360,11 +369,10 @@ def test_sm90_q_tile_by_tma(monkeypatch, producer):
     """q_copy="tma": one thread of the first consumer warpgroup copies the swizzled Q tile by TMA on a
     barrier of its own, and every consumer thread waits for it; no thread loads Q itself. The Q tile
     stays the consumers' own, so with a producer warpgroup three stages of block_n 128 still fit."""
-    from tvmflash.schedules import sm90
     monkeypatch.setenv("TVMFLASH_SM90", "1")
     knobs = {"producer": producer, "min_blocks_per_sm": 1, "block_n": 128, "num_stages": 3, "q_layout": "swizzled",
              "q_copy": "tma"}
-    assert sm90.shared_memory_bytes(128, "bfloat16", knobs) <= 227 * 1024
+    assert shared_memory(128, knobs) <= 227 * 1024
     src = tvmflash.compile(head_dim=128, dtype="bfloat16", target="sm90", knobs=knobs).source(4, 2)
     assert src.count("(&(Q_tensormap))") == 1 and "Q_ptr" not in src
     q_barrier = re.search(r"tvmflash_tma_load_5d\(\(&\(\(\(nv_bfloat16\*\)buf_dyn_shmem_ptr\)\[\d+\]\)\), "
@@ -421,7 +429,6 @@ def test_sm90_overlap_issues_pv_with_the_next_qk(monkeypatch, producer):
     keeps three stages and K two; the last PV is waited for, and the accumulators fenced, before the
     output reads them. The pipeline waits for as many tiles as it releases, and each copy of a tile
     completes on the barrier that its issue expects the bytes on."""
-    from tvmflash.schedules import sm90
     monkeypatch.setenv("TVMFLASH_SM90", "1")
     knobs = {"producer": producer, "min_blocks_per_sm": 1, "block_n": 128, "num_stages": 3, "q_layout": "swizzled",
              "overlap": 1}
@@ -445,7 +452,7 @@ def test_sm90_overlap_issues_pv_with_the_next_qk(monkeypatch, producer):
         assert loads and all(barrier == expected for barrier in loads), (expected, loads)
     tail = consumers[consumers.rindex("_rs_mma_async"):]
     assert "wait_group_sync_aligned_0();\n" in tail and "tvmflash_wgmma_reg_fence(acc_local_ptr[63]);" in tail
-    assert sm90.shared_memory_bytes(128, "bfloat16", knobs) < sm90.shared_memory_bytes(128, "bfloat16", {**knobs, "overlap": 0})
+    assert shared_memory(128, knobs) < shared_memory(128, {**knobs, "overlap": 0})
     with pytest.raises(ValueError, match="overlap 1 needs kv_copy 'tma' and num_stages >= 3"):
         tvmflash.compile(head_dim=128, dtype="bfloat16", target="sm90", knobs={"overlap": 1}).source(1, 1)
 
@@ -527,10 +534,10 @@ def test_sm90_dkdv_by_tma_builds_cuda_source():
     loop = dkdv[dkdv.index("for (int g_t_fused"):]
     assert loop[:loop.index("tvmflash_release_after_wgmma")].count("__syncthreads()") == 0
     for bad, match in (({"dkdv_stages": 1, "dkdv_copy": "tma"}, "dkdv_stages >= 2"),
-                       ({"dkdv_copy": "bulk"}, "dkdv_copy takes")):
+                       ({"dkdv_copy": "bulk"}, "dkdv_copy: the sm90 schedule takes")):
         with pytest.raises(ValueError, match=match):
             tvmflash.compile_backward(head_dim=128, dtype="bfloat16", target="sm90", knobs=bad)
-    with pytest.raises(ValueError, match="varlen backward takes dkdv_copy"):
+    with pytest.raises(ValueError, match="varlen on the sm90 backward takes {'dkdv_copy': 'cp.async'}"):
         tvmflash.compile_backward(head_dim=128, dtype="bfloat16", target="sm90", knobs=knobs, varlen=True)
     varlen = tvmflash.compile_backward(head_dim=128, dtype="bfloat16", target="sm90", varlen=True)
     assert varlen.knobs["dkdv_copy"] == "cp.async"
