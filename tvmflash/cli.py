@@ -15,7 +15,7 @@ def _info(args) -> int:
     import tvm
 
     import tvmflash
-    from tvmflash import cache, schedules, target
+    from tvmflash import cache, choice, target
 
     resolved = target.resolve(None)
     print(f"tvmflash {tvmflash.__version__}, TVM {tvm.__version__}, torch {torch.__version__}")
@@ -24,7 +24,9 @@ def _info(args) -> int:
         print(f"GPU: {torch.cuda.get_device_name()} (compute capability {major}.{minor})")
     else:
         print("GPU: none visible to torch")
-    names = {schedules.name_of(schedules.for_target(resolved, dtype)) for dtype in ("bfloat16", "float32")}
+    # the forward's schedule at head_dim 128, as compile chooses it (another head_dim may take another)
+    names = {choice.choose_schedule("forward", resolved, {"head_dim": 128, "dtype": dtype, "causal": False})[0].name
+             for dtype in ("bfloat16", "float32")}
     print(f"default target: {target.describe(resolved)} -> schedules {', '.join(sorted(names))}")
     print(f"cache dir: {cache.cache_dir()}")
     _print_modules(cache.list_modules())
