@@ -61,9 +61,9 @@ def task_knobs(space: dict, block_m: int, block_n: int, **task) -> tuple[dict, d
     """Split a task's knobs into fixed ones (one candidate) and sampled ones (name -> candidates).
 
     ``task`` holds the values of the task's other knobs (its ``PROGRAM`` knobs; the ``STRUCTURE``
-    knobs named in ``structure_names`` are skipped here, as each structure sets them). A value in ``space`` is a
-    list of candidates, or a callable that takes the knobs resolved so far (block_m, block_n, the
-    task's knobs and the fixed knobs before it) and returns the list.
+    knobs named in ``structure_names`` are skipped here, as each structure sets them). A value in
+    ``space`` is a list of candidates, or a callable that takes the knobs resolved so far (block_m,
+    block_n, the task's knobs and the fixed knobs before it) and returns the list.
     """
     skip = set(task.pop("structure_names", ()))
     fixed, sampled = {"block_m": block_m, "block_n": block_n, **task}, {}
