@@ -19,22 +19,22 @@ from concurrent.futures import ProcessPoolExecutor
 
 
 def configurations(head_dim: int) -> list[tuple[dict, str | None]]:
-    """(knobs, the pre-check's objection or None) for every configuration of sm90's SPACE."""
-    from tvmflash import kernel
+    """(knobs, the pre-check's objection or None) for every configuration of the sm90 forward's space."""
     from tvmflash import schedules as registry
     from tvmflash import target as targets
     from tvmflash.tune import space
 
-    sm90, target = registry.sm90, targets.cuda_target("sm90")
+    sm90, target = registry.SCHEDULES["sm90"], targets.cuda_target("sm90")
+    knobset = sm90.forward.knobs
     found = []
-    for point in space.task_points(sm90, sm90.SPACE):
-        options = space.structures(sm90, sm90.SPACE, point)
-        fixed, sampled = space.task_knobs(sm90.SPACE, **point, structure_names=list(options[0]) if options else ())
-        base = {**kernel.default_knobs(sm90, head_dim), **fixed}
+    for point in space.task_points(sm90, knobset.space()):
+        options = space.structures(sm90, knobset.space(), point)
+        fixed, sampled = space.task_knobs(knobset.space(), **point, structure_names=list(options[0]) if options else ())
+        base = {**knobset.defaults(head_dim), **fixed}
         for structure in options or [{}]:
             for values in itertools.product(*sampled.values()):
                 knobs = {**base, **structure, **dict(zip(sampled, values))}
-                found.append((knobs, space.candidate_problem(sm90, target, head_dim, "bfloat16", knobs)))
+                found.append((knobs, space.candidate_problem(knobset, target, head_dim, "bfloat16", knobs)))
     return found
 
 
@@ -43,20 +43,20 @@ def build(job: tuple[int, dict]) -> str | None:
     import tvm
     from tvm.support import nvcc
 
-    from tvmflash import kernel, program
+    from tvmflash import program
     from tvmflash import schedules as registry
     from tvmflash import target as targets
     from tvmflash.tune import builder, task
 
     head_dim, knobs = job
-    sm90, target = registry.sm90, targets.cuda_target("sm90")
+    sm90, target = registry.SCHEDULES["sm90"], targets.cuda_target("sm90")
     spec = program.AttentionSpec(head_dim, "bfloat16", False, 2, 2)
     try:
         func = task.specialize(registry.program_for(spec, sm90, knobs), spec, batch=1, seqlen_q=512, seqlen_k=512,
                                softmax_scale=0.1)
         sch = tvm.s_tir.Schedule(tvm.IRModule({"main": func}))
-        sm90.schedule(sch, **knobs)
-        source = builder.ms_build(sch.mod, target, None, **kernel.build_options(sm90)).imports[0].inspect_source()
+        sm90.forward.apply(sch, **knobs)
+        source = builder.ms_build(sch.mod, target, None, **sm90.build_options("forward")).imports[0].inspect_source()
         with target:
             nvcc.compile_cuda(source, target_format="cubin", arch="sm_90a", compiler="nvcc")
     except Exception as err:  # noqa: BLE001 - any failure is the answer

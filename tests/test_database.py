@@ -1,5 +1,5 @@
 """The tuning database (tvmflash/database.py): records, their keys and buckets, and what compile reads
-of them (the tuned knobs, and on sm_90a the choice of schedule)."""
+of them (the tuned knobs; on sm_90a the choice of schedule is tests/test_choice.py's)."""
 
 import json
 import subprocess
@@ -11,51 +11,57 @@ import torch
 
 import tvmflash
 from conftest import cli
-from tvmflash import database, kernel
+from tvmflash import database
 from tvmflash import target as targets
-from tvmflash.schedules import cpu, sm80, sm90
+from tvmflash.schedules import SCHEDULES, cpu
 
 CPU = targets.cpu_target()
 WORKLOAD = {"head_dim": 32, "dtype": "float32", "causal": False}
+DEFAULTS = cpu.SCHEDULE.forward.knobs.defaults()  # the cpu schedule's forward knobs
+
+
+def lookup(target, schedule: str, workload: dict, seqlen_k: int | None = None) -> dict | None:
+    """``database.lookup`` of the records whose knobs the schedule's forward takes (as compile reads them)."""
+    return database.lookup(target, schedule, workload, seqlen_k, usable=SCHEDULES[schedule].forward.knobs.accepts)
 
 
 def test_database_round_trip(cache_dir):
     rec = database.new_record(CPU, "cpu", WORKLOAD, {"block_m": 16, "block_n": 32, "vector": 8}, 2.0, trials=4)
     path = database.add(rec)
     assert database.read(path) == [rec]
-    found = database.lookup(CPU, "cpu", WORKLOAD)
+    found = lookup(CPU, "cpu", WORKLOAD)
     assert found["knobs"] == rec["knobs"] and found["source"] == str(path) and found["trials"] == 4
     slower = {**rec, "knobs": {"block_m": 64}, "mean_ms": 3.0}
     database.add(slower)  # a slower record for the same key does not replace the faster one
     faster = {**rec, "knobs": {"block_m": 32}, "mean_ms": 1.0}
     database.add(faster)
     assert database.read(path) == [faster]
-    assert database.lookup(CPU, "cpu", {**WORKLOAD, "causal": True}) is None
+    assert lookup(CPU, "cpu", {**WORKLOAD, "causal": True}) is None
 
 
 def test_records_of_other_sequence_lengths_never_compete(cache_dir, tmp_path):
     """A record tuned at 512 keys is always faster than one tuned at 4096: each seqlen bucket keeps
     its own best (in the database and in an export), and a lookup takes the record of the length's
     bucket, else the longest bucket's."""
-    knobs = {name: dict(cpu.KNOBS, block_m=value) for name, value in (("long", 64), ("short", 16))}
+    knobs = {name: dict(DEFAULTS, block_m=value) for name, value in (("long", 64), ("short", 16))}
     long_ = database.new_record(CPU, "cpu", WORKLOAD, knobs["long"], 2.0, shape={"seqlen_k": 4096})
     short = database.new_record(CPU, "cpu", WORKLOAD, knobs["short"], 0.2, shape={"seqlen_k": 512})
     path = database.add(long_)
     database.add(short)
     assert database.read(path) == [long_, short]
     assert database.record_id(long_) != database.record_id(short)
-    assert database.lookup(CPU, "cpu", WORKLOAD)["knobs"] == knobs["long"]
-    assert database.lookup(CPU, "cpu", WORKLOAD, seqlen_k=300)["knobs"] == knobs["short"]
-    assert database.lookup(CPU, "cpu", WORKLOAD, seqlen_k=2048)["knobs"] == knobs["long"]
+    assert lookup(CPU, "cpu", WORKLOAD)["knobs"] == knobs["long"]
+    assert lookup(CPU, "cpu", WORKLOAD, seqlen_k=300)["knobs"] == knobs["short"]
+    assert lookup(CPU, "cpu", WORKLOAD, seqlen_k=2048)["knobs"] == knobs["long"]
     database.add({**long_, "knobs": knobs["short"], "mean_ms": 1.5, "shape": {"seqlen_k": 8192}})  # same bucket, faster
-    assert database.lookup(CPU, "cpu", WORKLOAD)["mean_ms"] == 1.5 and len(database.read(path)) == 2
+    assert lookup(CPU, "cpu", WORKLOAD)["mean_ms"] == 1.5 and len(database.read(path)) == 2
     assert len(database.read(database.export_best(tmp_path / "export")[0])) == 2
 
 
 def test_a_call_runs_the_knobs_tuned_for_its_key_lengths(cache_dir):
     """With records of two seqlen buckets, a kernel runs the longest bucket's knobs, and a call whose
     keys fall in the other bucket that bucket's, in a module of its own; no length builds twice."""
-    knobs = {"long": dict(cpu.KNOBS, block_m=32, block_n=32), "short": dict(cpu.KNOBS, block_m=16, block_n=32)}
+    knobs = {"long": dict(DEFAULTS, block_m=32, block_n=32), "short": dict(DEFAULTS, block_m=16, block_n=32)}
     database.add(database.new_record(CPU, "cpu", WORKLOAD, knobs["long"], 2.0, shape={"seqlen_k": 4096}))
     database.add(database.new_record(CPU, "cpu", WORKLOAD, knobs["short"], 0.2, shape={"seqlen_k": 512}))
     kern = tvmflash.compile(head_dim=32, dtype="float32", causal=False, target="cpu")
@@ -82,24 +88,24 @@ def test_records_never_cross_devices_or_targets(cache_dir):
         {"tvmflash": "0.0.1"},
         {"compute_capability": "9.0"},
     ]
-    base = database.new_record(CPU, "cpu", WORKLOAD, {**cpu.KNOBS, "block_m": 16}, 1.0)
+    base = database.new_record(CPU, "cpu", WORKLOAD, {**DEFAULTS, "block_m": 16}, 1.0)
     path = database.user_dir() / f"{database.slug(mine['device'])}.json"
     database.write(path, [{**base, **o} for o in other])
-    assert database.lookup(CPU, "cpu", WORKLOAD) is None
-    assert database.lookup(CPU, "simt", WORKLOAD) is None
+    assert lookup(CPU, "cpu", WORKLOAD) is None
+    assert lookup(CPU, "simt", WORKLOAD) is None
     # A record made for a GPU is never used for another GPU or for the CPU.
     h200 = {**base, "device": "NVIDIA H200", "compute_capability": "9.0", "target": "cuda sm_90a"}
     database.write(database.user_dir() / "nvidia-h200.json", [h200])
     sm90 = targets.cuda_target("sm90")
-    assert database.lookup(sm90, "cpu", WORKLOAD) is None  # no GPU here: device "unknown-gpu"
-    assert database.lookup(targets.cuda_target("sm80"), "cpu", WORKLOAD) is None
+    assert lookup(sm90, "cpu", WORKLOAD) is None  # no GPU here: device "unknown-gpu"
+    assert lookup(targets.cuda_target("sm80"), "cpu", WORKLOAD) is None
     # ...while the matching record is found.
     database.add(base)
-    assert database.lookup(CPU, "cpu", WORKLOAD)["knobs"] == {**cpu.KNOBS, "block_m": 16}
+    assert lookup(CPU, "cpu", WORKLOAD)["knobs"] == {**DEFAULTS, "block_m": 16}
     # A record without one of the schedule's knobs is from before the schedule had it: passed over
     # (this faster one also replaces the record above in the file, which keeps the best per key).
     database.add(database.new_record(CPU, "cpu", WORKLOAD, {"block_m": 32}, 0.5))
-    assert database.lookup(CPU, "cpu", WORKLOAD) is None
+    assert lookup(CPU, "cpu", WORKLOAD) is None
 
 
 def test_corrupt_database_is_skipped_with_a_warning(cache_dir):
@@ -108,7 +114,7 @@ def test_corrupt_database_is_skipped_with_a_warning(cache_dir):
     text = path.read_text()
     path.write_text(text[: len(text) // 2])  # truncated
     with pytest.warns(UserWarning, match="skipping unreadable tuning database"):
-        assert database.lookup(CPU, "cpu", WORKLOAD) is None
+        assert lookup(CPU, "cpu", WORKLOAD) is None
     with pytest.warns(UserWarning):
         kern = tvmflash.compile(head_dim=32, dtype="float32", target="cpu")
     assert kern.knobs_source == "defaults"
@@ -138,7 +144,7 @@ def test_stored_defaults_are_not_called_tuned(cache_dir):
     """Where no candidate beat the defaults, tuning stores them: bench and info() called them tuned."""
     from tvmflash import bench
 
-    database.add(database.new_record(CPU, "cpu", WORKLOAD, kernel.default_knobs(cpu, 32), 1.0))
+    database.add(database.new_record(CPU, "cpu", WORKLOAD, cpu.SCHEDULE.forward.knobs.defaults(32), 1.0))
     info = tvmflash.compile(head_dim=32, dtype="float32", target="cpu").info()
     assert info["knobs_source"].startswith("defaults (tuning found none faster: "), info
     lines = []
@@ -165,89 +171,18 @@ def test_concurrent_writers_keep_both_records(cache_dir):
 
 
 def test_shipped_records_match_the_current_spaces():
-    """Every record shipped in tuning_logs/ names each knob of its schedule's current SPACE (a record
-    tuned on an older space is passed over at run time, so shipping one ships nothing)."""
+    """Every record shipped in tuning_logs/ names each knob of its schedule's program as it is now, with
+    values it takes (``KnobSet.accepts``: a record tuned on an older space is passed over at run time,
+    so shipping one ships nothing)."""
     import json
     from pathlib import Path
-
-    from tvmflash import schedules
 
     shipped = sorted((Path(__file__).resolve().parent.parent / "tuning_logs").glob("*.json"))
     assert shipped
     for path in shipped:
         for record in json.loads(path.read_text())["records"]:
-            module = getattr(schedules, record["schedule"])
-            pass_ = record["workload"].get("pass", "forward")
-            space = getattr(module, {"forward": "SPACE", "backward": "BACKWARD_SPACE", "decode": "DECODE_SPACE"}[pass_])
-            missing = set(space) - set(record["knobs"])
+            knobs = SCHEDULES[record["schedule"]].program(record["workload"].get("pass", "forward")).knobs
+            missing = set(knobs.names) - set(record["knobs"])
             assert not missing, f"{path.name}: a {record['schedule']} record of {record['workload']} lacks {sorted(missing)}"
-
-
-# ----------------------------------------------------------------------------- the records choose sm80 or sm90
-def test_sm90a_serves_head_dim_32_with_sm80(cache_dir, monkeypatch):
-    """At head_dim 32 the sm80 schedule measured faster on the H200, so sm_90a uses it unless
-    TVMFLASH_SM90=1, knobs or this device's records of both schedules say otherwise; other
-    head_dims stay on sm90."""
-    monkeypatch.delenv("TVMFLASH_SM90", raising=False)
-    kernel.forget_kernels()
-    info = tvmflash.compile(head_dim=32, dtype="bfloat16", target="sm90").info()
-    assert info["schedule"] == "sm80" and "head_dim 32" in info["schedule_source"]
-    assert tvmflash.compile(head_dim=64, dtype="bfloat16", target="sm90").info()["schedule"] == "sm90"
-    monkeypatch.setenv("TVMFLASH_SM90", "1")
-    assert tvmflash.compile(head_dim=32, dtype="bfloat16", target="sm90").info()["schedule"] == "sm90"
-    # records of both schedules at the same shape decide, as at every head_dim
-    monkeypatch.delenv("TVMFLASH_SM90")
-    target, workload = targets.cuda_target("sm90"), {"head_dim": 32, "dtype": "bfloat16", "causal": False}
-    shape = {"batch": 4, "seqlen_q": 4096, "seqlen_k": 4096, "heads_q": 64, "heads_kv": 64}
-    database.add(database.new_record(target, "sm80", workload, dict(sm80.KNOBS), 1.8, shape=shape))
-    knobs90 = {**sm90.KNOBS, "kv_layout": "core_matrices", "num_stages": 1, "kv_copy": "cp.async"}
-    database.add(database.new_record(target, "sm90", workload, knobs90, 1.7, shape=shape))
-    kernel.forget_kernels()
-    assert tvmflash.compile(head_dim=32, dtype="bfloat16", target="sm90").info()["schedule"] == "sm90"
-
-
-def test_sm90_serves_a_workload_unless_records_favour_sm80(cache_dir, monkeypatch):
-    """With TVMFLASH_SM90 unset, an sm_90a kernel uses the sm90 schedule unless this device's tuned
-    records for the workload, at the same shape, say the sm80 schedule is faster; 0 keeps sm80, and
-    given knobs keep the target's schedule unless some are sm90's alone."""
-    monkeypatch.delenv("TVMFLASH_SM90", raising=False)
-    target = targets.cuda_target("sm90")
-    workload = {"head_dim": 128, "dtype": "bfloat16", "causal": False}
-    shape = {"batch": 4, "seqlen_q": 4096, "seqlen_k": 4096, "heads_q": 16, "heads_kv": 16}
-    knobs90 = {**sm90.KNOBS, "block_m": 256, "num_warpgroups": 4, "min_blocks_per_sm": 1}
-
-    def chosen(**kwargs):
-        kernel.forget_kernels()
-        kern = tvmflash.compile(head_dim=128, dtype="bfloat16", target="sm90", **kwargs)
-        return kern.info()["schedule"], kern.info()["schedule_source"], kern.knobs
-
-    assert chosen()[:2] == ("sm90", "sm_90a's (no tuning records of both schedules to compare)")
-    database.add(database.new_record(target, "sm80", workload, dict(sm80.KNOBS), 1.8, shape=shape))
-    assert chosen()[0] == "sm90"  # one record: nothing to compare
-    database.add(database.new_record(target, "sm90", workload, knobs90, 1.9, shape=shape))
-    assert chosen()[:2] == ("sm80", "tuned records favour sm80: sm90 1.900 ms, sm80 1.800 ms at " + str(dict(sorted(shape.items()))))
-    database.add(database.new_record(target, "sm90", workload, knobs90, 1.7, shape=shape))
-    schedule, source, knobs = chosen()
-    assert schedule == "sm90" and source.startswith("tuned records: sm90 1.700 ms, sm80 1.800 ms")
-    assert knobs == knobs90
-    assert chosen(knobs={"num_stages": 1})[0] == "sm80"
-    # knobs that only the sm90 schedule has select it (the tuner passes its records' knobs that way)
-    assert chosen(knobs={"kv_copy": "cp.async", "num_stages": 1})[:2] == ("sm90", "the knobs' (knobs of the sm90 schedule only)")
-    monkeypatch.setenv("TVMFLASH_SM90", "0")
-    assert chosen()[0] == "sm80"
-    monkeypatch.delenv("TVMFLASH_SM90")
-    database.add(database.new_record(target, "sm80", workload, dict(sm80.KNOBS), 1.6, shape={**shape, "batch": 8}))
-    assert chosen()[0] == "sm90"  # sm80's best record is at another shape: nothing to compare
-
-
-def test_a_cached_compile_reads_no_tuning_record(cache_dir, monkeypatch):
-    """compile() runs on every tvmflash.attention call: the records (tuned knobs, and on sm_90a the
-    choice of schedule) are read once, when the Kernel is made, not again for a cached one."""
-    monkeypatch.delenv("TVMFLASH_SM90", raising=False)
-    lookups = []
-    real = database.lookup
-    monkeypatch.setattr(database, "lookup", lambda *args: lookups.append(args[1]) or real(*args))
-    first = tvmflash.compile(head_dim=128, dtype="bfloat16", target="sm90")
-    assert sorted(lookups) == ["sm80", "sm90"]  # the choice (both schedules); sm90's knobs come from that read
-    lookups.clear()
-    assert tvmflash.compile(head_dim=128, dtype="bfloat16", target="sm90") is first and lookups == []
+            assert knobs.accepts(record["knobs"]), (path.name, record["workload"], knobs.problem(record["knobs"]),
+                                                    sorted(set(record["knobs"]) - set(knobs.names)))

@@ -24,6 +24,7 @@ def _info(args) -> int:
         print(f"GPU: {torch.cuda.get_device_name()} (compute capability {major}.{minor})")
     else:
         print("GPU: none visible to torch")
+    # the forward's schedule at head_dim 128, as compile chooses it (another head_dim may take another)
     names = {choice.choose_schedule("forward", resolved, {"head_dim": 128, "dtype": dtype, "causal": False})[0].name
              for dtype in ("bfloat16", "float32")}
     print(f"default target: {target.describe(resolved)} -> schedules {', '.join(sorted(names))}")

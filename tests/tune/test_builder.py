@@ -6,7 +6,7 @@ import shutil
 import pytest
 import tvm
 
-from tvmflash import kernel, program, tune
+from tvmflash import program, tune
 from tvmflash import target as targets
 from tvmflash.schedules import cpu, simt, sm80, sm90
 from tvmflash.tune.builder import ms_build
@@ -21,7 +21,7 @@ def test_builds_use_the_schedules_pass_config():
     spec = program.AttentionSpec(32, "float32", False, 1, 1)
     func = specialize(program.attention_forward(spec, 16, 32), spec, batch=1, seqlen_q=40, seqlen_k=40,
                            softmax_scale=0.2)
-    sch = cpu.schedule(tvm.s_tir.Schedule(tvm.IRModule({"main": func})), block_m=16, block_n=32, vector=8)
+    sch = cpu.SCHEDULE.forward.apply(tvm.s_tir.Schedule(tvm.IRModule({"main": func})), block_m=16, block_n=32, vector=8)
     built = ms_build(sch.mod, CPU, None, pass_config={})
     assert isinstance(built, tvm.runtime.Module) and built.implements_function("main")
 
@@ -37,9 +37,9 @@ def test_cuda_spaces_cross_compile():
                                                      softmax_scale=0.1)})
 
     mod = static(64, 32)
-    fixed, sampled = task_knobs(simt.SPACE, 64, 32)
+    fixed, sampled = task_knobs(simt.SCHEDULE.forward.knobs.space(), 64, 32)
     sch = tvm.s_tir.Schedule(mod)
-    space_fn(simt, fixed, sampled)(sch)
+    space_fn(simt.SCHEDULE, fixed, sampled)(sch)
     (inst,) = [i for i in sch.trace.insts if i.kind.name == "SampleCategorical"]
     sources = set()
     for decision in range(len(sampled["vector_bytes"])):
@@ -50,16 +50,17 @@ def test_cuda_spaces_cross_compile():
     assert len(sources) == len(sampled["vector_bytes"])  # each width is its own kernel
 
     for block_m, block_n, num_stages in ((64, 32, 1), (128, 64, 2)):
-        fixed, sampled = task_knobs(sm80.SPACE, block_m, block_n, num_stages=num_stages)
+        fixed, sampled = task_knobs(sm80.SCHEDULE.forward.knobs.space(), block_m, block_n, num_stages=num_stages)
         sch = tvm.s_tir.Schedule(static(block_m, block_n))
-        space_fn(sm80, fixed, sampled)(sch)
-        built = ms_build(sch.mod, targets.cuda_target("sm80"), None, pass_config=sm80.PASS_CONFIG)
+        space_fn(sm80.SCHEDULE, fixed, sampled)(sch)
+        built = ms_build(sch.mod, targets.cuda_target("sm80"), None, **sm80.SCHEDULE.build_options("forward"))
         assert "mma.sync" in built.imports[0].inspect_source()
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
 @pytest.mark.parametrize("schedule,block_m,causal,kv_copy", [
-    (sm80, 128, False, None), (sm80, 64, True, None), (sm90, 64, False, "cp.async"), (sm90, 64, True, "tma")],
+    (sm80.SCHEDULE, 128, False, None), (sm80.SCHEDULE, 64, True, None), (sm90.SCHEDULE, 64, False, "cp.async"),
+    (sm90.SCHEDULE, 64, True, "tma")],
     ids=["sm80-bm128-full", "sm80-bm64-causal", "sm90-bm64-full", "sm90-bm64-causal-tma"])
 def test_pipelined_candidates_build_with_static_shapes(schedule, block_m, causal, kv_copy):
     """The tuner builds static shapes. TVM bugs made every num_stages 2 candidate fail there:
@@ -78,16 +79,15 @@ def test_pipelined_candidates_build_with_static_shapes(schedule, block_m, causal
     layout = "swizzled" if kv_copy == "tma" else "core_matrices"
     task = {"num_stages": 2, **({"min_blocks_per_sm": 2, "kv_layout": layout, "kv_copy": kv_copy, "producer": "thread",
                                  "q_layout": "core_matrices", "q_copy": "threads", "o_store": "staged", "overlap": 0}
-                                if schedule is sm90 else {})}  # the task knobs
+                                if schedule is sm90.SCHEDULE else {})}  # the task knobs
 
     def build(task):
-        fixed, sampled = task_knobs(schedule.SPACE, block_m, 64, **task)
+        fixed, sampled = task_knobs(schedule.forward.knobs.space(), block_m, 64, **task)
         sch = tvm.s_tir.Schedule(mod)
         space_fn(schedule, fixed, sampled)(sch)
-        target = targets.cuda_target("sm90" if schedule is sm90 else "sm80")
-        return ms_build(sch.mod, target, None, **options)
+        return ms_build(sch.mod, targets.cuda_target(schedule.name), None, **options)
 
-    options = kernel.build_options(schedule)
+    options = schedule.build_options("forward")
     if kv_copy == "cp.async":
         from tvmflash.lowering import tile_alignment
         with pytest.raises(tile_alignment.MisalignedTiles, match="swizzled wgmma operand"):

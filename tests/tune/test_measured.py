@@ -1,37 +1,39 @@
 """The measured spaces (tvmflash/tune/measured.py): ``tvmflash tune --pass backward|decode``."""
 
+import dataclasses
 import random
 
 import pytest
 
 import tvmflash
-from tvmflash import database, kernel
+from tvmflash import choice, database, kernel
 from tvmflash import target as targets
 from tvmflash.schedules import sm90
 from tvmflash.tune import measured
 
 
-def test_the_backward_space_known_configurations_first(monkeypatch):
+def test_the_backward_space_known_configurations_first():
     """``measured.candidates``: the known configurations, then a random draw of the rest of the
     space (callable knobs resolved from the knobs before them), each once, leaving out before any
-    build those a BackwardKernel refuses (the schedule's ``backward_knobs_problem``, shared memory)."""
+    build those ``candidate_problem`` rejects (the knob set's ``problem``, shared memory)."""
     assert measured.space_points({"m": [32, 64], "warps": lambda knobs: [knobs["m"] // 32], "v": [8]}) == [
         {"m": 32, "warps": 1, "v": 8}, {"m": 64, "warps": 2, "v": 8}]
     shape = {"batch": 4, "seqlen": 4096, "heads": 16}
     backward = measured.Backward(128, "bfloat16", False, targets.cuda_target("sm90"), shape)
-    assert backward.schedule is sm90
-    defaults = kernel.backward_default_knobs(sm90, 128)
+    assert backward.schedule is sm90.SCHEDULE
+    defaults = sm90.SCHEDULE.backward.knobs.defaults(128)
     known = {"default": defaults, "user": {**defaults, "block_n": 64}}
     chosen, problems = measured.candidates(backward, known, 12, random.Random(0))
     assert [label for label, _ in chosen[:3]] == ["default", "user", "#1"] and len(chosen) == 12
     assert len({repr(sorted(knobs.items())) for _, knobs in chosen}) == 12  # no configuration twice
-    every = measured.space_points(sm90.BACKWARD_SPACE)
+    every = sm90.SCHEDULE.backward.knobs.points()
+    assert every == measured.space_points(sm90.SCHEDULE.backward.knobs.space())  # no rules between them
     all_chosen, problems = measured.candidates(backward, known, 1000, random.Random(0))
     assert len(all_chosen) + len(problems) == len(every)
     # dq_atomic with 32-row Q blocks (ds k takes 64 rows a wgmma): a quarter of the space, on the H200
     # 23 of 96 trials failed to schedule before this was checked first
     assert len(problems) == len(every) // 4 and all("pass dq_atomic False" in p for p in problems)
-    monkeypatch.setattr(sm90, "BACKWARD_SHARED_MEMORY_LIMIT", 100 * 1024, raising=False)
+    backward.knobs = dataclasses.replace(backward.knobs, shared_memory_limit=100 * 1024)
     fitting, problems = measured.candidates(backward, {}, 1000, random.Random(0))
     assert any("shared memory" in p for p in problems) and len(fitting) + len(problems) == len(every)
 
@@ -69,7 +71,8 @@ def test_tune_decode_stores_a_record_compile_decode_reads(cache_dir, capsys):
     out = capsys.readouterr().out
     assert "'heads_q': 4, 'heads_kv': 1" in out and "trial 2/2" in out and "d32 float32 full decode" in out, out
     (record,) = [r for path, r in database.all_records() if path.parent == database.user_dir()]
-    assert record["workload"] == decode.decode_workload(32, "float32", 0) and record["failed_trials"] == 0
+    assert record["workload"] == choice.workload({"head_dim": 32, "dtype": "float32", "causal": False}, "decode", 0)
+    assert record["failed_trials"] == 0
     contiguous = decode.compile_decode(head_dim=32, dtype="float32", target="cpu")
     assert contiguous.knobs == record["knobs"] and contiguous.knobs_source.startswith("tuned (")
     assert decode.compile_decode(head_dim=32, dtype="float32", page_size=16, target="cpu").knobs_source == "defaults"

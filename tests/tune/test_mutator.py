@@ -24,7 +24,7 @@ def test_sampled_knob_is_replayed_and_mutated():
     mod = tvm.IRModule({"main": func})
     fixed, sampled = task_knobs({"block_m": [16], "block_n": [32], "vector": [4, 8, 16]}, 16, 32)
     sch = tvm.s_tir.Schedule(mod)
-    space_fn(cpu, fixed, sampled)(sch)
+    space_fn(cpu.SCHEDULE, fixed, sampled)(sch)
     trace = sch.trace
     (inst,) = [i for i in trace.insts if i.kind.name == "SampleCategorical"]
     seen = {}

@@ -22,7 +22,7 @@ def test_failed_candidates_are_never_picked():
     candidates = []
     for decision in (0, 1, 0, 1):
         sch = tvm.s_tir.Schedule(mod)
-        space_fn(cpu, fixed, sampled)(sch)
+        space_fn(cpu.SCHEDULE, fixed, sampled)(sch)
         (inst,) = [i for i in sch.trace.insts if i.kind.name == "SampleCategorical"]
         replayed = tvm.s_tir.Schedule(mod)
         sch.trace.with_decision(inst, decision, remove_postproc=True).apply_to_schedule(replayed, remove_postproc=False)

@@ -51,7 +51,7 @@ def test_short_tuning_run_is_used_by_compile(cache_dir, monkeypatch):
     # A new compile() (symbolic shapes) picks the record up, and runs at another shape.
     kern = tvmflash.compile(head_dim=32, dtype="float32", causal=False, target="cpu")
     # (the defaults may win at this shape: the record then keeps them, and they are not called tuned)
-    won = "defaults" if record["knobs"] == kernel.default_knobs(cpu, 32) else "tuned"
+    won = "defaults" if record["knobs"] == cpu.SCHEDULE.forward.knobs.defaults(32) else "tuned"
     assert kern.info()["knobs_source"].startswith(won), kern.info()
     assert kern.knobs == record["knobs"]
     import torch
@@ -78,7 +78,7 @@ def test_tuned_knobs_with_wrong_results_are_never_stored(cache_dir, monkeypatch)
                        heads=1, space={"block_m": [16], "block_n": [32], "vector": [4, 8]}, seed=0, repeat=3,
                        echo=lines.append)
     assert len(checked) == 3 and any("the tuned knobs #" in line and "give wrong results" in line for line in lines), lines
-    assert record["knobs"] == kernel.default_knobs(cpu, 32)
+    assert record["knobs"] == cpu.SCHEDULE.forward.knobs.defaults(32)
 
 
 def test_the_fastest_few_are_timed_again_as_compile_builds_them(cache_dir, monkeypatch):
@@ -89,10 +89,18 @@ def test_the_fastest_few_are_timed_again_as_compile_builds_them(cache_dir, monke
 
     timings = iter([5.0, 4.0, 3.0])  # default, MetaSchedule's #1, #2
     monkeypatch.setattr(bench, "time_ms", lambda fn, device, repeat: next(timings))
+    schedules, compile_ = [], kernel.compile
+
+    def compile_named(**kwargs):  # the tuned schedule, named: knobs alone do not say whose they are
+        schedules.append(kwargs.get("schedule"))
+        return compile_(**kwargs)
+
+    monkeypatch.setattr(kernel, "compile", compile_named)
     lines = []
     record = tune.tune(head_dim=32, dtype="float32", causal=False, target="cpu", trials=2, batch=1, seqlen=64,
                        heads=1, space={"block_m": [16], "block_n": [32], "vector": [4, 8]}, seed=0, repeat=3,
                        echo=lines.append)
+    assert schedules == ["cpu"] * 3, schedules
     rechecked = [line.split() for line in lines if line.startswith("  #")]
     assert [line[0] for line in rechecked] == ["#1", "#2"], lines
     assert record["tuned_ms"] == 3.0 and record["default_ms"] == 5.0 and record["mean_ms"] == 3.0
@@ -123,7 +131,7 @@ def cli_tuning_run(tmp_path_factory):
         code = tvmflash_cli.main(["tune", "--head-dim", "32", "--dtype", "float32", "--causal", "both", "--trials", "2",
                                   "--target", "cpu", "--seqlen", "64", "--batch", "1", "--heads", "1"])
         assert code == 0, err.getvalue()
-        full = database.lookup(CPU, "cpu", WORKLOAD)
+        full = database.lookup(CPU, "cpu", WORKLOAD, usable=cpu.SCHEDULE.forward.knobs.accepts)
     kernel.forget_kernels()  # kernels made while the run's cache dir was set read its records
     return out.getvalue(), full
 
@@ -186,7 +194,7 @@ def test_a_cold_run_reads_no_record(cache_dir, monkeypatch):
     would be timed warm); the defaults are still timed, as the reference."""
     database.add(database.new_record(CPU, "cpu", WORKLOAD, USER_KNOBS, 1e3))
     read = []
-    monkeypatch.setattr(database, "known_records", lambda *args: read.append(args) or [])
+    monkeypatch.setattr(database, "known_records", lambda *args, **kwargs: read.append(args) or [])
     lines = []
     # One configuration, the defaults: what is timed again is the defaults alone.
     record = tune.tune(head_dim=32, dtype="float32", causal=False, target="cpu", trials=1, batch=1, seqlen=64,

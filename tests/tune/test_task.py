@@ -5,9 +5,10 @@ import pytest
 import tvm
 
 import tvmflash
-from tvmflash import kernel, program
+from tvmflash import program
 from tvmflash import target as targets
 from tvmflash.schedules import sm80, sm90
+from tvmflash.schedules.contract import STRUCTURE
 from tvmflash.tune.mutator import MutateKnob
 from tvmflash.tune.space import Retracer, decided_knobs
 from tvmflash.tune.task import make_tasks
@@ -22,9 +23,10 @@ def test_structures_are_design_spaces_of_one_task(tmp_path):
 
     spec = program.AttentionSpec(128, "bfloat16", False, 2, 2)
     lines = []
-    space = {**sm90.SPACE, "block_m": [128], "block_n": [64]}
-    defaults = kernel.default_knobs(sm90, 128)
-    tasks = make_tasks(sm90, spec, {"batch": 1, "seqlen": 512, "heads": 2}, space, targets.cuda_target("sm90"),
+    knobs90 = sm90.SCHEDULE.forward.knobs
+    space = {**knobs90.space(), "block_m": [128], "block_n": [64]}
+    defaults = knobs90.defaults(128)
+    tasks = make_tasks(sm90.SCHEDULE, spec, {"batch": 1, "seqlen": 512, "heads": 2}, space, targets.cuda_target("sm90"),
                             tmp_path, random.Random(0), lines.append, known={"default": defaults})
     assert [t["name"] for t in tasks] == ["bm128_bn64_mb1", "bm128_bn64_mb2"] and not lines
     task = tasks[1]
@@ -34,7 +36,7 @@ def test_structures_are_design_spaces_of_one_task(tmp_path):
     assert label == "default" and decided_knobs(seed, fixed, sampled, options) == {**defaults, **fixed}
     spaces = task["context"].generate_design_space()
     assert [decided_knobs(s.trace, fixed, sampled, options) for s in spaces] == [{**fixed, **o} for o in options]
-    retracer = Retracer(sm90, task["context"].mod, fixed, sampled, options)
+    retracer = Retracer(sm90.SCHEDULE, task["context"].mod, fixed, sampled, options)
     mutator = MutateKnob(3, options, retracer)
     seen = set()
     for _ in range(4):
@@ -42,7 +44,7 @@ def test_structures_are_design_spaces_of_one_task(tmp_path):
         again = tvm.s_tir.Schedule(task["context"].mod)
         mutated.apply_to_schedule(again, remove_postproc=True)  # replays: the trace is the new structure's
         knobs = decided_knobs(again.trace, fixed, sampled, options)
-        changed = {n for n in sm90.STRUCTURE_KNOBS if knobs[n] != defaults[n]}
+        changed = {n for n in knobs90.names_of(STRUCTURE) if knobs[n] != defaults[n]}
         # one knob moved, with the fewest others that must go with it (kv_layout "core_matrices"
         # needs kv_copy "cp.async"; num_stages 1 too), to a structure of the task
         assert changed in ({"q_layout"}, {"kv_copy"}, {"kv_layout", "kv_copy"}, {"num_stages", "kv_copy"}), changed
@@ -56,13 +58,13 @@ def test_rejected_tile_pairs_are_skipped(tmp_path):
 
     spec = program.AttentionSpec(64, "float16", False, 2, 2)
     lines = []
-    space = {**sm80.SPACE, "block_m": [64], "block_n": [40, 64], "num_stages": [1]}
-    tasks = make_tasks(sm80, spec, {"batch": 1, "seqlen": 256, "heads": 2}, space, targets.cuda_target("sm80"),
+    space = {**sm80.SCHEDULE.forward.knobs.space(), "block_m": [64], "block_n": [40, 64], "num_stages": [1]}
+    tasks = make_tasks(sm80.SCHEDULE, spec, {"batch": 1, "seqlen": 256, "heads": 2}, space, targets.cuda_target("sm80"),
                             tmp_path, random.Random(0), lines.append)
     assert [t["name"] for t in tasks] == ["bm64_bn64"] and tasks[0]["fixed"]["num_warps"] == 2
     assert len(lines) == 1 and lines[0].startswith("  skipping bm64_bn40: the sm80 schedule rejects it")
     with pytest.raises(ValueError, match="rejects every"):
-        make_tasks(sm80, spec, {"batch": 1, "seqlen": 256, "heads": 2}, {**space, "block_n": [40]},
+        make_tasks(sm80.SCHEDULE, spec, {"batch": 1, "seqlen": 256, "heads": 2}, {**space, "block_n": [40]},
                         targets.cuda_target("sm80"), tmp_path, random.Random(0), lines.append)
 
 
@@ -73,11 +75,12 @@ def test_tasks_over_the_shared_memory_limit_are_skipped(tmp_path):
 
     spec = program.AttentionSpec(128, "bfloat16", False, 2, 2)
     lines = []
-    space = {**sm80.SPACE, "block_m": [128], "block_n": [128], "num_stages": [1, 2]}
-    tasks = make_tasks(sm80, spec, {"batch": 1, "seqlen": 256, "heads": 2}, space, targets.cuda_target("sm80"),
+    space = {**sm80.SCHEDULE.forward.knobs.space(), "block_m": [128], "block_n": [128], "num_stages": [1, 2]}
+    tasks = make_tasks(sm80.SCHEDULE, spec, {"batch": 1, "seqlen": 256, "heads": 2}, space, targets.cuda_target("sm80"),
                             tmp_path, random.Random(0), lines.append)
     assert [t["name"] for t in tasks] == ["bm128_bn128"] and tasks[0]["structures"] == [{"num_stages": 1}]
-    assert lines == ["  bm128_bn128: leaving out ns2: it needs 174 KiB of shared memory, cuda sm_80 allows 163 KiB"], lines
+    assert lines == ["  bm128_bn128: leaving out ns2: it needs 174 KiB of shared memory, the sm80 forward on cuda sm_80 "
+                     "allows 163 KiB"], lines
 
 
 def test_sm90_tasks_that_leave_too_few_registers_are_skipped(tmp_path, monkeypatch):
@@ -91,9 +94,9 @@ def test_sm90_tasks_that_leave_too_few_registers_are_skipped(tmp_path, monkeypat
                          knobs={"block_m": 256, "num_warpgroups": 4, "min_blocks_per_sm": 2}).module(2, 2)
     spec = program.AttentionSpec(128, "bfloat16", False, 2, 2)
     lines = []
-    space = {**sm90.SPACE, "block_m": [256], "block_n": [64], "num_stages": [2], "kv_layout": ["swizzled"],
-             "q_layout": ["core_matrices"]}
-    tasks = make_tasks(sm90, spec, {"batch": 1, "seqlen": 512, "heads": 2}, space, targets.cuda_target("sm90"),
+    space = {**sm90.SCHEDULE.forward.knobs.space(), "block_m": [256], "block_n": [64], "num_stages": [2],
+             "kv_layout": ["swizzled"], "q_layout": ["core_matrices"]}
+    tasks = make_tasks(sm90.SCHEDULE, spec, {"batch": 1, "seqlen": 512, "heads": 2}, space, targets.cuda_target("sm90"),
                             tmp_path, random.Random(0), lines.append)
     # (a producer warpgroup needs block_m 128: those structures are never made)
     assert [t["name"] for t in tasks] == ["bm256_bn64_mb1"]

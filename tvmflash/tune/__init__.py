@@ -1,4 +1,5 @@
-"""``tvmflash tune``: MetaSchedule search over a schedule's ``SPACE``; the best knobs go to the database.
+"""``tvmflash tune``: MetaSchedule search over the space of a schedule's forward knobs (its ``KnobSet``,
+``schedules.contract``); the best knobs go to the database.
 
 Laid out as MetaSchedule is, a file a role (one extension class each), imports running down the list:
 
@@ -13,15 +14,20 @@ Laid out as MetaSchedule is, a file a role (one extension class each), imports r
 - ``progress.py``: the live status (``Reporter``) and the measure callback (``Progress``);
 - ``mutator.py``: ``MutateKnob``; ``postproc.py``: ``PreCheck``;
 - ``space.py``: the design space (tasks, structures, sampled decisions, seed traces, what cannot
-  build), and every read of a schedule module's attributes.
+  build), read from the schedule's contract: its knobs' roles, defaults, space and rules.
+
+The schedule is the one ``tvmflash.compile`` takes (``choice.choose_schedule``), and the tuner
+names it in every build it asks of the kernels (``schedule=``): a schedule is read through its
+``Schedule`` alone, never through a module's attributes.
 
 Design space (docs/design.md, "Tuning"). A MetaSchedule task is one TensorIR program: only the
-knobs that change the program are tasks (``task_points``: ``block_m``, ``block_n``, which shape
-its buffers and loops, and the schedule's ``PROGRAM_KNOBS``, such as sm90's ``min_blocks_per_sm``,
-a function attribute). Inside a task, each valid combination of the schedule's ``STRUCTURE_KNOBS``
-(plain Python values that change which schedule steps run: layouts, copies, stage counts) is a
-design space of its own (``structures``), and every other knob with more than one candidate is a
-``sch.sample_categorical`` decision handed to ``schedule(sch, **knobs)`` as the ExprRV itself
+knobs that change the program are tasks (``task_points``: the ``TILE`` knobs, ``block_m`` and
+``block_n``, which shape its buffers and loops, and the ``PROGRAM`` knobs, such as sm90's
+``min_blocks_per_sm``, a function attribute). Inside a task, each combination of the ``STRUCTURE``
+knobs (plain Python values that change which schedule steps run: layouts, copies, stage counts)
+that the knob set's ``rules`` accept is a design space of its own (``structures``), and every other
+knob with more than one candidate is a ``sch.sample_categorical`` decision handed to the
+schedule's ``apply(sch, **knobs)`` as the ExprRV itself
 (split factors take ExprRVs). The trace then *refers* to the decision, so replaying it with
 another decision gives another schedule; reading the value with ``sch.get(rv)`` would bake the
 first sample into the trace as a constant. TVM's own mutators only mutate categorical decisions
@@ -38,8 +44,8 @@ tiles differently) and timed with the default knobs on real torch tensors in the
 fastest whose output passes flash-attn's error rule there (``bench.error_vs_float32``) is written
 to tvmflash's database, where ``tvmflash.compile()`` finds it.
 
-A structure or task that ``candidate_problem`` rejects (shared memory over the target's limit, the
-schedule's ``knobs_problem``) is left out with a message before anything is built; candidates
+A structure or task that ``candidate_problem`` rejects (the knob set's ``KnobSet.problem``, shared
+memory over the target's limit) is left out with a message before anything is built; candidates
 that still fail to schedule, build or run are recorded by MetaSchedule as failed measurements and
 never picked.
 

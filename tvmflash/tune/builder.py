@@ -12,7 +12,6 @@ import tvm_ffi
 from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
 
-import tvmflash
 from tvmflash import lowering
 from tvmflash.tune.progress import Reporter, last_line
 
@@ -38,7 +37,7 @@ def ms_build(mod, target, _params, **options):
 def workers_import_this_tvmflash():
     """Builder workers are fresh processes that unpickle ``ms_build`` by reference: make them
     import this tvmflash (a source checkout may not be the installed one)."""
-    root = str(Path(tvmflash.__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parents[2])  # above tvmflash/ (not ``import tvmflash``: a floor above)
     old = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join([root] + ([old] if old else []))
     try:

@@ -4,16 +4,17 @@ this machine, by measuring their spaces.
 The backward is three programs run as one call (delta; dkdv; dq by a pass of its own, or by
 dkdv's fp32 atomics), and decode two (the splits and their merge, or one that writes the output):
 their knobs change which programs run as well as their tiles. MetaSchedule measures one program's
-candidates, so these passes are not searched by it: their spaces are small (sm90's
-``BACKWARD_SPACE`` holds 384 configurations), or, for decode, cheap to build (seconds a
-candidate), and a budget of trials covers much of them. The known configurations (the defaults
-and, unless ``cold``, the best user and shipped records) come first, then a random draw of the
-rest, leaving out what the pass's kernel refuses before building (shared memory, the schedule's
-own checks); each is built in parallel processes (``bench.build_in_parallel``) as
-``compile_backward`` / ``compile_decode`` build it, checked against float32 with flash-attn's rule
-and timed whole on the tuning shape's tensors, one at a time (``runner.gpu_timing_lock``). The
-fastest correct one is stored as a record of the workload's pass (``kernel.backward_workload``,
-``decode.decode_workload``), which the pass's kernel then reads.
+candidates, so these passes are not searched by it: their spaces are small (sm90's backward
+``KnobSet.points()`` holds 384 configurations), or, for decode, cheap to build (seconds a
+candidate), and a budget of trials covers much of them. The schedule is the one its kernel takes
+(``choice.choose_schedule``). The known configurations (the defaults and, unless ``cold``, the best
+user and shipped records) come first, then a random draw of the rest of the space, leaving out
+before building what ``space.candidate_problem`` rejects (the knob set's validation, shared
+memory); each is built in parallel processes (``bench.build_in_parallel``) as
+``compile_backward`` / ``compile_decode`` build it on that schedule, checked against float32 with
+flash-attn's rule and timed whole on the tuning shape's tensors, one at a time
+(``runner.gpu_timing_lock``). The fastest correct one is stored as a record of the workload's pass
+(``choice.workload``), which the pass's kernel then reads.
 """
 
 from __future__ import annotations
@@ -24,13 +25,12 @@ import time
 
 import torch
 
-from tvmflash import bench, database, decode, kernel
-from tvmflash import schedules as schedule_registry
+from tvmflash import bench, choice, database, decode, kernel
 from tvmflash import target as targets
 from tvmflash.tune.builder import usable_cores
 from tvmflash.tune.run import known_configurations, require_gpu, tuning_request
 from tvmflash.tune.runner import gpu_timing_lock
-from tvmflash.tune.space import decode_defaults, measured_space
+from tvmflash.tune.space import candidate_problem
 
 # The decode tuning shape: the serving grid of BENCHMARKS.md (GQA 32/8, one query token) on a GPU;
 # --heads sets the query heads, a quarter of them the K/V heads.
@@ -43,8 +43,9 @@ def _decode_shape(target, _head_dim: int) -> dict:
 
 
 def space_points(space: dict) -> list[dict]:
-    """Every configuration of a space: a list of values a knob, or a callable of the knobs resolved
-    before it that returns that list (e.g. sm80's dq_warps, from dq_block_m)."""
+    """Every configuration of a space given as an override (a schedule's own is its
+    ``KnobSet.points()``): a list of values a knob, or a callable of the knobs resolved before it
+    that returns that list (e.g. sm80's dq_warps, from dq_block_m)."""
     points = [{}]
     for name, values in space.items():
         points = [{**point, name: value} for point in points
@@ -56,28 +57,26 @@ class Backward:
     """The backward pass: ``compile_backward``'s kernel, timed on (q, k, v, out, dout, lse) of the
     tuning shape, its gradients checked on two heads."""
 
-    name, space_name, builder = "backward", "BACKWARD_SPACE", "compile_backward"
+    name, builder = "backward", "compile_backward"
 
     def __init__(self, head_dim: int, dtype: str, causal: bool, target, shape: dict):
         self.spec_args = {"head_dim": head_dim, "dtype": dtype, "causal": causal}
         self.target, self.shape = target, shape
-        self.schedule = schedule_registry.backward_for_target(target, dtype, head_dim)
-        self.defaults = kernel.backward_default_knobs(self.schedule, head_dim)
-        self.workload = kernel.backward_workload(self.spec_args)
+        self.schedule, _, _ = choice.choose_schedule("backward", target, self.spec_args)
+        self.knobs = self.schedule.backward.knobs
+        self.defaults = self.knobs.defaults(head_dim)
+        self.workload = choice.workload(self.spec_args, "backward")
         self.heads = (shape["heads"], shape["heads"])
         self.record_shape = {"batch": shape["batch"], "seqlen_q": shape["seqlen"], "seqlen_k": shape["seqlen"],
                              "heads_q": shape["heads"], "heads_kv": shape["heads"]}
 
     def kernel(self, knobs: dict):
         """The kernel of these knobs (a ValueError where it refuses them; builds nothing)."""
-        return kernel.compile_backward(**self.spec_args, target=self.target, knobs=knobs)
+        return kernel.compile_backward(**self.build_kwargs(knobs, heads=False))
 
-    def check(self, knobs: dict) -> None:
-        kernel.BackwardKernel(self.spec_args, self.target, knobs)
-
-    def build_kwargs(self, knobs: dict) -> dict:
-        return {**self.spec_args, "target": self.target, "knobs": knobs, "heads_q": self.heads[0],
-                "heads_kv": self.heads[1]}
+    def build_kwargs(self, knobs: dict, heads: bool = True) -> dict:
+        return {**self.spec_args, "target": self.target, "knobs": knobs, "schedule": self.schedule.name,
+                **({"heads_q": self.heads[0], "heads_kv": self.heads[1]} if heads else {})}
 
     def inputs(self, device: torch.device) -> None:
         gen = torch.Generator().manual_seed(0)
@@ -101,30 +100,29 @@ class Decode:
     sequence over full caches of the tuning shape (``page_size``: paged), the split count its
     own (num_splits=0); the output checked on two query heads."""
 
-    name, space_name, builder = "decode", "DECODE_SPACE", "compile_decode"
+    name, builder = "decode", "compile_decode"
 
     def __init__(self, head_dim: int, dtype: str, causal: bool, target, shape: dict, page_size: int = 0):
         if causal:
             raise ValueError("causal: decode's causal is an argument of each call, not of the kernel: tune without it")
+        self.spec_args = {"head_dim": head_dim, "dtype": dtype, "causal": False}
         self.head_dim, self.dtype, self.page_size = head_dim, dtype, page_size
         self.target, self.shape = target, shape
-        self.schedule = schedule_registry.decode_for_target(target, dtype, head_dim)
-        self.defaults = decode_defaults(self.schedule)
-        self.workload = decode.decode_workload(head_dim, dtype, page_size)
+        self.schedule, _, _ = choice.choose_schedule("decode", target, self.spec_args)
+        self.knobs = self.schedule.decode.knobs
+        self.defaults = self.knobs.defaults(head_dim)
+        self.workload = choice.workload(self.spec_args, "decode", page_size)
         self.heads = (shape["heads"], max(1, shape["heads"] // GQA_GROUP))
         self.record_shape = {"batch": shape["batch"], "seqlen_q": 1, "seqlen_k": shape["seqlen"],
                              "heads_q": self.heads[0], "heads_kv": self.heads[1]}
 
     def kernel(self, knobs: dict):
-        return decode.compile_decode(head_dim=self.head_dim, dtype=self.dtype, page_size=self.page_size,
-                                     target=self.target, knobs=knobs)
+        return decode.compile_decode(**self.build_kwargs(knobs, heads=False))
 
-    def check(self, knobs: dict) -> None:
-        decode.DecodeKernel(self.head_dim, self.dtype, self.page_size, self.target, knobs)
-
-    def build_kwargs(self, knobs: dict) -> dict:
+    def build_kwargs(self, knobs: dict, heads: bool = True) -> dict:
         return {"head_dim": self.head_dim, "dtype": self.dtype, "page_size": self.page_size, "target": self.target,
-                "knobs": knobs, "heads_q": self.heads[0], "heads_kv": self.heads[1]}
+                "knobs": knobs, "schedule": self.schedule.name,
+                **({"heads_q": self.heads[0], "heads_kv": self.heads[1]} if heads else {})}
 
     def inputs(self, device: torch.device) -> None:
         gen = torch.Generator().manual_seed(0)
@@ -160,17 +158,18 @@ PASSES = {"backward": Backward, "decode": Decode}
 def candidates(pass_, known: dict, trials: int, rng: random.Random,
                space: dict | None = None) -> tuple[list[tuple[str, dict]], list[str]]:
     """[(label, knobs)] to measure: the known configurations (label -> knobs), then configurations
-    of ``space`` (default the pass's space in its schedule) drawn at random, ``trials`` in all; and
-    why the configurations left out could not run (its kernel refuses them before building)."""
+    of ``space`` (default the pass's knob set's ``points()``, the combinations its rules accept)
+    drawn at random, ``trials`` in all; and why the configurations left out could not run
+    (``candidate_problem``: checked before building)."""
     chosen, problems, rest = list(known.items()), [], []
-    for point in space_points(space if space is not None else measured_space(pass_.schedule, pass_.space_name)):
+    head_dim, dtype = pass_.spec_args["head_dim"], pass_.spec_args["dtype"]
+    for point in space_points(space) if space is not None else pass_.knobs.points():
         knobs = {**pass_.defaults, **point}
         if knobs in known.values():
             continue
-        try:
-            pass_.check(knobs)
-        except ValueError as err:
-            problems.append(str(err))
+        problem = candidate_problem(pass_.knobs, pass_.target, head_dim, dtype, knobs)
+        if problem is not None:
+            problems.append(problem)
             continue
         rest.append(knobs)
     rng.shuffle(rest)
@@ -183,7 +182,7 @@ def tune_pass(pass_name: str, *, head_dim: int, dtype, causal: bool = False, tar
               space: dict | None = None, seed: int | None = None, repeat: int = 10, cold: bool = False,
               jobs: int | None = None, echo=print) -> dict:
     """Tune one pass's knobs ("backward" or "decode": ``PASSES``; the schedule its kernel picks,
-    that schedule's space or ``space``) for one workload on this machine and store the fastest
+    that schedule's space or ``space``, knob name -> candidates) for one workload on this machine and store the fastest
     correct configuration.
 
     The tuning shape: the backward's is the forward tuner's (batch, seqlen, heads: query and key
@@ -200,13 +199,13 @@ def tune_pass(pass_name: str, *, head_dim: int, dtype, causal: bool = False, tar
     pass_ = PASSES[pass_name](head_dim, dtype, causal, resolved, shape,
                               **({"page_size": page_size} if pass_name == "decode" else {}))
     cuda = require_gpu(resolved)
-    schedule_name = schedule_registry.name_of(pass_.schedule)
+    schedule_name = pass_.schedule.name
     start = time.perf_counter()
     layout = f", pages of {page_size}" if page_size else ""
     echo(f"tvmflash tune --pass {pass_name}: {schedule_name} schedule on {targets.describe(resolved)}, d{head_dim} "
          f"{dtype} {'causal' if causal else 'full'}{layout}, shape {pass_.record_shape}, {trials} trials")
 
-    known = known_configurations(resolved, schedule_name, pass_.workload, pass_.defaults, cold=cold,
+    known = known_configurations(resolved, pass_.knobs, pass_.workload, pass_.defaults, cold=cold,
                                  seqlen_k=shape["seqlen"])
     chosen, problems = candidates(pass_, known, trials, random.Random(seed), space)
     echo(f"  measuring {len(chosen)} configurations ({', '.join(known)} first); {len(problems)} of the space "

@@ -16,9 +16,9 @@ import torch
 import tvm
 from tvm.s_tir import meta_schedule as ms
 
-from tvmflash import bench, cache, database, kernel, program
-from tvmflash import schedules as schedule_registry
+from tvmflash import bench, cache, choice, database, kernel, program
 from tvmflash import target as targets
+from tvmflash.schedules.contract import KnobSet, Schedule
 from tvmflash.tune.builder import ProgressBuilder, ms_build, usable_cores, workers_import_this_tvmflash
 from tvmflash.tune.progress import Progress, Reporter
 from tvmflash.tune.runner import ReportingRunner, gpu_timing_lock, timed_alone
@@ -32,15 +32,16 @@ _DEFAULT_SHAPE = {"cuda": {"seqlen": 4096, "tokens": 16384, "hidden": 2048},
                   "cpu": {"seqlen": 512, "tokens": 2048, "hidden": 512}}
 
 
-def known_configurations(target, schedule_name: str, workload: dict, defaults: dict, *, cold: bool,
+def known_configurations(target, knobset: KnobSet, workload: dict, defaults: dict, *, cold: bool,
                          seqlen_k: int | None = None) -> dict[str, dict]:
     """label -> knobs: ``defaults`` (``default``), then unless ``cold`` the best record of the user's
     database (``user``) and of the shipped one (``shipped``) for ``workload`` (with its ``pass``),
-    where they differ: of ``seqlen_k``'s bucket where it has one (``database.known_records``)."""
+    where they differ: of ``seqlen_k``'s bucket where it has one (``database.known_records``), of
+    the schedule and program of ``knobset``, and whose knobs it accepts."""
     known = {"default": defaults}
     if cold:
         return known
-    for record in database.known_records(target, schedule_name, workload, seqlen_k):
+    for record in database.known_records(target, knobset.schedule, workload, seqlen_k, usable=knobset.accepts):
         knobs = {**defaults, **record["knobs"]}
         if knobs not in known.values():
             known["user" if Path(record["source"]).parent == database.user_dir() else "shipped"] = knobs
@@ -83,12 +84,13 @@ def tune(*, head_dim: int, dtype, causal: bool, target=None, trials: int = 64, b
          seqlen: int | None = None, heads: int | None = None, work_dir=None, space: dict | None = None,
          trials_per_iter: int | None = None, seed: int | None = None, repeat: int = 20, recheck: int = 3,
          cold: bool = False, echo=print, bar_stream=None) -> dict:
-    """Tune the knobs of the schedule that ``tvmflash.compile`` picks (``kernel.choose_schedule``) for one
+    """Tune the knobs of the schedule that ``tvmflash.compile`` picks (``choice.choose_schedule``) for one
     workload on this machine and store the best in the database.
 
     Tunes on a static (batch, seqlen, seqlen, heads, heads) shape; the record then serves every
     shape of the workload (head_dim, dtype, causal) through ``tvmflash.compile()``. ``space``
-    overrides the schedule's ``SPACE`` (a subset, for a quick run). ``recheck``: how many of
+    (knob name -> candidates) overrides the space of the schedule's forward knobs (a subset, for a
+    quick run). ``recheck``: how many of
     MetaSchedule's fastest configurations are timed again through ``tvmflash.compile``.
 
     Warm (the default), the search starts from what is known: the schedule's defaults and the
@@ -105,11 +107,11 @@ def tune(*, head_dim: int, dtype, causal: bool, target=None, trials: int = 64, b
     dtype, resolved, shape = tuning_request(head_dim, dtype, causal, trials, target, batch, seqlen, heads)
     # the schedule that tvmflash.compile would pick (on sm_90a the sm90 one unless TVMFLASH_SM90=0 or
     # this device's records favour sm80), not the target's first: a record of another would go unread
-    schedule, why, _ = kernel.choose_schedule(resolved, {"head_dim": head_dim, "dtype": dtype, "causal": causal}, None)
-    schedule_name = schedule_registry.name_of(schedule)
+    workload = choice.workload({"head_dim": head_dim, "dtype": dtype, "causal": causal})
+    schedule, why, _ = choice.choose_schedule("forward", resolved, workload)
+    schedule_name = schedule.name
     space = searched_space(schedule, space)
     cuda = require_gpu(resolved)
-    workload = {"head_dim": head_dim, "dtype": dtype, "causal": causal}
     work_dir = _work_dir(work_dir, schedule_name, workload)
     start = time.perf_counter()
     echo(f"tvmflash tune: {schedule_name} schedule ({why}) on {targets.describe(resolved)}, d{head_dim} {dtype} "
@@ -119,8 +121,8 @@ def tune(*, head_dim: int, dtype, causal: bool, target=None, trials: int = 64, b
         raise RuntimeError("tvmflash tune: MetaSchedule's cost model needs xgboost (pip install xgboost-cpu)")
 
     spec = program.AttentionSpec(head_dim, dtype, causal, shape["heads"], shape["heads"])
-    known = known_configurations(resolved, schedule_name, workload, kernel.default_knobs(schedule, head_dim), cold=cold,
-                                 seqlen_k=shape["seqlen"])
+    known = known_configurations(resolved, schedule.forward.knobs, workload, schedule.forward.knobs.defaults(head_dim),
+                                 cold=cold, seqlen_k=shape["seqlen"])
     stats: dict = {}  # PreCheck's count of candidates rejected before building
     tasks = make_tasks(schedule, spec, shape, space, resolved, work_dir, random.Random(seed), echo,
                        known=None if cold else known, stats=stats)
@@ -136,7 +138,8 @@ def tune(*, head_dim: int, dtype, causal: bool, target=None, trials: int = 64, b
         raise RuntimeError(f"tvmflash tune: none of {progress.done} candidates built and ran; see the logs in {work_dir}")
 
     candidates, search = _rechecked_candidates(known, progress, recheck)
-    times, correct = _timed_through_compile(candidates, known, workload, resolved, shape, cuda, repeat, echo)
+    times, correct = _timed_through_compile(schedule, candidates, known, workload, resolved, shape, cuda, repeat,
+                                            echo)
     tuned_label, winner = _tuned_and_winner(known, search, correct, times)
     tuned_knobs, knobs = candidates[tuned_label][1], candidates[winner][1]
     wall_s = time.perf_counter() - start
@@ -206,7 +209,7 @@ def _search_database(work_dir: Path, contexts: list, tasks: list[dict], known: d
     return db
 
 
-def _search(schedule, tasks: list[dict], contexts: list, db, target, work_dir: Path, trials: int,
+def _search(schedule: Schedule, tasks: list[dict], contexts: list, db, target, work_dir: Path, trials: int,
             trials_per_iter: int | None, cuda: bool, echo, bar_stream) -> Progress:
     """MetaSchedule's search over the tasks, reported from the first build on (a bar on
     ``bar_stream``, else a line a trial). Returns the measure callback, which holds what it measured."""
@@ -216,9 +219,8 @@ def _search(schedule, tasks: list[dict], contexts: list, db, target, work_dir: P
     progress = Progress(tasks, trials, echo)
     config = ms.runner.EvaluatorConfig(number=3, repeat=3 if cuda else 1, min_repeat_ms=50 if cuda else 20,
                                        enable_cpu_cache_flush=False)
-    builder = ProgressBuilder(ms.builder.LocalBuilder(
-        max_workers=num_cores, timeout_sec=120, f_build=functools.partial(ms_build, **kernel.build_options(schedule))),
-        reporter)
+    f_build = functools.partial(ms_build, **schedule.build_options("forward"))
+    builder = ProgressBuilder(ms.builder.LocalBuilder(max_workers=num_cores, timeout_sec=120, f_build=f_build), reporter)
     runner = ReportingRunner(ms.runner.LocalRunner(timeout_sec=120, evaluator_config=config,
                                                    f_run_evaluator=timed_alone if cuda else None), reporter)
     with workers_import_this_tvmflash():
@@ -247,7 +249,7 @@ def _search(schedule, tasks: list[dict], contexts: list, db, target, work_dir: P
     return progress
 
 
-def _design_space(schedule, task: dict, context) -> tvm.IRModule:
+def _design_space(schedule: Schedule, task: dict, context) -> tvm.IRModule:
     """The module of a task's design space (its one candidate when it samples no knob)."""
     sch = tvm.s_tir.Schedule(context.mod)
     space_fn(schedule, task["fixed"], task["sampled"], task.get("structures"))(sch)
@@ -271,10 +273,11 @@ def _rechecked_candidates(known: dict, progress: Progress, recheck: int) -> tupl
     return candidates, search
 
 
-def _timed_through_compile(candidates: dict, known: dict, workload: dict, target, shape: dict, cuda: bool,
-                           repeat: int, echo) -> tuple[dict, dict]:
-    """The candidates on real tensors through tvmflash.compile, in this run: each built (or loaded)
-    and checked before taking the GPU, then timed. Returns label -> ms and label -> correct."""
+def _timed_through_compile(schedule: Schedule, candidates: dict, known: dict, workload: dict, target, shape: dict,
+                           cuda: bool, repeat: int, echo) -> tuple[dict, dict]:
+    """The candidates on real tensors through tvmflash.compile, in this run, on the schedule tuned (named:
+    knobs alone do not say whose they are): each built (or loaded) and checked before taking the GPU,
+    then timed. Returns label -> ms and label -> correct."""
     head_dim, dtype, causal = workload["head_dim"], workload["dtype"], workload["causal"]
     device = torch.device("cuda" if cuda else "cpu")
     gen = torch.Generator().manual_seed(0)
@@ -284,7 +287,7 @@ def _timed_through_compile(candidates: dict, known: dict, workload: dict, target
     kernels, correct, times = {}, {}, {}
     for label, (_ms, knobs) in candidates.items():
         kernels[label] = kern = kernel.compile(head_dim=head_dim, dtype=dtype, causal=causal, target=target,
-                                               knobs=knobs)
+                                               knobs=knobs, schedule=schedule.name)
         out.fill_(float("nan"))
         kern(q, k, v, out=out)
         error, tolerance = bench.error_vs_float32(out, q, k, v, causal)

@@ -1,18 +1,18 @@
-"""The design space of a schedule's ``SPACE``: which knobs make a task, a structure or a sampled
-decision, how a candidate's trace stands for its knobs, and which candidates cannot build.
+"""The design space of a schedule's forward, read from its contract (``schedules.contract``): which
+knobs make a task, a structure or a sampled decision, how a candidate's trace stands for its knobs,
+and which candidates cannot build.
 
 A MetaSchedule task is one TensorIR program: only the knobs that change the program are tasks
-(``task_points``). Inside a task, each valid combination of the schedule's ``STRUCTURE_KNOBS`` is a
-design space of its own (``structures``), and every other knob with more than one candidate is a
-``sch.sample_categorical`` decision handed to ``schedule(sch, **knobs)`` as the ExprRV itself
-(``space_fn``). ``candidate_problem`` says what cannot build before anything is built.
+(``task_points``: the knob set's ``TILE`` and ``PROGRAM`` knobs). Inside a task, each combination of
+its ``STRUCTURE`` knobs that the knob set's ``rules`` accept is a design space of its own
+(``structures``), and every other knob with more than one candidate is a ``sch.sample_categorical``
+decision handed to the schedule's ``apply(sch, **knobs)`` as the ExprRV itself (``space_fn``).
+``candidate_problem`` says what cannot build before anything is built: the knob set's one
+validation (``KnobSet.problem``) and the target's shared memory (``choice.shared_memory_over``).
 
-Every read of a schedule module's attributes in the tuner is in this file: the functions below read
-``KNOBS``, ``PROGRAM_KNOBS``, ``STRUCTURE_KNOBS``, ``valid_knobs``, ``schedule`` and ``knobs_problem``,
-and those at its end ``SPACE``, ``min_kv_tiles``, a measured pass's space and ``DECODE_KNOBS``. (The
-tuner also hands schedules to modules below it, which read their own: the kernel's ``default_knobs``,
-``backward_default_knobs`` and ``build_options``, the target's ``shared_memory_over``, the registry's
-``program_for``.)
+The tuner reads a schedule through its ``Schedule`` alone: the forward's ``KnobSet`` (roles,
+defaults, space, rules), its ``apply``, ``min_kv_tiles`` and ``build_options``; measured programs
+(backward, decode) read their own ``KnobSet`` the same way (``measured.py``).
 """
 
 from __future__ import annotations
@@ -23,28 +23,32 @@ import math
 
 import tvm
 
-from tvmflash import schedules as schedule_registry
+from tvmflash import choice
 from tvmflash import target as targets
+from tvmflash.schedules.contract import PROGRAM, STRUCTURE, TILE, KnobSet, Schedule
 
 
-def task_points(schedule, space: dict) -> list[dict]:
-    """One dict per MetaSchedule task: a value for block_m, block_n and each of the schedule's
-    ``PROGRAM_KNOBS`` found in ``space``: the knobs that change the TensorIR program itself (its
-    tiles; sm90's ``min_blocks_per_sm``, a function attribute of the program). Every other knob is
-    decided inside the task (``structures`` and the sampled knobs of ``task_knobs``)."""
-    names = ["block_m", "block_n", *(n for n in getattr(schedule, "PROGRAM_KNOBS", ()) if n in space)]
+def task_points(schedule: Schedule, space: dict) -> list[dict]:
+    """One dict per MetaSchedule task: a value for each of the forward's ``TILE`` and ``PROGRAM``
+    knobs found in ``space``: the knobs that change the TensorIR program itself (its tiles; sm90's
+    ``min_blocks_per_sm``, a function attribute of the program). Every other knob is decided inside
+    the task (``structures`` and the sampled knobs of ``task_knobs``)."""
+    names = [n for n in schedule.forward.knobs.names_of(TILE, PROGRAM) if n in space]
     return [dict(zip(names, values)) for values in itertools.product(*(space[n] for n in names))]
 
 
-def structures(schedule, space: dict, point: dict) -> list[dict]:
-    """The combinations of the schedule's ``STRUCTURE_KNOBS`` in ``space`` that go with a task's
-    ``point`` (the schedule's ``valid_knobs``): knobs the schedule needs as plain Python values,
-    because they change which schedule steps run (a layout, who copies, the pipeline's stages).
-    Each is a design space of its own inside the one task; [{}] where the schedule has none."""
-    names = [n for n in getattr(schedule, "STRUCTURE_KNOBS", ()) if n in space and n not in point]
-    valid = getattr(schedule, "valid_knobs", lambda knobs: True)
+def structures(schedule: Schedule, space: dict, point: dict) -> list[dict]:
+    """The combinations of the forward's ``STRUCTURE`` knobs in ``space`` that go with a task's
+    ``point`` (the knob set's ``rules``, over the task's knobs and the defaults): knobs the schedule
+    needs as plain Python values, because they change which schedule steps run (a layout, who
+    copies, the pipeline's stages). Each is a design space of its own inside the one task; [{}]
+    where the schedule has none."""
+    knobset = schedule.forward.knobs
+    names = [n for n in knobset.names_of(STRUCTURE) if n in space and n not in point]
+    fixed, _ = task_knobs(space, **point, structure_names=names)  # the task's, derived knobs resolved
+    plain = {**knobset.defaults(), **fixed}
     combos = (dict(zip(names, values)) for values in itertools.product(*(space[n] for n in names)))
-    return [combo for combo in combos if valid({**schedule.KNOBS, **point, **combo})]
+    return [combo for combo in combos if knobset.rules is None or knobset.rules({**plain, **combo}) is None]
 
 
 def task_name(point: dict) -> str:
@@ -56,10 +60,10 @@ def task_name(point: dict) -> str:
 def task_knobs(space: dict, block_m: int, block_n: int, **task) -> tuple[dict, dict]:
     """Split a task's knobs into fixed ones (one candidate) and sampled ones (name -> candidates).
 
-    ``task`` holds the values of the task's other knobs (``PROGRAM_KNOBS``, or a structure's, which
-    ``make_tasks`` passes as ``structure_names``' values are skipped here). A value in ``space`` is a
-    list of candidates, or a callable that takes the knobs resolved so far (block_m, block_n, the
-    task's knobs and the fixed knobs before it) and returns the list.
+    ``task`` holds the values of the task's other knobs (its ``PROGRAM`` knobs; the ``STRUCTURE``
+    knobs named in ``structure_names`` are skipped here, as each structure sets them). A value in
+    ``space`` is a list of candidates, or a callable that takes the knobs resolved so far (block_m,
+    block_n, the task's knobs and the fixed knobs before it) and returns the list.
     """
     skip = set(task.pop("structure_names", ()))
     fixed, sampled = {"block_m": block_m, "block_n": block_n, **task}, {}
@@ -84,9 +88,8 @@ def task_knobs(space: dict, block_m: int, block_n: int, **task) -> tuple[dict, d
 _STRUCTURE_ANNOTATION = "tvmflash.structure"
 
 
-def _apply_structure(schedule_module, sch, fixed: dict, sampled: dict, structures_: list[dict], index: int,
-                     schedule_fn=None):
-    knobs = {**fixed, **structures_[index]}
+def _apply_structure(schedule: Schedule, sch, fixed: dict, sampled: dict, structures_: list[dict], index: int):
+    knobs, defaults = {**fixed, **structures_[index]}, schedule.forward.knobs.defaults()
     if structures_[index]:
         rv = sch.sample_categorical(candidates=[index], probs=[1.0], decision=0)
         func_name = sch.mod.get_global_vars()[0].name_hint
@@ -94,22 +97,22 @@ def _apply_structure(schedule_module, sch, fixed: dict, sampled: dict, structure
     for name, values in sampled.items():
         # The design space itself takes the default (else the first) candidate, so generating it
         # cannot fail on an invalid sample; the search re-samples every decision anyway.
-        default = schedule_module.KNOBS.get(name)
+        default = defaults.get(name)
         knobs[name] = sch.sample_categorical(candidates=values, probs=[1.0 / len(values)] * len(values),
                                              decision=values.index(default) if default in values else 0)
-    return (schedule_fn or schedule_module.schedule)(sch, **knobs)
+    return schedule.forward.apply(sch, **knobs)
 
 
-def space_fn(schedule_module, fixed: dict, sampled: dict, structures_: list[dict] | None = None, schedule_fn=None,
+def space_fn(schedule: Schedule, fixed: dict, sampled: dict, structures_: list[dict] | None = None,
              only: int | None = None):
     """The ScheduleFn body: one design space per structure (``structures``; ``only``: that one
-    alone), each sampling the sampled knobs, then running the schedule (``schedule_fn``, default the
-    module's forward ``schedule``) with their ExprRVs and the structure's plain values."""
+    alone), each sampling the sampled knobs, then running the schedule's forward (its ``apply``)
+    with their ExprRVs and the structure's plain values."""
     structures_ = structures_ or [{}]
 
     def apply(sch: tvm.s_tir.Schedule):
         if only is not None or len(structures_) == 1:
-            return _apply_structure(schedule_module, sch, fixed, sampled, structures_, only or 0, schedule_fn)
+            return _apply_structure(schedule, sch, fixed, sampled, structures_, only or 0)
         # A fresh schedule of the unscheduled module each, made once the one before is done (two
         # schedules made at once of one module, or Schedule.copy, share state that scheduling changes).
         # A structure the schedule rejects is left out (``candidate_problem`` should have caught it).
@@ -117,7 +120,7 @@ def space_fn(schedule_module, fixed: dict, sampled: dict, structures_: list[dict
         for index in range(len(structures_)):
             each = sch if index == 0 else tvm.s_tir.Schedule(unscheduled)
             with contextlib.suppress(Exception):
-                spaces.append(_apply_structure(schedule_module, each, fixed, sampled, structures_, index, schedule_fn))
+                spaces.append(_apply_structure(schedule, each, fixed, sampled, structures_, index))
         return spaces
 
     return apply
@@ -153,16 +156,15 @@ class Retracer:
     """The design-space trace of a task's structure with given sampled decisions (``MutateKnob``
     and the seeds): the schedule is run again on the task's module, once a structure (cached)."""
 
-    def __init__(self, schedule_module, mod: tvm.IRModule, fixed: dict, sampled: dict, structures_: list[dict],
-                 schedule_fn=None):
-        self.args = (schedule_module, fixed, sampled, structures_ or [{}], schedule_fn)
+    def __init__(self, schedule: Schedule, mod: tvm.IRModule, fixed: dict, sampled: dict, structures_: list[dict]):
+        self.args = (schedule, fixed, sampled, structures_ or [{}])
         self.mod, self.traces = mod, {}
 
     def trace(self, index: int):
         if index not in self.traces:
-            schedule_module, fixed, sampled, structures_, schedule_fn = self.args
+            schedule, fixed, sampled, structures_ = self.args
             sch = tvm.s_tir.Schedule(self.mod)
-            space_fn(schedule_module, fixed, sampled, structures_, schedule_fn, only=index)(sch)
+            space_fn(schedule, fixed, sampled, structures_, only=index)(sch)
             self.traces[index] = sch.trace
         return self.traces[index]
 
@@ -182,14 +184,13 @@ class Retracer:
             return None
 
 
-def seed_trace(schedule_module, mod: tvm.IRModule, fixed: dict, sampled: dict, knobs: dict,
-               structures_: list[dict] | None = None, schedule_fn=None, retracer: Retracer | None = None,
-               defaults: dict | None = None):
+def seed_trace(schedule: Schedule, mod: tvm.IRModule, fixed: dict, sampled: dict, knobs: dict,
+               structures_: list[dict] | None = None, retracer: Retracer | None = None):
     """The design-space trace of a task with its structure and decisions set to ``knobs``, or None
     where the task cannot make those knobs (another tile pair or program knob, or a value outside
-    the space). ``defaults``: the knobs a knob outside the space takes (the module's ``KNOBS``)."""
+    the space). A knob outside the space takes its default."""
     structures_ = structures_ or [{}]
-    plain = {**(defaults or schedule_module.KNOBS), **fixed}  # what the task builds for a knob outside the space
+    plain = with_defaults(schedule, fixed)  # what the task builds for a knob outside the space
     names = set(structures_[0])
     if any(knobs.get(name, value) != value for name, value in plain.items() if name not in sampled and name not in names):
         return None
@@ -199,51 +200,46 @@ def seed_trace(schedule_module, mod: tvm.IRModule, fixed: dict, sampled: dict, k
                  None)
     if index is None:
         return None
-    retracer = retracer or Retracer(schedule_module, mod, fixed, sampled, structures_, schedule_fn)
+    retracer = retracer or Retracer(schedule, mod, fixed, sampled, structures_)
     return retracer.with_decisions(index, [values.index(knobs[name]) for name, values in sampled.items()])
 
 
-def candidate_problem(schedule, target, head_dim: int, dtype: str, knobs: dict) -> str | None:
-    """Why a candidate with these knobs cannot build or run on ``target``, or None: checked before
-    anything is built (``PreCheck``, ``make_tasks``). Shared memory over the target's limit, then
-    the schedule's own ``knobs_problem`` (sm90: registers, TMA and swizzle alignment, knobs that do
-    not go together)."""
-    knobs = {**schedule.KNOBS, **knobs}
-    over = targets.shared_memory_over(target, schedule, head_dim, dtype, knobs)
-    if over is not None:
-        return f"it needs {over}"
-    check = getattr(schedule, "knobs_problem", None)
-    return check(head_dim, dtype, knobs) if check is not None and targets.is_cuda(target) else None
 
 
-# ---- what the tuner reads of a schedule module beyond the functions above
-def searched_space(schedule, space: dict | None) -> dict:
-    """The space a run searches: ``space`` (a subset, for a quick run), else the schedule's ``SPACE``;
-    a ValueError for a knob the schedule does not have."""
-    space = dict(space or schedule.SPACE)
-    unknown = set(space) - set(schedule.KNOBS)
+def candidate_problem(knobset: KnobSet, target, head_dim: int, dtype: str, knobs: dict) -> str | None:
+    """Why a candidate with these knobs (of a program's ``knobset``, its defaults filling in the rest)
+    cannot build or run on ``target``, or None: checked before anything is built (``PreCheck``,
+    ``make_tasks``, ``measured.candidates``). The knob set's one validation, ``KnobSet.problem``
+    (names, values, the rules between knobs and, on a GPU, the build's limits: sm90's registers, TMA
+    and swizzle alignment), then shared memory over the target's limit."""
+    knobs = {**knobset.defaults(), **knobs}
+    problem = knobset.problem(knobs, head_dim if targets.is_cuda(target) else None, dtype)
+    if problem is not None:
+        return problem
+    over = choice.shared_memory_over(target, knobset, head_dim, dtype, knobs)
+    return None if over is None else f"it needs {over}"
+
+
+def searched_space(schedule: Schedule, space: dict | None) -> dict:
+    """The space a run searches: ``space`` (a subset, for a quick run), else the forward's
+    ``KnobSet.space()``; a ValueError for a knob the schedule does not have. A tile knob that
+    ``space`` leaves out keeps its default (each task is a pair of tiles)."""
+    knobset = schedule.forward.knobs
+    if not space:
+        return knobset.space()
+    unknown = set(space) - set(knobset.names)
     if unknown:
-        raise ValueError(f"space: {sorted(unknown)} are not knobs of the {schedule_registry.name_of(schedule)} schedule")
-    return space
+        raise ValueError(f"space: {sorted(unknown)} are not forward knobs of the {schedule.name} schedule")
+    defaults = knobset.defaults()
+    return {**{name: [defaults[name]] for name in knobset.names_of(TILE) if name not in space}, **space}
 
 
-def with_defaults(schedule, knobs: dict) -> dict:
-    """``knobs`` over the schedule's defaults (``KNOBS``)."""
-    return {**schedule.KNOBS, **knobs}
+def with_defaults(schedule: Schedule, knobs: dict) -> dict:
+    """``knobs`` over the forward's defaults."""
+    return {**schedule.forward.knobs.defaults(), **knobs}
 
 
-def structures_share_a_program(schedule, plain: dict, kept: list[dict]) -> bool:
+def structures_share_a_program(schedule: Schedule, plain: dict, kept: list[dict]) -> bool:
     """Whether a task's structures (``kept``, over the task's knobs ``plain``) make one program: the
-    schedule's ``min_kv_tiles``, where it has one, shapes the program, which a task's structures share."""
-    return not (getattr(schedule, "min_kv_tiles", None)
-                and len({schedule.min_kv_tiles({**plain, **s}) for s in kept}) > 1)
-
-
-def measured_space(schedule, space_name: str) -> dict:
-    """A measured pass's space in its schedule (``space_name``: ``BACKWARD_SPACE``, ``DECODE_SPACE``)."""
-    return getattr(schedule, space_name)
-
-
-def decode_defaults(schedule) -> dict:
-    """The decode schedule's default knobs (``DECODE_KNOBS``)."""
-    return dict(schedule.DECODE_KNOBS)
+    schedule's ``min_kv_tiles`` shapes the program, which a task's structures share."""
+    return len({schedule.min_kv_tiles({**plain, **s}) for s in kept}) <= 1

@@ -14,6 +14,7 @@ from tvm.s_tir import meta_schedule as ms
 
 from tvmflash import program
 from tvmflash import schedules as schedule_registry
+from tvmflash.schedules.contract import Schedule
 from tvmflash.tune.builder import usable_cores
 from tvmflash.tune.mutator import MutateKnob
 from tvmflash.tune.postproc import PreCheck
@@ -56,7 +57,7 @@ def _loggers(work_dir: Path, task_names: list[str]):
     return [ms.logging.get_logger(n) for n in names]
 
 
-def make_tasks(schedule, spec: program.AttentionSpec, shape: dict, space: dict, target, work_dir: Path,
+def make_tasks(schedule: Schedule, spec: program.AttentionSpec, shape: dict, space: dict, target, work_dir: Path,
                rng: random.Random, echo, known: dict | None = None, stats: dict | None = None) -> list[dict]:
     """One MetaSchedule task per point of ``task_points`` (the knobs that change the program), on
     the static ``shape``. Inside it, one design space per structure (``structures``) that
@@ -65,13 +66,13 @@ def make_tasks(schedule, spec: program.AttentionSpec, shape: dict, space: dict, 
     with a message. Returns dicts with ``name``, ``fixed``, ``sampled``, ``structures``,
     ``context`` (a TuneContext) and ``seeds``: the traces of the ``known`` configurations (label
     -> knobs) that the task makes, [(label, trace)], for ``seed_database``."""
-    schedule_name = schedule_registry.name_of(schedule)
+    schedule_name = schedule.name
     points = task_points(schedule, space)
     loggers = _loggers(work_dir, [task_name(p) for p in points])
     stats = {} if stats is None else stats
 
     def check(knobs):
-        return candidate_problem(schedule, target, spec.head_dim, spec.dtype, knobs)
+        return candidate_problem(schedule.forward.knobs, target, spec.head_dim, spec.dtype, knobs)
 
     tasks = []
     for point, logger in zip(points, loggers):
