@@ -84,12 +84,12 @@ def kv_loop_body(src: str) -> str:
 @pytest.fixture
 def cache_dir(tmp_path, monkeypatch):
     """A fresh cache dir (modules and tuning records) and no in-memory kernels."""
-    from tvmflash import kernel
+    from tvmflash import kernels
 
     monkeypatch.setenv("TVMFLASH_CACHE_DIR", str(tmp_path))
-    kernel.forget_kernels()
+    kernels.forget_kernels()
     yield tmp_path
-    kernel.forget_kernels()
+    kernels.forget_kernels()
 
 
 def cli(*args, env_dir):

@@ -6,7 +6,7 @@ import random
 import pytest
 
 import tvmflash
-from tvmflash import choice, database, kernel
+from tvmflash import choice, database, kernels
 from tvmflash import target as targets
 from tvmflash.schedules import sm90
 from tvmflash.tune import measured
@@ -52,7 +52,7 @@ def test_tune_backward_stores_a_record_compile_backward_reads(cache_dir, capsys)
     (record,) = [r for path, r in database.all_records() if path.parent == database.user_dir()]
     assert record["workload"] == {"head_dim": 32, "dtype": "float32", "causal": True, "pass": "backward"}
     assert record["trials"] == 2 and record["failed_trials"] == 0 and set(record["known_ms"]) == {"default"}
-    kernel.forget_kernels()
+    kernels.forget_kernels()
     backward = tvmflash.compile_backward(head_dim=32, dtype="float32", causal=True, target="cpu")
     assert backward.knobs == record["knobs"] and backward.knobs_source.startswith("tuned (")
     assert tvmflash.compile(head_dim=32, dtype="float32", causal=True, target="cpu").knobs_source == "defaults"
@@ -64,7 +64,6 @@ def test_tune_decode_stores_a_record_compile_decode_reads(cache_dir, capsys):
     """``tvmflash tune --pass decode`` on the CPU: one query token over full caches, a quarter as many
     K/V heads as query heads; the record is the cache layout's (a paged kernel keeps its defaults)."""
     from tvmflash import cli as tvmflash_cli
-    from tvmflash import decode
 
     assert tvmflash_cli.main(["tune", "--pass", "decode", "--head-dim", "32", "--dtype", "float32", "--trials", "2",
                               "--target", "cpu", "--seqlen", "96", "--batch", "2", "--heads", "4"]) == 0
@@ -73,9 +72,9 @@ def test_tune_decode_stores_a_record_compile_decode_reads(cache_dir, capsys):
     (record,) = [r for path, r in database.all_records() if path.parent == database.user_dir()]
     assert record["workload"] == choice.workload({"head_dim": 32, "dtype": "float32", "causal": False}, "decode", 0)
     assert record["failed_trials"] == 0
-    contiguous = decode.compile_decode(head_dim=32, dtype="float32", target="cpu")
+    contiguous = kernels.compile_decode(head_dim=32, dtype="float32", target="cpu")
     assert contiguous.knobs == record["knobs"] and contiguous.knobs_source.startswith("tuned (")
-    assert decode.compile_decode(head_dim=32, dtype="float32", page_size=16, target="cpu").knobs_source == "defaults"
+    assert kernels.compile_decode(head_dim=32, dtype="float32", page_size=16, target="cpu").knobs_source == "defaults"
     with pytest.raises(SystemExit):
         tvmflash_cli.main(["tune", "--head-dim", "32", "--page-size", "16", "--target", "cpu"])
     assert "--page-size" in capsys.readouterr().err

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import tvmflash
-from tvmflash import database, kernel, tune
+from tvmflash import database, kernels, tune
 from tvmflash import target as targets
 from tvmflash.schedules import cpu
 from tvmflash.tune import mutator, run, task
@@ -89,13 +89,13 @@ def test_the_fastest_few_are_timed_again_as_compile_builds_them(cache_dir, monke
 
     timings = iter([5.0, 4.0, 3.0])  # default, MetaSchedule's #1, #2
     monkeypatch.setattr(bench, "time_ms", lambda fn, device, repeat: next(timings))
-    schedules, compile_ = [], kernel.compile
+    schedules, compile_ = [], kernels.compile
 
     def compile_named(**kwargs):  # the tuned schedule, named: knobs alone do not say whose they are
         schedules.append(kwargs.get("schedule"))
         return compile_(**kwargs)
 
-    monkeypatch.setattr(kernel, "compile", compile_named)
+    monkeypatch.setattr(kernels, "compile", compile_named)
     lines = []
     record = tune.tune(head_dim=32, dtype="float32", causal=False, target="cpu", trials=2, batch=1, seqlen=64,
                        heads=1, space={"block_m": [16], "block_n": [32], "vector": [4, 8]}, seed=0, repeat=3,
@@ -132,7 +132,7 @@ def cli_tuning_run(tmp_path_factory):
                                   "--target", "cpu", "--seqlen", "64", "--batch", "1", "--heads", "1"])
         assert code == 0, err.getvalue()
         full = database.lookup(CPU, "cpu", WORKLOAD, usable=cpu.SCHEDULE.forward.knobs.accepts)
-    kernel.forget_kernels()  # kernels made while the run's cache dir was set read its records
+    kernels.forget_kernels()  # kernels made while the run's cache dir was set read its records
     return out.getvalue(), full
 
 

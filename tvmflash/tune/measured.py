@@ -25,7 +25,8 @@ import time
 
 import torch
 
-from tvmflash import bench, choice, database, decode, kernel
+from tvmflash import bench, choice, database, kernels
+from tvmflash.kernels import checks
 from tvmflash import target as targets
 from tvmflash.tune.builder import usable_cores
 from tvmflash.tune.run import known_configurations, require_gpu, tuning_request
@@ -72,7 +73,7 @@ class Backward:
 
     def kernel(self, knobs: dict):
         """The kernel of these knobs (a ValueError where it refuses them; builds nothing)."""
-        return kernel.compile_backward(**self.build_kwargs(knobs, heads=False))
+        return kernels.compile_backward(**self.build_kwargs(knobs, heads=False))
 
     def build_kwargs(self, knobs: dict, heads: bool = True) -> dict:
         return {**self.spec_args, "target": self.target, "knobs": knobs, "schedule": self.schedule.name,
@@ -82,8 +83,8 @@ class Backward:
         gen = torch.Generator().manual_seed(0)
         b, s, h, d = self.shape["batch"], self.shape["seqlen"], self.shape["heads"], self.spec_args["head_dim"]
         self.q, self.k, self.v, self.dout = (torch.randn(b, s, h, d, generator=gen).to(
-            device=device, dtype=kernel.TORCH_DTYPES[self.spec_args["dtype"]]) for _ in range(4))
-        forward = kernel.compile(**self.spec_args, target=self.target)
+            device=device, dtype=checks.TORCH_DTYPES[self.spec_args["dtype"]]) for _ in range(4))
+        forward = kernels.compile(**self.spec_args, target=self.target)
         self.out, self.lse = forward(self.q, self.k, self.v, return_lse=True)
 
     def call(self, kern):
@@ -117,7 +118,7 @@ class Decode:
                              "heads_q": self.heads[0], "heads_kv": self.heads[1]}
 
     def kernel(self, knobs: dict):
-        return decode.compile_decode(**self.build_kwargs(knobs, heads=False))
+        return kernels.compile_decode(**self.build_kwargs(knobs, heads=False))
 
     def build_kwargs(self, knobs: dict, heads: bool = True) -> dict:
         return {"head_dim": self.head_dim, "dtype": self.dtype, "page_size": self.page_size, "target": self.target,
@@ -127,7 +128,7 @@ class Decode:
     def inputs(self, device: torch.device) -> None:
         gen = torch.Generator().manual_seed(0)
         b, s = self.shape["batch"], self.shape["seqlen"]
-        (hq, hkv), d, dtype = self.heads, self.head_dim, kernel.TORCH_DTYPES[self.dtype]
+        (hq, hkv), d, dtype = self.heads, self.head_dim, checks.TORCH_DTYPES[self.dtype]
         self.q = torch.randn(b, 1, hq, d, generator=gen).to(device=device, dtype=dtype)
         self.k, self.v = (torch.randn(b, s, hkv, d, generator=gen).to(device=device, dtype=dtype) for _ in range(2))
         self.lengths = torch.full((b,), s, dtype=torch.int32, device=device)
@@ -251,8 +252,7 @@ def tune_pass(pass_name: str, *, head_dim: int, dtype, causal: bool = False, tar
         tuned_ms=times[tuned], tuned_knobs=dict(chosen)[tuned], known_ms={label: times.get(label) for label in known},
         start="cold" if cold else "warm")
     path = database.add(record)
-    kernel.forget_kernels()  # the pass's kernel must see the new record
-    decode.forget_kernels()
+    kernels.forget_kernels()  # the pass's kernel must see the new record
     kept = next((r for r in database.read(path) if database.same_key(r, record)), record)
     echo(f"{pass_name} at {pass_.record_shape}: default {times['default']:.4f} ms, best {times[winner]:.4f} ms "
          f"({times['default'] / times[winner]:.2f}x, {winner}): {knobs}")

@@ -16,7 +16,8 @@ import torch
 import tvm
 from tvm.s_tir import meta_schedule as ms
 
-from tvmflash import bench, cache, choice, database, kernel, program
+from tvmflash import bench, cache, choice, database, kernels, program
+from tvmflash.kernels import checks
 from tvmflash import target as targets
 from tvmflash.schedules.contract import KnobSet, Schedule
 from tvmflash.tune.builder import ProgressBuilder, ms_build, usable_cores, workers_import_this_tvmflash
@@ -59,8 +60,8 @@ def tuning_request(head_dim: int, dtype, causal: bool, trials: int, target, batc
                    heads: int | None, shape_for=None) -> tuple[str, tvm.target.Target, dict]:
     """A tuning run's arguments, checked: the dtype's name, the resolved target and the tuning shape
     (``shape_for(target, head_dim)``, by default ``default_shape``, with the batch, seqlen and heads given)."""
-    dtype = kernel.dtype_name(dtype)
-    kernel.check_flag("causal", causal)
+    dtype = checks.dtype_name(dtype)
+    checks.check_flag("causal", causal)
     program.AttentionSpec(head_dim, dtype, causal)  # validates head_dim and dtype
     if trials < 1:
         raise ValueError(f"trials: expected a positive number, got {trials}")
@@ -152,7 +153,7 @@ def tune(*, head_dim: int, dtype, causal: bool, target=None, trials: int = 64, b
         known_ms={label: times[label] for label in known}, start="cold" if cold else "warm",
         metaschedule_ms=progress.best_ms, work_dir=str(work_dir))
     path = database.add(record)
-    kernel.forget_kernels()  # compile() must see the new record
+    kernels.forget_kernels()  # compile() must see the new record
     echo(f"best knobs: {tuned_knobs} (MetaSchedule's best: {progress.best_ms:.4f} ms)")
     echo(f"tvmflash.compile at b{shape['batch']} s{shape['seqlen']} h{shape['heads']}: default {times['default']:.4f} ms, "
          f"tuned {times[tuned_label]:.4f} ms ({times['default'] / times[tuned_label]:.2f}x)")
@@ -282,11 +283,11 @@ def _timed_through_compile(schedule: Schedule, candidates: dict, known: dict, wo
     device = torch.device("cuda" if cuda else "cpu")
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(shape["batch"], shape["seqlen"], shape["heads"], head_dim, generator=gen)
-               .to(device=device, dtype=kernel.TORCH_DTYPES[dtype]) for _ in range(3))
+               .to(device=device, dtype=checks.TORCH_DTYPES[dtype]) for _ in range(3))
     out = torch.empty_like(q)
     kernels, correct, times = {}, {}, {}
     for label, (_ms, knobs) in candidates.items():
-        kernels[label] = kern = kernel.compile(head_dim=head_dim, dtype=dtype, causal=causal, target=target,
+        kernels[label] = kern = kernels.compile(head_dim=head_dim, dtype=dtype, causal=causal, target=target,
                                                knobs=knobs, schedule=schedule.name)
         out.fill_(float("nan"))
         kern(q, k, v, out=out)
