@@ -2,6 +2,8 @@
 environment (TVMFLASH_SM90), this device's tuning records of sm80 and sm90 and the caller; and the
 records read once, when a kernel is made."""
 
+import pytest
+
 import tvmflash
 from tvmflash import choice, database
 from tvmflash import target as targets
@@ -90,3 +92,34 @@ def test_a_cached_compile_reads_no_tuning_record(cache_dir, monkeypatch):
     assert sorted(lookups) == ["sm80", "sm90"]
     lookups.clear()
     assert tvmflash.compile(head_dim=128, dtype="bfloat16", target="sm90") is first and lookups == []
+
+
+def test_the_environment_is_read_in_one_place_and_a_bad_value_is_refused(monkeypatch):
+    """TVMFLASH_SM90, TVMFLASH_BACKWARD and TVMFLASH_DECODE are read by ``choice.settings`` alone; a value
+    none of them takes is an error, not "on"."""
+    monkeypatch.setenv("TVMFLASH_SM90", "banana")
+    with pytest.raises(ValueError, match="TVMFLASH_SM90: expected 1 \\(on\\), 0 \\(off\\) or unset"):
+        forward_schedule(128)
+    monkeypatch.setenv("TVMFLASH_SM90", "0")
+    monkeypatch.setenv("TVMFLASH_BACKWARD", "sm70")
+    with pytest.raises(ValueError, match="TVMFLASH_BACKWARD: expected one of"):
+        choice.settings()
+    monkeypatch.setenv("TVMFLASH_BACKWARD", "simt")
+    assert choice.settings() == choice.Settings("off", "simt", None)
+    assert choice.choose_schedule("backward", SM90, spec_args(128))[:2] == (choice.registry.SCHEDULES["simt"],
+                                                                            "TVMFLASH_BACKWARD")
+
+
+def test_a_schedule_asked_for_must_serve(monkeypatch):
+    monkeypatch.delenv("TVMFLASH_SM90", raising=False)
+    with pytest.raises(ValueError, match="schedule 'sm90' \\(given\\): the sm90 schedule does not run on cuda sm_80"):
+        choice.choose_schedule("forward", targets.cuda_target("sm80"), spec_args(128), schedule="sm90")
+    with pytest.raises(ValueError, match="schedule: expected one of"):
+        choice.choose_schedule("forward", SM90, spec_args(128), schedule="sm75")
+    with pytest.raises(ValueError, match="the sm90 backward serves head_dim \\[64, 128\\], got 96"):
+        choice.choose_schedule("backward", SM90, spec_args(96), schedule="sm90")
+
+
+def test_a_newer_gpu_gets_the_sm80_schedule_with_a_note(caplog):
+    schedule, why, _ = choice.choose_schedule("forward", targets.cuda_target("sm120"), spec_args(128))
+    assert schedule.name == "sm80" and "no schedule is written for sm_120 yet" in why

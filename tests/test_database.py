@@ -68,13 +68,13 @@ def test_a_call_runs_the_knobs_tuned_for_its_key_lengths(cache_dir):
     info = kern.info()
     assert info["knobs"] == knobs["long"], info
     assert info["seqlen_buckets"]["seqlen_k <= 1024"]["knobs"] == knobs["short"], info
-    short = kern._by_bucket[0]
+    short = kern.by_bucket[0]
     for seqlen_k, runs in ((53, short), (1100, kern), (700, short)):
         q, k, v = torch.randn(1, 37, 2, 32), torch.randn(1, seqlen_k, 2, 32), torch.randn(1, seqlen_k, 2, 32)
         ref = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v))).transpose(1, 2)
         assert torch.allclose(kern(q, k, v), ref, atol=1e-4)
-        assert list(runs._modules) == [(2, 2)]
-    assert kern._modules[(2, 2)] is not short._modules[(2, 2)]
+        assert list(runs.build.modules) == [(2, 2)]
+    assert kern.build.modules[(2, 2)] is not short.build.modules[(2, 2)]
 
 
 def test_records_never_cross_devices_or_targets(cache_dir):

@@ -112,9 +112,14 @@ def test_tensor_core_program_matches_float64_on_cpu(monkeypatch):
     """The program the tensor-core schedule maps (``decode_split(tensor_cores=True)``: query rows in q's
     dtype, P cast to it for P V) runs here on the CPU's schedule, so CI checks its numerics: decode and
     a causal chunk, GQA 4/2, ragged lengths, one split and several, against float64."""
-    from tvmflash import schedules
+    import dataclasses
 
-    monkeypatch.setattr(schedules.cpu, "DECODE_TENSOR_CORES", True, raising=False)
+    from tvmflash import schedules
+    from tvmflash.schedules.contract import DecodeTasks
+
+    cpu = schedules.SCHEDULES["cpu"]
+    tensor_cores = dataclasses.replace(cpu.decode, tasks=DecodeTasks(tensor_cores=True))
+    monkeypatch.setitem(schedules.SCHEDULES, "cpu", dataclasses.replace(cpu, decode=tensor_cores))
     kernel = tvmflash.DecodeKernel(HEAD_DIM, "bfloat16", 16, tvmflash.target.resolve("cpu"), None)
     assert kernel.tensor_cores
     capacity, dtype = 100, torch.bfloat16
@@ -393,7 +398,7 @@ def test_sm80_decode_source_builds(page_size, knobs, heads):
     with one stage), and a task's rows fill whole 16-row tiles: 32/8 heads take 4 query tokens a task
     (one warp), 8/1 two, and 12/2 (a group of 6) eight, in three warps."""
     kernel = tvmflash.compile_decode(head_dim=128, dtype="bfloat16", page_size=page_size, target="sm90", knobs=knobs)
-    assert kernel.schedule.__name__.endswith("sm80") and kernel.tensor_cores
+    assert kernel.schedule.name == "sm80" and kernel.tensor_cores
     group = heads[0] // heads[1]
     assert kernel.query_tokens(group) * group == {4: 16, 8: 16, 6: 48}[group]
     src = kernel.source(*heads)
@@ -413,7 +418,7 @@ def test_sm80_decode_source_builds(page_size, knobs, heads):
 
 
 def test_sm80_decode_rejects_16_key_tiles():
-    """block_n 16 builds, but on the H200 it returned wrong results (``sm80.decode_knob_problem``): it
+    """block_n 16 builds, but on the H200 it returned wrong results (``sm80.knobs.decode_build_problem``): it
     is refused with the reason, never run."""
     with pytest.raises(ValueError, match="block_n .16. of 32"):
         tvmflash.compile_decode(head_dim=128, dtype="bfloat16", target="sm90", knobs={"block_n": 16})
@@ -423,13 +428,13 @@ def test_decode_schedule_choice(monkeypatch):
     """sm80's tensor cores on sm80+ targets for fp16/bf16; SIMT for float32, older GPUs, or when asked
     (the argument, or TVMFLASH_DECODE)."""
     def chosen(**kwargs):
-        return tvmflash.compile_decode(head_dim=64, **kwargs).schedule.__name__.rsplit(".", 1)[-1]
+        return tvmflash.compile_decode(head_dim=64, **kwargs).schedule.name
 
     assert chosen(dtype="float16", target="sm80") == "sm80"
     assert chosen(dtype="bfloat16", target="sm90", schedule="simt") == "simt"
     assert chosen(dtype="float32", target="sm90") == "simt"
     assert chosen(dtype="float32", target="cpu") == "cpu"
-    with pytest.raises(ValueError, match="decode schedule sm80: needs a GPU of sm80 or newer"):
+    with pytest.raises(ValueError, match=r"schedule 'sm80' \(given\): the sm80 schedule takes \['float16', 'bfloat16'\]"):
         chosen(dtype="float32", target="sm90", schedule="sm80")
     with pytest.raises(ValueError, match="expected one of"):
         chosen(dtype="float16", target="sm90", schedule="wgmma")

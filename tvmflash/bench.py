@@ -89,9 +89,9 @@ def attention_flops(batch, heads, seqlen_q, seqlen_k, head_dim, causal):
     return flops / 2 if causal else flops
 
 
-# Under sustained load the H200's clocks drop from about 1.98 to 1.65 GHz after some 30-100 ms of
-# back-to-back attention kernels (H200, 2026-12-01, commit 29a3231), whatever the backend; a backend timed
-# late in a long burst then loses up to 15% to the one timed first. ``time_backends`` therefore keeps
+# Under sustained load the GPU's clocks drop after some tens of milliseconds of back-to-back attention
+# kernels, whatever the backend (BENCHMARKS.md, "Method"); a backend timed late in a long burst then
+# loses to the one timed first. ``time_backends`` therefore keeps
 # each burst short and pauses before it, and rotates the backends' order over rounds.
 BURST_MS = 20.0
 PAUSE_S = 0.3

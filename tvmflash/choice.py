@@ -90,7 +90,7 @@ def choose_schedule(program: str, target, spec_args: dict, *, schedule: str | No
     dtype, head_dim, env = spec_args["dtype"], spec_args["head_dim"], settings()
     asked, why = schedule, "given"
     if asked is None and program in ("backward", "decode"):
-        asked, why = getattr(env, program), f"TVMFLASH_{program.upper()}"
+        asked, why = env.backward if program == "backward" else env.decode, f"TVMFLASH_{program.upper()}"
     if asked is None and program != "decode" and env.sm90 == "on" and target.kind.name == "cuda" \
             and serve_problem(registry.SCHEDULES["sm90"], program, target, dtype, head_dim) is None:
         asked, why = "sm90", "TVMFLASH_SM90=1"

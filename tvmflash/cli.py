@@ -234,7 +234,7 @@ def parser() -> argparse.ArgumentParser:
 
     dtypes = ["float16", "bfloat16", "float32"]
     c = command("compile", "build a kernel and write its CUDA source (or scheduled TensorIR)")
-    c.add_argument("--target", default=None, help="cpu, cuda, sm80, sm86, sm89 or sm90; none given: this machine's")
+    c.add_argument("--target", default=None, help="cpu, cuda, sm80, sm86, sm89, sm90, sm100 or sm120; none given: this machine's")
     c.add_argument("--head-dim", type=int, required=True, help="32, 64, 96, 128 or 256")
     c.add_argument("--dtype", default="bfloat16", choices=dtypes, help="the inputs' dtype")
     c.add_argument("--causal", action="store_true", help="the bottom-right aligned causal mask")

@@ -92,19 +92,6 @@ def is_cuda(target: tvm.target.Target) -> bool:
     return target.kind.name == "cuda"
 
 
-def shared_memory_over(target: tvm.target.Target, schedule, head_dim: int, dtype: str, knobs: dict) -> str | None:
-    """None if the schedule's tiles for these knobs fit the target's shared memory per block (or
-    either side does not say), else what they need against what it allows, as a message."""
-    limit = target.attrs.get("max_shared_memory_per_block") if is_cuda(target) else None
-    needs = getattr(schedule, "shared_memory_bytes", None)
-    if limit is None or needs is None:
-        return None
-    need = needs(head_dim, dtype, knobs)
-    if need <= int(limit):
-        return None
-    return f"{need / 1024:.0f} KiB of shared memory, {describe(target)} allows {int(limit) / 1024:.0f} KiB"
-
-
 def compute_capability(target: tvm.target.Target) -> int | None:
     """80 for sm_80, 90 for sm_90a; None for the CPU."""
     if not is_cuda(target):

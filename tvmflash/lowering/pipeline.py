@@ -164,7 +164,7 @@ def build(mod: tvm.IRModule, target: tvm.target.Target, *, pass_config: dict | N
           wide_indices: bool = False):
     """``tvm.compile`` a scheduled module through this pipeline.
 
-    pass_config: the PassContext config (the schedule's ``PASS_CONFIG``). async_proxy_operands: the
+    pass_config: the PassContext config (the schedule's, ``Schedule.build_options``). async_proxy_operands: the
     tensor-core operands are read through the async proxy (wgmma), so each cp.async wait is followed
     by a proxy fence. hoist_block_index_conditions: ``uniformity.HoistBlockIndexConditions`` instead
     of TVM's HoistIfThenElse. wide_indices: global buffers are indexed in int64

@@ -285,9 +285,9 @@ def _timed_through_compile(schedule: Schedule, candidates: dict, known: dict, wo
     q, k, v = (torch.randn(shape["batch"], shape["seqlen"], shape["heads"], head_dim, generator=gen)
                .to(device=device, dtype=checks.TORCH_DTYPES[dtype]) for _ in range(3))
     out = torch.empty_like(q)
-    kernels, correct, times = {}, {}, {}
+    built, correct, times = {}, {}, {}
     for label, (_ms, knobs) in candidates.items():
-        kernels[label] = kern = kernels.compile(head_dim=head_dim, dtype=dtype, causal=causal, target=target,
+        built[label] = kern = kernels.compile(head_dim=head_dim, dtype=dtype, causal=causal, target=target,
                                                knobs=knobs, schedule=schedule.name)
         out.fill_(float("nan"))
         kern(q, k, v, out=out)
@@ -299,7 +299,7 @@ def _timed_through_compile(schedule: Schedule, candidates: dict, known: dict, wo
     if not any(correct.values()):
         raise RuntimeError("tvmflash tune: neither the tuned nor the known knobs give correct results")
     with gpu_timing_lock() if cuda else contextlib.nullcontext():
-        for label, kern in kernels.items():
+        for label, kern in built.items():
             times[label] = bench.time_ms(lambda kern=kern: kern(q, k, v, out=out), device, repeat=repeat)
     defaults = known["default"]
     for label, (ms_, knobs) in candidates.items():

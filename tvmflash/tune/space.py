@@ -210,10 +210,10 @@ def candidate_problem(knobset: KnobSet, target, head_dim: int, dtype: str, knobs
     """Why a candidate with these knobs (of a program's ``knobset``, its defaults filling in the rest)
     cannot build or run on ``target``, or None: checked before anything is built (``PreCheck``,
     ``make_tasks``, ``measured.candidates``). The knob set's one validation, ``KnobSet.problem``
-    (names, values, the rules between knobs and, on a GPU, the build's limits: sm90's registers, TMA
-    and swizzle alignment), then shared memory over the target's limit."""
+    (names, values, the rules between knobs and, on a GPU, the build's limits with the tuner's
+    ``precheck``: sm90's registers and swizzle alignment), then shared memory over the target's limit."""
     knobs = {**knobset.defaults(), **knobs}
-    problem = knobset.problem(knobs, head_dim if targets.is_cuda(target) else None, dtype)
+    problem = knobset.problem(knobs, head_dim if targets.is_cuda(target) else None, dtype, tuning=True)
     if problem is not None:
         return problem
     over = choice.shared_memory_over(target, knobset, head_dim, dtype, knobs)
