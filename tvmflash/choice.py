@@ -91,8 +91,8 @@ def choose_schedule(program: str, target, spec_args: dict, *, schedule: str | No
     asked, why = schedule, "given"
     if asked is None and program in ("backward", "decode"):
         asked, why = env.backward if program == "backward" else env.decode, f"TVMFLASH_{program.upper()}"
-    if asked is None and program != "decode" and env.sm90 == "on" and target.kind.name == "cuda" \
-            and serve_problem(registry.SCHEDULES["sm90"], program, target, dtype, head_dim) is None:
+    if asked is None and env.sm90 == "on" and \
+            serve_problem(registry.SCHEDULES["sm90"], program, target, dtype, head_dim) is None:
         asked, why = "sm90", "TVMFLASH_SM90=1"
     if asked is not None:
         if asked not in registry.SCHEDULES:
@@ -102,7 +102,7 @@ def choose_schedule(program: str, target, spec_args: dict, *, schedule: str | No
             raise ValueError(f"schedule {asked!r} ({why}): {problem}")
         return registry.SCHEDULES[asked], why, {}
     able = [s for s in registry.SCHEDULES.values() if serve_problem(s, program, target, dtype, head_dim) is None
-            and not (s.name == "sm90" and (env.sm90 == "off" or program == "decode"))]
+            and not (s.name == "sm90" and env.sm90 == "off")]
     if not able:
         raise ValueError(f"target: no tvmflash schedule maps the {program} on {targets.describe(target)} for "
                          f"{dtype} at head_dim {head_dim}")
@@ -132,12 +132,12 @@ def newer_gpu_note(target, schedule: Schedule) -> str:
 def by_records(target, spec_args: dict, preferred: Schedule) -> tuple[Schedule, str, dict]:
     """sm90 or sm80 for the forward on sm_90a: the faster by this GPU's records of both, measured at one
     shape; without them ``preferred``, the one that prefers the head_dim."""
-    records = {name: database.lookup(target, name, workload(spec_args), usable=registry.SCHEDULES[name].forward.knobs.accepts)
+    records = {name: lookup(target, registry.SCHEDULES[name], "forward", workload(spec_args))
                for name in ("sm80", "sm90")}
     r80, r90 = records["sm80"], records["sm90"]
     if not (r80 and r90 and r80.get("shape") == r90.get("shape")):
-        return preferred, f"{preferred.name} at head_dim {spec_args['head_dim']} on sm_90a (no tuning records of both " \
-                          "schedules to compare)", records
+        why = f"{preferred.name} at head_dim {spec_args['head_dim']} on sm_90a (no tuning records of both schedules to compare)"
+        return preferred, why, records
     times = f"sm90 {r90['mean_ms']:.3f} ms, sm80 {r80['mean_ms']:.3f} ms at {r90.get('shape')}"
     if r90["mean_ms"] <= r80["mean_ms"]:
         return registry.SCHEDULES["sm90"], f"tuned records: {times}", records
