@@ -185,7 +185,7 @@ def main():
                         help="tvmflash split counts to time side by side (0: its own choice; default 0)")
     parser.add_argument("--knobs", type=json.loads, nargs="+", default=[{}],
                         help="decode knob sets to time side by side, JSON each ({}: the defaults; "
-                             "\"schedule\": \"simt\" or \"sm80\" picks the schedule whose DECODE_KNOBS the rest are)")
+                             "\"schedule\": \"simt\" or \"sm80\" picks the schedule whose decode knobs the rest are)")
     parser.add_argument("--eager", action="store_true", help="time plain calls, not CUDA-graph replays")
     parser.add_argument("--jobs", type=int, default=1,
                         help="build the knob sets' modules in this many processes first (into TVMFLASH_CACHE_DIR)")

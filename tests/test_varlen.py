@@ -248,7 +248,7 @@ def test_sm90_q_tile_is_fenced_for_wgmma_after_its_stores(varlen):
 def test_cuda_schedules_build_varlen(monkeypatch):
     """The CUDA schedules take varlen (here, with no GPU: the source): the forward on sm80 (mma.sync),
     SIMT (float32) and sm90 (wgmma, TMA K/V tiles over the packed tensor, the output stored from the
-    registers: ``sm90.VARLEN_KNOBS``), the sm80 and SIMT backward. Each kernel reads its sequence's
+    registers: the o_store knob's varlen value, ``sm90.knobs.FORWARD``), the sm80 and SIMT backward. Each kernel reads its sequence's
     offsets once (``lowering.uniformity.BindBlockUniformLoads``): the K/V loop reads no cu_seqlens, and a
     causal step tests its tile once, not each score (``HoistBlockIndexConditions``)."""
     sources = {

@@ -1,7 +1,7 @@
 """The sm80 backward (``tvmflash.program_backward``) on tensor cores: dkdv and dq each mapped as the
 forward is (``_schedule_dkdv``, ``_schedule_dq``), delta on the SIMT schedule. dkdv's tile (block_m
 query rows a step, block_n keys, dkdv_warps warps of block_n / dkdv_warps keys) and dq's (dq_block_m
-rows, dq_warps warps of 32 rows, dq_block_n keys a step) are knobs of their own (``knobs.BACKWARD_KNOBS``)."""
+rows, dq_warps warps of 32 rows, dq_block_n keys a step) are knobs of their own (``knobs.BACKWARD``)."""
 
 from __future__ import annotations
 

@@ -6,8 +6,8 @@ step; dq's is dq_block_m query rows (64 a warpgroup) and dq_block_n keys a step.
 "ss" form, the gradients' products in the "rs" form from p or ds in the accumulator registers. By
 default (``dq_atomic``) dkdv also makes dq's share on wgmma from dsᵀ staged in shared memory and
 adds it by vector atomics. Each program's stream of tiles is loaded in a pipeline, dkdv's by TMA by
-default (the knobs and the reasons for their defaults: ``knobs.BACKWARD_KNOBS``). The default
-backward on sm_90a at head_dim 64 and 128 (``schedules.backward_for_target``).
+default (the knobs and the reasons for their defaults: ``knobs.BACKWARD``). The default
+backward on sm_90a at head_dim 64 and 128 (``tvmflash.choice``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def schedule_backward(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, dq
     """delta on the SIMT schedule, dkdv and dq on wgmma (``vec`` elements a copy). The tiles are the
     program's (``program_backward.attention_backward``). ``dq_atomic``: the program has no dq; dkdv
     adds dq's share atomically (``_schedule_dq_share``) and convert_dq runs on SIMT. ``wgmma_overlap``:
-    see the comment above ``knobs.BACKWARD_KNOBS``."""
+    see the comment above ``knobs.BACKWARD``."""
     from .. import simt
 
     simt.schedule_delta(sch)

@@ -242,7 +242,7 @@ def test_sm90_min_blocks_per_sm_becomes_launch_bounds(monkeypatch, tmp_path):
     """min_blocks_per_sm 2 with 128-row blocks is __launch_bounds__(256, 2) on the kernel (TVM's
     SplitHostDevice drops the function attribute; tvm_fixes.LaunchBoundsOnKernels puts it back), and ptxas then
     keeps to 128 registers: with the K/V pipeline (2 stages) without spilling. (The default one
-    stage spills 28 bytes at d128, loop-invariant addresses reloaded each K/V step: see KNOBS.)"""
+    stage spills 28 bytes at d128, loop-invariant addresses reloaded each K/V step: see knobs.FORWARD.)"""
     monkeypatch.setenv("TVMFLASH_SM90", "1")
     rows128 = {"block_m": 128, "num_warpgroups": 2, "num_stages": 2}
     one = tvmflash.compile(head_dim=128, dtype="bfloat16", target="sm90", knobs={**rows128, "min_blocks_per_sm": 1})
