@@ -39,6 +39,17 @@ class Settings:
     decode: str | None = None
 
 
+# The variables that may change each program's schedule (``settings``, ``choose_schedule``).
+ENVIRONMENT = {"forward": ("TVMFLASH_SM90",), "backward": ("TVMFLASH_SM90", "TVMFLASH_BACKWARD"),
+               "decode": ("TVMFLASH_DECODE",)}
+
+
+def environment(program: str) -> tuple[str, ...]:
+    """The raw values of the variables that may change a program's schedule ("" where unset): what the
+    caches of kernels are keyed by, cheap enough for every call of ``tvmflash.attention``."""
+    return tuple(os.environ.get(name, "") for name in ENVIRONMENT[program])
+
+
 def settings() -> Settings:
     """The environment's settings; a ValueError for a value none takes."""
     sm90 = os.environ.get("TVMFLASH_SM90", "")
@@ -46,7 +57,8 @@ def settings() -> Settings:
         raise ValueError(f"TVMFLASH_SM90: expected 1 (on), 0 (off) or unset (by the tuning records), got {sm90!r}")
     asked = {}
     for program in ("backward", "decode"):
-        variable, value = f"TVMFLASH_{program.upper()}", os.environ.get(f"TVMFLASH_{program.upper()}", "")
+        variable = ENVIRONMENT[program][-1]
+        value = os.environ.get(variable, "")
         names = tuple(name for name, s in registry.SCHEDULES.items() if s.program(program) is not None)
         if value not in ("", *names):
             raise ValueError(f"{variable}: expected one of {names} or unset, got {value!r}")

@@ -136,7 +136,7 @@ def decode_kernel_for(q, page_size: int, window_size=(-1, -1), softcap: float = 
                       alibi: bool = False) -> DecodeKernel:
     """The decode kernel for q's device, dtype and head_dim, the cache layout and the variant (compiled on
     first use, then kept)."""
-    key = (q.device, q.dtype, q.shape[-1], page_size, window_size, softcap, alibi, choice.settings())
+    key = (q.device, q.dtype, q.shape[-1], page_size, window_size, softcap, alibi, choice.environment("decode"))
     kernel = _BY_DEVICE.get(key)
     if kernel is None:
         kernel = _BY_DEVICE[key] = compile_decode(head_dim=q.shape[-1], dtype=q.dtype, page_size=page_size,

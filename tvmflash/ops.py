@@ -29,7 +29,7 @@ def kernel_for(q: torch.Tensor, causal: bool, window_left: int = -1, window_righ
                alibi: bool = False, varlen: bool = False):
     """The kernel for q's device, dtype and head_dim and the variant (compiled on first use, then cached)."""
     key = (q.device, q.dtype, q.shape[-1], causal, window_left, window_right, softcap, alibi, varlen,
-           choice.settings())
+           choice.environment("forward"))
     found = KERNELS_FOR.get(key)
     if found is not None:
         return found
@@ -78,7 +78,7 @@ def backward_kernel_for(q: torch.Tensor, causal: bool, window_left: int = -1, wi
     """The backward kernel for q's device, dtype and head_dim and the variant (compiled on first use,
     then cached, as ``kernel_for``'s: a training step runs it at every layer)."""
     key = ("backward", q.device, q.dtype, q.shape[-1], causal, window_left, window_right, softcap, alibi, varlen,
-           deterministic, choice.settings())
+           deterministic, choice.environment("backward"))
     found = KERNELS_FOR.get(key)
     if found is None:
         found = KERNELS_FOR[key] = compile_backward(

@@ -72,7 +72,8 @@ def compile_backward(*, head_dim: int, dtype, causal: bool = False, target=None,
     program.AttentionSpec(head_dim, dtype, **variant)  # validates head_dim and dtype
     resolved = targets.resolve(target)
     spec_args = {"head_dim": head_dim, "dtype": dtype, **variant}
-    key = cache.digest(["backward", spec_args, str(resolved), knobs, schedule, choice.settings(), deterministic])
+    key = cache.digest(["backward", spec_args, str(resolved), knobs, schedule, choice.environment("backward"),
+                        deterministic])
     kernel = _KERNELS.get(key)
     if kernel is None:
         kernel = _KERNELS[key] = (VarlenBackwardKernel if varlen else BackwardKernel)(spec_args, resolved, knobs,
@@ -100,7 +101,8 @@ def compile_decode(*, head_dim: int, dtype, page_size: int = 0, target=None, kno
                          f"window_size=({window_size[0]}, -1)")
     DecodeSpec(head_dim, dtype, 1, 1, page_size, **variant)  # validates head_dim, dtype and page_size
     resolved = targets.resolve(target)
-    key = cache.digest([head_dim, dtype, page_size, str(resolved), knobs, variant, schedule, choice.settings()])
+    key = cache.digest([head_dim, dtype, page_size, str(resolved), knobs, variant, schedule,
+                        choice.environment("decode")])
     kernel = _DECODE_KERNELS.get(key)
     if kernel is None:
         kernel = _DECODE_KERNELS[key] = DecodeKernel(head_dim, dtype, page_size, resolved, knobs, variant, schedule)

@@ -20,8 +20,9 @@ from tvmflash.schedules.contract import Schedule
 
 def kernel_key(spec_args: dict, target: tvm.target.Target, knobs: dict | None, schedule: str | None = None) -> str:
     """What names a Kernel: its spec, target, given knobs and schedule, and the environment's settings
-    (``choice.settings``: they may change the schedule for the same target)."""
-    return cache.digest([spec_args, str(target), knobs, *([schedule] if schedule else []), choice.settings()])
+    (``choice.environment``: they may change the schedule for the same target)."""
+    return cache.digest([spec_args, str(target), knobs, *([schedule] if schedule else []),
+                         choice.environment("forward")])
 
 
 def kernel_build_options(schedule: Schedule, variant: dict, program_name: str = "forward") -> dict:
