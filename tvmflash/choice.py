@@ -148,8 +148,8 @@ def by_records(target, spec_args: dict, preferred: Schedule) -> tuple[Schedule, 
                for name in ("sm80", "sm90")}
     r80, r90 = records["sm80"], records["sm90"]
     if not (r80 and r90 and r80.get("shape") == r90.get("shape")):
-        why = f"{preferred.name} at head_dim {spec_args['head_dim']} on sm_90a (no tuning records of both schedules to compare)"
-        return preferred, why, records
+        return preferred, (f"{preferred.name} at head_dim {spec_args['head_dim']} on sm_90a (no tuning records of both "
+                           "schedules to compare)"), records
     times = f"sm90 {r90['mean_ms']:.3f} ms, sm80 {r80['mean_ms']:.3f} ms at {r90.get('shape')}"
     if r90["mean_ms"] <= r80["mean_ms"]:
         return registry.SCHEDULES["sm90"], f"tuned records: {times}", records
