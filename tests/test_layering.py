@@ -168,3 +168,13 @@ def test_no_module_imports_tvms_intrinsic_library(path):
             [node.module or ""] if isinstance(node, ast.ImportFrom) else []
         assert not any(n.startswith("tvm.s_tir.tensor_intrin") for n in names), (
             f"{module_name(path)}:{node.lineno} imports TVM's intrinsic library")
+
+
+def test_every_package_is_installed():
+    """pyproject.toml lists the packages to install one by one: a package of the tree that it leaves out
+    (a new folder of tvmflash/ or schedules/) would be missing from a non-editable install."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    packages = {module_name(path) for path in SOURCES if path.name == "__init__.py"}
+    assert packages <= listed, f"pyproject.toml's packages leave out {sorted(packages - listed)}"
