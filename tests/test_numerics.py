@@ -101,7 +101,10 @@ def test_running_max_that_creeps_up(device, dtype):
     # reaches 2^8 before the max moves, and the result must stay exact.
     q, k, v = random_qkv(1, 200, 1000, 2, 2, 64, dtype, device)
     q = (q.abs().float() * (48 / q.abs().float().sum(-1, keepdim=True))).to(dtype)  # each query's sum 48
-    k = k + torch.linspace(0, 4, 1000, device=device, dtype=torch.float32)[None, :, None, None].to(dtype)
+    # k's random part at half its scale: at full scale one draw in about 2,000 had a tile's max rise by
+    # more than RESCALE_THRESHOLD over the one before (the assertion below); at half, the largest of
+    # 2,000 draws rose by 5.2
+    k = (0.5 * k.float() + torch.linspace(0, 4, 1000, device=device)[None, :, None, None]).to(dtype)
     scores = (q.double().transpose(1, 2) @ k.double().transpose(1, 2).transpose(-1, -2)) / 8 / math.log(2)
     tile_max = scores[..., :960].unflatten(-1, (15, 64)).amax(-1)  # each 64-key tile's max, in log2 units
     assert (tile_max.diff().amax() < program.RESCALE_THRESHOLD
