@@ -401,6 +401,51 @@ def test_sm90_dkdv_by_tma_gradients_on_the_gpu(head_dim, causal, dq_atomic):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("knobs", [{"ds_buffers": 1}, {"dq_reduce": "bulk"}, {"dkdv_producer": "other"}],
+                         ids=["ds_buffers-1", "bulk", "other-producer"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_sm90_dkdv_structure_gradients_on_the_gpu(head_dim, knobs):
+    """dkdv's structures other than the defaults (test_gradients_match_float64_on_the_gpu), causal, over
+    SHAPES: dsᵀ's tile in one buffer (the defaults take two in turn, ``lowering.double_buffers``), dq's share
+    added by bulk reductions (the defaults: atomics), and the TMA copies issued by the other producer
+    (thread 0 or a warpgroup of its own; the defaults: a warpgroup at d64, thread 0 at d128)."""
+    _on_sm_90a_only("sm90")
+    if knobs.get("dkdv_producer") == "other":
+        knobs = {"dkdv_producer": "thread" if head_dim == 64 else "warpgroup"}
+    gradients_match_float64("cuda", torch.bfloat16, head_dim, True, knobs={"dq_atomic": True, **knobs})
+
+
+def test_sm90_double_buffered_ds_drops_a_barrier():
+    """With ds_buffers 2 each dkdv step writes dsᵀ into the buffer its parity picks, and the barrier before
+    those writes is gone (one ``__syncthreads`` a step, after them, where one buffer needs two)."""
+    def dkdv(ds_buffers):
+        src = tvmflash.compile_backward(head_dim=128, dtype="bfloat16", target="sm90",
+                                        knobs={"ds_buffers": ds_buffers}).source(heads_q=4, heads_kv=2)
+        return src[src.rindex("dkdv_kernel("):src.rindex("convert_dq_kernel(")]
+    one, two = dkdv(1), dkdv(2)
+    assert "tile_parity" not in one and two.count("tile_parity_ptr[0] = (1 - tile_parity_ptr[0]);") == 2
+    # the K/V block's prologue has one barrier; each of the step's two copies (the pipeline's loop and
+    # its epilogue) one where one buffer has two
+    assert one.count("__syncthreads();") == 5 and two.count("__syncthreads();") == 3
+
+
+def test_sm90_dq_share_by_bulk_reductions():
+    """dq_reduce "bulk": the threads write ds k into shared memory, each warpgroup's threads meet at a
+    named barrier, and 64 of them add a row each by one bulk reduction; no atomics, no block-wide
+    barrier more than with atomics, and every reduction complete before the thread block ends."""
+    src = tvmflash.compile_backward(head_dim=128, dtype="bfloat16", target="sm90",
+                                    knobs={"ds_buffers": 2, "dq_reduce": "bulk"}).source(heads_q=4, heads_kv=2)
+    dkdv = src[src.rindex("dkdv_kernel("):src.rindex("convert_dq_kernel(")]
+    assert "red.global" not in src and dkdv.count("__syncthreads();") == 3
+    # each of the step's two copies: 16 pair stores a thread, two named barriers, one bulk reduction
+    assert dkdv.count("tvmflash_store_shared_v2(") == 32 and dkdv.count("tvmflash_named_barrier(") == 4
+    assert dkdv.count("tvmflash_bulk_reduce_add_f32(") == 2 and dkdv.count("tvmflash_bulk_commit();") == 2
+    assert "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32" in src
+    assert dkdv.count("tvmflash_bulk_wait_read();") == 2 and dkdv.count("tvmflash_bulk_wait();") == 1
+    assert dkdv.index("tvmflash_bulk_wait();") < dkdv.index("*)(dK_ptr + ")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_deterministic_gradients_match_float64_on_the_gpu(head_dim, causal):

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import tvm
 
-from tvmflash.lowering.annotations import ATOMIC_ADD_PRAGMA, TMA_LOAD, WGMMA_WAIT_PRAGMA
+from tvmflash.lowering.annotations import (ATOMIC_ADD_PRAGMA, BULK_REDUCE_PRAGMA, BULK_REDUCE_WAIT_PRAGMA,
+                                           DOUBLE_BUFFERED_PRAGMA, TMA_LOAD, WGMMA_WAIT_PRAGMA)
 
 from ..common import bind_grid, buffer_info, dkdv_grid, hide_init_reads, pipeline_loads
 from .knobs import dq_share_problem
@@ -25,15 +26,19 @@ from .wgmma import warpgroup_gemm, wgmma_intrin_name
 
 def schedule_backward(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, dq_block_m: int, dq_block_n: int,
                       dkdv_stages: int, dq_stages: int, vec: int, dq_atomic: bool = False,
-                      dkdv_copy: str = "cp.async", wgmma_overlap: bool = False) -> tvm.s_tir.Schedule:
+                      dkdv_copy: str = "cp.async", wgmma_overlap: bool = False, ds_buffers: int = 1,
+                      dq_reduce: str = "atomic", dkdv_producer: str = "thread") -> tvm.s_tir.Schedule:
     """delta on the SIMT schedule, dkdv and dq on wgmma (``vec`` elements a copy). The tiles are the
     program's (``program_backward.attention_backward``). ``dq_atomic``: the program has no dq; dkdv
     adds dq's share atomically (``_schedule_dq_share``) and convert_dq runs on SIMT. ``wgmma_overlap``:
-    see the comment above ``knobs.BACKWARD``."""
+    see the comment above ``knobs.BACKWARD``. ``ds_buffers`` and ``dq_reduce``, with ``dq_atomic``: dsᵀ's
+    shared-memory tile in 1 or 2 buffers, and dq's share added by "atomic" reductions or "bulk" ones
+    (``_schedule_dq_share``). ``dkdv_producer``: who issues dkdv's TMA copies, thread 0 or a warpgroup of
+    its own (``lowering.tma_producer_warpgroup``: the consumers' barriers named, their registers 240)."""
     from .. import simt
 
     simt.schedule_delta(sch)
-    _schedule_dkdv(sch, dkdv_stages, vec, dq_atomic, dkdv_copy, wgmma_overlap)
+    _schedule_dkdv(sch, dkdv_stages, vec, dq_atomic, dkdv_copy, wgmma_overlap, ds_buffers, dq_reduce, dkdv_producer)
     if dq_atomic:
         simt.schedule_convert_dq(sch)
     else:
@@ -49,7 +54,8 @@ def _backward_warpgroups(rows: int, what: str) -> int:
 
 
 def _schedule_dkdv(sch: tvm.s_tir.Schedule, num_stages: int, vec: int, dq_atomic: bool = False,
-                   copy: str = "cp.async", overlap: bool = False) -> None:
+                   copy: str = "cp.async", overlap: bool = False, ds_buffers: int = 1, dq_reduce: str = "atomic",
+                   producer: str = "thread") -> None:
     """dkdv: its tiles are key-first (sᵀ = k qᵀ, ...), so warpgroup g owns keys [64 g, 64 g + 64) of
     the K/V block, as the forward's warpgroups own query rows: sᵀ and dpᵀ on wgmma with K or V as A
     and q or dout as B (K-major), pᵀ and dsᵀ in the accumulator registers, which are the A operand
@@ -68,23 +74,36 @@ def _schedule_dkdv(sch: tvm.s_tir.Schedule, num_stages: int, vec: int, dq_atomic
         _spread_rows(sch, name, groups)
     if tma:  # the Q block's tiles and its rows' values by TMA
         for name in ("load_q", "load_do", "load_lse", "load_delta"):
-            sch.annotate(sch.get_sblock(name), TMA_LOAD, "thread")
+            sch.annotate(sch.get_sblock(name), TMA_LOAD, producer)
     _backward_step(sch, ("cast_p",), groups, BM, D, dtype, num_stages, overlap, b_swizzled=tma)
     for name in ("dv", "dk"):  # with overlap dv is only committed: dk's wait ends both
         _backward_accumulate(sch, name, groups, D, BM, dtype, b_swizzled=tma, wait=not overlap or name == "dk")
     if dq_atomic:
-        _schedule_dq_share(sch, staged, groups, BM, D, BN, dtype)
+        _schedule_dq_share(sch, staged, groups, BM, D, BN, dtype, ds_buffers, dq_reduce)
     if num_stages > 1:
         pipeline_loads(sch, num_stages, step="q_step", loads=("load_q", "load_do", "load_lse", "load_delta"))
 
 
-def _schedule_dq_share(sch, staged, groups, BM, D, BN, dtype):
+def _schedule_dq_share(sch, staged, groups, BM, D, BN, dtype, ds_buffers=1, dq_reduce="atomic"):
     """dq's share of a dkdv step, ds k, added atomically into the fp32 dq (FA2's way, as sm80's
     ``dq_atomic``). Each warpgroup holds dsᵀ of its keys, but ds k sums over all the block's keys:
     the threads write their dsᵀ elements to shared memory (core matrices), and each warpgroup then
     makes the 64 query rows of ds k for its share of the head_dim columns on wgmma (dsᵀ read
     transposed as A, K N-major as B) and adds its accumulator registers into global memory, two
-    adjacent columns a ``red.global.add.v2.f32`` (``ATOMIC_ADD_PRAGMA``)."""
+    adjacent columns a ``red.global.add.v2.f32`` (``ATOMIC_ADD_PRAGMA``).
+
+    The writes of dsᵀ wait at a block-wide barrier for the previous step's readers; with
+    ``ds_buffers`` 2 the steps write two tiles in turn and that barrier goes
+    (``lowering.double_buffers``): the warpgroups, held together once a step instead of twice, may
+    each be in a different phase of the step (one on the tensor cores while the other computes ds).
+
+    With ``dq_reduce`` "bulk" (FA3's way) the threads write their accumulator registers into a
+    shared-memory tile of ds k (rows padded by 8 floats: a warp's writes meet no bank twice) instead,
+    and each warpgroup's first 64 threads add one row of its columns each, by one bulk reduction
+    (``cp.reduce.async.bulk``, ``BULK_REDUCE_PRAGMA``): the copy engine does the additions, where
+    the atomics cost every thread 16 reductions a step at d128. Before the next step's writes each
+    thread waits until its reductions have read the tile, and the warpgroup at its named barrier;
+    before the thread block ends, until they are complete."""
     problem = dq_share_problem(BM, D, groups)
     if problem:
         raise ValueError(problem)
@@ -93,6 +112,8 @@ def _schedule_dq_share(sch, staged, groups, BM, D, BN, dtype):
     pad_core_matrix_stride(sch, staged)
     acc_block(sch, staged, groups)
     sch.vectorize(sch.get_loops(staged)[-1])
+    if ds_buffers == 2:  # the outermost loop in each thread
+        sch.annotate(sch.get_loops(staged)[-3], DOUBLE_BUFFERED_PRAGMA, 1)
 
     def by_columns(i, d):  # (query row, column) -> (warpgroup, register): warpgroups split the columns
         return (d // cols, acc_layout(i, d % cols)[1])
@@ -104,16 +125,26 @@ def _schedule_dq_share(sch, staged, groups, BM, D, BN, dtype):
         return i
 
     block = sch.get_sblock("dq")
+    bulk = dq_reduce == "bulk"
+    # the tile that the bulk reductions read, copied from the accumulators before they take their
+    # register layout (so that the copy keeps the logical one)
+    share = sch.cache_read("accumulate_dq", 0, "shared.dyn") if bulk else "accumulate_dq"
     sch.set_scope(block, 0, "local")
     sch.transform_layout(block, ("write", 0), by_columns)
     i = columns_by_warpgroup(*sch.get_loops(block)[-3:-1])  # (i, d, j): the reduction j stays innermost
     init = sch.decompose_reduction(block, i)
     bind_acc_threads(sch, init)
     sch.tensorize(i, wgmma_intrin_name(cols, BN, dtype, "mn", a_major="mn"))
-    columns_by_warpgroup(*sch.get_loops("accumulate_dq")[-2:])
-    bind_acc_threads(sch, "accumulate_dq")
-    # the loops in each thread; 2: a thread's two adjacent columns go as one vector reduction
-    sch.annotate(sch.get_loops("accumulate_dq")[-3], ATOMIC_ADD_PRAGMA, 2)
+    columns_by_warpgroup(*sch.get_loops(share)[-2:])
+    bind_acc_threads(sch, share)
+    if not bulk:  # the loops in each thread; 2: a thread's two adjacent columns go as one vector reduction
+        sch.annotate(sch.get_loops(share)[-3], ATOMIC_ADD_PRAGMA, 2)
+        return
+    sch.storage_align(share, 0, axis=0, factor=32, offset=8)
+    sch.annotate(sch.get_loops(share)[-3], BULK_REDUCE_WAIT_PRAGMA, WARPGROUP)
+    i = columns_by_warpgroup(*sch.get_loops("accumulate_dq")[-2:])
+    sch.annotate(i, BULK_REDUCE_PRAGMA, WARPGROUP)
+    sch.annotate(sch.get_loops("store_dk")[-3], BULK_REDUCE_WAIT_PRAGMA, 0)  # complete before the block ends
 
 
 def _schedule_dq(sch: tvm.s_tir.Schedule, num_stages: int, vec: int, overlap: bool = False) -> None:

@@ -255,7 +255,12 @@ PREFERRED_HEAD_DIMS = (64, 96, 128, 256)
 # (``backward._schedule_dq_share``), measured faster than the dq pass; deterministic=True turns it off
 # (``tvmflash.choice.backward``). wgmma_overlap: dp's wgmma only
 # committed, so that p's exponentials run while it does (ds waits for it), and dv's too, so that dk's
-# wait ends both; without it each product is waited for at once.
+# wait ends both; without it each product is waited for at once. With dq_atomic: ds_buffers, dsᵀ's
+# shared-memory tile for dq's share in one buffer or two taken in turn (``lowering.double_buffers``: one
+# block-wide barrier a step instead of two; varlen's steps have no second barrier to drop); dq_reduce,
+# the share added by vector atomics or by bulk reductions (a row a thread, ``cp.reduce.async.bulk``).
+# dkdv_producer: who issues dkdv's TMA copies, thread 0 between its own wgmma, or a warpgroup of its
+# own (FA3's, ``lowering.tma_producer_warpgroup``).
 
 
 def backward_shared_memory_bytes(head_dim: int, dtype: str, knobs: dict) -> int:
@@ -268,9 +273,11 @@ def backward_shared_memory_bytes(head_dim: int, dtype: str, knobs: dict) -> int:
     tma = knobs.get("dkdv_copy") == "tma"  # swizzled q and dout (no padding), after the barriers, on 1 KiB
     stream = 2 * knobs["block_m"] * knobs["dkdv_stages"] * (head_dim if tma else padded(head_dim)) * 2
     dkdv = 2 * knobs["block_n"] * padded(head_dim) * 2 + stream + 8 * knobs["block_m"] * knobs["dkdv_stages"] \
-        + (TMA_BARRIER_BYTES["thread"] + SWIZZLE_ALIGNMENT if tma else 0)
+        + (TMA_BARRIER_BYTES[knobs.get("dkdv_producer", "thread")] + SWIZZLE_ALIGNMENT if tma else 0)
     if knobs.get("dq_atomic"):
-        return dkdv + knobs["block_n"] * padded(knobs["block_m"]) * 2
+        bulk = knobs.get("dq_reduce") == "bulk"  # the float32 tile of ds k, rows padded by 8
+        return dkdv + knobs.get("ds_buffers", 1) * knobs["block_n"] * padded(knobs["block_m"]) * 2 \
+            + (knobs["block_m"] * (head_dim + 8) * 4 if bulk else 0)
     dq = (2 * knobs["dq_block_m"] + 2 * knobs["dq_block_n"] * knobs["dq_stages"]) * padded(head_dim) * 2 \
         + 8 * knobs["dq_block_m"]
     return max(dkdv, dq)
@@ -293,6 +300,8 @@ def backward_build_problem(head_dim: int, dtype: str, knobs: dict) -> str | None
         return (f"dkdv_copy 'tma' copies into a pipeline's stages, in 64-column swizzled halves: it needs "
                 f"dkdv_stages >= 2 and a head_dim that is a multiple of {SWIZZLE_COLUMNS}, got "
                 f"{knobs['dkdv_stages']} and {head_dim}")
+    if knobs["dkdv_producer"] != "thread" and knobs["dkdv_copy"] != "tma":
+        return f"dkdv_producer {knobs['dkdv_producer']!r} issues TMA copies: it needs dkdv_copy 'tma'"
     if knobs["dq_atomic"]:
         return dq_share_problem(knobs["block_m"], head_dim, max(1, knobs["block_n"] // WG_ROWS))
     return None
@@ -302,7 +311,10 @@ def backward_build_problem(head_dim: int, dtype: str, knobs: dict) -> str | None
 # little faster than on (at d128 it gains). varlen by cp.async (TMA would read the next sequence's rows
 # past a sequence's end, where the program needs zeros): at d128 by plain loads, faster than two
 # stages (which spill there), at d64 in two stages, faster than one. dkdv_copy "tma" fills a
-# pipeline's stages: with one stage, cp.async alone.
+# pipeline's stages: with one stage, cp.async alone. ds_buffers 2 measured 5-7% faster than 1 (d128
+# causal, d64), as fast at d128 non-causal; a producer warpgroup 3-7% faster than thread 0 at d64 (and
+# with ds_buffers 2), 3% slower at d128; bulk reductions 14-38% slower than the atomics (one operation a
+# row: the copy engine's cost is per operation), so they are left out of the tuner's space (BENCHMARKS.md).
 BACKWARD = KnobSet("sm90", "backward", (
     Knob("block_m", 64, space=(32, 64), role=TILE),
     Knob("block_n", 128, space=(64, 128), role=TILE),
@@ -315,6 +327,11 @@ BACKWARD = KnobSet("sm90", "backward", (
     Knob("dkdv_copy", "tma", choices=KV_COPIES, varlen="cp.async", role=DERIVED,
          space=lambda knobs: list(KV_COPIES) if knobs["dkdv_stages"] > 1 else ["cp.async"]),
     Knob("wgmma_overlap", True, space=(True, False), by_head_dim={64: False}),
+    Knob("ds_buffers", 2, choices=(1, 2), varlen=1, role=DERIVED,
+         space=lambda knobs: [1, 2] if knobs["dq_atomic"] else [1]),
+    Knob("dq_reduce", "atomic", choices=("atomic", "bulk")),
+    Knob("dkdv_producer", "thread", choices=PRODUCERS, varlen="thread", role=DERIVED, by_head_dim={64: "warpgroup"},
+         space=lambda knobs: list(PRODUCERS) if knobs["dkdv_copy"] == "tma" else ["thread"]),
 ), build_problem=backward_build_problem, shared_memory=backward_shared_memory_bytes,
    varlen_by_head_dim={128: {"dkdv_stages": 1}})
 BACKWARD_HEAD_DIMS = (64, 128)

@@ -28,13 +28,13 @@ def test_the_backward_space_known_configurations_first():
     assert len({repr(sorted(knobs.items())) for _, knobs in chosen}) == 12  # no configuration twice
     every = sm90.SCHEDULE.backward.knobs.points()
     assert every == measured.space_points(sm90.SCHEDULE.backward.knobs.space())  # no rules between them
-    all_chosen, problems = measured.candidates(backward, known, 1000, random.Random(0))
+    all_chosen, problems = measured.candidates(backward, known, 10000, random.Random(0))
     assert len(all_chosen) + len(problems) == len(every)
-    # dq_atomic with 32-row Q blocks (ds k takes 64 rows a wgmma): a quarter of the space, on the H200
-    # 23 of 96 trials failed to schedule before this was checked first
-    assert len(problems) == len(every) // 4 and all("pass dq_atomic False" in p for p in problems)
+    # dq_atomic with 32-row Q blocks (ds k takes 64 rows a wgmma): a third of the space (dq_atomic's
+    # half has ds_buffers 1 and 2), on the H200 23 of 96 trials failed to schedule before this was checked first
+    assert len(problems) == len(every) // 3 and all("pass dq_atomic False" in p for p in problems)
     backward.knobs = dataclasses.replace(backward.knobs, shared_memory_limit=100 * 1024)
-    fitting, problems = measured.candidates(backward, {}, 1000, random.Random(0))
+    fitting, problems = measured.candidates(backward, {}, 10000, random.Random(0))
     assert any("shared memory" in p for p in problems) and len(fitting) + len(problems) == len(every)
 
 

@@ -6,6 +6,7 @@ TVM's pass list with tvmflash's passes in their places.
   condition, a pipelined loop's trip count read from memory), ``pragmas.py`` (the pragmas' statements,
   atomic additions among them), ``uniformity.py`` (block-uniform loads, conditions and guards,
   warp-uniform wgmma descriptors), ``cp_async_barriers.py`` (one barrier a cp.async pipeline's step),
+  ``double_buffers.py`` (a tile written and read each step in two buffers, one barrier a step),
   ``wide_indices.py`` (int64 indices into large tensors), ``cpu_exp2.py`` (exp2 as a polynomial on
   the CPU);
 - the K/V pipeline's copies on TMA and mbarriers (sm_90a): ``tma_copies.py`` (the pass, and how its
@@ -21,11 +22,12 @@ Imports run one way: the kernel and the tuner import ``build``, schedules import
 and nothing here imports a schedule or the program.
 """
 
-from tvmflash.lowering import (annotations, cp_async_barriers, cpu_exp2, ir, loops_and_blocks, pipeline, pragmas,
-                               tile_alignment, tma_copies, tma_device_functions, tma_plan, tma_producer_warpgroup,
-                               tma_tensor_maps, tvm_fixes, uniformity, wide_indices)
+from tvmflash.lowering import (annotations, cp_async_barriers, cpu_exp2, double_buffers, ir, loops_and_blocks, pipeline,
+                               pragmas, tile_alignment, tma_copies, tma_device_functions, tma_plan,
+                               tma_producer_warpgroup, tma_tensor_maps, tvm_fixes, uniformity, wide_indices)
 from tvmflash.lowering.pipeline import build  # noqa: F401
 
 # their source is in the build cache's key
-MODULES = (annotations, cp_async_barriers, cpu_exp2, ir, loops_and_blocks, pipeline, pragmas, tile_alignment, tma_copies,
-           tma_device_functions, tma_plan, tma_producer_warpgroup, tma_tensor_maps, tvm_fixes, uniformity, wide_indices)
+MODULES = (annotations, cp_async_barriers, cpu_exp2, double_buffers, ir, loops_and_blocks, pipeline, pragmas,
+           tile_alignment, tma_copies, tma_device_functions, tma_plan, tma_producer_warpgroup, tma_tensor_maps, tvm_fixes,
+           uniformity, wide_indices)

@@ -57,6 +57,25 @@ SKIP_UNIT_RESCALE_PRAGMA = "pragma_tvmflash_skip_unit_rescale"
 # (the backward's dq from every K/V tile).
 ATOMIC_ADD_PRAGMA = "pragma_tvmflash_atomic_add"
 
+# A loop annotated so writes a shared-memory tile that the rest of its step reads: the tile is held in
+# two buffers that the steps take in turn, and the barrier before its writes goes
+# (``double_buffers.DoubleBuffers``).
+DOUBLE_BUFFERED_PRAGMA = "pragma_tvmflash_double_buffered"
+
+# A loop over rows annotated so, its body a loop over a row's columns whose stores all add a
+# shared-memory row into a global one (``x[f(i, c)] = x[f(i, c)] + y[g(i, c)]``, c innermost and
+# contiguous in both), adds each row by one bulk reduction (``cp.reduce.async.bulk ... add.f32``),
+# issued by thread i of the warpgroup, after a fence and a named barrier of the warpgroup's threads
+# (the annotation's value: how many) that make the row's writes visible to the bulk copy engine
+# (``pragmas.LowerPragmas``). The warpgroup's named barrier is BULK_REDUCE_BARRIER + threadIdx.y.
+BULK_REDUCE_PRAGMA = "pragma_tvmflash_bulk_reduce"
+# A loop annotated so, one that writes the rows that a BULK_REDUCE_PRAGMA loop adds, first waits until
+# this thread's bulk reductions have read their rows, then at the warpgroup's named barrier (the
+# annotation's value: its threads) for the other threads' (or, value 0, until they are complete,
+# without a barrier: before the thread block ends).
+BULK_REDUCE_WAIT_PRAGMA = "pragma_tvmflash_bulk_reduce_wait"
+BULK_REDUCE_BARRIER = 2  # the named barriers' first id (0 is __syncthreads, 1 the TMA consumers')
+
 # A register fence of one float (a wgmma accumulator element): the compiler may not move reads of it
 # above the wgmma wait that precedes the fence. The sm90 schedule's wgmma intrinsics and the
 # WGMMA_WAIT_PRAGMA lowering emit it.

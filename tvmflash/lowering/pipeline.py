@@ -15,8 +15,8 @@ from __future__ import annotations
 import tvm
 from tvm import s_tir, tirx
 
-from tvmflash.lowering import (cp_async_barriers, cpu_exp2, loops_and_blocks, pragmas, tile_alignment, tma_copies,
-                               tma_producer_warpgroup, tvm_fixes, uniformity, wide_indices)
+from tvmflash.lowering import (cp_async_barriers, cpu_exp2, double_buffers, loops_and_blocks, pragmas, tile_alignment,
+                               tma_copies, tma_producer_warpgroup, tvm_fixes, uniformity, wide_indices)
 from tvmflash.lowering.annotations import (ASYNC_PROXY_OPERANDS_ATTR, HOIST_BLOCK_INDEX_CONDITIONS_ATTR,
                                            TMA_BARRIER_PADDING_ATTR, TMA_BARRIER_PADDINGS, WIDE_INDICES_ATTR)
 
@@ -109,6 +109,7 @@ def passes_for(mod: tvm.IRModule, config) -> list:
         s_tir.transform.ThreadSync("shared"),
         s_tir.transform.ThreadSync("shared.dyn"),
         cp_async_barriers.OneBarrierPerPipelinedStep(),              # +
+        double_buffers.DoubleBuffers(),                              # + (sm90 dkdv's dsᵀ)
         # fix: no ThreadSync("warp"). The barriers it plans for "warp"-scope buffers are never emitted
         # for CUDA (those buffers become registers), but in TVM 0.27 it aborts a build whose mma
         # accumulator rescale sits under a block-uniform guard ("Cannot insert syncs inside

@@ -11,9 +11,12 @@ import tvm_ffi
 from tvm import tirx
 from tvm.script import tirx as T
 
-from tvmflash.lowering.annotations import ATOMIC_ADD_PRAGMA, REG_FENCE, SKIP_UNIT_RESCALE_PRAGMA, WGMMA_WAIT_PRAGMA
-from tvmflash.lowering.ir import (every_element, find, is_load, loaded, loaded_buffers, prim_func_pass, substitute,
-                                  target_of, transform, with_children)
+from tvmflash.lowering.annotations import (ATOMIC_ADD_PRAGMA, BULK_REDUCE_BARRIER, BULK_REDUCE_PRAGMA,
+                                           BULK_REDUCE_WAIT_PRAGMA, REG_FENCE, SKIP_UNIT_RESCALE_PRAGMA,
+                                           WGMMA_WAIT_PRAGMA)
+from tvmflash.lowering.ir import (every_element, find, is_attr, is_load, loaded, loaded_buffers, prim_func_pass,
+                                  substitute, target_of, transform, with_children)
+from tvmflash.lowering.tma_device_functions import device_statement, untracked_pointer
 
 
 def _wait_and_fence_accumulators(attr):
@@ -100,11 +103,92 @@ def _has_vector_reductions(func) -> bool:
     return arch.startswith("sm_") and int("".join(c for c in arch[3:] if c.isdigit()) or 0) >= 90
 
 
+def _thread_index(func, tag: str):
+    """The variable of ``func``'s thread index ``tag`` ("threadIdx.x")."""
+    found = find(func.body, lambda n: is_attr(n, "thread_extent") and n.node.thread_tag == tag)
+    if not found:
+        raise ValueError(f"the kernel binds no {tag}")
+    return found[0].node.var
+
+
+def _flat_offset(load):
+    """The element offset of a load of a (shared-memory) buffer, from its strides or shape."""
+    buffer = loaded(load)
+    strides = list(buffer.strides)
+    if not strides:
+        strides, stride = [], tirx.const(1, "int32")
+        for extent in reversed(list(buffer.shape)):
+            strides.insert(0, stride)
+            stride = stride * extent
+    return functools.reduce(lambda a, b: a + b, [i * s for i, s in zip(load.indices, strides)])
+
+
+def _bulk_reductions(attr, func):
+    """The statements for a ``BULK_REDUCE_PRAGMA`` AttrStmt (``annotations``): a fence and the
+    warpgroup's named barrier, then thread i of the warpgroup adds row i by one bulk reduction."""
+    rows = attr.body
+    columns = rows.body
+    store = columns.body
+    if not (isinstance(rows, tirx.For) and isinstance(columns, tirx.For) and isinstance(store, tirx.BufferStore)
+            and str(store.buffer.dtype) == "float32" and is_load(_addend(store))):
+        raise ValueError(f"{BULK_REDUCE_PRAGMA}: expected rows of float32 stores x[...] = x[...] + y[...], got {rows}")
+    x, y = _thread_index(func, "threadIdx.x"), _thread_index(func, "threadIdx.y")
+    first = substitute(store, [(rows.loop_var, rows.min + x), (columns.loop_var, columns.min)])
+    last = substitute(store, [(rows.loop_var, rows.min + x), (columns.loop_var, columns.min + columns.extent - 1)])
+    analyzer = tvm.sym.Analyzer()
+    for a, b in ((tirx.BufferLoad(first.buffer, first.indices), tirx.BufferLoad(last.buffer, last.indices)),
+                 (_addend(first), _addend(last))):  # each row contiguous in both buffers
+        if not analyzer.can_prove_equal(_flat_offset(b) - _flat_offset(a), columns.extent - 1):
+            raise ValueError(f"{BULK_REDUCE_PRAGMA}: a row's columns are not contiguous in {loaded(a).name}")
+    bytes_ = int(columns.extent) * 4
+    if bytes_ % 16:
+        raise ValueError(f"{BULK_REDUCE_PRAGMA}: a bulk reduction moves multiples of 16 bytes, got rows of {bytes_}")
+    source = _addend(first)
+    issue = tirx.SeqStmt([
+        device_statement("tvmflash_bulk_reduce_add_f32", _address(first),
+                         untracked_pointer(loaded(source), _flat_offset(source)), bytes_),
+        device_statement("tvmflash_bulk_commit")])
+    return tirx.SeqStmt([device_statement("tvmflash_fence_proxy_async"),
+                         device_statement("tvmflash_named_barrier", BULK_REDUCE_BARRIER + y, attr.value),
+                         tirx.IfThenElse(x < rows.extent, issue, None)])
+
+
+def _untracked_pair(loop):
+    """A loop of two float32 stores to adjacent shared-memory elements as one ``st.shared.v2.f32``
+    through a pointer that ThreadSync does not count (None if it is not that loop)."""
+    store = loop.body
+    if not (int(loop.extent) == 2 and isinstance(store, tirx.BufferStore) and str(store.buffer.dtype) == "float32"):
+        return None
+    first, second = (substitute(store, [(loop.loop_var, loop.min + e)]) for e in range(2))
+    offset = _flat_offset(tirx.BufferLoad(first.buffer, first.indices))
+    if not tvm.sym.Analyzer().can_prove_equal(_flat_offset(tirx.BufferLoad(second.buffer, second.indices)) - offset, 1):
+        return None
+    return device_statement("tvmflash_store_shared_v2", untracked_pointer(first.buffer, offset), first.value,
+                            second.value)
+
+
+def _bulk_reductions_read(attr, func):
+    """The statements for a ``BULK_REDUCE_WAIT_PRAGMA`` AttrStmt (``annotations``). The loop's stores
+    of adjacent pairs go through pointers that ThreadSync does not count: the barriers here order them
+    (ThreadSync, which runs after common subexpressions became let variables, cannot see that each
+    thread rewrites its own elements, and would add two block-wide barriers a step)."""
+    if int(attr.value) == 0:
+        return tirx.SeqStmt([device_statement("tvmflash_bulk_wait"), attr.body])
+    y = _thread_index(func, "threadIdx.y")
+    stores = transform(attr.body, tirx.For, _untracked_pair)
+    if find(stores, lambda n: isinstance(n, tirx.BufferStore)):
+        raise ValueError(f"{BULK_REDUCE_WAIT_PRAGMA}: expected stores of adjacent float32 pairs")
+    return tirx.SeqStmt([device_statement("tvmflash_bulk_wait_read"),
+                         device_statement("tvmflash_named_barrier", BULK_REDUCE_BARRIER + y, attr.value), stores])
+
+
 def _pragma_lowerings(func) -> dict:
     """Each of tvmflash's pragmas and the function that lowers its AttrStmt, for ``func``'s target."""
     return {WGMMA_WAIT_PRAGMA: _wait_and_fence_accumulators,
             SKIP_UNIT_RESCALE_PRAGMA: _skipped_where_factors_are_one,
-            ATOMIC_ADD_PRAGMA: functools.partial(_atomic_adds, vector=_has_vector_reductions(func))}
+            ATOMIC_ADD_PRAGMA: functools.partial(_atomic_adds, vector=_has_vector_reductions(func)),
+            BULK_REDUCE_PRAGMA: functools.partial(_bulk_reductions, func=func),
+            BULK_REDUCE_WAIT_PRAGMA: functools.partial(_bulk_reductions_read, func=func)}
 
 
 def _lowered_pragmas(stmt, lowerings: dict):  # by hand: structural_map rejects the fences' loads

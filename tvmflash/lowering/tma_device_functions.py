@@ -65,6 +65,26 @@ _HELPERS = {
     "tvmflash_setmaxnreg_inc": (
         "__device__ __forceinline__ void tvmflash_setmaxnreg_inc() {\n"
         f'  asm volatile("setmaxnreg.inc.sync.aligned.u32 {CONSUMER_REGISTERS};");\n}}'),
+    # a row of float32 added into global memory by the bulk copy engine (sm_90), read from shared memory
+    "tvmflash_bulk_reduce_add_f32": (
+        "__device__ __forceinline__ void tvmflash_bulk_reduce_add_f32(void* dst, void* src, int bytes) {\n"
+        '  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"'
+        f' :: "l"(dst), "r"({_SMEM}(src)), "r"(bytes) : "memory");\n}}'),
+    # two adjacent float32 into shared memory (8-byte aligned), by a pointer that ThreadSync does not count
+    "tvmflash_store_shared_v2": (
+        "__device__ __forceinline__ void tvmflash_store_shared_v2(void* dst, float a, float b) {\n"
+        f'  asm volatile("st.shared.v2.f32 [%0], {{%1, %2}};" :: "r"({_SMEM}(dst)), "f"(a), "f"(b) : "memory");\n}}'),
+    "tvmflash_bulk_commit": (
+        "__device__ __forceinline__ void tvmflash_bulk_commit() {\n"
+        '  asm volatile("cp.async.bulk.commit_group;" ::: "memory");\n}'),
+    # this thread's bulk operations have read their shared memory (may be overwritten)
+    "tvmflash_bulk_wait_read": (
+        "__device__ __forceinline__ void tvmflash_bulk_wait_read() {\n"
+        '  asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");\n}'),
+    # this thread's bulk operations are complete
+    "tvmflash_bulk_wait": (
+        "__device__ __forceinline__ void tvmflash_bulk_wait() {\n"
+        '  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");\n}'),
     "tvmflash_fence_proxy_async": (
         "__device__ __forceinline__ void tvmflash_fence_proxy_async() {\n"
         '  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");\n}'),
