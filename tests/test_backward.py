@@ -401,13 +401,14 @@ def test_sm90_dkdv_by_tma_gradients_on_the_gpu(head_dim, causal, dq_atomic):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("knobs", [{"ds_buffers": 1}, {"dq_reduce": "bulk"}, {"dkdv_producer": "other"}],
-                         ids=["ds_buffers-1", "bulk", "other-producer"])
+@pytest.mark.parametrize("knobs", [{"ds_buffers": 1}, {"dq_reduce": "bulk"}, {"dq_reduce": "vector"},
+                                   {"dkdv_producer": "other"}], ids=["ds_buffers-1", "bulk", "vector", "other-producer"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_sm90_dkdv_structure_gradients_on_the_gpu(head_dim, knobs):
     """dkdv's structures other than the defaults (test_gradients_match_float64_on_the_gpu), causal, over
     SHAPES: dsᵀ's tile in one buffer (the defaults take two in turn, ``lowering.double_buffers``), dq's share
-    added by bulk reductions (the defaults: atomics), and the TMA copies issued by the other producer
+    added by bulk reductions or by vector atomics from shared memory (the defaults: atomics from the
+    registers), and the TMA copies issued by the other producer
     (thread 0 or a warpgroup of its own; the defaults: a warpgroup at d64, thread 0 at d128)."""
     _on_sm_90a_only("sm90")
     if knobs.get("dkdv_producer") == "other":
@@ -443,6 +444,12 @@ def test_sm90_dq_share_by_bulk_reductions():
     assert "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32" in src
     assert dkdv.count("tvmflash_bulk_wait_read();") == 2 and dkdv.count("tvmflash_bulk_wait();") == 1
     assert dkdv.index("tvmflash_bulk_wait();") < dkdv.index("*)(dK_ptr + ")
+    # "vector": the same tile, read back by the warpgroup's threads, 8 four-column reductions a thread a step
+    src = tvmflash.compile_backward(head_dim=128, dtype="bfloat16", target="sm90",
+                                    knobs={"dq_reduce": "vector"}).source(heads_q=4, heads_kv=2)
+    dkdv = src[src.rindex("dkdv_kernel("):src.rindex("convert_dq_kernel(")]
+    assert "red.global.add.v2" not in src and "red.global.add.v4.f32" in src
+    assert dkdv.count("tvmflash_red_add_v4_shared(") == 16 and dkdv.count("tvmflash_bulk_reduce_add_f32(") == 0
 
 
 @pytest.mark.gpu

@@ -15,7 +15,7 @@ from __future__ import annotations
 import tvm
 
 from tvmflash.lowering.annotations import (ATOMIC_ADD_PRAGMA, BULK_REDUCE_PRAGMA, BULK_REDUCE_WAIT_PRAGMA,
-                                           DOUBLE_BUFFERED_PRAGMA, TMA_LOAD, WGMMA_WAIT_PRAGMA)
+                                           DOUBLE_BUFFERED_PRAGMA, TMA_LOAD, VECTOR_REDUCE_PRAGMA, WGMMA_WAIT_PRAGMA)
 
 from ..common import bind_grid, buffer_info, dkdv_grid, hide_init_reads, pipeline_loads
 from .knobs import dq_share_problem
@@ -103,7 +103,10 @@ def _schedule_dq_share(sch, staged, groups, BM, D, BN, dtype, ds_buffers=1, dq_r
     (``cp.reduce.async.bulk``, ``BULK_REDUCE_PRAGMA``): the copy engine does the additions, where
     the atomics cost every thread 16 reductions a step at d128. Before the next step's writes each
     thread waits until its reductions have read the tile, and the warpgroup at its named barrier;
-    before the thread block ends, until they are complete."""
+    before the thread block ends, until they are complete. With "vector" the warpgroup's threads read
+    the tile back and add it four columns a ``red.global.add.v4.f32``, consecutive threads consecutive
+    columns (``VECTOR_REDUCE_PRAGMA``): half the atomics' instructions, each warp's covering whole
+    128-byte lines where the atomics from the accumulator layout touch 8 rows' 32 bytes each."""
     problem = dq_share_problem(BM, D, groups)
     if problem:
         raise ValueError(problem)
@@ -125,7 +128,7 @@ def _schedule_dq_share(sch, staged, groups, BM, D, BN, dtype, ds_buffers=1, dq_r
         return i
 
     block = sch.get_sblock("dq")
-    bulk = dq_reduce == "bulk"
+    bulk = dq_reduce != "atomic"  # "bulk" and "vector" stage ds k in shared memory
     # the tile that the bulk reductions read, copied from the accumulators before they take their
     # register layout (so that the copy keeps the logical one)
     share = sch.cache_read("accumulate_dq", 0, "shared.dyn") if bulk else "accumulate_dq"
@@ -143,7 +146,7 @@ def _schedule_dq_share(sch, staged, groups, BM, D, BN, dtype, ds_buffers=1, dq_r
     sch.storage_align(share, 0, axis=0, factor=32, offset=8)
     sch.annotate(sch.get_loops(share)[-3], BULK_REDUCE_WAIT_PRAGMA, WARPGROUP)
     i = columns_by_warpgroup(*sch.get_loops("accumulate_dq")[-2:])
-    sch.annotate(i, BULK_REDUCE_PRAGMA, WARPGROUP)
+    sch.annotate(i, BULK_REDUCE_PRAGMA if dq_reduce == "bulk" else VECTOR_REDUCE_PRAGMA, WARPGROUP)
     sch.annotate(sch.get_loops("store_dk")[-3], BULK_REDUCE_WAIT_PRAGMA, 0)  # complete before the block ends
 
 

@@ -74,6 +74,9 @@ BULK_REDUCE_PRAGMA = "pragma_tvmflash_bulk_reduce"
 # annotation's value: its threads) for the other threads' (or, value 0, until they are complete,
 # without a barrier: before the thread block ends).
 BULK_REDUCE_WAIT_PRAGMA = "pragma_tvmflash_bulk_reduce_wait"
+# As BULK_REDUCE_PRAGMA, but the warpgroup's threads add the rows themselves, four columns a
+# ``red.global.add.v4.f32``, consecutive threads consecutive columns: whole 128-byte lines a warp.
+VECTOR_REDUCE_PRAGMA = "pragma_tvmflash_vector_reduce"
 BULK_REDUCE_BARRIER = 2  # the named barriers' first id (0 is __syncthreads, 1 the TMA consumers')
 
 # A register fence of one float (a wgmma accumulator element): the compiler may not move reads of it

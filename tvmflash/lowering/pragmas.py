@@ -13,7 +13,7 @@ from tvm.script import tirx as T
 
 from tvmflash.lowering.annotations import (ATOMIC_ADD_PRAGMA, BULK_REDUCE_BARRIER, BULK_REDUCE_PRAGMA,
                                            BULK_REDUCE_WAIT_PRAGMA, REG_FENCE, SKIP_UNIT_RESCALE_PRAGMA,
-                                           WGMMA_WAIT_PRAGMA)
+                                           VECTOR_REDUCE_PRAGMA, WGMMA_WAIT_PRAGMA)
 from tvmflash.lowering.ir import (every_element, find, is_attr, is_load, loaded, loaded_buffers, prim_func_pass,
                                   substitute, target_of, transform, with_children)
 from tvmflash.lowering.tma_device_functions import device_statement, untracked_pointer
@@ -153,6 +153,32 @@ def _bulk_reductions(attr, func):
                          tirx.IfThenElse(x < rows.extent, issue, None)])
 
 
+def _vector_reductions(attr, func):
+    """The statements for a ``VECTOR_REDUCE_PRAGMA`` AttrStmt (``annotations``): the warpgroup's named
+    barrier, then its threads add the rows four columns at a time, consecutive threads consecutive
+    columns (a warp's reductions cover whole 128-byte lines), reading them from shared memory."""
+    rows = attr.body
+    columns = rows.body
+    store = columns.body
+    threads = int(attr.value)
+    if not (isinstance(rows, tirx.For) and isinstance(columns, tirx.For) and isinstance(store, tirx.BufferStore)
+            and str(store.buffer.dtype) == "float32" and is_load(_addend(store))
+            and int(columns.extent) % 4 == 0 and int(rows.extent) * int(columns.extent) % (4 * threads) == 0):
+        raise ValueError(f"{VECTOR_REDUCE_PRAGMA}: expected rows of float32 stores x[...] = x[...] + y[...], their "
+                         f"columns a multiple of 4 and their elements of 4 x {threads}, got {rows}")
+    x, y = _thread_index(func, "threadIdx.x"), _thread_index(func, "threadIdx.y")
+    quads = int(columns.extent) // 4  # a row's groups of four columns
+    adds = []
+    for n in range(int(rows.extent) * quads // threads):
+        k = x + n * threads
+        element = substitute(store, [(rows.loop_var, rows.min + k // quads),
+                                     (columns.loop_var, columns.min + k % quads * 4)])
+        source = _addend(element)
+        adds.append(device_statement("tvmflash_red_add_v4_shared", _address(element),
+                                     untracked_pointer(loaded(source), _flat_offset(source))))
+    return tirx.SeqStmt([device_statement("tvmflash_named_barrier", BULK_REDUCE_BARRIER + y, threads), *adds])
+
+
 def _untracked_pair(loop):
     """A loop of two float32 stores to adjacent shared-memory elements as one ``st.shared.v2.f32``
     through a pointer that ThreadSync does not count (None if it is not that loop)."""
@@ -188,6 +214,7 @@ def _pragma_lowerings(func) -> dict:
             SKIP_UNIT_RESCALE_PRAGMA: _skipped_where_factors_are_one,
             ATOMIC_ADD_PRAGMA: functools.partial(_atomic_adds, vector=_has_vector_reductions(func)),
             BULK_REDUCE_PRAGMA: functools.partial(_bulk_reductions, func=func),
+            VECTOR_REDUCE_PRAGMA: functools.partial(_vector_reductions, func=func),
             BULK_REDUCE_WAIT_PRAGMA: functools.partial(_bulk_reductions_read, func=func)}
 
 

@@ -74,6 +74,12 @@ _HELPERS = {
     "tvmflash_store_shared_v2": (
         "__device__ __forceinline__ void tvmflash_store_shared_v2(void* dst, float a, float b) {\n"
         f'  asm volatile("st.shared.v2.f32 [%0], {{%1, %2}};" :: "r"({_SMEM}(dst)), "f"(a), "f"(b) : "memory");\n}}'),
+    # four adjacent float32 read from shared memory (16-byte aligned) and added into global memory (sm_90)
+    "tvmflash_red_add_v4_shared": (
+        "__device__ __forceinline__ void tvmflash_red_add_v4_shared(void* dst, void* src) {\n"
+        "  float4 v = *(const float4*)src;\n"
+        '  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};"'
+        ' :: "l"(dst), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w) : "memory");\n}'),
     "tvmflash_bulk_commit": (
         "__device__ __forceinline__ void tvmflash_bulk_commit() {\n"
         '  asm volatile("cp.async.bulk.commit_group;" ::: "memory");\n}'),
