@@ -317,7 +317,7 @@ def backward_build_problem(head_dim: int, dtype: str, knobs: dict) -> str | None
 # pipeline's stages: with one stage, cp.async alone. ds_buffers 2 measured 5-7% faster than 1 (d128
 # causal, d64), as fast at d128 non-causal; a producer warpgroup 3-7% faster than thread 0 at d64 (and
 # with ds_buffers 2), 3% slower at d128; at d128 dq_reduce "vector" 9-10% faster than the atomics
-# (not measured at d64, nor with varlen, which keeps the atomics); bulk reductions 14-38% slower than
+# (not measured at d64, nor with varlen, which keeps the atomics); bulk reductions 6-42% slower than
 # the atomics (one operation a row: the copy engine's cost is per operation), so they are left out of the
 # tuner's space (BENCHMARKS.md).
 BACKWARD = KnobSet("sm90", "backward", (
