@@ -326,7 +326,7 @@ def bad_input_cases():
         ({"k": torch.zeros(2, 14, 1, HEAD_DIM, dtype=torch.float16), "v": torch.zeros(2, 14, 1, HEAD_DIM, dtype=torch.float16)},
          ValueError, "less the 14 new ones"),
         ({"num_splits": -1}, ValueError, "num_splits: expected an int from 0"),
-        ({"causal": 1}, TypeError, "causal: expected True or False"),
+        ({"causal": "yes"}, TypeError, "causal: expected True or False"),
         ({"softmax_scale": -1.0}, ValueError, "softmax_scale"),
     ]
 

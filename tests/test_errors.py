@@ -127,20 +127,46 @@ def test_unknown_knob():
         tvmflash.compile(head_dim=64, dtype="float16", target="cpu", knobs={"blockm": 16})
 
 
-@pytest.mark.parametrize("flag", ["no", 1, None, torch.tensor(True)], ids=["str", "int", "none", "tensor"])
-def test_boolean_options_take_booleans(kernel, flag):
-    """``causal="no"`` ran causal (bool("no") is True): every boolean option takes True or False only."""
+@pytest.mark.parametrize("flag", ["no", "", [True], object()], ids=["str", "empty-str", "list", "object"])
+def test_boolean_options_refuse_what_flash_attn_refuses(kernel, flag):
+    """``causal="no"`` would run causal (bool("no") is True): a string, as flash-attn's binding does,
+    or any object that is no number, bool, None or one-element tensor is a TypeError."""
     q, k, v = qkv(kv_shape=(1, 8, 4, 64))
-    with pytest.raises(TypeError, match=r"causal: expected True or False, got"):
+    with pytest.raises(TypeError, match=r"causal: expected True or False"):
         tvmflash.compile(head_dim=64, dtype="float16", target="cpu", causal=flag)
-    with pytest.raises(TypeError, match=r"causal: expected True or False, got"):
+    with pytest.raises(TypeError, match=r"causal: expected True or False"):
         tvmflash.attention(q, k, v, causal=flag)
-    with pytest.raises(TypeError, match=r"return_lse: expected True or False, got"):
+    with pytest.raises(TypeError, match=r"return_lse: expected True or False"):
         tvmflash.attention(q, k, v, return_lse=flag)
-    with pytest.raises(TypeError, match=r"return_lse: expected True or False, got"):
+    with pytest.raises(TypeError, match=r"return_lse: expected True or False"):
         kernel(q, k, v, return_lse=flag)
-    with pytest.raises(TypeError, match=r"deterministic: expected True or False, got"):
+    with pytest.raises(TypeError, match=r"deterministic: expected True or False"):
         tvmflash.attention(q, k, v, deterministic=flag)
+    with pytest.raises(TypeError, match=r"deterministic: expected True or False"):
+        tvmflash.flash_attn_func(q, k, v, deterministic=flag)
+
+
+def test_flags_and_windows_in_flash_attn_forms():
+    """What flash-attn 2 takes (its binding reads flags by their truth and window_size[0], [1] as
+    ints): ``deterministic=1``, ``causal=None``, one-element tensors, a window as a list, a tensor or a
+    numpy array; each gives what the plain form gives, and the kernels' keys see plain values."""
+    import numpy as np
+
+    from tvmflash.kernels.checks import check_flag, resolve_variant, window_pair
+    assert [check_flag("x", f) for f in (1, 0, None, 2.5, torch.tensor(True), torch.tensor([0]), np.int64(1))] == [
+        True, False, False, True, True, False, True]
+    for window in ([5, 3], torch.tensor([5, 3]), np.array([5, 3]), (np.int32(5), torch.tensor(3))):
+        assert window_pair(window) == (5, 3) and type(window_pair(window)[0]) is int
+        assert resolve_variant(1, window) == {"causal": True, "window_left": 5}
+    for bad in ((5,), (1, 2, 3), (5.0, 3), (True, -1), "ab", 5, None):
+        with pytest.raises(TypeError, match="window_size: expected two ints"):
+            window_pair(bad)
+    q, k, v = qkv(kv_shape=(1, 8, 4, 64))
+    plain = tvmflash.flash_attn_func(q, k, v, causal=True, window_size=(3, -1), deterministic=False)
+    forms = tvmflash.flash_attn_func(q, k, v, causal=1, window_size=torch.tensor([3, -1]), deterministic=None)
+    assert torch.equal(plain, forms)
+    out, lse = tvmflash.attention(q, k, v, causal=torch.tensor(True), return_lse=1)
+    assert out.shape == q.shape and lse.dtype == torch.float32
 
 
 @pytest.mark.parametrize("target,knobs,message", [

@@ -274,8 +274,8 @@ def bad_options():
     2 x 8 queries of 4 heads."""
     return [
         ({"window_size": (-2, 0)}, ValueError, r"window_size: expected ints >= -1"),
-        ({"window_size": (1.5, 0)}, TypeError, r"window_size: expected a pair of ints"),
-        ({"window_size": 5}, TypeError, r"window_size: expected a pair of ints"),
+        ({"window_size": (1.5, 0)}, TypeError, r"window_size: expected two ints"),
+        ({"window_size": 5}, TypeError, r"window_size: expected two ints"),
         ({"softcap": -1.0}, ValueError, r"softcap: expected a finite float >= 0"),
         ({"softcap": math.inf}, ValueError, r"softcap: expected a finite float >= 0"),
         ({"softcap": "30"}, TypeError, r"softcap: expected a float"),

@@ -198,8 +198,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     """
     if cache_leftpad is not None:
         raise _not_implemented("cache_leftpad", "<tensor>")
-    check_flag("return_softmax_lse", return_softmax_lse)
-    check_flag("rotary_interleaved", rotary_interleaved)
+    return_softmax_lse = check_flag("return_softmax_lse", return_softmax_lse)
+    rotary_interleaved = check_flag("rotary_interleaved", rotary_interleaved)
     variant = resolve_variant(causal, window_size, softcap, alibi_slopes is not None)  # checks causal too
     causal = variant.pop("causal")  # an argument of the call; the rest the kernel's
     check_kvcache_layout(q, k_cache, v_cache, cache_batch_idx, block_table)

@@ -165,16 +165,15 @@ def kernel_call(kernel, q, k, v, softmax_scale: float, out, return_lse: bool, al
 registry.add_route("forward", kernel_call)
 
 
-def _options(q, k, v, dims: int, layout: str, causal, return_lse, window_size, softcap, alibi_slopes) -> tuple:
+def _options(q, k, v, dims: int, layout: str, causal, window_size, softcap, alibi_slopes) -> tuple:
     """The forward and backward ops' variant arguments, causal and the variant fields in order
     (``resolve_variant``; the kernel checks the slopes), after checking that q, k and v are tensors,
-    q of ``dims`` dims (``layout``), and return_lse a bool."""
+    q of ``dims`` dims (``layout``)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if q.dim() != dims:
         raise ValueError(f"q: expected {dims} dims {layout}, got shape {tuple(q.shape)}")
-    check_flag("return_lse", return_lse)
     variant = resolve_variant(causal, window_size, softcap, alibi_slopes is not None)
     return (variant["causal"], variant.get("window_left", -1), variant.get("window_right", -1),
             variant.get("softcap", 0.0))
@@ -207,9 +206,8 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale=None, return_lse: 
     (heads_q,) or (batch, heads_q), adds -slope · |i + seqlen_k - seqlen_q - j| to it (after the
     cap). A query whose window holds no key gets 0 (and lse -inf). The slopes get no gradient.
     """
-    options = _options(q, k, v, 4, "(batch, seqlen, heads, head_dim)", causal, return_lse, window_size, softcap,
-                       alibi_slopes)
-    check_flag("deterministic", deterministic)
+    options = _options(q, k, v, 4, "(batch, seqlen, heads, head_dim)", causal, window_size, softcap, alibi_slopes)
+    return_lse, deterministic = check_flag("return_lse", return_lse), check_flag("deterministic", deterministic)
     softmax_scale = resolve_softmax_scale(softmax_scale, q.shape[-1])
     if _through_ops(q, k, v):
         out, lse = forward(q, k, v, options[0], softmax_scale, *options[1:], alibi_slopes, deterministic)
@@ -333,9 +331,8 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     Differentiable in q, k and v (``torch.ops.tvmflash.varlen_backward``), under torch.compile too;
     ``deterministic`` as :func:`attention`'s.
     """
-    options = _options(q, k, v, 3, "(total_q, heads, head_dim)", causal, return_lse, window_size, softcap,
-                       alibi_slopes)
-    check_flag("deterministic", deterministic)
+    options = _options(q, k, v, 3, "(total_q, heads, head_dim)", causal, window_size, softcap, alibi_slopes)
+    return_lse, deterministic = check_flag("return_lse", return_lse), check_flag("deterministic", deterministic)
     check_max_seqlen("max_seqlen_q", max_seqlen_q)
     check_max_seqlen("max_seqlen_k", max_seqlen_k)
     softmax_scale = resolve_softmax_scale(softmax_scale, q.shape[-1])

@@ -11,7 +11,7 @@ from tvmflash import cache, choice, program
 from tvmflash import target as targets
 from tvmflash.kernels import registry
 from tvmflash.kernels.backward import BackwardKernel, VarlenBackwardKernel
-from tvmflash.kernels.checks import dtype_name, resolve_variant, varlen_field
+from tvmflash.kernels.checks import check_flag, dtype_name, resolve_variant, varlen_field
 from tvmflash.kernels.decode import DecodeKernel
 from tvmflash.kernels.forward import Kernel, kernel_key
 from tvmflash.kernels.registry import by_key
@@ -68,6 +68,7 @@ def compile_backward(*, head_dim: int, dtype, causal: bool = False, target=None,
     schedule's backward knobs. deterministic: gradients bitwise the same from run to run (dq by
     a program of its own even where the schedule's default sums it by atomics, the knob ``dq_atomic``)."""
     dtype = dtype_name(dtype)
+    deterministic = check_flag("deterministic", deterministic)
     variant = {**resolve_variant(causal, window_size, softcap, alibi), **varlen_field(varlen)}
     program.AttentionSpec(head_dim, dtype, **variant)  # validates head_dim and dtype
     resolved = targets.resolve(target)
@@ -98,7 +99,7 @@ def compile_decode(*, head_dim: int, dtype, page_size: int = 0, target=None, kno
     variant = resolve_variant(False, window_size, softcap, alibi)
     if variant.pop("causal"):
         raise ValueError(f"window_size: a right edge of 0 is causal, an argument of each call: pass causal=True and "
-                         f"window_size=({window_size[0]}, -1)")
+                         f"window_size=({variant.get('window_left', -1)}, -1)")
     DecodeSpec(head_dim, dtype, 1, 1, page_size, **variant)  # validates head_dim, dtype and page_size
     resolved = targets.resolve(target)
     key = cache.digest([head_dim, dtype, page_size, str(resolved), knobs, variant, schedule,

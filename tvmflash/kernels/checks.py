@@ -5,6 +5,8 @@ cache. Each error names the argument and says what was expected."""
 from __future__ import annotations
 
 import math
+import numbers
+import operator
 
 import torch
 
@@ -42,21 +44,36 @@ def resolve_softmax_scale(softmax_scale, head_dim: int) -> float:
 
 
 def check_flag(name: str, value) -> bool:
-    """A boolean option: True or False; anything else (``causal="no"``, 1, None) is a TypeError."""
-    if not isinstance(value, bool):
-        raise TypeError(f"{name}: expected True or False, got {value!r}")
-    return value
+    """A boolean option as a bool, in the forms flash-attn 2 takes (its C++ binding reads them as
+    Python's truth): True or False, None (False), a number (``deterministic=1``) or a one-element
+    tensor. A string (``causal="no"``, which flash-attn refuses too) or any other object is a
+    TypeError, never read as its truth."""
+    if value is None or isinstance(value, (bool, numbers.Number)):
+        return bool(value)
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return bool(value.item())
+    raise TypeError(f"{name}: expected True or False (or None, a number, a one-element tensor), got {value!r}")
+
+
+def window_pair(window_size) -> tuple[int, int]:
+    """``window_size`` as (left, right) ints, in the forms flash-attn 2 takes: any sequence of two
+    integers (a tuple, a list, a tensor, a numpy array; a bool is no integer here)."""
+    try:
+        pair = tuple(window_size)
+        if len(pair) != 2 or any(isinstance(w, bool) for w in pair):
+            raise TypeError
+        return tuple(operator.index(w) for w in pair)
+    except (TypeError, ValueError):
+        raise TypeError(f"window_size: expected two ints (left, right), got {window_size!r}") from None
 
 
 def resolve_variant(causal, window_size=(-1, -1), softcap=0.0, alibi=False) -> dict:
     """flash-attn's options, checked, as spec_args fields: ``causal`` and the variant fields that are
     on. As flash-attn: a window's right edge 0 is causal, and causal takes no other right edge; a
     bound of ``program.MAX_WINDOW`` or more is none (no sequence is that long)."""
-    check_flag("causal", causal)
-    check_flag("alibi", alibi)
-    if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2
-            and all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)):
-        raise TypeError(f"window_size: expected a pair of ints (left, right), got {window_size!r}")
+    causal = check_flag("causal", causal)
+    alibi = check_flag("alibi", alibi)
+    window_size = window_pair(window_size)
     if min(window_size) < -1:
         raise ValueError(f"window_size: expected ints >= -1 (-1: no bound on that side), got {tuple(window_size)}")
     left, right = (-1 if w >= program.MAX_WINDOW else w for w in window_size)
@@ -363,10 +380,9 @@ def check_packed(name, t, count, varlen=False):
 
 
 def check_flash_attn_options(dropout_p, **flags):
-    """flash-attn's flags (bools) and dropout_p (tvmflash has no dropout: only 0)."""
+    """flash-attn's flags (``check_flag``'s forms) and dropout_p (tvmflash has no dropout: only 0)."""
     for name, value in flags.items():
-        if not isinstance(value, bool):
-            raise TypeError(f"{name}: expected a bool, got {value!r}")
+        check_flag(name, value)
     if dropout_p != 0:
         raise NotImplementedError(f"dropout_p: tvmflash has no dropout yet (got {dropout_p!r}); pass 0.0")
 

@@ -126,7 +126,7 @@ class Kernel:
 
     def __call__(self, q, k, v, *, softmax_scale=None, out=None, return_lse=False, alibi_slopes=None):
         """Attention of q over k, v. See the class docstring for the shapes."""
-        check_flag("return_lse", return_lse)
+        return_lse = check_flag("return_lse", return_lse)
         softmax_scale = resolve_softmax_scale(softmax_scale, self.head_dim)
         if torch.compiler.is_compiling():  # torch.compile traces a custom op, which calls back here at run time
             return registry.route("forward")(self, q, k, v, softmax_scale, out, return_lse, alibi_slopes)

@@ -42,7 +42,7 @@ class VarlenKernel(Kernel):
     def __call__(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, *, softmax_scale=None, out=None,
                  return_lse=False, alibi_slopes=None):
         """Attention of each packed sequence of q over its keys. See the class docstring."""
-        check_flag("return_lse", return_lse)
+        return_lse = check_flag("return_lse", return_lse)
         softmax_scale = resolve_softmax_scale(softmax_scale, self.head_dim)
         if torch.compiler.is_compiling():
             return registry.route("varlen")(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale,

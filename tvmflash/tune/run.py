@@ -61,7 +61,7 @@ def tuning_request(head_dim: int, dtype, causal: bool, trials: int, target, batc
     """A tuning run's arguments, checked: the dtype's name, the resolved target and the tuning shape
     (``shape_for(target, head_dim)``, by default ``default_shape``, with the batch, seqlen and heads given)."""
     dtype = checks.dtype_name(dtype)
-    checks.check_flag("causal", causal)
+    causal = checks.check_flag("causal", causal)
     program.AttentionSpec(head_dim, dtype, causal)  # validates head_dim and dtype
     if trials < 1:
         raise ValueError(f"trials: expected a positive number, got {trials}")
