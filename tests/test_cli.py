@@ -83,6 +83,24 @@ def test_bench_without_a_gpu_says_so(monkeypatch, capsys):
     assert "device: 'cuda' needs a CUDA GPU visible to torch, and none is" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("args,message", [
+    (["--seqlens", "0"], "seqlens: expected positive ints, got 0"),
+    (["--seqlens", "128", "-4"], "seqlens: expected positive ints, got [-4]"),
+    (["--tokens", "0"], "tokens: expected positive ints, got 0"),
+    (["--repeat", "0"], "repeat: expected positive ints, got 0"),
+    (["--hidden", "32"], "hidden: heads * head_dim must hold at least one head of head_dim 64, got 32"),
+])
+def test_bench_refuses_empty_grids(capsys, args, message):
+    """``tvmflash bench --seqlens 0`` ended in a ZeroDivisionError traceback: a grid's sizes are checked
+    before anything is built."""
+    from tvmflash import cli
+
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["bench", "--device", "cpu", "--head-dim", "64", *args])
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
+
+
 def test_a_closed_pipe_ends_quietly():
     """`tvmflash info | head -2` ended in a BrokenPipeError traceback (so did every command: here one
     that starts quickly)."""

@@ -272,9 +272,18 @@ def run(*, device=None, dtype="bfloat16", head_dims=(64, 128), causal=(False, Tr
         raise ValueError(f"device: {device!r} needs a CUDA GPU visible to torch, and none is")
     device = torch.device(device)
     grid = GPU_GRID if device.type == "cuda" else CPU_GRID
-    seqlens = seqlens or grid["seqlens"]
-    tokens = tokens or grid["tokens"]
-    hidden = hidden or grid["hidden"]
+    seqlens = grid["seqlens"] if seqlens is None else seqlens
+    tokens = grid["tokens"] if tokens is None else tokens
+    hidden = grid["hidden"] if hidden is None else hidden
+    for name, values in (("seqlens", seqlens), ("head_dims", head_dims), ("tokens", [tokens]), ("hidden", [hidden]),
+                         ("repeat", [repeat])):
+        bad = [v for v in values if not isinstance(v, int) or isinstance(v, bool) or v < 1] or (
+            [] if values else ["none"])
+        if bad:
+            raise ValueError(f"{name}: expected positive ints, got {bad if len(values) > 1 else bad[0]!r}")
+    if hidden < max(head_dims):
+        raise ValueError(f"hidden: heads * head_dim must hold at least one head of head_dim {max(head_dims)}, "
+                         f"got {hidden}")
     target = target or ("cpu" if device.type == "cpu" else None)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     echo(f"tvmflash bench on {name}, {time.strftime('%Y-%m-%d')}: batch*seqlen={tokens}, heads*head_dim={hidden}")
