@@ -212,6 +212,11 @@ def bad_arguments():
         ({"max_seqlen_q": lambda a: 5.0}, TypeError, "max_seqlen_q: expected an int"),
         ({"max_seqlen_k": lambda a: torch.tensor(5)}, TypeError, "max_seqlen_k: expected an int"),
         ({"max_seqlen_q": lambda a: -1}, ValueError, "max_seqlen_q: expected an int >= 0"),
+        # a sequence longer than max_seqlen left rows uncomputed (136 of 200 wrong, or NaN)
+        ({"max_seqlen_q": lambda a: a["max_seqlen_q"] - 1}, ValueError,
+         "max_seqlen_q: expected at least the longest sequence's length in cu_seqlens_q, 4, got 3"),
+        ({"max_seqlen_k": lambda a: 1}, ValueError,
+         "max_seqlen_k: expected at least the longest sequence's length in cu_seqlens_k, 3, got 1"),
         ({"q": lambda a: a["q"][None]}, ValueError, r"q: expected 3 dims \(total_q, heads, head_dim\)"),
         ({"k": lambda a: a["k"][:, :1].expand(-1, 3, -1), "v": lambda a: a["v"][:, :1].expand(-1, 3, -1)}, ValueError, r"q: expected heads_q \(4\) to be a multiple of heads_kv \(3\)"),
         ({"v": lambda a: a["v"][:-1]}, ValueError, "v: expected the shape of k"),

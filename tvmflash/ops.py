@@ -16,7 +16,8 @@ import torch
 from tvmflash import choice, kernels
 from tvmflash import target as targets
 from tvmflash.kernels import compile, compile_backward, registry
-from tvmflash.kernels.checks import check_flag, check_max_seqlen, resolve_softmax_scale, resolve_variant
+from tvmflash.kernels.checks import (check_cu_seqlens, check_flag, check_max_seqlen, resolve_softmax_scale,
+                                     resolve_variant)
 
 # kernel_for's and backward_kernel_for's answers: compile() resolves a target (a TVM object) and hashes
 # its arguments, some 100-250 us a call; attention() runs at every step of a model. Emptied by
@@ -335,6 +336,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     return_lse, deterministic = check_flag("return_lse", return_lse), check_flag("deterministic", deterministic)
     check_max_seqlen("max_seqlen_q", max_seqlen_q)
     check_max_seqlen("max_seqlen_k", max_seqlen_k)
+    check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k)  # max_seqlen_k: the backward's
     softmax_scale = resolve_softmax_scale(softmax_scale, q.shape[-1])
     if _through_ops(q, k, v):
         out, lse = varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options[0],

@@ -12,7 +12,6 @@ from tvmflash.kernels.checks import (
     VARIANT_FIELDS,
     Arguments,
     check_gradient_arguments,
-    check_max_seqlen,
     resolve_softmax_scale,
 )
 from tvmflash.kernels.forward import kernel_build_options
@@ -171,8 +170,7 @@ class VarlenBackwardKernel(BackwardKernel):
         """(dq, dk, dv) of the varlen attention(q, k, v) = out (with its lse); see
         ``BackwardKernel.__call__`` and the class docstring."""
         arguments = self.arguments
-        arguments.check_varlen(q, k, v, None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q)
-        check_max_seqlen("max_seqlen_k", max_seqlen_k)
+        arguments.check_varlen(q, k, v, None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         batch = cu_seqlens_q.shape[0] - 1
         variant_arguments = arguments.variant_arguments(q, alibi_slopes, batch)
         total_q, heads_q, _ = q.shape

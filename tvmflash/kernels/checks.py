@@ -155,10 +155,12 @@ def alibi_slopes_view(alibi_slopes, batch: int, heads_q: int, device: torch.devi
     return alibi_slopes if alibi_slopes.stride(1) == 1 else alibi_slopes.contiguous()
 
 
-def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q, k) -> None:
+def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q=None, max_seqlen_k=None) -> None:
     """cu_seqlens_q and cu_seqlens_k: contiguous int32 (batch + 1,) tensors on q's device, of one
-    length. On the CPU also their values: non-decreasing from 0 to q's (k's) row count; on CUDA
-    reading them would wait for the device, so the kernel trusts them there."""
+    length. On the CPU also their values: non-decreasing from 0 to q's (k's) row count, no sequence
+    longer than max_seqlen_q (max_seqlen_k) where given (they size the grids: a longer sequence's
+    rows past them would be left uncomputed); on CUDA reading them would wait for the device, so the
+    kernel trusts them there, as flash-attn's does."""
     for name, cu, rows in (("cu_seqlens_q", cu_seqlens_q, q), ("cu_seqlens_k", cu_seqlens_k, k)):
         if not isinstance(cu, torch.Tensor):
             raise TypeError(f"{name}: expected an int32 tensor (batch + 1,), got {type(cu).__name__}")
@@ -179,6 +181,14 @@ def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q, k) -> None:
     if cu_seqlens_q.shape != cu_seqlens_k.shape:
         raise ValueError(f"cu_seqlens_k: expected the shape of cu_seqlens_q {tuple(cu_seqlens_q.shape)} (one "
                          f"offset per sequence), got {tuple(cu_seqlens_k.shape)}")
+    for name, cu, longest in (("cu_seqlens_q", cu_seqlens_q, max_seqlen_q),
+                              ("cu_seqlens_k", cu_seqlens_k, max_seqlen_k)):
+        if longest is None or cu.device.type != "cpu" or torch.compiler.is_compiling() or cu.shape[0] < 2:
+            continue
+        length = int((cu[1:] - cu[:-1]).max())
+        if length > longest:
+            raise ValueError(f"max_seqlen_{name[-1]}: expected at least the longest sequence's length in {name}, "
+                             f"{length}, got {longest} (it sizes the grid: rows past it would be left uncomputed)")
 
 
 def check_gradient_arguments(q, k, v, out, dout, lse, dlse, dq, dk, dv, rows) -> None:
@@ -266,13 +276,16 @@ class Arguments:
             raise ValueError(f"out: expected a tensor of q's shape {tuple(q.shape)}, dtype and device, got "
                              f"{getattr(out, 'shape', out)!r}")
 
-    def check_varlen(self, q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q) -> None:
+    def check_varlen(self, q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k=None) -> None:
         """Types, shapes, dtypes and devices of a varlen call (what torch.compile's fake tensors have
-        too); on the CPU the values of cu_seqlens as well."""
+        too); on the CPU the values of cu_seqlens as well (``check_cu_seqlens``; max_seqlen_k: where
+        it sizes a grid, the backward's)."""
         self.check_tensors([("q", q), ("k", k), ("v", v)], "(total, heads, head_dim)", dims=3)
         self.explain_heads_and_places(q, k, v, out, heads_dim=1)
-        check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q, k)
         check_max_seqlen("max_seqlen_q", max_seqlen_q)
+        if max_seqlen_k is not None:
+            check_max_seqlen("max_seqlen_k", max_seqlen_k)
+        check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k)
 
     def variant_arguments(self, q, alibi_slopes, batch: int | None = None) -> tuple:
         """The module's arguments after softmax_scale: the ALiBi slopes' (batch, heads_q) view if the
