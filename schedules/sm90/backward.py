@@ -32,7 +32,8 @@ def schedule_backward(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, dq
     program's (``program_backward.attention_backward``). ``dq_atomic``: the program has no dq; dkdv
     adds dq's share atomically (``_schedule_dq_share``) and convert_dq runs on SIMT. ``wgmma_overlap``:
     see the comment above ``knobs.BACKWARD``. ``ds_buffers`` and ``dq_reduce``, with ``dq_atomic``: dsᵀ's
-    shared-memory tile in 1 or 2 buffers, and dq's share added by "atomic" reductions or "bulk" ones
+    shared-memory tile in 1 or 2 buffers, and dq's share added by "atomic" reductions from the
+    registers, or from a shared-memory tile by "vector" atomics or "bulk" reductions
     (``_schedule_dq_share``). ``dkdv_producer``: who issues dkdv's TMA copies, thread 0 or a warpgroup of
     its own (``lowering.tma_producer_warpgroup``: the consumers' barriers named, their registers 240)."""
     from .. import simt
@@ -128,10 +129,10 @@ def _schedule_dq_share(sch, staged, groups, BM, D, BN, dtype, ds_buffers=1, dq_r
         return i
 
     block = sch.get_sblock("dq")
-    bulk = dq_reduce != "atomic"  # "bulk" and "vector" stage ds k in shared memory
-    # the tile that the bulk reductions read, copied from the accumulators before they take their
-    # register layout (so that the copy keeps the logical one)
-    share = sch.cache_read("accumulate_dq", 0, "shared.dyn") if bulk else "accumulate_dq"
+    from_tile = dq_reduce != "atomic"  # "bulk" and "vector" add ds k from a shared-memory tile
+    # that tile, copied from the accumulators before they take their register layout (so that the copy
+    # keeps the logical one)
+    share = sch.cache_read("accumulate_dq", 0, "shared.dyn") if from_tile else "accumulate_dq"
     sch.set_scope(block, 0, "local")
     sch.transform_layout(block, ("write", 0), by_columns)
     i = columns_by_warpgroup(*sch.get_loops(block)[-3:-1])  # (i, d, j): the reduction j stays innermost
@@ -140,7 +141,7 @@ def _schedule_dq_share(sch, staged, groups, BM, D, BN, dtype, ds_buffers=1, dq_r
     sch.tensorize(i, wgmma_intrin_name(cols, BN, dtype, "mn", a_major="mn"))
     columns_by_warpgroup(*sch.get_loops(share)[-2:])
     bind_acc_threads(sch, share)
-    if not bulk:  # the loops in each thread; 2: a thread's two adjacent columns go as one vector reduction
+    if not from_tile:  # the loops in each thread; 2: a thread's two adjacent columns go as one vector reduction
         sch.annotate(sch.get_loops(share)[-3], ATOMIC_ADD_PRAGMA, 2)
         return
     sch.storage_align(share, 0, axis=0, factor=32, offset=8)

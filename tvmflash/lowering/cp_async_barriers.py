@@ -6,12 +6,7 @@ from __future__ import annotations
 import tvm
 from tvm import tirx
 
-from tvmflash.lowering.ir import folded, map_loops, prim_func_pass, with_children
-
-
-def _is_barrier(stmt) -> bool:
-    value = getattr(stmt, "value", None) if type(stmt).__name__ == "Evaluate" else None
-    return type(value).__name__ == "Call" and getattr(value.op, "name", "") == "tirx.tvm_storage_sync"
+from tvmflash.lowering.ir import folded, is_barrier, map_loops, prim_func_pass, with_children
 
 
 def _without_leading_barrier(stmt):
@@ -23,7 +18,7 @@ def _without_leading_barrier(stmt):
         i = next((i for i, s in enumerate(seq) if type(s).__name__ != "Bind"), len(seq))
         if i == len(seq):
             return stmt, None
-        if _is_barrier(seq[i]):
+        if is_barrier(seq[i]):
             rest = seq[:i] + seq[i + 1:]
             return (rest[0] if len(rest) == 1 else tirx.SeqStmt(rest)), seq[i]
         first, barrier = _without_leading_barrier(seq[i])

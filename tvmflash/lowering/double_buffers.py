@@ -27,11 +27,8 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from tvmflash.lowering.annotations import DOUBLE_BUFFERED_PRAGMA
-from tvmflash.lowering.ir import find, is_attr, is_call, is_load, loaded, prim_func_pass, unmarked, with_children
-
-
-def _is_barrier(stmt) -> bool:
-    return isinstance(stmt, tirx.Evaluate) and is_call(stmt.value, "tirx.tvm_storage_sync")
+from tvmflash.lowering.ir import (find, is_attr, is_barrier, is_call, is_load, loaded, prim_func_pass, unmarked,
+                                  with_children)
 
 
 def _points_into(node, tile) -> bool:
@@ -54,10 +51,10 @@ def _touches(stmt, tile) -> bool:
 def _leading_barrier(stmts, i) -> str | None:
     """Where ThreadSync put the barrier before the marked writes ``stmts[i]``: "before" them, "inside"
     the mark (first), or None (none: an earlier barrier of the step orders them, as with plain loads)."""
-    if i and _is_barrier(stmts[i - 1]):
+    if i and is_barrier(stmts[i - 1]):
         return "before"
     first = stmts[i].body.seq[0] if isinstance(stmts[i].body, tirx.SeqStmt) else stmts[i].body
-    return "inside" if _is_barrier(first) else None
+    return "inside" if is_barrier(first) else None
 
 
 def _without_leading_barrier(writes):

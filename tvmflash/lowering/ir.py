@@ -84,6 +84,11 @@ def is_call(node, op_name: str) -> bool:
     return isinstance(node, tvm.ir.expr.Call) and getattr(node.op, "name", "") == op_name
 
 
+def is_barrier(stmt) -> bool:
+    """Is ``stmt`` a block-wide barrier (ThreadSync's ``tvm_storage_sync``)?"""
+    return isinstance(stmt, tirx.Evaluate) and is_call(stmt.value, "tirx.tvm_storage_sync")
+
+
 def with_children(stmt, f):
     """``stmt`` rebuilt with ``f`` applied to each statement directly inside it: the kinds that the
     lowered kernels have around and inside their K/V loops (any other kind is returned as it is)."""

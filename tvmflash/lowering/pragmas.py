@@ -123,15 +123,31 @@ def _flat_offset(load):
     return functools.reduce(lambda a, b: a + b, [i * s for i, s in zip(load.indices, strides)])
 
 
+def _row_additions(attr):
+    """(rows, columns, store) of a ``BULK_REDUCE_PRAGMA`` or ``VECTOR_REDUCE_PRAGMA`` AttrStmt: a loop over
+    rows, in it one over a row's columns, in it one float32 store ``x[...] = x[...] + y[...]`` (y a
+    load); None if its loops are not that."""
+    rows = attr.body
+    columns = getattr(rows, "body", None)
+    store = getattr(columns, "body", None)
+    if (isinstance(rows, tirx.For) and isinstance(columns, tirx.For) and isinstance(store, tirx.BufferStore)
+            and str(store.buffer.dtype) == "float32" and is_load(_addend(store))):
+        return rows, columns, store
+    return None
+
+
+def _refused_rows(attr, expected: str = "") -> ValueError:
+    return ValueError(f"{attr.attr_key}: expected rows of float32 stores x[...] = x[...] + y[...]{expected}, "
+                      f"got {attr.body}")
+
+
 def _bulk_reductions(attr, func):
     """The statements for a ``BULK_REDUCE_PRAGMA`` AttrStmt (``annotations``): a fence and the
     warpgroup's named barrier, then thread i of the warpgroup adds row i by one bulk reduction."""
-    rows = attr.body
-    columns = rows.body
-    store = columns.body
-    if not (isinstance(rows, tirx.For) and isinstance(columns, tirx.For) and isinstance(store, tirx.BufferStore)
-            and str(store.buffer.dtype) == "float32" and is_load(_addend(store))):
-        raise ValueError(f"{BULK_REDUCE_PRAGMA}: expected rows of float32 stores x[...] = x[...] + y[...], got {rows}")
+    found = _row_additions(attr)
+    if found is None:
+        raise _refused_rows(attr)
+    rows, columns, store = found
     x, y = _thread_index(func, "threadIdx.x"), _thread_index(func, "threadIdx.y")
     first = substitute(store, [(rows.loop_var, rows.min + x), (columns.loop_var, columns.min)])
     last = substitute(store, [(rows.loop_var, rows.min + x), (columns.loop_var, columns.min + columns.extent - 1)])
@@ -157,15 +173,11 @@ def _vector_reductions(attr, func):
     """The statements for a ``VECTOR_REDUCE_PRAGMA`` AttrStmt (``annotations``): the warpgroup's named
     barrier, then its threads add the rows four columns at a time, consecutive threads consecutive
     columns (a warp's reductions cover whole 128-byte lines), reading them from shared memory."""
-    rows = attr.body
-    columns = rows.body
-    store = columns.body
     threads = int(attr.value)
-    if not (isinstance(rows, tirx.For) and isinstance(columns, tirx.For) and isinstance(store, tirx.BufferStore)
-            and str(store.buffer.dtype) == "float32" and is_load(_addend(store))
-            and int(columns.extent) % 4 == 0 and int(rows.extent) * int(columns.extent) % (4 * threads) == 0):
-        raise ValueError(f"{VECTOR_REDUCE_PRAGMA}: expected rows of float32 stores x[...] = x[...] + y[...], their "
-                         f"columns a multiple of 4 and their elements of 4 x {threads}, got {rows}")
+    found = _row_additions(attr)
+    if found is None or int(found[1].extent) % 4 or int(found[0].extent) * int(found[1].extent) % (4 * threads):
+        raise _refused_rows(attr, f", their columns a multiple of 4 and their elements of 4 x {threads}")
+    rows, columns, store = found
     x, y = _thread_index(func, "threadIdx.x"), _thread_index(func, "threadIdx.y")
     quads = int(columns.extent) // 4  # a row's groups of four columns
     adds = []
