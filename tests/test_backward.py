@@ -2,6 +2,7 @@
 autograd and torch.compile wiring, the flash-attn API, and the backward's errors."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -402,14 +403,15 @@ def test_sm90_dkdv_by_tma_gradients_on_the_gpu(head_dim, causal, dq_atomic):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("knobs", [{"ds_buffers": 1}, {"dq_reduce": "bulk"}, {"dq_reduce": "vector"},
-                                   {"dkdv_producer": "other"}], ids=["ds_buffers-1", "bulk", "vector", "other-producer"])
+@pytest.mark.parametrize("knobs", [{"ds_buffers": 1}, {"dq_reduce": "bulk"}, {"dq_reduce": "vector"}, {"dq_reduce": "tma"},
+                                   {"dkdv_producer": "other"}],
+                         ids=["ds_buffers-1", "bulk", "vector", "tma", "other-producer"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_sm90_dkdv_structure_gradients_on_the_gpu(head_dim, knobs):
     """dkdv's structures other than the defaults (test_gradients_match_float64_on_the_gpu), causal, over
     SHAPES: dsᵀ's tile in one buffer (the defaults take two in turn, ``lowering.double_buffers``), dq's share
-    added by bulk reductions or by vector atomics from shared memory (the defaults: atomics from the
-    registers), and the TMA copies issued by the other producer
+    added by bulk reductions, vector atomics or TMA reductions from shared memory (the defaults: atomics from
+    the registers at d64, vector atomics at d128), and the TMA copies issued by the other producer
     (thread 0 or a warpgroup of its own; the defaults: a warpgroup at d64, thread 0 at d128)."""
     _on_sm_90a_only("sm90")
     if knobs.get("dkdv_producer") == "other":
@@ -451,6 +453,43 @@ def test_sm90_dq_share_by_bulk_reductions():
     dkdv = src[src.rindex("dkdv_kernel("):src.rindex("convert_dq_kernel(")]
     assert "red.global.add.v2" not in src and "red.global.add.v4.f32" in src
     assert dkdv.count("tvmflash_red_add_v4_shared(") == 16 and dkdv.count("tvmflash_bulk_reduce_add_f32(") == 0
+
+
+def test_sm90_dq_share_by_tma_reductions():
+    """dq_reduce "tma" (FA3's way): ds k written into shared memory in TMA's 128-byte swizzle of float32 rows
+    (pairs of adjacent columns, one store each), each warpgroup's threads at a named barrier, then thread 0
+    of each warpgroup adds its 64 rows x 64 columns by one TMA reduction through dq_accum's tensor map; no
+    atomics, and every reduction complete before the thread block ends."""
+    src = tvmflash.compile_backward(head_dim=128, dtype="bfloat16", target="sm90",
+                                    knobs={"dq_reduce": "tma"}).source(heads_q=4, heads_kv=2)
+    dkdv = src[src.rindex("dkdv_kernel("):src.rindex("convert_dq_kernel(")]
+    assert "red.global" not in src and "CUtensorMap DQaccum_tensormap" in dkdv
+    assert "cp.reduce.async.bulk.tensor.5d.global.shared::cta.add.tile.bulk_group" in src
+    # each of the step's two copies (the pipeline's loop and its epilogue): one reduction, by thread 0 of each
+    # warpgroup, of column groups 2 threadIdx.y and 2 threadIdx.y + 1 of the rows
+    reductions = re.findall(r"if \(\(\(int\)threadIdx.x\) == 0\) \{[^}]*?tvmflash_tma_reduce_add_5d\(([^;]*)\);", dkdv)
+    assert len(reductions) == 2 and all("(((int)threadIdx.y) * 2)" in r for r in reductions)
+    assert dkdv.count("tvmflash_store_shared_v2(") == 32 and dkdv.count("tvmflash_named_barrier(") == 4
+    assert dkdv.count("tvmflash_bulk_wait_read();") == 2 and dkdv.count("tvmflash_bulk_wait();") == 1
+    assert dkdv.index("tvmflash_bulk_wait();") < dkdv.index("*)(dK_ptr + ")
+    with pytest.raises(ValueError, match="dkdv_copy 'tma'"):
+        tvmflash.compile_backward(head_dim=128, dtype="bfloat16", target="sm90",
+                                  knobs={"dq_reduce": "tma", "dkdv_copy": "cp.async"})
+
+
+def test_swizzled_float32_pairs_are_proved_adjacent():
+    """The pair stores into TMA's swizzle of float32 are one ``st.shared.v2`` only where the two elements
+    are provably adjacent: ``pragmas._provably_one`` proves it case by case over a residue, and refuses
+    a difference that is 1 for some residues only."""
+    from tvm import tirx
+
+    from tvmflash.lowering.pragmas import _provably_one
+    t, a = tirx.Var("t", "int32"), tirx.Var("a", "int32")
+
+    def chunk(e):  # the 128-byte swizzle's high bit of column 8 a + 2 (t % 4) + e, as TVM writes it
+        return tirx.floordiv(tirx.floormod(a * 8 + tirx.floormod(t, 4) * 2 + e, 32), 16)
+    assert _provably_one(chunk(1) * 16 - chunk(0) * 16 + 1)
+    assert not _provably_one(tirx.floordiv(tirx.floormod(t, 4) * 2 + 2, 4) - tirx.floordiv(tirx.floormod(t, 4) * 2, 4))
 
 
 @pytest.mark.gpu

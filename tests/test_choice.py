@@ -123,3 +123,19 @@ def test_a_schedule_asked_for_must_serve(monkeypatch):
 def test_a_newer_gpu_gets_the_sm80_schedule_with_a_note(caplog):
     schedule, why, _ = choice.choose_schedule("forward", targets.cuda_target("sm120"), spec_args(128))
     assert schedule.name == "sm80" and "no schedule is written for sm_120 yet" in why
+
+
+def test_derived_knobs_follow_the_given_ones():
+    """A derived knob that was not given takes its first candidate where its default does not go with the
+    given knobs: dkdv_copy "cp.async" at d128 leaves dq_reduce "tma" (TMA reductions, which need dkdv's TMA
+    lowering) for "atomic", and dkdv_producer "warpgroup" at d64 for "thread"; a derived knob given with
+    the knobs it needs is kept, and one given against them is refused."""
+    backward = tvmflash.compile_backward(head_dim=128, dtype="bfloat16", target="sm90")
+    assert backward.knobs["dq_reduce"] == "tma" and backward.knobs["dkdv_copy"] == "tma"
+    plain = tvmflash.compile_backward(head_dim=128, dtype="bfloat16", target="sm90", knobs={"dkdv_copy": "cp.async"})
+    assert plain.knobs["dq_reduce"] == "atomic"
+    d64 = tvmflash.compile_backward(head_dim=64, dtype="bfloat16", target="sm90", knobs={"dkdv_copy": "cp.async"})
+    assert d64.knobs["dkdv_producer"] == "thread" and d64.knobs["dq_reduce"] == "vector"
+    with pytest.raises(ValueError, match="needs dkdv_copy 'tma'"):
+        tvmflash.compile_backward(head_dim=128, dtype="bfloat16", target="sm90",
+                                  knobs={"dkdv_copy": "cp.async", "dq_reduce": "tma"})

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from tvmflash import database
 from tvmflash import schedules as registry
 from tvmflash import target as targets
-from tvmflash.schedules.contract import KnobSet, Schedule
+from tvmflash.schedules.contract import DERIVED, KnobSet, Schedule
 
 WORKLOAD_FIELDS = ("head_dim", "dtype", "causal")  # what tuning records are keyed by
 SM90_SETTINGS = {"": "records", "0": "off", "1": "on"}
@@ -188,12 +188,25 @@ def take_knobs(knobset: KnobSet, defaults: dict, record: dict | None, given: dic
     given = given or {}
     knobs = {**defaults, **(record["knobs"] if record else {}), **(required or {}), **given}
     if given:
-        return knobs, "given"
+        return _derived_from_given(knobset, knobs, {**(required or {}), **given}), "given"
     if record is None:
         return knobs, "defaults"
     if knobs == defaults:  # tuning stores the defaults where none of its candidates beat them
         return knobs, f"defaults (tuning found none faster: {record_source(record)})"
     return knobs, f"tuned ({record_source(record)})"
+
+
+def _derived_from_given(knobset: KnobSet, knobs: dict, fixed: dict) -> dict:
+    """``knobs`` with each derived knob that was not given taking its first candidate where its default
+    does not go with the given knobs before it (dkdv_copy "cp.async" given at d128 leaves the default
+    dq_reduce "tma", which needs TMA copies, for "atomic")."""
+    knobs = dict(knobs)
+    for knob in knobset.knobs:
+        if knob.role == DERIVED and knob.name not in fixed:
+            candidates = knob.candidates(knobs)
+            if knobs[knob.name] not in candidates:
+                knobs[knob.name] = candidates[0]
+    return knobs
 
 
 def lookup(target, schedule: Schedule, program: str, workload_: dict, seqlen_k: int | None = None) -> dict | None:

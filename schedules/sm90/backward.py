@@ -15,12 +15,13 @@ from __future__ import annotations
 import tvm
 
 from tvmflash.lowering.annotations import (ATOMIC_ADD_PRAGMA, BULK_REDUCE_PRAGMA, BULK_REDUCE_WAIT_PRAGMA,
-                                           DOUBLE_BUFFERED_PRAGMA, TMA_LOAD, VECTOR_REDUCE_PRAGMA, WGMMA_WAIT_PRAGMA)
+                                           DOUBLE_BUFFERED_PRAGMA, TMA_LOAD, TMA_REDUCE_PRAGMA, VECTOR_REDUCE_PRAGMA,
+                                           WGMMA_WAIT_PRAGMA)
 
 from ..common import bind_grid, buffer_info, dkdv_grid, hide_init_reads, pipeline_loads
 from .knobs import dq_share_problem
 from .layouts import (WARPGROUP, WG_ROWS, acc_block, acc_index_map, acc_layout, bind_acc_threads, core_matrix_map,
-                      pad_core_matrix_stride, row_block, tile_in_shared_memory)
+                      pad_core_matrix_stride, row_block, swizzled_map, tile_in_shared_memory)
 from .wgmma import warpgroup_gemm, wgmma_intrin_name
 
 
@@ -107,7 +108,11 @@ def _schedule_dq_share(sch, staged, groups, BM, D, BN, dtype, ds_buffers=1, dq_r
     before the thread block ends, until they are complete. With "vector" the warpgroup's threads read
     the tile back and add it four columns a ``red.global.add.v4.f32``, consecutive threads consecutive
     columns (``VECTOR_REDUCE_PRAGMA``): half the atomics' instructions, each warp's covering whole
-    128-byte lines where the atomics from the accumulator layout touch 8 rows' 32 bytes each."""
+    128-byte lines where the atomics from the accumulator layout touch 8 rows' 32 bytes each. With
+    "tma" the tile is unpadded, in TMA's 128-byte swizzle of float32 rows (``swizzled_map``, 32 columns:
+    the pair stores meet no bank twice), and thread 0 of each warpgroup adds all its 64 x cols by one TMA
+    reduction through dq_accum's tensor map (``TMA_REDUCE_PRAGMA``, ``lowering.tma_reductions``): one
+    operation a warpgroup a step where "bulk" has 64."""
     problem = dq_share_problem(BM, D, groups)
     if problem:
         raise ValueError(problem)
@@ -144,10 +149,15 @@ def _schedule_dq_share(sch, staged, groups, BM, D, BN, dtype, ds_buffers=1, dq_r
     if not from_tile:  # the loops in each thread; 2: a thread's two adjacent columns go as one vector reduction
         sch.annotate(sch.get_loops(share)[-3], ATOMIC_ADD_PRAGMA, 2)
         return
-    sch.storage_align(share, 0, axis=0, factor=32, offset=8)
+    if dq_reduce == "tma":  # TMA's layout: 128-byte rows of float32 in its swizzle
+        sch.transform_layout(share, ("write", 0), lambda r, c: swizzled_map(r, c, columns=32, chunk=4),
+                             assume_injective_transform=True)
+    else:
+        sch.storage_align(share, 0, axis=0, factor=32, offset=8)
     sch.annotate(sch.get_loops(share)[-3], BULK_REDUCE_WAIT_PRAGMA, WARPGROUP)
     i = columns_by_warpgroup(*sch.get_loops("accumulate_dq")[-2:])
-    sch.annotate(i, BULK_REDUCE_PRAGMA if dq_reduce == "bulk" else VECTOR_REDUCE_PRAGMA, WARPGROUP)
+    sch.annotate(i, {"bulk": BULK_REDUCE_PRAGMA, "vector": VECTOR_REDUCE_PRAGMA, "tma": TMA_REDUCE_PRAGMA}[dq_reduce],
+                 WARPGROUP)
     sch.annotate(sch.get_loops("store_dk")[-3], BULK_REDUCE_WAIT_PRAGMA, 0)  # complete before the block ends
 
 

@@ -260,8 +260,9 @@ PREFERRED_HEAD_DIMS = (64, 96, 128, 256)
 # block-wide barrier a step instead of two; varlen's steps have no second barrier to drop); dq_reduce,
 # the share added by atomics from the accumulator registers (16 ``red.global.add.v2`` a thread a step at
 # d128, each warp's touching 8 rows), by "vector" atomics from a shared-memory tile of it (8
-# ``red.global.add.v4``, whole 128-byte lines a warp) or by bulk reductions (a row a thread,
-# ``cp.reduce.async.bulk``).
+# ``red.global.add.v4``, whole 128-byte lines a warp), by bulk reductions (a row a thread,
+# ``cp.reduce.async.bulk``) or by one TMA reduction a warpgroup (``cp.reduce.async.bulk.tensor``, FA3's
+# way; it needs dkdv_copy "tma", whose lowering encodes the tensor map).
 # dkdv_producer: who issues dkdv's TMA copies, thread 0 between its own wgmma, or a warpgroup of its
 # own (FA3's, ``lowering.tma_producer_warpgroup``).
 
@@ -278,9 +279,9 @@ def backward_shared_memory_bytes(head_dim: int, dtype: str, knobs: dict) -> int:
     dkdv = 2 * knobs["block_n"] * padded(head_dim) * 2 + stream + 8 * knobs["block_m"] * knobs["dkdv_stages"] \
         + (TMA_BARRIER_BYTES[knobs.get("dkdv_producer", "thread")] + SWIZZLE_ALIGNMENT if tma else 0)
     if knobs.get("dq_atomic"):
-        bulk = knobs.get("dq_reduce", "atomic") != "atomic"  # the float32 tile of ds k, rows padded by 8
-        return dkdv + knobs.get("ds_buffers", 1) * knobs["block_n"] * padded(knobs["block_m"]) * 2 \
-            + (knobs["block_m"] * (head_dim + 8) * 4 if bulk else 0)
+        reduce = knobs.get("dq_reduce", "atomic")  # the float32 tile of ds k: rows padded by 8, or TMA's swizzle
+        tile = {"atomic": 0, "tma": knobs["block_m"] * head_dim * 4}.get(reduce, knobs["block_m"] * (head_dim + 8) * 4)
+        return dkdv + knobs.get("ds_buffers", 1) * knobs["block_n"] * padded(knobs["block_m"]) * 2 + tile
     dq = (2 * knobs["dq_block_m"] + 2 * knobs["dq_block_n"] * knobs["dq_stages"]) * padded(head_dim) * 2 \
         + 8 * knobs["dq_block_m"]
     return max(dkdv, dq)
@@ -305,6 +306,8 @@ def backward_build_problem(head_dim: int, dtype: str, knobs: dict) -> str | None
                 f"{knobs['dkdv_stages']} and {head_dim}")
     if knobs["dkdv_producer"] != "thread" and knobs["dkdv_copy"] != "tma":
         return f"dkdv_producer {knobs['dkdv_producer']!r} issues TMA copies: it needs dkdv_copy 'tma'"
+    if knobs["dq_reduce"] == "tma" and knobs["dkdv_copy"] != "tma":
+        return "dq_reduce 'tma' adds dq's share by TMA, through the TMA lowering of dkdv's copies: it needs dkdv_copy 'tma'"
     if knobs["dq_atomic"]:
         return dq_share_problem(knobs["block_m"], head_dim, max(1, knobs["block_n"] // WG_ROWS))
     return None
@@ -316,10 +319,10 @@ def backward_build_problem(head_dim: int, dtype: str, knobs: dict) -> str | None
 # stages (which spill there), at d64 in two stages, faster than one. dkdv_copy "tma" fills a
 # pipeline's stages: with one stage, cp.async alone. ds_buffers 2 measured 5-7% faster than 1 (d128
 # causal, d64), as fast at d128 non-causal; a producer warpgroup 3-7% faster than thread 0 at d64 (and
-# with ds_buffers 2), 3% slower at d128; at d128 dq_reduce "vector" 9-10% faster than the atomics
-# (not measured at d64, nor with varlen, which keeps the atomics); bulk reductions 6-42% slower than
-# the atomics (one operation a row: the copy engine's cost is per operation), so they are left out of the
-# tuner's space (BENCHMARKS.md).
+# with ds_buffers 2), 3% slower at d128; dq_reduce: at d128 "vector" 9-10% faster than the atomics and
+# "tma" 1-2% faster than "vector"; at d64 "vector" 3-5% faster than the atomics and "tma" (varlen keeps
+# the atomics, not measured there); bulk reductions 6-42% slower than the atomics (one operation a row:
+# the copy engine's cost is per operation), so they are left out of the tuner's space (BENCHMARKS.md).
 BACKWARD = KnobSet("sm90", "backward", (
     Knob("block_m", 64, space=(32, 64), role=TILE),
     Knob("block_n", 128, space=(64, 128), role=TILE),
@@ -334,8 +337,10 @@ BACKWARD = KnobSet("sm90", "backward", (
     Knob("wgmma_overlap", True, space=(True, False), by_head_dim={64: False}),
     Knob("ds_buffers", 2, choices=(1, 2), varlen=1, role=DERIVED,
          space=lambda knobs: [1, 2] if knobs["dq_atomic"] else [1]),
-    Knob("dq_reduce", "atomic", choices=("atomic", "bulk", "vector"), by_head_dim={128: "vector"}, varlen="atomic",
-         role=DERIVED, space=lambda knobs: ["atomic", "vector"] if knobs["dq_atomic"] else ["atomic"]),
+    Knob("dq_reduce", "atomic", choices=("atomic", "bulk", "vector", "tma"), by_head_dim={64: "vector", 128: "tma"},
+         varlen="atomic", role=DERIVED,
+         space=lambda knobs: ["atomic", "vector", *(["tma"] if knobs["dkdv_copy"] == "tma" else [])]
+         if knobs["dq_atomic"] else ["atomic"]),
     Knob("dkdv_producer", "thread", choices=PRODUCERS, varlen="thread", role=DERIVED, by_head_dim={64: "warpgroup"},
          space=lambda knobs: list(PRODUCERS) if knobs["dkdv_copy"] == "tma" else ["thread"]),
 ), build_problem=backward_build_problem, shared_memory=backward_shared_memory_bytes,

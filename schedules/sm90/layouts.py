@@ -99,12 +99,13 @@ def _xor(a, b, bits):
     return sum(((a // m % 2 + b // m % 2) % 2) * m for m in (1, 2, 4)[:bits])
 
 
-def swizzled_map(r, c, columns=SWIZZLE_COLUMNS):
+def swizzled_map(r, c, columns=SWIZZLE_COLUMNS, chunk=8):
     """Row-major (rows, cols) tile -> the swizzled layout of rows of ``columns`` elements (group, r,
-    chunk, element): 128-byte (64 columns) or 64-byte (32)."""
-    chunks = columns // 8
+    chunk, element), ``chunk`` elements a 16-byte chunk (8 of 16 bits, 4 of float32): 128-byte rows
+    (64 16-bit columns, 32 float32) or 64-byte (32 16-bit)."""
+    chunks = columns // chunk
     phase = r % 8 if chunks == 8 else r % 8 // (8 // chunks)  # the 128-byte line within 8 rows of 128 bytes
-    return (c // columns, r, _xor(c % columns // 8, phase, chunks.bit_length() - 1), c % 8)
+    return (c // columns, r, _xor(c // chunk % chunks, phase, chunks.bit_length() - 1), c % chunk)
 
 
 def bind_acc_threads(sch, block):

@@ -477,7 +477,7 @@ def test_sm90_backward_builds_cuda_source(monkeypatch):
     """On sm_90a, dkdv and dq on wgmma (s and dp with both operands from shared memory, the
     gradients' products with p or ds from registers), dkdv's streamed tiles by TMA, dq's by cp.async. By default
     (dq_atomic) dkdv makes dq's share on wgmma too (dsᵀ from shared memory, read transposed) and adds
-    it by red.global.add.v2.f32; deterministic=True takes the dq pass. sm80's serves a head_dim sm90's
+    it from a shared-memory tile by red.global.add.v4.f32 (d64's "vector"); deterministic=True takes the dq pass. sm80's serves a head_dim sm90's
     does not have, and TVMFLASH_BACKWARD=sm80."""
     kernel = tvmflash.compile_backward(head_dim=64, dtype="bfloat16", causal=True, target="sm90", deterministic=True)
     assert kernel.info()["schedule"] == "sm90" and not kernel.dq_atomic
@@ -492,7 +492,7 @@ def test_sm90_backward_builds_cuda_source(monkeypatch):
     assert kernel.dq_atomic
     src = kernel.source(heads_q=4, heads_kv=2)
     dkdv = src[src.rindex("dkdv_kernel("):src.rindex("convert_dq_kernel(")]
-    assert " dq_kernel(" not in src and "tvmflash_red_add_v2(" in dkdv
+    assert " dq_kernel(" not in src and "tvmflash_red_add_v4_shared(" in dkdv
     assert "_ss_mma_async_sync_aligned_m64n32k16_f32_bf16_bf16_1_1_1_1(" in dkdv  # ds k: A and B transposed
     with pytest.raises(ValueError, match="deterministic"):
         tvmflash.compile_backward(head_dim=64, dtype="bfloat16", target="sm90", knobs={"dq_atomic": True},

@@ -77,6 +77,11 @@ BULK_REDUCE_WAIT_PRAGMA = "pragma_tvmflash_bulk_reduce_wait"
 # As BULK_REDUCE_PRAGMA, but the warpgroup's threads add the rows themselves, four columns a
 # ``red.global.add.v4.f32``, consecutive threads consecutive columns: whole 128-byte lines a warp.
 VECTOR_REDUCE_PRAGMA = "pragma_tvmflash_vector_reduce"
+# As BULK_REDUCE_PRAGMA, but the rows' shared-memory tile is in the 128-byte swizzle of float32 rows (TMA's
+# layout, ``schedules.sm90.layouts.swizzled_map``) and thread 0 of the warpgroup adds all of them by one
+# TMA reduction (``cp.reduce.async.bulk.tensor``) through a tensor map of the global tensor
+# (``tma_reductions``), FA3's way: the copy engine's cost is per operation.
+TMA_REDUCE_PRAGMA = "pragma_tvmflash_tma_reduce"
 BULK_REDUCE_BARRIER = 2  # the named barriers' first id (0 is __syncthreads, 1 the TMA consumers')
 
 # A register fence of one float (a wgmma accumulator element): the compiler may not move reads of it

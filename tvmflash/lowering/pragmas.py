@@ -70,18 +70,24 @@ RED_ADD_V2 = ("__device__ __forceinline__ void tvmflash_red_add_v2(float* addres
               '{ asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" :: "l"(address), "f"(a), "f"(b) : "memory"); }')
 
 
+def _adjacent_pair(loop):
+    """(first, second): the two stores of a loop of two float32 stores to provably adjacent elements, else
+    None."""
+    store = loop.body
+    if not (int(loop.extent) == 2 and isinstance(store, tirx.BufferStore) and str(store.buffer.dtype) == "float32"):
+        return None
+    first, second = (substitute(store, [(loop.loop_var, loop.min + e)]) for e in range(2))
+    offsets = [_flat_offset(tirx.BufferLoad(s.buffer, s.indices)) for s in (first, second)]
+    return (first, second) if _provably_one(offsets[1] - offsets[0]) else None
+
+
 def _paired_atomic_add(loop):
     """A loop of two float32 additions to adjacent elements (x[i + e] = x[i + e] + y[e], e = 0, 1, i
     even) as one vector reduction (``red.global.add.v2.f32``, sm_90): half the atomic operations."""
-    store = loop.body
-    if not (int(loop.extent) == 2 and type(store).__name__ == "BufferStore" and str(store.buffer.dtype) == "float32"):
+    pair = _adjacent_pair(loop)
+    if pair is None:
         return None
-    first, second = (substitute(store, [(loop.loop_var, loop.min + e)]) for e in range(2))
-    *outer_first, last_first = first.indices
-    *outer_second, last_second = second.indices
-    if not (tvm_ffi.structural_equal(outer_first, outer_second)
-            and tvm.sym.Analyzer().can_prove_equal(last_second - last_first, 1)):
-        return None
+    first, second = pair
     return tirx.Evaluate(T.cuda.func_call("tvmflash_red_add_v2", _address(first), _addend(first), _addend(second),
                                           source_code=RED_ADD_V2))
 
@@ -191,18 +197,32 @@ def _vector_reductions(attr, func):
     return tirx.SeqStmt([device_statement("tvmflash_named_barrier", BULK_REDUCE_BARRIER + y, threads), *adds])
 
 
+def _provably_one(difference, depth: int = 2) -> bool:
+    """Whether ``difference`` is 1 for every value of its variables. Where the analyzer cannot prove it
+    at once, case by case over the residues of a variable v that it takes modulo a constant m (v ->
+    m v + k, k < m), ``depth`` variables deep: a swizzled layout's XOR of bits, ((8 a + 2 (t % 4) + 1)
+    % 32 // 16, is beyond its rewrite rules, but not once t % 4 is a constant."""
+    analyzer = tvm.sym.Analyzer()
+    if analyzer.can_prove_equal(difference, 1):
+        return True
+    residues = find(difference, lambda n: isinstance(n, tirx.FloorMod) and isinstance(n.a, tirx.Var)
+                    and isinstance(n.b, tirx.IntImm) and 1 < n.b.value <= 8)
+    if depth == 0 or not residues:
+        return False
+    var, m = residues[0].a, residues[0].b.value
+    return all(_provably_one(substitute(difference, [(var, var * m + k)]), depth - 1) for k in range(m))
+
+
 def _untracked_pair(loop):
     """A loop of two float32 stores to adjacent shared-memory elements as one ``st.shared.v2.f32``
     through a pointer that ThreadSync does not count (None if it is not that loop)."""
-    store = loop.body
-    if not (int(loop.extent) == 2 and isinstance(store, tirx.BufferStore) and str(store.buffer.dtype) == "float32"):
+    pair = _adjacent_pair(loop)
+    if pair is None:
         return None
-    first, second = (substitute(store, [(loop.loop_var, loop.min + e)]) for e in range(2))
-    offset = _flat_offset(tirx.BufferLoad(first.buffer, first.indices))
-    if not tvm.sym.Analyzer().can_prove_equal(_flat_offset(tirx.BufferLoad(second.buffer, second.indices)) - offset, 1):
-        return None
-    return device_statement("tvmflash_store_shared_v2", untracked_pointer(first.buffer, offset), first.value,
-                            second.value)
+    first, second = pair
+    return device_statement("tvmflash_store_shared_v2",
+                            untracked_pointer(first.buffer, _flat_offset(tirx.BufferLoad(first.buffer, first.indices))),
+                            first.value, second.value)
 
 
 def _bulk_reductions_read(attr, func):

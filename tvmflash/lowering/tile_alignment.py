@@ -11,7 +11,7 @@ from tvm import tirx
 
 from tvmflash.lowering.annotations import WGMMA_SWIZZLE_LAYOUTS
 from tvmflash.lowering.ir import find, inlined, is_call, is_load, let_values, loaded, prim_func_pass, substitute
-from tvmflash.lowering.tma_device_functions import TMA_LOADS
+from tvmflash.lowering.tma_device_functions import TMA_LOADS, TMA_REDUCTIONS
 
 
 @tvm_ffi.register_error  # so that it reaches ``pipeline.build`` through TVM's pass machinery as itself
@@ -62,7 +62,8 @@ def check_tile_alignment(func: tirx.PrimFunc) -> tirx.PrimFunc:
     expected = int((func.attrs or {}).get(TMA_COPIES_ATTR, 0))
     calls = find(func.body, lambda n: is_call(n, "tirx.cuda.func_call"))
     # (pointer, 16-byte units past it, the boundary it needs, how far past the boundary it may start)
-    copies = [(c.args[1], 0, TMA_LOADS[c.args[0].value], 1) for c in calls if c.args[0].value in TMA_LOADS]
+    aligned = {**TMA_LOADS, **TMA_REDUCTIONS}  # each takes its shared-memory pointer first
+    copies = [(c.args[1], 0, aligned[c.args[0].value], 1) for c in calls if c.args[0].value in aligned]
     operands = [(c.args[1], c.args[2], *_SWIZZLED_OPERANDS[int(c.args[5])]) for c in calls
                 if c.args[0].value == "tvmflash_wgmma_descriptor" and int(c.args[5]) in _SWIZZLED_OPERANDS]
     if expected and not (copies and operands):

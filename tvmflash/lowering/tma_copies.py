@@ -17,6 +17,8 @@ rewrites what InjectSoftwarePipeline made of those blocks (``LowerToTMA``, right
     warpgroup's wgmma are done (``tvmflash_release_after_wgmma``). No block-wide
     barrier is left in the K/V loop: a warpgroup waits only for its own tile, and the issuing
     thread only for the stage it refills (FA3's pipeline, with thread 0 as the producer);
+  * a loop annotated ``TMA_REDUCE_PRAGMA`` becomes one TMA reduction a warpgroup
+    (``tma_reductions``);
   * the host encodes one tensor map per global tensor (``tensormap_encode_tiled``: the 5-D view
     (64 elements, row, 64-column half, head, batch), 128-byte swizzle; a row vector's 3-D (row, head,
     batch), no swizzle), which reaches the kernel as a ``__grid_constant__`` parameter
@@ -58,6 +60,7 @@ from tvmflash.lowering.tile_alignment import TMA_COPIES_ATTR
 from tvmflash.lowering.tma_device_functions import TMA_LOADS, device_call, device_statement
 from tvmflash.lowering.tma_plan import ISSUE_MARK, Plan, q_tile_visible, reads_tiles, tile_copy
 from tvmflash.lowering.tma_producer_warpgroup import split_warpgroups
+from tvmflash.lowering.tma_reductions import reductions_on_tma
 from tvmflash.lowering.tma_tensor_maps import encode_tensor_maps
 
 _WAIT_MARK, _RELEASED_MARK = "tvmflash.tma_wait", "tvmflash.tma_released"  # on the tile waits, during the pass
@@ -218,6 +221,7 @@ def lowered_to_tma(func: tirx.PrimFunc) -> tirx.PrimFunc:
         raise RuntimeError("TMA: the annotated copies are not in a software pipeline's async stage")
     body = transform(func.body, tirx.AttrStmt, rewrite)
     body = _waits_and_releases(plan, body, tiles)
+    body = reductions_on_tma(plan, body)
 
     body = unmarked(body, _RELEASED_MARK)
 

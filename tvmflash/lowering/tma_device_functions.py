@@ -56,6 +56,14 @@ _HELPERS = {
         '               " [%0], [%1, {%2, %3, %4}], [%5];"\n'
         f'               :: "r"({_SMEM}(dst)), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"({_SMEM}(bar))\n'
         '               : "memory");\n}'),
+    # a tile of float32 in shared memory (in the tensor map's swizzle) added into global memory by TMA;
+    # completes in this thread's bulk group (``tvmflash_bulk_commit``, ``tvmflash_bulk_wait_read``)
+    "tvmflash_tma_reduce_add_5d": (
+        "__device__ __forceinline__ void tvmflash_tma_reduce_add_5d(void* src, unsigned long long map,\n"
+        "                                                           int c0, int c1, int c2, int c3, int c4) {\n"
+        '  asm volatile("cp.reduce.async.bulk.tensor.5d.global.shared::cta.add.tile.bulk_group"\n'
+        '               " [%0, {%1, %2, %3, %4, %5}], [%6];"\n'
+        f'               :: "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4), "r"({_SMEM}(src)) : "memory");\n}}'),
     "tvmflash_named_barrier": (
         "__device__ __forceinline__ void tvmflash_named_barrier(int id, int threads) {\n"
         '  asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(threads) : "memory");\n}'),
@@ -113,3 +121,4 @@ def untracked_pointer(buffer, offset):
 
 
 TMA_LOADS = {"tvmflash_tma_load_5d": 1024, "tvmflash_tma_load_3d": 128}  # each copy's shared-memory alignment
+TMA_REDUCTIONS = {"tvmflash_tma_reduce_add_5d": 1024}  # the same, for the reductions from shared memory

@@ -18,7 +18,8 @@ from tvmflash.lowering.tma_device_functions import device_call, device_statement
 ISSUE_MARK = "tvmflash.tma_issue"  # on each TMA issue, during the pass
 
 
-def _flat(buffer, indices):
+def flat_index(buffer, indices):
+    """The element offset of ``buffer[indices]``, from its strides or shape."""
     strides = list(buffer.strides) if buffer.strides else None
     if strides is None:
         strides, size = [], 1
@@ -127,7 +128,7 @@ def tile_copy(plan, stmt):
     columns = 8 * chunks  # a swizzled row: 64 (the 128-byte swizzle) or 32 (64-byte)
     tensor_map = plan.tensor_map(loaded(source), (columns, rows, halves))
     call = lambda barrier: tirx.Evaluate(device_call(  # noqa: E731
-        "tvmflash_tma_load_5d", untracked_pointer(tile, _flat(tile, destination)), T.address_of(tensor_map),
+        "tvmflash_tma_load_5d", untracked_pointer(tile, flat_index(tile, destination)), T.address_of(tensor_map),
         barrier, col % columns, row, col // columns, head, batch))
     return stage, call, columns * rows * halves * tile.dtype.bits // 8
 
@@ -141,7 +142,7 @@ def _row_vector_copy(plan, source, tile, destination, origin):
     plan.num_stages = max(plan.num_stages or 0, stages)
     tensor_map = plan.tensor_map(loaded(source), (rows,))
     call = lambda barrier: tirx.Evaluate(device_call(  # noqa: E731
-        "tvmflash_tma_load_3d", untracked_pointer(tile, _flat(tile, destination)), T.address_of(tensor_map), barrier,
+        "tvmflash_tma_load_3d", untracked_pointer(tile, flat_index(tile, destination)), T.address_of(tensor_map), barrier,
         row, head, batch))
     return (destination[0], stages), call, rows * tile.dtype.bits // 8
 
