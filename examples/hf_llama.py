@@ -24,8 +24,8 @@ import logging
 
 import torch
 import transformers
-from transformers import ContinuousBatchingConfig, DataCollatorWithFlattening, GenerationConfig, LlamaConfig, \
-    LlamaForCausalLM
+from transformers import (ContinuousBatchingConfig, DataCollatorWithFlattening, GenerationConfig, LlamaConfig,
+                          LlamaForCausalLM)
 
 from tvmflash.integrations import transformers as tvmflash_hf
 

@@ -22,9 +22,9 @@ contains "flash" down that path, and loads the path's functions by the name
 (``modeling_flash_attention_utils.lazy_import_flash_attention``): flash-attn's own packages for
 "flash_attention_2/3/4", else a kernel from the Hugging Face Hub
 (``integrations.hub_kernels.load_and_register_attn_kernel``), which fails for a name that is no Hub
-repository ("Could not find the currently requested flash attention implementation"). A name without
-"flash" escapes that check but leaves the flash path: no varlen for packed sequences (Transformers then
-builds a dense block mask, which the flash functions cannot take) and no continuous batching.
+repository ("Could not find the currently requested flash attention implementation"). Under a name
+without "flash" a plain attention function works, but off that path: packed sequences get a dense block
+mask instead of cu_seqlens, and continuous batching refuses the name.
 Transformers has no registry for a local module of flash functions, so :func:`register` wraps
 ``load_and_register_attn_kernel`` to answer for the names it registered with this module, which has what
 a Hub flash kernel has (``flash_attn_func``, ``flash_attn_varlen_func``, ``flash_attn_with_kvcache``), and
