@@ -147,6 +147,14 @@ def test_paged_and_contiguous_caches_agree(device):
         contiguous = tvmflash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, causal=True,
                                                       num_splits=num_splits, return_softmax_lse=True)
         assert torch.equal(paged[0], contiguous[0]) and torch.equal(paged[1], contiguous[1])
+    # The entries past a sequence's last page are not read, as in flash-attn (Transformers' continuous
+    # batching leaves -1 there): the same bits.
+    ragged = table.clone()
+    for b, length in enumerate(lengths.tolist()):
+        ragged[b, -(-length // 16):] = -1
+    out = tvmflash.flash_attn_with_kvcache(q, k_pages, v_pages, cache_seqlens=lengths, block_table=ragged, causal=True,
+                                           num_splits=4)
+    assert torch.equal(out, paged[0])
 
 
 @pytest.mark.parametrize("device", devices())
@@ -352,7 +360,7 @@ def test_paged_cache_errors():
         tvmflash.flash_attn_with_kvcache(q, pages, pages, cache_seqlens=3, block_table=table)
     pages = torch.zeros(5, 16, 1, HEAD_DIM, dtype=torch.float16)
     with pytest.raises(ValueError, match="block_table: expected page indices from 0 to 4"):
-        tvmflash.flash_attn_with_kvcache(q, pages, pages, cache_seqlens=3, block_table=table + 2)
+        tvmflash.flash_attn_with_kvcache(q, pages, pages, cache_seqlens=20, block_table=table + 2)
     with pytest.raises(ValueError, match="cache_batch_idx: a paged cache"):
         tvmflash.flash_attn_with_kvcache(q, pages, pages, cache_seqlens=3, block_table=table,
                                          cache_batch_idx=torch.zeros(2, dtype=torch.int32))

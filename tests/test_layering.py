@@ -53,6 +53,7 @@ def imports(path: Path):
 # The floors, top to bottom: a module may import from its own floor and the floors below it, never
 # from one above. Every module of tvmflash is on one (``test_every_module_is_on_a_floor``).
 FLOORS = (
+    ("integrations: tvmflash in other libraries", ("tvmflash.integrations",)),
     ("the API: torch functions and ops, the command line", ("tvmflash", "tvmflash.ops", "tvmflash.flash_attn",
                                                             "tvmflash.cli")),
     ("tuning", ("tvmflash.tune",)),

@@ -170,7 +170,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     recompiles, and a CUDA graph replays with the values the tensor holds at replay.
     cache_batch_idx: int32 (batch,): the cache row of each sequence (contiguous cache only); None
     means row b for sequence b.
-    block_table: int32 (batch, pages_per_seq): the pages of each sequence, in order.
+    block_table: int32 (batch, pages_per_seq): the pages of each sequence, in order; the entries past
+    the pages that hold a sequence's keys are not read (as in flash-attn: Transformers leaves -1 there).
     softmax_scale: defaults to 1 / sqrt(head_dim). num_splits: 0 picks the split count of the keys
     (Flash-Decoding) from the shapes and the device; 1 does not split; n uses n.
     window_size=(left, right): query token t sees the keys from n - seqlen_q + t - left to

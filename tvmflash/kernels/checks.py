@@ -464,6 +464,12 @@ def check_cache_values(cache_seqlens, new, capacity, index, paged, cache_rows) -
     if cache_seqlens.numel() and (cache_seqlens.min() < 0 or cache_seqlens.max() + new > capacity):
         raise ValueError(f"cache_seqlens: expected lengths from 0 to the cache's {capacity} keys"
                          + (f" less the {new} new ones" if new else "") + f", got {cache_seqlens.tolist()}")
+    if paged and index.numel():
+        # Only the pages that hold a sequence's keys are read, as in flash-attn: the entries past them may be
+        # anything (Transformers' continuous batching leaves -1 there), and the kernel clamps them anyway.
+        page_size = capacity // index.shape[1]
+        pages_used = (cache_seqlens.to(torch.int64) + new + page_size - 1) // page_size
+        index = index[torch.arange(index.shape[1]) < pages_used[:, None]]
     if index.numel() and (index.min() < 0 or index.max() >= cache_rows):
         name, what = ("block_table", "page") if paged else ("cache_batch_idx", "cache row")
         raise ValueError(f"{name}: expected {what} indices from 0 to {cache_rows - 1}, got values from "
