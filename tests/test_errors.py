@@ -169,19 +169,40 @@ def test_flags_and_windows_in_flash_attn_forms():
     assert out.shape == q.shape and lse.dtype == torch.float32
 
 
+CPU_BLOCK_M = r"the cpu schedule takes one of \[8, 16, 32, 64, 128\]"
+CPU_BLOCK_N = r"the cpu schedule takes one of \[16, 32, 64, 128, 256\]"
+
+
 @pytest.mark.parametrize("target,knobs,message", [
-    ("cpu", {"block_m": 0}, r"knobs: block_m: expected a positive int, got 0"),
-    ("cpu", {"block_n": "big"}, r"knobs: block_n: expected a positive int, got 'big'"),
+    ("cpu", {"block_m": 0}, rf"knobs: block_m: {CPU_BLOCK_M}, got 0"),
+    ("cpu", {"block_m": 7}, rf"knobs: block_m: {CPU_BLOCK_M}, got 7"),
+    ("cpu", {"block_n": 4096}, rf"knobs: block_n: {CPU_BLOCK_N}, got 4096"),
+    ("cpu", {"block_n": "big"}, rf"knobs: block_n: {CPU_BLOCK_N}, got 'big'"),
+    ("cpu", {"block_m": 64.0}, rf"knobs: block_m: {CPU_BLOCK_M}, got 64.0"),
     ("sm80", {"vec": True}, r"knobs: vec: expected a positive int, got True"),
     ("cpu", {"vector": 3}, r"knobs: vector: the cpu schedule takes one of \[4, 8, 16, 32\], got 3"),
     ("sm80", {"num_stages": 4}, r"knobs: num_stages: the sm80 schedule takes one of \[1, 2, 3\], got 4"),
     ("sm80", {"row_state": "fast"}, r"knobs: row_state: the sm80 schedule takes one of \['registers', 'shared'\], got 'fast'"),
-], ids=["zero", "str", "bool", "vector", "choice", "str-choice"])
+], ids=["zero", "block_m-7", "block_n-4096", "str", "float", "bool", "vector", "choice", "str-choice"])
 def test_bad_knob_values(target, knobs, message):
-    """block_m 0 failed in TVM (DiagnosticError: divide by zero), "big" with a type mismatch: knob
-    values are checked against the schedule before anything is built."""
+    """block_m 0 failed in TVM (DiagnosticError: divide by zero), "big" with a type mismatch, and the
+    CPU's block_m 7 and block_n 4096 were taken silently: knob values are checked against the
+    schedule's, the error naming the knob and the values it takes, before anything is built."""
     with pytest.raises(ValueError, match=message):
         tvmflash.compile(head_dim=64, dtype="float16", target=target, knobs=knobs)
+
+
+@pytest.mark.parametrize("compile_,knobs,message", [
+    ("compile_backward", {"block_m": 7}, rf"knobs: block_m: {CPU_BLOCK_M}, got 7"),
+    ("compile_backward", {"block_n": 4096}, rf"knobs: block_n: {CPU_BLOCK_N}, got 4096"),
+    ("compile_backward", {"vector": 3}, r"knobs: vector: the cpu schedule takes one of \[4, 8, 16, 32\], got 3"),
+    ("compile_decode", {"block_n": 4096}, rf"knobs: block_n: {CPU_BLOCK_N}, got 4096"),
+    ("compile_decode", {"vector": 3}, r"knobs: vector: the cpu schedule takes one of \[4, 8, 16, 32\], got 3"),
+])
+def test_bad_cpu_knob_values_of_the_backward_and_decode(compile_, knobs, message):
+    """The backward's and decode's CPU knobs are checked as the forward's (nothing is built)."""
+    with pytest.raises(ValueError, match=message):
+        getattr(tvmflash, compile_)(head_dim=64, dtype="float16", target="cpu", knobs=knobs)
 
 
 def test_tuned_knobs_of_bad_values_are_passed_over(tmp_path, monkeypatch):
