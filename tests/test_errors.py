@@ -65,6 +65,43 @@ def test_unsupported_head_dim():
         tvmflash.attention(q, q, q)
 
 
+def head_dim_calls(head_dim: int) -> dict:
+    """Each API entry, called with tensors (or a spec) of this head_dim."""
+    q = torch.randn(1, 4, 2, head_dim) if head_dim >= 0 else None
+    offsets = torch.tensor([0, 4], dtype=torch.int32)
+    as_int = {"compile": lambda: tvmflash.compile(head_dim=head_dim, dtype="float32", target="cpu"),
+              "compile_backward": lambda: tvmflash.compile_backward(head_dim=head_dim, dtype="float32", target="cpu"),
+              "compile_decode": lambda: tvmflash.compile_decode(head_dim=head_dim, dtype="float32", target="cpu")}
+    if q is None:  # no tensor has a negative dim
+        return as_int
+    return {**as_int,
+            "attention": lambda: tvmflash.attention(q, q, q),
+            "flash_attn_func": lambda: tvmflash.flash_attn_func(q, q, q),
+            "flash_attn_qkvpacked_func": lambda: tvmflash.flash_attn_qkvpacked_func(torch.stack([q, q, q], dim=2)),
+            "flash_attn_kvpacked_func": lambda: tvmflash.flash_attn_kvpacked_func(q, torch.stack([q, q], dim=2)),
+            "varlen_attention": lambda: tvmflash.varlen_attention(q[0], q[0], q[0], offsets, offsets, 4, 4),
+            "flash_attn_varlen_func": lambda: tvmflash.flash_attn_varlen_func(q[0], q[0], q[0], offsets, offsets, 4, 4),
+            "flash_attn_varlen_qkvpacked_func":
+                lambda: tvmflash.flash_attn_varlen_qkvpacked_func(torch.stack([q[0]] * 3, dim=1), offsets, 4),
+            "flash_attn_with_kvcache": lambda: tvmflash.flash_attn_with_kvcache(q[:, :1], q, q)}
+
+
+@pytest.mark.parametrize("head_dim", [0, -8])
+def test_a_head_dim_of_zero_or_less_is_a_value_error_at_every_entry(head_dim):
+    """head_dim 0 ended in a ZeroDivisionError traceback (1 / sqrt(head_dim), the default scale) in
+    attention, flash_attn_func and the varlen functions: each entry now says what it takes, before
+    anything is computed or built."""
+    for name, call in head_dim_calls(head_dim).items():
+        with pytest.raises(ValueError, match=rf"head_dim: expected one of \(32, 64, 96, 128, 256\), got {head_dim}"):
+            call()
+
+
+def test_a_head_dim_must_be_an_int():
+    """64.0 equals 64, and compile took it, to fail deep in TVM when the module was built."""
+    with pytest.raises(ValueError, match=r"head_dim: expected one of .*, got 64.0"):
+        tvmflash.compile(head_dim=64.0, dtype="float32", target="cpu")
+
+
 def test_unsupported_dtype():
     with pytest.raises(TypeError, match=r"dtype: expected one of .* got torch.int8"):
         tvmflash.compile(head_dim=64, dtype=torch.int8, target="cpu")
