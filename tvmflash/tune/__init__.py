@@ -45,7 +45,8 @@ fastest whose output passes flash-attn's error rule there (``bench.error_vs_floa
 to tvmflash's database, where ``tvmflash.compile()`` finds it.
 
 A structure or task that ``candidate_problem`` rejects (the knob set's ``KnobSet.problem``, shared
-memory over the target's limit) is left out with a message before anything is built; candidates
+memory over the target's limit) is left out before anything is built, counted by reason in one line
+(``progress.left_out_line``; each named in the work dir's ``left_out.txt``); candidates
 that still fail to schedule, build or run are recorded by MetaSchedule as failed measurements and
 never picked.
 

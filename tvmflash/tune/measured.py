@@ -29,6 +29,7 @@ from tvmflash import bench, choice, database, kernels
 from tvmflash.kernels import checks
 from tvmflash import target as targets
 from tvmflash.tune.builder import usable_cores
+from tvmflash.tune.progress import left_out_line
 from tvmflash.tune.run import known_configurations, require_gpu, tuning_request
 from tvmflash.tune.runner import gpu_timing_lock
 from tvmflash.tune.space import candidate_problem
@@ -209,8 +210,7 @@ def tune_pass(pass_name: str, *, head_dim: int, dtype, causal: bool = False, tar
     known = known_configurations(resolved, pass_.knobs, pass_.workload, pass_.defaults, cold=cold,
                                  seqlen_k=shape["seqlen"])
     chosen, problems = candidates(pass_, known, trials, random.Random(seed), space)
-    echo(f"  measuring {len(chosen)} configurations ({', '.join(known)} first); {len(problems)} of the space "
-         f"left out before building" + (f", e.g. {problems[0]}" if problems else ""))
+    echo(f"  measuring {len(chosen)} configurations ({', '.join(known)} first); {left_out_line(problems)}")
 
     # ---- build, every core at once (a GPU backward module takes about half a minute, on one core)
     processes = jobs or usable_cores()

@@ -9,6 +9,7 @@ import functools
 import importlib.util
 import math
 import random
+import sys
 import time
 from pathlib import Path
 
@@ -125,9 +126,9 @@ def tune(*, head_dim: int, dtype, causal: bool, target=None, trials: int = 64, b
     known = known_configurations(resolved, schedule.forward.knobs, workload, schedule.forward.knobs.defaults(head_dim),
                                  cold=cold, seqlen_k=shape["seqlen"])
     stats: dict = {}  # PreCheck's count of candidates rejected before building
+    _load_tensor_intrinsics(echo)
     tasks = make_tasks(schedule, spec, shape, space, resolved, work_dir, random.Random(seed), echo,
                        known=None if cold else known, stats=stats)
-    echo(f"  {len(tasks)} tasks (programs), {sum(len(t['structures']) for t in tasks)} design spaces")
     contexts = _by_promise(tasks, known["default"])
     trials = _trials_within(tasks, trials, echo)
     db = _search_database(work_dir, contexts, tasks, known, cold, echo)
@@ -165,6 +166,19 @@ def tune(*, head_dim: int, dtype, causal: bool, target=None, trials: int = 64, b
         echo(f"stored the {winner if winner in known else 'tuned'} knobs {knobs} in {path} ({progress.done} trials, "
              f"{progress.failed} failed, {wall_s:.0f} s)")
     return {**record, "path": str(path)}
+
+
+def _load_tensor_intrinsics(echo) -> None:
+    """Import TVM's tensor intrinsics, saying so first: MetaSchedule's TuneContext imports them when the
+    first task is made (every intrinsic of every target, parsed from TVMScript), which took 25-38 s on
+    2 CPU cores with nothing printed. Once a process."""
+    if "tvm.s_tir.tensor_intrin" in sys.modules:
+        return
+    echo("  loading TVM's tensor intrinsics, which MetaSchedule's tasks need (once a process; about half a "
+         "minute on 2 CPU cores)")
+    start = time.perf_counter()
+    importlib.import_module("tvm.s_tir.tensor_intrin")
+    echo(f"  loaded in {time.perf_counter() - start:.0f} s")
 
 
 def _work_dir(work_dir, schedule_name: str, workload: dict) -> Path:
@@ -233,6 +247,10 @@ def _search(schedule: Schedule, tasks: list[dict], contexts: list, db, target, w
             echo(f"  building the {len(single)} one-configuration tasks at once, {num_cores} at a time")
             builder.build_ahead([_design_space(schedule, task, context) for task, context in single], target)
         per_iter = trials_per_iter or max(2, min(16, trials // 4))
+        # (until the first batch is out, MetaSchedule starts its builder's processes and draws the first
+        # population: some seconds with nothing else to show)
+        echo(f"  searching: {trials} trials over {len(contexts)} tasks, {per_iter} a batch, {num_cores} build "
+             f"processes")
         ms.tune_tasks(
             tasks=contexts,
             task_weights=[1.0] * len(contexts),
