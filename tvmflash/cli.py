@@ -300,7 +300,8 @@ def parser() -> argparse.ArgumentParser:
                    help="start the search from nothing, as on a new GPU: no tuning records are read, and neither "
                         "they nor the defaults seed it (the defaults are still timed, for the speedup and as the "
                         "floor of what is stored). Without it the search starts from the defaults and the best "
-                        "user and shipped records, and stores the fastest of them and its own")
+                        "user and shipped records, and stores the fastest of them and its own where it beats the "
+                        "knobs compile() takes now by more than the noise of repeated timings")
 
     k = command("cache", "list, show, clear or export the built modules and tuning records")
     k.add_argument("action", choices=["ls", "show", "clear", "export"])
