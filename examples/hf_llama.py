@@ -20,6 +20,7 @@ between a random model's top logits, so the greedy tokens compare exactly.
 
 from __future__ import annotations
 
+import inspect
 import logging
 
 import torch
@@ -110,12 +111,15 @@ def packed_training_step(model, seqs, lr: float = 0.5) -> dict:
             "grad_max": max(g.abs().max().item() for g in grads_sdpa.values())}
 
 
-def continuous_batching(model, prompts, new_tokens: int) -> list[list[int]]:
-    """The greedy tokens after each prompt from ``generate_batch``, with a small paged cache."""
+def continuous_batching(model, prompts, new_tokens: int, **options) -> list[list[int]]:
+    """The greedy tokens after each prompt from ``generate_batch``, with a small paged cache (``options``:
+    more of ``ContinuousBatchingConfig``'s)."""
     model.set_attn_implementation(tvmflash_hf.NAME)
     config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=PAD)
-    # A cache of 16 pages of 32 tokens: left alone, Transformers sizes it to 90% of the free memory.
-    paging = ContinuousBatchingConfig(page_size=32, num_blocks=16, max_batch_tokens=64)
+    # A cache of 16 pages of 32 tokens: left alone, Transformers sizes it to 90% of the free memory. The
+    # page's rows are `block_size` in Transformers 5.17 and `page_size` in later releases.
+    rows = "page_size" if "page_size" in inspect.signature(ContinuousBatchingConfig).parameters else "block_size"
+    paging = ContinuousBatchingConfig(**{rows: 32}, num_blocks=16, max_batch_tokens=64, **options)
     out = model.generate_batch(inputs=prompts, generation_config=config, continuous_batching_config=paging)
     return [out[f"req_{i}"].generated_tokens for i in range(len(prompts))]
 

@@ -20,15 +20,21 @@ from .contract import TILE, DecodeTasks, Knob, KnobSet, ProgramSchedule, Schedul
 # inner loops, in elements) is sampled inside each task (it may be an ExprRV).
 VECTORS = (4, 8, 16, 32)
 SAMPLED_VECTORS = (8, 16)  # the tuning space's
+# The tile sizes a caller may give: powers of two, which the register tiles (up to 4 rows by up to 4
+# vectors) divide, up to where a task's float32 score tile (block_m x block_n, 128 KiB at the largest)
+# still sits in a core's L2. Others (block_m=7, block_n=4096) ran, correctly and slowly: a typo, taken
+# silently.
+BLOCK_M = (8, 16, 32, 64, 128)
+BLOCK_N = (16, 32, 64, 128, 256)
 FORWARD = KnobSet("cpu", "forward", (
-    Knob("block_m", 64, space=(16, 32, 64), role=TILE),
-    Knob("block_n", 64, space=(32, 64, 128), role=TILE),
+    Knob("block_m", 64, choices=BLOCK_M, space=(16, 32, 64), role=TILE),
+    Knob("block_n", 64, choices=BLOCK_N, space=(32, 64, 128), role=TILE),
     Knob("vector", 16, choices=VECTORS, space=SAMPLED_VECTORS),
 ))
 # The backward (``schedule_backward``): its own knobs, as its tiles need not be the forward's.
 BACKWARD = KnobSet("cpu", "backward", (
-    Knob("block_m", 64, space=(16, 32, 64), role=TILE),
-    Knob("block_n", 64, space=(32, 64, 128), role=TILE),
+    Knob("block_m", 64, choices=BLOCK_M, space=(16, 32, 64), role=TILE),
+    Knob("block_n", 64, choices=BLOCK_N, space=(32, 64, 128), role=TILE),
     Knob("vector", 16, choices=VECTORS, space=SAMPLED_VECTORS),
 ))
 # The decode (``schedule_decode``). query_tokens: query tokens per task (its rows are those tokens
@@ -36,7 +42,7 @@ BACKWARD = KnobSet("cpu", "backward", (
 # measured: small tiles keep the partial buffers small and the tasks many.
 DECODE = KnobSet("cpu", "decode", (
     Knob("query_tokens", 1, space=(1, 2, 4)),
-    Knob("block_n", 64, space=(32, 64, 128)),
+    Knob("block_n", 64, choices=BLOCK_N, space=(32, 64, 128)),
     Knob("vector", 16, choices=VECTORS, space=SAMPLED_VECTORS),
 ))
 

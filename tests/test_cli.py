@@ -71,6 +71,37 @@ def test_help_says_the_defaults():
     assert "(default: 16)" in tvmflash("compile", "--help")
 
 
+@pytest.mark.parametrize("command,required,default", [
+    ("compile", ["--head-dim", "64"], "no"),
+    ("bench", [], "both"),
+    ("tune", ["--head-dim", "64"], "no"),
+])
+def test_causal_takes_the_same_forms_in_every_command(command, required, default, capsys):
+    """``tune --causal`` took no value and ``bench --causal`` required one: every command now takes
+    --causal alone (yes) and --causal yes|no, and the commands that run several configurations
+    --causal both; the invocations of before (``tune --causal``, ``bench --causal no``, ``compile
+    --causal``) mean what they meant."""
+    from tvmflash import cli
+
+    def causal(*args):
+        return cli.parser().parse_args([command, *required, *args]).causal
+
+    assert causal() == default
+    assert causal("--causal") == causal("--causal", "yes") == "yes"
+    assert causal("--causal", "no") == "no"
+    assert causal("--causal", "--dtype", "float32") == "yes"  # alone, before another option
+    if command == "compile":  # one kernel: causal or not
+        with pytest.raises(SystemExit):
+            causal("--causal", "both")
+        assert "invalid choice: 'both'" in capsys.readouterr().err
+    else:
+        assert causal("--causal", "both") == "both"
+    with pytest.raises(SystemExit):
+        causal("--causal", "maybe")
+    assert "invalid choice: 'maybe'" in capsys.readouterr().err
+    assert cli.CAUSAL == {"no": (False,), "yes": (True,), "both": (False, True)}
+
+
 def test_bench_without_a_gpu_says_so(monkeypatch, capsys):
     import torch
 

@@ -359,8 +359,13 @@ def test_paged_cache_errors():
     with pytest.raises(ValueError, match="page_size: expected a power of two >= 16, got 24"):
         tvmflash.flash_attn_with_kvcache(q, pages, pages, cache_seqlens=3, block_table=table)
     pages = torch.zeros(5, 16, 1, HEAD_DIM, dtype=torch.float16)
-    with pytest.raises(ValueError, match="block_table: expected page indices from 0 to 4"):
+    # a page past the cache (flash-attn raises): >= the number of pages, or negative, among the pages a
+    # sequence's keys fill; read on the CPU (on a GPU the kernel clamps it into the cache instead: checking it
+    # would wait for the device)
+    with pytest.raises(ValueError, match="block_table: expected page indices from 0 to 4, got values from 2 to 5"):
         tvmflash.flash_attn_with_kvcache(q, pages, pages, cache_seqlens=20, block_table=table + 2)
+    with pytest.raises(ValueError, match="block_table: expected page indices from 0 to 4, got values from -1 to 1"):
+        tvmflash.flash_attn_with_kvcache(q, pages, pages, cache_seqlens=3, block_table=table - 1)
     with pytest.raises(ValueError, match="cache_batch_idx: a paged cache"):
         tvmflash.flash_attn_with_kvcache(q, pages, pages, cache_seqlens=3, block_table=table,
                                          cache_batch_idx=torch.zeros(2, dtype=torch.int32))

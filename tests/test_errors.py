@@ -65,6 +65,43 @@ def test_unsupported_head_dim():
         tvmflash.attention(q, q, q)
 
 
+def head_dim_calls(head_dim: int) -> dict:
+    """Each API entry, called with tensors (or a spec) of this head_dim."""
+    q = torch.randn(1, 4, 2, head_dim) if head_dim >= 0 else None
+    offsets = torch.tensor([0, 4], dtype=torch.int32)
+    as_int = {"compile": lambda: tvmflash.compile(head_dim=head_dim, dtype="float32", target="cpu"),
+              "compile_backward": lambda: tvmflash.compile_backward(head_dim=head_dim, dtype="float32", target="cpu"),
+              "compile_decode": lambda: tvmflash.compile_decode(head_dim=head_dim, dtype="float32", target="cpu")}
+    if q is None:  # no tensor has a negative dim
+        return as_int
+    return {**as_int,
+            "attention": lambda: tvmflash.attention(q, q, q),
+            "flash_attn_func": lambda: tvmflash.flash_attn_func(q, q, q),
+            "flash_attn_qkvpacked_func": lambda: tvmflash.flash_attn_qkvpacked_func(torch.stack([q, q, q], dim=2)),
+            "flash_attn_kvpacked_func": lambda: tvmflash.flash_attn_kvpacked_func(q, torch.stack([q, q], dim=2)),
+            "varlen_attention": lambda: tvmflash.varlen_attention(q[0], q[0], q[0], offsets, offsets, 4, 4),
+            "flash_attn_varlen_func": lambda: tvmflash.flash_attn_varlen_func(q[0], q[0], q[0], offsets, offsets, 4, 4),
+            "flash_attn_varlen_qkvpacked_func":
+                lambda: tvmflash.flash_attn_varlen_qkvpacked_func(torch.stack([q[0]] * 3, dim=1), offsets, 4),
+            "flash_attn_with_kvcache": lambda: tvmflash.flash_attn_with_kvcache(q[:, :1], q, q)}
+
+
+@pytest.mark.parametrize("head_dim", [0, -8])
+def test_a_head_dim_of_zero_or_less_is_a_value_error_at_every_entry(head_dim):
+    """head_dim 0 ended in a ZeroDivisionError traceback (1 / sqrt(head_dim), the default scale) in
+    attention, flash_attn_func and the varlen functions: each entry now says what it takes, before
+    anything is computed or built."""
+    for name, call in head_dim_calls(head_dim).items():
+        with pytest.raises(ValueError, match=rf"head_dim: expected one of \(32, 64, 96, 128, 256\), got {head_dim}"):
+            call()
+
+
+def test_a_head_dim_must_be_an_int():
+    """64.0 equals 64, and compile took it, to fail deep in TVM when the module was built."""
+    with pytest.raises(ValueError, match=r"head_dim: expected one of .*, got 64.0"):
+        tvmflash.compile(head_dim=64.0, dtype="float32", target="cpu")
+
+
 def test_unsupported_dtype():
     with pytest.raises(TypeError, match=r"dtype: expected one of .* got torch.int8"):
         tvmflash.compile(head_dim=64, dtype=torch.int8, target="cpu")
@@ -169,19 +206,40 @@ def test_flags_and_windows_in_flash_attn_forms():
     assert out.shape == q.shape and lse.dtype == torch.float32
 
 
+CPU_BLOCK_M = r"the cpu schedule takes one of \[8, 16, 32, 64, 128\]"
+CPU_BLOCK_N = r"the cpu schedule takes one of \[16, 32, 64, 128, 256\]"
+
+
 @pytest.mark.parametrize("target,knobs,message", [
-    ("cpu", {"block_m": 0}, r"knobs: block_m: expected a positive int, got 0"),
-    ("cpu", {"block_n": "big"}, r"knobs: block_n: expected a positive int, got 'big'"),
+    ("cpu", {"block_m": 0}, rf"knobs: block_m: {CPU_BLOCK_M}, got 0"),
+    ("cpu", {"block_m": 7}, rf"knobs: block_m: {CPU_BLOCK_M}, got 7"),
+    ("cpu", {"block_n": 4096}, rf"knobs: block_n: {CPU_BLOCK_N}, got 4096"),
+    ("cpu", {"block_n": "big"}, rf"knobs: block_n: {CPU_BLOCK_N}, got 'big'"),
+    ("cpu", {"block_m": 64.0}, rf"knobs: block_m: {CPU_BLOCK_M}, got 64.0"),
     ("sm80", {"vec": True}, r"knobs: vec: expected a positive int, got True"),
     ("cpu", {"vector": 3}, r"knobs: vector: the cpu schedule takes one of \[4, 8, 16, 32\], got 3"),
     ("sm80", {"num_stages": 4}, r"knobs: num_stages: the sm80 schedule takes one of \[1, 2, 3\], got 4"),
     ("sm80", {"row_state": "fast"}, r"knobs: row_state: the sm80 schedule takes one of \['registers', 'shared'\], got 'fast'"),
-], ids=["zero", "str", "bool", "vector", "choice", "str-choice"])
+], ids=["zero", "block_m-7", "block_n-4096", "str", "float", "bool", "vector", "choice", "str-choice"])
 def test_bad_knob_values(target, knobs, message):
-    """block_m 0 failed in TVM (DiagnosticError: divide by zero), "big" with a type mismatch: knob
-    values are checked against the schedule before anything is built."""
+    """block_m 0 failed in TVM (DiagnosticError: divide by zero), "big" with a type mismatch, and the
+    CPU's block_m 7 and block_n 4096 were taken silently: knob values are checked against the
+    schedule's, the error naming the knob and the values it takes, before anything is built."""
     with pytest.raises(ValueError, match=message):
         tvmflash.compile(head_dim=64, dtype="float16", target=target, knobs=knobs)
+
+
+@pytest.mark.parametrize("compile_,knobs,message", [
+    ("compile_backward", {"block_m": 7}, rf"knobs: block_m: {CPU_BLOCK_M}, got 7"),
+    ("compile_backward", {"block_n": 4096}, rf"knobs: block_n: {CPU_BLOCK_N}, got 4096"),
+    ("compile_backward", {"vector": 3}, r"knobs: vector: the cpu schedule takes one of \[4, 8, 16, 32\], got 3"),
+    ("compile_decode", {"block_n": 4096}, rf"knobs: block_n: {CPU_BLOCK_N}, got 4096"),
+    ("compile_decode", {"vector": 3}, r"knobs: vector: the cpu schedule takes one of \[4, 8, 16, 32\], got 3"),
+])
+def test_bad_cpu_knob_values_of_the_backward_and_decode(compile_, knobs, message):
+    """The backward's and decode's CPU knobs are checked as the forward's (nothing is built)."""
+    with pytest.raises(ValueError, match=message):
+        getattr(tvmflash, compile_)(head_dim=64, dtype="float16", target="cpu", knobs=knobs)
 
 
 def test_tuned_knobs_of_bad_values_are_passed_over(tmp_path, monkeypatch):

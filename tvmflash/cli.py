@@ -56,7 +56,8 @@ def _compile(args) -> int:
     import tvmflash
     from tvmflash import target
 
-    kernel = tvmflash.compile(head_dim=args.head_dim, dtype=args.dtype, causal=args.causal, target=args.target,
+    (causal,) = CAUSAL[args.causal]
+    kernel = tvmflash.compile(head_dim=args.head_dim, dtype=args.dtype, causal=causal, target=args.target,
                               knobs=json.loads(args.knobs) if args.knobs else None)
     heads_kv = args.heads_kv or args.heads_q
     emit = args.emit or ("cuda" if target.is_cuda(kernel.target) else "tir")
@@ -77,7 +78,7 @@ def _bench(args) -> int:
     from tvmflash import bench
 
     results = bench.run(device=args.device, dtype=args.dtype, head_dims=args.head_dim,
-                        causal={"no": (False,), "yes": (True,), "both": (False, True)}[args.causal],
+                        causal=CAUSAL[args.causal],
                         seqlens=args.seqlens, tokens=args.tokens, hidden=args.hidden, repeat=args.repeat,
                         target=args.target, knobs=json.loads(args.knobs) if args.knobs else None, layout=args.layout)
     print("ratios are the backend's time over tvmflash's: above 1.00x, tvmflash is faster")
@@ -107,7 +108,7 @@ def _tune(args) -> int:
     else:
         workloads = [(head_dim, dtype, causal, args.pass_, args.page_size) for head_dim in args.head_dim
                      for dtype in args.dtype
-                     for causal in {"no": (False,), "yes": (True,), "both": (False, True)}[args.causal]]
+                     for causal in CAUSAL[args.causal]]
     if args.trials < 1:
         raise ValueError(f"trials: expected a positive number, got {args.trials}")
     for head_dim, dtype, causal, pass_, page_size in workloads:  # every workload is valid before the first runs
@@ -212,6 +213,18 @@ def _cache(args) -> int:
     return 0
 
 
+# --causal's values: the causal settings each means.
+CAUSAL = {"no": (False,), "yes": (True,), "both": (False, True)}
+
+
+def add_causal(command: argparse.ArgumentParser, default: str, text: str, both: bool = True) -> None:
+    """--causal, taken in the same forms by every command: alone it means yes; or yes, no and, where
+    the command runs several configurations, both. (bench's took a value only, tune's and compile's
+    none or none at all: `bench --causal` and `tune --causal yes` were errors.)"""
+    command.add_argument("--causal", nargs="?", const="yes", default=default,
+                         choices=list(CAUSAL) if both else ["no", "yes"], help=f"{text}; --causal alone means yes")
+
+
 class _HelpWithDefaults(argparse.HelpFormatter):
     """Each option's help ends with its default, where it has one (None's meaning is in the help)."""
 
@@ -237,7 +250,7 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--target", default=None, help="cpu, cuda, sm80, sm86, sm89, sm90, sm100 or sm120; none given: this machine's")
     c.add_argument("--head-dim", type=int, required=True, help="32, 64, 96, 128 or 256")
     c.add_argument("--dtype", default="bfloat16", choices=dtypes, help="the inputs' dtype")
-    c.add_argument("--causal", action="store_true", help="the bottom-right aligned causal mask")
+    add_causal(c, "no", "the bottom-right aligned causal mask", both=False)
     c.add_argument("--heads-q", type=int, default=16, help="query heads (a module is built per head count)")
     c.add_argument("--heads-kv", type=int, default=None, help="key/value heads; none given: --heads-q")
     c.add_argument("--knobs", default=None, help='schedule knobs as JSON, e.g. \'{"block_m": 64}\'')
@@ -249,7 +262,7 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--device", default=None, help="cpu or cuda; none given: cuda if torch sees a GPU")
     b.add_argument("--dtype", default="bfloat16", choices=dtypes, help="the inputs' dtype")
     b.add_argument("--head-dim", type=int, nargs="+", default=[64, 128], help="one or more")
-    b.add_argument("--causal", default="both", choices=["no", "yes", "both"], help="both: each configuration twice")
+    add_causal(b, "both", "both: each configuration twice")
     b.add_argument("--seqlens", type=int, nargs="+", default=None,
                    help="none given: 512 to 16384 on a GPU, 256 to 2048 on a CPU")
     b.add_argument("--tokens", type=int, default=None, help="batch * seqlen; none given: 16384 on a GPU, 2048 on a CPU")
@@ -268,8 +281,7 @@ def parser() -> argparse.ArgumentParser:
                    help="re-tune every workload that has a shipped record (tuning_logs/) for this GPU, "
                         "instead of --head-dim/--dtype/--causal")
     t.add_argument("--dtype", nargs="+", default=["bfloat16"], choices=dtypes, help="one or more")
-    t.add_argument("--causal", nargs="?", const="yes", default="no", choices=["no", "yes", "both"],
-                   help="--causal alone means yes; both tunes each workload with and without")
+    add_causal(t, "no", "both: each workload with and without")
     t.add_argument("--pass", dest="pass_", choices=["forward", "backward", "decode"], default="forward",
                    help="the forward's knobs (MetaSchedule's search), or the backward's or decode's (their space "
                         "measured: the known configurations, then a random draw)")
@@ -288,7 +300,8 @@ def parser() -> argparse.ArgumentParser:
                    help="start the search from nothing, as on a new GPU: no tuning records are read, and neither "
                         "they nor the defaults seed it (the defaults are still timed, for the speedup and as the "
                         "floor of what is stored). Without it the search starts from the defaults and the best "
-                        "user and shipped records, and stores the fastest of them and its own")
+                        "user and shipped records, and stores the fastest of them and its own where it beats the "
+                        "knobs compile() takes now by more than the noise of repeated timings")
 
     k = command("cache", "list, show, clear or export the built modules and tuning records")
     k.add_argument("action", choices=["ls", "show", "clear", "export"])

@@ -172,13 +172,15 @@ def record_id(record: dict) -> str:
     return cache.digest({**{f: record.get(f) for f in KEY_FIELDS}, "bucket": bucket(record)})[:12]
 
 
-def add(record: dict, path: Path | None = None) -> Path:
-    """Add (or replace, if faster) a record in the user's database. Returns the file written."""
+def add(record: dict, path: Path | None = None, replace: bool = False) -> Path:
+    """Add a record to the user's database, in place of its key's record if faster, or whatever their
+    times with ``replace`` (the tuner's, which timed the old record's knobs in the same run). Returns
+    the file written."""
     path = path or user_dir() / f"{slug(record['device'])}.json"
     with locked(path):
         records = read(path)
         old = next((r for r in records if same_key(r, record)), None)
-        if old is None or record["mean_ms"] < old["mean_ms"]:
+        if old is None or replace or record["mean_ms"] < old["mean_ms"]:
             records = [r for r in records if r is not old] + [record]
             write(path, records)
     return path

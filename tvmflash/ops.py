@@ -18,6 +18,7 @@ from tvmflash import target as targets
 from tvmflash.kernels import compile, compile_backward, registry
 from tvmflash.kernels.checks import (check_cu_seqlens, check_flag, check_max_seqlen, resolve_softmax_scale,
                                      resolve_variant)
+from tvmflash.program import check_head_dim
 
 # kernel_for's and backward_kernel_for's answers: compile() resolves a target (a TVM object) and hashes
 # its arguments, some 100-250 us a call; attention() runs at every step of a model. Emptied by
@@ -169,12 +170,13 @@ registry.add_route("forward", kernel_call)
 def _options(q, k, v, dims: int, layout: str, causal, window_size, softcap, alibi_slopes) -> tuple:
     """The forward and backward ops' variant arguments, causal and the variant fields in order
     (``resolve_variant``; the kernel checks the slopes), after checking that q, k and v are tensors,
-    q of ``dims`` dims (``layout``)."""
+    q of ``dims`` dims (``layout``) with a head_dim the kernels serve."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if q.dim() != dims:
         raise ValueError(f"q: expected {dims} dims {layout}, got shape {tuple(q.shape)}")
+    check_head_dim(q.shape[-1])
     variant = resolve_variant(causal, window_size, softcap, alibi_slopes is not None)
     return (variant["causal"], variant.get("window_left", -1), variant.get("window_right", -1),
             variant.get("softcap", 0.0))

@@ -60,6 +60,15 @@ RESCALE_THRESHOLD = 8.0
 MAX_WINDOW = 2**30
 
 
+def check_head_dim(head_dim) -> int:
+    """``head_dim`` where the programs serve it (``SUPPORTED_HEAD_DIMS``), else a ValueError naming them:
+    the one check, of a spec's and, at the torch API, of q's last dim before 1 / sqrt(head_dim) is
+    taken (0 was a ZeroDivisionError there; 64.0, an int's equal, failed deep in TVM)."""
+    if not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head_dim: expected one of {SUPPORTED_HEAD_DIMS}, got {head_dim!r}")
+    return head_dim
+
+
 @dataclass(frozen=True)
 class AttentionSpec:
     """The static part of an attention problem: one built module per spec."""
@@ -89,8 +98,7 @@ class AttentionSpec:
     def __post_init__(self):
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype: expected one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
-        if self.head_dim not in SUPPORTED_HEAD_DIMS:
-            raise ValueError(f"head_dim: expected one of {SUPPORTED_HEAD_DIMS}, got {self.head_dim}")
+        check_head_dim(self.head_dim)
         if self.heads_q < 1 or self.heads_kv < 1 or self.heads_q % self.heads_kv:
             raise ValueError(
                 f"heads_q: expected a positive multiple of heads_kv={self.heads_kv}, got {self.heads_q}"

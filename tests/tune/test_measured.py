@@ -88,3 +88,37 @@ def test_tune_decode_stores_a_record_compile_decode_reads(cache_dir, capsys):
     with pytest.raises(SystemExit):
         tvmflash_cli.main(["tune", "--head-dim", "32", "--page-size", "16", "--target", "cpu"])
     assert "--page-size" in capsys.readouterr().err
+
+
+def test_a_measured_pass_replaces_the_incumbent_only_beyond_the_noise(cache_dir, monkeypatch):
+    """The winner of a measured pass is timed again against the incumbent (here the defaults), five
+    times each in turns: 1.05x faster within an 8% spread keeps the defaults (said, and what
+    compile_backward then takes); 1.25x faster without noise replaces them."""
+    from tvmflash import bench
+
+    def timings(*values):
+        sequence = iter(values)
+        monkeypatch.setattr(bench, "time_ms", lambda fn, device, repeat: next(sequence))
+
+    args = {"head_dim": 32, "dtype": "float32", "target": "cpu", "trials": 2, "batch": 1, "seqlen": 64, "heads": 2,
+            "seed": 0}
+    defaults = tvmflash.compile_backward(head_dim=32, dtype="float32", target="cpu").knobs
+    # one trial each (default, #1), then the rounds in turns: default 1.00-1.08, #1 0.95-0.99
+    timings(1.00, 0.96, *[t for pair in zip((1.00, 1.08, 1.02, 1.05, 1.00), (0.96, 0.97, 0.99, 0.95, 0.98))
+                          for t in pair])
+    lines = []
+    record = measured.tune_pass("backward", echo=lines.append, **args)
+    assert record["kept"] == "default" and record["knobs"] == defaults and record["noise"] == 0.08
+    assert ("not stored: the tuned knobs #1 ran 1.052x as fast as the defaults (median of 5 timings each, which "
+            "spread by up to 8.0%): within the noise, the defaults stay") in lines, lines
+    kernels.forget_kernels()
+    backward = tvmflash.compile_backward(head_dim=32, dtype="float32", target="cpu")
+    assert backward.knobs == defaults and backward.knobs_source.startswith("defaults (tuning found none faster")
+
+    timings(1.00, 0.80, *[1.00, 0.80] * 5)
+    lines = []
+    record = measured.tune_pass("backward", echo=lines.append, **args)
+    assert record["kept"] == "#1" and record["knobs"] != defaults and record["mean_ms"] == 0.8
+    assert any(line.startswith("stored: the tuned knobs #1 ran 1.250x") for line in lines), lines
+    kernels.forget_kernels()
+    assert tvmflash.compile_backward(head_dim=32, dtype="float32", target="cpu").knobs == record["knobs"]

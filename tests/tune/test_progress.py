@@ -6,7 +6,7 @@ import tvm
 
 from tvmflash import program
 from tvmflash.schedules import cpu
-from tvmflash.tune.progress import Progress, Reporter
+from tvmflash.tune.progress import Progress, Reporter, left_out_line, reason_gist
 from tvmflash.tune.space import configurations, space_fn, task_knobs
 from tvmflash.tune.task import specialize
 
@@ -74,3 +74,31 @@ def test_progress_bar_on_a_terminal():
     assert draws[0].startswith("[######" + "." * 18 + "] 1/4 trials, 0 failed, best 2.0000 ms, 0 s, ~0 s left"), draws
     assert draws[1] == "  built 2/4 candidates\n" and draws[2].startswith("[######")
     assert draws[3].startswith("[############" + "." * 12 + "] 2/4 trials, 1 failed, best 2.0000 ms"), draws
+
+
+# What sm90's pre-check said of the 44 configurations it left out of 124 at d128 (a line each on the
+# console before this summary): two reasons, each with its configuration's particulars.
+REGISTERS = ("knobs: min_blocks_per_sm: 2 blocks of 512 threads an SM leave 64 registers a thread, and the "
+             "accumulators need 128 at head_dim 128 and block_n {}")
+MISALIGNED = ("knobs: swizzled tiles without TMA at block_m 64: the 512-byte row values, {}-byte Q tile and "
+              "{}-byte K/V tiles put one off the 1024-byte boundary the swizzle needs")
+
+
+def test_configurations_left_out_are_one_line_counted_by_reason():
+    """The configurations the pre-check leaves out before building are one line, counted by what
+    their messages say without their particulars (``reason_gist``), the most common first."""
+    problems = ([REGISTERS.format(64)] * 10 + [REGISTERS.format(128)] * 10
+                + [MISALIGNED.format(q, kv) for q in (16384, 18432) for kv in (16384, 18432) for _ in range(6)])
+    assert reason_gist(REGISTERS.format(64)) == "min_blocks_per_sm: 2 blocks of 512 threads an SM leave 64 registers a thread"
+    assert reason_gist("it needs 174 KiB of shared memory, cuda sm_80 allows 163 KiB") == "it needs 174 KiB of shared memory"
+    assert reason_gist("knobs: q_copy 'tma' needs q_layout 'swizzled' and kv_copy 'tma', got 'core_matrices' and "
+                       "'tma'") == "q_copy 'tma' needs q_layout 'swizzled' and kv_copy 'tma'"
+    line = left_out_line(problems, 124, "/work/left_out.txt")
+    assert line == ('left out 44 of 124 configurations before building: 24 for "swizzled tiles without TMA at block_m '
+                    '64: the 512-byte row values", 20 for "min_blocks_per_sm: 2 blocks of 512 threads an SM leave 64 '
+                    'registers a thread" (each in /work/left_out.txt)')
+    assert "\n" not in line
+    assert left_out_line([], 9) == "pre-checked 9 configurations: none left out"
+    assert left_out_line([]) == "none left out before building"
+    assert left_out_line(["knobs: block_n (24) must be a multiple of threads (64)"]) == \
+        'left out 1 configuration before building: 1 for "block_n (24) must be a multiple of threads (64)"'

@@ -1,6 +1,7 @@
 """The driver (tvmflash/tune/run.py): real short llvm tuning runs, warm and cold, through ``tune`` and
 the ``tvmflash tune`` command."""
 
+import itertools
 import json
 import re
 
@@ -87,7 +88,7 @@ def test_the_fastest_few_are_timed_again_as_compile_builds_them(cache_dir, monke
     tvmflash.compile, and the fastest there is kept, not MetaSchedule's first."""
     from tvmflash import bench
 
-    timings = iter([5.0, 4.0, 3.0])  # default, MetaSchedule's #1, #2
+    timings = itertools.cycle([5.0, 4.0, 3.0])  # default, MetaSchedule's #1, #2: timed in turns, no noise
     monkeypatch.setattr(bench, "time_ms", lambda fn, device, repeat: next(timings))
     schedules, compile_ = [], kernels.compile
 
@@ -105,6 +106,9 @@ def test_the_fastest_few_are_timed_again_as_compile_builds_them(cache_dir, monke
     assert [line[0] for line in rechecked] == ["#1", "#2"], lines
     assert record["tuned_ms"] == 3.0 and record["default_ms"] == 5.0 and record["mean_ms"] == 3.0
     assert record["knobs"] == record["tuned_knobs"] and record["knobs"]["vector"] == int(rechecked[1][-1].rstrip("}"))
+    assert record["incumbent"] == "default" and record["kept"] == "#2" and record["noise"] == 0
+    assert any(line.startswith("stored: the tuned knobs #2 ran 1.667x as fast as the defaults (median of 5 timings "
+                               "each, which spread by up to 0.0%): more than the noise") for line in lines), lines
 
 
 # A user record for the full workload, slower than anything measured (so the run replaces it), with
@@ -148,7 +152,8 @@ def test_tune_several_workloads_in_one_command(cli_tuning_run):
     for row in rows:
         trials, failed, _search_ms, kept_ms, default_ms, speedup, wall_s = row.split()[4:11]
         assert 1 <= int(trials) <= 2 and failed.endswith("%") and float(wall_s) > 0, row
-        assert float(kept_ms) <= float(default_ms) and speedup.endswith("x") and float(speedup[:-1]) >= 1.0, row
+        # (the kept knobs may be the user's, slower than the defaults within the noise: see decision.py)
+        assert float(kept_ms) > 0 and float(default_ms) > 0 and speedup.endswith("x"), row
 
 
 def test_progress_is_reported_a_line_a_trial_when_not_a_terminal(cli_tuning_run):
@@ -171,15 +176,22 @@ def is_seed(line: str) -> bool:
 
 def test_a_warm_run_starts_from_the_known_and_never_ends_below_them(cli_tuning_run):
     """Warm (the default), the user's record seeds MetaSchedule's database and is timed again with
-    the defaults and the search's best, in the same run: the stored record is the fastest of them."""
+    the defaults and the search's best, in the same run: the record keeps the fastest of them where it
+    beats the user's knobs, the incumbent, by more than the noise of their timings, else the user's."""
     stdout, full = cli_tuning_run
     assert "warm start: seeded the search with the default, user knobs" in stdout, stdout
     # (with MetaSchedule's time too where the search measured them)
-    assert re.search(r"^  user +(MetaSchedule [\d.]+ ms, )?tvmflash.compile [\d.]+ ms: " + re.escape(str(USER_KNOBS)),
+    assert re.search(r"^  user +(MetaSchedule [\d.]+ ms, )?tvmflash.compile [\d.]+ ms \(spread [\d.]+%\): "
+                     + re.escape(str(USER_KNOBS)),
                      stdout, flags=re.MULTILINE), stdout
     assert full["start"] == "warm" and set(full["known_ms"]) == {"default", "user"}
-    assert full["mean_ms"] <= full["default_ms"] == full["known_ms"]["default"]
-    assert full["mean_ms"] == min(full["tuned_ms"], *full["known_ms"].values())
+    assert full["default_ms"] == full["known_ms"]["default"] and full["incumbent"] == "user"
+    assert re.search(r"^(not )?stored: .*(your tuning record's knobs|the defaults)", stdout, flags=re.MULTILINE), stdout
+    if full["kept"] == "user":
+        assert full["knobs"] == USER_KNOBS and full["mean_ms"] == full["known_ms"]["user"]
+    else:  # the fastest, by more than the noise
+        assert full["mean_ms"] == min(full["tuned_ms"], *full["known_ms"].values())
+        assert full["mean_ms"] * (1 + full["noise"]) < full["known_ms"]["user"]
     with open(f"{full['work_dir']}/database_tuning_record.json") as f:
         seeds = [line for line in f if is_seed(line)]
     assert len(seeds) == 2, seeds  # the defaults and the user's knobs, each in its task
@@ -224,6 +236,22 @@ def test_tune_takes_the_schedule_compile_picks(cache_dir, monkeypatch):
             tune.tune(head_dim=head_dim, dtype="bfloat16", causal=False, target="sm90", echo=lines.append)
         assert lines[0].startswith(f"tvmflash tune: {expected} schedule"), lines
     assert not list(cache_dir.glob("**/*.so"))
+
+
+def test_the_wait_for_tvms_tensor_intrinsics_is_announced(monkeypatch):
+    """MetaSchedule's first task imports TVM's tensor intrinsics, 25-38 s on 2 CPU cores in which
+    ``tvmflash tune`` printed nothing: the tuner imports them itself, after saying so, once a process."""
+    events = []
+    monkeypatch.delitem(run.sys.modules, "tvm.s_tir.tensor_intrin", raising=False)
+    monkeypatch.setattr(run.importlib, "import_module", lambda name: events.append(("import", name)))
+    run._load_tensor_intrinsics(lambda line: events.append(("echo", line)))
+    assert [kind for kind, _ in events] == ["echo", "import", "echo"], events
+    assert "loading TVM's tensor intrinsics" in events[0][1] and events[1][1] == "tvm.s_tir.tensor_intrin"
+    assert re.fullmatch(r"  loaded in \d+ s", events[2][1]), events
+    monkeypatch.setitem(run.sys.modules, "tvm.s_tir.tensor_intrin", object())  # loaded: nothing to say
+    events.clear()
+    run._load_tensor_intrinsics(lambda line: events.append(("echo", line)))
+    assert events == []
 
 
 def test_a_tuning_shape_keeps_the_grids_tokens_at_any_seqlen():

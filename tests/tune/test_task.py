@@ -28,7 +28,9 @@ def test_structures_are_design_spaces_of_one_task(tmp_path):
     defaults = knobs90.defaults(128)
     tasks = make_tasks(sm90.SCHEDULE, spec, {"batch": 1, "seqlen": 512, "heads": 2}, space, targets.cuda_target("sm90"),
                             tmp_path, random.Random(0), lines.append, known={"default": defaults})
-    assert [t["name"] for t in tasks] == ["bm128_bn64_mb1", "bm128_bn64_mb2"] and not lines
+    assert [t["name"] for t in tasks] == ["bm128_bn64_mb1", "bm128_bn64_mb2"]
+    assert lines[0].startswith("  building the design space: 2 tasks (programs), pre-checking their 22 configurations")
+    assert len(lines) == 2 and lines[1].endswith("pre-checked 22 configurations: none left out"), lines
     task = tasks[1]
     fixed, sampled, options = task["fixed"], task["sampled"], task["structures"]
     assert len(options) == 10 and not sampled  # mb2: no producer warpgroup
@@ -53,7 +55,8 @@ def test_structures_are_design_spaces_of_one_task(tmp_path):
 
 
 def test_rejected_tile_pairs_are_skipped(tmp_path):
-    """sm80 needs block_n % 16 == 0: that pair is skipped with a message; the others become tasks."""
+    """sm80 needs block_n % 16 == 0: that pair is skipped, counted in the summary line; the others
+    become tasks."""
     import random
 
     spec = program.AttentionSpec(64, "float16", False, 2, 2)
@@ -62,15 +65,18 @@ def test_rejected_tile_pairs_are_skipped(tmp_path):
     tasks = make_tasks(sm80.SCHEDULE, spec, {"batch": 1, "seqlen": 256, "heads": 2}, space, targets.cuda_target("sm80"),
                             tmp_path, random.Random(0), lines.append)
     assert [t["name"] for t in tasks] == ["bm64_bn64"] and tasks[0]["fixed"]["num_warps"] == 2
-    assert len(lines) == 1 and lines[0].startswith("  skipping bm64_bn40: the sm80 schedule rejects it")
+    assert len(lines) == 2 and 'left out 1 of 2 configurations before building: 1 for "the sm80 schedule rejects it' \
+        in lines[1], lines
+    assert (tmp_path / "left_out.txt").read_text().startswith("bm64_bn40 ns1: the sm80 schedule rejects it: block_n and head_dim")
     with pytest.raises(ValueError, match="rejects every"):
         make_tasks(sm80.SCHEDULE, spec, {"batch": 1, "seqlen": 256, "heads": 2}, {**space, "block_n": [40]},
                         targets.cuda_target("sm80"), tmp_path, random.Random(0), lines.append)
 
 
 def test_tasks_over_the_shared_memory_limit_are_skipped(tmp_path):
-    """A task whose tiles need more shared memory than the target allows is skipped with a message
-    before anything is built (sm80's 163 KiB: 128x128 tiles at d128 fit with one K/V stage, not two)."""
+    """A task whose tiles need more shared memory than the target allows is skipped before anything is
+    built (sm80's 163 KiB: 128x128 tiles at d128 fit with one K/V stage, not two): the summary line
+    counts it by reason, left_out.txt in the work dir says which and why."""
     import random
 
     spec = program.AttentionSpec(128, "bfloat16", False, 2, 2)
@@ -79,7 +85,10 @@ def test_tasks_over_the_shared_memory_limit_are_skipped(tmp_path):
     tasks = make_tasks(sm80.SCHEDULE, spec, {"batch": 1, "seqlen": 256, "heads": 2}, space, targets.cuda_target("sm80"),
                             tmp_path, random.Random(0), lines.append)
     assert [t["name"] for t in tasks] == ["bm128_bn128"] and tasks[0]["structures"] == [{"num_stages": 1}]
-    assert lines == ["  bm128_bn128: leaving out ns2: it needs 174 KiB of shared memory, cuda sm_80 allows 163 KiB"], lines
+    assert lines[1].endswith('left out 1 of 2 configurations before building: 1 for "it needs 174 KiB of shared '
+                             f'memory" (each in {tmp_path / "left_out.txt"})'), lines
+    assert (tmp_path / "left_out.txt").read_text() == \
+        "bm128_bn128 ns2: it needs 174 KiB of shared memory, cuda sm_80 allows 163 KiB\n"
 
 
 def test_sm90_tasks_that_leave_too_few_registers_are_skipped(tmp_path, monkeypatch):
@@ -100,4 +109,6 @@ def test_sm90_tasks_that_leave_too_few_registers_are_skipped(tmp_path, monkeypat
     # (a producer warpgroup needs block_m 128: those structures are never made)
     assert [t["name"] for t in tasks] == ["bm256_bn64_mb1"]
     assert [s["kv_copy"] for s in tasks[0]["structures"]] == ["tma", "cp.async"]
-    assert len(lines) == 1 and lines[0].startswith("  skipping bm256_bn64_mb2: ns2_swizzled") and "64 registers" in lines[0]
+    assert 'for "min_blocks_per_sm: 2 blocks of 512 threads an SM leave 64 registers a thread"' in lines[1], lines
+    details = (tmp_path / "left_out.txt").read_text().splitlines()
+    assert details[0].startswith("bm256_bn64_mb2 ns2_swizzled") and all(d.startswith("bm256_bn64_mb2 ") for d in details)

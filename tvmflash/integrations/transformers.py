@@ -107,6 +107,11 @@ def register(name: str = NAME) -> str:
     # (None, or the 2-d padding mask that the wrapper turns into cu_seqlens).
     AttentionInterface.register(name, flash_attention_forward)
     AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["flash_attention_2"])
+    # Continuous batching runs "paged|" + name: Transformers 5.17 looks that up as a name of its own (as it
+    # has "paged|flash_attention_2"), later releases derive it from the name.
+    paged = "paged|flash_attention_2"
+    if paged in AttentionInterface._global_mapping:
+        AttentionInterface.register(f"paged|{name}", AttentionInterface._global_mapping[paged])
     if not getattr(hub_kernels.load_and_register_attn_kernel, "serves_tvmflash", False):
         hub_kernels.load_and_register_attn_kernel = serving(hub_kernels.load_and_register_attn_kernel)
     SERVED.add(name)
@@ -114,12 +119,13 @@ def register(name: str = NAME) -> str:
 
 
 def serving(load):
-    """Transformers' Hub kernel loader ``load``, answering for the names in :data:`SERVED` with this
-    module (its flash functions) and for every other name as ``load`` does."""
+    """Transformers' Hub kernel loader ``load``, answering for the names in :data:`SERVED` (and, as
+    Transformers 5.17 asks for continuous batching, for them after "paged|") with this module (its flash
+    functions), and for every other name as ``load`` does."""
 
     @functools.wraps(load)
     def load_and_register_attn_kernel(attn_implementation, *args, **kwargs):
-        if attn_implementation in SERVED:
+        if isinstance(attn_implementation, str) and attn_implementation.removeprefix("paged|") in SERVED:
             return sys.modules[__name__]
         return load(attn_implementation, *args, **kwargs)
 

@@ -14,7 +14,8 @@ Laid out as MetaSchedule is, a file a role (one extension class each), imports r
 - ``progress.py``: the live status (``Reporter``) and the measure callback (``Progress``);
 - ``mutator.py``: ``MutateKnob``; ``postproc.py``: ``PreCheck``;
 - ``space.py``: the design space (tasks, structures, sampled decisions, seed traces, what cannot
-  build), read from the schedule's contract: its knobs' roles, defaults, space and rules.
+  build), read from the schedule's contract: its knobs' roles, defaults, space and rules;
+- ``decision.py``: whether a run's best replaces the incumbent (beyond the noise of repeated timings).
 
 The schedule is the one ``tvmflash.compile`` takes (``choice.choose_schedule``), and the tuner
 names it in every build it asks of the kernels (``schedule=``): a schedule is read through its
@@ -45,16 +46,18 @@ fastest whose output passes flash-attn's error rule there (``bench.error_vs_floa
 to tvmflash's database, where ``tvmflash.compile()`` finds it.
 
 A structure or task that ``candidate_problem`` rejects (the knob set's ``KnobSet.problem``, shared
-memory over the target's limit) is left out with a message before anything is built; candidates
+memory over the target's limit) is left out before anything is built, counted by reason in one line
+(``progress.left_out_line``; each named in the work dir's ``left_out.txt``); candidates
 that still fail to schedule, build or run are recorded by MetaSchedule as failed measurements and
 never picked.
 
-Warm start (the default): the known configurations (the defaults, the best user and shipped
-records) seed MetaSchedule's database, where the evolutionary search takes its initial population
-from, and are timed again with the search's best, so the stored record is never slower than they
-are. ``cold`` hides them. Progress (``Reporter``) is reported from the first build on, each build
-batch and each measurement as it comes, through MetaSchedule's extension points: a builder, a runner
-and a measure callback of our own.
+Warm start (the default): the known configurations (the defaults, the best user and shipped records)
+seed MetaSchedule's database, where the evolutionary search takes its initial population from, and
+are timed again with the search's best, so the stored record is never slower than they are. A record
+replaces the incumbent (the knobs ``tvmflash.compile`` takes now) only where it beats it by more
+than the noise of repeated timings (``decision.py``). ``cold`` hides them. Progress (``Reporter``)
+is reported from the first build on, each build batch and each measurement as it comes, through
+MetaSchedule's extension points: a builder, a runner and a measure callback of our own.
 """
 
 from tvmflash.tune.measured import tune_pass

@@ -13,23 +13,29 @@ before building what ``space.candidate_problem`` rejects (the knob set's validat
 memory); each is built in parallel processes (``bench.build_in_parallel``) as
 ``compile_backward`` / ``compile_decode`` build it on that schedule, checked against float32 with
 flash-attn's rule and timed whole on the tuning shape's tensors, one at a time
-(``runner.gpu_timing_lock``). The fastest correct one is stored as a record of the workload's pass
-(``choice.workload``), which the pass's kernel then reads.
+(``runner.gpu_timing_lock``). The fastest correct one is timed again against the incumbent (the
+knobs the pass's kernel takes now), five times each in turns, and stored as a record of the
+workload's pass (``choice.workload``), which the pass's kernel then reads, where it beats the
+incumbent by more than the noise of those timings (``decision.decide``; else the record keeps the
+incumbent's knobs).
 """
 
 from __future__ import annotations
 
 import contextlib
 import random
+import statistics
 import time
 
 import torch
 
 from tvmflash import bench, choice, database, kernels
+from tvmflash.tune import decision
 from tvmflash.kernels import checks
 from tvmflash import target as targets
 from tvmflash.tune.builder import usable_cores
-from tvmflash.tune.run import known_configurations, require_gpu, tuning_request
+from tvmflash.tune.progress import left_out_line
+from tvmflash.tune.run import known_configurations, require_gpu, store, tuning_request
 from tvmflash.tune.runner import gpu_timing_lock
 from tvmflash.tune.space import candidate_problem
 
@@ -184,7 +190,7 @@ def tune_pass(pass_name: str, *, head_dim: int, dtype, causal: bool = False, tar
               jobs: int | None = None, echo=print) -> dict:
     """Tune one pass's knobs ("backward" or "decode": ``PASSES``; the schedule its kernel picks,
     that schedule's space or ``space``, knob name -> candidates) for one workload on this machine and store the fastest
-    correct configuration.
+    correct configuration where it beats the incumbent by more than the noise (``decision.decide``).
 
     The tuning shape: the backward's is the forward tuner's (batch, seqlen, heads: query and key
     heads alike); decode's is ``_DECODE_SHAPE`` (batch, the KV length, query heads; a quarter as
@@ -209,8 +215,7 @@ def tune_pass(pass_name: str, *, head_dim: int, dtype, causal: bool = False, tar
     known = known_configurations(resolved, pass_.knobs, pass_.workload, pass_.defaults, cold=cold,
                                  seqlen_k=shape["seqlen"])
     chosen, problems = candidates(pass_, known, trials, random.Random(seed), space)
-    echo(f"  measuring {len(chosen)} configurations ({', '.join(known)} first); {len(problems)} of the space "
-         f"left out before building" + (f", e.g. {problems[0]}" if problems else ""))
+    echo(f"  measuring {len(chosen)} configurations ({', '.join(known)} first); {left_out_line(problems)}")
 
     # ---- build, every core at once (a GPU backward module takes about half a minute, on one core)
     processes = jobs or usable_cores()
@@ -223,7 +228,7 @@ def tune_pass(pass_name: str, *, head_dim: int, dtype, causal: bool = False, tar
     # ---- check and time each on the same tensors, in this process
     device = torch.device("cuda" if cuda else "cpu")
     pass_.inputs(device)
-    times, failed = {}, 0
+    times, kernels_, failed = {}, {}, 0
     for n, ((label, knobs), error) in enumerate(zip(chosen, errors), 1):
         changed = {name: knobs[name] for name in knobs if knobs[name] != pass_.defaults.get(name)}
         what = label if label in known else f"{label} {changed}"
@@ -237,6 +242,7 @@ def tune_pass(pass_name: str, *, head_dim: int, dtype, causal: bool = False, tar
             continue
         with gpu_timing_lock() if cuda else contextlib.nullcontext():
             times[label] = bench.time_ms(pass_.call(kern), device, repeat=repeat)
+        kernels_[label] = kern
         echo(f"  trial {n}/{len(chosen)} {what}: {times[label]:.4f} ms (best {min(times.values()):.4f} ms, "
              f"{time.perf_counter() - start:.0f} s)")
     if "default" not in times:
@@ -244,20 +250,24 @@ def tune_pass(pass_name: str, *, head_dim: int, dtype, causal: bool = False, tar
     winner = min(times, key=times.get)
     searched = [label for label in times if label not in known]
     tuned = min(searched, key=times.get) if searched else "default"
-    knobs = dict(chosen)[winner]
+    incumbent = decision.incumbent(known)
+    rounds = {label: [ms] for label, ms in times.items()}
+    if winner != incumbent and incumbent in times:
+        # the winner against the incumbent, timed again in turns: their spread is the noise to beat
+        echo(f"  timing {winner} against {incumbent} again, {decision.ROUNDS} times each in turns")
+        with gpu_timing_lock() if cuda else contextlib.nullcontext():
+            rounds.update(decision.timed_rounds({label: pass_.call(kernels_[label]) for label in (incumbent, winner)},
+                                                lambda call: bench.time_ms(call, device, repeat=repeat)))
+    verdict = decision.decide(rounds, incumbent, winner, None if incumbent in times else "failed at the tuning shape")
+    kept_ms = statistics.median(rounds[verdict.kept])
+    knobs = dict(chosen)[verdict.kept]
     wall_s = time.perf_counter() - start
     record = database.new_record(
-        resolved, schedule_name, pass_.workload, knobs, times[winner], shape=pass_.record_shape,
+        resolved, schedule_name, pass_.workload, knobs, kept_ms, shape=pass_.record_shape,
         trials=len(chosen), failed_trials=failed, wall_s=round(wall_s, 1), default_ms=times["default"],
         tuned_ms=times[tuned], tuned_knobs=dict(chosen)[tuned], known_ms={label: times.get(label) for label in known},
-        start="cold" if cold else "warm")
-    path = database.add(record)
-    kernels.forget_kernels()  # the pass's kernel must see the new record
-    kept = next((r for r in database.read(path) if database.same_key(r, record)), record)
+        start="cold" if cold else "warm", **verdict.record_fields())
     echo(f"{pass_name} at {pass_.record_shape}: default {times['default']:.4f} ms, best {times[winner]:.4f} ms "
-         f"({times['default'] / times[winner]:.2f}x, {winner}): {knobs}")
-    if kept != record:
-        echo(f"kept the faster record already in {path} ({kept['mean_ms']:.4f} ms at {kept.get('shape')}): {kept['knobs']}")
-    else:
-        echo(f"stored it in {path} ({len(chosen)} trials, {failed} failed, {wall_s:.0f} s)")
+         f"({times['default'] / times[winner]:.2f}x, {winner}): {dict(chosen)[winner]}")
+    path = store(record, verdict, cold, echo, f"{len(chosen)} trials, {failed} failed, {wall_s:.0f} s")
     return {**record, "path": str(path)}

@@ -3,6 +3,7 @@ terminal, else a line a trial), and :class:`Progress`, the measure callback that
 
 from __future__ import annotations
 
+import collections
 import math
 import time
 
@@ -67,6 +68,32 @@ class Reporter:
         filled = round(self.BAR_WIDTH * min(self.done, self.trials) / max(1, self.trials))
         self.stream.write(f"\r\x1b[K[{'#' * filled}{'.' * (self.BAR_WIDTH - filled)}] {self.status()}")
         self.stream.flush()
+
+
+def reason_gist(problem: str) -> str:
+    """What a pre-check's message (``space.candidate_problem``) says without one configuration's
+    particulars, to count the configurations left out by reason: its first clause (up to the first
+    ", " or "; "), without the "knobs: " that every knob-set message starts with."""
+    gist = problem.removeprefix("knobs: ")
+    for separator in (", ", "; "):
+        gist = gist.split(separator, 1)[0]
+    return gist
+
+
+def left_out_line(problems: list[str], total: int | None = None, details: str | None = None) -> str:
+    """One line for the configurations the pre-check left out before building (``problems``, a message
+    each), counted by reason (``reason_gist``), the most common first: what ``tvmflash tune`` printed
+    a line each for, with each configuration's full name. ``total``: the configurations
+    pre-checked; ``details``: where each one's message is."""
+    of = f" of {total}" if total is not None else ""
+    if not problems:
+        return (f"pre-checked {total} configurations: none left out" if total is not None
+                else "none left out before building")
+    counts = collections.Counter(reason_gist(problem) for problem in problems)
+    reasons = ", ".join(f'{count} for "{gist}"' for gist, count in counts.most_common())
+    noun = "configuration" if (total if total is not None else len(problems)) == 1 else "configurations"
+    return (f"left out {len(problems)}{of} {noun} before building: {reasons}"
+            + (f" (each in {details})" if details else ""))
 
 
 def last_line(text: str) -> str:

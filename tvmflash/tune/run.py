@@ -9,6 +9,8 @@ import functools
 import importlib.util
 import math
 import random
+import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -20,6 +22,7 @@ from tvmflash import bench, cache, choice, database, kernels, program
 from tvmflash.kernels import checks
 from tvmflash import target as targets
 from tvmflash.schedules.contract import KnobSet, Schedule
+from tvmflash.tune import decision
 from tvmflash.tune.builder import ProgressBuilder, ms_build, usable_cores, workers_import_this_tvmflash
 from tvmflash.tune.progress import Progress, Reporter
 from tvmflash.tune.runner import ReportingRunner, gpu_timing_lock, timed_alone
@@ -86,7 +89,9 @@ def tune(*, head_dim: int, dtype, causal: bool, target=None, trials: int = 64, b
          trials_per_iter: int | None = None, seed: int | None = None, repeat: int = 20, recheck: int = 3,
          cold: bool = False, echo=print, bar_stream=None) -> dict:
     """Tune the knobs of the schedule that ``tvmflash.compile`` picks (``choice.choose_schedule``) for one
-    workload on this machine and store the best in the database.
+    workload on this machine and store the best in the database, where it beats the incumbent (the
+    knobs compile() takes now) by more than the noise of repeated timings (``decision.decide``; else
+    the record keeps the incumbent's knobs).
 
     Tunes on a static (batch, seqlen, seqlen, heads, heads) shape; the record then serves every
     shape of the workload (head_dim, dtype, causal) through ``tvmflash.compile()``. ``space``
@@ -96,14 +101,16 @@ def tune(*, head_dim: int, dtype, causal: bool, target=None, trials: int = 64, b
 
     Warm (the default), the search starts from what is known: the schedule's defaults and the
     best user and shipped records seed MetaSchedule's database, and all of them are timed again
-    with the search's best, so the stored result is never slower than they are in this run.
+    with the search's best, so the stored result is never slower than they are in this run, by
+    more than the noise.
     ``cold`` hides them (no seeds, no records read; what a new GPU gets): the defaults are still
     timed, as the reference and the floor of what is stored.
 
     Progress goes to ``echo`` a line at a time, or with ``bar_stream`` (a terminal) as a progress
     bar redrawn there. Returns the new record (``default_ms``; ``tuned_ms`` for the fastest correct
-    one of the search's; ``known_ms`` for each known configuration timed) with ``path``, the
-    database file.
+    one of the search's; ``known_ms`` for each known configuration timed; ``incumbent``, ``kept``,
+    ``decision`` and ``noise``: what it was compared with and why it holds its knobs) with ``path``,
+    the database file.
     """
     dtype, resolved, shape = tuning_request(head_dim, dtype, causal, trials, target, batch, seqlen, heads)
     # the schedule that tvmflash.compile would pick (on sm_90a the sm90 one unless TVMFLASH_SM90=0 or
@@ -125,9 +132,9 @@ def tune(*, head_dim: int, dtype, causal: bool, target=None, trials: int = 64, b
     known = known_configurations(resolved, schedule.forward.knobs, workload, schedule.forward.knobs.defaults(head_dim),
                                  cold=cold, seqlen_k=shape["seqlen"])
     stats: dict = {}  # PreCheck's count of candidates rejected before building
+    _load_tensor_intrinsics(echo)
     tasks = make_tasks(schedule, spec, shape, space, resolved, work_dir, random.Random(seed), echo,
                        known=None if cold else known, stats=stats)
-    echo(f"  {len(tasks)} tasks (programs), {sum(len(t['structures']) for t in tasks)} design spaces")
     contexts = _by_promise(tasks, known["default"])
     trials = _trials_within(tasks, trials, echo)
     db = _search_database(work_dir, contexts, tasks, known, cold, echo)
@@ -139,32 +146,56 @@ def tune(*, head_dim: int, dtype, causal: bool, target=None, trials: int = 64, b
         raise RuntimeError(f"tvmflash tune: none of {progress.done} candidates built and ran; see the logs in {work_dir}")
 
     candidates, search = _rechecked_candidates(known, progress, recheck)
-    times, correct = _timed_through_compile(schedule, candidates, known, workload, resolved, shape, cuda, repeat,
-                                            echo)
+    times, rounds, correct = _timed_through_compile(schedule, candidates, known, workload, resolved, shape, cuda,
+                                                    repeat, echo)
     tuned_label, winner = _tuned_and_winner(known, search, correct, times)
-    tuned_knobs, knobs = candidates[tuned_label][1], candidates[winner][1]
+    incumbent = decision.incumbent(known)
+    verdict = decision.decide(rounds, incumbent, winner,
+                              None if correct[incumbent] else "give wrong results at the tuning shape")
+    tuned_knobs, knobs = candidates[tuned_label][1], candidates[verdict.kept][1]
     wall_s = time.perf_counter() - start
     record = database.new_record(
-        resolved, schedule_name, workload, knobs, times[winner],
+        resolved, schedule_name, workload, knobs, times[verdict.kept],
         shape={"batch": shape["batch"], "seqlen_q": shape["seqlen"], "seqlen_k": shape["seqlen"],
                "heads_q": shape["heads"], "heads_kv": shape["heads"]},
         trials=progress.done, failed_trials=progress.failed, wall_s=round(wall_s, 1),
         default_ms=times["default"], tuned_ms=times[tuned_label], tuned_knobs=tuned_knobs,
         known_ms={label: times[label] for label in known}, start="cold" if cold else "warm",
-        metaschedule_ms=progress.best_ms, work_dir=str(work_dir))
-    path = database.add(record)
-    kernels.forget_kernels()  # compile() must see the new record
+        metaschedule_ms=progress.best_ms, work_dir=str(work_dir), **verdict.record_fields())
     echo(f"best knobs: {tuned_knobs} (MetaSchedule's best: {progress.best_ms:.4f} ms)")
     echo(f"tvmflash.compile at b{shape['batch']} s{shape['seqlen']} h{shape['heads']}: default {times['default']:.4f} ms, "
          f"tuned {times[tuned_label]:.4f} ms ({times['default'] / times[tuned_label]:.2f}x)")
-    # The database keeps the faster record of a key (its own time, at its own shape).
+    path = store(record, verdict, cold, echo, f"{progress.done} trials, {progress.failed} failed, {wall_s:.0f} s")
+    return {**record, "path": str(path)}
+
+
+def store(record: dict, verdict: decision.Decision, cold: bool, echo, what: str) -> Path:
+    """Write the run's record (the kept configuration's knobs, ``decision.decide``) and say why it holds
+    them. Warm, it replaces the key's record whatever their times: that record's knobs were the
+    incumbent, timed in this run, which compares them more fairly than two runs' times (perhaps at two
+    shapes of the bucket). Cold, no record was read or timed: the faster by its own time stays."""
+    echo(("stored: " if verdict.replaced else "not stored: ") + verdict.reason)
+    path = database.add(record, replace=not cold)
+    kernels.forget_kernels()  # compile() must see the new record
     kept = next((r for r in database.read(path) if database.same_key(r, record)), record)
     if kept != record:
         echo(f"kept the faster record already in {path} ({kept['mean_ms']:.4f} ms at {kept.get('shape')}): {kept['knobs']}")
     else:
-        echo(f"stored the {winner if winner in known else 'tuned'} knobs {knobs} in {path} ({progress.done} trials, "
-             f"{progress.failed} failed, {wall_s:.0f} s)")
-    return {**record, "path": str(path)}
+        echo(f"the record in {path} holds {decision.describe(verdict.kept)} {record['knobs']} ({what})")
+    return path
+
+
+def _load_tensor_intrinsics(echo) -> None:
+    """Import TVM's tensor intrinsics, saying so first: MetaSchedule's TuneContext imports them when the
+    first task is made (every intrinsic of every target, parsed from TVMScript), which took 25-38 s on
+    2 CPU cores with nothing printed. Once a process."""
+    if "tvm.s_tir.tensor_intrin" in sys.modules:
+        return
+    echo("  loading TVM's tensor intrinsics, which MetaSchedule's tasks need (once a process; about half a "
+         "minute on 2 CPU cores)")
+    start = time.perf_counter()
+    importlib.import_module("tvm.s_tir.tensor_intrin")
+    echo(f"  loaded in {time.perf_counter() - start:.0f} s")
 
 
 def _work_dir(work_dir, schedule_name: str, workload: dict) -> Path:
@@ -233,6 +264,10 @@ def _search(schedule: Schedule, tasks: list[dict], contexts: list, db, target, w
             echo(f"  building the {len(single)} one-configuration tasks at once, {num_cores} at a time")
             builder.build_ahead([_design_space(schedule, task, context) for task, context in single], target)
         per_iter = trials_per_iter or max(2, min(16, trials // 4))
+        # (until the first batch is out, MetaSchedule starts its builder's processes and draws the first
+        # population: some seconds with nothing else to show)
+        echo(f"  searching: {trials} trials over {len(contexts)} tasks, {per_iter} a batch, {num_cores} build "
+             f"processes")
         ms.tune_tasks(
             tasks=contexts,
             task_weights=[1.0] * len(contexts),
@@ -275,17 +310,19 @@ def _rechecked_candidates(known: dict, progress: Progress, recheck: int) -> tupl
 
 
 def _timed_through_compile(schedule: Schedule, candidates: dict, known: dict, workload: dict, target, shape: dict,
-                           cuda: bool, repeat: int, echo) -> tuple[dict, dict]:
+                           cuda: bool, repeat: int, echo) -> tuple[dict, dict, dict]:
     """The candidates on real tensors through tvmflash.compile, in this run, on the schedule tuned (named:
     knobs alone do not say whose they are): each built (or loaded) and checked before taking the GPU,
-    then timed. Returns label -> ms and label -> correct."""
+    then timed ``decision.ROUNDS`` times in turns (``decision.timed_rounds``), so that the spread of
+    each one's timings shows the noise a new record must beat. Returns label -> median ms, label ->
+    ms of each round and label -> correct."""
     head_dim, dtype, causal = workload["head_dim"], workload["dtype"], workload["causal"]
     device = torch.device("cuda" if cuda else "cpu")
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(shape["batch"], shape["seqlen"], shape["heads"], head_dim, generator=gen)
                .to(device=device, dtype=checks.TORCH_DTYPES[dtype]) for _ in range(3))
     out = torch.empty_like(q)
-    built, correct, times = {}, {}, {}
+    built, correct = {}, {}
     for label, (_ms, knobs) in candidates.items():
         built[label] = kern = kernels.compile(head_dim=head_dim, dtype=dtype, causal=causal, target=target,
                                                knobs=knobs, schedule=schedule.name)
@@ -299,14 +336,17 @@ def _timed_through_compile(schedule: Schedule, candidates: dict, known: dict, wo
     if not any(correct.values()):
         raise RuntimeError("tvmflash tune: neither the tuned nor the known knobs give correct results")
     with gpu_timing_lock() if cuda else contextlib.nullcontext():
-        for label, kern in built.items():
-            times[label] = bench.time_ms(lambda kern=kern: kern(q, k, v, out=out), device, repeat=repeat)
+        calls = {label: lambda kern=kern: kern(q, k, v, out=out) for label, kern in built.items()}
+        rounds = decision.timed_rounds(calls, lambda call: bench.time_ms(call, device, repeat=repeat))
+    times = {label: statistics.median(ms) for label, ms in rounds.items()}
     defaults = known["default"]
     for label, (ms_, knobs) in candidates.items():
         static = f"MetaSchedule {ms_:.4f} ms, " if ms_ is not None else ""
-        echo(f"  {label:<8} {static}tvmflash.compile {times[label]:.4f} ms{'' if correct[label] else ' (wrong)'}: "
+        spread = decision.spread(rounds[label])
+        echo(f"  {label:<8} {static}tvmflash.compile {times[label]:.4f} ms (spread {spread:.1%})"
+             f"{'' if correct[label] else ' (wrong)'}: "
              f"{ {n: knobs[n] for n in knobs if knobs[n] != defaults.get(n)} or 'the defaults'}")
-    return times, correct
+    return times, rounds, correct
 
 
 def _tuned_and_winner(known: dict, search: list[str], correct: dict, times: dict) -> tuple[str, str]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import os
 import random
+import time
 from pathlib import Path
 
 import tvm
@@ -18,6 +19,7 @@ from tvmflash.schedules.contract import Schedule
 from tvmflash.tune.builder import usable_cores
 from tvmflash.tune.mutator import MutateKnob
 from tvmflash.tune.postproc import PreCheck
+from tvmflash.tune.progress import left_out_line
 from tvmflash.tune.space import (Retracer, candidate_problem, configurations, seed_trace, space_fn, structures,
                                  structures_share_a_program, task_knobs, task_name, task_points, with_defaults)
 
@@ -62,45 +64,51 @@ def make_tasks(schedule: Schedule, spec: program.AttentionSpec, shape: dict, spa
     """One MetaSchedule task per point of ``task_points`` (the knobs that change the program), on
     the static ``shape``. Inside it, one design space per structure (``structures``) that
     ``candidate_problem`` and the schedule accept, the other knobs sampled; ``PreCheck`` rejects
-    the sampled candidates that cannot build. A structure or point rejected outright is left out
-    with a message. Returns dicts with ``name``, ``fixed``, ``sampled``, ``structures``,
-    ``context`` (a TuneContext) and ``seeds``: the traces of the ``known`` configurations (label
-    -> knobs) that the task makes, [(label, trace)], for ``seed_database``."""
+    the sampled candidates that cannot build. A structure or point rejected outright is left out:
+    one line (``echo``) counts them by reason, and ``work_dir/left_out.txt`` names each with why
+    (a line each on the console, before the first trial, buried it on a GPU). Returns dicts with
+    ``name``, ``fixed``, ``sampled``, ``structures``, ``context`` (a TuneContext) and ``seeds``: the
+    traces of the ``known`` configurations (label -> knobs) that the task makes, [(label, trace)],
+    for ``seed_database``."""
     schedule_name = schedule.name
     points = task_points(schedule, space)
+    options_of = [structures(schedule, space, point) for point in points]
+    total = sum(len(options) for options in options_of)
+    echo(f"  building the design space: {len(points)} tasks (programs), pre-checking their {total} configurations "
+         f"(structures), each task's schedule traced")
+    start = time.perf_counter()
     loggers = _loggers(work_dir, [task_name(p) for p in points])
     stats = {} if stats is None else stats
+    left_out = []  # "task structure: why", a line each configuration left out
 
     def check(knobs):
         return candidate_problem(schedule.forward.knobs, target, spec.head_dim, spec.dtype, knobs)
 
     tasks = []
-    for point, logger in zip(points, loggers):
+    for point, options, logger in zip(points, options_of, loggers):
         name = task_name(point)
-        options = structures(schedule, space, point)
         fixed, sampled = task_knobs(space, **point, structure_names=list(options[0]) if options else ())
         plain = with_defaults(schedule, fixed)  # the task's knobs; the defaults fill in the sampled ones
         func = specialize(schedule_registry.program_for(spec, schedule, plain), spec, batch=shape["batch"],
                           seqlen_q=shape["seqlen"], seqlen_k=shape["seqlen"], softmax_scale=1.0 / math.sqrt(spec.head_dim))
         mod = tvm.IRModule({"main": func})
-        kept, reasons = [], []
+        kept = []
         for structure in options:
             problem = check({**plain, **structure})
             if problem is None:
                 kept.append(structure)
             else:
-                reasons.append(f"{task_name(structure)}: {problem}" if structure else problem)
+                left_out.append((f"{name} {task_name(structure)}".strip(), problem))
         if kept:  # the schedule runs on the first (the others are tried as the design spaces are made)
             try:
                 space_fn(schedule, fixed, sampled, kept[:1])(tvm.s_tir.Schedule(mod))
             except Exception as err:  # noqa: BLE001 - any schedule error means "not this program"
                 lines = [line for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
-                reasons, kept = [f"the {schedule_name} schedule rejects it: {lines[-1].strip()}"], []
+                left_out += [(f"{name} {task_name(structure)}".strip(),
+                              f"the {schedule_name} schedule rejects it: {lines[-1].strip()}") for structure in kept]
+                kept = []
         if not kept:
-            echo(f"  skipping {name}: {reasons[0]}" + (f" (and {len(reasons) - 1} more)" if len(reasons) > 1 else ""))
             continue
-        for reason in reasons:
-            echo(f"  {name}: leaving out {reason}")
         if not structures_share_a_program(schedule, plain, kept):
             raise ValueError(f"space: the structures of {name} need programs with different min_kv_tiles")
         retracer = Retracer(schedule, mod, fixed, sampled, kept)
@@ -128,8 +136,15 @@ def make_tasks(schedule: Schedule, spec: program.AttentionSpec, shape: dict, spa
                                  logger=logger).clone()
         tasks.append({"name": name, "fixed": fixed, "sampled": sampled, "structures": kept, "context": context,
                       "seeds": seeds, "point": point})
+    details = None
+    if left_out:
+        details = work_dir / "left_out.txt"
+        details.write_text("".join(f"{where}: {problem}\n" for where, problem in left_out))
+    echo(f"  {len(tasks)} tasks (programs), {sum(len(t['structures']) for t in tasks)} design spaces, in "
+         f"{time.perf_counter() - start:.0f} s; {left_out_line([p for _, p in left_out], total, details)}")
     if not tasks:
-        raise ValueError(f"space: the {schedule_name} schedule rejects every task of {space}")
+        raise ValueError(f"space: the {schedule_name} schedule rejects every task of {space}"
+                         + (f"; first, {left_out[0][0]}: {left_out[0][1]}" if left_out else ""))
     return tasks
 
 
