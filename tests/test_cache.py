@@ -1,5 +1,6 @@
 """Built modules are cached on disk and a second process loads instead of rebuilding."""
 
+import contextlib
 import json
 import os
 import subprocess
@@ -211,3 +212,37 @@ def test_a_packages_source_digest_covers_all_its_files(tmp_path):
     plain = types.ModuleType("plain")
     plain.__file__ = str(package / "knobs.py")
     assert cache.source_files(plain) == [package / "knobs.py"]
+
+
+def test_processes_that_need_one_module_build_it_once(tmp_path):
+    """Two processes that need a module no one has built (the ranks of one job): the first to take its
+    build lock builds it, the other waits and loads it. The lock is held here until both wait for it."""
+    kernel = tvmflash.compile(head_dim=32, dtype="float32", causal=True, target="cpu", heads_q=2, heads_kv=1)
+    key = kernel.build.key(kernel.spec(2, 1))
+    env = dict(os.environ, TVMFLASH_CACHE_DIR=str(tmp_path))
+    script = "import logging; logging.basicConfig(level=logging.INFO)\n" + SCRIPT
+    with cache_dir_set(tmp_path), cache.build_lock(key):
+        processes = [subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True) for _ in range(2)]
+        waiting = [process.stderr.readline() for process in processes]  # each process's first log line
+        assert all("waiting for another process to build" in line for line in waiting), waiting
+    results = []
+    for process in processes:
+        out, err = process.communicate(timeout=600)
+        assert process.returncode == 0, err
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    origins = sorted(next(iter(r["info"]["modules"].values()))["origin"] for r in results)
+    assert origins == ["built", "disk cache"] and all(r["finite"] for r in results)
+
+
+@contextlib.contextmanager
+def cache_dir_set(path):
+    previous = os.environ.get("TVMFLASH_CACHE_DIR")
+    os.environ["TVMFLASH_CACHE_DIR"] = str(path)
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["TVMFLASH_CACHE_DIR"]
+        else:
+            os.environ["TVMFLASH_CACHE_DIR"] = previous

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 import os
 import tempfile
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # Windows: no lock, at worst two processes build the same module
+    fcntl = None
+
+logger = logging.getLogger("tvmflash")
 
 
 def cache_dir() -> Path:
@@ -75,6 +84,29 @@ def write_module(path: Path, write, meta: dict) -> None:
     atomic_write(path, write)
     meta = {**meta, "bytes": path.stat().st_size, "sha256": file_digest(path)}
     atomic_write(path.with_suffix(".json"), lambda tmp: Path(tmp).write_text(json.dumps(meta, indent=1)))
+
+
+@contextlib.contextmanager
+def build_lock(key: str):
+    """Held while the module ``key`` is built, by one process at a time: another process that needs it
+    (a rank of the same job, a test process) waits here, then loads what the first built instead of
+    building it again. A lock on a file (``.KEY.lock`` in the module folder), which the system releases
+    if its holder dies."""
+    if fcntl is None:
+        yield
+        return
+    path = module_dir() / f".{key}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("waiting for another process to build %s...", key)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def read_meta(path: Path) -> tuple[dict | None, str | None]:

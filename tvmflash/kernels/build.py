@@ -119,12 +119,15 @@ class Build:
             if found is None:
                 found = self._load(key)
                 if found is None:
-                    variant = "".join(f" {name}={value}" for name, value in self.variant.items())
-                    what = (f"d{spec.head_dim} {spec.dtype}{' causal' if spec.causal else ''}{variant} "
-                            f"hq{spec.heads_q}/hkv{spec.heads_kv}{' int64' if wide else ''}")
-                    logger.info("building %s for %s (%s schedule)...", what, self.target_name,
-                                self.schedule.name)
-                    found = self._build(spec, key, wide)
+                    with cache.build_lock(key):
+                        found = self._load(key)  # another process may have built it meanwhile
+                        if found is None:
+                            variant = "".join(f" {name}={value}" for name, value in self.variant.items())
+                            what = (f"d{spec.head_dim} {spec.dtype}{' causal' if spec.causal else ''}{variant} "
+                                    f"hq{spec.heads_q}/hkv{spec.heads_kv}{' int64' if wide else ''}")
+                            logger.info("building %s for %s (%s schedule)...", what, self.target_name,
+                                        self.schedule.name)
+                            found = self._build(spec, key, wide)
                 logger.info("%s %s in %.1f s%s", "built" if found.origin == "built" else "loaded", found.path or "it",
                             found.seconds, "" if found.function else " (CUDA source only: no GPU here to build for)")
                 _MODULES[key] = found
