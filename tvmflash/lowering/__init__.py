@@ -24,10 +24,11 @@ and nothing here imports a schedule or the program.
 
 from tvmflash.lowering import (annotations, cp_async_barriers, cpu_exp2, double_buffers, ir, loops_and_blocks, pipeline,
                                pragmas, tile_alignment, tma_copies, tma_device_functions, tma_plan,
-                               tma_producer_warpgroup, tma_tensor_maps, tvm_fixes, uniformity, wide_indices)
+                               tma_producer_warpgroup, tma_reductions, tma_tensor_maps, tvm_fixes, uniformity,
+                               wide_indices)
 from tvmflash.lowering.pipeline import build  # noqa: F401
 
 # their source is in the build cache's key
 MODULES = (annotations, cp_async_barriers, cpu_exp2, double_buffers, ir, loops_and_blocks, pipeline, pragmas,
-           tile_alignment, tma_copies, tma_device_functions, tma_plan, tma_producer_warpgroup, tma_tensor_maps, tvm_fixes,
-           uniformity, wide_indices)
+           tile_alignment, tma_copies, tma_device_functions, tma_plan, tma_producer_warpgroup, tma_reductions,
+           tma_tensor_maps, tvm_fixes, uniformity, wide_indices)
