@@ -49,7 +49,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     """Attention of q over k, v in flash-attn's layout.
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim) with nheads
-    a multiple of nheads_k (GQA/MQA). softmax_scale defaults to 1/sqrt(headdim); causal masks are
+    a multiple of nheads_k (GQA/MQA), headdim any from 1 to 256 (one the kernels do not serve is
+    zero-padded, as :func:`tvmflash.attention` says). softmax_scale defaults to 1/sqrt(headdim); causal masks are
     aligned bottom-right. window_size=(left, right): query i sees keys i + seqlen_k - seqlen_q - left
     ... i + seqlen_k - seqlen_q + right (-1: unbounded). softcap > 0: scores become
     softcap · tanh(score / softcap). alibi_slopes, float32 (nheads,) or (batch, nheads): a bias of
@@ -182,7 +183,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     seqlen_q sees the keys up to cache length - seqlen_q + t, bottom-right).
     k_cache, v_cache: (cache_batch, cache_len, heads_kv, head_dim), or with ``block_table``
     (num_pages, page_size, heads_kv, head_dim), page_size a power of two >= 16; heads_q a multiple
-    of heads_kv (GQA/MQA). Contiguous, q's dtype (fp16, bf16 or fp32) and device.
+    of heads_kv (GQA/MQA). Contiguous, q's dtype (fp16, bf16 or fp32) and device. head_dim: one that the
+    decode kernels for the device and dtype serve as it is (the CPU every multiple of 8; a GPU the
+    multiples of 16 in fp16/bf16, of 32 in float32), as the caches are written in place: no padding, and
+    a ValueError naming them otherwise.
     k, v (optional, both or neither): (batch, seqlen_new, heads_kv, head_dim), written into the cache
     in place at positions cache_seqlens[b] ... cache_seqlens[b] + seqlen_new - 1 before attending;
     the attention then sees cache_seqlens + seqlen_new keys. ``cache_seqlens`` itself is not
