@@ -237,6 +237,23 @@ def test_the_environments_backward_schedule_is_its_say(monkeypatch):
     assert choice.head_dim_to_run(("backward",), sm80, "float16", 120) == 120
 
 
+def test_simt_knobs_fit_static_shared_memory_at_every_head_dim():
+    """The SIMT forward and backward keep their tiles in static shared memory, 48 KiB at most (ptxas
+    refused the float32 forward's 64 KiB at d256 and the backward's defaults failed from d192): their
+    knobs shrink to fit at every multiple of 8 (no build)."""
+    from tvmflash.program import SUPPORTED_HEAD_DIMS
+    from tvmflash.schedules import simt
+
+    sm80 = targets.resolve("sm80")
+    for head_dim in SUPPORTED_HEAD_DIMS:
+        spec = {"head_dim": head_dim, "dtype": "float32", "causal": False}
+        forward = choice.forward(sm80, spec, None)
+        assert forward.schedule.name == "simt"
+        assert simt.shared_memory_bytes(head_dim, "float32", forward.knobs) <= 48 * 1024, head_dim
+        backward = choice.backward(sm80, spec, None)
+        assert simt.backward_shared_memory_bytes(head_dim, "float32", backward.knobs) <= 48 * 1024, head_dim
+
+
 @pytest.mark.parametrize("kind,head_dim,dtype,target,schedule", [
     ("forward", 80, "bfloat16", "sm80", "sm80"), ("backward", 80, "bfloat16", "sm80", "sm80"),
     ("forward", 192, "bfloat16", "sm90", "sm90"), ("decode", 80, "float16", "sm80", "sm80"),
