@@ -175,6 +175,18 @@ class DecodeTasks:
     per_processor: Callable[[int, str, dict, int], int] = lambda head_dim, dtype, knobs, group: 1
 
 
+# The head_dims at which the CUDA schedules' kernels have passed the gpu tests on a GPU. A CUDA schedule
+# builds at more (cross-compiled and through nvcc: each one's ``..._HEAD_DIMS``), but serves only these
+# until a GPU run of tests/test_head_dims.py checks the others: until then the torch API pads a head_dim
+# to one of these there, and ``tvmflash.compile`` names them.
+GPU_CHECKED_HEAD_DIMS = (32, 64, 96, 128, 256)
+
+
+def gpu_checked(head_dims: tuple[int, ...] | None = None) -> tuple[int, ...]:
+    """Of ``head_dims`` (None: every head_dim the programs take), those checked on a GPU."""
+    return tuple(d for d in (head_dims or GPU_CHECKED_HEAD_DIMS) if d in GPU_CHECKED_HEAD_DIMS)
+
+
 @dataclass(frozen=True)
 class ProgramSchedule:
     """How a schedule maps one program (forward, backward or decode).

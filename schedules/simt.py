@@ -15,7 +15,7 @@ import tvm
 
 from . import common
 from .common import element_bytes, pipeline_loads, read_index
-from .contract import TILE, DecodeTasks, Knob, KnobSet, ProgramSchedule, Schedule
+from .contract import TILE, DecodeTasks, Knob, KnobSet, ProgramSchedule, Schedule, gpu_checked
 
 # ------------------------------------------------------------------------------------------------
 # knobs: the forward's, the backward's and the decode's, their checks and shared-memory models
@@ -490,9 +490,9 @@ def _vectorize_rows(sch, block, vector_bytes: int) -> None:
 
 SCHEDULE = Schedule(
     name="simt", target_kind="cuda", dtypes=DTYPES, stride_alignment=STRIDE_ALIGNMENT,
-    forward=ProgramSchedule(FORWARD, schedule),
-    backward=ProgramSchedule(BACKWARD, schedule_backward),
-    decode=ProgramSchedule(DECODE, schedule_decode, head_dims=DECODE_HEAD_DIMS, pass_config=DECODE_PASS_CONFIG,
+    forward=ProgramSchedule(FORWARD, schedule, head_dims=gpu_checked()),
+    backward=ProgramSchedule(BACKWARD, schedule_backward, head_dims=gpu_checked()),
+    decode=ProgramSchedule(DECODE, schedule_decode, head_dims=gpu_checked(DECODE_HEAD_DIMS), pass_config=DECODE_PASS_CONFIG,
                            tasks=DecodeTasks(per_processor=decode_tasks_per_sm)),
     sources=(sys.modules[__name__], common),
     fallback=True,  # the products on CUDA cores: the torch API pads to a tensor-core schedule's head_dim first

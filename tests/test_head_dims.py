@@ -17,6 +17,7 @@ from test_varlen import check_each_sequence, packed_problem
 import tvmflash
 from tvmflash import choice, kernels
 from tvmflash import target as targets
+from tvmflash.schedules.contract import GPU_CHECKED_HEAD_DIMS
 
 # (seqlen_q, seqlen_k): one query, tails, seqlen_q > seqlen_k under causal (rows that see no key)
 LENGTHS = [(1, 1), (17, 130), (130, 77)]
@@ -208,44 +209,42 @@ def test_kvcache_at_a_multiple_of_8_and_a_clear_error_otherwise():
 
 
 def test_head_dim_to_run_on_each_target():
-    """What the API runs each head_dim at (no build): on the CPU the next multiple of 8; on a GPU in
-    fp16/bf16 a head_dim that tensor-core schedules serve for the forward and, where there is one, the
-    backward (sm80's up to 128) rather than the SIMT fallback at the exact head_dim; float32 (SIMT
-    alone) the next multiple of 8. Decode serves what it builds: the multiples of 16 in fp16/bf16 on a
-    GPU (sm80's), of 32 in float32 (SIMT's), of 8 on the CPU."""
+    """What the API runs each head_dim at (no build): on the CPU the next multiple of 8; on a GPU the
+    next head_dim checked on a GPU (``contract.GPU_CHECKED_HEAD_DIMS``), which tensor-core schedules
+    serve for the forward and, up to 128, the backward. Decode serves every multiple of 8 on the CPU,
+    and on a GPU the head_dims checked there."""
     both = ("forward", "backward")
     cases = {("cpu", "bfloat16"): {1: 8, 40: 40, 59: 64, 111: 112, 250: 256},
-             ("sm80", "bfloat16"): {1: 16, 8: 16, 40: 48, 59: 64, 80: 80, 111: 112, 136: 144, 160: 160, 250: 256},
-             ("sm90", "float16"): {40: 48, 80: 80, 96: 96, 200: 208, 224: 224},
-             ("sm80", "float32"): {1: 8, 40: 40, 59: 64, 136: 136}}
+             ("sm80", "bfloat16"): {1: 32, 8: 32, 40: 64, 59: 64, 80: 96, 111: 128, 136: 256, 250: 256},
+             ("sm90", "float16"): {40: 64, 80: 96, 96: 96, 200: 256, 224: 256},
+             ("sm80", "float32"): {1: 32, 40: 64, 59: 64, 136: 256}}
     for (target, dtype), runs in cases.items():
         resolved = targets.resolve(target)
         for head_dim, run in runs.items():
             assert choice.head_dim_to_run(both, resolved, dtype, head_dim) == run, (target, dtype, head_dim)
-    decode = {("cpu", "float16"): 8, ("sm80", "bfloat16"): 16, ("sm90", "float16"): 16, ("sm80", "float32"): 32}
-    for (target, dtype), step in decode.items():
-        assert choice.native_head_dims("decode", targets.resolve(target), dtype) == tuple(range(step, 257, step))
+    assert choice.native_head_dims("decode", targets.resolve("cpu"), "float16") == tuple(range(8, 257, 8))
+    for target, dtype in (("sm80", "bfloat16"), ("sm90", "float16"), ("sm80", "float32")):
+        assert choice.native_head_dims("decode", targets.resolve(target), dtype) == GPU_CHECKED_HEAD_DIMS
 
 
-def test_the_environments_backward_schedule_is_its_say(monkeypatch):
-    """TVMFLASH_BACKWARD=simt asks for the SIMT backward: no tensor-core backward to pad for, so 120 runs
-    at 128 for the forward's sake alone, and the backward by itself would run at 120."""
+def test_the_environments_backward_schedule_pads_as_the_default(monkeypatch):
+    """TVMFLASH_BACKWARD=simt asks for the SIMT backward, which on a GPU serves the head_dims checked
+    there as the tensor-core ones do: 120 runs at 128 either way, the backward alone too."""
     sm80 = targets.resolve("sm80")
     assert choice.head_dim_to_run(("forward", "backward"), sm80, "float16", 120) == 128
     monkeypatch.setenv("TVMFLASH_BACKWARD", "simt")
-    assert choice.head_dim_to_run(("forward", "backward"), sm80, "float16", 120) == 128  # the forward's
-    assert choice.head_dim_to_run(("backward",), sm80, "float16", 120) == 120
+    assert choice.head_dim_to_run(("forward", "backward"), sm80, "float16", 120) == 128
+    assert choice.head_dim_to_run(("backward",), sm80, "float16", 120) == 128
 
 
 def test_simt_knobs_fit_static_shared_memory_at_every_head_dim():
     """The SIMT forward and backward keep their tiles in static shared memory, 48 KiB at most (ptxas
     refused the float32 forward's 64 KiB at d256 and the backward's defaults failed from d192): their
     knobs shrink to fit at every multiple of 8 (no build)."""
-    from tvmflash.program import SUPPORTED_HEAD_DIMS
     from tvmflash.schedules import simt
 
     sm80 = targets.resolve("sm80")
-    for head_dim in SUPPORTED_HEAD_DIMS:
+    for head_dim in choice.native_head_dims("forward", sm80, "float32"):
         spec = {"head_dim": head_dim, "dtype": "float32", "causal": False}
         forward = choice.forward(sm80, spec, None)
         assert forward.schedule.name == "simt"
@@ -254,35 +253,29 @@ def test_simt_knobs_fit_static_shared_memory_at_every_head_dim():
         assert simt.backward_shared_memory_bytes(head_dim, "float32", backward.knobs) <= 48 * 1024, head_dim
 
 
-@pytest.mark.parametrize("kind,head_dim,dtype,target,schedule", [
-    ("forward", 80, "bfloat16", "sm80", "sm80"), ("backward", 80, "bfloat16", "sm80", "sm80"),
-    ("forward", 192, "bfloat16", "sm90", "sm90"), ("decode", 80, "float16", "sm80", "sm80"),
-    ("decode", 160, "float32", "sm80", "simt")], ids=str)
-def test_new_head_dims_cross_compile(kind, head_dim, dtype, target, schedule):
-    """What the GPU schedules now declare builds (CUDA source, no GPU needed), on the schedule the
-    target's choice takes: the sm80 forward and backward at 80 (dq in 32-key tiles), the sm90 forward
-    at 192 (one block an SM), the sm80 decode at 80 and the SIMT decode at 160."""
-    if kind == "forward":
-        kernel = tvmflash.compile(head_dim=head_dim, dtype=dtype, causal=True, target=target, schedule=schedule)
-    elif kind == "backward":
-        kernel = tvmflash.compile_backward(head_dim=head_dim, dtype=dtype, causal=True, target=target)
-    else:
-        kernel = tvmflash.compile_decode(head_dim=head_dim, dtype=dtype, target=target)
-    assert kernel.schedule.name == schedule
-    assert "__global__" in kernel.source(4, 2)
+@pytest.mark.parametrize("kind", ["forward", "backward", "decode"])
+def test_compile_refuses_a_head_dim_not_checked_on_a_gpu(kind):
+    """The GPU schedules build at more head_dims than they serve (80 on sm80 both ways, through nvcc) but
+    serve only those checked on a GPU: compile() at 80 names them, and the torch API pads 80 to 96."""
+    compile_ = {"forward": tvmflash.compile, "backward": tvmflash.compile_backward,
+                "decode": tvmflash.compile_decode}[kind]
+    options = {} if kind == "decode" else {"causal": True}
+    with pytest.raises(ValueError, match=r"head_dim.*\b96\b.*got 80|head_dim 80"):
+        compile_(head_dim=80, dtype="bfloat16", target="sm80", **options)
+    assert choice.head_dim_to_run((kind,), targets.resolve("sm80"), "bfloat16", 80) == 96
 
 
 # ----------------------------------------------------------------------------------------------- GPU
-# One build per head_dim and pass (bfloat16, GQA 4/2, causal every other one): 32, 64, 96, 128 and 256
-# share the GPU suite's builds; 40 runs at 48, 59 at 64, 111 at 112 (sm80 forward and backward); 80 on
-# sm80 both ways; 160, 192 and 224 the sm80 forward and the SIMT backward.
+# flash-attn 2's grid of head_dims, bfloat16, GQA 4/2, causal: each runs at a head_dim checked on a GPU
+# (40 and 59 at 64, 80 at 96, 111 at 128, 160 to 224 at 256: GPU_CHECKED_HEAD_DIMS), one forward and one
+# backward build for each of those five.
 GPU_HEAD_DIMS = [32, 40, 59, 64, 80, 96, 111, 128, 160, 192, 224, 256]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", GPU_HEAD_DIMS)
 def test_flash_attn_func_and_its_gradients_at_any_head_dim_on_the_gpu(head_dim):
-    autograd_matches_float64(head_dim, torch.bfloat16, causal=bool(GPU_HEAD_DIMS.index(head_dim) % 2),
+    autograd_matches_float64(head_dim, torch.bfloat16, causal=True,
                              device="cuda", lengths=[(1, 1), (17, 130), (130, 77), (300, 300)])
 
 
@@ -293,6 +286,8 @@ def test_sm90_forward_at_its_new_head_dims(monkeypatch, head_dim):
     TVMFLASH_SM90=1: kernels whose output is poisoned first, on an sm_90a GPU."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the sm90 schedule needs an sm_90a GPU")
+    if head_dim not in GPU_CHECKED_HEAD_DIMS:  # the check that admits it: run with it widened
+        pytest.skip(f"head_dim {head_dim} is not in GPU_CHECKED_HEAD_DIMS yet (schedules/contract.py)")
     monkeypatch.setenv("TVMFLASH_SM90", "1")
     kernel = tvmflash.compile(head_dim=head_dim, dtype=torch.bfloat16, causal=True)
     assert kernel.schedule.name == "sm90"
@@ -307,6 +302,8 @@ def test_sm90_forward_at_its_new_head_dims(monkeypatch, head_dim):
 def test_decode_at_new_head_dims_on_the_gpu(head_dim, dtype):
     """flash_attn_with_kvcache at a head_dim the sm80 decode (80, bf16) or the SIMT one (160, float32)
     serves that it did not before: new keys appended, GQA, causal chunks."""
+    if head_dim not in GPU_CHECKED_HEAD_DIMS:  # the check that admits it: run with it widened
+        pytest.skip(f"head_dim {head_dim} is not in GPU_CHECKED_HEAD_DIMS yet (schedules/contract.py)")
     batch, capacity, new = 3, 200, 3
     k_cache, v_cache, _ = make_cache(batch, capacity, HEADS[1], head_dim, dtype, "cuda")
     cache_seqlens = torch.tensor([0, 77, capacity - new], dtype=torch.int32, device="cuda")

@@ -184,8 +184,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     k_cache, v_cache: (cache_batch, cache_len, heads_kv, head_dim), or with ``block_table``
     (num_pages, page_size, heads_kv, head_dim), page_size a power of two >= 16; heads_q a multiple
     of heads_kv (GQA/MQA). Contiguous, q's dtype (fp16, bf16 or fp32) and device. head_dim: one that the
-    decode kernels for the device and dtype serve as it is (the CPU every multiple of 8; a GPU the
-    multiples of 16 in fp16/bf16, of 32 in float32), as the caches are written in place: no padding, and
+    decode kernels for the device and dtype serve as it is (the CPU every multiple of 8; a GPU 32, 64,
+    96, 128 and 256), as the caches are written in place: no padding, and
     a ValueError naming them otherwise.
     k, v (optional, both or neither): (batch, seqlen_new, heads_kv, head_dim), written into the cache
     in place at positions cache_seqlens[b] ... cache_seqlens[b] + seqlen_new - 1 before attending;

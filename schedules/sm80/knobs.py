@@ -84,7 +84,8 @@ BACKWARD = KnobSet("sm80", "backward", (
 ), shared_memory=backward_shared_memory_bytes)
 # Above 128 dkdv spills kilobytes (1.2 KiB at d144, 5.4 KiB at d256: dk and dv alone are 512 floats a
 # lane of 16 keys there): SIMT serves those. The torch API pads the other head_dims up to 128 to one of
-# these rather than run SIMT (``choice.head_dim_to_run``: 40 to 48, 120 to 128).
+# these rather than run SIMT (``choice.head_dim_to_run``: 40 to 48, 120 to 128), once they are checked on
+# a GPU (``contract.gpu_checked``).
 BACKWARD_HEAD_DIMS = tuple(d for d in MMA_HEAD_DIMS if d <= 128)
 
 WARP_ROWS = 16  # a warp's rows of a decode task: one mma tile
