@@ -175,6 +175,18 @@ class DecodeTasks:
     per_processor: Callable[[int, str, dict, int], int] = lambda head_dim, dtype, knobs, group: 1
 
 
+# The head_dims at which the CUDA schedules' kernels have passed the gpu tests on a GPU. A CUDA schedule
+# builds at more (cross-compiled and through nvcc: each one's ``..._HEAD_DIMS``), but serves only these
+# until a GPU run of tests/test_head_dims.py checks the others: until then the torch API pads a head_dim
+# to one of these there, and ``tvmflash.compile`` names them.
+GPU_CHECKED_HEAD_DIMS = (32, 64, 96, 128, 256)
+
+
+def gpu_checked(head_dims: tuple[int, ...] | None = None) -> tuple[int, ...]:
+    """Of ``head_dims`` (None: every head_dim the programs take), those checked on a GPU."""
+    return tuple(d for d in (head_dims or GPU_CHECKED_HEAD_DIMS) if d in GPU_CHECKED_HEAD_DIMS)
+
+
 @dataclass(frozen=True)
 class ProgramSchedule:
     """How a schedule maps one program (forward, backward or decode).
@@ -208,7 +220,9 @@ class Schedule:
     schedules move 16-byte vectors). pass_config, async_proxy_operands, hoist_block_index_conditions:
     what it asks of ``lowering.build``. kernel_attrs(knobs): function attributes the program carries
     for these knobs (a trace cannot set one). min_kv_tiles(knobs): K/V tiles a Q block visits at the
-    least. sources: the modules whose code shapes its builds (the cache key's)."""
+    least. sources: the modules whose code shapes its builds (the cache key's). fallback: it serves what
+    the schedules before it do not, slower (SIMT on a GPU, with no tensor cores): the torch API pads a
+    head_dim to one that a schedule before it serves rather than run it (``choice.head_dim_to_run``)."""
 
     name: str
     target_kind: str
@@ -225,6 +239,7 @@ class Schedule:
     kernel_attrs: Callable[[dict], dict] = lambda knobs: {}
     min_kv_tiles: Callable[[dict], int] = lambda knobs: 1
     sources: tuple = ()
+    fallback: bool = False
 
     def program(self, name: str) -> ProgramSchedule | None:
         """The ``ProgramSchedule`` of "forward", "backward" or "decode" (None: not mapped)."""

@@ -15,7 +15,7 @@ import tvm
 
 from . import common
 from .common import element_bytes, pipeline_loads, read_index
-from .contract import TILE, DecodeTasks, Knob, KnobSet, ProgramSchedule, Schedule
+from .contract import TILE, DecodeTasks, Knob, KnobSet, ProgramSchedule, Schedule, gpu_checked
 
 # ------------------------------------------------------------------------------------------------
 # knobs: the forward's, the backward's and the decode's, their checks and shared-memory models
@@ -33,11 +33,13 @@ def shared_memory_bytes(head_dim: int, dtype: str, knobs: dict) -> int:
 
 
 # One MetaSchedule task per (block_m, block_n); vector_bytes is sampled inside each task (an ExprRV).
+# The K and V tiles are static shared memory, 48 KiB at most (ptxas refuses more): float32 from
+# head_dim 200 takes 16-key tiles (``choice.fit_shared_memory``).
 FORWARD = KnobSet("simt", "forward", (
     Knob("block_m", 64, space=(32, 64, 128), role=TILE),
     Knob("block_n", 32, space=(16, 32, 64), role=TILE),
     Knob("vector_bytes", 16, choices=VECTOR_BYTES, space=VECTOR_BYTES),
-), shared_memory=shared_memory_bytes)
+), shared_memory=shared_memory_bytes, shared_memory_limit=48 * 1024)
 
 
 def backward_shared_memory_bytes(head_dim: int, dtype: str, knobs: dict) -> int:
@@ -109,6 +111,12 @@ def decode_rules(knobs: dict) -> str | None:
     if knobs["block_n"] % knobs["threads"]:
         return f"block_n ({knobs['block_n']}) must be a multiple of threads ({knobs['threads']})"
     return None
+
+
+# The head_dims decode builds at (cross-compiled and through nvcc at every multiple of 8): the
+# accumulator's (row, column) pairs split over the threads evenly only at multiples of 32 (else
+# ``blockize`` fails on the split's predicate). The forward and the backward build at every multiple of 8.
+DECODE_HEAD_DIMS = tuple(range(32, 257, 32))
 
 
 def decode_build_problem(head_dim: int, dtype: str, knobs: dict) -> str | None:
@@ -482,9 +490,10 @@ def _vectorize_rows(sch, block, vector_bytes: int) -> None:
 
 SCHEDULE = Schedule(
     name="simt", target_kind="cuda", dtypes=DTYPES, stride_alignment=STRIDE_ALIGNMENT,
-    forward=ProgramSchedule(FORWARD, schedule),
-    backward=ProgramSchedule(BACKWARD, schedule_backward),
-    decode=ProgramSchedule(DECODE, schedule_decode, pass_config=DECODE_PASS_CONFIG,
+    forward=ProgramSchedule(FORWARD, schedule, head_dims=gpu_checked()),
+    backward=ProgramSchedule(BACKWARD, schedule_backward, head_dims=gpu_checked()),
+    decode=ProgramSchedule(DECODE, schedule_decode, head_dims=gpu_checked(DECODE_HEAD_DIMS), pass_config=DECODE_PASS_CONFIG,
                            tasks=DecodeTasks(per_processor=decode_tasks_per_sm)),
     sources=(sys.modules[__name__], common),
+    fallback=True,  # the products on CUDA cores: the torch API pads to a tensor-core schedule's head_dim first
 )

@@ -58,11 +58,28 @@ def test_head_dim_differs_from_kernel(kernel):
 
 
 def test_unsupported_head_dim():
-    with pytest.raises(ValueError, match=r"head_dim: expected one of .* got 80"):
-        tvmflash.compile(head_dim=80, dtype="float16", target="cpu")
-    q = torch.randn(1, 4, 2, 80).half()
-    with pytest.raises(ValueError, match=r"head_dim: expected one of .* got 80"):
+    """The kernels take the multiples of 8 up to 256; the torch API any head_dim from 1 to 256 (it pads)."""
+    with pytest.raises(ValueError, match=r"head_dim: expected a multiple of 8 from 8 to 256, got 59 \(tvmflash.attention "
+                                         r"and the flash_attn functions take any head_dim from 1 to 256: they pad it\)"):
+        tvmflash.compile(head_dim=59, dtype="float16", target="cpu")
+    with pytest.raises(ValueError, match=r"head_dim: expected a multiple of 8 from 8 to 256, got 264"):
+        tvmflash.compile_backward(head_dim=264, dtype="float16", target="cpu")
+    q = torch.randn(1, 4, 2, 257).half()
+    with pytest.raises(ValueError, match=r"head_dim: expected 1 to 256 \(q's last dim\), got 257"):
         tvmflash.attention(q, q, q)
+
+
+def test_a_head_dim_a_schedule_does_not_build_is_refused_by_name():
+    """A schedule asked for a head_dim it does not declare (``ProgramSchedule.head_dims``) says which it
+    serves, before anything is built; so does a target none of whose schedules serves it."""
+    with pytest.raises(ValueError, match=r"^schedule 'sm80' \(given\): the sm80 forward serves head_dim "
+                                         r"32, 64, 96, 128, 256, got 40$"):
+        tvmflash.compile(head_dim=40, dtype="float16", target="sm80", schedule="sm80")
+    with pytest.raises(ValueError, match=r"the sm90 backward serves head_dim 64, 128, got 96"):
+        tvmflash.compile_backward(head_dim=96, dtype="bfloat16", target="sm90", schedule="sm90")
+    with pytest.raises(ValueError, match=r"no tvmflash schedule maps the decode on cuda sm_80 for float32 at head_dim 40; "
+                                         r"head_dims served there: 32, 64, 96, 128, 256$"):
+        tvmflash.compile_decode(head_dim=40, dtype="float32", target="sm80")
 
 
 def head_dim_calls(head_dim: int) -> dict:
@@ -92,13 +109,14 @@ def test_a_head_dim_of_zero_or_less_is_a_value_error_at_every_entry(head_dim):
     attention, flash_attn_func and the varlen functions: each entry now says what it takes, before
     anything is computed or built."""
     for name, call in head_dim_calls(head_dim).items():
-        with pytest.raises(ValueError, match=rf"head_dim: expected one of \(32, 64, 96, 128, 256\), got {head_dim}"):
+        expected = "a multiple of 8 from 8 to 256" if name.startswith("compile") else r"1 to 256 \(q's last dim\)"
+        with pytest.raises(ValueError, match=rf"head_dim: expected {expected}, got {head_dim}"):
             call()
 
 
 def test_a_head_dim_must_be_an_int():
     """64.0 equals 64, and compile took it, to fail deep in TVM when the module was built."""
-    with pytest.raises(ValueError, match=r"head_dim: expected one of .*, got 64.0"):
+    with pytest.raises(ValueError, match=r"head_dim: expected a multiple of 8 .*, got 64.0"):
         tvmflash.compile(head_dim=64.0, dtype="float32", target="cpu")
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from tvmflash import database
 from tvmflash import schedules as registry
 from tvmflash import target as targets
+from tvmflash.program import HEAD_DIM_MULTIPLE, MAX_HEAD_DIM, SUPPORTED_HEAD_DIMS
 from tvmflash.schedules.contract import DERIVED, KnobSet, Schedule
 
 WORKLOAD_FIELDS = ("head_dim", "dtype", "causal")  # what tuning records are keyed by
@@ -90,16 +91,17 @@ def serve_problem(schedule: Schedule, program: str, target, dtype: str, head_dim
     if dtype not in schedule.dtypes:
         return f"the {schedule.name} schedule takes {list(schedule.dtypes)}, got {dtype}"
     if not mapped.serves(head_dim):
-        return f"the {schedule.name} {program} serves head_dim {list(mapped.head_dims)}, got {head_dim}"
+        return f"the {schedule.name} {program} serves head_dim {describe_head_dims(mapped.head_dims)}, got {head_dim}"
     return None
 
 
-def choose_schedule(program: str, target, spec_args: dict, *, schedule: str | None = None,
-                    knobs_given: bool = False) -> tuple[Schedule, str, dict]:
-    """The schedule for a program, why, and the tuning records read to decide ({name: record}, which
-    the knobs' lookup then reuses). ``schedule``: the caller's name for one (``schedules.SCHEDULES``).
-    Given knobs keep the target's schedule (no records decide)."""
-    dtype, head_dim, env = spec_args["dtype"], spec_args["head_dim"], settings()
+def _pick(program: str, target, dtype: str, head_dim: int,
+          schedule: str | None = None) -> tuple[Schedule | None, str, list[str] | None]:
+    """(the schedule for a program before any tuning record is read, why, the names of the schedules
+    able to serve it): the caller's ``schedule``, else the environment's, else the target's first able
+    schedule that prefers the head_dim. Where none serves: (None, why not, []); where the one asked for
+    does not: (None, why not, None)."""
+    env = settings()
     asked, why = schedule, "given"
     if asked is None and program in ("backward", "decode"):
         asked, why = env.backward if program == "backward" else env.decode, f"TVMFLASH_{program.upper()}"
@@ -111,18 +113,80 @@ def choose_schedule(program: str, target, spec_args: dict, *, schedule: str | No
             raise ValueError(f"schedule: expected one of {sorted(registry.SCHEDULES)}, got {asked!r}")
         problem = serve_problem(registry.SCHEDULES[asked], program, target, dtype, head_dim)
         if problem:
-            raise ValueError(f"schedule {asked!r} ({why}): {problem}")
-        return registry.SCHEDULES[asked], why, {}
+            return None, f"schedule {asked!r} ({why}): {problem}", None
+        return registry.SCHEDULES[asked], why, [asked]
     able = [s for s in registry.SCHEDULES.values() if serve_problem(s, program, target, dtype, head_dim) is None
             and not (s.name == "sm90" and env.sm90 == "off")]
     if not able:
-        raise ValueError(f"target: no tvmflash schedule maps the {program} on {targets.describe(target)} for "
-                         f"{dtype} at head_dim {head_dim}")
+        return None, (f"target: no tvmflash schedule maps the {program} on {targets.describe(target)} for {dtype} at "
+                      f"head_dim {head_dim}"), []
     first = next((s for s in able if s.program(program).prefers(head_dim)), able[0])
-    names = [s.name for s in able]
+    return first, "the target's" + newer_gpu_note(target, first), [s.name for s in able]
+
+
+def choose_schedule(program: str, target, spec_args: dict, *, schedule: str | None = None,
+                    knobs_given: bool = False) -> tuple[Schedule, str, dict]:
+    """The schedule for a program, why, and the tuning records read to decide ({name: record}, which
+    the knobs' lookup then reuses). ``schedule``: the caller's name for one (``schedules.SCHEDULES``).
+    Given knobs keep the target's schedule (no records decide). Where none serves the head_dim, a
+    ValueError names the head_dims that are served (``native_head_dims``)."""
+    dtype, head_dim = spec_args["dtype"], spec_args["head_dim"]
+    chosen, why, names = _pick(program, target, dtype, head_dim, schedule)
+    if chosen is None and names is None:  # the schedule asked for: its problem names what it serves
+        raise ValueError(why)
+    if chosen is None:
+        served = native_head_dims(program, target, dtype)
+        pads = served and program != "decode"
+        raise ValueError(f"{why}; head_dims served there: {describe_head_dims(served)}"
+                         + (" (tvmflash.attention and the flash_attn functions pad a head_dim to one of them)"
+                            if pads else ""))
     if program != "forward" or knobs_given or names[:2] != ["sm90", "sm80"]:
-        return first, "the target's" + newer_gpu_note(target, first), {}
-    return by_records(target, spec_args, first)
+        return chosen, why, {}
+    return by_records(target, spec_args, chosen)
+
+
+# ----------------------------------------------------------------------------------------- head_dim
+def native_head_dims(program: str, target, dtype: str, schedule: str | None = None) -> tuple[int, ...]:
+    """The head_dims (of ``tvmflash.program.SUPPORTED_HEAD_DIMS``) at which a schedule maps ``program``
+    for this target and dtype (``schedule``: the caller's; else the environment's or the target's): what
+    ``tvmflash.compile`` and its like take."""
+    return tuple(d for d in SUPPORTED_HEAD_DIMS if _pick(program, target, dtype, d, schedule)[0] is not None)
+
+
+def describe_head_dims(head_dims: tuple[int, ...]) -> str:
+    """Head_dims in words: "the multiples of 16 up to 256" for such a run, else "32, 64, 96"."""
+    if not head_dims:
+        return "none"
+    steps = {b - a for a, b in zip(head_dims, head_dims[1:])}
+    if len(head_dims) > 2 and steps == {head_dims[0]}:
+        return f"the multiples of {head_dims[0]} up to {head_dims[-1]}"
+    return ", ".join(map(str, head_dims))
+
+
+def head_dim_to_run(programs: tuple[str, ...], target, dtype: str, head_dim: int) -> int:
+    """The head_dim at which the torch API runs ``programs`` ("forward", and "backward" where autograd
+    records the call) for q's last dim ``head_dim`` (1 to ``MAX_HEAD_DIM``), zero-padding q, k and v to
+    it and slicing the output back: zero columns change no score q·k, and the output's are zeros.
+
+    The smallest multiple of 8 at or above ``head_dim`` at which every program has a schedule
+    (``_pick``, as ``choose_schedule`` decides without the tuning records, which choose between
+    tensor-core schedules only) and the most of them have one that is no ``fallback``: on a GPU, padding
+    to a head_dim that a tensor-core schedule serves (the sm80 backward at 96 for 80, say, if it did not
+    serve 80) is faster than the SIMT fallback at the exact head_dim, which runs the products on CUDA cores.
+    Where no larger head_dim has more tensor-core programs (the backward above 128), the fallback runs at
+    the head_dim rounded up to 8. On the CPU every multiple of 8 is served: that rounding alone."""
+    first = -(-head_dim // HEAD_DIM_MULTIPLE) * HEAD_DIM_MULTIPLE
+    best, most = first, -1
+    for candidate in range(first, MAX_HEAD_DIM + 1, HEAD_DIM_MULTIPLE):
+        chosen = [_pick(program, target, dtype, candidate)[0] for program in programs]
+        if None in chosen:
+            continue
+        fast = sum(not s.fallback for s in chosen)
+        if fast > most:
+            best, most = candidate, fast
+        if most == len(programs):
+            break
+    return best
 
 
 _NOTED: set = set()
@@ -316,6 +380,8 @@ def backward(target, spec_args: dict, knobs: dict | None, deterministic: bool = 
         resolved["dq_atomic"] = False
     if targets.is_cuda(target):
         check_knobs(knobset, resolved, head_dim, dtype)
+        if not knobs:  # the defaults or a record's, shrunk to fit as the forward's (the SIMT's float32 from d192)
+            resolved, source = fit_shared_memory(target, knobset, head_dim, dtype, resolved, source, given=False)
         over = shared_memory_needed(target, knobset, head_dim, dtype, resolved)
         if over:
             raise ValueError(f"knobs: {resolved} need {over[0] / 1024:.0f} KiB of shared memory, the {chosen.name} "

@@ -248,7 +248,7 @@ def parser() -> argparse.ArgumentParser:
     dtypes = ["float16", "bfloat16", "float32"]
     c = command("compile", "build a kernel and write its CUDA source (or scheduled TensorIR)")
     c.add_argument("--target", default=None, help="cpu, cuda, sm80, sm86, sm89, sm90, sm100 or sm120; none given: this machine's")
-    c.add_argument("--head-dim", type=int, required=True, help="32, 64, 96, 128 or 256")
+    c.add_argument("--head-dim", type=int, required=True, help="a multiple of 8 up to 256 that the target's schedules serve")
     c.add_argument("--dtype", default="bfloat16", choices=dtypes, help="the inputs' dtype")
     add_causal(c, "no", "the bottom-right aligned causal mask", both=False)
     c.add_argument("--heads-q", type=int, default=16, help="query heads (a module is built per head count)")

@@ -25,8 +25,10 @@ from __future__ import annotations
 import torch
 
 from tvmflash import choice
+from tvmflash import target as targets
 from tvmflash.kernels import DecodeKernel, compile_decode, registry
 from tvmflash.kernels.checks import (
+    check_any_head_dim,
     check_cache_values,
     check_flag,
     check_flash_attn_options,
@@ -35,6 +37,7 @@ from tvmflash.kernels.checks import (
     check_num_splits,
     check_packed,
     check_rotary,
+    dtype_name,
     resolve_softmax_scale,
     resolve_variant,
 )
@@ -46,7 +49,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     """Attention of q over k, v in flash-attn's layout.
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim) with nheads
-    a multiple of nheads_k (GQA/MQA). softmax_scale defaults to 1/sqrt(headdim); causal masks are
+    a multiple of nheads_k (GQA/MQA), headdim any from 1 to 256 (one the kernels do not serve is
+    zero-padded, as :func:`tvmflash.attention` says). softmax_scale defaults to 1/sqrt(headdim); causal masks are
     aligned bottom-right. window_size=(left, right): query i sees keys i + seqlen_k - seqlen_q - left
     ... i + seqlen_k - seqlen_q + right (-1: unbounded). softcap > 0: scores become
     softcap · tanh(score / softcap). alibi_slopes, float32 (nheads,) or (batch, nheads): a bias of
@@ -139,10 +143,29 @@ def decode_kernel_for(q, page_size: int, window_size=(-1, -1), softcap: float = 
     key = (q.device, q.dtype, q.shape[-1], page_size, window_size, softcap, alibi, choice.environment("decode"))
     kernel = _BY_DEVICE.get(key)
     if kernel is None:
+        check_decode_head_dim(q)
         kernel = _BY_DEVICE[key] = compile_decode(head_dim=q.shape[-1], dtype=q.dtype, page_size=page_size,
                                                   target=target_of(q), window_size=window_size, softcap=softcap,
                                                   alibi=alibi)
     return kernel
+
+
+def check_decode_head_dim(q) -> None:
+    """A ValueError unless a decode kernel for q's device and dtype serves q's head_dim as it is
+    (``choice.native_head_dims``): the caches are written in place, so ``flash_attn_with_kvcache`` pads
+    no head_dim, as the other functions do; a padded copy of the whole cache at every step would cost
+    more than the attention."""
+    head_dim = check_any_head_dim(q.shape[-1])
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return  # compile_decode names the dtypes it takes
+    target = targets.resolve(target_of(q))
+    served = choice.native_head_dims("decode", target, dtype_name(q.dtype))
+    if head_dim not in served:
+        raise ValueError(f"head_dim: expected one the decode kernels serve for {dtype_name(q.dtype)} on "
+                         f"{targets.describe(target)} ({choice.describe_head_dims(served)}), got "
+                         f"{head_dim}: flash_attn_with_kvcache writes k_cache and v_cache in place and pads no "
+                         f"head_dim; zero-pad q, the caches, k and v to one of them and pass "
+                         f"softmax_scale=1/sqrt({head_dim})")
 
 
 def _not_implemented(option: str, value) -> NotImplementedError:
@@ -160,7 +183,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     seqlen_q sees the keys up to cache length - seqlen_q + t, bottom-right).
     k_cache, v_cache: (cache_batch, cache_len, heads_kv, head_dim), or with ``block_table``
     (num_pages, page_size, heads_kv, head_dim), page_size a power of two >= 16; heads_q a multiple
-    of heads_kv (GQA/MQA). Contiguous, q's dtype (fp16, bf16 or fp32) and device.
+    of heads_kv (GQA/MQA). Contiguous, q's dtype (fp16, bf16 or fp32) and device. head_dim: one that the
+    decode kernels for the device and dtype serve as it is (the CPU every multiple of 8; a GPU 32, 64,
+    96, 128 and 256), as the caches are written in place: no padding, and
+    a ValueError naming them otherwise.
     k, v (optional, both or neither): (batch, seqlen_new, heads_kv, head_dim), written into the cache
     in place at positions cache_seqlens[b] ... cache_seqlens[b] + seqlen_new - 1 before attending;
     the attention then sees cache_seqlens + seqlen_new keys. ``cache_seqlens`` itself is not

@@ -12,13 +12,13 @@ implementation too), so that torch.compile traces the backward graph without a b
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from tvmflash import choice, kernels
 from tvmflash import target as targets
 from tvmflash.kernels import compile, compile_backward, registry
-from tvmflash.kernels.checks import (check_cu_seqlens, check_flag, check_max_seqlen, resolve_softmax_scale,
-                                     resolve_variant)
-from tvmflash.program import check_head_dim
+from tvmflash.kernels.checks import (TORCH_DTYPES, check_any_head_dim, check_cu_seqlens, check_flag, check_max_seqlen,
+                                     dtype_name, resolve_softmax_scale, resolve_variant)
 
 # kernel_for's and backward_kernel_for's answers: compile() resolves a target (a TVM object) and hashes
 # its arguments, some 100-250 us a call; attention() runs at every step of a model. Emptied by
@@ -43,13 +43,60 @@ def kernel_for(q: torch.Tensor, causal: bool, window_left: int = -1, window_righ
 
 def target_of(q: torch.Tensor):
     """The target for q's device."""
-    if q.device.type == "cuda":
-        target = targets.cuda_device_target(q.device.index)
-    elif q.device.type == "cpu":
+    return device_target(q.device)
+
+
+def device_target(device: torch.device):
+    """The target for a torch device."""
+    if device.type == "cuda":
+        target = targets.cuda_device_target(device.index)
+    elif device.type == "cpu":
         target = "cpu"
     else:
-        raise ValueError(f"q: expected a CPU or CUDA tensor, got one on {q.device}")
+        raise ValueError(f"q: expected a CPU or CUDA tensor, got one on {device}")
     return target
+
+
+# ----------------------------------------------------------------------------- head_dim
+# flash-attn takes any head_dim up to 256 (its interface pads q, k and v to a multiple of 8, its kernels
+# round the rest up): so do ``attention`` and ``varlen_attention``, and the flash_attn functions through
+# them. A head_dim that the chosen kernels do not serve is zero-padded to one they do (F.pad: autograd
+# slices the gradients back), softmax_scale stays that of q's own head_dim, and the output is sliced
+# back, as flash-attn's ``out[..., :head_size_og]``.
+# (device, dtype, head_dim, with the backward, the environment) -> the head_dim to run; emptied by
+# ``kernels.forget_kernels``
+HEAD_DIMS_TO_RUN: dict[tuple, int] = {}
+registry.on_forget(HEAD_DIMS_TO_RUN.clear)
+
+
+@torch.compiler.assume_constant_result
+def head_dim_to_run(device: torch.device, dtype: torch.dtype, head_dim: int, backward: bool) -> int:
+    """The head_dim at which the kernels run q's ``head_dim`` on this device (``choice.head_dim_to_run``):
+    the forward's, and with ``backward`` (autograd records the call) the backward's too, one head_dim
+    for both. torch.compile takes it as a constant of the graph."""
+    key = (device, dtype, head_dim, backward, choice.environment("forward"), choice.environment("backward"))
+    found = HEAD_DIMS_TO_RUN.get(key)
+    if found is None:
+        if dtype not in TORCH_DTYPES.values():
+            return head_dim  # the kernel's compile() names the dtype it takes
+        target = targets.resolve(device_target(device))
+        programs = ("forward", "backward") if backward else ("forward",)
+        found = HEAD_DIMS_TO_RUN[key] = choice.head_dim_to_run(programs, target, dtype_name(dtype), head_dim)
+    return found
+
+
+def padded_head_dim(q, k, v, head_dim: int) -> tuple:
+    """(q, k, v) zero-padded in their last dim from ``head_dim`` (each one's, checked here: a padded
+    mismatch would go unnoticed) to the head_dim the kernels run (``head_dim_to_run``), and that head_dim;
+    the tensors themselves where it is theirs."""
+    backward = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    run = head_dim_to_run(q.device, q.dtype, head_dim, backward)
+    if run == head_dim:
+        return q, k, v, run
+    for name, t in (("k", k), ("v", v)):
+        if t.shape[-1] != head_dim:
+            raise ValueError(f"{name}: expected head_dim {head_dim} in the last dim, got shape {tuple(t.shape)}")
+    return (*(F.pad(t, (0, run - head_dim)) for t in (q, k, v)), run)
 
 
 def _output_shapes(q):
@@ -170,13 +217,13 @@ registry.add_route("forward", kernel_call)
 def _options(q, k, v, dims: int, layout: str, causal, window_size, softcap, alibi_slopes) -> tuple:
     """The forward and backward ops' variant arguments, causal and the variant fields in order
     (``resolve_variant``; the kernel checks the slopes), after checking that q, k and v are tensors,
-    q of ``dims`` dims (``layout``) with a head_dim the kernels serve."""
+    q of ``dims`` dims (``layout``) with a head_dim of 1 to 256 (``padded_head_dim`` pads it)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if q.dim() != dims:
         raise ValueError(f"q: expected {dims} dims {layout}, got shape {tuple(q.shape)}")
-    check_head_dim(q.shape[-1])
+    check_any_head_dim(q.shape[-1])
     variant = resolve_variant(causal, window_size, softcap, alibi_slopes is not None)
     return (variant["causal"], variant.get("window_left", -1), variant.get("window_right", -1),
             variant.get("softcap", 0.0))
@@ -193,9 +240,12 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale=None, return_lse: 
     """Exact attention softmax(q kᵀ · scale) v in flash-attn's layout.
 
     q: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim) with
-    heads_q a multiple of heads_kv (GQA/MQA). Returns out with q's shape and dtype, or (out, lse)
-    with lse float32 of shape (batch, heads_q, seqlen_q). softmax_scale (positive, at most 1e8) defaults to
-    1/sqrt(head_dim). With causal and seqlen_q != seqlen_k the mask is aligned bottom-right; a
+    heads_q a multiple of heads_kv (GQA/MQA), head_dim any from 1 to 256. Returns out with q's shape and
+    dtype, or (out, lse) with lse float32 of shape (batch, heads_q, seqlen_q). softmax_scale (positive,
+    at most 1e8) defaults to 1/sqrt(head_dim). A head_dim that the kernels for q's device and dtype do
+    not serve is zero-padded to one they do (``head_dim_to_run``: a multiple of 8, and on a GPU one that
+    a tensor-core schedule serves where there is one) and the output sliced back, a view of the padded
+    output as flash-attn's; gradients come back at q's head_dim. With causal and seqlen_q != seqlen_k the mask is aligned bottom-right; a
     query that sees no key gets 0 (and lse -inf). The kernel for the tensors' device, dtype and
     head_dim is compiled on first use and cached. Differentiable in q, k and v through out and lse
     (``torch.ops.tvmflash.backward``). Where it measures faster (the sm90 backward) dq is summed by
@@ -211,12 +261,16 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale=None, return_lse: 
     """
     options = _options(q, k, v, 4, "(batch, seqlen, heads, head_dim)", causal, window_size, softcap, alibi_slopes)
     return_lse, deterministic = check_flag("return_lse", return_lse), check_flag("deterministic", deterministic)
-    softmax_scale = resolve_softmax_scale(softmax_scale, q.shape[-1])
+    head_dim = q.shape[-1]
+    softmax_scale = resolve_softmax_scale(softmax_scale, head_dim)  # q's own head_dim's, before any padding
+    q, k, v, run = padded_head_dim(q, k, v, head_dim)
     if _through_ops(q, k, v):
         out, lse = forward(q, k, v, options[0], softmax_scale, *options[1:], alibi_slopes, deterministic)
     else:  # eager, nothing for autograd to record: no custom op's dispatch
         out, lse = kernel_for(q, *options, alibi_slopes is not None)(q, k, v, softmax_scale=softmax_scale,
                                                                       return_lse=True, alibi_slopes=alibi_slopes)
+    if run != head_dim:
+        out = out[..., :head_dim]
     return (out, lse) if return_lse else out
 
 
@@ -327,8 +381,8 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     q: (total_q, heads_q, head_dim); k, v: (total_k, heads_kv, head_dim); cu_seqlens_q,
     cu_seqlens_k: int32 (batch + 1,) on q's device, the offsets of each sequence's first row
     (non-decreasing from 0 to total_q, total_k); max_seqlen_q, max_seqlen_k: ints, at least every
-    sequence's length (they size the grids). Returns out with q's shape, or (out, lse) with lse
-    float32 (heads_q, total_q). Each sequence attends to its own keys only, with the causal mask,
+    sequence's length (they size the grids). head_dim: any from 1 to 256, padded as :func:`attention`'s.
+    Returns out with q's shape, or (out, lse) with lse float32 (heads_q, total_q). Each sequence attends to its own keys only, with the causal mask,
     window and ALiBi distances of its own lengths (bottom-right aligned). The kernel reads the
     offsets on the device: no padding, no loop over sequences, no rebuild for new lengths.
     Differentiable in q, k and v (``torch.ops.tvmflash.varlen_backward``), under torch.compile too;
@@ -339,7 +393,9 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     check_max_seqlen("max_seqlen_q", max_seqlen_q)
     check_max_seqlen("max_seqlen_k", max_seqlen_k)
     check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k)  # max_seqlen_k: the backward's
-    softmax_scale = resolve_softmax_scale(softmax_scale, q.shape[-1])
+    head_dim = q.shape[-1]
+    softmax_scale = resolve_softmax_scale(softmax_scale, head_dim)  # q's own head_dim's, before any padding
+    q, k, v, run = padded_head_dim(q, k, v, head_dim)
     if _through_ops(q, k, v):
         out, lse = varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options[0],
                                   softmax_scale, *options[1:], alibi_slopes, deterministic)
@@ -347,4 +403,6 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
         out, lse = kernel_for(q, *options, alibi_slopes is not None, varlen=True)(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale=softmax_scale, return_lse=True,
             alibi_slopes=alibi_slopes)
+    if run != head_dim:
+        out = out[..., :head_dim]
     return (out, lse) if return_lse else out

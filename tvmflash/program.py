@@ -38,7 +38,13 @@ from tvm.script.ir_builder import IRBuilder
 from tvmflash.lowering.annotations import RUNS_IF
 
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32")
-SUPPORTED_HEAD_DIMS = (32, 64, 96, 128, 256)
+# The programs take a head_dim that is a multiple of 8 (a 16-byte vector of fp16 or bf16, the unit the
+# schedules copy in) up to 256, flash-attn's largest. Which of them each schedule builds it declares
+# itself (``ProgramSchedule.head_dims``); the torch API zero-pads any head_dim from 1 to 256 to one the
+# chosen kernels serve (``tvmflash.choice.head_dim_to_run``).
+HEAD_DIM_MULTIPLE = 8
+MAX_HEAD_DIM = 256
+SUPPORTED_HEAD_DIMS = tuple(range(HEAD_DIM_MULTIPLE, MAX_HEAD_DIM + 1, HEAD_DIM_MULTIPLE))
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -55,17 +61,20 @@ MAX_SOFTMAX_SCALE = 1.0e8
 # rescale there (sm90: ``annotations.SKIP_UNIT_RESCALE_PRAGMA``).
 RESCALE_THRESHOLD = 8.0
 # A window bound this large is no bound (``tvmflash.kernels.checks.resolve_variant``): no sequence is that long
-# (a tensor holds less than 2**31 elements, and head_dim is 32 or more), and the int32 index arithmetic
+# (a tensor holds less than 2**31 elements, and head_dim is 8 or more), and the int32 index arithmetic
 # of the window's edges, a position plus or minus the bound, stays in range.
 MAX_WINDOW = 2**30
 
 
 def check_head_dim(head_dim) -> int:
-    """``head_dim`` where the programs serve it (``SUPPORTED_HEAD_DIMS``), else a ValueError naming them:
-    the one check, of a spec's and, at the torch API, of q's last dim before 1 / sqrt(head_dim) is
-    taken (0 was a ZeroDivisionError there; 64.0, an int's equal, failed deep in TVM)."""
+    """``head_dim`` where the programs serve it (``SUPPORTED_HEAD_DIMS``), else a ValueError saying what
+    they take: the one check of a spec's (64.0, an int's equal, failed deep in TVM). The torch API
+    checks q's last dim against 1 ... ``MAX_HEAD_DIM`` first (``kernels.checks.check_any_head_dim``)
+    and pads it to one of these."""
     if not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"head_dim: expected one of {SUPPORTED_HEAD_DIMS}, got {head_dim!r}")
+        raise ValueError(f"head_dim: expected a multiple of {HEAD_DIM_MULTIPLE} from {HEAD_DIM_MULTIPLE} to "
+                         f"{MAX_HEAD_DIM}, got {head_dim!r} (tvmflash.attention and the flash_attn functions take "
+                         f"any head_dim from 1 to {MAX_HEAD_DIM}: they pad it)")
     return head_dim
 
 

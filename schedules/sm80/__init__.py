@@ -11,19 +11,19 @@ registry (``tvmflash.schedules``) hands out.
 import sys
 
 from .. import common, simt
-from ..contract import DecodeTasks, ProgramSchedule, Schedule
+from ..contract import DecodeTasks, ProgramSchedule, Schedule, gpu_checked
 from .backward import schedule_backward
 from .decode import schedule_decode
 from .forward import schedule
-from .knobs import (BACKWARD, BACKWARD_HEAD_DIMS, DECODE, DTYPES, FORWARD, PASS_CONFIG, STRIDE_ALIGNMENT,
-                    decode_query_tokens, decode_tasks_per_sm)
+from .knobs import (BACKWARD, BACKWARD_HEAD_DIMS, DECODE, DECODE_HEAD_DIMS, DTYPES, FORWARD, MMA_HEAD_DIMS,
+                    PASS_CONFIG, STRIDE_ALIGNMENT, decode_query_tokens, decode_tasks_per_sm)
 
 SCHEDULE = Schedule(
     name="sm80", target_kind="cuda", dtypes=DTYPES, min_compute_capability=80, stride_alignment=STRIDE_ALIGNMENT,
     pass_config=PASS_CONFIG,
-    forward=ProgramSchedule(FORWARD, schedule),
-    backward=ProgramSchedule(BACKWARD, schedule_backward, head_dims=BACKWARD_HEAD_DIMS),
-    decode=ProgramSchedule(DECODE, schedule_decode, tasks=DecodeTasks(
+    forward=ProgramSchedule(FORWARD, schedule, head_dims=gpu_checked(MMA_HEAD_DIMS)),
+    backward=ProgramSchedule(BACKWARD, schedule_backward, head_dims=gpu_checked(BACKWARD_HEAD_DIMS)),
+    decode=ProgramSchedule(DECODE, schedule_decode, head_dims=gpu_checked(DECODE_HEAD_DIMS), tasks=DecodeTasks(
         tensor_cores=True, query_tokens=decode_query_tokens, per_processor=decode_tasks_per_sm)),
     # simt: the backward's delta and convert_dq, and decode's merge, run on its schedule
     sources=(sys.modules[__name__], common, simt),

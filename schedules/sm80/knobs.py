@@ -40,9 +40,14 @@ def shared_memory_bytes(head_dim: int, dtype: str, knobs: dict) -> int:
 # and 128 against one stage, 32- or 128-key tiles and row_state "shared", whose pipelined build
 # spills. One MetaSchedule task per (block_m, block_n); num_stages is a structure knob: the
 # pipeline's stage annotations need a plain int.
+# mma.sync m16n8k16 and ldmatrix take the head_dim in steps of 16: the forward, the backward and decode
+# build at every multiple of 16 (cross-compiled for sm_80 and sm_90a, and through nvcc, at every
+# multiple of 8 up to 256), and at no other. Above 128 the forward takes 32-key tiles, as at 256: with
+# 64 its accumulators spilled 216 bytes at d160 and 1.2 KiB at d224 (ptxas -v), with 32 44 and 636.
+MMA_HEAD_DIMS = tuple(range(16, 257, 16))
 FORWARD = KnobSet("sm80", "forward", (
     Knob("block_m", 128, space=(64, 128), role=TILE),
-    Knob("block_n", 64, space=(32, 64, 128), by_head_dim={256: 32}, role=TILE),
+    Knob("block_n", 64, space=(32, 64, 128), by_head_dim={d: 32 for d in MMA_HEAD_DIMS if d > 128}, role=TILE),
     Knob("num_warps", 4, space=lambda knobs: [knobs["block_m"] // WARP], role=DERIVED),  # block_m == 32 * num_warps
     Knob("num_stages", 2, choices=NUM_STAGES, space=(1, 2), role=STRUCTURE),
     Knob("vec", 8),
@@ -61,7 +66,8 @@ def backward_shared_memory_bytes(head_dim: int, dtype: str, knobs: dict) -> int:
 
 # dkdv's tile (block_m query rows a step, block_n keys, dkdv_warps warps of block_n / dkdv_warps keys)
 # and dq's (dq_block_m rows, dq_warps warps of 32 rows, dq_block_n keys a step). dq in 32-key tiles
-# from head_dim 96: with 64, s, p and dp (64 floats a lane each) and dq (head_dim) spill. dq_atomic
+# from head_dim 80: with 64, s, p and dp (64 floats a lane each) and dq (head_dim) spill (at d80 108
+# bytes, at d112 496; none with 32). dq_atomic
 # (dq's share added by fp32 atomics from dkdv, FA2's way) is no tuning choice: it makes dq's rounding
 # change from run to run, and it measured slower (at head_dim 128 dkdv then spills).
 BACKWARD = KnobSet("sm80", "backward", (
@@ -70,14 +76,17 @@ BACKWARD = KnobSet("sm80", "backward", (
     Knob("dkdv_warps", 4, space=(2, 4, 8)),
     Knob("dkdv_stages", 2, choices=NUM_STAGES, space=NUM_STAGES),
     Knob("dq_block_m", 64, space=(32, 64, 128), role=TILE),
-    Knob("dq_block_n", 64, space=(32, 64), by_head_dim={96: 32, 128: 32}, role=TILE),
+    Knob("dq_block_n", 64, space=(32, 64), by_head_dim={80: 32, 96: 32, 112: 32, 128: 32}, role=TILE),
     Knob("dq_warps", 2, space=lambda knobs: [knobs["dq_block_m"] // WARP], role=DERIVED),
     Knob("dq_stages", 2, choices=NUM_STAGES, space=NUM_STAGES),
     Knob("vec", 8),
     Knob("dq_atomic", False),
 ), shared_memory=backward_shared_memory_bytes)
-# at 256, dk and dv alone are 512 floats a lane of 16 keys: SIMT serves it
-BACKWARD_HEAD_DIMS = (32, 64, 96, 128)
+# Above 128 dkdv spills kilobytes (1.2 KiB at d144, 5.4 KiB at d256: dk and dv alone are 512 floats a
+# lane of 16 keys there): SIMT serves those. The torch API pads the other head_dims up to 128 to one of
+# these rather than run SIMT (``choice.head_dim_to_run``: 40 to 48, 120 to 128), once they are checked on
+# a GPU (``contract.gpu_checked``).
+BACKWARD_HEAD_DIMS = tuple(d for d in MMA_HEAD_DIMS if d <= 128)
 
 WARP_ROWS = 16  # a warp's rows of a decode task: one mma tile
 
@@ -102,7 +111,8 @@ def decode_tasks_per_sm(head_dim: int, dtype: str, knobs: dict, group: int = 8) 
 
 
 def decode_build_problem(head_dim: int, dtype: str, knobs: dict) -> str | None:
-    """Why these decode knobs cannot build, or None."""
+    """Why these decode knobs cannot build, or None (the head_dim too, for a caller's ``schedule="sm80"``;
+    the choice goes by ``DECODE_HEAD_DIMS``)."""
     if dtype not in DTYPES:
         return f"the sm80 decode schedule takes {DTYPES}, got {dtype}"
     if head_dim % 16 or knobs["block_n"] % 32:
@@ -110,6 +120,9 @@ def decode_build_problem(head_dim: int, dtype: str, knobs: dict) -> str | None:
         # holds); not understood yet
         return f"head_dim ({head_dim}) must be a multiple of 16 and block_n ({knobs['block_n']}) of 32"
     return None
+
+
+DECODE_HEAD_DIMS = MMA_HEAD_DIMS  # the others: the SIMT decode
 
 
 # block_n: keys per K/V tile; num_stages: K/V tiles in flight (cp.async, 1: plain loads); vec: elements

@@ -226,8 +226,9 @@ FORWARD = KnobSet("sm90", "forward", (
     Knob("num_warpgroups", 2, space=lambda knobs: [knobs["block_m"] // WG_ROWS], role=DERIVED),
     Knob("num_stages", 2, choices=NUM_STAGES, space=(1, 2), by_head_dim={32: 1}, role=STRUCTURE),
     Knob("vec", 8),
-    # d256's accumulators take 197 registers a thread: one block an SM
-    Knob("min_blocks_per_sm", 2, space=(1, 2), by_head_dim={256: 1}, role=PROGRAM),
+    # d256's accumulators take 197 registers a thread: one block an SM; from d160 two blocks spill (696
+    # bytes at d160) or leave too few registers (d224), one does not
+    Knob("min_blocks_per_sm", 2, space=(1, 2), by_head_dim={160: 1, 192: 1, 224: 1, 256: 1}, role=PROGRAM),
     Knob("row_state", "registers", choices=ROW_STATES),
     Knob("kv_layout", "swizzled", choices=KV_LAYOUTS, space=("swizzled", "core_matrices"),
          by_head_dim={32: "core_matrices"}, role=STRUCTURE),
@@ -240,6 +241,11 @@ FORWARD = KnobSet("sm90", "forward", (
 ), rules=forward_rules, build_problem=forward_build_problem, precheck=forward_precheck,
    shared_memory=shared_memory_bytes)
 PREFERRED_HEAD_DIMS = (64, 96, 128, 256)
+# The head_dims it builds at (cross-compiled and through nvcc at every multiple of 8 up to 256): the
+# multiples of 32, where the defaults' swizzled K/V tiles fit (``swizzle_columns``; d32 takes padded core
+# matrices). It serves 160, 192 and 224 when asked (TVMFLASH_SM90=1, ``schedule="sm90"``) but prefers
+# them to the sm80 schedule only once measured; the other multiples of 16 go to sm80.
+HEAD_DIMS = tuple(range(32, 257, 32))
 
 
 # The backward's knobs (``backward.schedule_backward``). Each program's stream of tiles (dkdv: Q, dout

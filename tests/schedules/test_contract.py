@@ -88,3 +88,21 @@ def test_every_schedule_declares_valid_defaults_and_spaces():
             for head_dim in (None, *(mapped.head_dims or (32, 64, 96, 128, 256))):
                 assert mapped.knobs.problem(mapped.knobs.defaults(head_dim)) is None, (schedule.name, program, head_dim)
             assert mapped.knobs.points(), (schedule.name, program)
+
+
+def test_every_head_dim_a_schedule_declares_passes_its_build_checks():
+    """A schedule says which head_dims it builds through its declaration (``ProgramSchedule.head_dims``),
+    never by failing in TVM: at each one it declares (every multiple of 8 where it declares none) its
+    default knobs pass its own build checks in every dtype it takes."""
+    from tvmflash import schedules
+    from tvmflash.program import SUPPORTED_HEAD_DIMS
+
+    for schedule in schedules.SCHEDULES.values():
+        for program in contract.PROGRAMS:
+            mapped = schedule.program(program)
+            if mapped is None:
+                continue
+            for head_dim in mapped.head_dims or SUPPORTED_HEAD_DIMS:
+                for dtype in schedule.dtypes:
+                    problem = mapped.knobs.problem(mapped.knobs.defaults(head_dim), head_dim, dtype)
+                    assert problem is None, (schedule.name, program, head_dim, dtype, problem)

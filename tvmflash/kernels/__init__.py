@@ -30,7 +30,9 @@ def compile(*, head_dim: int, dtype, causal: bool = False, target=None, knobs: d
             alibi: bool = False, varlen: bool = False, schedule: str | None = None) -> Kernel:  # noqa: A001
     """Compile FlashAttention forward and return a :class:`Kernel`.
 
-    head_dim: 32, 64, 96, 128 or 256. dtype: "float16", "bfloat16", "float32" or the torch dtype.
+    head_dim: a multiple of 8 up to 256 that a schedule for the target serves (each declares its own:
+    ``tvmflash.choice.native_head_dims``; a ValueError names them otherwise; ``tvmflash.attention`` pads
+    any head_dim from 1 to 256 to one of them). dtype: "float16", "bfloat16", "float32" or the torch dtype.
     causal, window_size, softcap: flash-attn's (``resolve_variant``; one kernel per value); alibi:
     the kernel takes ALiBi slopes at each call; varlen: a :class:`VarlenKernel`, over sequences packed
     without padding (flash-attn's varlen). target: None (the current torch CUDA device if there

@@ -43,6 +43,15 @@ def resolve_softmax_scale(softmax_scale, head_dim: int) -> float:
     return float(softmax_scale)
 
 
+def check_any_head_dim(head_dim) -> int:
+    """q's last dim at the torch API (``tvmflash.attention``, the flash_attn functions): 1 to
+    ``program.MAX_HEAD_DIM``, which the API pads to a head_dim the kernels serve; else a ValueError
+    naming it, before anything is computed (0 was a ZeroDivisionError, 1 / sqrt(head_dim))."""
+    if not 1 <= head_dim <= program.MAX_HEAD_DIM:
+        raise ValueError(f"head_dim: expected 1 to {program.MAX_HEAD_DIM} (q's last dim), got {head_dim}")
+    return head_dim
+
+
 def check_flag(name: str, value) -> bool:
     """A boolean option as a bool, in the forms flash-attn 2 takes (its C++ binding reads them as
     Python's truth): True or False, None (False), a number (``deterministic=1``) or a one-element
