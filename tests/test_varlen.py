@@ -7,6 +7,8 @@ checks of the arguments. The CPU tests share one module per variant (forward and
 
 import math
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -220,9 +222,50 @@ def bad_arguments():
         ({"q": lambda a: a["q"][None]}, ValueError, r"q: expected 3 dims \(total_q, heads, head_dim\)"),
         ({"k": lambda a: a["k"][:, :1].expand(-1, 3, -1), "v": lambda a: a["v"][:, :1].expand(-1, 3, -1)}, ValueError, r"q: expected heads_q \(4\) to be a multiple of heads_kv \(3\)"),
         ({"v": lambda a: a["v"][:-1]}, ValueError, "v: expected the shape of k"),
-        ({"block_table": lambda a: torch.zeros(1, 1, dtype=torch.int32)}, NotImplementedError, "block_table"),
+        ({"block_table": lambda a: torch.zeros(2, 1, dtype=torch.int32)}, ValueError,
+         r"k_cache: expected 4 dims, got shape \(6, 2, 32\)"),
         ({"dropout_p": lambda a: 0.1}, NotImplementedError, "dropout_p"),
     ]
+
+
+def paged(k, v, cu_k, page_size, seed=0):
+    """The packed keys and values as flash-attn's paged cache: (k_pages, v_pages, block_table), each
+    sequence's keys in the first rows of its pages, the pages in a random order with spare ones between."""
+    lengths = (cu_k[1:] - cu_k[:-1]).tolist()
+    per_sequence = max(1, -(-max(lengths, default=1) // page_size))
+    order = torch.randperm(2 * len(lengths) * per_sequence, generator=torch.Generator().manual_seed(seed))
+    table = order[:len(lengths) * per_sequence].reshape(len(lengths), per_sequence).to(torch.int32)
+    k_pages = k.new_full((order.numel(), page_size, *k.shape[1:]), float("nan"))  # unused rows: never read
+    v_pages = v.new_full(k_pages.shape, float("nan"))
+    for b, length in enumerate(lengths):
+        for row in range(length):
+            page, offset = table[b, row // page_size], row % page_size
+            k_pages[page, offset], v_pages[page, offset] = k[cu_k[b] + row], v[cu_k[b] + row]
+    return k_pages, v_pages, table.to(k.device)
+
+
+@pytest.mark.parametrize("name", ["causal", "all"])
+def test_paged_cache_matches_float64_on_cpu(name):
+    """block_table: the packed queries over a paged cache (a prefill chunk in a serving engine), each
+    sequence against the float64 reference of its own keys, masks bottom-right per sequence; the same
+    as the contiguous varlen's output."""
+    q, k, v, cu_q, cu_k, max_q, max_k = packed_problem(LENGTHS, HEADS, CPU_HEAD_DIM, CPU_DTYPE, "cpu")
+    kwargs = options(name, len(LENGTHS), HEADS[0], "cpu")
+    k_pages, v_pages, table = paged(k, v, cu_k, page_size=16)
+    out, lse, _ = tvmflash.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, max_q, max_k, block_table=table,
+                                                  return_attn_probs=True, **kwargs)
+    assert out.shape == q.shape and lse.shape == (HEADS[0], q.shape[0])
+    check_each_sequence(out, lse, q, k, v, cu_q, cu_k, **kwargs)
+    # a tile longer than needed changes nothing; autograd is refused
+    more, more_lse, _ = tvmflash.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, max_q + 5, max_k,
+                                                        block_table=table, return_attn_probs=True, **kwargs)
+    assert torch.equal(more, out) and torch.equal(more_lse, lse)
+    with pytest.raises(NotImplementedError, match="block_table: the paged varlen forward has no backward"):
+        tvmflash.flash_attn_varlen_func(q.requires_grad_(), k_pages, v_pages, cu_q, cu_k, max_q, max_k,
+                                        block_table=table, **kwargs)
+    with pytest.raises(ValueError, match="max_seqlen_q: expected at least the longest sequence's length"):
+        tvmflash.flash_attn_varlen_func(q.detach(), k_pages, v_pages, cu_q, cu_k, max_q - 1, max_k,
+                                        block_table=table, **kwargs)
 
 
 @pytest.mark.parametrize("change,error,message", bad_arguments())
@@ -320,6 +363,37 @@ def test_forward_on_the_sm80_schedule_on_the_gpu(monkeypatch, name):
     sm_80 GPUs run, here with TVMFLASH_SM90=0."""
     monkeypatch.setenv("TVMFLASH_SM90", "0")
     forward_matches_float64("cuda", torch.bfloat16, 64, name, GPU_LENGTHS)
+
+
+@pytest.mark.gpu
+def test_a_max_seqlen_shorter_than_a_sequence_fails_on_the_gpu():
+    """A sequence longer than max_seqlen_q left rows uncomputed (136 of 200, or NaN): on a GPU the
+    device asserts the lengths, so the call fails. In a process of its own (the failed assertion ends
+    its CUDA context), on the kernel of the forward tests (the disk cache's)."""
+    script = """
+import torch, tvmflash
+q = torch.randn(300, 4, 128, device="cuda", dtype=torch.bfloat16)
+k, v = (torch.randn(300, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+cu = torch.tensor([0, 100, 300], dtype=torch.int32, device="cuda")
+tvmflash.flash_attn_varlen_func(q, k, v, cu, cu, 199, 200)
+torch.cuda.synchronize()
+print("no error")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert done.returncode != 0 and "no error" not in done.stdout, done.stdout + done.stderr[-2000:]
+    assert "assert" in done.stderr.lower(), done.stderr[-2000:]
+
+
+@pytest.mark.gpu
+def test_paged_cache_matches_float64_on_the_gpu():
+    """block_table on the GPU: the decode kernel over the pages (sm80's tensor cores), tiles of up to
+    1000 query rows."""
+    q, k, v, cu_q, cu_k, max_q, max_k = packed_problem(GPU_LENGTHS, HEADS, 128, torch.bfloat16, "cuda")
+    kwargs = options("all", len(GPU_LENGTHS), HEADS[0], "cuda")
+    k_pages, v_pages, table = paged(k.cpu(), v.cpu(), cu_k.cpu(), page_size=64)
+    out, lse, _ = tvmflash.flash_attn_varlen_func(q, k_pages.cuda(), v_pages.cuda(), cu_q, cu_k, max_q, max_k,
+                                                  block_table=table.cuda(), return_attn_probs=True, **kwargs)
+    check_each_sequence(out, lse, q, k, v, cu_q, cu_k, **kwargs)
 
 
 @pytest.mark.gpu

@@ -30,9 +30,11 @@ from tvmflash.kernels import DecodeKernel, compile_decode, registry
 from tvmflash.kernels.checks import (
     check_any_head_dim,
     check_cache_values,
+    check_cu_seqlens,
     check_flag,
     check_flash_attn_options,
     check_kvcache_layout,
+    check_max_seqlen,
     check_new_keys,
     check_num_splits,
     check_packed,
@@ -95,17 +97,61 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     max_seqlen_q, max_seqlen_k: ints, at least every sequence's length. Each sequence attends to
     its own keys, with masks, windows and ALiBi distances (slopes (nheads,) or (batch, nheads)) of
     its own lengths. Returns out (total_q, nheads, headdim), or with return_attn_probs (out,
-    softmax_lse, None), softmax_lse float32 (nheads, total_q). block_table (a paged KV cache)
-    raises NotImplementedError: use :func:`tvmflash.flash_attn_with_kvcache` for decoding.
+    softmax_lse, None), softmax_lse float32 (nheads, total_q).
+
+    With ``block_table`` (int32 (batch, pages_per_seq), a paged KV cache as flash-attn's) k and v are
+    the cache's pages, (num_pages, page_size, nheads_k, headdim), page_size a power of two >= 16, and
+    sequence b's keys are the first cu_seqlens_k[b + 1] - cu_seqlens_k[b] rows of its pages: see
+    :func:`varlen_over_paged_cache`. Forward only, as flash-attn's.
     """
     check_flash_attn_options(dropout_p, causal=causal, deterministic=deterministic, return_attn_probs=return_attn_probs)
     if block_table is not None:
-        raise NotImplementedError("block_table: tvmflash's varlen takes no paged KV cache; "
-                                  "flash_attn_with_kvcache does")
+        out, lse = varlen_over_paged_cache(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_table,
+                                           softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                                           softcap=softcap, alibi_slopes=alibi_slopes)
+        return (out, lse, None) if return_attn_probs else out
     out, lse = varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                                 softmax_scale=softmax_scale, return_lse=True, window_size=window_size,
                                 softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic)
     return (out, lse, None) if return_attn_probs else out
+
+
+def varlen_over_paged_cache(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, block_table, *,
+                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
+    """(out (total_q, nheads, headdim), softmax_lse float32 (nheads, total_q)) of packed queries over a
+    paged KV cache: :func:`flash_attn_varlen_func` with ``block_table`` (a prefill chunk over the pages
+    a serving engine keeps).
+
+    Each sequence's queries are placed at the end of a row of a (batch, max_seqlen_q) tile, so that
+    flash-attn's bottom-right alignment (causal, the window, ALiBi's distances) holds for each sequence,
+    and the tile attends over the pages in place through :func:`flash_attn_with_kvcache`'s decode
+    kernel (the split-KV kernel, which reads the block table; nothing is gathered), whose output and
+    LSE are gathered back to the packed rows. The tile's rows before a sequence's are computed and
+    dropped. No backward (flash-attn's has none): under autograd a NotImplementedError. A sequence
+    longer than max_seqlen_q is a ValueError on the CPU and a failed device-side assertion on a GPU
+    (checking it on the host would wait for the device)."""
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k_cache, v_cache)):
+        raise NotImplementedError("block_table: the paged varlen forward has no backward (nor has flash-attn's); "
+                                  "call it under torch.no_grad() or without requires_grad")
+    if not isinstance(q, torch.Tensor) or q.dim() != 3:
+        raise ValueError(f"q: expected (total_q, heads, head_dim), got shape {tuple(getattr(q, 'shape', ()))}")
+    max_seqlen_q = check_max_seqlen("max_seqlen_q", max_seqlen_q)
+    check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q, None, max_seqlen_q)  # the keys: in the cache's pages
+    batch, (total_q, heads_q, head_dim) = cu_seqlens_q.shape[0] - 1, q.shape
+    lengths_q = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+    lengths_k = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+    rows = torch.arange(total_q, device=q.device)
+    seq = torch.bucketize(rows, cu_seqlens_q[1:], right=True)  # each packed row's sequence
+    position = rows - cu_seqlens_q[seq] + max_seqlen_q - lengths_q[seq]  # its row in the tile: the last ones
+    if q.device.type == "cuda" and total_q:
+        torch._assert_async(position.min() >= 0, "max_seqlen_q: expected at least the longest sequence's length")
+    tile = q.new_zeros(batch, max_seqlen_q, heads_q, head_dim)
+    tile[seq, position] = q
+    out, lse = flash_attn_with_kvcache(tile, k_cache, v_cache, cache_seqlens=lengths_k.to(torch.int32),
+                                       block_table=block_table, softmax_scale=softmax_scale, causal=causal,
+                                       window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                                       return_softmax_lse=True)
+    return out[seq, position], lse.transpose(1, 2)[seq, position].t().contiguous()
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,

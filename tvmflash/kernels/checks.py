@@ -166,10 +166,10 @@ def alibi_slopes_view(alibi_slopes, batch: int, heads_q: int, device: torch.devi
 
 def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q=None, max_seqlen_k=None) -> None:
     """cu_seqlens_q and cu_seqlens_k: contiguous int32 (batch + 1,) tensors on q's device, of one
-    length. On the CPU also their values: non-decreasing from 0 to q's (k's) row count, no sequence
+    length. On the CPU also their values: non-decreasing from 0 to q's (k's; k None: any) row count, no sequence
     longer than max_seqlen_q (max_seqlen_k) where given (they size the grids: a longer sequence's
     rows past them would be left uncomputed); on CUDA reading them would wait for the device, so the
-    kernel trusts them there, as flash-attn's does."""
+    kernel trusts the offsets there, as flash-attn's does, and the device asserts the lengths."""
     for name, cu, rows in (("cu_seqlens_q", cu_seqlens_q, q), ("cu_seqlens_k", cu_seqlens_k, k)):
         if not isinstance(cu, torch.Tensor):
             raise TypeError(f"{name}: expected an int32 tensor (batch + 1,), got {type(cu).__name__}")
@@ -182,9 +182,9 @@ def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q=None, max_se
         if cu.stride(0) != 1 and cu.shape[0] > 1:
             raise ValueError(f"{name}: expected a contiguous tensor, got stride {cu.stride(0)}")
         if cu.device.type == "cpu" and not torch.compiler.is_compiling():
-            if cu[0] != 0 or cu[-1] != rows.shape[0]:
-                raise ValueError(f"{name}: expected offsets from 0 to {rows.shape[0]} (the packed rows), got "
-                                 f"{cu[0].item()} .. {cu[-1].item()}")
+            if cu[0] != 0 or (rows is not None and cu[-1] != rows.shape[0]):
+                end = "" if rows is None else f" to {rows.shape[0]} (the packed rows)"
+                raise ValueError(f"{name}: expected offsets from 0{end}, got {cu[0].item()} .. {cu[-1].item()}")
             if cu.shape[0] > 1 and bool((cu[1:] < cu[:-1]).any()):
                 raise ValueError(f"{name}: expected non-decreasing offsets, got {cu.tolist()}")
     if cu_seqlens_q.shape != cu_seqlens_k.shape:
@@ -192,7 +192,14 @@ def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q=None, max_se
                          f"offset per sequence), got {tuple(cu_seqlens_k.shape)}")
     for name, cu, longest in (("cu_seqlens_q", cu_seqlens_q, max_seqlen_q),
                               ("cu_seqlens_k", cu_seqlens_k, max_seqlen_k)):
-        if longest is None or cu.device.type != "cpu" or torch.compiler.is_compiling() or cu.shape[0] < 2:
+        if longest is None or torch.compiler.is_compiling() or cu.shape[0] < 2:
+            continue
+        if cu.device.type != "cpu":
+            # Reading the lengths here would wait for the device: it checks them itself, and a sequence
+            # longer than max_seqlen fails a device-side assertion (a CUDA error) instead of leaving rows
+            # uncomputed, as flash-attn's kernel would
+            torch._assert_async((cu[1:] - cu[:-1]).max() <= longest,
+                                f"max_seqlen_{name[-1]}: expected at least the longest sequence's length in {name}")
             continue
         length = int((cu[1:] - cu[:-1]).max())
         if length > longest:
