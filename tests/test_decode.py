@@ -10,7 +10,7 @@ import subprocess
 import pytest
 import torch
 from conftest import captured_in_a_cuda_graph, devices
-from reference import max_error, reference, torch_same_dtype
+from reference import check_attention, max_error, reference, torch_same_dtype
 
 import tvmflash
 from tvmflash import lowering
@@ -618,3 +618,57 @@ def test_a_pipelined_loop_over_a_loaded_count_gets_it_bound_first():
 
     assert loads(stmts[0].value) and str(stmts[1].loop_var) == "i"
     assert loads(stmts[2].extent) and str(stmts[3].extent) == "m"
+
+
+def routed_calls_match_float64(device, dtype, monkeypatch, route=None):
+    """attention() and flash_attn_func() on decode-shaped problems (1 to 16 query rows over 600 keys, GQA,
+    causal, a window, a softcap, ALiBi), poisoned nowhere (they return new tensors) but each against the
+    float64 reference; ``route``: decode_shaped's answer forced (the CPU's: never on its own). Returns how
+    many calls the decode kernel served."""
+    from tvmflash import ops
+
+    served = []
+    decode_forward = ops.decode_forward
+    monkeypatch.setattr(ops, "decode_forward", lambda *a, **k: served.append(1) or decode_forward(*a, **k))
+    if route is not None:
+        monkeypatch.setattr(ops, "decode_shaped", lambda q, k, v: route)
+    for n, (seqlen_q, variant) in enumerate([(1, {}), (3, {"causal": True}), (16, {"window_size": (100, 0)}),
+                                             (5, {"causal": True, "softcap": 5.0, "alibi": True})]):
+        q = random_q(2, seqlen_q, 8, HEAD_DIM, dtype, device, seed=n)
+        k, v, _ = make_cache(2, 600, 2, HEAD_DIM, dtype, device, seed=n)
+        if variant.pop("alibi", False):
+            variant["alibi_slopes"] = torch.rand(8, generator=torch.Generator().manual_seed(n)).to(device) * 0.3
+        out, lse = tvmflash.attention(q, k, v, return_lse=True, **variant)
+        flash = tvmflash.flash_attn_func(q, k, v, **variant)
+        slopes = variant.pop("alibi_slopes", None)
+        causal = variant.pop("causal", False)
+        for result in (out, flash):
+            check_attention(result.cpu(), lse.cpu(), q.cpu(), k.cpu(), v.cpu(), causal=causal,
+                            alibi_slopes=None if slopes is None else slopes.cpu(), **variant)
+    return len(served)
+
+
+def test_decode_shaped_calls_run_on_the_decode_kernel_on_cpu(monkeypatch):
+    """A generation step through attention() or flash_attn_func (a few query rows over many keys) runs on
+    the split-KV decode kernel on a GPU (``ops.decode_shaped``): forced here, the decode kernel gives the
+    forward's answers; on the CPU the forward runs them on its own."""
+    from tvmflash import ops
+
+    assert not ops.decode_shaped(*(torch.zeros(2, n, h, HEAD_DIM) for n, h in ((1, 8), (600, 2), (600, 2))))
+    assert routed_calls_match_float64("cpu", torch.float16, monkeypatch) == 0
+    assert routed_calls_match_float64("cpu", torch.float16, monkeypatch, route=True) == 8
+
+
+@pytest.mark.gpu
+def test_decode_shaped_calls_run_on_the_decode_kernel_on_the_gpu(monkeypatch):
+    """On a GPU decode-shaped calls take the decode kernel on their own, and calls autograd records (the
+    decode kernel has no backward), longer query blocks or strided keys the forward's."""
+    from tvmflash import ops
+
+    assert routed_calls_match_float64("cuda", torch.bfloat16, monkeypatch) == 8
+    q = torch.zeros(2, 1, 8, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    k = torch.zeros(2, 600, 2, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    assert ops.decode_shaped(q, k, k)
+    assert not ops.decode_shaped(torch.zeros(2, 17, 8, HEAD_DIM, device="cuda", dtype=torch.bfloat16), k, k)
+    assert not ops.decode_shaped(q, k[:, :511], k[:, :511])
+    assert not ops.decode_shaped(q, k.transpose(1, 2).contiguous().transpose(1, 2), k)

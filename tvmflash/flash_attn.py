@@ -24,11 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from tvmflash import choice
-from tvmflash import target as targets
-from tvmflash.kernels import DecodeKernel, compile_decode, registry
 from tvmflash.kernels.checks import (
-    check_any_head_dim,
     check_cache_values,
     check_cu_seqlens,
     check_flag,
@@ -39,11 +35,10 @@ from tvmflash.kernels.checks import (
     check_num_splits,
     check_packed,
     check_rotary,
-    dtype_name,
     resolve_softmax_scale,
     resolve_variant,
 )
-from tvmflash.ops import attention, target_of, varlen_attention
+from tvmflash.ops import attention, decode_kernel_for, varlen_attention
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
@@ -177,43 +172,6 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
 
 
 # ----------------------------------------------------------------------------- decode over a KV cache
-# (device, dtype, head_dim, page_size, variant, TVMFLASH_DECODE) -> decode kernel; emptied by forget_kernels
-_BY_DEVICE: dict[tuple, DecodeKernel] = {}
-registry.on_forget(_BY_DEVICE.clear)
-
-
-def decode_kernel_for(q, page_size: int, window_size=(-1, -1), softcap: float = 0.0,
-                      alibi: bool = False) -> DecodeKernel:
-    """The decode kernel for q's device, dtype and head_dim, the cache layout and the variant (compiled on
-    first use, then kept)."""
-    key = (q.device, q.dtype, q.shape[-1], page_size, window_size, softcap, alibi, choice.environment("decode"))
-    kernel = _BY_DEVICE.get(key)
-    if kernel is None:
-        check_decode_head_dim(q)
-        kernel = _BY_DEVICE[key] = compile_decode(head_dim=q.shape[-1], dtype=q.dtype, page_size=page_size,
-                                                  target=target_of(q), window_size=window_size, softcap=softcap,
-                                                  alibi=alibi)
-    return kernel
-
-
-def check_decode_head_dim(q) -> None:
-    """A ValueError unless a decode kernel for q's device and dtype serves q's head_dim as it is
-    (``choice.native_head_dims``): the caches are written in place, so ``flash_attn_with_kvcache`` pads
-    no head_dim, as the other functions do; a padded copy of the whole cache at every step would cost
-    more than the attention."""
-    head_dim = check_any_head_dim(q.shape[-1])
-    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        return  # compile_decode names the dtypes it takes
-    target = targets.resolve(target_of(q))
-    served = choice.native_head_dims("decode", target, dtype_name(q.dtype))
-    if head_dim not in served:
-        raise ValueError(f"head_dim: expected one the decode kernels serve for {dtype_name(q.dtype)} on "
-                         f"{targets.describe(target)} ({choice.describe_head_dims(served)}), got "
-                         f"{head_dim}: flash_attn_with_kvcache writes k_cache and v_cache in place and pads no "
-                         f"head_dim; zero-pad q, the caches, k and v to one of them and pass "
-                         f"softmax_scale=1/sqrt({head_dim})")
-
-
 def _not_implemented(option: str, value) -> NotImplementedError:
     return NotImplementedError(f"flash_attn_with_kvcache: {option}={value!r} is not implemented yet in tvmflash")
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from tvmflash import choice, kernels
 from tvmflash import target as targets
-from tvmflash.kernels import compile, compile_backward, registry
+from tvmflash.kernels import DecodeKernel, compile, compile_backward, compile_decode, registry
 from tvmflash.kernels.checks import (TORCH_DTYPES, check_any_head_dim, check_cu_seqlens, check_flag, check_max_seqlen,
                                      dtype_name, resolve_softmax_scale, resolve_variant)
 
@@ -55,6 +55,71 @@ def device_target(device: torch.device):
     else:
         raise ValueError(f"q: expected a CPU or CUDA tensor, got one on {device}")
     return target
+
+
+# ----------------------------------------------------------------------------- decode
+# (device, dtype, head_dim, page_size, variant, TVMFLASH_DECODE) -> decode kernel; emptied by forget_kernels
+DECODE_KERNELS_FOR: dict[tuple, DecodeKernel] = {}
+registry.on_forget(DECODE_KERNELS_FOR.clear)
+
+
+def decode_kernel_for(q, page_size: int, window_size=(-1, -1), softcap: float = 0.0,
+                      alibi: bool = False) -> DecodeKernel:
+    """The decode kernel for q's device, dtype and head_dim, the cache layout and the variant (compiled on
+    first use, then kept)."""
+    key = (q.device, q.dtype, q.shape[-1], page_size, window_size, softcap, alibi, choice.environment("decode"))
+    kernel = DECODE_KERNELS_FOR.get(key)
+    if kernel is None:
+        check_decode_head_dim(q)
+        kernel = DECODE_KERNELS_FOR[key] = compile_decode(head_dim=q.shape[-1], dtype=q.dtype, page_size=page_size,
+                                                  target=target_of(q), window_size=window_size, softcap=softcap,
+                                                  alibi=alibi)
+    return kernel
+
+
+def check_decode_head_dim(q) -> None:
+    """A ValueError unless a decode kernel for q's device and dtype serves q's head_dim as it is
+    (``choice.native_head_dims``): the caches are written in place, so ``flash_attn_with_kvcache`` pads
+    no head_dim, as the other functions do; a padded copy of the whole cache at every step would cost
+    more than the attention."""
+    head_dim = check_any_head_dim(q.shape[-1])
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return  # compile_decode names the dtypes it takes
+    target = targets.resolve(target_of(q))
+    served = choice.native_head_dims("decode", target, dtype_name(q.dtype))
+    if head_dim not in served:
+        raise ValueError(f"head_dim: expected one the decode kernels serve for {dtype_name(q.dtype)} on "
+                         f"{targets.describe(target)} ({choice.describe_head_dims(served)}), got "
+                         f"{head_dim}: flash_attn_with_kvcache writes k_cache and v_cache in place and pads no "
+                         f"head_dim; zero-pad q, the caches, k and v to one of them and pass "
+                         f"softmax_scale=1/sqrt({head_dim})")
+
+
+# Decode-shaped calls, a few query rows over many keys (a generation step through attention() or
+# flash_attn_func): the forward's grid, a block a Q block and head, leaves most of a GPU idle and each
+# block streams every key, where the split-KV decode kernel splits the keys over blocks (flash-attn's
+# forward does the same by its num_splits heuristic). On a GPU, for calls autograd does not record (the
+# decode kernel has no backward), with k and v contiguous (the decode kernel's cache layout).
+DECODE_SHAPED_QUERIES = 16  # at most this many query rows
+DECODE_SHAPED_KEYS = 512  # over at least this many keys
+
+
+def decode_shaped(q, k, v) -> bool:
+    """Does the forward of q over k, v (flash-attn's layout, no autograd) run on the decode kernel?"""
+    return (q.device.type == "cuda" and q.shape[1] <= DECODE_SHAPED_QUERIES and k.shape[1] >= DECODE_SHAPED_KEYS
+            and k.is_contiguous() and v.is_contiguous() and k.shape == v.shape
+            and q.shape[-1] in choice.native_head_dims("decode", targets.resolve(target_of(q)), dtype_name(q.dtype)))
+
+
+def decode_forward(q, k, v, causal: bool, softmax_scale: float, window_left: int, window_right: int, softcap: float,
+                   alibi_slopes) -> tuple:
+    """(out, lse) of q over k and v, every batch row's keys all of k's, on the decode kernel."""
+    kernel = decode_kernel_for(q, 0, (window_left, window_right), softcap, alibi_slopes is not None)
+    batch, seqlen_k = q.shape[0], k.shape[1]
+    lengths = torch.full((batch,), seqlen_k, dtype=torch.int32, device=q.device)
+    return kernel(q, k, v, lengths, kernel.batch_rows(batch, q.device), softmax_scale=softmax_scale, causal=causal,
+                  alibi_slopes=alibi_slopes)
+
 
 
 # ----------------------------------------------------------------------------- head_dim
@@ -247,7 +312,9 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale=None, return_lse: 
     a tensor-core schedule serves where there is one) and the output sliced back, a view of the padded
     output as flash-attn's; gradients come back at q's head_dim. With causal and seqlen_q != seqlen_k the mask is aligned bottom-right; a
     query that sees no key gets 0 (and lse -inf). The kernel for the tensors' device, dtype and
-    head_dim is compiled on first use and cached. Differentiable in q, k and v through out and lse
+    head_dim is compiled on first use and cached. On a GPU a call that autograd does not record, of at
+    most 16 query rows over at least 512 contiguous keys (a generation step), runs on the split-KV
+    decode kernel of :func:`tvmflash.flash_attn_with_kvcache` (``decode_shaped``). Differentiable in q, k and v through out and lse
     (``torch.ops.tvmflash.backward``). Where it measures faster (the sm90 backward) dq is summed by
     fp32 atomics, in an order that changes from run to run; ``deterministic=True`` gives gradients
     bitwise the same from run to run (dq by a pass of its own), as they always are elsewhere.
@@ -266,6 +333,8 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale=None, return_lse: 
     q, k, v, run = padded_head_dim(q, k, v, head_dim)
     if _through_ops(q, k, v):
         out, lse = forward(q, k, v, options[0], softmax_scale, *options[1:], alibi_slopes, deterministic)
+    elif decode_shaped(q, k, v):  # a generation step: split the keys over the GPU (``decode_shaped``)
+        out, lse = decode_forward(q, k, v, *options[:1], softmax_scale, *options[1:], alibi_slopes)
     else:  # eager, nothing for autograd to record: no custom op's dispatch
         out, lse = kernel_for(q, *options, alibi_slopes is not None)(q, k, v, softmax_scale=softmax_scale,
                                                                       return_lse=True, alibi_slopes=alibi_slopes)
