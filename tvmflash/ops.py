@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from tvmflash import choice, kernels
 from tvmflash import target as targets
 from tvmflash.kernels import DecodeKernel, compile, compile_backward, compile_decode, registry
+from tvmflash.program import MAX_HEAD_DIM
 from tvmflash.kernels.checks import (TORCH_DTYPES, check_any_head_dim, check_cu_seqlens, check_flag, check_max_seqlen,
                                      dtype_name, resolve_softmax_scale, resolve_variant)
 
@@ -134,7 +135,6 @@ HEAD_DIMS_TO_RUN: dict[tuple, int] = {}
 registry.on_forget(HEAD_DIMS_TO_RUN.clear)
 
 
-@torch.compiler.assume_constant_result
 def head_dim_to_run(device: torch.device, dtype: torch.dtype, head_dim: int, backward: bool) -> int:
     """The head_dim at which the kernels run q's ``head_dim`` on this device (``choice.head_dim_to_run``):
     the forward's, and with ``backward`` (autograd records the call) the backward's too, one head_dim
@@ -150,11 +150,20 @@ def head_dim_to_run(device: torch.device, dtype: torch.dtype, head_dim: int, bac
     return found
 
 
+# torch.compile takes head_dim_to_run's answer as a constant of the graph (it reads TVM's targets, which
+# Dynamo cannot trace): the mark torch.compiler.assume_constant_result sets, set here without it, as that
+# would import torch._dynamo with tvmflash (a second), where an eager call never needs it.
+# (test_head_dims.py's torch.compile test fails if a torch release reads another mark.)
+head_dim_to_run._dynamo_marked_constant = True
+
+
 def padded_head_dim(q, k, v, head_dim: int) -> tuple:
     """(q, k, v) zero-padded in their last dim from ``head_dim`` (each one's, checked here: a padded
     mismatch would go unnoticed) to the head_dim the kernels run (``head_dim_to_run``), and that head_dim;
     the tensors themselves where it is theirs."""
     backward = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if torch.compiler.is_compiling():  # a dynamic shape's SymInt specialised, a guard: one graph a head_dim
+        head_dim = next(d for d in range(1, MAX_HEAD_DIM + 1) if head_dim == d)
     run = head_dim_to_run(q.device, q.dtype, head_dim, backward)
     if run == head_dim:
         return q, k, v, run
