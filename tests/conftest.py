@@ -6,8 +6,12 @@ import tempfile
 import pytest
 import torch
 
-# Every test run builds into its own cache, so stale modules never hide a broken build.
-os.environ.setdefault("TVMFLASH_CACHE_DIR", tempfile.mkdtemp(prefix="tvmflash-test-cache-"))
+# Every test run builds into its own cache, so stale modules never hide a broken build. pytest-xdist's
+# workers share their run's (one id a run), so a module that two workers need is built once
+# (``cache.build_lock``) instead of once by each.
+_RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+os.environ.setdefault("TVMFLASH_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"tvmflash-test-cache-{_RUN}")
+                      if _RUN else tempfile.mkdtemp(prefix="tvmflash-test-cache-"))
 
 HAS_GPU = torch.cuda.is_available()
 # The forward tests' edge shapes, (seqlen_q, seqlen_k, heads_q, heads_kv): tails on both sides, Lq != Lk
@@ -26,6 +30,10 @@ SHAPES = [
     (320, 191, 2, 2),  # whole K/V tiles and a ragged last one; causal diagonal crosses tiles
     (64, 257, 4, 2),  # seqlen_k one past a multiple of every block_n
 ]
+# SHAPES in one head layout, GQA 4/2 (its head mapping covers MHA's and MQA's): one build per kernel
+# instead of three, for the GPU tests of a schedule's structures beside its defaults, whose head mapping
+# is the defaults' (tested in the three layouts).
+ONE_LAYOUT_SHAPES = [(seqlen_q, seqlen_k, 4, 2) for seqlen_q, seqlen_k, _, _ in SHAPES]
 
 
 def pytest_collection_modifyitems(config, items):

@@ -28,6 +28,9 @@ SHAPES = [
 # CPU CI: every dtype and the head_dims 32, 64, 128 once each; to keep the builds few (one per
 # head layout), float32 takes SHAPES' three head layouts and the others one each (GQA, MQA).
 CPU_GRID = [(torch.float32, 32, None), (torch.bfloat16, 64, (4, 2)), (torch.float16, 128, (4, 1))]
+# The GPU tests of structures beside the default schedule and knobs (their head mapping is the
+# defaults', tested in the three layouts): SHAPES in GQA 4/2 alone, one backward build instead of three.
+STRUCTURE_HEADS = (4, 2)
 
 
 def gradients_match_float64(device, dtype, head_dim, causal, heads=None, knobs=None, deterministic=False):
@@ -388,7 +391,7 @@ def test_atomic_dq_gradients_on_the_gpu(monkeypatch, schedule, head_dim, causal)
     kernel = tvmflash.compile_backward(head_dim=head_dim, dtype=torch.bfloat16, causal=causal,
                                        knobs={"dq_atomic": True})
     assert kernel.info()["schedule"] == schedule
-    gradients_match_float64("cuda", torch.bfloat16, head_dim, causal, knobs={"dq_atomic": True})
+    gradients_match_float64("cuda", torch.bfloat16, head_dim, causal, STRUCTURE_HEADS, knobs={"dq_atomic": True})
 
 
 @pytest.mark.gpu
@@ -398,7 +401,7 @@ def test_atomic_dq_gradients_on_the_gpu(monkeypatch, schedule, head_dim, causal)
 def test_sm90_dkdv_by_tma_gradients_on_the_gpu(head_dim, causal, dq_atomic):
     """dkdv_copy "tma" over SHAPES (odd lengths: TMA's zero fill past the end; GQA and MQA)."""
     _on_sm_90a_only("sm90")
-    gradients_match_float64("cuda", torch.bfloat16, head_dim, causal,
+    gradients_match_float64("cuda", torch.bfloat16, head_dim, causal, STRUCTURE_HEADS,
                             knobs={"dkdv_stages": 2, "dkdv_copy": "tma", "dq_atomic": dq_atomic})
 
 
@@ -416,7 +419,7 @@ def test_sm90_dkdv_structure_gradients_on_the_gpu(head_dim, knobs):
     _on_sm_90a_only("sm90")
     if knobs.get("dkdv_producer") == "other":
         knobs = {"dkdv_producer": "thread" if head_dim == 64 else "warpgroup"}
-    gradients_match_float64("cuda", torch.bfloat16, head_dim, True, knobs={"dq_atomic": True, **knobs})
+    gradients_match_float64("cuda", torch.bfloat16, head_dim, True, STRUCTURE_HEADS, knobs={"dq_atomic": True, **knobs})
 
 
 def test_sm90_double_buffered_ds_drops_a_barrier():
@@ -497,7 +500,7 @@ def test_swizzled_float32_pairs_are_proved_adjacent():
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_deterministic_gradients_match_float64_on_the_gpu(head_dim, causal):
     """deterministic=True where the default sums dq by atomics (sm90): the dq pass, over SHAPES."""
-    gradients_match_float64("cuda", torch.bfloat16, head_dim, causal, deterministic=True)
+    gradients_match_float64("cuda", torch.bfloat16, head_dim, causal, STRUCTURE_HEADS, deterministic=True)
 
 
 @pytest.mark.gpu
@@ -511,7 +514,7 @@ def test_sm80_backward_gradients_on_the_gpu(monkeypatch, dtype, head_dim, causal
         pytest.skip("sm80's is the default here: test_gradients_match_float64_on_the_gpu")
     monkeypatch.setenv("TVMFLASH_BACKWARD", "sm80")
     assert tvmflash.compile_backward(head_dim=head_dim, dtype=dtype, causal=causal).info()["schedule"] == "sm80"
-    gradients_match_float64("cuda", dtype, head_dim, causal)
+    gradients_match_float64("cuda", dtype, head_dim, causal, STRUCTURE_HEADS)
 
 
 @pytest.mark.gpu
@@ -523,4 +526,4 @@ def test_simt_backward_gradients_on_the_gpu(monkeypatch, dtype, head_dim, causal
     the default schedules are test_gradients_match_float64_on_the_gpu's."""
     monkeypatch.setenv("TVMFLASH_BACKWARD", "simt")
     assert tvmflash.compile_backward(head_dim=head_dim, dtype=dtype, causal=causal).info()["schedule"] == "simt"
-    gradients_match_float64("cuda", dtype, head_dim, causal)
+    gradients_match_float64("cuda", dtype, head_dim, causal, STRUCTURE_HEADS)

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 import torch
-from conftest import SHAPES, devices, poisoned_out, random_qkv
+from conftest import ONE_LAYOUT_SHAPES, SHAPES, devices, poisoned_out, random_qkv
 from reference import check_attention
 
 import tvmflash
@@ -58,7 +58,7 @@ def test_sm90_d96_layouts_on_the_gpu(monkeypatch, knobs, dtype, causal):
         pytest.skip("the sm90 schedule needs an sm_90a GPU")
     monkeypatch.setenv("TVMFLASH_SM90", "1")
     kernel = tvmflash.compile(head_dim=96, dtype=dtype, causal=causal, knobs=knobs)
-    for seqlen_q, seqlen_k, heads_q, heads_kv in SHAPES:
+    for seqlen_q, seqlen_k, heads_q, heads_kv in ONE_LAYOUT_SHAPES:
         q, k, v = random_qkv(2, seqlen_q, seqlen_k, heads_q, heads_kv, 96, dtype, "cuda")
         out, lse = kernel(q, k, v, out=poisoned_out(q), return_lse=True)
         check_attention(out, lse, q, k, v, causal=causal)
@@ -302,7 +302,7 @@ def test_sm90_producer_warpgroup_on_the_gpu(monkeypatch, head_dim, block_n, caus
     monkeypatch.setenv("TVMFLASH_SM90", "1")  # the sm90 schedule's knobs, whatever this GPU's records say
     kernel = tvmflash.compile(head_dim=head_dim, dtype=torch.bfloat16, causal=causal,
                               knobs={"producer": "warpgroup", "min_blocks_per_sm": 1, "block_n": block_n})
-    for seqlen_q, seqlen_k, heads_q, heads_kv in SHAPES:
+    for seqlen_q, seqlen_k, heads_q, heads_kv in ONE_LAYOUT_SHAPES:
         q, k, v = random_qkv(2, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, torch.bfloat16, "cuda")
         out, lse = kernel(q, k, v, out=poisoned_out(q), return_lse=True)
         check_attention(out, lse, q, k, v, causal=causal)
@@ -326,7 +326,7 @@ def test_sm90_three_stages_swizzled_q_on_the_gpu(monkeypatch, producer, q_copy, 
                               knobs={"producer": producer, "min_blocks_per_sm": 1, "block_n": 128, "num_stages": 3,
                                      "q_layout": "swizzled", "q_copy": q_copy, "o_store": o_store,
                                      "overlap": overlap})
-    for seqlen_q, seqlen_k, heads_q, heads_kv in SHAPES:
+    for seqlen_q, seqlen_k, heads_q, heads_kv in ONE_LAYOUT_SHAPES:
         q, k, v = random_qkv(2, seqlen_q, seqlen_k, heads_q, heads_kv, 128, torch.bfloat16, "cuda")
         out, lse = kernel(q, k, v, out=poisoned_out(q), return_lse=True)
         check_attention(out, lse, q, k, v, causal=causal)

@@ -314,7 +314,8 @@ def main(argv=None) -> int:
     p = parser()
     args = p.parse_args(argv)
     log = logging.getLogger("tvmflash")  # what is built or loaded, and how long it took (a GPU build on a CPU: 30 s)
-    if not log.handlers:
+    handler = None
+    if not log.handlers:  # for this command only: a caller's stderr may be gone after it (a test's capture)
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("tvmflash: %(message)s"))
         log.addHandler(handler)
@@ -328,6 +329,9 @@ def main(argv=None) -> int:
     except BrokenPipeError:  # the reader went away (`tvmflash info | head -2`): stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # what is left to flush goes nowhere
         return 1
+    finally:
+        if handler is not None:
+            log.removeHandler(handler)
 
 
 if __name__ == "__main__":
