@@ -11,6 +11,8 @@ from pathlib import Path
 import tvm_ffi
 from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
+from tvm.s_tir.meta_schedule.builder.local_builder import default_export
+from tvm.support.popen_pool import PopenPoolExecutor, StatusKind
 
 from tvmflash import lowering
 from tvmflash.tune.progress import Reporter, last_line
@@ -31,6 +33,48 @@ def ms_build(mod, target, _params, **options):
     Returns the runtime module: MetaSchedule's exporter takes that, not tvm.compile's Executable.
     """
     return lowering.build(mod, target, **options).mod
+
+
+class PooledBuilder:
+    """MetaSchedule's ``LocalBuilder`` (its ``build``), with its worker processes kept from batch to batch.
+
+    ``LocalBuilder`` starts new workers for every batch, against a memory leak of long-lived ones; a
+    worker imports TVM and tvmflash first, about 3 s on 2 CPU cores, as long as a CPU candidate's build,
+    so a CPU tuning run spent most of its time starting processes. Here the pool is started again every
+    ``restart_after`` batches, which bounds the leak, and at ``close``. Start it inside
+    ``workers_import_this_tvmflash`` (its workers unpickle ``ms_build`` by reference)."""
+
+    def __init__(self, max_workers: int, timeout_sec: float, f_build, restart_after: int = 8):
+        self.max_workers, self.timeout_sec, self.f_build = max_workers, timeout_sec, f_build
+        self.restart_after, self.pool, self.batches = restart_after, None, 0
+
+    def build(self, build_inputs: list) -> list:
+        if self.pool is None or self.batches >= self.restart_after:
+            self.close()
+            self.pool = PopenPoolExecutor(max_workers=self.max_workers, timeout=self.timeout_sec)
+        self.batches += 1
+        results = []
+        jobs = [(self.f_build, b.mod, b.target) for b in build_inputs]
+        for done in self.pool.map_with_error_catching(lambda job: _build_in_worker(*job), jobs):
+            if done.status == StatusKind.COMPLETE:
+                results.append(ms.builder.BuilderResult(done.value, None))
+            elif done.status == StatusKind.TIMEOUT:
+                results.append(ms.builder.BuilderResult(None, f"LocalBuilder: Timeout, killed after "
+                                                              f"{self.timeout_sec} seconds"))
+            else:
+                results.append(ms.builder.BuilderResult(None, f"LocalBuilder: An exception occurred\n{done.value}"))
+        return results
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown()
+        self.pool, self.batches = None, 0
+
+
+def _build_in_worker(f_build, mod, target) -> str:
+    """A builder worker's job, as ``LocalBuilder``'s: build ``mod`` and export it to a file (MetaSchedule's
+    default export), whose path the runner loads."""
+    return default_export(f_build(mod, target, None))
 
 
 @contextlib.contextmanager

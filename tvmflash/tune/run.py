@@ -23,7 +23,7 @@ from tvmflash.kernels import checks
 from tvmflash import target as targets
 from tvmflash.schedules.contract import KnobSet, Schedule
 from tvmflash.tune import decision
-from tvmflash.tune.builder import ProgressBuilder, ms_build, usable_cores, workers_import_this_tvmflash
+from tvmflash.tune.builder import PooledBuilder, ProgressBuilder, ms_build, usable_cores, workers_import_this_tvmflash
 from tvmflash.tune.progress import Progress, Reporter
 from tvmflash.tune.runner import ReportingRunner, gpu_timing_lock, timed_alone
 from tvmflash.tune.space import configurations, searched_space, space_fn
@@ -252,10 +252,11 @@ def _search(schedule: Schedule, tasks: list[dict], contexts: list, db, target, w
     config = ms.runner.EvaluatorConfig(number=3, repeat=3 if cuda else 1, min_repeat_ms=50 if cuda else 20,
                                        enable_cpu_cache_flush=False)
     f_build = functools.partial(ms_build, **schedule.build_options("forward"))
-    builder = ProgressBuilder(ms.builder.LocalBuilder(max_workers=num_cores, timeout_sec=120, f_build=f_build), reporter)
+    pool = PooledBuilder(max_workers=num_cores, timeout_sec=120, f_build=f_build)
+    builder = ProgressBuilder(pool, reporter)
     runner = ReportingRunner(ms.runner.LocalRunner(timeout_sec=120, evaluator_config=config,
                                                    f_run_evaluator=timed_alone if cuda else None), reporter)
-    with workers_import_this_tvmflash():
+    with workers_import_this_tvmflash(), contextlib.closing(pool):
         # A task of one configuration has one candidate, its design space itself: build those first,
         # all at once (the builder's workers in parallel).
         single = [(task, context) for task, context in zip(tasks, contexts)
