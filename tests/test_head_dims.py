@@ -41,10 +41,11 @@ def autograd_matches_float64(head_dim, dtype, causal, device="cpu", lengths=LENG
         check_gradients(grads, q, k, v, dout, dlse, causal=causal, **variant)
 
 
-# float32 and bfloat16 in turn, causal and not in turn: one forward and one backward build each
+# float32 and bfloat16, causal and not: one forward and one backward build each
+# (111 pads as 59 does, 192 runs as 160 and 224 do: the GPU grid has them)
 CPU_HEAD_DIMS = [(8, torch.float32, True), (40, torch.bfloat16, False), (59, torch.float32, True),
-                 (80, torch.bfloat16, True), (111, torch.float32, False), (160, torch.float32, True),
-                 (192, torch.bfloat16, False), (224, torch.float32, False), (256, torch.float32, True)]
+                 (80, torch.bfloat16, True), (160, torch.float32, True), (224, torch.bfloat16, False),
+                 (256, torch.float32, True)]
 
 
 @pytest.mark.parametrize("head_dim,dtype,causal", CPU_HEAD_DIMS, ids=lambda x: str(x).removeprefix("torch."))
