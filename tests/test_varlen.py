@@ -26,6 +26,7 @@ CPU_DTYPE, CPU_HEAD_DIM = torch.float16, 32
 # "alibi": slopes (batch, heads) drawn per problem, each sequence's row for its reference
 VARIANTS = {"plain": {}, "causal": {"causal": True}, "window": {"window_size": (40, 7)},
             "all": {"causal": True, "window_size": (40, -1), "softcap": 3.0, "alibi": True}}
+CAPPED = {"causal": True, "window_size": (40, -1), "softcap": 3.0}  # "all" but ALiBi (the CPU backward's)
 
 
 def offsets(lengths, device):
@@ -52,7 +53,7 @@ def sequence(t, cu, b):
 
 def options(name, batch, heads_q, device):
     """flash_attn_varlen_func's keyword arguments for VARIANTS[name], with ALiBi slopes (batch, heads_q)."""
-    kwargs = dict(VARIANTS[name])
+    kwargs = dict(CAPPED if name == "capped" else VARIANTS[name])
     if kwargs.pop("alibi", False):
         kwargs["alibi_slopes"] = (torch.rand(batch, heads_q, generator=torch.Generator().manual_seed(7)) * 0.3).to(device)
     return kwargs
@@ -116,9 +117,12 @@ def gradients_match_float64(device, dtype, head_dim, name, lengths, with_lse, he
 
 
 # causal on heads (2, 2), whose modules test_packed_forms shares; a window with GQA and dlse; every
-# variant at once (the slopes an argument of dkdv and dq too)
+# variant but ALiBi at once. ALiBi's varlen backward is the GPU tests' ("all"): on the CPU its build
+# takes 30 s or more of LLVM codegen (each sequence's lengths are loads from cu_seqlens in the innermost
+# expression, three times over in the distance's abs; the dense one builds in 1.4 s), too long for the CPU
+# suite until the program reads them once a tile.
 @pytest.mark.parametrize("name,with_lse,heads", [("causal", False, (2, 2)), ("window", True, HEADS),
-                                                 ("all", False, HEADS)])
+                                                 ("capped", False, HEADS)])
 def test_gradients_match_float64_on_cpu(name, with_lse, heads):
     gradients_match_float64("cpu", CPU_DTYPE, CPU_HEAD_DIM, name, LENGTHS, with_lse, heads)
 
