@@ -142,7 +142,7 @@ def varlen_over_paged_cache(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max
         torch._assert_async(position.min() >= 0, "max_seqlen_q: expected at least the longest sequence's length")
     tile = q.new_zeros(batch, max_seqlen_q, heads_q, head_dim)
     tile[seq, position] = q
-    out, lse = flash_attn_with_kvcache(tile, k_cache, v_cache, cache_seqlens=lengths_k.to(torch.int32),
+    out, lse = flash_attn_with_kvcache(tile, k_cache, v_cache, cache_seqlens=lengths_k,  # int32, as cu_seqlens
                                        block_table=block_table, softmax_scale=softmax_scale, causal=causal,
                                        window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                                        return_softmax_lse=True)

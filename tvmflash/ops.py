@@ -17,9 +17,9 @@ import torch.nn.functional as F
 from tvmflash import choice, kernels
 from tvmflash import target as targets
 from tvmflash.kernels import DecodeKernel, compile, compile_backward, compile_decode, registry
-from tvmflash.program import MAX_HEAD_DIM
 from tvmflash.kernels.checks import (TORCH_DTYPES, check_any_head_dim, check_cu_seqlens, check_flag, check_max_seqlen,
                                      dtype_name, resolve_softmax_scale, resolve_variant)
+from tvmflash.program import MAX_HEAD_DIM
 
 # kernel_for's and backward_kernel_for's answers: compile() resolves a target (a TVM object) and hashes
 # its arguments, some 100-250 us a call; attention() runs at every step of a model. Emptied by
@@ -59,9 +59,13 @@ def device_target(device: torch.device):
 
 
 # ----------------------------------------------------------------------------- decode
-# (device, dtype, head_dim, page_size, variant, TVMFLASH_DECODE) -> decode kernel; emptied by forget_kernels
+# (device, dtype, head_dim, page_size, variant, TVMFLASH_DECODE) -> decode kernel, and (device, dtype,
+# TVMFLASH_DECODE) -> the head_dims decode serves there: decode_shaped asks at every generation step, and
+# choice.native_head_dims tries every head_dim. Emptied by forget_kernels.
 DECODE_KERNELS_FOR: dict[tuple, DecodeKernel] = {}
+DECODE_HEAD_DIMS: dict[tuple, tuple[int, ...]] = {}
 registry.on_forget(DECODE_KERNELS_FOR.clear)
+registry.on_forget(DECODE_HEAD_DIMS.clear)
 
 
 def decode_kernel_for(q, page_size: int, window_size=(-1, -1), softcap: float = 0.0,
@@ -73,9 +77,20 @@ def decode_kernel_for(q, page_size: int, window_size=(-1, -1), softcap: float = 
     if kernel is None:
         check_decode_head_dim(q)
         kernel = DECODE_KERNELS_FOR[key] = compile_decode(head_dim=q.shape[-1], dtype=q.dtype, page_size=page_size,
-                                                  target=target_of(q), window_size=window_size, softcap=softcap,
-                                                  alibi=alibi)
+                                                          target=target_of(q), window_size=window_size,
+                                                          softcap=softcap, alibi=alibi)
     return kernel
+
+
+def decode_head_dims(q) -> tuple[int, ...]:
+    """The head_dims the decode kernels for q's device and dtype serve as they are
+    (``choice.native_head_dims``), kept; q's dtype one of the kernels' (fp16, bf16, fp32)."""
+    key = (q.device, q.dtype, choice.environment("decode"))
+    found = DECODE_HEAD_DIMS.get(key)
+    if found is None:
+        target = targets.resolve(target_of(q))
+        found = DECODE_HEAD_DIMS[key] = choice.native_head_dims("decode", target, dtype_name(q.dtype))
+    return found
 
 
 def check_decode_head_dim(q) -> None:
@@ -84,13 +99,12 @@ def check_decode_head_dim(q) -> None:
     no head_dim, as the other functions do; a padded copy of the whole cache at every step would cost
     more than the attention."""
     head_dim = check_any_head_dim(q.shape[-1])
-    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+    if q.dtype not in TORCH_DTYPES.values():
         return  # compile_decode names the dtypes it takes
-    target = targets.resolve(target_of(q))
-    served = choice.native_head_dims("decode", target, dtype_name(q.dtype))
+    served = decode_head_dims(q)
     if head_dim not in served:
         raise ValueError(f"head_dim: expected one the decode kernels serve for {dtype_name(q.dtype)} on "
-                         f"{targets.describe(target)} ({choice.describe_head_dims(served)}), got "
+                         f"{targets.describe(targets.resolve(target_of(q)))} ({choice.describe_head_dims(served)}), got "
                          f"{head_dim}: flash_attn_with_kvcache writes k_cache and v_cache in place and pads no "
                          f"head_dim; zero-pad q, the caches, k and v to one of them and pass "
                          f"softmax_scale=1/sqrt({head_dim})")
@@ -108,8 +122,8 @@ DECODE_SHAPED_KEYS = 512  # over at least this many keys
 def decode_shaped(q, k, v) -> bool:
     """Does the forward of q over k, v (flash-attn's layout, no autograd) run on the decode kernel?"""
     return (q.device.type == "cuda" and q.shape[1] <= DECODE_SHAPED_QUERIES and k.shape[1] >= DECODE_SHAPED_KEYS
-            and k.is_contiguous() and v.is_contiguous() and k.shape == v.shape
-            and q.shape[-1] in choice.native_head_dims("decode", targets.resolve(target_of(q)), dtype_name(q.dtype)))
+            and k.is_contiguous() and v.is_contiguous() and k.shape == v.shape and q.dtype in TORCH_DTYPES.values()
+            and q.shape[-1] in decode_head_dims(q))
 
 
 def decode_forward(q, k, v, causal: bool, softmax_scale: float, window_left: int, window_right: int, softcap: float,
@@ -120,7 +134,6 @@ def decode_forward(q, k, v, causal: bool, softmax_scale: float, window_left: int
     lengths = torch.full((batch,), seqlen_k, dtype=torch.int32, device=q.device)
     return kernel(q, k, v, lengths, kernel.batch_rows(batch, q.device), softmax_scale=softmax_scale, causal=causal,
                   alibi_slopes=alibi_slopes)
-
 
 
 # ----------------------------------------------------------------------------- head_dim

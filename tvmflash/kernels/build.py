@@ -119,15 +119,7 @@ class Build:
             if found is None:
                 found = self._load(key)
                 if found is None:
-                    with cache.build_lock(key):
-                        found = self._load(key)  # another process may have built it meanwhile
-                        if found is None:
-                            variant = "".join(f" {name}={value}" for name, value in self.variant.items())
-                            what = (f"d{spec.head_dim} {spec.dtype}{' causal' if spec.causal else ''}{variant} "
-                                    f"hq{spec.heads_q}/hkv{spec.heads_kv}{' int64' if wide else ''}")
-                            logger.info("building %s for %s (%s schedule)...", what, self.target_name,
-                                        self.schedule.name)
-                            found = self._build(spec, key, wide)
+                    found = self._build_once(spec, key, wide)
                 logger.info("%s %s in %.1f s%s", "built" if found.origin == "built" else "loaded", found.path or "it",
                             found.seconds, "" if found.function else " (CUDA source only: no GPU here to build for)")
                 _MODULES[key] = found
@@ -172,6 +164,19 @@ class Build:
             warnings.warn(f"tvmflash: ignoring unreadable cached module {path}: {err}", stacklevel=4)
             return None
         return Module(function, None, "disk cache", str(path), time.perf_counter() - start)
+
+    def _build_once(self, spec, key: str, wide: bool) -> Module:
+        """The module built under its key's lock (``cache.build_lock``), or loaded if another process
+        built it while this one waited for the lock."""
+        with cache.build_lock(key):
+            found = self._load(key)
+            if found is not None:
+                return found
+            variant = "".join(f" {name}={value}" for name, value in self.variant.items())
+            what = (f"d{spec.head_dim} {spec.dtype}{' causal' if spec.causal else ''}{variant} "
+                    f"hq{spec.heads_q}/hkv{spec.heads_kv}{' int64' if wide else ''}")
+            logger.info("building %s for %s (%s schedule)...", what, self.target_name, self.schedule.name)
+            return self._build(spec, key, wide)
 
     def _build(self, spec, key: str, wide: bool = False) -> Module:
         start = time.perf_counter()
