@@ -8,12 +8,14 @@ import torch
 
 
 def reference(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-              dtype=torch.float64):
+              dropout_p=0.0, dropout_mask=None, dtype=torch.float64):
     """Plain attention in ``dtype`` (default float64), flash-attn layout in and out, with flash-attn's
     documented variants: query i sees key j iff i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k -
     seqlen_q + right (``window_size=(left, right)``, -1: unbounded; causal: right 0); the scaled
     score s becomes softcap · tanh(s / softcap) (softcap > 0), then gets -slope · |i + seqlen_k -
-    seqlen_q - j| (``alibi_slopes``, (heads_q,) or (batch, heads_q)).
+    seqlen_q - j| (``alibi_slopes``, (heads_q,) or (batch, heads_q)). With ``dropout_mask`` (bool
+    (batch, heads_q, seqlen_q, seqlen_k), the entries kept) the softmax's other entries are dropped and
+    the kept ones scaled by 1 / (1 - dropout_p), after its sum (lse is the whole softmax's).
 
     Returns (out, lse): out (batch, seqlen_q, heads_q, head_dim), lse (batch, heads_q, seqlen_q).
     A query that sees no key gets out 0 and lse -inf.
@@ -45,6 +47,8 @@ def reference(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     s = s.masked_fill(hidden & seen, -math.inf).masked_fill(~seen, 0.0)
     lse = torch.logsumexp(s, dim=-1).masked_fill(~seen[..., 0], -math.inf)
     p = (torch.softmax(s, dim=-1) * seen).nan_to_num(0.0)  # (NaN only where fp16 scores overflowed)
+    if dropout_mask is not None:
+        p = p * dropout_mask.to(p.device) / (1 - dropout_p)
     return (p @ vh).transpose(1, 2), lse
 
 
@@ -60,7 +64,7 @@ def max_error(a, b):
 
 def check_attention(out, lse, q, k, v, *, causal=False, softmax_scale=None, eps=1e-5, **variant):
     """flash-attn's rule: our error against float64 is at most 2x torch's same-dtype error + eps.
-    ``variant``: ``reference``'s window_size, softcap and alibi_slopes."""
+    ``variant``: ``reference``'s window_size, softcap, alibi_slopes and dropout."""
     ref_out, ref_lse = reference(q, k, v, causal=causal, softmax_scale=softmax_scale, **variant)
     ours = max_error(out, ref_out)
     theirs = max_error(torch_same_dtype(q, k, v, causal=causal, softmax_scale=softmax_scale, **variant), ref_out)

@@ -153,15 +153,6 @@ def test_flash_attn_api():
     assert torch.equal(tvmflash.flash_attn_kvpacked_func(q, kv), tvmflash.attention(q, k, v))
 
 
-@pytest.mark.parametrize("option,value", [("dropout_p", 0.1)])
-def test_unsupported_options_say_so(option, value):
-    q, k, v = random_qkv(1, 8, 8, 4, 2, 64, torch.float16, "cpu")
-    with pytest.raises(NotImplementedError, match=option):
-        tvmflash.flash_attn_func(q, k, v, **{option: value})
-    with pytest.raises(NotImplementedError, match=option):
-        tvmflash.flash_attn_qkvpacked_func(torch.stack([q, q, q], dim=2), **{option: value})
-
-
 @pytest.mark.parametrize("flag", ["causal", "deterministic", "return_attn_probs"])
 def test_flags_refuse_strings(flag):
     """As flash-attn's binding: a flag's string is a TypeError (``causal="False"`` is truthy)."""

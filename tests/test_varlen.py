@@ -228,7 +228,7 @@ def bad_arguments():
         ({"v": lambda a: a["v"][:-1]}, ValueError, "v: expected the shape of k"),
         ({"block_table": lambda a: torch.zeros(2, 1, dtype=torch.int32)}, ValueError,
          r"k_cache: expected 4 dims, got shape \(6, 2, 32\)"),
-        ({"dropout_p": lambda a: 0.1}, NotImplementedError, "dropout_p"),
+        ({"dropout_p": lambda a: 1.0}, ValueError, "dropout_p: expected 0 <= dropout_p < 1"),
     ]
 
 

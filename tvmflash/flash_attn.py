@@ -7,15 +7,15 @@ ones ``tvmflash::varlen_forward``)::
 
     from tvmflash import flash_attn_func        # instead of: from flash_attn import flash_attn_func
 
-The variants are flash-attn's: a sliding ``window_size``, ``softcap`` and ``alibi_slopes`` (see
-``tvmflash.attention``). An option tvmflash does not support yet raises ``NotImplementedError``
-naming it, never silently changes the result: dropout_p > 0.
+The variants are flash-attn's: a sliding ``window_size``, ``softcap``, ``alibi_slopes`` and
+``dropout_p`` (see ``tvmflash.attention``). An option tvmflash does not support raises
+``NotImplementedError`` naming it, never silently changes the result.
 ``deterministic`` is flash-attn's: where the backward sums dq by fp32 atomics (sm90's default, the
 backward knob ``dq_atomic``) the gradients' rounding changes from run to run, and
 ``deterministic=True`` makes them bitwise the same (dq by a pass of its own). With ``return_attn_probs`` the return is
-``(out, softmax_lse, None)``: flash-attn returns the attention probabilities (S_dmask) only with
-dropout and None without, and tvmflash has no dropout. Unlike flash-attn's, softmax_lse carries a
-gradient. ``flash_attn_with_kvcache`` (decode over a KV cache) calls a ``kernels.DecodeKernel``: it
+``(out, softmax_lse, S_dmask)``, S_dmask as flash-attn's (for tests: None at dropout_p 0, else the
+softmax with the dropped entries negated, ``attention_probabilities``). Unlike flash-attn's, softmax_lse
+carries a gradient. ``flash_attn_with_kvcache`` (decode over a KV cache) calls a ``kernels.DecodeKernel``: it
 appends new keys and values to the cache in place, rotates them, picks the split count, and returns
 the output (and the LSE).
 """
@@ -38,7 +38,7 @@ from tvmflash.kernels.checks import (
     resolve_softmax_scale,
     resolve_variant,
 )
-from tvmflash.ops import attention, decode_kernel_for, varlen_attention
+from tvmflash.ops import attention, decode_kernel_for, dropout_kept, resolve_dropout, varlen_attention
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
@@ -51,15 +51,23 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     aligned bottom-right. window_size=(left, right): query i sees keys i + seqlen_k - seqlen_q - left
     ... i + seqlen_k - seqlen_q + right (-1: unbounded). softcap > 0: scores become
     softcap · tanh(score / softcap). alibi_slopes, float32 (nheads,) or (batch, nheads): a bias of
-    -slope · |i + seqlen_k - seqlen_q - j| is added to the score. Returns out (batch, seqlen_q,
-    nheads, headdim), or with return_attn_probs (out, softmax_lse, None), softmax_lse float32
-    (batch, nheads, seqlen_q).
+    -slope · |i + seqlen_k - seqlen_q - j| is added to the score. dropout_p: the probability of
+    dropping each entry of the softmax (the kept ones scaled by 1 / (1 - p)), drawn from torch's
+    generator for q's device. Returns out (batch, seqlen_q, nheads, headdim), or with return_attn_probs
+    (out, softmax_lse, S_dmask), softmax_lse float32 (batch, nheads, seqlen_q), S_dmask None at
+    dropout_p 0, else float32 (batch, nheads, seqlen_q, seqlen_k) (``attention_probabilities``).
     """
-    check_flash_attn_options(dropout_p, causal=causal, deterministic=deterministic, return_attn_probs=return_attn_probs)
+    dropout_p, return_attn_probs = check_flash_attn_options(dropout_p, causal=causal, deterministic=deterministic,
+                                                            return_attn_probs=return_attn_probs)[::3]
+    dropout_p, seed = resolve_dropout(dropout_p, None, q.device if isinstance(q, torch.Tensor) else None)
     out, lse = attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True,
                          window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                         deterministic=deterministic)
-    return (out, lse, None) if return_attn_probs else out
+                         deterministic=deterministic, dropout_p=dropout_p, dropout_seed=seed)
+    if not return_attn_probs:
+        return out
+    probabilities = None if not dropout_p else attention_probabilities(
+        q, k, lse, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, seed)
+    return out, lse, probabilities
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
@@ -97,18 +105,72 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     With ``block_table`` (int32 (batch, pages_per_seq), a paged KV cache as flash-attn's) k and v are
     the cache's pages, (num_pages, page_size, nheads_k, headdim), page_size a power of two >= 16, and
     sequence b's keys are the first cu_seqlens_k[b + 1] - cu_seqlens_k[b] rows of its pages: see
-    :func:`varlen_over_paged_cache`. Forward only, as flash-attn's.
+    :func:`varlen_over_paged_cache`. Forward only, as flash-attn's, and without dropout.
+
+    dropout_p as :func:`flash_attn_func`'s (each sequence's entries by its own positions); with it and
+    return_attn_probs, S_dmask is float32 (batch, nheads, max_seqlen_q, max_seqlen_k), sequence b's
+    entries first in its rows and columns, the rest 0.
     """
-    check_flash_attn_options(dropout_p, causal=causal, deterministic=deterministic, return_attn_probs=return_attn_probs)
+    dropout_p, return_attn_probs = check_flash_attn_options(dropout_p, causal=causal, deterministic=deterministic,
+                                                            return_attn_probs=return_attn_probs)[::3]
     if block_table is not None:
+        if dropout_p:
+            raise NotImplementedError("dropout_p: the paged varlen forward (block_table) has no dropout; it serves "
+                                      "inference")
         out, lse = varlen_over_paged_cache(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_table,
                                            softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                                            softcap=softcap, alibi_slopes=alibi_slopes)
         return (out, lse, None) if return_attn_probs else out
+    dropout_p, seed = resolve_dropout(dropout_p, None, q.device if isinstance(q, torch.Tensor) else None)
     out, lse = varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                                 softmax_scale=softmax_scale, return_lse=True, window_size=window_size,
-                                softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic)
-    return (out, lse, None) if return_attn_probs else out
+                                softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
+                                dropout_p=dropout_p, dropout_seed=seed)
+    if not return_attn_probs:
+        return out
+    if not dropout_p:
+        return out, lse, None
+    probabilities = q.new_zeros((cu_seqlens_q.shape[0] - 1, q.shape[1], max_seqlen_q, max_seqlen_k),
+                                dtype=torch.float32)
+    for b, ((q0, q1), (k0, k1)) in enumerate(zip(zip(cu_seqlens_q.tolist(), cu_seqlens_q.tolist()[1:]),
+                                                 zip(cu_seqlens_k.tolist(), cu_seqlens_k.tolist()[1:]))):
+        slopes = alibi_slopes if alibi_slopes is None or alibi_slopes.dim() == 1 else alibi_slopes[b]
+        probabilities[b, :, :q1 - q0, :k1 - k0] = attention_probabilities(
+            q[None, q0:q1], k[None, k0:k1], lse[None, :, q0:q1], softmax_scale, causal, window_size, softcap, slopes,
+            dropout_p, seed, sequence=b)[0]
+    return out, lse, probabilities
+
+
+def attention_probabilities(q, k, lse, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p: float,
+                            dropout_seed, sequence: int | None = None):
+    """flash-attn's S_dmask, for tests: the softmax exp(score - lse) of q (batch, seqlen_q, nheads,
+    headdim) over k (batch, seqlen_k, nheads_k, headdim), float32 (batch, nheads, seqlen_q, seqlen_k),
+    0 where masked and negated where dropout dropped the entry (``ops.dropout_kept``; ``sequence``: the
+    varlen sequence that batch 0 is). Computed here from the kernel's lse, O(seqlen_q · seqlen_k)."""
+    batch, seqlen_q, heads, head_dim = q.shape
+    seqlen_k = k.shape[1]
+    variant = resolve_variant(causal, window_size, softcap, alibi_slopes is not None)
+    scale = resolve_softmax_scale(softmax_scale, head_dim)
+    k = k.float().repeat_interleave(heads // k.shape[2], dim=2)
+    score = torch.einsum("bqhd,bkhd->bhqk", q.float(), k) * scale
+    if variant.get("softcap"):
+        score = variant["softcap"] * torch.tanh(score / variant["softcap"])
+    rows = torch.arange(seqlen_q, device=q.device)[:, None] + seqlen_k - seqlen_q  # a query's diagonal key
+    cols = torch.arange(seqlen_k, device=q.device)
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.float().reshape(-1, heads)[:, :, None, None]
+        score = score - slopes * (rows - cols).abs()
+    visible = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=q.device)
+    left, right = variant.get("window_left", -1), 0 if variant["causal"] else variant.get("window_right", -1)
+    if right >= 0:
+        visible &= cols <= rows + right
+    if left >= 0:
+        visible &= cols >= rows - left
+    probabilities = torch.where(visible, torch.exp(score - lse[..., None]), 0.0)
+    b = torch.arange(batch, device=q.device)[:, None, None, None] if sequence is None else sequence
+    kept = dropout_kept(dropout_seed, dropout_p, heads, b, torch.arange(heads, device=q.device)[:, None, None],
+                        torch.arange(seqlen_q, device=q.device)[:, None], cols)
+    return torch.where(kept, probabilities, -probabilities)
 
 
 def varlen_over_paged_cache(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, block_table, *,

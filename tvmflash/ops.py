@@ -11,15 +11,19 @@ implementation too), so that torch.compile traces the backward graph without a b
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
 from tvmflash import choice, kernels
 from tvmflash import target as targets
 from tvmflash.kernels import DecodeKernel, compile, compile_backward, compile_decode, registry
-from tvmflash.kernels.checks import (TORCH_DTYPES, check_any_head_dim, check_cu_seqlens, check_flag, check_max_seqlen,
-                                     dtype_name, resolve_softmax_scale, resolve_variant)
-from tvmflash.program import MAX_HEAD_DIM
+from tvmflash.kernels.checks import (TORCH_DTYPES, check_any_head_dim, check_cu_seqlens, check_dropout_p,
+                                     check_dropout_seed, check_flag, check_max_seqlen, dtype_name, resolve_softmax_scale,
+                                     resolve_variant)
+from tvmflash.lowering.hashing import MIX32_MULTIPLIERS, MIX32_SHIFTS
+from tvmflash.program import DROPOUT_BITS, MAX_HEAD_DIM
 
 # kernel_for's and backward_kernel_for's answers: compile() resolves a target (a TVM object) and hashes
 # its arguments, some 100-250 us a call; attention() runs at every step of a model. Emptied by
@@ -29,16 +33,16 @@ registry.on_forget(KERNELS_FOR.clear)
 
 
 def kernel_for(q: torch.Tensor, causal: bool, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
-               alibi: bool = False, varlen: bool = False):
+               alibi: bool = False, varlen: bool = False, dropout: bool = False):
     """The kernel for q's device, dtype and head_dim and the variant (compiled on first use, then cached)."""
-    key = (q.device, q.dtype, q.shape[-1], causal, window_left, window_right, softcap, alibi, varlen,
+    key = (q.device, q.dtype, q.shape[-1], causal, window_left, window_right, softcap, alibi, varlen, dropout,
            choice.environment("forward"))
     found = KERNELS_FOR.get(key)
     if found is not None:
         return found
     found = KERNELS_FOR[key] = compile(head_dim=q.shape[-1], dtype=q.dtype, causal=causal, target=target_of(q),
                                        window_size=(window_left, window_right), softcap=softcap, alibi=alibi,
-                                       varlen=varlen)
+                                       varlen=varlen, dropout=dropout)
     return found
 
 
@@ -186,6 +190,56 @@ def padded_head_dim(q, k, v, head_dim: int) -> tuple:
     return (*(F.pad(t, (0, run - head_dim)) for t in (q, k, v)), run)
 
 
+# ----------------------------------------------------------------------------- dropout
+# flash-attn's dropout_p: the kernels drop P's entries by a hash of a seed and each entry's place
+# (``program.Dropout``), so the backward recomputes the forward's pattern from the seed alone.
+def dropout_arguments(dropout_p: float, dropout_seed) -> dict:
+    """A kernel call's dropout keywords: none at a rate of 0 (a kernel without dropout runs)."""
+    return {"dropout_p": dropout_p, "dropout_seed": dropout_seed} if dropout_p > 0 else {}
+
+
+def resolve_dropout(dropout_p, dropout_seed, device: torch.device) -> tuple:
+    """(dropout_p, seed): the rate checked (``checks.check_dropout_p``) and, where it is above 0, the given
+    seed checked, or a new one drawn from torch's generator for ``device`` (``torch.manual_seed`` repeats
+    it; under torch.compile and CUDA graphs each call draws anew); seed None at a rate of 0."""
+    dropout_p = check_dropout_p(dropout_p)
+    if not dropout_p:
+        return 0.0, None
+    if dropout_seed is None:
+        return dropout_p, torch.randint(0, 2**31 - 1, (2,), dtype=torch.int32, device=device)
+    return dropout_p, check_dropout_seed(dropout_seed, device)
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """``lowering.hashing``'s lowbias32 on int64 tensors holding uint32 values."""
+    (m1, m2), (s1, s2, s3) = MIX32_MULTIPLIERS, MIX32_SHIFTS
+    x = ((x ^ (x >> s1)) * m1) & 0xFFFFFFFF  # int64 products wrap modulo 2**64: their low 32 bits are exact
+    x = ((x ^ (x >> s2)) * m2) & 0xFFFFFFFF
+    return x ^ (x >> s3)
+
+
+def dropout_kept(dropout_seed: torch.Tensor, dropout_p: float, heads_q: int, b, h, rows, cols) -> torch.Tensor:
+    """Which entries the kernels keep: a bool tensor, the broadcast of the int tensors ``b`` (batch, or
+    varlen's sequence), ``h`` (query head of ``heads_q``), ``rows`` (query) and ``cols`` (key), positions
+    in each sequence: the programs' rule (``program.Dropout``) on torch tensors."""
+    seed = dropout_seed.to(torch.int64) & 0xFFFFFFFF
+    bh = (torch.as_tensor(b, dtype=torch.int64) * heads_q + torch.as_tensor(h, dtype=torch.int64)) & 0xFFFFFFFF
+    key = _mix32(seed[0] ^ _mix32(seed[1] ^ bh.to(seed.device)))
+    bits = _mix32(_mix32(key ^ torch.as_tensor(rows, dtype=torch.int64, device=seed.device))
+                  ^ torch.as_tensor(cols, dtype=torch.int64, device=seed.device))
+    threshold = math.ceil(float(torch.tensor(dropout_p, dtype=torch.float32)) * 2.0**DROPOUT_BITS)
+    return (bits >> (32 - DROPOUT_BITS)) >= threshold
+
+
+def dropout_mask(dropout_seed: torch.Tensor, dropout_p: float, batch: int, heads_q: int, seqlen_q: int,
+                 seqlen_k: int) -> torch.Tensor:
+    """``dropout_kept`` of every entry of a dense call: bool (batch, heads_q, seqlen_q, seqlen_k)."""
+    device = dropout_seed.device
+    return dropout_kept(dropout_seed, dropout_p, heads_q, torch.arange(batch, device=device)[:, None, None, None],
+                        torch.arange(heads_q, device=device)[None, :, None, None],
+                        torch.arange(seqlen_q, device=device)[:, None], torch.arange(seqlen_k, device=device))
+
+
 def _output_shapes(q):
     """out (compact, q's shape) and lse (batch, heads_q, seqlen_q), as the kernel allocates them."""
     batch, seqlen_q, heads_q, _ = q.shape
@@ -193,34 +247,39 @@ def _output_shapes(q):
 
 
 # The forward and backward ops take the variant as resolve_variant's fields (causal, window_left,
-# window_right, softcap; alibi: whether alibi_slopes is given).
+# window_right, softcap; alibi: whether alibi_slopes is given; dropout: whether dropout_p > 0, then with
+# the seed that the backward takes too).
 @torch.library.custom_op("tvmflash::forward", mutates_args=())
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float,
             window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
-            alibi_slopes: torch.Tensor | None = None, deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+            alibi_slopes: torch.Tensor | None = None, deterministic: bool = False, dropout_p: float = 0.0,
+            dropout_seed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) = attention forward; see :func:`attention` (deterministic: its backward's)."""
-    kernel = kernel_for(q, causal, window_left, window_right, softcap, alibi_slopes is not None)
-    return kernel(q, k, v, softmax_scale=softmax_scale, return_lse=True, alibi_slopes=alibi_slopes)
+    kernel = kernel_for(q, causal, window_left, window_right, softcap, alibi_slopes is not None,
+                        dropout=dropout_p > 0)
+    return kernel(q, k, v, softmax_scale=softmax_scale, return_lse=True, alibi_slopes=alibi_slopes,
+                  **dropout_arguments(dropout_p, dropout_seed))
 
 
 @forward.register_fake
 def _forward_shapes(q, k, v, causal, softmax_scale, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None,
-                    deterministic=False):
+                    deterministic=False, dropout_p=0.0, dropout_seed=None):
     return _output_shapes(q)
 
 
 def backward_kernel_for(q: torch.Tensor, causal: bool, window_left: int = -1, window_right: int = -1,
-                        softcap: float = 0.0, alibi: bool = False, varlen: bool = False, deterministic: bool = False):
+                        softcap: float = 0.0, alibi: bool = False, varlen: bool = False, deterministic: bool = False,
+                        dropout: bool = False):
     """The backward kernel for q's device, dtype and head_dim and the variant (compiled on first use,
     then cached, as ``kernel_for``'s: a training step runs it at every layer)."""
     key = ("backward", q.device, q.dtype, q.shape[-1], causal, window_left, window_right, softcap, alibi, varlen,
-           deterministic, choice.environment("backward"))
+           deterministic, dropout, choice.environment("backward"))
     found = KERNELS_FOR.get(key)
     if found is None:
         found = KERNELS_FOR[key] = compile_backward(
             head_dim=q.shape[-1], dtype=q.dtype, causal=causal, target=target_of(q),
             window_size=(window_left, window_right), softcap=softcap, alibi=alibi, varlen=varlen,
-            deterministic=deterministic)
+            dropout=dropout, deterministic=deterministic)
     return found
 
 
@@ -228,33 +287,37 @@ def backward_kernel_for(q: torch.Tensor, causal: bool, window_left: int = -1, wi
 def backward(dout: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              out: torch.Tensor, lse: torch.Tensor, causal: bool, softmax_scale: float, window_left: int = -1,
              window_right: int = -1, softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
-             deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             deterministic: bool = False, dropout_p: float = 0.0,
+             dropout_seed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of :func:`forward` given the gradients of its out and lse (dlse None: 0)."""
     kernel = backward_kernel_for(q, causal, window_left, window_right, softcap, alibi_slopes is not None,
-                                 deterministic=deterministic)
-    return kernel(q, k, v, out, dout, lse, dlse=dlse, softmax_scale=softmax_scale, alibi_slopes=alibi_slopes)
+                                 deterministic=deterministic, dropout=dropout_p > 0)
+    return kernel(q, k, v, out, dout, lse, dlse=dlse, softmax_scale=softmax_scale, alibi_slopes=alibi_slopes,
+                  **dropout_arguments(dropout_p, dropout_seed))
 
 
 @backward.register_fake
 def _backward_shapes(dout, dlse, q, k, v, out, lse, causal, softmax_scale, window_left=-1, window_right=-1,
-                     softcap=0.0, alibi_slopes=None, deterministic=False):
+                     softcap=0.0, alibi_slopes=None, deterministic=False, dropout_p=0.0, dropout_seed=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # compact, as the kernel returns them
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, softmax_scale, window_left, window_right, softcap, alibi_slopes, deterministic = inputs
+    (q, k, v, causal, softmax_scale, window_left, window_right, softcap, alibi_slopes, deterministic, dropout_p,
+     dropout_seed) = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes)
+    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, dropout_seed)
     ctx.variant = (causal, softmax_scale, window_left, window_right, softcap)
-    ctx.deterministic = deterministic
+    ctx.deterministic, ctx.dropout_p = deterministic, dropout_p
 
 
 def _backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse, alibi_slopes = ctx.saved_tensors
+    q, k, v, out, lse, alibi_slopes, dropout_seed = ctx.saved_tensors
     if grad_out is None:  # only lse reached the loss
         grad_out = torch.zeros_like(out)
-    dq, dk, dv = backward(grad_out, grad_lse, q, k, v, out, lse, *ctx.variant, alibi_slopes, ctx.deterministic)
-    return (dq, dk, dv) + (None,) * 7  # no gradient for the options or the ALiBi slopes
+    dq, dk, dv = backward(grad_out, grad_lse, q, k, v, out, lse, *ctx.variant, alibi_slopes, ctx.deterministic,
+                          ctx.dropout_p, dropout_seed)
+    return (dq, dk, dv) + (None,) * 9  # no gradient for the options, the ALiBi slopes or the seed
 
 
 forward.register_autograd(_backward, setup_context=_setup_context)
@@ -263,37 +326,42 @@ forward.register_autograd(_backward, setup_context=_setup_context)
 # A kept Kernel (``tvmflash.compile``) under torch.compile: the op names it by ``Kernel.key``.
 @torch.library.custom_op("tvmflash::kernel_forward", mutates_args=())
 def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel: str, softmax_scale: float,
-                   alibi_slopes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   alibi_slopes: torch.Tensor | None = None, dropout_p: float | None = None,
+                   dropout_seed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of the Kernel ``kernel`` names; see ``Kernel.__call__``."""
-    return kernels.by_key(kernel)(q, k, v, softmax_scale=softmax_scale, return_lse=True, alibi_slopes=alibi_slopes)
+    return kernels.by_key(kernel)(q, k, v, softmax_scale=softmax_scale, return_lse=True, alibi_slopes=alibi_slopes,
+                                  dropout_p=dropout_p, dropout_seed=dropout_seed)
 
 
 @kernel_forward.register_fake
-def _kernel_forward_shapes(q, k, v, kernel, softmax_scale, alibi_slopes=None):
+def _kernel_forward_shapes(q, k, v, kernel, softmax_scale, alibi_slopes=None, dropout_p=None, dropout_seed=None):
     kernels.by_key(kernel).arguments.check(q, k, v, None)
     return _output_shapes(q)
 
 
 @torch.library.custom_op("tvmflash::kernel_forward_out", mutates_args=("out",))
 def kernel_forward_out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, kernel: str,
-                       softmax_scale: float, alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+                       softmax_scale: float, alibi_slopes: torch.Tensor | None = None, dropout_p: float | None = None,
+                       dropout_seed: torch.Tensor | None = None) -> torch.Tensor:
     """lse of the Kernel ``kernel`` names, its output written into ``out``."""
     return kernels.by_key(kernel)(q, k, v, softmax_scale=softmax_scale, out=out, return_lse=True,
-                                  alibi_slopes=alibi_slopes)[1]
+                                  alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_seed=dropout_seed)[1]
 
 
 @kernel_forward_out.register_fake
-def _kernel_forward_out_shapes(q, k, v, out, kernel, softmax_scale, alibi_slopes=None):
+def _kernel_forward_out_shapes(q, k, v, out, kernel, softmax_scale, alibi_slopes=None, dropout_p=None,
+                               dropout_seed=None):
     kernels.by_key(kernel).arguments.check(q, k, v, out)
     return _output_shapes(q)[1]
 
 
-def kernel_call(kernel, q, k, v, softmax_scale: float, out, return_lse: bool, alibi_slopes=None):
+def kernel_call(kernel, q, k, v, softmax_scale: float, out, return_lse: bool, alibi_slopes=None, dropout_p=None,
+                dropout_seed=None):
     """``kernel(q, k, v, ...)`` through the custom ops (what torch.compile traces)."""
     if out is None:
-        out, lse = kernel_forward(q, k, v, kernel.key, softmax_scale, alibi_slopes)
+        out, lse = kernel_forward(q, k, v, kernel.key, softmax_scale, alibi_slopes, dropout_p, dropout_seed)
     else:
-        lse = kernel_forward_out(q, k, v, out, kernel.key, softmax_scale, alibi_slopes)
+        lse = kernel_forward_out(q, k, v, out, kernel.key, softmax_scale, alibi_slopes, dropout_p, dropout_seed)
     return (out, lse) if return_lse else out
 
 
@@ -323,7 +391,8 @@ def _through_ops(q, k, v) -> bool:
 
 
 def attention(q, k, v, *, causal: bool = False, softmax_scale=None, return_lse: bool = False, window_size=(-1, -1),
-              softcap: float = 0.0, alibi_slopes=None, deterministic: bool = False):
+              softcap: float = 0.0, alibi_slopes=None, deterministic: bool = False, dropout_p: float = 0.0,
+              dropout_seed=None):
     """Exact attention softmax(q kᵀ · scale) v in flash-attn's layout.
 
     q: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim) with
@@ -347,19 +416,28 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale=None, return_lse: 
     > 0 turns the scaled score s into softcap · tanh(s / softcap); ``alibi_slopes``, float32
     (heads_q,) or (batch, heads_q), adds -slope · |i + seqlen_k - seqlen_q - j| to it (after the
     cap). A query whose window holds no key gets 0 (and lse -inf). The slopes get no gradient.
+
+    ``dropout_p`` (flash-attn's; 0 <= p < 1): each entry of the softmax is dropped with probability p
+    and the kept ones scaled by 1 / (1 - p), after the softmax's sum (lse is that of the whole softmax).
+    Which entries drop is a hash of ``dropout_seed`` (int32 (2,) on q's device; None: drawn from torch's
+    generator for q's device) and each entry's batch, head, query and key (``dropout_kept`` says which),
+    so the backward drops the same ones.
     """
     options = _options(q, k, v, 4, "(batch, seqlen, heads, head_dim)", causal, window_size, softcap, alibi_slopes)
     return_lse, deterministic = check_flag("return_lse", return_lse), check_flag("deterministic", deterministic)
+    dropout_p, dropout_seed = resolve_dropout(dropout_p, dropout_seed, q.device)
     head_dim = q.shape[-1]
     softmax_scale = resolve_softmax_scale(softmax_scale, head_dim)  # q's own head_dim's, before any padding
     q, k, v, run = padded_head_dim(q, k, v, head_dim)
     if _through_ops(q, k, v):
-        out, lse = forward(q, k, v, options[0], softmax_scale, *options[1:], alibi_slopes, deterministic)
-    elif decode_shaped(q, k, v):  # a generation step: split the keys over the GPU (``decode_shaped``)
+        out, lse = forward(q, k, v, options[0], softmax_scale, *options[1:], alibi_slopes, deterministic, dropout_p,
+                           dropout_seed)
+    elif not dropout_p and decode_shaped(q, k, v):  # a generation step: split the keys over the GPU
         out, lse = decode_forward(q, k, v, *options[:1], softmax_scale, *options[1:], alibi_slopes)
     else:  # eager, nothing for autograd to record: no custom op's dispatch
-        out, lse = kernel_for(q, *options, alibi_slopes is not None)(q, k, v, softmax_scale=softmax_scale,
-                                                                      return_lse=True, alibi_slopes=alibi_slopes)
+        out, lse = kernel_for(q, *options, alibi_slopes is not None, dropout=dropout_p > 0)(
+            q, k, v, softmax_scale=softmax_scale, return_lse=True, alibi_slopes=alibi_slopes,
+            **dropout_arguments(dropout_p, dropout_seed))
     if run != head_dim:
         out = out[..., :head_dim]
     return (out, lse) if return_lse else out
@@ -377,17 +455,19 @@ def _varlen_output_shapes(q):
 def varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                    cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
                    softmax_scale: float, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
-                   alibi_slopes: torch.Tensor | None = None,
-                   deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                   alibi_slopes: torch.Tensor | None = None, deterministic: bool = False, dropout_p: float = 0.0,
+                   dropout_seed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of the varlen forward; see :func:`varlen_attention` (deterministic: its backward's)."""
-    kernel = kernel_for(q, causal, window_left, window_right, softcap, alibi_slopes is not None, varlen=True)
+    kernel = kernel_for(q, causal, window_left, window_right, softcap, alibi_slopes is not None, varlen=True,
+                        dropout=dropout_p > 0)
     return kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale=softmax_scale, return_lse=True,
-                  alibi_slopes=alibi_slopes)
+                  alibi_slopes=alibi_slopes, **dropout_arguments(dropout_p, dropout_seed))
 
 
 @varlen_forward.register_fake
 def _varlen_forward_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                           window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, deterministic=False):
+                           window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, deterministic=False,
+                           dropout_p=0.0, dropout_seed=None):
     return _varlen_output_shapes(q)
 
 
@@ -396,39 +476,39 @@ def varlen_backward(dout: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tens
                     v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, cu_seqlens_q: torch.Tensor,
                     cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
                     softmax_scale: float, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
-                    alibi_slopes: torch.Tensor | None = None,
-                    deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    alibi_slopes: torch.Tensor | None = None, deterministic: bool = False, dropout_p: float = 0.0,
+                    dropout_seed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of :func:`varlen_forward` given the gradients of its out and lse (dlse None: 0)."""
     kernel = backward_kernel_for(q, causal, window_left, window_right, softcap, alibi_slopes is not None, varlen=True,
-                                 deterministic=deterministic)
+                                 deterministic=deterministic, dropout=dropout_p > 0)
     return kernel(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dlse=dlse,
-                  softmax_scale=softmax_scale, alibi_slopes=alibi_slopes)
+                  softmax_scale=softmax_scale, alibi_slopes=alibi_slopes, **dropout_arguments(dropout_p, dropout_seed))
 
 
 @varlen_backward.register_fake
 def _varlen_backward_shapes(dout, dlse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                             causal, softmax_scale, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None,
-                            deterministic=False):
+                            deterministic=False, dropout_p=0.0, dropout_seed=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # compact, as the kernel returns them
 
 
 def _varlen_setup_context(ctx, inputs, output):
     (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_left,
-     window_right, softcap, alibi_slopes, deterministic) = inputs
+     window_right, softcap, alibi_slopes, deterministic, dropout_p, dropout_seed) = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_seed)
     ctx.lengths = (max_seqlen_q, max_seqlen_k)
     ctx.variant = (causal, softmax_scale, window_left, window_right, softcap)
-    ctx.deterministic = deterministic
+    ctx.deterministic, ctx.dropout_p = deterministic, dropout_p
 
 
 def _varlen_backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes = ctx.saved_tensors
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_seed = ctx.saved_tensors
     if grad_out is None:  # only lse reached the loss
         grad_out = torch.zeros_like(out)
     dq, dk, dv = varlen_backward(grad_out, grad_lse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.lengths,
-                                 *ctx.variant, alibi_slopes, ctx.deterministic)
-    return (dq, dk, dv) + (None,) * 11  # none for the offsets, lengths, options or ALiBi slopes
+                                 *ctx.variant, alibi_slopes, ctx.deterministic, ctx.dropout_p, dropout_seed)
+    return (dq, dk, dv) + (None,) * 13  # none for the offsets, lengths, options, ALiBi slopes or seed
 
 
 varlen_forward.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
@@ -438,24 +518,26 @@ varlen_forward.register_autograd(_varlen_backward, setup_context=_varlen_setup_c
 @torch.library.custom_op("tvmflash::varlen_kernel_forward", mutates_args=())
 def varlen_kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                           cu_seqlens_k: torch.Tensor, max_seqlen_q: int, kernel: str, softmax_scale: float,
-                          alibi_slopes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                          alibi_slopes: torch.Tensor | None = None, dropout_p: float | None = None,
+                          dropout_seed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of the VarlenKernel ``kernel`` names; see ``VarlenKernel.__call__``."""
     return kernels.by_key(kernel)(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale=softmax_scale,
-                                  return_lse=True, alibi_slopes=alibi_slopes)
+                                  return_lse=True, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+                                  dropout_seed=dropout_seed)
 
 
 @varlen_kernel_forward.register_fake
 def _varlen_kernel_forward_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, kernel, softmax_scale,
-                                  alibi_slopes=None):
+                                  alibi_slopes=None, dropout_p=None, dropout_seed=None):
     return _varlen_output_shapes(q)
 
 
 def varlen_kernel_call(kernel, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale: float, out,
-                       return_lse: bool, alibi_slopes=None):
+                       return_lse: bool, alibi_slopes=None, dropout_p=None, dropout_seed=None):
     """``kernel(q, k, v, cu_seqlens_q, ...)`` of a VarlenKernel through its custom op (what
     torch.compile traces); a given out is written by a copy."""
     result, lse = varlen_kernel_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, kernel.key, softmax_scale,
-                                        alibi_slopes)
+                                        alibi_slopes, dropout_p, dropout_seed)
     if out is not None:
         result = out.copy_(result)
     return (result, lse) if return_lse else result
@@ -466,7 +548,8 @@ registry.add_route("varlen", varlen_kernel_call)  # as "forward", for VarlenKern
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
                      causal: bool = False, softmax_scale=None, return_lse: bool = False, window_size=(-1, -1),
-                     softcap: float = 0.0, alibi_slopes=None, deterministic: bool = False):
+                     softcap: float = 0.0, alibi_slopes=None, deterministic: bool = False, dropout_p: float = 0.0,
+                     dropout_seed=None):
     """:func:`attention` of sequences packed without padding (flash-attn's varlen layout).
 
     q: (total_q, heads_q, head_dim); k, v: (total_k, heads_kv, head_dim); cu_seqlens_q,
@@ -477,10 +560,12 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     window and ALiBi distances of its own lengths (bottom-right aligned). The kernel reads the
     offsets on the device: no padding, no loop over sequences, no rebuild for new lengths.
     Differentiable in q, k and v (``torch.ops.tvmflash.varlen_backward``), under torch.compile too;
-    ``deterministic`` as :func:`attention`'s.
+    ``deterministic`` and ``dropout_p`` as :func:`attention`'s (with dropout, b in ``dropout_kept`` is the
+    sequence, and the query and key are positions in it).
     """
     options = _options(q, k, v, 3, "(total_q, heads, head_dim)", causal, window_size, softcap, alibi_slopes)
     return_lse, deterministic = check_flag("return_lse", return_lse), check_flag("deterministic", deterministic)
+    dropout_p, dropout_seed = resolve_dropout(dropout_p, dropout_seed, q.device)
     check_max_seqlen("max_seqlen_q", max_seqlen_q)
     check_max_seqlen("max_seqlen_k", max_seqlen_k)
     check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k)  # max_seqlen_k: the backward's
@@ -489,11 +574,11 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     q, k, v, run = padded_head_dim(q, k, v, head_dim)
     if _through_ops(q, k, v):
         out, lse = varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options[0],
-                                  softmax_scale, *options[1:], alibi_slopes, deterministic)
+                                  softmax_scale, *options[1:], alibi_slopes, deterministic, dropout_p, dropout_seed)
     else:  # eager, nothing for autograd to record: no custom op's dispatch
-        out, lse = kernel_for(q, *options, alibi_slopes is not None, varlen=True)(
+        out, lse = kernel_for(q, *options, alibi_slopes is not None, varlen=True, dropout=dropout_p > 0)(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale=softmax_scale, return_lse=True,
-            alibi_slopes=alibi_slopes)
+            alibi_slopes=alibi_slopes, **dropout_arguments(dropout_p, dropout_seed))
     if run != head_dim:
         out = out[..., :head_dim]
     return (out, lse) if return_lse else out

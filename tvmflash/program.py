@@ -12,8 +12,9 @@ Layout (flash-attn's):
 batch, seqlen_q and seqlen_k are symbolic, so one built module serves every length. q, k, v and
 out have symbolic batch, sequence and head strides (in elements) and a contiguous head_dim; lse is
 compact. head_dim, the head counts, dtype, causal, the variants (a sliding window, a softcap, ALiBi:
-``AttentionSpec``) and the tile sizes are static. With ALiBi the slopes are one more argument:
+``AttentionSpec``) and the tile sizes are static. With ALiBi the slopes are one more argument, and with dropout two more after them:
     alibi_slopes: (batch, heads_q)                    float32, any batch stride (0: one row for all)
+    dropout_p:    float32, 0 <= p < 1; dropout_seed: (2,) int32 (``Dropout``)
 
 With ``varlen`` (flash-attn's packed sequences) the arguments hold the rows of every sequence as one
 batch, and three more arguments, after softmax_scale, say where each sequence is:
@@ -36,6 +37,7 @@ from tvm.script import tirx as T
 from tvm.script.ir_builder import IRBuilder
 
 from tvmflash.lowering.annotations import RUNS_IF
+from tvmflash.lowering.hashing import mix32_call
 
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32")
 # The programs take a head_dim that is a multiple of 8 (a 16-byte vector of fp16 or bf16, the unit the
@@ -97,6 +99,9 @@ class AttentionSpec:
     # flash-attn's varlen: sequences packed without padding, q (total_q, heads_q, d), k and v
     # (total_k, heads_kv, d), each sequence's rows and length read from cu_seqlens on the device
     varlen: bool = False
+    # flash-attn's dropout_p > 0: P's entries are dropped by a counter-based hash of (seed, batch, head,
+    # row, key) (``Dropout``); the rate and the seed are arguments, so one module serves every rate
+    dropout: bool = False
 
     @property
     def transforms_score(self) -> bool:
@@ -116,8 +121,9 @@ class AttentionSpec:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < -1:
                 raise ValueError(f"{name}: expected an int >= -1 (-1: no bound), got {value!r}")
-        if not isinstance(self.varlen, bool):
-            raise TypeError(f"varlen: expected True or False, got {self.varlen!r}")
+        for name in ("varlen", "dropout"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name}: expected True or False, got {getattr(self, name)!r}")
         if not (isinstance(self.softcap, (int, float)) and not isinstance(self.softcap, bool)
                 and 0 <= self.softcap < math.inf):
             raise ValueError(f"softcap: expected a finite float >= 0 (0: off), got {self.softcap!r}")
@@ -181,6 +187,88 @@ def alibi_slopes_argument(spec: AttentionSpec, batch, heads):
     slopes = T.match_buffer(handle, (batch, heads), "float32", strides=(stride, 1))
     IRBuilder.name("AlibiSlopes", slopes)
     return slopes
+
+
+# Dropout: entry (row, key) of head h of batch (varlen: sequence) b is kept iff the top 24 bits of
+# mix32(mix32(tile ^ row) ^ key), tile = mix32(seed0 ^ mix32(seed1 ^ (b · heads_q + h))), reach
+# ceil(dropout_p · 2^24) (mix32: ``lowering.hashing``, a bijection of uint32 with full avalanche, so the
+# keys of a row and the rows of a tile draw independent bits). The indices enter by xor, never by a
+# product that the simplifier could fold into an out-of-range uint32 constant. The backward recomputes
+# the same bits; ``tvmflash.ops.dropout_keep`` is the same rule on torch tensors.
+DROPOUT_BITS = 24  # the bits compared with the rate (a float32 holds p · 2^24 exactly)
+
+
+@dataclass(frozen=True)
+class Dropout:
+    """dropout's parameters of the PrimFunc being parsed: the rate ``p`` (float32, 0 <= p < 1) and
+    the ``seed`` (2,) int32, a tensor on the kernel's device so that a new draw needs no new module
+    and a captured CUDA graph reads the current one."""
+
+    p: object
+    seed: object
+
+    def tile(self, b, h, heads: int) -> "TileDropout":
+        """The dropout of head h of batch (varlen: sequence) b, of ``heads`` query heads."""
+        bh = T.cast(b * heads + h, "uint32")
+        key = mix32_call(T.bitwise_xor(T.cast(self.seed[0], "uint32"),
+                                       mix32_call(T.bitwise_xor(T.cast(self.seed[1], "uint32"), bh))))
+        return TileDropout(self, key)
+
+    @property
+    def scale(self):
+        """1 / (1 - p): what the kept entries are scaled by."""
+        return T.float32(1) / (T.float32(1) - self.p)
+
+
+@dataclass(frozen=True)
+class TileDropout:
+    """One (batch, head)'s dropout: ``kept(row, key)``, and its ``scale``."""
+
+    dropout: Dropout
+    key: object  # the (batch, head)'s hash of the seed
+
+    def kept(self, row, col):
+        """Is entry (query ``row``, key ``col``) kept? Positions in the sequence (int32)."""
+        bits = mix32_call(T.bitwise_xor(mix32_call(T.bitwise_xor(self.key, T.cast(row, "uint32"))),
+                                        T.cast(col, "uint32")))
+        threshold = T.cast(T.ceil(self.dropout.p * T.float32(2.0**DROPOUT_BITS)), "uint32")
+        return T.shift_right(bits, T.uint32(32 - DROPOUT_BITS)) >= threshold
+
+    @property
+    def scale(self):
+        return self.dropout.scale
+
+
+def dropout_arguments(spec: AttentionSpec):
+    """With dropout, two more parameters of the PrimFunc being parsed, after the others: ``dropout_p``
+    (float32) and ``dropout_seed`` (2,) int32; None without."""
+    if not spec.dropout:
+        return None
+    p = T.float32()
+    IRBuilder.name("dropout_p", p)
+    T.arg("dropout_p", p)
+    handle = T.arg("dropout_seed_handle", T.handle())
+    seed = T.match_buffer(handle, (2,), "int32")
+    IRBuilder.name("DropoutSeed", seed)
+    return Dropout(p, seed)
+
+
+def dropout_tile(dropout, b, h, heads: int):
+    """``Dropout.tile`` of b, h, or None without dropout."""
+    return None if dropout is None else dropout.tile(b, h, heads)
+
+
+def dropped(tile_dropout, value, row, col):
+    """``value`` where entry (row, col) is kept (or without dropout), else 0."""
+    if tile_dropout is None:
+        return value
+    return T.if_then_else(tile_dropout.kept(row, col), value, T.float32(0))
+
+
+def dropout_scaled(dropout, value):
+    """``value`` times 1 / (1 - p) (``dropout``: a Dropout or TileDropout), or ``value`` itself without
+    dropout (None)."""
+    return value if dropout is None else value * dropout.scale
 
 
 @dataclass(frozen=True)
@@ -377,7 +465,9 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_ti
     Q block visits at least ``min_kv_tiles`` K/V tiles (``kv_tiles``). The strides of q, k, v and
     out are arguments, which the caller must make multiples of ``stride_alignment`` bytes. With
     ``spec.varlen``, ``cu_seqlens_q``, ``cu_seqlens_k`` and ``max_seqlen_q`` follow softmax_scale
-    (the module docstring says how the sequences are packed).
+    (the module docstring says how the sequences are packed). With ``spec.dropout``, ``dropout_p`` and
+    ``dropout_seed`` come last (``dropout_arguments``): P is dropped after its row sum, so the LSE is
+    that of the whole softmax, as flash-attn's.
     """
     D, BM, BN = spec.head_dim, block_m, block_n
     HQ, HKV = spec.heads_q, spec.heads_kv
@@ -434,6 +524,7 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_ti
         LSE = T.match_buffer(lse_handle, (batch, HQ, seqlen_q), f32)
         Packed_ = T.meta_var(varlen_arguments(spec))  # parameters with varlen only
         AlibiSlopes = T.meta_var(alibi_slopes_argument(spec, sequence_count(Packed_, batch), HQ))  # with ALiBi only
+        Dropout_ = T.meta_var(dropout_arguments(spec))  # parameters with dropout only
         Q = T.decl_buffer((batch, seqlen_q, HQ, D), dtype, data=Q_in.data, strides=aligned_strides(Q_in, stride_alignment))
         K = T.decl_buffer((batch, seqlen_k, HKV, D), dtype, data=K_in.data, strides=aligned_strides(K_in, stride_alignment))
         V = T.decl_buffer((batch, seqlen_k, HKV, D), dtype, data=V_in.data, strides=aligned_strides(V_in, stride_alignment))
@@ -444,6 +535,7 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_ti
                 vb, vh, vqb = T.axis.remap("SSS", [b, h, qb])
                 T.sblock_attr(runs_if(Packed_, vb, vqb * BM))
                 seq = T.meta_var(sequences(Packed_, vb, seqlen_q, seqlen_k))  # the tile's sequence
+                drop = T.meta_var(dropout_tile(Dropout_, vb, vh, HQ))  # None without dropout
                 Qt = T.sblock_alloc_buffer((BM, D), dtype)  # the Q block, zero-padded
                 S = T.sblock_alloc_buffer((BM, BN), f32)  # Q Kᵀ of one tile, unscaled
                 Sm = T.sblock_alloc_buffer((BM, BN), f32)  # S masked (invisible keys -inf)
@@ -569,9 +661,9 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_ti
                                     l_tile[vi] = T.float32(0)
                                 l_tile[vi] = l_tile[vi] + P[vi, vj]
                         for i, j in T.grid(BM, BN):
-                            with T.sblock("cast_p"):
+                            with T.sblock("cast_p"):  # dropout drops P here, after its row sum (l)
                                 vi, vj = T.axis.remap("SS", [i, j])
-                                Pc[vi, vj] = T.cast(P[vi, vj], dtype)
+                                Pc[vi, vj] = T.cast(dropped(drop, P[vi, vj], vqb * BM + vi, tile * BN + vj), dtype)
                         for i, d, j in T.grid(BM, D, BN):
                             with T.sblock("pv"):
                                 vi, vd, vj = T.axis.remap("SSR", [i, d, j])
@@ -597,7 +689,10 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_ti
                     with T.sblock("store_o"):
                         vi, vd = T.axis.remap("SS", [i, d])
                         T.where(vqb * BM + i < seq.seqlen_q)
-                        O[seq.batch, seq.q_row(vqb * BM + vi), vh, vd] = T.cast(acc[vi, vd] * l_inv[vi], dtype)
+                        # (dropout's kept entries scaled by 1 / (1 - p) here, as flash-attn's epilogue
+                        # does: a per-row block reads no argument, the GPU schedules derive its code)
+                        O[seq.batch, seq.q_row(vqb * BM + vi), vh, vd] = T.cast(
+                            dropout_scaled(Dropout_, acc[vi, vd] * l_inv[vi]), dtype)
                 for i in range(BM):
                     with T.sblock("store_lse"):
                         vi = T.axis.spatial(BM, i)

@@ -27,14 +27,16 @@ _DECODE_KERNELS: dict[str, DecodeKernel] = {}  # compile_decode()'s, by key
 
 def compile(*, head_dim: int, dtype, causal: bool = False, target=None, knobs: dict | None = None,
             heads_q: int | None = None, heads_kv: int | None = None, window_size=(-1, -1), softcap: float = 0.0,
-            alibi: bool = False, varlen: bool = False, schedule: str | None = None) -> Kernel:  # noqa: A001
+            alibi: bool = False, varlen: bool = False, dropout: bool = False,
+            schedule: str | None = None) -> Kernel:  # noqa: A001
     """Compile FlashAttention forward and return a :class:`Kernel`.
 
     head_dim: a multiple of 8 up to 256 that a schedule for the target serves (each declares its own:
     ``tvmflash.choice.native_head_dims``; a ValueError names them otherwise; ``tvmflash.attention`` pads
     any head_dim from 1 to 256 to one of them). dtype: "float16", "bfloat16", "float32" or the torch dtype.
     causal, window_size, softcap: flash-attn's (``resolve_variant``; one kernel per value); alibi:
-    the kernel takes ALiBi slopes at each call; varlen: a :class:`VarlenKernel`, over sequences packed
+    the kernel takes ALiBi slopes at each call; dropout: it takes flash-attn's dropout_p and a seed at
+    each call (``Kernel``); varlen: a :class:`VarlenKernel`, over sequences packed
     without padding (flash-attn's varlen). target: None (the current torch CUDA device if there
     is one, else the CPU), "cpu", "cuda", "sm80", "sm86", "sm89", "sm90", "sm100", "sm120", a
     ``tvm.target.Target`` or a JSON dict. schedule: the name of the schedule to use ("sm90", "sm80",
@@ -45,7 +47,7 @@ def compile(*, head_dim: int, dtype, causal: bool = False, target=None, knobs: d
     Modules are cached in memory and on disk (``$TVMFLASH_CACHE_DIR``, else ``~/.cache/tvmflash``).
     """
     dtype = dtype_name(dtype)
-    variant = {**resolve_variant(causal, window_size, softcap, alibi), **varlen_field(varlen)}
+    variant = {**resolve_variant(causal, window_size, softcap, alibi, dropout), **varlen_field(varlen)}
     program.AttentionSpec(head_dim, dtype, **variant)  # validates head_dim and dtype
     resolved = targets.resolve(target)
     # The environment's settings are in the key: they may change the schedule for the same target.
@@ -63,7 +65,7 @@ def compile(*, head_dim: int, dtype, causal: bool = False, target=None, knobs: d
 
 def compile_backward(*, head_dim: int, dtype, causal: bool = False, target=None, knobs: dict | None = None,
                      heads_q: int | None = None, heads_kv: int | None = None, window_size=(-1, -1),
-                     softcap: float = 0.0, alibi: bool = False, varlen: bool = False,
+                     softcap: float = 0.0, alibi: bool = False, varlen: bool = False, dropout: bool = False,
                      deterministic: bool = False, schedule: str | None = None) -> BackwardKernel:
     """Compile the FlashAttention backward and return a :class:`BackwardKernel` (varlen: a
     :class:`VarlenBackwardKernel`). The arguments are :func:`compile`'s; knobs override the
@@ -71,7 +73,7 @@ def compile_backward(*, head_dim: int, dtype, causal: bool = False, target=None,
     a program of its own even where the schedule's default sums it by atomics, the knob ``dq_atomic``)."""
     dtype = dtype_name(dtype)
     deterministic = check_flag("deterministic", deterministic)
-    variant = {**resolve_variant(causal, window_size, softcap, alibi), **varlen_field(varlen)}
+    variant = {**resolve_variant(causal, window_size, softcap, alibi, dropout), **varlen_field(varlen)}
     program.AttentionSpec(head_dim, dtype, **variant)  # validates head_dim and dtype
     resolved = targets.resolve(target)
     spec_args = {"head_dim": head_dim, "dtype": dtype, **variant}

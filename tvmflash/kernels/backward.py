@@ -34,6 +34,7 @@ class BackwardKernel:
 
         dq, dk, dv = kernel(q, k, v, out, dout, lse)              # dlse=None: lse unused by the loss
         dq, dk, dv = kernel(q, k, v, out, dout, lse, alibi_slopes=slopes)  # a kernel with ALiBi
+        dq, dk, dv = kernel(q, k, v, out, dout, lse, dropout_p=0.1, dropout_seed=seed)  # with dropout: the forward's
 
     q, out, dout: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv,
     head_dim); lse, dlse: float32 (batch, heads_q, seqlen_q), the forward's. dq, dk, dv have the
@@ -54,7 +55,7 @@ class BackwardKernel:
         self.schedule, self.schedule_source = chosen.schedule, chosen.schedule_source
         self.knobs, self.knobs_source = chosen.knobs, chosen.knobs_source
         stride_multiple = program.stride_multiple(self.schedule.stride_alignment, self.dtype)
-        self.arguments = Arguments(self.head_dim, self.dtype, target, self.variant.get("alibi", False), stride_multiple)
+        self.arguments = Arguments(self.head_dim, self.dtype, target, self.variant, stride_multiple)
         options = kernel_build_options(self.schedule, self.variant, "backward")
         self.build = Build(kind=self.PASS, target=target, schedule=self.schedule, knobs=self.knobs,
                            variant=self.variant, spec=self.spec, programs=self._scheduled, entry=self._entry,
@@ -125,14 +126,14 @@ class BackwardKernel:
         return grads, self.build.module_for(heads_q, heads_kv, q=q, k=k, v=v, out=out, dout=dout).function
 
     def __call__(self, q, k, v, out, dout, lse, *, dlse=None, softmax_scale=None, dq=None, dk=None, dv=None,
-                 alibi_slopes=None):
+                 alibi_slopes=None, dropout_p=None, dropout_seed=None):
         """(dq, dk, dv) of attention(q, k, v) = out (with its lse), given dout = ∂L/∂out and
         dlse = ∂L/∂lse (None: 0). Pass dq, dk, dv to have them written in place. See the class
         docstring for the shapes; out and lse are those of the forward of the same variant (and
         ALiBi slopes)."""
         arguments = self.arguments
         arguments.check(q, k, v, None)
-        variant_arguments = arguments.variant_arguments(q, alibi_slopes)
+        variant_arguments = arguments.variant_arguments(q, alibi_slopes, dropout_p=dropout_p, dropout_seed=dropout_seed)
         batch, seqlen_q, heads_q, _ = q.shape
         heads_kv = k.shape[2]
         rows = (batch, heads_q, seqlen_q)
@@ -166,13 +167,14 @@ class VarlenBackwardKernel(BackwardKernel):
     """
 
     def __call__(self, q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
-                 dlse=None, softmax_scale=None, dq=None, dk=None, dv=None, alibi_slopes=None):
+                 dlse=None, softmax_scale=None, dq=None, dk=None, dv=None, alibi_slopes=None, dropout_p=None,
+                 dropout_seed=None):
         """(dq, dk, dv) of the varlen attention(q, k, v) = out (with its lse); see
         ``BackwardKernel.__call__`` and the class docstring."""
         arguments = self.arguments
         arguments.check_varlen(q, k, v, None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         batch = cu_seqlens_q.shape[0] - 1
-        variant_arguments = arguments.variant_arguments(q, alibi_slopes, batch)
+        variant_arguments = arguments.variant_arguments(q, alibi_slopes, batch, dropout_p, dropout_seed)
         total_q, heads_q, _ = q.shape
         heads_kv = k.shape[1]
         rows = (heads_q, total_q)

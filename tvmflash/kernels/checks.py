@@ -19,7 +19,7 @@ INT32_MAX = 2**31 - 1
 MAX_SPLITS = 1024
 # The variant fields of a spec (``program.AttentionSpec``): in a kernel's spec_args only where they are on,
 # so that a kernel without them is named, cached and tuned as before they existed.
-VARIANT_FIELDS = ("window_left", "window_right", "softcap", "alibi", "varlen")
+VARIANT_FIELDS = ("window_left", "window_right", "softcap", "alibi", "varlen", "dropout")
 
 
 # ----------------------------------------------------------------------------- options
@@ -76,12 +76,14 @@ def window_pair(window_size) -> tuple[int, int]:
         raise TypeError(f"window_size: expected two ints (left, right), got {window_size!r}") from None
 
 
-def resolve_variant(causal, window_size=(-1, -1), softcap=0.0, alibi=False) -> dict:
+def resolve_variant(causal, window_size=(-1, -1), softcap=0.0, alibi=False, dropout=False) -> dict:
     """flash-attn's options, checked, as spec_args fields: ``causal`` and the variant fields that are
     on. As flash-attn: a window's right edge 0 is causal, and causal takes no other right edge; a
-    bound of ``program.MAX_WINDOW`` or more is none (no sequence is that long)."""
+    bound of ``program.MAX_WINDOW`` or more is none (no sequence is that long). ``alibi`` and
+    ``dropout``: whether the kernel takes slopes, a dropout rate and seed, at each call."""
     causal = check_flag("causal", causal)
     alibi = check_flag("alibi", alibi)
+    dropout = check_flag("dropout", dropout)
     window_size = window_pair(window_size)
     if min(window_size) < -1:
         raise ValueError(f"window_size: expected ints >= -1 (-1: no bound on that side), got {tuple(window_size)}")
@@ -94,8 +96,27 @@ def resolve_variant(causal, window_size=(-1, -1), softcap=0.0, alibi=False) -> d
         raise TypeError(f"softcap: expected a float, got {softcap!r}")
     if not 0 <= softcap < math.inf:
         raise ValueError(f"softcap: expected a finite float >= 0 (0: off), got {softcap!r}")
-    on = {"window_left": left, "window_right": right, "softcap": float(softcap), "alibi": alibi}
+    on = {"window_left": left, "window_right": right, "softcap": float(softcap), "alibi": alibi, "dropout": dropout}
     return {"causal": causal, **{name: value for name, value in on.items() if value not in (-1, 0.0, False)}}
+
+
+def check_dropout_p(dropout_p) -> float:
+    """flash-attn's ``dropout_p``: a float 0 <= p < 1 (the kept entries are scaled by 1 / (1 - p))."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"dropout_p: expected a float, got {dropout_p!r}")
+    if not 0 <= dropout_p < 1:
+        raise ValueError(f"dropout_p: expected 0 <= dropout_p < 1, got {dropout_p!r}")
+    return float(dropout_p)
+
+
+def check_dropout_seed(seed, device) -> torch.Tensor:
+    """The seed of a dropout call: an int32 tensor of shape (2,) on ``device``."""
+    if not isinstance(seed, torch.Tensor) or seed.dtype != torch.int32 or tuple(seed.shape) != (2,):
+        raise ValueError("dropout_seed: expected an int32 tensor of shape (2,), got "
+                         + (f"{seed.dtype} {tuple(seed.shape)}" if isinstance(seed, torch.Tensor) else repr(seed)))
+    if seed.device != device:
+        raise ValueError(f"dropout_seed: expected device {device} (q's), got {seed.device}")
+    return seed if seed.is_contiguous() else seed.contiguous()
 
 
 def varlen_field(varlen) -> dict:
@@ -229,8 +250,10 @@ class Arguments:
     stride multiple), with the checks and the in-place-or-copy rule that every kernel's call path
     shares. Plain values only: torch.compile traces no TVM object."""
 
-    def __init__(self, head_dim: int, dtype: str, target, alibi: bool = False, stride_multiple: int = 1):
-        self.head_dim, self.dtype, self.alibi, self.stride_multiple = head_dim, dtype, alibi, stride_multiple
+    def __init__(self, head_dim: int, dtype: str, target, variant: dict | None = None, stride_multiple: int = 1):
+        variant = variant or {}
+        self.head_dim, self.dtype, self.stride_multiple = head_dim, dtype, stride_multiple
+        self.alibi, self.dropout = variant.get("alibi", False), variant.get("dropout", False)
         self.cuda, self.target_name = targets.is_cuda(target), targets.describe(target)
         self.device_type, self.torch_dtype = "cuda" if self.cuda else "cpu", TORCH_DTYPES[dtype]
 
@@ -303,10 +326,14 @@ class Arguments:
             check_max_seqlen("max_seqlen_k", max_seqlen_k)
         check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k)
 
-    def variant_arguments(self, q, alibi_slopes, batch: int | None = None) -> tuple:
-        """The module's arguments after softmax_scale: the ALiBi slopes' (batch, heads_q) view if the
-        kernel has ALiBi (then they are required), else none (then none may be given). batch: q's
-        first dim, heads_q its third, unless given (varlen's count of sequences; heads_q q's second)."""
+    def variant_arguments(self, q, alibi_slopes, batch: int | None = None, dropout_p=None, dropout_seed=None) -> tuple:
+        """The module's arguments after the others: the ALiBi slopes' (batch, heads_q) view if the
+        kernel has ALiBi (then they are required), then dropout's rate and seed if it has dropout
+        (``dropout_arguments``); none of them may be given to a kernel without. batch: q's first dim,
+        heads_q its third, unless given (varlen's count of sequences; heads_q q's second)."""
+        return self.alibi_arguments(q, alibi_slopes, batch) + self.dropout_arguments(q, dropout_p, dropout_seed)
+
+    def alibi_arguments(self, q, alibi_slopes, batch: int | None) -> tuple:
         if not self.alibi:
             if alibi_slopes is not None:
                 raise ValueError("alibi_slopes: this kernel was compiled without ALiBi (compile(..., alibi=True))")
@@ -317,6 +344,19 @@ class Arguments:
         if batch is None:
             return (alibi_slopes_view(alibi_slopes, q.shape[0], q.shape[2], q.device),)
         return (alibi_slopes_view(alibi_slopes, batch, q.shape[1], q.device),)
+
+    def dropout_arguments(self, q, dropout_p, dropout_seed) -> tuple:
+        """(dropout_p, dropout_seed) for a kernel with dropout, both required: a float 0 <= p < 1 and
+        an int32 tensor (2,) on q's device (``dropout_seed``); () without dropout, where neither may be
+        given (a rate of 0 may)."""
+        if not self.dropout:
+            if dropout_seed is not None or (dropout_p is not None and dropout_p != 0):
+                raise ValueError("dropout_p: this kernel was compiled without dropout (compile(..., dropout=True))")
+            return ()
+        if dropout_p is None or dropout_seed is None:
+            raise ValueError("dropout_p, dropout_seed: this kernel was compiled with dropout: pass the rate and "
+                             "the seed (tvmflash.ops.dropout_seed)")
+        return check_dropout_p(dropout_p), check_dropout_seed(dropout_seed, q.device)
 
     def fits(self, t) -> bool:
         """Can the module read or write ``t`` in place? Its last dim contiguous, its other strides
@@ -408,12 +448,10 @@ def check_packed(name, t, count, varlen=False):
         raise ValueError(f"{name}: expected shape (batch, seqlen, {count}, nheads, headdim), got {tuple(t.shape)}")
 
 
-def check_flash_attn_options(dropout_p, **flags):
-    """flash-attn's flags (``check_flag``'s forms) and dropout_p (tvmflash has no dropout: only 0)."""
-    for name, value in flags.items():
-        check_flag(name, value)
-    if dropout_p != 0:
-        raise NotImplementedError(f"dropout_p: tvmflash has no dropout yet (got {dropout_p!r}); pass 0.0")
+def check_flash_attn_options(dropout_p, **flags) -> tuple:
+    """flash-attn's flags (``check_flag``'s forms) and dropout_p (``check_dropout_p``), checked: (dropout_p,
+    *flags) as a float and bools."""
+    return (check_dropout_p(dropout_p), *(check_flag(name, value) for name, value in flags.items()))
 
 
 def check_kvcache_layout(q, k_cache, v_cache, cache_batch_idx, block_table) -> None:

@@ -60,7 +60,7 @@ class DecodeKernel:
         self.tasks = self.schedule.decode.tasks
         # the program variant the schedule maps: operands in q's dtype for tensor cores, else float32
         self.tensor_cores = self.tasks.tensor_cores
-        self.arguments = Arguments(head_dim, dtype, target, self.variant.get("alibi", False))
+        self.arguments = Arguments(head_dim, dtype, target, self.variant)
         self.build = Build(kind=self.PASS, target=target, schedule=self.schedule, knobs=self.knobs,
                            variant=self.variant, spec=self.spec, programs=self._scheduled,
                            entry=lambda module: {name: module[name] for name in ("split", "single", "merge")},

@@ -54,8 +54,10 @@ class Kernel:
     the sequence lengths may change from call to call without rebuilding; each new pair of head
     counts builds (or loads) one more module.
 
-    The variant (``compile``'s window_size, softcap, alibi) is the kernel's; with ALiBi each call
-    takes ``alibi_slopes``, float32 (heads_q,) or (batch, heads_q). ``module``, ``source`` and
+    The variant (``compile``'s window_size, softcap, alibi, dropout) is the kernel's; with ALiBi each
+    call takes ``alibi_slopes``, float32 (heads_q,) or (batch, heads_q), and with dropout
+    ``dropout_p`` (0 <= p < 1) and ``dropout_seed`` (int32 (2,) on q's device: the entries dropped are
+    a function of it, ``program.Dropout``; the backward takes the same seed). ``module``, ``source`` and
     ``scheduled_tir`` are those of the kernel's ``build`` (``build.Build``): a module for some head
     counts, its CUDA source, its scheduled TensorIR.
     """
@@ -69,7 +71,7 @@ class Kernel:
         self.schedule, self.schedule_source = chosen.schedule, chosen.schedule_source
         self.knobs, self.knobs_source = chosen.knobs, chosen.knobs_source
         stride_multiple = program.stride_multiple(self.schedule.stride_alignment, self.dtype)
-        self.arguments = Arguments(self.head_dim, self.dtype, target, self.variant.get("alibi", False), stride_multiple)
+        self.arguments = Arguments(self.head_dim, self.dtype, target, self.variant, stride_multiple)
         self._own_build()
         # seqlen bucket -> a copy with that bucket's tuned knobs, in modules of its own; ``__call__`` runs
         # the copy for key lengths in its bucket (varlen: the dense kernels' records are no varlen's)
@@ -124,20 +126,22 @@ class Kernel:
         return (f"tvmflash.Kernel(head_dim={self.head_dim}, dtype={self.dtype}, causal={self.causal}, {variant}"
                 f"target={targets.describe(self.target)!r})")
 
-    def __call__(self, q, k, v, *, softmax_scale=None, out=None, return_lse=False, alibi_slopes=None):
+    def __call__(self, q, k, v, *, softmax_scale=None, out=None, return_lse=False, alibi_slopes=None, dropout_p=None,
+                 dropout_seed=None):
         """Attention of q over k, v. See the class docstring for the shapes."""
         return_lse = check_flag("return_lse", return_lse)
         softmax_scale = resolve_softmax_scale(softmax_scale, self.head_dim)
         if torch.compiler.is_compiling():  # torch.compile traces a custom op, which calls back here at run time
-            return registry.route("forward")(self, q, k, v, softmax_scale, out, return_lse, alibi_slopes)
+            return registry.route("forward")(self, q, k, v, softmax_scale, out, return_lse, alibi_slopes, dropout_p,
+                                             dropout_seed)
         arguments = self.arguments
         arguments.check(q, k, v, out)
         if self.by_bucket:  # another seqlen bucket's tuned knobs (``_bucket_kernels``)
             other = self.by_bucket.get(database.seqlen_bucket(k.shape[1]))
             if other is not None:
                 return other(q, k, v, softmax_scale=softmax_scale, out=out, return_lse=return_lse,
-                             alibi_slopes=alibi_slopes)
-        variant_arguments = arguments.variant_arguments(q, alibi_slopes)
+                             alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_seed=dropout_seed)
+        variant_arguments = arguments.variant_arguments(q, alibi_slopes, dropout_p=dropout_p, dropout_seed=dropout_seed)
         # The module reads and writes through the tensors' own strides: none is copied, but where a
         # CUDA kernel's 16-byte vectors do not fit the strides (``Arguments.usable``).
         q, k, v = arguments.usable(q, "q"), arguments.usable(k, "k"), arguments.usable(v, "v")

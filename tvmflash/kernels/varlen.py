@@ -40,19 +40,19 @@ class VarlenKernel(Kernel):
     """
 
     def __call__(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, *, softmax_scale=None, out=None,
-                 return_lse=False, alibi_slopes=None):
+                 return_lse=False, alibi_slopes=None, dropout_p=None, dropout_seed=None):
         """Attention of each packed sequence of q over its keys. See the class docstring."""
         return_lse = check_flag("return_lse", return_lse)
         softmax_scale = resolve_softmax_scale(softmax_scale, self.head_dim)
         if torch.compiler.is_compiling():
             return registry.route("varlen")(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale,
-                                            out, return_lse, alibi_slopes)
+                                            out, return_lse, alibi_slopes, dropout_p, dropout_seed)
         arguments = self.arguments
         arguments.check_varlen(q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q)
         total_q, heads_q, _ = q.shape
         heads_kv = k.shape[1]
         batch = cu_seqlens_q.shape[0] - 1
-        variant_arguments = arguments.variant_arguments(q, alibi_slopes, batch)
+        variant_arguments = arguments.variant_arguments(q, alibi_slopes, batch, dropout_p, dropout_seed)
         # The module takes the packed rows as one batch: (1, total, heads, head_dim) views, each made
         # once (a view costs a few microseconds of the host time a call takes).
         q4, k4, v4 = (arguments.usable(one_batch(t), name) for t, name in ((q, "q"), (k, "k"), (v, "v")))
