@@ -120,7 +120,7 @@ USER_KNOBS = {"block_m": 16, "block_n": 32, "vector": 8}
 def cli_tuning_run(tmp_path_factory):
     """One ``tvmflash tune`` command over two workloads, warm, its output captured (not a terminal),
     with USER_KNOBS in the user's database: several tests read it. In this process (its ``main``):
-    a new one would import TVM's intrinsic library again for MetaSchedule, a minute of CI."""
+    a new one would import TVM, tvmflash and torch again."""
     import contextlib
     import io
 
@@ -236,22 +236,6 @@ def test_tune_takes_the_schedule_compile_picks(cache_dir, monkeypatch):
             tune.tune(head_dim=head_dim, dtype="bfloat16", causal=False, target="sm90", echo=lines.append)
         assert lines[0].startswith(f"tvmflash tune: {expected} schedule"), lines
     assert not list(cache_dir.glob("**/*.so"))
-
-
-def test_the_wait_for_tvms_tensor_intrinsics_is_announced(monkeypatch):
-    """MetaSchedule's first task imports TVM's tensor intrinsics, 25-38 s on 2 CPU cores in which
-    ``tvmflash tune`` printed nothing: the tuner imports them itself, after saying so, once a process."""
-    events = []
-    monkeypatch.delitem(run.sys.modules, "tvm.s_tir.tensor_intrin", raising=False)
-    monkeypatch.setattr(run.importlib, "import_module", lambda name: events.append(("import", name)))
-    run._load_tensor_intrinsics(lambda line: events.append(("echo", line)))
-    assert [kind for kind, _ in events] == ["echo", "import", "echo"], events
-    assert "loading TVM's tensor intrinsics" in events[0][1] and events[1][1] == "tvm.s_tir.tensor_intrin"
-    assert re.fullmatch(r"  loaded in \d+ s", events[2][1]), events
-    monkeypatch.setitem(run.sys.modules, "tvm.s_tir.tensor_intrin", object())  # loaded: nothing to say
-    events.clear()
-    run._load_tensor_intrinsics(lambda line: events.append(("echo", line)))
-    assert events == []
 
 
 def test_a_tuning_shape_keeps_the_grids_tokens_at_any_seqlen():

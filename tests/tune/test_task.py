@@ -14,12 +14,16 @@ from tvmflash.tune.space import Retracer, decided_knobs
 from tvmflash.tune.task import make_tasks
 
 
-def test_structures_are_design_spaces_of_one_task(tmp_path):
+def test_structures_are_design_spaces_of_one_task(tmp_path, monkeypatch):
     """sm90's structure knobs (layouts, copies, stages) are not tasks: one task per program (tiles and
     min_blocks_per_sm) holds a design space per valid structure, so one evolutionary search and one
     cost model see them all. A candidate's trace names its structure; MutateKnob moves it to another
-    (scheduled again); the defaults seed their task."""
+    (scheduled again); the defaults seed their task. None of it needs TVM's tensor intrinsic library
+    (``task.tune_context``: its import took 16-38 s of every tuning process)."""
     import random
+    import sys
+
+    monkeypatch.setitem(sys.modules, "tvm.s_tir.tensor_intrin", None)  # importing it now fails
 
     spec = program.AttentionSpec(128, "bfloat16", False, 2, 2)
     lines = []

@@ -10,7 +10,6 @@ import importlib.util
 import math
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -132,7 +131,6 @@ def tune(*, head_dim: int, dtype, causal: bool, target=None, trials: int = 64, b
     known = known_configurations(resolved, schedule.forward.knobs, workload, schedule.forward.knobs.defaults(head_dim),
                                  cold=cold, seqlen_k=shape["seqlen"])
     stats: dict = {}  # PreCheck's count of candidates rejected before building
-    _load_tensor_intrinsics(echo)
     tasks = make_tasks(schedule, spec, shape, space, resolved, work_dir, random.Random(seed), echo,
                        known=None if cold else known, stats=stats)
     contexts = _by_promise(tasks, known["default"])
@@ -183,19 +181,6 @@ def store(record: dict, verdict: decision.Decision, cold: bool, echo, what: str)
     else:
         echo(f"the record in {path} holds {decision.describe(verdict.kept)} {record['knobs']} ({what})")
     return path
-
-
-def _load_tensor_intrinsics(echo) -> None:
-    """Import TVM's tensor intrinsics, saying so first: MetaSchedule's TuneContext imports them when the
-    first task is made (every intrinsic of every target, parsed from TVMScript), which took 25-38 s on
-    2 CPU cores with nothing printed. Once a process."""
-    if "tvm.s_tir.tensor_intrin" in sys.modules:
-        return
-    echo("  loading TVM's tensor intrinsics, which MetaSchedule's tasks need (once a process; about half a "
-         "minute on 2 CPU cores)")
-    start = time.perf_counter()
-    importlib.import_module("tvm.s_tir.tensor_intrin")
-    echo(f"  loaded in {time.perf_counter() - start:.0f} s")
 
 
 def _work_dir(work_dir, schedule_name: str, workload: dict) -> Path:

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import tvm
+import tvm_ffi
 from tvm.s_tir import meta_schedule as ms
 
 from tvmflash import program
@@ -57,6 +58,22 @@ def _loggers(work_dir: Path, task_names: list[str]):
                               logger_config={"loggers": {"tvm.s_tir.meta_schedule": root},
                                              "handlers": {"tvm.s_tir.meta_schedule.console": console}})
     return [ms.logging.get_logger(n) for n in names]
+
+
+def tune_context(mod, target, space_generator, search_strategy, name: str, rand_state: int, num_threads: int,
+                 logger) -> ms.TuneContext:
+    """MetaSchedule's TuneContext, made as its constructor makes it but without importing TVM's tensor
+    intrinsic library (``tvm.s_tir.tensor_intrin``: some 500 TVMScript functions of every target, parsed
+    in 16-38 s on 2 CPU cores, once a process). Our schedules tensorize only with their own intrinsics
+    (``schedules.common.register_intrin``), and the tasks' space generator has no schedule rules or
+    postprocessors of TVM's that would look TVM's up. The arguments are objects already, as
+    ``TuneContext.__init__`` would make them."""
+    context = ms.TuneContext.__new__(ms.TuneContext)
+    context.__init_handle_by_constructor__(tvm_ffi.get_global_func("s_tir.meta_schedule.TuneContext"), mod, target,
+                                           space_generator, search_strategy, name, num_threads, rand_state,
+                                           ms.logging.get_logging_func(logger))
+    tvm_ffi.get_global_func("s_tir.meta_schedule.TuneContextInitialize")(context)
+    return context.clone()
 
 
 def make_tasks(schedule: Schedule, spec: program.AttentionSpec, shape: dict, space: dict, target, work_dir: Path,
@@ -131,9 +148,7 @@ def make_tasks(schedule: Schedule, spec: program.AttentionSpec, shape: dict, spa
         strategy = ms.search_strategy.EvolutionarySearch(
             population_size=population, init_measured_ratio=min(1.0, max(0.2, 2 * len(seeds) / population)),
             init_min_unmeasured=max(2, combos), genetic_num_iters=2, max_fail_count=3, genetic_max_fail_count=3)
-        context = ms.TuneContext(mod=mod, target=target, space_generator=generator, search_strategy=strategy,
-                                 task_name=name, rand_state=rng.randrange(2**31), num_threads=usable_cores(),
-                                 logger=logger).clone()
+        context = tune_context(mod, target, generator, strategy, name, rng.randrange(2**31), usable_cores(), logger)
         tasks.append({"name": name, "fixed": fixed, "sampled": sampled, "structures": kept, "context": context,
                       "seeds": seeds, "point": point})
     details = None
