@@ -164,6 +164,22 @@ def alibi_slopes_view(alibi_slopes, batch: int, heads_q: int, device: torch.devi
     return alibi_slopes if alibi_slopes.stride(1) == 1 else alibi_slopes.contiguous()
 
 
+def cache_leftpad_view(cache_leftpad, batch: int, device: torch.device) -> torch.Tensor:
+    """``cache_leftpad`` (flash-attn's), checked as flash-attn checks it: an int32 tensor (batch,),
+    contiguous, on q's device; a TypeError or ValueError that says what is wrong otherwise. (Its
+    values: ``check_cache_values``.)"""
+    if not isinstance(cache_leftpad, torch.Tensor):
+        raise TypeError(f"cache_leftpad: expected an int32 tensor ({batch},), got {type(cache_leftpad).__name__}")
+    if cache_leftpad.dtype != torch.int32 or tuple(cache_leftpad.shape) != (batch,):
+        raise ValueError(f"cache_leftpad: expected int32 of shape ({batch},), got {cache_leftpad.dtype} of shape "
+                         f"{tuple(cache_leftpad.shape)}")
+    if cache_leftpad.device != device:
+        raise ValueError(f"cache_leftpad: expected device {device} (q's), got {cache_leftpad.device}")
+    if not cache_leftpad.is_contiguous():
+        raise ValueError(f"cache_leftpad: expected a contiguous tensor, got strides {cache_leftpad.stride()}")
+    return cache_leftpad
+
+
 def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q=None, max_seqlen_k=None) -> None:
     """cu_seqlens_q and cu_seqlens_k: contiguous int32 (batch + 1,) tensors on q's device, of one
     length. On the CPU also their values: non-decreasing from 0 to q's (k's; k None: any) row count, no sequence
@@ -229,8 +245,10 @@ class Arguments:
     stride multiple), with the checks and the in-place-or-copy rule that every kernel's call path
     shares. Plain values only: torch.compile traces no TVM object."""
 
-    def __init__(self, head_dim: int, dtype: str, target, alibi: bool = False, stride_multiple: int = 1):
+    def __init__(self, head_dim: int, dtype: str, target, alibi: bool = False, stride_multiple: int = 1,
+                 leftpad: bool = False):
         self.head_dim, self.dtype, self.alibi, self.stride_multiple = head_dim, dtype, alibi, stride_multiple
+        self.leftpad = leftpad  # decode's: the module takes cache_leftpad
         self.cuda, self.target_name = targets.is_cuda(target), targets.describe(target)
         self.device_type, self.torch_dtype = "cuda" if self.cuda else "cpu", TORCH_DTYPES[dtype]
 
@@ -303,20 +321,30 @@ class Arguments:
             check_max_seqlen("max_seqlen_k", max_seqlen_k)
         check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k)
 
-    def variant_arguments(self, q, alibi_slopes, batch: int | None = None) -> tuple:
-        """The module's arguments after softmax_scale: the ALiBi slopes' (batch, heads_q) view if the
-        kernel has ALiBi (then they are required), else none (then none may be given). batch: q's
-        first dim, heads_q its third, unless given (varlen's count of sequences; heads_q q's second)."""
+    def variant_arguments(self, q, alibi_slopes, batch: int | None = None, cache_leftpad=None) -> tuple:
+        """The module's arguments after softmax_scale (decode's: after causal): the ALiBi slopes'
+        (batch, heads_q) view if the kernel has ALiBi, then decode's cache_leftpad if it has leftpad
+        (each required where the kernel has it, refused where it has not). batch: q's first dim,
+        heads_q its third, unless given (varlen's count of sequences; heads_q q's second)."""
         if not self.alibi:
             if alibi_slopes is not None:
                 raise ValueError("alibi_slopes: this kernel was compiled without ALiBi (compile(..., alibi=True))")
-            return ()
-        if alibi_slopes is None:
+            slopes = ()
+        elif alibi_slopes is None:
             raise ValueError("alibi_slopes: this kernel was compiled with ALiBi: pass the slopes, (heads,) or "
                              "(batch, heads) float32")
-        if batch is None:
-            return (alibi_slopes_view(alibi_slopes, q.shape[0], q.shape[2], q.device),)
-        return (alibi_slopes_view(alibi_slopes, batch, q.shape[1], q.device),)
+        elif batch is None:
+            slopes = (alibi_slopes_view(alibi_slopes, q.shape[0], q.shape[2], q.device),)
+        else:
+            slopes = (alibi_slopes_view(alibi_slopes, batch, q.shape[1], q.device),)
+        if not self.leftpad:
+            if cache_leftpad is not None:
+                raise ValueError("cache_leftpad: this kernel was compiled without leftpad (compile_decode(..., "
+                                 "leftpad=True))")
+            return slopes
+        if cache_leftpad is None:
+            raise ValueError("cache_leftpad: this kernel was compiled with leftpad: pass cache_leftpad, (batch,) int32")
+        return (*slopes, cache_leftpad_view(cache_leftpad, q.shape[0], q.device))
 
     def fits(self, t) -> bool:
         """Can the module read or write ``t`` in place? Its last dim contiguous, its other strides
