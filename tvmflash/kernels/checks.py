@@ -444,9 +444,9 @@ def check_flash_attn_options(dropout_p, **flags):
         raise NotImplementedError(f"dropout_p: tvmflash has no dropout yet (got {dropout_p!r}); pass 0.0")
 
 
-def check_kvcache_layout(q, k_cache, v_cache, cache_batch_idx, block_table) -> None:
+def check_kvcache_layout(q, k_cache, v_cache, cache_batch_idx, block_table, cache_leftpad=None) -> None:
     """q and the caches are 4-dim tensors; a paged cache (``block_table``, int32 (batch,
-    pages_per_seq)) takes no cache_batch_idx."""
+    pages_per_seq)) takes no cache_batch_idx, nor cache_leftpad (as flash-attn's)."""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -456,6 +456,9 @@ def check_kvcache_layout(q, k_cache, v_cache, cache_batch_idx, block_table) -> N
     if paged and cache_batch_idx is not None:
         raise ValueError("cache_batch_idx: a paged cache (block_table) takes no cache_batch_idx; its block table "
                          "names each sequence's pages")
+    if paged and cache_leftpad is not None:
+        raise ValueError("cache_leftpad: a paged cache (block_table) takes no cache_leftpad, as flash-attn's: \"We "
+                         "don't support Paged KV and leftpad at the same time\"")
     if paged and (not isinstance(block_table, torch.Tensor) or block_table.dim() != 2):
         raise ValueError(f"block_table: expected an int32 tensor (batch, pages_per_seq), got "
                          f"{getattr(block_table, 'shape', block_table)!r}")
@@ -503,11 +506,15 @@ def check_rotary(rotary_cos, rotary_sin, q, k, capacity) -> None:
         raise ValueError(f"rotary_cos: expected at least the cache's {capacity} positions (seqlen_ro), got {seqlen_ro}")
 
 
-def check_cache_values(cache_seqlens, new, capacity, index, paged, cache_rows) -> None:
-    """Lengths and indices within the cache (CPU tensors: this reads their values)."""
+def check_cache_values(cache_seqlens, new, capacity, index, paged, cache_rows, cache_leftpad=None) -> None:
+    """Lengths and indices within the cache, and each leftpad from 0 to its sequence's cache_seqlens
+    (CPU tensors: this reads their values)."""
     if cache_seqlens.numel() and (cache_seqlens.min() < 0 or cache_seqlens.max() + new > capacity):
         raise ValueError(f"cache_seqlens: expected lengths from 0 to the cache's {capacity} keys"
                          + (f" less the {new} new ones" if new else "") + f", got {cache_seqlens.tolist()}")
+    if cache_leftpad is not None and bool(((cache_leftpad < 0) | (cache_leftpad > cache_seqlens)).any()):
+        raise ValueError(f"cache_leftpad: expected each sequence's first key from 0 to its cache_seqlens "
+                         f"{cache_seqlens.tolist()}, got {cache_leftpad.tolist()}")
     if paged and index.numel():
         # Only the pages that hold a sequence's keys are read, as in flash-attn: the entries past them may be
         # anything (Transformers' continuous batching leaves -1 there), and the kernel clamps them anyway.
