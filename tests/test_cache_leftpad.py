@@ -97,7 +97,7 @@ def test_cache_leftpad_with_rotary(device, causal):
 def test_a_padded_cache_gives_the_bits_of_an_unpadded_one(device):
     """Keys after cache_leftpad[b] rows of padding (garbage, never read) give the bits of the same keys from
     row 0 with no leftpad: the tiles start at each sequence's first key; and a leftpad of 0 is none."""
-    dtype, capacity = torch.bfloat16, 150
+    dtype, capacity = torch.float16, 150  # the modules of the tests above
     lengths = torch.tensor([150, 64, 1, 99], dtype=torch.int32)
     cache_leftpad = torch.tensor([50, 13, 0, 35], dtype=torch.int32)
     k_cache, v_cache, _ = make_cache(len(lengths), capacity, HEADS[1], HEAD_DIM, dtype, device)
