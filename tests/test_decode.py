@@ -1,7 +1,7 @@
 """Decode over a KV cache (tvmflash.flash_attn_with_kvcache, Flash-Decoding) against a float64
 reference under flash-attn's error rule: contiguous and paged caches, ragged lengths, chunks of
 queries (causal or not), GQA/MQA, split counts, appending k/v, cache_batch_idx, no recompile for a
-new length, CUDA graphs (GPU), the options not implemented yet and bad input."""
+new length, CUDA graphs (GPU) and bad input (cache_leftpad: tests/test_cache_leftpad.py)."""
 
 import math
 import shutil
@@ -37,8 +37,9 @@ def make_cache(batch, capacity, heads_kv, head_dim, dtype, device, page_size=0, 
     return k, v, table.to(dtype=torch.int32, device=device)
 
 
-def sequence_kv(k_cache, v_cache, b, length, block_table=None, cache_batch_idx=None):
-    """The first ``length`` keys and values of sequence b, (1, length, heads_kv, head_dim)."""
+def sequence_kv(k_cache, v_cache, b, length, block_table=None, cache_batch_idx=None, start=0):
+    """The keys and values of sequence b at cache positions ``start`` .. ``length`` - 1 (flash-attn's
+    cache_leftpad .. cache_seqlens - 1), (1, length - start, heads_kv, head_dim)."""
     if block_table is not None:
         pages = block_table[b].long()
         k = k_cache[pages].flatten(0, 1)
@@ -46,13 +47,15 @@ def sequence_kv(k_cache, v_cache, b, length, block_table=None, cache_batch_idx=N
     else:
         row = int(cache_batch_idx[b]) if cache_batch_idx is not None else b
         k, v = k_cache[row], v_cache[row]
-    return k[None, :length], v[None, :length]
+    return k[None, start:length], v[None, start:length]
 
 
 def check_decode(out, lse, q, k_cache, v_cache, lengths, *, causal, block_table=None, cache_batch_idx=None,
-                 softmax_scale=None, more=()):
+                 softmax_scale=None, more=(), cache_leftpad=None, **variant):
     """Each sequence against the float64 reference over its visible keys (flash-attn's rule); ``more``:
-    further (out, lse) pairs of the same problem, checked against the same references."""
+    further (out, lse) pairs of the same problem, checked against the same references. cache_leftpad:
+    sequence b's keys are at cache positions cache_leftpad[b] .. lengths[b] - 1; ``variant``:
+    ``reference``'s window_size, softcap and alibi_slopes ((heads_q,) or (batch, heads_q))."""
     k_cache, v_cache = k_cache.cpu(), v_cache.cpu()
     block_table = None if block_table is None else block_table.cpu()
     cache_batch_idx = None if cache_batch_idx is None else cache_batch_idx.cpu()
@@ -61,10 +64,15 @@ def check_decode(out, lse, q, k_cache, v_cache, lengths, *, causal, block_table=
         assert out.shape == q.shape and out.dtype == q.dtype
         assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == torch.float32
     q = q.cpu()
+    slopes = variant.pop("alibi_slopes", None)
     for b, length in enumerate(lengths.tolist()):
-        k, v = sequence_kv(k_cache, v_cache, b, length, block_table, cache_batch_idx)
-        ref_out, ref_lse = reference(q[b:b + 1], k, v, causal=causal, softmax_scale=softmax_scale)
-        theirs = max_error(torch_same_dtype(q[b:b + 1], k, v, causal=causal, softmax_scale=softmax_scale), ref_out)
+        start = 0 if cache_leftpad is None else int(cache_leftpad[b])
+        k, v = sequence_kv(k_cache, v_cache, b, length, block_table, cache_batch_idx, start)
+        if slopes is not None:  # the sequence's row of the slopes
+            variant["alibi_slopes"] = slopes.cpu().expand(q.shape[0], -1)[b]
+        ref_out, ref_lse = reference(q[b:b + 1], k, v, causal=causal, softmax_scale=softmax_scale, **variant)
+        theirs = max_error(torch_same_dtype(q[b:b + 1], k, v, causal=causal, softmax_scale=softmax_scale, **variant),
+                           ref_out)
         seen = torch.isfinite(ref_lse)
         for out, lse in results:
             ours = max_error(out[b:b + 1], ref_out)
@@ -304,14 +312,6 @@ def test_choose_num_splits():
     assert decode.choose_num_splits(tasks=8, tiles=0, slots=264) == 1
 
 
-@pytest.mark.parametrize("option,value", [("cache_leftpad", torch.zeros(2, dtype=torch.int32))])
-def test_options_not_implemented_yet(option, value):
-    k_cache, v_cache, _ = make_cache(2, 16, 1, HEAD_DIM, torch.float16, "cpu")
-    q = random_q(2, 1, 4, HEAD_DIM, torch.float16, "cpu")
-    with pytest.raises(NotImplementedError, match=option):
-        tvmflash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=3, **{option: value})
-
-
 def bad_input_cases():
     """(keyword overrides, exception, message) for flash_attn_with_kvcache on a valid base call."""
     i32 = torch.int32
@@ -336,6 +336,15 @@ def bad_input_cases():
         ({"num_splits": -1}, ValueError, "num_splits: expected an int from 0"),
         ({"causal": "yes"}, TypeError, "causal: expected True or False"),
         ({"softmax_scale": -1.0}, ValueError, "softmax_scale"),
+        ({"cache_leftpad": torch.tensor([0, 1])}, ValueError, r"cache_leftpad: expected int32 of shape \(2,\)"),
+        ({"cache_leftpad": torch.tensor([0], dtype=i32)}, ValueError, r"cache_leftpad: expected int32 of shape \(2,\)"),
+        ({"cache_leftpad": [0, 1]}, TypeError, "cache_leftpad: expected an int32 tensor"),
+        ({"cache_leftpad": torch.zeros(2, dtype=i32, device="meta")}, ValueError, "cache_leftpad: expected device cpu"),
+        ({"cache_leftpad": torch.zeros(4, dtype=i32)[::2]}, ValueError, "cache_leftpad: expected a contiguous tensor"),
+        ({"cache_leftpad": torch.tensor([0, -1], dtype=i32)}, ValueError,
+         r"cache_leftpad: expected each sequence's first key from 0 to its cache_seqlens \[3, 3\], got \[0, -1\]"),
+        ({"cache_leftpad": torch.tensor([4, 0], dtype=i32)}, ValueError,
+         r"cache_leftpad: expected each sequence's first key from 0 to its cache_seqlens"),
     ]
 
 
@@ -369,6 +378,9 @@ def test_paged_cache_errors():
     with pytest.raises(ValueError, match="cache_batch_idx: a paged cache"):
         tvmflash.flash_attn_with_kvcache(q, pages, pages, cache_seqlens=3, block_table=table,
                                          cache_batch_idx=torch.zeros(2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="cache_leftpad: a paged cache .*We don.t support Paged KV and leftpad"):
+        tvmflash.flash_attn_with_kvcache(q, pages, pages, cache_seqlens=3, block_table=table,
+                                         cache_leftpad=torch.zeros(2, dtype=torch.int32))
     with pytest.raises(ValueError, match="block_table: expected int32"):
         tvmflash.flash_attn_with_kvcache(q, pages, pages, cache_seqlens=3, block_table=table.long())
     with pytest.raises(ValueError, match="k_cache: expected a contiguous tensor"):

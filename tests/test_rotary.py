@@ -46,7 +46,9 @@ def rotary_tables(seqlen_ro, rotary_dim, dtype, device, seed=3):
 
 
 def check_rotary_decode(device, dtype, *, interleaved, rotary_dim, seqlen_q, causal, page_size=0, new=None,
-                        window_size=(-1, -1), cache_batch_idx=False):
+                        window_size=(-1, -1), cache_batch_idx=False, cache_leftpad=False):
+    """cache_leftpad: the sequences' keys start at cache positions 0, 11 and 30 (flash-attn's test: the
+    rotary positions stay cache_seqlens, ...)."""
     batch, capacity, heads_q, heads_kv = 3, 80, 4, 2
     new = seqlen_q if new is None else new
     extra_rows = 2 if cache_batch_idx else 0
@@ -55,6 +57,7 @@ def check_rotary_decode(device, dtype, *, interleaved, rotary_dim, seqlen_q, cau
     rows = torch.tensor([3, 0, 4], dtype=torch.int32, device=device) if cache_batch_idx else None
     before_k, before_v = k_cache.clone().cpu(), v_cache.clone().cpu()
     cache_seqlens = torch.tensor([0, 37, capacity - new], dtype=torch.int32, device=device)
+    leftpad = torch.tensor([0, 11, 30], dtype=torch.int32, device=device) if cache_leftpad else None
     q = random_q(batch, seqlen_q, heads_q, HEAD_DIM, dtype, device)
     k_new, v_new = (random_q(batch, new, heads_kv, HEAD_DIM, dtype, device, seed=s) for s in (7, 8))
     cos, sin = rotary_tables(capacity + 5, rotary_dim, dtype, device)
@@ -62,7 +65,7 @@ def check_rotary_decode(device, dtype, *, interleaved, rotary_dim, seqlen_q, cau
     out = torch.full_like(q, float("nan"))
     out, lse = tvmflash.flash_attn_with_kvcache(
         q, k_cache, v_cache, k_new, v_new, rotary_cos=cos, rotary_sin=sin, cache_seqlens=cache_seqlens,
-        cache_batch_idx=rows, block_table=table, causal=causal, window_size=window_size,
+        cache_batch_idx=rows, cache_leftpad=leftpad, block_table=table, causal=causal, window_size=window_size,
         rotary_interleaved=interleaved, num_splits=2, return_softmax_lse=True)
     assert torch.equal(q, q_given) and torch.equal(k_new, k_given), "q and k are the caller's, unchanged"
     assert out.shape == q.shape and torch.isfinite(out).all()
@@ -87,9 +90,9 @@ def check_rotary_decode(device, dtype, *, interleaved, rotary_dim, seqlen_q, cau
         assert torch.equal(v_seq[0, start:start + new], v_new[b])
         assert torch.equal(k_seq[0, :start], old_k[0, :start])
         # attention of the rotated q over the cache with the rotated keys, against float64
-        length = start + new
-        k_ref = torch.cat((old_k[0, :start].double(), k_ro[b]))[None]
-        v_ref = v_seq[:, :length].double()
+        length, first = start + new, 0 if leftpad is None else int(leftpad[b])
+        k_ref = torch.cat((old_k[0, first:start].double(), k_ro[b]))[None]
+        v_ref = v_seq[:, first:length].double()
         ref_out, ref_lse = reference(q_ro[b:b + 1], k_ref, v_ref, causal=causal, window_size=window_size)
         theirs = max_error(torch_same_dtype(q_ro[b:b + 1].to(dtype), k_ref.to(dtype), v_ref.to(dtype), causal=causal,
                                             window_size=window_size), ref_out)

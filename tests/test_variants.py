@@ -9,14 +9,8 @@ import math
 import pytest
 import torch
 from conftest import devices, poisoned_out, random_qkv
-from reference import (
-    check_attention,
-    check_gradients,
-    max_error,
-    reference,
-    torch_same_dtype,
-)
-from test_decode import make_cache, random_q, sequence_kv
+from reference import check_attention, check_gradients
+from test_decode import check_decode, make_cache, random_q
 
 import tvmflash
 
@@ -227,21 +221,7 @@ def decode_matches_float64(device, dtype, head_dim, heads, name, capacity):
         results = [tvmflash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths.to(device),
                                                     block_table=table, num_splits=num_splits,
                                                     return_softmax_lse=True, **kwargs) for num_splits in (1, 3)]
-        slopes = kwargs.pop("alibi_slopes", None)
-        for b, length in enumerate(lengths.tolist()):
-            k, v = sequence_kv(k_cache.cpu(), v_cache.cpu(), b, length, None if table is None else table.cpu())
-            per_sequence = {**kwargs, "alibi_slopes": None if slopes is None else slopes.cpu().expand(batch, -1)[b]}
-            ref_out, ref_lse = reference(q[b:b + 1].cpu(), k, v, **per_sequence)
-            theirs = max_error(torch_same_dtype(q[b:b + 1].cpu(), k, v, **per_sequence), ref_out)
-            seen = torch.isfinite(ref_lse)
-            for out, lse in results:
-                out, lse = out[b:b + 1].cpu(), lse[b:b + 1].cpu()
-                ours = max_error(out, ref_out)
-                assert torch.isfinite(out).all(), f"sequence {b}: out has NaN/inf"
-                assert ours <= 2 * theirs + 1e-5, f"sequence {b} ({length} keys): out error {ours:.3e} > 2 x {theirs:.3e}"
-                assert torch.equal(torch.isfinite(lse), seen) and (lse[~seen] == -math.inf).all()
-                if seen.any():
-                    assert max_error(lse[seen], ref_lse[seen]) <= 1e-4 * (1 + ref_lse[seen].abs().max().item())
+        check_decode(*results[0], q, k_cache, v_cache, lengths, block_table=table, more=results[1:], **kwargs)
 
 
 @pytest.mark.parametrize("name", DECODE_VARIANTS)

@@ -44,7 +44,7 @@ def _print_modules(entries) -> None:
         kind = f"{target.get('kind', '?')} {target.get('arch') or target.get('mcpu') or ''}".strip()
         variant = "".join(f" {name}={spec[name]}" for name, off in (("window_left", -1), ("window_right", -1),
                                                                      ("softcap", 0.0), ("alibi", False),
-                                                                     ("dropout", False))
+                                                                     ("dropout", False), ("leftpad", False))
                           if spec.get(name, off) != off)
         # what tells modules of one spec apart: the pass, the target, the knobs, the code they were built from
         print(f"  {e.get('key')}  {e.get('schedule')} {e.get('pass', 'forward')}  d{spec.get('head_dim')} {spec.get('dtype')} "

@@ -234,10 +234,6 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
 
 
 # ----------------------------------------------------------------------------- decode over a KV cache
-def _not_implemented(option: str, value) -> NotImplementedError:
-    return NotImplementedError(f"flash_attn_with_kvcache: {option}={value!r} is not implemented yet in tvmflash")
-
-
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                             softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
@@ -262,40 +258,44 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     recompiles, and a CUDA graph replays with the values the tensor holds at replay.
     cache_batch_idx: int32 (batch,): the cache row of each sequence (contiguous cache only); None
     means row b for sequence b.
+    cache_leftpad: int32 (batch,), contiguous, on q's device: the position in the cache where each
+    sequence's keys start (flash-attn's; None: 0). Sequence b's keys are then positions
+    cache_leftpad[b] ... cache_seqlens[b] - 1 (cache_seqlens counts from position 0, the padding
+    included), then the new keys, and its masks, window and ALiBi distances are those of its
+    cache_seqlens[b] - cache_leftpad[b] (+ seqlen_new) keys: n below. From 0 to cache_seqlens[b];
+    a contiguous cache only (with block_table, a ValueError, as flash-attn's). Each kernel with it is
+    a module of its own (the padding read from the tensor on the device, as the lengths are).
     block_table: int32 (batch, pages_per_seq): the pages of each sequence, in order; the entries past
     the pages that hold a sequence's keys are not read (as in flash-attn: Transformers leaves -1 there).
     softmax_scale: defaults to 1 / sqrt(head_dim). num_splits: 0 picks the split count of the keys
     (Flash-Decoding) from the shapes and the device; 1 does not split; n uses n.
     window_size=(left, right): query token t sees the keys from n - seqlen_q + t - left to
-    n - seqlen_q + t + right (n: the sequence's keys; -1: unbounded), and only the tiles a window
-    reaches are read. softcap > 0: scores become softcap · tanh(score / softcap). alibi_slopes,
-    float32 (heads_q,) or (batch, heads_q): -slope · |n - seqlen_q + t - p| is added to key p's
-    score (after the cap). Each window and softcap value builds a module of its own.
+    n - seqlen_q + t + right (n: the sequence's keys, key 0 its first; -1: unbounded), and only the
+    tiles a window reaches are read. softcap > 0: scores become softcap · tanh(score / softcap).
+    alibi_slopes, float32 (heads_q,) or (batch, heads_q): -slope · |n - seqlen_q + t - p| is added to
+    key p's score (after the cap). Each window and softcap value builds a module of its own.
     return_softmax_lse: also return the LSE, float32 (batch, heads_q, seqlen_q).
     rotary_cos, rotary_sin (both or neither, with k and v): (seqlen_ro, rotary_dim / 2), q's dtype
     and device, contiguous; rotary_dim a multiple of 16 up to head_dim, seqlen_ro at least the
     cache's capacity. Rotary embedding as flash-attn's: the new k is rotated at positions
     cache_seqlens[b], cache_seqlens[b] + 1, ... before it is appended; q is rotated at the same
-    positions if causal or local (a window), else every token of q at position cache_seqlens[b].
+    positions if causal or local (a window), else every token of q at position cache_seqlens[b]
+    (positions in the cache, as flash-attn's: a cache_leftpad does not move them).
     rotary_interleaved=True rotates the pairs of dims (0, 1), (2, 3), ... (GPT-J); False the pairs
     (i, i + rotary_dim / 2) (GPT-NeoX). The dims past rotary_dim are left as they are. The rotation
     is torch ops on q and k before the kernel (``apply_rotary``: float32 arithmetic, rounded to
     q's dtype, as flash-attn's kernel does; no host sync, so a CUDA graph captures it).
 
     Returns out (q's shape and dtype), or (out, lse). A query that sees no key gets 0 and an LSE of
-    -inf. On the CPU, lengths and indices outside the cache are a ValueError; on a GPU they are not
-    checked (that would wait for the device): the kernel clamps them to the cache, so it never reads
-    outside it.
-
-    Not implemented yet (NotImplementedError): cache_leftpad.
+    -inf. On the CPU, lengths, leftpads and indices outside the cache are a ValueError; on a GPU they
+    are not checked (that would wait for the device): the kernel clamps them to the cache (a leftpad
+    to 0 ... its sequence's length), so it never reads outside it.
     """
-    if cache_leftpad is not None:
-        raise _not_implemented("cache_leftpad", "<tensor>")
     return_softmax_lse = check_flag("return_softmax_lse", return_softmax_lse)
     rotary_interleaved = check_flag("rotary_interleaved", rotary_interleaved)
     variant = resolve_variant(causal, window_size, softcap, alibi_slopes is not None)  # checks causal too
     causal = variant.pop("causal")  # an argument of the call; the rest the kernel's
-    check_kvcache_layout(q, k_cache, v_cache, cache_batch_idx, block_table)
+    check_kvcache_layout(q, k_cache, v_cache, cache_batch_idx, block_table, cache_leftpad)
     batch, device = q.shape[0], q.device
     paged = block_table is not None
     capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
@@ -308,11 +308,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         raise TypeError(f"cache_seqlens: expected an int or an int32 tensor, got {type(cache_seqlens).__name__}")
     kernel = decode_kernel_for(q, k_cache.shape[1] if paged else 0,
                                (variant.get("window_left", -1), variant.get("window_right", -1)),
-                               variant.get("softcap", 0.0), variant.get("alibi", False))
+                               variant.get("softcap", 0.0), variant.get("alibi", False), cache_leftpad is not None)
     index = block_table if paged else cache_batch_idx if cache_batch_idx is not None else kernel.batch_rows(batch, device)
     # Check every argument before anything is written to the cache.
     kernel.check_inputs(q, k_cache, v_cache, cache_seqlens, index, None)
-    kernel.variant_arguments(q, alibi_slopes)
+    kernel.variant_arguments(q, alibi_slopes, cache_leftpad)
     resolve_softmax_scale(softmax_scale, q.shape[-1])
     check_num_splits(num_splits)
     check_new_keys(k, v, k_cache, batch, device)
@@ -321,7 +321,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if rotary:
         check_rotary(rotary_cos, rotary_sin, q, k, capacity)
     if device.type == "cpu":  # checking on a GPU would wait for it: there the kernel clamps instead
-        check_cache_values(cache_seqlens, new, capacity, index, paged, k_cache.shape[0])
+        check_cache_values(cache_seqlens, new, capacity, index, paged, k_cache.shape[0], cache_leftpad)
     if rotary:
         # flash-attn's rule: q's tokens at successive positions if causal or local, else all at
         # cache_seqlens (a window bound as long as the cache is none, as flash-attn clears it)
@@ -334,7 +334,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     else:
         lengths = cache_seqlens
     out, lse = kernel(q, k_cache, v_cache, lengths, index, num_splits=num_splits, softmax_scale=softmax_scale,
-                      causal=causal, alibi_slopes=alibi_slopes)
+                      causal=causal, alibi_slopes=alibi_slopes, cache_leftpad=cache_leftpad)
     return (out, lse) if return_softmax_lse else out
 
 

@@ -9,6 +9,7 @@ Layout (flash-attn's ``flash_attn_with_kvcache``):
     k/v cache:    (cache_batch, cache_len, heads_kv, head_dim)  dtype   contiguous
                   (num_pages, page_size, heads_kv, head_dim)    dtype   paged
     lengths:      (batch,)                                       int32   keys each sequence has
+                                                                         (with leftpad: its end row)
     index:        (batch,)               int32   contiguous: the cache row of each sequence
                   (batch, pages_per_seq) int32   paged: the block table
     o_part:       (num_splits, batch, seqlen_q, heads_q, head_dim)   float32  normalised per split
@@ -16,6 +17,8 @@ Layout (flash-attn's ``flash_attn_with_kvcache``):
     out:          (batch, seqlen_q, heads_q, head_dim)           dtype
     lse:          (batch, heads_q, seqlen_q)                     float32  natural log
     alibi_slopes: (batch, heads_q)       float32, any batch stride (with ALiBi only)
+    cache_leftpad: (batch,)              int32   the cache row of each sequence's first key
+                                                 (with ``leftpad`` only; contiguous caches)
 
 batch, seqlen_q, num_splits and the cache's sizes are symbolic, and each sequence's length is read
 from ``lengths`` in the kernel: one built module serves every length, batch and split count (a decode
@@ -24,6 +27,10 @@ head counts, dtype, the cache's layout (contiguous, or paged with its page size)
 sliding window, a softcap, ALiBi: as the forward's, ``tvmflash.program.AttentionSpec``) and the tile
 sizes are static. causal is an argument: with one query token it changes nothing, so one module serves
 both.
+
+With ``leftpad`` (flash-attn's ``cache_leftpad``) sequence b's keys are the cache rows
+cache_leftpad[b] .. lengths[b] - 1: its keys count from that row, and its masks, windows and ALiBi
+distances are those of its lengths[b] - cache_leftpad[b] keys.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from tvm.script import tirx as T
+from tvm.script.ir_builder import IRBuilder
 
 from tvmflash import program
 from tvmflash.program import LOG2E, NO_MAX, RESCALE_THRESHOLD, AttentionSpec
@@ -53,11 +61,18 @@ class DecodeSpec:
     window_right: int = -1
     softcap: float = 0.0
     alibi: bool = False
+    # flash-attn's cache_leftpad: each sequence's keys start at a cache row of their own (an argument)
+    leftpad: bool = False
 
     def __post_init__(self):
         _ = self.attention  # the forward's checks
         if self.page_size and (self.page_size < 16 or self.page_size & (self.page_size - 1)):
             raise ValueError(f"page_size: expected a power of two >= 16, got {self.page_size}")
+        if not isinstance(self.leftpad, bool):
+            raise TypeError(f"leftpad: expected True or False, got {self.leftpad!r}")
+        if self.leftpad and self.page_size:  # as flash-attn's
+            raise ValueError("leftpad: a paged cache takes no cache_leftpad (flash-attn serves paged KV and leftpad "
+                             "not at the same time)")
 
     @property
     def attention(self) -> AttentionSpec:
@@ -74,9 +89,10 @@ class DecodeSpec:
 def decode_split(spec: DecodeSpec, query_tokens: int, block_n: int, final: bool = False,
                  tensor_cores: bool = False):
     """Return ``main(q, k_cache, v_cache, lengths, index, o_part, lse_part, softmax_scale, causal)``
-    (and ``alibi_slopes`` last, with ALiBi); with ``final``, ``main(q, k_cache, v_cache, lengths,
-    index, out, lse, softmax_scale, causal)``: one split, whose results are the output (q's dtype) and
-    the LSE (batch, heads_q, seqlen_q) themselves, so that no merge runs.
+    (then ``alibi_slopes`` with ALiBi, and ``cache_leftpad`` last with leftpad); with ``final``,
+    ``main(q, k_cache, v_cache, lengths, index, out, lse, softmax_scale, causal)``: one split, whose
+    results are the output (q's dtype) and the LSE (batch, heads_q, seqlen_q) themselves, so that no
+    merge runs.
 
     One task per (sequence b, K/V head hk, block qb of ``query_tokens`` query tokens, split s). Its
     rows are the query heads of hk's GQA group times the block's tokens (row r: token
@@ -96,7 +112,9 @@ def decode_split(spec: DecodeSpec, query_tokens: int, block_n: int, final: bool 
     (bottom-right, flash-attn's); a window bounds p to lengths[b] - seqlen_q + t - window_left ...
     lengths[b] - seqlen_q + t + window_right (only the tiles it reaches are divided over the splits),
     and a softcap or ALiBi transforms the scores as the forward does (``program.transformed_score``;
-    ALiBi's distance is lengths[b] - seqlen_q + t - p). Lengths are clamped to the cache's size and cache indices (the batch
+    ALiBi's distance is lengths[b] - seqlen_q + t - p). With leftpad, key p is cache row
+    cache_leftpad[b] + p and lengths[b] - cache_leftpad[b] stands for lengths[b] in these rules.
+    Lengths are clamped to the cache's size, a leftpad to 0 .. the length, and cache indices (the batch
     row, a page) to its extent, so no input reads outside the cache. The cache must hold at least
     one key (the caller answers an empty one: 0 and an LSE of -inf).
     """
@@ -108,8 +126,16 @@ def decode_split(spec: DecodeSpec, query_tokens: int, block_n: int, final: bool 
     left, right = spec.window_left, spec.window_right
 
     # Helpers on a task's indices, inlined by TVMScript (they take the buffers and shape variables).
-    def keys(lengths, vb, capacity):  # the sequence's keys, clamped to the cache's capacity
+    def key_end(lengths, vb, capacity):  # the cache row past the sequence's last key, clamped to the cache's capacity
         return T.min(T.max(lengths[vb], 0), capacity)
+
+    def keys(lengths, leftpad, vb, capacity):  # the sequence's keys (with leftpad: from its first key's row on)
+        if leftpad is None:
+            return key_end(lengths, vb, capacity)
+        return T.max(key_end(lengths, vb, capacity) - T.max(leftpad[vb], 0), 0)
+
+    def first_key(leftpad, lengths, vb, capacity):  # the cache row of the sequence's first key (leftpad only)
+        return T.min(T.max(leftpad[vb], 0), key_end(lengths, vb, capacity))
 
     def tiles(n_keys, vqb, seqlen_q, causal):  # K/V tiles the block visits (causal: up to its last key)
         # min(n_keys, seen by the last token, or n_keys more when not causal): arithmetic, not a select,
@@ -151,11 +177,11 @@ def decode_split(spec: DecodeSpec, query_tokens: int, block_n: int, final: bool 
     def cache_row(index, vb, cache_rows):  # a contiguous cache's row of sequence vb
         return T.min(T.max(index[vb], 0), cache_rows - 1)
 
-    def load_kv(cache, index, vb, p, vhk, vd, cache_rows, capacity, row):
-        """Key/value p of sequence vb (contiguous: in cache row ``row``). Read under p < n_keys, but a
-        schedule may compute the address regardless (a zero-filling cp.async does): every index is
-        clamped into its tensor."""
-        p = T.max(T.min(p, capacity - 1), 0)
+    def load_kv(cache, index, vb, p, vhk, vd, cache_rows, capacity, row, first):
+        """Key/value p of sequence vb (contiguous: in cache row ``row``, from position ``first`` on with
+        leftpad; None: 0). Read under p < n_keys, but a schedule may compute the address regardless (a
+        zero-filling cp.async does): every index is clamped into its tensor."""
+        p = T.max(T.min(p if first is None else first + p, capacity - 1), 0)
         if PS > 0:
             return cache[T.min(T.max(index[vb, p // PS], 0), cache_rows - 1), p % PS, vhk, vd]
         return cache[row, p, vhk, vd]
@@ -184,6 +210,7 @@ def decode_split(spec: DecodeSpec, query_tokens: int, block_n: int, final: bool 
             OPart = T.match_buffer(o_part_handle, (num_splits, batch, seqlen_q, HQ, D), f32)
             LSEPart = T.match_buffer(lse_part_handle, (num_splits, batch, seqlen_q, HQ), f32)
         AlibiSlopes = T.meta_var(program.alibi_slopes_argument(spec.attention, batch, HQ))  # with ALiBi only
+        CacheLeftpad = T.meta_var(leftpad_argument(spec, batch))  # with leftpad only
 
         splits = T.meta_var(1 if final else num_splits)
         for b, hk, qb, s in T.grid(batch, HKV, T.ceildiv(seqlen_q, QT), splits):
@@ -206,7 +233,8 @@ def decode_split(spec: DecodeSpec, query_tokens: int, block_n: int, final: bool 
                 acc = T.sblock_alloc_buffer((R, D), f32)  # unnormalised output
                 l_inv = T.sblock_alloc_buffer((R,), f32)
                 scale2 = T.sblock_alloc_buffer((1,), f32)
-                bounds = T.sblock_alloc_buffer((3,), "int32")  # sequence's keys, split's first tile, cache row
+                # sequence's keys, split's first tile, cache row (and with leftpad its first key's position)
+                bounds = T.sblock_alloc_buffer((4 if spec.leftpad else 3,), "int32")
 
                 with T.sblock("init_scale"):
                     scale2[0] = program.score_scale(spec.attention, softmax_scale) * T.float32(LOG2E)
@@ -236,14 +264,18 @@ def decode_split(spec: DecodeSpec, query_tokens: int, block_n: int, final: bool 
                 # (a software pipeline over the tiles needs it bound to a variable before it runs,
                 # lowering.loops_and_blocks.BindLoadedPipelineExtents, and that of the inputs only).
                 capacity = T.meta_var(pages_per_seq * PS if PS > 0 else cache_len)
-                n_tiles = T.meta_var(split_tiles(keys(Lengths, vb, capacity), vqb, seqlen_q, causal))
+                n_tiles = T.meta_var(split_tiles(keys(Lengths, CacheLeftpad, vb, capacity), vqb, seqlen_q, causal))
                 with T.sblock("split_range"):
-                    bounds[0] = keys(Lengths, vb, capacity)
-                    bounds[1] = split_start(keys(Lengths, vb, capacity), n_tiles, vqb, vs, splits, seqlen_q)
+                    bounds[0] = keys(Lengths, CacheLeftpad, vb, capacity)
+                    bounds[1] = split_start(keys(Lengths, CacheLeftpad, vb, capacity), n_tiles, vqb, vs, splits,
+                                            seqlen_q)
                     bounds[2] = cache_row(Index, vb, cache_rows) if PS == 0 else 0
+                    if spec.leftpad:
+                        bounds[3] = first_key(CacheLeftpad, Lengths, vb, capacity)
                 n_keys = T.meta_var(bounds[0])
                 first = T.meta_var(bounds[1])
                 row = T.meta_var(bounds[2])
+                leftpad = T.meta_var(bounds[3] if spec.leftpad else None)
                 n_steps = T.meta_var(first_tile(n_tiles, vs + 1, splits) - first_tile(n_tiles, vs, splits))
                 for kb in range(n_steps):
                     with T.sblock("kv_step"):
@@ -256,14 +288,14 @@ def decode_split(spec: DecodeSpec, query_tokens: int, block_n: int, final: bool 
                                 vj, vd = T.axis.remap("SS", [j, d])
                                 Kt[vj, vd] = T.if_then_else(
                                     tile * BN + vj < n_keys,
-                                    load_kv(K, Index, vb, tile * BN + vj, vhk, vd, cache_rows, capacity, row),
+                                    load_kv(K, Index, vb, tile * BN + vj, vhk, vd, cache_rows, capacity, row, leftpad),
                                     T.cast(0, dtype))
                         for j, d in T.grid(BN, D):
                             with T.sblock("load_v"):
                                 vj, vd = T.axis.remap("SS", [j, d])
                                 Vt[vj, vd] = T.if_then_else(
                                     tile * BN + vj < n_keys,
-                                    load_kv(V, Index, vb, tile * BN + vj, vhk, vd, cache_rows, capacity, row),
+                                    load_kv(V, Index, vb, tile * BN + vj, vhk, vd, cache_rows, capacity, row, leftpad),
                                     T.cast(0, dtype))
                         for r, j, d in T.grid(R, BN, D):
                             with T.sblock("qk"):
@@ -360,6 +392,17 @@ def decode_split(spec: DecodeSpec, query_tokens: int, block_n: int, final: bool 
                             LSEPart[vs, vb, vqb * QT + vr // G, vhk * G + vr % G] = row_lse
 
     return main
+
+
+def leftpad_argument(spec: DecodeSpec, batch):
+    """With ``leftpad``, one more parameter of the PrimFunc being parsed, after the others (as
+    ``program.alibi_slopes_argument``): cache_leftpad, (batch,) int32; None without."""
+    if not spec.leftpad:
+        return None
+    handle = T.arg("cache_leftpad_handle", T.handle())
+    leftpad = T.match_buffer(handle, (batch,), "int32")
+    IRBuilder.name("CacheLeftpad", leftpad)
+    return leftpad
 
 
 def decode_merge(spec: DecodeSpec):

@@ -90,17 +90,21 @@ def compile_backward(*, head_dim: int, dtype, causal: bool = False, target=None,
 
 def compile_decode(*, head_dim: int, dtype, page_size: int = 0, target=None, knobs: dict | None = None,
                    heads_q: int | None = None, heads_kv: int | None = None, window_size=(-1, -1),
-                   softcap: float = 0.0, alibi: bool = False, schedule: str | None = None) -> DecodeKernel:
+                   softcap: float = 0.0, alibi: bool = False, leftpad: bool = False,
+                   schedule: str | None = None) -> DecodeKernel:
     """Compile Flash-Decoding and return a :class:`DecodeKernel` (cached in memory; modules on disk).
 
     page_size: 0 for a contiguous cache, else the paged cache's rows per page (a power of two >= 16).
     target, knobs: as ``tvmflash.compile`` (knobs of the schedule's decode). heads_q / heads_kv: build
     for these head counts now. window_size, softcap, alibi: as ``tvmflash.compile``'s, but a window's
-    right edge 0 is no window: that is the call's ``causal``. schedule: "sm80" (tensor cores), "simt" or
-    "cpu"; None: TVMFLASH_DECODE, else the target's (``tvmflash.choice``).
+    right edge 0 is no window: that is the call's ``causal``. leftpad: each call takes flash-attn's
+    ``cache_leftpad``, int32 (batch,), the cache row of each sequence's first key (a contiguous cache
+    only, as flash-attn's). schedule: "sm80" (tensor cores), "simt" or "cpu"; None: TVMFLASH_DECODE,
+    else the target's (``tvmflash.choice``).
     """
     dtype = dtype_name(dtype)
-    variant = resolve_variant(False, window_size, softcap, alibi)
+    variant = {**resolve_variant(False, window_size, softcap, alibi),
+               **({"leftpad": True} if check_flag("leftpad", leftpad) else {})}  # a field only when on
     if variant.pop("causal"):
         raise ValueError(f"window_size: a right edge of 0 is causal, an argument of each call: pass causal=True and "
                          f"window_size=({variant.get('window_left', -1)}, -1)")

@@ -185,6 +185,22 @@ def alibi_slopes_view(alibi_slopes, batch: int, heads_q: int, device: torch.devi
     return alibi_slopes if alibi_slopes.stride(1) == 1 else alibi_slopes.contiguous()
 
 
+def cache_leftpad_view(cache_leftpad, batch: int, device: torch.device) -> torch.Tensor:
+    """``cache_leftpad`` (flash-attn's), checked as flash-attn checks it: an int32 tensor (batch,),
+    contiguous, on q's device; a TypeError or ValueError that says what is wrong otherwise. (Its
+    values: ``check_cache_values``.)"""
+    if not isinstance(cache_leftpad, torch.Tensor):
+        raise TypeError(f"cache_leftpad: expected an int32 tensor ({batch},), got {type(cache_leftpad).__name__}")
+    if cache_leftpad.dtype != torch.int32 or tuple(cache_leftpad.shape) != (batch,):
+        raise ValueError(f"cache_leftpad: expected int32 of shape ({batch},), got {cache_leftpad.dtype} of shape "
+                         f"{tuple(cache_leftpad.shape)}")
+    if cache_leftpad.device != device:
+        raise ValueError(f"cache_leftpad: expected device {device} (q's), got {cache_leftpad.device}")
+    if not cache_leftpad.is_contiguous():
+        raise ValueError(f"cache_leftpad: expected a contiguous tensor, got strides {cache_leftpad.stride()}")
+    return cache_leftpad
+
+
 def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q=None, max_seqlen_k=None) -> None:
     """cu_seqlens_q and cu_seqlens_k: contiguous int32 (batch + 1,) tensors on q's device, of one
     length. On the CPU also their values: non-decreasing from 0 to q's (k's; k None: any) row count, no sequence
@@ -253,7 +269,8 @@ class Arguments:
     def __init__(self, head_dim: int, dtype: str, target, variant: dict | None = None, stride_multiple: int = 1):
         variant = variant or {}
         self.head_dim, self.dtype, self.stride_multiple = head_dim, dtype, stride_multiple
-        self.alibi, self.dropout = variant.get("alibi", False), variant.get("dropout", False)
+        # the variant's tensor arguments: ALiBi's slopes, dropout's rate and seed, decode's cache_leftpad
+        self.alibi, self.dropout, self.leftpad = (variant.get(name, False) for name in ("alibi", "dropout", "leftpad"))
         self.cuda, self.target_name = targets.is_cuda(target), targets.describe(target)
         self.device_type, self.torch_dtype = "cuda" if self.cuda else "cpu", TORCH_DTYPES[dtype]
 
@@ -326,12 +343,15 @@ class Arguments:
             check_max_seqlen("max_seqlen_k", max_seqlen_k)
         check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k)
 
-    def variant_arguments(self, q, alibi_slopes, batch: int | None = None, dropout_p=None, dropout_seed=None) -> tuple:
-        """The module's arguments after the others: the ALiBi slopes' (batch, heads_q) view if the
-        kernel has ALiBi (then they are required), then dropout's rate and seed if it has dropout
-        (``dropout_arguments``); none of them may be given to a kernel without. batch: q's first dim,
-        heads_q its third, unless given (varlen's count of sequences; heads_q q's second)."""
-        return self.alibi_arguments(q, alibi_slopes, batch) + self.dropout_arguments(q, dropout_p, dropout_seed)
+    def variant_arguments(self, q, alibi_slopes, batch: int | None = None, dropout_p=None, dropout_seed=None,
+                          cache_leftpad=None) -> tuple:
+        """The module's arguments after the others (decode's: after causal): the ALiBi slopes' (batch,
+        heads_q) view if the kernel has ALiBi, then dropout's rate and seed if it has dropout
+        (``dropout_arguments``), then decode's cache_leftpad if it has leftpad: each required where the
+        kernel has it, refused where it has not. batch: q's first dim, heads_q its third, unless given
+        (varlen's count of sequences; heads_q q's second)."""
+        return (self.alibi_arguments(q, alibi_slopes, batch) + self.dropout_arguments(q, dropout_p, dropout_seed)
+                + self.leftpad_arguments(q, cache_leftpad))
 
     def alibi_arguments(self, q, alibi_slopes, batch: int | None) -> tuple:
         if not self.alibi:
@@ -344,6 +364,16 @@ class Arguments:
         if batch is None:
             return (alibi_slopes_view(alibi_slopes, q.shape[0], q.shape[2], q.device),)
         return (alibi_slopes_view(alibi_slopes, batch, q.shape[1], q.device),)
+
+    def leftpad_arguments(self, q, cache_leftpad) -> tuple:
+        if not self.leftpad:
+            if cache_leftpad is not None:
+                raise ValueError("cache_leftpad: this kernel was compiled without leftpad (compile_decode(..., "
+                                 "leftpad=True))")
+            return ()
+        if cache_leftpad is None:
+            raise ValueError("cache_leftpad: this kernel was compiled with leftpad: pass cache_leftpad, (batch,) int32")
+        return (cache_leftpad_view(cache_leftpad, q.shape[0], q.device),)
 
     def dropout_arguments(self, q, dropout_p, dropout_seed) -> tuple:
         """(dropout_p, dropout_seed) for a kernel with dropout, both required: a float 0 <= p < 1 and
@@ -454,9 +484,9 @@ def check_flash_attn_options(dropout_p, **flags) -> tuple:
     return (check_dropout_p(dropout_p), *(check_flag(name, value) for name, value in flags.items()))
 
 
-def check_kvcache_layout(q, k_cache, v_cache, cache_batch_idx, block_table) -> None:
+def check_kvcache_layout(q, k_cache, v_cache, cache_batch_idx, block_table, cache_leftpad=None) -> None:
     """q and the caches are 4-dim tensors; a paged cache (``block_table``, int32 (batch,
-    pages_per_seq)) takes no cache_batch_idx."""
+    pages_per_seq)) takes no cache_batch_idx, nor cache_leftpad (as flash-attn's)."""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -466,6 +496,9 @@ def check_kvcache_layout(q, k_cache, v_cache, cache_batch_idx, block_table) -> N
     if paged and cache_batch_idx is not None:
         raise ValueError("cache_batch_idx: a paged cache (block_table) takes no cache_batch_idx; its block table "
                          "names each sequence's pages")
+    if paged and cache_leftpad is not None:
+        raise ValueError("cache_leftpad: a paged cache (block_table) takes no cache_leftpad, as flash-attn's: \"We "
+                         "don't support Paged KV and leftpad at the same time\"")
     if paged and (not isinstance(block_table, torch.Tensor) or block_table.dim() != 2):
         raise ValueError(f"block_table: expected an int32 tensor (batch, pages_per_seq), got "
                          f"{getattr(block_table, 'shape', block_table)!r}")
@@ -513,11 +546,15 @@ def check_rotary(rotary_cos, rotary_sin, q, k, capacity) -> None:
         raise ValueError(f"rotary_cos: expected at least the cache's {capacity} positions (seqlen_ro), got {seqlen_ro}")
 
 
-def check_cache_values(cache_seqlens, new, capacity, index, paged, cache_rows) -> None:
-    """Lengths and indices within the cache (CPU tensors: this reads their values)."""
+def check_cache_values(cache_seqlens, new, capacity, index, paged, cache_rows, cache_leftpad=None) -> None:
+    """Lengths and indices within the cache, and each leftpad from 0 to its sequence's cache_seqlens
+    (CPU tensors: this reads their values)."""
     if cache_seqlens.numel() and (cache_seqlens.min() < 0 or cache_seqlens.max() + new > capacity):
         raise ValueError(f"cache_seqlens: expected lengths from 0 to the cache's {capacity} keys"
                          + (f" less the {new} new ones" if new else "") + f", got {cache_seqlens.tolist()}")
+    if cache_leftpad is not None and bool(((cache_leftpad < 0) | (cache_leftpad > cache_seqlens)).any()):
+        raise ValueError(f"cache_leftpad: expected each sequence's first key from 0 to its cache_seqlens "
+                         f"{cache_seqlens.tolist()}, got {cache_leftpad.tolist()}")
     if paged and index.numel():
         # Only the pages that hold a sequence's keys are read, as in flash-attn: the entries past them may be
         # anything (Transformers' continuous batching leaves -1 there), and the kernel clamps them anyway.

@@ -42,8 +42,10 @@ class DecodeKernel:
     pair of head counts builds (or loads) one module, with the functions ``split`` and ``merge`` (and
     ``single``, which num_splits=1 runs alone: it writes the output, with no merge); a cache of more
     than 2**31 elements one more, that indexes in int64 (``checks.needs_int64``).
-    The variant (a window, a softcap, ALiBi: ``compile_decode``) is the kernel's; with ALiBi each call
-    takes ``alibi_slopes``, float32 (heads_q,) or (batch, heads_q).
+    The variant (a window, a softcap, ALiBi, leftpad: ``compile_decode``) is the kernel's; with ALiBi
+    each call takes ``alibi_slopes``, float32 (heads_q,) or (batch, heads_q), and with leftpad
+    ``cache_leftpad``, int32 (batch,): sequence b's keys are then the cache rows cache_leftpad[b] ..
+    lengths[b] - 1 (flash-attn's; a contiguous cache only).
     """
 
     PASS = "decode"
@@ -120,10 +122,10 @@ class DecodeKernel:
         """The call's tensors (``checks.Arguments.check_decode``)."""
         self.arguments.check_decode(self.page_size, q, k_cache, v_cache, lengths, index, out)
 
-    def variant_arguments(self, q, alibi_slopes) -> tuple:
-        """The module's arguments after causal: the ALiBi slopes' view, if the kernel has ALiBi
-        (``checks.Arguments.variant_arguments``)."""
-        return self.arguments.variant_arguments(q, alibi_slopes)
+    def variant_arguments(self, q, alibi_slopes, cache_leftpad=None) -> tuple:
+        """The module's arguments after causal: the ALiBi slopes' view if the kernel has ALiBi, then
+        cache_leftpad if it has leftpad (``checks.Arguments.variant_arguments``)."""
+        return self.arguments.variant_arguments(q, alibi_slopes, cache_leftpad=cache_leftpad)
 
     def batch_rows(self, batch: int, device: torch.device) -> torch.Tensor:
         """int32 [0, 1, ..., batch - 1] on ``device`` (the cache rows when no cache_batch_idx is given), kept."""
@@ -133,10 +135,10 @@ class DecodeKernel:
         return rows
 
     def __call__(self, q, k_cache, v_cache, lengths, index, *, num_splits: int = 0, softmax_scale=None,
-                 causal: bool = False, out=None, alibi_slopes=None):
+                 causal: bool = False, out=None, alibi_slopes=None, cache_leftpad=None):
         """(out, lse) of q over the cache; see the class docstring. num_splits=0 picks the count."""
         self.check_inputs(q, k_cache, v_cache, lengths, index, out)
-        variant_arguments = self.variant_arguments(q, alibi_slopes)
+        variant_arguments = self.variant_arguments(q, alibi_slopes, cache_leftpad)
         if not q.is_contiguous():
             q = q.contiguous()
         batch, seqlen_q, heads_q, _ = q.shape
