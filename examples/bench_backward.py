@@ -2,6 +2,7 @@
 
     python examples/bench_backward.py                        # bf16, d64 and d128, causal or not
     python examples/bench_backward.py --head-dims 128 --seqlens 2048 8192 --no-causal
+    python examples/bench_backward.py --dropout-p 0.1        # with dropout, SDPA's too
 
 Each call is out = attention(q, k, v); out.backward(dout) on fresh gradients, timed with
 ``tvmflash.bench``'s clock-fair rounds. TFLOP/s counts flash-attn's way: the backward is 2.5x the
@@ -39,11 +40,14 @@ def main(argv=None):
     parser.add_argument("--no-causal", action="store_true", help="only non-causal")
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--jobs", type=int, default=os.cpu_count(), help="processes that build the kernels first")
+    parser.add_argument("--dropout-p", type=float, default=0.0, help="dropout on every backend (SDPA's where it has it)")
     args = parser.parse_args(argv)
+    p = args.dropout_p
     dtype = getattr(torch, args.dtype)
     causals = (False,) if args.no_causal else (False, True)
     if device.type == "cuda":  # every module first, on every core
-        bench.build_in_parallel([(name, {"head_dim": d, "dtype": args.dtype, "causal": c, "heads_q": heads, "heads_kv": heads})
+        bench.build_in_parallel([(name, {"head_dim": d, "dtype": args.dtype, "causal": c, "heads_q": heads, "heads_kv": heads,
+                                         **({"dropout": True} if p else {})})
                                  for name in ("compile", "compile_backward") for d in args.head_dims for c in causals
                                  for heads in {grid["hidden"] // d}], args.jobs)
     print(f"{'d':>4} {'causal':>6} {'seqlen':>6} {'batch':>5} {'heads':>5}  backend: ms (TFLOP/s)")
@@ -54,12 +58,14 @@ def main(argv=None):
                 q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device=device, dtype=dtype).requires_grad_()
                            for _ in range(3))
                 dout = torch.randn_like(q)
-                calls = {"tvmflash": fwd_bwd(lambda q, k, v: tvmflash.attention(q, k, v, causal=causal), q, k, v, dout)}
+                calls = {"tvmflash": fwd_bwd(lambda q, k, v: tvmflash.attention(q, k, v, causal=causal, dropout_p=p), q,
+                                             k, v, dout)}
                 for name, backend in bench.sdpa_backends(device):
                     def sdpa(q, k, v, backend=backend):
                         with backend():
                             return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                                                  v.transpose(1, 2), is_causal=causal).transpose(1, 2)
+                                                                  v.transpose(1, 2), is_causal=causal,
+                                                                  dropout_p=p).transpose(1, 2)
                     calls[name] = fwd_bwd(sdpa, q, k, v, dout)
                 ms = bench.time_backends(calls, device, args.repeat)
                 flops = 3.5 * bench.attention_flops(batch, heads, seqlen, seqlen, head_dim, causal)
