@@ -120,3 +120,31 @@ def test_continuous_batching_decode_path_on_block_tables(example, model, calls, 
     tokens = example.continuous_batching(model, prompts, NEW_TOKENS, **options)
     assert calls["decode_kernel_for"] >= (NEW_TOKENS - 1) * model.config.num_hidden_layers
     assert tokens == expected.tolist()
+
+
+def test_attention_dropout_in_training_reaches_the_kernels(example, model, monkeypatch):
+    """A model trained with attention dropout (Llama's ``attention_dropout``) passes it to flash_attn_func as
+    flash-attn's dropout_p, which tvmflash serves: torch.manual_seed repeats a step bitwise, another draw
+    differs, eval mode drops nothing (the logits of sdpa's eval), and the gradients are finite."""
+    rates = []
+    original = flash_attn.attention
+
+    def spy(*args, dropout_p=0.0, **kwargs):
+        rates.append(dropout_p)
+        return original(*args, dropout_p=dropout_p, **kwargs)
+    monkeypatch.setattr(flash_attn, "attention", spy)
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.1
+    batch = example.padded(example.sequences([16, 16], seed=4), "cpu")
+    model.train()
+    torch.manual_seed(5)
+    loss, grads = example.gradients(model, tvmflash_hf.NAME, batch)
+    torch.manual_seed(5)
+    again, _ = example.gradients(model, tvmflash_hf.NAME, batch)
+    other, _ = example.gradients(model, tvmflash_hf.NAME, batch)
+    assert rates and set(rates) == {0.1}
+    assert loss == again and loss != other
+    assert all(torch.isfinite(g).all() for g in grads.values())
+    model.eval()
+    ours, noise = example.compare_logits(model, batch["input_ids"])
+    assert ours <= 4 * noise + 1e-6 and rates[-1] == 0.0
