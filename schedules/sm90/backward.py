@@ -7,7 +7,8 @@ step; dq's is dq_block_m query rows (64 a warpgroup) and dq_block_n keys a step.
 default (``dq_atomic``) dkdv also makes dq's share on wgmma from dsᵀ staged in shared memory and
 adds it by vector atomics. Each program's stream of tiles is loaded in a pipeline, dkdv's by TMA by
 default (the knobs and the reasons for their defaults: ``knobs.BACKWARD``). The default
-backward on sm_90a at head_dim 64 and 128 (``tvmflash.choice``).
+backward on sm_90a at head_dim 64, 96 and 128 (``tvmflash.choice``; d256's dk and dv do not fit a
+thread's registers: ``knobs.backward_register_problem``).
 """
 
 from __future__ import annotations

@@ -273,6 +273,11 @@ HEAD_DIMS = tuple(range(32, 257, 32))
 # way; it needs dkdv_copy "tma", whose lowering encodes the tensor map).
 # dkdv_producer: who issues dkdv's TMA copies, thread 0 between its own wgmma, or a warpgroup of its
 # own (FA3's, ``lowering.tma_producer_warpgroup``).
+# d96 (no multiple of 64): q and dout in the 64-byte swizzle, dq's share by "vector" atomics (TMA's
+# reduction takes rows of 32 floats, and a warpgroup has 48 columns), thread 0 issuing the copies (a
+# producer warpgroup spills there); the rest as at d128. Not measured: the defaults are the ones that
+# build with no spill. d256: none, since dk and dv alone take a thread's registers
+# (``backward_register_problem``).
 
 
 def backward_shared_memory_bytes(head_dim: int, dtype: str, knobs: dict) -> int:
@@ -379,7 +384,8 @@ BACKWARD = KnobSet("sm90", "backward", (
     Knob("wgmma_overlap", True, space=(True, False), by_head_dim={64: False}),
     Knob("ds_buffers", 2, choices=(1, 2), varlen=1, role=DERIVED,
          space=lambda knobs: [1, 2] if knobs["dq_atomic"] else [1]),
-    Knob("dq_reduce", "atomic", choices=("atomic", "bulk", "vector", "tma"), by_head_dim={64: "vector", 128: "tma"},
+    Knob("dq_reduce", "atomic", choices=("atomic", "bulk", "vector", "tma"),
+         by_head_dim={64: "vector", 96: "vector", 128: "tma"},
          varlen="atomic", role=DERIVED,
          space=lambda knobs: ["atomic", "vector", *(["tma"] if knobs["dkdv_copy"] == "tma" else [])]
          if knobs["dq_atomic"] else ["atomic"]),
@@ -387,4 +393,4 @@ BACKWARD = KnobSet("sm90", "backward", (
          space=lambda knobs: list(PRODUCERS) if knobs["dkdv_copy"] == "tma" else ["thread"]),
 ), build_problem=backward_build_problem, shared_memory=backward_shared_memory_bytes,
    varlen_by_head_dim={128: {"dkdv_stages": 1}})
-BACKWARD_HEAD_DIMS = (64, 128)
+BACKWARD_HEAD_DIMS = (64, 96, 128)
