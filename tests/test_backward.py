@@ -62,7 +62,7 @@ def test_gradients_match_float64_on_cpu(dtype, head_dim, heads, causal):
 @pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 256])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_gradients_match_float64_on_the_gpu(dtype, head_dim, causal):
-    """The default schedules: for fp16/bf16 sm90's (wgmma) at head_dim 64 and 128 on sm_90a, sm80's
+    """The default schedules: for fp16/bf16 sm90's (wgmma) at head_dim 64, 96 and 128 on sm_90a, sm80's
     (mma.sync) up to head_dim 128 on sm80 and newer; the SIMT one otherwise."""
     gradients_match_float64("cuda", dtype, head_dim, causal)
 
@@ -411,6 +411,18 @@ def test_sm90_dkdv_structure_gradients_on_the_gpu(head_dim, knobs):
     if knobs.get("dkdv_producer") == "other":
         knobs = {"dkdv_producer": "thread" if head_dim == 64 else "warpgroup"}
     gradients_match_float64("cuda", torch.bfloat16, head_dim, True, STRUCTURE_HEADS, knobs={"dq_atomic": True, **knobs})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", [False, True], ids=["dq_atomic", "dq_pass"])
+def test_sm90_backward_at_d96_on_the_gpu(deterministic):
+    """head_dim 96 on wgmma, the default on sm_90a: q and dout by TMA in the 64-byte swizzle, dq's share by
+    vector atomics, or (deterministic) the dq pass; causal over SHAPES in GQA 4/2. (d256 has no sm90
+    backward: the SIMT one, test_gradients_match_float64_on_the_gpu.)"""
+    _on_sm_90a_only("sm90")
+    kernel = tvmflash.compile_backward(head_dim=96, dtype=torch.bfloat16, causal=True, deterministic=deterministic)
+    assert kernel.info()["schedule"] == "sm90"
+    gradients_match_float64("cuda", torch.bfloat16, 96, True, STRUCTURE_HEADS, deterministic=deterministic)
 
 
 def test_sm90_double_buffered_ds_drops_a_barrier():

@@ -7,7 +7,8 @@ step; dq's is dq_block_m query rows (64 a warpgroup) and dq_block_n keys a step.
 default (``dq_atomic``) dkdv also makes dq's share on wgmma from dsᵀ staged in shared memory and
 adds it by vector atomics. Each program's stream of tiles is loaded in a pipeline, dkdv's by TMA by
 default (the knobs and the reasons for their defaults: ``knobs.BACKWARD``). The default
-backward on sm_90a at head_dim 64 and 128 (``tvmflash.choice``).
+backward on sm_90a at head_dim 64, 96 and 128 (``tvmflash.choice``; d256's dk and dv do not fit a
+thread's registers: ``knobs.backward_register_problem``).
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from __future__ import annotations
 import tvm
 
 from tvmflash.lowering.annotations import (ATOMIC_ADD_PRAGMA, BULK_REDUCE_PRAGMA, BULK_REDUCE_WAIT_PRAGMA,
-                                           DOUBLE_BUFFERED_PRAGMA, TMA_LOAD, TMA_REDUCE_PRAGMA, VECTOR_REDUCE_PRAGMA,
-                                           WGMMA_WAIT_PRAGMA)
+                                           DOUBLE_BUFFERED_PRAGMA, SWIZZLE_COLUMNS, TMA_LOAD, TMA_REDUCE_PRAGMA,
+                                           VECTOR_REDUCE_PRAGMA, WGMMA_WAIT_PRAGMA, swizzle_columns)
 
 from ..common import bind_grid, buffer_info, dkdv_grid, hide_init_reads, pipeline_loads
 from .knobs import dq_share_problem
@@ -70,16 +71,19 @@ def _schedule_dkdv(sch: tvm.s_tir.Schedule, num_stages: int, vec: int, dq_atomic
         raise ValueError(f"knobs: the sm90 dkdv needs block_m and head_dim multiples of 16, got {BM} and {D}")
     staged = dkdv_grid(sch, dq_atomic)  # dsᵀ's copy to shared memory with dq_atomic
     tma = copy == "tma"
-    for name in ("load_k", "load_v", "load_q", "load_do"):  # q and dout swizzled for TMA
-        tile_in_shared_memory(sch, name, groups, vec, swizzled=tma and name in ("load_q", "load_do"))
+    # q and dout swizzled for TMA: 128-byte rows, or at d96 (no multiple of 64) 64-byte rows
+    columns = swizzle_columns(D) if tma else SWIZZLE_COLUMNS
+    for name in ("load_k", "load_v", "load_q", "load_do"):
+        tile_in_shared_memory(sch, name, groups, vec, swizzled=tma and name in ("load_q", "load_do"), columns=columns)
     for name in ("load_lse", "load_delta"):  # BM rows, any number of warpgroups
         _spread_rows(sch, name, groups)
     if tma:  # the Q block's tiles and its rows' values by TMA
         for name in ("load_q", "load_do", "load_lse", "load_delta"):
             sch.annotate(sch.get_sblock(name), TMA_LOAD, producer)
-    _backward_step(sch, ("cast_p",), groups, BM, D, dtype, num_stages, overlap, b_swizzled=tma)
+    _backward_step(sch, ("cast_p",), groups, BM, D, dtype, num_stages, overlap, b_swizzled=tma, swizzle=columns)
     for name in ("dv", "dk"):  # with overlap dv is only committed: dk's wait ends both
-        _backward_accumulate(sch, name, groups, D, BM, dtype, b_swizzled=tma, wait=not overlap or name == "dk")
+        _backward_accumulate(sch, name, groups, D, BM, dtype, b_swizzled=tma, wait=not overlap or name == "dk",
+                             swizzle=columns)
     if dq_atomic:
         _schedule_dq_share(sch, staged, groups, BM, D, BN, dtype, ds_buffers, dq_reduce)
     if num_stages > 1:
@@ -190,19 +194,21 @@ def _spread_rows(sch, name, groups):
     sch.bind(tx, "threadIdx.x")
 
 
-def _backward_step(sch, casts, groups, cols, D, dtype, num_stages, overlap, b_swizzled=False):
+def _backward_step(sch, casts, groups, cols, D, dtype, num_stages, overlap, b_swizzled=False,
+                   swizzle=SWIZZLE_COLUMNS):
     """What dkdv and dq share: s and dp on wgmma ("ss": A and B K-major from shared memory, N =
     ``cols``), p, ds and ``casts`` on the accumulator registers, each thread its elements. With
     ``overlap`` dp's wgmma is only committed: p's exponentials run while it does, and ds waits for
     it. With one stage, s's fence and barrier make the step's tiles visible to both products (dp
-    reads none that is written after them)."""
+    reads none that is written after them). ``swizzle``: a swizzled B's row, in columns."""
     sch.set_scope("init_scale", 0, "local")  # each thread its copy of the scale
     for name in ("qk", "dp"):
         sch.set_scope(name, 0, "local")
         sch.transform_layout(name, ("write", 0), acc_index_map)
         rows = warpgroup_gemm(sch, name, groups)
         sch.tensorize(rows, wgmma_intrin_name(cols, D, dtype, "k", fence_operands=num_stages == 1 and name == "qk",
-                                              b_swizzled=b_swizzled, wait=not overlap or name == "qk"))
+                                              b_swizzled=b_swizzled, wait=not overlap or name == "qk",
+                                              swizzle=swizzle))
     for name in ("exp", "ds", *casts):
         sch.set_scope(name, 0, "local")
         sch.transform_layout(name, ("write", 0), acc_index_map)
@@ -211,7 +217,7 @@ def _backward_step(sch, casts, groups, cols, D, dtype, num_stages, overlap, b_sw
         sch.annotate(sch.get_loops("ds")[-3], WGMMA_WAIT_PRAGMA, "dP")  # its first per-thread loop
 
 
-def _backward_accumulate(sch, name, groups, D, k, dtype, b_swizzled=False, wait=True):
+def _backward_accumulate(sch, name, groups, D, k, dtype, b_swizzled=False, wait=True, swizzle=SWIZZLE_COLUMNS):
     """A gradient's product on wgmma ("rs": A, the p or ds of the step, from the accumulator
     registers; B N-major from shared memory), the gradient in accumulator registers across the
     steps, zeroed first and stored from them (each thread its pairs of adjacent columns). Without
@@ -221,7 +227,8 @@ def _backward_accumulate(sch, name, groups, D, k, dtype, b_swizzled=False, wait=
     block = sch.get_sblock(name)
     rows = warpgroup_gemm(sch, block, groups)
     hide_init_reads(sch, block)
-    sch.tensorize(rows, wgmma_intrin_name(D, k, dtype, "mn", a_regs=True, b_swizzled=b_swizzled, wait=wait))
+    sch.tensorize(rows, wgmma_intrin_name(D, k, dtype, "mn", a_regs=True, b_swizzled=b_swizzled, wait=wait,
+                                          swizzle=swizzle))
     acc_block(sch, f"init_{name}", groups)
     acc_block(sch, f"store_{name}", groups)
     sch.vectorize(sch.get_loops(f"store_{name}")[-1])

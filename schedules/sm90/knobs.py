@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from tvmflash.lowering.annotations import (NARROW_SWIZZLE_COLUMNS, SWIZZLE_COLUMNS, TMA_BARRIER_BYTES,
                                            TMA_BARRIER_PADDINGS, TMA_PRODUCERS, swizzle_columns)
+from tvmflash.lowering.tma_device_functions import CONSUMER_REGISTERS  # setmaxnreg's, with a producer warpgroup
+from tvmflash.lowering.tma_reductions import ROW_COLUMNS as TMA_REDUCE_COLUMNS  # float32 rows of dq_reduce "tma"
 
 from ..contract import DERIVED, PROGRAM, STRUCTURE, TILE, Knob, KnobSet
 from ..sm80.knobs import DTYPES, STRIDE_ALIGNMENT  # noqa: F401 - the same fp16/bf16 pair, 16-byte copies
@@ -271,6 +273,11 @@ HEAD_DIMS = tuple(range(32, 257, 32))
 # way; it needs dkdv_copy "tma", whose lowering encodes the tensor map).
 # dkdv_producer: who issues dkdv's TMA copies, thread 0 between its own wgmma, or a warpgroup of its
 # own (FA3's, ``lowering.tma_producer_warpgroup``).
+# d96 (no multiple of 64): q and dout in the 64-byte swizzle, dq's share by "vector" atomics (TMA's
+# reduction takes rows of 32 floats, and a warpgroup has 48 columns), thread 0 issuing the copies (a
+# producer warpgroup spills there); the rest as at d128. Not measured: the defaults are the ones that
+# build with no spill. d256: none, since dk and dv alone take a thread's registers
+# (``backward_register_problem``).
 
 
 def backward_shared_memory_bytes(head_dim: int, dtype: str, knobs: dict) -> int:
@@ -303,19 +310,53 @@ def dq_share_problem(block_m: int, head_dim: int, groups: int) -> str | None:
     return None
 
 
+def backward_register_problem(head_dim: int, knobs: dict) -> str | None:
+    """Why a thread has too few registers for the backward's accumulators, or None. dkdv keeps dk and dv of
+    its warpgroup's 64 keys across the Q blocks (head_dim / 2 registers a thread each) and makes s and dp a
+    step (block_m / 2 each); the dq pass keeps dq (head_dim / 2) and makes s and dp (dq_block_n / 2 each).
+    Each needs ``WGMMA_OPERAND_REGISTERS`` more. So dkdv fits no tile at d256: dk and dv alone take 256
+    registers a thread (FA3 makes dkᵀ and dvᵀ there, with the warpgroups splitting head_dim)."""
+    threads = WARPGROUP * max(1, knobs["block_n"] // WG_ROWS)
+    left = min(255, REGISTERS_PER_SM // threads)
+    if knobs["dkdv_producer"] == "warpgroup":
+        left = CONSUMER_REGISTERS
+    need = head_dim + knobs["block_m"] + WGMMA_OPERAND_REGISTERS
+    if need > left:
+        return (f"the sm90 dkdv keeps dk and dv ({head_dim} registers a thread at head_dim {head_dim}) and s and dp "
+                f"({knobs['block_m']} at block_m {knobs['block_m']}) in registers: it needs {need}, a thread has {left}")
+    need = head_dim // 2 + knobs["dq_block_n"] + WGMMA_OPERAND_REGISTERS
+    if not knobs["dq_atomic"] and need > 255:
+        return (f"the sm90 dq keeps dq ({head_dim // 2} registers a thread) and s and dp ({knobs['dq_block_n']} at "
+                f"dq_block_n {knobs['dq_block_n']}) in registers: it needs {need}, a thread has 255")
+    return None
+
+
 def backward_build_problem(head_dim: int, dtype: str, knobs: dict) -> str | None:
     """Why these complete backward knobs cannot be scheduled, or None: checked when a backward kernel is
     made, before anything is built (the tuner leaves such configurations out)."""
-    if knobs["dkdv_copy"] == "tma" and (knobs["dkdv_stages"] < 2 or head_dim % SWIZZLE_COLUMNS):
-        return (f"dkdv_copy 'tma' copies into a pipeline's stages, in 64-column swizzled halves: it needs "
-                f"dkdv_stages >= 2 and a head_dim that is a multiple of {SWIZZLE_COLUMNS}, got "
-                f"{knobs['dkdv_stages']} and {head_dim}")
+    if knobs["dkdv_copy"] == "tma" and (knobs["dkdv_stages"] < 2 or swizzle_columns(head_dim) is None):
+        return (f"dkdv_copy 'tma' copies into a pipeline's stages, in swizzled groups of {SWIZZLE_COLUMNS} or "
+                f"{NARROW_SWIZZLE_COLUMNS} columns: it needs dkdv_stages >= 2 and a head_dim that is a multiple of "
+                f"{NARROW_SWIZZLE_COLUMNS}, got {knobs['dkdv_stages']} and {head_dim}")
     if knobs["dkdv_producer"] != "thread" and knobs["dkdv_copy"] != "tma":
         return f"dkdv_producer {knobs['dkdv_producer']!r} issues TMA copies: it needs dkdv_copy 'tma'"
+    if knobs["dkdv_producer"] == "warpgroup" and swizzle_columns(head_dim) != SWIZZLE_COLUMNS:
+        # ptxas at d96: 168 registers, a 184-byte stack frame, 460 bytes of spill stores, its wgmma serialized
+        # (d64 and d128 take none); thread 0's copies take none
+        return (f"dkdv_producer 'warpgroup' spills at head_dim {head_dim} (q and dout in the 64-byte swizzle): "
+                "take 'thread'")
     if knobs["dq_reduce"] == "tma" and knobs["dkdv_copy"] != "tma":
         return "dq_reduce 'tma' adds dq's share by TMA, through the TMA lowering of dkdv's copies: it needs dkdv_copy 'tma'"
+    registers = backward_register_problem(head_dim, knobs)
+    if registers is not None:
+        return registers
     if knobs["dq_atomic"]:
-        return dq_share_problem(knobs["block_m"], head_dim, max(1, knobs["block_n"] // WG_ROWS))
+        groups = max(1, knobs["block_n"] // WG_ROWS)
+        if knobs["dq_reduce"] == "tma" and head_dim // groups % TMA_REDUCE_COLUMNS:
+            return (f"dq_reduce 'tma' adds each warpgroup's head_dim / warpgroups columns of dq's share in rows of "
+                    f"{TMA_REDUCE_COLUMNS} float32 (TMA's 128-byte swizzle): it needs a multiple of "
+                    f"{TMA_REDUCE_COLUMNS}, got {head_dim // groups}")
+        return dq_share_problem(knobs["block_m"], head_dim, groups)
     return None
 
 
@@ -343,7 +384,8 @@ BACKWARD = KnobSet("sm90", "backward", (
     Knob("wgmma_overlap", True, space=(True, False), by_head_dim={64: False}),
     Knob("ds_buffers", 2, choices=(1, 2), varlen=1, role=DERIVED,
          space=lambda knobs: [1, 2] if knobs["dq_atomic"] else [1]),
-    Knob("dq_reduce", "atomic", choices=("atomic", "bulk", "vector", "tma"), by_head_dim={64: "vector", 128: "tma"},
+    Knob("dq_reduce", "atomic", choices=("atomic", "bulk", "vector", "tma"),
+         by_head_dim={64: "vector", 96: "vector", 128: "tma"},
          varlen="atomic", role=DERIVED,
          space=lambda knobs: ["atomic", "vector", *(["tma"] if knobs["dkdv_copy"] == "tma" else [])]
          if knobs["dq_atomic"] else ["atomic"]),
@@ -351,4 +393,4 @@ BACKWARD = KnobSet("sm90", "backward", (
          space=lambda knobs: list(PRODUCERS) if knobs["dkdv_copy"] == "tma" else ["thread"]),
 ), build_problem=backward_build_problem, shared_memory=backward_shared_memory_bytes,
    varlen_by_head_dim={128: {"dkdv_stages": 1}})
-BACKWARD_HEAD_DIMS = (64, 128)
+BACKWARD_HEAD_DIMS = (64, 96, 128)

@@ -504,6 +504,51 @@ def test_sm90_backward_builds_cuda_source(monkeypatch):
     assert tvmflash.compile_backward(head_dim=64, dtype="bfloat16", target="sm90").info()["schedule"] == "sm80"
 
 
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+@pytest.mark.parametrize("variant", ["causal", "deterministic-window-softcap"])
+def test_sm90_backward_at_d96_builds_without_spills(variant):
+    """head_dim 96 on wgmma (``knobs.BACKWARD_HEAD_DIMS``), the default on sm_90a: no multiple of 64, so
+    dkdv's q and dout come by TMA in the 64-byte swizzle (rows of 32 columns: descriptors of layout type 2,
+    none of type 1), and dq's share by vector atomics (a warpgroup's 48 columns are no rows of the TMA
+    reduction's 32 floats). Every kernel compiles through ptxas with no stack frame and no spill: with the
+    defaults (causal, dq_atomic), and deterministic (the dq pass) under a window and a softcap."""
+    from test_decode import ptxas_report
+
+    options = ({"causal": True} if variant == "causal"
+               else {"deterministic": True, "window_size": (100, 20), "softcap": 30.0})
+    kernel = tvmflash.compile_backward(head_dim=96, dtype="bfloat16", target="sm90", **options)
+    assert kernel.info()["schedule"] == "sm90" and kernel.knobs["dq_reduce"] == "vector"
+    assert kernel.dq_atomic == (variant == "causal")
+    src = kernel.source(heads_q=4, heads_kv=2)
+    assert {layout for *_, layout in descriptors(src)} == {"0", "2"}  # padded core matrices, 64-byte swizzle
+    assert "tvmflash_tma_load_5d(" in src and ("tvmflash_red_add_v4_shared(" in src) == kernel.dq_atomic
+    report = ptxas_report(src, "sm_90a")
+    assert len(report) == 3  # delta, dkdv, and convert_dq or dq
+    for name, lines in report.items():
+        assert "0 bytes stack frame, 0 bytes spill stores" in lines, (name, lines)
+
+
+def test_sm90_backward_checks_at_d96_and_d256():
+    """Without a build: d96's defaults pass the backward's checks; its TMA reduction of dq's share (48
+    columns a warpgroup) and its producer warpgroup (ptxas spills) are refused. At d256 no tile passes
+    them, since dkdv keeps dk and dv of a
+    warpgroup's 64 keys in registers (256 a thread before s and dp), so on sm_90a the SIMT backward serves
+    d256 and the sm90 schedule names the head_dims it serves."""
+    from tvmflash import choice
+    from tvmflash import target as targets
+
+    backward = sm90_knobs.BACKWARD
+    assert backward.problem(backward.defaults(96), 96, "bfloat16") is None
+    assert "multiple of 32, got 48" in backward.problem({"dq_reduce": "tma"}, 96, "bfloat16")
+    assert "take 'thread'" in backward.problem({"dkdv_producer": "warpgroup"}, 96, "bfloat16")
+    for point in backward.points():
+        assert "registers" in (backward.problem(point, 256, "bfloat16") or ""), point
+    assert 96 in sm90_knobs.BACKWARD_HEAD_DIMS and 256 not in sm90_knobs.BACKWARD_HEAD_DIMS
+    spec = {"head_dim": 256, "dtype": "bfloat16", "causal": False}
+    assert choice.backward(targets.resolve("sm90"), spec, None).schedule.name == "simt"
+    assert choice.backward(targets.resolve("sm90"), {**spec, "head_dim": 96}, None).schedule.name == "sm90"
+
+
 def test_sm90_one_stage_products_share_one_fence():
     """With one stage (plain loads), s's fence.proxy.async and barrier make a step's tiles visible to
     both of its products from shared memory: dp adds none of its own. dkdv: s's and dq's share's (it
@@ -523,7 +568,7 @@ def test_sm90_dkdv_by_tma_builds_cuda_source():
     """dkdv_copy "tma": one thread copies each Q block's q and dout (5-D tensor maps, swizzled) and its
     rows' lse and delta (3-D, no swizzle) on the stage's mbarrier; no thread copies them by cp.async,
     and the step's tiles need no block-wide barrier (the dsᵀ staging keeps its two). Refused with
-    one stage or a head_dim not a multiple of 64, and for varlen, whose rows past a sequence's
+    one stage or a head_dim not a multiple of 32, and for varlen, whose rows past a sequence's
     end must read as zeros."""
     knobs = {"dkdv_stages": 2, "dkdv_copy": "tma"}
     kernel = tvmflash.compile_backward(head_dim=128, dtype="bfloat16", causal=True, target="sm90", knobs=knobs)
