@@ -1,29 +1,33 @@
-"""Run the GPU tests (``pytest -m gpu``) in several pytest processes at once, so that their kernels
-build on every core of the GPU machine (built one after another they take over 9 minutes on a fresh
-H200 machine), then print each process's summary as it ends, and one total.
+"""Run the GPU tests (``pytest -m gpu``) on every core of the GPU machine: one pytest whose pytest-xdist
+workers take tests as they free up (``--dist worksteal``), so that the kernels build in parallel (built
+one after another they take over 9 minutes on a fresh H100) and no worker sits idle while another has a
+queue of builds left. Then print the summary, the failures, and with ``--timeout`` the tests that did not
+finish in time.
 
-    python benchmarks/gpu_tests.py [--jobs 8] [--log-dir DIR] [--timeout S] [PYTEST ARGS ...]   # e.g. tests/test_gpu.py
+    python benchmarks/gpu_tests.py [--jobs 16] [--log FILE] [--timeout S] [PYTEST ARGS ...]   # e.g. tests/test_gpu.py
 
-The processes share one module cache (``TVMFLASH_CACHE_DIR``, a fresh temporary folder unless set), so
-a kernel that two tests need is mostly built once. Exit status: 0 if every process passed.
+The workers share one module cache (``TVMFLASH_CACHE_DIR``, a fresh temporary folder unless set), and a
+module two of them need is built once (``cache.build_lock``). Exit status: 0 if every test ran and passed.
 """
 
 import argparse
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+OUTCOME = re.compile(r"\b(PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\s+(tests/\S+)")
+
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--jobs", type=int, default=8)
-    parser.add_argument("--log-dir", default=None, help="where each process's log goes (default: a temporary folder)")
-    parser.add_argument("--timeout", type=float, default=0,
-                        help="seconds after which the processes still running are killed and their tests listed")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count())
+    parser.add_argument("--log", default=None, help="pytest's whole output (default: a temporary file)")
+    parser.add_argument("--timeout", type=float, default=0, help="seconds after which the run is stopped")
     args, pytest_args = parser.parse_known_args()
     collected = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-m", "gpu", *pytest_args],
                                capture_output=True, text=True)
@@ -32,47 +36,41 @@ def main() -> int:
         print(collected.stdout + collected.stderr)
         return 1
     os.environ.setdefault("TVMFLASH_CACHE_DIR", tempfile.mkdtemp(prefix="tvmflash-gpu-tests-"))
-    logs = Path(args.log_dir or tempfile.mkdtemp(prefix="tvmflash-gpu-logs-"))
-    logs.mkdir(parents=True, exist_ok=True)
-    groups = [ids[i::args.jobs] for i in range(min(args.jobs, len(ids)))]
-    print(f"{len(ids)} GPU tests in {len(groups)} processes; logs in {logs}", flush=True)
+    log = Path(args.log or tempfile.mkstemp(prefix="tvmflash-gpu-tests-", suffix=".log")[1])
+    jobs = min(args.jobs, len(ids))
+    print(f"{len(ids)} GPU tests on {jobs} workers; log in {log}", flush=True)
     start = time.time()
-    pytest = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-m", "gpu"]  # -v: a line a test
-    running = [(i, subprocess.Popen([*pytest, *group], stdout=open(logs / f"group{i}.log", "w"),
-                                    stderr=subprocess.STDOUT))
-               for i, group in enumerate(groups)]
-    totals, failed, unfinished = {}, False, []
-    while running:  # report each process as it ends
-        time.sleep(1)
-        over = args.timeout and time.time() - start > args.timeout
-        for i, process in list(running):
-            if process.poll() is None and not over:
-                continue
-            running.remove((i, process))
-            if process.poll() is None:  # past --timeout: its tests did not all run
-                process.kill()
-                process.wait()
-                text = (logs / f"group{i}.log").read_text()
-                passed = [test for test in groups[i] if f"{test} PASSED" in text]
-                unfinished += [test for test in groups[i] if test not in passed]
-                totals["passed"] = totals.get("passed", 0) + len(passed)
-                failed = True
-                print(f"group {i}: killed after {args.timeout:.0f} s, {len(passed)} of its {len(groups[i])} passed")
-                continue
-            failed |= process.returncode != 0
-            text = (logs / f"group{i}.log").read_text()
-            summary = text.strip().splitlines()[-1] if text.strip() else "(no output)"
-            print(f"group {i}: {summary}", flush=True)
-            for line in text.splitlines():
-                if line.startswith(("FAILED", "ERROR")):
-                    print("   ", line)
-            for count, what in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", summary):
-                totals[what] = totals.get(what, 0) + int(count)
-    print(", ".join(f"{count} {what}" for what, count in totals.items()), f"in {time.time() - start:.0f} s")
-    if unfinished:  # passed or not: their processes' logs say how far they got
-        print(f"{len(unfinished)} tests of the killed processes did not finish or did not pass:", *unfinished,
-              sep="\n    ")
-    return 1 if failed else 0
+    with open(log, "w") as out:
+        process = subprocess.Popen([sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-m", "gpu",
+                                    "-n", str(jobs), "--dist", "worksteal", *pytest_args],
+                                   stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            process.wait(timeout=args.timeout or None)
+            stopped = False
+        except subprocess.TimeoutExpired:  # the workers too: they are in its process group
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            stopped = True
+    text = log.read_text()
+    outcomes = {test: outcome for outcome, test in OUTCOME.findall(text)}
+    for test, outcome in outcomes.items():
+        if outcome in ("FAILED", "ERROR"):
+            print(f"    {outcome} {test}")
+    if not stopped:
+        tail = text.strip().splitlines()
+        print("\n".join(line for line in tail[-40:] if "slowest" in line or re.match(r"^\d+\.\d+s ", line)))
+        print(tail[-1] if tail else "(no output)")
+        return process.returncode
+    counts = {}
+    for outcome in outcomes.values():
+        counts[outcome.lower()] = counts.get(outcome.lower(), 0) + 1
+    unfinished = [test for test in ids if test not in outcomes]
+    print(f"stopped after {args.timeout:.0f} s: "
+          + ", ".join([*(f"{n} {what}" for what, n in counts.items()), f"{len(unfinished)} not finished"]))
+    for test in unfinished:
+        print(f"    {test}")
+    print(f"in {time.time() - start:.0f} s")
+    return 1
 
 
 if __name__ == "__main__":

@@ -9,7 +9,10 @@ tensor. The GPU tests run a decode over caches of 2**31 elements and more, and a
 backward and a varlen forward over q, k and v of more than 2**31 elements, each checked against a
 float64 reference on a few sequences."""
 
+import fcntl
+import os
 import re
+import tempfile
 
 import pytest
 import torch
@@ -163,6 +166,7 @@ def gpu_randn(shape, dtype=torch.bfloat16, seed=0):
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("gpu_memory_alone")
 @pytest.mark.parametrize("cache_rows", [32, 33], ids=["2**31", "past-2**31"])
 def test_decode_64k_cache_on_the_gpu(cache_rows):
     """The issue's decode: 64k keys x batch 32 x 8 heads x d128 is 2**31 elements (it was refused;
@@ -188,6 +192,7 @@ def test_decode_64k_cache_on_the_gpu(cache_rows):
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("gpu_memory_alone")
 def test_paged_decode_past_2_31_on_the_gpu():
     """A paged cache of more than 2**31 elements (pages of 256): a sequence on the last pages."""
     page, heads_kv, d = 256, 8, 128
@@ -209,6 +214,18 @@ def test_paged_decode_past_2_31_on_the_gpu():
         sequence_reference_check(out, q, k_seq, v_seq, b)
 
 
+@pytest.fixture
+def gpu_memory_alone():
+    """The GPU tests of this file hold tens of GB each: where the GPU suite runs tests in parallel processes
+    (``benchmarks/gpu_tests.py``), they take turns (a lock file), and each gives its memory back after."""
+    with open(os.path.join(tempfile.gettempdir(), "tvmflash-large-gpu-tests.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            torch.cuda.empty_cache()
+
+
 def big_qkv(batch, seqlen, heads, d, seed=0):
     return [gpu_randn((batch, seqlen, heads, d), seed=seed + i) for i in range(3)]
 
@@ -217,6 +234,7 @@ BIG_BATCH, BIG_SEQLEN, BIG_HEADS = 2**31 // (128 * 8 * 128) + 16, 128, 8  # 2**3
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("gpu_memory_alone")
 def test_forward_past_2_31_on_the_gpu():
     """q, k, v of 2**31 + 2**21 elements each (bf16, d128, 128 tokens a sequence, causal): the
     forward (its default schedule, int64 module), the first and last sequences against float64."""
@@ -244,6 +262,7 @@ def torch_forward(q, k, v, chunk=512):
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("gpu_memory_alone")
 def test_backward_past_2_31_on_the_gpu():
     """The backward over q, k, v, out and dout of 2**31 + 2**21 elements each (the int64 module),
     from a float32 torch forward; the first and last sequences' gradients against float64."""
@@ -259,6 +278,7 @@ def test_backward_past_2_31_on_the_gpu():
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("gpu_memory_alone")
 def test_varlen_past_2_31_on_the_gpu():
     """varlen over packed q, k, v of 2**31 + 2**21 elements: the first and last sequences against float64."""
     q, k, v = (t.flatten(0, 1) for t in big_qkv(BIG_BATCH, BIG_SEQLEN, BIG_HEADS, 128, seed=20))
