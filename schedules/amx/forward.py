@@ -1,0 +1,40 @@
+"""The AMX forward: the CPU schedule's tasks and vectorised loops, with QKᵀ and PV as 32 x 32 blocks
+of tile products (``intrinsics.dot_intrin``)."""
+
+from __future__ import annotations
+
+import tvm
+
+from .. import common, cpu
+from .intrinsics import BLOCK, dot_intrin
+
+# The right operands (Kᵀ for QKᵀ, V for PV) in AMX's pair-interleaved layout: (k // 2, n, k % 2).
+VNNI = {"load_k": lambda j, d: (d // 2, j, d % 2), "load_v": lambda j, d: (j // 2, d, j % 2)}
+
+
+def schedule(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, vector: int) -> tvm.s_tir.Schedule:
+    """Map the attention program onto a CPU with AMX: one task per (batch, head, Q block) as the CPU
+    schedule's; the two products on the tiles, the rest vectorised."""
+    tile = sch.get_sblock("tile")
+    sch.parallel(sch.fuse(*sch.get_loops(tile)))
+    for load, layout in VNNI.items():
+        sch.transform_layout(load, ("write", 0), layout)
+    for name in ("load_q", "init_acc", "store_o", "score", "exp", "cast_p"):
+        cpu.vectorize_inner(sch, name, vector)
+    tile_product(sch, "qk", vector)
+    tile_product(sch, "pv", vector)
+    return sch
+
+
+def tile_product(sch, block_name, vector):
+    """A (rows, cols, reduction) block as 32 x 32 blocks of tile products over its whole reduction;
+    its init (QKᵀ's zero, PV's rescale) a vectorised block of its own before each."""
+    i, n, k = sch.get_loops(block_name)[-3:]
+    reduction = int(sch.get(k).extent)
+    io, ii = sch.split(i, [None, BLOCK])
+    no, ni = sch.split(n, [None, BLOCK])
+    sch.reorder(io, no, ii, ni, k)
+    init = sch.decompose_reduction(block_name, ii)
+    cpu.vectorize_inner(sch, init, vector)
+    common.hide_init_reads(sch, sch.get_sblock(f"{block_name}_update"))
+    sch.tensorize(ii, dot_intrin(reduction))
