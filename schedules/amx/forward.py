@@ -19,11 +19,30 @@ def schedule(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, vector: int
     sch.parallel(sch.fuse(*sch.get_loops(tile)))
     for load, layout in VNNI.items():
         sch.transform_layout(load, ("write", 0), layout)
+    for load in VNNI:
+        pack_pairs(sch, load)
     for name in ("load_q", "init_acc", "store_o", "score", "exp", "cast_p"):
         cpu.vectorize_inner(sch, name, vector)
     tile_product(sch, "qk", vector)
     tile_product(sch, "pv", vector)
     return sch
+
+
+def pack_pairs(sch, block_name):
+    """A load into the pair-interleaved layout in runs of 16 unrolled pairs of stores to consecutive
+    addresses, which LLVM's SLP vectorizer packs (V: two rows interleaved; K: 16 keys' pairs, each
+    pair one 32-bit move)."""
+    j, d = sch.get_loops(block_name)[-2:]
+    if block_name == "load_v":  # Vt[j // 2, d, j % 2]
+        pairs, pair = sch.split(j, [None, 2])
+        outer, run = sch.split(d, [None, 16])
+        sch.reorder(pairs, outer, run, pair)
+    else:  # Kt[d // 2, j, d % 2]
+        pairs, pair = sch.split(d, [None, 2])
+        outer, run = sch.split(j, [None, 16])
+        sch.reorder(pairs, outer, run, pair)
+    sch.unroll(run)
+    sch.unroll(pair)
 
 
 def tile_product(sch, block_name, vector):
