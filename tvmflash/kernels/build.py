@@ -123,9 +123,6 @@ class Build:
                 logger.info("%s %s in %.1f s%s", "built" if found.origin == "built" else "loaded", found.path or "it",
                             found.seconds, "" if found.function else " (CUDA source only: no GPU here to build for)")
                 _MODULES[key] = found
-        if found.function is not None and not self.schedule.prepare():
-            raise RuntimeError(f"the {self.schedule.name} schedule's modules cannot run in this process: the host "
-                               "refused what they need (AMX: Linux's permission for the tile state)")
         self.modules[self.slot(heads_q, heads_kv, wide)] = found
         self.last = (heads_q, heads_kv)
         return found
@@ -143,6 +140,9 @@ class Build:
         """``module``, unless it was cross-compiled (an error: there is nothing to run)."""
         if module.function is None:
             raise RuntimeError(f"this {self.target_name} kernel was cross-compiled: there is no GPU here to run it on")
+        if not self.schedule.prepare():  # once a process (cached): AMX's permission for the tile state
+            raise RuntimeError(f"the {self.schedule.name} schedule's modules cannot run in this process: the host "
+                               "refused what they need (AMX: Linux's permission for the tile state)")
         return module
 
     def _path(self, key: str) -> Path:
