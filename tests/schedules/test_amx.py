@@ -46,3 +46,15 @@ def test_amx_forward_matches_float64(head_dim, knobs, causal):
         q, k, v = random_qkv(2, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, torch.bfloat16, "cpu")
         out, lse = kernel(q, k, v, out=poisoned_out(q), return_lse=True)
         check_attention(out, lse, q, k, v, causal=causal)
+
+
+@needs_amx
+def test_amx_variants_and_varlen_match_float64():
+    """A window, softcap and ALiBi, dense and varlen (bf16, d32: the AMX forward's smallest head_dim);
+    test_variants and test_varlen run these on the CPU in float16, which AMX leaves to the plain schedule."""
+    import test_variants
+    import test_varlen
+
+    test_variants.forward_matches_float64("cpu", torch.bfloat16, 32, "all")
+    test_varlen.forward_matches_float64("cpu", torch.bfloat16, 32, "all", test_varlen.LENGTHS)
+    assert tvmflash.compile(head_dim=32, dtype=torch.bfloat16, target="cpu", varlen=True).info()["schedule"] == "amx"
