@@ -1,4 +1,4 @@
-"""The AMX forward: the CPU schedule's tasks and vectorised loops, with QKᵀ and PV as 32 x 32 blocks
+"""The AMX forward: the CPU schedule's tasks and vectorised loops, with QKᵀ and PV as blocks of 32 rows
 of tile products (``intrinsics.dot_intrin``)."""
 
 from __future__ import annotations
@@ -46,14 +46,12 @@ def pack_pairs(sch, block_name):
 
 
 def tile_product(sch, block_name, vector):
-    """A (rows, cols, reduction) block as 32 x 32 blocks of tile products over its whole reduction;
-    its init (QKᵀ's zero, PV's rescale) a vectorised block of its own before each."""
+    """A (rows, cols, reduction) block as tile products, 32 rows by all the columns a call (over the
+    whole reduction); its init (QKᵀ's zero, PV's rescale) a vectorised block of its own before each."""
     i, n, k = sch.get_loops(block_name)[-3:]
-    reduction = int(sch.get(k).extent)
-    io, ii = sch.split(i, [None, BLOCK])
-    no, ni = sch.split(n, [None, BLOCK])
-    sch.reorder(io, no, ii, ni, k)
-    init = sch.decompose_reduction(block_name, ii)
+    cols, reduction = (int(sch.get(loop).extent) for loop in (n, k))
+    _, rows = sch.split(i, [None, BLOCK])
+    init = sch.decompose_reduction(block_name, rows)
     cpu.vectorize_inner(sch, init, vector)
     common.hide_init_reads(sch, sch.get_sblock(f"{block_name}_update"))
-    sch.tensorize(ii, dot_intrin(reduction))
+    sch.tensorize(rows, dot_intrin(reduction, cols))

@@ -1,10 +1,10 @@
-"""AMX's tensor intrinsic: a 32 x 32 float32 block of C += A B over a whole reduction of bf16 operands,
-on the tile registers (``tdpbf16ps``).
+"""AMX's tensor intrinsic: a block of 32 rows of float32 C += A B over a whole reduction of bf16
+operands, on the tile registers (``tdpbf16ps``).
 
 TVM ships AMX int8 intrinsics alone; this is the bf16 one, written the same way: LLVM's x86 AMX
 intrinsics with immediate tile registers (``llvm.x86.tileloadd64``, ``tdpbf16ps``,
-``tilestored64``), called through ``T.call_llvm_intrin``. C is held in four 16 x 16 tiles (tmm4..7)
-for the whole reduction, and each step of 32 multiplies two 16 x 32 tiles of A (tmm0, tmm1) by two
+``tilestored64``), called through ``T.call_llvm_intrin``. Each 32 x 32 block of C is held in four 16 x 16 tiles
+(tmm4..7) for the whole reduction, and each step of 32 multiplies two 16 x 32 tiles of A (tmm0, tmm1) by two
 of B (tmm2, tmm3): four products per four loads.
 
 B is read in AMX's pair-interleaved ("VNNI") layout: B[k // 2, n, k % 2] is the operand's (k, n)
@@ -13,7 +13,8 @@ right operands so (``forward.VNNI``).
 
 The tile configuration (palette 1, eight tiles of 16 rows x 64 bytes) is per thread, and the
 parallel loop runs its tasks on whichever thread of the pool: each call loads it first (ldtilecfg),
-from a 64-byte buffer of its own.
+from a 64-byte buffer of its own; a call covers all the columns of its 32 rows, so that a product
+loads it once for every 32 rows.
 """
 
 from __future__ import annotations
@@ -55,34 +56,35 @@ def _tile(name, reg, *args):
     return tirx.Evaluate(_call(name, tirx.const(reg, "uint8"), *args))
 
 
-def dot_intrin(reduction: int) -> str:
-    """Register (once) and name the intrinsic of a 32 x 32 float32 block C += A Bᵀ over ``reduction``
-    (a multiple of 32) bf16 elements: C[i, j] += A[i, k] * B[k // 2, j, k % 2]."""
-    name = f"tvmflash_amx_bf16_32x32x{reduction}"
+def dot_intrin(reduction: int, cols: int = BLOCK) -> str:
+    """Register (once) and name the intrinsic of a 32 x ``cols`` float32 block (``cols`` a multiple of
+    32) C += A B over ``reduction`` (a multiple of 32) bf16 elements: C[i, j] += A[i, k] * B[k // 2, j,
+    k % 2], in 32 x 32 blocks one after the other under one tile configuration."""
+    name = f"tvmflash_amx_bf16_32x{cols}x{reduction}"
     if name in _REGISTERED:
         return name
-    if reduction % STEP:
-        raise ValueError(f"AMX reduction: a multiple of {STEP}, got {reduction}")
+    if reduction % STEP or cols % BLOCK:
+        raise ValueError(f"AMX block: a reduction and columns in multiples of {STEP}, got {reduction}, {cols}")
     from tvm import tirx
     from tvm.script import tirx as T
 
-    K, N = reduction, BLOCK
+    K, M, N = reduction, BLOCK, cols
 
     @T.prim_func(s_tir=True)
     def desc(a: T.handle, b: T.handle, c: T.handle) -> None:
-        A = T.match_buffer(a, (N, K), "bfloat16", offset_factor=1)
+        A = T.match_buffer(a, (M, K), "bfloat16", offset_factor=1)
         B = T.match_buffer(b, (K // 2, N, 2), "bfloat16", offset_factor=1)
-        C = T.match_buffer(c, (N, N), "float32", offset_factor=1)
+        C = T.match_buffer(c, (M, N), "float32", offset_factor=1)
         with T.sblock("root"):
-            T.reads(C[0:N, 0:N], A[0:N, 0:K], B[0:K // 2, 0:N, 0:2])
-            T.writes(C[0:N, 0:N])
-            for i, j, k in T.grid(N, N, K):
+            T.reads(C[0:M, 0:N], A[0:M, 0:K], B[0:K // 2, 0:N, 0:2])
+            T.writes(C[0:M, 0:N])
+            for i, j, k in T.grid(M, N, K):
                 with T.sblock("update"):
                     vi, vj, vk = T.axis.remap("SSR", [i, j, k])
                     C[vi, vj] = C[vi, vj] + T.cast(A[vi, vk], "float32") * T.cast(B[vk // 2, vj, vk % 2], "float32")
 
     def body(A, B, C):
-        """The tile program: C's four tiles loaded, the steps of 32, C stored."""
+        """The tile program: per 32 x 32 block of C, its four tiles loaded, the steps of 32, stored."""
         cfg = tirx.decl_buffer((64,), "uint8", name="amx_config", scope="local", data_alignment=64)
 
         def load_store(name, buf, reg, offset, mode="r"):  # a tile of rows at ``offset`` (elements)
@@ -96,30 +98,33 @@ def dot_intrin(reduction: int) -> str:
                 pointer = buf.access_ptr(mode, offset=offset)
             return _tile(name, reg, pointer, row_bytes)
 
-        def c_offset(t):
-            return (t // 2) * ROWS * C.strides[0] + (t % 2) * ROWS
-
         stmts = _tile_config(cfg)
-        stmts += [load_store("tileloadd64", C, reg, c_offset(t)) for t, reg in enumerate(_C)]
-        for step in range(K // STEP):
-            stmts += [load_store("tileloadd64", A, reg, half * ROWS * A.strides[0] + step * STEP)
-                      for half, reg in enumerate(_A)]
-            stmts += [load_store("tileloadd64", B, reg, step * ROWS * B.strides[0] + half * ROWS * B.strides[1])
-                      for half, reg in enumerate(_B)]
-            stmts += [tirx.Evaluate(_call("tdpbf16ps", *(tirx.const(r, "uint8") for r in (_C[t], _A[t // 2], _B[t % 2]))))
-                      for t in range(4)]
-        stmts += [load_store("tilestored64", C, reg, c_offset(t), "w") for t, reg in enumerate(_C)]
+        for col in range(0, N, BLOCK):
+            def c_offset(t):
+                return (t // 2) * ROWS * C.strides[0] + col + (t % 2) * ROWS
+
+            stmts += [load_store("tileloadd64", C, reg, c_offset(t)) for t, reg in enumerate(_C)]
+            for step in range(K // STEP):
+                stmts += [load_store("tileloadd64", A, reg, half * ROWS * A.strides[0] + step * STEP)
+                          for half, reg in enumerate(_A)]
+                stmts += [load_store("tileloadd64", B, reg,
+                                     step * ROWS * B.strides[0] + (col + half * ROWS) * B.strides[1])
+                          for half, reg in enumerate(_B)]
+                stmts += [tirx.Evaluate(_call("tdpbf16ps", *(tirx.const(r, "uint8")
+                                                              for r in (_C[t], _A[t // 2], _B[t % 2]))))
+                          for t in range(4)]
+            stmts += [load_store("tilestored64", C, reg, c_offset(t), "w") for t, reg in enumerate(_C)]
         return tirx.SeqStmt([tirx.AllocBuffer(cfg)] + stmts)
 
     @T.prim_func(s_tir=True)
     def impl(a: T.handle, b: T.handle, c: T.handle) -> None:
         sa, sb0, sb1, sc = T.int32(), T.int32(), T.int32(), T.int32()
-        A = T.match_buffer(a, (N, K), "bfloat16", offset_factor=1, strides=[sa, 1])
+        A = T.match_buffer(a, (M, K), "bfloat16", offset_factor=1, strides=[sa, 1])
         B = T.match_buffer(b, (K // 2, N, 2), "bfloat16", offset_factor=1, strides=[sb0, sb1, 1])
-        C = T.match_buffer(c, (N, N), "float32", offset_factor=1, strides=[sc, 1])
+        C = T.match_buffer(c, (M, N), "float32", offset_factor=1, strides=[sc, 1])
         with T.sblock("root"):
-            T.reads(C[0:N, 0:N], A[0:N, 0:K], B[0:K // 2, 0:N, 0:2])
-            T.writes(C[0:N, 0:N])
+            T.reads(C[0:M, 0:N], A[0:M, 0:K], B[0:K // 2, 0:N, 0:2])
+            T.writes(C[0:M, 0:N])
             T.evaluate(0)  # replaced by the tile program below
 
     impl = impl.with_body(_with_tile_program(impl, body))
