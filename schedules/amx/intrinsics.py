@@ -3,9 +3,9 @@ operands, on the tile registers (``tdpbf16ps``).
 
 TVM ships AMX int8 intrinsics alone; this is the bf16 one, written the same way: LLVM's x86 AMX
 intrinsics with immediate tile registers (``llvm.x86.tileloadd64``, ``tdpbf16ps``,
-``tilestored64``), called through ``T.call_llvm_intrin``. Each 32 x 32 block of C is held in four 16 x 16 tiles
-(tmm4..7) for the whole reduction, and each step of 32 multiplies two 16 x 32 tiles of A (tmm0, tmm1) by two
-of B (tmm2, tmm3): four products per four loads.
+``tilestored64``), called through ``tirx.call_llvm_intrin``. Each 32 x 32 block of C is held in
+four 16 x 16 tiles (tmm4..7) for the whole reduction, and each step of 32 multiplies two 16 x 32 tiles
+of A (tmm0, tmm1) by two of B (tmm2, tmm3): four products per four loads.
 
 B is read in AMX's pair-interleaved ("VNNI") layout: B[k // 2, n, k % 2] is the operand's (k, n)
 element, so a 64-byte tile row holds the pairs (k, k + 1) of 16 columns. The schedule stores its
