@@ -223,8 +223,9 @@ class Schedule:
     least. cpu_features: the LLVM CPU features an llvm target must have for it to serve (of its ``mcpu``
     and ``mattr``). prepare(): what a process does before it runs one of its modules (AMX: Linux's
     permission for the tile state), True if the host allows it. sources: the modules whose code shapes
-    its builds (the cache key's). fallback: it serves what the schedules before it do not, slower (SIMT on a GPU, with no tensor cores): the torch API pads a
-    head_dim to one that a schedule before it serves rather than run it (``choice.head_dim_to_run``)."""
+    its builds (the cache key's). fallback: it serves what the schedules before it do not, slower (SIMT
+    on a GPU, with no tensor cores): the torch API pads a head_dim to one that a schedule before it serves
+    rather than run it (``choice.head_dim_to_run``)."""
 
     name: str
     target_kind: str
