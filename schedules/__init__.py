@@ -9,12 +9,13 @@ serve; ``tvmflash.choice`` picks one. Installed as ``tvmflash.schedules``.
 
 from __future__ import annotations
 
-from . import cpu, simt, sm80, sm90
+from . import amx, cpu, simt, sm80, sm90
 from .contract import Schedule
 
 # name -> schedule, the most specialised first: sm90 (sm_90a alone), sm80 (sm80 and newer), SIMT (any
-# NVIDIA GPU), then the CPU's.
-SCHEDULES: dict[str, Schedule] = {s.name: s for s in (sm90.SCHEDULE, sm80.SCHEDULE, simt.SCHEDULE, cpu.SCHEDULE)}
+# NVIDIA GPU), then the CPU's: AMX (a CPU with AMX bf16) before the plain one.
+SCHEDULES: dict[str, Schedule] = {s.name: s for s in (sm90.SCHEDULE, sm80.SCHEDULE, simt.SCHEDULE, amx.SCHEDULE,
+                                                      cpu.SCHEDULE)}
 
 
 def program_for(spec, schedule: Schedule, knobs: dict):

@@ -220,9 +220,12 @@ class Schedule:
     schedules move 16-byte vectors). pass_config, async_proxy_operands, hoist_block_index_conditions:
     what it asks of ``lowering.build``. kernel_attrs(knobs): function attributes the program carries
     for these knobs (a trace cannot set one). min_kv_tiles(knobs): K/V tiles a Q block visits at the
-    least. sources: the modules whose code shapes its builds (the cache key's). fallback: it serves what
-    the schedules before it do not, slower (SIMT on a GPU, with no tensor cores): the torch API pads a
-    head_dim to one that a schedule before it serves rather than run it (``choice.head_dim_to_run``)."""
+    least. cpu_features: the LLVM CPU features an llvm target must have for it to serve (of its ``mcpu``
+    and ``mattr``). prepare(): what a process does before it runs one of its modules (AMX: Linux's
+    permission for the tile state), True if the host allows it. sources: the modules whose code shapes
+    its builds (the cache key's). fallback: it serves what the schedules before it do not, slower (SIMT
+    on a GPU, with no tensor cores): the torch API pads a head_dim to one that a schedule before it serves
+    rather than run it (``choice.head_dim_to_run``)."""
 
     name: str
     target_kind: str
@@ -238,6 +241,8 @@ class Schedule:
     hoist_block_index_conditions: bool = False
     kernel_attrs: Callable[[dict], dict] = lambda knobs: {}
     min_kv_tiles: Callable[[dict], int] = lambda knobs: 1
+    cpu_features: tuple[str, ...] = ()
+    prepare: Callable[[], bool] = lambda: True
     sources: tuple = ()
     fallback: bool = False
 

@@ -63,7 +63,7 @@ def schedule(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, vector: int
     # Store K transposed (head_dim, block_n), so the score loop runs along contiguous keys.
     sch.transform_layout("load_k", ("write", 0), lambda j, d: (d, j))
     for name in ("load_q", "load_k", "load_v", "init_acc", "store_o"):
-        _vectorize_inner(sch, name, vector)
+        vectorize_inner(sch, name, vector)
 
     # S[i, :] += Q[i, d] * Kᵀ[d, :]: keys innermost, vectorised.
     _gemm_register_tile(sch, "qk", vector)
@@ -71,7 +71,7 @@ def schedule(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, vector: int
     _gemm_register_tile(sch, "pv", vector)
 
     for name in ("score", "exp", "cast_p"):
-        _vectorize_inner(sch, name, vector)
+        vectorize_inner(sch, name, vector)
     return sch
 
 
@@ -99,7 +99,7 @@ def _gemm_register_tile(sch, block_name, vector):
     sch.decompose_reduction(block_name, k)
 
 
-def _vectorize_inner(sch, block_name, vector):
+def vectorize_inner(sch, block_name, vector):
     loop = sch.get_loops(block_name)[-1]
     _, inner = sch.split(loop, [None, vector])
     sch.vectorize(inner)
@@ -137,7 +137,7 @@ def schedule_backward(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, ve
         inits = ("init_dk", "init_dv", "store_dk", "store_dv") if func == "dkdv" else ("init_dq", "store_dq")
         elementwise = ("exp", "ds") + (("cast_p",) if func == "dkdv" else ())
         for name in loads + inits + elementwise:
-            _vectorize_inner(sch, name, vector)
+            vectorize_inner(sch, name, vector)
     return sch
 
 
@@ -153,7 +153,7 @@ def schedule_decode(sch: tvm.s_tir.Schedule, *, query_tokens: int, block_n: int,
         sch.parallel(sch.fuse(*sch.get_loops("tile")))
         sch.transform_layout("load_k", ("write", 0), lambda j, d: (d, j))  # keys contiguous for the score loop
         for name in ("load_q", "load_k", "load_v", "init_acc", "store_o", "score", "exp"):
-            _vectorize_inner(sch, name, vector)
+            vectorize_inner(sch, name, vector)
         _gemm_register_tile(sch, "qk", vector)
         _gemm_register_tile(sch, "pv", vector)
 
@@ -164,7 +164,7 @@ def schedule_decode(sch: tvm.s_tir.Schedule, *, query_tokens: int, block_n: int,
     _, inner = sch.split(d, [None, vector])
     sch.vectorize(inner)
     sch.decompose_reduction("merge_o", s)
-    _vectorize_inner(sch, "store_o", vector)
+    vectorize_inner(sch, "store_o", vector)
     return sch
 
 

@@ -45,7 +45,8 @@ def test_bench_on_cpu():
                    "--tokens", "256", "--hidden", "128", "--repeat", "2", "--layout", "bhsd")
     lines = [line for line in out.splitlines() if line.startswith("bfloat16 d64 causal")]
     assert len(lines) == 1 and lines[0].split()[-1] == "yes", out
-    assert "kernel d64 causal: cpu schedule, " in out and "knobs {'block_m': " in out, out  # what ran
+    schedule = "amx" if targets.host_amx() else "cpu"  # bf16 on a CPU with AMX: the amx schedule
+    assert f"kernel d64 causal: {schedule} schedule, " in out and "knobs {'block_m': " in out, out  # what ran
     assert "tvmflash-bhsd ms" in out and re.search(r"strided \(b, h, s, d\) views over contiguous .* time ratio: "
                                                    r"[\d.]+x to [\d.]+x", out), out
 

@@ -88,6 +88,8 @@ def serve_problem(schedule: Schedule, program: str, target, dtype: str, head_dim
     if (schedule.compute_capabilities is not None and cc not in schedule.compute_capabilities) or \
             (schedule.min_compute_capability is not None and cc < schedule.min_compute_capability):
         return f"the {schedule.name} schedule does not run on {targets.describe(target)}"
+    if schedule.cpu_features and not targets.llvm_has_features(target, schedule.cpu_features):
+        return f"the {schedule.name} schedule needs a CPU with {', '.join(schedule.cpu_features)}"
     if dtype not in schedule.dtypes:
         return f"the {schedule.name} schedule takes {list(schedule.dtypes)}, got {dtype}"
     if not mapped.serves(head_dim):

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
+import sys
 from typing import Any
 
 import tvm
@@ -19,13 +22,65 @@ _CUDA_ARCHS = {
 }
 
 
+# LLVM's names of the AMX features the bf16 tile products need (schedules/amx), and Linux's.
+AMX_FEATURES = ("amx-tile", "amx-bf16")
+_AMX_CPUINFO_FLAGS = ("amx_tile", "amx_bf16")
+# Linux: a process asks for the AMX tile data state (XFEATURE_XTILEDATA) before its first AMX
+# instruction, else that instruction raises SIGILL.
+_SYS_ARCH_PRCTL, _ARCH_GET_XCOMP_PERM, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA = 158, 0x1022, 0x1023, 18
+
+
 def cpu_target() -> tvm.target.Target:
-    """The host CPU, with its real micro-architecture so LLVM uses every vector unit."""
+    """The host CPU, with its real micro-architecture so LLVM uses every vector unit.
+
+    Its AMX features are the host's own: LLVM's ``mcpu`` names a micro-architecture, and a CPU of that
+    name may lack AMX where a hypervisor hides it or Linux does not grant it (``host_amx``), so they are
+    turned off there, and on where the host has them and the ``mcpu`` does not say so. Elsewhere
+    the target is the plain ``mcpu``'s."""
     from tvm.target import codegen
 
-    return tvm.target.Target(
-        {"kind": "llvm", "mcpu": codegen.llvm_get_system_cpu(), "num-cores": os.cpu_count() or 1}
-    )
+    plain = {"kind": "llvm", "mcpu": codegen.llvm_get_system_cpu(), "num-cores": os.cpu_count() or 1}
+    implied = llvm_has_features(tvm.target.Target(plain), AMX_FEATURES)
+    if implied == host_amx():
+        return tvm.target.Target(plain)
+    sign = "+" if host_amx() else "-"
+    return tvm.target.Target({**plain, "mattr": [sign + feature for feature in AMX_FEATURES]})
+
+
+def llvm_has_features(target: tvm.target.Target, features) -> bool:
+    """Whether an llvm target's CPU (its ``mcpu`` and ``mattr``) has these LLVM features."""
+    from tvm.target import codegen
+
+    return target.kind.name == "llvm" and codegen.llvm_cpu_has_features(list(features), target)
+
+
+@functools.lru_cache(maxsize=1)
+def host_amx() -> bool:
+    """Whether this process may run AMX bf16 instructions: the CPU has them (Linux's cpuinfo flags)
+    and Linux grants the process the tile data state (``enable_amx``)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            flags = next((line.split(":", 1)[1].split() for line in cpuinfo if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return all(flag in flags for flag in _AMX_CPUINFO_FLAGS) and enable_amx()
+
+
+@functools.lru_cache(maxsize=1)
+def enable_amx() -> bool:
+    """Ask Linux once for this process's AMX tile data state (arch_prctl ARCH_REQ_XCOMP_PERM; torch's
+    oneDNN may have asked already, which the first query sees). True if granted."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        granted = ctypes.c_uint64(0)
+        if libc.syscall(_SYS_ARCH_PRCTL, _ARCH_GET_XCOMP_PERM, ctypes.byref(granted)) == 0 and \
+                granted.value & (1 << _XFEATURE_XTILEDATA):
+            return True
+        return libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 def cuda_target(name: str) -> tvm.target.Target:

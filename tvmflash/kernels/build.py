@@ -140,6 +140,9 @@ class Build:
         """``module``, unless it was cross-compiled (an error: there is nothing to run)."""
         if module.function is None:
             raise RuntimeError(f"this {self.target_name} kernel was cross-compiled: there is no GPU here to run it on")
+        if not self.schedule.prepare():  # once a process (cached): AMX's permission for the tile state
+            raise RuntimeError(f"the {self.schedule.name} schedule's modules cannot run in this process: the host "
+                               "refused what they need (AMX: Linux's permission for the tile state)")
         return module
 
     def _path(self, key: str) -> Path:
