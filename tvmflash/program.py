@@ -194,7 +194,7 @@ def alibi_slopes_argument(spec: AttentionSpec, batch, heads):
 # ceil(dropout_p · 2^24) (mix32: ``lowering.hashing``, a bijection of uint32 with full avalanche, so the
 # keys of a row and the rows of a tile draw independent bits). The indices enter by xor, never by a
 # product that the simplifier could fold into an out-of-range uint32 constant. The backward recomputes
-# the same bits; ``tvmflash.ops.dropout_keep`` is the same rule on torch tensors.
+# the same bits; ``tvmflash.ops.dropout_kept`` is the same rule on torch tensors.
 DROPOUT_BITS = 24  # the bits compared with the rate (a float32 holds p · 2^24 exactly)
 
 

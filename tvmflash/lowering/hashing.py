@@ -3,8 +3,8 @@
 The programs write ``mix32(x)`` as one opaque call (``mix32_call``): each of its steps reads its input
 twice, so written out as an expression tree four nested hashes hold thousands of nodes per score, which
 every pass would walk, and the simplifiers expand let-bound arithmetic back into that tree. Lowered here,
-after the simplifiers and common-subexpression elimination: on the CPU (llvm) as let-bound arithmetic, on
-CUDA as an inline device function.
+after the simplifiers and before common-subexpression elimination: on the CPU (llvm) as arithmetic in
+local buffers (``mix32_statements``), on CUDA as an inline device function.
 """
 
 from __future__ import annotations
@@ -52,10 +52,11 @@ def mix32_statements(expr) -> tuple[list, object]:
             raise RuntimeError("LowerMix32: a vectorised mix32 call on the CPU (the vectoriser scalarises its loop)")
         state = tirx.decl_buffer((1,), "uint32", f"mix32_{len(statements)}", scope="local")
         value = tirx.BufferLoad(state, [0])
+        def xorshift(shift):
+            return tirx.bitwise_xor(value, tirx.shift_right(value, tirx.const(shift, "uint32")))
+
         (m1, m2), (s1, s2, s3) = MIX32_MULTIPLIERS, MIX32_SHIFTS
-        steps = (x, tirx.bitwise_xor(value, tirx.shift_right(value, tirx.const(s1, "uint32"))) * tirx.const(m1, "uint32"),
-                 tirx.bitwise_xor(value, tirx.shift_right(value, tirx.const(s2, "uint32"))) * tirx.const(m2, "uint32"),
-                 tirx.bitwise_xor(value, tirx.shift_right(value, tirx.const(s3, "uint32"))))
+        steps = (x, xorshift(s1) * tirx.const(m1, "uint32"), xorshift(s2) * tirx.const(m2, "uint32"), xorshift(s3))
         statements.append(tirx.AllocBuffer(state))
         statements.extend(tirx.BufferStore(state, step, [0]) for step in steps)
         return value
