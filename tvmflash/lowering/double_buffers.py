@@ -27,8 +27,8 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from tvmflash.lowering.annotations import DOUBLE_BUFFERED_PRAGMA
-from tvmflash.lowering.ir import (find, is_attr, is_barrier, is_call, is_load, loaded, prim_func_pass, unmarked,
-                                  with_children)
+from tvmflash.lowering.ir import (CALL, LOAD, find, find_attrs, is_attr, is_barrier, is_call, is_load, loaded,
+                                  prim_func_pass, unmarked, with_children)
 
 
 def _points_into(node, tile) -> bool:
@@ -45,7 +45,7 @@ def _touches(stmt, tile) -> bool:
         if is_load(n):
             return loaded(n).same_as(tile)
         return _points_into(n, tile)
-    return bool(find(stmt, uses))
+    return bool(find(stmt, (tirx.BufferStore, LOAD, CALL), uses))
 
 
 def _leading_barrier(stmts, i) -> str | None:
@@ -88,15 +88,15 @@ def _uses_in_turn(seq, tile, parity):
 def double_buffered(func: tirx.PrimFunc) -> tirx.PrimFunc:
     """``func`` with its marked tile in two buffers taken in turn (module docstring); unchanged if it
     has none."""
-    marks = find(func.body, lambda n: is_attr(n, DOUBLE_BUFFERED_PRAGMA))
+    marks = find_attrs(func.body, DOUBLE_BUFFERED_PRAGMA)
     if not marks:
         return func
-    sequences = find(func.body, lambda n: isinstance(n, tirx.SeqStmt) and any(
+    sequences = find(func.body, tirx.SeqStmt, lambda n: any(
         is_attr(s, DOUBLE_BUFFERED_PRAGMA) for s in n.seq))
     if not all(_leading_barrier(list(seq.seq), i) for seq in sequences for i, s in enumerate(seq.seq)
                if is_attr(s, DOUBLE_BUFFERED_PRAGMA)):  # nothing to drop: one buffer, as it is
         return func.with_body(unmarked(func.body, DOUBLE_BUFFERED_PRAGMA))
-    tiles = {s.buffer.name: s.buffer for m in marks for s in find(m.body, lambda n: isinstance(n, tirx.BufferStore))}
+    tiles = {s.buffer.name: s.buffer for m in marks for s in find(m.body, tirx.BufferStore)}
     if len(tiles) != 1:
         raise RuntimeError(f"DoubleBuffers: the marked loops write {len(tiles)} buffers, not one")
     tile = next(iter(tiles.values()))  # TVM 0.27: a buffer is a variable
@@ -136,7 +136,7 @@ def double_buffered(func: tirx.PrimFunc) -> tirx.PrimFunc:
         return node
 
     body = rewrite(func.body)
-    if find(body, lambda n: is_attr(n, DOUBLE_BUFFERED_PRAGMA)):
+    if find_attrs(body, DOUBLE_BUFFERED_PRAGMA):
         raise RuntimeError("DoubleBuffers: a marked loop outside the sequence that uses the tile")
     body = tvm_ffi.structural_map(body, [(tirx.BufferStore, shifted_store), (tvm.ir.expr.TensorLoad, shifted_load),
                                          (tvm.ir.expr.Call, shifted_pointer)])

@@ -13,7 +13,7 @@ import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
-from tvmflash.lowering.ir import find, is_call, prim_func_pass, target_of, transform
+from tvmflash.lowering.ir import CALL, find, is_call, prim_func_pass, target_of, transform
 
 MIX32 = "tvmflash_mix32"
 # Wellons' lowbias32, a bijection of uint32 whose every input bit flips each output bit with probability
@@ -80,7 +80,7 @@ def LowerMix32():  # noqa: N802
                 return None
             return tirx.SeqStmt([*statements, tirx.BufferStore(store.buffer, value, store.indices)])
         body = transform(func.body, tirx.BufferStore, lower_store)
-        if find(body, is_mix32):
+        if find(body, CALL, is_mix32):
             raise RuntimeError("LowerMix32: a mix32 call outside the value of a store")
         return func.with_body(body)
     return prim_func_pass(rewrite, "tvmflash.LowerMix32")

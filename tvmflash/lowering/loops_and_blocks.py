@@ -10,7 +10,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from tvmflash.lowering.annotations import REVERSED, RUNS_IF
-from tvmflash.lowering.ir import find, prim_func_pass, substitute
+from tvmflash.lowering.ir import LOAD, find, prim_func_pass, substitute
 
 
 # ---------------------------------------------------------------------------------- reversed loops
@@ -59,8 +59,7 @@ def RunBlocksIf():  # noqa: N802
 # ---------------------------------------------------------------------------------- loaded extents
 def _extent_bound(loop):
     """A pipelined loop whose extent reads a buffer, as that value bound to a variable first."""
-    if "software_pipeline_stage" not in loop.annotations or not find(
-            loop.extent, lambda n: type(n).__name__ in ("TensorLoad", "BufferLoad")):
+    if "software_pipeline_stage" not in loop.annotations or not find(loop.extent, LOAD):
         return loop
     # A constant floor stays in sight: the program's max(min_kv_tiles, count) keeps the pipeline's
     # epilogue unguarded (``sm90.min_kv_tiles``); under a guard, varlen's sm90 wgmma spilled registers.

@@ -14,8 +14,8 @@ from tvm.script import tirx as T
 from tvmflash.lowering.annotations import (ATOMIC_ADD_PRAGMA, BULK_REDUCE_BARRIER, BULK_REDUCE_PRAGMA,
                                            BULK_REDUCE_WAIT_PRAGMA, REG_FENCE, SKIP_UNIT_RESCALE_PRAGMA,
                                            VECTOR_REDUCE_PRAGMA, WGMMA_WAIT_PRAGMA)
-from tvmflash.lowering.ir import (every_element, find, is_attr, is_load, loaded, loaded_buffers, prim_func_pass,
-                                  substitute, target_of, transform, with_children)
+from tvmflash.lowering.ir import (every_element, find, is_load, loaded, loaded_buffers, prim_func_pass, substitute,
+                                  target_of, transform, with_children)
 from tvmflash.lowering.tma_device_functions import device_statement, untracked_pointer
 
 
@@ -38,7 +38,7 @@ def _skipped_where_factors_are_one(attr):
     (``__any_sync`` over every element of the thread's factor buffers ``f``: a branch the whole warp
     takes or skips, which nvcc keeps as a branch; a per-thread test became a predicate on each
     multiply)."""
-    scaled = {store.buffer.name for store in find(attr.body, lambda n: type(n).__name__ == "BufferStore")}
+    scaled = {store.buffer.name for store in find(attr.body, tirx.BufferStore)}
     factors = {name: buffer for name, buffer in loaded_buffers(attr.body).items() if name not in scaled}
     if len(scaled) != 1 or not factors or any(b.scope() != "local" for b in factors.values()):
         raise ValueError(f"{attr.attr_key}: expected a loop that scales one buffer by local factors, got "
@@ -111,7 +111,7 @@ def _has_vector_reductions(func) -> bool:
 
 def _thread_index(func, tag: str):
     """The variable of ``func``'s thread index ``tag`` ("threadIdx.x")."""
-    found = find(func.body, lambda n: is_attr(n, "thread_extent") and n.node.thread_tag == tag)
+    found = find(func.body, tirx.AttrStmt, lambda n: n.attr_key == "thread_extent" and n.node.thread_tag == tag)
     if not found:
         raise ValueError(f"the kernel binds no {tag}")
     return found[0].node.var
@@ -205,7 +205,7 @@ def _provably_one(difference, depth: int = 2) -> bool:
     analyzer = tvm.sym.Analyzer()
     if analyzer.can_prove_equal(difference, 1):
         return True
-    residues = find(difference, lambda n: isinstance(n, tirx.FloorMod) and isinstance(n.a, tirx.Var)
+    residues = find(difference, tirx.FloorMod, lambda n: isinstance(n.a, tirx.Var)
                     and isinstance(n.b, tirx.IntImm) and 1 < n.b.value <= 8)
     if depth == 0 or not residues:
         return False
@@ -234,7 +234,7 @@ def _bulk_reductions_read(attr, func):
         return tirx.SeqStmt([device_statement("tvmflash_bulk_wait"), attr.body])
     y = _thread_index(func, "threadIdx.y")
     stores = transform(attr.body, tirx.For, _untracked_pair)
-    if find(stores, lambda n: isinstance(n, tirx.BufferStore)):
+    if find(stores, tirx.BufferStore):
         raise ValueError(f"{BULK_REDUCE_WAIT_PRAGMA}: expected stores of adjacent float32 pairs")
     return tirx.SeqStmt([device_statement("tvmflash_bulk_wait_read"),
                          device_statement("tvmflash_named_barrier", BULK_REDUCE_BARRIER + y, attr.value), stores])

@@ -10,7 +10,7 @@ import tvm_ffi
 from tvm import tirx
 
 from tvmflash.lowering.annotations import WGMMA_SWIZZLE_LAYOUTS
-from tvmflash.lowering.ir import find, inlined, is_call, is_load, let_values, loaded, prim_func_pass, substitute
+from tvmflash.lowering.ir import CALL, find, inlined, is_call, is_load, let_values, loaded, prim_func_pass, substitute
 from tvmflash.lowering.tma_device_functions import TMA_LOADS, TMA_REDUCTIONS
 
 
@@ -42,7 +42,7 @@ def _shared_byte_offsets(pointer, what, lets, units16=0):
     if data is None or getattr(data.ty, "storage_scope", None) != "shared.dyn":
         raise RuntimeError(f"TMA alignment check: cannot read where {what} lands in shared memory: {pointer}")
     byte = inlined(index * (element.bits // 8) + units16 * 16, lets)
-    variables = find(byte, lambda n: isinstance(n, tirx.Var) and isinstance(n.ty, tvm.ir.PrimType))
+    variables = find(byte, tirx.Var, lambda n: isinstance(n.ty, tvm.ir.PrimType))
     analyzer = tvm.sym.Analyzer()
     for step in range(6):
         at = analyzer.simplify(substitute(byte, [(v, tirx.const(step, v.ty.dtype)) for v in variables]))
@@ -60,7 +60,7 @@ def check_tile_alignment(func: tirx.PrimFunc) -> tirx.PrimFunc:
     garbage; and RuntimeError where a TMA build has no copy or no swizzled operand to check, or one
     the check cannot read."""
     expected = int((func.attrs or {}).get(TMA_COPIES_ATTR, 0))
-    calls = find(func.body, lambda n: is_call(n, "tirx.cuda.func_call"))
+    calls = find(func.body, CALL, lambda n: is_call(n, "tirx.cuda.func_call"))
     # (pointer, 16-byte units past it, the boundary it needs, how far past the boundary it may start)
     aligned = {**TMA_LOADS, **TMA_REDUCTIONS}  # each takes its shared-memory pointer first
     copies = [(c.args[1], 0, aligned[c.args[0].value], 1) for c in calls if c.args[0].value in aligned]
@@ -71,7 +71,7 @@ def check_tile_alignment(func: tirx.PrimFunc) -> tirx.PrimFunc:
                            f"{len(copies)} TMA copies and {len(operands)} swizzled wgmma operands to check")
     # let variables bound to arithmetic are inlined; one bound to a call (the warpgroup index, a shuffle)
     # stays a variable, as the loop and thread indices do
-    lets = [(var, value) for var, value in let_values(func.body) if not find(value, lambda n: isinstance(n, tvm.ir.expr.Call))]
+    lets = [(var, value) for var, value in let_values(func.body) if not find(value, tvm.ir.expr.Call)]
     for pointers, what in ((copies, "a TMA tile"), (operands, "a swizzled wgmma operand")):
         for pointer, units16, boundary, slack in pointers:
             for byte, expression in _shared_byte_offsets(pointer, what, lets, units16):

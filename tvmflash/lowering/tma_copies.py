@@ -55,7 +55,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from tvmflash.lowering.annotations import TMA_LOAD
-from tvmflash.lowering.ir import find, is_attr, is_call, prim_func_pass, transform, unmarked
+from tvmflash.lowering.ir import CALL, find, find_attrs, is_attr, is_call, prim_func_pass, transform, unmarked
 from tvmflash.lowering.tile_alignment import TMA_COPIES_ATTR
 from tvmflash.lowering.tma_device_functions import TMA_LOADS, device_call, device_statement
 from tvmflash.lowering.tma_plan import ISSUE_MARK, Plan, q_tile_visible, reads_tiles, tile_copy
@@ -76,7 +76,7 @@ def _issue(plan, commit):
     t - num_stages + 1, whose QK^T the consumers wait for one step before they release the stage
     that V of tile t needs. There the release is counted per wait for all wgmma, the pipeline's
     first one included (``_waits_and_releases``), and tile t waits for release t - num_stages + 1."""
-    scopes = find(commit.body, lambda n: is_attr(n, "async_scope"))
+    scopes = find_attrs(commit.body, "async_scope")
     copies = [tile_copy(plan, scope.body) for scope in scopes]
     stage = max((c[0] for c in copies), key=lambda s: s[1])[0]
     issued = plan.issued[0]
@@ -113,14 +113,14 @@ def _names_tma_issue(node):
 
 def _only_commits_or_waits(stmt):
     """Whether ``stmt`` only commits wgmma groups or waits for them."""
-    calls = find(stmt, lambda n: type(n).__name__ == "Call")
+    calls = find(stmt, CALL)
     return bool(calls) and all(c.op.name.startswith("tirx.ptx.wgmma") and any(
         getattr(a, "value", None) in ("commit_group", "wait_group") for a in c.args) for c in calls)
 
 
 def _waits_all(stmt):
     """Whether ``stmt`` waits for every committed wgmma group (``wgmma.wait_group 0``)."""
-    return bool(find(stmt, lambda n: type(n).__name__ == "Call" and n.op.name.startswith("tirx.ptx.wgmma")
+    return bool(find(stmt, CALL, lambda n: n.op.name.startswith("tirx.ptx.wgmma")
                       and any(getattr(a, "value", None) == "wait_group" for a in n.args)
                       and any(isinstance(a, tirx.IntImm) and a.value == 0 for a in n.args)))
 
@@ -161,7 +161,7 @@ def _waits_and_releases(plan, stmt, tiles):
 
     def rewrite(node):
         seq = list(node.seq)
-        marked = [i for i, s in enumerate(seq) if find(s, lambda n: is_attr(n, _WAIT_MARK))]
+        marked = [i for i, s in enumerate(seq) if find_attrs(s, _WAIT_MARK)]
         if not marked:
             return None
         readers = [i for i, s in enumerate(seq) if reads(s, tiles if lagged else late)]
@@ -184,7 +184,8 @@ def _waits_and_releases(plan, stmt, tiles):
         k_readers = [i for i in range(marked[0], len(seq)) if reads(seq[i], early)]
         if k_readers:
             first = marked[0]
-            while first > 0 and not find(seq[first - 1], lambda n: isinstance(n, tirx.For) or _names_tma_issue(n)):
+            while first > 0 and not find(seq[first - 1], (tirx.For, CALL),
+                                         lambda n: isinstance(n, tirx.For) or _names_tma_issue(n)):
                 first -= 1
             wait = _wait_for_next_tile(plan)  # under the predicate of the (K) tile's first reader
             seq[first:first] = [_guarded(seq[k_readers[0]], wait)]
@@ -196,17 +197,17 @@ def _waits_and_releases(plan, stmt, tiles):
 def lowered_to_tma(func: tirx.PrimFunc) -> tirx.PrimFunc:
     """``func`` after InjectSoftwarePipeline, with its TMA_LOAD copies on TMA (module docstring);
     unchanged if it has none."""
-    if not find(func.body, lambda n: isinstance(n, tvm.s_tir.SBlock) and TMA_LOAD in n.annotations):
+    if not find(func.body, tvm.s_tir.SBlock, lambda n: TMA_LOAD in n.annotations):
         return func
-    if len(find(func.body, lambda n: isinstance(n, tvm.s_tir.SBlock) and n.name_hint == "tile")) != 1:
+    if len(find(func.body, tvm.s_tir.SBlock, lambda n: n.name_hint == "tile")) != 1:
         raise RuntimeError("TMA: expected one block named 'tile' (the per-thread-block scope)")
     plan = Plan(func)
-    commits = find(func.body, lambda n: is_attr(n, "async_commit_queue_scope"))
-    waits = find(func.body, lambda n: is_attr(n, "async_wait_queue_scope"))
+    commits = find_attrs(func.body, "async_commit_queue_scope")
+    waits = find_attrs(func.body, "async_wait_queue_scope")
     tiles = []
     for commit in commits:
-        for scope in find(commit.body, lambda n: is_attr(n, "async_scope")):
-            for block in find(scope.body, lambda n: isinstance(n, tvm.s_tir.SBlock) and TMA_LOAD in n.annotations):
+        for scope in find_attrs(commit.body, "async_scope"):
+            for block in find(scope.body, tvm.s_tir.SBlock, lambda n: TMA_LOAD in n.annotations):
                 tiles.append(block.body.buffer)
 
     def rewrite(node):
@@ -249,7 +250,7 @@ def lowered_to_tma(func: tirx.PrimFunc) -> tirx.PrimFunc:
         body = transform(body, tirx.For, lambda n: tirx.For(
             n.loop_var, n.min, n.extent + 1, n.kind, n.body, n.thread_binding, n.annotations)
             if n.thread_binding is not None and n.thread_binding.thread_tag == "threadIdx.y" else None)
-    copies = len(find(body, _names_tma_issue))
+    copies = len(find(body, CALL, _names_tma_issue))
     return func.with_body(_after_declarations(body, encode_tensor_maps(plan), plan.tensor_maps)).with_attr(
         TMA_COPIES_ATTR, copies)
 
@@ -260,7 +261,7 @@ def _after_declarations(body, stmts, buffers):
     def declares(node):
         return isinstance(node, tirx.DeclBuffer) and any(node.buffer.same_as(b) for b in buffers)
 
-    found = find(body, lambda n: isinstance(n, tirx.SeqStmt) and any(declares(s) for s in n.seq))
+    found = find(body, tirx.SeqStmt, lambda n: any(declares(s) for s in n.seq))
     if not found:
         return tirx.SeqStmt([*stmts, body])
     seq = found[0]
@@ -276,11 +277,11 @@ def _one_off_copy(plan, stmts, k):
     warpgroup's: the Q tile then stays the consumers' own, so that the output's staging may reuse
     its memory (``split_warpgroups``)."""
     copies = [i for i, stmt in enumerate(stmts[:k])
-              if find(stmt, lambda n: isinstance(n, tvm.s_tir.SBlock) and TMA_LOAD in n.annotations)]
+              if find(stmt, tvm.s_tir.SBlock, lambda n: TMA_LOAD in n.annotations)]
     if not copies:
         return stmts, None
     i = copies[0]
-    if len(copies) > 1 or len(find(stmts[i], lambda n: isinstance(n, tvm.s_tir.SBlock))) != 1:
+    if len(copies) > 1 or len(find(stmts[i], tvm.s_tir.SBlock)) != 1:
         raise RuntimeError("TMA: expected one copy block outside the pipeline (the Q tile), alone in its statement")
     plan.q_copy = stmts[i]
     _, call, size = tile_copy(plan, stmts[i])
@@ -305,7 +306,7 @@ def _pipeline_start(work):
     """The thread block's statements, and the index of the one that holds the K/V pipeline (its first
     TMA issue)."""
     stmts = list(work.seq) if isinstance(work, tirx.SeqStmt) else [work]
-    return stmts, next(i for i, stmt in enumerate(stmts) if find(stmt, lambda n: is_attr(n, ISSUE_MARK)))
+    return stmts, next(i for i, stmt in enumerate(stmts) if find_attrs(stmt, ISSUE_MARK))
 
 
 def LowerToTMA():  # noqa: N802 - named as TVM's passes are

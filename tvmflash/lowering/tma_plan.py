@@ -12,7 +12,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from tvmflash.lowering.annotations import TMA_BARRIER_BYTES, TMA_BARRIER_PADDING_ATTR, TMA_LOAD, TMA_PRODUCERS
-from tvmflash.lowering.ir import find, is_load, loaded, substitute
+from tvmflash.lowering.ir import CALL, LOAD, find, is_load, loaded, substitute
 from tvmflash.lowering.tma_device_functions import device_call, device_statement, untracked_pointer
 
 ISSUE_MARK = "tvmflash.tma_issue"  # on each TMA issue, during the pass
@@ -35,7 +35,7 @@ class Plan:
 
     def __init__(self, func):
         self.threads = {}
-        for loop in find(func.body, lambda n: isinstance(n, tirx.For) and n.thread_binding is not None):
+        for loop in find(func.body, tirx.For, lambda n: n.thread_binding is not None):
             self.threads[loop.thread_binding.thread_tag] = (loop.loop_var, loop.extent)
         self.block_threads = 1
         for tag in ("threadIdx.x", "threadIdx.y", "threadIdx.z"):
@@ -48,7 +48,7 @@ class Plan:
         self.num_stages = None
         self.q_copy = None  # the statement of the Q tile's one-off TMA copy, if any (``tma_copies._one_off_copy``)
         producers = {str(n.annotations[TMA_LOAD]) for n in find(
-            func.body, lambda n: isinstance(n, tvm.s_tir.SBlock) and TMA_LOAD in n.annotations)}
+            func.body, tvm.s_tir.SBlock, lambda n: TMA_LOAD in n.annotations)}
         if len(producers) != 1 or not producers <= set(TMA_PRODUCERS):
             raise RuntimeError(f"TMA: the copy blocks' {TMA_LOAD} must all name one of {TMA_PRODUCERS}, got {producers}")
         self.producer = producers.pop()
@@ -96,7 +96,7 @@ def tile_copy(plan, stmt):
     barrier it completes on to its tensor-map TMA call; its bytes). A pipeline's tile has its stages
     first, (stages, halves, rows, 8, 8); the Q tile is (halves, rows, 8, 8); a row vector's (of a
     (batch, heads, seqlen) tensor) is (stages, rows)."""
-    blocks = find(stmt, lambda n: isinstance(n, tvm.s_tir.SBlock) and TMA_LOAD in n.annotations)
+    blocks = find(stmt, tvm.s_tir.SBlock, lambda n: TMA_LOAD in n.annotations)
     if len(blocks) != 1:
         raise RuntimeError(f"TMA: expected one annotated copy block in an async scope, found {len(blocks)}")
     store = blocks[0].body
@@ -104,12 +104,12 @@ def tile_copy(plan, stmt):
         raise RuntimeError(f"TMA: the copy block {blocks[0].name_hint} is not one store")
     # the tensor copied: the load of the tile's dtype (varlen's also read the sequence offsets, int32,
     # in the row index and the predicate; TMA reads past the sequence's end, which the mask hides)
-    loads = [load for load in find(store.value, is_load) if loaded(load).dtype == store.buffer.dtype]
+    loads = [load for load in find(store.value, LOAD) if loaded(load).dtype == store.buffer.dtype]
     if len(loads) != 1:
         raise RuntimeError(f"TMA: the copy block {blocks[0].name_hint} must read one global tensor: {loads}")
     source = loads[0]
     # The tile's origin: every loop inside the statement and every thread index at 0.
-    zero = [(loop.loop_var, tirx.const(0, "int32")) for loop in find(stmt, lambda n: isinstance(n, tirx.For))]
+    zero = [(loop.loop_var, tirx.const(0, "int32")) for loop in find(stmt, tirx.For)]
     zero += [(var, tirx.const(0, "int32")) for tag, (var, _) in plan.threads.items() if tag.startswith("threadIdx")]
     analyzer = tvm.sym.Analyzer()
     at_origin = lambda e: analyzer.simplify(substitute(e, zero))  # noqa: E731
@@ -152,11 +152,11 @@ def reads_tiles(stmt, tiles):
     def reads(node):
         if is_load(node):
             return any(loaded(node).same_as(t) for t in tiles)
-        if type(node).__name__ == "Call" and node.op.name == "tirx.tvm_access_ptr":
+        if node.op.name == "tirx.tvm_access_ptr":
             data = node.args[1]  # buffer.data: a call on the buffer variable
-            return type(data).__name__ == "Call" and any(data.args[0].same_as(t) for t in tiles)
+            return isinstance(data, CALL) and any(data.args[0].same_as(t) for t in tiles)
         return False
-    return bool(find(stmt, reads))
+    return bool(find(stmt, (LOAD, CALL), reads))
 
 
 def q_tile_visible():

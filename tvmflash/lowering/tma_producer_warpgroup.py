@@ -9,7 +9,7 @@ import tvm_ffi
 from tvm import tirx
 from tvm.script import tirx as T
 
-from tvmflash.lowering.ir import find, is_attr, prim_func_pass, transform, unmarked
+from tvmflash.lowering.ir import CALL, find, find_attrs, is_attr, prim_func_pass, transform, unmarked
 from tvmflash.lowering.tma_device_functions import device_call, device_statement
 from tvmflash.lowering.tma_plan import ISSUE_MARK, q_tile_visible, reads_tiles
 
@@ -38,7 +38,7 @@ def split_warpgroups(plan, stmts, k, q_issue, tile_buffers):
     level all of them would live through the branch, and the output's staging could not reuse the Q
     tile's memory."""
     def issues(stmt):
-        return len(find(stmt, lambda n: is_attr(n, ISSUE_MARK)))
+        return len(find_attrs(stmt, ISSUE_MARK))
 
     def only_issues(seq):  # a sequence that holds issues keeps just those (an issue's own sequence stays whole)
         if not issues(seq):
@@ -53,10 +53,10 @@ def split_warpgroups(plan, stmts, k, q_issue, tile_buffers):
 
     def split(block):  # the innermost block that holds every issue
         if issues(block.body) != total or any(issues(b.body) == total for b in find(
-                block.body, lambda n: isinstance(n, tvm.s_tir.SBlock))):
+                block.body, tvm.s_tir.SBlock)):
             return None
         producer = unmarked(tvm_ffi.structural_map(block.body, (tirx.SeqStmt, only_issues)), ISSUE_MARK)
-        if find(producer, lambda n: type(n).__name__ == "Call" and n.op.name in ("tirx.ptx.wgmma", "tirx.tvm_storage_sync")):
+        if find(producer, CALL, lambda n: n.op.name in ("tirx.ptx.wgmma", "tirx.tvm_storage_sync")):
             raise RuntimeError("TMA: the producer warpgroup's slice of the K/V pipeline kept consumer work")
         pipeline = transform(block.body, tirx.AttrStmt,
                               lambda n: tirx.Evaluate(0) if is_attr(n, ISSUE_MARK) else None)
@@ -80,14 +80,14 @@ def split_warpgroups(plan, stmts, k, q_issue, tile_buffers):
 def _touches(stmt, buffer):
     """Whether ``stmt`` accesses ``buffer`` (a load, a store or a pointer into it; not a block's
     read or write region)."""
-    stores = find(stmt, lambda n: type(n).__name__ == "BufferStore" and n.buffer.same_as(buffer))
+    stores = find(stmt, tirx.BufferStore, lambda n: n.buffer.same_as(buffer))
     return bool(stores) or reads_tiles(stmt, [buffer])
 
 
 def consumer_barriers(func: tirx.PrimFunc) -> tirx.PrimFunc:
     """After ThreadSync: each block-wide barrier inside the consumer warpgroups' branch becomes a
     named barrier that counts their threads only (the producer warpgroup never reaches it)."""
-    marked = find(func.body, lambda n: is_attr(n, _CONSUMER_MARK))
+    marked = find_attrs(func.body, _CONSUMER_MARK)
     if not marked:
         return func
     consumers = int(marked[0].value)  # the mark's value: how many threads the consumers are

@@ -41,8 +41,8 @@ def _refused(loop, why):
 
 def _reduction(plan, loop):
     """The statements that replace one annotated loop (module docstring)."""
-    stores = find(loop, lambda n: isinstance(n, tirx.BufferStore))
-    loops = [loop, *find(loop.body, lambda n: isinstance(n, tirx.For))]
+    stores = find(loop, tirx.BufferStore)
+    loops = [loop, *find(loop.body, tirx.For)]
     if len(stores) != 1 or len(loops) != 2:
         raise _refused(loop, f"{len(stores)} stores in {len(loops)} loops")
     store, (rows, columns) = stores[0], loops

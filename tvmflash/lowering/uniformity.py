@@ -11,24 +11,24 @@ import tvm_ffi
 from tvm import tirx
 from tvm.script import tirx as T
 
-from tvmflash.lowering.ir import find, is_load, loaded, prim_func_pass, substitute, transform, with_children
+from tvmflash.lowering.ir import LOAD, find, find_attrs, loaded, prim_func_pass, substitute, transform, with_children
 
 
 # ---------------------------------------------------------------------------------- block-uniform loads
 def _variables(expr) -> list:
-    return find(expr, lambda n: isinstance(n, tirx.Var))
+    return find(expr, tirx.Var)
 
 
 def _block_uniform_loads_bound(func, names):
     """``func`` with each load of an integer buffer of ``names`` that it never writes, at an index that
     is the same for the whole thread block (it reads block indices and the function's arguments, no
     loop, let or thread variable), read once into a variable bound at the start of the kernel."""
-    thread_attrs = find(func.body, lambda n: isinstance(n, tirx.AttrStmt) and n.attr_key == "thread_extent")
+    thread_attrs = find_attrs(func.body, "thread_extent")
     block_attrs = [attr for attr in thread_attrs if attr.node.thread_tag.startswith("blockIdx")]
     varying = [attr.node.var for attr in thread_attrs if not attr.node.thread_tag.startswith("blockIdx")]
-    varying += [n.loop_var for n in find(func.body, lambda n: isinstance(n, tirx.For))]
-    varying += [n.var for n in find(func.body, lambda n: isinstance(n, tirx.Bind))]
-    written = {store.buffer.name for store in find(func.body, lambda n: isinstance(n, tirx.BufferStore))}
+    varying += [n.loop_var for n in find(func.body, tirx.For)]
+    varying += [n.var for n in find(func.body, tirx.Bind)]
+    written = {store.buffer.name for store in find(func.body, tirx.BufferStore)}
 
     def uniform(load):
         buffer = loaded(load)
@@ -51,14 +51,15 @@ def _block_uniform_loads_bound(func, names):
     if not bound:
         return func
     # other let values keep their loads (see BindBlockUniformLoads)
-    lets = find(func.body, lambda n: isinstance(n, tirx.Bind))
+    lets = find(func.body, tirx.Bind)
     body = transform(body, tirx.Bind, lambda new: next(
         (tirx.Bind(new.var, old.value) for old in lets if old.var.same_as(new.var)), None))
     used = [attr for attr in block_attrs
             if any(v.same_as(attr.node.var) for _, load in bound for index in load.indices for v in _variables(index))]
     used = used or block_attrs
     # the block indices' attributes nest: the binding goes inside the innermost that the indices read
-    innermost = next(a for a in used if all(b.same_as(a) or find(b.body, lambda n, a=a: n.same_as(a)) for b in used))
+    innermost = next(a for a in used
+                     if all(b.same_as(a) or find(b.body, tirx.AttrStmt, lambda n, a=a: n.same_as(a)) for b in used))
 
     def define(attr):
         if not (attr.attr_key == "thread_extent" and attr.node.same_as(innermost.node)):
@@ -86,15 +87,15 @@ def BindBlockUniformLoads(names):  # noqa: N802
 def _block_uniform(value, varying: set) -> bool:
     """Is ``value`` the same for every thread of a block: it reads none of the ``varying`` variables
     (thread indices, loop variables, let variables of such values) and loads global memory only?"""
-    return (not any(var in varying for var in find(value, lambda n: isinstance(n, tirx.Var)))
-            and all(loaded(load).scope() == "global" for load in find(value, is_load)))
+    return (not any(var in varying for var in find(value, tirx.Var))
+            and all(loaded(load).scope() == "global" for load in find(value, LOAD)))
 
 
 def _block_indices_aliased(func, aliases: dict):
     """``func`` with its blockIdx.* variables (and the let variables bound outside every loop) read
     through aliases (new variables, added to ``aliases``) in the condition of each IfThenElse that is
     a loop's whole body: what HoistIfThenElse would lift out of that loop."""
-    thread_extents = find(func.body, lambda n: isinstance(n, tirx.AttrStmt) and n.attr_key == "thread_extent")
+    thread_extents = find_attrs(func.body, "thread_extent")
     for attr in thread_extents:
         if attr.node.thread_tag.startswith("blockIdx"):
             aliases[attr.node.var] = tirx.Var(attr.node.var.name + "_alias", attr.node.var.ty)
@@ -103,11 +104,11 @@ def _block_indices_aliased(func, aliases: dict):
     # count (``BindLoadedPipelineExtents``). HoistIfThenElse keeps a condition that reads a let
     # variable in its loop: the pipeline epilogue's causal tile test, on the count, was tested per
     # score.
-    loops = find(func.body, lambda n: isinstance(n, tirx.For))
-    in_loops = {bind.var for loop in loops for bind in find(loop.body, lambda n: isinstance(n, tirx.Bind))}
+    loops = find(func.body, tirx.For)
+    in_loops = {bind.var for loop in loops for bind in find(loop.body, tirx.Bind)}
     varying = {attr.node.var for attr in thread_extents if not attr.node.thread_tag.startswith("blockIdx")}
     varying |= {loop.loop_var for loop in loops}
-    for bind in find(func.body, lambda n: isinstance(n, tirx.Bind)):  # in program order
+    for bind in find(func.body, tirx.Bind):  # in program order
         if bind.var in in_loops or not _block_uniform(bind.value, varying):
             varying.add(bind.var)
         else:
@@ -151,8 +152,8 @@ def _merged_guards(seq, varying):
     next tile, stay as they are: the passes after this one read that loop's statements.)"""
     def uniform(stmt):  # (a constant condition is left to StmtSimplify)
         return (isinstance(stmt, tirx.IfThenElse) and stmt.else_case is None
-                and not isinstance(stmt.condition, tirx.IntImm) and not find(stmt.condition, is_load)
-                and not find(stmt.condition, lambda n: isinstance(n, tirx.Var) and any(n.same_as(v) for v in varying)))
+                and not isinstance(stmt.condition, tirx.IntImm) and not find(stmt.condition, LOAD)
+                and not find(stmt.condition, tirx.Var, lambda n: any(n.same_as(v) for v in varying)))
 
     runs = []  # [condition, statements]: a run of guarded statements, or [None, [statement]]
     for stmt in seq.seq:
@@ -170,9 +171,9 @@ def _merged_guards(seq, varying):
 
 
 def _guards_merged(func):
-    varying = [n.node.var for n in find(func.body, lambda n: isinstance(n, tirx.AttrStmt)
-                                        and n.attr_key == "thread_extent" and n.node.thread_tag.startswith("threadIdx"))]
-    varying += [n.loop_var for n in find(func.body, lambda n: isinstance(n, tirx.For))]
+    varying = [n.node.var for n in find(func.body, tirx.AttrStmt, lambda n: n.attr_key == "thread_extent"
+                                        and n.node.thread_tag.startswith("threadIdx"))]
+    varying += [n.loop_var for n in find(func.body, tirx.For)]
     return func.with_body(transform(func.body, tirx.SeqStmt, lambda seq: _merged_guards(seq, varying)))
 
 
@@ -195,8 +196,7 @@ def _define_after(stmt, thread_tag, var, value):
 def _uniform_warpgroup_descriptors(func):
     """``func`` with threadIdx.y, in the offsets of its wgmma descriptors, read through a variable set
     once at the kernel's start to thread y of lane 0 (``__shfl_sync``)."""
-    extents = {attr.node.thread_tag: attr for attr in find(func.body, lambda n: isinstance(n, tirx.AttrStmt)
-                                                         and n.attr_key == "thread_extent")}
+    extents = {attr.node.thread_tag: attr for attr in find_attrs(func.body, "thread_extent")}
     x, y = extents.get("threadIdx.x"), extents.get("threadIdx.y")
     if y is None or x is None or not isinstance(x.value, tirx.IntImm) or x.value.value % 32:
         return func
@@ -211,7 +211,7 @@ def _uniform_warpgroup_descriptors(func):
         return tvm.ir.expr.Call(call.op, args, call.attrs, ty_args=call.ty_args, span=call.span, ret_ty=call.ty)
 
     body = tvm_ffi.structural_map(func.body, (tvm.ir.expr.Call, uniform))
-    if not find(body, lambda n: isinstance(n, tirx.Var) and n.same_as(warpgroup)):
+    if not find(body, tirx.Var, lambda n: n.same_as(warpgroup)):
         return func
     lane0 = tirx.call_extern("int32", "__shfl_sync", tirx.const(0xFFFFFFFF, "uint32"), thread_y, 0, 32)
     return func.with_body(_define_after(body, "threadIdx.y", warpgroup, lane0))
