@@ -4,7 +4,10 @@ one after another they take over 9 minutes on a fresh H100) and no worker sits i
 queue of builds left. Then print the summary, the failures, and with ``--timeout`` the tests that did not
 finish in time.
 
-    python benchmarks/gpu_tests.py [--jobs 16] [--log FILE] [--timeout S] [PYTEST ARGS ...]   # e.g. tests/test_gpu.py
+    python benchmarks/gpu_tests.py [--jobs 16] [--log FILE] [--timeout S] [--slowest N] [PYTEST ARGS ...]
+
+Each finished test's seconds, and the modules it built in them, go to the log's ``.times`` file (also
+when the run is stopped), and the slowest are listed.
 
 The workers share one module cache (``TVMFLASH_CACHE_DIR``, a fresh temporary folder unless set), and a
 module two of them need is built once (``cache.build_lock``). Exit status: 0 if every test ran and passed.
@@ -28,6 +31,7 @@ def main() -> int:
     parser.add_argument("--jobs", type=int, default=os.cpu_count())
     parser.add_argument("--log", default=None, help="pytest's whole output (default: a temporary file)")
     parser.add_argument("--timeout", type=float, default=0, help="seconds after which the run is stopped")
+    parser.add_argument("--slowest", type=int, default=15, help="how many of the slowest tests to list")
     args, pytest_args = parser.parse_known_args()
     collected = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-m", "gpu", *pytest_args],
                                capture_output=True, text=True)
@@ -37,7 +41,13 @@ def main() -> int:
         return 1
     os.environ.setdefault("TVMFLASH_CACHE_DIR", tempfile.mkdtemp(prefix="tvmflash-gpu-tests-"))
     log = Path(args.log or tempfile.mkstemp(prefix="tvmflash-gpu-tests-", suffix=".log")[1])
+    times = log.with_suffix(".times")  # a line a finished test (tests/conftest.py): seconds, builds
+    times.unlink(missing_ok=True)
+    os.environ["TVMFLASH_TEST_TIMES"] = str(times)
     jobs = min(args.jobs, len(ids))
+    # The cores shared out: thread pools (OpenMP's, torch's) of the machine's size in every worker
+    # oversubscribe it jobs-fold, and the module builds then take several times as long (BENCHMARKS.md).
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // jobs)))
     print(f"{len(ids)} GPU tests on {jobs} workers; log in {log}", flush=True)
     start = time.time()
     with open(log, "w") as out:
@@ -52,13 +62,13 @@ def main() -> int:
             process.wait()
             stopped = True
     text = log.read_text()
+    print_times(times, args.slowest)
     outcomes = {test: outcome for outcome, test in OUTCOME.findall(text)}
     for test, outcome in outcomes.items():
         if outcome in ("FAILED", "ERROR"):
             print(f"    {outcome} {test}")
     if not stopped:
         tail = text.strip().splitlines()
-        print("\n".join(line for line in tail[-40:] if "slowest" in line or re.match(r"^\d+\.\d+s ", line)))
         print(tail[-1] if tail else "(no output)")
         return process.returncode
     counts = {}
@@ -71,6 +81,20 @@ def main() -> int:
         print(f"    {test}")
     print(f"in {time.time() - start:.0f} s")
     return 1
+
+
+def print_times(times: Path, slowest: int) -> None:
+    """Where the finished tests' time went: in all, in module builds, and the slowest tests."""
+    rows = []
+    for line in (times.read_text().splitlines() if times.exists() else []):
+        seconds, _, builds, _, build_seconds, _, test = line.split(None, 6)  # a test's id may hold spaces
+        rows.append((float(seconds), int(builds), float(build_seconds), test))
+    if not rows:
+        return
+    print(f"finished tests: {sum(r[0] for r in rows):.0f} worker-seconds, {sum(r[2] for r in rows):.0f} of them "
+          f"building {sum(r[1] for r in rows)} modules; the slowest:")
+    for seconds, builds, build_seconds, test in sorted(rows, reverse=True)[:slowest]:
+        print(f"    {seconds:6.1f} s ({builds} builds, {build_seconds:5.1f} s)  {test}")
 
 
 if __name__ == "__main__":

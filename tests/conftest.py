@@ -14,6 +14,39 @@ os.environ.setdefault("TVMFLASH_CACHE_DIR", os.path.join(tempfile.gettempdir(), 
                       if _RUN else tempfile.mkdtemp(prefix="tvmflash-test-cache-"))
 
 HAS_GPU = torch.cuda.is_available()
+
+# benchmarks/gpu_tests.py's record of where the time goes: with TVMFLASH_TEST_TIMES naming a file, each
+# test appends a line as it ends (a run stopped at its time limit keeps what finished): its seconds, and
+# how many modules it built in how many of them.
+_TIMES = os.environ.get("TVMFLASH_TEST_TIMES")
+if _TIMES:
+    import logging
+
+    class _Builds(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.INFO)
+            self.seconds = []
+
+        def emit(self, record):
+            if getattr(record, "build_seconds", 0.0):
+                self.seconds.append(record.build_seconds)
+
+    _BUILDS = _Builds()
+    _TEST_SECONDS = {}
+    logging.getLogger("tvmflash").addHandler(_BUILDS)
+    if logging.getLogger("tvmflash").getEffectiveLevel() > logging.INFO:
+        logging.getLogger("tvmflash").setLevel(logging.INFO)
+
+    def pytest_runtest_logreport(report):
+        if getattr(report, "node", None) is not None:
+            return  # on pytest-xdist's controller, a worker's report (``node``: the worker); it wrote it down
+        if report.when == "setup":
+            _BUILDS.seconds.clear()
+        _TEST_SECONDS[report.nodeid] = _TEST_SECONDS.get(report.nodeid, 0.0) + report.duration
+        if report.when == "teardown":
+            with open(_TIMES, "a") as out:
+                out.write(f"{_TEST_SECONDS.pop(report.nodeid):8.1f} s {len(_BUILDS.seconds):3d} builds "
+                          f"{sum(_BUILDS.seconds):7.1f} s  {report.nodeid}\n")
 # The forward tests' edge shapes, (seqlen_q, seqlen_k, heads_q, heads_kv): tails on both sides, Lq != Lk
 # both ways, and three head layouts (MHA 2/2, GQA 4/2, MQA 4/1): each layout is one build per kernel.
 SHAPES = [

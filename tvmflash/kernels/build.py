@@ -121,7 +121,8 @@ class Build:
                 if found is None:
                     found = self._build_once(spec, key, wide)
                 logger.info("%s %s in %.1f s%s", "built" if found.origin == "built" else "loaded", found.path or "it",
-                            found.seconds, "" if found.function else " (CUDA source only: no GPU here to build for)")
+                            found.seconds, "" if found.function else " (CUDA source only: no GPU here to build for)",
+                            extra={"build_seconds": found.seconds if found.origin == "built" else 0.0})
                 _MODULES[key] = found
         self.modules[self.slot(heads_q, heads_kv, wide)] = found
         self.last = (heads_q, heads_kv)
