@@ -62,7 +62,8 @@ FLOORS = (
     ("the choice of schedule and knobs", ("tvmflash.choice",)),
     ("tuning records", ("tvmflash.database",)),
     ("schedules", ("tvmflash.schedules",)),
-    ("the programs", ("tvmflash.program", "tvmflash.program_backward", "tvmflash.program_decode")),
+    ("the programs", ("tvmflash.program", "tvmflash.program_backward", "tvmflash.program_decode",
+                      "tvmflash.program_dropout")),
     ("the lowering", ("tvmflash.lowering",)),
     ("targets, the disk cache, the version", ("tvmflash.target", "tvmflash.cache", "tvmflash.version")),
 )

@@ -23,7 +23,8 @@ from tvmflash.kernels.checks import (TORCH_DTYPES, check_any_head_dim, check_cu_
                                      check_dropout_seed, check_flag, check_max_seqlen, dtype_name, resolve_softmax_scale,
                                      resolve_variant)
 from tvmflash.lowering.hashing import MIX32_MULTIPLIERS, MIX32_SHIFTS
-from tvmflash.program import DROPOUT_BITS, MAX_HEAD_DIM
+from tvmflash.program import MAX_HEAD_DIM
+from tvmflash.program_dropout import DROPOUT_BITS
 
 # kernel_for's and backward_kernel_for's answers: compile() resolves a target (a TVM object) and hashes
 # its arguments, some 100-250 us a call; attention() runs at every step of a model. Emptied by
@@ -193,7 +194,7 @@ def padded_head_dim(q, k, v, head_dim: int) -> tuple:
 
 # ----------------------------------------------------------------------------- dropout
 # flash-attn's dropout_p: the kernels drop P's entries by a hash of a seed and each entry's place
-# (``program.Dropout``), so the backward recomputes the forward's pattern from the seed alone.
+# (``program_dropout``), so the backward recomputes the forward's pattern from the seed alone.
 def dropout_arguments(dropout_p: float, dropout_seed) -> dict:
     """A kernel call's dropout keywords: none at a rate of 0 (a kernel without dropout runs)."""
     return {"dropout_p": dropout_p, "dropout_seed": dropout_seed} if dropout_p > 0 else {}
@@ -222,7 +223,7 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 def dropout_kept(dropout_seed: torch.Tensor, dropout_p: float, heads_q: int, b, h, rows, cols) -> torch.Tensor:
     """Which entries the kernels keep: a bool tensor, the broadcast of the int tensors ``b`` (batch, or
     varlen's sequence), ``h`` (query head of ``heads_q``), ``rows`` (query) and ``cols`` (key), positions
-    in each sequence: the programs' rule (``program.Dropout``) on torch tensors."""
+    in each sequence: the programs' rule (``program_dropout``) on torch tensors."""
     seed = dropout_seed.to(torch.int64) & 0xFFFFFFFF
     bh = (torch.as_tensor(b, dtype=torch.int64) * heads_q + torch.as_tensor(h, dtype=torch.int64)) & 0xFFFFFFFF
     key = _mix32(seed[0] ^ _mix32(seed[1] ^ bh.to(seed.device)))

@@ -14,7 +14,7 @@ out have symbolic batch, sequence and head strides (in elements) and a contiguou
 compact. head_dim, the head counts, dtype, causal, the variants (a sliding window, a softcap, ALiBi:
 ``AttentionSpec``) and the tile sizes are static. With ALiBi the slopes are one more argument, and with dropout two more after them:
     alibi_slopes: (batch, heads_q)                    float32, any batch stride (0: one row for all)
-    dropout_p:    float32, 0 <= p < 1; dropout_seed: (2,) int32 (``Dropout``)
+    dropout_p:    float32, 0 <= p < 1; dropout_seed: (2,) int32 (``program_dropout``)
 
 With ``varlen`` (flash-attn's packed sequences) the arguments hold the rows of every sequence as one
 batch, and three more arguments, after softmax_scale, say where each sequence is:
@@ -37,7 +37,7 @@ from tvm.script import tirx as T
 from tvm.script.ir_builder import IRBuilder
 
 from tvmflash.lowering.annotations import RUNS_IF
-from tvmflash.lowering.hashing import mix32_call
+from tvmflash.program_dropout import dropout_arguments, dropout_scaled, dropout_tile, dropped
 
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32")
 # The programs take a head_dim that is a multiple of 8 (a 16-byte vector of fp16 or bf16, the unit the
@@ -100,7 +100,7 @@ class AttentionSpec:
     # (total_k, heads_kv, d), each sequence's rows and length read from cu_seqlens on the device
     varlen: bool = False
     # flash-attn's dropout_p > 0: P's entries are dropped by a counter-based hash of (seed, batch, head,
-    # row, key) (``Dropout``); the rate and the seed are arguments, so one module serves every rate
+    # row, key) (``program_dropout``); the rate and the seed are arguments, so one module serves every rate
     dropout: bool = False
 
     @property
@@ -187,88 +187,6 @@ def alibi_slopes_argument(spec: AttentionSpec, batch, heads):
     slopes = T.match_buffer(handle, (batch, heads), "float32", strides=(stride, 1))
     IRBuilder.name("AlibiSlopes", slopes)
     return slopes
-
-
-# Dropout: entry (row, key) of head h of batch (varlen: sequence) b is kept iff the top 24 bits of
-# mix32(mix32(tile ^ row) ^ key), tile = mix32(seed0 ^ mix32(seed1 ^ (b · heads_q + h))), reach
-# ceil(dropout_p · 2^24) (mix32: ``lowering.hashing``, a bijection of uint32 with full avalanche, so the
-# keys of a row and the rows of a tile draw independent bits). The indices enter by xor, never by a
-# product that the simplifier could fold into an out-of-range uint32 constant. The backward recomputes
-# the same bits; ``tvmflash.ops.dropout_kept`` is the same rule on torch tensors.
-DROPOUT_BITS = 24  # the bits compared with the rate (a float32 holds p · 2^24 exactly)
-
-
-@dataclass(frozen=True)
-class Dropout:
-    """dropout's parameters of the PrimFunc being parsed: the rate ``p`` (float32, 0 <= p < 1) and
-    the ``seed`` (2,) int32, a tensor on the kernel's device so that a new draw needs no new module
-    and a captured CUDA graph reads the current one."""
-
-    p: object
-    seed: object
-
-    def tile(self, b, h, heads: int) -> "TileDropout":
-        """The dropout of head h of batch (varlen: sequence) b, of ``heads`` query heads."""
-        bh = T.cast(b * heads + h, "uint32")
-        key = mix32_call(T.bitwise_xor(T.cast(self.seed[0], "uint32"),
-                                       mix32_call(T.bitwise_xor(T.cast(self.seed[1], "uint32"), bh))))
-        return TileDropout(self, key)
-
-    @property
-    def scale(self):
-        """1 / (1 - p): what the kept entries are scaled by."""
-        return T.float32(1) / (T.float32(1) - self.p)
-
-
-@dataclass(frozen=True)
-class TileDropout:
-    """One (batch, head)'s dropout: ``kept(row, key)``, and its ``scale``."""
-
-    dropout: Dropout
-    key: object  # the (batch, head)'s hash of the seed
-
-    def kept(self, row, col):
-        """Is entry (query ``row``, key ``col``) kept? Positions in the sequence (int32)."""
-        bits = mix32_call(T.bitwise_xor(mix32_call(T.bitwise_xor(self.key, T.cast(row, "uint32"))),
-                                        T.cast(col, "uint32")))
-        threshold = T.cast(T.ceil(self.dropout.p * T.float32(2.0**DROPOUT_BITS)), "uint32")
-        return T.shift_right(bits, T.uint32(32 - DROPOUT_BITS)) >= threshold
-
-    @property
-    def scale(self):
-        return self.dropout.scale
-
-
-def dropout_arguments(spec: AttentionSpec):
-    """With dropout, two more parameters of the PrimFunc being parsed, after the others: ``dropout_p``
-    (float32) and ``dropout_seed`` (2,) int32; None without."""
-    if not spec.dropout:
-        return None
-    p = T.float32()
-    IRBuilder.name("dropout_p", p)
-    T.arg("dropout_p", p)
-    handle = T.arg("dropout_seed_handle", T.handle())
-    seed = T.match_buffer(handle, (2,), "int32")
-    IRBuilder.name("DropoutSeed", seed)
-    return Dropout(p, seed)
-
-
-def dropout_tile(dropout, b, h, heads: int):
-    """``Dropout.tile`` of b, h, or None without dropout."""
-    return None if dropout is None else dropout.tile(b, h, heads)
-
-
-def dropped(tile_dropout, value, row, col):
-    """``value`` where entry (row, col) is kept (or without dropout), else 0."""
-    if tile_dropout is None:
-        return value
-    return T.if_then_else(tile_dropout.kept(row, col), value, T.float32(0))
-
-
-def dropout_scaled(dropout, value):
-    """``value`` times 1 / (1 - p) (``dropout``: a Dropout or TileDropout), or ``value`` itself without
-    dropout (None)."""
-    return value if dropout is None else value * dropout.scale
 
 
 @dataclass(frozen=True)
@@ -466,7 +384,7 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_ti
     out are arguments, which the caller must make multiples of ``stride_alignment`` bytes. With
     ``spec.varlen``, ``cu_seqlens_q``, ``cu_seqlens_k`` and ``max_seqlen_q`` follow softmax_scale
     (the module docstring says how the sequences are packed). With ``spec.dropout``, ``dropout_p`` and
-    ``dropout_seed`` come last (``dropout_arguments``): P is dropped after its row sum, so the LSE is
+    ``dropout_seed`` come last (``program_dropout.dropout_arguments``): P is dropped after its row sum, so the LSE is
     that of the whole softmax, as flash-attn's.
     """
     D, BM, BN = spec.head_dim, block_m, block_n

@@ -20,7 +20,7 @@ With s = scale · q kᵀ, p = softmax(s) (= exp(s - lse)), out = p v and a loss 
 (dlse enters because ∂lse/∂s = p: it adds dlse · p to ds.) With a softcap or ALiBi the softmax is
 that of the logit softcap · tanh(s / softcap) - slope · |i + seqlen_k - seqlen_q - j|
 (``program.transformed_score``), and ds (of s) is the logit's times the softcap's derivative
-1 - tanh²; the slopes get no gradient. With dropout (``program.Dropout``: the forward's kept entries,
+1 - tanh²; the slopes get no gradient. With dropout (``program_dropout``: the forward's kept entries,
 recomputed from the same seed, scaled by 1 / (1 - p)) out = (p ∘ keep) v / (1 - p), so dv = (p ∘ keep)ᵀ
 dout / (1 - p) and ds = p ∘ (dp ∘ keep / (1 - p) - delta), delta unchanged (rowsum(dout ∘ out) is
 still rowsum(p ∘ dp ∘ keep) / (1 - p)); dkdv and dq take dropout_p and dropout_seed last. The programs:
@@ -58,7 +58,7 @@ import tvm
 from tvm.script import tirx as T
 from tvm.script.ir_builder import IRBuilder
 
-from tvmflash import program
+from tvmflash import program, program_dropout
 from tvmflash.program import LOG2E, AttentionSpec
 
 def programs(dq_atomic: bool = False) -> tuple:
@@ -283,7 +283,7 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int, dq_atomic: bool =
             ``slope``), and ds = p (dp - delta) (times the softcap's derivative) rounded to the input
             dtype. Each tile's (r, c) element is that of query and key ``query_key(r, c)``; its
             products are rows times columns: q kᵀ and dout vᵀ, or k qᵀ and v doutᵀ. With dropout
-            (``drop``, ``program.TileDropout``) dp is that of the kept entries, scaled: out's
+            (``drop``, ``program_dropout.TileDropout``) dp is that of the kept entries, scaled: out's
             gradient reaches p only through them."""
             qk_rows, qk_cols = T.meta_var((Kt, Qt) if keys_first else (Qt, Kt))
             dp_rows, dp_cols = T.meta_var((Vt, dOt) if keys_first else (dOt, Vt))
@@ -317,7 +317,7 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int, dq_atomic: bool =
                 with T.sblock("ds"):  # ds = p (dp - delta)
                     vr, vc = T.axis.remap("SS", [r, c])
                     i, j = T.meta_var(query_key(vr, vc))
-                    dp = T.meta_var(program.dropped(drop, program.dropout_scaled(drop, dP[vr, vc]), qb * BM + i, kb * BN + j))
+                    dp = T.meta_var(program_dropout.dropped(drop, program_dropout.dropout_scaled(drop, dP[vr, vc]), qb * BM + i, kb * BN + j))
                     dSc[vr, vc] = T.cast(
                         program.softcap_gradient(spec, P[vr, vc] * (dp - delta_t[i]), S[vr, vc], softmax_scale),
                         dtype)
@@ -353,7 +353,7 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int, dq_atomic: bool =
         DQaccum = T.meta_var(_dq_accumulator_argument(dq_atomic, batch, HQ, D))  # with dq_atomic only
         Packed_ = T.meta_var(program.varlen_arguments(spec, "max_seqlen_k"))  # parameters with varlen only
         AlibiSlopes = T.meta_var(program.alibi_slopes_argument(spec, program.sequence_count(Packed_, batch), HQ))  # with ALiBi only
-        Dropout_ = T.meta_var(program.dropout_arguments(spec))  # parameters with dropout only
+        Dropout_ = T.meta_var(program_dropout.dropout_arguments(spec))  # parameters with dropout only
         # q, k and v with any strides (``program.strided_argument``: a packed qkv's thirds, as the
         # forward takes them), read through aligned views; dout (and delta's out) compact
         Q = T.decl_buffer(Q_in.shape, dtype, data=Q_in.data, strides=program.aligned_strides(Q_in, stride_alignment))
@@ -401,14 +401,14 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int, dq_atomic: bool =
                             dq_share = T.sblock_alloc_buffer((BM, D), f32)  # ds k of this K/V block
 
                         qb = T.meta_var(first_q_block(vkb, seq.seqlen_q, seq.seqlen_k) + vt)
-                        drop = T.meta_var(program.dropout_tile(Dropout_, vb, vhk * group + vg, HQ))  # None without
+                        drop = T.meta_var(program_dropout.dropout_tile(Dropout_, vb, vhk * group + vg, HQ))  # None without
                         load_q(Qt, dOt, lse2, delta_t, Q, dO, LSE2, Delta, seq, vhk * group + vg, qb)
                         p_and_ds(Qt, Kt, dOt, Vt, lse2, delta_t, scale2, S, P, dP, dSc, qb, vkb, seq.seqlen_q, seq.seqlen_k,
                                  softmax_scale, program.alibi_slope(AlibiSlopes, vb, vhk * group + vg), drop)
                         for j, i in T.grid(BN, BM):
                             with T.sblock("cast_p"):  # the kept entries of p (dropout), scaled at dv's store
                                 vj, vi = T.axis.remap("SS", [j, i])
-                                Pc[vj, vi] = T.cast(program.dropped(drop, P[vj, vi], qb * BM + vi, vkb * BN + vj), dtype)
+                                Pc[vj, vi] = T.cast(program_dropout.dropped(drop, P[vj, vi], qb * BM + vi, vkb * BN + vj), dtype)
                         for j, d, i in T.grid(BN, D, BM):
                             with T.sblock("dv"):  # dv += pᵀ dout
                                 vj, vd, vi = T.axis.remap("SSR", [j, d, i])
@@ -450,7 +450,7 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int, dq_atomic: bool =
                         vj, vd = T.axis.remap("SS", [j, d])
                         T.where(vkb * BN + j < seq.seqlen_k)
                         dV[seq.batch, seq.k_row(vkb * BN + vj), vhk, vd] = T.cast(
-                            program.dropout_scaled(Dropout_, dv_acc[vj, vd]), dtype)
+                            program_dropout.dropout_scaled(Dropout_, dv_acc[vj, vd]), dtype)
 
     load_kv, load_q, p_and_ds = steps(keys_first=False)
 
@@ -478,7 +478,7 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int, dq_atomic: bool =
         dQ = T.match_buffer(dq_handle, (batch, seqlen_q, HQ, D), dtype)
         Packed_ = T.meta_var(program.varlen_arguments(spec, "max_seqlen_q"))  # parameters with varlen only
         AlibiSlopes = T.meta_var(program.alibi_slopes_argument(spec, program.sequence_count(Packed_, batch), HQ))  # with ALiBi only
-        Dropout_ = T.meta_var(program.dropout_arguments(spec))  # parameters with dropout only
+        Dropout_ = T.meta_var(program_dropout.dropout_arguments(spec))  # parameters with dropout only
         # q, k and v with any strides (``program.strided_argument``: a packed qkv's thirds, as the
         # forward takes them), read through aligned views; dout (and delta's out) compact
         Q = T.decl_buffer(Q_in.shape, dtype, data=Q_in.data, strides=program.aligned_strides(Q_in, stride_alignment))
@@ -519,7 +519,7 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int, dq_atomic: bool =
                         load_kv(Kt, Vt, K, V, seq, vh // group, block)
                         p_and_ds(Qt, Kt, dOt, Vt, lse2, delta_t, scale2, S, P, dP, dSc, vqb, block, seq.seqlen_q, seq.seqlen_k,
                                  softmax_scale, program.alibi_slope(AlibiSlopes, vb, vh),
-                                 program.dropout_tile(Dropout_, vb, vh, HQ))
+                                 program_dropout.dropout_tile(Dropout_, vb, vh, HQ))
                         for i, d, j in T.grid(BM, D, BN):
                             with T.sblock("dq"):  # dq += ds k
                                 vi, vd, vj = T.axis.remap("SSR", [i, d, j])

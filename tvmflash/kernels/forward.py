@@ -8,7 +8,7 @@ import math
 import torch
 import tvm
 
-from tvmflash import cache, choice, database, lowering, program
+from tvmflash import cache, choice, database, lowering, program, program_dropout
 from tvmflash import schedules as schedule_registry
 from tvmflash import target as targets
 from tvmflash.kernels import registry
@@ -57,7 +57,7 @@ class Kernel:
     The variant (``compile``'s window_size, softcap, alibi, dropout) is the kernel's; with ALiBi each
     call takes ``alibi_slopes``, float32 (heads_q,) or (batch, heads_q), and with dropout
     ``dropout_p`` (0 <= p < 1) and ``dropout_seed`` (int32 (2,) on q's device: the entries dropped are
-    a function of it, ``program.Dropout``; the backward takes the same seed). ``module``, ``source`` and
+    a function of it, ``program_dropout``; the backward takes the same seed). ``module``, ``source`` and
     ``scheduled_tir`` are those of the kernel's ``build`` (``build.Build``): a module for some head
     counts, its CUDA source, its scheduled TensorIR.
     """
@@ -86,7 +86,7 @@ class Kernel:
         build = Build(kind="forward", target=self.target, schedule=self.schedule, knobs=self.knobs,
                       variant=self.variant, spec=self.spec, programs=self._scheduled,
                       entry=lambda module: module["main"],
-                      code=(program, *self.schedule.sources, *lowering.MODULES), options=options,
+                      code=(program, program_dropout, *self.schedule.sources, *lowering.MODULES), options=options,
                       key_fields={"build": options} if self.variant.get("varlen") else {})  # (dense keys unchanged)
         self.build, self.module, self.source, self.scheduled_tir = build, build.module, build.source, build.scheduled_tir
 
