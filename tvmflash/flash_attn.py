@@ -132,8 +132,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         return out, lse, None
     probabilities = q.new_zeros((cu_seqlens_q.shape[0] - 1, q.shape[1], max_seqlen_q, max_seqlen_k),
                                 dtype=torch.float32)
-    for b, ((q0, q1), (k0, k1)) in enumerate(zip(zip(cu_seqlens_q.tolist(), cu_seqlens_q.tolist()[1:]),
-                                                 zip(cu_seqlens_k.tolist(), cu_seqlens_k.tolist()[1:]))):
+    starts_q, starts_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()  # one device sync each
+    for b, ((q0, q1), (k0, k1)) in enumerate(zip(zip(starts_q, starts_q[1:]), zip(starts_k, starts_k[1:]))):
         slopes = alibi_slopes if alibi_slopes is None or alibi_slopes.dim() == 1 else alibi_slopes[b]
         probabilities[b, :, :q1 - q0, :k1 - k0] = attention_probabilities(
             q[None, q0:q1], k[None, k0:k1], lse[None, :, q0:q1], softmax_scale, causal, window_size, softcap, slopes,
