@@ -407,18 +407,16 @@ def test_sm90_dkdv_by_tma_gradients_on_the_gpu(head_dim, causal, dq_atomic):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("knobs", [{"ds_buffers": 1}, {"dq_reduce": "bulk"}, {"dq_reduce": "vector"}, {"dq_reduce": "tma"},
-                                   {"dkdv_producer": "other"}],
-                         ids=["ds_buffers-1", "bulk", "vector", "tma", "other-producer"])
+                                   {"dkdv_producer": "thread"}],
+                         ids=["ds_buffers-1", "bulk", "vector", "tma", "thread-producer"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_sm90_dkdv_structure_gradients_on_the_gpu(head_dim, knobs):
     """dkdv's structures other than the defaults (test_gradients_match_float64_on_the_gpu), causal, over
     SHAPES: dsᵀ's tile in one buffer (the defaults take two in turn, ``lowering.double_buffers``), dq's share
-    added by bulk reductions, vector atomics or TMA reductions from shared memory (the defaults: atomics from
-    the registers at d64, vector atomics at d128), and the TMA copies issued by the other producer
-    (thread 0 or a warpgroup of its own; the defaults: a warpgroup at d64, thread 0 at d128)."""
+    added by bulk reductions, vector atomics or TMA reductions from shared memory (the defaults: vector atomics
+    at d64, TMA reductions at d128), and the TMA copies issued by thread 0 (the defaults: a warpgroup of its
+    own)."""
     _on_sm_90a_only("sm90")
-    if knobs.get("dkdv_producer") == "other":
-        knobs = {"dkdv_producer": "thread" if head_dim == 64 else "warpgroup"}
     gradients_match_float64("cuda", torch.bfloat16, head_dim, True, STRUCTURE_HEADS, knobs={"dq_atomic": True, **knobs})
 
 
@@ -434,12 +432,17 @@ def test_sm90_backward_at_d96_on_the_gpu(deterministic):
     gradients_match_float64("cuda", torch.bfloat16, 96, True, STRUCTURE_HEADS, deterministic=deterministic)
 
 
+# The barrier and copy counts below are those of dkdv with thread 0 issuing the TMA copies: a producer
+# warpgroup (the default at d128) moves them behind named barriers of its own (``tma_producer_warpgroup``).
+THREAD_ISSUES = {"dkdv_producer": "thread"}
+
+
 def test_sm90_double_buffered_ds_drops_a_barrier():
     """With ds_buffers 2 each dkdv step writes dsᵀ into the buffer its parity picks, and the barrier before
     those writes is gone (one ``__syncthreads`` a step, after them, where one buffer needs two)."""
     def dkdv(ds_buffers):
         src = tvmflash.compile_backward(head_dim=128, dtype="bfloat16", target="sm90",
-                                        knobs={"ds_buffers": ds_buffers}).source(heads_q=4, heads_kv=2)
+                                        knobs={"ds_buffers": ds_buffers, **THREAD_ISSUES}).source(heads_q=4, heads_kv=2)
         return src[src.rindex("dkdv_kernel("):src.rindex("convert_dq_kernel(")]
     one, two = dkdv(1), dkdv(2)
     assert "tile_parity" not in one and two.count("tile_parity_ptr[0] = (1 - tile_parity_ptr[0]);") == 2
@@ -453,7 +456,8 @@ def test_sm90_dq_share_by_bulk_reductions():
     named barrier, and 64 of them add a row each by one bulk reduction; no atomics, no block-wide
     barrier more than with atomics, and every reduction complete before the thread block ends."""
     src = tvmflash.compile_backward(head_dim=128, dtype="bfloat16", target="sm90",
-                                    knobs={"ds_buffers": 2, "dq_reduce": "bulk"}).source(heads_q=4, heads_kv=2)
+                                    knobs={"ds_buffers": 2, "dq_reduce": "bulk", **THREAD_ISSUES}
+                                    ).source(heads_q=4, heads_kv=2)
     dkdv = src[src.rindex("dkdv_kernel("):src.rindex("convert_dq_kernel(")]
     assert "red.global" not in src and dkdv.count("__syncthreads();") == 3
     # each of the step's two copies: 16 pair stores a thread, two named barriers, one bulk reduction
@@ -464,7 +468,7 @@ def test_sm90_dq_share_by_bulk_reductions():
     assert dkdv.index("tvmflash_bulk_wait();") < dkdv.index("*)(dK_ptr + ")
     # "vector": the same tile, read back by the warpgroup's threads, 8 four-column reductions a thread a step
     src = tvmflash.compile_backward(head_dim=128, dtype="bfloat16", target="sm90",
-                                    knobs={"dq_reduce": "vector"}).source(heads_q=4, heads_kv=2)
+                                    knobs={"dq_reduce": "vector", **THREAD_ISSUES}).source(heads_q=4, heads_kv=2)
     dkdv = src[src.rindex("dkdv_kernel("):src.rindex("convert_dq_kernel(")]
     assert "red.global.add.v2" not in src and "red.global.add.v4.f32" in src
     assert dkdv.count("tvmflash_red_add_v4_shared(") == 16 and dkdv.count("tvmflash_bulk_reduce_add_f32(") == 0
@@ -476,7 +480,7 @@ def test_sm90_dq_share_by_tma_reductions():
     of each warpgroup adds its 64 rows x 64 columns by one TMA reduction through dq_accum's tensor map; no
     atomics, and every reduction complete before the thread block ends."""
     src = tvmflash.compile_backward(head_dim=128, dtype="bfloat16", target="sm90",
-                                    knobs={"dq_reduce": "tma"}).source(heads_q=4, heads_kv=2)
+                                    knobs={"dq_reduce": "tma", **THREAD_ISSUES}).source(heads_q=4, heads_kv=2)
     dkdv = src[src.rindex("dkdv_kernel("):src.rindex("convert_dq_kernel(")]
     assert "red.global" not in src and "CUtensorMap DQaccum_tensormap" in dkdv
     assert "cp.reduce.async.bulk.tensor.5d.global.shared::cta.add.tile.bulk_group" in src

@@ -272,7 +272,8 @@ HEAD_DIMS = tuple(range(32, 257, 32))
 # ``cp.reduce.async.bulk``) or by one TMA reduction a warpgroup (``cp.reduce.async.bulk.tensor``, FA3's
 # way; it needs dkdv_copy "tma", whose lowering encodes the tensor map).
 # dkdv_producer: who issues dkdv's TMA copies, thread 0 between its own wgmma, or a warpgroup of its
-# own (FA3's, ``lowering.tma_producer_warpgroup``).
+# own (FA3's, ``lowering.tma_producer_warpgroup``): the default at d64 and d128, where it measured
+# faster with causal masks and as fast without (BENCHMARKS.md).
 # d96 (no multiple of 64): q and dout in the 64-byte swizzle, dq's share by "vector" atomics (TMA's
 # reduction takes rows of 32 floats, and a warpgroup has 48 columns), thread 0 issuing the copies (a
 # producer warpgroup spills there); the rest as at d128. Not measured: the defaults are the ones that
@@ -389,7 +390,8 @@ BACKWARD = KnobSet("sm90", "backward", (
          varlen="atomic", role=DERIVED,
          space=lambda knobs: ["atomic", "vector", *(["tma"] if knobs["dkdv_copy"] == "tma" else [])]
          if knobs["dq_atomic"] else ["atomic"]),
-    Knob("dkdv_producer", "thread", choices=PRODUCERS, varlen="thread", role=DERIVED, by_head_dim={64: "warpgroup"},
+    Knob("dkdv_producer", "thread", choices=PRODUCERS, varlen="thread", role=DERIVED,
+         by_head_dim={64: "warpgroup", 128: "warpgroup"},
          space=lambda knobs: list(PRODUCERS) if knobs["dkdv_copy"] == "tma" else ["thread"]),
 ), build_problem=backward_build_problem, shared_memory=backward_shared_memory_bytes,
    varlen_by_head_dim={128: {"dkdv_stages": 1}})
