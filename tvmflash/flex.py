@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from tvmflash import cache, kernels
+from tvmflash import cache, choice, kernels
 from tvmflash.flex_trace import check_indices, trace_mods
 from tvmflash.kernels import registry
 from tvmflash.kernels.checks import TORCH_DTYPES, check_any_head_dim, check_flag, resolve_softmax_scale
@@ -20,7 +20,8 @@ from tvmflash.program_flex import FlexMods
 
 # key -> traced mods (``mods_key``), for the custom ops, which take the mods by their key
 MODS: dict[str, FlexMods] = {}
-# (device, dtype, head_dim, mods, backward) -> kernel: compile() hashes its arguments at every call
+# (device, dtype, head_dim, mods, backward, the environment's settings) -> kernel: compile() hashes its
+# arguments at every call
 FLEX_KERNELS: dict[tuple, object] = {}
 registry.on_forget(FLEX_KERNELS.clear)
 
@@ -35,7 +36,7 @@ def mods_key(mods: FlexMods) -> str:
 
 def flex_kernel(q: torch.Tensor, mods: FlexMods, backward: bool = False):
     """The forward (``backward``: backward) kernel for q's device, dtype and head_dim and these mods."""
-    key = (q.device, q.dtype, q.shape[-1], mods, backward)
+    key = (q.device, q.dtype, q.shape[-1], mods, backward, choice.environment("backward" if backward else "forward"))
     found = FLEX_KERNELS.get(key)
     if found is None:
         compile_ = kernels.compile_backward if backward else kernels.compile

@@ -220,9 +220,19 @@ class Traced:
         if handler is None:
             if getattr(func, "__name__", None) == "__getitem__":
                 return _index(tracing, *args)
-            name = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
-            raise tracing.error(f"torch.{name}" if not name.startswith("_") else repr(func))
+            raise tracing.error(_torch_name(func))
         return handler(tracing, *args, **kwargs)
+
+
+def _torch_name(func) -> str:
+    """How a user wrote ``func``: torch.sin, Tensor.sin (a method, or an operator on a tensor)."""
+    name = getattr(func, "__name__", None)
+    if name is None:
+        return repr(func)
+    qualname = getattr(func, "__qualname__", "") or ""
+    if qualname.startswith(("Tensor.", "TensorBase.")) or "TensorBase" in repr(func):
+        return f"Tensor.{name}"
+    return f"torch.{name}"
 
 
 def _flatten(value):
