@@ -5,6 +5,7 @@ The CPU cases keep to one dtype, head_dim and head layout (GQA 4/2): each patter
 backward build."""
 
 import math
+import shutil
 
 import pytest
 import torch
@@ -170,6 +171,34 @@ def test_no_mods_is_plain_attention():
     q, k, v = random_qkv(1, 33, 40, CPU_DTYPE, "cpu", CPU_HEAD_DIM, seed=4)
     out, lse = tvmflash.flex_attention(q, k, v, enable_gqa=True, return_lse=True)
     check_forward(out, lse, q, k, v, None, None)
+
+
+# ----------------------------------------------------------------------------- CUDA, cross-compiled
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+@pytest.mark.parametrize("program", ["forward", "backward"])
+def test_sm90_cuda_of_the_mods_compiles_with_nvcc(program):
+    """The sm90 schedule (wgmma, TMA) with a score_mod (softcap, a relative-position table) and a
+    document mask_mod: built without a GPU, its CUDA reads the captured tensors, and nvcc compiles it."""
+    from tvm.support import nvcc
+
+    score_mod, _ = patterns(64, 64, "cpu")["relative-bias"]
+    _, mask_mod = patterns(64, 64, "cpu")["document"]
+    mods, captures = trace_mods(lambda s, b, h, q, kv: torch.tanh(score_mod(s, b, h, q, kv) / 30.0) * 30.0, mask_mod)
+    compile_ = tvmflash.compile_backward if program == "backward" else tvmflash.compile
+    kernel = compile_(head_dim=64, dtype="bfloat16", target="sm90", flex=mods)
+    source = kernel.source(heads_q=4, heads_kv=2)
+    assert all(f"Captured{n}" in source for n in range(len(captures))) and "wgmma" in source
+    with kernel.target:
+        cubin = nvcc.compile_cuda(source, target_format="cubin", arch="sm_90a", compiler="nvcc")
+    assert len(cubin) > 1000
+
+
+def test_sm80_cuda_of_the_mods_builds():
+    score_mod, _ = patterns(64, 64, "cpu")["alibi"]
+    _, mask_mod = patterns(64, 64, "cpu")["prefix-lm"]
+    mods, _ = trace_mods(score_mod, mask_mod)
+    source = tvmflash.compile(head_dim=64, dtype="float16", target="sm80", flex=mods).source(heads_q=4, heads_kv=2)
+    assert "mma.sync" in source and "Captured1" in source
 
 
 # ----------------------------------------------------------------------------- one module per trace
