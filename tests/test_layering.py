@@ -55,7 +55,7 @@ def imports(path: Path):
 FLOORS = (
     ("integrations: tvmflash in other libraries", ("tvmflash.integrations",)),
     ("the API: torch functions and ops, the command line", ("tvmflash", "tvmflash.ops", "tvmflash.flash_attn",
-                                                            "tvmflash.cli")),
+                                                            "tvmflash.flex", "tvmflash.flex_trace", "tvmflash.cli")),
     ("tuning", ("tvmflash.tune",)),
     ("measuring", ("tvmflash.bench",)),
     ("kernels: compile, build, cache, call", ("tvmflash.kernels",)),
@@ -63,7 +63,7 @@ FLOORS = (
     ("tuning records", ("tvmflash.database",)),
     ("schedules", ("tvmflash.schedules",)),
     ("the programs", ("tvmflash.program", "tvmflash.program_backward", "tvmflash.program_decode",
-                      "tvmflash.program_dropout")),
+                      "tvmflash.program_dropout", "tvmflash.program_flex")),
     ("the lowering", ("tvmflash.lowering",)),
     ("targets, the disk cache, the version", ("tvmflash.target", "tvmflash.cache", "tvmflash.version")),
 )

@@ -17,7 +17,8 @@ _API = {"Kernel": "kernels", "compile": "kernels", "BackwardKernel": "kernels", 
         "flash_attn_qkvpacked_func": "flash_attn", "flash_attn_varlen_func": "flash_attn",
         "flash_attn_varlen_kvpacked_func": "flash_attn", "flash_attn_varlen_qkvpacked_func": "flash_attn",
         "varlen_attention": "ops", "VarlenKernel": "kernels", "VarlenBackwardKernel": "kernels",
-        "flash_attn_with_kvcache": "flash_attn", "compile_decode": "kernels", "DecodeKernel": "kernels"}
+        "flash_attn_with_kvcache": "flash_attn", "compile_decode": "kernels", "DecodeKernel": "kernels",
+        "flex_attention": "flex"}
 __all__ = [*sorted(_API), "__version__"]
 
 

@@ -46,6 +46,9 @@ def _print_modules(entries) -> None:
                                                                      ("softcap", 0.0), ("alibi", False),
                                                                      ("dropout", False), ("leftpad", False))
                           if spec.get(name, off) != off)
+        flex = spec.get("flex")  # a score_mod's and mask_mod's trees: named by which are there
+        if flex:
+            variant += " flex=" + "+".join(name for name in ("score", "mask") if flex.get(name))
         # what tells modules of one spec apart: the pass, the target, the knobs, the code they were built from
         print(f"  {e.get('key')}  {e.get('schedule')} {e.get('pass', 'forward')}  d{spec.get('head_dim')} {spec.get('dtype')} "
               f"{'causal' if spec.get('causal') else 'full'}{variant} hq{spec.get('heads_q')}/hkv{spec.get('heads_kv')}  "

@@ -38,6 +38,7 @@ from tvm.script.ir_builder import IRBuilder
 
 from tvmflash.lowering.annotations import RUNS_IF
 from tvmflash.program_dropout import dropout_arguments, dropout_scaled, dropout_tile, dropped
+from tvmflash.program_flex import FlexMods, flex_arguments, flex_tile
 
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32")
 # The programs take a head_dim that is a multiple of 8 (a 16-byte vector of fp16 or bf16, the unit the
@@ -102,12 +103,15 @@ class AttentionSpec:
     # flash-attn's dropout_p > 0: P's entries are dropped by a counter-based hash of (seed, batch, head,
     # row, key) (``program_dropout``); the rate and the seed are arguments, so one module serves every rate
     dropout: bool = False
+    # FlexAttention's score_mod and mask_mod, traced (``program_flex``): the score_mod acts on the scaled
+    # score, the mask_mod joins the mask; their captured tensors are arguments. Alone: no other variant.
+    flex: FlexMods | None = None
 
     @property
     def transforms_score(self) -> bool:
-        """Does the score change on its way into the softmax (softcap or ALiBi)? The programs then
-        carry the logit itself (scaled) where they otherwise carry the unscaled q·k."""
-        return self.softcap > 0 or self.alibi
+        """Does the score change on its way into the softmax (softcap, ALiBi or a score_mod)? The
+        programs then carry the logit itself (scaled) where they otherwise carry the unscaled q·k."""
+        return self.softcap > 0 or self.alibi or (self.flex is not None and self.flex.score is not None)
 
     def __post_init__(self):
         if self.dtype not in SUPPORTED_DTYPES:
@@ -127,6 +131,15 @@ class AttentionSpec:
         if not (isinstance(self.softcap, (int, float)) and not isinstance(self.softcap, bool)
                 and 0 <= self.softcap < math.inf):
             raise ValueError(f"softcap: expected a finite float >= 0 (0: off), got {self.softcap!r}")
+        if self.flex is not None:
+            if not isinstance(self.flex, FlexMods):
+                raise TypeError(f"flex: expected a program_flex.FlexMods, got {type(self.flex).__name__}")
+            others = [name for name, on in (("causal", self.causal), ("window", self.window_left >= 0 or
+                      self.window_right >= 0), ("softcap", self.softcap > 0), ("alibi", self.alibi),
+                      ("varlen", self.varlen), ("dropout", self.dropout)) if on]
+            if others:
+                raise ValueError(f"flex: a score_mod or mask_mod takes no other variant, got {others} too (write "
+                                 "them into the mods)")
 
 
 def score_scale(spec: AttentionSpec, softmax_scale):
@@ -146,12 +159,15 @@ def tanh(spec: AttentionSpec, x):
     return T.float32(1) - T.float32(2) / (T.exp2(x * T.float32(2 * LOG2E)) + T.float32(1))
 
 
-def transformed_score(spec: AttentionSpec, s, softmax_scale, slope, distance):
+def transformed_score(spec: AttentionSpec, s, softmax_scale, slope, distance, flex=None, row=None, col=None):
     """The score that enters the softmax, in ``score_scale`` units: s (q·k, unscaled) itself, or
     with a softcap and/or ALiBi the logit softcap * tanh(s * scale / softcap) - slope * |distance|,
-    distance = i + seqlen_k - seqlen_q - j (flash-attn's order: the bias is added after the cap)."""
+    distance = i + seqlen_k - seqlen_q - j (flash-attn's order: the bias is added after the cap), or
+    with a score_mod (``flex``, a ``program_flex.FlexTile``) score_mod(s * scale, b, h, row, col)."""
     if not spec.transforms_score:
         return s
+    if flex is not None:
+        return flex.score(s * softmax_scale, row, col)
     if spec.softcap > 0:
         logit = tanh(spec, s * (softmax_scale * T.float32(1 / spec.softcap))) * T.float32(spec.softcap)
     else:
@@ -161,9 +177,12 @@ def transformed_score(spec: AttentionSpec, s, softmax_scale, slope, distance):
     return logit
 
 
-def softcap_gradient(spec: AttentionSpec, ds, s, softmax_scale):
+def softcap_gradient(spec: AttentionSpec, ds, s, softmax_scale, flex=None, row=None, col=None):
     """ds (the gradient of the logit) times the softcap's derivative 1 - tanh² at the score s (the
-    softmax scale is applied with the rest at the gradients' store); ds itself without a softcap."""
+    softmax scale is applied with the rest at the gradients' store), or a score_mod's derivative
+    (``flex``: d score_mod / d score at s * scale); ds itself without either."""
+    if flex is not None:
+        return flex.score_gradient(ds, s * softmax_scale, row, col)
     if spec.softcap <= 0:
         return ds
     t = tanh(spec, s * (softmax_scale * T.float32(1 / spec.softcap)))
@@ -305,6 +324,18 @@ def key_visible(spec: AttentionSpec, row, col, seqlen_q, seqlen_k):
     return functools.reduce(T.bitwise_and, tests)
 
 
+def has_mask_mod(spec: AttentionSpec) -> bool:
+    return spec.flex is not None and spec.flex.mask is not None
+
+
+def flex_visible(spec: AttentionSpec, flex, visible, row, col):
+    """``visible`` (the built-in mask's test of query ``row`` and key ``col``) and, with a mask_mod,
+    its test (``flex``: the tile's ``program_flex.FlexTile``), both evaluated as ``key_visible``'s."""
+    if not has_mask_mod(spec):
+        return visible
+    return T.bitwise_and(visible, flex.visible(row, col))
+
+
 def block_visible(spec: AttentionSpec, first_row, last_row, first_col, last_col, seqlen_q, seqlen_k):
     """Does every query of rows first_row..last_row see every key of first_col..last_col? The
     first row's view of the last key decides the right bound, the last row's view of the first key
@@ -412,13 +443,16 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_ti
             return T.max(min_kv_tiles, end)
         return T.max(min_kv_tiles, end - first_kv_tile(qb, seqlen_q, seqlen_k))
 
-    def visible(row, col, seqlen_q, seqlen_k):
-        """Is key ``col`` visible to query ``row``? (Both are absolute positions.)"""
-        return key_visible(spec, row, col, seqlen_q, seqlen_k)
+    def visible(row, col, seqlen_q, seqlen_k, flex=None):
+        """Is key ``col`` visible to query ``row``? (Both are absolute positions; ``flex``: the tile's
+        ``program_flex.FlexTile``, whose mask_mod joins the test.)"""
+        return flex_visible(spec, flex, key_visible(spec, row, col, seqlen_q, seqlen_k), row, col)
 
     def tile_visible(qb, kb, seqlen_q, seqlen_k):
         """Does every query of Q block qb (padding rows too) see every key of K/V tile kb? Such
-        interior tiles skip the mask."""
+        interior tiles skip the mask. (With a mask_mod no tile is known to: each is masked.)"""
+        if has_mask_mod(spec):
+            return False
         return block_visible(spec, qb * BM, qb * BM + BM - 1, kb * BN, kb * BN + BN - 1, seqlen_q, seqlen_k)
 
     @T.prim_func(s_tir=True)
@@ -443,6 +477,7 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_ti
         Packed_ = T.meta_var(varlen_arguments(spec))  # parameters with varlen only
         AlibiSlopes = T.meta_var(alibi_slopes_argument(spec, sequence_count(Packed_, batch), HQ))  # with ALiBi only
         Dropout_ = T.meta_var(dropout_arguments(spec))  # parameters with dropout only
+        Flex_ = T.meta_var(flex_arguments(spec))  # a score_mod's and mask_mod's captured tensors, with flex only
         Q = T.decl_buffer((batch, seqlen_q, HQ, D), dtype, data=Q_in.data, strides=aligned_strides(Q_in, stride_alignment))
         K = T.decl_buffer((batch, seqlen_k, HKV, D), dtype, data=K_in.data, strides=aligned_strides(K_in, stride_alignment))
         V = T.decl_buffer((batch, seqlen_k, HKV, D), dtype, data=V_in.data, strides=aligned_strides(V_in, stride_alignment))
@@ -454,6 +489,7 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_ti
                 T.sblock_attr(runs_if(Packed_, vb, vqb * BM))
                 seq = T.meta_var(sequences(Packed_, vb, seqlen_q, seqlen_k))  # the tile's sequence
                 drop = T.meta_var(dropout_tile(Dropout_, vb, vh, HQ))  # None without dropout
+                flex = T.meta_var(flex_tile(spec, Flex_, vb, vh, seq.seqlen_q, seq.seqlen_k))  # None without flex
                 Qt = T.sblock_alloc_buffer((BM, D), dtype)  # the Q block, zero-padded
                 S = T.sblock_alloc_buffer((BM, BN), f32)  # Q Kᵀ of one tile, unscaled
                 Sm = T.sblock_alloc_buffer((BM, BN), f32)  # S masked (invisible keys -inf)
@@ -532,20 +568,21 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_ti
                                 # for the mask.
                                 score = T.meta_var(transformed_score(
                                     spec, S[vi, vj], softmax_scale, alibi_slope(AlibiSlopes, vb, vh),
-                                    (vqb * BM - tile * BN + seq.seqlen_k - seq.seqlen_q) + (vi - vj)))
+                                    (vqb * BM - tile * BN + seq.seqlen_k - seq.seqlen_q) + (vi - vj),
+                                    flex, vqb * BM + vi, tile * BN + vj))
                                 if spec.transforms_score:
                                     # One expression, so that the score is computed once: with a branch
                                     # per tile, common-subexpression elimination computes it ahead of
                                     # both (on sm90, 64 more live registers a thread, and spills).
                                     Sm[vi, vj] = score + T.if_then_else(
                                         T.Or(tile_visible(vqb, tile, seq.seqlen_q, seq.seqlen_k),
-                                             visible(vqb * BM + vi, tile * BN + vj, seq.seqlen_q, seq.seqlen_k)),
+                                             visible(vqb * BM + vi, tile * BN + vj, seq.seqlen_q, seq.seqlen_k, flex)),
                                         T.float32(0), T.float32(-math.inf))
                                 elif tile_visible(vqb, tile, seq.seqlen_q, seq.seqlen_k):
                                     Sm[vi, vj] = score
                                 else:
                                     Sm[vi, vj] = T.if_then_else(
-                                        visible(vqb * BM + vi, tile * BN + vj, seq.seqlen_q, seq.seqlen_k),
+                                        visible(vqb * BM + vi, tile * BN + vj, seq.seqlen_q, seq.seqlen_k, flex),
                                         score,
                                         T.float32(-math.inf),
                                     )

@@ -54,12 +54,23 @@ never NaN (``load_q``).
 
 from __future__ import annotations
 
+import math
+
 import tvm
 from tvm.script import tirx as T
 from tvm.script.ir_builder import IRBuilder
 
-from tvmflash import program, program_dropout
+from tvmflash import program, program_dropout, program_flex
 from tvmflash.program import LOG2E, AttentionSpec
+
+def lse2_of(spec: AttentionSpec, lse):
+    """lse · log2 e, what the steps subtract from the scores in exp2. With flex, a row that sees no key
+    (lse -inf) gets +inf instead: a score_mod may leave such a row's scores finite or -inf where no mask
+    hides them, and exp2(score - inf) is then 0, where exp2(score + inf) or exp2(-inf + inf) would not be."""
+    if spec.flex is None:
+        return lse * T.float32(LOG2E)
+    return T.if_then_else(tvm.tirx.EQ(lse, T.float32(-math.inf)), T.float32(math.inf), lse * T.float32(LOG2E))
+
 
 def programs(dq_atomic: bool = False) -> tuple:
     """The programs of the IRModule, in the order they run (dkdv and dq both read delta; convert_dq
@@ -147,13 +158,16 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int, dq_atomic: bool =
     left, right = spec.window_left, spec.window_right
     f32 = "float32"
 
-    def visible(row, col, seqlen_q, seqlen_k):
-        """Is key ``col`` visible to query ``row``? (Both absolute positions; the forward's rule.)"""
-        return program.key_visible(spec, row, col, seqlen_q, seqlen_k)
+    def visible(row, col, seqlen_q, seqlen_k, flex=None):
+        """Is key ``col`` visible to query ``row``? (Both absolute positions; the forward's rule, a
+        mask_mod's test joined: ``flex``, the tile's ``program_flex.FlexTile``.)"""
+        return program.flex_visible(spec, flex, program.key_visible(spec, row, col, seqlen_q, seqlen_k), row, col)
 
     def tile_visible(qb, kb, seqlen_q, seqlen_k):
         """Does every row of Q block qb see every key of K/V block kb? Rows past seqlen_q need no
-        mask (``load_q``)."""
+        mask (``load_q``). With a mask_mod no block is known to: each is masked."""
+        if program.has_mask_mod(spec):
+            return False
         return program.block_visible(spec, qb * BM, qb * BM + BM - 1, kb * BN, kb * BN + BN - 1, seqlen_q, seqlen_k)
 
     def first_q_block(kb, seqlen_q, seqlen_k):
@@ -193,6 +207,8 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int, dq_atomic: bool =
             return end
         return T.max(0, end - first_kv_block(qb, seqlen_q, seqlen_k))
 
+    padding_lse2 = T.float32(math.inf) if spec.flex is not None else T.float32(0)
+
     def padded(buffer, row, limit, *index):
         """buffer[index] for a row before ``limit``, else 0 in the input dtype."""
         return T.if_then_else(row < limit, buffer[index], T.cast(0, dtype))
@@ -220,7 +236,7 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int, dq_atomic: bool =
             with T.sblock("finish_rows"):  # and lse · log2 e, which the dkdv and dq steps copy as it is
                 vb, vi, vh = T.axis.remap("SSS", [b, i, h])
                 Delta[vb, vh, vi] = rowsum[vb, vi, vh] - dLSE[vb, vh, vi]
-                LSE2[vb, vh, vi] = LSE[vb, vh, vi] * T.float32(LOG2E)
+                LSE2[vb, vh, vi] = lse2_of(spec, LSE[vb, vh, vi])
 
     def steps(keys_first: bool):
         """The steps both programs take, written once: (load_kv, load_q, p_and_ds). Each program
@@ -257,7 +273,8 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int, dq_atomic: bool =
             log2 e and delta, all zero-padded: copies, which a schedule can make asynchronous. A row that sees no key
             (lse -inf) is only ever in masked tiles (rows see more keys as they go down, so a block
             whose first row sees a tile's last key has no such row), where the mask gives its p 0;
-            a row past the end has q = dout = delta = 0 and adds nothing whatever its p."""
+            a row past the end has q = dout = delta = 0 and adds nothing whatever its p (with flex its
+            lse2 is +inf, so that its p is 0: a score_mod may make its scores large, and inf · 0 is NaN)."""
             for i, d in T.grid(BM, D):
                 with T.sblock("load_q"):
                     vi, vd = T.axis.remap("SS", [i, d])
@@ -269,7 +286,8 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int, dq_atomic: bool =
             for i in range(BM):
                 with T.sblock("load_lse"):
                     vi = T.axis.spatial(BM, i)
-                    lse2[vi] = T.if_then_else(qb * BM + vi < seq.seqlen_q, LSE2[seq.batch, h, seq.q_row(qb * BM + vi)], T.float32(0))
+                    lse2[vi] = T.if_then_else(qb * BM + vi < seq.seqlen_q, LSE2[seq.batch, h, seq.q_row(qb * BM + vi)],
+                                              padding_lse2)
             for i in range(BM):
                 with T.sblock("load_delta"):
                     vi = T.axis.spatial(BM, i)
@@ -277,10 +295,11 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int, dq_atomic: bool =
 
         @T.macro
         def p_and_ds(Qt, Kt, dOt, Vt, lse2, delta_t, scale2, S, P, dP, dSc, qb, kb, seqlen_q, seqlen_k, softmax_scale,
-                     slope, drop):
+                     slope, drop, flex):
             """p of Q block qb and K/V block kb, recomputed from the scores and lse (0 where masked; the
             score transformed as the forward's, ``program.transformed_score``, ALiBi's with
-            ``slope``), and ds = p (dp - delta) (times the softcap's derivative) rounded to the input
+            ``slope``, a score_mod's with ``flex``, the tile's ``program_flex.FlexTile``, None without), and
+            ds = p (dp - delta) (times the softcap's or the score_mod's derivative) rounded to the input
             dtype. Each tile's (r, c) element is that of query and key ``query_key(r, c)``; its
             products are rows times columns: q kᵀ and dout vᵀ, or k qᵀ and v doutᵀ. With dropout
             (``drop``, ``program_dropout.TileDropout``) dp is that of the kept entries, scaled: out's
@@ -304,12 +323,13 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int, dq_atomic: bool =
                     vr, vc = T.axis.remap("SS", [r, c])
                     i, j = T.meta_var(query_key(vr, vc))
                     score = T.meta_var(program.transformed_score(
-                        spec, S[vr, vc], softmax_scale, slope, qb * BM + i + seqlen_k - seqlen_q - (kb * BN + j)))
+                        spec, S[vr, vc], softmax_scale, slope, qb * BM + i + seqlen_k - seqlen_q - (kb * BN + j),
+                        flex, qb * BM + i, kb * BN + j))
                     if tile_visible(qb, kb, seqlen_q, seqlen_k):
                         P[vr, vc] = T.exp2(score * scale2[0] - lse2[i])
                     else:
                         P[vr, vc] = T.if_then_else(
-                            visible(qb * BM + i, kb * BN + j, seqlen_q, seqlen_k),
+                            visible(qb * BM + i, kb * BN + j, seqlen_q, seqlen_k, flex),
                             T.exp2(score * scale2[0] - lse2[i]),
                             T.float32(0),
                         )
@@ -319,7 +339,8 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int, dq_atomic: bool =
                     i, j = T.meta_var(query_key(vr, vc))
                     dp = T.meta_var(program_dropout.dropped(drop, program_dropout.dropout_scaled(drop, dP[vr, vc]), qb * BM + i, kb * BN + j))
                     dSc[vr, vc] = T.cast(
-                        program.softcap_gradient(spec, P[vr, vc] * (dp - delta_t[i]), S[vr, vc], softmax_scale),
+                        program.softcap_gradient(spec, P[vr, vc] * (dp - delta_t[i]), S[vr, vc], softmax_scale,
+                                                 flex, qb * BM + i, kb * BN + j),
                         dtype)
 
         return load_kv, load_q, p_and_ds
@@ -354,6 +375,7 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int, dq_atomic: bool =
         Packed_ = T.meta_var(program.varlen_arguments(spec, "max_seqlen_k"))  # parameters with varlen only
         AlibiSlopes = T.meta_var(program.alibi_slopes_argument(spec, program.sequence_count(Packed_, batch), HQ))  # with ALiBi only
         Dropout_ = T.meta_var(program_dropout.dropout_arguments(spec))  # parameters with dropout only
+        Flex_ = T.meta_var(program_flex.flex_arguments(spec))  # a score_mod's and mask_mod's tensors, flex only
         # q, k and v with any strides (``program.strided_argument``: a packed qkv's thirds, as the
         # forward takes them), read through aligned views; dout (and delta's out) compact
         Q = T.decl_buffer(Q_in.shape, dtype, data=Q_in.data, strides=program.aligned_strides(Q_in, stride_alignment))
@@ -404,7 +426,8 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int, dq_atomic: bool =
                         drop = T.meta_var(program_dropout.dropout_tile(Dropout_, vb, vhk * group + vg, HQ))  # None without
                         load_q(Qt, dOt, lse2, delta_t, Q, dO, LSE2, Delta, seq, vhk * group + vg, qb)
                         p_and_ds(Qt, Kt, dOt, Vt, lse2, delta_t, scale2, S, P, dP, dSc, qb, vkb, seq.seqlen_q, seq.seqlen_k,
-                                 softmax_scale, program.alibi_slope(AlibiSlopes, vb, vhk * group + vg), drop)
+                                 softmax_scale, program.alibi_slope(AlibiSlopes, vb, vhk * group + vg), drop,
+                                 program_flex.flex_tile(spec, Flex_, vb, vhk * group + vg, seq.seqlen_q, seq.seqlen_k))
                         for j, i in T.grid(BN, BM):
                             with T.sblock("cast_p"):  # the kept entries of p (dropout), scaled at dv's store
                                 vj, vi = T.axis.remap("SS", [j, i])
@@ -479,6 +502,7 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int, dq_atomic: bool =
         Packed_ = T.meta_var(program.varlen_arguments(spec, "max_seqlen_q"))  # parameters with varlen only
         AlibiSlopes = T.meta_var(program.alibi_slopes_argument(spec, program.sequence_count(Packed_, batch), HQ))  # with ALiBi only
         Dropout_ = T.meta_var(program_dropout.dropout_arguments(spec))  # parameters with dropout only
+        Flex_ = T.meta_var(program_flex.flex_arguments(spec))  # a score_mod's and mask_mod's tensors, flex only
         # q, k and v with any strides (``program.strided_argument``: a packed qkv's thirds, as the
         # forward takes them), read through aligned views; dout (and delta's out) compact
         Q = T.decl_buffer(Q_in.shape, dtype, data=Q_in.data, strides=program.aligned_strides(Q_in, stride_alignment))
@@ -519,7 +543,8 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int, dq_atomic: bool =
                         load_kv(Kt, Vt, K, V, seq, vh // group, block)
                         p_and_ds(Qt, Kt, dOt, Vt, lse2, delta_t, scale2, S, P, dP, dSc, vqb, block, seq.seqlen_q, seq.seqlen_k,
                                  softmax_scale, program.alibi_slope(AlibiSlopes, vb, vh),
-                                 program_dropout.dropout_tile(Dropout_, vb, vh, HQ))
+                                 program_dropout.dropout_tile(Dropout_, vb, vh, HQ),
+                                 program_flex.flex_tile(spec, Flex_, vb, vh, seq.seqlen_q, seq.seqlen_k))
                         for i, d, j in T.grid(BM, D, BN):
                             with T.sblock("dq"):  # dq += ds k
                                 vi, vd, vj = T.axis.remap("SSR", [i, d, j])

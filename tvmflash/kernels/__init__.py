@@ -17,6 +17,7 @@ from tvmflash.kernels.forward import Kernel, kernel_key
 from tvmflash.kernels.registry import by_key
 from tvmflash.kernels.varlen import VarlenKernel
 from tvmflash.program_decode import DecodeSpec
+from tvmflash.program_flex import FlexMods
 
 __all__ = ["BackwardKernel", "DecodeKernel", "Kernel", "VarlenBackwardKernel", "VarlenKernel", "by_key", "compile",
            "compile_backward", "compile_decode", "forget_kernels"]
@@ -28,7 +29,7 @@ _DECODE_KERNELS: dict[str, DecodeKernel] = {}  # compile_decode()'s, by key
 def compile(*, head_dim: int, dtype, causal: bool = False, target=None, knobs: dict | None = None,
             heads_q: int | None = None, heads_kv: int | None = None, window_size=(-1, -1), softcap: float = 0.0,
             alibi: bool = False, varlen: bool = False, dropout: bool = False,
-            schedule: str | None = None) -> Kernel:  # noqa: A001
+            schedule: str | None = None, flex=None) -> Kernel:  # noqa: A001
     """Compile FlashAttention forward and return a :class:`Kernel`.
 
     head_dim: a multiple of 8 up to 256 that a schedule for the target serves (each declares its own:
@@ -36,7 +37,9 @@ def compile(*, head_dim: int, dtype, causal: bool = False, target=None, knobs: d
     any head_dim from 1 to 256 to one of them). dtype: "float16", "bfloat16", "float32" or the torch dtype.
     causal, window_size, softcap: flash-attn's (``resolve_variant``; one kernel per value); alibi:
     the kernel takes ALiBi slopes at each call; dropout: it takes flash-attn's dropout_p and a seed at
-    each call (``Kernel``); varlen: a :class:`VarlenKernel`, over sequences packed
+    each call (``Kernel``); flex: a ``program_flex.FlexMods`` (``tvmflash.flex_trace.trace_mods``), a
+    score_mod and mask_mod compiled into the program, whose captured tensors each call takes
+    (``captures=``); varlen: a :class:`VarlenKernel`, over sequences packed
     without padding (flash-attn's varlen). target: None (the current torch CUDA device if there
     is one, else the CPU), "cpu", "cuda", "sm80", "sm86", "sm89", "sm90", "sm100", "sm120", a
     ``tvm.target.Target`` or a JSON dict. schedule: the name of the schedule to use ("sm90", "sm80",
@@ -47,7 +50,8 @@ def compile(*, head_dim: int, dtype, causal: bool = False, target=None, knobs: d
     Modules are cached in memory and on disk (``$TVMFLASH_CACHE_DIR``, else ``~/.cache/tvmflash``).
     """
     dtype = dtype_name(dtype)
-    variant = {**resolve_variant(causal, window_size, softcap, alibi, dropout), **varlen_field(varlen)}
+    variant = {**resolve_variant(causal, window_size, softcap, alibi, dropout), **varlen_field(varlen),
+               **flex_field(flex)}
     program.AttentionSpec(head_dim, dtype, **variant)  # validates head_dim and dtype
     resolved = targets.resolve(target)
     # The environment's settings are in the key: they may change the schedule for the same target.
@@ -66,14 +70,15 @@ def compile(*, head_dim: int, dtype, causal: bool = False, target=None, knobs: d
 def compile_backward(*, head_dim: int, dtype, causal: bool = False, target=None, knobs: dict | None = None,
                      heads_q: int | None = None, heads_kv: int | None = None, window_size=(-1, -1),
                      softcap: float = 0.0, alibi: bool = False, varlen: bool = False, dropout: bool = False,
-                     deterministic: bool = False, schedule: str | None = None) -> BackwardKernel:
+                     deterministic: bool = False, schedule: str | None = None, flex=None) -> BackwardKernel:
     """Compile the FlashAttention backward and return a :class:`BackwardKernel` (varlen: a
     :class:`VarlenBackwardKernel`). The arguments are :func:`compile`'s; knobs override the
     schedule's backward knobs. deterministic: gradients bitwise the same from run to run (dq by
     a program of its own even where the schedule's default sums it by atomics, the knob ``dq_atomic``)."""
     dtype = dtype_name(dtype)
     deterministic = check_flag("deterministic", deterministic)
-    variant = {**resolve_variant(causal, window_size, softcap, alibi, dropout), **varlen_field(varlen)}
+    variant = {**resolve_variant(causal, window_size, softcap, alibi, dropout), **varlen_field(varlen),
+               **flex_field(flex)}
     program.AttentionSpec(head_dim, dtype, **variant)  # validates head_dim and dtype
     resolved = targets.resolve(target)
     spec_args = {"head_dim": head_dim, "dtype": dtype, **variant}
@@ -86,6 +91,16 @@ def compile_backward(*, head_dim: int, dtype, causal: bool = False, target=None,
     if heads_q is not None:
         kernel.module(heads_q, heads_kv if heads_kv is not None else heads_q)
     return kernel
+
+
+def flex_field(flex) -> dict:
+    """The spec field of ``compile``'s flex (a ``program_flex.FlexMods``), only where given."""
+    if flex is None:
+        return {}
+    if not isinstance(flex, FlexMods):
+        raise TypeError(f"flex: expected a program_flex.FlexMods (tvmflash.flex_trace.trace_mods), got "
+                        f"{type(flex).__name__}")
+    return {"flex": flex}
 
 
 def compile_decode(*, head_dim: int, dtype, page_size: int = 0, target=None, knobs: dict | None = None,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import tvm
 
-from tvmflash import cache, choice, lowering, program, program_backward, program_dropout
+from tvmflash import cache, choice, lowering, program, program_backward, program_dropout, program_flex
 from tvmflash import target as targets
 from tvmflash.kernels.build import Build, describe
 from tvmflash.kernels.checks import (
@@ -59,7 +59,7 @@ class BackwardKernel:
         options = kernel_build_options(self.schedule, self.variant, "backward")
         self.build = Build(kind=self.PASS, target=target, schedule=self.schedule, knobs=self.knobs,
                            variant=self.variant, spec=self.spec, programs=self._scheduled, entry=self._entry,
-                           code=(program, program_dropout, *self.schedule.sources, *lowering.MODULES),
+                           code=(program, program_dropout, program_flex, *self.schedule.sources, *lowering.MODULES),
                            options=options, key_fields={"build": options} if self.variant.get("varlen") else {},
                            outer={"pass": self.PASS, "code": cache.source_digest(program_backward)})
         # as the forward's: a module for some head counts, its CUDA source, its scheduled TensorIR
@@ -126,14 +126,15 @@ class BackwardKernel:
         return grads, self.build.module_for(heads_q, heads_kv, q=q, k=k, v=v, out=out, dout=dout).function
 
     def __call__(self, q, k, v, out, dout, lse, *, dlse=None, softmax_scale=None, dq=None, dk=None, dv=None,
-                 alibi_slopes=None, dropout_p=None, dropout_seed=None):
+                 alibi_slopes=None, dropout_p=None, dropout_seed=None, captures=None):
         """(dq, dk, dv) of attention(q, k, v) = out (with its lse), given dout = ∂L/∂out and
         dlse = ∂L/∂lse (None: 0). Pass dq, dk, dv to have them written in place. See the class
         docstring for the shapes; out and lse are those of the forward of the same variant (and
-        ALiBi slopes)."""
+        ALiBi slopes, or a flex kernel's captured tensors)."""
         arguments = self.arguments
         arguments.check(q, k, v, None)
-        variant_arguments = arguments.variant_arguments(q, alibi_slopes, dropout_p=dropout_p, dropout_seed=dropout_seed)
+        variant_arguments = arguments.variant_arguments(q, alibi_slopes, dropout_p=dropout_p, dropout_seed=dropout_seed,
+                                                        captures=captures)
         batch, seqlen_q, heads_q, _ = q.shape
         heads_kv = k.shape[2]
         rows = (batch, heads_q, seqlen_q)

@@ -176,7 +176,7 @@ class Build:
             found = self._load(key)
             if found is not None:
                 return found
-            variant = "".join(f" {name}={value}" for name, value in self.variant.items())
+            variant = "".join(f" {name}={getattr(value, 'describe', value)}" for name, value in self.variant.items())
             what = (f"d{spec.head_dim} {spec.dtype}{' causal' if spec.causal else ''}{variant} "
                     f"hq{spec.heads_q}/hkv{spec.heads_kv}{' int64' if wide else ''}")
             logger.info("building %s for %s (%s schedule)...", what, self.target_name, self.schedule.name)

@@ -19,7 +19,7 @@ INT32_MAX = 2**31 - 1
 MAX_SPLITS = 1024
 # The variant fields of a spec (``program.AttentionSpec``): in a kernel's spec_args only where they are on,
 # so that a kernel without them is named, cached and tuned as before they existed.
-VARIANT_FIELDS = ("window_left", "window_right", "softcap", "alibi", "varlen", "dropout")
+VARIANT_FIELDS = ("window_left", "window_right", "softcap", "alibi", "varlen", "dropout", "flex")
 
 
 # ----------------------------------------------------------------------------- options
@@ -271,6 +271,7 @@ class Arguments:
         self.head_dim, self.dtype, self.stride_multiple = head_dim, dtype, stride_multiple
         # the variant's tensor arguments: ALiBi's slopes, dropout's rate and seed, decode's cache_leftpad
         self.alibi, self.dropout, self.leftpad = (variant.get(name, False) for name in ("alibi", "dropout", "leftpad"))
+        self.flex = variant.get("flex")  # a score_mod's and mask_mod's captured tensors (program_flex.FlexMods)
         self.cuda, self.target_name = targets.is_cuda(target), targets.describe(target)
         self.device_type, self.torch_dtype = "cuda" if self.cuda else "cpu", TORCH_DTYPES[dtype]
 
@@ -344,14 +345,43 @@ class Arguments:
         check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k)
 
     def variant_arguments(self, q, alibi_slopes, batch: int | None = None, dropout_p=None, dropout_seed=None,
-                          cache_leftpad=None) -> tuple:
+                          cache_leftpad=None, captures=None) -> tuple:
         """The module's arguments after the others (decode's: after causal): the ALiBi slopes' (batch,
         heads_q) view if the kernel has ALiBi, then dropout's rate and seed if it has dropout
         (``dropout_arguments``), then decode's cache_leftpad if it has leftpad: each required where the
         kernel has it, refused where it has not. batch: q's first dim, heads_q its third, unless given
-        (varlen's count of sequences; heads_q q's second)."""
+        (varlen's count of sequences; heads_q q's second). Then a flex kernel's captured tensors
+        (``flex_arguments``)."""
         return (self.alibi_arguments(q, alibi_slopes, batch) + self.dropout_arguments(q, dropout_p, dropout_seed)
-                + self.leftpad_arguments(q, cache_leftpad))
+                + self.leftpad_arguments(q, cache_leftpad) + self.flex_arguments(q, captures))
+
+    def flex_arguments(self, q, captures) -> tuple:
+        """A flex kernel's captured tensors (``program_flex.FlexMods.captures``: their number, dtypes and
+        dims), on q's device, compact (a copy where not), bool ones as their bytes (uint8); () without
+        flex, where none may be given."""
+        if self.flex is None:
+            if captures:
+                raise ValueError("captures: this kernel was compiled without a score_mod or mask_mod (compile(..., "
+                                 "flex=...))")
+            return ()
+        captures = tuple(captures or ())
+        if len(captures) != len(self.flex.captures):
+            raise ValueError(f"captures: this kernel's mods read {len(self.flex.captures)} captured tensors, got "
+                             f"{len(captures)}")
+        usable = []
+        for n, (t, (dtype, ndim)) in enumerate(zip(captures, self.flex.captures)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"captures[{n}]: expected a torch.Tensor, got {type(t).__name__}")
+            if str(t.dtype).removeprefix("torch.") != dtype or t.dim() != ndim:
+                raise ValueError(f"captures[{n}]: expected a {ndim}-dim {dtype} tensor (as when the mods were "
+                                 f"traced), got a {t.dim()}-dim {t.dtype} one")
+            if t.device != q.device:
+                raise ValueError(f"captures[{n}]: expected q's device {q.device}, got {t.device}")
+            if not t.numel():
+                raise ValueError(f"captures[{n}]: expected a tensor with elements, got shape {tuple(t.shape)}")
+            t = t.contiguous()
+            usable.append(t.view(torch.uint8) if t.dtype == torch.bool else t)
+        return tuple(usable)
 
     def alibi_arguments(self, q, alibi_slopes, batch: int | None) -> tuple:
         if not self.alibi:

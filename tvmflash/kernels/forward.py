@@ -8,7 +8,7 @@ import math
 import torch
 import tvm
 
-from tvmflash import cache, choice, database, lowering, program, program_dropout
+from tvmflash import cache, choice, database, lowering, program, program_dropout, program_flex
 from tvmflash import schedules as schedule_registry
 from tvmflash import target as targets
 from tvmflash.kernels import registry
@@ -86,7 +86,7 @@ class Kernel:
         build = Build(kind="forward", target=self.target, schedule=self.schedule, knobs=self.knobs,
                       variant=self.variant, spec=self.spec, programs=self._scheduled,
                       entry=lambda module: module["main"],
-                      code=(program, program_dropout, *self.schedule.sources, *lowering.MODULES), options=options,
+                      code=(program, program_dropout, program_flex, *self.schedule.sources, *lowering.MODULES), options=options,
                       key_fields={"build": options} if self.variant.get("varlen") else {})  # (dense keys unchanged)
         self.build, self.module, self.source, self.scheduled_tir = build, build.module, build.source, build.scheduled_tir
 
@@ -127,10 +127,13 @@ class Kernel:
                 f"target={targets.describe(self.target)!r})")
 
     def __call__(self, q, k, v, *, softmax_scale=None, out=None, return_lse=False, alibi_slopes=None, dropout_p=None,
-                 dropout_seed=None):
-        """Attention of q over k, v. See the class docstring for the shapes."""
+                 dropout_seed=None, captures=None):
+        """Attention of q over k, v. See the class docstring for the shapes. captures: a flex kernel's
+        captured tensors (``compile(..., flex=)``), in the order its mods read them."""
         return_lse = check_flag("return_lse", return_lse)
         softmax_scale = resolve_softmax_scale(softmax_scale, self.head_dim)
+        if torch.compiler.is_compiling() and self.variant.get("flex") is not None:
+            raise NotImplementedError("a flex kernel (score_mod, mask_mod) under torch.compile: not yet")
         if torch.compiler.is_compiling():  # torch.compile traces a custom op, which calls back here at run time
             return registry.route("forward")(self, q, k, v, softmax_scale, out, return_lse, alibi_slopes, dropout_p,
                                              dropout_seed)
@@ -140,8 +143,10 @@ class Kernel:
             other = self.by_bucket.get(database.seqlen_bucket(k.shape[1]))
             if other is not None:
                 return other(q, k, v, softmax_scale=softmax_scale, out=out, return_lse=return_lse,
-                             alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_seed=dropout_seed)
-        variant_arguments = arguments.variant_arguments(q, alibi_slopes, dropout_p=dropout_p, dropout_seed=dropout_seed)
+                             alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_seed=dropout_seed,
+                             captures=captures)
+        variant_arguments = arguments.variant_arguments(q, alibi_slopes, dropout_p=dropout_p, dropout_seed=dropout_seed,
+                                                        captures=captures)
         # The module reads and writes through the tensors' own strides: none is copied, but where a
         # CUDA kernel's 16-byte vectors do not fit the strides (``Arguments.usable``).
         q, k, v = arguments.usable(q, "q"), arguments.usable(k, "k"), arguments.usable(v, "v")

@@ -1,0 +1,312 @@
+"""tvmflash.flex_attention: score_mod and mask_mod compiled into the programs, against a float64 reference that
+applies the same functions in torch to the whole score matrix, under flash-attn's error rule (forward and
+gradients); the tracer's refusals, which name the operation and the line; one module per distinct trace.
+The CPU cases keep to one dtype, head_dim and head layout (GQA 4/2): each pattern is one forward and one
+backward build."""
+
+import math
+import shutil
+
+import pytest
+import torch
+from reference import check_gradient_errors, max_error
+
+import tvmflash
+from tvmflash import flex
+from tvmflash.flex_trace import FlexTraceError, trace_mods
+
+HEADS = (4, 2)
+CPU_DTYPE, CPU_HEAD_DIM = torch.float16, 32
+# (seqlen_q, seqlen_k): tails on both sides, and seqlen_q != seqlen_k both ways
+LENGTHS = [(77, 130), (130, 77)]
+GPU_LENGTHS = LENGTHS + [(1000, 1000), (300, 1000)]
+
+
+def documents(seqlen: int, device) -> torch.Tensor:
+    """Document ids of packed sequences: runs of 23, 40, 7, ... rows (int32, (seqlen,))."""
+    sizes = [23, 40, 7, 61, 30]
+    ids = torch.cat([torch.full((sizes[n % 5],), n, dtype=torch.int32) for n in range(seqlen // 7 + 1)])
+    return ids[:seqlen].to(device)
+
+
+def patterns(seqlen_q: int, seqlen_k: int, device) -> dict:
+    """name -> (score_mod, mask_mod), their captured tensors made for these lengths on ``device``."""
+    gen = torch.Generator().manual_seed(seqlen_q * 1000 + seqlen_k)
+    slopes = (torch.rand(HEADS[0], generator=gen) * 0.3).to(device)
+    table = torch.randn(HEADS[0], 129, generator=gen).to(device)  # relative positions -64 ... 64
+    doc_q, doc_k = documents(seqlen_q, device), documents(seqlen_k, device).to(torch.int64)
+    prefix = torch.tensor([5, 60], dtype=torch.int32, device=device)  # a prefix length per batch
+    window = 19
+    return {
+        "causal": (None, lambda b, h, q, kv: q >= kv),
+        "sliding-window": (None, lambda b, h, q, kv: (q - kv <= window) & (q - kv >= -3)),
+        "document": (None, lambda b, h, q, kv: doc_q[q] == doc_k[kv]),
+        "prefix-lm": (None, lambda b, h, q, kv: (kv < prefix[b]) | (q >= kv)),
+        "alibi": (lambda s, b, h, q, kv: s - slopes[h] * (q - kv).abs(), None),
+        "softcap": (lambda s, b, h, q, kv: torch.tanh(s / 2.0) * 2.0, None),
+        "relative-bias": (lambda s, b, h, q, kv: s + table[h, torch.clamp(q - kv, -64, 64) + 64], None),
+        # rows that see no key: by the mask (every third query), and by a score_mod's -inf (every fifth)
+        "empty-rows": (lambda s, b, h, q, kv: torch.where(q % 5 == 1, -math.inf, s * 0.5),
+                       lambda b, h, q, kv: (q % 3 != 0) & (kv <= q + 7)),
+    }
+
+
+def flex_reference(q, k, v, score_mod, mask_mod, scale=None, dtype=torch.float64):
+    """Attention with the mods applied to the whole score matrix in ``dtype``; flex_attention's layout
+    (batch, heads, seqlen, head_dim). Returns (out, lse); a query that sees no key (mask_mod, or every
+    score -inf) gets out 0 and lse -inf."""
+    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    group = q.shape[1] // k.shape[1]
+    qh, kh, vh = (t.to(dtype) for t in (q, k, v))
+    kh, vh = kh.repeat_interleave(group, 1), vh.repeat_interleave(group, 1)
+    s = (qh @ kh.transpose(-1, -2)) * scale
+    batch, heads, seqlen_q, seqlen_k = s.shape
+    device = q.device
+    b = torch.arange(batch, device=device)[:, None, None, None]
+    h = torch.arange(heads, device=device)[None, :, None, None]
+    i = torch.arange(seqlen_q, device=device)[:, None]
+    j = torch.arange(seqlen_k, device=device)[None, :]
+    if score_mod is not None:
+        s = score_mod(s, b, h, i, j).to(dtype)
+    if mask_mod is not None:
+        s = s.masked_fill(~mask_mod(b, h, i, j).expand(s.shape), -math.inf)
+    seen = torch.isfinite(s).any(-1, keepdim=True)
+    s = s.masked_fill(~seen, 0.0)
+    lse = torch.logsumexp(s, dim=-1).masked_fill(~seen[..., 0], -math.inf)
+    p = (torch.softmax(s, dim=-1) * seen).nan_to_num(0.0)
+    return p @ vh, lse
+
+
+def check_forward(out, lse, q, k, v, score_mod, mask_mod, eps=1e-5):
+    """flash-attn's rule: our error against float64 at most 2x torch's in the inputs' dtype + eps; lse
+    -inf exactly where a query sees no key, else float32-close."""
+    ref_out, ref_lse = flex_reference(q, k, v, score_mod, mask_mod)
+    same = flex_reference(q, k, v, score_mod, mask_mod, dtype=q.dtype)[0]
+    ours, theirs = max_error(out, ref_out), max_error(same, ref_out)
+    assert torch.isfinite(out).all(), "out has NaN/inf"
+    assert ours <= 2 * theirs + eps, f"out error {ours:.3e} > 2 x torch's {theirs:.3e} + {eps}"
+    seen = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), seen), "lse is -inf exactly where a query sees no key"
+    lse_err = max_error(lse[seen], ref_lse[seen])
+    assert lse_err <= 1e-4 * (1 + ref_lse[seen].abs().max().item()), f"lse error {lse_err:.3e}"
+
+
+def random_qkv(batch, seqlen_q, seqlen_k, dtype, device, head_dim, seed):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, HEADS[0], seqlen_q, head_dim, generator=gen)
+    k = torch.randn(batch, HEADS[1], seqlen_k, head_dim, generator=gen)
+    v = torch.randn(batch, HEADS[1], seqlen_k, head_dim, generator=gen)
+    return tuple(t.to(dtype=dtype, device=device) for t in (q, k, v))
+
+
+def forward_and_gradients_match_float64(device, dtype, head_dim, name, lengths):
+    for n, (seqlen_q, seqlen_k) in enumerate(lengths):
+        score_mod, mask_mod = patterns(seqlen_q, seqlen_k, device)[name]
+        q, k, v = random_qkv(2, seqlen_q, seqlen_k, dtype, device, head_dim, seed=seqlen_q + 7 * seqlen_k)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out, lse = tvmflash.flex_attention(*leaves, score_mod=score_mod, block_mask=mask_mod, enable_gqa=True,
+                                           return_lse=True)
+        assert out.shape == q.shape and out.dtype == dtype and lse.shape == q.shape[:3]
+        check_forward(out.detach(), lse.detach(), q, k, v, score_mod, mask_mod)
+        dout = torch.randn_like(out)
+        dlse = torch.randn_like(lse).masked_fill(~torch.isfinite(lse.detach()), 0.0) if n % 2 else None
+        torch.autograd.backward([out, lse] if n % 2 else [out], [dout, dlse] if n % 2 else [dout])
+        refs = []
+        for ref_dtype in (torch.float64, dtype):
+            ref_leaves = [t.detach().to(ref_dtype).requires_grad_() for t in (q, k, v)]
+            ref_out, ref_lse = flex_reference(*ref_leaves, score_mod, mask_mod, dtype=ref_dtype)
+            loss = (ref_out * dout.to(ref_dtype)).sum()
+            if dlse is not None:
+                loss = loss + (ref_lse.masked_fill(ref_lse == -math.inf, 0) * dlse.to(ref_dtype)).sum()
+            refs.append(torch.autograd.grad(loss, ref_leaves))
+        check_gradient_errors([t.grad for t in leaves], *refs, dtype)
+
+
+CPU_PATTERNS = list(patterns(8, 8, "cpu"))
+
+
+@pytest.mark.parametrize("name", CPU_PATTERNS)
+def test_forward_and_gradients_match_float64_on_cpu(name):
+    forward_and_gradients_match_float64("cpu", CPU_DTYPE, CPU_HEAD_DIM, name, LENGTHS)
+
+
+# The H100's cases: every pattern on the default schedule of bf16 d128 (sm90 on sm_90a), a few on fp16 d64
+GPU_CASES = ([(torch.bfloat16, 128, name) for name in CPU_PATTERNS]
+             + [(torch.float16, 64, name) for name in ("document", "relative-bias", "empty-rows")])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,head_dim,name", GPU_CASES, ids=str)
+def test_forward_and_gradients_match_float64_on_the_gpu(dtype, head_dim, name):
+    forward_and_gradients_match_float64("cuda", dtype, head_dim, name, GPU_LENGTHS)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("schedule", ["sm80", "simt"])
+def test_a_score_mod_and_a_mask_mod_on_the_other_gpu_schedules(schedule, monkeypatch):
+    """A score_mod with a mask_mod (rows that see no key) and a captured table on sm80's mma.sync (on
+    sm_90a too: TVMFLASH_SM90=0) and on SIMT (float32), forward and backward."""
+    monkeypatch.setenv("TVMFLASH_BACKWARD", schedule)
+    if schedule == "sm80":
+        monkeypatch.setenv("TVMFLASH_SM90", "0")
+    dtype = torch.float32 if schedule == "simt" else torch.float16
+    for name in ("empty-rows", "relative-bias"):
+        forward_and_gradients_match_float64("cuda", dtype, 64, name, GPU_LENGTHS)
+
+
+def test_a_block_mask_is_taken_for_its_mask_mod():
+    """torch's BlockMask (create_block_mask) as is: its mask_mod is applied (the causal pattern's module)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    q, k, v = random_qkv(2, 129, 129, CPU_DTYPE, "cpu", CPU_HEAD_DIM, seed=3)
+    causal = patterns(129, 129, "cpu")["causal"][1]
+    block_mask = create_block_mask(causal, None, None, 129, 129, device="cpu")
+    out, lse = tvmflash.flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True, return_lse=True)
+    check_forward(out, lse, q, k, v, None, causal)
+    with pytest.raises(ValueError, match="block_mask: made for"):
+        tvmflash.flex_attention(q[:, :, :100], k, v, block_mask=block_mask, enable_gqa=True)
+
+
+def test_no_mods_is_plain_attention():
+    q, k, v = random_qkv(1, 33, 40, CPU_DTYPE, "cpu", CPU_HEAD_DIM, seed=4)
+    out, lse = tvmflash.flex_attention(q, k, v, enable_gqa=True, return_lse=True)
+    check_forward(out, lse, q, k, v, None, None)
+
+
+# ----------------------------------------------------------------------------- CUDA, cross-compiled
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+@pytest.mark.parametrize("program", ["forward", "backward"])
+def test_sm90_cuda_of_the_mods_compiles_with_nvcc(program):
+    """The sm90 schedule (wgmma, TMA) with a score_mod (softcap, a relative-position table) and a
+    document mask_mod: built without a GPU, its CUDA reads the captured tensors, and nvcc compiles it."""
+    from tvm.support import nvcc
+
+    score_mod, _ = patterns(64, 64, "cpu")["relative-bias"]
+    _, mask_mod = patterns(64, 64, "cpu")["document"]
+    mods, captures = trace_mods(lambda s, b, h, q, kv: torch.tanh(score_mod(s, b, h, q, kv) / 30.0) * 30.0, mask_mod)
+    compile_ = tvmflash.compile_backward if program == "backward" else tvmflash.compile
+    kernel = compile_(head_dim=64, dtype="bfloat16", target="sm90", flex=mods)
+    source = kernel.source(heads_q=4, heads_kv=2)
+    assert all(f"Captured{n}" in source for n in range(len(captures))) and "wgmma" in source
+    with kernel.target:
+        cubin = nvcc.compile_cuda(source, target_format="cubin", arch="sm_90a", compiler="nvcc")
+    assert len(cubin) > 1000
+
+
+def test_sm80_cuda_of_the_mods_builds():
+    score_mod, _ = patterns(64, 64, "cpu")["alibi"]
+    _, mask_mod = patterns(64, 64, "cpu")["prefix-lm"]
+    mods, _ = trace_mods(score_mod, mask_mod)
+    source = tvmflash.compile(head_dim=64, dtype="float16", target="sm80", flex=mods).source(heads_q=4, heads_kv=2)
+    assert "mma.sync" in source and "Captured1" in source
+
+
+# ----------------------------------------------------------------------------- one module per trace
+def test_equal_functions_share_a_module_and_different_ones_do_not():
+    """Two functions that compute the same (other Python objects, other captured tensors of the same
+    dtype and dims) trace to one key and one kernel; a changed constant or operation is another."""
+    slopes_a, slopes_b = torch.rand(4), torch.rand(4)
+
+    def first(score, b, h, q, kv):
+        return score - slopes_a[h] * (q - kv).abs()
+
+    def second(s, batch, head, i, j):  # other names, another tensor
+        return s - slopes_b[head] * (i - j).abs()
+
+    def other_constant(score, b, h, q, kv):
+        return score - slopes_a[h] * (q - kv).abs() * 2
+
+    def other_operation(score, b, h, q, kv):
+        return score + slopes_a[h] * (q - kv).abs()
+
+    keys = [flex.mods_key(trace_mods(fn, None)[0]) for fn in (first, second, other_constant, other_operation)]
+    assert keys[0] == keys[1]
+    assert len(set(keys)) == 3
+    q, k, v = random_qkv(1, 40, 40, CPU_DTYPE, "cpu", CPU_HEAD_DIM, seed=5)
+    for fn in (first, second):
+        tvmflash.flex_attention(q, k, v, score_mod=fn, enable_gqa=True)
+    mods = [trace_mods(fn, None)[0] for fn in (first, second, other_constant)]
+    kernels = [flex.flex_kernel(q.transpose(1, 2), m) for m in mods]
+    assert kernels[0] is kernels[1] and kernels[0] is not kernels[2]
+    assert len(kernels[0].build.modules) == 1  # both calls ran on one module
+    assert kernels[0].build.key(kernels[0].spec(*HEADS)) != kernels[2].build.key(kernels[2].spec(*HEADS))
+
+
+# ----------------------------------------------------------------------------- refusals
+def _error_of(score_mod=None, mask_mod=None):
+    with pytest.raises(FlexTraceError) as caught:
+        trace_mods(score_mod, mask_mod)
+    return str(caught.value)
+
+
+def test_an_unsupported_operation_is_named_with_its_line():
+    def score_mod(score, b, h, q, kv):
+        return torch.sin(score)  # the line named
+
+    message = _error_of(score_mod)
+    line = score_mod.__code__.co_firstlineno + 1
+    assert "torch.sin" in message and f"test_flex.py:{line}" in message, message
+    assert ".cos" in _error_of(lambda s, b, h, q, kv: s.cos())
+
+
+def test_python_control_flow_on_a_traced_value_is_refused_with_its_line():
+    def mask_mod(b, h, q, kv):
+        if q >= kv:  # the line named
+            return True
+        return False
+
+    message = _error_of(mask_mod=mask_mod)
+    line = mask_mod.__code__.co_firstlineno + 1
+    assert "control flow" in message and f"test_flex.py:{line}" in message, message
+    assert "and/or" not in message
+    assert "Python index" in _error_of(lambda s, b, h, q, kv: s + [0.0, 1.0][h])
+    assert "control flow" in _error_of(mask_mod=lambda b, h, q, kv: q >= kv and kv >= 0)
+    assert "int()" in _error_of(lambda s, b, h, q, kv: s + int(h))
+
+
+def test_wrong_values_and_indices_are_refused():
+    table = torch.randn(4, 10)
+    assert "bool value back" in _error_of(mask_mod=lambda b, h, q, kv: q - kv)
+    assert "indices" in _error_of(lambda s, b, h, q, kv: s + table[h])
+    assert "float" in _error_of(lambda s, b, h, q, kv: s + table[h, s])
+    assert "bool or integer" in _error_of(mask_mod=lambda b, h, q, kv: (q * 0.5) & (kv > 0))
+    q, k, v = random_qkv(1, 40, 40, CPU_DTYPE, "cpu", CPU_HEAD_DIM, seed=6)
+    with pytest.raises(ValueError, match=r"captured tensor 0 \(shape \(4, 10\)\): its index in dim 1"):
+        tvmflash.flex_attention(q, k, v, score_mod=lambda s, b, h, i, j: s + table[h, i - j], enable_gqa=True)
+    with pytest.raises(ValueError, match="enable_gqa"):
+        tvmflash.flex_attention(q, k, v, score_mod=lambda s, b, h, i, j: s)
+
+
+def test_a_captured_tensor_that_requires_grad_is_refused():
+    bias = torch.zeros(4, requires_grad=True)
+    q, k, v = random_qkv(1, 40, 40, CPU_DTYPE, "cpu", CPU_HEAD_DIM, seed=7)
+    with pytest.raises(NotImplementedError, match="requires grad"):
+        tvmflash.flex_attention(q, k, v, score_mod=lambda s, b, h, i, j: s + bias[h], enable_gqa=True)
+
+
+def test_the_derivative_of_a_score_mod():
+    """d score_mod / d score from the tree, against autograd at a few scores."""
+    from tvmflash.program_flex import derivative
+
+    def score_mod(s, b, h, q, kv):
+        return torch.where(s > 0.5, torch.tanh(s) * 3.0, torch.sqrt(s.abs() + 1.0) - torch.exp(s) / (s * s + 2.0))
+
+    node = trace_mods(score_mod, None)[0].score
+    d = derivative(node)
+    for value in (-2.0, -0.3, 0.0, 0.4, 0.9, 3.0):
+        s = torch.tensor(value, dtype=torch.float64, requires_grad=True)
+        (expected,) = torch.autograd.grad(score_mod(s, 0, 0, 0, 0), s)
+        assert abs(_evaluate(d, value) - expected.item()) < 1e-9
+
+
+def _evaluate(node, score: float) -> float:
+    """A float tree's value at ``score`` (no loads, no positions), in Python."""
+    f = {"add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b, "div": lambda a, b: a / b,
+         "neg": lambda a: -a, "tanh": math.tanh, "exp": math.exp, "sqrt": math.sqrt, "abs": abs,
+         "lt": lambda a, b: a < b, "gt": lambda a, b: a > b, "le": lambda a, b: a <= b, "ge": lambda a, b: a >= b,
+         "where": lambda c, a, b: a if c else b, "cast": lambda a: a}
+    if node.op == "score":
+        return score
+    if node.op == "const":
+        return node.value
+    return f[node.op](*(_evaluate(a, score) for a in node.args))

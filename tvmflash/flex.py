@@ -1,0 +1,202 @@
+"""``tvmflash.flex_attention``: PyTorch FlexAttention's API, its ``score_mod`` and ``mask_mod`` compiled into
+the one attention program (``program_flex``), forward and backward, on every schedule.
+
+The mods are traced at each call (``flex_trace``: cheap, and a captured tensor may be a new one each
+call); equal traces share one kernel (and its built modules, keyed by the trace). The custom ops
+``tvmflash::flex_forward`` and ``tvmflash::flex_backward`` carry the call through autograd; the trace
+reaches them by its key (``MODS``), the captured tensors as a list.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tvmflash import cache, choice, kernels
+from tvmflash.flex_trace import check_indices, trace_mods
+from tvmflash.kernels import registry
+from tvmflash.kernels.checks import TORCH_DTYPES, check_any_head_dim, check_flag, resolve_softmax_scale
+from tvmflash.ops import attention, padded_head_dim, target_of
+from tvmflash.program_flex import FlexMods
+
+# key -> traced mods (``mods_key``), for the custom ops, which take the mods by their key
+MODS: dict[str, FlexMods] = {}
+# (device, dtype, head_dim, mods, backward, the environment's settings) -> kernel: compile() hashes its
+# arguments at every call
+FLEX_KERNELS: dict[tuple, object] = {}
+registry.on_forget(FLEX_KERNELS.clear)
+
+
+def mods_key(mods: FlexMods) -> str:
+    """The key of traced mods: a digest of the tree (its structure, dtypes and constants), never of
+    the Python functions."""
+    key = cache.digest(repr(mods))
+    MODS.setdefault(key, mods)
+    return key
+
+
+def flex_kernel(q: torch.Tensor, mods: FlexMods, backward: bool = False):
+    """The forward (``backward``: backward) kernel for q's device, dtype and head_dim and these mods."""
+    key = (q.device, q.dtype, q.shape[-1], mods, backward, choice.environment("backward" if backward else "forward"))
+    found = FLEX_KERNELS.get(key)
+    if found is None:
+        compile_ = kernels.compile_backward if backward else kernels.compile
+        found = FLEX_KERNELS[key] = compile_(head_dim=q.shape[-1], dtype=q.dtype, target=target_of(q), flex=mods)
+    return found
+
+
+# The ops take q, k, v in the kernels' layout (batch, seqlen, heads, head_dim), any strides.
+@torch.library.custom_op("tvmflash::flex_forward", mutates_args=())
+def flex_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, captures: list[torch.Tensor], mods: str,
+                 softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of attention with the traced mods ``MODS[mods]``; see :func:`flex_attention`."""
+    kernel = flex_kernel(q, MODS[mods])
+    return kernel(q, k, v, softmax_scale=softmax_scale, return_lse=True, captures=captures)
+
+
+@flex_forward.register_fake
+def _flex_forward_shapes(q, k, v, captures, mods, softmax_scale):
+    batch, seqlen_q, heads_q, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
+
+
+@torch.library.custom_op("tvmflash::flex_backward", mutates_args=())
+def flex_backward(dout: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  out: torch.Tensor, lse: torch.Tensor, captures: list[torch.Tensor], mods: str,
+                  softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of :func:`flex_forward` given the gradients of its out and lse (dlse None: 0)."""
+    kernel = flex_kernel(q, MODS[mods], backward=True)
+    return kernel(q, k, v, out, dout, lse, dlse=dlse, softmax_scale=softmax_scale, captures=captures)
+
+
+@flex_backward.register_fake
+def _flex_backward_shapes(dout, dlse, q, k, v, out, lse, captures, mods, softmax_scale):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, captures, mods, softmax_scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, *captures)
+    ctx.mods, ctx.softmax_scale = mods, softmax_scale
+
+
+def _backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse, *captures = ctx.saved_tensors
+    if grad_out is None:  # only lse reached the loss
+        grad_out = torch.zeros_like(out)
+    dq, dk, dv = flex_backward(grad_out.contiguous(), grad_lse, q, k, v, out, lse, captures, ctx.mods,
+                               ctx.softmax_scale)
+    # no gradient for the captured tensors (flex_attention refuses those that require one), mods, scale
+    return dq, dk, dv, [None] * len(captures), None, None
+
+
+flex_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _mask_mod_of(block_mask, seqlen_q: int, seqlen_k: int):
+    """The mask_mod of ``block_mask``: torch's ``BlockMask`` (its ``mask_mod``, for these lengths), a
+    mask_mod itself, or None."""
+    if block_mask is None:
+        return None
+    if callable(block_mask) and not hasattr(block_mask, "mask_mod"):
+        return block_mask
+    mask_mod = getattr(block_mask, "mask_mod", None)
+    if mask_mod is None:
+        raise TypeError(f"block_mask: expected torch's BlockMask (create_block_mask), a mask_mod or None, got "
+                        f"{type(block_mask).__name__}")
+    lengths = tuple(getattr(block_mask, "seq_lengths", (seqlen_q, seqlen_k)))
+    if lengths != (seqlen_q, seqlen_k):
+        raise ValueError(f"block_mask: made for (seqlen_q, seqlen_k) = {lengths}, got query and key lengths "
+                         f"{(seqlen_q, seqlen_k)}; make it for these (create_block_mask)")
+    return mask_mod
+
+
+def _is_noop(fn, name: str) -> bool:
+    """torch's own no-op mods (``noop_mask``, ``_identity``): no mod at all."""
+    return getattr(fn, "__module__", None) == "torch.nn.attention.flex_attention" and getattr(fn, "__name__", "") == name
+
+
+def _check_tensors(query, key, value, enable_gqa: bool) -> None:
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name}: expected 4 dims (batch, heads, seqlen, head_dim), got shape {tuple(t.shape)}")
+        if t.dtype not in TORCH_DTYPES.values():
+            raise TypeError(f"{name}: expected one of {list(TORCH_DTYPES.values())}, got {t.dtype}")
+    if key.shape != value.shape:
+        raise ValueError(f"value: expected key's shape {tuple(key.shape)} (batch, heads_kv, seqlen_k, head_dim), got "
+                         f"{tuple(value.shape)}")
+    if key.dtype != query.dtype or value.dtype != query.dtype:
+        raise TypeError(f"key, value: expected query's dtype {query.dtype}, got {key.dtype} and {value.dtype}")
+    if key.shape[0] != query.shape[0] or key.shape[3] != query.shape[3]:
+        raise ValueError(f"key: expected query's batch and head_dim ({query.shape[0]}, {query.shape[3]}), got shape "
+                         f"{tuple(key.shape)}")
+    heads_q, heads_kv = query.shape[1], key.shape[1]
+    if heads_kv == 0 or heads_q % heads_kv or (heads_q != heads_kv and not enable_gqa):
+        raise ValueError(f"key: expected heads_kv = heads_q ({heads_q}), or with enable_gqa=True a divisor of it, got "
+                         f"{heads_kv}")
+    check_any_head_dim(query.shape[-1])
+
+
+def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None, enable_gqa: bool = False,
+                   return_lse: bool = False):
+    """PyTorch's ``torch.nn.attention.flex_attention.flex_attention``, its mods compiled into tvmflash's kernels.
+
+    query: (batch, heads_q, seqlen_q, head_dim); key, value: (batch, heads_kv, seqlen_k, head_dim), heads_kv
+    = heads_q, or with ``enable_gqa`` a divisor of it; float16, bfloat16 or float32, on the CPU or a CUDA GPU;
+    head_dim 1 to 256 (padded as :func:`tvmflash.attention` pads it). Returns out (batch, heads_q, seqlen_q,
+    head_dim) in query's dtype, or (out, lse) with ``return_lse``: lse float32 (batch, heads_q, seqlen_q),
+    natural log.
+
+    The score of query i and key j is ``s = q_i · k_j * scale`` (scale: 1/sqrt(head_dim) by default; positive
+    without a score_mod), then ``score_mod(s, b, h, i, j)`` if given; the keys that ``mask_mod(b, h, i, j)``
+    refuses are left out. b is the batch, h the query head, i and j positions from 0. ``block_mask``: torch's
+    ``BlockMask`` (``create_block_mask``) for these lengths, whose ``mask_mod`` is used, or a mask_mod itself.
+    A query that sees no key gets 0 and an lse of -inf (flash-attn's rule), never NaN.
+
+    The mods are traced (``tvmflash.flex_trace``: what they may use, and the error that names the line of
+    anything else) and become expressions inside the one attention program: no second kernel, no bias
+    tensor. Each distinct trace builds its modules once (a trace differs by its operations and constants,
+    not by the values of the tensors it captures, which each call passes). Differentiable in query, key and
+    value, through the score_mod's derivative; a captured float tensor that requires grad (a learnable
+    bias) is refused (NotImplementedError: its gradient is not computed yet).
+
+    Not yet: the block mask's sparsity (every K/V tile is visited and masked by mask_mod; a BlockMask is
+    taken for its mask_mod), torch.compile of a call, and a captured tensor's gradient.
+    """
+    _check_tensors(query, key, value, check_flag("enable_gqa", enable_gqa))
+    return_lse = check_flag("return_lse", return_lse)
+    batch, heads_q, seqlen_q, head_dim = query.shape
+    seqlen_k = key.shape[2]
+    mask_mod = _mask_mod_of(block_mask, seqlen_q, seqlen_k)
+    score_mod = None if _is_noop(score_mod, "_identity") else score_mod
+    mask_mod = None if _is_noop(mask_mod, "noop_mask") else mask_mod
+    if score_mod is not None and scale is not None and isinstance(scale, (int, float)) and scale <= 0:
+        raise ValueError(f"scale: expected a positive float, got {scale!r}")
+    softmax_scale = resolve_softmax_scale(scale, head_dim)  # query's own head_dim's, before any padding
+    mods, captures = trace_mods(score_mod, mask_mod)
+    for n, t in enumerate(captures):
+        if t.requires_grad and t.is_floating_point() and torch.is_grad_enabled():
+            raise NotImplementedError(
+                f"captured tensor {n} (shape {tuple(t.shape)}) requires grad: the gradient of a captured tensor (a "
+                "learnable bias) is not computed yet; pass it detached (.detach()) or use torch's flex_attention")
+        if t.device != query.device:
+            raise ValueError(f"captured tensor {n}: expected query's device {query.device}, got {t.device}")
+    check_indices(mods, captures, batch, heads_q, seqlen_q, seqlen_k)
+    captures = [t.detach() for t in captures]
+    # the kernels' layout, (batch, seqlen, heads, head_dim): views, read through their strides
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    if mods.score is None and mods.mask is None:  # no mod at all: the built-in kernels
+        out, lse = attention(q, k, v, softmax_scale=softmax_scale, return_lse=True)
+    else:
+        q, k, v, run = padded_head_dim(q, k, v, head_dim)
+        if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))):
+            out, lse = flex_forward(q, k, v, captures, mods_key(mods), softmax_scale)
+        else:  # eager, nothing for autograd to record: no custom op's dispatch
+            out, lse = flex_kernel(q, mods)(q, k, v, softmax_scale=softmax_scale, return_lse=True, captures=captures)
+        if run != head_dim:
+            out = out[..., :head_dim]
+    out = out.transpose(1, 2)
+    return (out, lse) if return_lse else out
+
