@@ -78,12 +78,12 @@ def _compile(args) -> int:
 def _bench(args) -> int:
     from tvmflash import bench
 
-    results = bench.run(device=args.device, dtype=args.dtype, head_dims=args.head_dim,
+    report = bench.run(device=args.device, dtype=args.dtype, head_dims=args.head_dim,
                         causal=CAUSAL[args.causal],
                         seqlens=args.seqlens, tokens=args.tokens, hidden=args.hidden, repeat=args.repeat,
                         target=args.target, knobs=json.loads(args.knobs) if args.knobs else None, layout=args.layout)
     print("ratios are the backend's time over tvmflash's: above 1.00x, tvmflash is faster")
-    failed = [r.config for r in results if r.error > r.tolerance]
+    failed = [r.config for r in report.results if r.error > r.tolerance]
     if failed:
         print(f"ERROR: {len(failed)} configurations exceeded the error tolerance: {failed}", file=sys.stderr)
         return 1
