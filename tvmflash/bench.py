@@ -404,9 +404,7 @@ def run(*, device=None, dtype="bfloat16", head_dims=(64, 128), causal=(False, Tr
     name, date = device_name(device), time.strftime("%Y-%m-%d")
     echo(f"tvmflash bench on {name}, {date}: batch*seqlen={tokens}, heads*head_dim={hidden}")
     ceilings = measure_ceilings(device, dtype, repeat)
-    n = ceilings.matmul_size
-    echo(f"ceilings in this run: {n}x{n} {dtype} matmul {ceilings.matmul_tflops:.2f} TFLOP/s, "
-         f"copy of {ceilings.copy_bytes >> 20} MiB {ceilings.copy_gbps:.1f} GB/s (read + write)")
+    echo(_ceilings_line(ceilings, dtype))
     results, kernels = [], []
     header = None
     for head_dim in head_dims:
@@ -437,6 +435,24 @@ def run(*, device=None, dtype="bfloat16", head_dims=(64, 128), causal=(False, Tr
         echo(f"kernel d{info['head_dim']} {'causal' if info['causal'] else 'full'}: {info['schedule']} schedule, "
              f"{'default' if source == 'defaults' else source} knobs {info['knobs']}")
     return Report(name, dtype, date, version(), ceilings, results)
+
+
+def print_report(report: Report, echo=print) -> None:
+    """The table ``run`` printed, from a saved report (``tvmflash bench --from-json``)."""
+    echo(f"tvmflash bench on {report.device}, {report.date}, tvmflash {report.version} (from a saved report)")
+    echo(_ceilings_line(report.ceilings, report.dtype))
+    if report.results:
+        header = _header(report.results[0])
+        echo(header)
+        echo("-" * len(header))
+    for result in report.results:
+        echo(_row(result))
+
+
+def _ceilings_line(ceilings: Ceilings, dtype: str) -> str:
+    n = ceilings.matmul_size
+    return (f"ceilings in this run: {n}x{n} {dtype} matmul {ceilings.matmul_tflops:.2f} TFLOP/s, "
+            f"copy of {ceilings.copy_bytes >> 20} MiB {ceilings.copy_gbps:.1f} GB/s (read + write)")
 
 
 def _header(result):
