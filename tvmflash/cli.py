@@ -80,8 +80,8 @@ def _bench(args) -> int:
 
     # every output is checked before the run, which can take many minutes, rather than after it
     if args.plot:
-        plot.check(args.plot)
         _writable(args.plot, "--plot")
+        plot.check(args.plot)
     if args.json:
         _writable(args.json, "--json")
     if args.from_json:
