@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import platform
@@ -84,8 +85,6 @@ class Report:
 
 
 def save_report(report: Report, path) -> None:
-    import json
-
     try:
         Path(path).write_text(json.dumps(report.to_json(), indent=1) + "\n")
     except OSError as err:
@@ -94,8 +93,6 @@ def save_report(report: Report, path) -> None:
 
 def load_report(path) -> Report:
     """The report in ``path`` (``tvmflash bench --json``); ValueError, naming the file, where it is not one."""
-    import json
-
     try:
         return Report.from_json(json.loads(Path(path).read_text()))
     except OSError as err:
@@ -120,11 +117,13 @@ def version() -> str:
     here = Path(__file__).resolve().parent
     try:
         git = ["git", "-C", str(here)]
-        commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                timeout=10, check=True).stdout.strip()
+        top, commit = subprocess.run([*git, "rev-parse", "--show-toplevel", "--short", "HEAD"], capture_output=True,
+                                     text=True, timeout=10, check=True).stdout.split()
         dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True,
                                text=True, timeout=10, check=True).stdout.strip()
-    except (OSError, subprocess.SubprocessError):  # no git, or an installed copy: the version alone
+    except (OSError, ValueError, subprocess.SubprocessError):  # no git, or an installed copy: the version alone
+        return __version__
+    if Path(top).resolve() != here.parent:  # installed inside some other repository: its commit is not ours
         return __version__
     return f"{__version__} ({commit}{'-dirty' if dirty else ''})"
 

@@ -310,8 +310,8 @@ def parser() -> argparse.ArgumentParser:
                         "and mask, a line per backend and the matmul ceiling measured in the run; needs matplotlib "
                         "(pip install 'tvmflash[plot]')")
     b.add_argument("--from-json", default=None, metavar="FILE",
-                   help="measure nothing: print (and with --plot draw) a report that --json wrote, e.g. on a GPU "
-                        "machine without matplotlib; the options that shape a run are then ignored")
+                   help="measure nothing: print (and with --plot draw) a report that --json wrote, e.g. one "
+                        "written on a GPU machine without matplotlib; the options that shape a run are then ignored")
 
     t = command("tune", "tune the schedule's knobs on this machine (MetaSchedule); store the best")
     t.add_argument("--head-dim", type=int, nargs="+", default=None, help="one or more; each is a workload")
