@@ -51,6 +51,112 @@ def test_bench_on_cpu():
                                                    r"[\d.]+x to [\d.]+x", out), out
 
 
+# One small CPU configuration (test_bench_on_cpu's: its module is built once for both).
+SMALL_BENCH = ["bench", "--device", "cpu", "--head-dim", "64", "--causal", "yes", "--seqlens", "128", "--tokens", "256",
+               "--hidden", "128", "--repeat", "2"]
+
+
+def test_bench_saves_its_run_and_prints_it_again(tmp_path, capsys):
+    """--json writes the run (results with their shapes, the ceilings measured in the same run, device,
+    date, version); --from-json reads it back, measuring nothing, and prints the same table."""
+    from tvmflash import bench, cli
+
+    path = tmp_path / "run.json"
+    assert cli.main([*SMALL_BENCH, "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    ceilings = re.search(r"ceilings in this run: 1024x1024 bfloat16 matmul ([\d.]+) TFLOP/s, copy of 256 MiB "
+                         r"([\d.]+) GB/s \(read \+ write\)", out)
+    assert ceilings and all(float(x) > 0 for x in ceilings.groups()), out
+    data = json.loads(path.read_text())
+    report = bench.load_report(path)
+    assert report.to_json() == data and report.dtype == "bfloat16" and report.device.startswith("CPU: ")
+    assert report.ceilings.matmul_tflops > 0 and report.ceilings.copy_gbps > 0
+    (result,) = report.results
+    assert result.shape == {"batch": 2, "seqlen": 128, "heads": 2, "head_dim": 64, "causal": True}
+    assert result.times_ms["tvmflash"] > 0 and result.error <= result.tolerance
+    rows = [line for line in out.splitlines() if line.startswith("bfloat16 d64 causal")]
+
+    assert cli.main(["bench", "--from-json", str(path)]) == 0
+    again = capsys.readouterr().out
+    assert rows and rows == [line for line in again.splitlines() if line.startswith("bfloat16 d64 causal")], again
+    assert ceilings.group(0) in again and "(from a saved report)" in again
+
+
+def test_bench_plots_what_it_measured(tmp_path, capsys):
+    """--plot draws the run as it ends, and --from-json FILE --plot draws a saved run (on a machine
+    without the GPU that measured it): both valid PNGs."""
+    pytest.importorskip("matplotlib")
+    from tvmflash import cli
+
+    drawn, saved, again = tmp_path / "run.png", tmp_path / "run.json", tmp_path / "again.png"
+    assert cli.main([*SMALL_BENCH, "--plot", str(drawn), "--json", str(saved)]) == 0
+    assert cli.main(["bench", "--from-json", str(saved), "--plot", str(again)]) == 0
+    assert f"wrote {drawn}" in capsys.readouterr().out
+    for png in (drawn, again):
+        head = png.read_bytes()[:24]
+        width, height = int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")
+        assert head[:8] == b"\x89PNG\r\n\x1a\n" and head[12:16] == b"IHDR" and width > 200 and height > 200
+
+
+def test_plot_draws_a_grid_of_panels(tmp_path):
+    """Five (head_dim, causal) panels on a grid of two rows (the unused cell hidden), a backend that refused
+    an input (no point), a tvmflash output over the error tolerance (a red x): from a hand-made report."""
+    pytest.importorskip("matplotlib")
+    from tvmflash import bench, plot
+
+    results = [bench.Result(f"d{d} s{s}", {"tvmflash": s / 1000, "sdpa-flash": None if s == 512 else s / 900}, s * 1e9,
+                            error=1.0 if (d, s) == (64, 1024) else 0.0, tolerance=0.5,
+                            shape={"batch": 1, "seqlen": s, "heads": 8, "head_dim": d, "causal": causal})
+               for d, causal in ((64, False), (64, True), (96, False), (128, False), (256, True)) for s in (512, 1024)]
+    report = bench.Report("NVIDIA H100 80GB HBM3", "bfloat16", "2026-12-07", "0.1.0 (abcdef0)",
+                          bench.Ceilings(700.0, 8192, 3000.0, 1 << 30), results)
+    plot.plot(report, tmp_path / "grid.svg")
+    svg = (tmp_path / "grid.svg").read_text()
+    assert "NVIDIA H100 80GB HBM3" in svg and "over the error tolerance" in svg and "d256, 8 heads, causal" in svg
+
+
+def test_plot_without_matplotlib_says_how_to_install_it(tmp_path, monkeypatch, capsys):
+    """Without matplotlib, --plot is refused before anything is measured, with the command that installs
+    it and the way round it (--json now, --from-json where matplotlib is)."""
+    from tvmflash import cli
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed: its import raises ImportError
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["bench", "--device", "cpu", "--plot", str(tmp_path / "run.png")])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "pip install 'tvmflash[plot]'" in err and "--from-json" in err, err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "run.png").exists()
+
+
+def write_file(folder, name, text):
+    (folder / name).write_text(text)
+    return str(folder / name)
+
+
+@pytest.mark.parametrize("args,message", [
+    (lambda d: ["--plot", str(d / "run.txt")], "--plot: expected a file name ending in .png, .svg, .pdf, got "),
+    (lambda d: ["--plot", str(d / "missing" / "run.png")], "/missing is not a folder"),
+    (lambda d: ["--plot", write_file(d, "a-file", "") + "/run.png"], "/a-file is not a folder"),
+    (lambda d: ["--plot", str(d)], "is a folder, expected a file name"),
+    (lambda d: ["--json", str(d / "missing" / "run.json")], "--json: cannot write"),
+    (lambda d: ["--from-json", str(d / "missing.json")], "missing.json: cannot read it: No such file or directory"),
+    (lambda d: ["--from-json", write_file(d, "broken.json", "{")], "broken.json: Expecting property name"),
+    (lambda d: ["--from-json", write_file(d, "other.json", '{"results": []}')],
+     "other.json: expected a report of `tvmflash bench --json` ('tvmflash bench report 1'), got None"),
+    (lambda d: ["--from-json", write_file(d, "damaged.json", '{"format": "tvmflash bench report 1"}')],
+     "damaged.json: a damaged bench report: KeyError: 'ceilings'"),
+])
+def test_bench_refuses_bad_outputs_and_reports(tmp_path, capsys, args, message):
+    """A file bench cannot write, or a report it cannot read, is one line of error before anything is
+    measured, not a traceback after minutes of it."""
+    from tvmflash import cli
+
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["bench", "--device", "cpu", *args(tmp_path)])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_bad_arguments_fail_cleanly():
     done = subprocess.run([sys.executable, "-m", "tvmflash.cli", "compile", "--head-dim", "59", "--target", "cpu"],
                           capture_output=True, text=True)

@@ -57,7 +57,7 @@ FLOORS = (
     ("the API: torch functions and ops, the command line", ("tvmflash", "tvmflash.ops", "tvmflash.flash_attn",
                                                             "tvmflash.flex", "tvmflash.flex_trace", "tvmflash.cli")),
     ("tuning", ("tvmflash.tune",)),
-    ("measuring", ("tvmflash.bench",)),
+    ("measuring", ("tvmflash.bench", "tvmflash.plot")),
     ("kernels: compile, build, cache, call", ("tvmflash.kernels",)),
     ("the choice of schedule and knobs", ("tvmflash.choice",)),
     ("tuning records", ("tvmflash.database",)),

@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
+import platform
 import statistics
+import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from tvmflash.kernels import compile
 from tvmflash.kernels.checks import TORCH_DTYPES
+from tvmflash.version import __version__
 
 # The issue's grid: batch * seqlen = 16k tokens, heads * head_dim = 2048.
 GPU_GRID = {"tokens": 16384, "hidden": 2048, "seqlens": [512, 1024, 2048, 4096, 8192, 16384]}
@@ -29,6 +34,98 @@ class Result:
     error: float  # max |tvmflash - float32 reference| on a slice of the output
     tolerance: float  # 2x torch's same-dtype error on that slice + eps (flash-attn's rule)
     host_us: dict | None = None  # backend -> host microseconds a call (``host_us``), where measured
+    shape: dict | None = None  # batch, seqlen, heads, head_dim, causal: what a plot's axes and panels are
+
+
+@dataclass
+class Ceilings:
+    """What the device reaches outside attention, measured in the same run as the attention figures (the
+    same clocks, the same timing method), so that those read as a share of what is possible."""
+    matmul_tflops: float  # a square torch.matmul in the benchmark's dtype
+    matmul_size: int  # its n: (n, n) @ (n, n)
+    copy_gbps: float  # a tensor copy: bytes read plus bytes written, a second
+    copy_bytes: int  # the tensor copied
+
+
+# A square matmul large enough to run at the device's peak, and a copy far larger than its caches
+# (an H100's or H200's L2: 50/60 MiB; a CPU's last level: up to a few hundred MiB).
+CEILING_SIZES = {"cuda": (8192, 1 << 30), "cpu": (1024, 256 << 20)}
+
+# Bumped when a field of the report changes meaning, so that an old file is refused rather than misdrawn.
+REPORT_FORMAT = "tvmflash bench report 1"
+
+
+@dataclass
+class Report:
+    """What one ``run`` measured and where: printed as a table, written by ``tvmflash bench --json``,
+    drawn by ``tvmflash.plot.plot``."""
+    device: str  # the GPU's name, or the CPU's model and threads
+    dtype: str
+    date: str
+    version: str  # tvmflash's, and the commit where it runs from a git checkout
+    ceilings: Ceilings
+    results: list  # of Result, in the order measured
+
+    def to_json(self) -> dict:
+        return {"format": REPORT_FORMAT, **asdict(self)}
+
+    @classmethod
+    def from_json(cls, data) -> Report:
+        """The report ``to_json`` wrote; ValueError, saying what is wrong, for anything else."""
+        if not isinstance(data, dict) or data.get("format") != REPORT_FORMAT:
+            found = data.get("format") if isinstance(data, dict) else type(data).__name__
+            raise ValueError(f"expected a report of `tvmflash bench --json` ({REPORT_FORMAT!r}), got {found!r}")
+        fields = {k: v for k, v in data.items() if k != "format"}
+        try:
+            fields["ceilings"] = Ceilings(**fields["ceilings"])
+            fields["results"] = [Result(**r) for r in fields["results"]]
+            return cls(**fields)
+        except (KeyError, TypeError) as err:  # a field missing or unknown: a damaged or hand-made file
+            raise ValueError(f"a damaged bench report: {type(err).__name__}: {err}") from None
+
+
+def save_report(report: Report, path) -> None:
+    try:
+        Path(path).write_text(json.dumps(report.to_json(), indent=1) + "\n")
+    except OSError as err:
+        raise ValueError(f"{path}: cannot write the report: {err.strerror}") from None
+
+
+def load_report(path) -> Report:
+    """The report in ``path`` (``tvmflash bench --json``); ValueError, naming the file, where it is not one."""
+    try:
+        return Report.from_json(json.loads(Path(path).read_text()))
+    except OSError as err:
+        raise ValueError(f"{path}: cannot read it: {err.strerror}") from None
+    except ValueError as err:  # json's JSONDecodeError is one
+        raise ValueError(f"{path}: {err}") from None
+
+
+def device_name(device) -> str:
+    """The GPU's name, or the CPU's model and the threads torch uses: what a figure was measured on."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    model = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):  # Linux names the model here; platform.processor() often gives "x86_64"
+        model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("model name")), model)
+    return f"CPU: {model}, {torch.get_num_threads()} threads"
+
+
+def version() -> str:
+    """tvmflash's version, and the commit (with -dirty for local changes) where it runs from a git checkout."""
+    here = Path(__file__).resolve().parent
+    try:
+        git = ["git", "-C", str(here)]
+        top, commit = subprocess.run([*git, "rev-parse", "--show-toplevel", "--short", "HEAD"], capture_output=True,
+                                     text=True, timeout=10, check=True).stdout.split()
+        dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, ValueError, subprocess.SubprocessError):  # no git, or an installed copy: the version alone
+        return __version__
+    if Path(top).resolve() != here.parent:  # installed inside some other repository: its commit is not ours
+        return __version__
+    return f"{__version__} ({commit}{'-dirty' if dirty else ''})"
 
 
 def build_in_parallel(builds: list[tuple[str, dict]], processes: int, echo=print,
@@ -171,6 +268,23 @@ def time_backends(calls: dict, device, repeat: int) -> dict:
     return best
 
 
+def measure_ceilings(device, dtype: str, repeat: int) -> Ceilings:
+    """A square matmul's TFLOP/s and a large copy's GB/s on ``device``, timed as the backends are
+    (``time_backends``: the same rounds, bursts and pauses, so the same clocks)."""
+    n, copy_bytes = CEILING_SIZES[device.type]
+    gen = torch.Generator(device=device).manual_seed(0)
+    # random operands, not zeros: a GPU's power, and so its clocks, depend on the bits that toggle
+    a, b = (torch.randn(n, n, device=device, dtype=TORCH_DTYPES[dtype], generator=gen) for _ in range(2))
+    product = torch.empty_like(a)
+    # a copy is bound by memory, not by the bits: a constant fill (0b01011010) is a second faster than random bytes
+    source = torch.full((copy_bytes,), 0x5A, dtype=torch.uint8, device=device)
+    copied = torch.empty_like(source)
+    times = time_backends({"matmul": lambda: torch.matmul(a, b, out=product), "copy": lambda: copied.copy_(source)},
+                          device, repeat)
+    return Ceilings(matmul_tflops=2 * n**3 / times["matmul"] / 1e9, matmul_size=n,
+                    copy_gbps=2 * copy_bytes / times["copy"] / 1e6, copy_bytes=copy_bytes)
+
+
 def run_one(kernel, batch, seqlen, heads, head_dim, dtype, causal, device, repeat, measure_host=False,
             layout="bshd"):
     """Check and time one configuration. measure_host (CUDA): also each backend's ``host_us``, SDPA's
@@ -216,8 +330,9 @@ def run_one(kernel, batch, seqlen, heads, head_dim, dtype, causal, device, repea
                 with backend():
                     host[name] = host_us(attend)
     config = f"{dtype} d{head_dim} {'causal' if causal else 'full'} b{batch} h{heads} s{seqlen}"
+    shape = {"batch": batch, "seqlen": seqlen, "heads": heads, "head_dim": head_dim, "causal": causal}
     return Result(config, times, attention_flops(batch, heads, seqlen, seqlen, head_dim, causal), error, tolerance,
-                  host)
+                  host, shape)
 
 
 def error_vs_float32(out, q, k, v, causal, heads=2, rows=1024):
@@ -261,8 +376,9 @@ def gradient_errors_vs_float32(grads, q, k, v, dout, causal, heads=2) -> list[tu
 
 
 def run(*, device=None, dtype="bfloat16", head_dims=(64, 128), causal=(False, True), seqlens=None,
-        tokens=None, hidden=None, repeat=20, target=None, knobs=None, layout="bshd", echo=print):
-    """Run the grid and print a table. Returns the list of results. layout: see ``run_one``."""
+        tokens=None, hidden=None, repeat=20, target=None, knobs=None, layout="bshd", echo=print) -> Report:
+    """Measure the device's ceilings (``measure_ceilings``), then run the grid and print a table.
+    Returns the report: the results, the ceilings and where they were measured. layout: see ``run_one``."""
     if layout not in ("bshd", "bhsd"):
         raise ValueError(f"layout: expected 'bshd' or 'bhsd', got {layout!r}")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -285,8 +401,10 @@ def run(*, device=None, dtype="bfloat16", head_dims=(64, 128), causal=(False, Tr
         raise ValueError(f"hidden: heads * head_dim must hold at least one head of head_dim {max(head_dims)}, "
                          f"got {hidden}")
     target = target or ("cpu" if device.type == "cpu" else None)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    echo(f"tvmflash bench on {name}, {time.strftime('%Y-%m-%d')}: batch*seqlen={tokens}, heads*head_dim={hidden}")
+    name, date = device_name(device), time.strftime("%Y-%m-%d")
+    echo(f"tvmflash bench on {name}, {date}: batch*seqlen={tokens}, heads*head_dim={hidden}")
+    ceilings = measure_ceilings(device, dtype, repeat)
+    echo(_ceilings_line(ceilings, dtype))
     results, kernels = [], []
     header = None
     for head_dim in head_dims:
@@ -316,7 +434,25 @@ def run(*, device=None, dtype="bfloat16", head_dims=(64, 128), causal=(False, Tr
         source = info["knobs_source"].split(" (")[0]
         echo(f"kernel d{info['head_dim']} {'causal' if info['causal'] else 'full'}: {info['schedule']} schedule, "
              f"{'default' if source == 'defaults' else source} knobs {info['knobs']}")
-    return results
+    return Report(name, dtype, date, version(), ceilings, results)
+
+
+def print_report(report: Report, echo=print) -> None:
+    """The table ``run`` printed, from a saved report (``tvmflash bench --from-json``)."""
+    echo(f"tvmflash bench on {report.device}, {report.date}, tvmflash {report.version} (from a saved report)")
+    echo(_ceilings_line(report.ceilings, report.dtype))
+    if report.results:
+        header = _header(report.results[0])
+        echo(header)
+        echo("-" * len(header))
+    for result in report.results:
+        echo(_row(result))
+
+
+def _ceilings_line(ceilings: Ceilings, dtype: str) -> str:
+    n = ceilings.matmul_size
+    return (f"ceilings in this run: {n}x{n} {dtype} matmul {ceilings.matmul_tflops:.2f} TFLOP/s, "
+            f"copy of {ceilings.copy_bytes >> 20} MiB {ceilings.copy_gbps:.1f} GB/s (read + write)")
 
 
 def _header(result):

@@ -79,18 +79,46 @@ def _compile(args) -> int:
 
 
 def _bench(args) -> int:
-    from tvmflash import bench
+    from tvmflash import bench, plot
 
-    results = bench.run(device=args.device, dtype=args.dtype, head_dims=args.head_dim,
-                        causal=CAUSAL[args.causal],
-                        seqlens=args.seqlens, tokens=args.tokens, hidden=args.hidden, repeat=args.repeat,
-                        target=args.target, knobs=json.loads(args.knobs) if args.knobs else None, layout=args.layout)
+    # every output is checked before the run, which can take many minutes, rather than after it
+    if args.plot:
+        _writable(args.plot, "--plot")
+        plot.check(args.plot)
+    if args.json:
+        _writable(args.json, "--json")
+    if args.from_json:
+        report = bench.load_report(args.from_json)
+        bench.print_report(report)
+    else:
+        report = bench.run(device=args.device, dtype=args.dtype, head_dims=args.head_dim,
+                           causal=CAUSAL[args.causal],
+                           seqlens=args.seqlens, tokens=args.tokens, hidden=args.hidden, repeat=args.repeat,
+                           target=args.target, knobs=json.loads(args.knobs) if args.knobs else None,
+                           layout=args.layout)
     print("ratios are the backend's time over tvmflash's: above 1.00x, tvmflash is faster")
-    failed = [r.config for r in results if r.error > r.tolerance]
+    if args.json:
+        bench.save_report(report, args.json)  # before the figure: a failed plot loses no measurement
+        print(f"wrote {args.json}")
+    if args.plot:
+        plot.plot(report, args.plot)
+        print(f"wrote {args.plot}")
+    failed = [r.config for r in report.results if r.error > r.tolerance]
     if failed:
         print(f"ERROR: {len(failed)} configurations exceeded the error tolerance: {failed}", file=sys.stderr)
         return 1
     return 0
+
+
+def _writable(path: str, option: str) -> None:
+    """ValueError unless ``path`` names a file that can be written (its folder exists and is writable)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ValueError(f"{option}: {path} is a folder, expected a file name")
+    if not os.path.isdir(folder):
+        raise ValueError(f"{option}: cannot write {path}: {folder} is not a folder")
+    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise ValueError(f"{option}: cannot write {path}: permission denied")
 
 
 def _workload_dir(work_dir, name: str, count: int):
@@ -278,6 +306,15 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--layout", default="bshd", choices=["bshd", "bhsd"],
                    help="bhsd: the inputs are (b, h, s, d) tensors, SDPA's layout, and tvmflash is timed on "
                         "transpose(1, 2) views of them (strided, no copy) and on contiguous copies, in one run")
+    b.add_argument("--json", default=None, metavar="FILE",
+                   help="also write what was measured (results, ceilings, device, date, commit) to FILE as JSON")
+    b.add_argument("--plot", default=None, metavar="FILE",
+                   help="draw TFLOP/s against the sequence length to FILE (.png, .svg or .pdf): a panel per head_dim "
+                        "and mask, a line per backend and the matmul ceiling measured in the run; needs matplotlib "
+                        "(pip install 'tvmflash[plot]')")
+    b.add_argument("--from-json", default=None, metavar="FILE",
+                   help="measure nothing: print (and with --plot draw) a report that --json wrote, e.g. one "
+                        "written on a GPU machine without matplotlib; the options that shape a run are then ignored")
 
     t = command("tune", "tune the schedule's knobs on this machine (MetaSchedule); store the best")
     t.add_argument("--head-dim", type=int, nargs="+", default=None, help="one or more; each is a workload")
