@@ -7,6 +7,7 @@ import tvm
 
 from .. import common, cpu
 from .intrinsics import BLOCK, dot_intrin
+from .rows import tensorize_row
 
 # The right operands (Kᵀ for QKᵀ, V for PV) in AMX's pair-interleaved layout: (k // 2, n, k % 2).
 VNNI = {"load_k": lambda j, d: (d // 2, j, d % 2), "load_v": lambda j, d: (j // 2, d, j % 2)}
@@ -25,6 +26,8 @@ def schedule(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, vector: int
         cpu.vectorize_inner(sch, name, vector)
     tile_product(sch, "qk", vector)
     tile_product(sch, "pv", vector)
+    tensorize_row(sch, "row_max", "max")
+    tensorize_row(sch, "row_sum", "sum")
     return sch
 
 
