@@ -465,7 +465,7 @@ def test_tiles_past_their_sequence_run_nothing():
 
     def tiles(mod):
         return [block for func in mod.functions.values()
-                for block in find(func.body, lambda n: isinstance(n, tvm.s_tir.SBlock) and n.name_hint == "tile")]
+                for block in find(func.body, tvm.s_tir.SBlock, lambda n: n.name_hint == "tile")]
 
     for varlen in (True, False):
         spec = program.AttentionSpec(32, "float16", True, 2, 2, varlen=varlen)
