@@ -13,8 +13,9 @@ right operands so (``forward.VNNI``).
 
 The tile configuration (palette 1, eight tiles of 16 rows x 64 bytes) is per thread, and the
 parallel loop runs its tasks on whichever thread of the pool: each call loads it first (ldtilecfg),
-from a 64-byte buffer of its own; a call covers all the columns of its 32 rows, so that a product
-loads it once for every 32 rows.
+from a 64-byte buffer of its own, so that a call is right wherever it stands; where all of a task's
+calls load the same one, the lowering loads it once at the start of the task instead
+(``tvmflash.lowering.amx_config``).
 """
 
 from __future__ import annotations

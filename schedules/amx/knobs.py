@@ -13,7 +13,7 @@ DTYPES = ("bfloat16",)  # AMX's float16 products (amx-fp16) are Granite Rapids' 
 # head_dim is QKᵀ's reduction (steps of 32) and PV's columns (blocks of 32).
 HEAD_DIMS = tuple(range(STEP, 257, STEP))
 FORWARD = KnobSet("amx", "forward", (
-    Knob("block_m", 128, choices=(32, 64, 128), space=(32, 64, 128), role=TILE),
+    Knob("block_m", 128, choices=(32, 64, 128, 256, 512), space=(32, 64, 128), role=TILE),
     Knob("block_n", 64, choices=(32, 64, 128, 256), space=(32, 64, 128), role=TILE),
     Knob("vector", 16, choices=cpu.VECTORS, space=cpu.SAMPLED_VECTORS),
 ))
