@@ -9,7 +9,7 @@ of A (tmm0, tmm1) by two of B (tmm2, tmm3): four products per four loads.
 
 B is read in AMX's pair-interleaved ("VNNI") layout: B[k // 2, n, k % 2] is the operand's (k, n)
 element, so a 64-byte tile row holds the pairs (k, k + 1) of 16 columns. The schedule stores its
-right operands so (``forward.VNNI``).
+right operands so (``packing.VNNI``).
 
 The tile configuration (palette 1, eight tiles of 16 rows x 64 bytes) is per thread, and the
 parallel loop runs its tasks on whichever thread of the pool: each call loads it first (ldtilecfg),
