@@ -1,7 +1,8 @@
 """The CPU forward (and optionally backward) on AMX against the plain CPU schedule and SDPA: BENCHMARKS.md's
 "CPU with AMX" table. Each configuration is checked against float32 first (``bench.error_vs_float32``'s
 rule), then every backend is timed back to back in one process, best of ``--rounds`` rounds of ``--calls``
-calls (median of each): the cores may be shared.
+calls: the median wall clock of each round, and the process's CPU time a call (the cores may be shared,
+and the CPU time leaves out the other processes' turns).
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/amx_bench.py [--dtype bfloat16] [--backward] [--head-dims 64 128]
 """
@@ -22,13 +23,17 @@ TOKENS, WIDTH = 2048, 512  # batch * seqlen, heads * head_dim
 
 
 def median_ms(fn, calls):
+    """(wall, cpu): the median wall-clock milliseconds of ``calls`` calls, and the process's CPU time a
+    call over them (all its threads): on shared cores, the wall clock also counts the other processes'
+    turns, and the CPU time does not."""
     fn()
     samples = []
+    cpu = time.process_time()
     for _ in range(calls):
         start = time.perf_counter()
         fn()
         samples.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(samples)
+    return statistics.median(samples), (time.process_time() - cpu) / calls * 1e3
 
 
 def main():
@@ -51,7 +56,7 @@ def main():
             for seqlen in args.seqlens:
                 batch, heads = TOKENS // seqlen, WIDTH // head_dim
                 q, k, v = (torch.randn(batch, seqlen, heads, head_dim, dtype=dtype) for _ in range(3))
-                calls, names = {}, []
+                calls = {}
                 for name in (["default"] if args.backward else args.schedules):
                     schedule = None if name == "default" else name
                     if args.backward:
@@ -72,7 +77,6 @@ def main():
                         def run(kernel=kernel, out=out):
                             kernel(q, k, v, out=out)
                     calls[name] = run
-                    names.append(name)
                 qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
                 if args.backward:
                     qs, ks, vs = (t.detach().clone().requires_grad_() for t in (qt, kt, vt))
@@ -86,13 +90,17 @@ def main():
                         F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
                 calls["sdpa"] = sdpa
                 best = {name: float("inf") for name in calls}
+                cpu = dict(best)
                 for _ in range(args.rounds):
                     for name, fn in calls.items():
-                        best[name] = min(best[name], median_ms(fn, args.calls))
+                        wall, cpu_ms = median_ms(fn, args.calls)
+                        best[name], cpu[name] = min(best[name], wall), min(cpu[name], cpu_ms)
                 first = next(iter(calls))
                 cells = " / ".join(f"{best[name]:.2f}" for name in calls)
-                print(f"d{head_dim} {'causal' if causal else 'full  '} s{seqlen:<5} {' / '.join(calls)}: {cells} "
-                      f"({best['sdpa'] / best[first]:.2f}x SDPA)", flush=True)
+                cpu_cells = " / ".join(f"{cpu[name]:.2f}" for name in calls)
+                print(f"d{head_dim} {'causal' if causal else 'full  '} s{seqlen:<5} {' / '.join(calls)}: wall {cells} "
+                      f"({best['sdpa'] / best[first]:.2f}x SDPA); cpu {cpu_cells} ({cpu['sdpa'] / cpu[first]:.2f}x)",
+                      flush=True)
 
 
 if __name__ == "__main__":
