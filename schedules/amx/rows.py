@@ -48,7 +48,7 @@ def row_intrin(op: str, columns: int) -> str:
     N = columns
 
     @T.prim_func(s_tir=True)
-    def desc_max(x: T.handle, r: T.handle) -> None:
+    def desc(x: T.handle, r: T.handle) -> None:
         X = T.match_buffer(x, (1, N), "float32", offset_factor=1)
         R = T.match_buffer(r, (1,), "float32", offset_factor=1)
         with T.sblock("root"):
@@ -57,19 +57,7 @@ def row_intrin(op: str, columns: int) -> str:
             for j in range(N):
                 with T.sblock("update"):
                     vj = T.axis.remap("R", [j])
-                    R[0] = T.max(R[0], X[0, vj])
-
-    @T.prim_func(s_tir=True)
-    def desc_sum(x: T.handle, r: T.handle) -> None:
-        X = T.match_buffer(x, (1, N), "float32", offset_factor=1)
-        R = T.match_buffer(r, (1,), "float32", offset_factor=1)
-        with T.sblock("root"):
-            T.reads(R[0:1], X[0:1, 0:N])
-            T.writes(R[0:1])
-            for j in range(N):
-                with T.sblock("update"):
-                    vj = T.axis.remap("R", [j])
-                    R[0] = R[0] + X[0, vj]
+                    R[0] = _combine(op, R[0], X[0, vj])
 
     @T.prim_func(s_tir=True)
     def impl(x: T.handle, r: T.handle) -> None:
@@ -93,7 +81,7 @@ def row_intrin(op: str, columns: int) -> str:
     body = tirx.BufferStore(R, _combine(op, tirx.BufferLoad(R, [zero]), total), [zero])
     block = s_tir.SBlock(root.iter_vars, root.reads, root.writes, root.name_hint, body)
     impl = impl.with_body(s_tir.SBlockRealize([], True, block))
-    register_intrin(name, desc_max if op == "max" else desc_sum, impl)
+    register_intrin(name, desc, impl)
     _REGISTERED.add(name)
     return name
 

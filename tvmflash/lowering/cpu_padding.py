@@ -12,7 +12,7 @@ from __future__ import annotations
 import tvm
 from tvm import tirx
 
-from tvmflash.lowering.ir import find, is_call, is_load, prim_func_pass, target_of, transform, with_children
+from tvmflash.lowering.ir import find, is_call, prim_func_pass, target_of, transform, with_children
 
 _BOUNDS = {"LT": (False, True), "LE": (False, False), "GT": (True, True), "GE": (True, False)}
 
@@ -28,9 +28,11 @@ def _all_true(cond, ranges: dict, analyzer):
         return None
     flipped, strict = _BOUNDS[kind]
     difference = cond.b - cond.a if flipped else cond.a - cond.b  # cond: difference < 0 (<= 0)
+    if not str(difference.ty).startswith("int") or find(difference, tvm.ir.expr.TensorLoad):
+        return None  # a bound on integer positions alone, never on loaded values
     highest = analyzer.int_set(difference, ranges).max_value
-    if find(highest, tirx.Var, lambda v: v.name in ("pos_inf", "neg_inf")) or str(highest) in ("pos_inf", "neg_inf"):
-        return None
+    if find(highest, tirx.Var, lambda v: v.name == "pos_inf" or any(v.same_as(loop) for loop in ranges)):
+        return None  # unbounded, or not free of the loops
     zero = tirx.const(0, str(highest.ty))
     return highest < zero if strict else highest <= zero
 
