@@ -109,6 +109,44 @@ def test_exp2_on_the_cpu_is_a_vectorised_polynomial_as_exact_as_float32_needs():
     assert np.isnan(got[np.isnan(x)]).all()
 
 
+def test_a_padded_tile_loads_without_its_test_where_the_whole_tile_is_inside():
+    """``cpu_padding.VersionPaddedLoads``: a nest that loads rows zero-padded past ``n`` runs, where all its
+    rows are below ``n``, a copy whose loads have no test; both copies give the padded tile."""
+
+    @T.prim_func
+    def padded(x: T.Buffer((100, 8), "float32"), y: T.Buffer((4, 32, 8), "float32")):
+        for t, r, c in T.grid(4, 32, 8):
+            y[t, r, c] = T.if_then_else(t * 32 + r < 100, x[T.min(t * 32 + r, 99), c], T.float32(0))
+
+    from tvmflash.lowering import cpu_padding
+
+    mod = tvm.IRModule({"main": padded.with_attr("target", tvm.target.Target({"kind": "llvm"}))})
+    mod = tvm.tirx.transform.FlattenBuffer()(tvm.s_tir.transform.LowerOpaqueBlock()(mod))
+    versioned = cpu_padding.VersionPaddedLoads()(mod)["main"].body
+    branch = lowering.ir.find(versioned, tvm.tirx.IfThenElse)
+    assert len(branch) == 1 and "if_then_else" not in str(branch[0].then_case)
+    assert "if_then_else" in str(branch[0].else_case)
+
+    x = np.random.default_rng(0).standard_normal((100, 8)).astype("float32")
+    y = tvm.runtime.tensor(np.full((4, 32, 8), -1, "float32"))
+    lowering.build(tvm.IRModule({"main": padded}), tvm.target.Target({"kind": "llvm"}))(tvm.runtime.tensor(x), y)
+    assert (y.numpy().reshape(128, 8) == np.concatenate([x, np.zeros((28, 8), "float32")])).all()
+
+
+def test_the_amx_tile_configuration_is_loaded_once_a_task():
+    """``amx_config.OneTileConfigPerTask``: the AMX forward (built, not run: any host) loads its tile
+    configuration once in its parallel task, for all of the task's tile products."""
+    import torch
+
+    import tvmflash
+
+    kernel = tvmflash.compile(head_dim=64, dtype=torch.bfloat16,
+                              target={"kind": "llvm", "mcpu": "sapphirerapids", "num-cores": 2})
+    build = kernel.build
+    llvm_ir = lowering.build(build.programs(build.spec(2, 2)).mod, build.target, **build.options).mod.inspect_source("ll")
+    assert llvm_ir.count("call void @llvm.x86.ldtilecfg") == 1 and llvm_ir.count("@llvm.x86.tdpbf16ps") > 8
+
+
 def test_every_lowering_module_is_in_the_build_cache_key():
     """``lowering.MODULES`` (whose source is in the build cache's key) holds every module of the package:
     a change to any pass builds anew."""

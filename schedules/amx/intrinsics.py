@@ -9,12 +9,13 @@ of A (tmm0, tmm1) by two of B (tmm2, tmm3): four products per four loads.
 
 B is read in AMX's pair-interleaved ("VNNI") layout: B[k // 2, n, k % 2] is the operand's (k, n)
 element, so a 64-byte tile row holds the pairs (k, k + 1) of 16 columns. The schedule stores its
-right operands so (``forward.VNNI``).
+right operands so (``packing.VNNI``).
 
 The tile configuration (palette 1, eight tiles of 16 rows x 64 bytes) is per thread, and the
 parallel loop runs its tasks on whichever thread of the pool: each call loads it first (ldtilecfg),
-from a 64-byte buffer of its own; a call covers all the columns of its 32 rows, so that a product
-loads it once for every 32 rows.
+from a 64-byte buffer of its own, so that a call is right wherever it stands; where all of a task's
+calls load the same one, the lowering loads it once at the start of the task instead
+(``tvmflash.lowering.amx_config``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The AMX forward's knobs: tiles in whole 32 x 32 blocks of tile products. block_m 128 by default:
-each task packs every K/V tile it reads (``forward.pack_pairs``), so more query rows a task share
-that cost; measured fastest of block_m 64 and 128 by block_n 64 and 128 at d64 and d128 (BENCHMARKS.md,
-CPU with AMX)."""
+each task packs every K/V tile it reads (``packing``), so more query rows a task share that cost;
+measured fastest of block_m 64 and 128 by block_n 64 and 128 at d64 and d128. block_m 256 shares it
+further, and was faster without a mask but slower with causal's (BENCHMARKS.md, CPU with AMX)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ DTYPES = ("bfloat16",)  # AMX's float16 products (amx-fp16) are Granite Rapids' 
 # head_dim is QKᵀ's reduction (steps of 32) and PV's columns (blocks of 32).
 HEAD_DIMS = tuple(range(STEP, 257, STEP))
 FORWARD = KnobSet("amx", "forward", (
-    Knob("block_m", 128, choices=(32, 64, 128), space=(32, 64, 128), role=TILE),
+    Knob("block_m", 128, choices=(32, 64, 128, 256), space=(32, 64, 128, 256), role=TILE),
     Knob("block_n", 64, choices=(32, 64, 128, 256), space=(32, 64, 128), role=TILE),
     Knob("vector", 16, choices=cpu.VECTORS, space=cpu.SAMPLED_VECTORS),
 ))

@@ -36,7 +36,8 @@ def test_amx_serves_the_bf16_forward_where_the_target_has_amx(target, dtype, hea
 
 @needs_amx
 @pytest.mark.parametrize("head_dim, knobs, causal", [(64, None, True), (96, {"block_m": 32, "block_n": 32}, False),
-                                                     (256, {"block_m": 64, "block_n": 128}, True)])
+                                                     (256, {"block_m": 64, "block_n": 128}, True),
+                                                     (128, {"block_m": 256}, False)])
 def test_amx_forward_matches_float64(head_dim, knobs, causal):
     """Beside test_numerics' defaults at d64 and d128 (which run here on AMX): other tiles and
     head_dims, tails on both sides, GQA."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 import tvm
 from tvm import s_tir, tirx
 
-from tvmflash.lowering import (cp_async_barriers, cpu_exp2, double_buffers, hashing, loops_and_blocks, pragmas,
+from tvmflash.lowering import (amx_config, cp_async_barriers, cpu_exp2, cpu_padding, double_buffers, hashing, loops_and_blocks, pragmas,
                                tile_alignment, tma_copies, tma_producer_warpgroup, tvm_fixes, uniformity, wide_indices)
 from tvmflash.lowering.annotations import (ASYNC_PROXY_OPERANDS_ATTR, HOIST_BLOCK_INDEX_CONDITIONS_ATTR,
                                            TMA_BARRIER_PADDING_ATTR, TMA_BARRIER_PADDINGS, WIDE_INDICES_ATTR)
@@ -66,6 +66,8 @@ def passes_for(mod: tvm.IRModule, config) -> list:
         uniformity.BindBlockUniformLoads(SEQUENCE_OFFSETS),          # +
         pragmas.LowerPragmas(),                                      # +
         tirx.transform.FlattenBuffer(),
+        cpu_padding.VersionPaddedLoads(),                            # + (llvm: a branch an element of a padded tile)
+        amx_config.OneTileConfigPerTask(),                           # + (llvm: AMX's ldtilecfg once a task)
         tirx.transform.BF16ComputeLegalize(),
         tirx.transform.NarrowDataType(32),
         s_tir.transform.LoopPartition(),
