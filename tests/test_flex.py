@@ -310,3 +310,35 @@ def _evaluate(node, score: float) -> float:
     if node.op == "const":
         return node.value
     return f[node.op](*(_evaluate(a, score) for a in node.args))
+
+
+# ----------------------------------------------------------------------------- torch.compile
+def test_torch_compile_of_a_call_with_mods_runs_it_eagerly_and_fullgraph_names_the_refusal():
+    """Not yet traced: fullgraph=True raises our NotImplementedError's message (not an internal error of
+    Dynamo inside the tracer); without fullgraph the call runs eagerly, the same out and gradients, and a
+    new captured tensor's values are used (the alibi and causal patterns' modules)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    q, k, v = random_qkv(1, 77, 130, CPU_DTYPE, "cpu", CPU_HEAD_DIM, seed=8)
+    alibi, _ = patterns(77, 130, "cpu")["alibi"]
+    _, causal = patterns(77, 130, "cpu")["causal"]
+
+    def loss(q, k, v, slopes):
+        out = tvmflash.flex_attention(q, k, v, score_mod=lambda s, b, h, i, j: s - slopes[h] * (i - j).abs(),
+                                      block_mask=causal, enable_gqa=True)
+        return out.float().square().sum()
+
+    slopes = torch.rand(HEADS[0]) * 0.3
+    with pytest.raises(Exception, match="under torch.compile\\(fullgraph=True\\): not yet"):
+        torch.compile(loss, fullgraph=True, backend=CompileCounterWithBackend("aot_eager"))(q, k, v, slopes)
+    compiled = torch.compile(loss, backend=CompileCounterWithBackend("aot_eager"))
+    for slopes in (slopes, slopes * 2):
+        results = []
+        for fn in (compiled, loss):
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            value = fn(*leaves, slopes)
+            value.backward()
+            results.append([value.detach()] + [t.grad for t in leaves])
+        for a, b in zip(*results):
+            assert torch.equal(a, b)
+    assert not torch.equal(results[0][0], loss(q, k, v, slopes / 2))

@@ -163,7 +163,8 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     bias) is refused (NotImplementedError: its gradient is not computed yet).
 
     Not yet: the block mask's sparsity (every K/V tile is visited and masked by mask_mod; a BlockMask is
-    taken for its mask_mod), torch.compile of a call, and a captured tensor's gradient.
+    taken for its mask_mod), torch.compile(fullgraph=True) of a call with a mod (NotImplementedError; without
+    fullgraph Dynamo runs such a call eagerly), and a captured tensor's gradient.
     """
     _check_tensors(query, key, value, check_flag("enable_gqa", enable_gqa))
     return_lse = check_flag("return_lse", return_lse)
@@ -175,6 +176,14 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     if score_mod is not None and scale is not None and isinstance(scale, (int, float)) and scale <= 0:
         raise ValueError(f"scale: expected a positive float, got {scale!r}")
     softmax_scale = resolve_softmax_scale(scale, head_dim)  # query's own head_dim's, before any padding
+    if torch.compiler.is_compiling() and (score_mod is not None or mask_mod is not None):
+        # Dynamo would trace into the tracer's symbolic values (an internal RecursionError); it can neither run
+        # the mods on them opaquely (a mod defined inside the compiled function is no Python object at trace
+        # time) nor lift the tensors they capture into the graph (that needs a higher-order op of torch's).
+        # Raised here, fullgraph=True names this; without it Dynamo runs the frame eagerly, which works.
+        raise NotImplementedError(
+            "tvmflash.flex_attention with a score_mod or mask_mod under torch.compile(fullgraph=True): not yet (the "
+            "mods are traced in Python, which Dynamo cannot see through); without fullgraph the call runs eagerly")
     mods, captures = trace_mods(score_mod, mask_mod)
     for n, t in enumerate(captures):
         if t.requires_grad and t.is_floating_point() and torch.is_grad_enabled():

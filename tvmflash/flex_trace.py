@@ -210,6 +210,9 @@ class Traced:
         return self._wrap(make("not", program_flex.cast(self.node, BOOL)))
 
     def __getattr__(self, name):
+        if name.startswith("__") and name.endswith("__"):
+            # a protocol probe (hasattr(x, "__dict__"): Dynamo's, copy's) expects AttributeError, not a refusal
+            raise AttributeError(name)
         raise self.tracing.error(f"the method or attribute .{name}")
 
     @classmethod
