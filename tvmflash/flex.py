@@ -200,7 +200,7 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
         out, lse = attention(q, k, v, softmax_scale=softmax_scale, return_lse=True)
     else:
         q, k, v, run = padded_head_dim(q, k, v, head_dim)
-        if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))):
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):  # (compiling with mods: refused above)
             out, lse = flex_forward(q, k, v, captures, mods_key(mods), softmax_scale)
         else:  # eager, nothing for autograd to record: no custom op's dispatch
             out, lse = flex_kernel(q, mods)(q, k, v, softmax_scale=softmax_scale, return_lse=True, captures=captures)
