@@ -10,7 +10,7 @@ import tvm_ffi
 from tvm import tirx
 
 from tvmflash.lowering.annotations import WGMMA_SWIZZLE_LAYOUTS
-from tvmflash.lowering.ir import CALL, find, inlined, is_call, is_load, let_values, loaded, prim_func_pass, substitute
+from tvmflash.lowering.ir import CALL, LOAD, find, inlined, is_call, is_load, let_values, loaded, prim_func_pass, substitute
 from tvmflash.lowering.tma_device_functions import TMA_LOADS, TMA_REDUCTIONS
 
 
@@ -41,7 +41,7 @@ def _shared_byte_offsets(pointer, what, lets, units16=0):
         data = None
     if data is None or getattr(data.ty, "storage_scope", None) != "shared.dyn":
         raise RuntimeError(f"TMA alignment check: cannot read where {what} lands in shared memory: {pointer}")
-    byte = inlined(index * (element.bits // 8) + units16 * 16, lets)
+    byte = _loads_as_variables(inlined(index * (element.bits // 8) + units16 * 16, lets))
     variables = find(byte, tirx.Var, lambda n: isinstance(n.ty, tvm.ir.PrimType))
     analyzer = tvm.sym.Analyzer()
     for step in range(6):
@@ -49,6 +49,17 @@ def _shared_byte_offsets(pointer, what, lets, units16=0):
         if not isinstance(at, tirx.IntImm):
             raise RuntimeError(f"TMA alignment check: the offset of {what} does not fold to a constant: {byte}")
         yield at.value, byte
+
+
+def _loads_as_variables(expr):
+    """``expr`` with each integer it loads from memory a variable of its own (a software pipeline's stage
+    over a trip count read from a BlockMask's list): it is checked at each value, as the loop indices are."""
+    def apply(node):
+        dtype = str(node.ty.dtype)
+        if "int" in dtype:
+            return tirx.Var("loaded", dtype)
+        return node
+    return tvm_ffi.structural_map(expr, (LOAD, apply))
 
 
 def check_tile_alignment(func: tirx.PrimFunc) -> tirx.PrimFunc:

@@ -48,6 +48,10 @@ def split_warpgroups(plan, stmts, k, q_issue, tile_buffers):
 
     moved = []
     before, after, total = stmts[:k], stmts[k + 1:], issues(stmts[k])
+    # a trip count read from memory (``loops_and_blocks.BindLoadedPipelineExtents``: a BlockMask's list)
+    # stays before the branch: both sides run the pipeline's loop
+    counts = [s for s in before if isinstance(s, tirx.Bind) and s.var.name.endswith("_extent")]
+    before = [s for s in before if not any(s.same_as(c) for c in counts)]
     y = plan.threads["threadIdx.y"][0]
     warpgroup = tirx.const(plan.producer_warpgroup, "int32")
 
@@ -74,7 +78,7 @@ def split_warpgroups(plan, stmts, k, q_issue, tile_buffers):
     setup = tirx.IfThenElse(tirx.all(tirx.EQ(y, warpgroup), plan.is_producer()),
                             tirx.SeqStmt(plan.barrier_init()), None)
     split_work = transform(stmts[k], tvm.s_tir.SBlock, split)
-    return tirx.SeqStmt([setup, tirx.Evaluate(T.tvm_storage_sync("shared")), split_work]), moved
+    return tirx.SeqStmt([*counts, setup, tirx.Evaluate(T.tvm_storage_sync("shared")), split_work]), moved
 
 
 def _touches(stmt, buffer):
