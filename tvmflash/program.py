@@ -38,7 +38,7 @@ from tvm.script.ir_builder import IRBuilder
 
 from tvmflash.lowering.annotations import RUNS_IF
 from tvmflash.program_dropout import dropout_arguments, dropout_scaled, dropout_tile, dropped
-from tvmflash.program_flex import FlexMods, flex_arguments, flex_tile
+from tvmflash.program_flex import FlexMods, block_walk, flex_arguments, flex_tile, sparse_visible
 
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32")
 # The programs take a head_dim that is a multiple of 8 (a 16-byte vector of fp16 or bf16, the unit the
@@ -428,7 +428,7 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_ti
         """The first K/V tile Q block qb visits (0 without a left window)."""
         return first_kv_block(spec, qb, BM, BN, seqlen_q, seqlen_k)
 
-    def kv_tiles(qb, seqlen_q, seqlen_k):
+    def kv_tiles(qb, seqlen_q, seqlen_k, walk=None):
         """K/V tiles that Q block qb must visit from ``first_kv_tile`` on (``kv_blocks_end``), and
         at least one: a block that sees no key (seqlen_k 0, or causal with seqlen_q > seqlen_k)
         visits one all-masked tile, which leaves its rows 0 with an LSE of -inf as they must be.
@@ -436,6 +436,8 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_ti
         epilogue (s - 1 tiles) unguarded only where the count is provably s - 1 or more (a guard on
         each of its statements cost ptxas 100 registers and spills on sm90); the tiles past the
         keys (or past the diagonal, or past a window) are all masked and change nothing."""
+        if walk is not None:  # a BlockMask's list (``program_flex.BlockWalk``)
+            return T.max(min_kv_tiles, walk.count)
         end = kv_blocks_end(spec, qb, BM, BN, seqlen_q, seqlen_k)
         if spec.varlen:  # the grid's Q blocks past the sequence's end (max_seqlen_q sizes it) see no key
             end = T.if_then_else(qb * BM < seqlen_q, end, 0)
@@ -443,14 +445,20 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_ti
             return T.max(min_kv_tiles, end)
         return T.max(min_kv_tiles, end - first_kv_tile(qb, seqlen_q, seqlen_k))
 
-    def visible(row, col, seqlen_q, seqlen_k, flex=None):
+    def visible(row, col, seqlen_q, seqlen_k, flex=None, walk=None, t=None):
         """Is key ``col`` visible to query ``row``? (Both are absolute positions; ``flex``: the tile's
-        ``program_flex.FlexTile``, whose mask_mod joins the test.)"""
-        return flex_visible(spec, flex, key_visible(spec, row, col, seqlen_q, seqlen_k), row, col)
+        ``program_flex.FlexTile``, whose mask_mod joins the test; ``walk``: a BlockMask's, whose full
+        blocks skip it, at step t.)"""
+        seen = key_visible(spec, row, col, seqlen_q, seqlen_k)
+        return sparse_visible(walk, t, seen, flex_visible(spec, flex, seen, row, col))
 
-    def tile_visible(qb, kb, seqlen_q, seqlen_k):
+    def tile_visible(qb, kb, seqlen_q, seqlen_k, walk=None, t=None):
         """Does every query of Q block qb (padding rows too) see every key of K/V tile kb? Such
-        interior tiles skip the mask. (With a mask_mod no tile is known to: each is masked.)"""
+        interior tiles skip the mask. (With a mask_mod no tile is known to: each is masked; with a
+        BlockMask, a full block's tiles before the end of the keys.)"""
+        if walk is not None:
+            return T.And(walk.full(t), block_visible(spec, qb * BM, qb * BM + BM - 1, kb * BN, kb * BN + BN - 1,
+                                                     seqlen_q, seqlen_k))
         if has_mask_mod(spec):
             return False
         return block_visible(spec, qb * BM, qb * BM + BM - 1, kb * BN, kb * BN + BN - 1, seqlen_q, seqlen_k)
@@ -490,6 +498,8 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_ti
                 seq = T.meta_var(sequences(Packed_, vb, seqlen_q, seqlen_k))  # the tile's sequence
                 drop = T.meta_var(dropout_tile(Dropout_, vb, vh, HQ))  # None without dropout
                 flex = T.meta_var(flex_tile(spec, Flex_, vb, vh, seq.seqlen_q, seq.seqlen_k))  # None without flex
+                # a BlockMask's list of the K/V tiles this Q block visits, None without one
+                walk = T.meta_var(block_walk(spec, flex, vb, vh, vqb * BM, BM, BN, False, T.ceildiv(seq.seqlen_k, BN)))
                 Qt = T.sblock_alloc_buffer((BM, D), dtype)  # the Q block, zero-padded
                 S = T.sblock_alloc_buffer((BM, BN), f32)  # Q Kᵀ of one tile, unscaled
                 Sm = T.sblock_alloc_buffer((BM, BN), f32)  # S masked (invisible keys -inf)
@@ -528,10 +538,11 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_ti
                         vi, vd = T.axis.remap("SS", [i, d])
                         acc[vi, vd] = T.float32(0)
 
-                for kb in range(kv_tiles(vqb, seq.seqlen_q, seq.seqlen_k)):
+                for kb in range(kv_tiles(vqb, seq.seqlen_q, seq.seqlen_k, walk)):
                     with T.sblock("kv_step"):
-                        vkb = T.axis.opaque(kv_tiles(vqb, seq.seqlen_q, seq.seqlen_k), kb)
-                        tile = T.meta_var(vkb if spec.window_left < 0 else first_kv_tile(vqb, seq.seqlen_q, seq.seqlen_k) + vkb)
+                        vkb = T.axis.opaque(kv_tiles(vqb, seq.seqlen_q, seq.seqlen_k, walk), kb)
+                        tile = T.meta_var(walk.tile(vkb) if walk is not None else vkb if spec.window_left < 0
+                                          else first_kv_tile(vqb, seq.seqlen_q, seq.seqlen_k) + vkb)
                         # Per-tile buffers live in the scope of one K/V step (a software pipeline
                         # over kb can then keep several versions of them).
                         Kt = T.sblock_alloc_buffer((BN, D), dtype)  # one K tile, zero-padded
@@ -575,14 +586,16 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_ti
                                     # per tile, common-subexpression elimination computes it ahead of
                                     # both (on sm90, 64 more live registers a thread, and spills).
                                     Sm[vi, vj] = score + T.if_then_else(
-                                        T.Or(tile_visible(vqb, tile, seq.seqlen_q, seq.seqlen_k),
-                                             visible(vqb * BM + vi, tile * BN + vj, seq.seqlen_q, seq.seqlen_k, flex)),
+                                        T.Or(tile_visible(vqb, tile, seq.seqlen_q, seq.seqlen_k, walk, vkb),
+                                             visible(vqb * BM + vi, tile * BN + vj, seq.seqlen_q, seq.seqlen_k, flex,
+                                                     walk, vkb)),
                                         T.float32(0), T.float32(-math.inf))
-                                elif tile_visible(vqb, tile, seq.seqlen_q, seq.seqlen_k):
+                                elif tile_visible(vqb, tile, seq.seqlen_q, seq.seqlen_k, walk, vkb):
                                     Sm[vi, vj] = score
                                 else:
                                     Sm[vi, vj] = T.if_then_else(
-                                        visible(vqb * BM + vi, tile * BN + vj, seq.seqlen_q, seq.seqlen_k, flex),
+                                        visible(vqb * BM + vi, tile * BN + vj, seq.seqlen_q, seq.seqlen_k, flex, walk,
+                                                vkb),
                                         score,
                                         T.float32(-math.inf),
                                     )

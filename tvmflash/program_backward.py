@@ -54,6 +54,7 @@ never NaN (``load_q``).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import tvm
@@ -78,10 +79,12 @@ def programs(dq_atomic: bool = False) -> tuple:
     return ("delta", "dkdv", "convert_dq") if dq_atomic else ("delta", "dkdv", "dq")
 
 
-def dq_accumulator_rows(seqlen_q: int, block_m: int) -> int:
+def dq_accumulator_rows(seqlen_q: int, block_m: int, sparse: bool = False) -> int:
     """The rows of dq_accum for ``seqlen_q`` query rows (varlen: every sequence's, packed): enough
-    for the last Q block's rows past the end, whose share is 0 (q = dout = delta = 0 there)."""
-    return seqlen_q + block_m
+    for the last Q block's rows past the end, whose share is 0 (q = dout = delta = 0 there), and with
+    block sparsity (``sparse``) for the Q block after it, which the steps past a list visit
+    (``program_flex.BlockWalk``)."""
+    return seqlen_q + (2 if sparse else 1) * block_m
 
 
 def attention_backward(spec: AttentionSpec, block_m: int, block_n: int, dq_block_m: int | None = None,
@@ -158,14 +161,20 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int, dq_atomic: bool =
     left, right = spec.window_left, spec.window_right
     f32 = "float32"
 
-    def visible(row, col, seqlen_q, seqlen_k, flex=None):
+    def visible(row, col, seqlen_q, seqlen_k, flex=None, walk=None, t=None):
         """Is key ``col`` visible to query ``row``? (Both absolute positions; the forward's rule, a
-        mask_mod's test joined: ``flex``, the tile's ``program_flex.FlexTile``.)"""
-        return program.flex_visible(spec, flex, program.key_visible(spec, row, col, seqlen_q, seqlen_k), row, col)
+        mask_mod's test joined: ``flex``, the tile's ``program_flex.FlexTile``; ``walk``: a BlockMask's,
+        whose full blocks skip it, at step t.)"""
+        seen = program.key_visible(spec, row, col, seqlen_q, seqlen_k)
+        return program_flex.sparse_visible(walk, t, seen, program.flex_visible(spec, flex, seen, row, col))
 
-    def tile_visible(qb, kb, seqlen_q, seqlen_k):
+    def tile_visible(qb, kb, seqlen_q, seqlen_k, walk=None, t=None):
         """Does every row of Q block qb see every key of K/V block kb? Rows past seqlen_q need no
-        mask (``load_q``). With a mask_mod no block is known to: each is masked."""
+        mask (``load_q``). With a mask_mod no block is known to: each is masked; with a BlockMask, a
+        full block's tiles before the end of the keys."""
+        if walk is not None:
+            return T.And(walk.full(t), program.block_visible(spec, qb * BM, qb * BM + BM - 1, kb * BN, kb * BN + BN - 1,
+                                                             seqlen_q, seqlen_k))
         if program.has_mask_mod(spec):
             return False
         return program.block_visible(spec, qb * BM, qb * BM + BM - 1, kb * BN, kb * BN + BN - 1, seqlen_q, seqlen_k)
@@ -180,9 +189,13 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int, dq_atomic: bool =
             return T.max(0, kb * BN + seqlen_q - seqlen_k - right) // BM
         return 0
 
-    def q_blocks(kb, seqlen_q, seqlen_k):
+    def q_blocks(kb, seqlen_q, seqlen_k, walks=None):
         """How many Q blocks (of one query head) K/V block kb visits: up to the last (with a left
-        window: up to the last row that sees the block's last key)."""
+        window: up to the last row that sees the block's last key). ``walks``: a BlockMask's lists of
+        the group's query heads, the longest's count (the others' steps past their own visit a Q block
+        past the end, which adds nothing)."""
+        if walks is not None:
+            return functools.reduce(T.max, [walk.count for walk in walks])
         if left < 0:
             count = T.ceildiv(seqlen_q, BM) - first_q_block(kb, seqlen_q, seqlen_k)
         else:
@@ -196,16 +209,29 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int, dq_atomic: bool =
         """The first K/V block Q block qb visits (0 without a left window)."""
         return program.first_kv_block(spec, qb, BM, BN, seqlen_q, seqlen_k)
 
-    def kv_blocks(qb, seqlen_q, seqlen_k):
+    def kv_blocks(qb, seqlen_q, seqlen_k, walk=None):
         """How many K/V blocks Q block qb visits from ``first_kv_block`` on (causal: up to its last
         row's last key, a window: its rows' keys; a block whose rows see no key visits none, and its
-        dq is 0)."""
+        dq is 0; ``walk``: a BlockMask's list's)."""
+        if walk is not None:
+            return walk.count
         end = program.kv_blocks_end(spec, qb, BM, BN, seqlen_q, seqlen_k)
         if spec.varlen:  # the grid's Q blocks past the sequence's end (max_seqlen_q sizes it) see no key
             end = T.if_then_else(qb * BM < seqlen_q, end, 0)
         if left < 0:
             return end
         return T.max(0, end - first_kv_block(qb, seqlen_q, seqlen_k))
+
+    def block_walk(buffers, b, h, kb, seqlen_q):
+        """dkdv's walk of query head h over a BlockMask's list of K/V block kb's Q blocks (None without)."""
+        flex = program_flex.flex_tile(spec, buffers, b, h, seqlen_q, seqlen_q)
+        return program_flex.block_walk(spec, flex, b, h, kb * BN, BN, BM, True, T.ceildiv(seqlen_q, BM))
+
+    def block_walks(buffers, b, hk, kb, seqlen_q):
+        """The walks of K/V head hk's group of query heads (None without a BlockMask)."""
+        if spec.flex is None or spec.flex.sparse is None:
+            return None
+        return [block_walk(buffers, b, hk * group + g, kb, seqlen_q) for g in range(group)]
 
     padding_lse2 = T.float32(math.inf) if spec.flex is not None else T.float32(0)
 
@@ -295,7 +321,7 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int, dq_atomic: bool =
 
         @T.macro
         def p_and_ds(Qt, Kt, dOt, Vt, lse2, delta_t, scale2, S, P, dP, dSc, qb, kb, seqlen_q, seqlen_k, softmax_scale,
-                     slope, drop, flex):
+                     slope, drop, flex, walk, step):
             """p of Q block qb and K/V block kb, recomputed from the scores and lse (0 where masked; the
             score transformed as the forward's, ``program.transformed_score``, ALiBi's with
             ``slope``, a score_mod's with ``flex``, the tile's ``program_flex.FlexTile``, None without), and
@@ -303,7 +329,8 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int, dq_atomic: bool =
             dtype. Each tile's (r, c) element is that of query and key ``query_key(r, c)``; its
             products are rows times columns: q kᵀ and dout vᵀ, or k qᵀ and v doutᵀ. With dropout
             (``drop``, ``program_dropout.TileDropout``) dp is that of the kept entries, scaled: out's
-            gradient reaches p only through them."""
+            gradient reaches p only through them. ``walk``: a BlockMask's list being walked (None without),
+            at ``step``: its full blocks skip mask_mod."""
             qk_rows, qk_cols = T.meta_var((Kt, Qt) if keys_first else (Qt, Kt))
             dp_rows, dp_cols = T.meta_var((Vt, dOt) if keys_first else (dOt, Vt))
             for r, c, d in T.grid(ROWS, COLS, D):
@@ -325,11 +352,11 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int, dq_atomic: bool =
                     score = T.meta_var(program.transformed_score(
                         spec, S[vr, vc], softmax_scale, slope, qb * BM + i + seqlen_k - seqlen_q - (kb * BN + j),
                         flex, qb * BM + i, kb * BN + j))
-                    if tile_visible(qb, kb, seqlen_q, seqlen_k):
+                    if tile_visible(qb, kb, seqlen_q, seqlen_k, walk, step):
                         P[vr, vc] = T.exp2(score * scale2[0] - lse2[i])
                     else:
                         P[vr, vc] = T.if_then_else(
-                            visible(qb * BM + i, kb * BN + j, seqlen_q, seqlen_k, flex),
+                            visible(qb * BM + i, kb * BN + j, seqlen_q, seqlen_k, flex, walk, step),
                             T.exp2(score * scale2[0] - lse2[i]),
                             T.float32(0),
                         )
@@ -405,11 +432,13 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int, dq_atomic: bool =
                         vj, vd = T.axis.remap("SS", [j, d])
                         dv_acc[vj, vd] = T.float32(0)
 
+                # A BlockMask's lists of the Q blocks this K/V block's query heads visit, None without one
+                walks = T.meta_var(block_walks(Flex_, vb, vhk, vkb, seq.seqlen_q))
                 # One step per (query head of the group, Q block).
-                for g, t in T.grid(group, q_blocks(vkb, seq.seqlen_q, seq.seqlen_k)):
+                for g, t in T.grid(group, q_blocks(vkb, seq.seqlen_q, seq.seqlen_k, walks)):
                     with T.sblock("q_step"):
                         vg = T.axis.opaque(group, g)
-                        vt = T.axis.opaque(q_blocks(vkb, seq.seqlen_q, seq.seqlen_k), t)
+                        vt = T.axis.opaque(q_blocks(vkb, seq.seqlen_q, seq.seqlen_k, walks), t)
                         Qt = T.sblock_alloc_buffer((BM, D), dtype)  # the Q block, zero-padded
                         dOt = T.sblock_alloc_buffer((BM, D), dtype)  # the dout block, zero-padded
                         lse2 = T.sblock_alloc_buffer((BM,), f32)  # lse · log2 e
@@ -422,12 +451,15 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int, dq_atomic: bool =
                         if dq_atomic:
                             dq_share = T.sblock_alloc_buffer((BM, D), f32)  # ds k of this K/V block
 
-                        qb = T.meta_var(first_q_block(vkb, seq.seqlen_q, seq.seqlen_k) + vt)
+                        walk = T.meta_var(block_walk(Flex_, vb, vhk * group + vg, vkb, seq.seqlen_q))
+                        qb = T.meta_var(walk.tile(vt) if walk is not None
+                                        else first_q_block(vkb, seq.seqlen_q, seq.seqlen_k) + vt)
                         drop = T.meta_var(program_dropout.dropout_tile(Dropout_, vb, vhk * group + vg, HQ))  # None without
                         load_q(Qt, dOt, lse2, delta_t, Q, dO, LSE2, Delta, seq, vhk * group + vg, qb)
                         p_and_ds(Qt, Kt, dOt, Vt, lse2, delta_t, scale2, S, P, dP, dSc, qb, vkb, seq.seqlen_q, seq.seqlen_k,
                                  softmax_scale, program.alibi_slope(AlibiSlopes, vb, vhk * group + vg), drop,
-                                 program_flex.flex_tile(spec, Flex_, vb, vhk * group + vg, seq.seqlen_q, seq.seqlen_k))
+                                 program_flex.flex_tile(spec, Flex_, vb, vhk * group + vg, seq.seqlen_q, seq.seqlen_k),
+                                 walk, vt)
                         for j, i in T.grid(BN, BM):
                             with T.sblock("cast_p"):  # the kept entries of p (dropout), scaled at dv's store
                                 vj, vi = T.axis.remap("SS", [j, i])
@@ -529,10 +561,15 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int, dq_atomic: bool =
                         vi, vd = T.axis.remap("SS", [i, d])
                         dq_acc[vi, vd] = T.float32(0)
 
-                for kb in range(kv_blocks(vqb, seq.seqlen_q, seq.seqlen_k)):
+                # a BlockMask's list of the K/V blocks this Q block visits, None without one
+                walk = T.meta_var(program_flex.block_walk(
+                    spec, program_flex.flex_tile(spec, Flex_, vb, vh, seq.seqlen_q, seq.seqlen_k), vb, vh, vqb * BM, BM,
+                    BN, False, T.ceildiv(seq.seqlen_k, BN)))
+                for kb in range(kv_blocks(vqb, seq.seqlen_q, seq.seqlen_k, walk)):
                     with T.sblock("kv_step"):
-                        vkb = T.axis.opaque(kv_blocks(vqb, seq.seqlen_q, seq.seqlen_k), kb)
-                        block = T.meta_var(vkb if left < 0 else first_kv_block(vqb, seq.seqlen_q, seq.seqlen_k) + vkb)
+                        vkb = T.axis.opaque(kv_blocks(vqb, seq.seqlen_q, seq.seqlen_k, walk), kb)
+                        block = T.meta_var(walk.tile(vkb) if walk is not None else vkb if left < 0
+                                           else first_kv_block(vqb, seq.seqlen_q, seq.seqlen_k) + vkb)
                         Kt = T.sblock_alloc_buffer((BN, D), dtype)  # one K block, zero-padded
                         Vt = T.sblock_alloc_buffer((BN, D), dtype)  # one V block, zero-padded
                         S = T.sblock_alloc_buffer((BM, BN), f32)  # q kᵀ, unscaled
@@ -544,7 +581,7 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int, dq_atomic: bool =
                         p_and_ds(Qt, Kt, dOt, Vt, lse2, delta_t, scale2, S, P, dP, dSc, vqb, block, seq.seqlen_q, seq.seqlen_k,
                                  softmax_scale, program.alibi_slope(AlibiSlopes, vb, vh),
                                  program_dropout.dropout_tile(Dropout_, vb, vh, HQ),
-                                 program_flex.flex_tile(spec, Flex_, vb, vh, seq.seqlen_q, seq.seqlen_k))
+                                 program_flex.flex_tile(spec, Flex_, vb, vh, seq.seqlen_q, seq.seqlen_k), walk, vkb)
                         for i, d, j in T.grid(BM, D, BN):
                             with T.sblock("dq"):  # dq += ds k
                                 vi, vd, vj = T.axis.remap("SSR", [i, d, j])

@@ -64,6 +64,9 @@ class FlexMods:
     score: Node | None = None
     mask: Node | None = None
     captures: tuple = ()  # ((torch dtype name, ndim), ...)
+    # A BlockMask's block sparsity: its (Q, KV) BLOCK_SIZE, or None (every tile visited, masked by
+    # mask_mod). With it the programs take its lists as four more arguments (``BlockSparse``).
+    sparse: tuple | None = None
 
     def __post_init__(self):
         if self.score is not None and self.score.dtype != FLOAT:
@@ -75,11 +78,17 @@ class FlexMods:
             if dtype not in CAPTURE_DTYPES or not isinstance(ndim, int) or ndim < 1:
                 raise ValueError(f"captured tensor: expected one of {sorted(CAPTURE_DTYPES)} with at least one "
                                  f"dim, got {dtype} with {ndim}")
+        if self.sparse is not None and not (isinstance(self.sparse, tuple) and len(self.sparse) == 2 and all(
+                isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in self.sparse)):
+            raise ValueError(f"sparse: expected a BlockMask's (Q, KV) block size, two positive ints, got "
+                             f"{self.sparse!r}")
 
     @property
     def describe(self) -> str:
         """A short name for logs: which mods are on, and how many tensors they capture."""
         parts = [name for name, node in (("score_mod", self.score), ("mask_mod", self.mask)) if node is not None]
+        if self.sparse is not None:
+            parts.append("block_mask{}x{}".format(*self.sparse))
         return "+".join(parts) + (f"({len(self.captures)} captured)" if self.captures else "")
 
 
@@ -252,22 +261,107 @@ def derivative(node: Node) -> Node:
 def flex_arguments(spec):
     """With a spec's ``flex`` that captures tensors, one more parameter of the PrimFunc being parsed a
     captured tensor (compact, any sizes, its value dtype's storage: ``STORAGE_DTYPES``), after the
-    others; their buffers in order, or None without flex."""
+    others, then with block sparsity (``FlexMods.sparse``) the block lists (``SPARSE_ARGUMENTS``); their
+    buffers in order, or None without flex."""
     flex = getattr(spec, "flex", None)
     if flex is None:
         return None
     buffers = []
     for n, (dtype, ndim) in enumerate(flex.captures):
-        handle = T.arg(f"captured{n}_handle", T.handle())
-        shape = []
-        for axis in range(ndim):
-            extent = T.int32()
-            IRBuilder.name(f"captured{n}_size{axis}", extent)
-            shape.append(extent)
-        buffer = T.match_buffer(handle, tuple(shape), STORAGE_DTYPES.get(dtype, dtype))
-        IRBuilder.name(f"Captured{n}", buffer)
-        buffers.append(buffer)
+        buffers.append(_compact_argument(f"captured{n}", f"Captured{n}", ndim, STORAGE_DTYPES.get(dtype, dtype)))
+    if flex.sparse is not None:
+        for name in SPARSE_ARGUMENTS:
+            buffers.append(_compact_argument(name.lower(), name, 4, "int32"))
     return tuple(buffers)
+
+
+def _compact_argument(name: str, buffer_name: str, ndim: int, dtype: str):
+    """A compact parameter of ``ndim`` dims of any sizes (``{name}_size{axis}``)."""
+    handle = T.arg(f"{name}_handle", T.handle())
+    shape = []
+    for axis in range(ndim):
+        extent = T.int32()
+        IRBuilder.name(f"{name}_size{axis}", extent)
+        shape.append(extent)
+    buffer = T.match_buffer(handle, tuple(shape), dtype)
+    IRBuilder.name(buffer_name, buffer)
+    return buffer
+
+
+# ----------------------------------------------------------------------------- block sparsity
+# A BlockMask's lists as the programs take them (``tvmflash.flex.block_sparse_arguments`` makes them),
+# int32, batch and head dims of 1 (shared) or the call's batch and query heads:
+#   KvCounts  (B, H, q_blocks, 2):  a Q block's partial K/V blocks, then partial + full
+#   KvIndices (B, H, q_blocks, w):  its partial K/V blocks, then its full ones (w: at least the count)
+#   QCounts, QIndices (B, H, kv_blocks, ...): the same of a K/V block's Q blocks (the backward's dkdv)
+SPARSE_ARGUMENTS = ("KvCounts", "KvIndices", "QCounts", "QIndices")
+
+
+@dataclass(frozen=True)
+class BlockWalk:
+    """The tiles that one tile of a program visits, from the BlockMask's list of the block it lies in:
+    step t (0 <= t < ``count``) visits tile ``tile(t)``, of ``per`` kernel tiles a listed block (the
+    BlockMask's block size over the kernel's tile along the walk). A step past the list (a schedule's
+    ``min_kv_tiles``, the largest count of a GQA group) visits ``end``, a tile past the sequence's end:
+    zeros on load, every key (query) masked, so it changes nothing. ``full(t)``: the listed block is
+    full, so its tile skips mask_mod (the sequence's end still applies)."""
+
+    counts: object
+    indices: object
+    b: object
+    h: object
+    row: object
+    per: int
+    end: object
+
+    def _at(self, buffer, last):
+        b = T.min(self.b, buffer.shape[0] - 1)  # a dim of 1 is shared (torch's BlockMask broadcasts it)
+        h = T.min(self.h, buffer.shape[1] - 1)
+        return buffer[b, h, self.row, last]
+
+    @property
+    def count(self):
+        return self._at(self.counts, 1) * self.per
+
+    def tile(self, t):
+        entry = T.min(t // self.per, self.indices.shape[3] - 1)  # in the tensor whatever its counts say
+        listed = T.max(self._at(self.indices, entry), 0) * self.per + t % self.per
+        return T.if_then_else(t < self.count, listed, self.end)
+
+    def full(self, t):
+        return t >= self._at(self.counts, 0) * self.per
+
+
+def block_walk(spec, flex, b, h, first_row, rows: int, steps: int, keys: bool, end):
+    """The ``BlockWalk`` of the tile of batch b, query head h whose ``rows`` rows (the forward's and dq's
+    queries; ``keys``: dkdv's keys) start at ``first_row``, in steps of ``steps`` keys (queries), or None
+    without block sparsity. The BlockMask's blocks must be whole multiples of both (``check_sparse_tiles``)."""
+    sparse = getattr(getattr(spec, "flex", None), "sparse", None)
+    if sparse is None:
+        return None
+    check_sparse_tiles(sparse, rows, steps, keys)
+    row_block, step_block = sparse[::-1] if keys else sparse
+    counts, indices = flex.buffers[-2:] if keys else flex.buffers[-4:-2]
+    return BlockWalk(counts, indices, b, h, first_row // row_block, step_block // steps, end)
+
+
+def check_sparse_tiles(sparse: tuple, rows: int, steps: int, keys: bool = False) -> None:
+    """A ValueError unless the kernel's tiles (``rows`` queries by ``steps`` keys; ``keys``: rows keys)
+    divide the BlockMask's (Q, KV) block size: a kernel tile then lies in one block, whose list it walks."""
+    block_q, block_kv = sparse
+    tile_q, tile_kv = (steps, rows) if keys else (rows, steps)
+    if block_q % tile_q or block_kv % tile_kv:
+        raise ValueError(f"block_mask: its BLOCK_SIZE {block_q}x{block_kv} (Q x KV) is not a multiple of the kernel's "
+                         f"tile {tile_q}x{tile_kv}: make the BlockMask with a BLOCK_SIZE that is (128 fits every "
+                         f"schedule's default tiles), or pass a mask_mod alone")
+
+
+def sparse_visible(walk, t, visible, masked):
+    """The mask of a tile's element: ``visible`` (the sequence's end) and ``masked`` (it and mask_mod), or
+    without block sparsity ``masked``; with it a full block's tile (``walk.full(t)``) skips mask_mod."""
+    if walk is None:
+        return masked
+    return T.bitwise_and(visible, T.bitwise_or(walk.full(t), masked))
 
 
 def flex_tile(spec, buffers, b, h, seqlen_q, seqlen_k):

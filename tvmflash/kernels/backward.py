@@ -101,7 +101,9 @@ class BackwardKernel:
         if not self.dq_atomic:
             return ()
         batch, seqlen_q, heads_q, head_dim = q.shape
-        rows = program_backward.dq_accumulator_rows(seqlen_q, self.knobs["block_m"])
+        flex = self.variant.get("flex")
+        rows = program_backward.dq_accumulator_rows(seqlen_q, self.knobs["block_m"],
+                                                    sparse=flex is not None and flex.sparse is not None)
         return (torch.zeros((batch, rows, heads_q, head_dim), dtype=torch.float32, device=q.device),)
 
     @staticmethod

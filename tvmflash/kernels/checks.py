@@ -12,6 +12,7 @@ import torch
 
 from tvmflash import program
 from tvmflash import target as targets
+from tvmflash.program_flex import SPARSE_ARGUMENTS
 
 TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 INT32_MAX = 2**31 - 1
@@ -365,11 +366,14 @@ class Arguments:
                                  "flex=...))")
             return ()
         captures = tuple(captures or ())
-        if len(captures) != len(self.flex.captures):
-            raise ValueError(f"captures: this kernel's mods read {len(self.flex.captures)} captured tensors, got "
+        # with block sparsity, the BlockMask's lists after them (``program_flex.SPARSE_ARGUMENTS``)
+        described = (*self.flex.captures, *((("int32", 4),) * len(SPARSE_ARGUMENTS) if self.flex.sparse else ()))
+        if len(captures) != len(described):
+            lists = f" and the {len(SPARSE_ARGUMENTS)} block-sparse lists" if self.flex.sparse else ""
+            raise ValueError(f"captures: this kernel's mods read {len(self.flex.captures)} captured tensors{lists}, got "
                              f"{len(captures)}")
         usable = []
-        for n, (t, (dtype, ndim)) in enumerate(zip(captures, self.flex.captures)):
+        for n, (t, (dtype, ndim)) in enumerate(zip(captures, described)):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"captures[{n}]: expected a torch.Tensor, got {type(t).__name__}")
             if str(t.dtype).removeprefix("torch.") != dtype or t.dim() != ndim:
