@@ -9,6 +9,9 @@ reaches them by its key (``MODS``), the captured tensors as a list.
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import torch
 
 from tvmflash import cache, choice, kernels
@@ -35,13 +38,49 @@ def mods_key(mods: FlexMods) -> str:
 
 
 def flex_kernel(q: torch.Tensor, mods: FlexMods, backward: bool = False):
-    """The forward (``backward``: backward) kernel for q's device, dtype and head_dim and these mods."""
+    """The forward (``backward``: backward) kernel for q's device, dtype and head_dim and these mods (with
+    a BlockMask, tiles that divide its blocks: ``fitted_tiles``)."""
     key = (q.device, q.dtype, q.shape[-1], mods, backward, choice.environment("backward" if backward else "forward"))
     found = FLEX_KERNELS.get(key)
     if found is None:
         compile_ = kernels.compile_backward if backward else kernels.compile
-        found = FLEX_KERNELS[key] = compile_(head_dim=q.shape[-1], dtype=q.dtype, target=target_of(q), flex=mods)
+        found = compile_(head_dim=q.shape[-1], dtype=q.dtype, target=target_of(q), flex=mods)
+        program = found.schedule.backward if backward else found.schedule.forward
+        fitted = fitted_tiles(found.knobs, mods.sparse, program.knobs.knobs) if mods.sparse is not None else {}
+        if fitted:
+            try:
+                found = compile_(head_dim=q.shape[-1], dtype=q.dtype, target=target_of(q), flex=mods, knobs=fitted)
+            except ValueError as error:
+                raise ValueError(f"block_mask: its BLOCK_SIZE {mods.sparse[0]}x{mods.sparse[1]} (Q x KV) is not a "
+                                 f"multiple of the {found.schedule.name} kernel's tiles ({_tiles(found.knobs)}), and "
+                                 f"the tiles that would divide it ({_tiles(fitted)}) are refused: {error}. Make the "
+                                 "BlockMask with BLOCK_SIZE 128 (or a multiple of the tiles)") from None
+        FLEX_KERNELS[key] = found
     return found
+
+
+# A kernel's tile knobs and the BlockMask block size each must divide: 0 its Q block, 1 its KV block.
+TILE_KNOBS = {"block_m": 0, "block_n": 1, "dq_block_m": 0, "dq_block_n": 1}
+
+
+def fitted_tiles(knobs: dict, sparse: tuple, declared=()) -> dict:
+    """The tile knobs of ``knobs`` that do not divide the BlockMask's (Q, KV) block size ``sparse``, each
+    brought down to the largest tile that divides both (a kernel tile then lies in one block, whose list it
+    walks: ``program_flex.BlockWalk``), and the derived knobs of the schedule's ``declared`` ones
+    (``contract.Knob``: sm90's num_warpgroups follows block_m) that follow; {} where every tile divides."""
+    fitted = {name: math.gcd(knobs[name], sparse[axis]) for name, axis in TILE_KNOBS.items()
+              if name in knobs and sparse[axis] % knobs[name]}
+    if fitted:
+        for knob in declared:
+            if callable(knob.space):  # a derived knob: the first value its space gives for the fitted tiles
+                values = knob.space({**knobs, **fitted})
+                if knobs.get(knob.name) not in values:
+                    fitted[knob.name] = values[0]
+    return fitted
+
+
+def _tiles(knobs: dict) -> str:
+    return ", ".join(f"{name} {knobs[name]}" for name in TILE_KNOBS if name in knobs)
 
 
 # The ops take q, k, v in the kernels' layout (batch, seqlen, heads, head_dim), any strides.
@@ -111,6 +150,67 @@ def _mask_mod_of(block_mask, seqlen_q: int, seqlen_k: int):
     return mask_mod
 
 
+def _ceildiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def block_sparse_arguments(block_mask, batch: int, heads_q: int, seqlen_q: int, seqlen_k: int, device):
+    """torch's ``BlockMask`` as the programs take it (``program_flex.SPARSE_ARGUMENTS``): its (Q, KV)
+    BLOCK_SIZE and four int32 tensors, each list's partial blocks first and its full ones after them
+    (``counts[..., 0]`` partial, ``[..., 1]`` partial + full), or (None, []) for anything else. A mask
+    whose shapes are not those of this call (stale, or made for other lengths, batch or heads)
+    raises a ValueError."""
+    if block_mask is None or not hasattr(block_mask, "kv_num_blocks"):
+        return None, []
+    sizes = tuple(int(n) for n in block_mask.BLOCK_SIZE)
+    block_q, block_kv = sizes
+    rows, cols = _ceildiv(seqlen_q, block_q), _ceildiv(seqlen_k, block_kv)
+    q_num, q_indices = block_mask.q_num_blocks, block_mask.q_indices
+    full_q_num, full_q_indices = block_mask.full_q_num_blocks, block_mask.full_q_indices
+    if q_num is None:  # BlockMask.from_kv_blocks(compute_q_blocks=False): the backward's lists from the forward's
+        from torch.nn.attention.flex_attention import _transpose_ordered
+        q_num, q_indices = _transpose_ordered(block_mask.kv_num_blocks, block_mask.kv_indices)
+        if block_mask.full_kv_num_blocks is not None:
+            full_q_num, full_q_indices = _transpose_ordered(block_mask.full_kv_num_blocks, block_mask.full_kv_indices)
+    lists = []
+    for what, (num, indices, full_num, full_indices), length in (
+            ("kv", (block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,
+                    block_mask.full_kv_indices), rows),
+            ("q", (q_num, q_indices, full_q_num, full_q_indices), cols)):
+        for name, t, dims in ((f"{what}_num_blocks", num, 3), (f"{what}_indices", indices, 4),
+                              (f"full_{what}_num_blocks", full_num, 3), (f"full_{what}_indices", full_indices, 4)):
+            if t is None and name.startswith("full_"):
+                continue
+            if (not isinstance(t, torch.Tensor) or t.dim() != dims or t.shape[0] not in (1, batch)
+                    or t.shape[1] not in (1, heads_q) or t.shape[2] != length or (dims == 4 and not t.shape[3])):
+                raise ValueError(
+                    f"block_mask.{name}: expected (batch 1 or {batch}, heads 1 or {heads_q}, {length} blocks"
+                    f"{', ...' if dims == 4 else ''}) for these lengths ({seqlen_q}, {seqlen_k}) and BLOCK_SIZE {sizes}, "
+                    f"got {tuple(t.shape) if isinstance(t, torch.Tensor) else t!r}; make the mask for this call "
+                    "(create_block_mask)")
+            if t.device != device:
+                raise ValueError(f"block_mask.{name}: expected query's device {device}, got {t.device}")
+        shape = (max(num.shape[0], indices.shape[0]), max(num.shape[1], indices.shape[1]))
+        if full_num is None:
+            full_num = torch.zeros_like(num)
+            full_indices = indices[..., :1]
+        shape = tuple(max(n) for n in zip(shape, full_num.shape[:2], full_indices.shape[:2]))
+        num, full_num = (t.to(torch.int32).expand(*shape, length) for t in (num, full_num))
+        indices, full_indices = (t.to(torch.int32).expand(*shape, length, t.shape[3]) for t in (indices, full_indices))
+        width = indices.shape[3]
+        if device.type == "cpu":  # (on a GPU the values are not read back: the kernels clamp them into the tensors)
+            if bool((num < 0).any() or (num > width).any() or (full_num < 0).any()
+                    or (full_num > full_indices.shape[3]).any()):
+                raise ValueError(f"block_mask.{what}_num_blocks: counts out of range (0 to the width of its indices)")
+        # one list a row: its partial blocks, then its full ones
+        both = torch.cat([indices, full_indices], dim=-1)
+        at = torch.arange(both.shape[-1], device=device, dtype=torch.int32)
+        source = torch.where(at < num[..., None], at, width + at - num[..., None]).clamp(0, both.shape[-1] - 1)
+        lists += [torch.stack([num, num + full_num], dim=-1).contiguous(),
+                  torch.gather(both, -1, source.long()).contiguous()]
+    return sizes, lists
+
+
 def _is_noop(fn, name: str) -> bool:
     """torch's own no-op mods (``noop_mask``, ``_identity``): no mod at all."""
     return getattr(fn, "__module__", None) == "torch.nn.attention.flex_attention" and getattr(fn, "__name__", "") == name
@@ -152,8 +252,23 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     The score of query i and key j is ``s = q_i · k_j * scale`` (scale: 1/sqrt(head_dim) by default; positive
     without a score_mod), then ``score_mod(s, b, h, i, j)`` if given; the keys that ``mask_mod(b, h, i, j)``
     refuses are left out. b is the batch, h the query head, i and j positions from 0. ``block_mask``: torch's
-    ``BlockMask`` (``create_block_mask``) for these lengths, whose ``mask_mod`` is used, or a mask_mod itself.
-    A query that sees no key gets 0 and an lse of -inf (flash-attn's rule), never NaN.
+    ``BlockMask`` (``create_block_mask``, ``BlockMask.from_kv_blocks``) made for these lengths, or a mask_mod
+    itself (every K/V tile is then visited and masked). A query that sees no key gets 0 and an lse of -inf
+    (flash-attn's rule), never NaN.
+
+    A ``BlockMask`` is block-sparse, as torch's kernel takes it: with its BLOCK_SIZE (Q, KV) (default 128 x
+    128), q_blocks = ceil(seqlen_q / Q) and kv_blocks = ceil(seqlen_k / KV),
+        kv_num_blocks (B, H, q_blocks), kv_indices (B, H, q_blocks, w): each Q block's partial K/V blocks,
+        full_kv_num_blocks, full_kv_indices (same shapes, or None): its full ones,
+        q_num_blocks, q_indices, full_q_* (B, H, kv_blocks[, w']): each K/V block's Q blocks (the backward's;
+            made from the kv lists where None),
+    int32, B 1 or batch and H 1 or heads_q (1: shared). The forward and dq visit only the K/V tiles of
+    a Q block's lists, and dk, dv only the Q tiles of a K/V block's: a block in no list is never loaded.
+    Full blocks skip mask_mod, partial ones apply it (so the result is torch's for any BlockMask, one whose
+    lists disagree with its mask_mod included). The kernels' tiles must divide the blocks: where the
+    schedule's default tiles do not, the kernels are built with tiles that do (64-row tiles on sm90 for
+    a BLOCK_SIZE of 64, say), and where no tile the schedule takes does, a ValueError names the sizes.
+    A mask made for other lengths, batch or heads is a ValueError.
 
     The mods are traced (``tvmflash.flex_trace``: what they may use, and the error that names the line of
     anything else) and become expressions inside the one attention program: no second kernel, no bias
@@ -162,9 +277,8 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     value, through the score_mod's derivative; a captured float tensor that requires grad (a learnable
     bias) is refused (NotImplementedError: its gradient is not computed yet).
 
-    Not yet: the block mask's sparsity (every K/V tile is visited and masked by mask_mod; a BlockMask is
-    taken for its mask_mod), torch.compile(fullgraph=True) of a call with a mod (NotImplementedError; without
-    fullgraph Dynamo runs such a call eagerly), and a captured tensor's gradient.
+    Not yet: torch.compile(fullgraph=True) of a call with a mod (NotImplementedError; without fullgraph Dynamo
+    runs such a call eagerly), and a captured tensor's gradient.
     """
     _check_tensors(query, key, value, check_flag("enable_gqa", enable_gqa))
     return_lse = check_flag("return_lse", return_lse)
@@ -185,6 +299,7 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
             "tvmflash.flex_attention with a score_mod or mask_mod under torch.compile(fullgraph=True): not yet (the "
             "mods are traced in Python, which Dynamo cannot see through); without fullgraph the call runs eagerly")
     mods, captures = trace_mods(score_mod, mask_mod)
+    sparse, lists = block_sparse_arguments(block_mask, batch, heads_q, seqlen_q, seqlen_k, query.device)
     for n, t in enumerate(captures):
         if t.requires_grad and t.is_floating_point() and torch.is_grad_enabled():
             raise NotImplementedError(
@@ -193,10 +308,11 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
         if t.device != query.device:
             raise ValueError(f"captured tensor {n}: expected query's device {query.device}, got {t.device}")
     check_indices(mods, captures, batch, heads_q, seqlen_q, seqlen_k)
-    captures = [t.detach() for t in captures]
+    captures = [t.detach() for t in captures] + lists  # the block lists after the mods' tensors
+    mods = dataclasses.replace(mods, sparse=sparse)
     # the kernels' layout, (batch, seqlen, heads, head_dim): views, read through their strides
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-    if mods.score is None and mods.mask is None:  # no mod at all: the built-in kernels
+    if mods.score is None and mods.mask is None and sparse is None:  # no mod, no sparsity: the built-in kernels
         out, lse = attention(q, k, v, softmax_scale=softmax_scale, return_lse=True)
     else:
         q, k, v, run = padded_head_dim(q, k, v, head_dim)
