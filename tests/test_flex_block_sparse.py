@@ -8,6 +8,7 @@ flash-attn's error rule, forward and gradients; and by poisoning: NaN in the K/V
 list holds, which a visit would spread (0 · NaN in p·v, ds·k), leaves every output and gradient finite and
 equal to the clean run's. The CPU cases keep to one dtype, head_dim and head layout (GQA 4/2)."""
 
+import dataclasses
 import math
 import shutil
 
@@ -174,7 +175,11 @@ def poisoned_blocks_are_not_visited(device, dtype, head_dim):
     for name, clean, poisoned in zip(("out", "lse", "dq", "dk", "dv"), *results):
         finite = torch.isfinite(poisoned) | torch.isneginf(clean)  # (lse -inf where a row sees no key)
         assert finite.all(), f"{name}: a poisoned (empty) block was visited"
-        assert torch.equal(clean, poisoned), f"{name}: differs from the run without the poisoned rows"
+        if name == "dq" and device != "cpu":  # summed by atomics on sm90 (dq_atomic): in any order
+            error = (clean.float() - poisoned.float()).abs().max().item()
+            assert error <= 1e-2 * clean.float().abs().max().item(), f"dq: differs by {error:.3e}"
+        else:
+            assert torch.equal(clean, poisoned), f"{name}: differs from the run without the poisoned rows"
     dk, dv = results[1][3], results[1][4]
     assert not dk[:, :, 128:256].any() and not dv[:, :, 128:256].any()
     check_forward(results[0][0].detach(), results[0][1].detach(), q, k, v, None, mask_mod)
@@ -190,7 +195,7 @@ def test_mismatched_and_stale_block_masks_are_refused():
     def causal(b, h, q_idx, kv):
         return q_idx >= kv
     odd = create_block_mask(causal, None, None, 200, 200, device="cpu", BLOCK_SIZE=24)  # the CPU's tiles are 64
-    with pytest.raises(ValueError, match=r"BLOCK_SIZE 24x24 .* not a multiple of the cpu kernel's tiles"):
+    with pytest.raises(ValueError, match=r"BLOCK_SIZE 24x24 .* not a multiple of the tiles of any schedule .* cpu:"):
         tvmflash.flex_attention(q, k, v, block_mask=odd, enable_gqa=True)
     with pytest.raises(ValueError, match=r"BLOCK_SIZE 24x24 .* not a multiple of the kernel's tile 64x64"):
         program_flex.check_sparse_tiles((24, 24), 64, 64)
@@ -213,6 +218,21 @@ def test_blocks_smaller_than_the_default_tiles_take_tiles_that_divide_them():
     assert tvmflash.flex.fitted_tiles({"block_m": 128, "block_n": 64, "vec": 8}, (64, 128)) == {"block_m": 64}
 
 
+@pytest.mark.parametrize("target,dtype,block,backward,expected", [
+    ("sm90", "bfloat16", (128, 128), False, ("sm90", {"block_m": 128, "block_n": 64})),
+    ("sm90", "bfloat16", (64, 64), False, ("sm90", {"block_m": 64, "block_n": 64})),
+    ("sm90", "bfloat16", (64, 64), True, ("sm90", {"block_m": 64, "block_n": 64, "dq_block_m": 64, "dq_block_n": 64})),
+    ("sm90", "bfloat16", (32, 32), False, ("sm80", {"block_m": 32, "block_n": 32})),  # sm90 takes 64 rows or more
+    ("sm80", "float16", (64, 128), False, ("sm80", {"block_m": 64, "block_n": 64})),
+    ("sm80", "float16", (16, 16), True, ("simt", {"block_m": 16, "block_n": 16})),
+])
+def test_each_schedule_takes_tiles_that_divide_the_blocks(target, dtype, block, backward, expected):
+    """Cross-compiled kernels (nothing built): the schedule chosen for a BlockMask's BLOCK_SIZE and its tiles."""
+    mods = dataclasses.replace(trace_mods(None, lambda b, h, q, kv: q >= kv)[0], sparse=block)
+    kernel = tvmflash.flex.compile_flex(128 if target == "sm90" else 64, dtype, target, mods, backward)
+    assert (kernel.schedule.name, {name: kernel.knobs[name] for name in expected[1]}) == expected
+
+
 def test_a_block_mask_without_a_mask_mod_walks_its_lists():
     """create_block_mask(noop_mask) (every block full) and a BlockMask of lists alone: the flex kernels,
     which skip the empty blocks (a plain attention would see every key)."""
@@ -231,7 +251,6 @@ def test_a_block_mask_without_a_mask_mod_walks_its_lists():
 # ----------------------------------------------------------------------------- CUDA, cross-compiled
 def _sparse_mods():
     mods, _ = trace_mods(None, lambda b, h, q, kv: q >= kv)
-    import dataclasses
     return dataclasses.replace(mods, sparse=(128, 128))
 
 

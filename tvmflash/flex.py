@@ -15,6 +15,7 @@ import math
 import torch
 
 from tvmflash import cache, choice, kernels
+from tvmflash import schedules as schedule_registry
 from tvmflash.flex_trace import check_indices, trace_mods
 from tvmflash.kernels import registry
 from tvmflash.kernels.checks import TORCH_DTYPES, check_any_head_dim, check_flag, resolve_softmax_scale
@@ -43,20 +44,39 @@ def flex_kernel(q: torch.Tensor, mods: FlexMods, backward: bool = False):
     key = (q.device, q.dtype, q.shape[-1], mods, backward, choice.environment("backward" if backward else "forward"))
     found = FLEX_KERNELS.get(key)
     if found is None:
-        compile_ = kernels.compile_backward if backward else kernels.compile
-        found = compile_(head_dim=q.shape[-1], dtype=q.dtype, target=target_of(q), flex=mods)
-        program = found.schedule.backward if backward else found.schedule.forward
-        fitted = fitted_tiles(found.knobs, mods.sparse, program.knobs.knobs) if mods.sparse is not None else {}
-        if fitted:
-            try:
-                found = compile_(head_dim=q.shape[-1], dtype=q.dtype, target=target_of(q), flex=mods, knobs=fitted)
-            except ValueError as error:
-                raise ValueError(f"block_mask: its BLOCK_SIZE {mods.sparse[0]}x{mods.sparse[1]} (Q x KV) is not a "
-                                 f"multiple of the {found.schedule.name} kernel's tiles ({_tiles(found.knobs)}), and "
-                                 f"the tiles that would divide it ({_tiles(fitted)}) are refused: {error}. Make the "
-                                 "BlockMask with BLOCK_SIZE 128 (or a multiple of the tiles)") from None
-        FLEX_KERNELS[key] = found
+        found = FLEX_KERNELS[key] = compile_flex(q.shape[-1], q.dtype, target_of(q), mods, backward)
     return found
+
+
+def compile_flex(head_dim: int, dtype, target, mods: FlexMods, backward: bool = False):
+    """``kernels.compile`` (``backward``: ``compile_backward``) of these mods, with a BlockMask
+    (``mods.sparse``) in tiles that divide its blocks: the chosen schedule's, or its tile knobs brought down to
+    divisors (``fitted_tiles``), or where it takes no such tile the next schedule of ``SCHEDULES`` that serves
+    the call and does (sm80 for a BLOCK_SIZE of 32 on sm_90a: sm90's tiles are 64 rows or more); a ValueError
+    naming the sizes where none does."""
+    compile_ = kernels.compile_backward if backward else kernels.compile
+    kernel = compile_(head_dim=head_dim, dtype=dtype, target=target, flex=mods)
+    if mods.sparse is None:
+        return kernel
+    refusals = []
+    names = [kernel.schedule.name] + [name for name in schedule_registry.SCHEDULES if name != kernel.schedule.name]
+    for name in names:
+        try:
+            found = kernel if name == kernel.schedule.name else compile_(
+                head_dim=head_dim, dtype=dtype, target=target, flex=mods, schedule=name)
+        except ValueError:  # a schedule that does not serve this target, dtype or head_dim
+            continue
+        program = found.schedule.backward if backward else found.schedule.forward
+        fitted = fitted_tiles(found.knobs, mods.sparse, program.knobs.knobs)
+        if not fitted:
+            return found
+        try:
+            return compile_(head_dim=head_dim, dtype=dtype, target=target, flex=mods, knobs=fitted, schedule=name)
+        except ValueError as error:
+            refusals.append(f"{name}: tiles {_tiles(found.knobs)}, and {_tiles(fitted)} refused ({error})")
+    raise ValueError(f"block_mask: its BLOCK_SIZE {mods.sparse[0]}x{mods.sparse[1]} (Q x KV) is not a multiple of "
+                     f"the tiles of any schedule that serves this call: {'; '.join(refusals)}. Make the BlockMask "
+                     "with BLOCK_SIZE 128 (or a multiple of the tiles)")
 
 
 # A kernel's tile knobs and the BlockMask block size each must divide: 0 its Q block, 1 its KV block.
@@ -267,7 +287,8 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     Full blocks skip mask_mod, partial ones apply it (so the result is torch's for any BlockMask, one whose
     lists disagree with its mask_mod included). The kernels' tiles must divide the blocks: where the
     schedule's default tiles do not, the kernels are built with tiles that do (64-row tiles on sm90 for
-    a BLOCK_SIZE of 64, say), and where no tile the schedule takes does, a ValueError names the sizes.
+    a BLOCK_SIZE of 64, say), and where the schedule takes no such tile, on the next schedule that does
+    (sm80 for a BLOCK_SIZE of 32 on sm_90a: ``compile_flex``); where none does, a ValueError names the sizes.
     A mask made for other lengths, batch or heads is a ValueError.
 
     The mods are traced (``tvmflash.flex_trace``: what they may use, and the error that names the line of
