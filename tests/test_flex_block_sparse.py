@@ -20,6 +20,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 import tvmflash
 from tvmflash import program_flex
+from tvmflash import target as targets
 from tvmflash.flex_trace import trace_mods
 
 CPU_DTYPE, CPU_HEAD_DIM = torch.float16, 32
@@ -187,6 +188,16 @@ def poisoned_blocks_are_not_visited(device, dtype, head_dim):
 
 def test_empty_blocks_are_not_visited_on_cpu():
     poisoned_blocks_are_not_visited("cpu", CPU_DTYPE, CPU_HEAD_DIM)
+
+
+@pytest.mark.skipif(not targets.host_amx(), reason="needs a host CPU with AMX bf16 (amx_tile, amx_bf16)")
+def test_block_masks_on_amx():
+    """bf16 on the CPU: the AMX forward (and the CPU schedule's backward) walk the lists too."""
+    mods = dataclasses.replace(trace_mods(None, lambda b, h, q, kv: q >= kv)[0], sparse=(64, 64))
+    assert tvmflash.flex.compile_flex(CPU_HEAD_DIM, "bfloat16", "cpu", mods).info()["schedule"] == "amx"
+    for name in ("random", "empty-rows"):
+        forward_and_gradients_match_float64("cpu", torch.bfloat16, CPU_HEAD_DIM, name, LENGTHS)
+    poisoned_blocks_are_not_visited("cpu", torch.bfloat16, CPU_HEAD_DIM)
 
 
 def test_mismatched_and_stale_block_masks_are_refused():
