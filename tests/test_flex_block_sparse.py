@@ -200,6 +200,18 @@ def test_block_masks_on_amx():
     poisoned_blocks_are_not_visited("cpu", torch.bfloat16, CPU_HEAD_DIM)
 
 
+def test_a_reused_block_mask_is_converted_once_and_again_when_changed_in_place():
+    q, k, v = random_qkv(1, 200, 200, CPU_DTYPE, "cpu", CPU_HEAD_DIM, seed=8)
+    block_mask = random_block_mask(1, 1, 200, 200, 64, "cpu", seed=4)
+    first = tvmflash.flex.block_sparse_lists(block_mask, 1, HEADS[0], 200, 200, q.device)
+    assert tvmflash.flex.block_sparse_lists(block_mask, 1, HEADS[0], 200, 200, q.device) is first
+    block_mask.kv_num_blocks[..., 1] = 0  # Q block 1: no partial block left, its full ones only
+    block_mask.full_kv_num_blocks[..., 2] = 0  # Q block 2: no full block left
+    out, lse = tvmflash.flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True, return_lse=True)
+    dense = effective_mask(block_mask, block_mask.mask_mod, 200, 200, 1, HEADS[0])
+    check_forward(out, lse, q, k, v, None, lambda b, h, i, j: dense)
+
+
 def test_mismatched_and_stale_block_masks_are_refused():
     q, k, v = random_qkv(2, 200, 200, CPU_DTYPE, "cpu", CPU_HEAD_DIM, seed=5)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 
 import torch
 
@@ -174,6 +175,45 @@ def _ceildiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+# id(BlockMask) -> (a weak reference to it, what its lists were made from, the lists): a mask reused from
+# call to call (a training step's) is converted once. The entry serves only the same live object holding the
+# same tensors (kept here, so that no other tensor takes their place) at the same versions (an in-place
+# change makes new lists).
+_LISTS: dict[int, tuple] = {}
+_LISTS_KEPT = 16
+_LIST_NAMES = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks", "q_indices",
+               "full_q_num_blocks", "full_q_indices")
+
+
+def _made_from(block_mask, call: tuple) -> tuple:
+    tensors = tuple(getattr(block_mask, name, None) for name in _LIST_NAMES)
+    return call + (tuple(block_mask.BLOCK_SIZE),), tensors, tuple(getattr(t, "_version", None) for t in tensors)
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    return a[0] == b[0] and a[2] == b[2] and all(x is y for x, y in zip(a[1], b[1]))
+
+
+def block_sparse_lists(block_mask, batch: int, heads_q: int, seqlen_q: int, seqlen_k: int, device):
+    """``block_sparse_arguments``, kept for the same BlockMask object unchanged (``_LISTS``)."""
+    if block_mask is None or not hasattr(block_mask, "kv_num_blocks"):
+        return None, []
+    made_from = _made_from(block_mask, (batch, heads_q, seqlen_q, seqlen_k, device))
+    found = _LISTS.get(id(block_mask))
+    if found is not None and found[0]() is block_mask and _same(found[1], made_from):
+        return found[2]
+    result = block_sparse_arguments(block_mask, batch, heads_q, seqlen_q, seqlen_k, device)
+    try:
+        reference = weakref.ref(block_mask)
+    except TypeError:  # not weakly referable: not kept
+        return result
+    _LISTS.pop(id(block_mask), None)
+    if len(_LISTS) >= _LISTS_KEPT:
+        _LISTS.pop(next(iter(_LISTS)))
+    _LISTS[id(block_mask)] = (reference, made_from, result)
+    return result
+
+
 def block_sparse_arguments(block_mask, batch: int, heads_q: int, seqlen_q: int, seqlen_k: int, device):
     """torch's ``BlockMask`` as the programs take it (``program_flex.SPARSE_ARGUMENTS``): its (Q, KV)
     BLOCK_SIZE and four int32 tensors, each list's partial blocks first and its full ones after them
@@ -320,7 +360,7 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
             "tvmflash.flex_attention with a score_mod or mask_mod under torch.compile(fullgraph=True): not yet (the "
             "mods are traced in Python, which Dynamo cannot see through); without fullgraph the call runs eagerly")
     mods, captures = trace_mods(score_mod, mask_mod)
-    sparse, lists = block_sparse_arguments(block_mask, batch, heads_q, seqlen_q, seqlen_k, query.device)
+    sparse, lists = block_sparse_lists(block_mask, batch, heads_q, seqlen_q, seqlen_k, query.device)
     for n, t in enumerate(captures):
         if t.requires_grad and t.is_floating_point() and torch.is_grad_enabled():
             raise NotImplementedError(
