@@ -324,8 +324,8 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
             made from the kv lists where None),
     int32, B 1 or batch and H 1 or heads_q (1: shared). The forward and dq visit only the K/V tiles of
     a Q block's lists, and dk, dv only the Q tiles of a K/V block's: a block in no list is never loaded.
-    Full blocks skip mask_mod, partial ones apply it (so the result is torch's for any BlockMask, one whose
-    lists disagree with its mask_mod included). The kernels' tiles must divide the blocks: where the
+    Full blocks skip mask_mod, partial ones apply it, as torch's compiled kernel does (for a BlockMask whose
+    lists agree with its mask_mod, as create_block_mask's do, that is the mask_mod's result). The kernels' tiles must divide the blocks: where the
     schedule's default tiles do not, the kernels are built with tiles that do (64-row tiles on sm90 for
     a BLOCK_SIZE of 64, say), and where the schedule takes no such tile, on the next schedule that does
     (sm80 for a BLOCK_SIZE of 32 on sm_90a: ``compile_flex``); where none does, a ValueError names the sizes.

@@ -1,0 +1,123 @@
+"""A block-sparse ``BlockMask`` against the dense run (issue 45's goal: a 10%-dense block mask at 0.9x the
+ideal or better, the ideal being the dense time times the density).
+
+    python benchmarks/block_sparse_bench.py                            # bf16, d128, 8k tokens, 16 heads
+    python benchmarks/block_sparse_bench.py --seqlen 16384 --densities 1 0.25 0.1 --partial 0.5 --backward
+    python benchmarks/block_sparse_bench.py --device cpu --seqlen 1024 --heads 2    # (slowly) on the CPU
+
+For each density d, a random BlockMask (``BLOCK_SIZE`` ``--block``) keeps that share of each Q block's K/V
+blocks (each row keeps at least one, the diagonal's), ``--partial`` of them partial (mask_mod applies: an
+element pattern that keeps half) and the rest full; d = 1 keeps every block, full: the dense run. Each is
+checked first against torch's flex_attention (eager, float32 math) on its first batch and heads, under
+flash-attn's error rule, then timed (``tvmflash.bench.time_ms``: forward, or with ``--backward`` forward and
+backward through autograd). "vs ideal" is (the dense time x d) / the time: 1.00 means the mask costs exactly
+its share. With ``--torch`` torch.compile'd FlexAttention is timed beside it on the same masks.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+import tvmflash
+from tvmflash import bench
+
+
+def random_block_mask(seqlen: int, heads: int, block: int, density: float, partial: float, device, seed: int = 0):
+    """A BlockMask over one batch and ``heads`` heads keeping ``density`` of each Q block's K/V blocks (the
+    diagonal block always), ``partial`` of the kept ones partial, and the share it keeps."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks = -(-seqlen // block)
+    keep = torch.rand(1, heads, blocks, blocks, generator=gen) < density
+    keep |= torch.eye(blocks, dtype=torch.bool)
+    partial_ = keep & (torch.rand(1, heads, blocks, blocks, generator=gen) < partial)
+    full_ = keep & ~partial_
+
+    def lists(hit):
+        order = torch.argsort((~hit).to(torch.int32), dim=-1, stable=True)
+        return hit.sum(-1).to(torch.int32).to(device), order.to(torch.int32).to(device)
+
+    kept, full = keep[0].to(device), full_[0].to(device)
+
+    def half(b, h, q, kv):  # consistent with the lists (torch's eager path applies it to every block)
+        return kept[h, q // block, kv // block] & (full[h, q // block, kv // block] | ((q + kv) % 2 == 0))
+
+    (num, indices), (full_num, full_indices) = lists(partial_), lists(full_)
+    mask = BlockMask.from_kv_blocks(num, indices, full_num, full_indices, BLOCK_SIZE=block, mask_mod=half,
+                                    seq_lengths=(seqlen, seqlen))
+    return mask, keep.float().mean().item()
+
+
+def check(q, k, v, block_mask, heads: int = 2) -> tuple[float, float]:
+    """Our error on batch 0 and the first ``heads`` heads against torch's flex_attention in float64, and
+    flash-attn's bound (2x torch's in the inputs' dtype + 1e-5)."""
+    q_, k_, v_ = (t[:1, :heads] for t in (q, k, v))
+    sub = block_mask
+    if block_mask.kv_num_blocks.shape[1] > heads:
+        sub = block_mask[:, :heads]
+        sub.mask_mod = block_mask.mask_mod  # (a slice starts at head 0: the same positions)
+    ours = tvmflash.flex_attention(q_, k_, v_, block_mask=sub).double()
+    with torch.no_grad():
+        reference = flex_attention(*(t.double() for t in (q_, k_, v_)), block_mask=sub)
+        theirs = flex_attention(q_, k_, v_, block_mask=sub).double()
+    return (ours - reference).abs().max().item(), 2 * (theirs - reference).abs().max().item() + 1e-5
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--seqlen", type=int, default=8192)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--block", type=int, default=128)
+    parser.add_argument("--densities", type=float, nargs="+", default=[1.0, 0.5, 0.25, 0.1])
+    parser.add_argument("--partial", type=float, default=0.0, help="share of the kept blocks that are partial")
+    parser.add_argument("--backward", action="store_true", help="time forward and backward")
+    parser.add_argument("--torch", action="store_true", help="time torch.compile'd flex_attention too")
+    parser.add_argument("--repeat", type=int, default=20)
+    args = parser.parse_args(argv)
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    q, k, v = (torch.randn(1, args.heads, args.seqlen, args.head_dim, device=device, dtype=dtype,
+                           requires_grad=args.backward) for _ in range(3))
+    dout = torch.randn_like(q)
+    compiled = torch.compile(flex_attention) if args.torch else None
+
+    def timed(attend):
+        def step():
+            out = attend()
+            if args.backward:
+                out.backward(dout)
+        if not args.backward:
+            with torch.no_grad():
+                return bench.time_ms(step, device, repeat=args.repeat)
+        return bench.time_ms(step, device, repeat=args.repeat)
+
+    print(f"{args.dtype} d{args.head_dim}, {args.heads} heads, {args.seqlen} tokens, BLOCK_SIZE {args.block}, "
+          f"partial {args.partial}, {'forward + backward' if args.backward else 'forward'}, {bench.device_name(device)}")
+    print(f"{'density':>8} {'ms':>9} {'vs ideal':>9}" + (f" {'torch ms':>9} {'speedup':>8}" if args.torch else ""))
+    dense_ms = None
+    for n, density in enumerate(sorted(args.densities, reverse=True)):
+        block_mask, kept = random_block_mask(args.seqlen, args.heads, args.block, density,
+                                             0.0 if density >= 1 else args.partial, device, seed=n)
+        error, bound = check(q.detach(), k.detach(), v.detach(), block_mask)
+        if not error <= bound:
+            raise SystemExit(f"density {density}: error {error:.3e} over flash-attn's bound {bound:.3e}")
+        ms = timed(lambda: tvmflash.flex_attention(q, k, v, block_mask=block_mask))
+        if dense_ms is None and kept >= 1:
+            dense_ms = ms
+        ideal = f"{dense_ms * kept / ms:9.2f}" if dense_ms else f"{'-':>9}"
+        line = f"{kept:8.3f} {ms:9.3f} {ideal}"
+        if compiled is not None:
+            theirs = timed(lambda: compiled(q, k, v, block_mask=block_mask))
+            line += f" {theirs:9.3f} {theirs / ms:7.2f}x"
+        print(line)
+    if dense_ms is None:
+        print("(no density 1 run: vs ideal needs the dense time)")
+    print("each checked first against torch's flex_attention in float64 (flash-attn's rule)")
+
+
+if __name__ == "__main__":
+    main()
