@@ -19,7 +19,7 @@ from test_flex import HEADS, check_forward, documents, flex_reference, random_qk
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 import tvmflash
-from tvmflash import program_flex
+from tvmflash import flex_block_mask, program_flex
 from tvmflash import target as targets
 from tvmflash.flex_trace import trace_mods
 
@@ -194,7 +194,7 @@ def test_empty_blocks_are_not_visited_on_cpu():
 def test_block_masks_on_amx():
     """bf16 on the CPU: the AMX forward (and the CPU schedule's backward) walk the lists too."""
     mods = dataclasses.replace(trace_mods(None, lambda b, h, q, kv: q >= kv)[0], sparse=(64, 64))
-    assert tvmflash.flex.compile_flex(CPU_HEAD_DIM, "bfloat16", "cpu", mods).info()["schedule"] == "amx"
+    assert flex_block_mask.compile_flex(CPU_HEAD_DIM, "bfloat16", "cpu", mods).info()["schedule"] == "amx"
     for name in ("random", "empty-rows"):
         forward_and_gradients_match_float64("cpu", torch.bfloat16, CPU_HEAD_DIM, name, LENGTHS)
     poisoned_blocks_are_not_visited("cpu", torch.bfloat16, CPU_HEAD_DIM)
@@ -203,8 +203,8 @@ def test_block_masks_on_amx():
 def test_a_reused_block_mask_is_converted_once_and_again_when_changed_in_place():
     q, k, v = random_qkv(1, 200, 200, CPU_DTYPE, "cpu", CPU_HEAD_DIM, seed=8)
     block_mask = random_block_mask(1, 1, 200, 200, 64, "cpu", seed=4)
-    first = tvmflash.flex.block_sparse_lists(block_mask, 1, HEADS[0], 200, 200, q.device)
-    assert tvmflash.flex.block_sparse_lists(block_mask, 1, HEADS[0], 200, 200, q.device) is first
+    first = flex_block_mask.block_sparse_lists(block_mask, 1, HEADS[0], 200, 200, q.device)
+    assert flex_block_mask.block_sparse_lists(block_mask, 1, HEADS[0], 200, 200, q.device) is first
     block_mask.kv_num_blocks[..., 1] = 0  # Q block 1: no partial block left, its full ones only
     block_mask.full_kv_num_blocks[..., 2] = 0  # Q block 2: no full block left
     out, lse = tvmflash.flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True, return_lse=True)
@@ -236,9 +236,9 @@ def test_mismatched_and_stale_block_masks_are_refused():
 
 def test_blocks_smaller_than_the_default_tiles_take_tiles_that_divide_them():
     """A BlockMask of 32 x 32 blocks where the CPU's default tiles are 64 x 64: the kernels take 32-row and
-    32-key tiles (``flex.fitted_tiles``), forward and backward."""
+    32-key tiles (``flex_block_mask.fitted_tiles``), forward and backward."""
     forward_and_gradients_match_float64("cpu", CPU_DTYPE, CPU_HEAD_DIM, "random32", LENGTHS[:1])
-    assert tvmflash.flex.fitted_tiles({"block_m": 128, "block_n": 64, "vec": 8}, (64, 128)) == {"block_m": 64}
+    assert flex_block_mask.fitted_tiles({"block_m": 128, "block_n": 64, "vec": 8}, (64, 128)) == {"block_m": 64}
 
 
 @pytest.mark.parametrize("target,dtype,block,backward,expected", [
@@ -252,7 +252,7 @@ def test_blocks_smaller_than_the_default_tiles_take_tiles_that_divide_them():
 def test_each_schedule_takes_tiles_that_divide_the_blocks(target, dtype, block, backward, expected):
     """Cross-compiled kernels (nothing built): the schedule chosen for a BlockMask's BLOCK_SIZE and its tiles."""
     mods = dataclasses.replace(trace_mods(None, lambda b, h, q, kv: q >= kv)[0], sparse=block)
-    kernel = tvmflash.flex.compile_flex(128 if target == "sm90" else 64, dtype, target, mods, backward)
+    kernel = flex_block_mask.compile_flex(128 if target == "sm90" else 64, dtype, target, mods, backward)
     assert (kernel.schedule.name, {name: kernel.knobs[name] for name in expected[1]}) == expected
 
 

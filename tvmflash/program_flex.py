@@ -289,7 +289,7 @@ def _compact_argument(name: str, buffer_name: str, ndim: int, dtype: str):
 
 
 # ----------------------------------------------------------------------------- block sparsity
-# A BlockMask's lists as the programs take them (``tvmflash.flex.block_sparse_arguments`` makes them),
+# A BlockMask's lists as the programs take them (``tvmflash.flex_block_mask.block_sparse_arguments`` makes them),
 # int32, batch and head dims of 1 (shared) or the call's batch and query heads:
 #   KvCounts  (B, H, q_blocks, 2):  a Q block's partial K/V blocks, then partial + full
 #   KvIndices (B, H, q_blocks, w):  its partial K/V blocks, then its full ones (w: at least the count)
