@@ -1,0 +1,158 @@
+"""The public functions, ``ring_attention`` and ``ulysses_attention``: their arguments checked in one
+place, then the ring's autograd Function or Ulysses' all_to_alls around ``tvmflash.attention``."""
+
+from __future__ import annotations
+
+import torch
+
+from tvmflash import ops
+from tvmflash.distributed import plan
+from tvmflash.distributed.comm import Ring, check_same_on_every_rank, world_of
+from tvmflash.distributed.layout import LAYOUTS, check_layout, segments
+from tvmflash.distributed.ring import RingAttention, RingCall
+from tvmflash.distributed.ulysses import heads_to_sequence, kv_replication, sequence_to_heads
+from tvmflash.kernels.checks import check_any_head_dim, check_flag, resolve_softmax_scale, resolve_variant
+
+
+def _check_shards(function: str, q, k, v) -> None:
+    """q (batch, shard_len, heads_q, head_dim), k and v (batch, shard_len, heads_kv, head_dim) on one
+    device in one dtype: TypeErrors and ValueErrors that name what is wrong."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{function}: {name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{function}: {name}: expected 4 dims (batch, shard_len, heads, head_dim), got shape "
+                             f"{tuple(t.shape)}")
+        if t.dtype != q.dtype or t.device != q.device:
+            raise ValueError(f"{function}: {name}: expected q's dtype and device ({q.dtype}, {q.device}), got "
+                             f"{t.dtype}, {t.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"{function}: expected k and v of one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3]:
+        raise ValueError(f"{function}: expected q, k and v of one batch, shard length and head_dim (each rank holds "
+                         f"the same positions of q, k and v), got q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if k.shape[2] == 0 or q.shape[2] % k.shape[2]:
+        raise ValueError(f"{function}: expected heads_q ({q.shape[2]}) a multiple of heads_kv ({k.shape[2]})")
+    check_any_head_dim(q.shape[-1])
+
+
+def _check_ranks(function, group, q, k, layout: str, variant: dict, softmax_scale: float, extra=()) -> None:
+    """Every rank of the group passes the same shapes and options (a ValueError on every rank otherwise:
+    mismatched transfers would hang or read garbage)."""
+    check_same_on_every_rank(
+        group, q.device, function, **{"shape of q": tuple(q.shape), "shape of k": tuple(k.shape),
+                                      "layout": LAYOUTS.index(layout), "causal": int(variant["causal"]),
+                                      "window_size": (variant.get("window_left", -1), variant.get("window_right", -1)),
+                                      "softcap, softmax_scale (as float32 bits)": tuple(
+                                          torch.tensor([variant.get("softcap", 0.0), softmax_scale],
+                                                       dtype=torch.float32).view(torch.int32).tolist()),
+                                      **dict(extra)})
+
+
+@torch.compiler.disable  # collectives and host-side planning: under torch.compile, a graph break and an eager call
+def ring_attention(q, k, v, group=None, causal: bool = False, softmax_scale=None, window_size=(-1, -1),
+                   softcap: float = 0.0, alibi_slopes=None, deterministic: bool = False, layout: str = "contiguous",
+                   return_lse: bool = False, cu_seqlens=None, check_ranks: bool = True):
+    """Attention of a sequence sharded over the ranks of ``group``, by ring attention.
+
+    q: (batch, shard_len, heads_q, head_dim), k, v: (batch, shard_len, heads_kv, head_dim) (flash-attn's
+    layout), this rank's shard of one sequence of world · shard_len tokens, in ``layout``: "contiguous"
+    (rank r holds positions r · shard_len ... (r + 1) · shard_len - 1) or "zigzag" (the sequence in 2 ·
+    world chunks, rank r holds chunks r and 2 · world - 1 - r; shard_len even; :func:`zigzag_shard`).
+    Every rank passes the same shapes and options (checked by one small all_gather unless
+    ``check_ranks=False``). heads_q a multiple of heads_kv (GQA/MQA), head_dim 1 to 256 (padded as
+    :func:`tvmflash.attention`'s). Returns out (q's shape and dtype), this rank's rows of the attention
+    over the whole sequence, or with ``return_lse`` (out, lse), lse float32 (batch, heads_q, shard_len).
+    Differentiable in q, k and v (through out and lse): each rank gets the gradients of its shards.
+
+    causal, softmax_scale, window_size, softcap and deterministic are :func:`tvmflash.attention`'s, over
+    the whole sequence (positions, not local rows: seqlen_q = seqlen_k, so the causal mask and windows
+    are the usual ones). K/V shards travel round the ring by ``batch_isend_irecv``; each step's
+    transfer is posted before its kernels. ``alibi_slopes`` and ``cu_seqlens`` (documents packed across
+    the ring) are not supported by the ring: a NotImplementedError (:func:`ulysses_attention` takes
+    ALiBi). Under torch.compile the call runs eagerly (a graph break).
+    """
+    _check_shards("ring_attention", q, k, v)
+    if alibi_slopes is not None:
+        raise NotImplementedError("alibi_slopes: ring_attention does not take ALiBi (a step's kernel measures "
+                                  "distances from its own bottom-right diagonal, not the sequence's); "
+                                  "ulysses_attention does")
+    if cu_seqlens is not None:
+        raise NotImplementedError("cu_seqlens: ring_attention over documents packed across the ring is not "
+                                  "implemented yet")
+    layout = check_layout(layout)
+    return_lse, deterministic = check_flag("return_lse", return_lse), check_flag("deterministic", deterministic)
+    check_ranks = check_flag("check_ranks", check_ranks)
+    variant = resolve_variant(causal, window_size, softcap)
+    rank, world = world_of(group)
+    batch, shard_len, heads_q, head_dim = q.shape
+    if layout == "zigzag" and shard_len % 2:
+        raise ValueError(f"ring_attention: layout 'zigzag' needs an even shard_len (two chunks a rank), got "
+                         f"{shard_len}")
+    softmax_scale = resolve_softmax_scale(softmax_scale, head_dim)  # q's own head_dim's, before any padding
+    if check_ranks:
+        _check_ranks("ring_attention", group, q, k, layout, variant, softmax_scale,
+                     {"deterministic": int(deterministic)})
+    left, right = variant.get("window_left", -1), variant.get("window_right", -1)
+    mine = segments(rank, world, shard_len, layout)
+    steps = tuple(plan.step_pieces(mine, segments((rank - s) % world, world, shard_len, layout), variant["causal"],
+                                   left, right) for s in range(world))
+    call = RingCall(Ring(group) if world > 1 else None, steps, softmax_scale, variant.get("softcap", 0.0),
+                    deterministic)
+    q, k, v, run = ops.padded_head_dim(q, k, v, head_dim)
+    out, lse = RingAttention.apply(q, k, v, call)
+    if run != head_dim:
+        out = out[..., :head_dim]
+    return (out, lse) if return_lse else out
+
+
+@torch.compiler.disable  # collectives: under torch.compile, a graph break and an eager call
+def ulysses_attention(q, k, v, group=None, causal: bool = False, softmax_scale=None, window_size=(-1, -1),
+                      softcap: float = 0.0, alibi_slopes=None, deterministic: bool = False,
+                      layout: str = "contiguous", return_lse: bool = False, check_ranks: bool = True):
+    """Attention of a sequence sharded over the ranks of ``group``, by all_to_all over heads
+    (DeepSpeed-Ulysses).
+
+    q, k, v and ``layout`` as :func:`ring_attention`'s: this rank's shard (batch, shard_len, heads,
+    head_dim). An all_to_all gives each rank heads_q / world query heads over the whole sequence, where
+    :func:`tvmflash.attention` runs (every variant of it: causal, window_size, softcap, alibi_slopes
+    (heads_q,) or (batch, heads_q), deterministic), and an all_to_all gives the output back in sequence
+    shards. heads_q must be a multiple of the world size; a heads_kv that is not is served by repeating
+    each K/V head (the least number of times that splits them, GQA's groups kept). Returns out (q's
+    shape), or with ``return_lse`` (out, lse float32 (batch, heads_q, shard_len)); differentiable in q, k
+    and v (the backward's all_to_alls are the reverse ones). Under torch.compile the call runs eagerly.
+    """
+    _check_shards("ulysses_attention", q, k, v)
+    layout = check_layout(layout)
+    return_lse, check_ranks = check_flag("return_lse", return_lse), check_flag("check_ranks", check_ranks)
+    variant = resolve_variant(causal, window_size, softcap, alibi_slopes is not None)
+    rank, world = world_of(group)
+    batch, shard_len, heads_q, head_dim = q.shape
+    heads_kv = k.shape[2]
+    if heads_q % world:
+        raise ValueError(f"ulysses_attention: expected heads_q ({heads_q}) a multiple of the world size ({world}); "
+                         f"ring_attention has no such bound")
+    if layout == "zigzag" and shard_len % 2:
+        raise ValueError(f"ulysses_attention: layout 'zigzag' needs an even shard_len (two chunks a rank), got "
+                         f"{shard_len}")
+    softmax_scale = resolve_softmax_scale(softmax_scale, head_dim)
+    if check_ranks:
+        _check_ranks("ulysses_attention", group, q, k, layout, variant, softmax_scale,
+                     {"alibi_slopes given": int(alibi_slopes is not None)})
+    repeat = kv_replication(heads_q, heads_kv, world)
+    if repeat > 1:
+        k, v = k.repeat_interleave(repeat, dim=2), v.repeat_interleave(repeat, dim=2)
+    if alibi_slopes is not None:
+        if not isinstance(alibi_slopes, torch.Tensor) or alibi_slopes.shape[-1] != heads_q:
+            raise ValueError(f"alibi_slopes: expected float32 (heads_q,) or (batch, heads_q) with heads_q {heads_q}, "
+                             f"got {getattr(alibi_slopes, 'shape', alibi_slopes)}")
+        share = heads_q // world
+        alibi_slopes = alibi_slopes[..., rank * share:(rank + 1) * share].contiguous()
+    q, k, v = (sequence_to_heads(t, group, world, shard_len, layout) for t in (q, k, v))
+    out, lse = ops.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True,
+                             window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                             deterministic=deterministic)
+    out = heads_to_sequence(out, group, world, shard_len, layout)
+    if not return_lse:
+        return out
+    return out, heads_to_sequence(lse, group, world, shard_len, layout, seq_dim=2, head_dim=1)

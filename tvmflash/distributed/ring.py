@@ -1,0 +1,120 @@
+"""Ring attention: each rank keeps its query shard and the K/V shards pass round the ring, one step a
+shard; the partial outputs merge by their LSE in float32. The backward passes the K/V shards round again,
+with their dK/dV (float32), which come home after the last step.
+
+Each step's calls are ``plan.step_pieces``; each is a call of tvmflash's own forward or backward kernel
+(``ops.kernel_for``, ``ops.backward_kernel_for``) on slices of the shards. The next step's transfer is
+posted before the current step's kernels run, so the two overlap (on a GPU, NCCL's stream beside the
+kernels')."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tvmflash import ops
+from tvmflash.distributed.comm import Ring
+from tvmflash.distributed.plan import Piece
+
+
+@dataclass(frozen=True)
+class RingCall:
+    """One ring_attention call's constants: the ring, each step's kernel calls (step s: the K/V shard of
+    rank (rank - s) mod world), the scale, softcap and ``deterministic``."""
+
+    ring: Ring | None  # None: a world of one, nothing moves
+    steps: tuple[tuple[Piece, ...], ...]
+    softmax_scale: float
+    softcap: float
+    deterministic: bool
+
+
+def _step_forward(q, kv, p: Piece, call: RingCall):
+    """(out, lse) of one piece: the forward kernel on q's rows [q0, q1) over kv's rows [k0, k1)."""
+    kernel = ops.kernel_for(q, p.causal, p.window[0], p.window[1], call.softcap)
+    return kernel(q[:, p.q0:p.q1], kv[0][:, p.k0:p.k1], kv[1][:, p.k0:p.k1], softmax_scale=call.softmax_scale,
+                  return_lse=True)
+
+
+def merge(out, lse, part_out, part_lse) -> None:
+    """Add a partial result into the running one, in place: out (batch, rows, heads, head_dim) float32,
+    lse (batch, heads, rows) float32, each rescaled to the joint LSE. Rows that neither has seen a key
+    for stay 0 with lse -inf (the joint LSE is -inf there: its exponents are taken against 0, never
+    -inf - -inf)."""
+    joint = torch.logaddexp(lse, part_lse)
+    safe = joint.masked_fill(joint == -torch.inf, 0.0)
+    old = torch.exp(lse - safe).transpose(1, 2).unsqueeze(-1)
+    new = torch.exp(part_lse - safe).transpose(1, 2).unsqueeze(-1)
+    out.mul_(old).add_(part_out.float() * new)
+    lse.copy_(joint)
+
+
+def ring_forward(q, k, v, call: RingCall):
+    """(out in q's dtype, lse float32 (batch, heads_q, rows)) of this rank's queries over every rank's keys."""
+    batch, rows, heads, head_dim = q.shape
+    out = torch.zeros((batch, rows, heads, head_dim), dtype=torch.float32, device=q.device)
+    lse = torch.full((batch, heads, rows), -torch.inf, dtype=torch.float32, device=q.device)
+    kv = torch.stack((k, v))  # one tensor to send a step
+    last = len(call.steps) - 1
+    for step, pieces in enumerate(call.steps):
+        transfer = call.ring.exchange(kv) if step < last else None  # posted first: it runs beside the kernels
+        for p in pieces:
+            part_out, part_lse = _step_forward(q, kv, p, call)
+            merge(out[:, p.q0:p.q1], lse[:, :, p.q0:p.q1], part_out, part_lse)
+        if transfer is not None:
+            kv = transfer.wait()
+    return out.to(q.dtype), lse
+
+
+def ring_backward(dout, dlse, q, k, v, out, lse, call: RingCall):
+    """(dq, dk, dv) of :func:`ring_forward`. Each piece runs the backward kernel with the rows' global
+    out and lse, so its D = rowsum(dO∘O) and its softmax are the whole sequence's, and its dq, dk, dv
+    are exact shares of the gradients: dq sums here, dk and dv in a float32 buffer that travels with
+    the K/V shard and, one step after the last, reaches its owner."""
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    kv = torch.stack((k, v))
+    last = len(call.steps) - 1
+    gradient_transfer = None
+    for step, pieces in enumerate(call.steps):
+        transfer = call.ring.exchange(kv) if step < last else None
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
+        for p in pieces:
+            kernel = ops.backward_kernel_for(q, p.causal, p.window[0], p.window[1], call.softcap,
+                                             deterministic=call.deterministic)
+            rows = slice(p.q0, p.q1)
+            dq_part, dk_part, dv_part = kernel(
+                q[:, rows], kv[0][:, p.k0:p.k1], kv[1][:, p.k0:p.k1], out[:, rows], dout[:, rows], lse[:, :, rows],
+                dlse=None if dlse is None else dlse[:, :, rows], softmax_scale=call.softmax_scale)
+            dq[:, rows] += dq_part
+            dkv[0][:, p.k0:p.k1] += dk_part
+            dkv[1][:, p.k0:p.k1] += dv_part
+        if gradient_transfer is not None:  # the shares of the ranks this shard visited before
+            dkv += gradient_transfer.wait()
+        if call.ring is not None:
+            gradient_transfer = call.ring.exchange(dkv)  # to the next rank; after the last step, home
+        if transfer is not None:
+            kv = transfer.wait()
+    if gradient_transfer is not None:
+        dkv = gradient_transfer.wait()
+    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+
+class RingAttention(torch.autograd.Function):
+    """:func:`ring_forward` and :func:`ring_backward` for autograd: (out, lse) of (q, k, v)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, call: RingCall):
+        out, lse = ring_forward(q, k, v, call)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.call = call
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        if dout is None:  # only lse reached the loss
+            dout = torch.zeros_like(out)
+        dq, dk, dv = ring_backward(dout.contiguous(), dlse, q, k, v, out, lse, ctx.call)
+        return dq, dk, dv, None
