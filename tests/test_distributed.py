@@ -208,3 +208,17 @@ def test_merge_is_exact_and_never_nan():
     assert torch.isfinite(out).all()
     assert torch.allclose(out, whole_out) and torch.equal(lse.isinf(), whole_lse.isinf())
     assert torch.allclose(lse[:, :, :2], whole_lse[:, :, :2])
+
+
+def test_ring_overlap_dry_run(capsys):
+    """benchmarks/ring_overlap.py's plan without a GPU: one row a step kind, the transfer's bytes."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ring_overlap", ROOT / "benchmarks" / "ring_overlap.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main(["--dry-run", "--shard-lens", "4096", "--world", "4"])
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith(("causal", "full"))]
+    # zigzag: the diagonal step and 3 of half the rows; full: 4 alike. K+V of 4096 x 16 x 128 bf16: 33.6 MB
+    assert [(r[0], r[2]) for r in rows] == [("causal-zigzag", "1"), ("causal-zigzag", "3"), ("full", "4")]
+    assert all(r[-6] == "33.6" for r in rows)

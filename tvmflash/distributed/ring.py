@@ -30,11 +30,29 @@ class RingCall:
     deterministic: bool
 
 
-def _step_forward(q, kv, p: Piece, call: RingCall):
-    """(out, lse) of one piece: the forward kernel on q's rows [q0, q1) over kv's rows [k0, k1)."""
-    kernel = ops.kernel_for(q, p.causal, p.window[0], p.window[1], call.softcap)
-    return kernel(q[:, p.q0:p.q1], kv[0][:, p.k0:p.k1], kv[1][:, p.k0:p.k1], softmax_scale=call.softmax_scale,
-                  return_lse=True)
+def step_forward(q, kv, pieces, call: RingCall, out, lse) -> None:
+    """One step of the forward: each piece's kernel on q's rows [q0, q1) over kv's rows [k0, k1)
+    (kv: (2, batch, shard_len, heads_kv, head_dim), K then V), merged into out and lse in place."""
+    for p in pieces:
+        kernel = ops.kernel_for(q, p.causal, p.window[0], p.window[1], call.softcap)
+        part_out, part_lse = kernel(q[:, p.q0:p.q1], kv[0][:, p.k0:p.k1], kv[1][:, p.k0:p.k1],
+                                    softmax_scale=call.softmax_scale, return_lse=True)
+        merge(out[:, p.q0:p.q1], lse[:, :, p.q0:p.q1], part_out, part_lse)
+
+
+def step_backward(dout, dlse, q, kv, out, lse, pieces, call: RingCall, dq, dkv) -> None:
+    """One step of the backward: each piece's backward kernel, with the rows' global out and lse, its
+    dq added into dq (float32, q's shape) and its dk, dv into dkv (float32, kv's shape), in place."""
+    for p in pieces:
+        kernel = ops.backward_kernel_for(q, p.causal, p.window[0], p.window[1], call.softcap,
+                                         deterministic=call.deterministic)
+        rows = slice(p.q0, p.q1)
+        dq_part, dk_part, dv_part = kernel(
+            q[:, rows], kv[0][:, p.k0:p.k1], kv[1][:, p.k0:p.k1], out[:, rows], dout[:, rows], lse[:, :, rows],
+            dlse=None if dlse is None else dlse[:, :, rows], softmax_scale=call.softmax_scale)
+        dq[:, rows] += dq_part
+        dkv[0][:, p.k0:p.k1] += dk_part
+        dkv[1][:, p.k0:p.k1] += dv_part
 
 
 def merge(out, lse, part_out, part_lse) -> None:
@@ -59,9 +77,7 @@ def ring_forward(q, k, v, call: RingCall):
     last = len(call.steps) - 1
     for step, pieces in enumerate(call.steps):
         transfer = call.ring.exchange(kv) if step < last else None  # posted first: it runs beside the kernels
-        for p in pieces:
-            part_out, part_lse = _step_forward(q, kv, p, call)
-            merge(out[:, p.q0:p.q1], lse[:, :, p.q0:p.q1], part_out, part_lse)
+        step_forward(q, kv, pieces, call, out, lse)
         if transfer is not None:
             kv = transfer.wait()
     return out.to(q.dtype), lse
@@ -79,16 +95,7 @@ def ring_backward(dout, dlse, q, k, v, out, lse, call: RingCall):
     for step, pieces in enumerate(call.steps):
         transfer = call.ring.exchange(kv) if step < last else None
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
-        for p in pieces:
-            kernel = ops.backward_kernel_for(q, p.causal, p.window[0], p.window[1], call.softcap,
-                                             deterministic=call.deterministic)
-            rows = slice(p.q0, p.q1)
-            dq_part, dk_part, dv_part = kernel(
-                q[:, rows], kv[0][:, p.k0:p.k1], kv[1][:, p.k0:p.k1], out[:, rows], dout[:, rows], lse[:, :, rows],
-                dlse=None if dlse is None else dlse[:, :, rows], softmax_scale=call.softmax_scale)
-            dq[:, rows] += dq_part
-            dkv[0][:, p.k0:p.k1] += dk_part
-            dkv[1][:, p.k0:p.k1] += dv_part
+        step_backward(dout, dlse, q, kv, out, lse, pieces, call, dq, dkv)
         if gradient_transfer is not None:  # the shares of the ranks this shard visited before
             dkv += gradient_transfer.wait()
         if call.ring is not None:
