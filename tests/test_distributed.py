@@ -24,9 +24,10 @@ ROOT = WORKER.parent.parent
 CPU_CASES = {
     2: ["ring-contiguous-causal", "ring-zigzag-causal", "ring-zigzag", "ring-causal-lse",
         "ring-causal-window-softcap", "ring-zigzag-causal-window", "ring-window-both-sides",
+        "ring-varlen-causal", "ring-varlen-zigzag-causal", "ring-varlen-zigzag-softcap",
         "ulysses-zigzag-lse-mqa", "ulysses-alibi-window",
-        "shard-lengths-differ", "zigzag-odd-shard", "ulysses-heads", "ring-alibi", "ring-varlen"],
-    4: ["ring-zigzag-causal", "ring-contiguous", "ulysses-causal"],
+        "shard-lengths-differ", "zigzag-odd-shard", "ulysses-heads", "ring-alibi", "ring-varlen-window"],
+    4: ["ring-zigzag-causal", "ring-contiguous", "ring-varlen-zigzag-causal", "ulysses-causal"],
 }
 GPU_CASES = ["ring-contiguous-causal", "ring-zigzag-causal", "ring-zigzag", "ring-causal-lse",
              "ring-causal-window-softcap", "ulysses-zigzag-lse-mqa", "ulysses-alibi-window"]
@@ -34,7 +35,7 @@ RAISES = {"shard-lengths-differ": ("ValueError", "same shape of q on every rank"
           "zigzag-odd-shard": ("ValueError", "even shard_len"),
           "ulysses-heads": ("ValueError", "multiple of the world size"),
           "ring-alibi": ("NotImplementedError", "alibi_slopes"),
-          "ring-varlen": ("NotImplementedError", "cu_seqlens")}
+          "ring-varlen-window": ("NotImplementedError", "window_size")}
 
 
 def free_port() -> int:
@@ -150,6 +151,40 @@ def test_step_pieces_give_the_global_mask(layout):
                             want = {(a, b) for a in qp for b in kp
                                     if (edge < 0 or kp[b] <= qp[a] + edge) and (left < 0 or kp[b] >= qp[a] - left)}
                             assert got == want, (world, causal, left, right, r, j)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_documents_give_the_global_mask(layout):
+    """Documents packed across the ring: each step's varlen calls (a sequence a document the call meets,
+    its mask bottom-right in it) let through exactly the pairs of one document the global mask does."""
+    import random
+
+    rng = random.Random(0)
+    for world in (2, 3, 4):
+        shard_len = 8
+        total = world * shard_len
+        for _ in range(4):
+            cuts = sorted(rng.sample(range(1, total), rng.randint(1, 6)) + [rng.randrange(total)])  # one empty
+            boundaries = [0, *cuts, total]
+            document = {t: d for d in range(len(boundaries) - 1) for t in range(boundaries[d], boundaries[d + 1])}
+            for causal in (False, True):
+                for r in range(world):
+                    for j in range(world):
+                        q_runs = segments(r, world, shard_len, layout)
+                        k_runs = segments(j, world, shard_len, layout)
+                        got = set()
+                        for p in plan.step_pieces(q_runs, k_runs, causal, -1, -1):
+                            rows, keys = plan.document_lengths(p, q_runs, k_runs, boundaries)
+                            a0, b0 = p.q0, p.k0
+                            for n_q, n_k in zip(rows, keys):
+                                got |= {(a0 + a, b0 + b) for a in range(n_q) for b in range(n_k)
+                                        if not p.causal or b <= a + n_k - n_q}
+                                a0, b0 = a0 + n_q, b0 + n_k
+                            assert (a0, b0) == (p.q1, p.k1), "the sequences cover the call's rows and keys"
+                        qp, kp = _positions(q_runs), _positions(k_runs)
+                        want = {(a, b) for a in qp for b in kp
+                                if document[qp[a]] == document[kp[b]] and (not causal or kp[b] <= qp[a])}
+                        assert got == want, (world, boundaries, causal, r, j)
 
 
 def test_causal_steps_are_one_call_or_none():

@@ -78,3 +78,45 @@ def step_pieces(q_runs, k_runs, causal: bool, left: int, right: int) -> tuple[Pi
         if adjacent and len(pieces) == len(rows) * len(keys):
             return (Piece(rows[0][0], rows[-1][1], keys[0][0], keys[-1][1], False, (-1, -1)),)
     return tuple(pieces)
+
+
+# ----------------------------------------------------------------------------- documents (varlen)
+# Documents packed in one sequence (flash-attn's cu_seqlens over the whole sequence): each call of a
+# step runs the varlen kernel, each document one of its sequences, with the document's rows among the
+# call's rows and its keys among the call's keys (either may be none). Without a window every call is
+# exact per document: in a causal call the rows and keys are the same positions (so each document's
+# are too, and its mask is its own causal one), in a full call every key precedes every row or there is
+# no mask at all.
+def positions(lo: int, hi: int, runs) -> list[tuple[int, int]]:
+    """The global position ranges of local rows [lo, hi) of ``runs`` (as ``piece`` takes them)."""
+    found = []
+    for start, end, local in runs:
+        a, b = max(lo, local), min(hi, local + end - start)
+        if a < b:
+            found.append((start + a - local, start + b - local))
+    return found
+
+
+def document_rows(ranges, boundaries) -> dict[int, int]:
+    """{document: how many of its positions lie in ``ranges``}, documents by ``boundaries`` (cu_seqlens
+    as a list: document i is positions boundaries[i] ... boundaries[i + 1] - 1)."""
+    import bisect
+
+    counts: dict[int, int] = {}
+    last = len(boundaries) - 1
+    for s, e in ranges:
+        d = bisect.bisect_right(boundaries, s) - 1
+        while d < last and boundaries[d] < e:
+            n = min(e, boundaries[d + 1]) - max(s, boundaries[d])
+            if n > 0:
+                counts[d] = counts.get(d, 0) + n
+            d += 1
+    return counts
+
+
+def document_lengths(p: Piece, q_runs, k_runs, boundaries) -> tuple[list[int], list[int]]:
+    """(rows, keys) of each document that the call ``p`` meets, in order: its sequences' lengths."""
+    rows = document_rows(positions(p.q0, p.q1, q_runs), boundaries)
+    keys = document_rows(positions(p.k0, p.k1, k_runs), boundaries)
+    documents = sorted(set(rows) | set(keys))
+    return [rows.get(d, 0) for d in documents], [keys.get(d, 0) for d in documents]

@@ -21,38 +21,58 @@ from tvmflash.distributed.plan import Piece
 @dataclass(frozen=True)
 class RingCall:
     """One ring_attention call's constants: the ring, each step's kernel calls (step s: the K/V shard of
-    rank (rank - s) mod world), the scale, softcap and ``deterministic``."""
+    rank (rank - s) mod world), the scale, softcap and ``deterministic``; with documents (varlen), each
+    call's (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) in the same order as the calls."""
 
     ring: Ring | None  # None: a world of one, nothing moves
     steps: tuple[tuple[Piece, ...], ...]
     softmax_scale: float
     softcap: float
     deterministic: bool
+    documents: tuple[tuple[tuple, ...], ...] | None = None
+
+    def calls(self, step: int):
+        """(piece, its documents or None) of each call of step ``step``."""
+        pieces = self.steps[step]
+        return zip(pieces, self.documents[step] if self.documents is not None else (None,) * len(pieces))
 
 
-def step_forward(q, kv, pieces, call: RingCall, out, lse) -> None:
-    """One step of the forward: each piece's kernel on q's rows [q0, q1) over kv's rows [k0, k1)
-    (kv: (2, batch, shard_len, heads_kv, head_dim), K then V), merged into out and lse in place."""
-    for p in pieces:
-        kernel = ops.kernel_for(q, p.causal, p.window[0], p.window[1], call.softcap)
-        part_out, part_lse = kernel(q[:, p.q0:p.q1], kv[0][:, p.k0:p.k1], kv[1][:, p.k0:p.k1],
-                                    softmax_scale=call.softmax_scale, return_lse=True)
-        merge(out[:, p.q0:p.q1], lse[:, :, p.q0:p.q1], part_out, part_lse)
+def step_forward(q, kv, step: int, call: RingCall, out, lse) -> None:
+    """One step of the forward: each call's kernel on q's rows [q0, q1) over kv's rows [k0, k1) (kv: (2,
+    batch, shard_len, heads_kv, head_dim), K then V; with documents, batch 1 and the varlen kernel),
+    merged into out and lse in place."""
+    for p, documents in call.calls(step):
+        kernel = ops.kernel_for(q, p.causal, p.window[0], p.window[1], call.softcap, varlen=documents is not None)
+        rows, keys = slice(p.q0, p.q1), slice(p.k0, p.k1)
+        if documents is None:
+            part_out, part_lse = kernel(q[:, rows], kv[0][:, keys], kv[1][:, keys], softmax_scale=call.softmax_scale,
+                                        return_lse=True)
+        else:
+            cu_q, cu_k, max_q, _ = documents
+            part_out, part_lse = kernel(q[0, rows], kv[0][0, keys], kv[1][0, keys], cu_q, cu_k, max_q,
+                                        softmax_scale=call.softmax_scale, return_lse=True)
+            part_out, part_lse = part_out[None], part_lse[None]
+        merge(out[:, rows], lse[:, :, rows], part_out, part_lse)
 
 
-def step_backward(dout, dlse, q, kv, out, lse, pieces, call: RingCall, dq, dkv) -> None:
-    """One step of the backward: each piece's backward kernel, with the rows' global out and lse, its
+def step_backward(dout, dlse, q, kv, out, lse, step: int, call: RingCall, dq, dkv) -> None:
+    """One step of the backward: each call's backward kernel, with the rows' global out and lse, its
     dq added into dq (float32, q's shape) and its dk, dv into dkv (float32, kv's shape), in place."""
-    for p in pieces:
+    for p, documents in call.calls(step):
         kernel = ops.backward_kernel_for(q, p.causal, p.window[0], p.window[1], call.softcap,
-                                         deterministic=call.deterministic)
-        rows = slice(p.q0, p.q1)
-        dq_part, dk_part, dv_part = kernel(
-            q[:, rows], kv[0][:, p.k0:p.k1], kv[1][:, p.k0:p.k1], out[:, rows], dout[:, rows], lse[:, :, rows],
-            dlse=None if dlse is None else dlse[:, :, rows], softmax_scale=call.softmax_scale)
+                                         varlen=documents is not None, deterministic=call.deterministic)
+        rows, keys = slice(p.q0, p.q1), slice(p.k0, p.k1)
+        if documents is None:
+            dq_part, dk_part, dv_part = kernel(
+                q[:, rows], kv[0][:, keys], kv[1][:, keys], out[:, rows], dout[:, rows], lse[:, :, rows],
+                dlse=None if dlse is None else dlse[:, :, rows], softmax_scale=call.softmax_scale)
+        else:
+            dq_part, dk_part, dv_part = (t[None] for t in kernel(
+                q[0, rows], kv[0][0, keys], kv[1][0, keys], out[0, rows], dout[0, rows], lse[0, :, rows], *documents,
+                dlse=None if dlse is None else dlse[0, :, rows], softmax_scale=call.softmax_scale))
         dq[:, rows] += dq_part
-        dkv[0][:, p.k0:p.k1] += dk_part
-        dkv[1][:, p.k0:p.k1] += dv_part
+        dkv[0][:, keys] += dk_part
+        dkv[1][:, keys] += dv_part
 
 
 def merge(out, lse, part_out, part_lse) -> None:
@@ -75,9 +95,9 @@ def ring_forward(q, k, v, call: RingCall):
     lse = torch.full((batch, heads, rows), -torch.inf, dtype=torch.float32, device=q.device)
     kv = torch.stack((k, v))  # one tensor to send a step
     last = len(call.steps) - 1
-    for step, pieces in enumerate(call.steps):
+    for step in range(len(call.steps)):
         transfer = call.ring.exchange(kv) if step < last else None  # posted first: it runs beside the kernels
-        step_forward(q, kv, pieces, call, out, lse)
+        step_forward(q, kv, step, call, out, lse)
         if transfer is not None:
             kv = transfer.wait()
     return out.to(q.dtype), lse
@@ -92,10 +112,10 @@ def ring_backward(dout, dlse, q, k, v, out, lse, call: RingCall):
     kv = torch.stack((k, v))
     last = len(call.steps) - 1
     gradient_transfer = None
-    for step, pieces in enumerate(call.steps):
+    for step in range(len(call.steps)):
         transfer = call.ring.exchange(kv) if step < last else None
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
-        step_backward(dout, dlse, q, kv, out, lse, pieces, call, dq, dkv)
+        step_backward(dout, dlse, q, kv, out, lse, step, call, dq, dkv)
         if gradient_transfer is not None:  # the shares of the ranks this shard visited before
             dkv += gradient_transfer.wait()
         if call.ring is not None:
