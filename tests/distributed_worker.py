@@ -34,6 +34,8 @@ CASES = {
     "ring-varlen-zigzag-causal": dict(function="ring", causal=True, layout="zigzag", documents=(10, 37, 1, 0, 50, 30)),
     "ring-varlen-zigzag-softcap": dict(function="ring", causal=False, layout="zigzag", softcap=4.0,
                                        documents=(70, 3, 55)),
+    "ring-compiled-deterministic": dict(function="ring", causal=True, layout="zigzag", deterministic=True,
+                                        compile=True),
     "ulysses-causal": dict(function="ulysses", causal=True),
     "ulysses-zigzag-lse-mqa": dict(function="ulysses", causal=True, layout="zigzag", heads=(4, 1), lse=True),
     "ulysses-alibi-window": dict(function="ulysses", causal=False, window_size=(16, 8), alibi=True),
@@ -57,6 +59,7 @@ def varlen_reference(q, k, v, documents, causal, dtype, **variant):
 def run_case(rank, world, name, case, device, dtype):
     case = dict(case)
     documents = case.pop("documents", None)
+    compiled = case.pop("compile", False)
     function = {"ring": cp.ring_attention, "ulysses": cp.ulysses_attention}[case.pop("function")]
     heads_q, heads_kv = case.pop("heads", (4, 2))
     with_lse = case.pop("lse", False)
@@ -88,6 +91,13 @@ def run_case(rank, world, name, case, device, dtype):
         return cp.shard(x, rank, world, dim, layout)
 
     shards = [mine(t).requires_grad_() for t in (q, k, v)]
+    if compiled:  # inside a compiled function: a graph break around the call, which runs eagerly
+        eager = function
+
+        def function(*args, **kwargs):
+            return tuple(t * 1.0 for t in eager(*args, **kwargs))
+
+        function = torch.compile(function, backend="eager")
     result = function(*shards, causal=causal, return_lse=True, alibi_slopes=slopes, **case)
     out, lse = result
     loss = (out * mine(dout)).sum()

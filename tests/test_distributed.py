@@ -25,7 +25,7 @@ CPU_CASES = {
     2: ["ring-contiguous-causal", "ring-zigzag-causal", "ring-zigzag", "ring-causal-lse",
         "ring-causal-window-softcap", "ring-zigzag-causal-window", "ring-window-both-sides",
         "ring-varlen-causal", "ring-varlen-zigzag-causal", "ring-varlen-zigzag-softcap",
-        "ulysses-zigzag-lse-mqa", "ulysses-alibi-window",
+        "ring-compiled-deterministic", "ulysses-zigzag-lse-mqa", "ulysses-alibi-window",
         "shard-lengths-differ", "zigzag-odd-shard", "ulysses-heads", "ring-alibi", "ring-varlen-window"],
     4: ["ring-zigzag-causal", "ring-contiguous", "ring-varlen-zigzag-causal", "ulysses-causal"],
 }
