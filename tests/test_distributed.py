@@ -16,6 +16,7 @@ import torch
 
 from tvmflash.distributed import plan
 from tvmflash.distributed.layout import segments, shard, unshard, zigzag_order, zigzag_shard, zigzag_unshard
+from tvmflash.distributed.ulysses import zigzag_index
 
 WORKER = Path(__file__).resolve().parent / "distributed_worker.py"
 ROOT = WORKER.parent.parent
@@ -213,6 +214,7 @@ def test_layouts_round_trip():
     assert torch.equal(z[0][0, :, 0], x[0, [*range(4), *range(20, 24)], 0])
     assert torch.equal(zigzag_unshard(z), x)
     assert torch.equal(torch.cat(z, 1)[0, :, 0], x[0, zigzag_order(3, 8), 0])
+    assert zigzag_index(3, 8, "cpu").tolist() == zigzag_order(3, 8)
     with pytest.raises(ValueError, match="multiple of 6"):
         zigzag_shard(torch.zeros(1, 10), 0, 3)
     with pytest.raises(ValueError, match="layout"):

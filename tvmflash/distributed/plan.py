@@ -10,6 +10,7 @@ negative, so it is a kernel's window. A step's pieces are then joined where one 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 
@@ -61,6 +62,7 @@ def piece(q_run, k_run, causal: bool, left: int, right: int) -> Piece | None:
                  (local_left, -1 if is_causal else local_right))
 
 
+@functools.lru_cache(maxsize=1024)  # a model calls with the same shapes at every layer and step
 def step_pieces(q_runs, k_runs, causal: bool, left: int, right: int) -> tuple[Piece, ...]:
     """The calls of one ring step: the queries at ``q_runs`` over the keys at ``k_runs`` (each a tuple of
     runs as ``piece`` takes, in local order), as few as exactly give the mask. Two cases join: the same
