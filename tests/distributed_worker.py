@@ -30,6 +30,7 @@ CASES = {
     "ring-causal-window-softcap": dict(function="ring", causal=True, window_size=(40, -1), softcap=5.0),
     "ring-zigzag-causal-window": dict(function="ring", causal=True, layout="zigzag", window_size=(24, -1)),
     "ring-window-both-sides": dict(function="ring", causal=False, window_size=(20, 12)),
+    "ring-zigzag-window-both-sides": dict(function="ring", causal=False, layout="zigzag", window_size=(20, 12)),
     "ring-varlen-causal": dict(function="ring", causal=True, documents=(10, 37, 1, 0, 50, 30)),
     "ring-varlen-zigzag-causal": dict(function="ring", causal=True, layout="zigzag", documents=(10, 37, 1, 0, 50, 30)),
     "ring-varlen-zigzag-softcap": dict(function="ring", causal=False, layout="zigzag", softcap=4.0,

@@ -23,15 +23,16 @@ ROOT = WORKER.parent.parent
 
 # the cases of each world (names of distributed_worker.CASES and FAILURES)
 CPU_CASES = {
-    2: ["ring-contiguous-causal", "ring-zigzag-causal", "ring-zigzag", "ring-causal-lse",
-        "ring-causal-window-softcap", "ring-zigzag-causal-window", "ring-window-both-sides",
+    2: ["ring-contiguous-causal", "ring-zigzag-causal", "ring-causal-lse", "ring-causal-window-softcap",
+        "ring-zigzag-window-both-sides",
         "ring-varlen-causal", "ring-varlen-zigzag-causal", "ring-varlen-zigzag-softcap",
         "ring-compiled-deterministic", "ulysses-zigzag-lse-mqa", "ulysses-alibi-window",
         "shard-lengths-differ", "zigzag-odd-shard", "ulysses-heads", "ring-alibi", "ring-varlen-window"],
     4: ["ring-zigzag-causal", "ring-contiguous", "ring-varlen-zigzag-causal", "ulysses-causal"],
 }
 GPU_CASES = ["ring-contiguous-causal", "ring-zigzag-causal", "ring-zigzag", "ring-causal-lse",
-             "ring-causal-window-softcap", "ulysses-zigzag-lse-mqa", "ulysses-alibi-window"]
+             "ring-causal-window-softcap", "ring-zigzag-causal-window", "ring-zigzag-window-both-sides",
+             "ring-varlen-zigzag-causal", "ulysses-zigzag-lse-mqa", "ulysses-alibi-window"]
 RAISES = {"shard-lengths-differ": ("ValueError", "same shape of q on every rank"),
           "zigzag-odd-shard": ("ValueError", "even shard_len"),
           "ulysses-heads": ("ValueError", "multiple of the world size"),
@@ -259,3 +260,30 @@ def test_ring_overlap_dry_run(capsys):
     # zigzag: the diagonal step and 3 of half the rows; full: 4 alike. K+V of 4096 x 16 x 128 bf16: 33.6 MB
     assert [(r[0], r[2]) for r in rows] == [("causal-zigzag", "1"), ("causal-zigzag", "3"), ("full", "4")]
     assert all(r[-6] == "33.6" for r in rows)
+
+
+def test_a_world_of_one_is_tvmflash_attention():
+    """One rank (a gloo group in this process): ring and Ulysses give tvmflash.attention's out and
+    gradients bitwise; inside torch.compile the call is a graph break and runs eagerly."""
+    import torch.distributed as dist
+
+    import tvmflash
+    import tvmflash.distributed as cp
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        gen = torch.Generator().manual_seed(1)
+        q, k, v = (torch.randn(1, 64, h, 32, generator=gen).requires_grad_() for h in (4, 2, 2))
+        expected = tvmflash.attention(q, k, v, causal=True)
+        expected.sum().backward()
+        expected_grads = [t.grad for t in (q, k, v)]
+        compiled = torch.compile(lambda *a: cp.ring_attention(*a, causal=True) * 1.0, backend="eager")
+        for function in (cp.ring_attention, cp.ulysses_attention, compiled):
+            for t in (q, k, v):
+                t.grad = None
+            out = function(q, k, v) if function is compiled else function(q, k, v, causal=True)
+            out.sum().backward()
+            assert torch.equal(out, expected)
+            assert all(torch.equal(t.grad, g) for t, g in zip((q, k, v), expected_grads))
+    finally:
+        dist.destroy_process_group()

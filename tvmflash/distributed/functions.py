@@ -3,6 +3,7 @@ place, then the ring's autograd Function or Ulysses' all_to_alls around ``tvmfla
 
 from __future__ import annotations
 
+import functools
 import itertools
 import zlib
 
@@ -52,7 +53,22 @@ def _check_ranks(function, group, q, k, layout: str, variant: dict, softmax_scal
                                       **dict(extra)})
 
 
-@torch.compiler.disable  # collectives and host-side planning: under torch.compile, a graph break and an eager call
+def eager_under_compile(function):
+    """``function``, which torch.compile does not trace: a graph break, then an eager call (collectives and
+    host-side planning). ``torch.compiler.disable`` as a decorator would import torch._dynamo with this
+    module (a second); this applies it only in a call that Dynamo traces (``is_compiling``), where
+    torch._dynamo is loaded already, and costs an eager call nothing."""
+
+    @functools.wraps(function)
+    def call(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            return torch.compiler.disable(function)(*args, **kwargs)
+        return function(*args, **kwargs)
+
+    return call
+
+
+@eager_under_compile
 def ring_attention(q, k, v, group=None, causal: bool = False, softmax_scale=None, window_size=(-1, -1),
                    softcap: float = 0.0, alibi_slopes=None, deterministic: bool = False, layout: str = "contiguous",
                    return_lse: bool = False, cu_seqlens=None, check_ranks: bool = True):
@@ -154,7 +170,7 @@ def _documents(p, q_runs, k_runs, boundaries, device) -> tuple:
     return (*offsets, max(1, *rows), max(1, *keys))
 
 
-@torch.compiler.disable  # collectives: under torch.compile, a graph break and an eager call
+@eager_under_compile
 def ulysses_attention(q, k, v, group=None, causal: bool = False, softmax_scale=None, window_size=(-1, -1),
                       softcap: float = 0.0, alibi_slopes=None, deterministic: bool = False,
                       layout: str = "contiguous", return_lse: bool = False, check_ranks: bool = True):
