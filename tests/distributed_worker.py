@@ -19,12 +19,13 @@ from reference import max_error, reference  # noqa: E402
 
 import tvmflash.distributed as cp  # noqa: E402
 
-# name -> the call: "function" (ring or ulysses), the sequence (seqlen total, heads_q, heads_kv, head_dim)
-# and ring_attention's keywords; "lse": the loss takes lse too; "world": the worlds it runs in.
+# name -> the call: "function" (ring or ulysses), "heads" (q, kv; default 4, 2), "batch" (default 1),
+# "documents" (their lengths: varlen), "lse" (the loss takes lse too), "compile" (inside torch.compile),
+# "alibi", and the function's keywords. The whole sequence: SEQLEN tokens of HEAD_DIM.
 CASES = {
     "ring-contiguous": dict(function="ring", causal=False),
     "ring-contiguous-causal": dict(function="ring", causal=True),
-    "ring-zigzag-causal": dict(function="ring", causal=True, layout="zigzag"),
+    "ring-zigzag-causal": dict(function="ring", causal=True, layout="zigzag", batch=2),
     "ring-zigzag": dict(function="ring", causal=False, layout="zigzag"),
     "ring-causal-lse": dict(function="ring", causal=True, lse=True),
     "ring-causal-window-softcap": dict(function="ring", causal=True, window_size=(40, -1), softcap=5.0),
@@ -37,7 +38,7 @@ CASES = {
                                        documents=(70, 3, 55)),
     "ring-compiled-deterministic": dict(function="ring", causal=True, layout="zigzag", deterministic=True,
                                         compile=True),
-    "ulysses-causal": dict(function="ulysses", causal=True),
+    "ulysses-causal": dict(function="ulysses", causal=True, batch=2),
     "ulysses-zigzag-lse-mqa": dict(function="ulysses", causal=True, layout="zigzag", heads=(4, 1), lse=True),
     "ulysses-alibi-window": dict(function="ulysses", causal=False, window_size=(16, 8), alibi=True),
 }
@@ -61,6 +62,7 @@ def run_case(rank, world, name, case, device, dtype):
     case = dict(case)
     documents = case.pop("documents", None)
     compiled = case.pop("compile", False)
+    batch = case.pop("batch", 1)
     function = {"ring": cp.ring_attention, "ulysses": cp.ulysses_attention}[case.pop("function")]
     heads_q, heads_kv = case.pop("heads", (4, 2))
     with_lse = case.pop("lse", False)
@@ -68,11 +70,11 @@ def run_case(rank, world, name, case, device, dtype):
     causal = case.pop("causal")
     layout = case.get("layout", "contiguous")
     gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))  # the same sequence on every rank
-    q = torch.randn(1, SEQLEN, heads_q, HEAD_DIM, generator=gen)
-    k = torch.randn(1, SEQLEN, heads_kv, HEAD_DIM, generator=gen)
-    v = torch.randn(1, SEQLEN, heads_kv, HEAD_DIM, generator=gen)
-    dout = torch.randn(1, SEQLEN, heads_q, HEAD_DIM, generator=gen)
-    dlse = torch.randn(1, heads_q, SEQLEN, generator=gen) if with_lse else None
+    q = torch.randn(batch, SEQLEN, heads_q, HEAD_DIM, generator=gen)
+    k = torch.randn(batch, SEQLEN, heads_kv, HEAD_DIM, generator=gen)
+    v = torch.randn(batch, SEQLEN, heads_kv, HEAD_DIM, generator=gen)
+    dout = torch.randn(batch, SEQLEN, heads_q, HEAD_DIM, generator=gen)
+    dlse = torch.randn(batch, heads_q, SEQLEN, generator=gen) if with_lse else None
     slopes = torch.rand(heads_q, generator=gen).to(device) * 0.3 if alibi else None
     q, k, v, dout = (t.to(device, dtype) for t in (q, k, v, dout))
     dlse = None if dlse is None else dlse.to(device)
