@@ -248,18 +248,36 @@ def test_merge_is_exact_and_never_nan():
     assert torch.allclose(lse[:, :, :2], whole_lse[:, :, :2])
 
 
-def test_ring_overlap_dry_run(capsys):
-    """benchmarks/ring_overlap.py's plan without a GPU: one row a step kind, the transfer's bytes."""
+def ring_overlap():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("ring_overlap", ROOT / "benchmarks" / "ring_overlap.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+def test_ring_overlap_dry_run(capsys):
+    """benchmarks/ring_overlap.py's plan without a GPU: one row a step kind, the transfer's bytes."""
+    module = ring_overlap()
     module.main(["--dry-run", "--shard-lens", "4096", "--world", "4"])
     rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith(("causal", "full"))]
     # zigzag: the diagonal step and 3 of half the rows; full: 4 alike. K+V of 4096 x 16 x 128 bf16: 33.6 MB
     assert [(r[0], r[2]) for r in rows] == [("causal-zigzag", "1"), ("causal-zigzag", "3"), ("full", "4")]
     assert all(r[-6] == "33.6" for r in rows)
+
+
+def test_ring_overlap_times_the_steps_it_plans():
+    """The benchmark's timing of a step (``time_step``: what ring_attention runs) on the CPU, small."""
+    import argparse
+
+    module = ring_overlap()
+    args = argparse.Namespace(dtype="float32", heads=4, heads_kv=2, head_dim=32, repeat=2)
+    kinds = module.step_kinds(64, 4, True, "zigzag")
+    assert [count for _, count in kinds] == [1, 3]
+    for pieces, _ in kinds:
+        forward_ms, backward_ms = module.time_step(pieces, 64, args, torch.device("cpu"))
+        assert forward_ms > 0 and backward_ms > 0
 
 
 def test_a_world_of_one_is_tvmflash_attention():
