@@ -150,6 +150,8 @@ def test_a_left_window_edge_of_0_is_kept():
     for window in ((0, -1), (0, 5)):
         out, lse = tvmflash.attention(q, k, v, window_size=window, return_lse=True)
         check_attention(out, lse, q, k, v, window_size=window)
+    out, lse = tvmflash.flash_attn_with_kvcache(q[:, :3], k, v, window_size=(0, -1), return_softmax_lse=True)
+    check_attention(out, lse, q[:, :3], k, v, window_size=(0, -1))  # decode: the same window
     assert resolve_variant(False, (0, -1)) == {"causal": False, "window_left": 0}
     assert resolve_variant(True, (0, -1)) == {"causal": True, "window_left": 0}
 
