@@ -38,7 +38,7 @@ CASES = {
                                        documents=(70, 3, 55)),
     "ring-compiled-deterministic": dict(function="ring", causal=True, layout="zigzag", deterministic=True,
                                         compile=True),
-    "ulysses-causal": dict(function="ulysses", causal=True, batch=2),
+    "ulysses-causal": dict(function="ulysses", causal=True, batch=2, heads=(8, 4)),  # W=4: local 2/1, as MQA at W=2
     "ulysses-zigzag-lse-mqa": dict(function="ulysses", causal=True, layout="zigzag", heads=(4, 1), lse=True),
     "ulysses-alibi-window": dict(function="ulysses", causal=False, window_size=(16, 8), alibi=True),
 }
