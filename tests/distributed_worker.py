@@ -21,7 +21,8 @@ import tvmflash.distributed as cp  # noqa: E402
 
 # name -> the call: "function" (ring or ulysses), "heads" (q, kv; default 4, 2), "batch" (default 1),
 # "documents" (their lengths: varlen), "lse" (the loss takes lse too), "compile" (inside torch.compile),
-# "alibi", and the function's keywords. The whole sequence: SEQLEN tokens of HEAD_DIM.
+# "alibi", "subgroups" (the ranks in groups of two, each group its own sequence), and the function's
+# keywords. The whole sequence: SEQLEN tokens of HEAD_DIM.
 CASES = {
     "ring-contiguous": dict(function="ring", causal=False),
     "ring-contiguous-causal": dict(function="ring", causal=True),
@@ -38,6 +39,8 @@ CASES = {
                                        documents=(70, 3, 55)),
     "ring-compiled-deterministic": dict(function="ring", causal=True, layout="zigzag", deterministic=True,
                                         compile=True),
+    "ring-subgroups": dict(function="ring", causal=True, layout="zigzag", subgroups=True),
+    "ulysses-subgroups": dict(function="ulysses", causal=True, subgroups=True),
     "ulysses-causal": dict(function="ulysses", causal=True, batch=2, heads=(8, 4)),  # W=4: local 2/1, as MQA at W=2
     "ulysses-zigzag-lse-mqa": dict(function="ulysses", causal=True, layout="zigzag", heads=(4, 1), lse=True),
     "ulysses-alibi-window": dict(function="ulysses", causal=False, window_size=(16, 8), alibi=True),
@@ -63,13 +66,19 @@ def run_case(rank, world, name, case, device, dtype):
     documents = case.pop("documents", None)
     compiled = case.pop("compile", False)
     batch = case.pop("batch", 1)
+    seed = zlib.crc32(name.encode())
+    if case.pop("subgroups", False):  # every rank makes every group (new_group's rule); this rank uses its own
+        groups = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]
+        case["group"] = groups[rank // 2]
+        seed += rank // 2  # each group its own sequence
+        rank, world = dist.get_rank(case["group"]), 2
     function = {"ring": cp.ring_attention, "ulysses": cp.ulysses_attention}[case.pop("function")]
     heads_q, heads_kv = case.pop("heads", (4, 2))
     with_lse = case.pop("lse", False)
     alibi = case.pop("alibi", False)
     causal = case.pop("causal")
     layout = case.get("layout", "contiguous")
-    gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))  # the same sequence on every rank
+    gen = torch.Generator().manual_seed(seed)  # the same sequence on every rank (of the group)
     q = torch.randn(batch, SEQLEN, heads_q, HEAD_DIM, generator=gen)
     k = torch.randn(batch, SEQLEN, heads_kv, HEAD_DIM, generator=gen)
     v = torch.randn(batch, SEQLEN, heads_kv, HEAD_DIM, generator=gen)

@@ -28,7 +28,8 @@ CPU_CASES = {
         "ring-varlen-causal", "ring-varlen-zigzag-causal", "ring-varlen-zigzag-softcap",
         "ring-compiled-deterministic", "ulysses-zigzag-lse-mqa", "ulysses-alibi-window",
         "shard-lengths-differ", "zigzag-odd-shard", "ulysses-heads", "ring-alibi", "ring-varlen-window"],
-    4: ["ring-zigzag-causal", "ring-contiguous", "ring-varlen-zigzag-causal", "ulysses-causal"],
+    4: ["ring-zigzag-causal", "ring-contiguous", "ring-varlen-zigzag-causal", "ulysses-causal", "ring-subgroups",
+        "ulysses-subgroups"],
 }
 GPU_CASES = ["ring-contiguous-causal", "ring-zigzag-causal", "ring-zigzag", "ring-causal-lse",
              "ring-causal-window-softcap", "ring-zigzag-causal-window", "ring-zigzag-window-both-sides",
