@@ -13,6 +13,7 @@ from reference import check_attention, check_gradients
 from test_decode import check_decode, make_cache, random_q
 
 import tvmflash
+from tvmflash.kernels.checks import resolve_variant
 
 # name: flash-attn's options, "alibi" standing for slopes of that shape ("heads": (heads,), "batch":
 # (batch, heads)). Windows leave queries no key where seqlen_q > seqlen_k (the right edge).
@@ -140,6 +141,19 @@ def test_a_window_skips_the_tiles_it_does_not_reach(device):
     check_attention(out, lse, q, k, v, **window)
     v[:, :100] = float("nan")
     assert torch.equal(tvmflash.attention(q, k, v, **window), out)
+
+
+def test_a_left_window_edge_of_0_is_kept():
+    """window_size=(0, -1): a query sees the keys from its diagonal on, none before (a left edge of 0 is a
+    bound, not "off"; ring attention's steps make such windows)."""
+    q, k, v = random_qkv(1, 40, 56, 2, 2, 32, torch.float32, "cpu", seed=3)
+    for window in ((0, -1), (0, 5)):
+        out, lse = tvmflash.attention(q, k, v, window_size=window, return_lse=True)
+        check_attention(out, lse, q, k, v, window_size=window)
+    out, lse = tvmflash.flash_attn_with_kvcache(q[:, :3], k, v, window_size=(0, -1), return_softmax_lse=True)
+    check_attention(out, lse, q[:, :3], k, v, window_size=(0, -1))  # decode: the same window
+    assert resolve_variant(False, (0, -1)) == {"causal": False, "window_left": 0}
+    assert resolve_variant(True, (0, -1)) == {"causal": True, "window_left": 0}
 
 
 def test_flash_attn_api_takes_the_variants():

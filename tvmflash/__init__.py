@@ -20,11 +20,17 @@ _API = {"Kernel": "kernels", "compile": "kernels", "BackwardKernel": "kernels", 
         "flash_attn_with_kvcache": "flash_attn", "compile_decode": "kernels", "DecodeKernel": "kernels",
         "flex_attention": "flex"}
 __all__ = [*sorted(_API), "__version__"]
+# Subpackages loaded at first use too: ``tvmflash.distributed`` (context parallelism, torch.distributed).
+_SUBPACKAGES = ("distributed",)
 
 
 def __getattr__(name):
     """The API loads TVM and torch at first use, so that ``import tvmflash`` (and ``tvmflash --help``,
     ``tvmflash cache ls``) starts in a fraction of a second."""
+    if name in _SUBPACKAGES:
+        import importlib
+
+        return importlib.import_module(f"tvmflash.{name}")  # importing sets it on the package: found from now on
     if name not in _API:
         raise AttributeError(f"module 'tvmflash' has no attribute {name!r}")
     import importlib

@@ -97,8 +97,10 @@ def resolve_variant(causal, window_size=(-1, -1), softcap=0.0, alibi=False, drop
         raise TypeError(f"softcap: expected a float, got {softcap!r}")
     if not 0 <= softcap < math.inf:
         raise ValueError(f"softcap: expected a finite float >= 0 (0: off), got {softcap!r}")
-    on = {"window_left": left, "window_right": right, "softcap": float(softcap), "alibi": alibi, "dropout": dropout}
-    return {"causal": causal, **{name: value for name, value in on.items() if value not in (-1, 0.0, False)}}
+    # each field with the value that means off: a window edge of 0 is on (left 0: no key before the diagonal)
+    on = {"window_left": (left, -1), "window_right": (right, -1), "softcap": (float(softcap), 0.0),
+          "alibi": (alibi, False), "dropout": (dropout, False)}
+    return {"causal": causal, **{name: value for name, (value, off) in on.items() if value != off}}
 
 
 def check_dropout_p(dropout_p) -> float:
