@@ -15,7 +15,7 @@ from tvmflash import cache, choice, kernels
 from tvmflash.flex_trace import check_indices, trace_mods
 from tvmflash.kernels import registry
 from tvmflash.kernels.checks import TORCH_DTYPES, check_any_head_dim, check_flag, resolve_softmax_scale
-from tvmflash.ops import attention, padded_head_dim, target_of
+from tvmflash.ops import attention, check_sinks, padded_head_dim, sinks_argument, sinks_gradient, target_of
 from tvmflash.program_flex import FlexMods
 
 # key -> traced mods (``mods_key``), for the custom ops, which take the mods by their key
@@ -34,27 +34,34 @@ def mods_key(mods: FlexMods) -> str:
     return key
 
 
-def flex_kernel(q: torch.Tensor, mods: FlexMods, backward: bool = False):
-    """The forward (``backward``: backward) kernel for q's device, dtype and head_dim and these mods."""
-    key = (q.device, q.dtype, q.shape[-1], mods, backward, choice.environment("backward" if backward else "forward"))
+def flex_kernel(q: torch.Tensor, mods: FlexMods, backward: bool = False, sinks: bool = False):
+    """The forward (``backward``: backward) kernel for q's device, dtype and head_dim and these mods
+    (``sinks``: a forward that takes sink logits; the backward is the same with them)."""
+    sinks = sinks and not backward
+    key = (q.device, q.dtype, q.shape[-1], mods, backward, sinks,
+           choice.environment("backward" if backward else "forward"))
     found = FLEX_KERNELS.get(key)
     if found is None:
-        compile_ = kernels.compile_backward if backward else kernels.compile
-        found = FLEX_KERNELS[key] = compile_(head_dim=q.shape[-1], dtype=q.dtype, target=target_of(q), flex=mods)
+        target = target_of(q)
+        found = FLEX_KERNELS[key] = (
+            kernels.compile_backward(head_dim=q.shape[-1], dtype=q.dtype, target=target, flex=mods) if backward else
+            kernels.compile(head_dim=q.shape[-1], dtype=q.dtype, target=target, flex=mods, sinks=sinks))
     return found
 
 
 # The ops take q, k, v in the kernels' layout (batch, seqlen, heads, head_dim), any strides.
 @torch.library.custom_op("tvmflash::flex_forward", mutates_args=())
 def flex_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, captures: list[torch.Tensor], mods: str,
-                 softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) of attention with the traced mods ``MODS[mods]``; see :func:`flex_attention`."""
-    kernel = flex_kernel(q, MODS[mods])
-    return kernel(q, k, v, softmax_scale=softmax_scale, return_lse=True, captures=captures)
+                 softmax_scale: float, sinks: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of attention with the traced mods ``MODS[mods]``; see :func:`flex_attention`. (sinks has no
+    default: the dispatcher drops an argument equal to its default, and the backward of an op with a tensor
+    list must return a gradient for exactly the arguments it got.)"""
+    kernel = flex_kernel(q, MODS[mods], sinks=sinks is not None)
+    return kernel(q, k, v, softmax_scale=softmax_scale, return_lse=True, captures=captures, **sinks_argument(sinks))
 
 
 @flex_forward.register_fake
-def _flex_forward_shapes(q, k, v, captures, mods, softmax_scale):
+def _flex_forward_shapes(q, k, v, captures, mods, softmax_scale, sinks):
     batch, seqlen_q, heads_q, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
 
@@ -74,20 +81,23 @@ def _flex_backward_shapes(dout, dlse, q, k, v, out, lse, captures, mods, softmax
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, captures, mods, softmax_scale = inputs
+    q, k, v, captures, mods, softmax_scale, sinks = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, *captures)
+    ctx.save_for_backward(q, k, v, out, lse, sinks, *captures)
     ctx.mods, ctx.softmax_scale = mods, softmax_scale
 
 
 def _backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse, *captures = ctx.saved_tensors
+    q, k, v, out, lse, sinks, *captures = ctx.saved_tensors
     if grad_out is None:  # only lse reached the loss
         grad_out = torch.zeros_like(out)
+    # (with sinks the backward's programs are the same: the lse holds the sink)
     dq, dk, dv = flex_backward(grad_out.contiguous(), grad_lse, q, k, v, out, lse, captures, ctx.mods,
                                ctx.softmax_scale)
+    dsinks = None if sinks is None or not ctx.needs_input_grad[6] else sinks_gradient(
+        sinks, out, grad_out, lse.transpose(1, 2), None if grad_lse is None else grad_lse.transpose(1, 2))
     # no gradient for the captured tensors (flex_attention refuses those that require one), mods, scale
-    return dq, dk, dv, [None] * len(captures), None, None
+    return dq, dk, dv, [None] * len(captures), None, None, dsinks
 
 
 flex_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -140,7 +150,7 @@ def _check_tensors(query, key, value, enable_gqa: bool) -> None:
 
 
 def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None, enable_gqa: bool = False,
-                   return_lse: bool = False):
+                   return_lse: bool = False, *, sinks=None):
     """PyTorch's ``torch.nn.attention.flex_attention.flex_attention``, its mods compiled into tvmflash's kernels.
 
     query: (batch, heads_q, seqlen_q, head_dim); key, value: (batch, heads_kv, seqlen_k, head_dim), heads_kv
@@ -154,6 +164,11 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     refuses are left out. b is the batch, h the query head, i and j positions from 0. ``block_mask``: torch's
     ``BlockMask`` (``create_block_mask``) for these lengths, whose ``mask_mod`` is used, or a mask_mod itself.
     A query that sees no key gets 0 and an lse of -inf (flash-attn's rule), never NaN.
+
+    ``sinks`` (not torch's; gpt-oss's learnable sinks, as :func:`tvmflash.attention` takes them): float32
+    (heads_q,), a logit per query head that joins each row's softmax denominator after the score_mod, with
+    no value; lse includes it, a query that sees no key gets 0 and lse = the sink; sinks.grad where it
+    requires grad.
 
     The mods are traced (``tvmflash.flex_trace``: what they may use, and the error that names the line of
     anything else) and become expressions inside the one attention program: no second kernel, no bias
@@ -176,6 +191,7 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     if score_mod is not None and scale is not None and isinstance(scale, (int, float)) and scale <= 0:
         raise ValueError(f"scale: expected a positive float, got {scale!r}")
     softmax_scale = resolve_softmax_scale(scale, head_dim)  # query's own head_dim's, before any padding
+    sinks = check_sinks(sinks, query, heads_dim=1)
     if torch.compiler.is_compiling() and (score_mod is not None or mask_mod is not None):
         # Dynamo would trace into the tracer's symbolic values (an internal RecursionError); it can neither run
         # the mods on them opaquely (a mod defined inside the compiled function is no Python object at trace
@@ -197,13 +213,15 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     # the kernels' layout, (batch, seqlen, heads, head_dim): views, read through their strides
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     if mods.score is None and mods.mask is None:  # no mod at all: the built-in kernels
-        out, lse = attention(q, k, v, softmax_scale=softmax_scale, return_lse=True)
+        out, lse = attention(q, k, v, softmax_scale=softmax_scale, return_lse=True, sinks=sinks)
     else:
         q, k, v, run = padded_head_dim(q, k, v, head_dim)
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):  # (compiling with mods: refused above)
-            out, lse = flex_forward(q, k, v, captures, mods_key(mods), softmax_scale)
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks)):
+            # (compiling with mods: refused above)
+            out, lse = flex_forward(q, k, v, captures, mods_key(mods), softmax_scale, sinks)
         else:  # eager, nothing for autograd to record: no custom op's dispatch
-            out, lse = flex_kernel(q, mods)(q, k, v, softmax_scale=softmax_scale, return_lse=True, captures=captures)
+            out, lse = flex_kernel(q, mods, sinks=sinks is not None)(
+                q, k, v, softmax_scale=softmax_scale, return_lse=True, captures=captures, **sinks_argument(sinks))
         if run != head_dim:
             out = out[..., :head_dim]
     out = out.transpose(1, 2)
