@@ -55,7 +55,8 @@ def imports(path: Path):
 FLOORS = (
     ("integrations: tvmflash in other libraries", ("tvmflash.integrations",)),
     ("the API: torch functions and ops, the command line", ("tvmflash", "tvmflash.ops", "tvmflash.flash_attn",
-                                                            "tvmflash.flex", "tvmflash.flex_trace", "tvmflash.cli")),
+                                                            "tvmflash.flex", "tvmflash.flex_trace", "tvmflash.flex_gradient",
+                                                            "tvmflash.cli")),
     ("tuning", ("tvmflash.tune",)),
     ("measuring", ("tvmflash.bench", "tvmflash.plot")),
     ("kernels: compile, build, cache, call", ("tvmflash.kernels",)),

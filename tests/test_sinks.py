@@ -230,6 +230,25 @@ def test_flex_attention_with_sinks_matches_float64(device, mods):
               **ref_mods)
 
 
+def test_flex_attention_with_sinks_and_a_learnable_bias_table():
+    """The table's gradient (flex_gradient: P from the lse, which holds the sink) beside the sinks'."""
+    dtype, heads = torch.float32, 4
+    q, k, v = random_qkv(1, 50, 60, heads, 2, HEAD_DIM, dtype, "cpu", seed=10)
+    table = torch.randn(heads, 17, generator=torch.Generator().manual_seed(10)).requires_grad_()
+    sinks = random_sinks(heads, "cpu", 10).requires_grad_()
+    out = tvmflash.flex_attention(*(t.transpose(1, 2) for t in (q, k, v)), score_mod=relative_bias(table),
+                                  block_mask=causal_mask, enable_gqa=True, sinks=sinks)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    leaves = [t.detach().double().requires_grad_() for t in (table, sinks)]
+    ref, _ = sink_reference(q, k, v, leaves[1], score_mod=lambda s, b, h, i, j: s + leaves[0][h, (i - j).clamp(-8, 8)
+                                                                                               + 8],
+                            mask_mod=causal_mask)
+    (ref * dout.transpose(1, 2).double()).sum().backward()
+    for ours, theirs in ((table.grad, leaves[0].grad), (sinks.grad, leaves[1].grad)):
+        assert max_error(ours, theirs) <= 1e-4 * (1 + theirs.abs().max().item())
+
+
 def test_sinks_errors_name_the_argument():
     q, k, v = random_qkv(1, 8, 8, 4, 2, HEAD_DIM, torch.float32, "cpu", seed=1)
     with pytest.raises(ValueError, match=r"sinks: expected shape \(4,\)"):

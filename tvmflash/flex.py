@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from tvmflash import cache, choice, kernels
+from tvmflash.flex_gradient import CapturedGradients
 from tvmflash.flex_trace import check_indices, trace_mods
 from tvmflash.kernels import registry
 from tvmflash.kernels.checks import TORCH_DTYPES, check_any_head_dim, check_flag, resolve_softmax_scale
@@ -174,12 +175,13 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     anything else) and become expressions inside the one attention program: no second kernel, no bias
     tensor. Each distinct trace builds its modules once (a trace differs by its operations and constants,
     not by the values of the tensors it captures, which each call passes). Differentiable in query, key and
-    value, through the score_mod's derivative; a captured float tensor that requires grad (a learnable
-    bias) is refused (NotImplementedError: its gradient is not computed yet).
+    value, through the score_mod's derivative, and in the captured float tensors that require grad (a learnable
+    bias table), by torch operations after the kernels' backward (``flex_gradient``: exact, but slow, with
+    O(seqlen_q · seqlen_k) work outside the kernels).
 
     Not yet: the block mask's sparsity (every K/V tile is visited and masked by mask_mod; a BlockMask is
     taken for its mask_mod), torch.compile(fullgraph=True) of a call with a mod (NotImplementedError; without
-    fullgraph Dynamo runs such a call eagerly), and a captured tensor's gradient.
+    fullgraph Dynamo runs such a call eagerly), and a captured tensor's gradient in the kernels.
     """
     _check_tensors(query, key, value, check_flag("enable_gqa", enable_gqa))
     return_lse = check_flag("return_lse", return_lse)
@@ -200,16 +202,15 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
         raise NotImplementedError(
             "tvmflash.flex_attention with a score_mod or mask_mod under torch.compile(fullgraph=True): not yet (the "
             "mods are traced in Python, which Dynamo cannot see through); without fullgraph the call runs eagerly")
-    mods, captures = trace_mods(score_mod, mask_mod)
-    for n, t in enumerate(captures):
-        if t.requires_grad and t.is_floating_point() and torch.is_grad_enabled():
-            raise NotImplementedError(
-                f"captured tensor {n} (shape {tuple(t.shape)}) requires grad: the gradient of a captured tensor (a "
-                "learnable bias) is not computed yet; pass it detached (.detach()) or use torch's flex_attention")
+    mods, captured = trace_mods(score_mod, mask_mod)
+    for n, t in enumerate(captured):
         if t.device != query.device:
             raise ValueError(f"captured tensor {n}: expected query's device {query.device}, got {t.device}")
-    check_indices(mods, captures, batch, heads_q, seqlen_q, seqlen_k)
-    captures = [t.detach() for t in captures]
+    check_indices(mods, captured, batch, heads_q, seqlen_q, seqlen_k)
+    captures = [t.detach() for t in captured]
+    # a learnable bias: a captured float tensor that requires grad, read by the score_mod
+    learned = torch.is_grad_enabled() and mods.score is not None and any(
+        t.requires_grad and t.is_floating_point() for t in captured)
     # the kernels' layout, (batch, seqlen, heads, head_dim): views, read through their strides
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     if mods.score is None and mods.mask is None:  # no mod at all: the built-in kernels
@@ -225,5 +226,7 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
         if run != head_dim:
             out = out[..., :head_dim]
     out = out.transpose(1, 2)
+    if learned:  # its gradient by torch operations after the kernels' backward (slow: flex_gradient)
+        out, lse = CapturedGradients.apply(out, lse, query, key, value, mods, softmax_scale, *captured)
     return (out, lse) if return_lse else out
 
