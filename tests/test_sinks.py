@@ -131,6 +131,20 @@ def test_rows_that_see_no_key_get_zero_and_the_sink(device):
 
 
 @pytest.mark.parametrize("device", devices())
+def test_no_keys_at_all(device):
+    """seqlen_k 0 (the kernels are not run): out 0, lse the sink; the sink takes every row's whole softmax,
+    so dsink_h = Σ dlse over head h's rows, and q, k, v get zeros."""
+    q, k, v = random_qkv(2, 5, 0, 4, 2, HEAD_DIM, torch.bfloat16, device, seed=4)
+    sinks = random_sinks(4, device, 4)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+    out, lse, _ = tvmflash.flash_attn_func(*leaves[:3], return_attn_probs=True, sinks=leaves[3])
+    assert not out.any() and torch.equal(lse.detach(), sinks[None, :, None].expand(2, 4, 5))
+    dlse = torch.randn_like(lse)
+    torch.autograd.backward([out, lse], [torch.randn_like(out), dlse])
+    assert torch.allclose(leaves[3].grad, dlse.sum((0, 2))) and not leaves[0].grad.any()
+
+
+@pytest.mark.parametrize("device", devices())
 def test_a_sink_of_minus_infinity_is_no_sink(device):
     q, k, v = random_qkv(1, 40, 40, 2, 2, HEAD_DIM, torch.float32, device, seed=3)
     none = torch.full((2,), -math.inf, device=device)

@@ -16,7 +16,8 @@ from tvmflash.flex_gradient import CapturedGradients
 from tvmflash.flex_trace import check_indices, trace_mods
 from tvmflash.kernels import registry
 from tvmflash.kernels.checks import TORCH_DTYPES, check_any_head_dim, check_flag, resolve_softmax_scale
-from tvmflash.ops import attention, check_sinks, padded_head_dim, sinks_argument, sinks_gradient, target_of
+from tvmflash.ops import (gradient_shapes, attention, check_sinks, needed_sinks, padded_head_dim, sinks_argument,
+                          target_of, with_sinks_gradient)
 from tvmflash.program_flex import FlexMods
 
 # key -> traced mods (``mods_key``), for the custom ops, which take the mods by their key
@@ -70,15 +71,18 @@ def _flex_forward_shapes(q, k, v, captures, mods, softmax_scale, sinks):
 @torch.library.custom_op("tvmflash::flex_backward", mutates_args=())
 def flex_backward(dout: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   out: torch.Tensor, lse: torch.Tensor, captures: list[torch.Tensor], mods: str,
-                  softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of :func:`flex_forward` given the gradients of its out and lse (dlse None: 0)."""
+                  softmax_scale: float, sinks: torch.Tensor | None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dsinks) of :func:`flex_forward` given the gradients of its out and lse (dlse None: 0);
+    dsinks float32 (heads_q,) with sinks, else empty."""
     kernel = flex_kernel(q, MODS[mods], backward=True)
-    return kernel(q, k, v, out, dout, lse, dlse=dlse, softmax_scale=softmax_scale, captures=captures)
+    return with_sinks_gradient(kernel(q, k, v, out, dout, lse, dlse=dlse, softmax_scale=softmax_scale,
+                                      captures=captures, **sinks_argument(sinks)), q)
 
 
 @flex_backward.register_fake
-def _flex_backward_shapes(dout, dlse, q, k, v, out, lse, captures, mods, softmax_scale):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+def _flex_backward_shapes(dout, dlse, q, k, v, out, lse, captures, mods, softmax_scale, sinks):
+    return gradient_shapes(q, k, v, sinks)
 
 
 def _setup_context(ctx, inputs, output):
@@ -92,13 +96,11 @@ def _backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse, sinks, *captures = ctx.saved_tensors
     if grad_out is None:  # only lse reached the loss
         grad_out = torch.zeros_like(out)
-    # (with sinks the backward's programs are the same: the lse holds the sink)
-    dq, dk, dv = flex_backward(grad_out.contiguous(), grad_lse, q, k, v, out, lse, captures, ctx.mods,
-                               ctx.softmax_scale)
-    dsinks = None if sinks is None or not ctx.needs_input_grad[6] else sinks_gradient(
-        sinks, out, grad_out, lse.transpose(1, 2), None if grad_lse is None else grad_lse.transpose(1, 2))
-    # no gradient for the captured tensors (flex_attention refuses those that require one), mods, scale
-    return dq, dk, dv, [None] * len(captures), None, None, dsinks
+    sinks = needed_sinks(ctx, sinks, 6)
+    dq, dk, dv, dsinks = flex_backward(grad_out.contiguous(), grad_lse, q, k, v, out, lse, captures, ctx.mods,
+                                       ctx.softmax_scale, sinks)
+    # none for the captured tensors (their gradients: flex_gradient's, outside the op), the mods, the scale
+    return dq, dk, dv, [None] * len(captures), None, None, None if sinks is None else dsinks
 
 
 flex_forward.register_autograd(_backward, setup_context=_setup_context)

@@ -263,17 +263,17 @@ def check_sinks(sinks, q, heads_dim: int):
     return sinks
 
 
-def sinks_gradient(sinks, out, dout, lse, dlse) -> torch.Tensor:
-    """The sinks' gradient, float32 (heads_q,): dsink_h = -Σ_rows P_sink · delta over every row of head h,
-    where P_sink = exp(sink_h - lse), the sink's share of the row's softmax, and delta = rowsum(dout ∘ out)
-    - dlse, the backward's (dlse None: 0). (∂out/∂sink = -P_sink · out and ∂lse/∂sink = P_sink.) out and
-    dout: (..., heads_q, head_dim); lse, dlse: (..., heads_q), float32; a row of lse -inf (a sink of -inf
-    and no key) adds 0. Torch operations: one more read of out and dout than the backward's programs."""
-    delta = torch.linalg.vecdot(out.float(), dout.float())
-    if dlse is not None:
-        delta = delta - dlse
-    share = torch.exp(sinks.float() - lse).nan_to_num_(0.0)  # -inf - -inf: a row with no sink, no key
-    return -(share * delta).reshape(-1, sinks.shape[0]).sum(0)
+def with_sinks_gradient(grads: tuple, q) -> tuple:
+    """A backward kernel's (dq, dk, dv) or, called with sinks, (dq, dk, dv, dsinks), as the backward ops'
+    four outputs: dsinks empty where there are no sinks (a custom op's outputs are tensors)."""
+    return grads if len(grads) == 4 else (*grads, q.new_empty((0,), dtype=torch.float32))
+
+
+def needed_sinks(ctx, sinks, index: int):
+    """The sinks to pass to a backward op: those of the forward where their gradient is needed (its input
+    ``index``), else None. (An argument left at its default does not reach needs_input_grad: the
+    dispatcher drops it.)"""
+    return sinks if sinks is not None and ctx.needs_input_grad[index] else None
 
 
 # The forward and backward ops take the variant as resolve_variant's fields (causal, window_left,
@@ -318,19 +318,28 @@ def backward_kernel_for(q: torch.Tensor, causal: bool, window_left: int = -1, wi
 def backward(dout: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              out: torch.Tensor, lse: torch.Tensor, causal: bool, softmax_scale: float, window_left: int = -1,
              window_right: int = -1, softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
-             deterministic: bool = False, dropout_p: float = 0.0,
-             dropout_seed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of :func:`forward` given the gradients of its out and lse (dlse None: 0)."""
+             deterministic: bool = False, dropout_p: float = 0.0, dropout_seed: torch.Tensor | None = None,
+             sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dsinks) of :func:`forward` given the gradients of its out and lse (dlse None: 0); dsinks
+    float32 (heads_q,) with sinks, else empty."""
     kernel = backward_kernel_for(q, causal, window_left, window_right, softcap, alibi_slopes is not None,
                                  deterministic=deterministic, dropout=dropout_p > 0)
-    return kernel(q, k, v, out, dout, lse, dlse=dlse, softmax_scale=softmax_scale, alibi_slopes=alibi_slopes,
-                  **dropout_arguments(dropout_p, dropout_seed))
+    return with_sinks_gradient(kernel(q, k, v, out, dout, lse, dlse=dlse, softmax_scale=softmax_scale,
+                                      alibi_slopes=alibi_slopes, **dropout_arguments(dropout_p, dropout_seed),
+                                      **sinks_argument(sinks)), q)
+
+
+def gradient_shapes(q, k, v, sinks) -> tuple:
+    """The backward ops' outputs, as the kernels return them: dq, dk, dv compact, dsinks (heads_q,) or empty."""
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+            q.new_empty((0,) if sinks is None else sinks.shape, dtype=torch.float32))
 
 
 @backward.register_fake
 def _backward_shapes(dout, dlse, q, k, v, out, lse, causal, softmax_scale, window_left=-1, window_right=-1,
-                     softcap=0.0, alibi_slopes=None, deterministic=False, dropout_p=0.0, dropout_seed=None):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # compact, as the kernel returns them
+                     softcap=0.0, alibi_slopes=None, deterministic=False, dropout_p=0.0, dropout_seed=None,
+                     sinks=None):
+    return gradient_shapes(q, k, v, sinks)
 
 
 def _setup_context(ctx, inputs, output):
@@ -346,13 +355,11 @@ def _backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse, alibi_slopes, dropout_seed, sinks = ctx.saved_tensors
     if grad_out is None:  # only lse reached the loss
         grad_out = torch.zeros_like(out)
-    # the backward of sinks' attention is that without them: the lse that p is recomputed from holds the sink
-    dq, dk, dv = backward(grad_out, grad_lse, q, k, v, out, lse, *ctx.variant, alibi_slopes, ctx.deterministic,
-                          ctx.dropout_p, dropout_seed)
-    dsinks = None if sinks is None or not ctx.needs_input_grad[12] else sinks_gradient(
-        sinks, out, grad_out, lse.transpose(1, 2), None if grad_lse is None else grad_lse.transpose(1, 2))
+    sinks = needed_sinks(ctx, sinks, 12)
+    dq, dk, dv, dsinks = backward(grad_out, grad_lse, q, k, v, out, lse, *ctx.variant, alibi_slopes,
+                                  ctx.deterministic, ctx.dropout_p, dropout_seed, sinks)
     # no gradient for the options, the ALiBi slopes or the seed
-    return (dq, dk, dv) + (None,) * 9 + (dsinks,)
+    return (dq, dk, dv) + (None,) * 9 + (None if sinks is None else dsinks,)
 
 
 forward.register_autograd(_backward, setup_context=_setup_context)
@@ -524,19 +531,22 @@ def varlen_backward(dout: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tens
                     cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
                     softmax_scale: float, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
                     alibi_slopes: torch.Tensor | None = None, deterministic: bool = False, dropout_p: float = 0.0,
-                    dropout_seed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of :func:`varlen_forward` given the gradients of its out and lse (dlse None: 0)."""
+                    dropout_seed: torch.Tensor | None = None, sinks: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dsinks) of :func:`varlen_forward` given the gradients of its out and lse (dlse None: 0);
+    dsinks float32 (heads_q,) with sinks, else empty."""
     kernel = backward_kernel_for(q, causal, window_left, window_right, softcap, alibi_slopes is not None, varlen=True,
                                  deterministic=deterministic, dropout=dropout_p > 0)
-    return kernel(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dlse=dlse,
-                  softmax_scale=softmax_scale, alibi_slopes=alibi_slopes, **dropout_arguments(dropout_p, dropout_seed))
+    return with_sinks_gradient(kernel(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                      dlse=dlse, softmax_scale=softmax_scale, alibi_slopes=alibi_slopes,
+                                      **dropout_arguments(dropout_p, dropout_seed), **sinks_argument(sinks)), q)
 
 
 @varlen_backward.register_fake
 def _varlen_backward_shapes(dout, dlse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                             causal, softmax_scale, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None,
-                            deterministic=False, dropout_p=0.0, dropout_seed=None):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # compact, as the kernel returns them
+                            deterministic=False, dropout_p=0.0, dropout_seed=None, sinks=None):
+    return gradient_shapes(q, k, v, sinks)
 
 
 def _varlen_setup_context(ctx, inputs, output):
@@ -553,11 +563,12 @@ def _varlen_backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_seed, sinks = ctx.saved_tensors
     if grad_out is None:  # only lse reached the loss
         grad_out = torch.zeros_like(out)
-    dq, dk, dv = varlen_backward(grad_out, grad_lse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.lengths,
-                                 *ctx.variant, alibi_slopes, ctx.deterministic, ctx.dropout_p, dropout_seed)
-    dsinks = None if sinks is None or not ctx.needs_input_grad[16] else sinks_gradient(
-        sinks, out, grad_out, lse.t(), None if grad_lse is None else grad_lse.t())
-    return (dq, dk, dv) + (None,) * 13 + (dsinks,)  # none for the offsets, lengths, options, ALiBi slopes or seed
+    sinks = needed_sinks(ctx, sinks, 16)
+    dq, dk, dv, dsinks = varlen_backward(grad_out, grad_lse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                         *ctx.lengths, *ctx.variant, alibi_slopes, ctx.deterministic, ctx.dropout_p,
+                                         dropout_seed, sinks)
+    # none for the offsets, lengths, options, ALiBi slopes or seed
+    return (dq, dk, dv) + (None,) * 13 + (None if sinks is None else dsinks,)
 
 
 varlen_forward.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
