@@ -211,6 +211,42 @@ def test_decode_with_split_keys_matches_float64(device, num_splits):
     assert torch.equal(lse[1], sinks[:, None].expand(heads_q, 2)) and not out[1].any()
 
 
+@pytest.mark.parametrize("device", devices())
+def test_paged_decode_with_sinks(device):
+    """A paged cache (its pages shuffled): the merge is the contiguous cache's."""
+    dtype, heads_q, heads_kv, page_size = torch.float32, 4, 1, 16
+    gen = torch.Generator().manual_seed(8)
+    k = torch.randn(2, 64, heads_kv, HEAD_DIM, generator=gen).to(dtype=dtype, device=device)
+    v = torch.randn(2, 64, heads_kv, HEAD_DIM, generator=gen).to(dtype=dtype, device=device)
+    q = torch.randn(2, 1, heads_q, HEAD_DIM, generator=gen).to(dtype=dtype, device=device)
+    order = torch.randperm(8, generator=gen)
+    pages = torch.empty(8, page_size, heads_kv, HEAD_DIM, dtype=dtype, device=device)
+    pages_v = torch.empty_like(pages)
+    pages[order] = k.reshape(8, page_size, heads_kv, HEAD_DIM)
+    pages_v[order] = v.reshape(8, page_size, heads_kv, HEAD_DIM)
+    table = order.reshape(2, 4).to(dtype=torch.int32, device=device)
+    lengths = torch.tensor([64, 37], dtype=torch.int32, device=device)
+    sinks = random_sinks(heads_q, device, 8)
+    out, lse = tvmflash.flash_attn_with_kvcache(q, pages, pages_v, cache_seqlens=lengths, block_table=table,
+                                                num_splits=2, return_softmax_lse=True, sinks=sinks)
+    for b, n in enumerate(lengths.tolist()):
+        o, l = sink_reference(q[b:b + 1], k[b:b + 1, :n], v[b:b + 1, :n], sinks)
+        assert max_error(out[b:b + 1], o) < 1e-5 and max_error(lse[b:b + 1], l) < 1e-5
+
+
+@pytest.mark.gpu
+def test_a_decode_shaped_call_runs_the_decode_kernel_with_sinks():
+    """tvmflash.attention of a generation step (few queries, many contiguous keys, no autograd) on the GPU
+    runs on the split-KV decode kernel (``ops.decode_shaped``): the sink joins its merge."""
+    q, k, v = random_qkv(2, 1, 3000, 8, 2, 128, torch.bfloat16, "cuda", seed=12)
+    sinks = random_sinks(8, "cuda", 12)
+    out, lse = tvmflash.attention(q, k, v, return_lse=True, sinks=sinks)
+    ref, ref_lse = sink_reference(q, k, v, sinks)
+    same = sink_reference(q, k, v, sinks, dtype=torch.bfloat16)[0]
+    assert max_error(out, ref) <= 2 * max_error(same, ref) + 1e-5
+    assert max_error(lse, ref_lse) <= 1e-4 * (1 + ref_lse.abs().max().item())
+
+
 def relative_bias(table):
     def score_mod(score, b, h, q_idx, kv_idx):
         return score + table[h, (q_idx - kv_idx).clamp(-8, 8) + 8]
