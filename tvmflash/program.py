@@ -141,7 +141,7 @@ class AttentionSpec:
                 raise TypeError(f"flex: expected a program_flex.FlexMods, got {type(self.flex).__name__}")
             others = [name for name, on in (("causal", self.causal), ("window", self.window_left >= 0 or
                       self.window_right >= 0), ("softcap", self.softcap > 0), ("alibi", self.alibi),
-                      ("varlen", self.varlen), ("dropout", self.dropout)) if on]  # (sinks go with mods)
+                      ("varlen", self.varlen), ("dropout", self.dropout)) if on]  # (sinks may join the mods)
             if others:
                 raise ValueError(f"flex: a score_mod or mask_mod takes no other variant, got {others} too (write "
                                  "them into the mods)")
@@ -226,8 +226,8 @@ def sinks_argument(spec: AttentionSpec, heads):
 
 def sink_units(spec: AttentionSpec, sinks, h, softmax_scale):
     """Head h's sink logit in the running max's units (``score_scale``: the logit itself, or over
-    softmax_scale where the scale fuses into exp2). The sink is a logit as it stands, never scaled:
-    gpt-oss's and FA3's, added beside the scaled scores."""
+    softmax_scale where the scale fuses into exp2). The sink is a logit as it stands, never scaled, as in
+    gpt-oss's reference: a column beside the scaled (capped, biased) scores."""
     if spec.transforms_score:
         return sinks[h]
     return sinks[h] / softmax_scale
