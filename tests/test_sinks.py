@@ -338,6 +338,26 @@ def test_torch_compile_traces_sinks_and_their_gradient():
         assert torch.allclose(eager, compiled, atol=1e-5)
 
 
+def test_a_kept_kernel_with_sinks_under_torch_compile():
+    """tvmflash.compile(..., sinks=True) called inside a compiled function (its custom op, fullgraph), out given
+    or not: eager's results."""
+    q, k, v = random_qkv(1, 20, 33, 4, 2, HEAD_DIM, torch.float32, "cpu", seed=13)
+    sinks = random_sinks(4, "cpu", 13)
+    kernel = tvmflash.compile(head_dim=HEAD_DIM, dtype="float32", target="cpu", causal=True, sinks=True)
+
+    def call(q, k, v, sinks):
+        out, lse = kernel(q, k, v, sinks=sinks, return_lse=True)
+        given = torch.empty_like(q)
+        kernel(q, k, v, sinks=sinks, out=given)
+        return out, lse, given
+
+    eager = call(q, k, v, sinks)
+    compiled = torch.compile(call, fullgraph=True, backend="aot_eager")(q, k, v, sinks)
+    for a, b in zip(eager, compiled):
+        assert torch.equal(a, b)
+    assert torch.equal(eager[0], eager[2])
+
+
 # ----------------------------------------------------------------------------- the CUDA schedules, cross-compiled
 @pytest.mark.parametrize("target,schedule,dtype", [("sm90", "sm90", "bfloat16"), ("sm80", "sm80", "float16"),
                                                    ("sm90", "simt", "float32")])
