@@ -17,9 +17,10 @@ HEAD_DIM = 64
 
 
 def sink_reference(q, k, v, sinks, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
-                   score_mod=None, mask_mod=None, dtype=torch.float64):
+                   alibi_slopes=None, score_mod=None, mask_mod=None, dtype=torch.float64):
     """(out, lse) of attention with sinks in ``dtype``, flash-attn's layout in and out: p_ij = exp(s_ij - lse_i),
-    lse_i = log(exp(sink_h) + Σ_j exp(s_ij)); s the scaled scores (softcap, or ``score_mod(s, b, h, i, j)``),
+    lse_i = log(exp(sink_h) + Σ_j exp(s_ij)); s the scaled scores (softcap, then ALiBi's -slope_h · |i + seqlen_k
+    - seqlen_q - j|, or ``score_mod(s, b, h, i, j)``),
     the keys that causal, the window or ``mask_mod(b, h, i, j)`` hide left out. The sink is not scaled.
     A row that sees no key gets out 0 and lse = sink_h. Differentiable in every input (float64 autograd)."""
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
@@ -34,9 +35,11 @@ def sink_reference(q, k, v, sinks, *, causal=False, softmax_scale=None, window_s
     j = torch.arange(seqlen_k, device=q.device)[None, :]
     if softcap > 0:
         s = softcap * torch.tanh(s / softcap)
+    diagonal = i + seqlen_k - seqlen_q
+    if alibi_slopes is not None:
+        s = s - alibi_slopes.to(device=q.device, dtype=dtype)[None, :, None, None] * (diagonal - j).abs().to(dtype)
     if score_mod is not None:
         s = score_mod(s, b, h, i, j).to(dtype)
-    diagonal = i + seqlen_k - seqlen_q
     left, right = window_size
     hidden = torch.zeros_like(j > i)
     if causal:
@@ -96,6 +99,7 @@ def dense_case(device, dtype, seqlen_q, seqlen_k, heads_q, heads_kv, seed=0, hea
     """flash_attn_func with sinks (that require grad) and its gradients, through out and lse, against float64."""
     q, k, v = random_qkv(2, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype, device, seed=seed)
     sinks = random_sinks(heads_q, device, seed)
+    variant = {name: value.to(device) if isinstance(value, torch.Tensor) else value for name, value in variant.items()}
     leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
     out, lse, _ = tvmflash.flash_attn_func(*leaves[:3], return_attn_probs=True, sinks=leaves[3], **variant)
     dout, dlse = torch.randn_like(out), torch.randn_like(lse)
@@ -111,6 +115,8 @@ DENSE_CASES = [
     (torch.bfloat16, 129, 129, 4, 2, {"causal": True}),
     (torch.bfloat16, 200, 77, 4, 1, {}),
     (torch.float16, 100, 130, 4, 2, {"window_size": (20, 5), "softcap": 5.0}),
+    (torch.float32, 1, 1, 2, 2, {"causal": True}),
+    (torch.bfloat16, 1, 300, 4, 1, {"alibi_slopes": torch.tensor([0.1, 0.2, 0.3, 0.4])}),
 ]
 
 
@@ -401,6 +407,7 @@ GPU_DENSE_CASES = [
     (torch.bfloat16, 1000, 1000, 2, 2, {}),
     (torch.float16, 200, 77, 4, 1, {"window_size": (20, 5), "softcap": 5.0}),
     (torch.float32, 77, 200, 4, 2, {"causal": True}),  # SIMT
+    (torch.bfloat16, 300, 300, 4, 1, {"causal": True, "alibi_slopes": torch.tensor([0.1, 0.2, 0.3, 0.4])}),
 ]
 
 
