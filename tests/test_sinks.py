@@ -122,7 +122,7 @@ DENSE_CASES = [
 
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("dtype,seqlen_q,seqlen_k,heads_q,heads_kv,variant", DENSE_CASES,
-                         ids=lambda p: str(p).removeprefix("torch."))
+                         ids=lambda p: "+".join(p) or "plain" if isinstance(p, dict) else str(p).removeprefix("torch."))
 def test_forward_and_gradients_match_float64(device, dtype, seqlen_q, seqlen_k, heads_q, heads_kv, variant):
     dense_case(device, dtype, seqlen_q, seqlen_k, heads_q, heads_kv, **variant)
 
@@ -414,7 +414,7 @@ GPU_DENSE_CASES = [
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dtype,seqlen_q,seqlen_k,heads_q,heads_kv,variant", GPU_DENSE_CASES,
-                         ids=lambda p: str(p).removeprefix("torch."))
+                         ids=lambda p: "+".join(p) or "plain" if isinstance(p, dict) else str(p).removeprefix("torch."))
 def test_forward_and_gradients_match_float64_on_the_gpu(head_dim, dtype, seqlen_q, seqlen_k, heads_q, heads_kv,
                                                         variant):
     """The default schedules (sm90 wgmma on sm_90a, sm80 mma.sync, SIMT for float32) at head_dim 64 and 128."""
