@@ -244,6 +244,23 @@ def row_quad_map(i):
     return (i // 8, i % 8)
 
 
+def scalars_local(sch) -> None:
+    """The program's scalars in registers, each thread its copy, which per-row blocks may read
+    (``quad_rows_intrin``): the scale (``init_scale``) and, with sinks, the head's sink (``init_sink``)."""
+    sch.set_scope("init_scale", 0, "local")
+    if has_block(sch, "init_sink"):
+        sch.set_scope("init_sink", 0, "local")
+
+
+def has_block(sch, name: str) -> bool:
+    """Does the scheduled program hold a block named ``name`` (a variant's)?"""
+    try:
+        sch.get_sblock(name)
+    except Exception:  # noqa: BLE001 (TVM's ScheduleError, raised as tvm's own error types)
+        return False
+    return True
+
+
 def quad_rows_intrin(sch, block, n_rows: int, warps: int = 1) -> str:
     """Register (once) and name a TensorIntrin that runs a per-row block on the quads of
     ``warps`` warps (one of sm80, a warpgroup of sm90), DERIVED from the block itself (its

@@ -14,7 +14,7 @@ import sys
 import tvm
 
 from . import common
-from .common import element_bytes, pipeline_loads, read_index
+from .common import element_bytes, pipeline_loads, read_index, scalars_local
 from .contract import TILE, DecodeTasks, Knob, KnobSet, ProgramSchedule, Schedule, gpu_checked
 
 # ------------------------------------------------------------------------------------------------
@@ -160,7 +160,7 @@ def schedule(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, vector_byte
                         ("score", 0), ("row_max", 0), ("exp", 0), ("alpha", 0), ("alpha", 1), ("row_sum", 0),
                         ("merge_l", 0), ("inv_l", 0), ("cast_p", 0)]:
         sch.set_scope(name, index, "local")
-    sch.set_scope("init_scale", 0, "local")
+    scalars_local(sch)
     # K/V tiles: all threads copy them into shared memory, vector_bytes at a time.
     for name in ("load_k", "load_v"):
         _copy_to_shared(sch, name, block_m, vector_bytes)

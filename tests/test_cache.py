@@ -153,7 +153,7 @@ def test_cache_listing(tmp_path, monkeypatch):
     (entry,) = cache.list_modules()
     assert entry["spec"] == {"head_dim": 32, "dtype": "float32", "causal": True, "heads_q": 2, "heads_kv": 1,
                              "window_left": -1, "window_right": -1, "softcap": 0.0, "alibi": False,
-                             "varlen": False, "dropout": False, "flex": None}
+                             "varlen": False, "dropout": False, "flex": None, "sinks": False}
     assert entry["schedule"] == "cpu" and entry["bytes"] > 0
 
 

@@ -277,11 +277,54 @@ def test_wrong_values_and_indices_are_refused():
         tvmflash.flex_attention(q, k, v, score_mod=lambda s, b, h, i, j: s)
 
 
-def test_a_captured_tensor_that_requires_grad_is_refused():
-    bias = torch.zeros(4, requires_grad=True)
-    q, k, v = random_qkv(1, 40, 40, CPU_DTYPE, "cpu", CPU_HEAD_DIM, seed=7)
-    with pytest.raises(NotImplementedError, match="requires grad"):
-        tvmflash.flex_attention(q, k, v, score_mod=lambda s, b, h, i, j: s + bias[h], enable_gqa=True)
+def learnable_bias_case(device, dtype, head_dim, seqlen_q, seqlen_k, seed):
+    """A relative-position bias table and per-head slopes that require grad (a float32 table, float16
+    slopes), read by a score_mod beside a mask_mod that hides every key from some rows: the gradients of q,
+    k, v and both captured tensors, through out and lse, against float64 autograd (flash-attn's rule; the
+    same-dtype reference holds the captures in q's dtype)."""
+    gen = torch.Generator().manual_seed(seed)
+    table = torch.randn(HEADS[0], 129, generator=gen).to(device).requires_grad_()
+    slopes = (torch.rand(HEADS[0], generator=gen) * 0.3).to(device=device, dtype=torch.float16).requires_grad_()
+
+    def mods(table, slopes):
+        def score_mod(s, b, h, q_idx, kv_idx):
+            return s + table[h, torch.clamp(q_idx - kv_idx, -64, 64) + 64] - slopes[h] * (q_idx - kv_idx).abs()
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (kv_idx <= q_idx + 3) & (q_idx % 4 != 1)
+        return score_mod, mask_mod
+
+    q, k, v = random_qkv(2, seqlen_q, seqlen_k, dtype, device, head_dim, seed=seed)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    score_mod, mask_mod = mods(table, slopes)
+    out, lse = tvmflash.flex_attention(*leaves, score_mod=score_mod, block_mask=mask_mod, enable_gqa=True,
+                                       return_lse=True)
+    dout = torch.randn_like(out)
+    dlse = torch.randn_like(lse).masked_fill(~torch.isfinite(lse.detach()), 0.0)
+    torch.autograd.backward([out, lse], [dout, dlse])
+    refs = []
+    for ref_dtype in (torch.float64, dtype):
+        ref_leaves = [t.detach().to(ref_dtype).requires_grad_() for t in (q, k, v, table, slopes)]
+        ref_out, ref_lse = flex_reference(*ref_leaves[:3], *mods(*ref_leaves[3:]), dtype=ref_dtype)
+        loss = (ref_out * dout.to(ref_dtype)).sum()
+        loss = loss + (ref_lse.masked_fill(ref_lse == -math.inf, 0) * dlse.to(ref_dtype)).sum()
+        refs.append(torch.autograd.grad(loss, ref_leaves))
+    check_gradient_errors([t.grad for t in leaves], refs[0][:3], refs[1][:3], dtype)
+    for name, ours, ref, same in (("table", table.grad, refs[0][3], refs[1][3]),
+                                  ("slopes", slopes.grad, refs[0][4], refs[1][4])):
+        assert ours is not None and ours.shape == ref.shape and torch.isfinite(ours).all(), name
+        err, their_err = max_error(ours, ref), max_error(same, ref)
+        floor = 1e-5 * (1 + ref.abs().max().item())
+        assert err <= 2 * their_err + floor, f"{name} error {err:.3e} > 2 x torch's {their_err:.3e} + {floor:.1e}"
+
+
+def test_a_learnable_bias_table_gets_its_gradient():
+    learnable_bias_case("cpu", CPU_DTYPE, CPU_HEAD_DIM, 77, 130, seed=7)
+
+
+@pytest.mark.gpu
+def test_a_learnable_bias_table_gets_its_gradient_on_the_gpu():
+    learnable_bias_case("cuda", torch.bfloat16, 128, 1000, 1000, seed=8)
 
 
 def test_the_derivative_of_a_score_mod():

@@ -56,7 +56,7 @@ FLOORS = (
     ("integrations: tvmflash in other libraries", ("tvmflash.integrations",)),
     ("the API: torch functions and ops, the command line", ("tvmflash", "tvmflash.ops", "tvmflash.flash_attn",
                                                             "tvmflash.flex", "tvmflash.flex_block_mask", "tvmflash.flex_trace",
-                                                            "tvmflash.cli", "tvmflash.distributed")),
+                                                            "tvmflash.flex_gradient", "tvmflash.cli", "tvmflash.distributed")),
     ("tuning", ("tvmflash.tune",)),
     ("measuring", ("tvmflash.bench", "tvmflash.plot")),
     ("kernels: compile, build, cache, call", ("tvmflash.kernels",)),

@@ -44,7 +44,8 @@ def _print_modules(entries) -> None:
         kind = f"{target.get('kind', '?')} {target.get('arch') or target.get('mcpu') or ''}".strip()
         variant = "".join(f" {name}={spec[name]}" for name, off in (("window_left", -1), ("window_right", -1),
                                                                      ("softcap", 0.0), ("alibi", False),
-                                                                     ("dropout", False), ("leftpad", False))
+                                                                     ("dropout", False), ("leftpad", False),
+                                                                     ("sinks", False))
                           if spec.get(name, off) != off)
         flex = spec.get("flex")  # a score_mod's and mask_mod's trees: named by which are there
         if flex:

@@ -42,7 +42,7 @@ from tvmflash.ops import attention, decode_kernel_for, dropout_kept, resolve_dro
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False, sinks=None):
     """Attention of q over k, v in flash-attn's layout.
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim) with nheads
@@ -56,13 +56,16 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     generator for q's device. Returns out (batch, seqlen_q, nheads, headdim), or with return_attn_probs
     (out, softmax_lse, S_dmask), softmax_lse float32 (batch, nheads, seqlen_q), S_dmask None at
     dropout_p 0, else float32 (batch, nheads, seqlen_q, seqlen_k) (``attention_probabilities``).
+    sinks (gpt-oss's learnable attention sinks), float32 (nheads,): a logit per query head in each row's
+    softmax denominator, unscaled, with no value (:func:`tvmflash.attention`); softmax_lse includes it;
+    sinks.grad where it requires grad.
     """
     dropout_p, return_attn_probs = check_flash_attn_options(dropout_p, causal=causal, deterministic=deterministic,
                                                             return_attn_probs=return_attn_probs)[::3]
     dropout_p, seed = resolve_dropout(dropout_p, None, q.device if isinstance(q, torch.Tensor) else None)
     out, lse = attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True,
                          window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                         deterministic=deterministic, dropout_p=dropout_p, dropout_seed=seed)
+                         deterministic=deterministic, dropout_p=dropout_p, dropout_seed=seed, sinks=sinks)
     if not return_attn_probs:
         return out
     probabilities = None if not dropout_p else attention_probabilities(
@@ -71,28 +74,30 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False,
+                              sinks=None):
     """:func:`flash_attn_func` of qkv: (batch, seqlen, 3, nheads, headdim), q, k and v stacked
     (the gradient flows back into qkv)."""
     check_packed("qkv", qkv, 3)
     q, k, v = qkv.unbind(2)
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                           deterministic, return_attn_probs)
+                           deterministic, return_attn_probs, sinks)
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False,
+                             sinks=None):
     """:func:`flash_attn_func` of q and kv: (batch, seqlen_k, 2, nheads_k, headdim), k and v
     stacked."""
     check_packed("kv", kv, 2)
     k, v = kv.unbind(2)
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                           deterministic, return_attn_probs)
+                           deterministic, return_attn_probs, sinks)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           deterministic=False, return_attn_probs=False, block_table=None):
+                           deterministic=False, return_attn_probs=False, block_table=None, sinks=None):
     """:func:`flash_attn_func` of sequences packed without padding (flash-attn 2's varlen).
 
     q: (total_q, nheads, headdim); k, v: (total_k, nheads_k, headdim); cu_seqlens_q, cu_seqlens_k:
@@ -109,7 +114,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
     dropout_p as :func:`flash_attn_func`'s (each sequence's entries by its own positions); with it and
     return_attn_probs, S_dmask is float32 (batch, nheads, max_seqlen_q, max_seqlen_k), sequence b's
-    entries first in its rows and columns, the rest 0.
+    entries first in its rows and columns, the rest 0. sinks: float32 (nheads,), as :func:`flash_attn_func`'s.
     """
     dropout_p, return_attn_probs = check_flash_attn_options(dropout_p, causal=causal, deterministic=deterministic,
                                                             return_attn_probs=return_attn_probs)[::3]
@@ -119,13 +124,13 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                       "inference")
         out, lse = varlen_over_paged_cache(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_table,
                                            softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                                           softcap=softcap, alibi_slopes=alibi_slopes)
+                                           softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
         return (out, lse, None) if return_attn_probs else out
     dropout_p, seed = resolve_dropout(dropout_p, None, q.device if isinstance(q, torch.Tensor) else None)
     out, lse = varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                                 softmax_scale=softmax_scale, return_lse=True, window_size=window_size,
                                 softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
-                                dropout_p=dropout_p, dropout_seed=seed)
+                                dropout_p=dropout_p, dropout_seed=seed, sinks=sinks)
     if not return_attn_probs:
         return out
     if not dropout_p:
@@ -174,7 +179,8 @@ def attention_probabilities(q, k, lse, softmax_scale, causal, window_size, softc
 
 
 def varlen_over_paged_cache(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, block_table, *,
-                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
+                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                            sinks=None):
     """(out (total_q, nheads, headdim), softmax_lse float32 (nheads, total_q)) of packed queries over a
     paged KV cache: :func:`flash_attn_varlen_func` with ``block_table`` (a prefill chunk over the pages
     a serving engine keeps).
@@ -187,7 +193,8 @@ def varlen_over_paged_cache(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max
     dropped. No backward (flash-attn's has none): under autograd a NotImplementedError. A sequence
     longer than max_seqlen_q is a ValueError on the CPU and a failed device-side assertion on a GPU
     (checking it on the host would wait for the device)."""
-    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k_cache, v_cache)):
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
+                                       for t in (q, k_cache, v_cache, sinks)):
         raise NotImplementedError("block_table: the paged varlen forward has no backward (nor has flash-attn's); "
                                   "call it under torch.no_grad() or without requires_grad")
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
@@ -207,37 +214,39 @@ def varlen_over_paged_cache(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max
     out, lse = flash_attn_with_kvcache(tile, k_cache, v_cache, cache_seqlens=lengths_k,  # int32, as cu_seqlens
                                        block_table=block_table, softmax_scale=softmax_scale, causal=causal,
                                        window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                                       return_softmax_lse=True)
+                                       return_softmax_lse=True, sinks=sinks)
     return out[seq, position], lse.transpose(1, 2)[seq, position].t().contiguous()
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
                                      window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-                                     return_attn_probs=False):
+                                     return_attn_probs=False, sinks=None):
     """:func:`flash_attn_varlen_func` of qkv: (total, 3, nheads, headdim), q, k and v stacked, one
     cu_seqlens and max_seqlen for all three (the gradient flows back into qkv)."""
     check_packed("qkv", qkv, 3, varlen=True)
     q, k, v = qkv.unbind(1)
     return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale,
-                                  causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+                                  causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
+                                  sinks=sinks)
 
 
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                                     softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                                    alibi_slopes=None, deterministic=False, return_attn_probs=False, sinks=None):
     """:func:`flash_attn_varlen_func` of q and kv: (total_k, 2, nheads_k, headdim), k and v stacked."""
     check_packed("kv", kv, 2, varlen=True)
     k, v = kv.unbind(1)
     return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                                   softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                                  return_attn_probs)
+                                  return_attn_probs, sinks=sinks)
 
 
 # ----------------------------------------------------------------------------- decode over a KV cache
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                             softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False,
+                            sinks=None):
     """Attention of q over a KV cache, with flash-attn 2's arguments and semantics.
 
     q: (batch, seqlen_q, heads_q, head_dim): one token a sequence for decode, a few for chunked
@@ -275,6 +284,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     alibi_slopes, float32 (heads_q,) or (batch, heads_q): -slope · |n - seqlen_q + t - p| is added to
     key p's score (after the cap). Each window and softcap value builds a module of its own.
     return_softmax_lse: also return the LSE, float32 (batch, heads_q, seqlen_q).
+    sinks: float32 (heads_q,), gpt-oss's learnable sinks (:func:`flash_attn_func`'s): each head's logit
+    joins the merge of the split keys once (the LSE includes it; a query that sees no key gets 0 and
+    lse = the sink). No gradient (decode is forward only).
     rotary_cos, rotary_sin (both or neither, with k and v): (seqlen_ro, rotary_dim / 2), q's dtype
     and device, contiguous; rotary_dim a multiple of 16 up to head_dim, seqlen_ro at least the
     cache's capacity. Rotary embedding as flash-attn's: the new k is rotated at positions
@@ -308,11 +320,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         raise TypeError(f"cache_seqlens: expected an int or an int32 tensor, got {type(cache_seqlens).__name__}")
     kernel = decode_kernel_for(q, k_cache.shape[1] if paged else 0,
                                (variant.get("window_left", -1), variant.get("window_right", -1)),
-                               variant.get("softcap", 0.0), variant.get("alibi", False), cache_leftpad is not None)
+                               variant.get("softcap", 0.0), variant.get("alibi", False), cache_leftpad is not None,
+                               sinks is not None)
     index = block_table if paged else cache_batch_idx if cache_batch_idx is not None else kernel.batch_rows(batch, device)
     # Check every argument before anything is written to the cache.
     kernel.check_inputs(q, k_cache, v_cache, cache_seqlens, index, None)
     kernel.variant_arguments(q, alibi_slopes, cache_leftpad)
+    kernel.merge_arguments(q, sinks)
     resolve_softmax_scale(softmax_scale, q.shape[-1])
     check_num_splits(num_splits)
     check_new_keys(k, v, k_cache, batch, device)
@@ -334,7 +348,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     else:
         lengths = cache_seqlens
     out, lse = kernel(q, k_cache, v_cache, lengths, index, num_splits=num_splits, softmax_scale=softmax_scale,
-                      causal=causal, alibi_slopes=alibi_slopes, cache_leftpad=cache_leftpad)
+                      causal=causal, alibi_slopes=alibi_slopes, cache_leftpad=cache_leftpad, sinks=sinks)
     return (out, lse) if return_softmax_lse else out
 
 

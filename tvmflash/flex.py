@@ -16,10 +16,12 @@ import torch
 
 from tvmflash import cache, choice
 from tvmflash.flex_block_mask import block_sparse_lists, compile_flex
+from tvmflash.flex_gradient import CapturedGradients
 from tvmflash.flex_trace import check_indices, trace_mods
 from tvmflash.kernels import registry
 from tvmflash.kernels.checks import TORCH_DTYPES, check_any_head_dim, check_flag, resolve_softmax_scale
-from tvmflash.ops import attention, padded_head_dim, target_of
+from tvmflash.ops import (gradient_shapes, attention, check_sinks, needed_sinks, padded_head_dim, sinks_argument,
+                          target_of, with_sinks_gradient)
 from tvmflash.program_flex import FlexMods
 
 # key -> traced mods (``mods_key``), for the custom ops, which take the mods by their key
@@ -38,27 +40,32 @@ def mods_key(mods: FlexMods) -> str:
     return key
 
 
-def flex_kernel(q: torch.Tensor, mods: FlexMods, backward: bool = False):
+def flex_kernel(q: torch.Tensor, mods: FlexMods, backward: bool = False, sinks: bool = False):
     """The forward (``backward``: backward) kernel for q's device, dtype and head_dim and these mods (with
-    a BlockMask, tiles that divide its blocks: ``flex_block_mask.compile_flex``)."""
-    key = (q.device, q.dtype, q.shape[-1], mods, backward, choice.environment("backward" if backward else "forward"))
+    a BlockMask, tiles that divide its blocks: ``flex_block_mask.compile_flex``; ``sinks``: a forward that
+    takes sink logits; the backward is the same with them)."""
+    sinks = sinks and not backward
+    key = (q.device, q.dtype, q.shape[-1], mods, backward, sinks,
+           choice.environment("backward" if backward else "forward"))
     found = FLEX_KERNELS.get(key)
     if found is None:
-        found = FLEX_KERNELS[key] = compile_flex(q.shape[-1], q.dtype, target_of(q), mods, backward)
+        found = FLEX_KERNELS[key] = compile_flex(q.shape[-1], q.dtype, target_of(q), mods, backward, sinks)
     return found
 
 
 # The ops take q, k, v in the kernels' layout (batch, seqlen, heads, head_dim), any strides.
 @torch.library.custom_op("tvmflash::flex_forward", mutates_args=())
 def flex_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, captures: list[torch.Tensor], mods: str,
-                 softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) of attention with the traced mods ``MODS[mods]``; see :func:`flex_attention`."""
-    kernel = flex_kernel(q, MODS[mods])
-    return kernel(q, k, v, softmax_scale=softmax_scale, return_lse=True, captures=captures)
+                 softmax_scale: float, sinks: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of attention with the traced mods ``MODS[mods]``; see :func:`flex_attention`. (sinks has no
+    default: the dispatcher drops an argument equal to its default, and the backward of an op with a tensor
+    list must return a gradient for exactly the arguments it got.)"""
+    kernel = flex_kernel(q, MODS[mods], sinks=sinks is not None)
+    return kernel(q, k, v, softmax_scale=softmax_scale, return_lse=True, captures=captures, **sinks_argument(sinks))
 
 
 @flex_forward.register_fake
-def _flex_forward_shapes(q, k, v, captures, mods, softmax_scale):
+def _flex_forward_shapes(q, k, v, captures, mods, softmax_scale, sinks):
     batch, seqlen_q, heads_q, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
 
@@ -66,32 +73,36 @@ def _flex_forward_shapes(q, k, v, captures, mods, softmax_scale):
 @torch.library.custom_op("tvmflash::flex_backward", mutates_args=())
 def flex_backward(dout: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   out: torch.Tensor, lse: torch.Tensor, captures: list[torch.Tensor], mods: str,
-                  softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of :func:`flex_forward` given the gradients of its out and lse (dlse None: 0)."""
+                  softmax_scale: float, sinks: torch.Tensor | None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dsinks) of :func:`flex_forward` given the gradients of its out and lse (dlse None: 0);
+    dsinks float32 (heads_q,) with sinks, else empty."""
     kernel = flex_kernel(q, MODS[mods], backward=True)
-    return kernel(q, k, v, out, dout, lse, dlse=dlse, softmax_scale=softmax_scale, captures=captures)
+    return with_sinks_gradient(kernel(q, k, v, out, dout, lse, dlse=dlse, softmax_scale=softmax_scale,
+                                      captures=captures, **sinks_argument(sinks)), q)
 
 
 @flex_backward.register_fake
-def _flex_backward_shapes(dout, dlse, q, k, v, out, lse, captures, mods, softmax_scale):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+def _flex_backward_shapes(dout, dlse, q, k, v, out, lse, captures, mods, softmax_scale, sinks):
+    return gradient_shapes(q, k, v, sinks)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, captures, mods, softmax_scale = inputs
+    q, k, v, captures, mods, softmax_scale, sinks = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, *captures)
+    ctx.save_for_backward(q, k, v, out, lse, sinks, *captures)
     ctx.mods, ctx.softmax_scale = mods, softmax_scale
 
 
 def _backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse, *captures = ctx.saved_tensors
+    q, k, v, out, lse, sinks, *captures = ctx.saved_tensors
     if grad_out is None:  # only lse reached the loss
         grad_out = torch.zeros_like(out)
-    dq, dk, dv = flex_backward(grad_out.contiguous(), grad_lse, q, k, v, out, lse, captures, ctx.mods,
-                               ctx.softmax_scale)
-    # no gradient for the captured tensors (flex_attention refuses those that require one), mods, scale
-    return dq, dk, dv, [None] * len(captures), None, None
+    sinks = needed_sinks(ctx, sinks, 6)
+    dq, dk, dv, dsinks = flex_backward(grad_out.contiguous(), grad_lse, q, k, v, out, lse, captures, ctx.mods,
+                                       ctx.softmax_scale, sinks)
+    # none for the captured tensors (their gradients: flex_gradient's, outside the op), the mods, the scale
+    return dq, dk, dv, [None] * len(captures), None, None, None if sinks is None else dsinks
 
 
 flex_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -144,7 +155,7 @@ def _check_tensors(query, key, value, enable_gqa: bool) -> None:
 
 
 def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None, enable_gqa: bool = False,
-                   return_lse: bool = False):
+                   return_lse: bool = False, *, sinks=None):
     """PyTorch's ``torch.nn.attention.flex_attention.flex_attention``, its mods compiled into tvmflash's kernels.
 
     query: (batch, heads_q, seqlen_q, head_dim); key, value: (batch, heads_kv, seqlen_k, head_dim), heads_kv
@@ -175,15 +186,21 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     (sm80 for a BLOCK_SIZE of 32 on sm_90a: ``flex_block_mask.compile_flex``); where none does, a ValueError names the sizes.
     A mask made for other lengths, batch or heads is a ValueError.
 
+    ``sinks`` (not torch's; gpt-oss's learnable sinks, as :func:`tvmflash.attention` takes them): float32
+    (heads_q,), a logit per query head that joins each row's softmax denominator after the score_mod, with
+    no value; lse includes it, a query that sees no key gets 0 and lse = the sink; sinks.grad where it
+    requires grad.
+
     The mods are traced (``tvmflash.flex_trace``: what they may use, and the error that names the line of
     anything else) and become expressions inside the one attention program: no second kernel, no bias
     tensor. Each distinct trace builds its modules once (a trace differs by its operations and constants,
     not by the values of the tensors it captures, which each call passes). Differentiable in query, key and
-    value, through the score_mod's derivative; a captured float tensor that requires grad (a learnable
-    bias) is refused (NotImplementedError: its gradient is not computed yet).
+    value, through the score_mod's derivative, and in the captured float tensors that require grad (a learnable
+    bias table), by torch operations after the kernels' backward (``flex_gradient``: exact, but slow, with
+    O(seqlen_q · seqlen_k) work outside the kernels).
 
     Not yet: torch.compile(fullgraph=True) of a call with a mod (NotImplementedError; without fullgraph Dynamo
-    runs such a call eagerly), and a captured tensor's gradient.
+    runs such a call eagerly), and a captured tensor's gradient in the kernels.
     """
     _check_tensors(query, key, value, check_flag("enable_gqa", enable_gqa))
     return_lse = check_flag("return_lse", return_lse)
@@ -195,6 +212,7 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     if score_mod is not None and scale is not None and isinstance(scale, (int, float)) and scale <= 0:
         raise ValueError(f"scale: expected a positive float, got {scale!r}")
     softmax_scale = resolve_softmax_scale(scale, head_dim)  # query's own head_dim's, before any padding
+    sinks = check_sinks(sinks, query, heads_dim=1)
     if torch.compiler.is_compiling() and (score_mod is not None or mask_mod is not None):
         # Dynamo would trace into the tracer's symbolic values (an internal RecursionError); it can neither run
         # the mods on them opaquely (a mod defined inside the compiled function is no Python object at trace
@@ -203,30 +221,33 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
         raise NotImplementedError(
             "tvmflash.flex_attention with a score_mod or mask_mod under torch.compile(fullgraph=True): not yet (the "
             "mods are traced in Python, which Dynamo cannot see through); without fullgraph the call runs eagerly")
-    mods, captures = trace_mods(score_mod, mask_mod)
+    mods, captured = trace_mods(score_mod, mask_mod)
     sparse, lists = block_sparse_lists(block_mask, batch, heads_q, seqlen_q, seqlen_k, query.device)
-    for n, t in enumerate(captures):
-        if t.requires_grad and t.is_floating_point() and torch.is_grad_enabled():
-            raise NotImplementedError(
-                f"captured tensor {n} (shape {tuple(t.shape)}) requires grad: the gradient of a captured tensor (a "
-                "learnable bias) is not computed yet; pass it detached (.detach()) or use torch's flex_attention")
+    for n, t in enumerate(captured):
         if t.device != query.device:
             raise ValueError(f"captured tensor {n}: expected query's device {query.device}, got {t.device}")
-    check_indices(mods, captures, batch, heads_q, seqlen_q, seqlen_k)
-    captures = [t.detach() for t in captures] + lists  # the block lists after the mods' tensors
-    mods = dataclasses.replace(mods, sparse=sparse)
+    check_indices(mods, captured, batch, heads_q, seqlen_q, seqlen_k)
+    captures = [t.detach() for t in captured] + lists  # the block lists after the mods' tensors
+    # a learnable bias: a captured float tensor that requires grad, read by the score_mod
+    learned = torch.is_grad_enabled() and mods.score is not None and any(
+        t.requires_grad and t.is_floating_point() for t in captured)
+    gradient_mods, mods = mods, dataclasses.replace(mods, sparse=sparse)  # flex_gradient evaluates the mods alone
     # the kernels' layout, (batch, seqlen, heads, head_dim): views, read through their strides
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     if mods.score is None and mods.mask is None and sparse is None:  # no mod, no sparsity: the built-in kernels
-        out, lse = attention(q, k, v, softmax_scale=softmax_scale, return_lse=True)
+        out, lse = attention(q, k, v, softmax_scale=softmax_scale, return_lse=True, sinks=sinks)
     else:
         q, k, v, run = padded_head_dim(q, k, v, head_dim)
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):  # (compiling with mods: refused above)
-            out, lse = flex_forward(q, k, v, captures, mods_key(mods), softmax_scale)
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks)):
+            # (compiling with mods: refused above)
+            out, lse = flex_forward(q, k, v, captures, mods_key(mods), softmax_scale, sinks)
         else:  # eager, nothing for autograd to record: no custom op's dispatch
-            out, lse = flex_kernel(q, mods)(q, k, v, softmax_scale=softmax_scale, return_lse=True, captures=captures)
+            out, lse = flex_kernel(q, mods, sinks=sinks is not None)(
+                q, k, v, softmax_scale=softmax_scale, return_lse=True, captures=captures, **sinks_argument(sinks))
         if run != head_dim:
             out = out[..., :head_dim]
     out = out.transpose(1, 2)
+    if learned:  # its gradient by torch operations after the kernels' backward (slow: flex_gradient)
+        out, lse = CapturedGradients.apply(out, lse, query, key, value, gradient_mods, softmax_scale, *captured)
     return (out, lse) if return_lse else out
 

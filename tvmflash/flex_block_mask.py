@@ -4,6 +4,8 @@ programs take them (``program_flex.SPARSE_ARGUMENTS``: ``block_sparse_arguments`
 
 from __future__ import annotations
 
+import functools
+
 import math
 import weakref
 
@@ -14,13 +16,13 @@ from tvmflash import schedules as schedule_registry
 from tvmflash.program_flex import FlexMods
 
 
-def compile_flex(head_dim: int, dtype, target, mods: FlexMods, backward: bool = False):
+def compile_flex(head_dim: int, dtype, target, mods: FlexMods, backward: bool = False, sinks: bool = False):
     """``kernels.compile`` (``backward``: ``compile_backward``) of these mods, with a BlockMask
     (``mods.sparse``) in tiles that divide its blocks: the chosen schedule's, or its tile knobs brought down to
     divisors (``fitted_tiles``), or where it takes no such tile the next schedule of ``SCHEDULES`` that serves
     the call and does (sm80 for a BLOCK_SIZE of 32 on sm_90a: sm90's tiles are 64 rows or more); a ValueError
-    naming the sizes where none does."""
-    compile_ = kernels.compile_backward if backward else kernels.compile
+    naming the sizes where none does. ``sinks``: a forward that takes sink logits."""
+    compile_ = kernels.compile_backward if backward else functools.partial(kernels.compile, sinks=sinks)
     kernel = compile_(head_dim=head_dim, dtype=dtype, target=target, flex=mods)
     if mods.sparse is None:
         return kernel

@@ -21,7 +21,7 @@ from tvmflash import target as targets
 from tvmflash.kernels import DecodeKernel, compile, compile_backward, compile_decode, registry
 from tvmflash.kernels.checks import (TORCH_DTYPES, check_any_head_dim, check_cu_seqlens, check_dropout_p,
                                      check_dropout_seed, check_flag, check_max_seqlen, dtype_name, resolve_softmax_scale,
-                                     resolve_variant)
+                                     resolve_variant, sinks_view)
 from tvmflash.lowering.hashing import MIX32_MULTIPLIERS, MIX32_SHIFTS
 from tvmflash.program import MAX_HEAD_DIM
 from tvmflash.program_dropout import DROPOUT_BITS
@@ -34,16 +34,16 @@ registry.on_forget(KERNELS_FOR.clear)
 
 
 def kernel_for(q: torch.Tensor, causal: bool, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
-               alibi: bool = False, varlen: bool = False, dropout: bool = False):
+               alibi: bool = False, varlen: bool = False, dropout: bool = False, sinks: bool = False):
     """The kernel for q's device, dtype and head_dim and the variant (compiled on first use, then cached)."""
-    key = (q.device, q.dtype, q.shape[-1], causal, window_left, window_right, softcap, alibi, varlen, dropout,
+    key = (q.device, q.dtype, q.shape[-1], causal, window_left, window_right, softcap, alibi, varlen, dropout, sinks,
            choice.environment("forward"))
     found = KERNELS_FOR.get(key)
     if found is not None:
         return found
     found = KERNELS_FOR[key] = compile(head_dim=q.shape[-1], dtype=q.dtype, causal=causal, target=target_of(q),
                                        window_size=(window_left, window_right), softcap=softcap, alibi=alibi,
-                                       varlen=varlen, dropout=dropout)
+                                       varlen=varlen, dropout=dropout, sinks=sinks)
     return found
 
 
@@ -74,17 +74,17 @@ registry.on_forget(DECODE_HEAD_DIMS.clear)
 
 
 def decode_kernel_for(q, page_size: int, window_size=(-1, -1), softcap: float = 0.0, alibi: bool = False,
-                      leftpad: bool = False) -> DecodeKernel:
+                      leftpad: bool = False, sinks: bool = False) -> DecodeKernel:
     """The decode kernel for q's device, dtype and head_dim, the cache layout and the variant (compiled on
     first use, then kept)."""
-    key = (q.device, q.dtype, q.shape[-1], page_size, window_size, softcap, alibi, leftpad,
+    key = (q.device, q.dtype, q.shape[-1], page_size, window_size, softcap, alibi, leftpad, sinks,
            choice.environment("decode"))
     kernel = DECODE_KERNELS_FOR.get(key)
     if kernel is None:
         check_decode_head_dim(q)
         kernel = DECODE_KERNELS_FOR[key] = compile_decode(head_dim=q.shape[-1], dtype=q.dtype, page_size=page_size,
                                                           target=target_of(q), window_size=window_size,
-                                                          softcap=softcap, alibi=alibi, leftpad=leftpad)
+                                                          softcap=softcap, alibi=alibi, leftpad=leftpad, sinks=sinks)
     return kernel
 
 
@@ -133,13 +133,14 @@ def decode_shaped(q, k, v) -> bool:
 
 
 def decode_forward(q, k, v, causal: bool, softmax_scale: float, window_left: int, window_right: int, softcap: float,
-                   alibi_slopes) -> tuple:
+                   alibi_slopes, sinks=None) -> tuple:
     """(out, lse) of q over k and v, every batch row's keys all of k's, on the decode kernel."""
-    kernel = decode_kernel_for(q, 0, (window_left, window_right), softcap, alibi_slopes is not None)
+    kernel = decode_kernel_for(q, 0, (window_left, window_right), softcap, alibi_slopes is not None,
+                               sinks=sinks is not None)
     batch, seqlen_k = q.shape[0], k.shape[1]
     lengths = torch.full((batch,), seqlen_k, dtype=torch.int32, device=q.device)
     return kernel(q, k, v, lengths, kernel.batch_rows(batch, q.device), softmax_scale=softmax_scale, causal=causal,
-                  alibi_slopes=alibi_slopes)
+                  alibi_slopes=alibi_slopes, sinks=sinks)
 
 
 # ----------------------------------------------------------------------------- head_dim
@@ -248,6 +249,33 @@ def _output_shapes(q):
     return q.new_empty(q.shape), q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
 
 
+# ----------------------------------------------------------------------------- sinks
+# gpt-oss's learnable sinks: a logit per query head in each row's softmax denominator (a key with no value).
+def sinks_argument(sinks) -> dict:
+    """A kernel call's sinks keyword: none without sinks (a kernel without them runs)."""
+    return {} if sinks is None else {"sinks": sinks}
+
+
+def check_sinks(sinks, q, heads_dim: int):
+    """``sinks``, None or float32 (heads_q,) on q's device (``checks.sinks_view``'s errors), as given."""
+    if sinks is not None:
+        sinks_view(sinks, q.shape[heads_dim], q.device)
+    return sinks
+
+
+def with_sinks_gradient(grads: tuple, q) -> tuple:
+    """A backward kernel's (dq, dk, dv) or, called with sinks, (dq, dk, dv, dsinks), as the backward ops'
+    four outputs: dsinks empty where there are no sinks (a custom op's outputs are tensors)."""
+    return grads if len(grads) == 4 else (*grads, q.new_empty((0,), dtype=torch.float32))
+
+
+def needed_sinks(ctx, sinks, index: int):
+    """The sinks to pass to a backward op: those of the forward where their gradient is needed (its input
+    ``index``), else None. (An argument left at its default does not reach needs_input_grad: the
+    dispatcher drops it.)"""
+    return sinks if sinks is not None and ctx.needs_input_grad[index] else None
+
+
 # The forward and backward ops take the variant as resolve_variant's fields (causal, window_left,
 # window_right, softcap; alibi: whether alibi_slopes is given; dropout: whether dropout_p > 0, then with
 # the seed that the backward takes too).
@@ -255,17 +283,18 @@ def _output_shapes(q):
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float,
             window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
             alibi_slopes: torch.Tensor | None = None, deterministic: bool = False, dropout_p: float = 0.0,
-            dropout_seed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            dropout_seed: torch.Tensor | None = None,
+            sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) = attention forward; see :func:`attention` (deterministic: its backward's)."""
     kernel = kernel_for(q, causal, window_left, window_right, softcap, alibi_slopes is not None,
-                        dropout=dropout_p > 0)
+                        dropout=dropout_p > 0, sinks=sinks is not None)
     return kernel(q, k, v, softmax_scale=softmax_scale, return_lse=True, alibi_slopes=alibi_slopes,
-                  **dropout_arguments(dropout_p, dropout_seed))
+                  **dropout_arguments(dropout_p, dropout_seed), **sinks_argument(sinks))
 
 
 @forward.register_fake
 def _forward_shapes(q, k, v, causal, softmax_scale, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None,
-                    deterministic=False, dropout_p=0.0, dropout_seed=None):
+                    deterministic=False, dropout_p=0.0, dropout_seed=None, sinks=None):
     return _output_shapes(q)
 
 
@@ -289,37 +318,48 @@ def backward_kernel_for(q: torch.Tensor, causal: bool, window_left: int = -1, wi
 def backward(dout: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              out: torch.Tensor, lse: torch.Tensor, causal: bool, softmax_scale: float, window_left: int = -1,
              window_right: int = -1, softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
-             deterministic: bool = False, dropout_p: float = 0.0,
-             dropout_seed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of :func:`forward` given the gradients of its out and lse (dlse None: 0)."""
+             deterministic: bool = False, dropout_p: float = 0.0, dropout_seed: torch.Tensor | None = None,
+             sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dsinks) of :func:`forward` given the gradients of its out and lse (dlse None: 0); dsinks
+    float32 (heads_q,) with sinks, else empty."""
     kernel = backward_kernel_for(q, causal, window_left, window_right, softcap, alibi_slopes is not None,
                                  deterministic=deterministic, dropout=dropout_p > 0)
-    return kernel(q, k, v, out, dout, lse, dlse=dlse, softmax_scale=softmax_scale, alibi_slopes=alibi_slopes,
-                  **dropout_arguments(dropout_p, dropout_seed))
+    return with_sinks_gradient(kernel(q, k, v, out, dout, lse, dlse=dlse, softmax_scale=softmax_scale,
+                                      alibi_slopes=alibi_slopes, **dropout_arguments(dropout_p, dropout_seed),
+                                      **sinks_argument(sinks)), q)
+
+
+def gradient_shapes(q, k, v, sinks) -> tuple:
+    """The backward ops' outputs, as the kernels return them: dq, dk, dv compact, dsinks (heads_q,) or empty."""
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+            q.new_empty((0,) if sinks is None else sinks.shape, dtype=torch.float32))
 
 
 @backward.register_fake
 def _backward_shapes(dout, dlse, q, k, v, out, lse, causal, softmax_scale, window_left=-1, window_right=-1,
-                     softcap=0.0, alibi_slopes=None, deterministic=False, dropout_p=0.0, dropout_seed=None):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # compact, as the kernel returns them
+                     softcap=0.0, alibi_slopes=None, deterministic=False, dropout_p=0.0, dropout_seed=None,
+                     sinks=None):
+    return gradient_shapes(q, k, v, sinks)
 
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, causal, softmax_scale, window_left, window_right, softcap, alibi_slopes, deterministic, dropout_p,
-     dropout_seed) = inputs
+     dropout_seed, sinks) = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, dropout_seed)
+    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, dropout_seed, sinks)
     ctx.variant = (causal, softmax_scale, window_left, window_right, softcap)
     ctx.deterministic, ctx.dropout_p = deterministic, dropout_p
 
 
 def _backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse, alibi_slopes, dropout_seed = ctx.saved_tensors
+    q, k, v, out, lse, alibi_slopes, dropout_seed, sinks = ctx.saved_tensors
     if grad_out is None:  # only lse reached the loss
         grad_out = torch.zeros_like(out)
-    dq, dk, dv = backward(grad_out, grad_lse, q, k, v, out, lse, *ctx.variant, alibi_slopes, ctx.deterministic,
-                          ctx.dropout_p, dropout_seed)
-    return (dq, dk, dv) + (None,) * 9  # no gradient for the options, the ALiBi slopes or the seed
+    sinks = needed_sinks(ctx, sinks, 12)
+    dq, dk, dv, dsinks = backward(grad_out, grad_lse, q, k, v, out, lse, *ctx.variant, alibi_slopes,
+                                  ctx.deterministic, ctx.dropout_p, dropout_seed, sinks)
+    # no gradient for the options, the ALiBi slopes or the seed
+    return (dq, dk, dv) + (None,) * 9 + (None if sinks is None else dsinks,)
 
 
 forward.register_autograd(_backward, setup_context=_setup_context)
@@ -329,14 +369,16 @@ forward.register_autograd(_backward, setup_context=_setup_context)
 @torch.library.custom_op("tvmflash::kernel_forward", mutates_args=())
 def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel: str, softmax_scale: float,
                    alibi_slopes: torch.Tensor | None = None, dropout_p: float | None = None,
-                   dropout_seed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   dropout_seed: torch.Tensor | None = None,
+                   sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of the Kernel ``kernel`` names; see ``Kernel.__call__``."""
     return kernels.by_key(kernel)(q, k, v, softmax_scale=softmax_scale, return_lse=True, alibi_slopes=alibi_slopes,
-                                  dropout_p=dropout_p, dropout_seed=dropout_seed)
+                                  dropout_p=dropout_p, dropout_seed=dropout_seed, sinks=sinks)
 
 
 @kernel_forward.register_fake
-def _kernel_forward_shapes(q, k, v, kernel, softmax_scale, alibi_slopes=None, dropout_p=None, dropout_seed=None):
+def _kernel_forward_shapes(q, k, v, kernel, softmax_scale, alibi_slopes=None, dropout_p=None, dropout_seed=None,
+                           sinks=None):
     kernels.by_key(kernel).arguments.check(q, k, v, None)
     return _output_shapes(q)
 
@@ -344,26 +386,28 @@ def _kernel_forward_shapes(q, k, v, kernel, softmax_scale, alibi_slopes=None, dr
 @torch.library.custom_op("tvmflash::kernel_forward_out", mutates_args=("out",))
 def kernel_forward_out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, kernel: str,
                        softmax_scale: float, alibi_slopes: torch.Tensor | None = None, dropout_p: float | None = None,
-                       dropout_seed: torch.Tensor | None = None) -> torch.Tensor:
+                       dropout_seed: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """lse of the Kernel ``kernel`` names, its output written into ``out``."""
     return kernels.by_key(kernel)(q, k, v, softmax_scale=softmax_scale, out=out, return_lse=True,
-                                  alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_seed=dropout_seed)[1]
+                                  alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_seed=dropout_seed,
+                                  sinks=sinks)[1]
 
 
 @kernel_forward_out.register_fake
 def _kernel_forward_out_shapes(q, k, v, out, kernel, softmax_scale, alibi_slopes=None, dropout_p=None,
-                               dropout_seed=None):
+                               dropout_seed=None, sinks=None):
     kernels.by_key(kernel).arguments.check(q, k, v, out)
     return _output_shapes(q)[1]
 
 
 def kernel_call(kernel, q, k, v, softmax_scale: float, out, return_lse: bool, alibi_slopes=None, dropout_p=None,
-                dropout_seed=None):
+                dropout_seed=None, sinks=None):
     """``kernel(q, k, v, ...)`` through the custom ops (what torch.compile traces)."""
     if out is None:
-        out, lse = kernel_forward(q, k, v, kernel.key, softmax_scale, alibi_slopes, dropout_p, dropout_seed)
+        out, lse = kernel_forward(q, k, v, kernel.key, softmax_scale, alibi_slopes, dropout_p, dropout_seed, sinks)
     else:
-        lse = kernel_forward_out(q, k, v, out, kernel.key, softmax_scale, alibi_slopes, dropout_p, dropout_seed)
+        lse = kernel_forward_out(q, k, v, out, kernel.key, softmax_scale, alibi_slopes, dropout_p, dropout_seed,
+                                 sinks)
     return (out, lse) if return_lse else out
 
 
@@ -386,15 +430,15 @@ def _options(q, k, v, dims: int, layout: str, causal, window_size, softcap, alib
             variant.get("softcap", 0.0))
 
 
-def _through_ops(q, k, v) -> bool:
+def _through_ops(q, k, v, sinks=None) -> bool:
     """Must a call go through the custom ops: under torch.compile, or where autograd records it?"""
-    return torch.compiler.is_compiling() or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
-                                                                           or v.requires_grad))
+    return torch.compiler.is_compiling() or (torch.is_grad_enabled() and (
+        q.requires_grad or k.requires_grad or v.requires_grad or (sinks is not None and sinks.requires_grad)))
 
 
 def attention(q, k, v, *, causal: bool = False, softmax_scale=None, return_lse: bool = False, window_size=(-1, -1),
               softcap: float = 0.0, alibi_slopes=None, deterministic: bool = False, dropout_p: float = 0.0,
-              dropout_seed=None):
+              dropout_seed=None, sinks=None):
     """Exact attention softmax(q kᵀ · scale) v in flash-attn's layout.
 
     q: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim) with
@@ -424,22 +468,29 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale=None, return_lse: 
     Which entries drop is a hash of ``dropout_seed`` (int32 (2,) on q's device; None: drawn from torch's
     generator for q's device) and each entry's batch, head, query and key (``dropout_kept`` says which),
     so the backward drops the same ones.
+
+    ``sinks`` (gpt-oss's learnable attention sinks): float32 (heads_q,) on q's device, a logit per query
+    head that joins each row's softmax denominator as a key with no value: p_ij = exp(s_ij - m) /
+    (exp(sink_h - m) + Σ_j exp(s_ij - m)), s the scaled (capped, biased) scores; the sink itself is not
+    scaled. lse includes it; a query that sees no key gets 0 and lse = sink_h. Differentiable in sinks
+    too (sinks.grad float32 (heads_q,)).
     """
     options = _options(q, k, v, 4, "(batch, seqlen, heads, head_dim)", causal, window_size, softcap, alibi_slopes)
+    sinks = check_sinks(sinks, q, heads_dim=2)
     return_lse, deterministic = check_flag("return_lse", return_lse), check_flag("deterministic", deterministic)
     dropout_p, dropout_seed = resolve_dropout(dropout_p, dropout_seed, q.device)
     head_dim = q.shape[-1]
     softmax_scale = resolve_softmax_scale(softmax_scale, head_dim)  # q's own head_dim's, before any padding
     q, k, v, run = padded_head_dim(q, k, v, head_dim)
-    if _through_ops(q, k, v):
+    if _through_ops(q, k, v, sinks):
         out, lse = forward(q, k, v, options[0], softmax_scale, *options[1:], alibi_slopes, deterministic, dropout_p,
-                           dropout_seed)
+                           dropout_seed, sinks)
     elif not dropout_p and decode_shaped(q, k, v):  # a generation step: split the keys over the GPU
-        out, lse = decode_forward(q, k, v, *options[:1], softmax_scale, *options[1:], alibi_slopes)
+        out, lse = decode_forward(q, k, v, *options[:1], softmax_scale, *options[1:], alibi_slopes, sinks)
     else:  # eager, nothing for autograd to record: no custom op's dispatch
-        out, lse = kernel_for(q, *options, alibi_slopes is not None, dropout=dropout_p > 0)(
+        out, lse = kernel_for(q, *options, alibi_slopes is not None, dropout=dropout_p > 0, sinks=sinks is not None)(
             q, k, v, softmax_scale=softmax_scale, return_lse=True, alibi_slopes=alibi_slopes,
-            **dropout_arguments(dropout_p, dropout_seed))
+            **dropout_arguments(dropout_p, dropout_seed), **sinks_argument(sinks))
     if run != head_dim:
         out = out[..., :head_dim]
     return (out, lse) if return_lse else out
@@ -458,18 +509,19 @@ def varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens
                    cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
                    softmax_scale: float, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
                    alibi_slopes: torch.Tensor | None = None, deterministic: bool = False, dropout_p: float = 0.0,
-                   dropout_seed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   dropout_seed: torch.Tensor | None = None,
+                   sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of the varlen forward; see :func:`varlen_attention` (deterministic: its backward's)."""
     kernel = kernel_for(q, causal, window_left, window_right, softcap, alibi_slopes is not None, varlen=True,
-                        dropout=dropout_p > 0)
+                        dropout=dropout_p > 0, sinks=sinks is not None)
     return kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale=softmax_scale, return_lse=True,
-                  alibi_slopes=alibi_slopes, **dropout_arguments(dropout_p, dropout_seed))
+                  alibi_slopes=alibi_slopes, **dropout_arguments(dropout_p, dropout_seed), **sinks_argument(sinks))
 
 
 @varlen_forward.register_fake
 def _varlen_forward_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
                            window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, deterministic=False,
-                           dropout_p=0.0, dropout_seed=None):
+                           dropout_p=0.0, dropout_seed=None, sinks=None):
     return _varlen_output_shapes(q)
 
 
@@ -479,38 +531,44 @@ def varlen_backward(dout: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tens
                     cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
                     softmax_scale: float, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
                     alibi_slopes: torch.Tensor | None = None, deterministic: bool = False, dropout_p: float = 0.0,
-                    dropout_seed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of :func:`varlen_forward` given the gradients of its out and lse (dlse None: 0)."""
+                    dropout_seed: torch.Tensor | None = None, sinks: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dsinks) of :func:`varlen_forward` given the gradients of its out and lse (dlse None: 0);
+    dsinks float32 (heads_q,) with sinks, else empty."""
     kernel = backward_kernel_for(q, causal, window_left, window_right, softcap, alibi_slopes is not None, varlen=True,
                                  deterministic=deterministic, dropout=dropout_p > 0)
-    return kernel(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dlse=dlse,
-                  softmax_scale=softmax_scale, alibi_slopes=alibi_slopes, **dropout_arguments(dropout_p, dropout_seed))
+    return with_sinks_gradient(kernel(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                      dlse=dlse, softmax_scale=softmax_scale, alibi_slopes=alibi_slopes,
+                                      **dropout_arguments(dropout_p, dropout_seed), **sinks_argument(sinks)), q)
 
 
 @varlen_backward.register_fake
 def _varlen_backward_shapes(dout, dlse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                             causal, softmax_scale, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None,
-                            deterministic=False, dropout_p=0.0, dropout_seed=None):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # compact, as the kernel returns them
+                            deterministic=False, dropout_p=0.0, dropout_seed=None, sinks=None):
+    return gradient_shapes(q, k, v, sinks)
 
 
 def _varlen_setup_context(ctx, inputs, output):
     (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_left,
-     window_right, softcap, alibi_slopes, deterministic, dropout_p, dropout_seed) = inputs
+     window_right, softcap, alibi_slopes, deterministic, dropout_p, dropout_seed, sinks) = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_seed)
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_seed, sinks)
     ctx.lengths = (max_seqlen_q, max_seqlen_k)
     ctx.variant = (causal, softmax_scale, window_left, window_right, softcap)
     ctx.deterministic, ctx.dropout_p = deterministic, dropout_p
 
 
 def _varlen_backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_seed = ctx.saved_tensors
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_seed, sinks = ctx.saved_tensors
     if grad_out is None:  # only lse reached the loss
         grad_out = torch.zeros_like(out)
-    dq, dk, dv = varlen_backward(grad_out, grad_lse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.lengths,
-                                 *ctx.variant, alibi_slopes, ctx.deterministic, ctx.dropout_p, dropout_seed)
-    return (dq, dk, dv) + (None,) * 13  # none for the offsets, lengths, options, ALiBi slopes or seed
+    sinks = needed_sinks(ctx, sinks, 16)
+    dq, dk, dv, dsinks = varlen_backward(grad_out, grad_lse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                         *ctx.lengths, *ctx.variant, alibi_slopes, ctx.deterministic, ctx.dropout_p,
+                                         dropout_seed, sinks)
+    # none for the offsets, lengths, options, ALiBi slopes or seed
+    return (dq, dk, dv) + (None,) * 13 + (None if sinks is None else dsinks,)
 
 
 varlen_forward.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
@@ -521,25 +579,26 @@ varlen_forward.register_autograd(_varlen_backward, setup_context=_varlen_setup_c
 def varlen_kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                           cu_seqlens_k: torch.Tensor, max_seqlen_q: int, kernel: str, softmax_scale: float,
                           alibi_slopes: torch.Tensor | None = None, dropout_p: float | None = None,
-                          dropout_seed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                          dropout_seed: torch.Tensor | None = None,
+                          sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of the VarlenKernel ``kernel`` names; see ``VarlenKernel.__call__``."""
     return kernels.by_key(kernel)(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale=softmax_scale,
                                   return_lse=True, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
-                                  dropout_seed=dropout_seed)
+                                  dropout_seed=dropout_seed, sinks=sinks)
 
 
 @varlen_kernel_forward.register_fake
 def _varlen_kernel_forward_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, kernel, softmax_scale,
-                                  alibi_slopes=None, dropout_p=None, dropout_seed=None):
+                                  alibi_slopes=None, dropout_p=None, dropout_seed=None, sinks=None):
     return _varlen_output_shapes(q)
 
 
 def varlen_kernel_call(kernel, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale: float, out,
-                       return_lse: bool, alibi_slopes=None, dropout_p=None, dropout_seed=None):
+                       return_lse: bool, alibi_slopes=None, dropout_p=None, dropout_seed=None, sinks=None):
     """``kernel(q, k, v, cu_seqlens_q, ...)`` of a VarlenKernel through its custom op (what
     torch.compile traces); a given out is written by a copy."""
     result, lse = varlen_kernel_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, kernel.key, softmax_scale,
-                                        alibi_slopes, dropout_p, dropout_seed)
+                                        alibi_slopes, dropout_p, dropout_seed, sinks)
     if out is not None:
         result = out.copy_(result)
     return (result, lse) if return_lse else result
@@ -551,7 +610,7 @@ registry.add_route("varlen", varlen_kernel_call)  # as "forward", for VarlenKern
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
                      causal: bool = False, softmax_scale=None, return_lse: bool = False, window_size=(-1, -1),
                      softcap: float = 0.0, alibi_slopes=None, deterministic: bool = False, dropout_p: float = 0.0,
-                     dropout_seed=None):
+                     dropout_seed=None, sinks=None):
     """:func:`attention` of sequences packed without padding (flash-attn's varlen layout).
 
     q: (total_q, heads_q, head_dim); k, v: (total_k, heads_kv, head_dim); cu_seqlens_q,
@@ -563,9 +622,10 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     offsets on the device: no padding, no loop over sequences, no rebuild for new lengths.
     Differentiable in q, k and v (``torch.ops.tvmflash.varlen_backward``), under torch.compile too;
     ``deterministic`` and ``dropout_p`` as :func:`attention`'s (with dropout, b in ``dropout_kept`` is the
-    sequence, and the query and key are positions in it).
+    sequence, and the query and key are positions in it); ``sinks``, float32 (heads_q,), as :func:`attention`'s.
     """
     options = _options(q, k, v, 3, "(total_q, heads, head_dim)", causal, window_size, softcap, alibi_slopes)
+    sinks = check_sinks(sinks, q, heads_dim=1)
     return_lse, deterministic = check_flag("return_lse", return_lse), check_flag("deterministic", deterministic)
     dropout_p, dropout_seed = resolve_dropout(dropout_p, dropout_seed, q.device)
     check_max_seqlen("max_seqlen_q", max_seqlen_q)
@@ -574,13 +634,15 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     head_dim = q.shape[-1]
     softmax_scale = resolve_softmax_scale(softmax_scale, head_dim)  # q's own head_dim's, before any padding
     q, k, v, run = padded_head_dim(q, k, v, head_dim)
-    if _through_ops(q, k, v):
+    if _through_ops(q, k, v, sinks):
         out, lse = varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options[0],
-                                  softmax_scale, *options[1:], alibi_slopes, deterministic, dropout_p, dropout_seed)
+                                  softmax_scale, *options[1:], alibi_slopes, deterministic, dropout_p, dropout_seed,
+                                  sinks)
     else:  # eager, nothing for autograd to record: no custom op's dispatch
-        out, lse = kernel_for(q, *options, alibi_slopes is not None, varlen=True, dropout=dropout_p > 0)(
+        out, lse = kernel_for(q, *options, alibi_slopes is not None, varlen=True, dropout=dropout_p > 0,
+                              sinks=sinks is not None)(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale=softmax_scale, return_lse=True,
-            alibi_slopes=alibi_slopes, **dropout_arguments(dropout_p, dropout_seed))
+            alibi_slopes=alibi_slopes, **dropout_arguments(dropout_p, dropout_seed), **sinks_argument(sinks))
     if run != head_dim:
         out = out[..., :head_dim]
     return (out, lse) if return_lse else out

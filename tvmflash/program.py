@@ -15,6 +15,8 @@ compact. head_dim, the head counts, dtype, causal, the variants (a sliding windo
 ``AttentionSpec``) and the tile sizes are static. With ALiBi the slopes are one more argument, and with dropout two more after them:
     alibi_slopes: (batch, heads_q)                    float32, any batch stride (0: one row for all)
     dropout_p:    float32, 0 <= p < 1; dropout_seed: (2,) int32 (``program_dropout``)
+and with sinks one more after those (``sinks_argument``; a flex kernel's captured tensors come last):
+    sinks:        (heads_q,)                          float32, the sink logit of each query head
 
 With ``varlen`` (flash-attn's packed sequences) the arguments hold the rows of every sequence as one
 batch, and three more arguments, after softmax_scale, say where each sequence is:
@@ -106,6 +108,9 @@ class AttentionSpec:
     # FlexAttention's score_mod and mask_mod, traced (``program_flex``): the score_mod acts on the scaled
     # score, the mask_mod joins the mask; their captured tensors are arguments. Alone: no other variant.
     flex: FlexMods | None = None
+    # learnable attention sinks (gpt-oss's): a logit per query head, an argument, that joins each row's
+    # softmax denominator as a key with no value (``initial_max``); the LSE includes it
+    sinks: bool = False
 
     @property
     def transforms_score(self) -> bool:
@@ -125,7 +130,7 @@ class AttentionSpec:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < -1:
                 raise ValueError(f"{name}: expected an int >= -1 (-1: no bound), got {value!r}")
-        for name in ("varlen", "dropout"):
+        for name in ("varlen", "dropout", "sinks"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}: expected True or False, got {getattr(self, name)!r}")
         if not (isinstance(self.softcap, (int, float)) and not isinstance(self.softcap, bool)
@@ -136,7 +141,7 @@ class AttentionSpec:
                 raise TypeError(f"flex: expected a program_flex.FlexMods, got {type(self.flex).__name__}")
             others = [name for name, on in (("causal", self.causal), ("window", self.window_left >= 0 or
                       self.window_right >= 0), ("softcap", self.softcap > 0), ("alibi", self.alibi),
-                      ("varlen", self.varlen), ("dropout", self.dropout)) if on]
+                      ("varlen", self.varlen), ("dropout", self.dropout)) if on]  # (sinks may join the mods)
             if others:
                 raise ValueError(f"flex: a score_mod or mask_mod takes no other variant, got {others} too (write "
                                  "them into the mods)")
@@ -206,6 +211,49 @@ def alibi_slopes_argument(spec: AttentionSpec, batch, heads):
     slopes = T.match_buffer(handle, (batch, heads), "float32", strides=(stride, 1))
     IRBuilder.name("AlibiSlopes", slopes)
     return slopes
+
+
+def sinks_argument(spec: AttentionSpec, heads):
+    """With sinks, one more parameter of the PrimFunc being parsed, after ALiBi's and dropout's: the
+    sink logits ``(heads,)`` float32, compact; None without."""
+    if not spec.sinks:
+        return None
+    handle = T.arg("sinks_handle", T.handle())
+    sinks = T.match_buffer(handle, (heads,), "float32")
+    IRBuilder.name("Sinks", sinks)
+    return sinks
+
+
+def sink_units(spec: AttentionSpec, sinks, h, softmax_scale):
+    """Head h's sink logit in the running max's units (``score_scale``: the logit itself, or over
+    softmax_scale where the scale fuses into exp2). The sink is a logit as it stands, never scaled, as in
+    gpt-oss's reference: a column beside the scaled (capped, biased) scores."""
+    if spec.transforms_score:
+        return sinks[h]
+    return sinks[h] / softmax_scale
+
+
+def sink_buffer(spec: AttentionSpec):
+    """With sinks, the tile's scalar (1,) float32 that holds its head's sink in the running max's units
+    (block ``init_sink``; a scalar as the scale is, so that per-row blocks may read it); None without."""
+    return T.sblock_alloc_buffer((1,), "float32") if spec.sinks else None
+
+
+def initial_max(spec: AttentionSpec, sink):
+    """The running max a row starts from: ``NO_MAX``, or with sinks the sink (``sink_buffer``) as a key
+    already seen (no lower than NO_MAX, so a sink of -inf, no sink, stays finite and exp2 of it 0)."""
+    if not spec.sinks:
+        return T.float32(NO_MAX)
+    return T.max(sink[0], T.float32(NO_MAX))
+
+
+def initial_sum(spec: AttentionSpec, sink):
+    """The running sum a row starts from: 0, or with sinks the sink's exp2(sink - max) = 1 (0 for a sink
+    of -inf): a row that sees no key then gets 0 and an LSE of the sink, never NaN. (No comparison: the
+    sm80/sm90 per-row intrinsic re-parses the block, and TVMScript prints a >= b back as b <= a.)"""
+    if not spec.sinks:
+        return T.float32(0)
+    return T.exp2(sink[0] - initial_max(spec, sink))
 
 
 @dataclass(frozen=True)
@@ -485,6 +533,7 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_ti
         Packed_ = T.meta_var(varlen_arguments(spec))  # parameters with varlen only
         AlibiSlopes = T.meta_var(alibi_slopes_argument(spec, sequence_count(Packed_, batch), HQ))  # with ALiBi only
         Dropout_ = T.meta_var(dropout_arguments(spec))  # parameters with dropout only
+        Sinks_ = T.meta_var(sinks_argument(spec, HQ))  # with sinks only
         Flex_ = T.meta_var(flex_arguments(spec))  # a score_mod's and mask_mod's captured tensors, with flex only
         Q = T.decl_buffer((batch, seqlen_q, HQ, D), dtype, data=Q_in.data, strides=aligned_strides(Q_in, stride_alignment))
         K = T.decl_buffer((batch, seqlen_k, HKV, D), dtype, data=K_in.data, strides=aligned_strides(K_in, stride_alignment))
@@ -517,9 +566,13 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_ti
                 acc = T.sblock_alloc_buffer((BM, D), f32)  # unnormalised output
                 l_inv = T.sblock_alloc_buffer((BM,), f32)  # 1 / l, or 0 for a row that sees no key
                 scale2 = T.sblock_alloc_buffer((1,), f32)
+                sink = T.meta_var(sink_buffer(spec))  # with sinks only
 
                 with T.sblock("init_scale"):
                     scale2[0] = score_scale(spec, softmax_scale) * T.float32(LOG2E)
+                if spec.sinks:
+                    with T.sblock("init_sink"):
+                        sink[0] = sink_units(spec, Sinks_, vh, softmax_scale)
                 for i, d in T.grid(BM, D):
                     with T.sblock("load_q"):
                         vi, vd = T.axis.remap("SS", [i, d])
@@ -531,8 +584,8 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_ti
                 for i in range(BM):
                     with T.sblock("init_ml"):
                         vi = T.axis.spatial(BM, i)
-                        m[vi] = T.float32(NO_MAX)
-                        l[vi] = T.float32(0)
+                        m[vi] = initial_max(spec, sink)  # NO_MAX, or the sink's
+                        l[vi] = initial_sum(spec, sink)
                 for i, d in T.grid(BM, D):
                     with T.sblock("init_acc"):
                         vi, vd = T.axis.remap("SS", [i, d])

@@ -63,13 +63,17 @@ class DecodeSpec:
     alibi: bool = False
     # flash-attn's cache_leftpad: each sequence's keys start at a cache row of their own (an argument)
     leftpad: bool = False
+    # learnable sinks (``AttentionSpec.sinks``): a logit per query head, an argument of the merge alone,
+    # which adds the sink once (the split programs are those without sinks)
+    sinks: bool = False
 
     def __post_init__(self):
         _ = self.attention  # the forward's checks
         if self.page_size and (self.page_size < 16 or self.page_size & (self.page_size - 1)):
             raise ValueError(f"page_size: expected a power of two >= 16, got {self.page_size}")
-        if not isinstance(self.leftpad, bool):
-            raise TypeError(f"leftpad: expected True or False, got {self.leftpad!r}")
+        for name in ("leftpad", "sinks"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name}: expected True or False, got {getattr(self, name)!r}")
         if self.leftpad and self.page_size:  # as flash-attn's
             raise ValueError("leftpad: a paged cache takes no cache_leftpad (flash-attn serves paged KV and leftpad "
                              "not at the same time)")
@@ -405,10 +409,22 @@ def leftpad_argument(spec: DecodeSpec, batch):
     return leftpad
 
 
+def merged_max(spec: DecodeSpec, lse_max, sinks, h):
+    """The max the merge subtracts: the splits' LSE max, or with sinks the larger of it and the sink's."""
+    return lse_max if not spec.sinks else T.max(lse_max, sinks[h])
+
+
+def with_sink(spec: DecodeSpec, total, sinks, h, m):
+    """The merge's sum Σ_s exp(lse_s - m) as it is, or with sinks plus the sink's exp(sink - m)."""
+    return total if not spec.sinks else total + T.exp(sinks[h] - m)
+
+
 def decode_merge(spec: DecodeSpec):
-    """Return ``main(o_part, lse_part, out, lse)``: the splits' results combined, per (sequence,
-    token, head): lse = log Σ_s exp(lse_s), out = Σ_s exp(lse_s - lse) o_s; a row no split saw a
-    key for gets 0 and an LSE of -inf (never NaN)."""
+    """Return ``main(o_part, lse_part, out, lse)`` (then ``sinks`` with sinks): the splits' results
+    combined, per (sequence, token, head): lse = log Σ_s exp(lse_s), out = Σ_s exp(lse_s - lse) o_s;
+    a row no split saw a key for gets 0 and an LSE of -inf (never NaN). With sinks the sink of head h
+    is one more term of lse's sum, with no output: lse = log(exp(sink_h) + Σ_s exp(lse_s)), added
+    here once for all the splits (a row that sees no key gets 0 and lse = sink_h)."""
     D, HQ, dtype, f32 = spec.head_dim, spec.heads_q, spec.dtype, "float32"
 
     @T.prim_func(s_tir=True)
@@ -419,6 +435,7 @@ def decode_merge(spec: DecodeSpec):
         LSEPart = T.match_buffer(lse_part_handle, (num_splits, batch, seqlen_q, HQ), f32)
         O = T.match_buffer(out_handle, (batch, seqlen_q, HQ, D), dtype)
         LSE = T.match_buffer(lse_handle, (batch, HQ, seqlen_q), f32)
+        Sinks_ = T.meta_var(program.sinks_argument(spec, HQ))  # with sinks only
 
         for b, t, h in T.grid(batch, seqlen_q, HQ):
             with T.sblock("row"):
@@ -434,7 +451,8 @@ def decode_merge(spec: DecodeSpec):
                             lse_max[0] = T.min_value(f32)
                         lse_max[0] = T.max(lse_max[0], LSEPart[vs, vb, vt, vh])
                 with T.sblock("finite_max"):  # all -inf: exp(-inf - -inf) would be NaN
-                    m[0] = T.if_then_else(lse_max[0] <= T.min_value(f32), T.float32(0), lse_max[0])
+                    m[0] = T.if_then_else(merged_max(spec, lse_max[0], Sinks_, vh) <= T.min_value(f32), T.float32(0),
+                                          merged_max(spec, lse_max[0], Sinks_, vh))
                 for s in range(num_splits):
                     with T.sblock("lse_sum"):
                         vs = T.axis.reduce(num_splits, s)
@@ -450,10 +468,12 @@ def decode_merge(spec: DecodeSpec):
                 for d in range(D):
                     with T.sblock("store_o"):
                         vd = T.axis.spatial(D, d)
-                        O[vb, vt, vh, vd] = T.cast(
-                            T.if_then_else(total[0] > T.float32(0), acc[vd] / total[0], T.float32(0)), dtype)
+                        O[vb, vt, vh, vd] = T.cast(T.if_then_else(
+                            with_sink(spec, total[0], Sinks_, vh, m[0]) > T.float32(0),
+                            acc[vd] / with_sink(spec, total[0], Sinks_, vh, m[0]), T.float32(0)), dtype)
                 with T.sblock("store_lse"):
                     LSE[vb, vh, vt] = T.if_then_else(
-                        total[0] > T.float32(0), m[0] + T.log(total[0]), T.float32(-math.inf))
+                        with_sink(spec, total[0], Sinks_, vh, m[0]) > T.float32(0),
+                        m[0] + T.log(with_sink(spec, total[0], Sinks_, vh, m[0])), T.float32(-math.inf))
 
     return main

@@ -34,7 +34,7 @@ from __future__ import annotations
 import tvm
 
 from ..common import (bind_grid, buffer_info, hide_init_reads, pipeline_loads, quad_row_block, quad_row_init,
-                      row_quad_map, row_reduce_intrin, staged_row_block, tensorize_row_reduce)
+                      row_quad_map, row_reduce_intrin, scalars_local, staged_row_block, tensorize_row_reduce)
 from .fragments import (copy_to_shared, fill_fragments, frag_index_map, frag_rows, fragment_elementwise, fragment_lanes,
                         row_block, store_fragments, warp_gemm_operands)
 from .intrinsics import intrin_names
@@ -78,7 +78,7 @@ def schedule(
         copy_to_shared(sch, name, num_warps, vec)
 
     # ---- per-row state ---------------------------------------------------------------------
-    sch.set_scope("init_scale", 0, "local")
+    scalars_local(sch)
     sch.set_scope("init_ml", 0, "local")  # m: only per-row blocks touch it
     # The per-row values but m: read by the fragment lanes (exp, pv_init, store_o) or
     # written by the quad reductions. "shared": in shared memory, one lane per row. "registers":

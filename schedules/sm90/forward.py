@@ -55,7 +55,7 @@ from tvmflash.lowering.annotations import (SKIP_UNIT_RESCALE_PRAGMA, SWIZZLE_COL
                                            TMA_LOAD, WGMMA_WAIT_PRAGMA, swizzle_columns)
 
 from ..common import (bind_grid, buffer_info, hide_init_reads, pipeline_loads, quad_row_block, quad_row_init,
-                      row_quad_map, row_reduce_intrin, staged_row_block, tensorize_row_reduce)
+                      row_quad_map, row_reduce_intrin, scalars_local, staged_row_block, tensorize_row_reduce)
 from .knobs import FORWARD
 from .layouts import (PAD_ELEMENTS, WARPGROUP, WARPS_PER_WARPGROUP, acc_block, acc_index_map, acc_rows,
                       row_block, swizzled_map, tile_in_shared_memory)
@@ -220,7 +220,7 @@ def schedule(
         sch.set_scope(name, 0, "local")
         sch.transform_layout(name, ("write", 0), acc_index_map)
         acc_block(sch, name, num_warpgroups)
-    sch.set_scope("init_scale", 0, "local")  # the scale in log2 units, a scalar the per-row blocks read
+    scalars_local(sch)  # the scale in log2 units (and a sink): scalars the per-row blocks read
     if row_state == "registers":
         _row_state_in_registers(sch, BN, num_warpgroups)
     else:

@@ -29,7 +29,7 @@ _DECODE_KERNELS: dict[str, DecodeKernel] = {}  # compile_decode()'s, by key
 def compile(*, head_dim: int, dtype, causal: bool = False, target=None, knobs: dict | None = None,
             heads_q: int | None = None, heads_kv: int | None = None, window_size=(-1, -1), softcap: float = 0.0,
             alibi: bool = False, varlen: bool = False, dropout: bool = False,
-            schedule: str | None = None, flex=None) -> Kernel:  # noqa: A001
+            schedule: str | None = None, flex=None, sinks: bool = False) -> Kernel:  # noqa: A001
     """Compile FlashAttention forward and return a :class:`Kernel`.
 
     head_dim: a multiple of 8 up to 256 that a schedule for the target serves (each declares its own:
@@ -37,7 +37,8 @@ def compile(*, head_dim: int, dtype, causal: bool = False, target=None, knobs: d
     any head_dim from 1 to 256 to one of them). dtype: "float16", "bfloat16", "float32" or the torch dtype.
     causal, window_size, softcap: flash-attn's (``resolve_variant``; one kernel per value); alibi:
     the kernel takes ALiBi slopes at each call; dropout: it takes flash-attn's dropout_p and a seed at
-    each call (``Kernel``); flex: a ``program_flex.FlexMods`` (``tvmflash.flex_trace.trace_mods``), a
+    each call (``Kernel``); sinks: it takes a sink logit per query head at each call (gpt-oss's
+    learnable sinks, float32 (heads_q,), in each row's softmax denominator); flex: a ``program_flex.FlexMods`` (``tvmflash.flex_trace.trace_mods``), a
     score_mod and mask_mod compiled into the program, whose captured tensors each call takes
     (``captures=``); varlen: a :class:`VarlenKernel`, over sequences packed
     without padding (flash-attn's varlen). target: None (the current torch CUDA device if there
@@ -50,7 +51,7 @@ def compile(*, head_dim: int, dtype, causal: bool = False, target=None, knobs: d
     Modules are cached in memory and on disk (``$TVMFLASH_CACHE_DIR``, else ``~/.cache/tvmflash``).
     """
     dtype = dtype_name(dtype)
-    variant = {**resolve_variant(causal, window_size, softcap, alibi, dropout), **varlen_field(varlen),
+    variant = {**resolve_variant(causal, window_size, softcap, alibi, dropout, sinks), **varlen_field(varlen),
                **flex_field(flex)}
     program.AttentionSpec(head_dim, dtype, **variant)  # validates head_dim and dtype
     resolved = targets.resolve(target)
@@ -106,7 +107,7 @@ def flex_field(flex) -> dict:
 def compile_decode(*, head_dim: int, dtype, page_size: int = 0, target=None, knobs: dict | None = None,
                    heads_q: int | None = None, heads_kv: int | None = None, window_size=(-1, -1),
                    softcap: float = 0.0, alibi: bool = False, leftpad: bool = False,
-                   schedule: str | None = None) -> DecodeKernel:
+                   schedule: str | None = None, sinks: bool = False) -> DecodeKernel:
     """Compile Flash-Decoding and return a :class:`DecodeKernel` (cached in memory; modules on disk).
 
     page_size: 0 for a contiguous cache, else the paged cache's rows per page (a power of two >= 16).
@@ -114,11 +115,12 @@ def compile_decode(*, head_dim: int, dtype, page_size: int = 0, target=None, kno
     for these head counts now. window_size, softcap, alibi: as ``tvmflash.compile``'s, but a window's
     right edge 0 is no window: that is the call's ``causal``. leftpad: each call takes flash-attn's
     ``cache_leftpad``, int32 (batch,), the cache row of each sequence's first key (a contiguous cache
-    only, as flash-attn's). schedule: "sm80" (tensor cores), "simt" or "cpu"; None: TVMFLASH_DECODE,
+    only, as flash-attn's). sinks: each call takes a sink logit per query head (float32 (heads_q,)), which
+    joins the merge of the splits once. schedule: "sm80" (tensor cores), "simt" or "cpu"; None: TVMFLASH_DECODE,
     else the target's (``tvmflash.choice``).
     """
     dtype = dtype_name(dtype)
-    variant = {**resolve_variant(False, window_size, softcap, alibi),
+    variant = {**resolve_variant(False, window_size, softcap, alibi, sinks=sinks),
                **({"leftpad": True} if check_flag("leftpad", leftpad) else {})}  # a field only when on
     if variant.pop("causal"):
         raise ValueError(f"window_size: a right edge of 0 is causal, an argument of each call: pass causal=True and "

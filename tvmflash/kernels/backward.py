@@ -13,6 +13,7 @@ from tvmflash.kernels.checks import (
     Arguments,
     check_gradient_arguments,
     resolve_softmax_scale,
+    sinks_view,
 )
 from tvmflash.kernels.forward import kernel_build_options
 from tvmflash.kernels.varlen import one_batch
@@ -25,6 +26,16 @@ def row_values(rows: tuple, device) -> tuple:
     *outer, seqlen_q = rows
     return tuple(torch.empty((*outer, program_backward.padded_rows(seqlen_q)), dtype=torch.float32,
                              device=device)[..., :seqlen_q] for _ in range(2))
+
+
+def sinks_gradient(sinks, lse, delta) -> torch.Tensor:
+    """The gradient of learnable sinks, float32 (heads_q,): dsink_h = -Σ exp(sink_h - lse) · delta over every
+    row of head h, exp(sink_h - lse) the sink's share of the row's softmax and delta = rowsum(dout ∘ out) -
+    dlse, the backward's (∂out/∂sink = -share · out, ∂lse/∂sink = share). lse and delta: (batch, heads_q,
+    rows) float32; a row of lse -inf (a sink of -inf and no key) adds 0. A reduction over the rows' values:
+    the backward's programs are those without sinks (their p = exp(s - lse) holds the sink already)."""
+    share = torch.exp(sinks[None, :, None] - lse).nan_to_num_(0.0)  # -inf - -inf: no sink, no key
+    return -(share * delta).sum((0, 2))
 
 
 class BackwardKernel:
@@ -41,7 +52,9 @@ class BackwardKernel:
     shapes and dtype of q, k and v (dk, dv summed over each GQA group's query heads). The
     gradients are bitwise the same from run to run unless the knob ``dq_atomic`` sums dq by fp32
     atomics (``program_backward``): sm90's default, where that measures faster. ``deterministic``
-    (``compile_backward``) turns it off.
+    (``compile_backward``) turns it off. With ``sinks=`` (float32 (heads_q,), those of a forward with sinks,
+    whose lse holds them) the call returns (dq, dk, dv, dsinks): the programs are the same, and dsinks, float32
+    (heads_q,), is a reduction of lse and the delta program's rows (``sinks_gradient``).
     """
 
     PASS = "backward"
@@ -128,11 +141,11 @@ class BackwardKernel:
         return grads, self.build.module_for(heads_q, heads_kv, q=q, k=k, v=v, out=out, dout=dout).function
 
     def __call__(self, q, k, v, out, dout, lse, *, dlse=None, softmax_scale=None, dq=None, dk=None, dv=None,
-                 alibi_slopes=None, dropout_p=None, dropout_seed=None, captures=None):
+                 alibi_slopes=None, dropout_p=None, dropout_seed=None, captures=None, sinks=None):
         """(dq, dk, dv) of attention(q, k, v) = out (with its lse), given dout = ∂L/∂out and
         dlse = ∂L/∂lse (None: 0). Pass dq, dk, dv to have them written in place. See the class
         docstring for the shapes; out and lse are those of the forward of the same variant (and
-        ALiBi slopes, or a flex kernel's captured tensors)."""
+        ALiBi slopes, or a flex kernel's captured tensors); with ``sinks``, (dq, dk, dv, dsinks)."""
         arguments = self.arguments
         arguments.check(q, k, v, None)
         variant_arguments = arguments.variant_arguments(q, alibi_slopes, dropout_p=dropout_p, dropout_seed=dropout_seed,
@@ -144,17 +157,29 @@ class BackwardKernel:
         softmax_scale = resolve_softmax_scale(softmax_scale, self.head_dim)
         q, k, v = map(arguments.readable, (q, k, v))
         out, dout, lse = (arguments.readable(t, strided=False) for t in (out, dout, lse))
+        sinks = None if sinks is None else sinks_view(sinks, heads_q, q.device)
         (dq, dk, dv), programs = self._gradients_and_programs(q, k, v, out, dout, dq, dk, dv, heads_q, heads_kv,
                                                               work=bool(q.numel() and k.numel()))
         if programs is None:
-            return dq, dk, dv
+            return (dq, dk, dv) + self._no_work_sinks(sinks, out, dout, lse, dlse, rows)
         delta, lse2 = row_values(rows, q.device)
         dlse = torch.zeros(rows, dtype=torch.float32, device=q.device) if dlse is None else dlse.contiguous()
         accumulator = self.dq_accumulator(q)
         programs["delta"](out, dout, lse, dlse, delta, lse2)
         programs["dkdv"](q, k, v, dout, lse2, delta, dk, dv, softmax_scale, *accumulator, *variant_arguments)
         self._dq(programs, accumulator, q, k, v, dout, lse2, delta, dq, softmax_scale, *variant_arguments)
-        return dq, dk, dv
+        return (dq, dk, dv) + (() if sinks is None else (sinks_gradient(sinks, lse, delta),))
+
+    @staticmethod
+    def _no_work_sinks(sinks, out, dout, lse, dlse, rows) -> tuple:
+        """(dsinks,) of a call with no query or no key (its rows' delta by torch: out is 0 where no key is), or
+        () without sinks."""
+        if sinks is None:
+            return ()
+        delta = torch.linalg.vecdot(out.float(), dout.float()).movedim(-1, -2).reshape(rows)
+        if dlse is not None:
+            delta = delta - dlse
+        return (sinks_gradient(sinks, lse.reshape(-1, *rows[-2:]), delta.reshape(-1, *rows[-2:])),)
 
 
 class VarlenBackwardKernel(BackwardKernel):
@@ -171,9 +196,9 @@ class VarlenBackwardKernel(BackwardKernel):
 
     def __call__(self, q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                  dlse=None, softmax_scale=None, dq=None, dk=None, dv=None, alibi_slopes=None, dropout_p=None,
-                 dropout_seed=None):
-        """(dq, dk, dv) of the varlen attention(q, k, v) = out (with its lse); see
-        ``BackwardKernel.__call__`` and the class docstring."""
+                 dropout_seed=None, sinks=None):
+        """(dq, dk, dv) of the varlen attention(q, k, v) = out (with its lse), with ``sinks`` (dq, dk, dv,
+        dsinks); see ``BackwardKernel.__call__`` and the class docstring."""
         arguments = self.arguments
         arguments.check_varlen(q, k, v, None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         batch = cu_seqlens_q.shape[0] - 1
@@ -185,10 +210,11 @@ class VarlenBackwardKernel(BackwardKernel):
         softmax_scale = resolve_softmax_scale(softmax_scale, self.head_dim)
         q, k, v = (arguments.readable(one_batch(t))[0] for t in (q, k, v))
         out, dout, lse = (arguments.readable(t, strided=False) for t in (out, dout, lse))
+        sinks = None if sinks is None else sinks_view(sinks, heads_q, q.device)
         (dq, dk, dv), programs = self._gradients_and_programs(q, k, v, out, dout, dq, dk, dv, heads_q, heads_kv,
                                                               work=bool(q.numel() and k.numel() and batch))
         if programs is None:
-            return dq, dk, dv
+            return (dq, dk, dv) + self._no_work_sinks(sinks, out, dout, lse, dlse, rows)
         delta, lse2 = row_values((1, *rows), q.device)
         dlse = torch.zeros((1, *rows), dtype=torch.float32, device=q.device) if dlse is None else dlse.contiguous()[None]
         # the packed rows as the programs' one batch
@@ -200,4 +226,4 @@ class VarlenBackwardKernel(BackwardKernel):
                          *variant_arguments)
         self._dq(programs, accumulator, q, k, v, dout, lse2, delta, dq4, softmax_scale, *sequences, max_seqlen_q,
                  *variant_arguments)
-        return dq, dk, dv
+        return (dq, dk, dv) + (() if sinks is None else (sinks_gradient(sinks, lse, delta),))

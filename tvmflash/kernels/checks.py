@@ -20,7 +20,7 @@ INT32_MAX = 2**31 - 1
 MAX_SPLITS = 1024
 # The variant fields of a spec (``program.AttentionSpec``): in a kernel's spec_args only where they are on,
 # so that a kernel without them is named, cached and tuned as before they existed.
-VARIANT_FIELDS = ("window_left", "window_right", "softcap", "alibi", "varlen", "dropout", "flex")
+VARIANT_FIELDS = ("window_left", "window_right", "softcap", "alibi", "varlen", "dropout", "flex", "sinks")
 
 
 # ----------------------------------------------------------------------------- options
@@ -77,12 +77,14 @@ def window_pair(window_size) -> tuple[int, int]:
         raise TypeError(f"window_size: expected two ints (left, right), got {window_size!r}") from None
 
 
-def resolve_variant(causal, window_size=(-1, -1), softcap=0.0, alibi=False, dropout=False) -> dict:
+def resolve_variant(causal, window_size=(-1, -1), softcap=0.0, alibi=False, dropout=False, sinks=False) -> dict:
     """flash-attn's options, checked, as spec_args fields: ``causal`` and the variant fields that are
     on. As flash-attn: a window's right edge 0 is causal, and causal takes no other right edge; a
     bound of ``program.MAX_WINDOW`` or more is none (no sequence is that long). ``alibi`` and
-    ``dropout``: whether the kernel takes slopes, a dropout rate and seed, at each call."""
+    ``dropout``: whether the kernel takes slopes, a dropout rate and seed, at each call; ``sinks``: whether
+    it takes sink logits."""
     causal = check_flag("causal", causal)
+    sinks = check_flag("sinks", sinks)
     alibi = check_flag("alibi", alibi)
     dropout = check_flag("dropout", dropout)
     window_size = window_pair(window_size)
@@ -99,7 +101,7 @@ def resolve_variant(causal, window_size=(-1, -1), softcap=0.0, alibi=False, drop
         raise ValueError(f"softcap: expected a finite float >= 0 (0: off), got {softcap!r}")
     # each field with the value that means off: a window edge of 0 is on (left 0: no key before the diagonal)
     on = {"window_left": (left, -1), "window_right": (right, -1), "softcap": (float(softcap), 0.0),
-          "alibi": (alibi, False), "dropout": (dropout, False)}
+          "alibi": (alibi, False), "dropout": (dropout, False), "sinks": (sinks, False)}
     return {"causal": causal, **{name: value for name, (value, off) in on.items() if value != off}}
 
 
@@ -188,6 +190,22 @@ def alibi_slopes_view(alibi_slopes, batch: int, heads_q: int, device: torch.devi
     return alibi_slopes if alibi_slopes.stride(1) == 1 else alibi_slopes.contiguous()
 
 
+def sinks_view(sinks, heads_q: int, device: torch.device) -> torch.Tensor:
+    """``sinks``, the sink logit of each query head: float32 (heads_q,) on q's device, compact (a copy
+    where not); a TypeError or ValueError that says what is wrong otherwise."""
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"sinks: expected a float32 tensor ({heads_q},) (one logit per query head), got "
+                        f"{type(sinks).__name__}")
+    if sinks.dtype != torch.float32:
+        raise TypeError(f"sinks: expected dtype torch.float32, got {sinks.dtype}")
+    if tuple(sinks.shape) != (heads_q,):
+        raise ValueError(f"sinks: expected shape ({heads_q},) (one logit per query head), got {tuple(sinks.shape)}")
+    if sinks.device != device:
+        raise ValueError(f"sinks: expected device {device} (q's), got {sinks.device}")
+    sinks = sinks.detach()  # (read by the modules through DLPack; its gradient is the backward's)
+    return sinks if sinks.is_contiguous() else sinks.contiguous()
+
+
 def cache_leftpad_view(cache_leftpad, batch: int, device: torch.device) -> torch.Tensor:
     """``cache_leftpad`` (flash-attn's), checked as flash-attn checks it: an int32 tensor (batch,),
     contiguous, on q's device; a TypeError or ValueError that says what is wrong otherwise. (Its
@@ -273,7 +291,8 @@ class Arguments:
         variant = variant or {}
         self.head_dim, self.dtype, self.stride_multiple = head_dim, dtype, stride_multiple
         # the variant's tensor arguments: ALiBi's slopes, dropout's rate and seed, decode's cache_leftpad
-        self.alibi, self.dropout, self.leftpad = (variant.get(name, False) for name in ("alibi", "dropout", "leftpad"))
+        self.alibi, self.dropout, self.leftpad, self.sinks = (variant.get(name, False)
+                                                              for name in ("alibi", "dropout", "leftpad", "sinks"))
         self.flex = variant.get("flex")  # a score_mod's and mask_mod's captured tensors (program_flex.FlexMods)
         self.cuda, self.target_name = targets.is_cuda(target), targets.describe(target)
         self.device_type, self.torch_dtype = "cuda" if self.cuda else "cpu", TORCH_DTYPES[dtype]
@@ -348,15 +367,27 @@ class Arguments:
         check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k)
 
     def variant_arguments(self, q, alibi_slopes, batch: int | None = None, dropout_p=None, dropout_seed=None,
-                          cache_leftpad=None, captures=None) -> tuple:
+                          cache_leftpad=None, captures=None, sinks=None) -> tuple:
         """The module's arguments after the others (decode's: after causal): the ALiBi slopes' (batch,
         heads_q) view if the kernel has ALiBi, then dropout's rate and seed if it has dropout
         (``dropout_arguments``), then decode's cache_leftpad if it has leftpad: each required where the
         kernel has it, refused where it has not. batch: q's first dim, heads_q its third, unless given
-        (varlen's count of sequences; heads_q q's second). Then a flex kernel's captured tensors
-        (``flex_arguments``)."""
+        (varlen's count of sequences; heads_q q's second). Then the sink logits if it has sinks
+        (``sinks_arguments``), then a flex kernel's captured tensors (``flex_arguments``)."""
         return (self.alibi_arguments(q, alibi_slopes, batch) + self.dropout_arguments(q, dropout_p, dropout_seed)
-                + self.leftpad_arguments(q, cache_leftpad) + self.flex_arguments(q, captures))
+                + self.leftpad_arguments(q, cache_leftpad)
+                + self.sinks_arguments(q, sinks, q.shape[1] if batch is not None else q.shape[2])
+                + self.flex_arguments(q, captures))
+
+    def sinks_arguments(self, q, sinks, heads_q: int) -> tuple:
+        """(sinks,) for a kernel with sinks, required; () without, where none may be given."""
+        if not self.sinks:
+            if sinks is not None:
+                raise ValueError("sinks: this kernel was compiled without sinks (compile(..., sinks=True))")
+            return ()
+        if sinks is None:
+            raise ValueError(f"sinks: this kernel was compiled with sinks: pass the sink logits, float32 ({heads_q},)")
+        return (sinks_view(sinks, heads_q, q.device),)
 
     def flex_arguments(self, q, captures) -> tuple:
         """A flex kernel's captured tensors (``program_flex.FlexMods.captures``: their number, dtypes and

@@ -45,7 +45,8 @@ class DecodeKernel:
     The variant (a window, a softcap, ALiBi, leftpad: ``compile_decode``) is the kernel's; with ALiBi
     each call takes ``alibi_slopes``, float32 (heads_q,) or (batch, heads_q), and with leftpad
     ``cache_leftpad``, int32 (batch,): sequence b's keys are then the cache rows cache_leftpad[b] ..
-    lengths[b] - 1 (flash-attn's; a contiguous cache only).
+    lengths[b] - 1 (flash-attn's; a contiguous cache only). With sinks each call takes ``sinks``, float32
+    (heads_q,), which the merge adds once (``program_decode.decode_merge``; one split runs the merge too).
     """
 
     PASS = "decode"
@@ -123,9 +124,13 @@ class DecodeKernel:
         self.arguments.check_decode(self.page_size, q, k_cache, v_cache, lengths, index, out)
 
     def variant_arguments(self, q, alibi_slopes, cache_leftpad=None) -> tuple:
-        """The module's arguments after causal: the ALiBi slopes' view if the kernel has ALiBi, then
-        cache_leftpad if it has leftpad (``checks.Arguments.variant_arguments``)."""
-        return self.arguments.variant_arguments(q, alibi_slopes, cache_leftpad=cache_leftpad)
+        """The split programs' arguments after causal: the ALiBi slopes' view if the kernel has ALiBi, then
+        cache_leftpad if it has leftpad (``checks.Arguments``)."""
+        return self.arguments.alibi_arguments(q, alibi_slopes, None) + self.arguments.leftpad_arguments(q, cache_leftpad)
+
+    def merge_arguments(self, q, sinks) -> tuple:
+        """The merge's arguments after lse: (sinks,) if the kernel has sinks (``checks.Arguments.sinks_arguments``)."""
+        return self.arguments.sinks_arguments(q, sinks, q.shape[2])
 
     def batch_rows(self, batch: int, device: torch.device) -> torch.Tensor:
         """int32 [0, 1, ..., batch - 1] on ``device`` (the cache rows when no cache_batch_idx is given), kept."""
@@ -135,10 +140,11 @@ class DecodeKernel:
         return rows
 
     def __call__(self, q, k_cache, v_cache, lengths, index, *, num_splits: int = 0, softmax_scale=None,
-                 causal: bool = False, out=None, alibi_slopes=None, cache_leftpad=None):
+                 causal: bool = False, out=None, alibi_slopes=None, cache_leftpad=None, sinks=None):
         """(out, lse) of q over the cache; see the class docstring. num_splits=0 picks the count."""
         self.check_inputs(q, k_cache, v_cache, lengths, index, out)
         variant_arguments = self.variant_arguments(q, alibi_slopes, cache_leftpad)
+        merge_arguments = self.merge_arguments(q, sinks)
         if not q.is_contiguous():
             q = q.contiguous()
         batch, seqlen_q, heads_q, _ = q.shape
@@ -157,8 +163,11 @@ class DecodeKernel:
         module = self.build.runnable(self.build.module(heads_q, heads_kv, wide))
         if out.numel() and not (k_cache.numel() and index.numel() if self.page_size else k_cache.numel()):
             out.zero_()  # an empty cache: no key for anyone (and no tensor for the kernel to clamp into)
-            lse.fill_(-math.inf)
-        elif out.numel() and num_splits == 1:  # the split kernel writes the output: no merge
+            if merge_arguments:  # a sink: lse is its logit
+                lse.copy_(merge_arguments[0][None, :, None].expand_as(lse))
+            else:
+                lse.fill_(-math.inf)
+        elif out.numel() and num_splits == 1 and not merge_arguments:  # the split kernel writes the output: no merge
             module.function["single"](q, k_cache, v_cache, lengths, index, out, lse, softmax_scale,
                                       int(bool(causal)), *variant_arguments)
         elif out.numel():
@@ -166,7 +175,7 @@ class DecodeKernel:
             lse_part = torch.empty((num_splits, batch, seqlen_q, heads_q), dtype=torch.float32, device=q.device)
             module.function["split"](q, k_cache, v_cache, lengths, index, o_part, lse_part, softmax_scale,
                                      int(bool(causal)), *variant_arguments)
-            module.function["merge"](o_part, lse_part, out, lse)
+            module.function["merge"](o_part, lse_part, out, lse, *merge_arguments)  # (the sink joins here, once)
         return out, lse
 
 

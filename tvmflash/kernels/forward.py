@@ -37,6 +37,17 @@ def kernel_build_options(schedule: Schedule, variant: dict, program_name: str = 
     return options
 
 
+def no_keys_lse(lse, sinks, heads_dim: int) -> None:
+    """lse of rows that see no key: -inf, or with sinks each head's sink logit (dim ``heads_dim`` of lse
+    is the heads')."""
+    if sinks is None:
+        lse.fill_(-math.inf)
+    else:
+        shape = [1] * lse.dim()
+        shape[heads_dim] = -1
+        lse.copy_(sinks.detach().reshape(shape).expand_as(lse))
+
+
 class Kernel:
     """FlashAttention forward for one (head_dim, dtype, causal, variant, target).
 
@@ -127,16 +138,17 @@ class Kernel:
                 f"target={targets.describe(self.target)!r})")
 
     def __call__(self, q, k, v, *, softmax_scale=None, out=None, return_lse=False, alibi_slopes=None, dropout_p=None,
-                 dropout_seed=None, captures=None):
+                 dropout_seed=None, captures=None, sinks=None):
         """Attention of q over k, v. See the class docstring for the shapes. captures: a flex kernel's
-        captured tensors (``compile(..., flex=)``), in the order its mods read them."""
+        captured tensors (``compile(..., flex=)``), in the order its mods read them. sinks: a kernel with
+        sinks' logits, float32 (heads_q,)."""
         return_lse = check_flag("return_lse", return_lse)
         softmax_scale = resolve_softmax_scale(softmax_scale, self.head_dim)
         if torch.compiler.is_compiling() and self.variant.get("flex") is not None:
             raise NotImplementedError("a flex kernel (score_mod, mask_mod) under torch.compile: not yet")
         if torch.compiler.is_compiling():  # torch.compile traces a custom op, which calls back here at run time
             return registry.route("forward")(self, q, k, v, softmax_scale, out, return_lse, alibi_slopes, dropout_p,
-                                             dropout_seed)
+                                             dropout_seed, sinks)
         arguments = self.arguments
         arguments.check(q, k, v, out)
         if self.by_bucket:  # another seqlen bucket's tuned knobs (``_bucket_kernels``)
@@ -144,9 +156,9 @@ class Kernel:
             if other is not None:
                 return other(q, k, v, softmax_scale=softmax_scale, out=out, return_lse=return_lse,
                              alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_seed=dropout_seed,
-                             captures=captures)
+                             captures=captures, sinks=sinks)
         variant_arguments = arguments.variant_arguments(q, alibi_slopes, dropout_p=dropout_p, dropout_seed=dropout_seed,
-                                                        captures=captures)
+                                                        captures=captures, sinks=sinks)
         # The module reads and writes through the tensors' own strides: none is copied, but where a
         # CUDA kernel's 16-byte vectors do not fit the strides (``Arguments.usable``).
         q, k, v = arguments.usable(q, "q"), arguments.usable(k, "k"), arguments.usable(v, "v")
@@ -161,10 +173,10 @@ class Kernel:
         lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device)
         module = self.build.module_for(heads_q, heads_kv, q=q, k=k, v=v, out=out)
         if out.numel() and not k.shape[1]:
-            # No key at all: every row sees none (0, and an LSE of -inf). Answered here, as the TMA
-            # builds' tensor maps cannot describe an empty K or V.
+            # No key at all: every row sees none (0, and an LSE of -inf, or the sink's). Answered here,
+            # as the TMA builds' tensor maps cannot describe an empty K or V.
             out.zero_()
-            lse.fill_(-math.inf)
+            no_keys_lse(lse, sinks, heads_dim=1)
         elif out.numel():
             module.function(q, k, v, out, lse, softmax_scale, *variant_arguments)
         if given is not None and given is not out:

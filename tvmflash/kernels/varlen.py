@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import math
 
 import torch
 
 from tvmflash.kernels import registry
 from tvmflash.kernels.checks import check_flag, resolve_softmax_scale
-from tvmflash.kernels.forward import Kernel
+from tvmflash.kernels.forward import Kernel, no_keys_lse
 
 
 def one_batch(t: torch.Tensor) -> torch.Tensor:
@@ -33,26 +32,26 @@ class VarlenKernel(Kernel):
     no padding, no loop over sequences, and new lengths need no rebuild. Causal masks, windows and
     ALiBi distances are per sequence (bottom-right aligned); ALiBi slopes are (heads_q,) or
     (batch, heads_q). The values of cu_seqlens are checked only on the CPU (on CUDA that would wait
-    for the device).
+    for the device). With sinks each call takes ``sinks``, float32 (heads_q,) (see ``Kernel``).
 
     It is the forward Kernel (its spec's ``varlen`` field set: the same construction, schedule and
     build) with the packed call.
     """
 
     def __call__(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, *, softmax_scale=None, out=None,
-                 return_lse=False, alibi_slopes=None, dropout_p=None, dropout_seed=None):
+                 return_lse=False, alibi_slopes=None, dropout_p=None, dropout_seed=None, sinks=None):
         """Attention of each packed sequence of q over its keys. See the class docstring."""
         return_lse = check_flag("return_lse", return_lse)
         softmax_scale = resolve_softmax_scale(softmax_scale, self.head_dim)
         if torch.compiler.is_compiling():
             return registry.route("varlen")(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale,
-                                            out, return_lse, alibi_slopes, dropout_p, dropout_seed)
+                                            out, return_lse, alibi_slopes, dropout_p, dropout_seed, sinks)
         arguments = self.arguments
         arguments.check_varlen(q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q)
         total_q, heads_q, _ = q.shape
         heads_kv = k.shape[1]
         batch = cu_seqlens_q.shape[0] - 1
-        variant_arguments = arguments.variant_arguments(q, alibi_slopes, batch, dropout_p, dropout_seed)
+        variant_arguments = arguments.variant_arguments(q, alibi_slopes, batch, dropout_p, dropout_seed, sinks=sinks)
         # The module takes the packed rows as one batch: (1, total, heads, head_dim) views, each made
         # once (a view costs a few microseconds of the host time a call takes).
         q4, k4, v4 = (arguments.usable(one_batch(t), name) for t, name in ((q, "q"), (k, "k"), (v, "v")))
@@ -66,7 +65,7 @@ class VarlenKernel(Kernel):
         module = self.build.module_for(heads_q, heads_kv, q=q4, k=k4, v=v4, out=out4)
         if out4.numel() and not k4.shape[1]:  # no key at all (as Kernel.__call__)
             out4.zero_()
-            lse.fill_(-math.inf)
+            no_keys_lse(lse, sinks, heads_dim=1)
         elif out4.numel() and batch:
             module.function(q4, k4, v4, out4, lse, softmax_scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                             *variant_arguments)
