@@ -39,19 +39,21 @@ def numpy_philox(counter, key):
 
 def numpy_kept(state, p, batch, heads, seqlen_q, seqlen_k):
     """The rule of ``program_dropout`` in numpy, entry by entry: (batch, heads, seqlen_q, seqlen_k) bool.
-    state: (seed, offset) ints."""
+    state: (seed, offset) ints. Entry (r, c) is half c % 2 of word (r // 8 % 2) + 2 (c // 8 % 2) of the
+    Philox call whose counter leaves bit 3 out of r and bits 0 and 3 out of c."""
     seed, offset = (int(x) % 2**64 for x in state)
     b, h, r, c = np.meshgrid(*(np.arange(n, dtype=np.uint64) for n in (batch, heads, seqlen_q, seqlen_k)),
                              indexing="ij")
     stream = (np.uint64(offset) + b * np.uint64(heads) + h)  # uint64, modulo 2^64
 
-    def half(x):
-        return ((x >> np.uint64(4)) << np.uint64(3)) | (x & np.uint64(7))
-    words = numpy_philox((half(r), half(c), stream & np.uint64(WORD), stream >> np.uint64(32)),
+    r, c = r.astype(np.int64), c.astype(np.int64)
+    row_counter = (r // 16) * 8 + r % 8  # without bit 3
+    key_counter = (c // 16) * 4 + (c % 8) // 2  # without bits 0 and 3
+    words = numpy_philox((row_counter, key_counter, stream & np.uint64(WORD), stream >> np.uint64(32)),
                          (np.uint64(seed & WORD), np.uint64(seed >> 32)))
-    which = ((r >> np.uint64(3)) & np.uint64(1)) | (((c >> np.uint64(3)) & np.uint64(1)) << np.uint64(1))
-    bits = np.choose(which.astype(np.int64), words)
-    return bits >= math.ceil(float(np.float32(p)) * 2.0**32)
+    which = (r // 8) % 2 + 2 * ((c // 8) % 2)
+    bits = np.choose(which, words) >> (16 * (c % 2)).astype(np.uint64) & np.uint64(0xFFFF)
+    return bits >= math.ceil(float(np.float32(p)) * 2.0**16)
 
 
 def test_philox_gives_random123s_known_answers():
@@ -145,19 +147,22 @@ def philox_calls(source: str) -> list[tuple[str, str]]:
     return calls
 
 
-def test_one_philox_call_serves_four_entries_a_thread_holds():
-    """In sm90's wgmma kernels (cross-compiled: nothing runs), forward and backward, every Philox counter
-    a thread computes is read for all four of its words, so nvcc computes one call for four entries
-    (``program_dropout``'s counter layout). (sm80's CUDA leaves the fragment loops for nvcc to unroll.)"""
+def test_one_philox_call_serves_the_entries_a_thread_holds():
+    """In sm90's wgmma kernels (cross-compiled: nothing runs) every Philox counter a thread computes is
+    read for all four of its words: in the forward for eight entries (both halves of each word), in the
+    backward (P transposed) for four, so nvcc computes one call for that many (``program_dropout``'s
+    counter layout). (sm80's CUDA leaves the fragment loops for nvcc to unroll.)"""
     forward = tvmflash.compile(head_dim=128, dtype=torch.bfloat16, causal=True, target="sm90", dropout=True)
     backward = tvmflash.compile_backward(head_dim=128, dtype=torch.bfloat16, causal=True, target="sm90",
                                          dropout=True)
-    for kernel in (forward, backward):
+    for kernel, entries in ((forward, 8), (backward, 4)):
         calls = philox_calls(kernel.source(heads_q=4, heads_kv=2))
         words = {}
         for counter, word in calls:
             words.setdefault(counter, set()).add(word)
         assert calls and all(len(w) == 4 for w in words.values()), {len(w) for w in words.values()}
+        if entries == 8:  # each entry one call site here: eight sites a counter
+            assert len(calls) == 8 * len(words), (len(calls), len(words))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

@@ -272,16 +272,16 @@ def dropout_kept(dropout_seed: torch.Tensor, dropout_p: float, heads_q: int, b, 
     stream = (offset & _WORD) + positions(b) * heads_q + positions(h)  # below 2^63: exact
     stream_words = (stream & _WORD, ((offset >> 32) + (stream >> 32)) & _WORD)
     rows, cols = positions(rows) & _WORD, positions(cols) & _WORD
-    bit = 1 << GROUP_BIT
-
-    def half(x):
-        return (x >> (GROUP_BIT + 1)) << GROUP_BIT | (x & (bit - 1))
-    words = philox((half(rows), half(cols), *stream_words), (seed & _WORD, (seed >> 32) & _WORD))
+    group = 1 << GROUP_BIT
+    row_counter = (rows >> (GROUP_BIT + 1)) << GROUP_BIT | (rows & (group - 1))
+    key_counter = (cols >> (GROUP_BIT + 1)) << (GROUP_BIT - 1) | (cols & (group - 1)) >> 1
+    words = philox((row_counter, key_counter, *stream_words), (seed & _WORD, (seed >> 32) & _WORD))
     which = (rows >> GROUP_BIT & 1) | (cols >> GROUP_BIT & 1) << 1
     words = torch.stack(torch.broadcast_tensors(*words, which), -1)
     bits = words[..., :4].gather(-1, words[..., 4:])[..., 0]
+    half = (bits >> (DROPOUT_BITS * (cols & 1))) & ((1 << DROPOUT_BITS) - 1)
     threshold = math.ceil(float(torch.tensor(dropout_p, dtype=torch.float32)) * 2.0**DROPOUT_BITS)
-    return bits >= threshold
+    return half >= threshold
 
 
 def dropout_mask(dropout_seed: torch.Tensor, dropout_p: float, batch: int, heads_q: int, seqlen_q: int,

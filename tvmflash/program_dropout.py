@@ -3,26 +3,30 @@ the backward (``program.attention_forward``, ``program_backward``), from Philox4
 flash-attn seeds it.
 
 The random bits. ``dropout_seed`` is flash-attn's rng_state, int64 (seed, offset) drawn from torch's
-generator (``ops.resolve_dropout``). Head h of batch (varlen: sequence) b of ``heads_q`` query heads is
+generator (``ops.philox_state``). Head h of batch (varlen: sequence) b of ``heads_q`` query heads is
 the Philox stream offset + b · heads_q + h: a call uses batch · heads_q streams from ``offset``, which
-torch's generator then advances by as many. Entry (row, key) of the head is word w of
-Philox4x32-10(counter, key=(seed lo, seed hi)) with
+torch's generator then advances by as many. Entry (row, key) of the head is 16-bit half k & 1 (low
+half first) of word w of Philox4x32-10(counter, key=(seed lo, seed hi)), with
 
-    counter = (half(row), half(key), stream lo, stream hi),  half(x) = (x >> 4) << 3 | (x & 7),
+    counter = (row without bit 3, key without bits 0 and 3, stream lo, stream hi),
+    row without bit 3 = (row >> 4) << 3 | (row & 7),  key without bits 0 and 3 = (key >> 4) << 2 | (key & 7) >> 1,
     w = (row >> 3 & 1) | (key >> 3 & 1) << 1,
 
-kept iff that word is at least ceil(dropout_p · 2^32): all 32 bits against the rate, so the kept
-fraction is 1 - p up to float32's rounding of p itself (the scale 1 / (1 - p) rounds the same p).
+kept iff that half is at least ceil(dropout_p · 2^16). Sixteen bits against the rate: the kept
+fraction is 1 - p within 2^-16 (p rounded up to a multiple of 2^-16; flash-attn rounds it to 8 bits),
+while the kept entries are scaled by 1 / (1 - p) of p itself, a bias of at most 1.5e-5 relative.
 
-The counter layout: one Philox call (ten rounds, four words) serves the four entries whose row and key
-differ in bit 3 alone, (r, c), (r + 8, c), (r, c + 8), (r + 8, c + 8). Those four sit in one thread in
-every tensor-core layout tvmflash uses, forward and backward: an mma.sync (m16n8) or wgmma accumulator
-gives a thread rows g and g + 8 and columns 2t, 2t + 1 of each block of 8 columns, so rows r and r + 8
-and, over neighbouring blocks, columns c and c + 8; the backward's dk/dv tile is P transposed (rows the
-keys, columns the queries), where the same holds with the roles swapped, so the grouping must be
-symmetric in row and key, which bit 3 of each is. (Grouping by key // 4 would serve four entries in the
-forward but one in the backward.) nvcc shares the call among the four, since its arguments are equal;
-the CPU computes the call once an entry. ``tvmflash.ops.dropout_kept`` is the same rule on torch tensors.
+The counter layout: one Philox call (ten rounds, four 32-bit words, eight halves) serves the eight
+entries whose row differs in bit 3 and whose key differs in bits 0 and 3. An mma.sync (m16n8) or wgmma
+accumulator gives a thread rows g and g + 8 and keys 2t and 2t + 1 of each block of 8 keys: rows r and
+r + 8, keys c and c + 1, and over neighbouring blocks c + 8, so in the forward (and sm80's dq, also
+rows = queries) all eight of a call's entries sit in one thread. The backward's dk/dv tile is P
+transposed (rows the keys, columns the queries): there a thread holds keys c and c + 8 but not c + 1,
+so four of a call's entries; no layout serves eight in both orientations, since the forward's thread
+holds one row parity and the backward's one key parity. (Grouping by key // 4 or // 8 would serve two
+entries a call in the forward and one in the backward.) nvcc shares the call among the entries, since
+its arguments are equal; the CPU computes the call once an entry. ``tvmflash.ops.dropout_kept`` is the
+same rule on torch tensors.
 """
 
 from __future__ import annotations
@@ -34,8 +38,8 @@ from tvm.script.ir_builder import IRBuilder
 
 from tvmflash.lowering.philox import philox_call
 
-DROPOUT_BITS = 32  # the bits of a Philox word compared with the rate: all of them (p · 2^32 < 2^32 for p < 1)
-GROUP_BIT = 3  # the bit of the row and of the key whose four combinations share a Philox call
+DROPOUT_BITS = 16  # the bits of a Philox word compared with the rate: half a word an entry
+GROUP_BIT = 3  # the bit of the row and of the key, with bit 0 of the key, whose combinations share a call
 
 
 def _words(x):
@@ -43,19 +47,25 @@ def _words(x):
     return T.cast(x, "uint32"), T.cast(T.shift_right(x, T.uint64(32)), "uint32")
 
 
-def _half(x):
-    """Position ``x`` (int32, >= 0) with bit GROUP_BIT taken out, (x >> 4) << 3 | (x & 7), as uint32.
-    Written as floordiv and floormod of the int32 position so that the simplifier, which knows the
-    thread indices' bounds, reduces it to the same expression for x and x + 8 (and the bit to a
-    constant): nvcc then sees one call with equal arguments, where from uint32 shifts it had to prove
-    that the bit was clear, and did not always."""
+# Positions are written as floordiv and floormod of the int32 position, so that the simplifier, which
+# knows the thread indices' bounds, reduces the counter to the same expression for the entries that
+# share it (and the word and half to constants): nvcc then sees calls with equal arguments, where from
+# uint32 shifts it had to prove that the bits were clear, and did not always.
+def _row_counter(x):
+    """Row ``x`` (int32, >= 0) without bit 3, as uint32."""
     group = 1 << GROUP_BIT
     return T.cast(T.floordiv(x, 2 * group) * group + T.floormod(x, group), "uint32")
 
 
-def _bit(x):
-    """Bit GROUP_BIT of position ``x`` (int32, >= 0), 0 or 1, as uint32."""
-    return T.cast(T.floormod(T.floordiv(x, 1 << GROUP_BIT), 2), "uint32")
+def _key_counter(x):
+    """Key ``x`` (int32, >= 0) without bits 0 and 3, as uint32."""
+    group = 1 << GROUP_BIT
+    return T.cast(T.floordiv(x, 2 * group) * (group // 2) + T.floordiv(T.floormod(x, group), 2), "uint32")
+
+
+def _bit(x, bit: int):
+    """Bit ``bit`` of position ``x`` (int32, >= 0), 0 or 1, as uint32."""
+    return T.cast(T.floormod(T.floordiv(x, 1 << bit), 2), "uint32")
 
 
 @dataclass(frozen=True)
@@ -88,10 +98,11 @@ class TileDropout:
 
     def kept(self, row, col):
         """Is entry (query ``row``, key ``col``) kept? Positions in the sequence (int32)."""
-        word = _bit(row) + _bit(col) * T.uint32(2)
-        bits = philox_call((_half(row), _half(col), *self.stream), self.key, word)
-        threshold = T.cast(T.ceil(self.dropout.p * T.float32(2.0**DROPOUT_BITS)), "uint32")
-        return bits >= threshold
+        word = _bit(row, GROUP_BIT) + _bit(col, GROUP_BIT) * T.uint32(2)
+        bits = philox_call((_row_counter(row), _key_counter(col), *self.stream), self.key, word)
+        half = T.bitwise_and(T.shift_right(bits, _bit(col, 0) * T.uint32(DROPOUT_BITS)),
+                             T.uint32((1 << DROPOUT_BITS) - 1))
+        return half >= T.cast(T.ceil(self.dropout.p * T.float32(2.0**DROPOUT_BITS)), "uint32")
 
     @property
     def scale(self):
