@@ -305,13 +305,13 @@ def test_dropout_under_torch_compile_draws_a_new_pattern_each_step():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("sm90", ["1", "0"], ids=["sm90", "sm80"])
-def test_the_gpu_kernels_keep_the_entries_dropout_kept_names(sm90, monkeypatch):
-    """sm90's wgmma kernels and sm80's mma.sync kernels (forward and backward) drop exactly the entries of
-    ``dropout_kept`` (``check_kernel_keeps_dropout_kept``)."""
+@pytest.mark.parametrize("sm90,dtype", [("1", torch.bfloat16), ("0", torch.bfloat16), ("1", torch.float32)],
+                         ids=["sm90", "sm80", "simt-float32"])
+def test_the_gpu_kernels_keep_the_entries_dropout_kept_names(sm90, dtype, monkeypatch):
+    """sm90's wgmma kernels, sm80's mma.sync kernels and the SIMT kernels of float32 (forward and
+    backward) drop exactly the entries of ``dropout_kept`` (``check_kernel_keeps_dropout_kept``)."""
     monkeypatch.setenv("TVMFLASH_SM90", sm90)
-    check_kernel_keeps_dropout_kept(64, torch.bfloat16, "cuda", torch.tensor([-0x5DEECE66D, 2**32 - 2], device="cuda"),
-                                    long=300)
+    check_kernel_keeps_dropout_kept(64, dtype, "cuda", torch.tensor([-0x5DEECE66D, 2**32 - 2], device="cuda"), long=300)
 
 
 @pytest.mark.gpu
