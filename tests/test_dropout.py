@@ -65,7 +65,7 @@ def test_philox_gives_random123s_known_answers():
 def test_dropout_kept_is_the_rule_written_in_numpy():
     """``ops.dropout_kept`` (the torch reference the kernels are tested against) against the rule written
     apart here, for a seed with its high bit set and an offset that carries into the stream's high word;
-    the four entries that share a call take its four words."""
+    the eight entries that share a call take its eight 16-bit halves."""
     for state, p in [((-0x123456789ABCDEF, 2**32 - 3), 0.3), ((2**62 + 12345, 0), 0.9), ((7, 2**40), 0.05)]:
         seed = torch.tensor(state, dtype=torch.int64)
         expected = numpy_kept(state, p, 2, 3, 40, 37)
