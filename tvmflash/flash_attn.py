@@ -62,7 +62,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     """
     dropout_p, return_attn_probs = check_flash_attn_options(dropout_p, causal=causal, deterministic=deterministic,
                                                             return_attn_probs=return_attn_probs)[::3]
-    dropout_p, seed = resolve_dropout(dropout_p, None, q.device if isinstance(q, torch.Tensor) else None)
+    dropout_p, seed = resolve_dropout(dropout_p, None, *_draw_for(q, q.shape[0] if _dims(q, 4) else 0))
     out, lse = attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True,
                          window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                          deterministic=deterministic, dropout_p=dropout_p, dropout_seed=seed, sinks=sinks)
@@ -126,7 +126,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                            softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                                            softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
         return (out, lse, None) if return_attn_probs else out
-    dropout_p, seed = resolve_dropout(dropout_p, None, q.device if isinstance(q, torch.Tensor) else None)
+    sequences = cu_seqlens_q.shape[0] - 1 if _dims(cu_seqlens_q, 1) else 0
+    dropout_p, seed = resolve_dropout(dropout_p, None, *_draw_for(q, sequences if _dims(q, 3) else 0))
     out, lse = varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                                 softmax_scale=softmax_scale, return_lse=True, window_size=window_size,
                                 softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
@@ -144,6 +145,18 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             q[None, q0:q1], k[None, k0:k1], lse[None, :, q0:q1], softmax_scale, causal, window_size, softcap, slopes,
             dropout_p, seed, sequence=b)[0]
     return out, lse, probabilities
+
+
+def _dims(t, dims: int) -> bool:
+    return isinstance(t, torch.Tensor) and t.dim() == dims
+
+
+def _draw_for(q, batch: int) -> tuple:
+    """(device, streams) of ``ops.resolve_dropout`` for q of ``batch`` sequences: q's device and
+    batch · heads (0 where q is no tensor, which the call refuses after)."""
+    if not isinstance(q, torch.Tensor):
+        return None, 0
+    return q.device, batch * q.shape[-2]
 
 
 def attention_probabilities(q, k, lse, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p: float,

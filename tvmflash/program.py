@@ -14,7 +14,7 @@ out have symbolic batch, sequence and head strides (in elements) and a contiguou
 compact. head_dim, the head counts, dtype, causal, the variants (a sliding window, a softcap, ALiBi:
 ``AttentionSpec``) and the tile sizes are static. With ALiBi the slopes are one more argument, and with dropout two more after them:
     alibi_slopes: (batch, heads_q)                    float32, any batch stride (0: one row for all)
-    dropout_p:    float32, 0 <= p < 1; dropout_seed: (2,) int32 (``program_dropout``)
+    dropout_p:    float32, 0 <= p < 1; dropout_seed: (2,) int64, Philox's seed and offset (``program_dropout``)
 and with sinks one more after those (``sinks_argument``; a flex kernel's captured tensors come last):
     sinks:        (heads_q,)                          float32, the sink logit of each query head
 
@@ -102,8 +102,8 @@ class AttentionSpec:
     # flash-attn's varlen: sequences packed without padding, q (total_q, heads_q, d), k and v
     # (total_k, heads_kv, d), each sequence's rows and length read from cu_seqlens on the device
     varlen: bool = False
-    # flash-attn's dropout_p > 0: P's entries are dropped by a counter-based hash of (seed, batch, head,
-    # row, key) (``program_dropout``); the rate and the seed are arguments, so one module serves every rate
+    # flash-attn's dropout_p > 0: P's entries are dropped by Philox4x32-10 of (seed, offset + batch · heads
+    # + head, row, key) (``program_dropout``); the rate and the seed are arguments, so one module serves every rate
     dropout: bool = False
     # FlexAttention's score_mod and mask_mod, traced (``program_flex``): the score_mod acts on the scaled
     # score, the mask_mod joins the mask; their captured tensors are arguments. Alone: no other variant.

@@ -115,9 +115,9 @@ def check_dropout_p(dropout_p) -> float:
 
 
 def check_dropout_seed(seed, device) -> torch.Tensor:
-    """The seed of a dropout call: an int32 tensor of shape (2,) on ``device``."""
-    if not isinstance(seed, torch.Tensor) or seed.dtype != torch.int32 or tuple(seed.shape) != (2,):
-        raise ValueError("dropout_seed: expected an int32 tensor of shape (2,), got "
+    """The seed of a dropout call: flash-attn's rng_state, an int64 tensor (seed, offset) on ``device``."""
+    if not isinstance(seed, torch.Tensor) or seed.dtype != torch.int64 or tuple(seed.shape) != (2,):
+        raise ValueError("dropout_seed: expected an int64 tensor (seed, offset) of shape (2,), got "
                          + (f"{seed.dtype} {tuple(seed.shape)}" if isinstance(seed, torch.Tensor) else repr(seed)))
     if seed.device != device:
         raise ValueError(f"dropout_seed: expected device {device} (q's), got {seed.device}")
@@ -444,7 +444,7 @@ class Arguments:
 
     def dropout_arguments(self, q, dropout_p, dropout_seed) -> tuple:
         """(dropout_p, dropout_seed) for a kernel with dropout, both required: a float 0 <= p < 1 and
-        an int32 tensor (2,) on q's device (``dropout_seed``); () without dropout, where neither may be
+        flash-attn's rng_state, int64 (seed, offset) on q's device (``dropout_seed``); () without dropout, where neither may be
         given (a rate of 0 may)."""
         if not self.dropout:
             if dropout_seed is not None or (dropout_p is not None and dropout_p != 0):
@@ -452,7 +452,7 @@ class Arguments:
             return ()
         if dropout_p is None or dropout_seed is None:
             raise ValueError("dropout_p, dropout_seed: this kernel was compiled with dropout: pass the rate and "
-                             "the seed (tvmflash.ops.resolve_dropout draws one)")
+                             "the seed (tvmflash.ops.philox_state draws one)")
         return check_dropout_p(dropout_p), check_dropout_seed(dropout_seed, q.device)
 
     def fits(self, t) -> bool:

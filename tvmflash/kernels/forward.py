@@ -67,8 +67,8 @@ class Kernel:
 
     The variant (``compile``'s window_size, softcap, alibi, dropout) is the kernel's; with ALiBi each
     call takes ``alibi_slopes``, float32 (heads_q,) or (batch, heads_q), and with dropout
-    ``dropout_p`` (0 <= p < 1) and ``dropout_seed`` (int32 (2,) on q's device: the entries dropped are
-    a function of it, ``program_dropout``; the backward takes the same seed). ``module``, ``source`` and
+    ``dropout_p`` (0 <= p < 1) and ``dropout_seed`` (int64 (seed, offset) on q's device, flash-attn's rng_state: the entries
+    dropped are a function of it, ``program_dropout``; the backward takes the same seed). ``module``, ``source`` and
     ``scheduled_tir`` are those of the kernel's ``build`` (``build.Build``): a module for some head
     counts, its CUDA source, its scheduled TensorIR.
     """

@@ -9,7 +9,7 @@ TVM's pass list with tvmflash's passes in their places.
   ``double_buffers.py`` (a tile written and read each step in two buffers, one barrier a step),
   ``wide_indices.py`` (int64 indices into large tensors), ``cpu_exp2.py`` (exp2 as a polynomial on
   the CPU), ``cpu_padding.py`` (the padded tiles' loads without a test where a whole tile is inside),
-  ``amx_config.py`` (AMX's tile configuration loaded once a task), ``hashing.py`` (the integer hash of dropout's bits);
+  ``amx_config.py`` (AMX's tile configuration loaded once a task), ``philox.py`` (Philox4x32-10, dropout's random bits);
 - the K/V pipeline's copies on TMA and mbarriers (sm_90a): ``tma_copies.py`` (the pass, and how its
   waits and releases follow the pipeline), ``tma_plan.py`` (what it works from, each copy block read as
   one TMA copy), ``tma_producer_warpgroup.py`` (FA3's producer warpgroup and its consumers' named
@@ -23,13 +23,13 @@ Imports run one way: the kernel and the tuner import ``build``, schedules import
 and nothing here imports a schedule or the program.
 """
 
-from tvmflash.lowering import (amx_config, annotations, cp_async_barriers, cpu_exp2, cpu_padding, double_buffers, hashing, ir, loops_and_blocks,
+from tvmflash.lowering import (amx_config, annotations, cp_async_barriers, cpu_exp2, cpu_padding, double_buffers, ir, loops_and_blocks, philox,
                                pipeline, pragmas, tile_alignment, tma_copies, tma_device_functions, tma_plan,
                                tma_producer_warpgroup, tma_reductions, tma_tensor_maps, tvm_fixes, uniformity,
                                wide_indices)
 from tvmflash.lowering.pipeline import build  # noqa: F401
 
 # their source is in the build cache's key
-MODULES = (amx_config, annotations, cp_async_barriers, cpu_exp2, cpu_padding, double_buffers, hashing, ir, loops_and_blocks, pipeline, pragmas,
+MODULES = (amx_config, annotations, cp_async_barriers, cpu_exp2, cpu_padding, double_buffers, ir, loops_and_blocks, philox, pipeline, pragmas,
            tile_alignment, tma_copies, tma_device_functions, tma_plan, tma_producer_warpgroup, tma_reductions,
            tma_tensor_maps, tvm_fixes, uniformity, wide_indices)

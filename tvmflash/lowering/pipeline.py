@@ -15,7 +15,7 @@ from __future__ import annotations
 import tvm
 from tvm import s_tir, tirx
 
-from tvmflash.lowering import (amx_config, cp_async_barriers, cpu_exp2, cpu_padding, double_buffers, hashing, loops_and_blocks, pragmas,
+from tvmflash.lowering import (amx_config, cp_async_barriers, cpu_exp2, cpu_padding, double_buffers, loops_and_blocks, philox, pragmas,
                                tile_alignment, tma_copies, tma_producer_warpgroup, tvm_fixes, uniformity, wide_indices)
 from tvmflash.lowering.annotations import (ASYNC_PROXY_OPERANDS_ATTR, HOIST_BLOCK_INDEX_CONDITIONS_ATTR,
                                            TMA_BARRIER_PADDING_ATTR, TMA_BARRIER_PADDINGS, WIDE_INDICES_ATTR)
@@ -97,7 +97,7 @@ def passes_for(mod: tvm.IRModule, config) -> list:
         pipeline.append(s_tir.transform.InstrumentBoundCheckers())
     if bool(config.get("tirx.s_tir.ldg32", False)):
         pipeline.append(s_tir.transform.InjectPTXLDG32(True))
-    pipeline.append(hashing.LowerMix32())                             # + (dropout's bits, after the simplifiers)
+    pipeline.append(philox.LowerPhilox())                             # + (dropout's bits, after the simplifiers)
     if not bool(config.get("tirx.disable_cse_tir", False)):
         pipeline += [uniformity.UniformWarpgroupDescriptors(),      # + (before CSE shares the offsets)
                      tirx.transform.CommonSubexprElim()]
