@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import math
 import sys
 import time
 import warnings
@@ -46,25 +45,6 @@ CHECK_SEQLEN, CHECK_BATCH = 1024, 2
 
 
 # ----------------------------------------------------------------------------- the float64 check
-def reference(q, k, v, pattern, dtype):
-    """Attention with the pattern's mods applied to the whole score matrix in ``dtype``; (batch, heads,
-    seqlen, head_dim) in and out. The captured tensors are read as they are (a float32 table promotes a
-    lower dtype's scores; the mod's result is rounded back to ``dtype``)."""
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    s = (q.to(dtype) @ k.to(dtype).transpose(-1, -2)) * scale
-    batch, heads, seqlen_q, seqlen_k = s.shape
-    device = q.device
-    b = torch.arange(batch, device=device)[:, None, None, None]
-    h = torch.arange(heads, device=device)[None, :, None, None]
-    i = torch.arange(seqlen_q, device=device)[None, None, :, None]
-    j = torch.arange(seqlen_k, device=device)[None, None, None, :]
-    if pattern.score_mod is not None:
-        s = pattern.score_mod(s, b, h, i, j).to(dtype)
-    if pattern.mask_mod is not None:
-        s = s.masked_fill(~pattern.mask_mod(b, h, i, j).expand(s.shape), -math.inf)
-    return torch.softmax(s, dim=-1) @ v.to(dtype)
-
-
 def _error(ours, ref, same, gradient: bool) -> tuple[float, float]:
     """(our max error against ``ref``, flash-attn's bound: 2x torch's same-dtype error + 1e-5, for a
     gradient times 1 + its largest element)."""
@@ -90,7 +70,7 @@ def check(pattern, dtype, heads: int, head_dim: int, seqlen: int, device, block_
     results = []
     for ref_dtype in (torch.float64, dtype):
         ref_leaves = [t.to(ref_dtype).requires_grad_(backward) for t in (q, k, v)]
-        ref_out = reference(*ref_leaves, pattern, ref_dtype)
+        ref_out = flex_patterns.reference(*ref_leaves, pattern, ref_dtype)
         grads = torch.autograd.grad(ref_out, ref_leaves + learned, dout.to(ref_dtype)) if backward else ()
         results.append((ref_out.detach(), grads))
     (ref, ref_grads), (same, same_grads) = results

@@ -10,6 +10,8 @@ traces to one module at every sequence length (``flex_trace``: a new constant is
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -111,3 +113,63 @@ def make(name: str, batch: int, heads: int, seqlen: int, device, seed: int = 0) 
     def relative_bias(score, b, h, q_idx, kv_idx):
         return score + table[h, torch.clamp(q_idx - kv_idx, -RELATIVE_REACH, RELATIVE_REACH) + RELATIVE_REACH]
     return Pattern(name, score_mod=relative_bias, learned=[table])
+
+
+def reference(q, k, v, pattern: Pattern, dtype):
+    """Attention with the pattern's mods applied to the whole score matrix in ``dtype``; (batch, heads,
+    seqlen, head_dim) in and out, b and h counted from 0 (a slice starts at the first batch and head). The
+    captured tensors are read as they are (a float32 table promotes a lower dtype's scores; the mod's
+    result is rounded back to ``dtype``). Every row of the patterns sees a key."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    s = (q.to(dtype) @ k.to(dtype).transpose(-1, -2)) * scale
+    batch, heads, seqlen_q, seqlen_k = s.shape
+    device = q.device
+    b = torch.arange(batch, device=device)[:, None, None, None]
+    h = torch.arange(heads, device=device)[None, :, None, None]
+    i = torch.arange(seqlen_q, device=device)[None, None, :, None]
+    j = torch.arange(seqlen_k, device=device)[None, None, None, :]
+    if pattern.score_mod is not None:
+        s = pattern.score_mod(s, b, h, i, j).to(dtype)
+    if pattern.mask_mod is not None:
+        s = s.masked_fill(~pattern.mask_mod(b, h, i, j).expand(s.shape), -math.inf)
+    return torch.softmax(s, dim=-1) @ v.to(dtype)
+
+
+@dataclass
+class TuningCase:
+    """What ``tvmflash tune --flex NAME`` tunes: pattern ``name``'s mods, traced, with its BlockMask
+    (``block_mask``: of BLOCK_SIZE 128) or without. Called with a tuning shape, it gives the traced mods
+    (``program_flex.FlexMods``), the tensors a kernel of them takes at each call (``captures=``) and a
+    reference of the attention in the kernels' (batch, seqlen, heads, head_dim) layout, for the tuner's
+    check (``tvmflash.tune.measured.FlexForward``, which is below the API and so neither traces nor
+    evaluates a mod)."""
+
+    name: str
+    block_mask: bool = False
+
+    def __post_init__(self):
+        if self.name not in PATTERNS:
+            raise ValueError(f"--flex: expected one of {list(PATTERNS)}, got {self.name!r}")
+        if self.block_mask and make(self.name, 1, 1, 8, "cpu").mask_mod is None:
+            raise ValueError(f"--block-mask: the {self.name} pattern has no mask_mod to make a BlockMask of")
+
+    def __str__(self) -> str:
+        return f"flex {self.name}{' block-mask' if self.block_mask else ''}"
+
+    def __call__(self, batch: int, heads: int, seqlen: int, device):
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        from tvmflash.flex_block_mask import block_sparse_arguments
+        from tvmflash.flex_trace import trace_mods
+
+        pattern = make(self.name, batch, heads, seqlen, device)
+        mods, captured = trace_mods(pattern.score_mod, pattern.mask_mod)
+        lists = []
+        if self.block_mask:
+            block_mask = create_block_mask(pattern.mask_mod, batch, None, seqlen, seqlen, device=device)
+            sparse, lists = block_sparse_arguments(block_mask, batch, heads, seqlen, seqlen, torch.device(device))
+            mods = dataclasses.replace(mods, sparse=sparse)
+
+        def layout_reference(q, k, v, dtype):
+            return reference(*(t.transpose(1, 2) for t in (q, k, v)), pattern, dtype).transpose(1, 2)
+        return mods, [t.detach() for t in captured] + lists, layout_reference
