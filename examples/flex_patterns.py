@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import sys
 import time
 import warnings
@@ -116,6 +117,24 @@ def calls(pattern, q, k, v, dout, mask, torch_mask, compiled, backward: bool) ->
     return found
 
 
+def builds(args) -> list[tuple[str, dict]]:
+    """The modules the run needs (``bench.build_in_parallel``'s builds): each pattern's forward and backward,
+    with and without its BlockMask, and the built-in kernels beside them."""
+    found = []
+    heads = {"heads_q": args.heads, "heads_kv": args.heads}
+    for name in args.patterns:
+        pattern = flex_patterns.make(name, 1, args.heads, 256, "cpu")
+        variants = (False, True) if pattern.mask_mod is not None else (False,)
+        variants_of = [{"flex": flex_patterns.TuningCase(name, block_mask)(1, args.heads, 256, "cpu")[0]}
+                       for block_mask in variants]
+        if pattern.builtin is not None:
+            variants_of.append({"alibi": True} if "alibi_slopes" in pattern.builtin else pattern.builtin)
+        for variant in variants_of:
+            for program in ("compile",) + (() if args.no_backward else ("compile_backward",)):
+                found.append((program, {"head_dim": args.head_dim, "dtype": args.dtype, **variant, **heads}))
+    return found
+
+
 def run(args, echo=functools.partial(print, flush=True)) -> list[dict]:
     """Check and time every pattern at every sequence length; a row (a dict) each pattern, variant and
     length, echoed as a table."""
@@ -130,6 +149,8 @@ def run(args, echo=functools.partial(print, flush=True)) -> list[dict]:
          f"{bench.version()}: {args.dtype} d{args.head_dim}, {args.heads} heads, batch*seqlen = {args.tokens}; torch's "
          f"FlexAttention {args.torch}"
          + (" (its unfused reference math, not its kernel)" if args.torch == "eager" else ""))
+    if device.type == "cuda":  # every module first, on every core (a GPU module builds in tens of seconds)
+        bench.build_in_parallel(builds(args), args.jobs)
     header = (f"{'pattern':<15} {'variant':<10} {'seqlen':>6} {'batch':>5} {'pass':<16} {'tvmflash ms':>11} "
               f"{'TFLOP/s':>7} {'torch ms':>9} {'TFLOP/s':>7} {'vs torch':>8} {'built-in':>9} {'vs built-in':>11}")
     rows = []
@@ -204,6 +225,7 @@ def parse_args(argv=None):
                         help="torch's FlexAttention beside: torch.compile'd (its fast kernel), eager (its reference "
                              "math: slow) or not at all")
     parser.add_argument("--repeat", type=int, default=10, help="timed calls a backend and round")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count(), help="processes that build the GPU's kernels first")
     parser.add_argument("--json", default=None, metavar="FILE", help="also write the rows, with the device and "
                                                                     "commit, to FILE as JSON")
     return parser.parse_args(argv)

@@ -43,11 +43,16 @@ def test_the_share_of_pairs_a_mask_keeps():
 
 
 def test_the_example_checks_and_times_on_the_cpu(tmp_path, capsys):
+    """Its checks pass, it prints and writes a row each pattern, variant and pass, and the modules it builds
+    first on a GPU (``builds``) are the ones its calls ran on."""
+    from tvmflash import kernels
+
     example = load_example()
     out = tmp_path / "rows.json"
-    code = example.main(["--device", "cpu", "--dtype", "float32", "--head-dim", "32", "--heads", "2", "--tokens", "64",
-                         "--seqlens", "64", "--patterns", "causal", "relative-bias", "--torch", "eager",
-                         "--repeat", "1", "--json", str(out)])
+    argv = ["--device", "cpu", "--dtype", "float32", "--head-dim", "32", "--heads", "2", "--tokens", "64",
+            "--seqlens", "64", "--patterns", "causal", "relative-bias", "--torch", "eager", "--repeat", "1"]
+    kernels.forget_kernels()
+    code = example.main(argv + ["--json", str(out)])
     printed = capsys.readouterr().out
     assert code == 0, printed
     assert "every pattern passed the float64 check" in printed
@@ -64,3 +69,8 @@ def test_the_example_checks_and_times_on_the_cpu(tmp_path, capsys):
     causal = next(r for r in rows if r["pattern"] == "causal")
     assert causal["flops"] == pytest.approx(4 * 1 * 2 * 64 * 64 * 32 * 65 / 128)
     assert torch.isfinite(torch.tensor(causal["times_ms"]["built-in"]))
+    builds = example.builds(example.parse_args(argv))
+    assert len(builds) == 8  # causal: its mask_mod, its BlockMask, the built-in; the bias table; forward, backward
+    for name, kwargs in builds:
+        kwargs = {key: value for key, value in kwargs.items() if key not in ("heads_q", "heads_kv")}
+        assert getattr(kernels, name)(**kwargs, target="cpu").build.modules, (name, kwargs)

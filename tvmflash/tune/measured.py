@@ -1,5 +1,6 @@
-"""The measured spaces, ``tvmflash tune --pass backward|decode``: the backward's and decode's knobs for
-this machine, by measuring their spaces.
+"""The measured spaces, ``tvmflash tune --pass backward|decode`` and ``--flex NAME``: the backward's, decode's
+and a flex workload's forward knobs for this machine, by measuring their spaces (a flex workload's
+arguments, its captured tensors and block lists, are no random inputs: ``FlexForward``).
 
 The backward is three programs run as one call (delta; dkdv; dq by a pass of its own, or by
 dkdv's fp32 atomics), and decode two (the splits and their merge, or one that writes the output):
