@@ -74,3 +74,16 @@ def test_the_example_checks_and_times_on_the_cpu(tmp_path, capsys):
     for name, kwargs in builds:
         kwargs = {key: value for key, value in kwargs.items() if key not in ("heads_q", "heads_kv")}
         assert getattr(kernels, name)(**kwargs, target="cpu").build.modules, (name, kwargs)
+
+
+@pytest.mark.gpu
+def test_every_pattern_passes_the_float64_check_on_the_gpu(tmp_path, capsys):
+    """The example at bf16 d128, 16 heads, on one length (its modules built first in parallel), without
+    torch's FlexAttention (its compile takes minutes: the timing run's business): every pattern, with and
+    without its BlockMask, forward and gradients (the bias table's too) within flash-attn's rule."""
+    example = load_example()
+    code = example.main(["--seqlens", "1024", "--tokens", "2048", "--torch", "none", "--repeat", "2",
+                         "--json", str(tmp_path / "rows.json")])
+    printed = capsys.readouterr().out
+    assert code == 0 and "FAILED" not in printed, printed
+    assert printed.count("PASSED") == 4 * 2 + 3
