@@ -150,9 +150,9 @@ def _tune(args) -> int:
     if args.flex:
         from tvmflash.flex_patterns import TuningCase
 
-        if args.all or args.pass_ != "forward" or args.causal != "no":
-            raise ValueError("--flex: the forward's knobs of one pattern (its mask is its mask_mod): not with --all, "
-                             "--pass or --causal")
+        if args.all or args.pass_ == "decode" or args.causal != "no":
+            raise ValueError("--flex: the forward's or backward's knobs of one pattern (its mask is its mask_mod): not "
+                             "with --all, --pass decode or --causal")
         flex = TuningCase(args.flex, args.block_mask)
     for head_dim, dtype, causal, pass_, page_size in workloads:  # every workload is valid before the first runs
         program.AttentionSpec(head_dim, dtype, causal)
@@ -170,8 +170,9 @@ def _tune(args) -> int:
         shape = {"batch": args.batch, "seqlen": args.seqlen, "heads": args.heads}
         try:
             if flex is not None:  # measured, as the backward is (``tune.measured.FlexForward``)
-                record = tune.tune_pass("flex", head_dim=head_dim, dtype=dtype, target=args.target, trials=args.trials,
-                                        cold=args.cold, flex=flex, echo=echo, **shape)
+                record = tune.tune_pass("flex" if pass_ == "forward" else "flex-backward", head_dim=head_dim,
+                                        dtype=dtype, target=args.target, trials=args.trials, cold=args.cold, flex=flex,
+                                        echo=echo, **shape)
             elif pass_ != "forward":
                 record = tune.tune_pass(pass_, head_dim=head_dim, dtype=dtype, causal=causal, target=args.target,
                                         trials=args.trials, page_size=page_size, cold=args.cold, echo=echo, **shape)
@@ -348,9 +349,10 @@ def parser() -> argparse.ArgumentParser:
                    help="the forward's knobs (MetaSchedule's search), or the backward's or decode's (their space "
                         "measured: the known configurations, then a random draw)")
     t.add_argument("--flex", default=None, choices=list(FLEX_PATTERNS),
-                   help="tune the forward of a FlexAttention pattern (tvmflash.flex_patterns: its score_mod or "
-                        "mask_mod compiled in) by measuring its space, as --pass backward does; the record is keyed by "
-                        "the mods' trace, which every flex_attention call of the same mods then reads")
+                   help="tune the forward (with --pass backward: the backward) of a FlexAttention pattern "
+                        "(tvmflash.flex_patterns: its score_mod or mask_mod compiled in) by measuring its space, as "
+                        "--pass backward does; the record is keyed by the mods' trace, which every flex_attention call "
+                        "of the same mods then reads")
     t.add_argument("--block-mask", action="store_true",
                    help="--flex: with the pattern's BlockMask (create_block_mask, BLOCK_SIZE 128): the block-sparse "
                         "kernel's knobs")

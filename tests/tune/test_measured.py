@@ -166,3 +166,26 @@ def test_tune_flex_stores_a_record_that_kernels_of_the_same_mods_read(cache_dir,
     assert tvmflash.compile(head_dim=32, dtype="float32", target="cpu").knobs_source == "defaults"
     other, _, _ = flex_patterns.TuningCase("document")(1, 2, 256, "cpu")  # no BlockMask: other mods
     assert flex.flex_kernel(q, other).knobs_source == "defaults"
+
+
+def test_tune_flex_backward_stores_a_record_that_the_backward_of_the_same_mods_reads(cache_dir, capsys):
+    """``tvmflash tune --flex relative-bias --pass backward``: the backward's space measured with the table
+    captured, the gradients checked against the pattern's reference by torch's autograd; compile_backward of the
+    same mods reads the record, their forward does not."""
+    from tvmflash import cli as tvmflash_cli
+    from tvmflash import flex_patterns
+
+    assert tvmflash_cli.main(["tune", "--flex", "relative-bias", "--pass", "backward", "--head-dim", "32", "--dtype",
+                              "float32", "--trials", "2", "--target", "cpu", "--seqlen", "64", "--batch", "1",
+                              "--heads", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "(flex relative-bias backward)" in out and "trial 2/2" in out, out
+    (record,) = [r for path, r in database.all_records() if path.parent == database.user_dir()]
+    mods, _, _ = flex_patterns.TuningCase("relative-bias")(1, 2, 64, "cpu")
+    assert record["failed_trials"] == 0
+    assert record["workload"] == {"head_dim": 32, "dtype": "float32", "causal": False, "pass": "backward",
+                                  "flex": choice.flex_digest(mods)}
+    kernels.forget_kernels()
+    backward = tvmflash.compile_backward(head_dim=32, dtype="float32", target="cpu", flex=mods)
+    assert backward.knobs == record["knobs"] and backward.knobs_source.startswith(record_source(record, backward))
+    assert tvmflash.compile(head_dim=32, dtype="float32", target="cpu", flex=mods).knobs_source == "defaults"

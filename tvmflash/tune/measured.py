@@ -169,7 +169,7 @@ class FlexForward:
     against on two heads (flash-attn's rule, against float32). Its records are the mods' workload
     (``choice.workload``: keyed by ``choice.flex_digest``), which every kernel of the same trace reads."""
 
-    name, builder = "flex", "compile"
+    name, builder, program = "flex", "compile", "forward"
 
     def __init__(self, head_dim: int, dtype: str, causal: bool, target, shape: dict, flex=None):
         if flex is None:
@@ -179,10 +179,10 @@ class FlexForward:
         self.flex, self.target, self.shape = flex, target, shape
         self.mods, _, _ = flex(shape["batch"], shape["heads"], shape["seqlen"], "cpu")  # (the trace alone)
         self.spec_args = {"head_dim": head_dim, "dtype": dtype, "causal": False, "flex": self.mods}
-        self.schedule, _, _ = choice.choose_schedule("forward", target, self.spec_args)
-        self.knobs = self.schedule.forward.knobs
+        self.schedule, _, _ = choice.choose_schedule(self.program, target, self.spec_args)
+        self.knobs = self.schedule.program(self.program).knobs
         self.defaults = self.knobs.defaults(head_dim)
-        self.workload = choice.workload(self.spec_args)
+        self.workload = choice.workload(self.spec_args, self.program)
         self.heads = (shape["heads"], shape["heads"])
         self.record_shape = {"batch": shape["batch"], "seqlen_q": shape["seqlen"], "seqlen_k": shape["seqlen"],
                              "heads_q": shape["heads"], "heads_kv": shape["heads"]}
@@ -192,9 +192,9 @@ class FlexForward:
         sparse = self.mods.sparse
         if sparse is None:
             return None
-        for name, size in (("block_m", sparse[0]), ("block_n", sparse[1])):
-            if name in knobs and size % knobs[name]:
-                return f"{name} {knobs[name]} does not divide the BlockMask's {size}-row blocks"
+        for name, axis in (("block_m", 0), ("block_n", 1), ("dq_block_m", 0), ("dq_block_n", 1)):
+            if name in knobs and sparse[axis] % knobs[name]:
+                return f"{name} {knobs[name]} does not divide the BlockMask's {sparse[axis]}-row blocks"
         return None
 
     def kernel(self, knobs: dict):
@@ -228,7 +228,42 @@ class FlexForward:
         return [] if ours <= allowed else [f"out error {ours:.2e} > {allowed:.2e}"]
 
 
-PASSES = {"backward": Backward, "decode": Decode, "flex": FlexForward}
+class FlexBackward(FlexForward):
+    """The backward of a flex workload (``tvmflash tune --flex NAME --pass backward``): ``compile_backward(flex=)``'s
+    kernel over the backward knobs' space, timed on (q, k, v, out, dout, lse) of the tuning shape with the
+    mods' captures, its gradients checked against the reference's (torch's autograd) on two heads."""
+
+    name, builder, program = "flex-backward", "compile_backward", "backward"
+
+    def kernel(self, knobs: dict):
+        return kernels.compile_backward(**self.build_kwargs(knobs, heads=False))
+
+    def inputs(self, device: torch.device) -> None:
+        super().inputs(device)
+        self.dout = torch.randn(self.q.shape, generator=torch.Generator().manual_seed(1)).to(self.q)
+        forward = kernels.compile(**self.spec_args, target=self.target)
+        self.out, self.lse = forward(self.q, self.k, self.v, return_lse=True, captures=self.captures)
+
+    def call(self, kern):
+        return lambda: kern(self.q, self.k, self.v, self.out, self.dout, self.lse, captures=self.captures)
+
+    def wrong(self, result) -> list[str]:
+        """flash-attn's rule for dq, dk, dv on batch 0's first two heads (as many query as key heads)."""
+        sl = (slice(0, 1), slice(None), slice(0, 2))
+
+        def grads(dtype):
+            leaves = [t[sl].detach().to(dtype).requires_grad_() for t in (self.q, self.k, self.v)]
+            return torch.autograd.grad(self.reference(*leaves, dtype), leaves, self.dout[sl].to(dtype))
+        ref, same = grads(torch.float32), grads(self.q.dtype)
+        wrong = []
+        for name, ours, r, theirs in zip(("dq", "dk", "dv"), result, ref, same):
+            err, allowed = (ours[sl].float() - r).abs().max().item(), 2 * (theirs.float() - r).abs().max().item() + 1e-5
+            if not err <= allowed:
+                wrong.append(f"{name} error {err:.2e} > {allowed:.2e}")
+        return wrong
+
+
+PASSES = {"backward": Backward, "decode": Decode, "flex": FlexForward, "flex-backward": FlexBackward}
 
 
 def candidates(pass_, known: dict, trials: int, rng: random.Random,
@@ -274,13 +309,13 @@ def tune_pass(pass_name: str, *, head_dim: int, dtype, causal: bool = False, tar
         raise ValueError(f"pass: expected one of {sorted(PASSES)}, got {pass_name!r}")
     dtype, resolved, shape = tuning_request(head_dim, dtype, causal, trials, target, batch, seqlen, heads,
                                             shape_for=_decode_shape if pass_name == "decode" else None)
-    extra = {"decode": {"page_size": page_size}, "flex": {"flex": flex}}.get(pass_name, {})
+    extra = {"decode": {"page_size": page_size}, "flex": {"flex": flex}, "flex-backward": {"flex": flex}}.get(pass_name, {})
     pass_ = PASSES[pass_name](head_dim, dtype, causal, resolved, shape, **extra)
     cuda = require_gpu(resolved)
     schedule_name = pass_.schedule.name
     start = time.perf_counter()
     layout = f", pages of {page_size}" if page_size else ""
-    what = f"({flex})" if pass_name == "flex" else f"--pass {pass_name}"
+    what = f"--pass {pass_name}" if flex is None else f"({flex}{' backward' if pass_name == 'flex-backward' else ''})"
     echo(f"tvmflash tune {what}: {schedule_name} schedule on {targets.describe(resolved)}, d{head_dim} "
          f"{dtype} {'causal' if causal else 'full'}{layout}, shape {pass_.record_shape}, {trials} trials")
 
@@ -338,7 +373,7 @@ def tune_pass(pass_name: str, *, head_dim: int, dtype, causal: bool = False, tar
         resolved, schedule_name, pass_.workload, knobs, kept_ms, shape=pass_.record_shape,
         trials=len(chosen), failed_trials=failed, wall_s=round(wall_s, 1), default_ms=times["default"],
         tuned_ms=times[tuned], tuned_knobs=dict(chosen)[tuned], known_ms={label: times.get(label) for label in known},
-        start="cold" if cold else "warm", **({"flex_case": str(flex)} if pass_name == "flex" else {}),
+        start="cold" if cold else "warm", **({"flex_case": str(flex)} if flex is not None else {}),
         **verdict.record_fields())
     echo(f"{pass_name} at {pass_.record_shape}: default {times['default']:.4f} ms, best {times[winner]:.4f} ms "
          f"({times['default'] / times[winner]:.2f}x, {winner}): {dict(chosen)[winner]}")
