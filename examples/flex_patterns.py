@@ -39,9 +39,10 @@ import tvmflash
 from tvmflash import bench, flex_patterns
 
 GPU_DEFAULTS = {"dtype": "bfloat16", "head_dim": 128, "heads": 16, "tokens": 16384,
-                "seqlens": [2048, 4096, 8192, 16384], "torch": "compile"}
+                "seqlens": [2048, 4096, 8192, 16384], "torch": "compile", "window": flex_patterns.WINDOW}
 # small enough for two CPU cores in about a minute (the kernels' builds included)
-CPU_DEFAULTS = {"dtype": "float32", "head_dim": 32, "heads": 2, "tokens": 256, "seqlens": [128, 256], "torch": "eager"}
+CPU_DEFAULTS = {"dtype": "float32", "head_dim": 32, "heads": 2, "tokens": 256, "seqlens": [128, 256], "torch": "eager",
+                "window": 48}
 CHECK_SEQLEN, CHECK_BATCH = 1024, 2
 
 
@@ -123,9 +124,9 @@ def builds(args) -> list[tuple[str, dict]]:
     found = []
     heads = {"heads_q": args.heads, "heads_kv": args.heads}
     for name in args.patterns:
-        pattern = flex_patterns.make(name, 1, args.heads, 256, "cpu")
+        pattern = flex_patterns.make(name, 1, args.heads, 256, "cpu", window=args.window)
         variants = (False, True) if pattern.mask_mod is not None else (False,)
-        variants_of = [{"flex": flex_patterns.TuningCase(name, block_mask)(1, args.heads, 256, "cpu")[0]}
+        variants_of = [{"flex": flex_patterns.TuningCase(name, block_mask, args.window)(1, args.heads, 256, "cpu")[0]}
                        for block_mask in variants]
         if pattern.builtin is not None:
             variants_of.append({"alibi": True} if "alibi_slopes" in pattern.builtin else pattern.builtin)
@@ -156,7 +157,7 @@ def run(args, echo=functools.partial(print, flush=True)) -> list[dict]:
     rows = []
     for name in args.patterns:
         check_seqlen = min(min(args.seqlens), CHECK_SEQLEN)
-        pattern = flex_patterns.make(name, CHECK_BATCH, args.heads, check_seqlen, device)
+        pattern = flex_patterns.make(name, CHECK_BATCH, args.heads, check_seqlen, device, window=args.window)
         variants = ["mask_mod", "BlockMask"] if pattern.mask_mod is not None else ["score_mod"]
         verdicts = {}
         for variant in variants:
@@ -171,7 +172,7 @@ def run(args, echo=functools.partial(print, flush=True)) -> list[dict]:
         echo(header)
         for seqlen in args.seqlens:
             batch = max(1, args.tokens // seqlen)
-            pattern = flex_patterns.make(name, batch, args.heads, seqlen, device)
+            pattern = flex_patterns.make(name, batch, args.heads, seqlen, device, window=args.window)
             gen = torch.Generator().manual_seed(seqlen + 1)
             q, k, v, dout = (torch.randn(batch, args.heads, seqlen, args.head_dim, generator=gen).to(
                 device=device, dtype=dtype) for _ in range(4))
@@ -219,7 +220,10 @@ def parse_args(argv=None):
     parser.add_argument("--heads", type=int, default=defaults["heads"])
     parser.add_argument("--tokens", type=int, default=defaults["tokens"], help="batch * seqlen")
     parser.add_argument("--seqlens", type=int, nargs="+", default=defaults["seqlens"])
-    parser.add_argument("--patterns", nargs="+", default=list(flex_patterns.PATTERNS), choices=list(flex_patterns.PATTERNS))
+    names = list(flex_patterns.PATTERNS)
+    parser.add_argument("--patterns", nargs="+", default=names, choices=names)
+    parser.add_argument("--window", type=int, default=defaults["window"], help="sliding-window: the keys a query sees "
+                        "behind it")
     parser.add_argument("--no-backward", action="store_true", help="the forward alone (checked and timed)")
     parser.add_argument("--torch", default=defaults["torch"], choices=["compile", "eager", "none"],
                         help="torch's FlexAttention beside: torch.compile'd (its fast kernel), eager (its reference "

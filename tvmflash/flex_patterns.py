@@ -19,14 +19,14 @@ import torch
 # name -> what it is, in a line
 PATTERNS = {
     "causal": "causal, as a mask_mod",
-    "sliding-window": "a causal sliding window (WINDOW keys back), as a mask_mod",
+    "sliding-window": "a causal sliding window (by default WINDOW keys back), as a mask_mod",
     "document": "causal within each document of packed sequences (captured document ids), as a mask_mod",
     "prefix-lm": "prefix-LM: the prefix (a captured length per batch) seen whole, the rest causal, as a mask_mod",
     "alibi": "ALiBi (captured per-head slopes), as a score_mod",
     "softcap": "a tanh softcap (SOFTCAP), as a score_mod",
     "relative-bias": "a learnable relative-position bias (a captured table that requires grad), as a score_mod",
 }
-WINDOW = 256  # sliding-window: the keys a query sees behind it
+WINDOW = 1024  # sliding-window: the keys a query sees behind it (FlexAttention's own example's), by default
 SOFTCAP = 30.0  # softcap: Gemma 2's
 RELATIVE_REACH = 128  # relative-bias: distances beyond it share the table's last entry
 
@@ -75,8 +75,9 @@ def alibi_slopes(heads: int, device) -> torch.Tensor:
     return torch.tensor([2.0 ** (-8.0 * (h + 1) / heads) for h in range(heads)], dtype=torch.float32, device=device)
 
 
-def make(name: str, batch: int, heads: int, seqlen: int, device, seed: int = 0) -> Pattern:
-    """Pattern ``name`` (``PATTERNS``) for (batch, heads, seqlen, seqlen) calls on ``device``."""
+def make(name: str, batch: int, heads: int, seqlen: int, device, seed: int = 0, window: int = WINDOW) -> Pattern:
+    """Pattern ``name`` (``PATTERNS``) for (batch, heads, seqlen, seqlen) calls on ``device``; ``window``: the
+    sliding window's (a constant of its trace: another window is another module)."""
     if name not in PATTERNS:
         raise ValueError(f"pattern: expected one of {list(PATTERNS)}, got {name!r}")
     gen = torch.Generator().manual_seed(seed)
@@ -84,8 +85,8 @@ def make(name: str, batch: int, heads: int, seqlen: int, device, seed: int = 0) 
         return Pattern(name, mask_mod=lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, builtin={"causal": True})
     if name == "sliding-window":
         def sliding_window(b, h, q_idx, kv_idx):
-            return (q_idx >= kv_idx) & (q_idx - kv_idx <= WINDOW)
-        return Pattern(name, mask_mod=sliding_window, builtin={"window_size": (WINDOW, 0)})
+            return (q_idx >= kv_idx) & (q_idx - kv_idx <= window)
+        return Pattern(name, mask_mod=sliding_window, builtin={"window_size": (window, 0)})
     if name == "document":
         doc = documents(batch, seqlen, device, seed)
 
@@ -146,6 +147,7 @@ class TuningCase:
 
     name: str
     block_mask: bool = False
+    window: int = WINDOW
 
     def __post_init__(self):
         if self.name not in PATTERNS:
@@ -162,7 +164,7 @@ class TuningCase:
         from tvmflash.flex_block_mask import block_sparse_arguments
         from tvmflash.flex_trace import trace_mods
 
-        pattern = make(self.name, batch, heads, seqlen, device)
+        pattern = make(self.name, batch, heads, seqlen, device, window=self.window)
         mods, captured = trace_mods(pattern.score_mod, pattern.mask_mod)
         lists = []
         if self.block_mask:

@@ -309,7 +309,7 @@ def tune_pass(pass_name: str, *, head_dim: int, dtype, causal: bool = False, tar
         raise ValueError(f"pass: expected one of {sorted(PASSES)}, got {pass_name!r}")
     dtype, resolved, shape = tuning_request(head_dim, dtype, causal, trials, target, batch, seqlen, heads,
                                             shape_for=_decode_shape if pass_name == "decode" else None)
-    extra = {"decode": {"page_size": page_size}, "flex": {"flex": flex}, "flex-backward": {"flex": flex}}.get(pass_name, {})
+    extra = {"page_size": page_size} if pass_name == "decode" else {"flex": flex} if pass_name.startswith("flex") else {}
     pass_ = PASSES[pass_name](head_dim, dtype, causal, resolved, shape, **extra)
     cuda = require_gpu(resolved)
     schedule_name = pass_.schedule.name
