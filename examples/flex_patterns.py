@@ -151,7 +151,9 @@ def run(args, echo=functools.partial(print, flush=True)) -> list[dict]:
          f"FlexAttention {args.torch}"
          + (" (its unfused reference math, not its kernel)" if args.torch == "eager" else ""))
     if device.type == "cuda":  # every module first, on every core (a GPU module builds in tens of seconds)
-        bench.build_in_parallel(builds(args), args.jobs)
+        start, needed = time.perf_counter(), builds(args)
+        bench.build_in_parallel(needed, args.jobs, echo=lambda line: None)  # (a line each names the whole trace)
+        echo(f"built or loaded {len(needed)} modules in {time.perf_counter() - start:.0f} s, {args.jobs} at a time")
     header = (f"{'pattern':<15} {'variant':<10} {'seqlen':>6} {'batch':>5} {'pass':<16} {'tvmflash ms':>11} "
               f"{'TFLOP/s':>7} {'torch ms':>9} {'TFLOP/s':>7} {'vs torch':>8} {'built-in':>9} {'vs built-in':>11}")
     rows = []
