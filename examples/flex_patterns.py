@@ -143,6 +143,11 @@ def run(args, echo=functools.partial(print, flush=True)) -> list[dict]:
     dtype = getattr(torch, args.dtype)
     compiled = {"compile": torch.compile(flex_attention, dynamic=False), "eager": flex_attention,
                 "none": None}[args.torch]
+    if args.torch == "compile":
+        # one compile a pattern, length and pass (dynamic=False: FlexAttention's fastest kernels); past Dynamo's
+        # recompile limit (8) it would run the rest eagerly, its slow reference math, and say nothing
+        torch._dynamo.config.recompile_limit = torch._dynamo.config.accumulated_recompile_limit = 4096
+        torch._dynamo.config.fail_on_recompile_limit_hit = True
     if args.torch == "eager":  # its warning that eager is the slow reference: said in the header
         warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
     passes = ("forward",) if args.no_backward else ("forward", "forward+backward")
