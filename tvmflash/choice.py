@@ -19,7 +19,7 @@ import math
 import os
 from dataclasses import dataclass
 
-from tvmflash import database
+from tvmflash import cache, database
 from tvmflash import schedules as registry
 from tvmflash import target as targets
 from tvmflash.program import HEAD_DIM_MULTIPLE, MAX_HEAD_DIM, SUPPORTED_HEAD_DIMS
@@ -69,11 +69,21 @@ def settings() -> Settings:
 
 def workload(spec_args: dict, program: str = "forward", page_size: int = 0) -> dict:
     """What a program's tuning records are keyed by: head_dim, dtype and causal; the backward's and
-    decode's name their program, and decode's its cache layout (causal is an argument of its calls)."""
+    decode's name their program, and decode's its cache layout (causal is an argument of its calls); a
+    flex kernel's its mods (``flex_digest``)."""
     found = {name: spec_args[name] for name in WORKLOAD_FIELDS}
+    if spec_args.get("flex") is not None:
+        found["flex"] = flex_digest(spec_args["flex"])
     if program == "decode":
         return {**found, "causal": False, "pass": "decode", "page_size": page_size}
     return found if program == "forward" else {**found, "pass": program}
+
+
+def flex_digest(flex) -> str:
+    """The key of traced mods (``program_flex.FlexMods``: their trees, captures' dtypes and dims, and
+    BlockMask block size) in a tuning record's workload: of the trace, never of the Python functions,
+    as the modules' keys are."""
+    return cache.digest(repr(flex))[:16]
 
 
 # ----------------------------------------------------------------------------------------- schedule
@@ -276,8 +286,15 @@ def _derived_from_given(knobset: KnobSet, knobs: dict, fixed: dict) -> dict:
 
 
 def lookup(target, schedule: Schedule, program: str, workload_: dict, seqlen_k: int | None = None) -> dict | None:
-    """The best tuning record of this device for the schedule's program and workload, or None."""
-    return database.lookup(target, schedule.name, workload_, seqlen_k, usable=schedule.program(program).knobs.accepts)
+    """The best tuning record of this device for the schedule's program and workload, or None. A flex
+    workload (mods: ``flex_digest``) that was never tuned takes the record of the same workload without
+    mods: the knobs tuned for plain attention serve its kernels, as they did before mods could be tuned."""
+    usable = schedule.program(program).knobs.accepts
+    found = database.lookup(target, schedule.name, workload_, seqlen_k, usable=usable)
+    if found is None and "flex" in workload_:
+        plain = {name: value for name, value in workload_.items() if name != "flex"}
+        found = database.lookup(target, schedule.name, plain, seqlen_k, usable=usable)
+    return found
 
 
 def shared_memory_needed(target, knobset: KnobSet, head_dim: int, dtype: str, knobs: dict) -> tuple[int, int] | None:

@@ -144,6 +144,16 @@ def _tune(args) -> int:
                      for causal in CAUSAL[args.causal]]
     if args.trials < 1:
         raise ValueError(f"trials: expected a positive number, got {args.trials}")
+    flex = None
+    if args.block_mask and not args.flex:
+        raise ValueError("--block-mask: a BlockMask of a --flex pattern's mask_mod; give --flex")
+    if args.flex:
+        from tvmflash.flex_patterns import TuningCase
+
+        if args.all or args.pass_ == "decode" or args.causal != "no":
+            raise ValueError("--flex: the forward's or backward's knobs of one pattern (its mask is its mask_mod): not "
+                             "with --all, --pass decode or --causal")
+        flex = TuningCase(args.flex, args.block_mask)
     for head_dim, dtype, causal, pass_, page_size in workloads:  # every workload is valid before the first runs
         program.AttentionSpec(head_dim, dtype, causal)
         if pass_ != "decode" and page_size:
@@ -154,12 +164,16 @@ def _tune(args) -> int:
     echo = functools.partial(print, flush=True)
     for n, (head_dim, dtype, causal, pass_, page_size) in enumerate(workloads, 1):
         name = (f"d{head_dim} {dtype} {'causal' if causal else 'full'}" + ("" if pass_ == "forward" else f" {pass_}")
-                + (f" paged {page_size}" if page_size else ""))
+                + (f" paged {page_size}" if page_size else "") + (f" {flex}" if flex else ""))
         if len(workloads) > 1:
             print(f"== workload {n}/{len(workloads)}: {name}", flush=True)
         shape = {"batch": args.batch, "seqlen": args.seqlen, "heads": args.heads}
         try:
-            if pass_ != "forward":
+            if flex is not None:  # measured, as the backward is (``tune.measured.FlexForward``)
+                record = tune.tune_pass("flex" if pass_ == "forward" else "flex-backward", head_dim=head_dim,
+                                        dtype=dtype, target=args.target, trials=args.trials, cold=args.cold, flex=flex,
+                                        echo=echo, **shape)
+            elif pass_ != "forward":
                 record = tune.tune_pass(pass_, head_dim=head_dim, dtype=dtype, causal=causal, target=args.target,
                                         trials=args.trials, page_size=page_size, cold=args.cold, echo=echo, **shape)
             else:
@@ -184,6 +198,8 @@ def shipped_workloads() -> list[tuple[int, str, bool, str, int]]:
     for path in sorted(database.SHIPPED_DIR.glob("*.json")):
         for record in database.read(path):
             workload = record["workload"]
+            if "flex" in workload:  # a flex pattern's: its mods are not in the record (tune it with --flex)
+                continue
             found.add((workload["head_dim"], workload["dtype"], workload["causal"], workload.get("pass", "forward"),
                        workload.get("page_size", 0)))
     return sorted(found)
@@ -193,9 +209,10 @@ def summary_table(records: list[tuple[str, dict]]) -> str:
     """The tuning summary, a row per workload: trials and the failed share, the search's best and
     the kept record's time, the defaults' time and the speedup over them (all through
     tvmflash.compile at the tuning shape, in the same run), the wall time and the knobs kept."""
-    header = (f"{'workload':<24} {'start':<5} {'trials':>6} {'failed':>6} {'search ms':>10} {'kept ms':>10} "
+    width = max([24] + [len(name) for name, _ in records])
+    header = (f"{'workload':<{width}} {'start':<5} {'trials':>6} {'failed':>6} {'search ms':>10} {'kept ms':>10} "
               f"{'default ms':>10} {'speedup':>7} {'wall s':>7}  knobs kept")
-    rows = [f"{name:<24} {r['start']:<5} {r['trials']:>6} {r['failed_trials'] / max(1, r['trials']):>6.0%} "
+    rows = [f"{name:<{width}} {r['start']:<5} {r['trials']:>6} {r['failed_trials'] / max(1, r['trials']):>6.0%} "
             f"{r['tuned_ms']:>10.4f} {r['mean_ms']:>10.4f} {r['default_ms']:>10.4f} "
             f"{r['default_ms'] / r['mean_ms']:>6.2f}x {r['wall_s']:>7.0f}  {json.dumps(r['knobs'])}"
             for name, r in records]
@@ -219,7 +236,8 @@ def _cache(args) -> int:
             at = f" at s{r['shape'].get('seqlen_k')}" if isinstance(r.get("shape"), dict) else ""  # its seqlen bucket's
             print(f"  {database.record_id(r)}  {'shipped' if path.parent == database.SHIPPED_DIR else 'user'}  "
                   f"{r.get('device')}  {r.get('schedule')}  d{w.get('head_dim')} {w.get('dtype')} "
-                  f"{'causal' if w.get('causal') else 'full'}{' ' + w['pass'] if 'pass' in w else ''}  "
+                  f"{'causal' if w.get('causal') else 'full'}{' ' + w['pass'] if 'pass' in w else ''}"
+                  f"{' ' + r.get('flex_case', 'flex') + ' ' + w['flex'][:8] if 'flex' in w else ''}  "
                   f"{r.get('mean_ms', float('nan')):.4f} ms{at}  "
                   f"{json.dumps(r.get('knobs'))}  {r.get('created', '')}")
     elif args.action == "show":
@@ -245,6 +263,9 @@ def _cache(args) -> int:
         print(f"exported the best records of {len(written)} files: " + (", ".join(map(str, written)) or "none"))
     return 0
 
+
+# tvmflash.flex_patterns.PATTERNS's names (written out: the parser imports no torch; tests/test_cli checks them)
+FLEX_PATTERNS = ("causal", "sliding-window", "document", "prefix-lm", "alibi", "softcap", "relative-bias")
 
 # --causal's values: the causal settings each means.
 CAUSAL = {"no": (False,), "yes": (True,), "both": (False, True)}
@@ -327,6 +348,14 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--pass", dest="pass_", choices=["forward", "backward", "decode"], default="forward",
                    help="the forward's knobs (MetaSchedule's search), or the backward's or decode's (their space "
                         "measured: the known configurations, then a random draw)")
+    t.add_argument("--flex", default=None, choices=list(FLEX_PATTERNS),
+                   help="tune the forward (with --pass backward: the backward) of a FlexAttention pattern "
+                        "(tvmflash.flex_patterns: its score_mod or mask_mod compiled in) by measuring its space, as "
+                        "--pass backward does; the record is keyed by the mods' trace, which every flex_attention call "
+                        "of the same mods then reads")
+    t.add_argument("--block-mask", action="store_true",
+                   help="--flex: with the pattern's BlockMask (create_block_mask, BLOCK_SIZE 128): the block-sparse "
+                        "kernel's knobs")
     t.add_argument("--page-size", type=int, default=0,
                    help="--pass decode: tune for a paged KV cache of pages this many rows (0: contiguous)")
     t.add_argument("--trials", type=int, default=64, help="trials (configurations measured), over all tile sizes")

@@ -122,3 +122,70 @@ def test_a_measured_pass_replaces_the_incumbent_only_beyond_the_noise(cache_dir,
     assert any(line.startswith("stored: the tuned knobs #1 ran 1.250x") for line in lines), lines
     kernels.forget_kernels()
     assert tvmflash.compile_backward(head_dim=32, dtype="float32", target="cpu").knobs == record["knobs"]
+
+
+def test_tune_flex_stores_a_record_that_kernels_of_the_same_mods_read(cache_dir, capsys):
+    """``tvmflash tune --flex alibi --block-mask`` is refused (no mask_mod); ``--flex document --block-mask`` on the
+    CPU: the forward's space measured with the pattern's captured document ids and BlockMask lists, each output
+    checked against the pattern's reference; the record is keyed by the mods' trace (``choice.flex_digest``),
+    which flex_attention's kernel of the same mods reads at other shapes, while plain attention and other mods
+    keep their defaults."""
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from tvmflash import cli as tvmflash_cli
+    from tvmflash import flex, flex_patterns
+
+    assert tvmflash_cli.FLEX_PATTERNS == tuple(flex_patterns.PATTERNS)
+    with pytest.raises(SystemExit):
+        tvmflash_cli.main(["tune", "--flex", "alibi", "--block-mask", "--head-dim", "32", "--target", "cpu"])
+    assert "no mask_mod" in capsys.readouterr().err
+    assert tvmflash_cli.main(["tune", "--flex", "document", "--block-mask", "--head-dim", "32", "--dtype", "float32",
+                              "--trials", "2", "--target", "cpu", "--seqlen", "128", "--batch", "2",
+                              "--heads", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "(flex document block-mask)" in out and "trial 2/2" in out, out
+    assert "d32 float32 full flex document block-mask" in out.split("== summary")[1]
+    (record,) = [r for path, r in database.all_records() if path.parent == database.user_dir()]
+    assert record["failed_trials"] == 0 and record["flex_case"] == "flex document block-mask"
+    mods, _, _ = flex_patterns.TuningCase("document", block_mask=True)(1, 2, 256, "cpu")
+    assert record["workload"] == {"head_dim": 32, "dtype": "float32", "causal": False,
+                                  "flex": choice.flex_digest(mods)}
+    kernels.forget_kernels()
+    q = torch.randn(1, 256, 2, 32)
+    kernel = flex.flex_kernel(q, mods)
+    assert kernel.knobs == record["knobs"]
+    assert kernel.knobs_source.startswith(("tuned (", "defaults (tuning found none faster: "))
+    # the same mods through flex_attention, at another length and batch: that kernel, right results
+    pattern = flex_patterns.make("document", 1, 2, 256, "cpu")
+    block_mask = create_block_mask(pattern.mask_mod, 1, None, 256, 256, device="cpu")
+    qh, kh, vh = (torch.randn(1, 2, 256, 32) for _ in range(3))
+    out = tvmflash.flex_attention(qh, kh, vh, block_mask=block_mask)
+    ref = flex_patterns.reference(qh, kh, vh, pattern, torch.float64)
+    assert (out.double() - ref).abs().max().item() < 1e-5
+    assert tvmflash.compile(head_dim=32, dtype="float32", target="cpu").knobs_source == "defaults"
+    other, _, _ = flex_patterns.TuningCase("document")(1, 2, 256, "cpu")  # no BlockMask: other mods
+    assert flex.flex_kernel(q, other).knobs_source == "defaults"
+
+
+def test_tune_flex_backward_stores_a_record_that_the_backward_of_the_same_mods_reads(cache_dir, capsys):
+    """``tvmflash tune --flex relative-bias --pass backward``: the backward's space measured with the table
+    captured, the gradients checked against the pattern's reference by torch's autograd; compile_backward of the
+    same mods reads the record, their forward does not."""
+    from tvmflash import cli as tvmflash_cli
+    from tvmflash import flex_patterns
+
+    assert tvmflash_cli.main(["tune", "--flex", "relative-bias", "--pass", "backward", "--head-dim", "32", "--dtype",
+                              "float32", "--trials", "2", "--target", "cpu", "--seqlen", "64", "--batch", "1",
+                              "--heads", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "(flex relative-bias backward)" in out and "trial 2/2" in out, out
+    (record,) = [r for path, r in database.all_records() if path.parent == database.user_dir()]
+    mods, _, _ = flex_patterns.TuningCase("relative-bias")(1, 2, 64, "cpu")
+    assert record["failed_trials"] == 0
+    assert record["workload"] == {"head_dim": 32, "dtype": "float32", "causal": False, "pass": "backward",
+                                  "flex": choice.flex_digest(mods)}
+    kernels.forget_kernels()
+    backward = tvmflash.compile_backward(head_dim=32, dtype="float32", target="cpu", flex=mods)
+    assert backward.knobs == record["knobs"] and backward.knobs_source.startswith(record_source(record, backward))
+    assert tvmflash.compile(head_dim=32, dtype="float32", target="cpu", flex=mods).knobs_source == "defaults"

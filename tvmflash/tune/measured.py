@@ -1,5 +1,6 @@
-"""The measured spaces, ``tvmflash tune --pass backward|decode``: the backward's and decode's knobs for
-this machine, by measuring their spaces.
+"""The measured spaces, ``tvmflash tune --pass backward|decode`` and ``--flex NAME``: the backward's, decode's
+and a flex workload's forward knobs for this machine, by measuring their spaces (a flex workload's
+arguments, its captured tensors and block lists, are no random inputs: ``FlexForward``).
 
 The backward is three programs run as one call (delta; dkdv; dq by a pass of its own, or by
 dkdv's fp32 atomics), and decode two (the splits and their merge, or one that writes the output):
@@ -159,7 +160,110 @@ class Decode:
         return [] if err <= allowed else [f"out error {err:.2e} > {allowed:.2e}"]
 
 
-PASSES = {"backward": Backward, "decode": Decode}
+class FlexForward:
+    """The forward of a flex workload (``tvmflash tune --flex NAME``): ``compile(flex=)``'s kernel over the
+    forward knobs' space, measured as the backward's is (a mod's captured tensors and a BlockMask's lists
+    are arguments MetaSchedule's random inputs would not fill sensibly: document ids, block indices).
+    ``flex(batch, heads, seqlen, device)`` (the API's: ``tvmflash.flex_patterns.TuningCase``) gives the
+    traced mods, the tensors each call takes and a reference of the attention, which the output is checked
+    against on two heads (flash-attn's rule, against float32). Its records are the mods' workload
+    (``choice.workload``: keyed by ``choice.flex_digest``), which every kernel of the same trace reads."""
+
+    name, builder, program = "flex", "compile", "forward"
+
+    def __init__(self, head_dim: int, dtype: str, causal: bool, target, shape: dict, flex=None):
+        if flex is None:
+            raise ValueError("flex: the flex pass tunes a workload with mods; none given")
+        if causal:
+            raise ValueError("causal: a flex workload's mask is its mask_mod: tune it without --causal")
+        self.flex, self.target, self.shape = flex, target, shape
+        self.mods, _, _ = flex(shape["batch"], shape["heads"], shape["seqlen"], "cpu")  # (the trace alone)
+        self.spec_args = {"head_dim": head_dim, "dtype": dtype, "causal": False, "flex": self.mods}
+        self.schedule, _, _ = choice.choose_schedule(self.program, target, self.spec_args)
+        self.knobs = self.schedule.program(self.program).knobs
+        self.defaults = self.knobs.defaults(head_dim)
+        self.workload = choice.workload(self.spec_args, self.program)
+        self.heads = (shape["heads"], shape["heads"])
+        self.record_shape = {"batch": shape["batch"], "seqlen_q": shape["seqlen"], "seqlen_k": shape["seqlen"],
+                             "heads_q": shape["heads"], "heads_kv": shape["heads"]}
+
+    def problem(self, knobs: dict) -> str | None:
+        """With a BlockMask, why tiles that do not divide its blocks cannot run (each tile lies in one block)."""
+        sparse = self.mods.sparse
+        if sparse is None:
+            return None
+        for name, axis in (("block_m", 0), ("block_n", 1), ("dq_block_m", 0), ("dq_block_n", 1)):
+            if name in knobs and sparse[axis] % knobs[name]:
+                return f"{name} {knobs[name]} does not divide the BlockMask's {sparse[axis]}-row blocks"
+        return None
+
+    def kernel(self, knobs: dict):
+        return kernels.compile(**self.build_kwargs(knobs, heads=False))
+
+    def build_kwargs(self, knobs: dict, heads: bool = True) -> dict:
+        return {**self.spec_args, "target": self.target, "knobs": knobs, "schedule": self.schedule.name,
+                **({"heads_q": self.heads[0], "heads_kv": self.heads[1]} if heads else {})}
+
+    def inputs(self, device: torch.device) -> None:
+        gen = torch.Generator().manual_seed(0)
+        b, s, h, d = self.shape["batch"], self.shape["seqlen"], self.shape["heads"], self.spec_args["head_dim"]
+        self.q, self.k, self.v = (torch.randn(b, s, h, d, generator=gen).to(
+            device=device, dtype=checks.TORCH_DTYPES[self.spec_args["dtype"]]) for _ in range(3))
+        mods, self.captures, self.reference = self.flex(b, h, s, device)
+        if mods != self.mods:
+            raise ValueError(f"flex: {self.flex} traced to other mods on {device} than on the CPU")
+
+    def call(self, kern):
+        return lambda: kern(self.q, self.k, self.v, captures=self.captures)
+
+    def wrong(self, result) -> list[str]:
+        """flash-attn's rule on batch 0's first two heads: our error against the reference in float32 at
+        most 2x the reference's own in the inputs' dtype, plus 1e-5."""
+        sl = (slice(0, 1), slice(None), slice(0, 2))
+        q, k, v = (t[sl] for t in (self.q, self.k, self.v))
+        ref = self.reference(q, k, v, torch.float32)
+        ours = (result[sl].float() - ref).abs().max().item()
+        theirs = (self.reference(q, k, v, q.dtype).float() - ref).abs().max().item()
+        allowed = 2 * theirs + 1e-5
+        return [] if ours <= allowed else [f"out error {ours:.2e} > {allowed:.2e}"]
+
+
+class FlexBackward(FlexForward):
+    """The backward of a flex workload (``tvmflash tune --flex NAME --pass backward``): ``compile_backward(flex=)``'s
+    kernel over the backward knobs' space, timed on (q, k, v, out, dout, lse) of the tuning shape with the
+    mods' captures, its gradients checked against the reference's (torch's autograd) on two heads."""
+
+    name, builder, program = "flex-backward", "compile_backward", "backward"
+
+    def kernel(self, knobs: dict):
+        return kernels.compile_backward(**self.build_kwargs(knobs, heads=False))
+
+    def inputs(self, device: torch.device) -> None:
+        super().inputs(device)
+        self.dout = torch.randn(self.q.shape, generator=torch.Generator().manual_seed(1)).to(self.q)
+        forward = kernels.compile(**self.spec_args, target=self.target)
+        self.out, self.lse = forward(self.q, self.k, self.v, return_lse=True, captures=self.captures)
+
+    def call(self, kern):
+        return lambda: kern(self.q, self.k, self.v, self.out, self.dout, self.lse, captures=self.captures)
+
+    def wrong(self, result) -> list[str]:
+        """flash-attn's rule for dq, dk, dv on batch 0's first two heads (as many query as key heads)."""
+        sl = (slice(0, 1), slice(None), slice(0, 2))
+
+        def grads(dtype):
+            leaves = [t[sl].detach().to(dtype).requires_grad_() for t in (self.q, self.k, self.v)]
+            return torch.autograd.grad(self.reference(*leaves, dtype), leaves, self.dout[sl].to(dtype))
+        ref, same = grads(torch.float32), grads(self.q.dtype)
+        wrong = []
+        for name, ours, r, theirs in zip(("dq", "dk", "dv"), result, ref, same):
+            err, allowed = (ours[sl].float() - r).abs().max().item(), 2 * (theirs.float() - r).abs().max().item() + 1e-5
+            if not err <= allowed:
+                wrong.append(f"{name} error {err:.2e} > {allowed:.2e}")
+        return wrong
+
+
+PASSES = {"backward": Backward, "decode": Decode, "flex": FlexForward, "flex-backward": FlexBackward}
 
 
 def candidates(pass_, known: dict, trials: int, rng: random.Random,
@@ -174,7 +278,8 @@ def candidates(pass_, known: dict, trials: int, rng: random.Random,
         knobs = {**pass_.defaults, **point}
         if knobs in known.values():
             continue
-        problem = candidate_problem(pass_.knobs, pass_.target, head_dim, dtype, knobs)
+        problem = candidate_problem(pass_.knobs, pass_.target, head_dim, dtype, knobs) or (
+            pass_.problem(knobs) if hasattr(pass_, "problem") else None)
         if problem is not None:
             problems.append(problem)
             continue
@@ -187,8 +292,9 @@ def candidates(pass_, known: dict, trials: int, rng: random.Random,
 def tune_pass(pass_name: str, *, head_dim: int, dtype, causal: bool = False, target=None, trials: int = 64,
               batch: int | None = None, seqlen: int | None = None, heads: int | None = None, page_size: int = 0,
               space: dict | None = None, seed: int | None = None, repeat: int = 10, cold: bool = False,
-              jobs: int | None = None, echo=print) -> dict:
-    """Tune one pass's knobs ("backward" or "decode": ``PASSES``; the schedule its kernel picks,
+              jobs: int | None = None, flex=None, echo=print) -> dict:
+    """Tune one pass's knobs ("backward", "decode" or "flex", the forward of ``flex``'s mods: ``PASSES``;
+    the schedule its kernel picks,
     that schedule's space or ``space``, knob name -> candidates) for one workload on this machine and store the fastest
     correct configuration where it beats the incumbent by more than the noise (``decision.decide``).
 
@@ -203,13 +309,14 @@ def tune_pass(pass_name: str, *, head_dim: int, dtype, causal: bool = False, tar
         raise ValueError(f"pass: expected one of {sorted(PASSES)}, got {pass_name!r}")
     dtype, resolved, shape = tuning_request(head_dim, dtype, causal, trials, target, batch, seqlen, heads,
                                             shape_for=_decode_shape if pass_name == "decode" else None)
-    pass_ = PASSES[pass_name](head_dim, dtype, causal, resolved, shape,
-                              **({"page_size": page_size} if pass_name == "decode" else {}))
+    extra = {"page_size": page_size} if pass_name == "decode" else {"flex": flex} if pass_name.startswith("flex") else {}
+    pass_ = PASSES[pass_name](head_dim, dtype, causal, resolved, shape, **extra)
     cuda = require_gpu(resolved)
     schedule_name = pass_.schedule.name
     start = time.perf_counter()
     layout = f", pages of {page_size}" if page_size else ""
-    echo(f"tvmflash tune --pass {pass_name}: {schedule_name} schedule on {targets.describe(resolved)}, d{head_dim} "
+    what = f"--pass {pass_name}" if flex is None else f"({flex}{' backward' if pass_name == 'flex-backward' else ''})"
+    echo(f"tvmflash tune {what}: {schedule_name} schedule on {targets.describe(resolved)}, d{head_dim} "
          f"{dtype} {'causal' if causal else 'full'}{layout}, shape {pass_.record_shape}, {trials} trials")
 
     known = known_configurations(resolved, pass_.knobs, pass_.workload, pass_.defaults, cold=cold,
@@ -266,7 +373,8 @@ def tune_pass(pass_name: str, *, head_dim: int, dtype, causal: bool = False, tar
         resolved, schedule_name, pass_.workload, knobs, kept_ms, shape=pass_.record_shape,
         trials=len(chosen), failed_trials=failed, wall_s=round(wall_s, 1), default_ms=times["default"],
         tuned_ms=times[tuned], tuned_knobs=dict(chosen)[tuned], known_ms={label: times.get(label) for label in known},
-        start="cold" if cold else "warm", **verdict.record_fields())
+        start="cold" if cold else "warm", **({"flex_case": str(flex)} if flex is not None else {}),
+        **verdict.record_fields())
     echo(f"{pass_name} at {pass_.record_shape}: default {times['default']:.4f} ms, best {times[winner]:.4f} ms "
          f"({times['default'] / times[winner]:.2f}x, {winner}): {dict(chosen)[winner]}")
     path = store(record, verdict, cold, echo, f"{len(chosen)} trials, {failed} failed, {wall_s:.0f} s")
