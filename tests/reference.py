@@ -20,28 +20,8 @@ def reference(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     Returns (out, lse): out (batch, seqlen_q, heads_q, head_dim), lse (batch, heads_q, seqlen_q).
     A query that sees no key gets out 0 and lse -inf.
     """
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    group = q.shape[2] // k.shape[2]
-    qh, kh, vh = (t.to(dtype).transpose(1, 2) for t in (q, k, v))
-    kh, vh = kh.repeat_interleave(group, 1), vh.repeat_interleave(group, 1)
-    s = (qh @ kh.transpose(-1, -2)) * scale
-    if softcap > 0:
-        s = softcap * torch.tanh(s / softcap)
-    seqlen_q, seqlen_k = q.shape[1], k.shape[1]
-    i = torch.arange(seqlen_q, device=q.device)[:, None]
-    j = torch.arange(seqlen_k, device=q.device)[None, :]
-    diagonal = i + seqlen_k - seqlen_q  # the key in query i's column
-    if alibi_slopes is not None:
-        slopes = alibi_slopes.to(device=q.device, dtype=dtype).reshape(-1, q.shape[2], 1, 1)  # (batch or 1, heads)
-        s = s - slopes * (diagonal - j).abs().to(dtype)
-    left, right = window_size
-    hidden = torch.zeros_like(j > i)
-    if causal:
-        hidden = hidden | (j > diagonal)
-    if right >= 0:
-        hidden = hidden | (j > diagonal + right)
-    if left >= 0:
-        hidden = hidden | (j < diagonal - left)
+    s, hidden, vh = scores(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                           softcap=softcap, alibi_slopes=alibi_slopes, dtype=dtype)
     seen = ~hidden.all(-1, keepdim=True)  # rows that see a key
     # Rows that see no key: finite scores (so that autograd gets no NaN), p 0 and lse -inf.
     s = s.masked_fill(hidden & seen, -math.inf).masked_fill(~seen, 0.0)
@@ -50,6 +30,44 @@ def reference(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     if dropout_mask is not None:
         p = p * dropout_mask.to(p.device) / (1 - dropout_p)
     return (p @ vh).transpose(1, 2), lse
+
+
+def scores(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+           score_mod=None, mask_mod=None, dtype=torch.float64):
+    """What every reference starts from, in ``dtype``: (s, hidden, vh). s: the scaled scores (batch, heads_q,
+    seqlen_q, seqlen_k), softcapped, then with ALiBi's -slope · |i + seqlen_k - seqlen_q - j| (``alibi_slopes``
+    (heads_q,) or (batch, heads_q)) or ``score_mod(s, b, h, i, j)``; hidden: bool, broadcastable to s, the
+    keys that causal, the window or ``mask_mod(b, h, i, j)`` hide; vh: v as (batch, heads_q, seqlen_k,
+    head_dim), a GQA group's heads repeated."""
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    group = q.shape[2] // k.shape[2]
+    qh, kh, vh = (t.to(dtype).transpose(1, 2) for t in (q, k, v))
+    kh, vh = kh.repeat_interleave(group, 1), vh.repeat_interleave(group, 1)
+    s = (qh @ kh.transpose(-1, -2)) * scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    batch, heads, seqlen_q, seqlen_k = s.shape
+    b = torch.arange(batch, device=q.device)[:, None, None, None]
+    h = torch.arange(heads, device=q.device)[None, :, None, None]
+    i = torch.arange(seqlen_q, device=q.device)[:, None]
+    j = torch.arange(seqlen_k, device=q.device)[None, :]
+    diagonal = i + seqlen_k - seqlen_q  # the key in query i's column
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.to(device=q.device, dtype=dtype).reshape(-1, heads, 1, 1)  # (batch or 1, heads)
+        s = s - slopes * (diagonal - j).abs().to(dtype)
+    if score_mod is not None:
+        s = score_mod(s, b, h, i, j).to(dtype)
+    left, right = window_size
+    hidden = torch.zeros_like(j > i)
+    if causal:
+        hidden = hidden | (j > diagonal)
+    if right >= 0:
+        hidden = hidden | (j > diagonal + right)
+    if left >= 0:
+        hidden = hidden | (j < diagonal - left)
+    if mask_mod is not None:
+        hidden = hidden | ~mask_mod(b, h, i, j)
+    return s, hidden, vh
 
 
 def torch_same_dtype(q, k, v, *, causal=False, softmax_scale=None, **variant):

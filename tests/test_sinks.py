@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 from conftest import devices, random_qkv
-from reference import max_error
+from reference import max_error, scores
 
 import tvmflash
 from tvmflash.kernels import forget_kernels
@@ -23,34 +23,11 @@ def sink_reference(q, k, v, sinks, *, causal=False, softmax_scale=None, window_s
     - seqlen_q - j|, or ``score_mod(s, b, h, i, j)``),
     the keys that causal, the window or ``mask_mod(b, h, i, j)`` hide left out. The sink is not scaled.
     A row that sees no key gets out 0 and lse = sink_h. Differentiable in every input (float64 autograd)."""
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    group = q.shape[2] // k.shape[2]
-    qh, kh, vh = (t.to(dtype).transpose(1, 2) for t in (q, k, v))
-    kh, vh = kh.repeat_interleave(group, 1), vh.repeat_interleave(group, 1)
-    s = (qh @ kh.transpose(-1, -2)) * scale
-    batch, heads, seqlen_q, seqlen_k = s.shape
-    b = torch.arange(batch, device=q.device)[:, None, None, None]
-    h = torch.arange(heads, device=q.device)[None, :, None, None]
-    i = torch.arange(seqlen_q, device=q.device)[:, None]
-    j = torch.arange(seqlen_k, device=q.device)[None, :]
-    if softcap > 0:
-        s = softcap * torch.tanh(s / softcap)
-    diagonal = i + seqlen_k - seqlen_q
-    if alibi_slopes is not None:
-        s = s - alibi_slopes.to(device=q.device, dtype=dtype)[None, :, None, None] * (diagonal - j).abs().to(dtype)
-    if score_mod is not None:
-        s = score_mod(s, b, h, i, j).to(dtype)
-    left, right = window_size
-    hidden = torch.zeros_like(j > i)
-    if causal:
-        hidden = hidden | (j > diagonal)
-    if right >= 0:
-        hidden = hidden | (j > diagonal + right)
-    if left >= 0:
-        hidden = hidden | (j < diagonal - left)
+    s, hidden, vh = scores(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                           softcap=softcap, alibi_slopes=alibi_slopes, score_mod=score_mod, mask_mod=mask_mod,
+                           dtype=dtype)
+    batch, heads, seqlen_q, _ = s.shape
     hidden = hidden.expand(s.shape)
-    if mask_mod is not None:
-        hidden = hidden | ~mask_mod(b, h, i, j).expand(s.shape)
     s = s.masked_fill(hidden, -math.inf)
     sink = sinks.to(dtype)[None, :, None, None].expand(batch, heads, seqlen_q, 1)
     lse = torch.logsumexp(torch.cat([s, sink], -1), dim=-1)
