@@ -10,7 +10,6 @@ equal to the clean run's. The CPU cases keep to one dtype, head_dim and head lay
 
 import dataclasses
 import math
-import shutil
 
 import pytest
 import torch
@@ -277,21 +276,16 @@ def _sparse_mods():
     return dataclasses.replace(mods, sparse=(128, 128))
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
 @pytest.mark.parametrize("program", ["forward", "backward"])
-def test_sm90_cuda_of_a_block_mask_compiles_with_nvcc(program):
+def test_sm90_cuda_of_a_block_mask_builds(program):
     """The sm90 schedule (wgmma, TMA K/V copies at a tile index read from the lists) with a BlockMask:
-    built without a GPU, and nvcc compiles it."""
-    from tvm.support import nvcc
-
+    built without a GPU. (nvcc's compile of it is the GPU tests', which build these kernels: here it took
+    most of a minute of the CPU suite's time.)"""
     compile_ = tvmflash.compile_backward if program == "backward" else tvmflash.compile
     kernel = compile_(head_dim=128, dtype="bfloat16", target="sm90", flex=_sparse_mods())
     source = kernel.source(heads_q=4, heads_kv=2)
     lists = "QIndices" if program == "backward" else "KvIndices"
     assert lists in source and "wgmma" in source and "cp.async.bulk.tensor" in source
-    with kernel.target:
-        cubin = nvcc.compile_cuda(source, target_format="cubin", arch="sm_90a", compiler="nvcc")
-    assert len(cubin) > 1000
 
 
 @pytest.mark.parametrize("program", ["forward", "backward"])
