@@ -13,7 +13,7 @@ import torch
 
 from tvmflash import kernels
 from tvmflash import schedules as schedule_registry
-from tvmflash.program_flex import FlexMods
+from tvmflash.program_flex import SPARSE_TILE_KNOBS, FlexMods
 
 
 def compile_flex(head_dim: int, dtype, target, mods: FlexMods, backward: bool = False, sinks: bool = False):
@@ -47,16 +47,12 @@ def compile_flex(head_dim: int, dtype, target, mods: FlexMods, backward: bool = 
                      "with BLOCK_SIZE 128 (or a multiple of the tiles)")
 
 
-# A kernel's tile knobs and the BlockMask block size each must divide: 0 its Q block, 1 its KV block.
-TILE_KNOBS = {"block_m": 0, "block_n": 1, "dq_block_m": 0, "dq_block_n": 1}
-
-
 def fitted_tiles(knobs: dict, sparse: tuple, declared=()) -> dict:
     """The tile knobs of ``knobs`` that do not divide the BlockMask's (Q, KV) block size ``sparse``, each
     brought down to the largest tile that divides both (a kernel tile then lies in one block, whose list it
     walks: ``program_flex.BlockWalk``), and the derived knobs of the schedule's ``declared`` ones
     (``contract.Knob``: sm90's num_warpgroups follows block_m) that follow; {} where every tile divides."""
-    fitted = {name: math.gcd(knobs[name], sparse[axis]) for name, axis in TILE_KNOBS.items()
+    fitted = {name: math.gcd(knobs[name], sparse[axis]) for name, axis in SPARSE_TILE_KNOBS.items()
               if name in knobs and sparse[axis] % knobs[name]}
     if fitted:
         for knob in declared:
@@ -68,7 +64,7 @@ def fitted_tiles(knobs: dict, sparse: tuple, declared=()) -> dict:
 
 
 def _tiles(knobs: dict) -> str:
-    return ", ".join(f"{name} {knobs[name]}" for name in TILE_KNOBS if name in knobs)
+    return ", ".join(f"{name} {knobs[name]}" for name in SPARSE_TILE_KNOBS if name in knobs)
 
 
 def _ceildiv(a: int, b: int) -> int:

@@ -345,6 +345,10 @@ def block_walk(spec, flex, b, h, first_row, rows: int, steps: int, keys: bool, e
     return BlockWalk(counts, indices, b, h, first_row // row_block, step_block // steps, end)
 
 
+# A kernel's tile knobs and the BlockMask block size each must divide: 0 its Q block, 1 its KV block.
+SPARSE_TILE_KNOBS = {"block_m": 0, "block_n": 1, "dq_block_m": 0, "dq_block_n": 1}
+
+
 def check_sparse_tiles(sparse: tuple, rows: int, steps: int, keys: bool = False) -> None:
     """A ValueError unless the kernel's tiles (``rows`` queries by ``steps`` keys; ``keys``: rows keys)
     divide the BlockMask's (Q, KV) block size: a kernel tile then lies in one block, whose list it walks."""

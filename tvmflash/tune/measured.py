@@ -33,6 +33,7 @@ import torch
 from tvmflash import bench, choice, database, kernels
 from tvmflash.tune import decision
 from tvmflash.kernels import checks
+from tvmflash.program_flex import SPARSE_TILE_KNOBS
 from tvmflash import target as targets
 from tvmflash.tune.builder import usable_cores
 from tvmflash.tune.progress import left_out_line
@@ -61,7 +62,21 @@ def space_points(space: dict) -> list[dict]:
     return points
 
 
-class Backward:
+class _SquarePass:
+    """What the backward's and a flex forward's passes share: (batch, seqlen, heads) queries over as many
+    keys and heads, built from ``spec_args``."""
+
+    def _take_shape(self, shape: dict) -> None:
+        self.heads = (shape["heads"], shape["heads"])
+        self.record_shape = {"batch": shape["batch"], "seqlen_q": shape["seqlen"], "seqlen_k": shape["seqlen"],
+                             "heads_q": shape["heads"], "heads_kv": shape["heads"]}
+
+    def build_kwargs(self, knobs: dict, heads: bool = True) -> dict:
+        return {**self.spec_args, "target": self.target, "knobs": knobs, "schedule": self.schedule.name,
+                **({"heads_q": self.heads[0], "heads_kv": self.heads[1]} if heads else {})}
+
+
+class Backward(_SquarePass):
     """The backward pass: ``compile_backward``'s kernel, timed on (q, k, v, out, dout, lse) of the
     tuning shape, its gradients checked on two heads."""
 
@@ -74,17 +89,11 @@ class Backward:
         self.knobs = self.schedule.backward.knobs
         self.defaults = self.knobs.defaults(head_dim)
         self.workload = choice.workload(self.spec_args, "backward")
-        self.heads = (shape["heads"], shape["heads"])
-        self.record_shape = {"batch": shape["batch"], "seqlen_q": shape["seqlen"], "seqlen_k": shape["seqlen"],
-                             "heads_q": shape["heads"], "heads_kv": shape["heads"]}
+        self._take_shape(shape)
 
     def kernel(self, knobs: dict):
         """The kernel of these knobs (a ValueError where it refuses them; builds nothing)."""
         return kernels.compile_backward(**self.build_kwargs(knobs, heads=False))
-
-    def build_kwargs(self, knobs: dict, heads: bool = True) -> dict:
-        return {**self.spec_args, "target": self.target, "knobs": knobs, "schedule": self.schedule.name,
-                **({"heads_q": self.heads[0], "heads_kv": self.heads[1]} if heads else {})}
 
     def inputs(self, device: torch.device) -> None:
         gen = torch.Generator().manual_seed(0)
@@ -160,7 +169,7 @@ class Decode:
         return [] if err <= allowed else [f"out error {err:.2e} > {allowed:.2e}"]
 
 
-class FlexForward:
+class FlexForward(_SquarePass):
     """The forward of a flex workload (``tvmflash tune --flex NAME``): ``compile(flex=)``'s kernel over the
     forward knobs' space, measured as the backward's is (a mod's captured tensors and a BlockMask's lists
     are arguments MetaSchedule's random inputs would not fill sensibly: document ids, block indices).
@@ -183,26 +192,20 @@ class FlexForward:
         self.knobs = self.schedule.program(self.program).knobs
         self.defaults = self.knobs.defaults(head_dim)
         self.workload = choice.workload(self.spec_args, self.program)
-        self.heads = (shape["heads"], shape["heads"])
-        self.record_shape = {"batch": shape["batch"], "seqlen_q": shape["seqlen"], "seqlen_k": shape["seqlen"],
-                             "heads_q": shape["heads"], "heads_kv": shape["heads"]}
+        self._take_shape(shape)
 
     def problem(self, knobs: dict) -> str | None:
         """With a BlockMask, why tiles that do not divide its blocks cannot run (each tile lies in one block)."""
         sparse = self.mods.sparse
         if sparse is None:
             return None
-        for name, axis in (("block_m", 0), ("block_n", 1), ("dq_block_m", 0), ("dq_block_n", 1)):
+        for name, axis in SPARSE_TILE_KNOBS.items():
             if name in knobs and sparse[axis] % knobs[name]:
                 return f"{name} {knobs[name]} does not divide the BlockMask's {sparse[axis]}-row blocks"
         return None
 
     def kernel(self, knobs: dict):
         return kernels.compile(**self.build_kwargs(knobs, heads=False))
-
-    def build_kwargs(self, knobs: dict, heads: bool = True) -> dict:
-        return {**self.spec_args, "target": self.target, "knobs": knobs, "schedule": self.schedule.name,
-                **({"heads_q": self.heads[0], "heads_kv": self.heads[1]} if heads else {})}
 
     def inputs(self, device: torch.device) -> None:
         gen = torch.Generator().manual_seed(0)
