@@ -470,6 +470,14 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int, dq_atomic: bool =
                                 with T.init():  # carried over from the last step
                                     dv_acc[vj, vd] = dv_acc[vj, vd]
                                 dv_acc[vj, vd] = dv_acc[vj, vd] + T.cast(Pc[vj, vi], f32) * T.cast(dOt[vi, vd], f32)
+                        if dq_atomic:
+                            for i, d, j in T.grid(BM, D, BN):
+                                with T.sblock("dq"):  # this K/V block's share of dq: ds k, before dk: a schedule
+                                    # can issue dv, dq and dk back to back and add dq's share while dk runs
+                                    vi, vd, vj = T.axis.remap("SSR", [i, d, j])
+                                    with T.init():
+                                        dq_share[vi, vd] = T.float32(0)
+                                    dq_share[vi, vd] = dq_share[vi, vd] + T.cast(dSc[vj, vi], f32) * T.cast(Kt[vj, vd], f32)
                         for j, d, i in T.grid(BN, D, BM):
                             with T.sblock("dk"):  # dk += dsᵀ q (scaled at the store)
                                 vj, vd, vi = T.axis.remap("SSR", [j, d, i])
@@ -477,12 +485,6 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int, dq_atomic: bool =
                                     dk_acc[vj, vd] = dk_acc[vj, vd]
                                 dk_acc[vj, vd] = dk_acc[vj, vd] + T.cast(dSc[vj, vi], f32) * T.cast(Qt[vi, vd], f32)
                         if dq_atomic:
-                            for i, d, j in T.grid(BM, D, BN):
-                                with T.sblock("dq"):  # this K/V block's share of dq: ds k
-                                    vi, vd, vj = T.axis.remap("SSR", [i, d, j])
-                                    with T.init():
-                                        dq_share[vi, vd] = T.float32(0)
-                                    dq_share[vi, vd] = dq_share[vi, vd] + T.cast(dSc[vj, vi], f32) * T.cast(Kt[vj, vd], f32)
                             for i, d in T.grid(BM, D):
                                 with T.sblock("accumulate_dq"):  # summed over the K/V tiles in any order
                                     vi, vd = T.axis.remap("SS", [i, d])

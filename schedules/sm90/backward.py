@@ -81,16 +81,16 @@ def _schedule_dkdv(sch: tvm.s_tir.Schedule, num_stages: int, vec: int, dq_atomic
         for name in ("load_q", "load_do", "load_lse", "load_delta"):
             sch.annotate(sch.get_sblock(name), TMA_LOAD, producer)
     _backward_step(sch, ("cast_p",), groups, BM, D, dtype, num_stages, overlap, b_swizzled=tma, swizzle=columns)
-    for name in ("dv", "dk"):  # with overlap dv is only committed: dk's wait ends both
+    for name in ("dv", "dk"):  # with overlap dv (and dq's share) only committed: dk's wait ends them
         _backward_accumulate(sch, name, groups, D, BM, dtype, b_swizzled=tma, wait=not overlap or name == "dk",
                              swizzle=columns)
     if dq_atomic:
-        _schedule_dq_share(sch, staged, groups, BM, D, BN, dtype, ds_buffers, dq_reduce)
+        _schedule_dq_share(sch, staged, groups, BM, D, BN, dtype, ds_buffers, dq_reduce, overlap)
     if num_stages > 1:
         pipeline_loads(sch, num_stages, step="q_step", loads=("load_q", "load_do", "load_lse", "load_delta"))
 
 
-def _schedule_dq_share(sch, staged, groups, BM, D, BN, dtype, ds_buffers=1, dq_reduce="atomic"):
+def _schedule_dq_share(sch, staged, groups, BM, D, BN, dtype, ds_buffers=1, dq_reduce="atomic", overlap=False):
     """dq's share of a dkdv step, ds k, added atomically into the fp32 dq (FA2's way, as sm80's
     ``dq_atomic``). Each warpgroup holds dsᵀ of its keys, but ds k sums over all the block's keys:
     the threads write their dsᵀ elements to shared memory (core matrices), and each warpgroup then
@@ -116,7 +116,12 @@ def _schedule_dq_share(sch, staged, groups, BM, D, BN, dtype, ds_buffers=1, dq_r
     "tma" the tile is unpadded, in TMA's 128-byte swizzle of float32 rows (``swizzled_map``, 32 columns:
     the pair stores meet no bank twice), and thread 0 of each warpgroup adds all its 64 x cols by one TMA
     reduction through dq_accum's tensor map (``TMA_REDUCE_PRAGMA``, ``lowering.tma_reductions``): one
-    operation a warpgroup a step where "bulk" has 64."""
+    operation a warpgroup a step where "bulk" has 64.
+
+    With ``overlap`` (wgmma_overlap) dq's wgmma is only committed, as dv's is: dv, dq and dk go to
+    the tensor cores back to back (dsᵀ is written and the warpgroups meet at their barrier while dv
+    runs), and dk's wait ends all three. The share's first loop then fences dq's accumulators, and
+    pᵀ's registers, which dv read until that wait (FA3's order)."""
     problem = dq_share_problem(BM, D, groups)
     if problem:
         raise ValueError(problem)
@@ -147,9 +152,11 @@ def _schedule_dq_share(sch, staged, groups, BM, D, BN, dtype, ds_buffers=1, dq_r
     i = columns_by_warpgroup(*sch.get_loops(block)[-3:-1])  # (i, d, j): the reduction j stays innermost
     init = sch.decompose_reduction(block, i)
     bind_acc_threads(sch, init)
-    sch.tensorize(i, wgmma_intrin_name(cols, BN, dtype, "mn", a_major="mn"))
+    sch.tensorize(i, wgmma_intrin_name(cols, BN, dtype, "mn", a_major="mn", wait=not overlap))
     columns_by_warpgroup(*sch.get_loops(share)[-2:])
     bind_acc_threads(sch, share)
+    if overlap:  # the loops in each thread
+        sch.annotate(sch.get_loops(share)[-3], WGMMA_WAIT_PRAGMA, "dq_share+Pc")
     if not from_tile:  # the loops in each thread; 2: a thread's two adjacent columns go as one vector reduction
         sch.annotate(sch.get_loops(share)[-3], ATOMIC_ADD_PRAGMA, 2)
         return

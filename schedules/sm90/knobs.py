@@ -262,8 +262,8 @@ HEAD_DIMS = tuple(range(32, 257, 32))
 # dq_atomic (the default): no dq pass; dkdv adds each step's ds k into an fp32 accumulator
 # (``backward._schedule_dq_share``), measured faster than the dq pass; deterministic=True turns it off
 # (``tvmflash.choice.backward``). wgmma_overlap: dp's wgmma only
-# committed, so that p's exponentials run while it does (ds waits for it), and dv's too, so that dk's
-# wait ends both; without it each product is waited for at once. With dq_atomic: ds_buffers, dsᵀ's
+# committed, so that p's exponentials run while it does (ds waits for it), and dv's (and with dq_atomic
+# dq's share's) too, so that dk's wait ends them; without it each product is waited for at once. With dq_atomic: ds_buffers, dsᵀ's
 # shared-memory tile for dq's share in one buffer or two taken in turn (``lowering.double_buffers``: one
 # block-wide barrier a step instead of two; varlen's steps have no second barrier to drop); dq_reduce,
 # the share added by atomics from the accumulator registers (16 ``red.global.add.v2`` a thread a step at

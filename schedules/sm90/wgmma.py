@@ -6,18 +6,11 @@ from __future__ import annotations
 
 from tvm.s_tir import TensorIntrin
 
-from tvmflash.lowering.annotations import REG_FENCE, SWIZZLE_COLUMNS, WGMMA_SWIZZLE_LAYOUTS
+from tvmflash.lowering.annotations import REG_FENCE, REG_FENCE_U32, SWIZZLE_COLUMNS, WGMMA_SWIZZLE_LAYOUTS
 
 from .layouts import WARPGROUP, acc_layout, bind_acc_threads, split_warpgroups, swizzled_map
 
 _PTX_TYPE = {"float16": "f16", "bfloat16": "bf16"}
-# An empty asm that claims to modify a register: the compiler may not move reads of the
-# accumulator across it (CUTLASS's warpgroup_fence_operand). TVM's own noop_barrier helper takes
-# its operand by value, which fences a copy.
-_REG_FENCE_U32 = (  # the same for the A registers of the "rs" form (bf16/fp16 pairs)
-    "__device__ __forceinline__ void tvmflash_wgmma_reg_fence_u32(unsigned int& r) "
-    '{ asm volatile("" : "+r"(r) :: "memory"); }'
-)
 # A wgmma matrix descriptor, as a value (PTX ISA "Matrix Descriptor Format"): start address, leading
 # and stride byte offsets, each in 16-byte units, and the layout type in bits 62-63 (``NO_SWIZZLE``
 # or a swizzle's, ``WGMMA_SWIZZLE_LAYOUTS``). TVM's encoder writes through a pointer into a local buffer, and
@@ -237,7 +230,7 @@ def _wgmma_desc_impl(n, k, dtype, b_major, a_regs, fence_operands=True, b_swizzl
                 A32 = T.decl_buffer((k // 4,), "uint32", data=A.data, elem_offset=A.elem_offset // 2, scope="local")
                 wgmma_begin(C)
                 for r in T.unroll(k // 4):
-                    T.cuda.func_call("tvmflash_wgmma_reg_fence_u32", A32[r], source_code=_REG_FENCE_U32)
+                    T.cuda.func_call("tvmflash_wgmma_reg_fence_u32", A32[r], source_code=REG_FENCE_U32)
                 T.ptx.wgmma.fence.sync.aligned()
                 for ks in T.unroll(k // 16):
                     mma(*[C[r] for r in range(nr)], A32[4 * ks], A32[4 * ks + 1], A32[4 * ks + 2],

@@ -86,10 +86,19 @@ BULK_REDUCE_BARRIER = 2  # the named barriers' first id (0 is __syncthreads, 1 t
 
 # A register fence of one float (a wgmma accumulator element): the compiler may not move reads of it
 # above the wgmma wait that precedes the fence. The sm90 schedule's wgmma intrinsics and the
-# WGMMA_WAIT_PRAGMA lowering emit it.
+# WGMMA_WAIT_PRAGMA lowering emit it (CUTLASS's warpgroup_fence_operand: TVM's own noop_barrier helper
+# takes its operand by value, which fences a copy).
 REG_FENCE = (
     "__device__ __forceinline__ void tvmflash_wgmma_reg_fence(float& r) "
     '{ asm volatile("" : "+f"(r) :: "memory"); }'
+)
+REG_FENCE_U32 = (  # the same for the A registers of the "rs" form (bf16/fp16 pairs)
+    "__device__ __forceinline__ void tvmflash_wgmma_reg_fence_u32(unsigned int& r) "
+    '{ asm volatile("" : "+r"(r) :: "memory"); }'
+)
+REG_FENCE_PAIR = (  # the same, given the first of the pair's two 16-bit elements
+    "template <typename T> __device__ __forceinline__ void tvmflash_wgmma_reg_fence_pair(T& r) "
+    '{ asm volatile("" : "+r"(*reinterpret_cast<unsigned int*>(&r)) :: "memory"); }'
 )
 
 # PrimFunc attributes that ``lowering.build`` sets from the schedule's build options, for the pipeline's

@@ -5,6 +5,7 @@ statements each asks for; a schedule has no primitive that inserts a statement."
 from __future__ import annotations
 
 import functools
+import math
 
 import tvm
 import tvm_ffi
@@ -12,22 +13,34 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from tvmflash.lowering.annotations import (ATOMIC_ADD_PRAGMA, BULK_REDUCE_BARRIER, BULK_REDUCE_PRAGMA,
-                                           BULK_REDUCE_WAIT_PRAGMA, REG_FENCE, SKIP_UNIT_RESCALE_PRAGMA,
+                                           BULK_REDUCE_WAIT_PRAGMA, REG_FENCE, REG_FENCE_PAIR, SKIP_UNIT_RESCALE_PRAGMA,
                                            VECTOR_REDUCE_PRAGMA, WGMMA_WAIT_PRAGMA)
 from tvmflash.lowering.ir import (every_element, find, is_load, loaded, loaded_buffers, prim_func_pass, substitute,
                                   target_of, transform, with_children)
 from tvmflash.lowering.tma_device_functions import device_statement, untracked_pointer
 
 
-def _wait_and_fence_accumulators(attr):
+def _wait_and_fence_accumulators(attr, func=None):
     """The statements for a ``WGMMA_WAIT_PRAGMA`` AttrStmt: ``wgmma.wait_group 0``, a register fence
     of each element of the accumulators its loop reads (local float32 buffers whose names start with
-    the pragma's value where it is a string, else with ``acc``), then the loop."""
-    prefix = attr.value.value if isinstance(attr.value, tvm.ir.StringImm) else "acc"
+    the pragma's value where it is a string, else with ``acc``), then the loop. A value
+    "accumulators+operands" also fences, as 32-bit pairs, the 16-bit local buffers of ``func`` whose
+    names start with "operands": the A registers of an "rs" wgmma that was only committed, which
+    the compiler would otherwise reuse while the wgmma still reads them."""
+    value = attr.value.value if isinstance(attr.value, tvm.ir.StringImm) else "acc"
+    prefix, _, operands = value.partition("+")
     accumulators = [buffer for name, buffer in loaded_buffers(attr.body).items()
                     if name.startswith(prefix) and buffer.scope() == "local" and str(buffer.dtype) == "float32"]
     fences = [tirx.Evaluate(T.cuda.func_call("tvmflash_wgmma_reg_fence", element, source_code=REG_FENCE))
               for buffer in accumulators for element in every_element(buffer)]
+    if operands:
+        stored = {store.buffer.name: store.buffer for store in find(func.body, tirx.BufferStore)}
+        pairs = [element for name, b in stored.items() if name.startswith(operands) and b.scope() == "local"
+                 and tvm.DataType(b.dtype).bits == 16 for element in every_element(b)[::2]]
+        if not pairs:
+            raise ValueError(f"{WGMMA_WAIT_PRAGMA}: no 16-bit local buffer named {operands}* to fence")
+        fences += [tirx.Evaluate(T.cuda.func_call("tvmflash_wgmma_reg_fence_pair", element,
+                                                  source_code=REG_FENCE_PAIR)) for element in pairs]
     wait = tirx.Evaluate(T.ptx.wgmma.wait_group.sync.aligned(0))
     return tirx.SeqStmt([wait, *fences, attr.body])
 
@@ -242,7 +255,7 @@ def _bulk_reductions_read(attr, func):
 
 def _pragma_lowerings(func) -> dict:
     """Each of tvmflash's pragmas and the function that lowers its AttrStmt, for ``func``'s target."""
-    return {WGMMA_WAIT_PRAGMA: _wait_and_fence_accumulators,
+    return {WGMMA_WAIT_PRAGMA: functools.partial(_wait_and_fence_accumulators, func=func),
             SKIP_UNIT_RESCALE_PRAGMA: _skipped_where_factors_are_one,
             ATOMIC_ADD_PRAGMA: functools.partial(_atomic_adds, vector=_has_vector_reductions(func)),
             BULK_REDUCE_PRAGMA: functools.partial(_bulk_reductions, func=func),
@@ -251,8 +264,9 @@ def _pragma_lowerings(func) -> dict:
 
 
 def _lowered_pragmas(stmt, lowerings: dict):  # by hand: structural_map rejects the fences' loads
-    if isinstance(stmt, tirx.AttrStmt) and stmt.attr_key in lowerings:
-        return lowerings[stmt.attr_key](stmt)
+    if isinstance(stmt, tirx.AttrStmt) and stmt.attr_key in lowerings:  # a loop's inner pragmas first
+        inner = _lowered_pragmas(stmt.body, lowerings)
+        return lowerings[stmt.attr_key](tirx.AttrStmt(stmt.node, stmt.attr_key, stmt.value, inner))
     return with_children(stmt, lambda child: _lowered_pragmas(child, lowerings))
 
 
