@@ -493,14 +493,16 @@ def ptxas_report(src: str, arch: str) -> dict:
 @pytest.mark.parametrize("page_size", [0, 16, 256], ids=["contiguous", "paged16", "paged256"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_decode_on_the_gpu(dtype, page_size, schedule, monkeypatch):
-    """GQA 32/8 and 8/1 at head_dim 128 on the GPU, with either schedule (TVMFLASH_DECODE): decode and
-    a causal chunk, ragged lengths (0 and the full cache), automatic and given split counts, against
-    float64."""
+    """GQA 32/8 or 8/1 at head_dim 128 on the GPU (each layout, dtype and schedule meets both ratios over
+    the cases: a head count is a module of its own, and each build is a sizeable share of the GPU suite's
+    time), with either schedule (TVMFLASH_DECODE): decode and a causal chunk, ragged lengths (0 and the
+    full cache), automatic and given split counts, against float64."""
     monkeypatch.setenv("TVMFLASH_DECODE", schedule)
     capacity = 1000
     lengths = torch.tensor([0, 1, 129, 555, capacity], dtype=torch.int32)
     batch = len(lengths)
-    for heads_q, heads_kv in [(32, 8), (8, 1)]:
+    both = [(32, 8), (8, 1)]
+    for heads_q, heads_kv in [both[(page_size == 16) ^ (dtype == torch.bfloat16)]]:
         k_cache, v_cache, table = make_cache(batch, capacity, heads_kv, 128, dtype, "cuda", page_size)
         for seqlen_q, causal in [(1, False), (4, True)]:
             q = random_q(batch, seqlen_q, heads_q, 128, dtype, "cuda")
@@ -532,11 +534,12 @@ def knob_set(knobs: dict) -> dict:
 @pytest.mark.gpu
 @pytest.mark.parametrize("knobs", GPU_KNOB_SETS, ids=lambda k: "-".join(f"{n}{v}" for n, v in k.items()) or "defaults")
 def test_decode_knob_sets_on_the_gpu(knobs):
-    """Each knob set the benchmark compares, contiguous and paged (16), on decode and a causal chunk
-    of 5 tokens, one split and several, against float64."""
+    """Each knob set the benchmark compares, on a contiguous cache or a paged one (16; by turns along the
+    list: each layout is a build of its own, and test_decode_on_the_gpu meets both with the defaults), on
+    decode and a causal chunk of 5 tokens, one split and several, against float64."""
     capacity, dtype = 700, torch.bfloat16
     lengths = torch.tensor([0, 33, 400, capacity], dtype=torch.int32)
-    for page_size in (0, 16):
+    for page_size in [(0, 16)[GPU_KNOB_SETS.index(knobs) % 2]]:
         kernel = tvmflash.compile_decode(head_dim=128, dtype=dtype, page_size=page_size, **knob_set(knobs))
         k_cache, v_cache, table = make_cache(len(lengths), capacity, 8, 128, dtype, "cuda", page_size)
         index = table if page_size else kernel.batch_rows(len(lengths), torch.device("cuda"))
