@@ -7,7 +7,8 @@ finish in time.
     python benchmarks/gpu_tests.py [--jobs 16] [--log FILE] [--timeout S] [--slowest N] [PYTEST ARGS ...]
 
 Each finished test's seconds, and the modules it built in them, go to the log's ``.times`` file (also
-when the run is stopped), and the slowest are listed.
+when the run is stopped), and the slowest are listed; each failing test's report goes to its
+``.failures`` file as the test fails (a stopped run never prints pytest's own).
 
 The workers share one module cache (``TVMFLASH_CACHE_DIR``, a fresh temporary folder unless set), and a
 module two of them need is built once (``cache.build_lock``). Exit status: 0 if every test ran and passed.
@@ -43,6 +44,8 @@ def main() -> int:
     log = Path(args.log or tempfile.mkstemp(prefix="tvmflash-gpu-tests-", suffix=".log")[1])
     times = log.with_suffix(".times")  # a line a finished test (tests/conftest.py): seconds, builds
     times.unlink(missing_ok=True)
+    failures = log.with_suffix(".failures")  # each failing test's report as it fails (tests/conftest.py)
+    failures.unlink(missing_ok=True)
     os.environ["TVMFLASH_TEST_TIMES"] = str(times)
     jobs = min(args.jobs, len(ids))
     # The cores shared out: thread pools (OpenMP's, torch's) of the machine's size in every worker
@@ -63,6 +66,8 @@ def main() -> int:
             stopped = True
     text = log.read_text()
     print_times(times, args.slowest)
+    if failures.exists():
+        print(f"failing tests' reports in {failures}")
     outcomes = {test: outcome for outcome, test in OUTCOME.findall(text)}
     for test, outcome in outcomes.items():
         if outcome in ("FAILED", "ERROR"):

@@ -17,7 +17,9 @@ HAS_GPU = torch.cuda.is_available()
 
 # benchmarks/gpu_tests.py's record of where the time goes: with TVMFLASH_TEST_TIMES naming a file, each
 # test appends a line as it ends (a run stopped at its time limit keeps what finished): its seconds, and
-# how many modules it built in how many of them.
+# how many modules it built in how many of them. A failing test's report goes to the file of that name
+# with the suffix ".failures" as it fails: pytest prints its reports only at the end, which a run
+# stopped at its limit never reaches.
 _TIMES = os.environ.get("TVMFLASH_TEST_TIMES")
 if _TIMES:
     import logging
@@ -43,6 +45,10 @@ if _TIMES:
         if report.when == "setup":
             _BUILDS.seconds.clear()
         _TEST_SECONDS[report.nodeid] = _TEST_SECONDS.get(report.nodeid, 0.0) + report.duration
+        if report.failed:
+            with open(os.path.splitext(_TIMES)[0] + ".failures", "a") as out:
+                out.write(f"{'_' * 30} {report.nodeid} ({report.when})\n{report.longreprtext}\n"
+                          + "".join(f"{'-' * 10} {name}\n{text}\n" for name, text in report.sections)[-20000:])
         if report.when == "teardown":
             with open(_TIMES, "a") as out:
                 out.write(f"{_TEST_SECONDS.pop(report.nodeid):8.1f} s {len(_BUILDS.seconds):3d} builds "
