@@ -80,6 +80,36 @@ def test_adjacent_statements_under_one_uniform_condition_share_one_if():
     assert merged.count("tx < n") == 2 and merged.count("a[0] < T.float32(1.0)") == 2
 
 
+def test_a_block_masks_tile_is_read_once_a_step():
+    """``uniformity.BindStepLoads``: the walk's tile (an ``if_then_else`` that reads a BlockMask's list at
+    the step) is computed once at the top of the step's body, its load still under its condition; the
+    tile of the last step, used by two statements after the loop and another loop, once just before
+    the first of them (bound at the start, it would live through both loops)."""
+    from tvmflash.lowering import uniformity
+
+    @T.prim_func
+    def walked(Counts: T.Buffer((4,), "int32"), Indices: T.Buffer((4, 8), "int32"), out: T.Buffer((64,), "int32"),
+               n: T.int32):
+        bx = T.launch_thread("blockIdx.x", 4)
+        tx = T.launch_thread("threadIdx.x", 32)
+        for t in range(n):
+            out[tx] = T.if_then_else(t < Counts[bx], Indices[bx, T.min(t, 7)], 9) * 64 + tx
+            out[tx + 32] = T.if_then_else(t < Counts[bx], Indices[bx, T.min(t, 7)], 9) * 64 + tx + 1
+        for k in range(n):
+            out[k] = out[k] + 1
+        out[1] = T.if_then_else(n - 1 < Counts[bx], Indices[bx, T.min(n - 1, 7)], 9)
+        out[2] = T.if_then_else(n - 1 < Counts[bx], Indices[bx, T.min(n - 1, 7)], 9) + 1
+
+    bound = uniformity.BindStepLoads(("Counts", "Indices"))(tvm.IRModule({"main": walked}))["main"].script()
+    assert bound.count("Indices[") == 2, bound
+    step = "selected_t_0: T.let[T.int32] = T.if_then_else(t < "
+    assert bound.index("for t in range(n):") < bound.index(step) < bound.index("out[tx] = selected_t_0 * 64 + tx")
+    assert "out[tx + 32] = selected_t_0 * 64 + tx + 1" in bound
+    last = "selected_0: T.let[T.int32] = T.if_then_else(n - 1 < "
+    assert bound.index("for k in range(n):") < bound.index(last) < bound.index("out[1] = selected_0")
+    assert "out[2] = selected_0 + 1" in bound
+
+
 def test_exp2_on_the_cpu_is_a_vectorised_polynomial_as_exact_as_float32_needs():
     """``cpu_exp2.PolynomialExp2OnCPU``: a vectorised float32 exp2 built for the CPU calls no libm
     function, and matches float64's exp2 within 2e-7 relative where the result is a normal float;

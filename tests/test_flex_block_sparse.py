@@ -21,6 +21,7 @@ import tvmflash
 from tvmflash import flex_block_mask, program_flex
 from tvmflash import target as targets
 from tvmflash.flex_trace import trace_mods
+from tvmflash.lowering import pipeline
 
 CPU_DTYPE, CPU_HEAD_DIM = torch.float16, 32
 # (seqlen_q, seqlen_k): tails on both sides, several blocks of 64 and of 128
@@ -278,17 +279,25 @@ def _sparse_mods():
     return dataclasses.replace(mods, sparse=(128, 128))
 
 
-# the backward (the lowering's producer warpgroup with a trip count read from the lists); the forward's
-# build, 19 s of the CPU suite, is the GPU tests' (the same kernel)
-@pytest.mark.parametrize("program", ["backward"])
+# the backward: the lowering's producer warpgroup with a trip count read from the lists
+@pytest.mark.parametrize("program", ["forward", "backward"])
 def test_sm90_cuda_of_a_block_mask_builds(program):
     """The sm90 schedule (wgmma, TMA K/V copies at a tile index read from the lists) with a BlockMask:
-    built without a GPU."""
+    built without a GPU. The list is read once a step (``lowering.uniformity.BindStepLoads``): in the
+    prologue, the producer's and the consumers' steps and the epilogue, not in each copy and each score's
+    mask (hundreds of reads, 0.5 to 2 MB of CUDA and builds of 13 to 37 s, where these take 2 to 4)."""
     compile_ = tvmflash.compile_backward if program == "backward" else tvmflash.compile
     kernel = compile_(head_dim=128, dtype="bfloat16", target="sm90", flex=_sparse_mods())
     source = kernel.source(heads_q=4, heads_kv=2)
     lists = "QIndices" if program == "backward" else "KvIndices"
     assert lists in source and "wgmma" in source and "cp.async.bulk.tensor" in source
+    assert source.count(f"{lists}_ptr[") <= 6, source.count(f"{lists}_ptr[")
+
+
+def test_the_lowering_names_the_block_lists():
+    """The lowering reads the lists by their names (``lowering.pipeline.BLOCK_LISTS``), the programs'."""
+    assert pipeline.BLOCK_LISTS == program_flex.SPARSE_ARGUMENTS
+    assert set(pipeline.BLOCK_COUNTS) == {name for name in program_flex.SPARSE_ARGUMENTS if name.endswith("Counts")}
 
 
 @pytest.mark.parametrize("program", ["forward"])  # its backward: the GPU tests' sm80 case

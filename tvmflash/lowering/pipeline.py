@@ -24,6 +24,11 @@ PIPELINE = "tvmflash"
 # The buffers of varlen's sequence offsets (``program.varlen_arguments``): read once a kernel
 # (``uniformity.BindBlockUniformLoads``).
 SEQUENCE_OFFSETS = ("CuSeqlensQ", "CuSeqlensK")
+# A BlockMask's lists (``program_flex.SPARSE_ARGUMENTS``; a test holds the two equal): a block's counts
+# read once a kernel (``uniformity.BindBlockUniformLoads``), the tile a step visits once a step
+# (``uniformity.BindStepLoads``).
+BLOCK_LISTS = ("KvCounts", "KvIndices", "QCounts", "QIndices")
+BLOCK_COUNTS = ("KvCounts", "QCounts")
 
 
 def options(mod: tvm.IRModule) -> dict:
@@ -63,7 +68,8 @@ def passes_for(mod: tvm.IRModule, config) -> list:
         s_tir.transform.TransformMmaBufferLayout(),
         s_tir.transform.LowerOpaqueBlock(),
         uniformity.MergeAdjacentGuards(),                            # + (a pipeline's epilogue)
-        uniformity.BindBlockUniformLoads(SEQUENCE_OFFSETS),          # +
+        uniformity.BindBlockUniformLoads(SEQUENCE_OFFSETS + BLOCK_COUNTS),  # +
+        uniformity.BindStepLoads(BLOCK_LISTS),                       # + (a BlockMask's tile, once a step)
         pragmas.LowerPragmas(),                                      # +
         tirx.transform.FlattenBuffer(),
         cpu_padding.VersionPaddedLoads(),                            # + (llvm: a branch an element of a padded tile)

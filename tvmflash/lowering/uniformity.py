@@ -1,5 +1,6 @@
 """Values the same for a whole thread block (or warp), made so that TVM and nvcc can see it: block-uniform
-loads read once (``BindBlockUniformLoads``), conditions on block indices hoisted out of their loops
+loads read once (``BindBlockUniformLoads``), a BlockMask's tile read once a step (``BindStepLoads``),
+conditions on block indices hoisted out of their loops
 (``HoistBlockIndexConditions``), adjacent guards of one block-uniform condition merged
 (``MergeAdjacentGuards``), and the wgmma descriptors' warpgroup index read through a warp-uniform value
 (``UniformWarpgroupDescriptors``)."""
@@ -11,7 +12,7 @@ import tvm_ffi
 from tvm import tirx
 from tvm.script import tirx as T
 
-from tvmflash.lowering.ir import LOAD, find, find_attrs, loaded, prim_func_pass, substitute, transform, with_children
+from tvmflash.lowering.ir import CALL, LOAD, find, find_attrs, is_call, loaded, prim_func_pass, substitute, transform, with_children
 
 
 # ---------------------------------------------------------------------------------- block-uniform loads
@@ -81,6 +82,135 @@ def BindBlockUniformLoads(names):  # noqa: N802
     tile count): StmtSimplify inlines a pure integer let value, and the pipeline's guards on the count
     then no longer simplify away."""
     return prim_func_pass(lambda func: _block_uniform_loads_bound(func, set(names)), "tvmflash.BindBlockUniformLoads")
+
+
+# ---------------------------------------------------------------------------------- a BlockMask's step values
+class _ListValues:
+    """The values of a function that read its read-only integer buffers of ``names`` (a BlockMask's lists):
+    each integer ``if_then_else`` that holds such a load (the walk's tile, which keeps the load under its
+    condition), then each such load outside one."""
+
+    def __init__(self, func, names):
+        self.names = names
+        self.written = {store.buffer.name for store in find(func.body, tirx.BufferStore)}
+        self.threads = [attr.node.var for attr in find_attrs(func.body, "thread_extent")
+                        if not attr.node.thread_tag.startswith("blockIdx")]
+
+    def listed(self, load) -> bool:
+        buffer = loaded(load)
+        return (buffer.name in self.names and buffer.name not in self.written
+                and str(buffer.dtype).startswith("int"))
+
+    def reads_lists(self, stmt) -> bool:
+        return bool(find(stmt, LOAD, lambda n: loaded(n).name in self.names))
+
+    def found(self, stmt, kind, fixed) -> list:
+        """The distinct values of ``kind`` (CALL: the if_then_else, LOAD: the loads) under ``stmt`` for
+        which ``fixed(value)`` holds, in walk order."""
+        if kind is CALL:
+            def wanted(n):
+                return (is_call(n, "prim.if_then_else") and str(n.ty).startswith("int")
+                        and bool(find(n, LOAD, lambda m: self.listed(m) and fixed(m))) and fixed(n))
+        else:
+            def wanted(n):
+                return self.listed(n) and fixed(n)
+        values = []
+        for node in find(stmt, kind, wanted):
+            if not any(tvm_ffi.structural_equal(node, known) for known in values):
+                values.append(node)
+        return values
+
+    def fixed_in(self, stmt, step=None):
+        """A test of a value: does it read none of what changes inside ``stmt`` (thread indices, its
+        loops' and lets' variables), and ``step`` (a loop's variable) where given?"""
+        inner = self.threads + [n.loop_var for n in find(stmt, tirx.For)] + [n.var for n in find(stmt, tirx.Bind)]
+
+        def fixed(value) -> bool:
+            variables = _variables(value)
+            return (not any(v.same_as(w) for v in variables for w in inner)
+                    and (step is None or any(v.same_as(step) for v in variables)))
+        return fixed
+
+
+def _replaced(stmt, kind, pairs):
+    """``stmt`` with each node of ``kind`` structurally equal to a value of ``pairs`` ((var, value))
+    replaced by its variable."""
+    def apply(node):
+        return next((var for var, value in pairs if tvm_ffi.structural_equal(node, value)), None)
+    return transform(stmt, kind, apply)
+
+
+def _once_a_step(values: _ListValues, loop):
+    """``loop`` with the values that read its variable computed once, first thing in its body."""
+    if not values.reads_lists(loop.body):
+        return None
+    fixed = values.fixed_in(loop.body, loop.loop_var)
+    body, bound = loop.body, []
+    for kind, name in ((CALL, "selected"), (LOAD, None)):
+        found = values.found(body, kind, fixed)
+        pairs = [(tirx.Var(f"{name or loaded(v).name.lower()}_{loop.loop_var.name}_{len(bound) + n}",
+                           v.ty if kind is CALL else loaded(v).dtype), v) for n, v in enumerate(found)]
+        body = _replaced(body, kind, pairs)
+        bound += pairs
+    if not bound:
+        return None
+    return tirx.For(loop.loop_var, loop.min, loop.extent, loop.kind,
+                    tirx.SeqStmt([*(tirx.Bind(var, value) for var, value in bound), body]),
+                    loop.thread_binding, loop.annotations)
+
+
+def _once_where_used(values: _ListValues, stmt, counter):
+    """``stmt`` with each value used by two or more statements of a sequence, or by a loop, computed once
+    just before the first of them (the values that ``_once_a_step`` left: a pipeline's prologue and
+    epilogue, outside the loop). A value used by one other statement only is placed inside it, so that
+    none lives longer than its uses (across a loop it is not used in, it would hold a register through
+    the loop)."""
+    if not values.reads_lists(stmt):
+        return stmt
+    if isinstance(stmt, tirx.SeqStmt):
+        fixed = values.fixed_in(stmt)
+        parts = list(stmt.seq)
+        for kind, name in ((CALL, "selected"), (LOAD, None)):
+            for value in values.found(tirx.SeqStmt(parts), kind, fixed):
+                users = [i for i, part in enumerate(parts)  # (a let's value keeps its loads, as above)
+                         if not isinstance(part, tirx.Bind)
+                         and find(part, kind, lambda n, value=value: tvm_ffi.structural_equal(n, value))]
+                if len(users) < 2 and not (users and isinstance(parts[users[0]], tirx.For)):
+                    continue
+                var = tirx.Var(f"{name or loaded(value).name.lower()}_{len(counter)}",
+                               value.ty if kind is CALL else loaded(value).dtype)
+                counter.append(var)
+                parts = [_replaced(part, kind, [(var, value)]) if i in users else part for i, part in enumerate(parts)]
+                parts.insert(users[0], tirx.Bind(var, value))
+        return tirx.SeqStmt([_once_where_used(values, part, counter) for part in parts])
+    return with_children(stmt, lambda s: _once_where_used(values, s, counter))
+
+
+def _step_values_bound(func, names):
+    values = _ListValues(func, names)
+    body = transform(func.body, tirx.For, lambda loop: _once_a_step(values, loop))
+    return func.with_body(_once_where_used(values, body, []))
+
+
+def BindStepLoads(names):  # noqa: N802
+    """After ``BindBlockUniformLoads``: the values that read a BlockMask's lists (the read-only integer
+    buffers of ``names``) computed once a step: in each loop, each ``if_then_else`` that holds a load of
+    them at an index of the loop's variable (the walk's tile, ``program_flex.BlockWalk.tile``: it keeps
+    the load under its condition), then each such load outside one, bound first thing in the loop's body
+    (``_once_a_step``); outside the loops (a pipeline's prologue and epilogue), just before the first
+    statement that uses them, where several do (``_once_where_used``).
+
+    The programs write a step's tile as one expression, ``if_then_else(t < count, list[t] ..., end)``,
+    wherever they use it: in each copy's coordinates and in each score's mask. Holding a load, it is
+    shared by neither TVM's CommonSubexprElim nor the simplifiers, and a block-sparse sm90 build carried
+    hundreds of copies of it (the backward's also a division by the loaded count each, for its query head
+    and step): CUDA of 0.5 MB (forward) and 2.1 MB (backward), builds of 13 and 39 s on the CPU where the
+    kernels without the lists take 2 and 4 s (LowerIntrin alone 23 s on the backward's divisions, then
+    StmtSimplify and RemoveNoOp), and about twice the SASS (the backward's dkdv spilled). A value bound
+    reads no thread index and nothing bound inside its loop, so it is the same wherever it was; a load
+    outside an ``if_then_else`` was already read unconditionally there, or at an index the programs clamp
+    into the list (``BlockWalk``), whose shape the host checks (``flex_block_mask``)."""
+    return prim_func_pass(lambda func: _step_values_bound(func, set(names)), "tvmflash.BindStepLoads")
 
 
 # ---------------------------------------------------------------------------------- hoisting
