@@ -297,6 +297,19 @@ def test_sm90_q_tile_is_fenced_for_wgmma_after_its_stores(varlen):
     assert "tvmflash_fence_proxy_async();" in between and "__syncthreads();" in between
 
 
+def test_sm90_dkdv_waits_for_dv_before_writing_ds_where_threads_copy_the_q_block():
+    """With the threads' copies of the Q block (varlen's; no TMA), TVM's shared-memory planner gives dsᵀ's
+    tile the bytes of dout's, whose last reader in program order is dv's wgmma: dv's wgmma must be waited
+    for before dsᵀ is written (FA3's order, dv still running under dq's share, is the TMA path's alone).
+    Without the wait dv read dsᵀ for dout on an H100 (varlen d128 bf16: dv off by 2.9; tree 6657c87)."""
+    src = tvmflash.compile_backward(head_dim=128, dtype="bfloat16", target="sm90", varlen=True).source(4, 2)
+    kernel = src[src.index("dkdv_kernel("):]
+    dv = kernel.index("_rs_mma_async_sync_aligned_m64n128k16_f32_bf16_bf16_1_1_1(dv_acc")
+    commit = kernel.index("tvm_builtin_ptx_wgmma_commit_group_commit_group_sync_aligned();", dv)
+    ds_store = kernel.index("= *(nv_bfloat162*)(dSc_local_ptr", commit)
+    assert "wgmma_wait_group" in kernel[commit:ds_store]
+
+
 def test_cuda_schedules_build_varlen(monkeypatch):
     """The CUDA schedules take varlen (here, with no GPU: the source): the forward on sm80 (mma.sync),
     SIMT (float32) and sm90 (wgmma, TMA K/V tiles over the packed tensor, the output stored from the
