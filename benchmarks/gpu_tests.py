@@ -8,7 +8,9 @@ finish in time.
 
 Each finished test's seconds, and the modules it built in them, go to the log's ``.times`` file (also
 when the run is stopped), and the slowest are listed; each failing test's report goes to its
-``.failures`` file as the test fails (a stopped run never prints pytest's own).
+``.failures`` file as the test fails (a stopped run never prints pytest's own). With ``--save-times`` the
+seconds go into tests/gpu_test_times.txt too, from which the suite starts its longest tests first
+(tests/conftest.py).
 
 The workers share one module cache (``TVMFLASH_CACHE_DIR``, a fresh temporary folder unless set), and a
 module two of them need is built once (``cache.build_lock``). Exit status: 0 if every test ran and passed.
@@ -24,7 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
-OUTCOME = re.compile(r"\b(PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\s+(tests/\S+)")
+# "[gw3] [ 45%] PASSED tests/test_x.py::test_y[64-(8, 2)]": a test's id may hold spaces, up to the line's end
+OUTCOME = re.compile(r"\b(PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\s+(tests/.*?)\s*$", re.MULTILINE)
 
 
 def main() -> int:
@@ -33,6 +36,9 @@ def main() -> int:
     parser.add_argument("--log", default=None, help="pytest's whole output (default: a temporary file)")
     parser.add_argument("--timeout", type=float, default=0, help="seconds after which the run is stopped")
     parser.add_argument("--slowest", type=int, default=15, help="how many of the slowest tests to list")
+    parser.add_argument("--save-times", action="store_true",
+                        help="merge the finished tests' seconds into tests/gpu_test_times.txt, the order in which "
+                             "the suite starts its tests (the longest first); from a run on a fresh machine")
     args, pytest_args = parser.parse_known_args()
     collected = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-m", "gpu", *pytest_args],
                                capture_output=True, text=True)
@@ -66,6 +72,8 @@ def main() -> int:
             stopped = True
     text = log.read_text()
     print_times(times, args.slowest)
+    if args.save_times and times.exists():
+        save_times(times, Path(__file__).resolve().parent.parent / "tests" / "gpu_test_times.txt")
     if failures.exists():
         print(f"failing tests' reports in {failures}")
     outcomes = {test: outcome for outcome, test in OUTCOME.findall(text)}
@@ -100,6 +108,17 @@ def print_times(times: Path, slowest: int) -> None:
           f"building {sum(r[1] for r in rows)} modules; the slowest:")
     for seconds, builds, build_seconds, test in sorted(rows, reverse=True)[:slowest]:
         print(f"    {seconds:6.1f} s ({builds} builds, {build_seconds:5.1f} s)  {test}")
+
+
+def save_times(times: Path, saved: Path) -> None:
+    """The run's .times lines over those of ``saved`` (one line a test, the run's where both have it)."""
+    lines = {}
+    for path in (saved, times):
+        for line in (path.read_text().splitlines() if path.exists() else []):
+            if line.strip():
+                lines[line.split(None, 6)[6]] = line
+    saved.write_text("".join(f"{line}\n" for line in sorted(lines.values(), key=lambda l: -float(l.split()[0]))))
+    print(f"the tests' seconds merged into {saved}")
 
 
 if __name__ == "__main__":

@@ -1,3 +1,4 @@
+import math
 import os
 import subprocess
 import sys
@@ -75,8 +76,30 @@ SHAPES = [
 ONE_LAYOUT_SHAPES = [(seqlen_q, seqlen_k, 4, 2) for seqlen_q, seqlen_k, _, _ in SHAPES]
 
 
+# The GPU tests' seconds in a run on a fresh GPU machine (benchmarks/gpu_tests.py --save-times writes it, in
+# the .times format). The GPU suite starts the longest first (tests it does not list, new ones, before
+# all): pytest-xdist's workers take the tests in this order, and a long test taken last would end the
+# run on its own, the other workers idle.
+GPU_TEST_TIMES = os.path.join(os.path.dirname(__file__), "gpu_test_times.txt")
+
+
+def recorded_seconds(path: str) -> dict:
+    """test id -> seconds, from a .times file (none: {})."""
+    if not os.path.exists(path):
+        return {}
+    with open(path) as lines:
+        return {line.split(None, 6)[6].rstrip("\n"): float(line.split(None, 1)[0]) for line in lines if line.strip()}
+
+
+def longest_first(items: list, seconds: dict) -> None:
+    """The GPU tests in ``items`` sorted by their recorded ``seconds``, the longest first and unlisted ones
+    before all, ahead of the others (in their order)."""
+    items.sort(key=lambda item: -seconds.get(item.nodeid, math.inf) if "gpu" in item.keywords else 0.0)
+
+
 def pytest_collection_modifyitems(config, items):
     if HAS_GPU:
+        longest_first(items, recorded_seconds(GPU_TEST_TIMES))
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU; none is visible to torch")
     for item in items:

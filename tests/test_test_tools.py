@@ -1,0 +1,46 @@
+"""The GPU suite's tools: the order in which it starts its tests (tests/gpu_test_times.txt, the longest
+first) and benchmarks/gpu_tests.py's record of their seconds."""
+
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+from conftest import GPU_TEST_TIMES, longest_first, recorded_seconds
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import gpu_tests  # noqa: E402
+
+
+def test_the_recorded_gpu_seconds_read_back():
+    seconds = recorded_seconds(GPU_TEST_TIMES)
+    assert len(seconds) > 100 and all(t.startswith("tests/") and "::" in t for t in seconds)
+    assert all(s >= 0 for s in seconds.values())
+    assert recorded_seconds("/nonexistent/times.txt") == {}
+
+
+def test_gpu_tests_start_longest_first_and_unlisted_ones_before_all():
+    def item(nodeid, gpu=True):
+        return SimpleNamespace(nodeid=nodeid, keywords={"gpu": True} if gpu else {})
+
+    items = [item("a"), item("cpu1", gpu=False), item("b"), item("new"), item("c"), item("cpu2", gpu=False)]
+    longest_first(items, {"a": 1.0, "b": 30.0, "c": 7.5})
+    assert [i.nodeid for i in items] == ["new", "b", "c", "a", "cpu1", "cpu2"]
+
+
+def test_saved_times_merge_the_run_over_the_record(tmp_path):
+    def line(seconds, test):
+        return f"{seconds:8.1f} s   1 builds     0.5 s  {test}"
+
+    saved, run = tmp_path / "saved.txt", tmp_path / "run.times"
+    saved.write_text(f"{line(1.0, 'tests/a.py::x')}\n{line(2.0, 'tests/a.py::y[1, 2]')}\n")
+    run.write_text(f"{line(5.0, 'tests/a.py::y[1, 2]')}\n{line(3.0, 'tests/b.py::z')}\n")
+    gpu_tests.save_times(run, saved)
+    assert recorded_seconds(str(saved)) == {"tests/a.py::y[1, 2]": 5.0, "tests/b.py::z": 3.0, "tests/a.py::x": 1.0}
+    assert [float(l.split()[0]) for l in saved.read_text().splitlines()] == [5.0, 3.0, 1.0]
+
+
+def test_outcomes_are_read_with_ids_that_hold_spaces():
+    log = ("tests/a.py::t[64-(8, 2)] \n[gw4] [ 16%] PASSED tests/a.py::t[64-(8, 2)] \n"
+           "[gw1] [100%] FAILED tests/b.py::u[x] \n")
+    assert dict((t, o) for o, t in gpu_tests.OUTCOME.findall(log)) == {"tests/a.py::t[64-(8, 2)]": "PASSED",
+                                                                       "tests/b.py::u[x]": "FAILED"}
