@@ -8,6 +8,8 @@ cuDNN backends, timed in the same run (tvmflash.bench.time_backends: interleaved
                                                             # knob sets side by side ({}: the defaults;
                                                             # "schedule": "simt" or "sm80" picks one)
     python benchmarks/decode_bench.py --eager               # plain calls instead of CUDA-graph replays
+    python benchmarks/decode_bench.py --plot decode.png     # and a figure: GB/s against the KV length,
+                                                            # a panel per batch, beside a copy's GB/s
 
 One query token per sequence, every sequence with the full KV length. Bandwidth is the K and V cache
 bytes a step must read (batch * seqlen * heads_kv * head_dim * 2 bytes, twice) over the time, in TB/s.
@@ -27,7 +29,7 @@ import math
 
 import torch
 
-from tvmflash import bench, kernels
+from tvmflash import bench, kernels, plot
 
 L2_BYTES = 64 << 20  # at least the L2 of an H100/H200 (50/60 MiB): working sets are kept 4x larger
 
@@ -191,14 +193,17 @@ def main():
                         help="build the knob sets' modules in this many processes first (into TVMFLASH_CACHE_DIR)")
     parser.add_argument("--repeat", type=int, default=50)
     parser.add_argument("--device", default="cuda", help="cuda (default), or cpu to try the script on small shapes")
+    parser.add_argument("--plot", metavar="FILE", help="draw the run to FILE (.png, .svg or .pdf; needs matplotlib)")
     args = parser.parse_args()
+    if args.plot:
+        plot.check(args.plot)  # before minutes of measuring
 
     device = torch.device(args.device)
     args.eager |= device.type != "cuda"
     dtype = getattr(torch, args.dtype)
     heads_q, heads_kv = args.heads
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    print(f"decode bench on {name}: GQA {heads_q}/{heads_kv}, d{args.head_dim}, "
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(f"decode bench on {device_name}: GQA {heads_q}/{heads_kv}, d{args.head_dim}, "
           f"{args.dtype}, one query token, {'eager calls' if args.eager else 'CUDA-graph replays'}")
     if args.jobs > 1:
         prebuild(args, heads_q, heads_kv)
@@ -206,6 +211,7 @@ def main():
                                                     **knob_set(knobs))
                for page_size in args.page_size for k, knobs in enumerate(args.knobs)}
     header = None
+    panels = {}  # for --plot: {f"batch {b}": {line: [(seqlen, GB/s)]}}
     for batch in args.batch:
         for seqlen in args.seqlen:
             kv_bytes = 2 * batch * seqlen * heads_kv * args.head_dim * dtype.itemsize
@@ -244,6 +250,11 @@ def main():
                 row += "".join(f"{times[n] * 1e3:>16.1f}{kv_bytes / times[n] / 1e9:>6.2f}" for n in sdpa)
                 row += "".join(f"{times[n] / ms:>14.2f}x" for n in sdpa)
                 print(row + f"{error:>10.2e} {'yes' if error <= tolerance else 'NO'}")
+                split_label = f" splits {splits}" if len(args.splits) > 1 else ""
+                lines = panels.setdefault(f"batch {batch}", {})
+                lines.setdefault(f"tvmflash {layout}{knobs}{split_label}", []).append((seqlen, kv_bytes / ms / 1e6))
+            for n in sdpa:
+                panels[f"batch {batch}"].setdefault(n, []).append((seqlen, kv_bytes / times[n] / 1e6))
             del problems, calls, per_copy
             torch.cuda.empty_cache()
     for (page_size, k), kernel in built.items():
@@ -251,6 +262,12 @@ def main():
         print(f"tvmflash {'paged ' + str(page_size) if page_size else 'contiguous'}"
               f"{f' k{k}' if len(args.knobs) > 1 else ''}: {info['schedule']} schedule, {info['knobs_source']} "
               f"knobs {info['knobs']}")
+    if args.plot:
+        ceilings = bench.measure_ceilings(device, args.dtype, args.repeat)
+        plot.plot_bandwidth(panels, ceilings.copy_gbps, f"decode: flash_attn_with_kvcache against PyTorch SDPA, GQA "
+                            f"{heads_q}/{heads_kv}, d{args.head_dim}, {args.dtype}, one query token\n{device_name}; a copy in "
+                            f"the same run: {ceilings.copy_gbps:.0f} GB/s (read + write)", args.plot)
+        print(f"drawn to {args.plot}")
     print("vs X: X's time over tvmflash's (>1: tvmflash faster). X* : X took no GQA and ran on K/V with repeated "
           "heads. SDPA has no paged cache: paged rows compare with its contiguous times. TB/s: K+V cache bytes "
           "a step reads over its time")

@@ -115,6 +115,24 @@ def test_plot_draws_a_grid_of_panels(tmp_path):
     assert "NVIDIA H100 80GB HBM3" in svg and "over the error tolerance" in svg and "d256, 8 heads, causal" in svg
 
 
+def test_plot_bandwidth_draws_a_panel_a_batch(tmp_path):
+    """decode_bench.py --plot's figure: GB/s against the keys, a panel per batch (the fourth cell of a
+    grid of three columns hidden), tvmflash's lines and SDPA's, the copy's ceiling; a bad file name or an
+    empty run refused."""
+    pytest.importorskip("matplotlib")
+    from tvmflash import plot
+
+    panels = {f"batch {b}": {"tvmflash contiguous": [(4096, 900.0 * b), (16384, 1500.0)],
+                             "sdpa-cudnn": [(4096, 1000.0), (16384, 1600.0)]} for b in (1, 8, 32, 64)}
+    plot.plot_bandwidth(panels, 3000.0, "decode on NVIDIA H100 80GB HBM3", tmp_path / "decode.svg")
+    svg = (tmp_path / "decode.svg").read_text()
+    assert "decode on NVIDIA H100 80GB HBM3" in svg and "batch 64" in svg and "sdpa-cudnn" in svg
+    with pytest.raises(ValueError, match="nothing measured"):
+        plot.plot_bandwidth({}, 1.0, "t", tmp_path / "empty.png")
+    with pytest.raises(ValueError, match="expected a file name ending in"):
+        plot.plot_bandwidth(panels, 1.0, "t", tmp_path / "decode.txt")
+
+
 def test_plot_without_matplotlib_says_how_to_install_it(tmp_path, monkeypatch, capsys):
     """Without matplotlib, --plot is refused before anything is measured, with the command that installs
     it and the way round it (--json now, --from-json where matplotlib is)."""

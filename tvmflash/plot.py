@@ -71,3 +71,39 @@ def plot(report, path) -> None:
         figure.savefig(path)
     except OSError as err:
         raise ValueError(f"--plot: cannot write {path}: {err.strerror or err}") from None
+
+
+def plot_bandwidth(panels: dict, ceiling_gbps: float, title: str, path, xlabel: str = "keys a sequence") -> None:
+    """A memory-bound kernel's figure (decode's: ``benchmarks/decode_bench.py --plot``): GB/s against a
+    length, a panel per key of ``panels`` ({panel title: {line label: [(length, GB/s), ...]}}), a line per
+    label (those starting "tvmflash" bold), and ``ceiling_gbps`` (a copy's GB/s in the same run, bytes
+    read plus written) as a dashed line; ``title`` above all."""
+    check(path)
+    from matplotlib.figure import Figure
+
+    if not panels:
+        raise ValueError("--plot: nothing measured to draw")
+    columns = min(3, len(panels))
+    rows = math.ceil(len(panels) / columns)
+    figure = Figure(figsize=(4.4 * columns, 3.6 * rows + 0.8), layout="constrained")
+    axes = figure.subplots(rows, columns, squeeze=False).flat
+    for (name, lines), ax in zip(panels.items(), axes):
+        lengths = sorted({length for points in lines.values() for length, _ in points})
+        for label, points in lines.items():
+            points = sorted(points)
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o",
+                    linewidth=2.5 if label.startswith("tvmflash") else 1.2, label=label)
+        ax.axhline(ceiling_gbps, color="gray", linestyle="--", label="copy, same run (read + write)")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(lengths, labels=[f"{n // 1024}k" if n % 1024 == 0 else str(n) for n in lengths])
+        ax.set_ylim(bottom=0)
+        ax.set(title=name, xlabel=xlabel, ylabel="GB/s")
+        ax.grid(alpha=0.3)
+    for ax in list(axes):
+        ax.set_visible(False)
+    figure.axes[0].legend(fontsize="small")
+    figure.suptitle(title)
+    try:
+        figure.savefig(path)
+    except OSError as err:
+        raise ValueError(f"--plot: cannot write {path}: {err.strerror or err}") from None
