@@ -31,15 +31,10 @@ def plot(report, path) -> None:
     output failed the error check) and the square matmul's TFLOP/s of the same run as a dashed line;
     the title says the device, dtype, date, version and the copy bandwidth measured."""
     check(path)
-    from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global state touched
-
     panels = sorted({(r.shape["head_dim"], r.shape["causal"]) for r in report.results})
     if not panels:
         raise ValueError("--plot: the report has no results to draw")
-    columns = min(4, len(panels))
-    rows = math.ceil(len(panels) / columns)
-    figure = Figure(figsize=(4.2 * columns, 3.6 * rows + 0.8), layout="constrained")
-    axes = figure.subplots(rows, columns, squeeze=False).flat
+    figure, axes = _grid(len(panels), columns=4, width=4.2)
     ceilings = report.ceilings
     for (head_dim, causal), ax in zip(panels, axes):  # panels first: zip would take, and lose, one more ax
         results = sorted((r for r in report.results if (r.shape["head_dim"], r.shape["causal"]) == (head_dim, causal)),
@@ -67,6 +62,20 @@ def plot(report, path) -> None:
     figure.suptitle(f"tvmflash {report.version} against PyTorch SDPA, {report.dtype}, {report.date}\n{report.device}; "
                     f"in the same run: {ceilings.matmul_tflops:.1f} TFLOP/s matmul, copy {ceilings.copy_gbps:.0f} GB/s "
                     f"(read + write)")
+    _save(figure, path)
+
+
+def _grid(panels: int, columns: int, width: float):
+    """(figure, its axes in reading order) for ``panels`` panels, at most ``columns`` a row."""
+    from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global state touched
+
+    columns = min(columns, panels)
+    rows = math.ceil(panels / columns)
+    figure = Figure(figsize=(width * columns, 3.6 * rows + 0.8), layout="constrained")
+    return figure, figure.subplots(rows, columns, squeeze=False).flat
+
+
+def _save(figure, path) -> None:
     try:
         figure.savefig(path)
     except OSError as err:
@@ -79,14 +88,9 @@ def plot_bandwidth(panels: dict, ceiling_gbps: float, title: str, path, xlabel: 
     label (those starting "tvmflash" bold), and ``ceiling_gbps`` (a copy's GB/s in the same run, bytes
     read plus written) as a dashed line; ``title`` above all."""
     check(path)
-    from matplotlib.figure import Figure
-
     if not panels:
         raise ValueError("--plot: nothing measured to draw")
-    columns = min(3, len(panels))
-    rows = math.ceil(len(panels) / columns)
-    figure = Figure(figsize=(4.4 * columns, 3.6 * rows + 0.8), layout="constrained")
-    axes = figure.subplots(rows, columns, squeeze=False).flat
+    figure, axes = _grid(len(panels), columns=3, width=4.4)
     for (name, lines), ax in zip(panels.items(), axes):
         lengths = sorted({length for points in lines.values() for length, _ in points})
         for label, points in lines.items():
@@ -103,7 +107,4 @@ def plot_bandwidth(panels: dict, ceiling_gbps: float, title: str, path, xlabel: 
         ax.set_visible(False)
     figure.axes[0].legend(fontsize="small")
     figure.suptitle(title)
-    try:
-        figure.savefig(path)
-    except OSError as err:
-        raise ValueError(f"--plot: cannot write {path}: {err.strerror or err}") from None
+    _save(figure, path)
