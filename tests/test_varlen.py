@@ -300,7 +300,8 @@ def test_sm90_q_tile_is_fenced_for_wgmma_after_its_stores(varlen):
 def test_sm90_dkdv_waits_for_dv_before_writing_ds_where_threads_copy_the_q_block():
     """With the threads' copies of the Q block (varlen's; no TMA), TVM's shared-memory planner gives dsᵀ's
     tile the bytes of dout's, whose last reader in program order is dv's wgmma: dv's wgmma must be waited
-    for before dsᵀ is written (FA3's order, dv still running under dq's share, is the TMA path's alone).
+    for before dsᵀ is written (FA3's order, dv still running under dq's share, is the TMA path's alone;
+    here dq's share still runs under dk's, which ends both).
     Without the wait dv read dsᵀ for dout on an H100 (varlen d128 bf16: dv off by 2.9; tree 6657c87)."""
     src = tvmflash.compile_backward(head_dim=128, dtype="bfloat16", target="sm90", varlen=True).source(4, 2)
     kernel = src[src.index("dkdv_kernel("):]

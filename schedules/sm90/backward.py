@@ -81,16 +81,17 @@ def _schedule_dkdv(sch: tvm.s_tir.Schedule, num_stages: int, vec: int, dq_atomic
         for name in ("load_q", "load_do", "load_lse", "load_delta"):
             sch.annotate(sch.get_sblock(name), TMA_LOAD, producer)
     _backward_step(sch, ("cast_p",), groups, BM, D, dtype, num_stages, overlap, b_swizzled=tma, swizzle=columns)
-    # With overlap dv (and dq's share) only committed: dk's wait ends them. Only where TMA places the Q
+    # With overlap dv and dq's share only committed: dk's wait ends them. dv only where TMA places the Q
     # block's tiles: the threads' copies (cp.async; varlen's) leave dout's tile to TVM's shared-memory
     # planner, which, seeing dv's wgmma as dout's last reader, gives dsᵀ's tile (written while dv would
     # still run) the same bytes: dv then read dsᵀ for dout (varlen's dv off by 2.9 on an H100, 2026-12-07).
+    # dq's share reads dsᵀ and K, which nothing writes before dk's wait.
     dv_in_flight = overlap and tma
     for name in ("dv", "dk"):
         _backward_accumulate(sch, name, groups, D, BM, dtype, b_swizzled=tma, wait=not dv_in_flight or name == "dk",
                              swizzle=columns)
     if dq_atomic:
-        _schedule_dq_share(sch, staged, groups, BM, D, BN, dtype, ds_buffers, dq_reduce, dv_in_flight)
+        _schedule_dq_share(sch, staged, groups, BM, D, BN, dtype, ds_buffers, dq_reduce, overlap)
     if num_stages > 1:
         pipeline_loads(sch, num_stages, step="q_step", loads=("load_q", "load_do", "load_lse", "load_delta"))
 
