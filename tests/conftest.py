@@ -150,6 +150,24 @@ def records_dir(tmp_path, monkeypatch):
     kernels.forget_kernels()
 
 
+def tune_on_one_core(patch) -> None:
+    """Tuning's build processes (MetaSchedule's builder workers, a measured pass's spawned builds) one at a
+    time, as under ``taskset -c 0`` (``tune.builder.usable_cores``), by ``patch`` (a pytest MonkeyPatch): each
+    process imports TVM and tvmflash first (some 3 s of CPU), and a test's two or three candidates need no
+    second one. The tests of building on every core (tune/test_builder.py's, test_measured's backward run)
+    keep them."""
+    from tvmflash.tune import measured, run, task
+
+    for module in (run, task, measured):
+        patch.setattr(module, "usable_cores", lambda: 1)
+
+
+@pytest.fixture
+def one_core(monkeypatch):
+    """``tune_on_one_core`` for a test."""
+    tune_on_one_core(monkeypatch)
+
+
 def cli(*args, env_dir):
     """``tvmflash ARGS`` in a process of its own, with ``env_dir`` its cache dir."""
     env = dict(os.environ, TVMFLASH_CACHE_DIR=str(env_dir))

@@ -326,7 +326,7 @@ def test_bad_cli_input_is_one_line(cache_dir, capsys):
         assert exited.value.code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, (args, err)
 
 
-def test_tune_all_retunes_every_shipped_workload(records_dir, monkeypatch, tmp_path, capsys):
+def test_tune_all_retunes_every_shipped_workload(records_dir, one_core, monkeypatch, tmp_path, capsys):
     """``tvmflash tune --all`` takes its workloads from the shipped records (tuning_logs/), each once;
     without --all, --head-dim is needed."""
     from tvmflash import cli as tvmflash_cli

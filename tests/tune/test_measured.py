@@ -70,7 +70,7 @@ def test_tune_backward_stores_a_record_compile_backward_reads(records_dir, capsy
     assert varlen.knobs_source == "defaults"
 
 
-def test_tune_decode_stores_a_record_compile_decode_reads(records_dir, capsys):
+def test_tune_decode_stores_a_record_compile_decode_reads(records_dir, one_core, capsys):
     """``tvmflash tune --pass decode`` on the CPU: one query token over full caches, a quarter as many
     K/V heads as query heads; the record is the cache layout's (a paged kernel keeps its defaults)."""
     from tvmflash import cli as tvmflash_cli
@@ -129,7 +129,7 @@ def test_a_measured_pass_replaces_the_incumbent_only_beyond_the_noise(records_di
     assert tvmflash.compile_backward(head_dim=32, dtype="float32", target="cpu").knobs == record["knobs"]
 
 
-def test_tune_flex_stores_a_record_that_kernels_of_the_same_mods_read(records_dir, capsys):
+def test_tune_flex_stores_a_record_that_kernels_of_the_same_mods_read(records_dir, one_core, capsys):
     """``tvmflash tune --flex alibi --block-mask`` is refused (no mask_mod); ``--flex document --block-mask`` on the
     CPU: the forward's space measured with the pattern's captured document ids and BlockMask lists, each output
     checked against the pattern's reference; the record is keyed by the mods' trace (``choice.flex_digest``),
@@ -173,7 +173,7 @@ def test_tune_flex_stores_a_record_that_kernels_of_the_same_mods_read(records_di
     assert flex.flex_kernel(q, other).knobs_source == "defaults"
 
 
-def test_tune_flex_backward_stores_a_record_that_the_backward_of_the_same_mods_reads(records_dir, capsys):
+def test_tune_flex_backward_stores_a_record_that_the_backward_of_the_same_mods_reads(records_dir, one_core, capsys):
     """``tvmflash tune --flex relative-bias --pass backward``: the backward's space measured with the table
     captured, the gradients checked against the pattern's reference by torch's autograd; compile_backward of the
     same mods reads the record, their forward does not."""
