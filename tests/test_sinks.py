@@ -85,14 +85,16 @@ def dense_case(device, dtype, seqlen_q, seqlen_k, heads_q, heads_kv, seed=0, hea
     return out, lse, sinks
 
 
-# (dtype, seqlen_q, seqlen_k, heads_q, heads_kv, variant): tails, Lq != Lk, GQA and MQA, causal, a window, a softcap
+# (dtype, seqlen_q, seqlen_k, heads_q, heads_kv, variant): tails, Lq != Lk, MHA, GQA and MQA, causal, a window, a
+# softcap. Each (dtype, heads, variant) is a forward and a backward build: 1 x 1 takes 77 x 200's, and bf16 causal
+# the MHA heads of test_varlen_forward_and_gradients_match_float64's qkvpacked call.
 DENSE_CASES = [
     (torch.float32, 17, 17, 2, 2, {}),
     (torch.float32, 77, 200, 4, 2, {"causal": True}),
-    (torch.bfloat16, 129, 129, 4, 2, {"causal": True}),
+    (torch.bfloat16, 129, 129, 4, 4, {"causal": True}),
     (torch.bfloat16, 200, 77, 4, 1, {}),
     (torch.float16, 100, 130, 4, 2, {"window_size": (20, 5), "softcap": 5.0}),
-    (torch.float32, 1, 1, 2, 2, {"causal": True}),
+    (torch.float32, 1, 1, 4, 2, {"causal": True}),
     (torch.bfloat16, 1, 300, 4, 1, {"alibi_slopes": torch.tensor([0.1, 0.2, 0.3, 0.4])}),
 ]
 
