@@ -20,8 +20,10 @@ def test_cuda_source_builds(arch, dtype):
     assert kernel.info()["target"] == {"sm80": "cuda sm_80", "sm90": "cuda sm_90a"}[arch]
 
 
+# sm80's: the GPU tests run on sm_90a, where compile() takes sm90's kernels at d64 (and SIMT's in float32), which
+# test_numerics builds there, so nvcc compiles those in the GPU suite
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
-@pytest.mark.parametrize("arch", ["sm80", "sm90"])
+@pytest.mark.parametrize("arch", ["sm80"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 def test_cuda_source_compiles_with_nvcc(arch, dtype):
     from tvm.support import nvcc

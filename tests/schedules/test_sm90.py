@@ -48,9 +48,9 @@ def element_offsets(offset):
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_sm90_wgmma_schedule_serves_sm_90a(monkeypatch, dtype):
-    """On sm_90a the wgmma schedule serves (with no tuning records that favour sm80), emits wgmma,
-    not mma.sync, and nvcc compiles it for sm_90a. TVMFLASH_SM90=0 keeps sm80; 1 does not take it
-    to other targets."""
+    """On sm_90a the wgmma schedule serves (with no tuning records that favour sm80) and emits wgmma,
+    not mma.sync (that it compiles is the GPU tests': test_numerics builds these kernels on sm_90a).
+    TVMFLASH_SM90=0 keeps sm80; 1 does not take it to other targets."""
     monkeypatch.setenv("TVMFLASH_SM90", "0")
     assert tvmflash.compile(head_dim=64, dtype=dtype, target="sm90").info()["schedule"] == "sm80"
     monkeypatch.delenv("TVMFLASH_SM90")
@@ -64,12 +64,6 @@ def test_sm90_wgmma_schedule_serves_sm_90a(monkeypatch, dtype):
     assert f"wgmma.mma_async.sync.aligned.m64n64k16.f32.{ptx_type}.{ptx_type}" in src  # S = Q K^T
     assert f"wgmma.mma_async.sync.aligned.m64n128k16.f32.{ptx_type}.{ptx_type}" in src  # O += P V
     assert "wgmma.wait_group.sync.aligned" in src and "mma.sync" not in src
-    if shutil.which("nvcc") is not None:
-        from tvm.support import nvcc
-
-        with kernel.target:
-            cubin = nvcc.compile_cuda(src, target_format="cubin", arch="sm_90a", compiler="nvcc")
-        assert len(cubin) > 1000
 
 
 def test_sm90_accumulator_layout_matches_cutlass():
