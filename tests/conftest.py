@@ -162,6 +162,41 @@ def cache_dir(tmp_path, monkeypatch):
     kernels.forget_kernels()
 
 
+@pytest.fixture
+def records_dir(tmp_path, monkeypatch):
+    """``cache_dir`` for tests of tuning: a fresh cache dir (tuning records, work dirs; no in-memory
+    kernels) whose modules/ is the run's. Its modules are keyed by all they are built from, so sharing
+    them hides no build; a tuning run's kernels (the defaults, the candidates it times again through
+    compile) are then built once in the run, not once a test (1-2 s each, several a test)."""
+    from tvmflash import cache, kernels
+
+    shared = cache.module_dir()
+    shared.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "modules").symlink_to(shared, target_is_directory=True)
+    monkeypatch.setenv("TVMFLASH_CACHE_DIR", str(tmp_path))
+    kernels.forget_kernels()
+    yield tmp_path
+    kernels.forget_kernels()
+
+
+def tune_on_one_core(patch) -> None:
+    """Tuning's build processes (MetaSchedule's builder workers, a measured pass's spawned builds) one at a
+    time, as under ``taskset -c 0`` (``tune.builder.usable_cores``), by ``patch`` (a pytest MonkeyPatch): each
+    process imports TVM and tvmflash first (some 3 s of CPU), and a test's two or three candidates need no
+    second one. The tests of building on every core (tune/test_builder.py's, test_measured's backward run)
+    keep them."""
+    from tvmflash.tune import measured, run, task
+
+    for module in (run, task, measured):
+        patch.setattr(module, "usable_cores", lambda: 1)
+
+
+@pytest.fixture
+def one_core(monkeypatch):
+    """``tune_on_one_core`` for a test."""
+    tune_on_one_core(monkeypatch)
+
+
 def cli(*args, env_dir):
     """``tvmflash ARGS`` in a process of its own, with ``env_dir`` its cache dir."""
     env = dict(os.environ, TVMFLASH_CACHE_DIR=str(env_dir))

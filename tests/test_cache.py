@@ -21,29 +21,6 @@ print(json.dumps({"info": kernel.info(), "finite": bool(torch.isfinite(out).all(
 """
 
 
-def run_in_new_process(cache_dir):
-    env = dict(os.environ, TVMFLASH_CACHE_DIR=str(cache_dir))
-    done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, check=True)
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def test_second_process_loads_from_disk_and_a_corrupt_file_is_rebuilt(tmp_path):
-    """A second process loads the first one's module; once that file is corrupt, a third rebuilds it
-    (one test: each process imports TVM and torch, some 4 s of CPU)."""
-    first = run_in_new_process(tmp_path)
-    second = run_in_new_process(tmp_path)
-    (module_1,) = first["info"]["modules"].values()
-    (module_2,) = second["info"]["modules"].values()
-    assert module_1["origin"] == "built" and module_2["origin"] == "disk cache"
-    assert module_1["path"] == module_2["path"] and os.path.exists(module_2["path"])
-    assert first["finite"] and second["finite"]
-    with open(module_2["path"], "wb") as f:
-        f.write(b"not a shared library")
-    again = run_in_new_process(tmp_path)
-    (module,) = again["info"]["modules"].values()
-    assert module["origin"] == "built" and again["finite"]
-
-
 TRUNCATE_SCRIPT = """
 import warnings, torch, tvmflash
 from tvmflash.kernels import build
@@ -147,16 +124,6 @@ def test_cache_listing_tells_modules_apart(tmp_path, monkeypatch, capsys):
     assert len(lines) == 2 and lines[0] != lines[1], lines  # (key, size and date aside)
 
 
-def test_cache_listing(tmp_path, monkeypatch):
-    monkeypatch.setenv("TVMFLASH_CACHE_DIR", str(tmp_path))
-    run_in_new_process(tmp_path)
-    (entry,) = cache.list_modules()
-    assert entry["spec"] == {"head_dim": 32, "dtype": "float32", "causal": True, "heads_q": 2, "heads_kv": 1,
-                             "window_left": -1, "window_right": -1, "softcap": 0.0, "alibi": False,
-                             "varlen": False, "dropout": False, "flex": None, "sinks": False}
-    assert entry["schedule"] == "cpu" and entry["bytes"] > 0
-
-
 def test_in_memory_cache_returns_the_same_kernel():
     a = tvmflash.compile(head_dim=64, dtype=torch.float16, target="cpu")
     b = tvmflash.compile(head_dim=64, dtype="float16", target="cpu")
@@ -210,9 +177,11 @@ def test_a_packages_source_digest_covers_all_its_files(tmp_path):
     assert cache.source_files(plain) == [package / "knobs.py"]
 
 
-def test_processes_that_need_one_module_build_it_once(tmp_path):
+def test_processes_that_need_one_module_build_it_once_and_a_corrupt_file_is_rebuilt(tmp_path, monkeypatch):
     """Two processes that need a module no one has built (the ranks of one job): the first to take its
-    build lock builds it, the other waits and loads it. The lock is held here until both wait for it."""
+    build lock builds it, the other waits and loads it from disk. The lock is held here until both wait
+    for it. The cache's listing of the module says its spec and schedule; once its file is corrupt, it is
+    rebuilt (here, nothing in memory: each new process imports TVM and torch, some 4 s of CPU)."""
     kernel = tvmflash.compile(head_dim=32, dtype="float32", causal=True, target="cpu", heads_q=2, heads_kv=1)
     key = kernel.build.key(kernel.spec(2, 1))
     env = dict(os.environ, TVMFLASH_CACHE_DIR=str(tmp_path))
@@ -227,8 +196,31 @@ def test_processes_that_need_one_module_build_it_once(tmp_path):
         out, err = process.communicate(timeout=600)
         assert process.returncode == 0, err
         results.append(json.loads(out.strip().splitlines()[-1]))
-    origins = sorted(next(iter(r["info"]["modules"].values()))["origin"] for r in results)
-    assert origins == ["built", "disk cache"] and all(r["finite"] for r in results)
+    modules = sorted((next(iter(r["info"]["modules"].values())) for r in results), key=lambda m: m["origin"])
+    assert [m["origin"] for m in modules] == ["built", "disk cache"] and all(r["finite"] for r in results)
+    path = modules[0]["path"]
+    assert modules[1]["path"] == path and os.path.exists(path)
+
+    monkeypatch.setenv("TVMFLASH_CACHE_DIR", str(tmp_path))
+    (entry,) = cache.list_modules()
+    assert entry["spec"] == {"head_dim": 32, "dtype": "float32", "causal": True, "heads_q": 2, "heads_kv": 1,
+                             "window_left": -1, "window_right": -1, "softcap": 0.0, "alibi": False,
+                             "varlen": False, "dropout": False, "flex": None, "sinks": False}
+    assert entry["schedule"] == "cpu" and entry["bytes"] > 0 and entry["path"] == path
+
+    with open(path, "wb") as f:
+        f.write(b"not a shared library")
+    from tvmflash import kernels
+    from tvmflash.kernels import build
+
+    monkeypatch.setattr(kernels, "_KERNELS", {})  # here, as a new process: nothing in memory
+    monkeypatch.setattr(build, "_MODULES", {})
+    q, k, v = torch.randn(1, 9, 2, 32), torch.randn(1, 7, 1, 32), torch.randn(1, 7, 1, 32)
+    with pytest.warns(UserWarning, match="rebuilding cached module .*: it has 20 bytes"):
+        kernel = tvmflash.compile(head_dim=32, dtype="float32", causal=True, target="cpu", heads_q=2, heads_kv=1)
+        assert torch.isfinite(kernel(q, k, v)).all()
+    (module,) = kernel.info()["modules"].values()
+    assert module["origin"] == "built" and module["path"] == path
 
 
 @contextlib.contextmanager

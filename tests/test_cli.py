@@ -23,26 +23,29 @@ def tvmflash(*args):
 
 
 def test_info():
+    """In a process of its own, as a user runs it (the other commands mostly through ``main``, which is what
+    ``python -m tvmflash.cli`` runs: a process imports TVM and torch, some 3 s of CPU each)."""
     out = tvmflash("info")
     assert "TVM 0.27" in out and "cache dir:" in out and "default target:" in out
 
 
 def test_compile_emits_cuda(tmp_path):
+    from tvmflash import cli
+
     path = tmp_path / "out.cu"
-    tvmflash("compile", "--target", "sm90", "--head-dim", "128", "--dtype", "bfloat16", "--causal",
-             "--emit", "cuda", "-o", str(path))
+    assert cli.main(["compile", "--target", "sm90", "--head-dim", "128", "--dtype", "bfloat16", "--causal",
+                     "--emit", "cuda", "-o", str(path)]) == 0
     assert "__global__" in path.read_text()
 
 
-def test_compile_emits_tir():
-    assert "T.sblock" in tvmflash("compile", "--target", "cpu", "--head-dim", "64", "--emit", "tir")
-
-
-def test_bench_on_cpu():
+def test_bench_on_cpu(capsys):
     """--layout bhsd times tvmflash on (b, h, s, d) tensors seen through a transpose against contiguous
     ones in the same run (and checks both outputs)."""
-    out = tvmflash("bench", "--device", "cpu", "--head-dim", "64", "--causal", "yes", "--seqlens", "128",
-                   "--tokens", "256", "--hidden", "128", "--repeat", "2", "--layout", "bhsd")
+    from tvmflash import cli
+
+    assert cli.main(["bench", "--device", "cpu", "--head-dim", "64", "--causal", "yes", "--seqlens", "128",
+                     "--tokens", "256", "--hidden", "128", "--repeat", "2", "--layout", "bhsd"]) == 0
+    out = capsys.readouterr().out
     lines = [line for line in out.splitlines() if line.startswith("bfloat16 d64 causal")]
     assert len(lines) == 1 and lines[0].split()[-1] == "yes", out
     schedule = "amx" if targets.host_amx() else "cpu"  # bf16 on a CPU with AMX: the amx schedule
@@ -175,19 +178,26 @@ def test_bench_refuses_bad_outputs_and_reports(tmp_path, capsys, args, message):
     assert exited.value.code == 2 and message in err and len(err.strip().splitlines()) == 1, err
 
 
-def test_bad_arguments_fail_cleanly():
-    done = subprocess.run([sys.executable, "-m", "tvmflash.cli", "compile", "--head-dim", "59", "--target", "cpu"],
-                          capture_output=True, text=True)
-    assert done.returncode != 0 and "head_dim: expected a multiple of 8 from 8 to 256, got 59" in done.stderr
-    assert "Traceback" not in done.stderr
+def test_bad_arguments_fail_cleanly(capsys):
+    from tvmflash import cli
+
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["compile", "--head-dim", "59", "--target", "cpu"])
+    err = capsys.readouterr().err
+    assert exited.value.code != 0 and "head_dim: expected a multiple of 8 from 8 to 256, got 59" in err
+    assert "Traceback" not in err
 
 
 def test_compile_emits_what_its_target_has(capsys):
-    """Without --emit, a CPU target gives its TensorIR (the default was --emit cuda on any target)."""
+    """Without --emit, a CPU target gives its TensorIR (the default was --emit cuda on any target), as
+    --emit tir does."""
     from tvmflash import cli
 
     assert cli.main(["compile", "--target", "cpu", "--head-dim", "64"]) == 0
-    assert "T.sblock" in capsys.readouterr().out
+    default = capsys.readouterr().out
+    assert "T.sblock" in default
+    assert cli.main(["compile", "--target", "cpu", "--head-dim", "64", "--emit", "tir"]) == 0
+    assert capsys.readouterr().out == default
 
 
 def test_help_says_the_defaults():
@@ -316,16 +326,25 @@ def test_cache_commands(cache_dir, tmp_path):
     assert not database.user_dir().exists()
 
 
-def test_bad_cli_input_is_one_line(cache_dir):
-    for args in (("tune", "--head-dim", "59"), ("tune", "--head-dim", "64", "--trials", "0", "--target", "cpu"),
+def test_bad_cli_input_is_one_line(cache_dir, capsys):
+    """Bad input is one line of error, exit status 2: the first in a process of its own, as a user runs it,
+    the others through ``main`` (what ``python -m tvmflash.cli`` runs; a process imports TVM and torch,
+    some 2 s of CPU each)."""
+    from tvmflash import cli as tvmflash_cli
+
+    done = cli("tune", "--head-dim", "59", env_dir=cache_dir)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    for args in (("tune", "--head-dim", "64", "--trials", "0", "--target", "cpu"),
                  ("tune", "--head-dim", "64", "59", "--target", "cpu"),  # refused before 64 is tuned
                  ("cache", "show", "no-such-key")):
-        done = cli(*args, env_dir=cache_dir)
-        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
-        assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+        with pytest.raises(SystemExit) as exited:
+            tvmflash_cli.main(list(args))
+        err = capsys.readouterr().err
+        assert exited.value.code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, (args, err)
 
 
-def test_tune_all_retunes_every_shipped_workload(cache_dir, monkeypatch, tmp_path, capsys):
+def test_tune_all_retunes_every_shipped_workload(records_dir, one_core, monkeypatch, tmp_path, capsys):
     """``tvmflash tune --all`` takes its workloads from the shipped records (tuning_logs/), each once;
     without --all, --head-dim is needed."""
     from tvmflash import cli as tvmflash_cli

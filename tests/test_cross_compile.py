@@ -1,4 +1,5 @@
-"""CUDA builds on a machine with no GPU: the generated source, and (where nvcc exists) its cubin."""
+"""CUDA builds on a machine with no GPU: the generated source, and (where nvcc exists) its cubin. Heads 4/2,
+as tests/test_generated_cuda.py builds them: kernels of the same knobs are one module in a run."""
 
 import itertools
 import shutil
@@ -14,20 +15,22 @@ from tvmflash.lowering import annotations, pipeline, tile_alignment, tma_tensor_
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_cuda_source_builds(arch, dtype):
     kernel = tvmflash.compile(head_dim=128, dtype=dtype, causal=True, target=arch)
-    src = kernel.source(heads_q=8, heads_kv=2)
+    src = kernel.source(heads_q=4, heads_kv=2)
     assert '__global__ void' in src and "__shared__" in src
     assert kernel.info()["target"] == {"sm80": "cuda sm_80", "sm90": "cuda sm_90a"}[arch]
 
 
+# sm80's: the GPU tests run on sm_90a, where compile() takes sm90's kernels at d64 (and SIMT's in float32), which
+# test_numerics builds there, so nvcc compiles those in the GPU suite
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
-@pytest.mark.parametrize("arch", ["sm80", "sm90"])
+@pytest.mark.parametrize("arch", ["sm80"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 def test_cuda_source_compiles_with_nvcc(arch, dtype):
     from tvm.support import nvcc
 
     kernel = tvmflash.compile(head_dim=64, dtype=dtype, target=arch)
     with kernel.target:
-        cubin = nvcc.compile_cuda(kernel.source(heads_q=4, heads_kv=4), target_format="cubin",
+        cubin = nvcc.compile_cuda(kernel.source(heads_q=4, heads_kv=2), target_format="cubin",
                                   arch=str(kernel.target.attrs["arch"]), compiler="nvcc")
     assert len(cubin) > 1000
 
@@ -88,7 +91,7 @@ def test_pipelined_kv_step_waits_for_its_tile_first(monkeypatch, schedule, causa
     monkeypatch.setenv("TVMFLASH_SM90", "1" if schedule == "sm90" else "0")
     knobs = {"num_stages": 2, **({"kv_copy": "cp.async"} if schedule == "sm90" else {})}
     kernel = tvmflash.compile(head_dim=64, dtype="bfloat16", causal=causal, target=schedule, knobs=knobs)
-    src = kernel.source(heads_q=2, heads_kv=2)
+    src = kernel.source(heads_q=4, heads_kv=2)
     body = [line.strip() for line in kv_loop_body(src).splitlines() if line.strip()]
     wait = "tvmflash_cp_async_wait_group_0_proxy_fence();" if schedule == "sm90" else \
         "tvm_builtin_ptx_cp_async_wait_group_async_wait_group_0();"
@@ -147,7 +150,7 @@ def test_pipeline_epilogue_is_not_guarded_statement_by_statement(monkeypatch, sm
     monkeypatch.setenv("TVMFLASH_SM90", "1" if sm90 else "0")
     kernel = tvmflash.compile(head_dim=64, dtype="bfloat16", causal=True, target="sm90", knobs={"num_stages": 2})
     assert kernel.info()["schedule"] == ("sm90" if sm90 else "sm80")
-    src = kernel.source(2, 2)
+    src = kernel.source(4, 2)
     assert "cp.async" in src and "1 <= seqlen_k" not in src
 
 
@@ -229,7 +232,7 @@ def test_strided_tensors_are_read_in_16_byte_vectors(monkeypatch, arch, sm90, dt
     code generation proves a vector's alignment only from strides it sees are multiples of it
     (program.attention_forward's stride_alignment; plain stride arguments made gathers of scalars)."""
     monkeypatch.setenv("TVMFLASH_SM90", sm90)
-    src = tvmflash.compile(head_dim=128, dtype=dtype, causal=True, target=arch).source(heads_q=8, heads_kv=2)
+    src = tvmflash.compile(head_dim=128, dtype=dtype, causal=True, target=arch).source(heads_q=4, heads_kv=2)
     assert "int q_stride_s" in src and "int o_stride_s" in src
     if dtype == "float32":  # the SIMT schedule: a thread's row of Q, the K/V tiles in 16-byte vectors
         assert "*(float4*)(K_ptr + " in src and "*(float4*)(V_ptr + " in src and "make_float4(K_ptr[" not in src

@@ -288,8 +288,9 @@ def test_sm90_q_tile_is_fenced_for_wgmma_after_its_stores(varlen):
     fence.proxy.async and a barrier must come after the last of those stores and before the K/V
     pipeline starts. Under varlen's early-return test (``loops_and_blocks.RunBlocksIf``) the fence went in
     before the test, ahead of the stores, and on the H200 some Q blocks then read a stale tile
-    (d128 causal, 8 x 2048 tokens: errors up to 0.14 in 3 of 8 sequences; tree 9e96fc7)."""
-    src = tvmflash.compile(head_dim=128, dtype="bfloat16", target="sm90", causal=True, varlen=varlen).source(16, 16)
+    (d128 causal, 8 x 2048 tokens: errors up to 0.14 in 3 of 8 sequences; tree 9e96fc7). Heads 4/2: the
+    dense module is the cross-compile tests' (tests/test_generated_cuda.py's sm90-d128-causal)."""
+    src = tvmflash.compile(head_dim=128, dtype="bfloat16", target="sm90", causal=True, varlen=varlen).source(4, 2)
     kernel = src[src.index("main_kernel(", src.index("__global__ void __launch_bounds__")):]
     first_copy = kernel.index("tvmflash_tma_load_5d(")
     last_q_load = kernel.rindex("Q_ptr", 0, first_copy)
@@ -353,8 +354,8 @@ def test_sm90_varlen_masks_its_diagonal_tile_as_cheaply_as_dense():
     in the generated CUDA: the pipeline's last step tested its tile once a score, not once, because
     HoistIfThenElse kept a test on a let variable (the tile count) in the score loops
     (``uniformity._block_uniform``); and a score's bounds were joined by ``&&``, which nvcc compiled to
-    a branch a score (``program.key_visible``: ``&``)."""
-    src = tvmflash.compile(head_dim=64, dtype="bfloat16", target="sm90", causal=True, varlen=True).source(16, 16)
+    a branch a score (``program.key_visible``: ``&``). (Heads 4/2: test_cuda_schedules_build_varlen's module.)"""
+    src = tvmflash.compile(head_dim=64, dtype="bfloat16", target="sm90", causal=True, varlen=True).source(4, 2)
     tests = [line for line in src.split("\n") if line.lstrip().startswith("if (")]
     last_tile_tests = [line for line in tests if "kb_extent" in line and "threadIdx" not in line]
     assert len(last_tile_tests) == 1

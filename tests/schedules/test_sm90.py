@@ -1,6 +1,7 @@
 """The sm90 schedule (``schedules/sm90/``, wgmma on sm_90a), built on a machine with no GPU: its
 layouts against CUTLASS's and the hardware's, its knobs and their checks, and what the generated
-CUDA of the forward and the backward holds (and, where nvcc exists, that it compiles)."""
+CUDA of the forward and the backward holds (and, where nvcc exists, that it compiles). Heads 4/2, as
+tests/test_generated_cuda.py builds them: kernels of the same knobs are one module in a run."""
 
 import itertools
 import re
@@ -47,9 +48,9 @@ def element_offsets(offset):
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_sm90_wgmma_schedule_serves_sm_90a(monkeypatch, dtype):
-    """On sm_90a the wgmma schedule serves (with no tuning records that favour sm80), emits wgmma,
-    not mma.sync, and nvcc compiles it for sm_90a. TVMFLASH_SM90=0 keeps sm80; 1 does not take it
-    to other targets."""
+    """On sm_90a the wgmma schedule serves (with no tuning records that favour sm80) and emits wgmma,
+    not mma.sync (that it compiles is the GPU tests': test_numerics builds these kernels on sm_90a).
+    TVMFLASH_SM90=0 keeps sm80; 1 does not take it to other targets."""
     monkeypatch.setenv("TVMFLASH_SM90", "0")
     assert tvmflash.compile(head_dim=64, dtype=dtype, target="sm90").info()["schedule"] == "sm80"
     monkeypatch.delenv("TVMFLASH_SM90")
@@ -63,12 +64,6 @@ def test_sm90_wgmma_schedule_serves_sm_90a(monkeypatch, dtype):
     assert f"wgmma.mma_async.sync.aligned.m64n64k16.f32.{ptx_type}.{ptx_type}" in src  # S = Q K^T
     assert f"wgmma.mma_async.sync.aligned.m64n128k16.f32.{ptx_type}.{ptx_type}" in src  # O += P V
     assert "wgmma.wait_group.sync.aligned" in src and "mma.sync" not in src
-    if shutil.which("nvcc") is not None:
-        from tvm.support import nvcc
-
-        with kernel.target:
-            cubin = nvcc.compile_cuda(src, target_format="cubin", arch="sm_90a", compiler="nvcc")
-        assert len(cubin) > 1000
 
 
 def test_sm90_accumulator_layout_matches_cutlass():
@@ -115,7 +110,7 @@ def test_sm90_softmax_on_accumulator_registers(monkeypatch):
     # one K/V stage: the pipelined build has the K/V step twice (its loop and its epilogue)
     kernel = tvmflash.compile(head_dim=128, dtype="bfloat16", target="sm90",
                               knobs={"num_stages": 1, "kv_copy": "cp.async"})
-    src = kernel.source(heads_q=2, heads_kv=1)
+    src = kernel.source(heads_q=4, heads_kv=2)
     # row max and row sum: xor 1 and 2 for each of a thread's two rows, into its registers
     assert src.count("__shfl_xor_sync") == 8
     assert "wgmma_bf16_rs_mma_async_sync_aligned_m64n128k16" in src  # O += P V, P in registers
@@ -134,10 +129,10 @@ def test_sm90_kv_step_fences_for_wgmma_once(monkeypatch, causal):
     intrinsic fences and syncs itself."""
     monkeypatch.setenv("TVMFLASH_SM90", "1")
     pipelined = tvmflash.compile(head_dim=128, dtype="bfloat16", causal=causal, target="sm90",
-                                 knobs={"num_stages": 2, "kv_copy": "cp.async"}).source(heads_q=2, heads_kv=2)
+                                 knobs={"num_stages": 2, "kv_copy": "cp.async"}).source(heads_q=4, heads_kv=2)
     assert kv_loop_body(pipelined).count("__syncthreads();") == 1
     plain = tvmflash.compile(head_dim=128, dtype="bfloat16", causal=causal, target="sm90",
-                             knobs={"num_stages": 1, "kv_copy": "cp.async"}).source(heads_q=2, heads_kv=2)
+                             knobs={"num_stages": 1, "kv_copy": "cp.async"}).source(heads_q=4, heads_kv=2)
     body = [line.strip() for line in kv_loop_body(plain).splitlines()]
     fence = body.index("tvm_builtin_ptx_fence_proxy_proxy_async_shared__cta();")
     assert body[fence + 1] == "__syncthreads();"
@@ -152,7 +147,7 @@ def test_sm90_core_matrices_are_padded_and_copied_along_rows(monkeypatch, head_d
     monkeypatch.setenv("TVMFLASH_SM90", "1")
     src = tvmflash.compile(head_dim=head_dim, dtype="bfloat16", target="sm90",
                            knobs={"kv_layout": "core_matrices", "num_stages": 1, "kv_copy": "cp.async"}
-                           ).source(heads_q=2, heads_kv=2)
+                           ).source(heads_q=4, heads_kv=2)
     chunks = head_dim // 8
     strides = {(lbo, sbo) for _, lbo, sbo, layout in descriptors(src) if layout == "0"}
     assert ("9", str(9 * chunks)) in strides  # Q, K: LBO 144 bytes, SBO 8 rows of padded core matrices
@@ -174,7 +169,7 @@ def test_sm90_kv_tiles_are_swizzled(monkeypatch, head_dim, block_n, num_stages):
     kernel = tvmflash.compile(head_dim=head_dim, dtype="bfloat16", target="sm90",
                               knobs={"num_stages": num_stages, "kv_copy": "cp.async"})
     assert kernel.knobs["kv_layout"] == "swizzled" and kernel.knobs["block_n"] == block_n
-    src = kernel.source(heads_q=2, heads_kv=2)
+    src = kernel.source(heads_q=4, heads_kv=2)
     # layout type 1 (bits 62-63): 128-byte swizzle
     swizzled = [(offset, lbo, sbo) for offset, lbo, sbo, layout in descriptors(src) if layout == "1"]
     k_tiles = [offset for offset, lbo, sbo in swizzled if (lbo, sbo) == ("1", "64")]
@@ -232,7 +227,7 @@ def test_sm90_output_goes_out_through_shared_memory(monkeypatch, dtype, pair):
     (one 32-bit store each), and the tile goes to global memory in 16-byte row pieces: no 2-byte
     stores to O (schedules.sm90.forward._store_o_through_shared_memory)."""
     monkeypatch.setenv("TVMFLASH_SM90", "1")
-    src = tvmflash.compile(head_dim=128, dtype=dtype, target="sm90").source(heads_q=2, heads_kv=2)
+    src = tvmflash.compile(head_dim=128, dtype=dtype, target="sm90").source(heads_q=4, heads_kv=2)
     to_global = [line.strip() for line in src.splitlines() if "O_ptr" in line and "=" in line and "__global__" not in line]
     assert to_global and all(line.startswith("*(uint4*)(O_ptr + ") for line in to_global)
     assert f"*({pair}*)(((" in src  # the pairs into the shared tile
@@ -246,9 +241,9 @@ def test_sm90_min_blocks_per_sm_becomes_launch_bounds(monkeypatch, tmp_path):
     monkeypatch.setenv("TVMFLASH_SM90", "1")
     rows128 = {"block_m": 128, "num_warpgroups": 2, "num_stages": 2}
     one = tvmflash.compile(head_dim=128, dtype="bfloat16", target="sm90", knobs={**rows128, "min_blocks_per_sm": 1})
-    plain = one.source(heads_q=2, heads_kv=2)
+    plain = one.source(heads_q=4, heads_kv=2)
     two = tvmflash.compile(head_dim=128, dtype="bfloat16", target="sm90", knobs={**rows128, "min_blocks_per_sm": 2})
-    src = two.source(heads_q=2, heads_kv=2)
+    src = two.source(heads_q=4, heads_kv=2)
     assert "__launch_bounds__(256) main_kernel" in plain and "__launch_bounds__(256, 2) main_kernel" in src
     if shutil.which("nvcc"):
         (tmp_path / "k.cu").write_text(src)

@@ -101,7 +101,7 @@ def test_pipelined_candidates_build_with_static_shapes(schedule, block_m, causal
     assert wait in source
 
 
-def test_one_configuration_tasks_are_built_at_once(cache_dir):
+def test_one_configuration_tasks_are_built_at_once(records_dir):
     """MetaSchedule asks for one task's candidates at a time; tasks of one configuration (most of the
     GPU spaces) are built ahead in one parallel batch, and MetaSchedule's requests are served from it."""
     lines = []

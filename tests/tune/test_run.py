@@ -7,6 +7,7 @@ import re
 
 import pytest
 import torch
+from conftest import tune_on_one_core
 
 import tvmflash
 from tvmflash import database, kernels, tune
@@ -18,7 +19,7 @@ CPU = targets.cpu_target()
 WORKLOAD = {"head_dim": 32, "dtype": "float32", "causal": False}
 
 
-def test_short_tuning_run_is_used_by_compile(cache_dir, monkeypatch):
+def test_short_tuning_run_is_used_by_compile(records_dir, one_core, monkeypatch):
     mutations = []
     apply = mutator.MutateKnob._cls.apply  # the class behind @derived_object
 
@@ -62,7 +63,7 @@ def test_short_tuning_run_is_used_by_compile(cache_dir, monkeypatch):
     assert torch.allclose(kern(q, k, v), ref, atol=1e-4)
 
 
-def test_tuned_knobs_with_wrong_results_are_never_stored(cache_dir, monkeypatch):
+def test_tuned_knobs_with_wrong_results_are_never_stored(records_dir, one_core, monkeypatch):
     """The tuned knobs must also give correct output (flash-attn's rule) at the tuning shape: a
     faster but wrong kernel is reported and the default is kept."""
     from tvmflash import bench
@@ -82,7 +83,7 @@ def test_tuned_knobs_with_wrong_results_are_never_stored(cache_dir, monkeypatch)
     assert record["knobs"] == cpu.SCHEDULE.forward.knobs.defaults(32)
 
 
-def test_the_fastest_few_are_timed_again_as_compile_builds_them(cache_dir, monkeypatch):
+def test_the_fastest_few_are_timed_again_as_compile_builds_them(records_dir, one_core, monkeypatch):
     """MetaSchedule times static shapes; tvmflash.compile builds symbolic ones, which can rank
     configurations differently (sm90 on the H200). The fastest few are timed again through
     tvmflash.compile, and the fastest there is kept, not MetaSchedule's first."""
@@ -120,16 +121,21 @@ USER_KNOBS = {"block_m": 16, "block_n": 32, "vector": 8}
 def cli_tuning_run(tmp_path_factory):
     """One ``tvmflash tune`` command over two workloads, warm, its output captured (not a terminal),
     with USER_KNOBS in the user's database: several tests read it. In this process (its ``main``):
-    a new one would import TVM, tvmflash and torch again."""
+    a new one would import TVM, tvmflash and torch again. Fresh records, the run's modules
+    (``records_dir``)."""
     import contextlib
     import io
 
+    from tvmflash import cache
     from tvmflash import cli as tvmflash_cli
 
     env_dir = tmp_path_factory.mktemp("cli-tuning")
+    cache.module_dir().mkdir(parents=True, exist_ok=True)  # the run's modules, as ``records_dir``'s
+    (env_dir / "modules").symlink_to(cache.module_dir(), target_is_directory=True)
     out, err = io.StringIO(), io.StringIO()
     with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         patch.setenv("TVMFLASH_CACHE_DIR", str(env_dir))
+        tune_on_one_core(patch)
         # (at the run's shape: records of another seqlen bucket would be kept apart from its own)
         database.add(database.new_record(CPU, "cpu", WORKLOAD, USER_KNOBS, 1e3, shape={"seqlen_k": 64}))
         code = tvmflash_cli.main(["tune", "--head-dim", "32", "--dtype", "float32", "--causal", "both", "--trials", "2",
@@ -201,7 +207,7 @@ def test_a_warm_run_starts_from_the_known_and_never_ends_below_them(cli_tuning_r
     assert re.findall(r"^\[\d+/2 trials, .*\] task (\w+):", full_run, flags=re.MULTILINE)[0] == "bm16_bn32"
 
 
-def test_a_cold_run_reads_no_record(cache_dir, monkeypatch):
+def test_a_cold_run_reads_no_record(records_dir, one_core, monkeypatch):
     """--cold: nothing known seeds the search and no record is read (a user record is there, and
     would be timed warm); the defaults are still timed, as the reference."""
     database.add(database.new_record(CPU, "cpu", WORKLOAD, USER_KNOBS, 1e3))
