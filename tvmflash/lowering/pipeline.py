@@ -69,6 +69,7 @@ def passes_for(mod: tvm.IRModule, config) -> list:
         s_tir.transform.LowerOpaqueBlock(),
         uniformity.MergeAdjacentGuards(),                            # + (a pipeline's epilogue)
         uniformity.BindBlockUniformLoads(SEQUENCE_OFFSETS + BLOCK_COUNTS),  # +
+        uniformity.BindLoadedDivisors(SEQUENCE_OFFSETS + BLOCK_COUNTS),  # + (varlen dkdv's Q block count)
         uniformity.BindStepLoads(BLOCK_LISTS),                       # + (a BlockMask's tile, once a step)
         pragmas.LowerPragmas(),                                      # +
         tirx.transform.FlattenBuffer(),
