@@ -1,5 +1,6 @@
 """Values the same for a whole thread block (or warp), made so that TVM and nvcc can see it: block-uniform
-loads read once (``BindBlockUniformLoads``), a BlockMask's tile read once a step (``BindStepLoads``),
+loads read once (``BindBlockUniformLoads``), divisors of those loaded values computed once
+(``BindLoadedDivisors``), a BlockMask's tile read once a step (``BindStepLoads``),
 conditions on block indices hoisted out of their loops
 (``HoistBlockIndexConditions``), adjacent guards of one block-uniform condition merged
 (``MergeAdjacentGuards``), and the wgmma descriptors' warpgroup index read through a warp-uniform value
