@@ -110,6 +110,34 @@ def test_a_block_masks_tile_is_read_once_a_step():
     assert "out[2] = selected_0 + 1" in bound
 
 
+def test_a_divisor_of_loaded_offsets_is_computed_once_a_kernel():
+    """``uniformity.BindLoadedDivisors``: a block-uniform divisor that reads the offsets
+    ``BindBlockUniformLoads`` bound (varlen dkdv's Q block count, by which its fused step is divided) is
+    computed once at the kernel's start from the loads themselves (a let of a pure value would be
+    inlined again by StmtSimplify), read through ``max(., 0)`` where it is never negative; a divisor
+    of a thread index and a constant one stay as they are, and the simplified kernel keeps the let."""
+    from tvmflash.lowering import uniformity
+
+    @T.prim_func
+    def fused(Cu: T.Buffer((5,), "int32"), out: T.Buffer((64,), "int32"), n: T.int32):
+        bz = T.launch_thread("blockIdx.z", 4)
+        c0 = T.bind(Cu[bz])
+        c1 = T.bind(Cu[bz + 1])
+        tx = T.launch_thread("threadIdx.x", 32)
+        for f in range(n):
+            out[tx] = f // T.max(0, (c1 - c0 + 63) // 64) + f % T.max(0, (c1 - c0 + 63) // 64) * 64 + f % 8
+            out[tx + 32] = (f + 1) % T.max(0, (c1 - c0 + 63) // 64) + f % (tx + 1)
+
+    mod = uniformity.BindLoadedDivisors(("Cu",))(tvm.IRModule({"main": fused}))
+    bound = mod["main"].script()
+    assert "divisor_0: T.let[T.int32] = T.max(0, (Cu[bz + 1] - Cu[bz] + 63) // 64)" in bound, bound
+    assert bound.count("divisor_") == 4 and "f % T.max(divisor_0, 0) * 64" in bound, bound
+    assert "(f + 1) % T.max(divisor_0, 0)" in bound and "f % 8" in bound and "f % (tx + 1)" in bound
+    with tvm.transform.PassContext(opt_level=3):
+        simplified = tvm.tirx.transform.StmtSimplify()(mod)["main"].script()
+    assert "divisor_0: T.let" in simplified and "(c1 - c0 + 63)" not in simplified.split("for f")[1], simplified
+
+
 def test_exp2_on_the_cpu_is_a_vectorised_polynomial_as_exact_as_float32_needs():
     """``cpu_exp2.PolynomialExp2OnCPU``: a vectorised float32 exp2 built for the CPU calls no libm
     function, and matches float64's exp2 within 2e-7 relative where the result is a normal float;

@@ -118,9 +118,10 @@ def gradients_match_float64(device, dtype, head_dim, name, lengths, with_lse, he
 
 # causal on heads (2, 2), whose modules test_packed_forms shares; a window with GQA and dlse; every
 # variant but ALiBi at once. ALiBi's varlen backward is the GPU tests' ("all"): on the CPU its build
-# takes 30 s or more of LLVM codegen (each sequence's lengths are loads from cu_seqlens in the innermost
-# expression, three times over in the distance's abs; the dense one builds in 1.4 s), too long for the CPU
-# suite until the program reads them once a tile.
+# takes about 8 s (d32, a 2-core box; "capped" 4.5 s, the dense "all" 3 s), mostly LLVM codegen, too long
+# for the CPU suite. (It took 30 s or more while the distance's abs was an integer select, three copies
+# of each sequence's lengths loaded from cu_seqlens a score; binding those loads once a task, as
+# uniformity.BindStepLoads would, made it no faster.)
 @pytest.mark.parametrize("name,with_lse,heads", [("causal", False, (2, 2)), ("window", True, HEADS),
                                                  ("capped", False, HEADS)])
 def test_gradients_match_float64_on_cpu(name, with_lse, heads):

@@ -178,7 +178,10 @@ def transformed_score(spec: AttentionSpec, s, softmax_scale, slope, distance, fl
     else:
         logit = s * softmax_scale
     if spec.alibi:
-        logit = logit - slope * T.cast(T.abs(distance), "float32")
+        # |distance| as the float's absolute value, the same number (int32 to float32 rounds alike on
+        # both sides of 0): an integer abs is select(d >= 0, d, -d), three copies of the distance in each
+        # score, an expression of the row, column and lengths (varlen's loaded offsets on the CPU)
+        logit = logit - slope * T.abs(T.cast(distance, "float32"))
     return logit
 
 

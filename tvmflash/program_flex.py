@@ -493,8 +493,8 @@ def _to_tir(node: Node, env: dict, buffers, precise_tanh: bool, memo: dict):
         result = tirx.Not(args[0]) if dtype == BOOL else T.bitwise_not(args[0])
     elif op == "neg":
         result = _constant(dtype, 0) - args[0]
-    elif op == "abs":
-        result = T.abs(args[0])
+    elif op == "abs":  # an integer's as max(x, -x), two copies of x where T.abs's select(x >= 0, x, -x) has three
+        result = T.abs(args[0]) if dtype == FLOAT else T.max(args[0], _constant(dtype, 0) - args[0])
     elif op == "tanh":
         result = _tanh(args[0], precise_tanh)
     elif op == "sigmoid":

@@ -4,7 +4,7 @@ TVM's pass list with tvmflash's passes in their places.
 - ``pipeline.py``: the pass list, in order, and ``build``;
 - tvmflash's own passes, a module a role: ``loops_and_blocks.py`` (reversed loops, blocks run under a
   condition, a pipelined loop's trip count read from memory), ``pragmas.py`` (the pragmas' statements,
-  atomic additions among them), ``uniformity.py`` (block-uniform loads, a BlockMask's values once a
+  atomic additions among them), ``uniformity.py`` (block-uniform loads and their divisors, a BlockMask's values once a
   step, conditions and guards, warp-uniform wgmma descriptors), ``cp_async_barriers.py`` (one barrier a cp.async pipeline's step),
   ``double_buffers.py`` (a tile written and read each step in two buffers, one barrier a step),
   ``wide_indices.py`` (int64 indices into large tensors), ``cpu_exp2.py`` (exp2 as a polynomial on

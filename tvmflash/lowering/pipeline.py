@@ -69,6 +69,7 @@ def passes_for(mod: tvm.IRModule, config) -> list:
         s_tir.transform.LowerOpaqueBlock(),
         uniformity.MergeAdjacentGuards(),                            # + (a pipeline's epilogue)
         uniformity.BindBlockUniformLoads(SEQUENCE_OFFSETS + BLOCK_COUNTS),  # +
+        uniformity.BindLoadedDivisors(SEQUENCE_OFFSETS + BLOCK_COUNTS),  # + (varlen dkdv's Q block count)
         uniformity.BindStepLoads(BLOCK_LISTS),                       # + (a BlockMask's tile, once a step)
         pragmas.LowerPragmas(),                                      # +
         tirx.transform.FlattenBuffer(),
@@ -189,11 +190,20 @@ def build(mod: tvm.IRModule, target: tvm.target.Target, *, pass_config: dict | N
                 .with_attr(TMA_BARRIER_PADDING_ATTR, padding))
         return func.with_attr(WIDE_INDICES_ATTR, True) if wide_indices else func
 
-    for padding in TMA_BARRIER_PADDINGS:  # until the TMA tiles sit on 1024-byte boundaries (one try, mostly)
+    paddings = list(TMA_BARRIER_PADDINGS)
+    while paddings:  # until the TMA tiles sit on 1024-byte boundaries (one try, mostly)
+        padding = paddings.pop(0)
         optioned = tvm.IRModule({gvar: with_options(func, padding) for gvar, func in mod.functions.items()})
         with tvm.transform.PassContext(opt_level=3, config=pass_config or {}):
             try:
                 return tvm.compile(optioned, target=target, tir_pipeline=PIPELINE)
             except tile_alignment.MisalignedTiles as err:
                 misaligned = err
+        # The barriers come first in shared memory, so padding them moves every tile by as much: the
+        # padding that puts the misaligned tile on its boundary goes next (varlen's sm90 forward with
+        # ALiBi needed 512: it was built three times, 0 and 256 each a whole lowering)
+        wanted = None if misaligned.shortfall is None else padding + misaligned.shortfall
+        if wanted in paddings:
+            paddings.remove(wanted)
+            paddings.insert(0, wanted)
     raise misaligned

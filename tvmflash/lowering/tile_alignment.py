@@ -4,6 +4,7 @@ operand sits where the swizzle needs it; a build that finds one off raises ``Mis
 
 from __future__ import annotations
 
+import re
 import tvm
 import tvm.sym
 import tvm_ffi
@@ -17,6 +18,13 @@ from tvmflash.lowering.tma_device_functions import TMA_LOADS, TMA_REDUCTIONS
 @tvm_ffi.register_error  # so that it reaches ``pipeline.build`` through TVM's pass machinery as itself
 class MisalignedTiles(RuntimeError):
     """A TMA tile or a swizzled wgmma operand off the swizzle's 1024-byte boundary."""
+
+    @property
+    def shortfall(self) -> int | None:
+        """How many bytes further the tile must start to sit on its boundary (from the message, which is
+        all that crosses TVM's pass machinery), or None if the message does not say."""
+        found = re.search(r"lands at shared-memory byte (\d+), not on a (\d+)-byte boundary", str(self))
+        return None if found is None else -int(found.group(1)) % int(found.group(2))
 
 
 TMA_COPIES_ATTR = "tvmflash.tma_copies"  # set by ``tma_copies.lowered_to_tma``: how many TMA copies it wrote

@@ -1,5 +1,6 @@
 """Values the same for a whole thread block (or warp), made so that TVM and nvcc can see it: block-uniform
-loads read once (``BindBlockUniformLoads``), a BlockMask's tile read once a step (``BindStepLoads``),
+loads read once (``BindBlockUniformLoads``), divisors of those loaded values computed once
+(``BindLoadedDivisors``), a BlockMask's tile read once a step (``BindStepLoads``),
 conditions on block indices hoisted out of their loops
 (``HoistBlockIndexConditions``), adjacent guards of one block-uniform condition merged
 (``MergeAdjacentGuards``), and the wgmma descriptors' warpgroup index read through a warp-uniform value
@@ -12,7 +13,8 @@ import tvm_ffi
 from tvm import tirx
 from tvm.script import tirx as T
 
-from tvmflash.lowering.ir import CALL, LOAD, find, find_attrs, is_call, loaded, prim_func_pass, substitute, transform, with_children
+from tvmflash.lowering.ir import (CALL, LOAD, find, find_attrs, inlined, is_call, loaded, prim_func_pass, substitute, transform,
+                                  with_children)
 
 
 # ---------------------------------------------------------------------------------- block-uniform loads
@@ -211,6 +213,98 @@ def BindStepLoads(names):  # noqa: N802
     outside an ``if_then_else`` was already read unconditionally there, or at an index the programs clamp
     into the list (``BlockWalk``), whose shape the host checks (``flex_block_mask``)."""
     return prim_func_pass(lambda func: _step_values_bound(func, set(names)), "tvmflash.BindStepLoads")
+
+
+# ---------------------------------------------------------------------------------- divisions by loaded values
+def _non_negative(expr) -> bool:
+    """Is ``expr`` >= 0 by its form (a max with a non-negative term, an ``if_then_else`` of two such)?"""
+    if isinstance(expr, tirx.IntImm):
+        return expr.value >= 0
+    if isinstance(expr, tirx.Max):
+        return _non_negative(expr.a) or _non_negative(expr.b)
+    if isinstance(expr, tirx.Min):
+        return _non_negative(expr.a) and _non_negative(expr.b)
+    if is_call(expr, "prim.if_then_else"):
+        return _non_negative(expr.args[1]) and _non_negative(expr.args[2])
+    return tvm.sym.Analyzer().can_prove(expr >= 0)
+
+
+def _innermost_block_attr(block_attrs, values):
+    """The innermost of the blockIdx attributes whose variables ``values`` read (all of them nest), or
+    of all of them where the values read none."""
+    used = [attr for attr in block_attrs
+            if any(v.same_as(attr.node.var) for value in values for v in _variables(value))] or block_attrs
+    return next(a for a in used
+                if all(b.same_as(a) or find(b.body, tirx.AttrStmt, lambda n, a=a: n.same_as(a)) for b in used))
+
+
+def _loaded_divisors_bound(func, names):
+    """``func`` with each block-uniform divisor that reads a value of ``names`` bound once a kernel
+    (``BindLoadedDivisors``)."""
+    loaded_vars = [(bind.var, bind.value) for bind in find(func.body, tirx.Bind)
+                   if isinstance(bind.value, LOAD) and loaded(bind.value).name in names]
+    thread_attrs = find_attrs(func.body, "thread_extent")
+    block_attrs = [attr for attr in thread_attrs if attr.node.thread_tag.startswith("blockIdx")]
+    if not loaded_vars or not block_attrs:
+        return func
+    varying = [attr.node.var for attr in thread_attrs if not attr.node.thread_tag.startswith("blockIdx")]
+    varying += [n.loop_var for n in find(func.body, tirx.For)]
+    varying += [bind.var for bind in find(func.body, tirx.Bind)
+                if not any(bind.var.same_as(v) for v, _ in loaded_vars)]
+
+    def wanted(division) -> bool:
+        variables = _variables(division.b)
+        return (not isinstance(division.b, tirx.IntImm)
+                and any(v.same_as(w) for v in variables for w, _ in loaded_vars)
+                and not any(v.same_as(w) for v in variables for w in varying))
+    divisors = []
+    for division in find(func.body, (tirx.FloorDiv, tirx.FloorMod), wanted):
+        if not any(tvm_ffi.structural_equal(division.b, known) for known in divisors):
+            divisors.append(division.b)
+    if not divisors:
+        return func
+    # (var, value with the loads, what the divisions read: the var, under max(., 0) where the divisor is
+    # never negative, so that the simplifiers and LowerIntrin still know it)
+    bound = []
+    for n, divisor in enumerate(divisors):
+        var = tirx.Var(f"divisor_{n}", divisor.ty)
+        bound.append((var, inlined(divisor, loaded_vars), tirx.Max(var, 0) if _non_negative(divisor) else var))
+
+    def rewrite(division):
+        for (_, _, read), divisor in zip(bound, divisors):
+            if tvm_ffi.structural_equal(division.b, divisor):
+                return type(division)(division.a, read)
+        return None
+    body = transform(func.body, (tirx.FloorDiv, tirx.FloorMod), rewrite)
+    innermost = _innermost_block_attr(block_attrs, [value for _, value, _ in bound])
+
+    def define(attr):
+        if not (attr.attr_key == "thread_extent" and attr.node.same_as(innermost.node)):
+            return None
+        return tirx.AttrStmt(attr.node, attr.attr_key, attr.value,
+                             tirx.SeqStmt([*(tirx.Bind(var, value) for var, value, _ in bound), attr.body]))
+    return func.with_body(transform(body, tirx.AttrStmt, define))
+
+
+def BindLoadedDivisors(names):  # noqa: N802
+    """After ``BindBlockUniformLoads`` (``names``: its buffers): each divisor that reads a value it
+    bound (a load of ``names``) and is otherwise block-uniform (no thread index, loop or other let
+    variable) computed once a kernel, into a variable that the divisions read.
+
+    The backward's dkdv runs its GQA group's query heads and Q blocks as one fused loop
+    (``schedules.common.dkdv_grid``), so its query head and Q block are ``floordiv`` and ``floormod``
+    of the step by the number of Q blocks; in varlen that count is an expression of the sequence's
+    offsets (each a variable of ``BindBlockUniformLoads``: a let of a pure integer value, which
+    StmtSimplify inlines, as it inlines CommonSubexprElim's). It was repeated in every score's mask
+    and every ALiBi slope's index, and LowerIntrin rewrote each division by it into nested copies: the
+    varlen backward with a window, softcap and ALiBi at d64 was 2.1 MB of CUDA, 31 s to source
+    (LowerIntrin 10 s, StmtSimplify 9 s, RemoveNoOp 5 s) and 33 s of nvcc, its dkdv at 249 registers
+    where the dense one takes 168. The variable's value keeps the loads, so that StmtSimplify leaves
+    the let in place (as ``BindLoadedPipelineExtents``' tile count; the loads are of a few integers
+    read just before, once a block); a divisor never negative by its form is read as ``max(var, 0)``,
+    so that LowerIntrin's divisions by it stay truncated ones, as before. Same values: the variable
+    holds the divisor's value, computed from the same loads."""
+    return prim_func_pass(lambda func: _loaded_divisors_bound(func, set(names)), "tvmflash.BindLoadedDivisors")
 
 
 # ---------------------------------------------------------------------------------- hoisting
