@@ -22,14 +22,19 @@ print(json.dumps({"info": kernel.info(), "finite": bool(torch.isfinite(out).all(
 
 
 TRUNCATE_SCRIPT = """
-import warnings, torch, tvmflash
+import os, warnings, torch, tvmflash
 from tvmflash.kernels import build
 kernel = tvmflash.compile(head_dim=32, dtype="float32", causal=True, target="cpu")
 path = kernel.module(2, 1).path
 q, k, v = torch.randn(1, 9, 2, 32), torch.randn(1, 7, 1, 32), torch.randn(1, 7, 1, 32)
 for size in (1000, 4096, 20000):
-    with open(path, "r+b") as f:  # cut in place, as a full disk or a killed copy leaves it
-        f.truncate(size)
+    # cut short, as a full disk or a killed copy leaves it; a new file at the path, since this process
+    # has the library it built mapped (cut in place, the next call through it would fault)
+    with open(path, "rb") as f:
+        head = f.read(size)
+    with open(path + ".cut", "wb") as f:
+        f.write(head)
+    os.replace(path + ".cut", path)
     build._MODULES.clear()
     kernel.build.modules.clear()
     with warnings.catch_warnings(record=True) as caught:
