@@ -1,4 +1,5 @@
-"""Run the GPU tests (``pytest -m gpu``) on every core of the GPU machine: one pytest whose pytest-xdist
+"""Run the GPU tests, and the tests of nvcc's whole compile of a kernel (``pytest -m "gpu or nvcc"``), on
+every core of the GPU machine: one pytest whose pytest-xdist
 workers take tests as they free up (``--dist worksteal``), so that the kernels build in parallel (built
 one after another they take over 9 minutes on a fresh H100) and no worker sits idle while another has a
 queue of builds left. Then print the summary, the failures, and with ``--timeout`` the tests that did not
@@ -40,7 +41,7 @@ def main() -> int:
                         help="merge the finished tests' seconds into tests/gpu_test_times.txt, the order in which "
                              "the suite starts its tests (the longest first); from a run on a fresh machine")
     args, pytest_args = parser.parse_known_args()
-    collected = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-m", "gpu", *pytest_args],
+    collected = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-m", "gpu or nvcc", *pytest_args],
                                capture_output=True, text=True)
     ids = [line for line in collected.stdout.splitlines() if "::" in line]
     if not ids:
@@ -60,7 +61,7 @@ def main() -> int:
     print(f"{len(ids)} GPU tests on {jobs} workers; log in {log}", flush=True)
     start = time.time()
     with open(log, "w") as out:
-        process = subprocess.Popen([sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-m", "gpu",
+        process = subprocess.Popen([sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-m", "gpu or nvcc",
                                     "-n", str(jobs), "--dist", "worksteal", *pytest_args],
                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:

@@ -94,7 +94,12 @@ def recorded_seconds(path: str) -> dict:
 def longest_first(items: list, seconds: dict) -> None:
     """The GPU tests in ``items`` sorted by their recorded ``seconds``, the longest first and unlisted ones
     before all, ahead of the others (in their order)."""
-    items.sort(key=lambda item: -seconds.get(item.nodeid, math.inf) if "gpu" in item.keywords else 0.0)
+    items.sort(key=lambda item: -seconds.get(item.nodeid, math.inf) if in_gpu_suite(item) else 0.0)
+
+
+def in_gpu_suite(item) -> bool:
+    """Does the GPU suite (``-m "gpu or nvcc"``) run this test?"""
+    return "gpu" in item.keywords or "nvcc" in item.keywords
 
 
 def pytest_collection_modifyitems(config, items):
@@ -102,9 +107,13 @@ def pytest_collection_modifyitems(config, items):
         longest_first(items, recorded_seconds(GPU_TEST_TIMES))
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU; none is visible to torch")
+    # nvcc's compile of a whole kernel takes the CPU suite's 2 cores 5-20 s a kernel; the GPU suite runs it
+    skip_nvcc = pytest.mark.skip(reason="nvcc's whole compile of a kernel: run by the GPU suite (benchmarks/gpu_tests.py)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+        elif "nvcc" in item.keywords:
+            item.add_marker(skip_nvcc)
 
 
 def devices():

@@ -174,6 +174,7 @@ def test_no_mods_is_plain_attention():
 
 
 # ----------------------------------------------------------------------------- CUDA, cross-compiled
+@pytest.mark.nvcc
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
 @pytest.mark.parametrize("program", ["forward", "backward"])
 def test_sm90_cuda_of_the_mods_compiles_with_nvcc(program):

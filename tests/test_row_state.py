@@ -48,6 +48,7 @@ def test_sm90_registers_row_state_has_no_softmax_barriers(monkeypatch, causal):
     assert "wgmma" in regs and "_shared_ptr[" not in kv_loop_body(regs)  # no per-row value in shared memory
 
 
+@pytest.mark.nvcc
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
 @pytest.mark.parametrize("num_stages,causal", [(1, False), (2, True), (3, False)])
 def test_registers_row_state_compiles_with_nvcc(num_stages, causal):

@@ -499,6 +499,7 @@ def test_sm90_backward_builds_cuda_source(monkeypatch):
     assert tvmflash.compile_backward(head_dim=64, dtype="bfloat16", target="sm90").info()["schedule"] == "sm80"
 
 
+@pytest.mark.nvcc
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
 @pytest.mark.parametrize("variant", ["causal", "deterministic-window-softcap"])
 def test_sm90_backward_at_d96_builds_without_spills(variant):

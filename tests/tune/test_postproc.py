@@ -100,6 +100,7 @@ def test_sm90_register_floor_follows_the_widest_wgmma():
         tvmflash.compile(head_dim=256, dtype="bfloat16", target="sm90", knobs={"min_blocks_per_sm": 2}).module(2, 2)
 
 
+@pytest.mark.nvcc
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
 @pytest.mark.parametrize("head_dim,builds", [(256, False), (128, True)], ids=["d256-aborts", "d128-builds"])
 def test_sm90_register_floor_agrees_with_ptxas(head_dim, builds, monkeypatch):
