@@ -22,15 +22,21 @@ def _variables(expr) -> list:
     return find(expr, tirx.Var)
 
 
+def _varying(body, thread_attrs, kept=()) -> list:
+    """The variables of ``body`` that may differ within a thread block or from step to step: thread
+    indices (not blockIdx), loop variables, and let variables other than those of ``kept``."""
+    varying = [attr.node.var for attr in thread_attrs if not attr.node.thread_tag.startswith("blockIdx")]
+    varying += [n.loop_var for n in find(body, tirx.For)]
+    return varying + [n.var for n in find(body, tirx.Bind) if not any(n.var.same_as(v) for v in kept)]
+
+
 def _block_uniform_loads_bound(func, names):
     """``func`` with each load of an integer buffer of ``names`` that it never writes, at an index that
     is the same for the whole thread block (it reads block indices and the function's arguments, no
     loop, let or thread variable), read once into a variable bound at the start of the kernel."""
     thread_attrs = find_attrs(func.body, "thread_extent")
     block_attrs = [attr for attr in thread_attrs if attr.node.thread_tag.startswith("blockIdx")]
-    varying = [attr.node.var for attr in thread_attrs if not attr.node.thread_tag.startswith("blockIdx")]
-    varying += [n.loop_var for n in find(func.body, tirx.For)]
-    varying += [n.var for n in find(func.body, tirx.Bind)]
+    varying = _varying(func.body, thread_attrs)
     written = {store.buffer.name for store in find(func.body, tirx.BufferStore)}
 
     def uniform(load):
@@ -247,10 +253,7 @@ def _loaded_divisors_bound(func, names):
     block_attrs = [attr for attr in thread_attrs if attr.node.thread_tag.startswith("blockIdx")]
     if not loaded_vars or not block_attrs:
         return func
-    varying = [attr.node.var for attr in thread_attrs if not attr.node.thread_tag.startswith("blockIdx")]
-    varying += [n.loop_var for n in find(func.body, tirx.For)]
-    varying += [bind.var for bind in find(func.body, tirx.Bind)
-                if not any(bind.var.same_as(v) for v, _ in loaded_vars)]
+    varying = _varying(func.body, thread_attrs, kept=[v for v, _ in loaded_vars])
 
     def wanted(division) -> bool:
         variables = _variables(division.b)
