@@ -97,28 +97,32 @@ def main() -> int:
     return 1
 
 
-def print_times(times: Path, slowest: int) -> None:
-    """Where the finished tests' time went: in all, in module builds, and the slowest tests."""
+def read_times(times: Path) -> list:
+    """The lines of a .times file (tests/conftest.py writes them) as (seconds, builds, build seconds, test
+    id, the line); none if there is no file."""
     rows = []
     for line in (times.read_text().splitlines() if times.exists() else []):
-        seconds, _, builds, _, build_seconds, _, test = line.split(None, 6)  # a test's id may hold spaces
-        rows.append((float(seconds), int(builds), float(build_seconds), test))
+        if line.strip():
+            seconds, _, builds, _, build_seconds, _, test = line.split(None, 6)  # a test's id may hold spaces
+            rows.append((float(seconds), int(builds), float(build_seconds), test, line))
+    return rows
+
+
+def print_times(times: Path, slowest: int) -> None:
+    """Where the finished tests' time went: in all, in module builds, and the slowest tests."""
+    rows = read_times(times)
     if not rows:
         return
     print(f"finished tests: {sum(r[0] for r in rows):.0f} worker-seconds, {sum(r[2] for r in rows):.0f} of them "
           f"building {sum(r[1] for r in rows)} modules; the slowest:")
-    for seconds, builds, build_seconds, test in sorted(rows, reverse=True)[:slowest]:
+    for seconds, builds, build_seconds, test, _ in sorted(rows, reverse=True)[:slowest]:
         print(f"    {seconds:6.1f} s ({builds} builds, {build_seconds:5.1f} s)  {test}")
 
 
 def save_times(times: Path, saved: Path) -> None:
     """The run's .times lines over those of ``saved`` (one line a test, the run's where both have it)."""
-    lines = {}
-    for path in (saved, times):
-        for line in (path.read_text().splitlines() if path.exists() else []):
-            if line.strip():
-                lines[line.split(None, 6)[6]] = line
-    saved.write_text("".join(f"{line}\n" for line in sorted(lines.values(), key=lambda l: -float(l.split()[0]))))
+    rows = {row[3]: row for path in (saved, times) for row in read_times(path)}
+    saved.write_text("".join(f"{row[4]}\n" for row in sorted(rows.values(), key=lambda row: -row[0])))
     print(f"the tests' seconds merged into {saved}")
 
 
