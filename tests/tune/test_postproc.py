@@ -118,10 +118,14 @@ def test_sm90_register_floor_agrees_with_ptxas(head_dim, builds, monkeypatch):
     sch = tvm.s_tir.Schedule(tvm.IRModule({"main": func}))
     sm90.SCHEDULE.forward.apply(sch, **knobs)
     target = targets.cuda_target("sm90")
-    source = ms_build(sch.mod, target, None, **sm90.SCHEDULE.build_options("forward")).imports[0].inspect_source()
-    if builds:
+
+    def build_and_compile():  # where CUDA is installed, the build itself compiles (NVRTC), so ptxas may abort there
+        source = ms_build(sch.mod, target, None, **sm90.SCHEDULE.build_options("forward")).imports[0].inspect_source()
         with target:
             nvcc.compile_cuda(source, target_format="cubin", arch="sm_90a", compiler="nvcc")
+
+    if builds:
+        build_and_compile()
         return
-    with target, pytest.raises(Exception, match=r"Insufficient registers \(128\)"):
-        nvcc.compile_cuda(source, target_format="cubin", arch="sm_90a", compiler="nvcc")
+    with pytest.raises(Exception, match=r"Insufficient registers \(128\)"):
+        build_and_compile()
