@@ -179,7 +179,7 @@ class DecodeTasks:
 # builds at more (cross-compiled and through nvcc: each one's ``..._HEAD_DIMS``), but serves only these
 # until a GPU run of tests/test_head_dims.py checks the others: until then the torch API pads a head_dim
 # to one of these there, and ``tvmflash.compile`` names them.
-GPU_CHECKED_HEAD_DIMS = (32, 64, 96, 128, 256)
+GPU_CHECKED_HEAD_DIMS = tuple(range(16, 257, 16))
 
 
 def gpu_checked(head_dims: tuple[int, ...] | None = None) -> tuple[int, ...]:

@@ -211,21 +211,28 @@ def test_kvcache_at_a_multiple_of_8_and_a_clear_error_otherwise():
 
 def test_head_dim_to_run_on_each_target():
     """What the API runs each head_dim at (no build): on the CPU the next multiple of 8; on a GPU the
-    next head_dim checked on a GPU (``contract.GPU_CHECKED_HEAD_DIMS``), which tensor-core schedules
-    serve for the forward and, up to 128, the backward. Decode serves every multiple of 8 on the CPU,
-    and on a GPU the head_dims checked there."""
+    next head_dim checked on a GPU (``contract.GPU_CHECKED_HEAD_DIMS``: the multiples of 16), which
+    tensor-core schedules serve for the forward and, up to 128, the backward; on sm_90a padded up to 4/3
+    further where sm90 then serves what sm80 would (48 to 64, 80 to 96, 112 to 128; 32 stays at 32, and
+    so does a head_dim whose backward is SIMT's). Decode serves every multiple of 8 on the CPU, and on a
+    GPU the head_dims checked there."""
     both = ("forward", "backward")
     cases = {("cpu", "bfloat16"): {1: 8, 40: 40, 59: 64, 111: 112, 250: 256},
-             ("sm80", "bfloat16"): {1: 32, 8: 32, 40: 64, 59: 64, 80: 96, 111: 128, 136: 256, 250: 256},
-             ("sm90", "float16"): {40: 64, 80: 96, 96: 96, 200: 256, 224: 256},
-             ("sm80", "float32"): {1: 32, 40: 64, 59: 64, 136: 256}}
+             ("sm80", "bfloat16"): {1: 16, 8: 16, 40: 48, 59: 64, 80: 80, 111: 112, 136: 144, 250: 256},
+             ("sm90", "float16"): {16: 16, 32: 32, 40: 64, 48: 64, 80: 96, 96: 96, 112: 128, 176: 176, 200: 208,
+                                   224: 224},
+             ("sm80", "float32"): {1: 16, 40: 48, 59: 64, 136: 144}}
     for (target, dtype), runs in cases.items():
         resolved = targets.resolve(target)
         for head_dim, run in runs.items():
             assert choice.head_dim_to_run(both, resolved, dtype, head_dim) == run, (target, dtype, head_dim)
+    sm90 = targets.resolve("sm90")  # the forward alone: sm90 at 256 serves what sm80 does at 192 to 240
+    assert [choice.head_dim_to_run(("forward",), sm90, "bfloat16", d) for d in (80, 176, 192, 240)] == [96, 176, 256, 256]
     assert choice.native_head_dims("decode", targets.resolve("cpu"), "float16") == tuple(range(8, 257, 8))
-    for target, dtype in (("sm80", "bfloat16"), ("sm90", "float16"), ("sm80", "float32")):
+    for target, dtype in (("sm80", "bfloat16"), ("sm90", "float16")):
         assert choice.native_head_dims("decode", targets.resolve(target), dtype) == GPU_CHECKED_HEAD_DIMS
+    # float32 decodes on SIMT, whose decode takes the multiples of 32
+    assert choice.native_head_dims("decode", targets.resolve("sm80"), "float32") == tuple(range(32, 257, 32))
 
 
 def test_the_environments_backward_schedule_pads_as_the_default(monkeypatch):
@@ -256,21 +263,21 @@ def test_simt_knobs_fit_static_shared_memory_at_every_head_dim():
 
 @pytest.mark.parametrize("kind", ["forward", "backward", "decode"])
 def test_compile_refuses_a_head_dim_not_checked_on_a_gpu(kind):
-    """The GPU schedules build at more head_dims than they serve (80 on sm80 both ways, through nvcc) but
-    serve only those checked on a GPU: compile() at 80 names them, and the torch API pads 80 to 96."""
+    """The GPU schedules serve the head_dims checked on a GPU (the multiples of 16), though their programs
+    take every multiple of 8: compile() at 72 names those served, and the torch API pads 72 to 80."""
     compile_ = {"forward": tvmflash.compile, "backward": tvmflash.compile_backward,
                 "decode": tvmflash.compile_decode}[kind]
     options = {} if kind == "decode" else {"causal": True}
-    with pytest.raises(ValueError, match=r"head_dim.*\b96\b.*got 80|head_dim 80"):
-        compile_(head_dim=80, dtype="bfloat16", target="sm80", **options)
-    assert choice.head_dim_to_run((kind,), targets.resolve("sm80"), "bfloat16", 80) == 96
+    with pytest.raises(ValueError, match=r"head_dim.*multiples of 16.*got 72|head_dim 72"):
+        compile_(head_dim=72, dtype="bfloat16", target="sm80", **options)
+    assert choice.head_dim_to_run((kind,), targets.resolve("sm80"), "bfloat16", 72) == 80
 
 
 # ----------------------------------------------------------------------------------------------- GPU
-# flash-attn 2's grid of head_dims, bfloat16, GQA 4/2, causal: each runs at a head_dim checked on a GPU
-# (40 and 59 at 64, 80 at 96, 111 at 128, 160 to 224 at 256: GPU_CHECKED_HEAD_DIMS), one forward and one
-# backward build for each of those five.
-GPU_HEAD_DIMS = [32, 40, 59, 64, 80, 96, 111, 128, 160, 192, 224, 256]
+# flash-attn 2's grid of head_dims and the other multiples of 16 (16, 48, 112, 144, ...), bfloat16, GQA 4/2,
+# causal: each runs at the head_dim ``choice.head_dim_to_run`` gives (GPU_CHECKED_HEAD_DIMS), one forward and
+# one backward build for each head_dim run.
+GPU_HEAD_DIMS = sorted({32, 40, 59, 64, 80, 96, 111, 128, 160, 192, 224, 256, *range(16, 257, 16)})
 
 
 @pytest.mark.gpu

@@ -198,6 +198,37 @@ def head_dim_to_run(programs: tuple[str, ...], target, dtype: str, head_dim: int
             best, most = candidate, fast
         if most == len(programs):
             break
+    return _padded_to_a_better_schedule(programs, target, dtype, head_dim, best) if targets.is_cuda(target) else best
+
+
+# How far a GPU pads a served head_dim to run its programs on a schedule before the one it would run (sm90's
+# wgmma for sm80's mma.sync on sm_90a). Forward + backward on an H100 (BENCHMARKS.md, "head_dims the kernels
+# do not serve"): padding 48 to 64 (4/3), 80 to 96 and 112 to 128 is 8-14% faster than sm80 at the head_dim
+# itself; 32 to 64 (2x) is as fast as sm80 at 32, so 32 stays.
+BETTER_SCHEDULE_PADDING = 4 / 3
+
+
+def _padded_to_a_better_schedule(programs, target, dtype: str, head_dim: int, served: int) -> int:
+    """``served`` or a larger head_dim, at most ``BETTER_SCHEDULE_PADDING`` times ``served``, at which the
+    programs run on schedules earlier in ``schedules.SCHEDULES`` (the order of preference), none of them a
+    ``fallback``: the one with the earliest, and of those the smallest. Where a program is a fallback (SIMT's
+    backward above 128) its time rules, and padding only adds to it: ``served`` stays."""
+    order = list(registry.SCHEDULES)
+
+    def rank(candidate):  # the places of its schedules in the order, or None where one is unserved or a fallback
+        chosen = [_pick(program, target, dtype, candidate)[0] for program in programs]
+        if None in chosen or any(s.fallback for s in chosen):
+            return None
+        return sum(order.index(s.name) for s in chosen)
+
+    best, best_rank = served, rank(served)
+    if best_rank is None:
+        return served
+    limit = min(MAX_HEAD_DIM, int(served * BETTER_SCHEDULE_PADDING))
+    for candidate in range(served + HEAD_DIM_MULTIPLE, limit + 1, HEAD_DIM_MULTIPLE):
+        found = rank(candidate)
+        if found is not None and found < best_rank:
+            best, best_rank = candidate, found
     return best
 
 
