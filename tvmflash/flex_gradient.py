@@ -7,7 +7,7 @@ in chunks of query rows, the traced score_mod (``program_flex.Node``, the tree t
 function) evaluated on them with torch, and its gradient by torch's autograd. Exact and correct for any
 score_mod the tracer takes, but slow: O(seqlen_q · seqlen_k) work and (batch, heads, rows, seqlen_k) tensors a
 chunk outside the kernels, several times the backward's own time (an atomic scatter-add of dS in the backward
-program is the fast way, not yet written).
+program is the fast way, not yet written). A load's gradient goes into its table by ``index_add_`` (``_Gather``).
 """
 
 from __future__ import annotations
@@ -46,7 +46,10 @@ def evaluate(node: Node, leaves: dict, captures) -> torch.Tensor:
     values = [evaluate(a, leaves, captures) for a in args]
     if op == "load":
         tensor = captures[node.value]
-        return tensor[tuple(i.long() for i in values)].to(TORCH[node.dtype])
+        indices = tuple(i.long() for i in values)
+        if tensor.requires_grad and len(indices) == tensor.dim() and not torch.are_deterministic_algorithms_enabled():
+            return _Gather.apply(tensor, *indices).to(TORCH[node.dtype])
+        return tensor[indices].to(TORCH[node.dtype])
     if op == "cast":
         return values[0].to(TORCH[node.dtype])
     if op == "where":
@@ -56,6 +59,40 @@ def evaluate(node: Node, leaves: dict, captures) -> torch.Tensor:
     if op in _UNARY:
         return _UNARY[op](*values)
     raise NotImplementedError(f"flex_gradient: no torch evaluation of {op!r}")  # pragma: no cover
+
+
+class _Gather(torch.autograd.Function):
+    """``tensor[indices]`` (broadcast index tensors), whose backward adds the gradient into the tensor by
+    ``index_add_`` (atomic adds on a GPU) after summing it over the dims no index varies in (the batch,
+    say). Advanced indexing's own backward, ``index_put_(accumulate=True)``, sorts its (batch, heads, rows,
+    seqlen_k) indices on CUDA first; it stays where deterministic algorithms are asked for."""
+
+    @staticmethod
+    def forward(ctx, tensor, *indices):
+        ctx.save_for_backward(*indices)
+        ctx.shape, ctx.dtype = tensor.shape, tensor.dtype
+        return tensor[indices]
+
+    @staticmethod
+    def backward(ctx, grad):
+        indices = ctx.saved_tensors
+        flat = indices[0] * 0
+        stride = 1
+        for index, size in zip(reversed(indices), reversed(ctx.shape)):  # the row-major flat index
+            flat = flat + index * stride
+            stride *= size
+        flat = flat.expand(torch.broadcast_shapes(flat.shape, *(i.shape for i in indices)))
+        grad = grad.float()
+        lead = grad.dim() - flat.dim()  # dims the indices do not reach: summed away
+        if lead:
+            grad = grad.sum(dim=tuple(range(lead)))
+        summed = tuple(d for d in range(flat.dim()) if flat.shape[d] == 1 and grad.shape[d] > 1)
+        if summed:
+            grad = grad.sum(dim=summed, keepdim=True)
+        flat = flat.expand(grad.shape)
+        total = torch.zeros(math.prod(ctx.shape), dtype=torch.float32, device=grad.device)
+        total.index_add_(0, flat.reshape(-1), grad.reshape(-1))
+        return (total.view(ctx.shape).to(ctx.dtype), *(None for _ in indices))
 
 
 def capture_gradients(query, key, value, out, lse, dout, dlse, mods, captures, wanted, scale: float) -> list:
