@@ -88,7 +88,8 @@ def dq_accumulator_rows(seqlen_q: int, block_m: int, sparse: bool = False) -> in
 
 
 def attention_backward(spec: AttentionSpec, block_m: int, block_n: int, dq_block_m: int | None = None,
-                       dq_block_n: int | None = None, dq_atomic: bool = False, stride_alignment: int = 1) -> tvm.IRModule:
+                       dq_block_n: int | None = None, dq_atomic: bool = False, stride_alignment: int = 1,
+                       dkdv_slices: int = 1) -> tvm.IRModule:
     """The backward programs for a spec: dkdv in tiles of ``block_m`` query rows by ``block_n`` keys,
     dq in tiles of ``dq_block_m`` by ``dq_block_n`` (by default dkdv's).
 
@@ -105,8 +106,17 @@ def attention_backward(spec: AttentionSpec, block_m: int, block_n: int, dq_block
     ``convert_dq(dq_accum, dq, softmax_scale)`` scales and rounds it into dq. Every K/V tile adds into
     the same rows, so a schedule that runs tiles at once makes the addition atomic, and the sum's
     order (its rounding) changes from run to run.
+
+    ``dkdv_slices``: dkdv's tiles each make dk and dv (and with ``dq_atomic`` dq's share) of one of
+    this many equal slices of the head_dim columns, the slices of a K/V block side by side in the grid
+    (K/V block kb, slice c: tile kb · dkdv_slices + c). Each recomputes p and ds from the whole
+    head_dim, so the steps' two products q kᵀ and dout vᵀ are made once a slice (at 2 slices 7
+    products of head_dim columns for 5): a tile's gradients then take 1 / dkdv_slices of the
+    registers (sm90 at d256, where dk and dv of a warpgroup's 64 keys alone take 256 a thread).
     """
-    module = _programs(spec, block_m, block_n, dq_atomic, stride_alignment)
+    if spec.head_dim % dkdv_slices:
+        raise ValueError(f"dkdv_slices: {dkdv_slices} does not divide head_dim {spec.head_dim}")
+    module = _programs(spec, block_m, block_n, dq_atomic, stride_alignment, dkdv_slices)
     if dq_atomic:
         return module
     dq_tile = (dq_block_m or block_m, dq_block_n or block_n)
@@ -151,10 +161,11 @@ def _dq_accumulator_argument(dq_atomic: bool, batch, heads: int, head_dim: int):
 
 
 def _programs(spec: AttentionSpec, block_m: int, block_n: int, dq_atomic: bool = False,
-              stride_alignment: int = 1) -> tvm.IRModule:
+              stride_alignment: int = 1, dkdv_slices: int = 1) -> tvm.IRModule:
     """The three programs, all in tiles of ``block_m`` query rows by ``block_n`` keys (``dq_atomic``:
-    delta, dkdv with dq's share, convert_dq)."""
+    delta, dkdv with dq's share, convert_dq; ``dkdv_slices``: ``attention_backward``'s)."""
     D, BM, BN = spec.head_dim, block_m, block_n
+    SLICES, DC = dkdv_slices, spec.head_dim // dkdv_slices  # dkdv's slices of the gradients' columns
     HQ, HKV = spec.heads_q, spec.heads_kv
     group = HQ // HKV
     dtype = spec.dtype
@@ -234,6 +245,13 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int, dq_atomic: bool =
         return [block_walk(buffers, b, hk * group + g, kb, seqlen_q) for g in range(group)]
 
     padding_lse2 = T.float32(math.inf) if spec.flex is not None else T.float32(0)
+
+    def column_of(tile):
+        """dkdv's map from a column of its tile's slice of the gradients to the head_dim column (the
+        identity with one slice, so that the program is the one without slices)."""
+        if SLICES == 1:
+            return lambda d: d
+        return lambda d: tile % SLICES * DC + d
 
     def padded(buffer, row, limit, *index):
         """buffer[index] for a row before ``limit``, else 0 in the input dtype."""
@@ -409,25 +427,29 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int, dq_atomic: bool =
         K = T.decl_buffer(K_in.shape, dtype, data=K_in.data, strides=program.aligned_strides(K_in, stride_alignment))
         V = T.decl_buffer(V_in.shape, dtype, data=V_in.data, strides=program.aligned_strides(V_in, stride_alignment))
 
-        for b, hk, kb in T.grid(program.sequence_count(Packed_, batch), HKV, T.ceildiv(program.longest(Packed_, seqlen_k), BN)):
+        for b, hk, kbc in T.grid(program.sequence_count(Packed_, batch), HKV,
+                                 T.ceildiv(program.longest(Packed_, seqlen_k), BN) * SLICES):
             with T.sblock("tile"):
-                vb, vhk, vkb = T.axis.remap("SSS", [b, hk, kb])
+                vb, vhk, vkbc = T.axis.remap("SSS", [b, hk, kbc])
+                # the K/V block and the slice of the gradients' columns (with one slice, the block alone)
+                vkb = T.meta_var(vkbc if SLICES == 1 else vkbc // SLICES)
+                column = T.meta_var(column_of(vkbc))
                 T.sblock_attr(program.runs_if(Packed_, vb, vkb * BN, keys=True))
                 seq = T.meta_var(program.sequences(Packed_, vb, seqlen_q, seqlen_k))  # the tile's sequence
                 Kt = T.sblock_alloc_buffer((BN, D), dtype)  # the K block, zero-padded
                 Vt = T.sblock_alloc_buffer((BN, D), dtype)  # the V block, zero-padded
-                dk_acc = T.sblock_alloc_buffer((BN, D), f32)  # dsᵀ q, summed over the group's heads
-                dv_acc = T.sblock_alloc_buffer((BN, D), f32)  # pᵀ dout, summed over the group's heads
+                dk_acc = T.sblock_alloc_buffer((BN, DC), f32)  # dsᵀ q, summed over the group's heads
+                dv_acc = T.sblock_alloc_buffer((BN, DC), f32)  # pᵀ dout, summed over the group's heads
                 scale2 = T.sblock_alloc_buffer((1,), f32)
 
                 with T.sblock("init_scale"):
                     scale2[0] = program.score_scale(spec, softmax_scale) * T.float32(LOG2E)
                 load_kv(Kt, Vt, K, V, seq, vhk, vkb)
-                for j, d in T.grid(BN, D):
+                for j, d in T.grid(BN, DC):
                     with T.sblock("init_dk"):
                         vj, vd = T.axis.remap("SS", [j, d])
                         dk_acc[vj, vd] = T.float32(0)
-                for j, d in T.grid(BN, D):
+                for j, d in T.grid(BN, DC):
                     with T.sblock("init_dv"):
                         vj, vd = T.axis.remap("SS", [j, d])
                         dv_acc[vj, vd] = T.float32(0)
@@ -449,7 +471,7 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int, dq_atomic: bool =
                         dSc = T.sblock_alloc_buffer((BN, BM), dtype)  # dsᵀ in the input dtype, for dk
                         Pc = T.sblock_alloc_buffer((BN, BM), dtype)  # pᵀ in the input dtype, for dv
                         if dq_atomic:
-                            dq_share = T.sblock_alloc_buffer((BM, D), f32)  # ds k of this K/V block
+                            dq_share = T.sblock_alloc_buffer((BM, DC), f32)  # ds k of this K/V block
 
                         walk = T.meta_var(block_walk(Flex_, vb, vhk * group + vg, vkb, seq.seqlen_q))
                         qb = T.meta_var(walk.tile(vt) if walk is not None
@@ -464,28 +486,28 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int, dq_atomic: bool =
                             with T.sblock("cast_p"):  # the kept entries of p (dropout), scaled at dv's store
                                 vj, vi = T.axis.remap("SS", [j, i])
                                 Pc[vj, vi] = T.cast(program_dropout.dropped(drop, P[vj, vi], qb * BM + vi, vkb * BN + vj), dtype)
-                        for j, d, i in T.grid(BN, D, BM):
+                        for j, d, i in T.grid(BN, DC, BM):
                             with T.sblock("dv"):  # dv += pᵀ dout
                                 vj, vd, vi = T.axis.remap("SSR", [j, d, i])
                                 with T.init():  # carried over from the last step
                                     dv_acc[vj, vd] = dv_acc[vj, vd]
-                                dv_acc[vj, vd] = dv_acc[vj, vd] + T.cast(Pc[vj, vi], f32) * T.cast(dOt[vi, vd], f32)
+                                dv_acc[vj, vd] = dv_acc[vj, vd] + T.cast(Pc[vj, vi], f32) * T.cast(dOt[vi, column(vd)], f32)
                         if dq_atomic:
-                            for i, d, j in T.grid(BM, D, BN):
+                            for i, d, j in T.grid(BM, DC, BN):
                                 with T.sblock("dq"):  # this K/V block's share of dq: ds k, before dk: a schedule
                                     # can issue dv, dq and dk back to back and add dq's share while dk runs
                                     vi, vd, vj = T.axis.remap("SSR", [i, d, j])
                                     with T.init():
                                         dq_share[vi, vd] = T.float32(0)
-                                    dq_share[vi, vd] = dq_share[vi, vd] + T.cast(dSc[vj, vi], f32) * T.cast(Kt[vj, vd], f32)
-                        for j, d, i in T.grid(BN, D, BM):
+                                    dq_share[vi, vd] = dq_share[vi, vd] + T.cast(dSc[vj, vi], f32) * T.cast(Kt[vj, column(vd)], f32)
+                        for j, d, i in T.grid(BN, DC, BM):
                             with T.sblock("dk"):  # dk += dsᵀ q (scaled at the store)
                                 vj, vd, vi = T.axis.remap("SSR", [j, d, i])
                                 with T.init():  # carried over from the last step
                                     dk_acc[vj, vd] = dk_acc[vj, vd]
-                                dk_acc[vj, vd] = dk_acc[vj, vd] + T.cast(dSc[vj, vi], f32) * T.cast(Qt[vi, vd], f32)
+                                dk_acc[vj, vd] = dk_acc[vj, vd] + T.cast(dSc[vj, vi], f32) * T.cast(Qt[vi, column(vd)], f32)
                         if dq_atomic:
-                            for i, d in T.grid(BM, D):
+                            for i, d in T.grid(BM, DC):
                                 with T.sblock("accumulate_dq"):  # summed over the K/V tiles in any order
                                     vi, vd = T.axis.remap("SS", [i, d])
                                     row = T.meta_var(seq.q_row(qb * BM + vi))
@@ -493,20 +515,20 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int, dq_atomic: bool =
                                     # that runs tiles at once makes them atomic), so no tile waits on
                                     # another's, and the tiles stay independent (a grid)
                                     T.reads(dq_share[vi, vd])
-                                    T.writes(DQaccum[seq.batch, row, vhk * group + vg, vd])
-                                    DQaccum[seq.batch, row, vhk * group + vg, vd] = (
-                                        DQaccum[seq.batch, row, vhk * group + vg, vd] + dq_share[vi, vd])
+                                    T.writes(DQaccum[seq.batch, row, vhk * group + vg, column(vd)])
+                                    DQaccum[seq.batch, row, vhk * group + vg, column(vd)] = (
+                                        DQaccum[seq.batch, row, vhk * group + vg, column(vd)] + dq_share[vi, vd])
 
-                for j, d in T.grid(BN, D):
+                for j, d in T.grid(BN, DC):
                     with T.sblock("store_dk"):
                         vj, vd = T.axis.remap("SS", [j, d])
                         T.where(vkb * BN + j < seq.seqlen_k)
-                        dK[seq.batch, seq.k_row(vkb * BN + vj), vhk, vd] = T.cast(dk_acc[vj, vd] * softmax_scale, dtype)
-                for j, d in T.grid(BN, D):
+                        dK[seq.batch, seq.k_row(vkb * BN + vj), vhk, column(vd)] = T.cast(dk_acc[vj, vd] * softmax_scale, dtype)
+                for j, d in T.grid(BN, DC):
                     with T.sblock("store_dv"):
                         vj, vd = T.axis.remap("SS", [j, d])
                         T.where(vkb * BN + j < seq.seqlen_k)
-                        dV[seq.batch, seq.k_row(vkb * BN + vj), vhk, vd] = T.cast(
+                        dV[seq.batch, seq.k_row(vkb * BN + vj), vhk, column(vd)] = T.cast(
                             program_dropout.dropout_scaled(Dropout_, dv_acc[vj, vd]), dtype)
 
     load_kv, load_q, p_and_ds = steps(keys_first=False)

@@ -29,7 +29,8 @@ from .wgmma import warpgroup_gemm, wgmma_intrin_name
 def schedule_backward(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, dq_block_m: int, dq_block_n: int,
                       dkdv_stages: int, dq_stages: int, vec: int, dq_atomic: bool = False,
                       dkdv_copy: str = "cp.async", wgmma_overlap: bool = False, ds_buffers: int = 1,
-                      dq_reduce: str = "atomic", dkdv_producer: str = "thread") -> tvm.s_tir.Schedule:
+                      dq_reduce: str = "atomic", dkdv_producer: str = "thread",
+                      dkdv_slices: int = 1) -> tvm.s_tir.Schedule:
     """delta on the SIMT schedule, dkdv and dq on wgmma (``vec`` elements a copy). The tiles are the
     program's (``program_backward.attention_backward``). ``dq_atomic``: the program has no dq; dkdv
     adds dq's share atomically (``_schedule_dq_share``) and convert_dq runs on SIMT. ``wgmma_overlap``:
@@ -37,7 +38,9 @@ def schedule_backward(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, dq
     shared-memory tile in 1 or 2 buffers, and dq's share added by "atomic" reductions from the
     registers, or from a shared-memory tile by "vector" atomics or "bulk" reductions
     (``_schedule_dq_share``). ``dkdv_producer``: who issues dkdv's TMA copies, thread 0 or a warpgroup of
-    its own (``lowering.tma_producer_warpgroup``: the consumers' barriers named, their registers 240)."""
+    its own (``lowering.tma_producer_warpgroup``: the consumers' barriers named, their registers 240).
+    ``dkdv_slices``: the program's (``program_backward.attention_backward``), each dkdv tile's gradients
+    a slice of the head_dim columns; the schedule reads the slice's width from dk's buffer."""
     from .. import simt
 
     simt.schedule_delta(sch)
@@ -80,6 +83,9 @@ def _schedule_dkdv(sch: tvm.s_tir.Schedule, num_stages: int, vec: int, dq_atomic
     if tma:  # the Q block's tiles and its rows' values by TMA
         for name in ("load_q", "load_do", "load_lse", "load_delta"):
             sch.annotate(sch.get_sblock(name), TMA_LOAD, producer)
+    # the columns of dk, dv and dq's share a tile makes: head_dim, or its slice (``dkdv_slices``), whose
+    # products read q, dout and K from the slice's first column on (in whole swizzled groups or core matrices)
+    DC = int(sch.get(sch.get_sblock("dk")).writes[0].source.shape[1])
     _backward_step(sch, ("cast_p",), groups, BM, D, dtype, num_stages, overlap, b_swizzled=tma, swizzle=columns)
     # With overlap dv and dq's share only committed: dk's wait ends them. dv only where TMA places the Q
     # block's tiles: the threads' copies (cp.async; varlen's) leave dout's tile to TVM's shared-memory
@@ -88,10 +94,10 @@ def _schedule_dkdv(sch: tvm.s_tir.Schedule, num_stages: int, vec: int, dq_atomic
     # dq's share reads dsᵀ and K, which nothing writes before dk's wait.
     dv_in_flight = overlap and tma
     for name in ("dv", "dk"):
-        _backward_accumulate(sch, name, groups, D, BM, dtype, b_swizzled=tma, wait=not dv_in_flight or name == "dk",
+        _backward_accumulate(sch, name, groups, DC, BM, dtype, b_swizzled=tma, wait=not dv_in_flight or name == "dk",
                              swizzle=columns)
     if dq_atomic:
-        _schedule_dq_share(sch, staged, groups, BM, D, BN, dtype, ds_buffers, dq_reduce, overlap)
+        _schedule_dq_share(sch, staged, groups, BM, DC, BN, dtype, ds_buffers, dq_reduce, overlap)
     if num_stages > 1:
         pipeline_loads(sch, num_stages, step="q_step", loads=("load_q", "load_do", "load_lse", "load_delta"))
 

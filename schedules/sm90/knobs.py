@@ -284,7 +284,8 @@ HEAD_DIMS = tuple(range(32, 257, 32))
 def backward_shared_memory_bytes(head_dim: int, dtype: str, knobs: dict) -> int:
     """Dynamic shared memory of the larger of dkdv and dq: each program's tiles in padded core
     matrices (``layouts.pad_core_matrix_stride``), the streamed ones once a stage, and the rows' lse and
-    delta; with dq_atomic, dkdv's dsᵀ tile (block_n x block_m) and no dq."""
+    delta; with dq_atomic, dkdv's dsᵀ tile (block_n x block_m) and the float32 tile of dq's share (its
+    slice of the columns, ``dkdv_slices``), and no dq."""
     def padded(cols):
         return cols * (CORE_MATRIX_ELEMENTS + PAD_ELEMENTS) // CORE_MATRIX_ELEMENTS
 
@@ -294,7 +295,8 @@ def backward_shared_memory_bytes(head_dim: int, dtype: str, knobs: dict) -> int:
         + (TMA_BARRIER_BYTES[knobs.get("dkdv_producer", "thread")] + SWIZZLE_ALIGNMENT if tma else 0)
     if knobs.get("dq_atomic"):
         reduce = knobs.get("dq_reduce", "atomic")  # the float32 tile of ds k: rows padded by 8, or TMA's swizzle
-        tile = {"atomic": 0, "tma": knobs["block_m"] * head_dim * 4}.get(reduce, knobs["block_m"] * (head_dim + 8) * 4)
+        columns = head_dim // knobs.get("dkdv_slices", 1)  # a dkdv tile's slice of dq's columns
+        tile = {"atomic": 0, "tma": knobs["block_m"] * columns * 4}.get(reduce, knobs["block_m"] * (columns + 8) * 4)
         return dkdv + knobs.get("ds_buffers", 1) * knobs["block_n"] * padded(knobs["block_m"]) * 2 + tile
     dq = (2 * knobs["dq_block_m"] + 2 * knobs["dq_block_n"] * knobs["dq_stages"]) * padded(head_dim) * 2 \
         + 8 * knobs["dq_block_m"]
@@ -316,15 +318,18 @@ def backward_register_problem(head_dim: int, knobs: dict) -> str | None:
     its warpgroup's 64 keys across the Q blocks (head_dim / 2 registers a thread each) and makes s and dp a
     step (block_m / 2 each); the dq pass keeps dq (head_dim / 2) and makes s and dp (dq_block_n / 2 each).
     Each needs ``WGMMA_OPERAND_REGISTERS`` more. So dkdv fits no tile at d256: dk and dv alone take 256
-    registers a thread (FA3 makes dkᵀ and dvᵀ there, with the warpgroups splitting head_dim)."""
+    registers a thread, unless its tiles each make a slice of the columns (``dkdv_slices``: head_dim /
+    dkdv_slices registers for dk and dv)."""
     threads = WARPGROUP * max(1, knobs["block_n"] // WG_ROWS)
     left = min(255, REGISTERS_PER_SM // threads)
     if knobs["dkdv_producer"] == "warpgroup":
         left = CONSUMER_REGISTERS
-    need = head_dim + knobs["block_m"] + WGMMA_OPERAND_REGISTERS
+    columns = head_dim // knobs.get("dkdv_slices", 1)  # a dkdv tile's slice of dk's and dv's columns
+    need = columns + knobs["block_m"] + WGMMA_OPERAND_REGISTERS
     if need > left:
-        return (f"the sm90 dkdv keeps dk and dv ({head_dim} registers a thread at head_dim {head_dim}) and s and dp "
-                f"({knobs['block_m']} at block_m {knobs['block_m']}) in registers: it needs {need}, a thread has {left}")
+        return (f"the sm90 dkdv keeps dk and dv ({columns} registers a thread at head_dim {head_dim} in "
+                f"{knobs.get('dkdv_slices', 1)} dkdv_slices) and s and dp ({knobs['block_m']} at block_m "
+                f"{knobs['block_m']}) in registers: it needs {need}, a thread has {left}")
     need = head_dim // 2 + knobs["dq_block_n"] + WGMMA_OPERAND_REGISTERS
     if not knobs["dq_atomic"] and need > 255:
         return (f"the sm90 dq keeps dq ({head_dim // 2} registers a thread) and s and dp ({knobs['dq_block_n']} at "
@@ -348,6 +353,15 @@ def backward_build_problem(head_dim: int, dtype: str, knobs: dict) -> str | None
                 "take 'thread'")
     if knobs["dq_reduce"] == "tma" and knobs["dkdv_copy"] != "tma":
         return "dq_reduce 'tma' adds dq's share by TMA, through the TMA lowering of dkdv's copies: it needs dkdv_copy 'tma'"
+    slices = knobs["dkdv_slices"]
+    columns = head_dim // slices  # a dkdv tile's slice of the gradients' columns
+    if slices > 1 and columns % (swizzle_columns(head_dim) if knobs["dkdv_copy"] == "tma" else 8):
+        # the slice's products read q and dout from its first column on: whole swizzled groups (a descriptor
+        # cannot start inside one) or core matrices
+        return (f"dkdv_slices {slices}: the sm90 dkdv reads q and dout of its slice of {columns} columns from whole "
+                f"{'swizzled groups' if knobs['dkdv_copy'] == 'tma' else 'core matrices'}, got head_dim {head_dim}")
+    if slices > 1 and knobs["dq_atomic"] and knobs["dq_reduce"] == "tma":
+        return "dkdv_slices > 1 adds dq's share by atomics or from a shared-memory tile: take dq_reduce 'atomic' or 'vector'"
     registers = backward_register_problem(head_dim, knobs)
     if registers is not None:
         return registers
@@ -357,7 +371,7 @@ def backward_build_problem(head_dim: int, dtype: str, knobs: dict) -> str | None
             return (f"dq_reduce 'tma' adds each warpgroup's head_dim / warpgroups columns of dq's share in rows of "
                     f"{TMA_REDUCE_COLUMNS} float32 (TMA's 128-byte swizzle): it needs a multiple of "
                     f"{TMA_REDUCE_COLUMNS}, got {head_dim // groups}")
-        return dq_share_problem(knobs["block_m"], head_dim, groups)
+        return dq_share_problem(knobs["block_m"], columns, groups)
     return None
 
 
@@ -373,8 +387,8 @@ def backward_build_problem(head_dim: int, dtype: str, knobs: dict) -> str | None
 # the copy engine's cost is per operation), so they are left out of the tuner's space (BENCHMARKS.md).
 BACKWARD = KnobSet("sm90", "backward", (
     Knob("block_m", 64, space=(32, 64), role=TILE),
-    Knob("block_n", 128, space=(64, 128), role=TILE),
-    Knob("dq_block_m", 128, space=(64, 128), role=TILE),
+    Knob("block_n", 128, space=(64, 128), by_head_dim={256: 64}, role=TILE),
+    Knob("dq_block_m", 128, space=(64, 128), by_head_dim={256: 64}, role=TILE),
     Knob("dq_block_n", 64, space=(32, 64), by_head_dim={64: 32}, role=TILE),
     Knob("dkdv_stages", 2, space=(1, 2)),
     Knob("dq_stages", 2, space=(1, 2)),
@@ -390,9 +404,10 @@ BACKWARD = KnobSet("sm90", "backward", (
          varlen="atomic", role=DERIVED,
          space=lambda knobs: ["atomic", "vector", *(["tma"] if knobs["dkdv_copy"] == "tma" else [])]
          if knobs["dq_atomic"] else ["atomic"]),
+    Knob("dkdv_slices", 1, choices=(1, 2), by_head_dim={256: 2}, role=TILE),
     Knob("dkdv_producer", "thread", choices=PRODUCERS, varlen="thread", role=DERIVED,
          by_head_dim={64: "warpgroup", 128: "warpgroup"},
          space=lambda knobs: list(PRODUCERS) if knobs["dkdv_copy"] == "tma" else ["thread"]),
 ), build_problem=backward_build_problem, shared_memory=backward_shared_memory_bytes,
-   varlen_by_head_dim={128: {"dkdv_stages": 1}})
-BACKWARD_HEAD_DIMS = (64, 96, 128)
+   varlen_by_head_dim={128: {"dkdv_stages": 1}, 256: {"dkdv_stages": 1}})
+BACKWARD_HEAD_DIMS = (64, 96, 128, 256)
