@@ -69,7 +69,7 @@ GPU_GRADIENT_CASES = ([(torch.bfloat16, d, c) for d in (32, 64, 96, 128, 256) fo
                          ids=lambda p: str(p).removeprefix("torch.") if not isinstance(p, bool) else
                          ("causal" if p else "full"))
 def test_gradients_match_float64_on_the_gpu(dtype, head_dim, causal):
-    """The default schedules: for fp16/bf16 sm90's (wgmma) at head_dim 64, 96 and 128 on sm_90a, sm80's
+    """The default schedules: for fp16/bf16 sm90's (wgmma) at head_dim 64, 96, 128 and 256 on sm_90a, sm80's
     (mma.sync) up to head_dim 128 on sm80 and newer; the SIMT one otherwise. SHAPES' three head layouts (a
     forward and a backward module each, about 50 s of builds) in bf16 at 64 and 128, GQA 4/2 elsewhere."""
     heads = None if dtype == torch.bfloat16 and head_dim in (64, 128) else STRUCTURE_HEADS
@@ -424,12 +424,26 @@ def test_sm90_dkdv_structure_gradients_on_the_gpu(head_dim, knobs):
 @pytest.mark.parametrize("deterministic", [False, True], ids=["dq_atomic", "dq_pass"])
 def test_sm90_backward_at_d96_on_the_gpu(deterministic):
     """head_dim 96 on wgmma, the default on sm_90a: q and dout by TMA in the 64-byte swizzle, dq's share by
-    vector atomics, or (deterministic) the dq pass; causal over SHAPES in GQA 4/2. (d256 has no sm90
-    backward: the SIMT one, test_gradients_match_float64_on_the_gpu.)"""
+    vector atomics, or (deterministic) the dq pass; causal over SHAPES in GQA 4/2."""
     _on_sm_90a_only("sm90")
     kernel = tvmflash.compile_backward(head_dim=96, dtype=torch.bfloat16, causal=True, deterministic=deterministic)
     assert kernel.info()["schedule"] == "sm90"
     gradients_match_float64("cuda", torch.bfloat16, 96, True, STRUCTURE_HEADS, deterministic=deterministic)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,causal,deterministic", [(torch.float16, False, False), (torch.bfloat16, True, True),
+                                                        (torch.bfloat16, False, True)],
+                         ids=["float16-full", "bfloat16-causal-dq_pass", "bfloat16-full-dq_pass"])
+def test_sm90_backward_at_d256_on_the_gpu(dtype, causal, deterministic):
+    """head_dim 256 on wgmma, the default on sm_90a (test_gradients_match_float64_on_the_gpu has bf16 with
+    dq_atomic): each dkdv tile makes dk, dv (and dq's share) of half the columns (``dkdv_slices`` 2), the
+    halves' tiles side by side in the grid; fp16, and deterministic (the dq pass in 64-row blocks), over
+    SHAPES in GQA 4/2, outputs poisoned."""
+    _on_sm_90a_only("sm90")
+    kernel = tvmflash.compile_backward(head_dim=256, dtype=dtype, causal=causal, deterministic=deterministic)
+    assert kernel.info()["schedule"] == "sm90" and kernel.knobs["dkdv_slices"] == 2
+    gradients_match_float64("cuda", dtype, 256, causal, STRUCTURE_HEADS, deterministic=deterministic)
 
 
 # The barrier and copy counts below are those of dkdv with thread 0 issuing the TMA copies: a producer
