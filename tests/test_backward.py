@@ -432,18 +432,22 @@ def test_sm90_backward_at_d96_on_the_gpu(deterministic):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype,causal,deterministic", [(torch.float16, False, False), (torch.bfloat16, True, True),
-                                                        (torch.bfloat16, False, True)],
-                         ids=["float16-full", "bfloat16-causal-dq_pass", "bfloat16-full-dq_pass"])
-def test_sm90_backward_at_d256_on_the_gpu(dtype, causal, deterministic):
+@pytest.mark.parametrize("dtype,causal,deterministic,knobs", [
+    (torch.float16, False, False, None), (torch.bfloat16, True, True, None),
+    (torch.bfloat16, False, True, {"dkdv_slicing": "rows"}),
+    (torch.bfloat16, True, False, {"dkdv_slicing": "grid", "ds_buffers": 2})],
+    ids=["float16-full", "causal-dq_pass", "full-dq_pass-rows", "causal-grid"])
+def test_sm90_backward_at_d256_on_the_gpu(dtype, causal, deterministic, knobs):
     """head_dim 256 on wgmma, the default on sm_90a (test_gradients_match_float64_on_the_gpu has bf16 with
-    dq_atomic): each dkdv tile makes dk, dv (and dq's share) of half the columns (``dkdv_slices`` 2), the
-    halves' tiles side by side in the grid; fp16, and deterministic (the dq pass in 64-row blocks), over
-    SHAPES in GQA 4/2, outputs poisoned."""
+    dq_atomic): dk, dv (and dq's share) in two slices of the columns (``dkdv_slices``), a warpgroup a slice of
+    the same keys (``dkdv_slicing`` "rows", the default) or a thread block a slice ("grid", the dq pass's
+    default); fp16, deterministic (the dq pass in 64-row blocks) in either slicing, and "grid" with dq's
+    share, over SHAPES in GQA 4/2, outputs poisoned."""
     _on_sm_90a_only("sm90")
-    kernel = tvmflash.compile_backward(head_dim=256, dtype=dtype, causal=causal, deterministic=deterministic)
+    kernel = tvmflash.compile_backward(head_dim=256, dtype=dtype, causal=causal, deterministic=deterministic,
+                                       knobs=knobs)
     assert kernel.info()["schedule"] == "sm90" and kernel.knobs["dkdv_slices"] == 2
-    gradients_match_float64("cuda", dtype, 256, causal, STRUCTURE_HEADS, deterministic=deterministic)
+    gradients_match_float64("cuda", dtype, 256, causal, STRUCTURE_HEADS, knobs=knobs, deterministic=deterministic)
 
 
 # The barrier and copy counts below are those of dkdv with thread 0 issuing the TMA copies: a producer
