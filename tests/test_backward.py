@@ -6,6 +6,7 @@ import re
 
 import pytest
 import torch
+import tvm
 from conftest import poisoned_out, random_qkv
 from reference import check_gradients
 
@@ -74,6 +75,36 @@ def test_gradients_match_float64_on_the_gpu(dtype, head_dim, causal):
     forward and a backward module each, about 50 s of builds) in bf16 at 64 and 128, GQA 4/2 elsewhere."""
     heads = None if dtype == torch.bfloat16 and head_dim in (64, 128) else STRUCTURE_HEADS
     gradients_match_float64("cuda", dtype, head_dim, causal, heads)
+
+
+def test_dkdv_slices_match_float64_on_cpu(monkeypatch, tmp_path):
+    """The program's dkdv_slices (sm90's at d256), unscheduled on the CPU against float64: dk, dv and dq's
+    share made in two slices of the columns, the tile's rows its keys once a slice ("rows": key_of, each
+    row's slice's columns, dq's share from its column's slice's rows of dsᵀ), causal, GQA 4/2, with dq by
+    atomics. (The grid's slicing and the dq pass checked the same way, outside the suite, 2026-12-07.)"""
+    from tvmflash.kernels import backward as kernels_backward
+
+    def scheduled(self, spec):  # the program alone: its blocks in order, serial
+        return tvm.s_tir.Schedule(program_backward.attention_backward(spec, 32, 32, dq_atomic=True, dkdv_slices=2,
+                                                                      dkdv_slicing="rows"))
+
+    monkeypatch.setenv("TVMFLASH_CACHE_DIR", str(tmp_path))  # modules of these programs in no shared cache
+    monkeypatch.setattr(kernels, "_KERNELS", {})
+    monkeypatch.setattr(kernels_backward.BackwardKernel, "_scheduled", scheduled)
+    monkeypatch.setattr(kernels_backward.BackwardKernel, "dq_atomic", property(lambda self: True))
+    monkeypatch.setattr(kernels_backward.BackwardKernel, "dq_accumulator", lambda self, q: (torch.zeros(
+        (q.shape[0], program_backward.dq_accumulator_rows(q.shape[1], 32), *q.shape[2:]), dtype=torch.float32),))
+    forward = tvmflash.compile(head_dim=64, dtype=torch.float32, causal=True, target="cpu")
+    # knobs of their own: a kernel (and module) apart from the CPU schedule's
+    backward = tvmflash.compile_backward(head_dim=64, dtype=torch.float32, causal=True, target="cpu",
+                                         knobs={"block_m": 32, "block_n": 32, "vector": 4})
+    for n, (seqlen_q, seqlen_k) in enumerate([(70, 45), (33, 100)]):
+        q, k, v = random_qkv(1, seqlen_q, seqlen_k, 4, 2, 64, torch.float32, "cpu")
+        out, lse = forward(q, k, v, return_lse=True)
+        dout = torch.randn_like(out)
+        dlse = torch.randn_like(lse) if n else None
+        grads = backward(q, k, v, out, dout, lse, dlse=dlse, dq=poisoned_out(q), dk=poisoned_out(k), dv=poisoned_out(v))
+        check_gradients(grads, q, k, v, dout, dlse, causal=True)
 
 
 def devices():
