@@ -30,7 +30,8 @@ still rowsum(p ∘ dp ∘ keep) / (1 - p)); dkdv and dq take dropout_p and dropo
 ``dkdv``   one tile per (batch, K/V head, K/V block of ``block_n`` keys): the Q blocks of
            ``block_m`` rows of *every query head of the group* stream past it, so dk and dv of a
            GQA/MQA group are summed in the tile's fp32 accumulators (no atomics). p is recomputed
-           from q, k and the saved lse.
+           from q, k and the saved lse. With ``dkdv_slices`` (``attention_backward``) dk and dv come in
+           slices of the head_dim columns, p and ds recomputed for each.
 ``dq``     one tile per (batch, query head, Q block): the K/V blocks stream past it, recomputing p
            and ds. A pass of its own by default: each dq element is summed by one tile in a fixed
            order, so gradients are bitwise reproducible from run to run (``deterministic=True``
@@ -275,7 +276,8 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int, dq_atomic: bool =
         return (lambda d: d) if GRID_SLICES == 1 else (lambda d: tile % SLICES * DC + d)
 
     def ds_row(d, j):
-        """The row of dsᵀ that dq's share of head_dim column d reads for key j: its slice's."""
+        """The row of dsᵀ that dq's share of head_dim column d reads for key j: its slice's (every slice's
+        row of a key holds the same ds; reading its own lets the threads of a slice make its columns)."""
         return j if ROW_SLICES == 1 else d // DC * BN + j
 
     def padded(buffer, row, limit, *index):
