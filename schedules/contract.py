@@ -82,7 +82,9 @@ class KnobSet:
     the tuner also leaves out before building: configurations that a cheap model says would fail at
     build time (a caller's own knobs are left to the build, which says so too). shared_memory_limit: a cap below the target's (static shared
     memory). varlen_by_head_dim: knobs varlen takes at some head_dims (over the defaults, below the
-    caller's). The tuner's design space is ``space()``."""
+    caller's). dq_pass_by_head_dim: knobs a backward takes at some head_dims where its dq is a pass of its
+    own (deterministic; over the defaults or a record's, below the caller's). The tuner's design space is
+    ``space()``."""
 
     schedule: str
     program: str
@@ -93,6 +95,7 @@ class KnobSet:
     precheck: Callable[[int, str, dict], str | None] | None = None
     shared_memory_limit: int | None = None
     varlen_by_head_dim: Mapping[int, dict] = field(default_factory=dict)
+    dq_pass_by_head_dim: Mapping[int, dict] = field(default_factory=dict)
 
     def __post_init__(self):
         names = [knob.name for knob in self.knobs]

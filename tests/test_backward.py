@@ -6,6 +6,7 @@ import re
 
 import pytest
 import torch
+import tvm
 from conftest import poisoned_out, random_qkv
 from reference import check_gradients
 
@@ -69,11 +70,41 @@ GPU_GRADIENT_CASES = ([(torch.bfloat16, d, c) for d in (32, 64, 96, 128, 256) fo
                          ids=lambda p: str(p).removeprefix("torch.") if not isinstance(p, bool) else
                          ("causal" if p else "full"))
 def test_gradients_match_float64_on_the_gpu(dtype, head_dim, causal):
-    """The default schedules: for fp16/bf16 sm90's (wgmma) at head_dim 64, 96 and 128 on sm_90a, sm80's
+    """The default schedules: for fp16/bf16 sm90's (wgmma) at head_dim 64, 96, 128 and 256 on sm_90a, sm80's
     (mma.sync) up to head_dim 128 on sm80 and newer; the SIMT one otherwise. SHAPES' three head layouts (a
     forward and a backward module each, about 50 s of builds) in bf16 at 64 and 128, GQA 4/2 elsewhere."""
     heads = None if dtype == torch.bfloat16 and head_dim in (64, 128) else STRUCTURE_HEADS
     gradients_match_float64("cuda", dtype, head_dim, causal, heads)
+
+
+def test_dkdv_slices_match_float64_on_cpu(monkeypatch, tmp_path):
+    """The program's dkdv_slices (sm90's at d256), unscheduled on the CPU against float64: dk, dv and dq's
+    share made in two slices of the columns, the tile's rows its keys once a slice ("rows": key_of, each
+    row's slice's columns, dq's share from its column's slice's rows of dsᵀ), causal, GQA 4/2, with dq by
+    atomics. (The grid's slicing and the dq pass checked the same way, outside the suite, 2026-12-07.)"""
+    from tvmflash.kernels import backward as kernels_backward
+
+    def scheduled(self, spec):  # the program alone: its blocks in order, serial
+        return tvm.s_tir.Schedule(program_backward.attention_backward(spec, 32, 32, dq_atomic=True, dkdv_slices=2,
+                                                                      dkdv_slicing="rows"))
+
+    monkeypatch.setenv("TVMFLASH_CACHE_DIR", str(tmp_path))  # modules of these programs in no shared cache
+    monkeypatch.setattr(kernels, "_KERNELS", {})
+    monkeypatch.setattr(kernels_backward.BackwardKernel, "_scheduled", scheduled)
+    monkeypatch.setattr(kernels_backward.BackwardKernel, "dq_atomic", property(lambda self: True))
+    monkeypatch.setattr(kernels_backward.BackwardKernel, "dq_accumulator", lambda self, q: (torch.zeros(
+        (q.shape[0], program_backward.dq_accumulator_rows(q.shape[1], 32), *q.shape[2:]), dtype=torch.float32),))
+    forward = tvmflash.compile(head_dim=64, dtype=torch.float32, causal=True, target="cpu")
+    # knobs of their own: a kernel (and module) apart from the CPU schedule's
+    backward = tvmflash.compile_backward(head_dim=64, dtype=torch.float32, causal=True, target="cpu",
+                                         knobs={"block_m": 32, "block_n": 32, "vector": 4})
+    for n, (seqlen_q, seqlen_k) in enumerate([(70, 45), (33, 100)]):
+        q, k, v = random_qkv(1, seqlen_q, seqlen_k, 4, 2, 64, torch.float32, "cpu")
+        out, lse = forward(q, k, v, return_lse=True)
+        dout = torch.randn_like(out)
+        dlse = torch.randn_like(lse) if n else None
+        grads = backward(q, k, v, out, dout, lse, dlse=dlse, dq=poisoned_out(q), dk=poisoned_out(k), dv=poisoned_out(v))
+        check_gradients(grads, q, k, v, dout, dlse, causal=True)
 
 
 def devices():
@@ -424,12 +455,30 @@ def test_sm90_dkdv_structure_gradients_on_the_gpu(head_dim, knobs):
 @pytest.mark.parametrize("deterministic", [False, True], ids=["dq_atomic", "dq_pass"])
 def test_sm90_backward_at_d96_on_the_gpu(deterministic):
     """head_dim 96 on wgmma, the default on sm_90a: q and dout by TMA in the 64-byte swizzle, dq's share by
-    vector atomics, or (deterministic) the dq pass; causal over SHAPES in GQA 4/2. (d256 has no sm90
-    backward: the SIMT one, test_gradients_match_float64_on_the_gpu.)"""
+    vector atomics, or (deterministic) the dq pass; causal over SHAPES in GQA 4/2."""
     _on_sm_90a_only("sm90")
     kernel = tvmflash.compile_backward(head_dim=96, dtype=torch.bfloat16, causal=True, deterministic=deterministic)
     assert kernel.info()["schedule"] == "sm90"
     gradients_match_float64("cuda", torch.bfloat16, 96, True, STRUCTURE_HEADS, deterministic=deterministic)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,causal,deterministic,knobs", [
+    (torch.float16, False, False, None), (torch.bfloat16, True, True, None),
+    (torch.bfloat16, False, True, {"dkdv_slicing": "rows"}),
+    (torch.bfloat16, True, False, {"dkdv_slicing": "grid", "ds_buffers": 2})],
+    ids=["float16-full", "causal-dq_pass", "full-dq_pass-rows", "causal-grid"])
+def test_sm90_backward_at_d256_on_the_gpu(dtype, causal, deterministic, knobs):
+    """head_dim 256 on wgmma, the default on sm_90a (test_gradients_match_float64_on_the_gpu has bf16 with
+    dq_atomic): dk, dv (and dq's share) in two slices of the columns (``dkdv_slices``), a warpgroup a slice of
+    the same keys (``dkdv_slicing`` "rows", the default) or a thread block a slice ("grid", the dq pass's
+    default); fp16, deterministic (the dq pass in 64-row blocks) in either slicing, and "grid" with dq's
+    share, over SHAPES in GQA 4/2, outputs poisoned."""
+    _on_sm_90a_only("sm90")
+    kernel = tvmflash.compile_backward(head_dim=256, dtype=dtype, causal=causal, deterministic=deterministic,
+                                       knobs=knobs)
+    assert kernel.info()["schedule"] == "sm90" and kernel.knobs["dkdv_slices"] == 2
+    gradients_match_float64("cuda", dtype, 256, causal, STRUCTURE_HEADS, knobs=knobs, deterministic=deterministic)
 
 
 # The barrier and copy counts below are those of dkdv with thread 0 issuing the TMA copies: a producer

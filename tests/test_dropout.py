@@ -280,8 +280,8 @@ def test_dropout_refusals():
 
 # ----------------------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
-@pytest.mark.parametrize("head_dim,dtype", [(64, torch.bfloat16), (128, torch.float16), (128, torch.bfloat16)],
-                         ids=str)
+@pytest.mark.parametrize("head_dim,dtype", [(64, torch.bfloat16), (128, torch.float16), (128, torch.bfloat16),
+                                            (256, torch.bfloat16)], ids=str)
 def test_attention_with_dropout_on_the_gpu(head_dim, dtype):
     """The default CUDA schedules (sm90's wgmma forward and backward on an H100) with dropout, causal and
     not, GQA: out, lse and gradients against float64 with the same entries dropped."""

@@ -51,6 +51,7 @@ BACKWARD_CONFIGS = {
     "backward-sm80-d64-full": ("sm80", 64, "bfloat16", False),
     "backward-sm80-d128-causal": ("sm80", 128, "bfloat16", True),
     "backward-sm90-d128-full": ("sm90", 128, "bfloat16", False),
+    "backward-sm90-d256-causal": ("sm90", 256, "bfloat16", True),  # dkdv in two slices of the columns
 }
 CONFIGS.update({name: None for name in BACKWARD_CONFIGS})
 

@@ -130,6 +130,14 @@ def test_gradients_match_float64_on_the_gpu(name):
     gradients_match_float64("cuda", *GPU_CONFIGS[0], name)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["causal-all", "all"])
+def test_gradients_at_d256_match_float64_on_the_gpu(name):
+    """The variants' backward at head_dim 256 on an sm_90a GPU: sm90's dkdv in two slices of the columns
+    (``dkdv_slices``), each recomputing p and ds under the mask, softcap and ALiBi."""
+    gradients_match_float64("cuda", torch.bfloat16, 256, name)
+
+
 @pytest.mark.parametrize("device", devices())
 def test_a_window_skips_the_tiles_it_does_not_reach(device):
     """100 queries over 300 keys in a window of 16 to the left: query i sees keys 184 + i ... 200 + i,

@@ -424,7 +424,8 @@ def test_paged_cache_matches_float64_on_the_gpu():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,head_dim,name,with_lse", [
     (*GPU_CONFIGS[0], "plain", True), (*GPU_CONFIGS[0], "causal", False), (*GPU_CONFIGS[0], "window", True),
-    (*GPU_CONFIGS[0], "all", False), (*GPU_CONFIGS[1], "all", True)], ids=str)
+    (*GPU_CONFIGS[0], "all", False), (*GPU_CONFIGS[1], "all", True),
+    (torch.bfloat16, 256, "all", True)], ids=str)  # d256: sm90's dkdv in two slices of the columns, by cp.async
 def test_gradients_match_float64_on_the_gpu(dtype, head_dim, name, with_lse):
     gradients_match_float64("cuda", dtype, head_dim, name, GPU_LENGTHS, with_lse)
 

@@ -428,6 +428,8 @@ def backward(target, spec_args: dict, knobs: dict | None, deterministic: bool = 
             raise ValueError("knobs: dq_atomic sums dq by fp32 atomics, in an order that changes from run to run, "
                              "and deterministic=True asks for bitwise-equal gradients: leave one out")
         resolved["dq_atomic"] = False
+        resolved.update({name: value for name, value in knobset.dq_pass_by_head_dim.get(head_dim, {}).items()
+                         if name not in (knobs or {})})
     if targets.is_cuda(target):
         check_knobs(knobset, resolved, head_dim, dtype)
         if not knobs:  # the defaults or a record's, shrunk to fit as the forward's (the SIMT's float32 from d192)

@@ -30,7 +30,8 @@ still rowsum(p ∘ dp ∘ keep) / (1 - p)); dkdv and dq take dropout_p and dropo
 ``dkdv``   one tile per (batch, K/V head, K/V block of ``block_n`` keys): the Q blocks of
            ``block_m`` rows of *every query head of the group* stream past it, so dk and dv of a
            GQA/MQA group are summed in the tile's fp32 accumulators (no atomics). p is recomputed
-           from q, k and the saved lse.
+           from q, k and the saved lse. With ``dkdv_slices`` (``attention_backward``) dk and dv come in
+           slices of the head_dim columns, p and ds recomputed for each.
 ``dq``     one tile per (batch, query head, Q block): the K/V blocks stream past it, recomputing p
            and ds. A pass of its own by default: each dq element is summed by one tile in a fixed
            order, so gradients are bitwise reproducible from run to run (``deterministic=True``
@@ -88,7 +89,8 @@ def dq_accumulator_rows(seqlen_q: int, block_m: int, sparse: bool = False) -> in
 
 
 def attention_backward(spec: AttentionSpec, block_m: int, block_n: int, dq_block_m: int | None = None,
-                       dq_block_n: int | None = None, dq_atomic: bool = False, stride_alignment: int = 1) -> tvm.IRModule:
+                       dq_block_n: int | None = None, dq_atomic: bool = False, stride_alignment: int = 1,
+                       dkdv_slices: int = 1, dkdv_slicing: str = "rows") -> tvm.IRModule:
     """The backward programs for a spec: dkdv in tiles of ``block_m`` query rows by ``block_n`` keys,
     dq in tiles of ``dq_block_m`` by ``dq_block_n`` (by default dkdv's).
 
@@ -105,8 +107,21 @@ def attention_backward(spec: AttentionSpec, block_m: int, block_n: int, dq_block
     ``convert_dq(dq_accum, dq, softmax_scale)`` scales and rounds it into dq. Every K/V tile adds into
     the same rows, so a schedule that runs tiles at once makes the addition atomic, and the sum's
     order (its rounding) changes from run to run.
+
+    ``dkdv_slices``: dk and dv (and with ``dq_atomic`` dq's share) made in this many equal slices of the
+    head_dim columns, p and ds recomputed from the whole head_dim for each, so that the steps' two
+    products q kᵀ and dout vᵀ are made once a slice (at 2 slices 7 products of head_dim columns for 5),
+    and what holds a slice's gradients holds 1 / dkdv_slices of them (sm90 at d256, where dk and dv of
+    a warpgroup's 64 keys alone take 256 registers a thread). ``dkdv_slicing`` "rows": the tile's rows
+    are the K/V block's keys once a slice (row r: key r % block_n of slice r // block_n; sᵀ, pᵀ, dpᵀ
+    and dsᵀ of block_n · dkdv_slices rows), so that a schedule that gives rows to threads gives each its
+    slice while the slices share the tile's q, dout, K and V; "grid": a tile a slice, the slices of a
+    K/V block side by side in the grid (K/V block kb, slice c: tile kb · dkdv_slices + c).
     """
-    module = _programs(spec, block_m, block_n, dq_atomic, stride_alignment)
+    if spec.head_dim % dkdv_slices or dkdv_slicing not in DKDV_SLICINGS:
+        raise ValueError(f"dkdv_slices, dkdv_slicing: {dkdv_slices} slices of head_dim {spec.head_dim} "
+                         f"{dkdv_slicing!r}; expected a divisor and one of {DKDV_SLICINGS}")
+    module = _programs(spec, block_m, block_n, dq_atomic, stride_alignment, dkdv_slices, dkdv_slicing)
     if dq_atomic:
         return module
     dq_tile = (dq_block_m or block_m, dq_block_n or block_n)
@@ -114,6 +129,8 @@ def attention_backward(spec: AttentionSpec, block_m: int, block_n: int, dq_block
         module["dq"] = _programs(spec, *dq_tile, stride_alignment=stride_alignment)["dq"]
     return module
 
+
+DKDV_SLICINGS = ("rows", "grid")  # where dkdv's slices of the gradients' columns go (``attention_backward``)
 
 # delta's and lse2's head stride, in elements, is a multiple of this (``padded_rows``): 16 bytes, so
 # that TMA may copy their rows (its strides are multiples of 16 bytes)
@@ -151,10 +168,15 @@ def _dq_accumulator_argument(dq_atomic: bool, batch, heads: int, head_dim: int):
 
 
 def _programs(spec: AttentionSpec, block_m: int, block_n: int, dq_atomic: bool = False,
-              stride_alignment: int = 1) -> tvm.IRModule:
+              stride_alignment: int = 1, dkdv_slices: int = 1, dkdv_slicing: str = "rows") -> tvm.IRModule:
     """The three programs, all in tiles of ``block_m`` query rows by ``block_n`` keys (``dq_atomic``:
-    delta, dkdv with dq's share, convert_dq)."""
+    delta, dkdv with dq's share, convert_dq; ``dkdv_slices``: ``attention_backward``'s)."""
     D, BM, BN = spec.head_dim, block_m, block_n
+    SLICES, DC = dkdv_slices, spec.head_dim // dkdv_slices  # dkdv's slices of the gradients' columns
+    GRID_SLICES = SLICES if dkdv_slicing == "grid" else 1  # dkdv tiles a K/V block
+    ROW_SLICES = SLICES if dkdv_slicing == "rows" else 1  # each key's rows in a dkdv tile
+    KEY_ROWS = BN * ROW_SLICES  # the rows of dkdv's tiles (sᵀ, ..., dk, dv)
+    DQ_COLUMNS = D // GRID_SLICES  # the columns of a dkdv tile's share of dq
     HQ, HKV = spec.heads_q, spec.heads_kv
     group = HQ // HKV
     dtype = spec.dtype
@@ -235,6 +257,29 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int, dq_atomic: bool =
 
     padding_lse2 = T.float32(math.inf) if spec.flex is not None else T.float32(0)
 
+    def key_of(r):
+        """The key (in its K/V block) of row r of a dkdv tile (with one slice of rows, r: so that the
+        program is the one without slices)."""
+        return r if ROW_SLICES == 1 else r % BN
+
+    def column_of(tile):
+        """dkdv's map from (row, column) of its gradients' tiles to the head_dim column: their slice's,
+        the row's (``ROW_SLICES``) or the tile's (``GRID_SLICES``); the identity with one slice."""
+        if SLICES == 1:
+            return lambda r, d: d
+        if ROW_SLICES > 1:
+            return lambda r, d: r // BN * DC + d
+        return lambda r, d: tile % SLICES * DC + d
+
+    def dq_column_of(tile):
+        """dkdv's map from a column of its dq share to the head_dim column."""
+        return (lambda d: d) if GRID_SLICES == 1 else (lambda d: tile % SLICES * DC + d)
+
+    def ds_row(d, j):
+        """The row of dsᵀ that dq's share of head_dim column d reads for key j: its slice's (every slice's
+        row of a key holds the same ds; reading its own lets the threads of a slice make its columns)."""
+        return j if ROW_SLICES == 1 else d // DC * BN + j
+
     def padded(buffer, row, limit, *index):
         """buffer[index] for a row before ``limit``, else 0 in the input dtype."""
         return T.if_then_else(row < limit, buffer[index], T.cast(0, dtype))
@@ -274,11 +319,15 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int, dq_atomic: bool =
         whose products are pᵀ dout and dsᵀ q. Each product's left operand then has its output's
         rows, so a schedule can keep it where the tile was made (tensor cores: in the registers of
         the warp that owns the rows)."""
-        ROWS, COLS = (BN, BM) if keys_first else (BM, BN)
+        ROWS, COLS = (KEY_ROWS, BM) if keys_first else (BM, BN)
 
         def query_key(r, c):
             """(query, key) of tile element (r, c)."""
-            return (c, r) if keys_first else (r, c)
+            return (c, key_of(r)) if keys_first else (r, c)
+
+        def operand_row(r):
+            """The row of the left operands (K, V or q, dout) that tile row r multiplies."""
+            return key_of(r) if keys_first else r
 
         @T.macro
         def load_kv(Kt, Vt, K, V, seq, hk, kb):
@@ -338,13 +387,13 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int, dq_atomic: bool =
                     vr, vc, vd = T.axis.remap("SSR", [r, c, d])
                     with T.init():
                         S[vr, vc] = T.float32(0)
-                    S[vr, vc] = S[vr, vc] + T.cast(qk_rows[vr, vd], f32) * T.cast(qk_cols[vc, vd], f32)
+                    S[vr, vc] = S[vr, vc] + T.cast(qk_rows[operand_row(vr), vd], f32) * T.cast(qk_cols[vc, vd], f32)
             for r, c, d in T.grid(ROWS, COLS, D):
                 with T.sblock("dp"):  # dp = dout vᵀ, right after s: a schedule can issue both before p
                     vr, vc, vd = T.axis.remap("SSR", [r, c, d])
                     with T.init():
                         dP[vr, vc] = T.float32(0)
-                    dP[vr, vc] = dP[vr, vc] + T.cast(dp_rows[vr, vd], f32) * T.cast(dp_cols[vc, vd], f32)
+                    dP[vr, vc] = dP[vr, vc] + T.cast(dp_rows[operand_row(vr), vd], f32) * T.cast(dp_cols[vc, vd], f32)
             for r, c in T.grid(ROWS, COLS):
                 with T.sblock("exp"):
                     vr, vc = T.axis.remap("SS", [r, c])
@@ -409,25 +458,32 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int, dq_atomic: bool =
         K = T.decl_buffer(K_in.shape, dtype, data=K_in.data, strides=program.aligned_strides(K_in, stride_alignment))
         V = T.decl_buffer(V_in.shape, dtype, data=V_in.data, strides=program.aligned_strides(V_in, stride_alignment))
 
-        for b, hk, kb in T.grid(program.sequence_count(Packed_, batch), HKV, T.ceildiv(program.longest(Packed_, seqlen_k), BN)):
+        for b, hk, kbc in T.grid(program.sequence_count(Packed_, batch), HKV,
+                                 T.ceildiv(program.longest(Packed_, seqlen_k), BN) * GRID_SLICES):
             with T.sblock("tile"):
-                vb, vhk, vkb = T.axis.remap("SSS", [b, hk, kb])
+                vb, vhk, vkbc = T.axis.remap("SSS", [b, hk, kbc])
+                # the K/V block and the slice of the gradients' columns (with one slice, the block alone)
+                vkb = T.meta_var(vkbc if GRID_SLICES == 1 else vkbc // GRID_SLICES)
+                column = T.meta_var(column_of(vkbc))
+                dq_column = T.meta_var(dq_column_of(vkbc))
                 T.sblock_attr(program.runs_if(Packed_, vb, vkb * BN, keys=True))
                 seq = T.meta_var(program.sequences(Packed_, vb, seqlen_q, seqlen_k))  # the tile's sequence
                 Kt = T.sblock_alloc_buffer((BN, D), dtype)  # the K block, zero-padded
                 Vt = T.sblock_alloc_buffer((BN, D), dtype)  # the V block, zero-padded
-                dk_acc = T.sblock_alloc_buffer((BN, D), f32)  # dsᵀ q, summed over the group's heads
-                dv_acc = T.sblock_alloc_buffer((BN, D), f32)  # pᵀ dout, summed over the group's heads
+                # dsᵀ q and pᵀ dout, summed over the group's heads: row r, column d is key key_of(r)'s column
+                # column(r, d) (its slice's)
+                dk_acc = T.sblock_alloc_buffer((KEY_ROWS, DC), f32)  # dsᵀ q, summed over the group's heads
+                dv_acc = T.sblock_alloc_buffer((KEY_ROWS, DC), f32)  # pᵀ dout, summed over the group's heads
                 scale2 = T.sblock_alloc_buffer((1,), f32)
 
                 with T.sblock("init_scale"):
                     scale2[0] = program.score_scale(spec, softmax_scale) * T.float32(LOG2E)
                 load_kv(Kt, Vt, K, V, seq, vhk, vkb)
-                for j, d in T.grid(BN, D):
+                for j, d in T.grid(KEY_ROWS, DC):
                     with T.sblock("init_dk"):
                         vj, vd = T.axis.remap("SS", [j, d])
                         dk_acc[vj, vd] = T.float32(0)
-                for j, d in T.grid(BN, D):
+                for j, d in T.grid(KEY_ROWS, DC):
                     with T.sblock("init_dv"):
                         vj, vd = T.axis.remap("SS", [j, d])
                         dv_acc[vj, vd] = T.float32(0)
@@ -443,13 +499,13 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int, dq_atomic: bool =
                         dOt = T.sblock_alloc_buffer((BM, D), dtype)  # the dout block, zero-padded
                         lse2 = T.sblock_alloc_buffer((BM,), f32)  # lse · log2 e
                         delta_t = T.sblock_alloc_buffer((BM,), f32)  # delta, 0 past the end
-                        S = T.sblock_alloc_buffer((BN, BM), f32)  # sᵀ = k qᵀ, unscaled
-                        P = T.sblock_alloc_buffer((BN, BM), f32)  # pᵀ = exp(s - lse)ᵀ, 0 where masked
-                        dP = T.sblock_alloc_buffer((BN, BM), f32)  # dpᵀ = v doutᵀ
-                        dSc = T.sblock_alloc_buffer((BN, BM), dtype)  # dsᵀ in the input dtype, for dk
-                        Pc = T.sblock_alloc_buffer((BN, BM), dtype)  # pᵀ in the input dtype, for dv
+                        S = T.sblock_alloc_buffer((KEY_ROWS, BM), f32)  # sᵀ = k qᵀ, unscaled
+                        P = T.sblock_alloc_buffer((KEY_ROWS, BM), f32)  # pᵀ = exp(s - lse)ᵀ, 0 where masked
+                        dP = T.sblock_alloc_buffer((KEY_ROWS, BM), f32)  # dpᵀ = v doutᵀ
+                        dSc = T.sblock_alloc_buffer((KEY_ROWS, BM), dtype)  # dsᵀ in the input dtype, for dk
+                        Pc = T.sblock_alloc_buffer((KEY_ROWS, BM), dtype)  # pᵀ in the input dtype, for dv
                         if dq_atomic:
-                            dq_share = T.sblock_alloc_buffer((BM, D), f32)  # ds k of this K/V block
+                            dq_share = T.sblock_alloc_buffer((BM, DQ_COLUMNS), f32)  # ds k of this K/V block
 
                         walk = T.meta_var(block_walk(Flex_, vb, vhk * group + vg, vkb, seq.seqlen_q))
                         qb = T.meta_var(walk.tile(vt) if walk is not None
@@ -460,32 +516,32 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int, dq_atomic: bool =
                                  softmax_scale, program.alibi_slope(AlibiSlopes, vb, vhk * group + vg), drop,
                                  program_flex.flex_tile(spec, Flex_, vb, vhk * group + vg, seq.seqlen_q, seq.seqlen_k),
                                  walk, vt)
-                        for j, i in T.grid(BN, BM):
+                        for j, i in T.grid(KEY_ROWS, BM):
                             with T.sblock("cast_p"):  # the kept entries of p (dropout), scaled at dv's store
                                 vj, vi = T.axis.remap("SS", [j, i])
-                                Pc[vj, vi] = T.cast(program_dropout.dropped(drop, P[vj, vi], qb * BM + vi, vkb * BN + vj), dtype)
-                        for j, d, i in T.grid(BN, D, BM):
+                                Pc[vj, vi] = T.cast(program_dropout.dropped(drop, P[vj, vi], qb * BM + vi, vkb * BN + key_of(vj)), dtype)
+                        for j, d, i in T.grid(KEY_ROWS, DC, BM):
                             with T.sblock("dv"):  # dv += pᵀ dout
                                 vj, vd, vi = T.axis.remap("SSR", [j, d, i])
                                 with T.init():  # carried over from the last step
                                     dv_acc[vj, vd] = dv_acc[vj, vd]
-                                dv_acc[vj, vd] = dv_acc[vj, vd] + T.cast(Pc[vj, vi], f32) * T.cast(dOt[vi, vd], f32)
+                                dv_acc[vj, vd] = dv_acc[vj, vd] + T.cast(Pc[vj, vi], f32) * T.cast(dOt[vi, column(vj, vd)], f32)
                         if dq_atomic:
-                            for i, d, j in T.grid(BM, D, BN):
+                            for i, d, j in T.grid(BM, DQ_COLUMNS, BN):
                                 with T.sblock("dq"):  # this K/V block's share of dq: ds k, before dk: a schedule
                                     # can issue dv, dq and dk back to back and add dq's share while dk runs
                                     vi, vd, vj = T.axis.remap("SSR", [i, d, j])
                                     with T.init():
                                         dq_share[vi, vd] = T.float32(0)
-                                    dq_share[vi, vd] = dq_share[vi, vd] + T.cast(dSc[vj, vi], f32) * T.cast(Kt[vj, vd], f32)
-                        for j, d, i in T.grid(BN, D, BM):
+                                    dq_share[vi, vd] = dq_share[vi, vd] + T.cast(dSc[ds_row(vd, vj), vi], f32) * T.cast(Kt[vj, dq_column(vd)], f32)
+                        for j, d, i in T.grid(KEY_ROWS, DC, BM):
                             with T.sblock("dk"):  # dk += dsᵀ q (scaled at the store)
                                 vj, vd, vi = T.axis.remap("SSR", [j, d, i])
                                 with T.init():  # carried over from the last step
                                     dk_acc[vj, vd] = dk_acc[vj, vd]
-                                dk_acc[vj, vd] = dk_acc[vj, vd] + T.cast(dSc[vj, vi], f32) * T.cast(Qt[vi, vd], f32)
+                                dk_acc[vj, vd] = dk_acc[vj, vd] + T.cast(dSc[vj, vi], f32) * T.cast(Qt[vi, column(vj, vd)], f32)
                         if dq_atomic:
-                            for i, d in T.grid(BM, D):
+                            for i, d in T.grid(BM, DQ_COLUMNS):
                                 with T.sblock("accumulate_dq"):  # summed over the K/V tiles in any order
                                     vi, vd = T.axis.remap("SS", [i, d])
                                     row = T.meta_var(seq.q_row(qb * BM + vi))
@@ -493,20 +549,20 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int, dq_atomic: bool =
                                     # that runs tiles at once makes them atomic), so no tile waits on
                                     # another's, and the tiles stay independent (a grid)
                                     T.reads(dq_share[vi, vd])
-                                    T.writes(DQaccum[seq.batch, row, vhk * group + vg, vd])
-                                    DQaccum[seq.batch, row, vhk * group + vg, vd] = (
-                                        DQaccum[seq.batch, row, vhk * group + vg, vd] + dq_share[vi, vd])
+                                    T.writes(DQaccum[seq.batch, row, vhk * group + vg, dq_column(vd)])
+                                    DQaccum[seq.batch, row, vhk * group + vg, dq_column(vd)] = (
+                                        DQaccum[seq.batch, row, vhk * group + vg, dq_column(vd)] + dq_share[vi, vd])
 
-                for j, d in T.grid(BN, D):
+                for j, d in T.grid(KEY_ROWS, DC):
                     with T.sblock("store_dk"):
                         vj, vd = T.axis.remap("SS", [j, d])
-                        T.where(vkb * BN + j < seq.seqlen_k)
-                        dK[seq.batch, seq.k_row(vkb * BN + vj), vhk, vd] = T.cast(dk_acc[vj, vd] * softmax_scale, dtype)
-                for j, d in T.grid(BN, D):
+                        T.where(vkb * BN + key_of(j) < seq.seqlen_k)
+                        dK[seq.batch, seq.k_row(vkb * BN + key_of(vj)), vhk, column(vj, vd)] = T.cast(dk_acc[vj, vd] * softmax_scale, dtype)
+                for j, d in T.grid(KEY_ROWS, DC):
                     with T.sblock("store_dv"):
                         vj, vd = T.axis.remap("SS", [j, d])
-                        T.where(vkb * BN + j < seq.seqlen_k)
-                        dV[seq.batch, seq.k_row(vkb * BN + vj), vhk, vd] = T.cast(
+                        T.where(vkb * BN + key_of(j) < seq.seqlen_k)
+                        dV[seq.batch, seq.k_row(vkb * BN + key_of(vj)), vhk, column(vj, vd)] = T.cast(
                             program_dropout.dropout_scaled(Dropout_, dv_acc[vj, vd]), dtype)
 
     load_kv, load_q, p_and_ds = steps(keys_first=False)

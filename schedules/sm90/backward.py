@@ -7,8 +7,10 @@ step; dq's is dq_block_m query rows (64 a warpgroup) and dq_block_n keys a step.
 default (``dq_atomic``) dkdv also makes dq's share on wgmma from dsᵀ staged in shared memory and
 adds it by vector atomics. Each program's stream of tiles is loaded in a pipeline, dkdv's by TMA by
 default (the knobs and the reasons for their defaults: ``knobs.BACKWARD``). The default
-backward on sm_90a at head_dim 64, 96 and 128 (``tvmflash.choice``; d256's dk and dv do not fit a
-thread's registers: ``knobs.backward_register_problem``).
+backward on sm_90a at head_dim 64, 96, 128 and 256 (``tvmflash.choice``); at d256, where dk and dv of a
+warpgroup's 64 keys do not fit a thread's registers (``knobs.backward_register_problem``), dkdv makes them
+in two slices of the columns (the program's ``dkdv_slices``): a warpgroup a slice of the same keys, or a
+thread block a slice.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from .wgmma import warpgroup_gemm, wgmma_intrin_name
 def schedule_backward(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, dq_block_m: int, dq_block_n: int,
                       dkdv_stages: int, dq_stages: int, vec: int, dq_atomic: bool = False,
                       dkdv_copy: str = "cp.async", wgmma_overlap: bool = False, ds_buffers: int = 1,
-                      dq_reduce: str = "atomic", dkdv_producer: str = "thread") -> tvm.s_tir.Schedule:
+                      dq_reduce: str = "atomic", dkdv_producer: str = "thread",
+                      dkdv_slices: int = 1, dkdv_slicing: str = "rows") -> tvm.s_tir.Schedule:
     """delta on the SIMT schedule, dkdv and dq on wgmma (``vec`` elements a copy). The tiles are the
     program's (``program_backward.attention_backward``). ``dq_atomic``: the program has no dq; dkdv
     adds dq's share atomically (``_schedule_dq_share``) and convert_dq runs on SIMT. ``wgmma_overlap``:
@@ -37,7 +40,10 @@ def schedule_backward(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, dq
     shared-memory tile in 1 or 2 buffers, and dq's share added by "atomic" reductions from the
     registers, or from a shared-memory tile by "vector" atomics or "bulk" reductions
     (``_schedule_dq_share``). ``dkdv_producer``: who issues dkdv's TMA copies, thread 0 or a warpgroup of
-    its own (``lowering.tma_producer_warpgroup``: the consumers' barriers named, their registers 240)."""
+    its own (``lowering.tma_producer_warpgroup``: the consumers' barriers named, their registers 240).
+    ``dkdv_slices``, ``dkdv_slicing``: the program's (``program_backward.attention_backward``): dk and dv
+    in slices of the head_dim columns, a slice a warpgroup of 64 keys ("rows") or a tile ("grid"); the
+    schedule reads the tile's rows and the slice's width from dk's buffer."""
     from .. import simt
 
     simt.schedule_delta(sch)
@@ -66,7 +72,11 @@ def _schedule_dkdv(sch: tvm.s_tir.Schedule, num_stages: int, vec: int, dq_atomic
     accumulator registers across the Q blocks, stored from them."""
     sch.work_on("dkdv")
     dtype, BM, D, BN = buffer_info(sch)
-    groups = _backward_warpgroups(BN, "keys (block_n)")
+    # the tile's rows (dk's), 64 a warpgroup: block_n keys, once a slice of the columns with dkdv_slicing
+    # "rows" (each warpgroup's keys its slice's), and the columns of dk, dv and dq's share they make: head_dim,
+    # or a slice, whose products read q, dout and K from the slice's first column on (whole swizzled groups)
+    rows, DC = (int(extent) for extent in sch.get(sch.get_sblock("dk")).writes[0].source.shape)
+    groups = _backward_warpgroups(rows, "keys (block_n · dkdv_slices)")
     if BM % 16 or D % 16:
         raise ValueError(f"knobs: the sm90 dkdv needs block_m and head_dim multiples of 16, got {BM} and {D}")
     staged = dkdv_grid(sch, dq_atomic)  # dsᵀ's copy to shared memory with dq_atomic
@@ -88,10 +98,11 @@ def _schedule_dkdv(sch: tvm.s_tir.Schedule, num_stages: int, vec: int, dq_atomic
     # dq's share reads dsᵀ and K, which nothing writes before dk's wait.
     dv_in_flight = overlap and tma
     for name in ("dv", "dk"):
-        _backward_accumulate(sch, name, groups, D, BM, dtype, b_swizzled=tma, wait=not dv_in_flight or name == "dk",
+        _backward_accumulate(sch, name, groups, DC, BM, dtype, b_swizzled=tma, wait=not dv_in_flight or name == "dk",
                              swizzle=columns)
     if dq_atomic:
-        _schedule_dq_share(sch, staged, groups, BM, D, BN, dtype, ds_buffers, dq_reduce, overlap)
+        share_columns = int(sch.get(sch.get_sblock("dq")).writes[0].source.shape[1])  # head_dim, or the tile's slice
+        _schedule_dq_share(sch, staged, groups, BM, share_columns, BN, dtype, ds_buffers, dq_reduce, overlap)
     if num_stages > 1:
         pipeline_loads(sch, num_stages, step="q_step", loads=("load_q", "load_do", "load_lse", "load_delta"))
 

@@ -49,6 +49,10 @@ KV_COPIES = ("cp.async", "tma")
 # num_warpgroups), which gives its registers to the others (setmaxnreg: 240 a consumer thread), so one
 # thread block fills the SM.
 PRODUCERS = TMA_PRODUCERS
+# Where dkdv's slices of the gradients' columns go (``program_backward.attention_backward``'s
+# dkdv_slicing): "rows", a warpgroup a slice of the same keys, which share the tile's q, dout, K and V
+# in shared memory; "grid", a thread block a slice, each loading them.
+DKDV_SLICINGS = ("rows", "grid")
 NUM_STAGES = (1, 2, 3)  # 1: plain loads; 2, 3: the K/V loads in a cp.async software pipeline (as sm80)
 # min_blocks_per_sm > 1 asks ptxas (``__launch_bounds__``) for few enough registers that that many
 # thread blocks share an SM: with 2 warpgroups, 128 registers a thread for 2 blocks. Without it the
@@ -277,14 +281,20 @@ HEAD_DIMS = tuple(range(32, 257, 32))
 # d96 (no multiple of 64): q and dout in the 64-byte swizzle, dq's share by "vector" atomics (TMA's
 # reduction takes rows of 32 floats, and a warpgroup has 48 columns), thread 0 issuing the copies (a
 # producer warpgroup spills there); the rest as at d128. Not measured: the defaults are the ones that
-# build with no spill. d256: none, since dk and dv alone take a thread's registers
-# (``backward_register_problem``).
+# build with no spill. d256: dk and dv of a warpgroup's 64 keys would take 256 registers a thread
+# (``backward_register_problem``), so dkdv makes them in two slices of the columns (dkdv_slices 2), a
+# warpgroup a slice of the same 64 keys (dkdv_slicing "rows": two warpgroups share the tile's q, dout, K and V
+# in shared memory, each recomputing sᵀ and dpᵀ) or a thread block a slice ("grid"); block_n 64 (K and V of
+# 128 keys do not fit next to two stages of q and dout), dsᵀ in one buffer, dq's share by atomics from the
+# registers (no room for a float32 tile), thread 0 issuing the copies, the dq pass in 64-row blocks. Not
+# measured: the defaults are the ones that build with no spill (250-255 registers a thread).
 
 
 def backward_shared_memory_bytes(head_dim: int, dtype: str, knobs: dict) -> int:
     """Dynamic shared memory of the larger of dkdv and dq: each program's tiles in padded core
     matrices (``layouts.pad_core_matrix_stride``), the streamed ones once a stage, and the rows' lse and
-    delta; with dq_atomic, dkdv's dsᵀ tile (block_n x block_m) and no dq."""
+    delta; with dq_atomic, dkdv's dsᵀ tile (``dkdv_rows`` x block_m) and the float32 tile of dq's share
+    (with dkdv_slicing "grid" its slice of the columns), and no dq."""
     def padded(cols):
         return cols * (CORE_MATRIX_ELEMENTS + PAD_ELEMENTS) // CORE_MATRIX_ELEMENTS
 
@@ -294,8 +304,10 @@ def backward_shared_memory_bytes(head_dim: int, dtype: str, knobs: dict) -> int:
         + (TMA_BARRIER_BYTES[knobs.get("dkdv_producer", "thread")] + SWIZZLE_ALIGNMENT if tma else 0)
     if knobs.get("dq_atomic"):
         reduce = knobs.get("dq_reduce", "atomic")  # the float32 tile of ds k: rows padded by 8, or TMA's swizzle
-        tile = {"atomic": 0, "tma": knobs["block_m"] * head_dim * 4}.get(reduce, knobs["block_m"] * (head_dim + 8) * 4)
-        return dkdv + knobs.get("ds_buffers", 1) * knobs["block_n"] * padded(knobs["block_m"]) * 2 + tile
+        # a dkdv tile's columns of dq's share: a slice with dkdv_slicing "grid"
+        columns = head_dim // (knobs.get("dkdv_slices", 1) if knobs.get("dkdv_slicing", "rows") == "grid" else 1)
+        tile = {"atomic": 0, "tma": knobs["block_m"] * columns * 4}.get(reduce, knobs["block_m"] * (columns + 8) * 4)
+        return dkdv + knobs.get("ds_buffers", 1) * dkdv_rows(knobs) * padded(knobs["block_m"]) * 2 + tile
     dq = (2 * knobs["dq_block_m"] + 2 * knobs["dq_block_n"] * knobs["dq_stages"]) * padded(head_dim) * 2 \
         + 8 * knobs["dq_block_m"]
     return max(dkdv, dq)
@@ -311,20 +323,29 @@ def dq_share_problem(block_m: int, head_dim: int, groups: int) -> str | None:
     return None
 
 
+def dkdv_rows(knobs: dict) -> int:
+    """The rows of a dkdv tile (64 a warpgroup): block_n keys, once a slice with dkdv_slicing "rows"."""
+    rows = knobs.get("dkdv_slicing", "rows") == "rows"
+    return knobs["block_n"] * (knobs.get("dkdv_slices", 1) if rows else 1)
+
+
 def backward_register_problem(head_dim: int, knobs: dict) -> str | None:
     """Why a thread has too few registers for the backward's accumulators, or None. dkdv keeps dk and dv of
     its warpgroup's 64 keys across the Q blocks (head_dim / 2 registers a thread each) and makes s and dp a
     step (block_m / 2 each); the dq pass keeps dq (head_dim / 2) and makes s and dp (dq_block_n / 2 each).
     Each needs ``WGMMA_OPERAND_REGISTERS`` more. So dkdv fits no tile at d256: dk and dv alone take 256
-    registers a thread (FA3 makes dkᵀ and dvᵀ there, with the warpgroups splitting head_dim)."""
-    threads = WARPGROUP * max(1, knobs["block_n"] // WG_ROWS)
+    registers a thread, unless its tiles each make a slice of the columns (``dkdv_slices``: head_dim /
+    dkdv_slices registers for dk and dv)."""
+    threads = WARPGROUP * max(1, dkdv_rows(knobs) // WG_ROWS)
     left = min(255, REGISTERS_PER_SM // threads)
     if knobs["dkdv_producer"] == "warpgroup":
         left = CONSUMER_REGISTERS
-    need = head_dim + knobs["block_m"] + WGMMA_OPERAND_REGISTERS
+    columns = head_dim // knobs.get("dkdv_slices", 1)  # a dkdv tile's slice of dk's and dv's columns
+    need = columns + knobs["block_m"] + WGMMA_OPERAND_REGISTERS
     if need > left:
-        return (f"the sm90 dkdv keeps dk and dv ({head_dim} registers a thread at head_dim {head_dim}) and s and dp "
-                f"({knobs['block_m']} at block_m {knobs['block_m']}) in registers: it needs {need}, a thread has {left}")
+        return (f"the sm90 dkdv keeps dk and dv ({columns} registers a thread at head_dim {head_dim} in "
+                f"{knobs.get('dkdv_slices', 1)} dkdv_slices) and s and dp ({knobs['block_m']} at block_m "
+                f"{knobs['block_m']}) in registers: it needs {need}, a thread has {left}")
     need = head_dim // 2 + knobs["dq_block_n"] + WGMMA_OPERAND_REGISTERS
     if not knobs["dq_atomic"] and need > 255:
         return (f"the sm90 dq keeps dq ({head_dim // 2} registers a thread) and s and dp ({knobs['dq_block_n']} at "
@@ -348,16 +369,27 @@ def backward_build_problem(head_dim: int, dtype: str, knobs: dict) -> str | None
                 "take 'thread'")
     if knobs["dq_reduce"] == "tma" and knobs["dkdv_copy"] != "tma":
         return "dq_reduce 'tma' adds dq's share by TMA, through the TMA lowering of dkdv's copies: it needs dkdv_copy 'tma'"
+    slices = knobs["dkdv_slices"]
+    columns = head_dim // slices  # a dkdv tile's slice of the gradients' columns
+    if slices > 1 and columns % (swizzle_columns(head_dim) if knobs["dkdv_copy"] == "tma" else 8):
+        # the slice's products read q and dout from its first column on: whole swizzled groups (a descriptor
+        # cannot start inside one) or core matrices
+        return (f"dkdv_slices {slices}: the sm90 dkdv reads q and dout of its slice of {columns} columns from whole "
+                f"{'swizzled groups' if knobs['dkdv_copy'] == 'tma' else 'core matrices'}, got head_dim {head_dim}")
+    if slices > 1 and knobs["dkdv_slicing"] == "grid" and knobs["dq_atomic"] and knobs["dq_reduce"] == "tma":
+        return ("dkdv_slicing 'grid' adds a tile's slice of dq's share by atomics or from a shared-memory tile: take "
+                "dq_reduce 'atomic' or 'vector'")
     registers = backward_register_problem(head_dim, knobs)
     if registers is not None:
         return registers
     if knobs["dq_atomic"]:
-        groups = max(1, knobs["block_n"] // WG_ROWS)
-        if knobs["dq_reduce"] == "tma" and head_dim // groups % TMA_REDUCE_COLUMNS:
+        groups = max(1, dkdv_rows(knobs) // WG_ROWS)
+        share = head_dim if knobs["dkdv_slicing"] == "rows" else columns  # dq's share's columns in a tile
+        if knobs["dq_reduce"] == "tma" and share // groups % TMA_REDUCE_COLUMNS:
             return (f"dq_reduce 'tma' adds each warpgroup's head_dim / warpgroups columns of dq's share in rows of "
                     f"{TMA_REDUCE_COLUMNS} float32 (TMA's 128-byte swizzle): it needs a multiple of "
                     f"{TMA_REDUCE_COLUMNS}, got {head_dim // groups}")
-        return dq_share_problem(knobs["block_m"], head_dim, groups)
+        return dq_share_problem(knobs["block_m"], share, groups)
     return None
 
 
@@ -373,8 +405,8 @@ def backward_build_problem(head_dim: int, dtype: str, knobs: dict) -> str | None
 # the copy engine's cost is per operation), so they are left out of the tuner's space (BENCHMARKS.md).
 BACKWARD = KnobSet("sm90", "backward", (
     Knob("block_m", 64, space=(32, 64), role=TILE),
-    Knob("block_n", 128, space=(64, 128), role=TILE),
-    Knob("dq_block_m", 128, space=(64, 128), role=TILE),
+    Knob("block_n", 128, space=(64, 128), by_head_dim={256: 64}, role=TILE),
+    Knob("dq_block_m", 128, space=(64, 128), by_head_dim={256: 64}, role=TILE),
     Knob("dq_block_n", 64, space=(32, 64), by_head_dim={64: 32}, role=TILE),
     Knob("dkdv_stages", 2, space=(1, 2)),
     Knob("dq_stages", 2, space=(1, 2)),
@@ -383,16 +415,21 @@ BACKWARD = KnobSet("sm90", "backward", (
     Knob("dkdv_copy", "tma", choices=KV_COPIES, varlen="cp.async", role=DERIVED,
          space=lambda knobs: list(KV_COPIES) if knobs["dkdv_stages"] > 1 else ["cp.async"]),
     Knob("wgmma_overlap", True, space=(True, False), by_head_dim={64: False}),
-    Knob("ds_buffers", 2, choices=(1, 2), varlen=1, role=DERIVED,
+    Knob("ds_buffers", 2, choices=(1, 2), varlen=1, role=DERIVED, by_head_dim={256: 1},
          space=lambda knobs: [1, 2] if knobs["dq_atomic"] else [1]),
     Knob("dq_reduce", "atomic", choices=("atomic", "bulk", "vector", "tma"),
          by_head_dim={64: "vector", 96: "vector", 128: "tma"},
          varlen="atomic", role=DERIVED,
          space=lambda knobs: ["atomic", "vector", *(["tma"] if knobs["dkdv_copy"] == "tma" else [])]
          if knobs["dq_atomic"] else ["atomic"]),
+    Knob("dkdv_slices", 1, choices=(1, 2), by_head_dim={256: 2}, role=TILE),
+    Knob("dkdv_slicing", "rows", choices=DKDV_SLICINGS, role=TILE),
     Knob("dkdv_producer", "thread", choices=PRODUCERS, varlen="thread", role=DERIVED,
          by_head_dim={64: "warpgroup", 128: "warpgroup"},
          space=lambda knobs: list(PRODUCERS) if knobs["dkdv_copy"] == "tma" else ["thread"]),
 ), build_problem=backward_build_problem, shared_memory=backward_shared_memory_bytes,
-   varlen_by_head_dim={128: {"dkdv_stages": 1}})
-BACKWARD_HEAD_DIMS = (64, 96, 128)
+   varlen_by_head_dim={128: {"dkdv_stages": 1}, 256: {"dkdv_stages": 1}},
+   # d256's dkdv without dq's share in two warpgroups spills 4 bytes at 255 registers under a softcap; a
+   # thread block a slice does not
+   dq_pass_by_head_dim={256: {"dkdv_slicing": "grid"}})
+BACKWARD_HEAD_DIMS = (64, 96, 128, 256)

@@ -526,23 +526,91 @@ def test_sm90_backward_at_d96_builds_without_spills(variant):
 
 def test_sm90_backward_checks_at_d96_and_d256():
     """Without a build: d96's defaults pass the backward's checks; its TMA reduction of dq's share (48
-    columns a warpgroup) and its producer warpgroup (ptxas spills) are refused. At d256 no tile passes
-    them, since dkdv keeps dk and dv of a
-    warpgroup's 64 keys in registers (256 a thread before s and dp), so on sm_90a the SIMT backward serves
-    d256 and the sm90 schedule names the head_dims it serves."""
-    from tvmflash import choice
-    from tvmflash import target as targets
-
+    columns a warpgroup) and its producer warpgroup (ptxas spills) are refused. At d256 a dkdv tile that
+    keeps all of dk's and dv's columns fits no tile (256 registers a thread before s and dp): the defaults
+    there split the columns in two (``dkdv_slices``), a warpgroup a slice of the same 64 keys, and then pass.
+    A slice must start on a whole swizzled group; a tile a slice (``dkdv_slicing`` "grid") leaves dq's share
+    to atomics or a shared-memory tile."""
     backward = sm90_knobs.BACKWARD
     assert backward.problem(backward.defaults(96), 96, "bfloat16") is None
     assert "multiple of 32, got 48" in backward.problem({"dq_reduce": "tma"}, 96, "bfloat16")
     assert "take 'thread'" in backward.problem({"dkdv_producer": "warpgroup"}, 96, "bfloat16")
-    for point in backward.points():
+    for point in backward.points():  # the tuner's points keep one slice
         assert "registers" in (backward.problem(point, 256, "bfloat16") or ""), point
-    assert 96 in sm90_knobs.BACKWARD_HEAD_DIMS and 256 not in sm90_knobs.BACKWARD_HEAD_DIMS
-    spec = {"head_dim": 256, "dtype": "bfloat16", "causal": False}
-    assert choice.backward(targets.resolve("sm90"), spec, None).schedule.name == "simt"
-    assert choice.backward(targets.resolve("sm90"), {**spec, "head_dim": 96}, None).schedule.name == "sm90"
+    d256 = backward.defaults(256)
+    assert backward.problem(d256, 256, "bfloat16") is None
+    assert (d256["dkdv_slices"], d256["dkdv_slicing"], d256["block_n"], d256["ds_buffers"], d256["dq_reduce"],
+            d256["dkdv_producer"]) == (2, "rows", 64, 1, "atomic", "thread")
+    assert sm90_knobs.dkdv_rows(d256) == 128  # two warpgroups
+    assert "registers" in backward.problem({**d256, "dkdv_slices": 1}, 256, "bfloat16")
+    assert backward.problem({**d256, "dkdv_slicing": "grid", "ds_buffers": 2}, 256, "bfloat16") is None
+    assert "dq_reduce" in backward.problem({**d256, "dkdv_slicing": "grid", "dq_reduce": "tma"}, 256, "bfloat16")
+    assert "whole" in backward.problem({"dkdv_slices": 2}, 96, "bfloat16")  # 48 columns: no whole 32-column group
+    # q and dout of two stages, K and V, dsᵀ in two buffers: within the 227 KiB of a block
+    assert sm90_knobs.backward_shared_memory_bytes(256, "bfloat16", d256) <= 227 * 1024
+    assert sm90_knobs.backward_shared_memory_bytes(256, "bfloat16", {**d256, "dq_atomic": False}) <= 227 * 1024
+    assert sm90_knobs.backward_shared_memory_bytes(256, "bfloat16", backward.defaults(256, varlen=True)) <= 227 * 1024
+    assert {96, 256} <= set(sm90_knobs.BACKWARD_HEAD_DIMS)
+
+
+@pytest.mark.parametrize("head_dim, variant, schedule", [
+    (96, {}, "sm90"), (256, {}, "sm90"), (256, {"causal": True}, "sm90"), (256, {"varlen": True}, "sm90"),
+    (256, {"dropout": True}, "sm90"), (256, {"alibi": True, "softcap": 30.0}, "sm90"),
+    (256, {"window_left": 100, "window_right": 20}, "sm90"), (256, {"dtype": "float16"}, "sm90"),
+    (256, {"dtype": "float32"}, "simt"),  # wgmma takes 16-bit operands
+])
+def test_sm90_backward_is_the_default_at_d256(head_dim, variant, schedule):
+    """On sm_90a the sm90 backward is chosen at d256 (it was the SIMT's), with every variant of 16-bit
+    inputs; deterministic takes the dq pass in 64-row blocks (two of 128 rows do not fit next to the K/V
+    stages), and dkdv a tile a slice (``dq_pass_by_head_dim``) unless the caller says otherwise."""
+    from tvmflash import choice
+    from tvmflash import target as targets
+
+    spec = {"head_dim": head_dim, "dtype": "bfloat16", "causal": False, **variant}
+    chosen = choice.backward(targets.resolve("sm90"), spec, None)
+    assert chosen.schedule.name == schedule
+    if schedule == "sm90" and head_dim == 256:
+        assert chosen.knobs["dkdv_slices"] == 2
+        deterministic = choice.backward(targets.resolve("sm90"), spec, None, deterministic=True)
+        assert (deterministic.knobs["dq_atomic"], deterministic.knobs["dq_block_m"],
+                deterministic.knobs["dkdv_slicing"]) == (False, 64, "grid")
+        given = choice.backward(targets.resolve("sm90"), spec, {"dkdv_slicing": "rows"}, deterministic=True)
+        assert given.knobs["dkdv_slicing"] == "rows"  # the caller's knobs over dq_pass_by_head_dim
+
+
+@pytest.mark.nvcc
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+@pytest.mark.parametrize("variant", ["causal", "deterministic-window-softcap", "varlen-alibi", "grid"])
+def test_sm90_backward_at_d256_builds_without_spills(variant):
+    """head_dim 256 on wgmma, the default on sm_90a: each of dkdv's two warpgroups makes dk, dv and dq's share
+    of one half of the columns for the same 64 keys (``dkdv_slices`` 2, ``dkdv_slicing`` "rows": its slice's q
+    and dout two 128-byte swizzled groups, 1024 16-byte units, in; its K the same). Every kernel compiles
+    through ptxas with no stack frame and no spill: the defaults (causal, dq's share by atomics),
+    deterministic (the dq pass, whose dkdv takes a tile a slice: ``dkdv_slicing`` "grid", one warpgroup,
+    blockIdx.x's low bit the slice) under a window and a softcap, varlen (cp.async in one stage) with ALiBi,
+    and a tile a slice with dq's share."""
+    from test_decode import ptxas_report
+
+    options = {"causal": {"causal": True},
+               "deterministic-window-softcap": {"deterministic": True, "window_size": (100, 20), "softcap": 30.0},
+               "varlen-alibi": {"varlen": True, "alibi": True, "causal": True},
+               "grid": {"causal": True, "knobs": {"dkdv_slicing": "grid", "ds_buffers": 2}}}[variant]
+    kernel = tvmflash.compile_backward(head_dim=256, dtype="bfloat16", target="sm90", **options)
+    assert kernel.info()["schedule"] == "sm90" and kernel.knobs["dkdv_slices"] == 2
+    assert kernel.dq_atomic == (variant != "deterministic-window-softcap")
+    src = kernel.source(heads_q=4, heads_kv=2)
+    # a tile a slice with the dq pass (``dq_pass_by_head_dim``: two warpgroups spill there under a softcap)
+    grid = variant in ("grid", "deterministic-window-softcap")
+    assert kernel.knobs["dkdv_slicing"] == ("grid" if grid else "rows")
+    threads = 128 if grid else 256  # a warpgroup a slice; thread 0 issues the TMA copies
+    assert f"__launch_bounds__({threads}) dkdv_kernel" in src
+    assert "m64n128k16" in src  # dk, dv (and dq's share) of 128 columns
+    if variant in ("causal", "grid"):  # the slice's first column in q and dout
+        assert ("((((int)blockIdx.x) & 1) * 1024)" if variant == "grid" else "(warpgroup * 1024)") in src
+    report = ptxas_report(src, "sm_90a")
+    assert len(report) == 3  # delta, dkdv, and convert_dq or dq
+    for name, lines in report.items():
+        assert "0 bytes stack frame, 0 bytes spill stores" in lines, (name, lines)
 
 
 def test_sm90_one_stage_products_share_one_fence():

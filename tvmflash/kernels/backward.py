@@ -86,7 +86,8 @@ class BackwardKernel:
         knobs = self.knobs
         sch = tvm.s_tir.Schedule(program_backward.attention_backward(
             spec, knobs["block_m"], knobs["block_n"], knobs.get("dq_block_m"), knobs.get("dq_block_n"),
-            dq_atomic=self.dq_atomic, stride_alignment=self.schedule.stride_alignment))
+            dq_atomic=self.dq_atomic, stride_alignment=self.schedule.stride_alignment,
+            dkdv_slices=knobs.get("dkdv_slices", 1), dkdv_slicing=knobs.get("dkdv_slicing", "rows")))
         return self.schedule.backward.apply(sch, **self.knobs)
 
     @property
