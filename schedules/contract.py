@@ -196,13 +196,17 @@ class ProgramSchedule:
 
     knobs: its ``KnobSet``. apply: ``apply(sch, **knobs) -> sch``. head_dims: the head_dims it can
     serve (None: every one the program takes); preferred_head_dims: those where it is the default
-    choice over the schedules after it (None: all it serves). pass_config: the PassContext config of
-    its builds (None: the schedule's). tasks: decode's ``DecodeTasks``."""
+    choice over the schedules after it (None: all it serves). unchecked_head_dims: those of head_dims
+    whose kernels have not passed the GPU tests yet, served only where TVMFLASH_GPU_UNCHECKED=1 asks
+    (``choice.serve_problem``; a GPU run of their tests sets it): a kernel checked on the CPU alone (its
+    program against float64, nvcc's registers) is never a silent default. pass_config: the PassContext
+    config of its builds (None: the schedule's). tasks: decode's ``DecodeTasks``."""
 
     knobs: KnobSet
     apply: Callable
     head_dims: tuple[int, ...] | None = None
     preferred_head_dims: tuple[int, ...] | None = None
+    unchecked_head_dims: tuple[int, ...] = ()
     pass_config: Mapping[str, Any] | None = None
     tasks: DecodeTasks | None = None
 

@@ -61,8 +61,17 @@ def source(name: str) -> str:
 
     if name in BACKWARD_CONFIGS:
         target, head_dim, dtype, causal = BACKWARD_CONFIGS[name]
-        return tvmflash.compile_backward(head_dim=head_dim, dtype=dtype, causal=causal,
-                                         target=target).source(heads_q=4, heads_kv=2)
+        # the pins cover kernels awaiting their GPU check too (``ProgramSchedule.unchecked_head_dims``)
+        saved = os.environ.get("TVMFLASH_GPU_UNCHECKED")
+        os.environ["TVMFLASH_GPU_UNCHECKED"] = "1"
+        try:
+            return tvmflash.compile_backward(head_dim=head_dim, dtype=dtype, causal=causal,
+                                             target=target).source(heads_q=4, heads_kv=2)
+        finally:
+            if saved is None:
+                os.environ.pop("TVMFLASH_GPU_UNCHECKED")
+            else:
+                os.environ["TVMFLASH_GPU_UNCHECKED"] = saved
     target, head_dim, dtype, causal, knobs, sm90 = CONFIGS[name]
     saved = os.environ.pop("TVMFLASH_SM90", None)
     if sm90 is not None:

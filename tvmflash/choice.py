@@ -40,9 +40,14 @@ class Settings:
     decode: str | None = None
 
 
+# 1: the schedules serve the head_dims whose kernels have not passed the GPU tests yet too
+# (``ProgramSchedule.unchecked_head_dims``), for a GPU run of those tests.
+GPU_UNCHECKED = "TVMFLASH_GPU_UNCHECKED"
 # The variables that may change each program's schedule (``settings``, ``choose_schedule``).
-ENVIRONMENT = {"forward": ("TVMFLASH_SM90",), "backward": ("TVMFLASH_SM90", "TVMFLASH_BACKWARD"),
-               "decode": ("TVMFLASH_DECODE",)}
+# (backward's and decode's own variable last: ``settings``)
+ENVIRONMENT = {"forward": ("TVMFLASH_SM90", GPU_UNCHECKED),
+               "backward": ("TVMFLASH_SM90", GPU_UNCHECKED, "TVMFLASH_BACKWARD"),
+               "decode": (GPU_UNCHECKED, "TVMFLASH_DECODE")}
 
 
 def environment(program: str) -> tuple[str, ...]:
@@ -104,6 +109,9 @@ def serve_problem(schedule: Schedule, program: str, target, dtype: str, head_dim
         return f"the {schedule.name} schedule takes {list(schedule.dtypes)}, got {dtype}"
     if not mapped.serves(head_dim):
         return f"the {schedule.name} {program} serves head_dim {describe_head_dims(mapped.head_dims)}, got {head_dim}"
+    if head_dim in mapped.unchecked_head_dims and os.environ.get(GPU_UNCHECKED) != "1":
+        return (f"the {schedule.name} {program} at head_dim {head_dim} has not passed the GPU tests yet "
+                f"({GPU_UNCHECKED}=1 serves it, to run them)")
     return None
 
 

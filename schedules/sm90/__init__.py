@@ -21,7 +21,7 @@ from .. import common, simt
 from ..contract import ProgramSchedule, Schedule, gpu_checked
 from .backward import schedule_backward
 from .forward import schedule
-from .knobs import (ASYNC_PROXY_OPERANDS, BACKWARD, BACKWARD_HEAD_DIMS, DTYPES, FORWARD, HEAD_DIMS,
+from .knobs import (ASYNC_PROXY_OPERANDS, BACKWARD, BACKWARD_HEAD_DIMS, BACKWARD_UNCHECKED_HEAD_DIMS, DTYPES, FORWARD, HEAD_DIMS,
                     HOIST_BLOCK_INDEX_CONDITIONS, PASS_CONFIG, PREFERRED_HEAD_DIMS, STRIDE_ALIGNMENT, kernel_attrs,
                     min_kv_tiles)
 from .layouts import acc_rows
@@ -34,7 +34,8 @@ SCHEDULE = Schedule(
     pass_config=PASS_CONFIG, async_proxy_operands=ASYNC_PROXY_OPERANDS,
     hoist_block_index_conditions=HOIST_BLOCK_INDEX_CONDITIONS, kernel_attrs=kernel_attrs, min_kv_tiles=min_kv_tiles,
     forward=ProgramSchedule(FORWARD, schedule, head_dims=gpu_checked(HEAD_DIMS), preferred_head_dims=PREFERRED_HEAD_DIMS),
-    backward=ProgramSchedule(BACKWARD, schedule_backward, head_dims=BACKWARD_HEAD_DIMS),
+    backward=ProgramSchedule(BACKWARD, schedule_backward, head_dims=BACKWARD_HEAD_DIMS,
+                             unchecked_head_dims=BACKWARD_UNCHECKED_HEAD_DIMS),
     # simt: the backward's delta and convert_dq run on its schedule
     sources=(sys.modules[__name__], common, simt),
 )
