@@ -89,8 +89,10 @@ def passes_for(mod: tvm.IRModule, config) -> list:
     ]
     if not bool(config.get("tirx.disable_storage_rewrite", False)):
         pipeline.append(tirx.transform.StorageRewrite())
-    if config.get("tirx.use_async_copy", False):
-        pipeline.append(s_tir.transform.LowerAsyncDMA())
+    # fix: no LowerAsyncDMA, which TVM's list runs under tirx.use_async_copy. It lowers a pipeline's async
+    # copy to Hexagon's dma_copy where the copy is one contiguous range (CUDA has no dma_copy) and leaves
+    # every other copy to InjectPTXAsyncCopy: it changed none of our CUDA modules, and took 0.06-0.3 s of each
+    # one's build (an analyzer over every loop).
     pipeline += [
         uniformity.HoistBlockIndexConditions() if opts.get(HOIST_BLOCK_INDEX_CONDITIONS_ATTR)  # +, sm90
         else s_tir.transform.HoistIfThenElse(),
