@@ -8,6 +8,7 @@ import re
 import tvm
 import tvm_ffi
 
+from tvmflash import tvmscript
 from tvmflash.lowering.annotations import REVERSED
 
 
@@ -164,7 +165,7 @@ def row_reduce_intrin(op: str, layout: QuadRowLayout, out_scope: str = "shared.d
             value = T.Select(k == kk, part[kk], value)
         return value
 
-    @T.prim_func(s_tir=True)
+    @tvmscript.prim_func(s_tir=True)
     def desc(tile_h: T.handle, out_h: T.handle):
         tile = T.match_buffer(tile_h, shape, "float32", scope=scope, offset_factor=1)
         out = T.match_buffer(out_h, out_shape, "float32", scope=out_scope, offset_factor=1)
@@ -176,7 +177,7 @@ def row_reduce_intrin(op: str, layout: QuadRowLayout, out_scope: str = "shared.d
                     vr, vc = T.axis.remap("SR", [r, c])
                     out[slot(vr)] = combine(out[slot(vr)], tile[layout.element(vr, vc)])
 
-    @T.prim_func(s_tir=True)
+    @tvmscript.prim_func(s_tir=True)
     def impl(tile_h: T.handle, out_h: T.handle):
         tile = T.match_buffer(tile_h, shape, "float32", scope=scope, offset_factor=1)
         out = T.match_buffer(out_h, out_shape, "float32", scope=out_scope, offset_factor=1)
@@ -347,7 +348,7 @@ def quad_rows_intrin(sch, block, n_rows: int, warps: int = 1) -> str:
             + "\n")
     name = f"tvmflash_quad_rows_{node.name_hint}_{hashlib.sha1(desc.encode()).hexdigest()[:10]}"
     if name not in _QUAD_ROWS_REGISTERED:
-        register_intrin(name, tvm.script.from_source(desc), tvm.script.from_source(impl))
+        register_intrin(name, tvmscript.from_source(desc), tvmscript.from_source(impl))
         _QUAD_ROWS_REGISTERED.add(name)
     return name
 

@@ -137,10 +137,10 @@ def test_in_memory_cache_returns_the_same_kernel():
 
 def test_a_build_keeps_no_caller_tensors_alive(tmp_path, monkeypatch):
     """A module built during a call holds none of the call's tensors once it returns. TVMScript's
-    parser keeps the Python stack of each ``T.prim_func`` in a reference cycle
-    (``inspect.stack()``), and with it every caller's frame: in training, the first step's
-    activations stayed on the GPU until the next full garbage collection (+483 MiB of peak memory
-    in examples/train_gpt.py at 2048 tokens)."""
+    parser keeps the Python stack where it parses in reference cycles (``inspect.stack()``), and
+    with it every caller's frame: in training, the first step's activations stayed on the GPU until
+    the next full garbage collection (+483 MiB of peak memory in examples/train_gpt.py at 2048
+    tokens). ``tvmflash.tvmscript`` parses in a thread of its own, whose stack is its own."""
     import gc
     import weakref
 

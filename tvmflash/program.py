@@ -38,6 +38,7 @@ import tvm
 from tvm.script import tirx as T
 from tvm.script.ir_builder import IRBuilder
 
+from tvmflash import tvmscript
 from tvmflash.lowering.annotations import RUNS_IF
 from tvmflash.program_dropout import dropout_arguments, dropout_scaled, dropout_tile, dropped
 from tvmflash.program_flex import FlexMods, block_walk, flex_arguments, flex_tile, sparse_visible
@@ -514,7 +515,7 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_ti
             return False
         return block_visible(spec, qb * BM, qb * BM + BM - 1, kb * BN, kb * BN + BN - 1, seqlen_q, seqlen_k)
 
-    @T.prim_func(s_tir=True)
+    @tvmscript.prim_func(s_tir=True)
     def main(
         q_handle: T.handle,
         k_handle: T.handle,

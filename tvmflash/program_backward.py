@@ -62,7 +62,7 @@ import tvm
 from tvm.script import tirx as T
 from tvm.script.ir_builder import IRBuilder
 
-from tvmflash import program, program_dropout, program_flex
+from tvmflash import program, program_dropout, program_flex, tvmscript
 from tvmflash.program import LOG2E, AttentionSpec
 
 def lse2_of(spec: AttentionSpec, lse):
@@ -284,7 +284,7 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int, dq_atomic: bool =
         """buffer[index] for a row before ``limit``, else 0 in the input dtype."""
         return T.if_then_else(row < limit, buffer[index], T.cast(0, dtype))
 
-    @T.prim_func(s_tir=True)
+    @tvmscript.prim_func(s_tir=True)
     def delta(out_handle: T.handle, dout_handle: T.handle, lse_handle: T.handle, dlse_handle: T.handle,
               delta_handle: T.handle, lse2_handle: T.handle):
         T.func_attr({"global_symbol": "delta", "tirx.noalias": True})
@@ -423,7 +423,7 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int, dq_atomic: bool =
 
     load_kv, load_q, p_and_ds = steps(keys_first=True)
 
-    @T.prim_func(s_tir=True)
+    @tvmscript.prim_func(s_tir=True)
     def dkdv(
         q_handle: T.handle,
         k_handle: T.handle,
@@ -567,7 +567,7 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int, dq_atomic: bool =
 
     load_kv, load_q, p_and_ds = steps(keys_first=False)
 
-    @T.prim_func(s_tir=True)
+    @tvmscript.prim_func(s_tir=True)
     def dq(
         q_handle: T.handle,
         k_handle: T.handle,
@@ -653,7 +653,7 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int, dq_atomic: bool =
                         T.where(vqb * BM + i < seq.seqlen_q)
                         dQ[seq.batch, seq.q_row(vqb * BM + vi), vh, vd] = T.cast(dq_acc[vi, vd] * softmax_scale, dtype)
 
-    @T.prim_func(s_tir=True)
+    @tvmscript.prim_func(s_tir=True)
     def convert_dq(dq_accum_handle: T.handle, dq_handle: T.handle, softmax_scale: T.float32):
         T.func_attr({"global_symbol": "convert_dq", "tirx.noalias": True})
         batch = T.int32()

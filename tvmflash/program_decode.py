@@ -42,7 +42,7 @@ from typing import ClassVar
 from tvm.script import tirx as T
 from tvm.script.ir_builder import IRBuilder
 
-from tvmflash import program
+from tvmflash import program, tvmscript
 from tvmflash.program import LOG2E, NO_MAX, RESCALE_THRESHOLD, AttentionSpec
 
 
@@ -190,7 +190,7 @@ def decode_split(spec: DecodeSpec, query_tokens: int, block_n: int, final: bool 
             return cache[T.min(T.max(index[vb, p // PS], 0), cache_rows - 1), p % PS, vhk, vd]
         return cache[row, p, vhk, vd]
 
-    @T.prim_func(s_tir=True)
+    @tvmscript.prim_func(s_tir=True)
     def main(q_handle: T.handle, k_handle: T.handle, v_handle: T.handle, lengths_handle: T.handle,
              index_handle: T.handle, o_part_handle: T.handle, lse_part_handle: T.handle,
              softmax_scale: T.float32, causal: T.int32):
@@ -427,7 +427,7 @@ def decode_merge(spec: DecodeSpec):
     here once for all the splits (a row that sees no key gets 0 and lse = sink_h)."""
     D, HQ, dtype, f32 = spec.head_dim, spec.heads_q, spec.dtype, "float32"
 
-    @T.prim_func(s_tir=True)
+    @tvmscript.prim_func(s_tir=True)
     def main(o_part_handle: T.handle, lse_part_handle: T.handle, out_handle: T.handle, lse_handle: T.handle):
         T.func_attr({"global_symbol": "main", "tirx.noalias": True})
         batch, seqlen_q, num_splits = T.int32(), T.int32(), T.int32()

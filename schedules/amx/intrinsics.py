@@ -20,6 +20,8 @@ calls load the same one, the lowering loads it once at the start of the task ins
 
 from __future__ import annotations
 
+from tvmflash import tvmscript
+
 from ..common import register_intrin
 
 ROWS = 16  # a tile's rows (AMX's maximum)
@@ -71,7 +73,7 @@ def dot_intrin(reduction: int, cols: int = BLOCK) -> str:
 
     K, M, N = reduction, BLOCK, cols
 
-    @T.prim_func(s_tir=True)
+    @tvmscript.prim_func(s_tir=True)
     def desc(a: T.handle, b: T.handle, c: T.handle) -> None:
         A = T.match_buffer(a, (M, K), "bfloat16", offset_factor=1)
         B = T.match_buffer(b, (K // 2, N, 2), "bfloat16", offset_factor=1)
@@ -117,7 +119,7 @@ def dot_intrin(reduction: int, cols: int = BLOCK) -> str:
             stmts += [load_store("tilestored64", C, reg, c_offset(t), "w") for t, reg in enumerate(_C)]
         return tirx.SeqStmt([tirx.AllocBuffer(cfg)] + stmts)
 
-    @T.prim_func(s_tir=True)
+    @tvmscript.prim_func(s_tir=True)
     def impl(a: T.handle, b: T.handle, c: T.handle) -> None:
         sa, sb0, sb1, sc = T.int32(), T.int32(), T.int32(), T.int32()
         A = T.match_buffer(a, (M, K), "bfloat16", offset_factor=1, strides=[sa, 1])

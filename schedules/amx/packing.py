@@ -11,6 +11,8 @@ one insert at a time."""
 
 from __future__ import annotations
 
+from tvmflash import tvmscript
+
 from ..common import read_index, register_intrin
 
 VNNI = {"load_k": lambda j, d: (d // 2, j, d % 2), "load_v": lambda j, d: (j // 2, d, j % 2)}
@@ -55,7 +57,7 @@ def transpose_intrin() -> str:
     from tvm import s_tir, tirx
     from tvm.script import tirx as T
 
-    @T.prim_func(s_tir=True)
+    @tvmscript.prim_func(s_tir=True)
     def desc(a: T.handle, b: T.handle) -> None:
         A = T.match_buffer(a, (WORDS, 2 * WORDS), "bfloat16", offset_factor=1)
         B = T.match_buffer(b, (WORDS, WORDS, 2), "bfloat16", offset_factor=1)
@@ -67,7 +69,7 @@ def transpose_intrin() -> str:
                     vj, vd = T.axis.remap("SS", [j, d])
                     B[vd // 2, vj, vd % 2] = A[vj, vd]
 
-    @T.prim_func(s_tir=True)
+    @tvmscript.prim_func(s_tir=True)
     def impl(a: T.handle, b: T.handle) -> None:
         sa, sb = T.int32(), T.int32()
         A = T.match_buffer(a, (WORDS, 2 * WORDS), "bfloat16", offset_factor=2, strides=[sa, 1])

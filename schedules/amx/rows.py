@@ -5,6 +5,8 @@ NaN-free). The order of the sum's terms changes: float32 rounding, far below the
 
 from __future__ import annotations
 
+from tvmflash import tvmscript
+
 from ..common import register_intrin
 
 LANES = 16  # float32 in a 512-bit vector
@@ -47,7 +49,7 @@ def row_intrin(op: str, columns: int) -> str:
 
     N = columns
 
-    @T.prim_func(s_tir=True)
+    @tvmscript.prim_func(s_tir=True)
     def desc(x: T.handle, r: T.handle) -> None:
         X = T.match_buffer(x, (1, N), "float32", offset_factor=1)
         R = T.match_buffer(r, (1,), "float32", offset_factor=1)
@@ -59,7 +61,7 @@ def row_intrin(op: str, columns: int) -> str:
                     vj = T.axis.remap("R", [j])
                     R[0] = _combine(op, R[0], X[0, vj])
 
-    @T.prim_func(s_tir=True)
+    @tvmscript.prim_func(s_tir=True)
     def impl(x: T.handle, r: T.handle) -> None:
         sx = T.int32()
         X = T.match_buffer(x, (1, N), "float32", offset_factor=1, strides=[sx, 1])

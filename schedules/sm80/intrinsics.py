@@ -9,6 +9,8 @@ code generated is the same.
 
 from __future__ import annotations
 
+from tvmflash import tvmscript
+
 from ..common import register_intrin
 from .knobs import DTYPES, WARP
 
@@ -36,7 +38,7 @@ def _ldmatrix_intrin(dtype, operand, transposed):
             return stride * 8 * (tx // 16) + stride * (tx % 8) + 8 * ((tx % 16) // 8)
         return stride * (tx % 16) + 8 * (tx // 16)
 
-    @T.prim_func(s_tir=True)
+    @tvmscript.prim_func(s_tir=True)
     def desc(warp_handle: T.handle, shared_handle: T.handle) -> None:
         shared = T.match_buffer(shared_handle, (16, 16), dtype, align=64, offset_factor=16, scope="shared.dyn")
         warp = T.match_buffer(warp_handle, (WARP, 8), dtype, align=64, offset_factor=16, scope="warp")
@@ -51,7 +53,7 @@ def _ldmatrix_intrin(dtype, operand, transposed):
                     T.writes(warp[lane, reg])
                     warp[lane, reg] = shared[v0, v1]
 
-    @T.prim_func(s_tir=True)
+    @tvmscript.prim_func(s_tir=True)
     def impl(warp_handle: T.handle, shared_handle: T.handle) -> None:
         s0 = T.int32()
         s1 = T.int32()
@@ -83,7 +85,7 @@ def _mma_intrin(dtype, a_transposed, b_transposed):
                                 B.data, B.elem_offset + tx * 8 + 4 * half, C.data, C.elem_offset + tx * 8 + 4 * half,
                                 False, dtype="float32")
 
-    @T.prim_func(s_tir=True)
+    @tvmscript.prim_func(s_tir=True)
     def desc(a: T.handle, b: T.handle, c: T.handle) -> None:
         A = T.match_buffer(a, (WARP, 8), dtype, align=64, offset_factor=16, scope="warp")
         B = T.match_buffer(b, (WARP, 8), dtype, align=64, offset_factor=16, scope="warp")
@@ -100,7 +102,7 @@ def _mma_intrin(dtype, a_transposed, b_transposed):
                     C[lane, reg] += T.Cast("float32", fragment(A, vi, vk, a_transposed)) * T.Cast(
                         "float32", fragment(B, vk, vj, b_transposed))
 
-    @T.prim_func(s_tir=True)
+    @tvmscript.prim_func(s_tir=True)
     def impl(a: T.handle, b: T.handle, c: T.handle) -> None:
         A = T.match_buffer(a, (WARP, 8), dtype, align=64, offset_factor=16, scope="warp")
         B = T.match_buffer(b, (WARP, 8), dtype, align=64, offset_factor=16, scope="warp")
@@ -119,7 +121,7 @@ def _fill_intrin():
     """Zero a 16 x 16 float32 tile of fragments."""
     from tvm.script import tirx as T
 
-    @T.prim_func(s_tir=True)
+    @tvmscript.prim_func(s_tir=True)
     def desc(a: T.handle) -> None:
         C = T.match_buffer(a, [WARP, 8], dtype="float32", scope="warp")
         with T.sblock("root"):
@@ -133,7 +135,7 @@ def _fill_intrin():
                     T.writes(C[lane, reg])
                     C[lane, reg] = T.float32(0)
 
-    @T.prim_func(s_tir=True)
+    @tvmscript.prim_func(s_tir=True)
     def impl(a: T.handle) -> None:
         C = T.match_buffer(a, [WARP, 8], dtype="float32", scope="warp", offset_factor=1)
         with T.sblock("root"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from tvm.s_tir import TensorIntrin
 
+from tvmflash import tvmscript
 from tvmflash.lowering.annotations import REG_FENCE, REG_FENCE_U32, SWIZZLE_COLUMNS, WGMMA_SWIZZLE_LAYOUTS
 
 from .layouts import WARPGROUP, acc_layout, bind_acc_threads, split_warpgroups, swizzled_map
@@ -117,7 +118,7 @@ def _wgmma_desc_impl(n, k, dtype, b_major, a_regs, fence_operands=True, b_swizzl
     def acc_reg(vi, vj):
         return acc_layout(vi, vj)[1]
 
-    @T.prim_func(s_tir=True)
+    @tvmscript.prim_func(s_tir=True)
     def desc(a: T.handle, b: T.handle, c: T.handle):
         A = T.match_buffer(a, a_shape, dtype, offset_factor=1, scope=a_scope)
         B = T.match_buffer(b, b_shape, dtype, offset_factor=1, scope="shared.dyn")
@@ -192,7 +193,7 @@ def _wgmma_desc_impl(n, k, dtype, b_major, a_regs, fence_operands=True, b_swizzl
         def wgmma_end(C):  # C is still being written: no fence on it until a wait
             T.ptx.wgmma.commit_group.sync.aligned()
 
-    @T.prim_func(s_tir=True)
+    @tvmscript.prim_func(s_tir=True)
     def impl_ss(a: T.handle, b: T.handle, c: T.handle):
         sa0 = T.int32()
         sa1 = T.int32()
@@ -213,7 +214,7 @@ def _wgmma_desc_impl(n, k, dtype, b_major, a_regs, fence_operands=True, b_swizzl
                         T.bool(True), 1, 1, trans_a, trans_b)
                 wgmma_end(C)
 
-    @T.prim_func(s_tir=True)
+    @tvmscript.prim_func(s_tir=True)
     def impl_rs(a: T.handle, b: T.handle, c: T.handle):
         sb0 = T.int32()
         sb1 = T.int32()

@@ -4,7 +4,6 @@ how they are scheduled, the functions to call in a module, and the key's extra f
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import threading
@@ -187,10 +186,6 @@ class Build:
         sch = self.programs(spec)
         executable = lowering.build(sch.mod, self.target, **self.options, wide_indices=wide)
         source = executable.mod.imports[0].inspect_source() if targets.is_cuda(self.target) else None
-        # TVMScript's parser keeps the Python stack of each T.prim_func in a reference cycle (its
-        # inspect.stack()), and with it the frames of the call that needed this module and their
-        # tensors (the first training step's activations): free it now, not at the next full collection
-        gc.collect()
         seconds = time.perf_counter() - start
         runnable = runnable_here(self.target)
         path = self._path(key)

@@ -89,8 +89,10 @@ def passes_for(mod: tvm.IRModule, config) -> list:
     ]
     if not bool(config.get("tirx.disable_storage_rewrite", False)):
         pipeline.append(tirx.transform.StorageRewrite())
-    if config.get("tirx.use_async_copy", False):
-        pipeline.append(s_tir.transform.LowerAsyncDMA())
+    # fix: no LowerAsyncDMA, which TVM's list runs under tirx.use_async_copy. It lowers a pipeline's async
+    # copy to Hexagon's dma_copy where the copy is one contiguous range (CUDA has no dma_copy) and leaves
+    # every other copy to InjectPTXAsyncCopy: it changed none of our CUDA modules, and took 0.06-0.3 s of each
+    # one's build (an analyzer over every loop).
     pipeline += [
         uniformity.HoistBlockIndexConditions() if opts.get(HOIST_BLOCK_INDEX_CONDITIONS_ATTR)  # +, sm90
         else s_tir.transform.HoistIfThenElse(),
@@ -191,19 +193,25 @@ def build(mod: tvm.IRModule, target: tvm.target.Target, *, pass_config: dict | N
         return func.with_attr(WIDE_INDICES_ATTR, True) if wide_indices else func
 
     paddings = list(TMA_BARRIER_PADDINGS)
-    while paddings:  # until the TMA tiles sit on 1024-byte boundaries (one try, mostly)
-        padding = paddings.pop(0)
-        optioned = tvm.IRModule({gvar: with_options(func, padding) for gvar, func in mod.functions.items()})
-        with tvm.transform.PassContext(opt_level=3, config=pass_config or {}):
-            try:
-                return tvm.compile(optioned, target=target, tir_pipeline=PIPELINE)
-            except tile_alignment.MisalignedTiles as err:
-                misaligned = err
-        # The barriers come first in shared memory, so padding them moves every tile by as much: the
-        # padding that puts the misaligned tile on its boundary goes next (varlen's sm90 forward with
-        # ALiBi needed 512: it was built three times, 0 and 256 each a whole lowering)
-        wanted = None if misaligned.shortfall is None else padding + misaligned.shortfall
-        if wanted in paddings:
-            paddings.remove(wanted)
-            paddings.insert(0, wanted)
-    raise misaligned
+    misaligned = None
+    try:
+        while paddings:  # until the TMA tiles sit on 1024-byte boundaries (one try, mostly)
+            padding = paddings.pop(0)
+            optioned = tvm.IRModule({gvar: with_options(func, padding) for gvar, func in mod.functions.items()})
+            with tvm.transform.PassContext(opt_level=3, config=pass_config or {}):
+                try:
+                    return tvm.compile(optioned, target=target, tir_pipeline=PIPELINE)
+                except tile_alignment.MisalignedTiles as err:
+                    misaligned = err
+            # The barriers come first in shared memory, so padding them moves every tile by as much: the
+            # padding that puts the misaligned tile on its boundary goes next (varlen's sm90 forward with
+            # ALiBi needed 512: it was built three times, 0 and 256 each a whole lowering)
+            wanted = None if misaligned.shortfall is None else padding + misaligned.shortfall
+            if wanted in paddings:
+                paddings.remove(wanted)
+                paddings.insert(0, wanted)
+        raise misaligned
+    finally:
+        # the error's traceback holds this frame, and so every caller's frame (a training step's tensors):
+        # a reference cycle, once this frame holds the error, that only a full collection would free
+        misaligned = None
