@@ -19,13 +19,14 @@ SCHEDULES: dict[str, Schedule] = {s.name: s for s in (sm90.SCHEDULE, sm80.SCHEDU
 
 
 def program_for(spec, schedule: Schedule, knobs: dict):
-    """The forward program (``tvmflash.program.attention_forward``) for a spec, in these knobs' tiles,
+    """The forward program (``tvmflash.program_forward.attention_forward``) for a spec, in these knobs' tiles,
     with the kernel attributes they ask for (``with_kernel_attrs``), as many K/V tiles a Q block at the
     least as the schedule's ``min_kv_tiles`` asks, and its strides' alignment."""
-    from tvmflash import program
+    from tvmflash import program_forward
 
-    func = program.attention_forward(spec, knobs["block_m"], knobs["block_n"], min_kv_tiles=schedule.min_kv_tiles(knobs),
-                                     stride_alignment=schedule.stride_alignment)
+    func = program_forward.attention_forward(spec, knobs["block_m"], knobs["block_n"],
+                                             min_kv_tiles=schedule.min_kv_tiles(knobs),
+                                             stride_alignment=schedule.stride_alignment)
     return with_kernel_attrs(func, schedule, knobs)
 
 

@@ -20,7 +20,7 @@ from .contract import TILE, DecodeTasks, Knob, KnobSet, ProgramSchedule, Schedul
 # ------------------------------------------------------------------------------------------------
 # knobs: the forward's, the backward's and the decode's, their checks and shared-memory models
 # ------------------------------------------------------------------------------------------------
-# The strides of q, k, v and out are whole 16-byte vectors (``program.attention_forward``'s
+# The strides of q, k, v and out are whole 16-byte vectors (``program_forward.attention_forward``'s
 # stride_alignment; a kernel copies a tensor whose strides are not): the copies move 16 bytes.
 STRIDE_ALIGNMENT = 16
 DTYPES = ("float16", "bfloat16", "float32")

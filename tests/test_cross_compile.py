@@ -232,7 +232,7 @@ def test_tensor_maps_take_the_buffer_strides():
 def test_strided_tensors_are_read_in_16_byte_vectors(monkeypatch, arch, sm90, dtype):
     """q, k, v and out are read and written through their stride arguments, still in 16-byte vectors:
     code generation proves a vector's alignment only from strides it sees are multiples of it
-    (program.attention_forward's stride_alignment; plain stride arguments made gathers of scalars)."""
+    (program_forward.attention_forward's stride_alignment; plain stride arguments made gathers of scalars)."""
     monkeypatch.setenv("TVMFLASH_SM90", sm90)
     src = tvmflash.compile(head_dim=128, dtype=dtype, causal=True, target=arch).source(heads_q=4, heads_kv=2)
     assert "int q_stride_s" in src and "int o_stride_s" in src

@@ -64,8 +64,9 @@ FLOORS = (
     ("the choice of schedule and knobs", ("tvmflash.choice",)),
     ("tuning records", ("tvmflash.database",)),
     ("schedules", ("tvmflash.schedules",)),
-    ("the programs", ("tvmflash.program", "tvmflash.program_backward", "tvmflash.program_decode",
-                      "tvmflash.program_dropout", "tvmflash.program_flex", "tvmflash.tvmscript")),
+    ("the programs", ("tvmflash.program", "tvmflash.program_forward", "tvmflash.program_backward",
+                      "tvmflash.program_decode", "tvmflash.program_dropout", "tvmflash.program_flex",
+                      "tvmflash.tvmscript")),
     ("the lowering", ("tvmflash.lowering",)),
     ("targets, the disk cache, the version", ("tvmflash.target", "tvmflash.cache", "tvmflash.version")),
 )

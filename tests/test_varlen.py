@@ -475,7 +475,7 @@ def test_tiles_past_their_sequence_run_nothing():
     programs have no such test. (The numerics tests above run such tiles: lengths of 0 to 200.)"""
     import tvm
 
-    from tvmflash import program, program_backward
+    from tvmflash import program, program_backward, program_forward
     from tvmflash.lowering import loops_and_blocks
     from tvmflash.lowering.annotations import RUNS_IF
     from tvmflash.lowering.ir import find
@@ -486,7 +486,7 @@ def test_tiles_past_their_sequence_run_nothing():
 
     for varlen in (True, False):
         spec = program.AttentionSpec(32, "float16", True, 2, 2, varlen=varlen)
-        mod = tvm.IRModule({"main": program.attention_forward(spec, 64, 64)})
+        mod = tvm.IRModule({"main": program_forward.attention_forward(spec, 64, 64)})
         backward = program_backward.attention_backward(spec, 64, 64)
         for module, count in ((mod, 1), (backward, 2)):  # the forward's tile; dkdv's and dq's
             blocks = tiles(module)

@@ -327,7 +327,7 @@ def decode_split(spec: DecodeSpec, query_tokens: int, block_n: int, final: bool 
                                     m_tile[vr] = T.min_value(f32)
                                 m_tile[vr] = T.max(m_tile[vr], Sm[vr, vj])
                         for r in range(R):
-                            with T.sblock("alpha"):  # as the forward's (program.py)
+                            with T.sblock("alpha"):  # as the forward's (program_forward.py)
                                 vr = T.axis.spatial(R, r)
                                 new_max = T.meta_var(T.if_then_else(
                                     (m_tile[vr] - m[vr]) * scale2[0] > T.float32(RESCALE_THRESHOLD),

@@ -1,5 +1,5 @@
 """Dropout in the programs: which entries of P a (batch, head) keeps, the same bits in the forward and
-the backward (``program.attention_forward``, ``program_backward``), from Philox4x32-10 seeded as
+the backward (``program_forward``, ``program_backward``), from Philox4x32-10 seeded as
 flash-attn seeds it.
 
 The random bits. ``dropout_seed`` is flash-attn's rng_state, int64 (seed, offset) drawn from torch's

@@ -9,7 +9,7 @@ from ..contract import DERIVED, STRUCTURE, TILE, Knob, KnobSet
 
 WARP = 32  # threads of a warp: the forward and dq give each warp 32 query rows (block_m = 32 * num_warps)
 DTYPES = ("float16", "bfloat16")  # float32 has no exact tensor-core path: the SIMT schedule serves it
-# The strides of q, k, v and out are whole 16-byte vectors (``program.attention_forward``'s
+# The strides of q, k, v and out are whole 16-byte vectors (``program_forward.attention_forward``'s
 # stride_alignment; a kernel copies a tensor whose strides are not): the copies move 16 bytes.
 STRIDE_ALIGNMENT = 16
 PASS_CONFIG = {

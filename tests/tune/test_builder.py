@@ -6,7 +6,7 @@ import shutil
 import pytest
 import tvm
 
-from tvmflash import program, tune
+from tvmflash import program, program_forward, tune
 from tvmflash import target as targets
 from tvmflash.schedules import cpu, simt, sm80, sm90
 from tvmflash.tune.builder import ms_build
@@ -19,7 +19,7 @@ CPU = targets.cpu_target()
 def test_builds_use_the_schedules_pass_config():
     """The tuner's builder is Kernel's build (PassContext config + workarounds), returning a runtime module."""
     spec = program.AttentionSpec(32, "float32", False, 1, 1)
-    func = specialize(program.attention_forward(spec, 16, 32), spec, batch=1, seqlen_q=40, seqlen_k=40,
+    func = specialize(program_forward.attention_forward(spec, 16, 32), spec, batch=1, seqlen_q=40, seqlen_k=40,
                            softmax_scale=0.2)
     sch = cpu.SCHEDULE.forward.apply(tvm.s_tir.Schedule(tvm.IRModule({"main": func})), block_m=16, block_n=32, vector=8)
     built = ms_build(sch.mod, CPU, None, pass_config={})
@@ -32,7 +32,7 @@ def test_cuda_spaces_cross_compile():
     spec = program.AttentionSpec(128, "bfloat16", True, 2, 1)
 
     def static(block_m, block_n):
-        func = program.attention_forward(spec, block_m, block_n)
+        func = program_forward.attention_forward(spec, block_m, block_n)
         return tvm.IRModule({"main": specialize(func, spec, batch=2, seqlen_q=1000, seqlen_k=1000,
                                                      softmax_scale=0.1)})
 
@@ -71,7 +71,7 @@ def test_pipelined_candidates_build_with_static_shapes(schedule, block_m, causal
     block_m 64, shared-memory merging put the K/V tiles off the swizzle's 1024-byte boundary until the
     build learned to grow the barriers (``annotations.TMA_BARRIER_PADDINGS``)."""
     spec = program.AttentionSpec(64, "bfloat16", causal, 2, 2)
-    mod = tvm.IRModule({"main": specialize(program.attention_forward(spec, block_m, 64), spec, batch=1,
+    mod = tvm.IRModule({"main": specialize(program_forward.attention_forward(spec, block_m, 64), spec, batch=1,
                                                 seqlen_q=512, seqlen_k=512, softmax_scale=0.125)})
     # cp.async copies into the swizzled layout have no barriers to pad, and at block_m 64 merging
     # puts those tiles off the 1024-byte boundary: that build fails loudly (below), so here cp.async

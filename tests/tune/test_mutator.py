@@ -4,7 +4,7 @@ import re
 
 import tvm
 
-from tvmflash import program
+from tvmflash import program, program_forward
 from tvmflash.schedules import cpu
 from tvmflash.tune.mutator import MutateKnob
 from tvmflash.tune.space import decided_knobs, space_fn, task_knobs
@@ -19,7 +19,7 @@ def test_sampled_knob_is_replayed_and_mutated():
     """The evidence that the search explores the sampled knob: the trace refers to the decision
     (ExprRV), so replaying it with another decision, or MutateKnob's mutation, changes the schedule."""
     spec = program.AttentionSpec(32, "float32", False, 1, 1)
-    func = specialize(program.attention_forward(spec, 16, 32), spec, batch=1, seqlen_q=64, seqlen_k=64,
+    func = specialize(program_forward.attention_forward(spec, 16, 32), spec, batch=1, seqlen_q=64, seqlen_k=64,
                            softmax_scale=0.2)
     mod = tvm.IRModule({"main": func})
     fixed, sampled = task_knobs({"block_m": [16], "block_n": [32], "vector": [4, 8, 16]}, 16, 32)

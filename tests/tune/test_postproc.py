@@ -7,7 +7,7 @@ import pytest
 import tvm
 
 import tvmflash
-from tvmflash import program
+from tvmflash import program, program_forward
 from tvmflash import target as targets
 from tvmflash.schedules import cpu, sm80, sm90
 from tvmflash.schedules.sm90 import knobs as sm90_knobs
@@ -23,7 +23,7 @@ def test_pre_check_postprocessor_rejects_before_building():
     from tvm.s_tir import meta_schedule as ms
 
     spec = program.AttentionSpec(32, "float32", False, 1, 1)
-    mod = tvm.IRModule({"main": specialize(program.attention_forward(spec, 16, 32), spec, batch=1,
+    mod = tvm.IRModule({"main": specialize(program_forward.attention_forward(spec, 16, 32), spec, batch=1,
                                                 seqlen_q=32, seqlen_k=32, softmax_scale=0.2)})
     fixed, sampled = task_knobs({"block_m": [16], "block_n": [32], "vector": [4, 8]}, 16, 32)
     stats = {}

@@ -4,7 +4,7 @@ progress bar."""
 import pytest
 import tvm
 
-from tvmflash import program
+from tvmflash import program, program_forward
 from tvmflash.schedules import cpu
 from tvmflash.tune.progress import Progress, Reporter, left_out_line, reason_gist
 from tvmflash.tune.space import configurations, space_fn, task_knobs
@@ -16,7 +16,7 @@ def test_failed_candidates_are_never_picked():
     from tvm.s_tir import meta_schedule as ms
 
     spec = program.AttentionSpec(32, "float32", False, 1, 1)
-    mod = tvm.IRModule({"main": specialize(program.attention_forward(spec, 16, 32), spec, batch=1,
+    mod = tvm.IRModule({"main": specialize(program_forward.attention_forward(spec, 16, 32), spec, batch=1,
                                                 seqlen_q=32, seqlen_k=32, softmax_scale=0.2)})
     fixed, sampled = task_knobs({"block_m": [16], "block_n": [32], "vector": [4, 8]}, 16, 32)
     candidates = []

@@ -3,7 +3,7 @@ and a design space's trace replays."""
 
 import tvm
 
-from tvmflash import program
+from tvmflash import program, program_forward
 from tvmflash.schedules import cpu, simt, sm80, sm90
 from tvmflash.tune.space import space_fn, structures, task_knobs, task_name, task_points
 from tvmflash.tune.task import specialize
@@ -42,7 +42,7 @@ def test_sm80_design_space_replays():
     with its default knobs must replay to the same IR (a schedule step outside the trace, such as a
     block replaced in the schedule state, breaks this and leaves the search without candidates)."""
     spec = program.AttentionSpec(64, "bfloat16", True, 2, 1)
-    mod = tvm.IRModule({"main": specialize(program.attention_forward(spec, 128, 64), spec, batch=1,
+    mod = tvm.IRModule({"main": specialize(program_forward.attention_forward(spec, 128, 64), spec, batch=1,
                                                 seqlen_q=300, seqlen_k=300, softmax_scale=0.1)})
     knobs = sm80.SCHEDULE.forward.knobs
     fixed, sampled = task_knobs(knobs.space(), 128, 64, num_stages=knobs.defaults()["num_stages"])
