@@ -1,0 +1,216 @@
+"""The sm90 backward (``schedules/sm90/backward.py``, dkdv and dq on wgmma), built on a machine with no GPU:
+its knobs and their checks, the choice at d96 and d256, and what its generated CUDA holds (and, where nvcc
+exists, that it compiles without spills). Heads 4/2, as tests/test_generated_cuda.py builds them."""
+
+import shutil
+
+import pytest
+
+import tvmflash
+from test_sm90 import descriptors
+from tvmflash.schedules.sm90 import knobs as sm90_knobs
+
+
+def test_sm90_backward_builds_cuda_source(monkeypatch):
+    """On sm_90a, dkdv and dq on wgmma (s and dp with both operands from shared memory, the
+    gradients' products with p or ds from registers), dkdv's streamed tiles by TMA, dq's by cp.async. By default
+    (dq_atomic) dkdv makes dq's share on wgmma too (dsᵀ from shared memory, read transposed) and adds
+    it from a shared-memory tile by red.global.add.v4.f32 (d64's "vector"); deterministic=True takes the dq pass. sm80's serves a head_dim sm90's
+    does not have, and TVMFLASH_BACKWARD=sm80."""
+    kernel = tvmflash.compile_backward(head_dim=64, dtype="bfloat16", causal=True, target="sm90", deterministic=True)
+    assert kernel.info()["schedule"] == "sm90" and not kernel.dq_atomic
+    src = kernel.source(heads_q=4, heads_kv=2)
+    dq = src[src.rindex("dq_kernel("):]
+    dkdv = src[src.rindex("dkdv_kernel("):src.rindex("dq_kernel(")]
+    for program in (dq, dkdv):  # "ss": A and B by descriptors (s, dp); "rs": A from registers (the gradients)
+        assert "_ss_mma_async_sync_aligned_m64n" in program and "_rs_mma_async_sync_aligned_m64n" in program
+        assert "mma_sync" not in program
+    assert "cp_async_commit_group" in dq and "tvmflash_tma_load_5d(" in dkdv
+    kernel = tvmflash.compile_backward(head_dim=64, dtype="bfloat16", causal=True, target="sm90")
+    assert kernel.dq_atomic
+    src = kernel.source(heads_q=4, heads_kv=2)
+    dkdv = src[src.rindex("dkdv_kernel("):src.rindex("convert_dq_kernel(")]
+    assert " dq_kernel(" not in src and "tvmflash_red_add_v4_shared(" in dkdv
+    assert "_ss_mma_async_sync_aligned_m64n32k16_f32_bf16_bf16_1_1_1_1(" in dkdv  # ds k: A and B transposed
+    with pytest.raises(ValueError, match="deterministic"):
+        tvmflash.compile_backward(head_dim=64, dtype="bfloat16", target="sm90", knobs={"dq_atomic": True},
+                                  deterministic=True)
+    with pytest.raises(ValueError, match="pass dq_atomic False"):  # dq's share takes 64 query rows a step
+        tvmflash.compile_backward(head_dim=64, dtype="bfloat16", target="sm90", knobs={"block_m": 32}).source(2, 2)
+    assert tvmflash.compile_backward(head_dim=32, dtype="bfloat16", target="sm90").info()["schedule"] == "sm80"
+    monkeypatch.setenv("TVMFLASH_BACKWARD", "sm80")
+    assert tvmflash.compile_backward(head_dim=64, dtype="bfloat16", target="sm90").info()["schedule"] == "sm80"
+
+
+@pytest.mark.nvcc
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+@pytest.mark.parametrize("variant", ["causal", "deterministic-window-softcap"])
+def test_sm90_backward_at_d96_builds_without_spills(variant):
+    """head_dim 96 on wgmma (``knobs.BACKWARD_HEAD_DIMS``), the default on sm_90a: no multiple of 64, so
+    dkdv's q and dout come by TMA in the 64-byte swizzle (rows of 32 columns: descriptors of layout type 2,
+    none of type 1), and dq's share by vector atomics (a warpgroup's 48 columns are no rows of the TMA
+    reduction's 32 floats). Every kernel compiles through ptxas with no stack frame and no spill: with the
+    defaults (causal, dq_atomic), and deterministic (the dq pass) under a window and a softcap."""
+    from test_decode import ptxas_report
+
+    options = ({"causal": True} if variant == "causal"
+               else {"deterministic": True, "window_size": (100, 20), "softcap": 30.0})
+    kernel = tvmflash.compile_backward(head_dim=96, dtype="bfloat16", target="sm90", **options)
+    assert kernel.info()["schedule"] == "sm90" and kernel.knobs["dq_reduce"] == "vector"
+    assert kernel.dq_atomic == (variant == "causal")
+    src = kernel.source(heads_q=4, heads_kv=2)
+    assert {layout for *_, layout in descriptors(src)} == {"0", "2"}  # padded core matrices, 64-byte swizzle
+    assert "tvmflash_tma_load_5d(" in src and ("tvmflash_red_add_v4_shared(" in src) == kernel.dq_atomic
+    report = ptxas_report(src, "sm_90a")
+    assert len(report) == 3  # delta, dkdv, and convert_dq or dq
+    for name, lines in report.items():
+        assert "0 bytes stack frame, 0 bytes spill stores" in lines, (name, lines)
+
+
+def test_sm90_backward_checks_at_d96_and_d256():
+    """Without a build: d96's defaults pass the backward's checks; its TMA reduction of dq's share (48
+    columns a warpgroup) and its producer warpgroup (ptxas spills) are refused. At d256 a dkdv tile that
+    keeps all of dk's and dv's columns fits no tile (256 registers a thread before s and dp): the defaults
+    there split the columns in two (``dkdv_slices``), a warpgroup a slice of the same 64 keys, and then pass.
+    A slice must start on a whole swizzled group; a tile a slice (``dkdv_slicing`` "grid") leaves dq's share
+    to atomics or a shared-memory tile."""
+    backward = sm90_knobs.BACKWARD
+    assert backward.problem(backward.defaults(96), 96, "bfloat16") is None
+    assert "multiple of 32, got 48" in backward.problem({"dq_reduce": "tma"}, 96, "bfloat16")
+    assert "take 'thread'" in backward.problem({"dkdv_producer": "warpgroup"}, 96, "bfloat16")
+    for point in backward.points():  # the tuner's points keep one slice
+        assert "registers" in (backward.problem(point, 256, "bfloat16") or ""), point
+    d256 = backward.defaults(256)
+    assert backward.problem(d256, 256, "bfloat16") is None
+    assert (d256["dkdv_slices"], d256["dkdv_slicing"], d256["block_n"], d256["ds_buffers"], d256["dq_reduce"],
+            d256["dkdv_producer"]) == (2, "rows", 64, 1, "atomic", "thread")
+    assert sm90_knobs.dkdv_rows(d256) == 128  # two warpgroups
+    assert "registers" in backward.problem({**d256, "dkdv_slices": 1}, 256, "bfloat16")
+    assert backward.problem({**d256, "dkdv_slicing": "grid", "ds_buffers": 2}, 256, "bfloat16") is None
+    assert "dq_reduce" in backward.problem({**d256, "dkdv_slicing": "grid", "dq_reduce": "tma"}, 256, "bfloat16")
+    assert "whole" in backward.problem({"dkdv_slices": 2}, 96, "bfloat16")  # 48 columns: no whole 32-column group
+    # q and dout of two stages, K and V, dsᵀ in two buffers: within the 227 KiB of a block
+    assert sm90_knobs.backward_shared_memory_bytes(256, "bfloat16", d256) <= 227 * 1024
+    assert sm90_knobs.backward_shared_memory_bytes(256, "bfloat16", {**d256, "dq_atomic": False}) <= 227 * 1024
+    assert sm90_knobs.backward_shared_memory_bytes(256, "bfloat16", backward.defaults(256, varlen=True)) <= 227 * 1024
+    assert {96, 256} <= set(sm90_knobs.BACKWARD_HEAD_DIMS)
+
+
+@pytest.mark.parametrize("head_dim, variant, schedule", [
+    (96, {}, "sm90"), (256, {}, "sm90"), (256, {"causal": True}, "sm90"), (256, {"varlen": True}, "sm90"),
+    (256, {"dropout": True}, "sm90"), (256, {"alibi": True, "softcap": 30.0}, "sm90"),
+    (256, {"window_left": 100, "window_right": 20}, "sm90"), (256, {"dtype": "float16"}, "sm90"),
+    (256, {"dtype": "float32"}, "simt"),  # wgmma takes 16-bit operands
+])
+def test_sm90_backward_is_the_default_at_d256(head_dim, variant, schedule, monkeypatch):
+    """On sm_90a the sm90 backward is chosen at d256 (it was the SIMT's) once its GPU tests pass
+    (TVMFLASH_GPU_UNCHECKED=1 until then; SIMT's without it), with every variant of 16-bit inputs;
+    deterministic takes the dq pass in 64-row blocks (two of 128 rows do not fit next to the K/V stages),
+    and dkdv a tile a slice (``dq_pass_by_head_dim``) unless the caller says otherwise."""
+    from tvmflash import choice
+    from tvmflash import target as targets
+
+    spec = {"head_dim": head_dim, "dtype": "bfloat16", "causal": False, **variant}
+    if head_dim == 256:
+        assert choice.backward(targets.resolve("sm90"), spec, None).schedule.name == "simt"
+        monkeypatch.setenv("TVMFLASH_GPU_UNCHECKED", "1")
+    chosen = choice.backward(targets.resolve("sm90"), spec, None)
+    assert chosen.schedule.name == schedule
+    if schedule == "sm90" and head_dim == 256:
+        assert chosen.knobs["dkdv_slices"] == 2
+        deterministic = choice.backward(targets.resolve("sm90"), spec, None, deterministic=True)
+        assert (deterministic.knobs["dq_atomic"], deterministic.knobs["dq_block_m"],
+                deterministic.knobs["dkdv_slicing"]) == (False, 64, "grid")
+        given = choice.backward(targets.resolve("sm90"), spec, {"dkdv_slicing": "rows"}, deterministic=True)
+        assert given.knobs["dkdv_slicing"] == "rows"  # the caller's knobs over dq_pass_by_head_dim
+
+
+@pytest.mark.nvcc
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+@pytest.mark.parametrize("variant", ["causal", "deterministic-window-softcap", "varlen-alibi", "grid"])
+def test_sm90_backward_at_d256_builds_without_spills(variant):
+    """head_dim 256 on wgmma, the default on sm_90a: each of dkdv's two warpgroups makes dk, dv and dq's share
+    of one half of the columns for the same 64 keys (``dkdv_slices`` 2, ``dkdv_slicing`` "rows": its slice's q
+    and dout two 128-byte swizzled groups, 1024 16-byte units, in; its K the same). Every kernel compiles
+    through ptxas with no stack frame and no spill: the defaults (causal, dq's share by atomics),
+    deterministic (the dq pass, whose dkdv takes a tile a slice: ``dkdv_slicing`` "grid", one warpgroup,
+    blockIdx.x's low bit the slice) under a window and a softcap, varlen (cp.async in one stage) with ALiBi,
+    and a tile a slice with dq's share."""
+    from test_decode import ptxas_report
+
+    options = {"causal": {"causal": True},
+               "deterministic-window-softcap": {"deterministic": True, "window_size": (100, 20), "softcap": 30.0},
+               "varlen-alibi": {"varlen": True, "alibi": True, "causal": True},
+               "grid": {"causal": True, "knobs": {"dkdv_slicing": "grid", "ds_buffers": 2}}}[variant]
+    kernel = tvmflash.compile_backward(head_dim=256, dtype="bfloat16", target="sm90", **options)
+    assert kernel.info()["schedule"] == "sm90" and kernel.knobs["dkdv_slices"] == 2
+    assert kernel.dq_atomic == (variant != "deterministic-window-softcap")
+    src = kernel.source(heads_q=4, heads_kv=2)
+    # a tile a slice with the dq pass (``dq_pass_by_head_dim``: two warpgroups spill there under a softcap)
+    grid = variant in ("grid", "deterministic-window-softcap")
+    assert kernel.knobs["dkdv_slicing"] == ("grid" if grid else "rows")
+    threads = 128 if grid else 256  # a warpgroup a slice; thread 0 issues the TMA copies
+    assert f"__launch_bounds__({threads}) dkdv_kernel" in src
+    assert "m64n128k16" in src  # dk, dv (and dq's share) of 128 columns
+    if variant in ("causal", "grid"):  # the slice's first column in q and dout
+        assert ("((((int)blockIdx.x) & 1) * 1024)" if variant == "grid" else "(warpgroup * 1024)") in src
+    report = ptxas_report(src, "sm_90a")
+    assert len(report) == 3  # delta, dkdv, and convert_dq or dq
+    for name, lines in report.items():
+        assert "0 bytes stack frame, 0 bytes spill stores" in lines, (name, lines)
+
+
+def test_sm90_one_stage_products_share_one_fence():
+    """With one stage (plain loads), s's fence.proxy.async and barrier make a step's tiles visible to
+    both of its products from shared memory: dp adds none of its own. dkdv: s's and dq's share's (it
+    reads dsᵀ, copied to shared memory in the step); dq: s's alone."""
+    fence = "fence_proxy_proxy_async_shared__cta();"
+    kernel = tvmflash.compile_backward(head_dim=128, dtype="bfloat16", target="sm90",
+                                       knobs={"dkdv_stages": 1, "dkdv_copy": "cp.async", "dq_atomic": True})
+    src = kernel.source(heads_q=4, heads_kv=2)
+    assert src[src.rindex("dkdv_kernel("):src.rindex("convert_dq_kernel(")].count(fence) == 2
+    kernel = tvmflash.compile_backward(head_dim=128, dtype="bfloat16", target="sm90",
+                                       knobs={"dq_atomic": False, "dq_stages": 1})
+    src = kernel.source(heads_q=4, heads_kv=2)
+    assert src[src.rindex("dq_kernel("):].count(fence) == 1
+
+
+def test_sm90_dkdv_by_tma_builds_cuda_source():
+    """dkdv_copy "tma": one thread copies each Q block's q and dout (5-D tensor maps, swizzled) and its
+    rows' lse and delta (3-D, no swizzle) on the stage's mbarrier; no thread copies them by cp.async,
+    and the step's tiles need no block-wide barrier (the dsᵀ staging keeps its two). Refused with
+    one stage or a head_dim not a multiple of 32, and for varlen, whose rows past a sequence's
+    end must read as zeros."""
+    knobs = {"dkdv_stages": 2, "dkdv_copy": "tma"}
+    kernel = tvmflash.compile_backward(head_dim=128, dtype="bfloat16", causal=True, target="sm90", knobs=knobs)
+    src = kernel.source(heads_q=4, heads_kv=2)
+    dkdv = src[src.rindex("dkdv_kernel("):src.rindex("convert_dq_kernel(")]
+    assert dkdv.count("tvmflash_tma_load_5d(") == 4 and dkdv.count("tvmflash_tma_load_3d(") == 4  # prologue, loop
+    assert "cp_async" not in dkdv and "CUtensorMap LSE2_tensormap" in src and "CUtensorMap Delta_tensormap" in src
+    loop = dkdv[dkdv.index("for (int g_t_fused"):]
+    assert loop[:loop.index("tvmflash_release_after_wgmma")].count("__syncthreads()") == 0
+    for bad, match in (({"dkdv_stages": 1, "dkdv_copy": "tma"}, "dkdv_stages >= 2"),
+                       ({"dkdv_copy": "bulk"}, "dkdv_copy: the sm90 schedule takes")):
+        with pytest.raises(ValueError, match=match):
+            tvmflash.compile_backward(head_dim=128, dtype="bfloat16", target="sm90", knobs=bad)
+    with pytest.raises(ValueError, match="varlen on the sm90 backward takes {'dkdv_copy': 'cp.async'"):
+        tvmflash.compile_backward(head_dim=128, dtype="bfloat16", target="sm90", knobs=knobs, varlen=True)
+    varlen = tvmflash.compile_backward(head_dim=128, dtype="bfloat16", target="sm90", varlen=True)
+    assert varlen.knobs["dkdv_copy"] == "cp.async"
+
+
+def test_sm90_wgmma_overlap_waits_later():
+    """wgmma_overlap: dp's wgmma is only committed, and the exponentials of p come before its wait;
+    dv's is only committed, and dk's wait ends both. Without it each product is waited for at once."""
+    for overlap in (True, False):
+        kernel = tvmflash.compile_backward(head_dim=128, dtype="bfloat16", target="sm90",
+                                           knobs={"wgmma_overlap": overlap})
+        src = kernel.source(heads_q=4, heads_kv=2)
+        dkdv = src[src.rindex("dkdv_kernel("):src.rindex("convert_dq_kernel(")]
+        loop = dkdv[dkdv.index("for (int g_t_fused"):]
+        wait = "wait_group_sync_aligned_0()"
+        dp = loop.index("(dP_local_ptr[0], dP_local_ptr[1]")
+        dv = loop.index("(dv_acc_local_ptr[0], dv_acc_local_ptr[1]")
+        dk = loop.index("(dk_acc_local_ptr[0], dk_acc_local_ptr[1]")
+        assert ("exp2f(" in loop[dp:loop.index(wait, dp)]) == overlap
+        assert (loop.index(wait, dv) > dk) == overlap
