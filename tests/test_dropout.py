@@ -1,5 +1,5 @@
 """Dropout (flash-attn's dropout_p): Philox4x32-10 against Random123's known answers and a numpy
-reference of the rule written here; the kernels drop the entries that ``tvmflash.ops.dropout_kept``
+reference of the rule written here; the kernels drop the entries that ``tvmflash.dropout.dropout_kept``
 names, forward and backward, dense and varlen, against float64 attention with that mask; the mask's
 statistics; seeds and offsets from torch's generator; S_dmask; the refusals."""
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import tvmflash
-from tvmflash import ops
+from tvmflash import dropout
 from tests.conftest import captured_in_a_cuda_graph, poisoned_out, random_qkv
 from tests.reference import check_attention, check_gradients
 
@@ -59,21 +59,21 @@ def numpy_kept(state, p, batch, heads, seqlen_q, seqlen_k):
 def test_philox_gives_random123s_known_answers():
     for counter, key, expected in PHILOX_KAT:
         assert [int(w) for w in numpy_philox(counter, key)] == list(expected)
-        assert [int(w) for w in ops.philox(counter, key)] == list(expected)
+        assert [int(w) for w in dropout.philox(counter, key)] == list(expected)
 
 
 def test_dropout_kept_is_the_rule_written_in_numpy():
-    """``ops.dropout_kept`` (the torch reference the kernels are tested against) against the rule written
+    """``dropout.dropout_kept`` (the torch reference the kernels are tested against) against the rule written
     apart here, for a seed with its high bit set and an offset that carries into the stream's high word;
     the eight entries that share a call take its eight 16-bit halves."""
     for state, p in [((-0x123456789ABCDEF, 2**32 - 3), 0.3), ((2**62 + 12345, 0), 0.9), ((7, 2**40), 0.05)]:
         seed = torch.tensor(state, dtype=torch.int64)
         expected = numpy_kept(state, p, 2, 3, 40, 37)
-        assert torch.equal(ops.dropout_mask(seed, p, 2, 3, 40, 37), torch.from_numpy(expected)), state
+        assert torch.equal(dropout.dropout_mask(seed, p, 2, 3, 40, 37), torch.from_numpy(expected)), state
 
 
 def dense_mask(seed, p, q, k):
-    return ops.dropout_mask(seed, p, q.shape[0], q.shape[2], q.shape[1], k.shape[1])
+    return dropout.dropout_mask(seed, p, q.shape[0], q.shape[2], q.shape[1], k.shape[1])
 
 
 def check_autograd(q, k, v, p, seed, **variant):
@@ -94,36 +94,36 @@ def test_the_mask_drops_a_fraction_p_independently():
     draws a new pattern; p = 0 keeps everything."""
     seed = torch.tensor([12345, 678], dtype=torch.int64)
     for p in (0.0, 0.1, 0.5, 0.9):
-        kept = ops.dropout_mask(seed, p, 2, 4, 256, 256).double()
+        kept = dropout.dropout_mask(seed, p, 2, 4, 256, 256).double()
         n = kept.numel()
         assert abs(kept.mean().item() - (1 - p)) <= 4 * math.sqrt(p * (1 - p) / n) + 1e-12, p
-    kept = ops.dropout_mask(seed, 0.5, 2, 4, 256, 256).double() - 0.5
+    kept = dropout.dropout_mask(seed, 0.5, 2, 4, 256, 256).double() - 0.5
     for shifted in (kept[..., 1:] * kept[..., :-1], kept[:, :, 1:] * kept[:, :, :-1], kept[:, 1:] * kept[:, :-1],
                     kept[1:] * kept[:-1]):
         assert abs(shifted.mean().item()) < 4 * 0.25 / math.sqrt(shifted.numel()), "correlated neighbours"
     for other_state in ([12345, 679], [12346, 678]):  # the next offset, another seed
-        other = ops.dropout_mask(torch.tensor(other_state), 0.5, 2, 4, 256, 256).double() - 0.5
+        other = dropout.dropout_mask(torch.tensor(other_state), 0.5, 2, 4, 256, 256).double() - 0.5
         assert abs((kept * other).mean().item()) < 4 * 0.25 / math.sqrt(kept.numel())
     # (b, h) draws stream offset + b · heads + h: an offset 4 further (a call's batch · heads) moves it one batch
-    shifted = ops.dropout_mask(torch.tensor([12345, 678 + 4]), 0.5, 1, 4, 256, 256)
-    assert torch.equal(shifted[0], ops.dropout_mask(seed, 0.5, 2, 4, 256, 256)[1])
+    shifted = dropout.dropout_mask(torch.tensor([12345, 678 + 4]), 0.5, 1, 4, 256, 256)
+    assert torch.equal(shifted[0], dropout.dropout_mask(seed, 0.5, 2, 4, 256, 256)[1])
 
 
 def check_kernel_keeps_dropout_kept(head_dim, dtype, device, seed, p=0.4, long=100):
     """The kernels' own bits, read out: with v one-hot over the keys, the forward's out[b, i, h, j] is
     P_ij · keep_ij / (1 - p); with dout one-hot over the queries, the backward's dv[b, j, h, i] is the same.
-    Both nonzero exactly where ``ops.dropout_kept`` keeps the entry (head_dim keys, resp. queries; ``long``
+    Both nonzero exactly where ``dropout.dropout_kept`` keeps the entry (head_dim keys, resp. queries; ``long``
     of the other, so rows and keys pass bit 3 and beyond; heads 2/2)."""
     eye = torch.eye(head_dim, device=device, dtype=dtype)
     q, k, _ = random_qkv(2, long, head_dim, 2, 2, head_dim, dtype, device, scale=0.3)
     v = eye[None, :, None].expand(2, head_dim, 2, head_dim).contiguous()
     out = tvmflash.attention(q, k, v, dropout_p=p, dropout_seed=seed)
-    assert torch.equal(out.permute(0, 2, 1, 3) != 0, ops.dropout_mask(seed, p, 2, 2, long, head_dim))
+    assert torch.equal(out.permute(0, 2, 1, 3) != 0, dropout.dropout_mask(seed, p, 2, 2, long, head_dim))
     q, k, v = random_qkv(2, head_dim, long, 2, 2, head_dim, dtype, device, scale=0.3)
     v.requires_grad_()
     out = tvmflash.attention(q, k, v, dropout_p=p, dropout_seed=seed)
     out.backward(eye[None, :, None].expand(2, head_dim, 2, head_dim))
-    assert torch.equal(v.grad.permute(0, 2, 3, 1) != 0, ops.dropout_mask(seed, p, 2, 2, head_dim, long))
+    assert torch.equal(v.grad.permute(0, 2, 3, 1) != 0, dropout.dropout_mask(seed, p, 2, 2, head_dim, long))
 
 
 def test_the_cpu_kernels_keep_the_entries_dropout_kept_names():
@@ -209,14 +209,14 @@ def test_varlen_dropout_uses_each_sequences_own_positions():
     out, lse, s_dmask = tvmflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k),
                                                         dropout_p=p, causal=True, return_attn_probs=True)
     torch.manual_seed(11)  # the seed flash_attn_varlen_func drew
-    seed = ops.philox_state(q.device, 3 * HEADS[0])
+    seed = dropout.philox_state(q.device, 3 * HEADS[0])
     assert s_dmask.shape == (3, HEADS[0], max(lengths_q), max(lengths_k))
     dout = torch.randn_like(out)
     out.backward(dout)
     for b in range(3):
         rows, cols = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
         qb, kb, vb = (t.detach()[None, r] for t, r in ((q, rows), (k, cols), (v, cols)))
-        mask = ops.dropout_kept(seed, p, HEADS[0], b, torch.arange(HEADS[0])[:, None, None],
+        mask = dropout.dropout_kept(seed, p, HEADS[0], b, torch.arange(HEADS[0])[:, None, None],
                                 torch.arange(lengths_q[b])[:, None], torch.arange(lengths_k[b]))[None]
         entries = s_dmask[b, :, :lengths_q[b], :lengths_k[b]]
         assert torch.equal((entries > 0)[entries != 0], mask[0][entries != 0])
@@ -238,7 +238,7 @@ def test_seeds_repeat_and_differ_and_s_dmask_is_flash_attns():
     other = tvmflash.flash_attn_func(q, k, v, dropout_p=0.2, causal=True)
     assert torch.equal(first, again) and not torch.equal(first, other)
     torch.manual_seed(0)
-    mask = dense_mask(ops.philox_state(q.device, 2 * HEADS[0]), 0.2, q, k)
+    mask = dense_mask(dropout.philox_state(q.device, 2 * HEADS[0]), 0.2, q, k)
     probabilities = torch.softmax((torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(2, 2)) / math.sqrt(32))
                                   .masked_fill(torch.ones(64, 64, dtype=torch.bool).triu(1), -math.inf), -1)
     assert torch.allclose(s_dmask.abs(), probabilities, atol=1e-6)
@@ -251,9 +251,9 @@ def test_the_cpu_draw_is_torch_generators():
     """On the CPU (a Mersenne-twister generator, no Philox offset) seed and offset are drawn from torch's
     generator: torch.manual_seed repeats them, the next call draws others."""
     torch.manual_seed(3)
-    first, second = ops.philox_state(torch.device("cpu"), 8), ops.philox_state(torch.device("cpu"), 8)
+    first, second = dropout.philox_state(torch.device("cpu"), 8), dropout.philox_state(torch.device("cpu"), 8)
     torch.manual_seed(3)
-    assert torch.equal(ops.philox_state(torch.device("cpu"), 8), first) and not torch.equal(first, second)
+    assert torch.equal(dropout.philox_state(torch.device("cpu"), 8), first) and not torch.equal(first, second)
     assert first.dtype == torch.int64 and first.shape == (2,) and bool((first >= 0).all())
 
 
@@ -320,8 +320,8 @@ def test_the_seed_and_offset_are_the_cuda_generators():
     offset then advanced by batch · heads (rounded up to 4); torch.manual_seed repeats them."""
     generator = torch.cuda.default_generators[torch.cuda.current_device()]
     torch.manual_seed(1234)
-    assert ops.philox_state(torch.device("cuda"), 2 * 5).tolist() == [1234, 0] and generator.get_offset() == 12
-    assert ops.philox_state(torch.device("cuda"), 3).tolist() == [1234, 12] and generator.get_offset() == 16
+    assert dropout.philox_state(torch.device("cuda"), 2 * 5).tolist() == [1234, 0] and generator.get_offset() == 12
+    assert dropout.philox_state(torch.device("cuda"), 3).tolist() == [1234, 12] and generator.get_offset() == 16
     q, k, v = random_qkv(2, 64, 64, *HEADS, 64, torch.bfloat16, "cuda")
     torch.manual_seed(1234)
     out, lse, s_dmask = tvmflash.flash_attn_func(q, k, v, dropout_p=0.3, return_attn_probs=True)

@@ -54,7 +54,7 @@ def imports(path: Path):
 # from one above. Every module of tvmflash is on one (``test_every_module_is_on_a_floor``).
 FLOORS = (
     ("integrations: tvmflash in other libraries", ("tvmflash.integrations",)),
-    ("the API: torch functions and ops, the command line", ("tvmflash", "tvmflash.ops", "tvmflash.flash_attn",
+    ("the API: torch functions and ops, the command line", ("tvmflash", "tvmflash.ops", "tvmflash.dropout", "tvmflash.flash_attn",
                                                             "tvmflash.flex", "tvmflash.flex_block_mask", "tvmflash.flex_trace",
                                                             "tvmflash.flex_gradient", "tvmflash.flex_patterns", "tvmflash.cli",
                                                             "tvmflash.distributed")),

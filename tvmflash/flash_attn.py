@@ -38,7 +38,8 @@ from tvmflash.kernels.checks import (
     resolve_softmax_scale,
     resolve_variant,
 )
-from tvmflash.ops import attention, decode_kernel_for, dropout_kept, resolve_dropout, varlen_attention
+from tvmflash.dropout import dropout_kept, resolve_dropout
+from tvmflash.ops import attention, decode_kernel_for, varlen_attention
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
@@ -152,7 +153,7 @@ def _dims(t, dims: int) -> bool:
 
 
 def _draw_for(q, batch: int) -> tuple:
-    """(device, streams) of ``ops.resolve_dropout`` for q of ``batch`` sequences: q's device and
+    """(device, streams) of ``dropout.resolve_dropout`` for q of ``batch`` sequences: q's device and
     batch · heads (0 where q is no tensor, which the call refuses after)."""
     if not isinstance(q, torch.Tensor):
         return None, 0
@@ -163,7 +164,7 @@ def attention_probabilities(q, k, lse, softmax_scale, causal, window_size, softc
                             dropout_seed, sequence: int | None = None):
     """flash-attn's S_dmask, for tests: the softmax exp(score - lse) of q (batch, seqlen_q, nheads,
     headdim) over k (batch, seqlen_k, nheads_k, headdim), float32 (batch, nheads, seqlen_q, seqlen_k),
-    0 where masked and negated where dropout dropped the entry (``ops.dropout_kept``; ``sequence``: the
+    0 where masked and negated where dropout dropped the entry (``dropout.dropout_kept``; ``sequence``: the
     varlen sequence that batch 0 is). Computed here from the kernel's lse, O(seqlen_q · seqlen_k)."""
     batch, seqlen_q, heads, head_dim = q.shape
     seqlen_k = k.shape[1]

@@ -3,7 +3,7 @@ the backward (``program_forward``, ``program_backward``), from Philox4x32-10 see
 flash-attn seeds it.
 
 The random bits. ``dropout_seed`` is flash-attn's rng_state, int64 (seed, offset) drawn from torch's
-generator (``ops.philox_state``). Head h of batch (varlen: sequence) b of ``heads_q`` query heads is
+generator (``tvmflash.dropout.philox_state``). Head h of batch (varlen: sequence) b of ``heads_q`` query heads is
 the Philox stream offset + b · heads_q + h: a call uses batch · heads_q streams from ``offset``, which
 torch's generator then advances by as many. Entry (row, key) of the head is 16-bit half k & 1 (low
 half first) of word w of Philox4x32-10(counter, key=(seed lo, seed hi)), with
@@ -25,7 +25,7 @@ transposed (rows the keys, columns the queries): there a thread holds keys c and
 so four of a call's entries; no layout serves eight in both orientations, since the forward's thread
 holds one row parity and the backward's one key parity. (Grouping by key // 4 or // 8 would serve two
 entries a call in the forward and one in the backward.) nvcc shares the call among the entries, since
-its arguments are equal; the CPU computes the call once an entry. ``tvmflash.ops.dropout_kept`` is the
+its arguments are equal; the CPU computes the call once an entry. ``tvmflash.dropout.dropout_kept`` is the
 same rule on torch tensors.
 """
 

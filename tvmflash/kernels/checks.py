@@ -452,7 +452,7 @@ class Arguments:
             return ()
         if dropout_p is None or dropout_seed is None:
             raise ValueError("dropout_p, dropout_seed: this kernel was compiled with dropout: pass the rate and "
-                             "the seed (tvmflash.ops.philox_state draws one)")
+                             "the seed (tvmflash.dropout.philox_state draws one)")
         return check_dropout_p(dropout_p), check_dropout_seed(dropout_seed, q.device)
 
     def fits(self, t) -> bool:
