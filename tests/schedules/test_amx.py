@@ -77,12 +77,16 @@ def test_amx_backward_matches_float64(head_dim, knobs, causal):
 
 
 @needs_amx
-def test_amx_backward_variants_and_varlen_match_float64():
-    """A window, softcap and ALiBi, dense and varlen, through autograd (bf16, d32): test_variants and
-    test_varlen run these on the CPU in float16, which AMX leaves to the plain schedule."""
+def test_amx_backward_variants_varlen_and_flex_match_float64():
+    """A window, softcap and ALiBi, dense and varlen, and two flex patterns (a mask_mod; a score_mod with a
+    captured table), through autograd (bf16, d32): test_variants, test_varlen and test_flex run these on the
+    CPU in float16, which AMX leaves to the plain schedule."""
+    import test_flex
     import test_variants
     import test_varlen
 
     test_variants.gradients_match_float64("cpu", torch.bfloat16, 32, "all")
+    for name in ("document", "relative-bias"):
+        test_flex.forward_and_gradients_match_float64("cpu", torch.bfloat16, 32, name, test_flex.LENGTHS)
     test_varlen.gradients_match_float64("cpu", torch.bfloat16, 32, "window", test_varlen.LENGTHS, True)
     assert tvmflash.compile_backward(head_dim=32, dtype=torch.bfloat16, target="cpu", varlen=True).info()["schedule"] == "amx"
