@@ -26,12 +26,7 @@ PRODUCTS = {
 def schedule_backward(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, vector: int) -> tvm.s_tir.Schedule:
     """Map the backward programs (delta, dkdv, dq) onto a CPU with AMX: delta as the CPU schedule's; one
     task per dkdv and dq tile, the products on the tiles, the rest vectorised."""
-    sch.work_on("delta")
-    b, i, h, _ = sch.get_loops("delta")
-    sch.reverse_compute_at("finish_rows", h)  # each row's sum in a register
-    sch.set_scope("delta", 0, "local")
-    sch.parallel(sch.fuse(b, i))
-
+    cpu.schedule_delta(sch)
     for func, (transposed, rows) in PRODUCTS.items():
         sch.work_on(func)
         sch.parallel(sch.fuse(*sch.get_loops("tile")))
@@ -41,9 +36,5 @@ def schedule_backward(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, ve
             pack_rows(sch, product, operand)
         for product, _ in transposed + rows:
             tile_product(sch, product, vector)
-        loads = ("load_q", "load_do", "load_k", "load_v")
-        inits = ("init_dk", "init_dv", "store_dk", "store_dv") if func == "dkdv" else ("init_dq", "store_dq")
-        elementwise = ("exp", "ds") + (("cast_p",) if func == "dkdv" else ())
-        for name in loads + inits + elementwise:
-            cpu.vectorize_inner(sch, name, vector)
+        cpu.vectorize_backward_rows(sch, func, vector)
     return sch
