@@ -1,5 +1,5 @@
-"""The right operands of the tile products (Kᵀ for QKᵀ, V for PV) in AMX's pair-interleaved layout,
-(k // 2, n, k % 2) (``VNNI``).
+"""The right operands of the tile products (Kᵀ for QKᵀ, V for PV; the backward's qᵀ, doutᵀ, Kᵀ, Vᵀ and q,
+dout, K: ``pack_transposed``, ``pack_rows``) in AMX's pair-interleaved layout, (k // 2, n, k % 2) (``VNNI``).
 
 V's (``pack_v``): two rows interleaved, in runs that LLVM's SLP vectorizer packs. K's (``pack_k``), by
 16 x 16 transposes of 32-bit pairs in vector registers. QKᵀ's right operand is Kᵀ in pairs: Kv[d // 2, j, d % 2] = K[j, d], so that a tile row holds the pairs
