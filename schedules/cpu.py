@@ -111,12 +111,7 @@ def vectorize_inner(sch, block_name, vector):
 def schedule_backward(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, vector: int) -> tvm.s_tir.Schedule:
     """Map the backward programs onto the CPU: parallel over their tiles, vectorised along
     contiguous rows. The knobs are the forward's."""
-    sch.work_on("delta")
-    b, i, h, _ = sch.get_loops("delta")
-    sch.reverse_compute_at("finish_rows", h)  # each row's sum in a register
-    sch.set_scope("delta", 0, "local")
-    sch.parallel(sch.fuse(b, i))
-
+    schedule_delta(sch)
     for func in ("dkdv", "dq"):
         sch.work_on(func)
         sch.parallel(sch.fuse(*sch.get_loops("tile")))
@@ -133,12 +128,27 @@ def schedule_backward(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, ve
         # ... and dv += pᵀ dout, dk += dsᵀ q, dq += ds k along head_dim.
         for name in ("qk", "dp") + (("dv", "dk") if func == "dkdv" else ("dq",)):
             _gemm_register_tile(sch, name, vector)
-        loads = ("load_q", "load_do", "load_k", "load_v")
-        inits = ("init_dk", "init_dv", "store_dk", "store_dv") if func == "dkdv" else ("init_dq", "store_dq")
-        elementwise = ("exp", "ds") + (("cast_p",) if func == "dkdv" else ())
-        for name in loads + inits + elementwise:
-            vectorize_inner(sch, name, vector)
+        vectorize_backward_rows(sch, func, vector)
     return sch
+
+
+def schedule_delta(sch: tvm.s_tir.Schedule) -> None:
+    """The backward's delta program: parallel over (batch, row), each row's sum in a register."""
+    sch.work_on("delta")
+    b, i, h, _ = sch.get_loops("delta")
+    sch.reverse_compute_at("finish_rows", h)
+    sch.set_scope("delta", 0, "local")
+    sch.parallel(sch.fuse(b, i))
+
+
+def vectorize_backward_rows(sch: tvm.s_tir.Schedule, func: str, vector) -> None:
+    """The loads, the gradients' inits and stores, and the elementwise blocks (p, ds, pᵀ's cast) of
+    ``func`` ("dkdv" or "dq", being worked on), vectorised along their contiguous rows."""
+    loads = ("load_q", "load_do", "load_k", "load_v")
+    inits = ("init_dk", "init_dv", "store_dk", "store_dv") if func == "dkdv" else ("init_dq", "store_dq")
+    elementwise = ("exp", "ds") + (("cast_p",) if func == "dkdv" else ())
+    for name in loads + inits + elementwise:
+        vectorize_inner(sch, name, vector)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -205,6 +205,21 @@ def test_the_amx_tile_configuration_is_loaded_once_a_task():
     assert llvm_ir.count("call void @llvm.x86.ldtilecfg") == 1 and llvm_ir.count("@llvm.x86.tdpbf16ps") > 8
 
 
+def test_the_amx_backward_loads_its_tile_configuration_once_a_task():
+    """The AMX backward (built, not run: any host): dkdv's task and dq's each load the tile configuration
+    once, for all of their steps' products (dkdv's four, dq's three)."""
+    import torch
+
+    import tvmflash
+
+    kernel = tvmflash.compile_backward(head_dim=64, dtype=torch.bfloat16,
+                                       target={"kind": "llvm", "mcpu": "sapphirerapids", "num-cores": 2})
+    assert kernel.info()["schedule"] == "amx"
+    build = kernel.build
+    llvm_ir = lowering.build(build.programs(build.spec(2, 2)).mod, build.target, **build.options).mod.inspect_source("ll")
+    assert llvm_ir.count("call void @llvm.x86.ldtilecfg") == 2 and llvm_ir.count("@llvm.x86.tdpbf16ps") > 7 * 4
+
+
 def test_every_lowering_module_is_in_the_build_cache_key():
     """``lowering.MODULES`` (whose source is in the build cache's key) holds every module of the package:
     a change to any pass builds anew."""

@@ -18,3 +18,13 @@ FORWARD = KnobSet("amx", "forward", (
     Knob("vector", 16, choices=cpu.VECTORS, space=cpu.SAMPLED_VECTORS),
 ))
 assert all(value % BLOCK == 0 for knob in FORWARD.knobs[:2] for value in knob.choices)
+# The backward's: dkdv's tiles are (block_n keys, block_m queries), dq's (block_m, block_n), and each
+# of those sizes is a product's rows, columns or reduction: whole 32 x 32 blocks as the forward's.
+# 128 x 128 by default: each step packs its right operands again (q and dout in dkdv, K and V in dq), so
+# larger tiles share that cost; measured fastest of 64 and 128 each way at d64 and d128, full and causal.
+BACKWARD = KnobSet("amx", "backward", (
+    Knob("block_m", 128, choices=(32, 64, 128), space=(32, 64, 128), role=TILE),
+    Knob("block_n", 128, choices=(32, 64, 128), space=(32, 64, 128), role=TILE),
+    Knob("vector", 16, choices=cpu.VECTORS, space=cpu.SAMPLED_VECTORS),
+))
+assert all(value % BLOCK == 0 for knob in BACKWARD.knobs[:2] for value in knob.choices)

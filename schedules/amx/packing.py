@@ -1,5 +1,5 @@
-"""The right operands of the tile products (Kᵀ for QKᵀ, V for PV) in AMX's pair-interleaved layout,
-(k // 2, n, k % 2) (``VNNI``).
+"""The right operands of the tile products (Kᵀ for QKᵀ, V for PV; the backward's qᵀ, doutᵀ, Kᵀ, Vᵀ and q,
+dout, K: ``pack_transposed``, ``pack_rows``) in AMX's pair-interleaved layout, (k // 2, n, k % 2) (``VNNI``).
 
 V's (``pack_v``): two rows interleaved, in runs that LLVM's SLP vectorizer packs. K's (``pack_k``), by
 16 x 16 transposes of 32-bit pairs in vector registers. QKᵀ's right operand is Kᵀ in pairs: Kv[d // 2, j, d % 2] = K[j, d], so that a tile row holds the pairs
@@ -98,27 +98,50 @@ def transpose_intrin() -> str:
     return NAME
 
 
-def pack_k(sch, vector: int) -> None:
-    """``load_k`` a vectorised copy of the tile as it is; a copy of it in the pair-interleaved layout
-    before QKᵀ, by ``transpose_intrin`` a block of 16 keys by 32 columns."""
-    _, inner = sch.split(sch.get_loops("load_k")[-1], [None, vector])
-    sch.vectorize(inner)
-    pack = sch.cache_read("qk", read_index(sch, "qk", "Kt"), "global", consumer_blocks=["qk"])
+def pack_transposed(sch, product: str, operand: str):
+    """A copy of ``product``'s right operand ``operand`` (rows, head_dim), read by it alone, in the pair
+    layout of its transpose, (d // 2, row, d % 2): ``transpose_intrin`` a block of 16 rows by 32 columns
+    (QKᵀ's Kᵀ; the backward's Kᵀ, Vᵀ, Qᵀ and doutᵀ). Returns the copy's block."""
+    pack = sch.cache_read(product, read_index(sch, product, operand), "global", consumer_blocks=[product])
     sch.transform_layout(pack, ("write", 0), VNNI["load_k"])
     j, d = sch.get_loops(pack)[-2:]
     jo, ji = sch.split(j, [None, WORDS])
     do, di = sch.split(d, [None, 2 * WORDS])
     sch.reorder(jo, do, ji, di)
     sch.tensorize(ji, transpose_intrin())
+    return pack
 
 
-def pack_v(sch) -> None:
-    """``load_v`` into the pair-interleaved layout, Vt[j // 2, d, j % 2], in runs of 16 unrolled pairs of
-    stores to consecutive addresses (two rows interleaved), which LLVM's SLP vectorizer packs."""
-    sch.transform_layout("load_v", ("write", 0), VNNI["load_v"])
-    j, d = sch.get_loops("load_v")[-2:]
+def interleave_rows(sch, block) -> None:
+    """``block``'s (rows, head_dim) output in the pair-interleaved layout, out[j // 2, d, j % 2], in runs
+    of 16 unrolled pairs of stores to consecutive addresses (two rows interleaved), which LLVM's SLP
+    vectorizer packs."""
+    sch.transform_layout(block, ("write", 0), VNNI["load_v"])
+    j, d = sch.get_loops(block)[-2:]
     pairs, pair = sch.split(j, [None, 2])
     outer, run = sch.split(d, [None, 16])
     sch.reorder(pairs, outer, run, pair)
     sch.unroll(run)
     sch.unroll(pair)
+
+
+def pack_rows(sch, product: str, operand: str):
+    """A copy of ``product``'s right operand ``operand`` (rows, head_dim), read by it alone, with its rows
+    interleaved in pairs (``interleave_rows``): the backward's V-like operands (q, dout, K). Returns the
+    copy's block."""
+    pack = sch.cache_read(product, read_index(sch, product, operand), "global", consumer_blocks=[product])
+    interleave_rows(sch, pack)
+    return pack
+
+
+def pack_k(sch, vector: int) -> None:
+    """``load_k`` a vectorised copy of the tile as it is; a copy of it in the pair-interleaved layout
+    before QKᵀ (``pack_transposed``)."""
+    _, inner = sch.split(sch.get_loops("load_k")[-1], [None, vector])
+    sch.vectorize(inner)
+    pack_transposed(sch, "qk", "Kt")
+
+
+def pack_v(sch) -> None:
+    """``load_v`` into the pair-interleaved layout, Vt[j // 2, d, j % 2] (``interleave_rows``)."""
+    interleave_rows(sch, "load_v")

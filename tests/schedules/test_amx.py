@@ -28,10 +28,10 @@ def test_the_cpu_target_has_amx_exactly_where_the_host_does():
     ({"kind": "llvm", "mcpu": "znver4", "num-cores": 2}, "bfloat16", 64, "cpu"),
     ({"kind": "llvm", "mcpu": "icelake-server", "mattr": ["+amx-tile", "+amx-bf16"]}, "bfloat16", 64, "amx"),
 ])
-def test_amx_serves_the_bf16_forward_where_the_target_has_amx(target, dtype, head_dim, schedule):
+def test_amx_serves_the_bf16_forward_and_backward_where_the_target_has_amx(target, dtype, head_dim, schedule):
     kernel = tvmflash.compile(head_dim=head_dim, dtype=dtype, target=target)
     assert kernel.info()["schedule"] == schedule
-    assert tvmflash.compile_backward(head_dim=head_dim, dtype=dtype, target=target).info()["schedule"] == "cpu"
+    assert tvmflash.compile_backward(head_dim=head_dim, dtype=dtype, target=target).info()["schedule"] == schedule
 
 
 @needs_amx
@@ -59,3 +59,34 @@ def test_amx_variants_and_varlen_match_float64():
     test_variants.forward_matches_float64("cpu", torch.bfloat16, 32, "all")
     test_varlen.forward_matches_float64("cpu", torch.bfloat16, 32, "all", test_varlen.LENGTHS)
     assert tvmflash.compile(head_dim=32, dtype=torch.bfloat16, target="cpu", varlen=True).info()["schedule"] == "amx"
+
+
+@needs_amx
+@pytest.mark.parametrize("head_dim, knobs, causal", [(96, {"block_m": 32, "block_n": 32}, False),
+                                                     (128, {"block_m": 128, "block_n": 64}, True),
+                                                     (32, {"block_m": 64, "block_n": 128}, True)])
+def test_amx_backward_matches_float64(head_dim, knobs, causal):
+    """Beside test_backward's bf16 grid (d64 GQA, which runs here on AMX): other tiles (dkdv's and dq's
+    products with rows, columns and reductions of 32 to 128) and head_dims, over test_backward's shapes
+    (tails on both sides, rows that see no key), GQA, with and without dlse."""
+    import test_backward
+
+    kernel = tvmflash.compile_backward(head_dim=head_dim, dtype=torch.bfloat16, causal=causal, target="cpu", knobs=knobs)
+    assert kernel.info()["schedule"] == "amx"
+    test_backward.gradients_match_float64("cpu", torch.bfloat16, head_dim, causal, (4, 2), knobs)
+
+
+@needs_amx
+def test_amx_backward_variants_varlen_and_flex_match_float64():
+    """A window, softcap and ALiBi, dense and varlen, and two flex patterns (a mask_mod; a score_mod with a
+    captured table), through autograd (bf16, d32): test_variants, test_varlen and test_flex run these on the
+    CPU in float16, which AMX leaves to the plain schedule."""
+    import test_flex
+    import test_variants
+    import test_varlen
+
+    test_variants.gradients_match_float64("cpu", torch.bfloat16, 32, "all")
+    for name in ("document", "relative-bias"):
+        test_flex.forward_and_gradients_match_float64("cpu", torch.bfloat16, 32, name, test_flex.LENGTHS)
+    test_varlen.gradients_match_float64("cpu", torch.bfloat16, 32, "window", test_varlen.LENGTHS, True)
+    assert tvmflash.compile_backward(head_dim=32, dtype=torch.bfloat16, target="cpu", varlen=True).info()["schedule"] == "amx"
