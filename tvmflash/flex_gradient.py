@@ -62,10 +62,10 @@ def evaluate(node: Node, leaves: dict, captures) -> torch.Tensor:
 
 
 class _Gather(torch.autograd.Function):
-    """``tensor[indices]`` (broadcast index tensors), whose backward adds the gradient into the tensor by
-    ``index_add_`` (atomic adds on a GPU) after summing it over the dims no index varies in (the batch,
-    say). Advanced indexing's own backward, ``index_put_(accumulate=True)``, sorts its (batch, heads, rows,
-    seqlen_k) indices on CUDA first; it stays where deterministic algorithms are asked for."""
+    """``tensor[indices]`` (broadcast index tensors, one a dim), whose backward adds the gradient into the
+    tensor by ``index_add_`` (atomic adds on a GPU). Advanced indexing's own backward,
+    ``index_put_(accumulate=True)``, sorts its (heads, rows, seqlen_k) indices on CUDA first; it stays where
+    deterministic algorithms are asked for."""
 
     @staticmethod
     def forward(ctx, tensor, *indices):
@@ -76,22 +76,12 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         indices = ctx.saved_tensors
-        flat = indices[0] * 0
-        stride = 1
-        for index, size in zip(reversed(indices), reversed(ctx.shape)):  # the row-major flat index
-            flat = flat + index * stride
-            stride *= size
-        flat = flat.expand(torch.broadcast_shapes(flat.shape, *(i.shape for i in indices)))
-        grad = grad.float()
-        lead = grad.dim() - flat.dim()  # dims the indices do not reach: summed away
-        if lead:
-            grad = grad.sum(dim=tuple(range(lead)))
-        summed = tuple(d for d in range(flat.dim()) if flat.shape[d] == 1 and grad.shape[d] > 1)
-        if summed:
-            grad = grad.sum(dim=summed, keepdim=True)
-        flat = flat.expand(grad.shape)
+        # the row-major flat index, of the indices' broadcast shape: grad's (every dim of the tensor is indexed,
+        # and autograd has summed grad over the dims the load's result was broadcast along)
+        strides = [math.prod(ctx.shape[d + 1:]) for d in range(len(ctx.shape))]
+        flat = sum(index * stride for index, stride in zip(indices, strides))
         total = torch.zeros(math.prod(ctx.shape), dtype=torch.float32, device=grad.device)
-        total.index_add_(0, flat.reshape(-1), grad.reshape(-1))
+        total.index_add_(0, flat.reshape(-1), grad.float().reshape(-1))
         return (total.view(ctx.shape).to(ctx.dtype), *(None for _ in indices))
 
 
