@@ -206,7 +206,7 @@ def head_dim_to_run(programs: tuple[str, ...], target, dtype: str, head_dim: int
             best, most = candidate, fast
         if most == len(programs):
             break
-    return _padded_to_a_better_schedule(programs, target, dtype, head_dim, best) if targets.is_cuda(target) else best
+    return _padded_to_a_better_schedule(programs, target, dtype, best) if targets.is_cuda(target) else best
 
 
 # How far a GPU pads a served head_dim to run its programs on a schedule before the one it would run (sm90's
@@ -216,7 +216,7 @@ def head_dim_to_run(programs: tuple[str, ...], target, dtype: str, head_dim: int
 BETTER_SCHEDULE_PADDING = 4 / 3
 
 
-def _padded_to_a_better_schedule(programs, target, dtype: str, head_dim: int, served: int) -> int:
+def _padded_to_a_better_schedule(programs, target, dtype: str, served: int) -> int:
     """``served`` or a larger head_dim, at most ``BETTER_SCHEDULE_PADDING`` times ``served``, at which the
     programs run on schedules earlier in ``schedules.SCHEDULES`` (the order of preference), none of them a
     ``fallback``: the one with the earliest, and of those the smallest. Where a program is a fallback (SIMT's
