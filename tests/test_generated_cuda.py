@@ -12,11 +12,13 @@ the tensor-core backward's defaults measured on the H200 (``BACKWARD_CONFIGS``);
 other cross-compile tests build them (so most modules are shared with those tests in one run).
 """
 
+import contextlib
 import hashlib
 import json
 import os
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -56,33 +58,29 @@ BACKWARD_CONFIGS = {
 CONFIGS.update({name: None for name in BACKWARD_CONFIGS})
 
 
+@contextlib.contextmanager
+def environment(name: str, value: str | None):
+    """``os.environ[name]`` set to ``value`` (None: unset) inside the block, the environment as it was after."""
+    with mock.patch.dict(os.environ):
+        os.environ.pop(name, None)
+        if value is not None:
+            os.environ[name] = value
+        yield
+
+
 def source(name: str) -> str:
     import tvmflash
 
     if name in BACKWARD_CONFIGS:
         target, head_dim, dtype, causal = BACKWARD_CONFIGS[name]
         # the pins cover kernels awaiting their GPU check too (``ProgramSchedule.unchecked_head_dims``)
-        saved = os.environ.get("TVMFLASH_GPU_UNCHECKED")
-        os.environ["TVMFLASH_GPU_UNCHECKED"] = "1"
-        try:
+        with environment("TVMFLASH_GPU_UNCHECKED", "1"):
             return tvmflash.compile_backward(head_dim=head_dim, dtype=dtype, causal=causal,
                                              target=target).source(heads_q=4, heads_kv=2)
-        finally:
-            if saved is None:
-                os.environ.pop("TVMFLASH_GPU_UNCHECKED")
-            else:
-                os.environ["TVMFLASH_GPU_UNCHECKED"] = saved
     target, head_dim, dtype, causal, knobs, sm90 = CONFIGS[name]
-    saved = os.environ.pop("TVMFLASH_SM90", None)
-    if sm90 is not None:
-        os.environ["TVMFLASH_SM90"] = sm90
-    try:
+    with environment("TVMFLASH_SM90", sm90):
         kernel = tvmflash.compile(head_dim=head_dim, dtype=dtype, causal=causal, target=target, knobs=knobs)
         return kernel.source(heads_q=4, heads_kv=2)
-    finally:
-        os.environ.pop("TVMFLASH_SM90", None)
-        if saved is not None:
-            os.environ["TVMFLASH_SM90"] = saved
 
 
 def digest(text: str) -> str:
