@@ -210,3 +210,22 @@ def cli(*args, env_dir):
     """``tvmflash ARGS`` in a process of its own, with ``env_dir`` its cache dir."""
     env = dict(os.environ, TVMFLASH_CACHE_DIR=str(env_dir))
     return subprocess.run([sys.executable, "-m", "tvmflash.cli", *args], capture_output=True, text=True, env=env)
+
+
+def ptxas_report(src: str, arch: str) -> dict:
+    """ptxas -v's lines for each kernel of a CUDA source (compiled with nvcc here)."""
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "kernels.cu"
+        path.write_text(src)
+        done = subprocess.run(["nvcc", f"-arch={arch}", "-cubin", "-o", str(path.with_suffix(".cubin")), str(path),
+                               "-Xptxas", "-v"], capture_output=True, text=True, check=True)
+    report, kernel = {}, None
+    for line in done.stderr.splitlines():
+        if "Compiling entry function" in line:
+            kernel = line.split("'")[1]
+            report[kernel] = ""
+        elif kernel:
+            report[kernel] += line + "\n"
+    return report

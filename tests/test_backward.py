@@ -468,15 +468,13 @@ def test_sm90_backward_at_d96_on_the_gpu(deterministic):
     (torch.bfloat16, False, True, {"dkdv_slicing": "rows"}),
     (torch.bfloat16, True, False, {"dkdv_slicing": "grid", "ds_buffers": 2})],
     ids=["float16-full", "causal-dq_pass", "full-dq_pass-rows", "causal-grid"])
-def test_sm90_backward_at_d256_on_the_gpu(dtype, causal, deterministic, knobs, monkeypatch):
-    """head_dim 256 on wgmma, on sm_90a the default once these tests pass on a GPU (served until then where
-    TVMFLASH_GPU_UNCHECKED=1 asks, as here; test_gradients_match_float64_on_the_gpu has bf16 with dq_atomic,
-    under that variable): dk, dv (and dq's share) in two slices of the columns (``dkdv_slices``), a warpgroup a slice of
+def test_sm90_backward_at_d256_on_the_gpu(dtype, causal, deterministic, knobs):
+    """head_dim 256 on wgmma, the default on sm_90a (test_gradients_match_float64_on_the_gpu has bf16 with
+    dq_atomic): dk, dv (and dq's share) in two slices of the columns (``dkdv_slices``), a warpgroup a slice of
     the same keys (``dkdv_slicing`` "rows", the default) or a thread block a slice ("grid", the dq pass's
     default); fp16, deterministic (the dq pass in 64-row blocks) in either slicing, and "grid" with dq's
     share, over SHAPES in GQA 4/2, outputs poisoned."""
     _on_sm_90a_only("sm90")
-    monkeypatch.setenv("TVMFLASH_GPU_UNCHECKED", "1")
     kernel = tvmflash.compile_backward(head_dim=256, dtype=dtype, causal=causal, deterministic=deterministic,
                                        knobs=knobs)
     assert kernel.info()["schedule"] == "sm90" and kernel.knobs["dkdv_slices"] == 2

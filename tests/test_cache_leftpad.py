@@ -142,7 +142,7 @@ def test_cuda_leftpad_source_builds(schedule):
     parameter, read once into the task's registers and added to the cache positions it loads."""
     import shutil
 
-    from test_decode import ptxas_report
+    from conftest import ptxas_report
 
     kernel = tvmflash.compile_decode(head_dim=128, dtype="bfloat16", target="sm90", leftpad=True, schedule=schedule)
     src = kernel.source(heads_q=32, heads_kv=8)

@@ -5,11 +5,10 @@ device and the bad input: tests/test_decode.py."""
 
 import math
 import shutil
-import subprocess
 
 import pytest
 import torch
-from conftest import captured_in_a_cuda_graph
+from conftest import captured_in_a_cuda_graph, ptxas_report
 from test_decode import check_decode, make_cache, poisoned, random_q, sequence_kv
 
 import tvmflash
@@ -94,26 +93,6 @@ def test_decode_schedule_choice(monkeypatch):
     monkeypatch.setenv("TVMFLASH_DECODE", "simt")
     assert chosen(dtype="float16", target="sm80") == "simt"
     assert chosen(dtype="float16", target="sm80", schedule="sm80") == "sm80"
-
-
-def ptxas_report(src: str, arch: str) -> dict:
-    """ptxas -v's lines for each kernel of a CUDA source (compiled with nvcc here)."""
-    import tempfile
-    from pathlib import Path
-
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "decode.cu"
-        path.write_text(src)
-        done = subprocess.run(["nvcc", f"-arch={arch}", "-cubin", "-o", str(path.with_suffix(".cubin")), str(path),
-                               "-Xptxas", "-v"], capture_output=True, text=True, check=True)
-    report, kernel = {}, None
-    for line in done.stderr.splitlines():
-        if "Compiling entry function" in line:
-            kernel = line.split("'")[1]
-            report[kernel] = ""
-        elif kernel:
-            report[kernel] += line + "\n"
-    return report
 
 
 @pytest.mark.gpu

@@ -318,7 +318,8 @@ def test_the_gpu_kernels_keep_the_entries_dropout_kept_names(sm90, dtype, monkey
 def test_the_seed_and_offset_are_the_cuda_generators():
     """Eagerly, as flash-attn's philox_cuda_state: the default CUDA generator's seed and Philox offset, the
     offset then advanced by batch · heads (rounded up to 4); torch.manual_seed repeats them."""
-    generator = torch.cuda.default_generators[torch.cuda.current_device()]
+    device = torch.cuda.current_device()  # initialises CUDA, which fills default_generators
+    generator = torch.cuda.default_generators[device]
     torch.manual_seed(1234)
     assert dropout.philox_state(torch.device("cuda"), 2 * 5).tolist() == [1234, 0] and generator.get_offset() == 12
     assert dropout.philox_state(torch.device("cuda"), 3).tolist() == [1234, 12] and generator.get_offset() == 16

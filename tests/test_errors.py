@@ -77,13 +77,27 @@ def test_a_head_dim_a_schedule_does_not_build_is_refused_by_name():
         tvmflash.compile(head_dim=40, dtype="float16", target="sm80", schedule="sm80")
     with pytest.raises(ValueError, match=r"the sm90 backward serves head_dim 64, 96, 128, 256, got 160"):
         tvmflash.compile_backward(head_dim=160, dtype="bfloat16", target="sm90", schedule="sm90")
-    # built and checked on the CPU alone: refused until its GPU tests pass (``ProgramSchedule.unchecked_head_dims``)
-    with pytest.raises(ValueError, match=r"the sm90 backward at head_dim 256 has not passed the GPU tests yet "
-                                         r"\(TVMFLASH_GPU_UNCHECKED=1 serves it, to run them\)"):
-        tvmflash.compile_backward(head_dim=256, dtype="bfloat16", target="sm90", schedule="sm90")
     with pytest.raises(ValueError, match=r"no tvmflash schedule maps the decode on cuda sm_80 for float32 at head_dim 40; "
                                          r"head_dims served there: the multiples of 32 up to 256$"):
         tvmflash.compile_decode(head_dim=40, dtype="float32", target="sm80")
+
+
+def test_a_head_dim_not_yet_checked_on_a_gpu_is_refused_unless_asked(monkeypatch):
+    """A head_dim built and checked on the CPU alone (``ProgramSchedule.unchecked_head_dims``, here the sm90
+    backward's 256 marked so) is refused until its GPU tests pass, and served where TVMFLASH_GPU_UNCHECKED=1
+    asks, as a GPU run of those tests does."""
+    import dataclasses
+
+    from tvmflash import schedules
+
+    sm90 = schedules.SCHEDULES["sm90"]
+    marked = dataclasses.replace(sm90.backward, unchecked_head_dims=(256,))
+    monkeypatch.setitem(schedules.SCHEDULES, "sm90", dataclasses.replace(sm90, backward=marked))
+    with pytest.raises(ValueError, match=r"the sm90 backward at head_dim 256 has not passed the GPU tests yet "
+                                         r"\(TVMFLASH_GPU_UNCHECKED=1 serves it, to run them\)"):
+        tvmflash.compile_backward(head_dim=256, dtype="bfloat16", target="sm90", schedule="sm90")
+    monkeypatch.setenv("TVMFLASH_GPU_UNCHECKED", "1")
+    assert tvmflash.compile_backward(head_dim=256, dtype="bfloat16", target="sm90", schedule="sm90").info()["schedule"] == "sm90"
 
 
 def head_dim_calls(head_dim: int) -> dict:

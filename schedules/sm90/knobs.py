@@ -433,6 +433,6 @@ BACKWARD = KnobSet("sm90", "backward", (
    # thread block a slice does not
    dq_pass_by_head_dim={256: {"dkdv_slicing": "grid"}})
 BACKWARD_HEAD_DIMS = (64, 96, 128, 256)
-# d256's sliced dkdv (``dkdv_slices``) has run on the CPU alone (its program against float64, nvcc without
-# spills): served only where TVMFLASH_GPU_UNCHECKED=1 asks until its GPU tests pass
-BACKWARD_UNCHECKED_HEAD_DIMS = (256,)
+# head_dims whose backward has run on the CPU alone (its program against float64, nvcc without spills):
+# served only where TVMFLASH_GPU_UNCHECKED=1 asks until their GPU tests pass; none today
+BACKWARD_UNCHECKED_HEAD_DIMS = ()

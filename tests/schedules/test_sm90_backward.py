@@ -51,7 +51,7 @@ def test_sm90_backward_at_d96_builds_without_spills(variant):
     none of type 1), and dq's share by vector atomics (a warpgroup's 48 columns are no rows of the TMA
     reduction's 32 floats). Every kernel compiles through ptxas with no stack frame and no spill: with the
     defaults (causal, dq_atomic), and deterministic (the dq pass) under a window and a softcap."""
-    from test_decode import ptxas_report
+    from conftest import ptxas_report
 
     options = ({"causal": True} if variant == "causal"
                else {"deterministic": True, "window_size": (100, 20), "softcap": 30.0})
@@ -102,18 +102,14 @@ def test_sm90_backward_checks_at_d96_and_d256():
     (256, {"window_left": 100, "window_right": 20}, "sm90"), (256, {"dtype": "float16"}, "sm90"),
     (256, {"dtype": "float32"}, "simt"),  # wgmma takes 16-bit operands
 ])
-def test_sm90_backward_is_the_default_at_d256(head_dim, variant, schedule, monkeypatch):
-    """On sm_90a the sm90 backward is chosen at d256 (it was the SIMT's) once its GPU tests pass
-    (TVMFLASH_GPU_UNCHECKED=1 until then; SIMT's without it), with every variant of 16-bit inputs;
+def test_sm90_backward_is_the_default_at_d256(head_dim, variant, schedule):
+    """On sm_90a the sm90 backward is chosen at d256 (it was the SIMT's), with every variant of 16-bit inputs;
     deterministic takes the dq pass in 64-row blocks (two of 128 rows do not fit next to the K/V stages),
     and dkdv a tile a slice (``dq_pass_by_head_dim``) unless the caller says otherwise."""
     from tvmflash import choice
     from tvmflash import target as targets
 
     spec = {"head_dim": head_dim, "dtype": "bfloat16", "causal": False, **variant}
-    if head_dim == 256:
-        assert choice.backward(targets.resolve("sm90"), spec, None).schedule.name == "simt"
-        monkeypatch.setenv("TVMFLASH_GPU_UNCHECKED", "1")
     chosen = choice.backward(targets.resolve("sm90"), spec, None)
     assert chosen.schedule.name == schedule
     if schedule == "sm90" and head_dim == 256:
@@ -136,7 +132,7 @@ def test_sm90_backward_at_d256_builds_without_spills(variant):
     deterministic (the dq pass, whose dkdv takes a tile a slice: ``dkdv_slicing`` "grid", one warpgroup,
     blockIdx.x's low bit the slice) under a window and a softcap, varlen (cp.async in one stage) with ALiBi,
     and a tile a slice with dq's share."""
-    from test_decode import ptxas_report
+    from conftest import ptxas_report
 
     options = {"causal": {"causal": True},
                "deterministic-window-softcap": {"deterministic": True, "window_size": (100, 20), "softcap": 30.0},
