@@ -233,6 +233,58 @@ def test_equal_functions_share_a_module_and_different_ones_do_not():
     assert kernels[0].build.key(kernels[0].spec(*HEADS)) != kernels[2].build.key(kernels[2].spec(*HEADS))
 
 
+WINDOW = 16  # read by a mod as a global (test_a_mod_is_traced_again_only_where_what_it_reads_changed)
+
+
+def test_a_mod_is_traced_again_only_where_what_it_reads_changed(monkeypatch):
+    """``trace_mods`` runs a mod once for as long as its code and the objects it reads (closure, globals,
+    defaults, the functions it calls) are the same objects: the same FlexMods and captures come back. A
+    new constant in its closure or globals, or another tensor, is traced again; a mod that reads a dict
+    (which may change in place) is traced at every call."""
+    global WINDOW
+    from tvmflash import flex_trace
+
+    runs = []
+    trace = flex_trace.trace
+    monkeypatch.setattr(flex_trace, "trace", lambda fn, what: runs.append(what) or trace(fn, what))
+    bias = torch.rand(4)
+
+    def make(window):
+        def mask_mod(b, h, q, kv):
+            return (q - kv <= window) & (q >= kv)
+        return mask_mod
+
+    def score_mod(score, b, h, q, kv):
+        return score + bias[h] * near(q, kv)
+
+    def near(q, kv):  # called by score_mod: its own globals count too
+        return (q - kv).abs() < WINDOW
+
+    mask_mod = make(8)
+    first = trace_mods(score_mod, mask_mod)
+    again = trace_mods(score_mod, mask_mod)
+    assert len(runs) == 2 and again[0] is first[0] and again[1] == first[1] and again[1][0] is bias
+    assert trace_mods(score_mod, make(9))[0] != first[0] and len(runs) == 4  # another closure: traced again
+    WINDOW = 17
+    try:
+        changed = trace_mods(score_mod, mask_mod)[0]
+    finally:
+        WINDOW = 16
+    assert changed != first[0] and len(runs) == 6
+    bias = torch.rand(4, dtype=torch.float16)  # the closure's cell now holds another tensor
+    assert trace_mods(score_mod, mask_mod)[0].captures[0][0] == "float16" and len(runs) == 8
+    settings = {"window": 8}
+
+    def reads_a_dict(b, h, q, kv):
+        return q - kv <= settings["window"]
+
+    runs.clear()
+    before = trace_mods(None, reads_a_dict)[0]
+    assert trace_mods(None, reads_a_dict)[0] == before and len(runs) == 2
+    settings["window"] = 9
+    assert trace_mods(None, reads_a_dict)[0] != before
+
+
 # ----------------------------------------------------------------------------- refusals
 def _error_of(score_mod=None, mask_mod=None):
     with pytest.raises(FlexTraceError) as caught:

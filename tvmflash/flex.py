@@ -40,6 +40,22 @@ def mods_key(mods: FlexMods) -> str:
     return key
 
 
+# (id of traced mods, the BlockMask's block size) -> (those mods, them with the block size, its key): the
+# same traced mods (``trace_mods`` gives the same object for the same functions) take no repr a call
+_SPARSE_MODS: dict[tuple, tuple] = {}
+
+
+def with_sparsity(mods: FlexMods, sparse) -> tuple[FlexMods, str]:
+    """``mods`` with the BlockMask's block size (``FlexMods.sparse``; None: none) and their ``mods_key``."""
+    found = _SPARSE_MODS.get((id(mods), sparse))
+    if found is None or found[0] is not mods:
+        replaced = dataclasses.replace(mods, sparse=sparse)
+        if len(_SPARSE_MODS) >= 64:
+            _SPARSE_MODS.pop(next(iter(_SPARSE_MODS)))
+        found = _SPARSE_MODS[(id(mods), sparse)] = (mods, replaced, mods_key(replaced))
+    return found[1], found[2]
+
+
 def flex_kernel(q: torch.Tensor, mods: FlexMods, backward: bool = False, sinks: bool = False):
     """The forward (``backward``: backward) kernel for q's device, dtype and head_dim and these mods (with
     a BlockMask, tiles that divide its blocks: ``flex_block_mask.compile_flex``; ``sinks``: a forward that
@@ -231,7 +247,7 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     # a learnable bias: a captured float tensor that requires grad, read by the score_mod
     learned = torch.is_grad_enabled() and mods.score is not None and any(
         t.requires_grad and t.is_floating_point() for t in captured)
-    gradient_mods, mods = mods, dataclasses.replace(mods, sparse=sparse)  # flex_gradient evaluates the mods alone
+    gradient_mods, (mods, digest) = mods, with_sparsity(mods, sparse)  # flex_gradient evaluates the mods alone
     # the kernels' layout, (batch, seqlen, heads, head_dim): views, read through their strides
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     if mods.score is None and mods.mask is None and sparse is None:  # no mod, no sparsity: the built-in kernels
@@ -240,7 +256,7 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
         q, k, v, run = padded_head_dim(q, k, v, head_dim)
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks)):
             # (compiling with mods: refused above)
-            out, lse = flex_forward(q, k, v, captures, mods_key(mods), softmax_scale, sinks)
+            out, lse = flex_forward(q, k, v, captures, digest, softmax_scale, sinks)
         else:  # eager, nothing for autograd to record: no custom op's dispatch
             out, lse = flex_kernel(q, mods, sinks=sinks is not None)(
                 q, k, v, softmax_scale=softmax_scale, return_lse=True, captures=captures, **sinks_argument(sinks))

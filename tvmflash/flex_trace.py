@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import types
 
 import torch
 
@@ -362,7 +363,74 @@ def trace(fn, what: str) -> tuple[Node, list[torch.Tensor]]:
 
 def trace_mods(score_mod, mask_mod) -> tuple[FlexMods, list[torch.Tensor]]:
     """Both mods traced into one ``FlexMods`` (either may be None) and the tensors they capture, the
-    score_mod's first; a tensor both read is one capture."""
+    score_mod's first; a tensor both read is one capture. The same mods reading the same objects give the
+    same FlexMods object again, untraced (``_TRACED``)."""
+    reads = tuple(_reads(fn) if fn is not None else () for fn in (score_mod, mask_mod))
+    if any(r is None for r in reads):
+        return _trace_mods(score_mod, mask_mod)
+    key = tuple(id(x) for r in reads for x in r)
+    found = _TRACED.get(key)
+    if found is not None and len(found[0]) == len(key) and all(a is b for a, b in zip(found[0], _flat(reads))) \
+            and found[1] == _tensor_shapes(reads):
+        return found[2], list(found[3])
+    mods, captures = _trace_mods(score_mod, mask_mod)
+    if len(_TRACED) >= _TRACED_KEPT:
+        _TRACED.pop(next(iter(_TRACED)))
+    _TRACED[key] = (tuple(_flat(reads)), _tensor_shapes(reads), mods, tuple(captures))
+    return mods, captures
+
+
+# trace_mods' results by what the mods can depend on besides their arguments (``_reads``), compared by
+# identity; the entries hold those objects, so that no id is reused while it is kept. Tracing runs the mods
+# in Python (tens to hundreds of microseconds a call), which a training loop's calls then skip.
+_TRACED: dict[tuple, tuple] = {}
+_TRACED_KEPT = 32
+# what a mod may read and still be cached: values that cannot change in place (a tensor's values may: the
+# trace does not depend on them, only on its dtype and dims, checked at each lookup)
+_IMMUTABLE = (int, float, complex, bool, str, bytes, type(None), torch.dtype, torch.device, types.ModuleType,
+              types.BuiltinFunctionType, type, range)
+_MISSING = object()
+
+
+def _reads(fn, depth: int = 0) -> tuple | None:
+    """The objects a mod's result can depend on besides its arguments: its code, its defaults, the contents
+    of its closure and the globals it names (functions it calls, recursively), or None where that is not
+    known: a callable that is no plain function, a mutable value (a dict, a list, an object's attributes)
+    or calls nested too deep."""
+    if isinstance(fn, (types.BuiltinFunctionType, type)):
+        return (fn,)
+    if not isinstance(fn, types.FunctionType) or depth > 3:
+        return None
+    code = fn.__code__
+    try:
+        cells = [c.cell_contents for c in fn.__closure__ or ()]
+    except ValueError:  # a cell not yet assigned
+        return None
+    values = [*cells, *(fn.__defaults__ or ()), *(fn.__kwdefaults__ or {}).values(),
+              *(fn.__globals__.get(name, _MISSING) for name in code.co_names)]
+    reads = [fn, code]
+    for value in values:
+        if value is _MISSING or isinstance(value, (torch.Tensor, *_IMMUTABLE)):
+            reads.append(value)
+        elif isinstance(value, tuple) and all(isinstance(x, _IMMUTABLE) for x in value):
+            reads.append(value)
+        else:
+            inner = _reads(value, depth + 1) if callable(value) else None
+            if inner is None:
+                return None
+            reads.extend(inner)
+    return tuple(reads)
+
+
+def _flat(reads: tuple) -> list:
+    return [x for r in reads for x in r]
+
+
+def _tensor_shapes(reads: tuple) -> tuple:
+    return tuple((x.dtype, x.shape, x.device) for x in _flat(reads) if isinstance(x, torch.Tensor))
+
+
+def _trace_mods(score_mod, mask_mod) -> tuple[FlexMods, list[torch.Tensor]]:
     captures: list[torch.Tensor] = []
     nodes = []
     for fn, what in ((score_mod, "score_mod"), (mask_mod, "mask_mod")):
