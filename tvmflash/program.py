@@ -365,12 +365,12 @@ def has_mask_mod(spec: AttentionSpec) -> bool:
     return spec.flex is not None and spec.flex.mask is not None
 
 
-def flex_visible(spec: AttentionSpec, flex, visible, row, col):
-    """``visible`` (the built-in mask's test of query ``row`` and key ``col``) and, with a mask_mod,
-    its test (``flex``: the tile's ``program_flex.FlexTile``), both evaluated as ``key_visible``'s."""
+def flex_mask(spec: AttentionSpec, flex, row, col):
+    """mask_mod's test of query ``row`` and key ``col`` (``flex``: the tile's ``program_flex.FlexTile``),
+    to be joined to the built-in mask (``program_flex.sparse_visible``), or None without a mask_mod."""
     if not has_mask_mod(spec):
-        return visible
-    return T.bitwise_and(visible, flex.visible(row, col))
+        return None
+    return flex.visible(row, col)
 
 
 def block_visible(spec: AttentionSpec, first_row, last_row, first_col, last_col, seqlen_q, seqlen_k):

@@ -360,12 +360,16 @@ def check_sparse_tiles(sparse: tuple, rows: int, steps: int, keys: bool = False)
                          f"schedule's default tiles), or pass a mask_mod alone")
 
 
-def sparse_visible(walk, t, visible, masked):
-    """The mask of a tile's element: ``visible`` (the sequence's end) and ``masked`` (it and mask_mod), or
-    without block sparsity ``masked``; with it a full block's tile (``walk.full(t)``) skips mask_mod."""
+def sparse_visible(walk, t, visible, mask):
+    """The mask of a tile's element: ``visible`` (the built-in mask: the sequence's end) and ``mask``
+    (mask_mod's test, None without one), both evaluated as ``program.key_visible``'s tests are; with
+    block sparsity a full block's tile (``walk.full(t)``) skips mask_mod. (``visible`` once: the
+    simplifiers do not merge a second copy of its tests inside the or.)"""
+    if mask is None:
+        return visible
     if walk is None:
-        return masked
-    return T.bitwise_and(visible, T.bitwise_or(walk.full(t), masked))
+        return T.bitwise_and(visible, mask)
+    return T.bitwise_and(visible, T.bitwise_or(walk.full(t), mask))
 
 
 def flex_tile(spec, buffers, b, h, seqlen_q, seqlen_k):
@@ -380,9 +384,12 @@ def flex_tile(spec, buffers, b, h, seqlen_q, seqlen_k):
 class FlexTile:
     """The score_mod and mask_mod of one (batch, query head) as TIR, at a query and a key position.
 
-    The positions are clamped into the sequences (the last query and key) before the mods see them:
-    the programs evaluate the mods on their padding rows and keys too, which the rest of the mask
-    hides, and a load from a captured tensor indexed by a position then stays inside it."""
+    The programs evaluate the mods on their padding rows and keys too, which the rest of the mask
+    hides. A position that reaches a load's index, a divisor or a function that may overflow or give
+    NaN (exp, log, sqrt) is clamped into its sequence (the last query or key) first, so that a load from
+    a captured tensor stays inside it and such a value stays what some real position gives
+    (``_clamped``); elsewhere it is used as it is, so that a mask_mod such as ``q_idx >= kv_idx`` is
+    one comparison, as the built-in masks are."""
 
     mods: FlexMods
     buffers: tuple
@@ -392,15 +399,16 @@ class FlexTile:
     seqlen_k: object
     precise_tanh: bool = False
 
-    def _env(self, score, row, col) -> dict:
+    def _env(self, node: Node, score, row, col) -> dict:
         return {"score": score, "b": self.b, "h": self.h,
-                "q_idx": T.min(row, self.seqlen_q - 1), "kv_idx": T.min(col, self.seqlen_k - 1)}
+                "q_idx": T.min(row, self.seqlen_q - 1) if _clamped(node, "q_idx") else row,
+                "kv_idx": T.min(col, self.seqlen_k - 1) if _clamped(node, "kv_idx") else col}
 
     def score(self, score, row, col):
         """score_mod(score, b, h, row, col), float32; ``score`` itself without a score_mod."""
         if self.mods.score is None:
             return score
-        return self._tir(self.mods.score, self._env(score, row, col))
+        return self._tir(self.mods.score, self._env(self.mods.score, score, row, col))
 
     def score_gradient(self, ds, score, row, col):
         """ds times d score_mod / d score at ``score`` (the scaled q·k), or ds without a score_mod."""
@@ -409,16 +417,34 @@ class FlexTile:
         gradient = derivative(self.mods.score)
         if _is(gradient, 1.0):
             return ds
-        return ds * self._tir(gradient, self._env(score, row, col))
+        return ds * self._tir(gradient, self._env(gradient, score, row, col))
 
     def visible(self, row, col):
         """mask_mod(b, h, row, col), a bool (True without a mask_mod)."""
         if self.mods.mask is None:
             return tirx.const(True, "bool")
-        return self._tir(self.mods.mask, self._env(None, row, col))
+        return self._tir(self.mods.mask, self._env(self.mods.mask, None, row, col))
 
     def _tir(self, node: Node, env: dict):
         return _to_tir(node, env, self.buffers, self.precise_tanh, {})
+
+
+def _reads(node: Node, leaf: str) -> bool:
+    return node.op == leaf or any(_reads(a, leaf) for a in node.args)
+
+
+def _clamped(node: Node, leaf: str) -> bool:
+    """Must position ``leaf`` ("q_idx", "kv_idx") be clamped into its sequence in ``node``? Where it
+    reaches a load's index (which must stay inside the tensor), a divisor (0 past the sequence, where
+    none was inside it: a trap on the CPU), or exp, log or sqrt (a value inf or NaN past the sequence,
+    which the mask's -inf added to a score would not hide)."""
+    if node.op == "load" and any(_reads(a, leaf) for a in node.args):
+        return True
+    if node.op in ("div", "floordiv", "mod") and _reads(node.args[1], leaf):
+        return True
+    if node.op in ("exp", "log", "sqrt") and _reads(node.args[0], leaf):
+        return True
+    return any(_clamped(a, leaf) for a in node.args)
 
 
 _TIR_DTYPES = {FLOAT: "float32", INT32: "int32", INT64: "int64", BOOL: "bool"}
