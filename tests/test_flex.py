@@ -328,6 +328,31 @@ def test_a_learnable_bias_table_gets_its_gradient_on_the_gpu():
     learnable_bias_case("cuda", torch.bfloat16, 128, 1000, 1000, seed=8)
 
 
+def test_positions_are_clamped_only_where_a_value_past_the_sequence_could_differ():
+    """The programs evaluate the mods on padding rows and keys too (the mask hides them). A position is
+    clamped into its sequence where it indexes a load (which must stay inside the tensor), divides (0 past
+    the sequence: a trap on the CPU) or enters exp, log or sqrt (inf or NaN, which an added -inf would not
+    hide); elsewhere it is left as it is, so that a causal mask_mod is one comparison, as the built-in's."""
+    from tvmflash.program_flex import _clamped
+
+    table, ids = torch.zeros(8), torch.zeros(8, dtype=torch.int32)
+    cases = {  # mod: (q_idx clamped, kv_idx clamped)
+        "causal": (lambda b, h, q, kv: q >= kv, (False, False)),
+        "window": (lambda b, h, q, kv: (q - kv).abs() <= 3, (False, False)),
+        "document": (lambda b, h, q, kv: ids[q] == ids[kv], (True, True)),
+        "divisor": (lambda b, h, q, kv: kv // (q + 1) < 2, (True, False)),
+        "dividend": (lambda b, h, q, kv: q // 64 >= kv // 64, (False, False)),
+        "log": (lambda s, b, h, q, kv: s + torch.log(kv + 1.0), (False, True)),
+        "head table": (lambda s, b, h, q, kv: s - table[h] * (q - kv).abs(), (False, False)),
+        "bias": (lambda s, b, h, q, kv: s + table[(q - kv).abs() % 8], (True, True)),
+    }
+    for name, (mod, expected) in cases.items():
+        score = mod.__code__.co_argcount == 5
+        mods, _ = trace_mods(mod if score else None, None if score else mod)
+        tree = mods.score if score else mods.mask
+        assert (_clamped(tree, "q_idx"), _clamped(tree, "kv_idx")) == expected, name
+
+
 def test_the_derivative_of_a_score_mod():
     """d score_mod / d score from the tree, against autograd at a few scores."""
     from tvmflash.program_flex import derivative
