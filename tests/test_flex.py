@@ -353,6 +353,28 @@ def test_positions_are_clamped_only_where_a_value_past_the_sequence_could_differ
         assert (_clamped(tree, "q_idx"), _clamped(tree, "kv_idx")) == expected, name
 
 
+def test_a_softcap_score_mod_is_the_built_in_softcap():
+    """flash-attn's softcap is a tree of the score_mod mechanism (``program_flex.builtin_score``), written by
+    the code that writes a user's score_mod: so softcap * tanh(score / softcap) as a score_mod gives the
+    built-in softcap's sm90 forward, and its dkdv kernel (the constant divisor folded into the scale, the
+    derivative's constant factors cancelled: 1 - tanh²); the forward is the pinned built-in softcap's."""
+    import json
+    import re
+
+    from test_generated_cuda import HASHES, digest
+
+    mods, _ = trace_mods(lambda s, b, h, q, kv: torch.tanh(s / 30.0) * 30.0, None)
+    for compile_ in (tvmflash.compile, tvmflash.compile_backward):
+        builtin, mod = (compile_(head_dim=128, dtype="bfloat16", target="sm90", **variant).source(heads_q=4, heads_kv=2)
+                        for variant in ({"softcap": 30.0}, {"flex": mods}))
+        if compile_ is tvmflash.compile:
+            assert mod == builtin and digest(mod) == json.loads(HASHES.read_text())["sm90-d128-softcap"]
+        else:  # (the delta kernel differs: a flex row that sees no key takes lse2 = +inf)
+            dkdv = [max(re.findall(r'extern "C" __global__ void [^\n]* dkdv_kernel\(.*?(?=\nextern "C"|\Z)', source,
+                                   re.S), key=len) for source in (builtin, mod)]  # (its definition, not its declaration)
+            assert dkdv[0] == dkdv[1] and "tanhf" in dkdv[0]
+
+
 def test_the_derivative_of_a_score_mod():
     """d score_mod / d score from the tree, against autograd at a few scores."""
     from tvmflash.program_flex import derivative
