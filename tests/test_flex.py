@@ -375,6 +375,16 @@ def test_a_softcap_score_mod_is_the_built_in_softcap():
             assert dkdv[0] == dkdv[1] and "tanhf" in dkdv[0]
 
 
+def test_an_alibi_score_mod_takes_the_float_absolute_value_as_the_built_in_does():
+    """|q_idx - kv_idx| times a float slope: the integer's absolute value is written as the float's (the same
+    number; a free operand modifier in SASS, where max(d, -d) is an integer op a score more), as the built-in
+    ALiBi writes it."""
+    slopes = torch.rand(HEADS[0])
+    mods, _ = trace_mods(lambda s, b, h, q, kv: s - slopes[h] * (q - kv).abs(), None)
+    source = tvmflash.compile(head_dim=128, dtype="bfloat16", target="sm90", flex=mods).source(heads_q=4, heads_kv=2)
+    assert source.count("fabsf(((float)") >= 32 and "(float)max(" not in source
+
+
 def test_the_derivative_of_a_score_mod():
     """d score_mod / d score from the tree, against autograd at a few scores."""
     from tvmflash.program_flex import derivative

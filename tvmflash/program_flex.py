@@ -565,6 +565,12 @@ def _to_tir(node: Node, env: dict, buffers, precise_tanh: bool, memo: dict):
         return found[1]
     op, dtype = node.op, node.dtype
     result = _folded(node, env)
+    if result is None and op == "cast" and dtype == FLOAT and node.args[0].op == "abs" and node.args[0].dtype != FLOAT:
+        # an integer's |x| as a float: the float's absolute value, the same number (int to float32 rounds alike
+        # on both sides of 0), a free operand modifier where the integer's is max(x, -x) a score (ALiBi's
+        # |q_idx - kv_idx|, as the built-in ALiBi writes it)
+        (x,) = node.args[0].args
+        result = T.abs(T.cast(_to_tir(x, env, buffers, precise_tanh, memo), "float32"))
     if result is not None:
         memo[id(node)] = (node, result)
         return result
