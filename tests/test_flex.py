@@ -370,8 +370,9 @@ def test_a_softcap_score_mod_is_the_built_in_softcap():
         if compile_ is tvmflash.compile:
             assert mod == builtin and digest(mod) == json.loads(HASHES.read_text())["sm90-d128-softcap"]
         else:  # (the delta kernel differs: a flex row that sees no key takes lse2 = +inf)
+            # (its definition, the longest match, not its declaration)
             dkdv = [max(re.findall(r'extern "C" __global__ void [^\n]* dkdv_kernel\(.*?(?=\nextern "C"|\Z)', source,
-                                   re.S), key=len) for source in (builtin, mod)]  # (its definition, not its declaration)
+                                   re.S), key=len) for source in (builtin, mod)]
             assert dkdv[0] == dkdv[1] and "tanhf" in dkdv[0]
 
 

@@ -308,7 +308,8 @@ def test_sm90_full_tiles_of_a_block_mask_skip_the_mask_as_the_built_in_causal_do
     full_tile = re.findall(r"^\s*if \(\(\((\w+) \* 2\) <= [^|]*\) && \(", source, re.M)
     assert 1 <= len(full_tile) <= 2, full_tile
     counts = full_tile[0]
-    scores = [line for line in source.splitlines() if re.match(r"\s*if \(.*threadIdx", line) and f"({counts} * 2) <=" in line]
+    scores = [line for line in source.splitlines()
+              if re.match(r"\s*if \(.*threadIdx", line) and f"({counts} * 2) <=" in line]
     assert scores, "no masked score"
     for line in scores:
         comparisons = len(re.findall(r" <=? ", line))
