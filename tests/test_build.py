@@ -52,6 +52,42 @@ def test_conditions_on_a_block_index_are_hoisted_out_of_their_loop():
     assert "alias" not in hoisted
 
 
+def test_conditions_on_a_step_value_are_hoisted_out_of_the_element_loops_only():
+    """A BlockMask's tile is a let of each K/V step (``uniformity.BindStepLoads``), which TVM's HoistIfThenElse
+    keeps a condition in its loop for: the full-tile test was made per score. ``HoistBlockIndexConditions``
+    moves it out of the element loop, and no further than the step's loop, after the let, even where the let's
+    value does not read the step (``same``)."""
+    from tvm import s_tir
+
+    from tvmflash.lowering import uniformity
+
+    @T.prim_func
+    def walked(a: T.Buffer((64,), "float32"), b: T.Buffer((64,), "float32"), lists: T.Buffer((8,), "int32"),
+               n: T.int32):
+        T.launch_thread("blockIdx.y", 4)
+        for t in range(8):
+            tile = T.bind(lists[t])
+            same = T.bind(lists[0])
+            for i in T.unroll(64):
+                if tile * 16 < n:
+                    b[i] = a[i]
+                else:
+                    b[i] = T.if_then_else(tile * 16 + i < n, a[i], T.float32(0))
+            for i in T.unroll(64):
+                if same < t:
+                    b[i] = a[i] + b[i]
+
+    mod = tvm.IRModule({"main": walked})
+    plain = s_tir.transform.HoistIfThenElse()(mod)["main"].script()
+    hoisted = uniformity.HoistBlockIndexConditions()(mod)["main"].script()
+    loops = "for i in T.unroll(64):"
+    assert plain.count(loops) == 2 and plain.index(loops) < plain.index("if tile * 16 < n")
+    assert hoisted.count(loops) == 3, hoisted
+    steps, lets = hoisted.index("for t in range(8)"), hoisted.index("same: T.let")
+    assert steps < hoisted.index("tile: T.let") < lets < hoisted.index("if tile * 16 < n") < hoisted.index(loops)
+    assert lets < hoisted.index("if same < t") and "alias" not in hoisted
+
+
 def test_adjacent_statements_under_one_uniform_condition_share_one_if():
     """``uniformity.MergeAdjacentGuards``: a pipeline's epilogue guards each statement on its own; runs of
     one condition that reads no buffer and no thread index become one ``if``, marked thread-invariant

@@ -380,6 +380,64 @@ def test_a_learnable_bias_table_gets_its_gradient_on_the_gpu():
     learnable_bias_case("cuda", torch.bfloat16, 128, 1000, 1000, seed=8)
 
 
+def test_positions_are_clamped_only_where_a_value_past_the_sequence_could_differ():
+    """The programs evaluate the mods on padding rows and keys too (the mask hides them). A position is
+    clamped into its sequence where it indexes a load (which must stay inside the tensor), divides (0 past
+    the sequence: a trap on the CPU) or enters exp, log or sqrt (inf or NaN, which an added -inf would not
+    hide); elsewhere it is left as it is, so that a causal mask_mod is one comparison, as the built-in's."""
+    from tvmflash.program_flex import _clamped
+
+    table, ids = torch.zeros(8), torch.zeros(8, dtype=torch.int32)
+    cases = {  # mod: (q_idx clamped, kv_idx clamped)
+        "causal": (lambda b, h, q, kv: q >= kv, (False, False)),
+        "window": (lambda b, h, q, kv: (q - kv).abs() <= 3, (False, False)),
+        "document": (lambda b, h, q, kv: ids[q] == ids[kv], (True, True)),
+        "divisor": (lambda b, h, q, kv: kv // (q + 1) < 2, (True, False)),
+        "dividend": (lambda b, h, q, kv: q // 64 >= kv // 64, (False, False)),
+        "log": (lambda s, b, h, q, kv: s + torch.log(kv + 1.0), (False, True)),
+        "head table": (lambda s, b, h, q, kv: s - table[h] * (q - kv).abs(), (False, False)),
+        "bias": (lambda s, b, h, q, kv: s + table[(q - kv).abs() % 8], (True, True)),
+    }
+    for name, (mod, expected) in cases.items():
+        score = mod.__code__.co_argcount == 5
+        mods, _ = trace_mods(mod if score else None, None if score else mod)
+        tree = mods.score if score else mods.mask
+        assert (_clamped(tree, "q_idx"), _clamped(tree, "kv_idx")) == expected, name
+
+
+def test_a_softcap_score_mod_is_the_built_in_softcap():
+    """flash-attn's softcap is a tree of the score_mod mechanism (``program_flex.builtin_score``), written by
+    the code that writes a user's score_mod: so softcap * tanh(score / softcap) as a score_mod gives the
+    built-in softcap's sm90 forward, and its dkdv kernel (the constant divisor folded into the scale, the
+    derivative's constant factors cancelled: 1 - tanh²); the forward is the pinned built-in softcap's."""
+    import json
+    import re
+
+    from test_generated_cuda import HASHES, digest
+
+    mods, _ = trace_mods(lambda s, b, h, q, kv: torch.tanh(s / 30.0) * 30.0, None)
+    for compile_ in (tvmflash.compile, tvmflash.compile_backward):
+        builtin, mod = (compile_(head_dim=128, dtype="bfloat16", target="sm90", **variant).source(heads_q=4, heads_kv=2)
+                        for variant in ({"softcap": 30.0}, {"flex": mods}))
+        if compile_ is tvmflash.compile:
+            assert mod == builtin and digest(mod) == json.loads(HASHES.read_text())["sm90-d128-softcap"]
+        else:  # (the delta kernel differs: a flex row that sees no key takes lse2 = +inf)
+            # (its definition, the longest match, not its declaration)
+            dkdv = [max(re.findall(r'extern "C" __global__ void [^\n]* dkdv_kernel\(.*?(?=\nextern "C"|\Z)', source,
+                                   re.S), key=len) for source in (builtin, mod)]
+            assert dkdv[0] == dkdv[1] and "tanhf" in dkdv[0]
+
+
+def test_an_alibi_score_mod_takes_the_float_absolute_value_as_the_built_in_does():
+    """|q_idx - kv_idx| times a float slope: the integer's absolute value is written as the float's (the same
+    number; a free operand modifier in SASS, where max(d, -d) is an integer op a score more), as the built-in
+    ALiBi writes it."""
+    slopes = torch.rand(HEADS[0])
+    mods, _ = trace_mods(lambda s, b, h, q, kv: s - slopes[h] * (q - kv).abs(), None)
+    source = tvmflash.compile(head_dim=128, dtype="bfloat16", target="sm90", flex=mods).source(heads_q=4, heads_kv=2)
+    assert source.count("fabsf(((float)") >= 32 and "(float)max(" not in source
+
+
 def test_the_derivative_of_a_score_mod():
     """d score_mod / d score from the tree, against autograd at a few scores."""
     from tvmflash.program_flex import derivative

@@ -294,6 +294,28 @@ def test_sm90_cuda_of_a_block_mask_builds(program):
     assert source.count(f"{lists}_ptr[") <= 6, source.count(f"{lists}_ptr[")
 
 
+@pytest.mark.parametrize("program", ["forward", "backward"])
+def test_sm90_full_tiles_of_a_block_mask_skip_the_mask_as_the_built_in_causal_does(program):
+    """A causal mask_mod with its BlockMask costs what the built-in causal does (issue 45: within 3%). A full
+    block's tile takes the scores as they are, under one test a K/V step (a Q step in dkdv) that
+    ``lowering.uniformity.HoistBlockIndexConditions`` moves out of the score loops, where it was made for each
+    score (32 a thread); a partial tile's score is masked by q_idx >= kv_idx on the positions as they are (no
+    clamp into the sequence: nothing loads or divides by them), the sequence's end and the full-block test:
+    three comparisons, where the built-in causal makes two."""
+    import re
+    compile_ = tvmflash.compile_backward if program == "backward" else tvmflash.compile
+    source = compile_(head_dim=128, dtype="bfloat16", target="sm90", flex=_sparse_mods()).source(heads_q=4, heads_kv=2)
+    full_tile = re.findall(r"^\s*if \(\(\((\w+) \* 2\) <= [^|]*\) && \(", source, re.M)
+    assert 1 <= len(full_tile) <= 2, full_tile
+    counts = full_tile[0]
+    scores = [line for line in source.splitlines()
+              if re.match(r"\s*if \(.*threadIdx", line) and f"({counts} * 2) <=" in line]
+    assert scores, "no masked score"
+    for line in scores:
+        comparisons = len(re.findall(r" <=? ", line))
+        assert comparisons == 3 and "min(" not in line, line
+
+
 def test_the_lowering_names_the_block_lists():
     """The lowering reads the lists by their names (``lowering.pipeline.BLOCK_LISTS``), the programs'."""
     assert pipeline.BLOCK_LISTS == program_flex.SPARSE_ARGUMENTS

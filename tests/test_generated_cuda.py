@@ -8,7 +8,8 @@ until the hashes are updated, in the same commit, with
 
 and the commit message says what changed in the CUDA and why. The configurations are the forward's
 defaults at head_dim 64/128/256, causal or not, on sm80 and sm90, plus the main knob variants, and
-the tensor-core backward's defaults measured on the H200 (``BACKWARD_CONFIGS``); heads 4/2 as the
+the tensor-core backward's defaults measured on the H200 (``BACKWARD_CONFIGS``), and flash-attn's score
+variants, softcap and ALiBi (``VARIANT_CONFIGS``); heads 4/2 as the
 other cross-compile tests build them (so most modules are shared with those tests in one run).
 """
 
@@ -55,7 +56,21 @@ BACKWARD_CONFIGS = {
     "backward-sm90-d128-full": ("sm90", 128, "bfloat16", False),
     "backward-sm90-d256-causal": ("sm90", 256, "bfloat16", True),  # dkdv in two slices of the columns
 }
+# name: (program, target, head_dim, dtype, variant keywords) of a module with flash-attn's score variants, whose
+# expressions the programs write as trees (``program_flex.builtin_score``), as a user's score_mod is written
+VARIANT_CONFIGS = {
+    "sm90-d128-softcap": ("forward", "sm90", 128, "bfloat16", {"softcap": 30.0}),
+    "sm90-d128-causal-alibi": ("forward", "sm90", 128, "bfloat16", {"causal": True, "alibi": True}),
+    "sm90-d128-softcap-alibi-window": ("forward", "sm90", 128, "bfloat16",
+                                       {"softcap": 50.0, "alibi": True, "window_size": (256, 0)}),
+    "sm80-d64-softcap-alibi": ("forward", "sm80", 64, "float16", {"softcap": 30.0, "alibi": True}),
+    "simt-d64-float32-softcap-alibi": ("forward", "sm90", 64, "float32", {"softcap": 30.0, "alibi": True}),
+    "backward-sm90-d128-causal-softcap-alibi": ("backward", "sm90", 128, "bfloat16",
+                                                {"causal": True, "softcap": 30.0, "alibi": True}),
+    "backward-sm80-d64-softcap": ("backward", "sm80", 64, "float16", {"softcap": 30.0}),
+}
 CONFIGS.update({name: None for name in BACKWARD_CONFIGS})
+CONFIGS.update({name: None for name in VARIANT_CONFIGS})
 
 
 @contextlib.contextmanager
@@ -71,6 +86,10 @@ def environment(name: str, value: str | None):
 def source(name: str) -> str:
     import tvmflash
 
+    if name in VARIANT_CONFIGS:
+        program, target, head_dim, dtype, variant = VARIANT_CONFIGS[name]
+        compile_ = tvmflash.compile_backward if program == "backward" else tvmflash.compile
+        return compile_(head_dim=head_dim, dtype=dtype, target=target, **variant).source(heads_q=4, heads_kv=2)
     if name in BACKWARD_CONFIGS:
         target, head_dim, dtype, causal = BACKWARD_CONFIGS[name]
         # the pins cover kernels awaiting their GPU check too (``ProgramSchedule.unchecked_head_dims``)

@@ -232,7 +232,9 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     if torch.compiler.is_compiling() and (score_mod is not None or mask_mod is not None):
         # Dynamo would trace into the tracer's symbolic values (an internal RecursionError); it can neither run
         # the mods on them opaquely (a mod defined inside the compiled function is no Python object at trace
-        # time) nor lift the tensors they capture into the graph (that needs a higher-order op of torch's).
+        # time) nor lift the tensors they capture into the graph (that needs a higher-order op of torch's). A key
+        # traced by assume_constant_result would be unsound: Dynamo guards a function by its code, not by its
+        # closure (docs/notes/2026-12-07-flex-mods-and-the-built-ins.md).
         # Raised here, fullgraph=True names this; without it Dynamo runs the frame eagerly, which works.
         raise NotImplementedError(
             "tvmflash.flex_attention with a score_mod or mask_mod under torch.compile(fullgraph=True): not yet (the "

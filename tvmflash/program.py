@@ -26,7 +26,7 @@ from tvm.script import tirx as T
 from tvm.script.ir_builder import IRBuilder
 
 from tvmflash.lowering.annotations import RUNS_IF
-from tvmflash.program_flex import FlexMods
+from tvmflash.program_flex import FlexMods, builtin_score
 
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32")
 # The programs take a head_dim that is a multiple of 8 (a 16-byte vector of fp16 or bf16, the unit the
@@ -140,35 +140,17 @@ def score_scale(spec: AttentionSpec, softmax_scale):
     return T.float32(1) if spec.transforms_score else softmax_scale
 
 
-def tanh(spec: AttentionSpec, x):
-    """tanh of a float32 value, as precise as the dtype needs: CUDA's tanhf, under the fast math
-    that the kernels are built with, is tanh.approx.f32 (relative error 2^-11), within the rounding
-    of fp16 and bf16 but a thousand times float32's. In float32: 1 - 2 / (e^2x + 1), from exp2
-    (relative error 2^-22; an absolute error of about 1e-7 near 0, where it cancels)."""
-    if spec.dtype != "float32":
-        return T.tanh(x)
-    return T.float32(1) - T.float32(2) / (T.exp2(x * T.float32(2 * LOG2E)) + T.float32(1))
-
-
 def transformed_score(spec: AttentionSpec, s, softmax_scale, slope, distance, flex=None, row=None, col=None):
     """The score that enters the softmax, in ``score_scale`` units: s (q·k, unscaled) itself, or
     with a softcap and/or ALiBi the logit softcap * tanh(s * scale / softcap) - slope * |distance|,
-    distance = i + seqlen_k - seqlen_q - j (flash-attn's order: the bias is added after the cap), or
-    with a score_mod (``flex``, a ``program_flex.FlexTile``) score_mod(s * scale, b, h, row, col)."""
+    distance = i + seqlen_k - seqlen_q - j (flash-attn's order: the bias is added after the cap:
+    ``program_flex.builtin_score``, the trees a user's score_mod becomes), or with a score_mod (``flex``,
+    a ``program_flex.FlexTile``) score_mod(s * scale, b, h, row, col)."""
     if not spec.transforms_score:
         return s
     if flex is not None:
-        return flex.score(s * softmax_scale, row, col)
-    if spec.softcap > 0:
-        logit = tanh(spec, s * (softmax_scale * T.float32(1 / spec.softcap))) * T.float32(spec.softcap)
-    else:
-        logit = s * softmax_scale
-    if spec.alibi:
-        # |distance| as the float's absolute value, the same number (int32 to float32 rounds alike on
-        # both sides of 0): an integer abs is select(d >= 0, d, -d), three copies of the distance in each
-        # score, an expression of the row, column and lengths (varlen's loaded offsets on the CPU)
-        logit = logit - slope * T.abs(T.cast(distance, "float32"))
-    return logit
+        return flex.score(s, softmax_scale, row, col)
+    return builtin_score(spec.softcap, spec.alibi).tir(s, softmax_scale, slope, distance, spec.dtype == "float32")
 
 
 def softcap_gradient(spec: AttentionSpec, ds, s, softmax_scale, flex=None, row=None, col=None):
@@ -176,11 +158,8 @@ def softcap_gradient(spec: AttentionSpec, ds, s, softmax_scale, flex=None, row=N
     softmax scale is applied with the rest at the gradients' store), or a score_mod's derivative
     (``flex``: d score_mod / d score at s * scale); ds itself without either."""
     if flex is not None:
-        return flex.score_gradient(ds, s * softmax_scale, row, col)
-    if spec.softcap <= 0:
-        return ds
-    t = tanh(spec, s * (softmax_scale * T.float32(1 / spec.softcap)))
-    return ds * (T.float32(1) - t * t)
+        return flex.score_gradient(ds, s, softmax_scale, row, col)
+    return builtin_score(spec.softcap, spec.alibi).gradient_tir(ds, s, softmax_scale, spec.dtype == "float32")
 
 
 def alibi_slope(slopes, b, h):
@@ -365,12 +344,12 @@ def has_mask_mod(spec: AttentionSpec) -> bool:
     return spec.flex is not None and spec.flex.mask is not None
 
 
-def flex_visible(spec: AttentionSpec, flex, visible, row, col):
-    """``visible`` (the built-in mask's test of query ``row`` and key ``col``) and, with a mask_mod,
-    its test (``flex``: the tile's ``program_flex.FlexTile``), both evaluated as ``key_visible``'s."""
+def flex_mask(spec: AttentionSpec, flex, row, col):
+    """mask_mod's test of query ``row`` and key ``col`` (``flex``: the tile's ``program_flex.FlexTile``),
+    to be joined to the built-in mask (``program_flex.sparse_visible``), or None without a mask_mod."""
     if not has_mask_mod(spec):
-        return visible
-    return T.bitwise_and(visible, flex.visible(row, col))
+        return None
+    return flex.visible(row, col)
 
 
 def block_visible(spec: AttentionSpec, first_row, last_row, first_col, last_col, seqlen_q, seqlen_k):

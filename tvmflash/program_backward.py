@@ -188,7 +188,7 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int, dq_atomic: bool =
         mask_mod's test joined: ``flex``, the tile's ``program_flex.FlexTile``; ``walk``: a BlockMask's,
         whose full blocks skip it, at step t.)"""
         seen = program.key_visible(spec, row, col, seqlen_q, seqlen_k)
-        return program_flex.sparse_visible(walk, t, seen, program.flex_visible(spec, flex, seen, row, col))
+        return program_flex.sparse_visible(walk, t, seen, program.flex_mask(spec, flex, row, col))
 
     def tile_visible(qb, kb, seqlen_q, seqlen_k, walk=None, t=None):
         """Does every row of Q block qb see every key of K/V block kb? Rows past seqlen_q need no
@@ -217,7 +217,9 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int, dq_atomic: bool =
         the group's query heads, the longest's count (the others' steps past their own visit a Q block
         past the end, which adds nothing)."""
         if walks is not None:
-            return functools.reduce(T.max, [walk.count for walk in walks])
+            # never negative by its form, so that dkdv's fused loop's division of its step by it lowers to the
+            # plain one, not to a signed floor division in each score's mask (``uniformity.BindLoadedDivisors``)
+            return functools.reduce(T.max, [walk.count for walk in walks], 0)
         if left < 0:
             count = T.ceildiv(seqlen_q, BM) - first_q_block(kb, seqlen_q, seqlen_k)
         else:

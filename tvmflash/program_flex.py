@@ -21,6 +21,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from tvm import tirx
 from tvm.script import tirx as T
 from tvm.script.ir_builder import IRBuilder
@@ -231,9 +233,14 @@ def derivative(node: Node) -> Node:
     if op == "neg":
         return make("neg", d[0])
     if op == "mul":
+        for x, y, dx in ((args[0], args[1], d[0]), (args[1], args[0], d[1])):
+            if y.op == "const":  # torch's: the gradient times the constant
+                return _times(dx, float(y.value))
         return make("add", make("mul", d[0], args[1]), make("mul", args[0], d[1]))
     if op == "div":
         a, b = args
+        if b.op == "const":
+            return _times(d[0], 1 / float(b.value))
         return make("div", make("sub", make("mul", d[0], b), make("mul", a, d[1])), make("mul", b, b))
     if op == "where":
         return make("where", args[0], d[1], d[2])
@@ -245,7 +252,7 @@ def derivative(node: Node) -> Node:
         sign = make("where", make("gt", x, 0.0), 1.0, make("where", make("lt", x, 0.0), -1.0, 0.0))
         return make("mul", sign, d[0])
     if op == "tanh":
-        return make("mul", make("sub", 1.0, make("mul", node, node)), d[0])
+        return _product(make("sub", 1.0, make("mul", node, node)), d[0])
     if op == "sigmoid":
         return make("mul", make("mul", node, make("sub", 1.0, node)), d[0])
     if op == "exp":
@@ -255,6 +262,27 @@ def derivative(node: Node) -> Node:
     if op == "sqrt":
         return make("div", d[0], make("mul", 2.0, node))
     raise NotImplementedError(f"score_mod: no derivative of {op} with respect to the score")
+
+
+def _times(node: Node, factor: float) -> Node:
+    """``node`` times a constant, the constant factors of a product merged and a factor of 1 in float32 left
+    out: the derivative of softcap * tanh(score / softcap) is then 1 - tanh², as the built-in softcap's,
+    not (1 - tanh²) * (1 / softcap) * softcap, two multiplies a score more."""
+    if node.op == "const":
+        return const_of(FLOAT, float(node.value) * factor)
+    if node.op == "mul" and node.args[1].op == "const":
+        node, factor = node.args[0], float(node.args[1].value) * factor
+    if float(np.float32(factor)) == 1.0:
+        return node
+    return make("mul", node, factor)
+
+
+def _product(a: Node, b: Node) -> Node:
+    if b.op == "const":
+        return _times(a, float(b.value))
+    if a.op == "const":
+        return _times(b, float(a.value))
+    return make("mul", a, b)
 
 
 # ----------------------------------------------------------------------------- in the programs
@@ -360,12 +388,16 @@ def check_sparse_tiles(sparse: tuple, rows: int, steps: int, keys: bool = False)
                          f"schedule's default tiles), or pass a mask_mod alone")
 
 
-def sparse_visible(walk, t, visible, masked):
-    """The mask of a tile's element: ``visible`` (the sequence's end) and ``masked`` (it and mask_mod), or
-    without block sparsity ``masked``; with it a full block's tile (``walk.full(t)``) skips mask_mod."""
+def sparse_visible(walk, t, visible, mask):
+    """The mask of a tile's element: ``visible`` (the built-in mask: the sequence's end) and ``mask``
+    (mask_mod's test, None without one), both evaluated as ``program.key_visible``'s tests are; with
+    block sparsity a full block's tile (``walk.full(t)``) skips mask_mod. (``visible`` once: the
+    simplifiers do not merge a second copy of its tests inside the or.)"""
+    if mask is None:
+        return visible
     if walk is None:
-        return masked
-    return T.bitwise_and(visible, T.bitwise_or(walk.full(t), masked))
+        return T.bitwise_and(visible, mask)
+    return T.bitwise_and(visible, T.bitwise_or(walk.full(t), mask))
 
 
 def flex_tile(spec, buffers, b, h, seqlen_q, seqlen_k):
@@ -380,9 +412,12 @@ def flex_tile(spec, buffers, b, h, seqlen_q, seqlen_k):
 class FlexTile:
     """The score_mod and mask_mod of one (batch, query head) as TIR, at a query and a key position.
 
-    The positions are clamped into the sequences (the last query and key) before the mods see them:
-    the programs evaluate the mods on their padding rows and keys too, which the rest of the mask
-    hides, and a load from a captured tensor indexed by a position then stays inside it."""
+    The programs evaluate the mods on their padding rows and keys too, which the rest of the mask
+    hides. A position that reaches a load's index, a divisor or a function that may overflow or give
+    NaN (exp, log, sqrt) is clamped into its sequence (the last query or key) first, so that a load from
+    a captured tensor stays inside it and such a value stays what some real position gives
+    (``_clamped``); elsewhere it is used as it is, so that a mask_mod such as ``q_idx >= kv_idx`` is
+    one comparison, as the built-in masks are."""
 
     mods: FlexMods
     buffers: tuple
@@ -392,33 +427,113 @@ class FlexTile:
     seqlen_k: object
     precise_tanh: bool = False
 
-    def _env(self, score, row, col) -> dict:
-        return {"score": score, "b": self.b, "h": self.h,
-                "q_idx": T.min(row, self.seqlen_q - 1), "kv_idx": T.min(col, self.seqlen_k - 1)}
+    def _env(self, node: Node, s, scale, row, col) -> dict:
+        return {**(_scaled(s, scale) if s is not None else {}), "b": self.b, "h": self.h,
+                "q_idx": T.min(row, self.seqlen_q - 1) if _clamped(node, "q_idx") else row,
+                "kv_idx": T.min(col, self.seqlen_k - 1) if _clamped(node, "kv_idx") else col}
 
-    def score(self, score, row, col):
-        """score_mod(score, b, h, row, col), float32; ``score`` itself without a score_mod."""
+    def score(self, s, scale, row, col):
+        """score_mod(s * scale, b, h, row, col), float32 (s: q·k unscaled); s * scale without a score_mod."""
         if self.mods.score is None:
-            return score
-        return self._tir(self.mods.score, self._env(score, row, col))
+            return s * scale
+        return self._tir(self.mods.score, self._env(self.mods.score, s, scale, row, col))
 
-    def score_gradient(self, ds, score, row, col):
-        """ds times d score_mod / d score at ``score`` (the scaled q·k), or ds without a score_mod."""
+    def score_gradient(self, ds, s, scale, row, col):
+        """ds times d score_mod / d score at s * scale, or ds without a score_mod."""
         if self.mods.score is None:
             return ds
         gradient = derivative(self.mods.score)
         if _is(gradient, 1.0):
             return ds
-        return ds * self._tir(gradient, self._env(score, row, col))
+        return ds * self._tir(gradient, self._env(gradient, s, scale, row, col))
 
     def visible(self, row, col):
         """mask_mod(b, h, row, col), a bool (True without a mask_mod)."""
         if self.mods.mask is None:
             return tirx.const(True, "bool")
-        return self._tir(self.mods.mask, self._env(None, row, col))
+        return self._tir(self.mods.mask, self._env(self.mods.mask, None, None, row, col))
 
     def _tir(self, node: Node, env: dict):
         return _to_tir(node, env, self.buffers, self.precise_tanh, {})
+
+
+# ----------------------------------------------------------------------------- flash-attn's score variants
+# The leaves that only the built-in variants' trees read: ALiBi's slope of the tile's (batch, head), and the
+# distance i + seqlen_k - seqlen_q - j (bottom-right aligned, as flash-attn's), as the programs write them.
+BUILTIN_LEAVES = {"slope": FLOAT, "distance": INT32}
+
+
+@dataclass(frozen=True)
+class BuiltinScore:
+    """flash-attn's softcap and ALiBi as a score_mod's tree (``score``) and the derivative the backward takes
+    (``gradient``: d score / d (the scaled score), None where it is 1), written by the same code as a user's
+    mods (``_to_tir``). A new score variant is its tree here (and its field of ``program.AttentionSpec``).
+    The derivative is written by hand, not by ``derivative``: its tree would hold the constant factors that
+    cancel (softcap / softcap)."""
+
+    score: Node
+    gradient: Node | None
+
+    def tir(self, s, scale, slope, distance, precise_tanh: bool):
+        return _to_tir(self.score, {**_scaled(s, scale), "slope": slope, "distance": distance}, (), precise_tanh, {})
+
+    def gradient_tir(self, ds, s, scale, precise_tanh: bool):
+        if self.gradient is None:
+            return ds
+        return ds * _to_tir(self.gradient, _scaled(s, scale), (), precise_tanh, {})
+
+
+def builtin_score(softcap: float, alibi: bool) -> BuiltinScore:
+    """The score variants of a spec: softcap * tanh(score / softcap) (softcap > 0), then - slope * |distance|
+    (ALiBi; flash-attn's order: the bias after the cap)."""
+    score = Node("score", FLOAT)
+    logit, gradient = score, None
+    if softcap > 0:
+        capped = make("tanh", make("div", score, float(softcap)))
+        logit, gradient = make("mul", capped, float(softcap)), make("sub", 1.0, make("mul", capped, capped))
+    if alibi:
+        # |distance| as the float's absolute value, the same number (int32 to float32 rounds alike on both
+        # sides of 0): an integer abs is select(d >= 0, d, -d), three copies of the distance in each score
+        distance = cast(Node("distance", INT32), FLOAT)
+        logit = make("sub", logit, make("mul", Node("slope", FLOAT), make("abs", distance)))
+    return BuiltinScore(logit, gradient)
+
+
+def _scaled(s, scale) -> dict:
+    """The score leaf's values: s * scale, and s and the scale apart (``_to_tir`` folds a constant factor
+    or divisor of the score into the scale, which is one multiply a tile: s * (scale * c))."""
+    return {"score": s * scale, "_s": s, "_scale": scale}
+
+
+def _folded(node: Node, env: dict):
+    """``node`` (a product or quotient of the score leaf and a constant) as s * (scale * c), or None."""
+    if node.op not in ("mul", "div") or "_s" not in env:
+        return None
+    a, b = node.args
+    if node.op == "mul" and a.op == "const":
+        a, b = b, a
+    if a.op != "score" or b.op != "const":
+        return None
+    factor = float(b.value) if node.op == "mul" else 1 / float(b.value)
+    return env["_s"] * (env["_scale"] * T.float32(factor))
+
+
+def _reads(node: Node, leaf: str) -> bool:
+    return node.op == leaf or any(_reads(a, leaf) for a in node.args)
+
+
+def _clamped(node: Node, leaf: str) -> bool:
+    """Must position ``leaf`` ("q_idx", "kv_idx") be clamped into its sequence in ``node``? Where it
+    reaches a load's index (which must stay inside the tensor), a divisor (0 past the sequence, where
+    none was inside it: a trap on the CPU), or exp, log or sqrt (a value inf or NaN past the sequence,
+    which the mask's -inf added to a score would not hide)."""
+    if node.op == "load" and any(_reads(a, leaf) for a in node.args):
+        return True
+    if node.op in ("div", "floordiv", "mod") and _reads(node.args[1], leaf):
+        return True
+    if node.op in ("exp", "log", "sqrt") and _reads(node.args[0], leaf):
+        return True
+    return any(_clamped(a, leaf) for a in node.args)
 
 
 _TIR_DTYPES = {FLOAT: "float32", INT32: "int32", INT64: "int64", BOOL: "bool"}
@@ -433,8 +548,10 @@ def _constant(dtype: str, value):
 
 
 def _tanh(x, precise: bool):
-    """tanh as ``program.tanh`` writes it (float32 programs: from exp2, CUDA's tanhf being approximate
-    under fast math)."""
+    """tanh of a float32 value, as precise as the dtype needs (``precise``: float32 programs): CUDA's tanhf,
+    under the fast math that the kernels are built with, is tanh.approx.f32 (relative error 2^-11), within
+    the rounding of fp16 and bf16 but a thousand times float32's. In float32: 1 - 2 / (e^2x + 1), from exp2
+    (relative error 2^-22; an absolute error of about 1e-7 near 0, where it cancels)."""
     if not precise:
         return T.tanh(x)
     return T.float32(1) - T.float32(2) / (T.exp2(x * T.float32(2 * math.log2(math.e))) + T.float32(1))
@@ -447,8 +564,18 @@ def _to_tir(node: Node, env: dict, buffers, precise_tanh: bool, memo: dict):
     if found is not None:
         return found[1]
     op, dtype = node.op, node.dtype
+    result = _folded(node, env)
+    if result is None and op == "cast" and dtype == FLOAT and node.args[0].op == "abs" and node.args[0].dtype != FLOAT:
+        # an integer's |x| as a float: the float's absolute value, the same number (int to float32 rounds alike
+        # on both sides of 0), a free operand modifier where the integer's is max(x, -x) a score (ALiBi's
+        # |q_idx - kv_idx|, as the built-in ALiBi writes it)
+        (x,) = node.args[0].args
+        result = T.abs(T.cast(_to_tir(x, env, buffers, precise_tanh, memo), "float32"))
+    if result is not None:
+        memo[id(node)] = (node, result)
+        return result
     args = [_to_tir(a, env, buffers, precise_tanh, memo) for a in node.args] if op != "load" else None
-    if op in LEAVES:
+    if op in LEAVES or op in BUILTIN_LEAVES:
         result = env[op]
     elif op == "const":
         result = _constant(dtype, node.value)

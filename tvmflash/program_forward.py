@@ -23,7 +23,7 @@ from tvm.script import tirx as T
 
 from tvmflash import tvmscript
 from tvmflash.program import (LOG2E, NO_MAX, RESCALE_THRESHOLD, AttentionSpec, alibi_slope, alibi_slopes_argument,
-                              aligned_strides, block_visible, first_kv_block, flex_visible, has_mask_mod, initial_max,
+                              aligned_strides, block_visible, first_kv_block, flex_mask, has_mask_mod, initial_max,
                               initial_sum, key_visible, kv_blocks_end, longest, runs_if, score_scale, sequence_count,
                               sequences, sink_buffer, sink_units, sinks_argument, strided_argument, transformed_score,
                               varlen_arguments)
@@ -86,7 +86,7 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_ti
         ``program_flex.FlexTile``, whose mask_mod joins the test; ``walk``: a BlockMask's, whose full
         blocks skip it, at step t.)"""
         seen = key_visible(spec, row, col, seqlen_q, seqlen_k)
-        return sparse_visible(walk, t, seen, flex_visible(spec, flex, seen, row, col))
+        return sparse_visible(walk, t, seen, flex_mask(spec, flex, row, col))
 
     def tile_visible(qb, kb, seqlen_q, seqlen_k, walk=None, t=None):
         """Does every query of Q block qb (padding rows too) see every key of K/V tile kb? Such

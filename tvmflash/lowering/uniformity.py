@@ -8,6 +8,8 @@ conditions on block indices hoisted out of their loops
 
 from __future__ import annotations
 
+import functools
+
 import tvm
 import tvm_ffi
 from tvm import tirx
@@ -318,7 +320,7 @@ def _block_uniform(value, varying: set) -> bool:
             and all(loaded(load).scope() == "global" for load in find(value, LOAD)))
 
 
-def _block_indices_aliased(func, aliases: dict):
+def _block_indices_aliased(func, aliases: dict, reads: dict):
     """``func`` with its blockIdx.* variables (and the let variables bound outside every loop) read
     through aliases (new variables, added to ``aliases``) in the condition of each IfThenElse that is
     a loop's whole body: what HoistIfThenElse would lift out of that loop."""
@@ -331,21 +333,36 @@ def _block_indices_aliased(func, aliases: dict):
     # count (``BindLoadedPipelineExtents``). HoistIfThenElse keeps a condition that reads a let
     # variable in its loop: the pipeline epilogue's causal tile test, on the count, was tested per
     # score.
+    # And the let variables bound inside loops to such a value of the loops' variables (a BlockMask's
+    # tile and counts of a step, ``BindStepLoads``): read as their alias plus (l - l) for each loop
+    # variable l around the let, so that the condition still reads those loops and stays inside them,
+    # where the let is bound (the pass moves a condition out of the loops whose variables it does not
+    # read, and no further). Left as they were, the BlockMask's full-tile test was tested per score.
     loops = find(func.body, tirx.For)
-    in_loops = {bind.var for loop in loops for bind in find(loop.body, tirx.Bind)}
-    varying = {attr.node.var for attr in thread_extents if not attr.node.thread_tag.startswith("blockIdx")}
-    varying |= {loop.loop_var for loop in loops}
+    around = {}  # a let variable bound inside loops -> the variables of the loops around it
+    for loop in loops:
+        for bind in find(loop.body, tirx.Bind):
+            around.setdefault(bind.var, []).append(loop.loop_var)
+    threads = {attr.node.var for attr in thread_extents if not attr.node.thread_tag.startswith("blockIdx")}
+    varying = threads | {loop.loop_var for loop in loops}
     for bind in find(func.body, tirx.Bind):  # in program order
-        if bind.var in in_loops or not _block_uniform(bind.value, varying):
-            varying.add(bind.var)
+        if bind.var not in around:
+            if _block_uniform(bind.value, varying):
+                aliases[bind.var] = tirx.Var(bind.var.name + "_alias", bind.var.ty)
+            else:
+                varying.add(bind.var)
+        elif str(bind.var.ty).startswith("int") and _block_uniform(bind.value, varying - set(around[bind.var])):
+            alias = aliases[bind.var] = tirx.Var(bind.var.name + "_alias", bind.var.ty)
+            reads[bind.var] = functools.reduce(
+                lambda value, l: value + tirx.Cast(str(bind.var.ty), l - l), around[bind.var], alias)
         else:
-            aliases[bind.var] = tirx.Var(bind.var.name + "_alias", bind.var.ty)
+            varying.add(bind.var)
 
     def condition_aliased(loop):
         if not isinstance(loop.body, tirx.IfThenElse):
             return loop
-        body = tirx.IfThenElse(substitute(loop.body.condition, aliases.items()), loop.body.then_case,
-                               loop.body.else_case)
+        body = tirx.IfThenElse(substitute(loop.body.condition, [(v, reads.get(v, a)) for v, a in aliases.items()]),
+                               loop.body.then_case, loop.body.else_case)
         return tirx.For(loop.loop_var, loop.min, loop.extent, loop.kind, body, loop.thread_binding, loop.annotations)
     return func.with_body(tvm_ffi.structural_map(func.body, (tirx.For, condition_aliased))) if aliases else func
 
@@ -359,13 +376,16 @@ def HoistBlockIndexConditions():  # noqa: N802
     elements kept its own branch on it (a step of far more instructions than the non-causal one),
     where the non-causal test is hoisted out of the element loops. The block indices
     are renamed in the conditions for the pass (a block index is bound around the whole kernel,
-    outside every loop the pass can hoist out of) and restored after it."""
+    outside every loop the pass can hoist out of) and restored after it. So are the lets of a
+    block-uniform value (outside every loop) and, read with their loops' variables, those bound inside
+    loops (a BlockMask's tile of a step: its full-tile test, ``program_flex.BlockWalk.full``)."""
     aliases = {}  # block index -> its alias, per function
+    reads = {}  # a let variable bound inside loops -> what the conditions read for it (its alias and loops)
 
     def restored(func):
         return func.with_body(substitute(func.body, [(a, v) for v, a in aliases.items()]))
     return tvm.transform.Sequential([
-        prim_func_pass(lambda func: _block_indices_aliased(func, aliases), "tvmflash.AliasBlockIndices"),
+        prim_func_pass(lambda func: _block_indices_aliased(func, aliases, reads), "tvmflash.AliasBlockIndices"),
         tvm.s_tir.transform.HoistIfThenElse(),
         prim_func_pass(restored, "tvmflash.RestoreBlockIndices")], name="tvmflash.HoistBlockIndexConditions")
 
