@@ -88,7 +88,7 @@ def _store_o_through_shared_memory(sch, head_dim, num_warpgroups, vec, swizzled,
     sch.vectorize(v)
 
 
-def _row_state_in_registers(sch, BN, num_warpgroups, rows=acc_rows, p_block=acc_block):
+def row_state_in_registers(sch, BN, num_warpgroups, rows=acc_rows, p_block=acc_block):
     """row_state "registers" (FA2's way, as sm80's): the per-row values (m, l, m_tile, m_new,
     alpha, l_tile, l_new, l_inv) in the registers of the quads that hold the rows, each lane a
     copy (``common.row_quad_map``); row max and row sum fold into them (quad mode of
@@ -223,7 +223,7 @@ def schedule(
         acc_block(sch, name, num_warpgroups)
     scalars_local(sch)  # the scale in log2 units (and a sink): scalars the per-row blocks read
     if row_state == "registers":
-        _row_state_in_registers(sch, BN, num_warpgroups)
+        row_state_in_registers(sch, BN, num_warpgroups)
     else:
         _row_state_in_shared_memory(sch, BN, num_warpgroups)
     if num_stages > 1:  # last: it annotates kv_step's final children

@@ -25,7 +25,7 @@ import tvm
 from tvmflash.lowering.annotations import SKIP_UNIT_RESCALE_PRAGMA
 
 from ..common import bind_grid, buffer_info, hide_init_reads, pipeline_loads, scalars_local
-from .forward import _row_state_in_registers
+from .forward import row_state_in_registers
 from .knobs import fp8_problem
 from .layouts import (acc_block, acc_index_map, bind_fp8_acc_threads, fp8_acc_block, fp8_acc_index_map,
                       fp8_acc_rows, fp8_core_matrix_map, fp8_key_row, fp8_p_index_map, fp8_tile_in_shared_memory,
@@ -87,7 +87,7 @@ def schedule_fp8(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, num_war
         fp8_acc_block(sch, name, num_warpgroups)
     scalars_local(sch)
     sch.set_scope("init_v_scale", 0, "local")  # V's descale, a scalar inv_l reads
-    _row_state_in_registers(sch, BN, num_warpgroups, rows=fp8_acc_rows, p_block=fp8_acc_block)
+    row_state_in_registers(sch, BN, num_warpgroups, rows=fp8_acc_rows, p_block=fp8_acc_block)
     if num_stages > 1:
         pipeline_loads(sch, num_stages)
     return sch
