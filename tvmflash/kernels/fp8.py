@@ -127,8 +127,9 @@ class Fp8Kernel:
         return descale.contiguous()
 
     def __call__(self, q, k, v, q_descale=None, k_descale=None, v_descale=None, *, softmax_scale=None,
-                 return_lse=False):
-        """Attention of q over k, v in FP8. See the class docstring for the shapes."""
+                 return_lse=False, out=None):
+        """Attention of q over k, v in FP8. See the class docstring for the shapes. out: where to write the
+        output (bf16, compact, q's shape), else a new tensor."""
         return_lse = check_flag("return_lse", return_lse)
         softmax_scale = resolve_softmax_scale(softmax_scale, self.head_dim)
         for name, t in (("q", q), ("k", k), ("v", v)):
@@ -155,7 +156,12 @@ class Fp8Kernel:
                                       "or under torch.no_grad()")
         descales = [self._descale(name, d, batch, heads_kv, q.device)
                     for name, d in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale))]
-        out = torch.empty((batch, seqlen_q, heads_q, head_dim), dtype=OUTPUT_TORCH, device=q.device)
+        shape = (batch, seqlen_q, heads_q, head_dim)
+        if out is None:
+            out = torch.empty(shape, dtype=OUTPUT_TORCH, device=q.device)
+        elif (not isinstance(out, torch.Tensor) or out.dtype != OUTPUT_TORCH or tuple(out.shape) != shape
+              or not out.is_contiguous() or out.device != q.device):
+            raise ValueError(f"out: expected a compact bf16 tensor of shape {shape} on {q.device}")
         lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device)
         if not out.numel():
             return (out, lse) if return_lse else out
