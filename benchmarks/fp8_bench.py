@@ -3,7 +3,9 @@ the ratio (issue 44's goal: FP8 >= 1.5x bf16 at d128 and d256 from 4k tokens). E
 in parallel processes that share the module cache; then each shape times bf16, FP8 through its call (V
 transposed and padded in torch each call) and FP8's module alone (V transposed once, before), in turns.
 Each shape holds 16k tokens (batch = 16384 / seqlen) and 2048 / head_dim heads, as FA3's benchmark. The
-FP8 error (max |out - float64 reference|, on the same dequantised inputs) is printed beside bf16's.
+FP8 error (max |out - float64 reference|, on the same dequantised inputs) is printed beside bf16's. FP8 runs
+with the schedule's knobs ("default") and the VARIANTS of its head_dim (knobs over them; each built by
+ptxas without spills on the CPU).
 
     python benchmarks/fp8_bench.py [--head-dims 128 256] [--seqlens 4096 8192 16384] [--causal both] [--jobs 8]
 """
@@ -19,16 +21,18 @@ import time
 
 os.environ.setdefault("TVMFLASH_CACHE_DIR", tempfile.mkdtemp())
 
+from tvmflash.schedules.sm90.knobs import FP8_VARIANTS as VARIANTS  # noqa: E402 - after the cache dir
+
 
 def _build(job):
     """One kernel's module, built into the shared cache (a worker process)."""
     kind, head_dim, causal, heads = job
     start = time.perf_counter()
     try:
-        if kind == "fp8":
+        if kind != "bf16":
             from tvmflash.kernels.fp8 import Fp8Kernel
 
-            Fp8Kernel(head_dim, causal, "cuda").build.module(heads, heads)
+            Fp8Kernel(head_dim, causal, "cuda", knobs=_knobs(kind, head_dim)).build.module(heads, heads)
         else:
             import tvmflash
 
@@ -36,6 +40,11 @@ def _build(job):
         return job, None, time.perf_counter() - start
     except Exception as err:  # noqa: BLE001 - reported, and the shape skipped
         return job, f"{type(err).__name__}: {err}"[:400], time.perf_counter() - start
+
+
+def _knobs(kind: str, head_dim: int) -> dict | None:
+    """The knobs of FP8 variant ``kind`` ("fp8" for the default, "fp8:NAME" for VARIANTS' NAME)."""
+    return None if kind == "fp8" else VARIANTS[head_dim][kind.split(":", 1)[1]]
 
 
 def _time(fn, repeat: int) -> float:
@@ -68,7 +77,8 @@ def main():
     args = parser.parse_args()
     causals = {"yes": [True], "no": [False], "both": [False, True]}[args.causal]
 
-    jobs = [(kind, d, c, 2048 // d) for d in args.head_dims for c in causals for kind in ("bf16", "fp8")]
+    kinds = {d: ["fp8", *(f"fp8:{name}" for name in VARIANTS.get(d, {}))] for d in args.head_dims}
+    jobs = [(kind, d, c, 2048 // d) for d in args.head_dims for c in causals for kind in ("bf16", *kinds[d])]
     start = time.perf_counter()
     with mp.get_context("spawn").Pool(min(args.jobs, len(jobs))) as pool:
         failed = {}
@@ -85,17 +95,19 @@ def main():
     from tvmflash.kernels.fp8 import Fp8Kernel, transposed_v
 
     print(torch.cuda.get_device_name(), flush=True)
-    print(f"{'shape':34} {'bf16':>8} {'fp8 call':>9} {'fp8 kern':>9} {'ratio':>6} {'kern ratio':>10}  "
+    print(f"{'shape':34} {'fp8 knobs':10} {'bf16':>8} {'fp8 call':>9} {'fp8 kern':>9} {'ratio':>6} {'kern ratio':>10}  "
           f"{'bf16 err':>9} {'fp8 err':>9}   (TFLOP/s; err: max |out - float64|)")
     for head_dim in args.head_dims:
         heads = 2048 // head_dim
         for causal in causals:
-            if ("fp8", head_dim, causal, heads) in failed or ("bf16", head_dim, causal, heads) in failed:
-                print(f"d{head_dim}{' causal' if causal else ''}: skipped (a build failed)")
+            if ("bf16", head_dim, causal, heads) in failed:
+                print(f"d{head_dim}{' causal' if causal else ''}: skipped (bf16's build failed)")
                 continue
             bf16 = tvmflash.compile(head_dim=head_dim, dtype="bfloat16", causal=causal, target="cuda")
-            fp8 = Fp8Kernel(head_dim, causal, "cuda")
-            for seqlen in args.seqlens:
+            for seqlen, kind in ((seqlen, kind) for seqlen in args.seqlens for kind in kinds[head_dim]):
+                if (kind, head_dim, causal, heads) in failed:
+                    continue
+                fp8 = Fp8Kernel(head_dim, causal, "cuda", knobs=_knobs(kind, head_dim))
                 batch = max(1, args.tokens // seqlen)
                 gen = torch.Generator(device="cuda").manual_seed(0)
                 q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device="cuda", generator=gen)
@@ -130,7 +142,7 @@ def main():
                                    for x, d in zip((q8, k8, v8), descales)), softmax_scale=scale)
                     errors = [f"{(o[:1, qs].double() - ref).abs().max().item():.2e}" for o in (out_b, out_8)]
                 name = f"d{head_dim} {'causal' if causal else 'full':6} b{batch} s{seqlen} h{heads}"
-                print(f"{name:34} {tf[0]:8.1f} {tf[1]:9.1f} {tf[2]:9.1f} {tf[1] / tf[0]:6.2f} {tf[2] / tf[0]:10.2f}  "
+                print(f"{name:34} {kind.split(':')[-1]:10} {tf[0]:8.1f} {tf[1]:9.1f} {tf[2]:9.1f} {tf[1] / tf[0]:6.2f} {tf[2] / tf[0]:10.2f}  "
                       f"{errors[0]:>9} {errors[1]:>9}", flush=True)
 
 

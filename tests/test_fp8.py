@@ -17,6 +17,7 @@ import tvmflash
 from tvmflash.kernels.fp8 import Fp8Kernel, fp8_kernel, transposed_v
 from tvmflash.program import FP8, AttentionSpec
 from tvmflash.program_forward import attention_forward
+from tvmflash.schedules.sm90.knobs import FP8_VARIANTS
 
 F8 = torch.float8_e4m3fn
 
@@ -293,3 +294,18 @@ def test_fp8_forward_on_sm90(head_dim, causal, shape):
     error, emulation_error = check_against_reference(run, shape, head_dim, causal, "cuda")
     print(f"fp8 d{head_dim} {'causal' if causal else 'full'} {shape}: max error {error:.3g}, "
           f"emulation's {emulation_error:.3g}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim,variant", [(d, name) for d, named in sorted(FP8_VARIANTS.items()) for name in named])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_fp8_knob_variants_on_sm90(head_dim, variant, causal):
+    """The other knobs benchmarks/fp8_bench.py measures (``knobs.FP8_VARIANTS``) are as correct."""
+    if not _sm90():
+        pytest.skip("needs an sm90 GPU (H100, H200)")
+    kernel = Fp8Kernel(head_dim, causal, None, knobs=FP8_VARIANTS[head_dim][variant])
+
+    def run(q, k, v, qd, kd, vd, scale, out):
+        return kernel(q, k, v, qd, kd, vd, softmax_scale=scale, return_lse=True, out=out)
+
+    check_against_reference(run, (2, 300, 517, 8, 2), head_dim, causal, "cuda")

@@ -88,6 +88,8 @@ def schedule_fp8(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, num_war
     scalars_local(sch)
     sch.set_scope("init_v_scale", 0, "local")  # V's descale, a scalar inv_l reads
     row_state_in_registers(sch, BN, num_warpgroups, rows=fp8_acc_rows, p_block=fp8_acc_block)
+    # P's adjacent pairs of keys are adjacent registers of S and of the A fragment: one cvt (e4m3x2) a pair
+    sch.vectorize(sch.get_loops("cast_p")[-1])
     if num_stages > 1:
         pipeline_loads(sch, num_stages)
     return sch

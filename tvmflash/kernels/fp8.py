@@ -67,10 +67,11 @@ class Fp8Kernel:
     multiplied by v_descale. out: bf16 (batch, seqlen_q, heads_q, head_dim); lse float32 (batch,
     heads_q, seqlen_q), of the descaled scores. heads_q must be a multiple of heads_kv (GQA, MQA).
     Forward only. On sm90 (``schedules.sm90.forward_fp8``); the CPU schedule runs the same program for
-    the tests.
+    the tests. knobs: the caller's over the schedule's (``Fp8Forward.knobs``), e.g. to compare them.
     """
 
-    def __init__(self, head_dim: int, causal: bool = False, target=None, schedule: str | None = None):
+    def __init__(self, head_dim: int, causal: bool = False, target=None, schedule: str | None = None,
+                 knobs: dict | None = None):
         self.target = targets.resolve(target)
         self.schedule = fp8_schedule(self.target, schedule)
         fp8 = self.schedule.fp8_forward
@@ -78,7 +79,7 @@ class Fp8Kernel:
             raise NotImplementedError(f"the {self.schedule.name} FP8 forward takes head_dim {fp8.head_dims}, got "
                                       f"{head_dim}")
         self.head_dim, self.causal = head_dim, check_flag("causal", causal)
-        self.knobs = fp8.knobs(head_dim)
+        self.knobs = {**fp8.knobs(head_dim), **(knobs or {})}  # the schedule's, or the caller's over them
         self.min_kv_tiles = self.schedule.min_kv_tiles(self.knobs)
         self.stride_multiple = program.stride_multiple(self.schedule.stride_alignment, FP8)
         self.build = Build(kind="forward", target=self.target, schedule=self.schedule, knobs=self.knobs, variant={},
