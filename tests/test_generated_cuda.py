@@ -8,7 +8,8 @@ until the hashes are updated, in the same commit, with
 
 and the commit message says what changed in the CUDA and why. The configurations are the forward's
 defaults at head_dim 64/128/256, causal or not, on sm80 and sm90, plus the main knob variants, and
-the tensor-core backward's defaults measured on the H200 (``BACKWARD_CONFIGS``); heads 4/2 as the
+the tensor-core backward's defaults measured on the H200 (``BACKWARD_CONFIGS``), the FP8 forward's
+(``FP8_CONFIGS``); heads 4/2 as the
 other cross-compile tests build them (so most modules are shared with those tests in one run).
 """
 
@@ -56,6 +57,12 @@ BACKWARD_CONFIGS = {
     "backward-sm90-d256-causal": ("sm90", 256, "bfloat16", True),  # dkdv in two slices of the columns
 }
 CONFIGS.update({name: None for name in BACKWARD_CONFIGS})
+# name: (target, head_dim, causal) of the FP8 forward (``kernels.fp8.Fp8Kernel``) with its defaults
+FP8_CONFIGS = {
+    "fp8-sm90-d128-full": ("sm90", 128, False),
+    "fp8-sm90-d128-causal": ("sm90", 128, True),
+}
+CONFIGS.update({name: None for name in FP8_CONFIGS})
 
 
 @contextlib.contextmanager
@@ -71,6 +78,11 @@ def environment(name: str, value: str | None):
 def source(name: str) -> str:
     import tvmflash
 
+    if name in FP8_CONFIGS:
+        from tvmflash.kernels.fp8 import Fp8Kernel
+
+        target, head_dim, causal = FP8_CONFIGS[name]
+        return Fp8Kernel(head_dim, causal, target).source(heads_q=4, heads_kv=2)
     if name in BACKWARD_CONFIGS:
         target, head_dim, dtype, causal = BACKWARD_CONFIGS[name]
         # the pins cover kernels awaiting their GPU check too (``ProgramSchedule.unchecked_head_dims``)
