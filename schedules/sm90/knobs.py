@@ -453,8 +453,9 @@ FP8_FORWARD_KNOBS = {
 # Other FP8 knobs that ptxas builds without spills (3 stages spill at d64 and d128), for measuring against
 # the defaults (benchmarks/fp8_bench.py) and checked on the GPU with them (tests/test_fp8.py).
 FP8_VARIANTS = {
-    64: {},
-    128: {"bn64_mb2": {"block_n": 64, "min_blocks_per_sm": 2}},
+    64: {"bm256": {"block_m": 256, "num_warpgroups": 4, "min_blocks_per_sm": 1}},
+    128: {"bn64_mb2": {"block_n": 64, "min_blocks_per_sm": 2},
+          "bm256_bn64": {"block_m": 256, "num_warpgroups": 4, "block_n": 64}},
     256: {"bn128": {"block_n": 128}},
 }
 FP8_DTYPE = "float8_e4m3fn"
