@@ -255,6 +255,10 @@ def test_fp8_refusals():
         tvmflash.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 16, 16)
     with pytest.raises(NotImplementedError, match="FP8"):
         tvmflash.flash_attn_with_kvcache(q, k, v)
+    with pytest.raises(NotImplementedError, match="flash_attn_func"):  # the other entry points name the one that serves
+        tvmflash.attention(q, k, v)
+    with pytest.raises(NotImplementedError, match="flash_attn_func"):
+        tvmflash.compile(head_dim=64, dtype=FP8, target="sm90")
     kernel = fp8_kernel(64, False, "cpu")
     with pytest.raises(NotImplementedError, match="no backward"):
         kernel(q, k, v.clone().requires_grad_())
