@@ -232,6 +232,17 @@ def test_fp8_sm90_builds_without_spills(head_dim, causal):
         assert "0 bytes stack frame, 0 bytes spill stores" in lines, (name, lines)
 
 
+@pytest.mark.nvcc
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+@pytest.mark.parametrize("head_dim,variant", [(d, name) for d, named in sorted(FP8_VARIANTS.items()) for name in named])
+def test_fp8_sm90_variants_build_without_spills(head_dim, variant):
+    from test_decode import ptxas_report
+
+    kernel = Fp8Kernel(head_dim, True, "sm90", knobs=FP8_VARIANTS[head_dim][variant])
+    for name, lines in ptxas_report(kernel.source(heads_q=4, heads_kv=2), "sm_90a").items():
+        assert "0 bytes stack frame, 0 bytes spill stores" in lines, (name, lines)
+
+
 # ----------------------------------------------------------------------------------------------------
 # what it refuses
 # ----------------------------------------------------------------------------------------------------

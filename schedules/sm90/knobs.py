@@ -453,10 +453,14 @@ FP8_FORWARD_KNOBS = {
 # Other FP8 knobs that ptxas builds without spills (3 stages spill at d64 and d128), for measuring against
 # the defaults (benchmarks/fp8_bench.py) and checked on the GPU with them (tests/test_fp8.py).
 FP8_VARIANTS = {
-    64: {"bm256": {"block_m": 256, "num_warpgroups": 4, "min_blocks_per_sm": 1}},
+    64: {},
+    # one block an SM at d128 (the default) runs its two warpgroups in step, a barrier a K/V step (cp.async): two
+    # or three blocks of one or two warpgroups let one block's softmax run under another's wgmma
     128: {"bn64_mb2": {"block_n": 64, "min_blocks_per_sm": 2},
-          "bm256_bn64": {"block_m": 256, "num_warpgroups": 4, "block_n": 64}},
-    256: {"bn128": {"block_n": 128}},
+          "bm64_mb2": {"block_m": 64, "num_warpgroups": 1, "min_blocks_per_sm": 2},
+          "bm64_bn64_mb3": {"block_m": 64, "num_warpgroups": 1, "block_n": 64, "min_blocks_per_sm": 3}},
+    256: {"bn128": {"block_n": 128},
+          "bm64_mb2": {"block_m": 64, "num_warpgroups": 1, "min_blocks_per_sm": 2}},
 }
 FP8_DTYPE = "float8_e4m3fn"
 
