@@ -224,7 +224,7 @@ def test_fp8_sm90_source_runs_on_e4m3_wgmma():
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_fp8_sm90_builds_without_spills(head_dim, causal):
-    from test_decode import ptxas_report
+    from test_decode_schedules import ptxas_report
 
     report = ptxas_report(Fp8Kernel(head_dim, causal, "sm90").source(heads_q=4, heads_kv=2), "sm_90a")
     assert len(report) == 1
@@ -236,7 +236,7 @@ def test_fp8_sm90_builds_without_spills(head_dim, causal):
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
 @pytest.mark.parametrize("head_dim,variant", [(d, name) for d, named in sorted(FP8_VARIANTS.items()) for name in named])
 def test_fp8_sm90_variants_build_without_spills(head_dim, variant):
-    from test_decode import ptxas_report
+    from test_decode_schedules import ptxas_report
 
     kernel = Fp8Kernel(head_dim, True, "sm90", knobs=FP8_VARIANTS[head_dim][variant])
     for name, lines in ptxas_report(kernel.source(heads_q=4, heads_kv=2), "sm_90a").items():
