@@ -182,14 +182,12 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_ti
                 sink = T.meta_var(sink_buffer(spec))  # with sinks only
 
                 v_scale = T.meta_var(T.sblock_alloc_buffer((1,), f32) if fp8 else None)  # the output's descale
-                if fp8:  # the scores' scale times the descales of q and k
-                    with T.sblock("init_scale"):
-                        scale2[0] = qk_scale(Descales_, vb, vh, softmax_scale) * T.float32(LOG2E)
+
+                with T.sblock("init_scale"):  # (FP8: the scale times the descales of q and k)
+                    scale2[0] = qk_scale(Descales_, vb, vh, softmax_scale) * T.float32(LOG2E)
+                if fp8:
                     with T.sblock("init_v_scale"):
                         v_scale[0] = Descales_[2][vb, vh // group]
-                else:
-                    with T.sblock("init_scale"):
-                        scale2[0] = score_scale(spec, softmax_scale) * T.float32(LOG2E)
                 if spec.sinks:
                     with T.sblock("init_sink"):
                         sink[0] = sink_units(spec, Sinks_, vh, softmax_scale)
