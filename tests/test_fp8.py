@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import tvmflash
-from tvmflash.kernels.fp8 import Fp8Kernel, fp8_kernel, transposed_v
+from tvmflash.kernels.fp8 import Fp8Kernel, Fp8VarlenKernel, fp8_kernel, transposed_v
 from tvmflash.program import FP8, AttentionSpec
 from tvmflash.program_forward import attention_forward
 from tvmflash.schedules.sm90.knobs import FP8_VARIANTS
@@ -115,11 +115,10 @@ def check_against_reference(run, shape, head_dim, causal, device):
 # ----------------------------------------------------------------------------------------------------
 # the program and the layouts (CPU)
 # ----------------------------------------------------------------------------------------------------
-def test_fp8_spec_takes_causal_and_gqa_only():
-    AttentionSpec(64, FP8, True, 8, 2)  # causal, GQA
-    for variant in ({"window_left": 16}, {"softcap": 30.0}, {"alibi": True}, {"varlen": True}, {"dropout": True},
-                    {"sinks": True}):
-        with pytest.raises(NotImplementedError, match="FP8 forward takes causal and GQA only"):
+def test_fp8_spec_takes_causal_gqa_and_varlen_only():
+    AttentionSpec(64, FP8, True, 8, 2, varlen=True)
+    for variant in ({"window_left": 16}, {"softcap": 30.0}, {"alibi": True}, {"dropout": True}, {"sinks": True}):
+        with pytest.raises(NotImplementedError, match="FP8 forward takes causal, GQA and varlen only"):
             AttentionSpec(64, FP8, **variant)
     with pytest.raises(ValueError, match="multiple of 16"):
         AttentionSpec(40, FP8)
@@ -199,6 +198,41 @@ def test_fp8_program_on_the_cpu(head_dim, causal, shape):
     check_against_reference(run, shape, head_dim, causal, "cpu")
 
 
+def check_varlen(kernel, head_dim, causal, lengths_q, lengths_k, heads_q, heads_kv, device):
+    """A varlen FP8 kernel against each sequence's float64 reference (``reference``), the error at most
+    twice the emulation's over all sequences, the output poisoned with NaN first."""
+    q, k, v, _, _, _ = inputs(1, sum(lengths_q), sum(lengths_k), heads_q, heads_kv, head_dim, device)
+    q, k, v = q[0], k[0], v[0]
+    batch = len(lengths_q)
+    generator = torch.Generator().manual_seed(1)
+    qd, kd, vd = ((torch.rand(batch, heads_kv, generator=generator) + 0.5).to(device) for _ in range(3))
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32, device=device)
+                  for n in (lengths_q, lengths_k))
+    scale = head_dim ** -0.5
+    out = torch.full(q.shape, math.nan, dtype=torch.bfloat16, device=device)
+    out, lse = kernel(q, k, v, cu_q, cu_k, max(lengths_q), qd, kd, vd, softmax_scale=scale, return_lse=True, out=out)
+    assert not out.isnan().any()
+    error = emulation_error = 0.0
+    for b in range(batch):
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        one = [t[None] for t in (q[rows], k[keys], v[keys])] + [d[b:b + 1] for d in (qd, kd, vd)]
+        ref, ref_lse = reference(*one, scale, causal)
+        if ref.numel():
+            error = max(error, (out[rows].double() - ref[0]).abs().max().item())
+            emulation_error = max(emulation_error, (emulation(*one, scale, causal)[0].double() - ref[0]).abs().max().item())
+            seen = torch.isfinite(ref_lse[0])
+            assert torch.equal(torch.isfinite(lse[:, rows]), seen.to(lse.device))
+            assert (lse[:, rows].double()[seen] - ref_lse[0][seen]).abs().max().item() < 1e-3
+    assert 0 < error <= 2 * emulation_error, (error, emulation_error)
+    return error, emulation_error
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_fp8_varlen_program_on_the_cpu(causal):
+    """The packed sequences (an empty one, more queries than keys, tails) against each one's reference."""
+    check_varlen(Fp8VarlenKernel(64, causal, "cpu"), 64, causal, [37, 0, 100, 20], [50, 20, 130, 9], 4, 2, "cpu")
+
+
 def test_fp8_descales_default_to_one():
     kernel = Fp8Kernel(64, False, "cpu")
     q, k, v, *_ = inputs(1, 20, 30, 2, 1, 64, "cpu")
@@ -234,6 +268,17 @@ def test_fp8_sm90_builds_without_spills(head_dim, causal):
 
 @pytest.mark.nvcc
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_fp8_sm90_varlen_builds_without_spills(head_dim):
+    from test_decode_schedules import ptxas_report
+
+    for name, lines in ptxas_report(Fp8VarlenKernel(head_dim, True, "sm90").source(heads_q=4, heads_kv=2),
+                                    "sm_90a").items():
+        assert "0 bytes stack frame, 0 bytes spill stores" in lines, (name, lines)
+
+
+@pytest.mark.nvcc
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
 @pytest.mark.parametrize("head_dim,variant", [(d, name) for d, named in sorted(FP8_VARIANTS.items()) for name in named])
 def test_fp8_sm90_variants_build_without_spills(head_dim, variant):
     from test_decode_schedules import ptxas_report
@@ -262,8 +307,10 @@ def test_fp8_refusals():
     with pytest.raises(NotImplementedError, match="head_dim"):
         Fp8Kernel(96, False, "sm90")
     cu = torch.tensor([0, 16], dtype=torch.int32)
-    with pytest.raises(NotImplementedError, match="varlen"):
+    with pytest.raises(NotImplementedError, match="sm90"):
         tvmflash.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 16, 16)
+    with pytest.raises(NotImplementedError, match="block_table"):
+        tvmflash.flash_attn_varlen_func(q[0], k, v, cu, cu, 16, 16, block_table=torch.zeros(1, 1, dtype=torch.int32))
     with pytest.raises(NotImplementedError, match="FP8"):
         tvmflash.flash_attn_with_kvcache(q, k, v)
     with pytest.raises(NotImplementedError, match="flash_attn_func"):  # the other entry points name the one that serves
@@ -308,6 +355,30 @@ def test_fp8_forward_on_sm90(head_dim, causal, shape):
 
     error, emulation_error = check_against_reference(run, shape, head_dim, causal, "cuda")
     print(f"fp8 d{head_dim} {'causal' if causal else 'full'} {shape}: max error {error:.3g}, "
+          f"emulation's {emulation_error:.3g}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_fp8_varlen_on_sm90(head_dim, causal):
+    """flash_attn_varlen_func in FP8 against each sequence's float64 reference."""
+    if not _sm90():
+        pytest.skip("needs an sm90 GPU (H100, H200)")
+
+    def call(q, k, v, cu_q, cu_k, max_q, qd, kd, vd, softmax_scale, return_lse, out):
+        kernel = fp8_kernel(head_dim, causal, None, varlen=True)
+        out, lse = kernel(q, k, v, cu_q, cu_k, max_q, qd, kd, vd, softmax_scale=softmax_scale, return_lse=True,
+                          out=out)
+        public, public_lse, _ = tvmflash.flash_attn_varlen_func(
+            q, k, v, cu_q, cu_k, max_q, 0, softmax_scale=softmax_scale, causal=causal, q_descale=qd, k_descale=kd,
+            v_descale=vd, return_attn_probs=True)
+        assert torch.equal(public, out) and torch.equal(public_lse, lse)
+        return out, lse
+
+    error, emulation_error = check_varlen(call, head_dim, causal, [300, 0, 517, 129, 1000], [517, 64, 300, 1000, 1000],
+                                          8, 2, "cuda")
+    print(f"fp8 varlen d{head_dim} {'causal' if causal else 'full'}: max error {error:.3g}, "
           f"emulation's {emulation_error:.3g}")
 
 

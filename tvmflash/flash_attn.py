@@ -115,8 +115,9 @@ def _is_fp8(*tensors) -> bool:
 
 
 def _fp8_forward(q, k, v, q_descale, k_descale, v_descale, *, dropout_p, softmax_scale, causal, window_size, softcap,
-                 alibi_slopes, return_attn_probs, sinks):
-    """flash_attn_func in FP8 (``kernels.fp8.Fp8Kernel``): what it does not cover raises NotImplementedError."""
+                 alibi_slopes, return_attn_probs, sinks, packed=None):
+    """flash_attn_func in FP8 (``kernels.fp8.Fp8Kernel``; packed: varlen's (cu_seqlens_q, cu_seqlens_k,
+    max_seqlen_q), ``Fp8VarlenKernel``): what it does not cover raises NotImplementedError."""
     from tvmflash import target as targets
     from tvmflash.kernels.fp8 import fp8_kernel
 
@@ -135,15 +136,17 @@ def _fp8_forward(q, k, v, q_descale, k_descale, v_descale, *, dropout_p, softmax
         raise NotImplementedError(f"the FP8 forward runs on sm90 (H100, H200) alone, not on {q.device}"
                                   + (f" (sm{''.join(map(str, torch.cuda.get_device_capability(q.device)))})"
                                      if q.device.type == "cuda" else ""))
-    kernel = fp8_kernel(q.shape[-1], causal, targets.cuda_device_target(q.device.index))
+    kernel = fp8_kernel(q.shape[-1], causal, targets.cuda_device_target(q.device.index), varlen=packed is not None)
     with torch.cuda.device(q.device):
-        out, lse = kernel(q, k, v, q_descale, k_descale, v_descale, softmax_scale=softmax_scale, return_lse=True)
+        out, lse = kernel(q, k, v, *(packed or ()), q_descale, k_descale, v_descale, softmax_scale=softmax_scale,
+                          return_lse=True)
     return (out, lse, None) if return_attn_probs else out
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           deterministic=False, return_attn_probs=False, block_table=None, sinks=None):
+                           deterministic=False, return_attn_probs=False, block_table=None, sinks=None,
+                           q_descale=None, k_descale=None, v_descale=None):
     """:func:`flash_attn_func` of sequences packed without padding (flash-attn 2's varlen).
 
     q: (total_q, nheads, headdim); k, v: (total_k, nheads_k, headdim); cu_seqlens_q, cu_seqlens_k:
@@ -161,9 +164,17 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     dropout_p as :func:`flash_attn_func`'s (each sequence's entries by its own positions); with it and
     return_attn_probs, S_dmask is float32 (batch, nheads, max_seqlen_q, max_seqlen_k), sequence b's
     entries first in its rows and columns, the rest 0. sinks: float32 (nheads,), as :func:`flash_attn_func`'s.
+
+    FP8 as :func:`flash_attn_func`'s, the descales (batch, nheads_k) with batch the number of sequences
+    (``kernels.fp8.Fp8VarlenKernel``); without ``block_table``.
     """
-    if _is_fp8(q, k, v):
-        raise NotImplementedError("flash_attn_varlen_func in FP8: not yet (flash_attn_func takes FP8 on sm90)")
+    if _is_fp8(q, k, v, q_descale, k_descale, v_descale):
+        if block_table is not None:
+            raise NotImplementedError("flash_attn_varlen_func in FP8 with block_table (a paged FP8 cache): not yet")
+        return _fp8_forward(q, k, v, q_descale, k_descale, v_descale, dropout_p=dropout_p, softmax_scale=softmax_scale,
+                            causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                            return_attn_probs=return_attn_probs, sinks=sinks,
+                            packed=(cu_seqlens_q, cu_seqlens_k, check_max_seqlen("max_seqlen_q", max_seqlen_q)))
     dropout_p, return_attn_probs = check_flash_attn_options(dropout_p, causal=causal, deterministic=deterministic,
                                                             return_attn_probs=return_attn_probs)[::3]
     if block_table is not None:

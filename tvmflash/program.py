@@ -138,10 +138,11 @@ class AttentionSpec:
                                  "them into the mods)")
         if self.fp8:
             others = [name for name, on in (("window", self.window_left >= 0 or self.window_right >= 0),
-                      ("softcap", self.softcap > 0), ("alibi", self.alibi), ("varlen", self.varlen),
-                      ("dropout", self.dropout), ("flex", self.flex is not None), ("sinks", self.sinks)) if on]
+                      ("softcap", self.softcap > 0), ("alibi", self.alibi), ("dropout", self.dropout),
+                      ("flex", self.flex is not None), ("sinks", self.sinks)) if on]
             if others:
-                raise NotImplementedError(f"dtype {FP8}: the FP8 forward takes causal and GQA only, got {others}")
+                raise NotImplementedError(f"dtype {FP8}: the FP8 forward takes causal, GQA and varlen only, got "
+                                          f"{others}")
             if self.head_dim % FP8_HEAD_DIM_MULTIPLE:
                 raise ValueError(f"dtype {FP8}: head_dim must be a multiple of {FP8_HEAD_DIM_MULTIPLE}, got "
                                  f"{self.head_dim}")
@@ -159,7 +160,8 @@ def output_dtype(spec: AttentionSpec) -> str:
 
 def fp8_arguments(spec: AttentionSpec, batch, heads_kv):
     """With FP8, three more parameters of the PrimFunc being parsed, last: ``q_descale``, ``k_descale``
-    and ``v_descale``, float32 (batch, heads_kv), compact (FlashAttention-3's); None without."""
+    and ``v_descale``, float32 (batch, heads_kv), compact (FlashAttention-3's; varlen: batch the number of
+    sequences); None without."""
     if not spec.fp8:
         return None
     descales = []
@@ -175,7 +177,9 @@ def fp8_v_shape(spec: AttentionSpec, batch, seqlen_k, heads_kv, head_dim):
     """V's shape: flash-attn's (batch, seqlen_k, heads_kv, head_dim), or with FP8 transposed, (batch,
     heads_kv, head_dim, keys) with keys contiguous (e4m3 wgmma reads both operands K-major, and P V sums
     over the keys) and ``keys`` a length of its own, at least the K/V tiles' rows the program visits,
-    zero past seqlen_k (``attention_forward``: FP8's V tiles are read unmasked)."""
+    zero past seqlen_k (``attention_forward``: FP8's V tiles are read unmasked). varlen: (1, heads_kv,
+    head_dim, keys), the packed sequences' keys, a tile past a sequence's end reading the next one's (P is
+    0 there, as where the sm90 TMA boxes read them) and the last one's padding."""
     if not spec.fp8:
         return (batch, seqlen_k, heads_kv, head_dim)
     keys = T.int32()

@@ -8,8 +8,9 @@ and with sinks one more after those (``sinks_argument``; a flex kernel's capture
 With FP8 (``spec.fp8``, FlashAttention-3's e4m3 forward) q and k are e4m3, V is e4m3 and transposed, out is
 bf16, and three descales come last (``program.fp8_arguments``):
     v:            (batch, heads_kv, head_dim, keys)   e4m3, keys contiguous; keys >= the visited K/V tiles'
-                                                      rows, zero from seqlen_k on (its tiles are read unmasked)
-    q_descale, k_descale, v_descale: (batch, heads_kv) float32
+                                                      rows, zero from seqlen_k on (its tiles are read unmasked;
+                                                      varlen: ``program.fp8_v_shape``)
+    q_descale, k_descale, v_descale: (batch, heads_kv) float32 (varlen: batch the sequences)
 The scores are q·k · q_descale · k_descale · softmax_scale (the LSE too), P is cast to e4m3 for P V, and
 the output is multiplied by v_descale.
 
@@ -146,7 +147,7 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_ti
         Dropout_ = T.meta_var(dropout_arguments(spec))  # parameters with dropout only
         Sinks_ = T.meta_var(sinks_argument(spec, HQ))  # with sinks only
         Flex_ = T.meta_var(flex_arguments(spec))  # a score_mod's and mask_mod's captured tensors, with flex only
-        Descales_ = T.meta_var(fp8_arguments(spec, batch, HKV))  # q, k, v descales, with FP8 only
+        Descales_ = T.meta_var(fp8_arguments(spec, sequence_count(Packed_, batch), HKV))  # with FP8 only
         Q = T.decl_buffer((batch, seqlen_q, HQ, D), dtype, data=Q_in.data, strides=aligned_strides(Q_in, stride_alignment))
         K = T.decl_buffer((batch, seqlen_k, HKV, D), dtype, data=K_in.data, strides=aligned_strides(K_in, stride_alignment))
         V = T.decl_buffer(v_shape, dtype, data=V_in.data, strides=aligned_strides(V_in, stride_alignment))
@@ -230,7 +231,7 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_ti
                             for j, d in T.grid(BN, D):
                                 with T.sblock("load_v"):
                                     vj, vd = T.axis.remap("SS", [j, d])
-                                    Vt[vj, vd] = V[seq.batch, vh // group, vd, tile * BN + vj]
+                                    Vt[vj, vd] = V[seq.batch, vh // group, vd, seq.k_row(tile * BN + vj)]
                         else:
                             for j, d in T.grid(BN, D):
                                 with T.sblock("load_v"):
