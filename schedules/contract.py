@@ -218,6 +218,17 @@ class ProgramSchedule:
 
 
 @dataclass(frozen=True)
+class Fp8Forward:
+    """A schedule's FP8 (e4m3) forward (``program_forward`` with ``AttentionSpec.fp8``): the knobs at a
+    head_dim (``knobs(head_dim)``, a NotImplementedError where it has none: not tuned yet, so no
+    ``KnobSet``), ``apply(sch, **knobs)``, and the head_dims it serves."""
+
+    knobs: Callable[[int], dict]
+    apply: Callable
+    head_dims: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class Schedule:
     """One architecture's schedule: its name (in tuning records and cache keys), the target kind and
     compute capabilities it runs on (``compute_capabilities``: those alone; ``min_compute_capability``:
@@ -232,7 +243,7 @@ class Schedule:
     permission for the tile state), True if the host allows it. sources: the modules whose code shapes
     its builds (the cache key's). fallback: it serves what the schedules before it do not, slower (SIMT
     on a GPU, with no tensor cores): the torch API pads a head_dim to one that a schedule before it serves
-    rather than run it (``choice.head_dim_to_run``)."""
+    rather than run it (``choice.head_dim_to_run``). fp8_forward: its FP8 forward (``Fp8Forward``), or None."""
 
     name: str
     target_kind: str
@@ -252,6 +263,7 @@ class Schedule:
     prepare: Callable[[], bool] = lambda: True
     sources: tuple = ()
     fallback: bool = False
+    fp8_forward: Fp8Forward | None = None  # the FP8 forward, where the schedule maps it (sm90)
 
     def program(self, name: str) -> ProgramSchedule | None:
         """The ``ProgramSchedule`` of "forward", "backward" or "decode" (None: not mapped)."""

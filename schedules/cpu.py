@@ -9,7 +9,7 @@ import tvm
 
 from . import common
 from .common import read_index
-from .contract import TILE, DecodeTasks, Knob, KnobSet, ProgramSchedule, Schedule
+from .contract import TILE, DecodeTasks, Fp8Forward, Knob, KnobSet, ProgramSchedule, Schedule
 
 # ------------------------------------------------------------------------------------------------
 # knobs: the forward's, the backward's and the decode's
@@ -182,6 +182,9 @@ def schedule_decode(sch: tvm.s_tir.Schedule, *, query_tokens: int, block_n: int,
 SCHEDULE = Schedule(
     name="cpu", target_kind="llvm", dtypes=("float16", "bfloat16", "float32"),
     forward=ProgramSchedule(FORWARD, schedule),
+    # the FP8 program on the CPU (LLVM converts e4m3 in software): a check of the program for the tests
+    # (``kernels.fp8.Fp8Kernel``); the torch API runs FP8 on sm90 alone
+    fp8_forward=Fp8Forward(lambda head_dim: FORWARD.defaults(head_dim, False), schedule, tuple(range(16, 257, 16))),
     backward=ProgramSchedule(BACKWARD, schedule_backward),
     decode=ProgramSchedule(DECODE, schedule_decode, tasks=DecodeTasks()),
     sources=(sys.modules[__name__], common),

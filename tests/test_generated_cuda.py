@@ -8,8 +8,8 @@ until the hashes are updated, in the same commit, with
 
 and the commit message says what changed in the CUDA and why. The configurations are the forward's
 defaults at head_dim 64/128/256, causal or not, on sm80 and sm90, plus the main knob variants, and
-the tensor-core backward's defaults measured on the H200 (``BACKWARD_CONFIGS``), and flash-attn's score
-variants, softcap and ALiBi (``VARIANT_CONFIGS``); heads 4/2 as the
+the tensor-core backward's defaults measured on the H200 (``BACKWARD_CONFIGS``), flash-attn's score
+variants, softcap and ALiBi (``VARIANT_CONFIGS``), and the FP8 forward's (``FP8_CONFIGS``); heads 4/2 as the
 other cross-compile tests build them (so most modules are shared with those tests in one run).
 """
 
@@ -71,6 +71,12 @@ VARIANT_CONFIGS = {
 }
 CONFIGS.update({name: None for name in BACKWARD_CONFIGS})
 CONFIGS.update({name: None for name in VARIANT_CONFIGS})
+# name: (target, head_dim, causal) of the FP8 forward (``kernels.fp8.Fp8Kernel``) with its defaults
+FP8_CONFIGS = {
+    "fp8-sm90-d128-full": ("sm90", 128, False),
+    "fp8-sm90-d128-causal": ("sm90", 128, True),
+}
+CONFIGS.update({name: None for name in FP8_CONFIGS})
 
 
 @contextlib.contextmanager
@@ -90,6 +96,11 @@ def source(name: str) -> str:
         program, target, head_dim, dtype, variant = VARIANT_CONFIGS[name]
         compile_ = tvmflash.compile_backward if program == "backward" else tvmflash.compile
         return compile_(head_dim=head_dim, dtype=dtype, target=target, **variant).source(heads_q=4, heads_kv=2)
+    if name in FP8_CONFIGS:
+        from tvmflash.kernels.fp8 import Fp8Kernel
+
+        target, head_dim, causal = FP8_CONFIGS[name]
+        return Fp8Kernel(head_dim, causal, target).source(heads_q=4, heads_kv=2)
     if name in BACKWARD_CONFIGS:
         target, head_dim, dtype, causal = BACKWARD_CONFIGS[name]
         # the pins cover kernels awaiting their GPU check too (``ProgramSchedule.unchecked_head_dims``)

@@ -43,7 +43,8 @@ from tvmflash.ops import attention, decode_kernel_for, varlen_attention
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                    alibi_slopes=None, deterministic=False, return_attn_probs=False, sinks=None):
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False, sinks=None, q_descale=None,
+                    k_descale=None, v_descale=None):
     """Attention of q over k, v in flash-attn's layout.
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim) with nheads
@@ -60,7 +61,18 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     sinks (gpt-oss's learnable attention sinks), float32 (nheads,): a logit per query head in each row's
     softmax denominator, unscaled, with no value (:func:`tvmflash.attention`); softmax_lse includes it;
     sinks.grad where it requires grad.
+
+    FP8 (FlashAttention-3's e4m3 forward, on sm90 alone): q, k, v torch.float8_e4m3fn and q_descale,
+    k_descale, v_descale float32 (batch, nheads_k) (None: ones). The scores are q·k · q_descale ·
+    k_descale · softmax_scale, P is quantised to e4m3 for P V, and the output, bf16, is multiplied by
+    v_descale; softmax_lse is that of the descaled scores. headdim 64, 128 or 256; causal or not, GQA.
+    Forward only: tensors that require grad, dropout, a window, softcap, ALiBi, sinks, another GPU or the
+    CPU raise NotImplementedError (``_fp8_forward``).
     """
+    if _is_fp8(q, k, v, q_descale, k_descale, v_descale):
+        return _fp8_forward(q, k, v, q_descale, k_descale, v_descale, dropout_p=dropout_p, softmax_scale=softmax_scale,
+                            causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                            return_attn_probs=return_attn_probs, sinks=sinks)
     dropout_p, return_attn_probs = check_flash_attn_options(dropout_p, causal=causal, deterministic=deterministic,
                                                             return_attn_probs=return_attn_probs)[::3]
     dropout_p, seed = resolve_dropout(dropout_p, None, *_draw_for(q, q.shape[0] if _dims(q, 4) else 0))
@@ -96,9 +108,45 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
                            deterministic, return_attn_probs, sinks)
 
 
+def _is_fp8(*tensors) -> bool:
+    """Does a call ask for the FP8 forward (an e4m3 tensor or a descale among its arguments)?"""
+    return any(t is not None for t in tensors[3:]) or any(
+        isinstance(t, torch.Tensor) and t.dtype == torch.float8_e4m3fn for t in tensors[:3])
+
+
+def _fp8_forward(q, k, v, q_descale, k_descale, v_descale, *, dropout_p, softmax_scale, causal, window_size, softcap,
+                 alibi_slopes, return_attn_probs, sinks, packed=None):
+    """flash_attn_func in FP8 (``kernels.fp8.Fp8Kernel``; packed: varlen's (cu_seqlens_q, cu_seqlens_k,
+    max_seqlen_q), ``Fp8VarlenKernel``): what it does not cover raises NotImplementedError."""
+    from tvmflash import target as targets
+    from tvmflash.kernels.fp8 import fp8_kernel
+
+    causal, return_attn_probs = check_flag("causal", causal), check_flag("return_attn_probs", return_attn_probs)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float8_e4m3fn:
+            raise TypeError(f"{name}: FP8 (descales given, or an e4m3 tensor) needs q, k and v all "
+                            f"torch.float8_e4m3fn, got {getattr(t, 'dtype', type(t).__name__)}")
+    others = [name for name, on in (("dropout_p", dropout_p not in (0, 0.0, None)),
+                                    ("window_size", tuple(window_size) != (-1, -1)),
+                                    ("softcap", softcap not in (0, 0.0, None)), ("alibi_slopes", alibi_slopes is not None),
+                                    ("sinks", sinks is not None)) if on]
+    if others:
+        raise NotImplementedError(f"the FP8 forward takes causal and GQA only, not {', '.join(others)}")
+    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
+        raise NotImplementedError(f"the FP8 forward runs on sm90 (H100, H200) alone, not on {q.device}"
+                                  + (f" (sm{''.join(map(str, torch.cuda.get_device_capability(q.device)))})"
+                                     if q.device.type == "cuda" else ""))
+    kernel = fp8_kernel(q.shape[-1], causal, targets.cuda_device_target(q.device.index), varlen=packed is not None)
+    with torch.cuda.device(q.device):
+        out, lse = kernel(q, k, v, *(packed or ()), q_descale, k_descale, v_descale, softmax_scale=softmax_scale,
+                          return_lse=True)
+    return (out, lse, None) if return_attn_probs else out
+
+
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           deterministic=False, return_attn_probs=False, block_table=None, sinks=None):
+                           deterministic=False, return_attn_probs=False, block_table=None, sinks=None,
+                           q_descale=None, k_descale=None, v_descale=None):
     """:func:`flash_attn_func` of sequences packed without padding (flash-attn 2's varlen).
 
     q: (total_q, nheads, headdim); k, v: (total_k, nheads_k, headdim); cu_seqlens_q, cu_seqlens_k:
@@ -116,7 +164,17 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     dropout_p as :func:`flash_attn_func`'s (each sequence's entries by its own positions); with it and
     return_attn_probs, S_dmask is float32 (batch, nheads, max_seqlen_q, max_seqlen_k), sequence b's
     entries first in its rows and columns, the rest 0. sinks: float32 (nheads,), as :func:`flash_attn_func`'s.
+
+    FP8 as :func:`flash_attn_func`'s, the descales (batch, nheads_k) with batch the number of sequences
+    (``kernels.fp8.Fp8VarlenKernel``); without ``block_table``.
     """
+    if _is_fp8(q, k, v, q_descale, k_descale, v_descale):
+        if block_table is not None:
+            raise NotImplementedError("flash_attn_varlen_func in FP8 with block_table (a paged FP8 cache): not yet")
+        return _fp8_forward(q, k, v, q_descale, k_descale, v_descale, dropout_p=dropout_p, softmax_scale=softmax_scale,
+                            causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                            return_attn_probs=return_attn_probs, sinks=sinks,
+                            packed=(cu_seqlens_q, cu_seqlens_k, check_max_seqlen("max_seqlen_q", max_seqlen_q)))
     dropout_p, return_attn_probs = check_flash_attn_options(dropout_p, causal=causal, deterministic=deterministic,
                                                             return_attn_probs=return_attn_probs)[::3]
     if block_table is not None:
@@ -317,6 +375,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     are not checked (that would wait for the device): the kernel clamps them to the cache (a leftpad
     to 0 ... its sequence's length), so it never reads outside it.
     """
+    if _is_fp8(q, k_cache, v_cache):
+        raise NotImplementedError("flash_attn_with_kvcache over an FP8 (e4m3) cache: not yet")
     return_softmax_lse = check_flag("return_softmax_lse", return_softmax_lse)
     rotary_interleaved = check_flag("rotary_interleaved", rotary_interleaved)
     variant = resolve_variant(causal, window_size, softcap, alibi_slopes is not None)  # checks causal too

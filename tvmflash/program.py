@@ -29,6 +29,11 @@ from tvmflash.lowering.annotations import RUNS_IF
 from tvmflash.program_flex import FlexMods, builtin_score
 
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32")
+# FP8 (FlashAttention-3's e4m3 forward): q, k, v in e4m3 with float32 descales of shape (batch, heads_kv),
+# the output in bf16 (``output_dtype``); the forward program alone takes it (``fp8_arguments``).
+FP8 = "float8_e4m3fn"
+FP8_OUTPUT = "bfloat16"
+FP8_HEAD_DIM_MULTIPLE = 16  # a 16-byte vector of e4m3
 # The programs take a head_dim that is a multiple of 8 (a 16-byte vector of fp16 or bf16, the unit the
 # schedules copy in) up to 256, flash-attn's largest. Which of them each schedule builds it declares
 # itself (``ProgramSchedule.head_dims``); the torch API zero-pads any head_dim from 1 to 256 to one the
@@ -105,8 +110,8 @@ class AttentionSpec:
         return self.softcap > 0 or self.alibi or (self.flex is not None and self.flex.score is not None)
 
     def __post_init__(self):
-        if self.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"dtype: expected one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
+        if self.dtype not in (*SUPPORTED_DTYPES, FP8):
+            raise ValueError(f"dtype: expected one of {(*SUPPORTED_DTYPES, FP8)}, got {self.dtype!r}")
         check_head_dim(self.head_dim)
         if self.heads_q < 1 or self.heads_kv < 1 or self.heads_q % self.heads_kv:
             raise ValueError(
@@ -131,6 +136,55 @@ class AttentionSpec:
             if others:
                 raise ValueError(f"flex: a score_mod or mask_mod takes no other variant, got {others} too (write "
                                  "them into the mods)")
+        if self.fp8:
+            others = [name for name, on in (("window", self.window_left >= 0 or self.window_right >= 0),
+                      ("softcap", self.softcap > 0), ("alibi", self.alibi), ("dropout", self.dropout),
+                      ("flex", self.flex is not None), ("sinks", self.sinks)) if on]
+            if others:
+                raise NotImplementedError(f"dtype {FP8}: the FP8 forward takes causal, GQA and varlen only, got "
+                                          f"{others}")
+            if self.head_dim % FP8_HEAD_DIM_MULTIPLE:
+                raise ValueError(f"dtype {FP8}: head_dim must be a multiple of {FP8_HEAD_DIM_MULTIPLE}, got "
+                                 f"{self.head_dim}")
+
+    @property
+    def fp8(self) -> bool:
+        """Are q, k and v e4m3 (FP8), with descales, and the output bf16?"""
+        return self.dtype == FP8
+
+
+def output_dtype(spec: AttentionSpec) -> str:
+    """The output's dtype: the inputs', or bf16 for FP8 (FlashAttention-3's)."""
+    return FP8_OUTPUT if spec.fp8 else spec.dtype
+
+
+def fp8_arguments(spec: AttentionSpec, batch, heads_kv):
+    """With FP8, three more parameters of the PrimFunc being parsed, last: ``q_descale``, ``k_descale``
+    and ``v_descale``, float32 (batch, heads_kv), compact (FlashAttention-3's; varlen: batch the number of
+    sequences); None without."""
+    if not spec.fp8:
+        return None
+    descales = []
+    for name in ("q_descale", "k_descale", "v_descale"):
+        handle = T.arg(f"{name}_handle", T.handle())
+        buffer = T.match_buffer(handle, (batch, heads_kv), "float32")
+        IRBuilder.name(name, buffer)
+        descales.append(buffer)
+    return tuple(descales)
+
+
+def fp8_v_shape(spec: AttentionSpec, batch, seqlen_k, heads_kv, head_dim):
+    """V's shape: flash-attn's (batch, seqlen_k, heads_kv, head_dim), or with FP8 transposed, (batch,
+    heads_kv, head_dim, keys) with keys contiguous (e4m3 wgmma reads both operands K-major, and P V sums
+    over the keys) and ``keys`` a length of its own, at least the K/V tiles' rows the program visits,
+    zero past seqlen_k (``attention_forward``: FP8's V tiles are read unmasked). varlen: (1, heads_kv,
+    head_dim, keys), the packed sequences' keys, a tile past a sequence's end reading the next one's (P is
+    0 there, as where the sm90 TMA boxes read them) and the last one's padding."""
+    if not spec.fp8:
+        return (batch, seqlen_k, heads_kv, head_dim)
+    keys = T.int32()
+    IRBuilder.name("v_keys", keys)
+    return (batch, heads_kv, head_dim, keys)
 
 
 def score_scale(spec: AttentionSpec, softmax_scale):

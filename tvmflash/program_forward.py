@@ -5,6 +5,15 @@
 and with sinks one more after those (``sinks_argument``; a flex kernel's captured tensors come last):
     sinks:        (heads_q,)                          float32, the sink logit of each query head
 
+With FP8 (``spec.fp8``, FlashAttention-3's e4m3 forward) q and k are e4m3, V is e4m3 and transposed, out is
+bf16, and three descales come last (``program.fp8_arguments``):
+    v:            (batch, heads_kv, head_dim, keys)   e4m3, keys contiguous; keys >= the visited K/V tiles'
+                                                      rows, zero from seqlen_k on (its tiles are read unmasked;
+                                                      varlen: ``program.fp8_v_shape``)
+    q_descale, k_descale, v_descale: (batch, heads_kv) float32 (varlen: batch the sequences)
+The scores are q·k · q_descale · k_descale · softmax_scale (the LSE too), P is cast to e4m3 for P V, and
+the output is multiplied by v_descale.
+
 With ``varlen`` (flash-attn's packed sequences) the arguments hold the rows of every sequence as one
 batch, and three more arguments, after softmax_scale, say where each sequence is:
     q, out: (1, total_q, heads_q, head_dim); k, v: (1, total_k, heads_kv, head_dim); lse: (1, heads_q, total_q)
@@ -23,8 +32,9 @@ from tvm.script import tirx as T
 
 from tvmflash import tvmscript
 from tvmflash.program import (LOG2E, NO_MAX, RESCALE_THRESHOLD, AttentionSpec, alibi_slope, alibi_slopes_argument,
-                              aligned_strides, block_visible, first_kv_block, flex_mask, has_mask_mod, initial_max,
-                              initial_sum, key_visible, kv_blocks_end, longest, runs_if, score_scale, sequence_count,
+                              aligned_strides, block_visible, first_kv_block, flex_mask, fp8_arguments, fp8_v_shape,
+                              has_mask_mod, initial_max, initial_sum, key_visible, kv_blocks_end, longest,
+                              output_dtype, runs_if, score_scale, sequence_count,
                               sequences, sink_buffer, sink_units, sinks_argument, strided_argument, transformed_score,
                               varlen_arguments)
 from tvmflash.program_dropout import dropout_arguments, dropout_scaled, dropout_tile, dropped
@@ -58,6 +68,8 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_ti
     HQ, HKV = spec.heads_q, spec.heads_kv
     group = HQ // HKV
     dtype = spec.dtype
+    out_dtype = output_dtype(spec)  # dtype, or bf16 for FP8
+    fp8 = spec.fp8
     f32 = "float32"
 
     def first_kv_tile(qb, seqlen_q, seqlen_k):
@@ -99,6 +111,17 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_ti
             return False
         return block_visible(spec, qb * BM, qb * BM + BM - 1, kb * BN, kb * BN + BN - 1, seqlen_q, seqlen_k)
 
+    def output_factor(v_scale):
+        """What the normalised output is multiplied by: 1, or V's descale (FP8)."""
+        return v_scale[0] if fp8 else T.float32(1)
+
+    def qk_scale(descales, b, h, softmax_scale):
+        """The running max's units: ``score_scale``, or with FP8 softmax_scale times the descales of q
+        and k (of batch b, query head h)."""
+        if not fp8:
+            return score_scale(spec, softmax_scale)
+        return softmax_scale * descales[0][b, h // group] * descales[1][b, h // group]
+
     @tvmscript.prim_func(s_tir=True)
     def main(
         q_handle: T.handle,
@@ -115,18 +138,21 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_ti
         # q, k, v and out with any strides (``strided_argument``), read through aligned views
         Q_in = T.meta_var(strided_argument(q_handle, (batch, seqlen_q, HQ, D), dtype, "q"))
         K_in = T.meta_var(strided_argument(k_handle, (batch, seqlen_k, HKV, D), dtype, "k"))
-        V_in = T.meta_var(strided_argument(v_handle, (batch, seqlen_k, HKV, D), dtype, "v"))
-        O_in = T.meta_var(strided_argument(out_handle, (batch, seqlen_q, HQ, D), dtype, "o"))
+        v_shape = T.meta_var(fp8_v_shape(spec, batch, seqlen_k, HKV, D))  # FP8: transposed
+        V_in = T.meta_var(strided_argument(v_handle, v_shape, dtype, "v"))
+        O_in = T.meta_var(strided_argument(out_handle, (batch, seqlen_q, HQ, D), out_dtype, "o"))
         LSE = T.match_buffer(lse_handle, (batch, HQ, seqlen_q), f32)
         Packed_ = T.meta_var(varlen_arguments(spec))  # parameters with varlen only
         AlibiSlopes = T.meta_var(alibi_slopes_argument(spec, sequence_count(Packed_, batch), HQ))  # with ALiBi only
         Dropout_ = T.meta_var(dropout_arguments(spec))  # parameters with dropout only
         Sinks_ = T.meta_var(sinks_argument(spec, HQ))  # with sinks only
         Flex_ = T.meta_var(flex_arguments(spec))  # a score_mod's and mask_mod's captured tensors, with flex only
+        Descales_ = T.meta_var(fp8_arguments(spec, sequence_count(Packed_, batch), HKV))  # with FP8 only
         Q = T.decl_buffer((batch, seqlen_q, HQ, D), dtype, data=Q_in.data, strides=aligned_strides(Q_in, stride_alignment))
         K = T.decl_buffer((batch, seqlen_k, HKV, D), dtype, data=K_in.data, strides=aligned_strides(K_in, stride_alignment))
-        V = T.decl_buffer((batch, seqlen_k, HKV, D), dtype, data=V_in.data, strides=aligned_strides(V_in, stride_alignment))
-        O = T.decl_buffer((batch, seqlen_q, HQ, D), dtype, data=O_in.data, strides=aligned_strides(O_in, stride_alignment))
+        V = T.decl_buffer(v_shape, dtype, data=V_in.data, strides=aligned_strides(V_in, stride_alignment))
+        O = T.decl_buffer((batch, seqlen_q, HQ, D), out_dtype, data=O_in.data,
+                          strides=aligned_strides(O_in, stride_alignment))
 
         for b, h, qb in T.grid(sequence_count(Packed_, batch), HQ, T.ceildiv(longest(Packed_, seqlen_q), BM)):
             with T.sblock("tile"):
@@ -156,8 +182,13 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_ti
                 scale2 = T.sblock_alloc_buffer((1,), f32)
                 sink = T.meta_var(sink_buffer(spec))  # with sinks only
 
-                with T.sblock("init_scale"):
-                    scale2[0] = score_scale(spec, softmax_scale) * T.float32(LOG2E)
+                v_scale = T.meta_var(T.sblock_alloc_buffer((1,), f32) if fp8 else None)  # the output's descale
+
+                with T.sblock("init_scale"):  # (FP8: the scale times the descales of q and k)
+                    scale2[0] = qk_scale(Descales_, vb, vh, softmax_scale) * T.float32(LOG2E)
+                if fp8:
+                    with T.sblock("init_v_scale"):
+                        v_scale[0] = Descales_[2][vb, vh // group]
                 if spec.sinks:
                     with T.sblock("init_sink"):
                         sink[0] = sink_units(spec, Sinks_, vh, softmax_scale)
@@ -196,14 +227,20 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_ti
                                     K[seq.batch, seq.k_row(tile * BN + vj), vh // group, vd],
                                     T.cast(0, dtype),
                                 )
-                        for j, d in T.grid(BN, D):
-                            with T.sblock("load_v"):
-                                vj, vd = T.axis.remap("SS", [j, d])
-                                Vt[vj, vd] = T.if_then_else(
-                                    tile * BN + vj < seq.seqlen_k,
-                                    V[seq.batch, seq.k_row(tile * BN + vj), vh // group, vd],
-                                    T.cast(0, dtype),
-                                )
+                        if fp8:  # V transposed and zero past seqlen_k (the caller's): unmasked
+                            for j, d in T.grid(BN, D):
+                                with T.sblock("load_v"):
+                                    vj, vd = T.axis.remap("SS", [j, d])
+                                    Vt[vj, vd] = V[seq.batch, vh // group, vd, seq.k_row(tile * BN + vj)]
+                        else:
+                            for j, d in T.grid(BN, D):
+                                with T.sblock("load_v"):
+                                    vj, vd = T.axis.remap("SS", [j, d])
+                                    Vt[vj, vd] = T.if_then_else(
+                                        tile * BN + vj < seq.seqlen_k,
+                                        V[seq.batch, seq.k_row(tile * BN + vj), vh // group, vd],
+                                        T.cast(0, dtype),
+                                    )
                         for i, j, d in T.grid(BM, BN, D):
                             with T.sblock("qk"):
                                 vi, vj, vd = T.axis.remap("SSR", [i, j, d])
@@ -292,8 +329,9 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_ti
                 for i in range(BM):
                     with T.sblock("inv_l"):  # one division per row, not per output element
                         vi = T.axis.spatial(BM, i)
-                        # A row that sees no key has l == 0: it gets 0, not 0/0.
-                        l_inv[vi] = T.if_then_else(l[vi] > T.float32(0), T.float32(1) / l[vi], T.float32(0))
+                        # A row that sees no key has l == 0: it gets 0, not 0/0. (FP8: times V's descale.)
+                        l_inv[vi] = T.if_then_else(l[vi] > T.float32(0), output_factor(v_scale) / l[vi],
+                                                   T.float32(0))
                 for i, d in T.grid(BM, D):
                     with T.sblock("store_o"):
                         vi, vd = T.axis.remap("SS", [i, d])
@@ -301,14 +339,14 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_ti
                         # (dropout's kept entries scaled by 1 / (1 - p) here, as flash-attn's epilogue
                         # does: a per-row block reads no argument, the GPU schedules derive its code)
                         O[seq.batch, seq.q_row(vqb * BM + vi), vh, vd] = T.cast(
-                            dropout_scaled(Dropout_, acc[vi, vd] * l_inv[vi]), dtype)
+                            dropout_scaled(Dropout_, acc[vi, vd] * l_inv[vi]), out_dtype)
                 for i in range(BM):
                     with T.sblock("store_lse"):
                         vi = T.axis.spatial(BM, i)
                         T.where(vqb * BM + i < seq.seqlen_q)
                         LSE[seq.batch, vh, seq.q_row(vqb * BM + vi)] = T.if_then_else(
                             l[vi] > T.float32(0),
-                            m[vi] * score_scale(spec, softmax_scale) + T.log(l[vi]),
+                            m[vi] * qk_scale(Descales_, vb, vh, softmax_scale) + T.log(l[vi]),
                             T.float32(-math.inf),
                         )
 

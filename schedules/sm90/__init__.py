@@ -12,22 +12,25 @@ One file per role:
     that put a tile or an accumulator there.
   * ``wgmma``: the wgmma tensor intrinsics and their matrix descriptors.
   * ``forward``: ``schedule``, the forward.
+  * ``forward_fp8``: ``schedule_fp8``, the FP8 (e4m3) forward (``SCHEDULE.fp8_forward``).
   * ``backward``: ``schedule_backward``, dkdv and dq.
 """
 
 import sys
 
 from .. import common, simt
-from ..contract import ProgramSchedule, Schedule, gpu_checked
+from ..contract import Fp8Forward, ProgramSchedule, Schedule, gpu_checked
 from .backward import schedule_backward
 from .forward import schedule
-from .knobs import (ASYNC_PROXY_OPERANDS, BACKWARD, BACKWARD_HEAD_DIMS, BACKWARD_UNCHECKED_HEAD_DIMS, DTYPES, FORWARD, HEAD_DIMS,
+from .forward_fp8 import schedule_fp8
+from .knobs import (ASYNC_PROXY_OPERANDS, BACKWARD, BACKWARD_HEAD_DIMS, BACKWARD_UNCHECKED_HEAD_DIMS, DTYPES, FORWARD,
+                    FP8_HEAD_DIMS, HEAD_DIMS, fp8_knobs,
                     HOIST_BLOCK_INDEX_CONDITIONS, PASS_CONFIG, PREFERRED_HEAD_DIMS, STRIDE_ALIGNMENT, kernel_attrs,
                     min_kv_tiles)
 from .layouts import acc_rows
 from .wgmma import wgmma_intrin_name
 
-__all__ = ["SCHEDULE", "acc_rows", "schedule", "schedule_backward", "wgmma_intrin_name"]
+__all__ = ["SCHEDULE", "acc_rows", "schedule", "schedule_backward", "schedule_fp8", "wgmma_intrin_name"]
 
 SCHEDULE = Schedule(
     name="sm90", target_kind="cuda", dtypes=DTYPES, compute_capabilities=(90,), stride_alignment=STRIDE_ALIGNMENT,
@@ -36,6 +39,7 @@ SCHEDULE = Schedule(
     forward=ProgramSchedule(FORWARD, schedule, head_dims=gpu_checked(HEAD_DIMS), preferred_head_dims=PREFERRED_HEAD_DIMS),
     backward=ProgramSchedule(BACKWARD, schedule_backward, head_dims=BACKWARD_HEAD_DIMS,
                              unchecked_head_dims=BACKWARD_UNCHECKED_HEAD_DIMS),
+    fp8_forward=Fp8Forward(fp8_knobs, schedule_fp8, FP8_HEAD_DIMS),
     # simt: the backward's delta and convert_dq run on its schedule
     sources=(sys.modules[__name__], common, simt),
 )

@@ -88,22 +88,23 @@ def _store_o_through_shared_memory(sch, head_dim, num_warpgroups, vec, swizzled,
     sch.vectorize(v)
 
 
-def _row_state_in_registers(sch, BN, num_warpgroups):
+def row_state_in_registers(sch, BN, num_warpgroups, rows=acc_rows, p_block=acc_block):
     """row_state "registers" (FA2's way, as sm80's): the per-row values (m, l, m_tile, m_new,
     alpha, l_tile, l_new, l_inv) in the registers of the quads that hold the rows, each lane a
     copy (``common.row_quad_map``); row max and row sum fold into them (quad mode of
     ``common.row_reduce_intrin``), the per-row blocks run on the quads (``common.quad_row_block``),
     and the K/V step has no barrier but those of the K/V tiles. store_lse reads the values back
-    through shared memory once, after the loop (``common.staged_row_block``)."""
+    through shared memory once, after the loop (``common.staged_row_block``). ``rows`` and ``p_block``: S's
+    layout for the row reductions and cast_p's thread binding (FP8's permuted ones: ``forward_fp8``)."""
     per_row = (("init_ml", 0), ("init_ml", 1), ("row_max", 0), ("alpha", 0), ("alpha", 1), ("row_sum", 0),
                ("merge_l", 0), ("inv_l", 0))  # m, l, m_tile, m_new, alpha, l_tile, l_new, l_inv
     for name, idx in per_row:
         sch.set_scope(name, idx, "local")
         sch.transform_layout(name, ("write", idx), row_quad_map)
     for name, op in (("row_max", "max"), ("row_sum", "sum")):
-        tensorize_row_reduce(sch, name, row_reduce_intrin(op, acc_rows(BN), "local"), num_warpgroups, WARPGROUP,
+        tensorize_row_reduce(sch, name, row_reduce_intrin(op, rows(BN), "local"), num_warpgroups, WARPGROUP,
                              quad_row_init(sch, WARPS_PER_WARPGROUP))
-    acc_block(sch, "cast_p", num_warpgroups)
+    p_block(sch, "cast_p", num_warpgroups)
     for name in ("init_ml", "alpha", "merge_l", "update_ml", "inv_l"):
         quad_row_block(sch, name, num_warpgroups, WARPS_PER_WARPGROUP)
     staged_row_block(sch, "store_lse", num_warpgroups, lambda sch, name: row_block(sch, name, num_warpgroups),
@@ -222,7 +223,7 @@ def schedule(
         acc_block(sch, name, num_warpgroups)
     scalars_local(sch)  # the scale in log2 units (and a sink): scalars the per-row blocks read
     if row_state == "registers":
-        _row_state_in_registers(sch, BN, num_warpgroups)
+        row_state_in_registers(sch, BN, num_warpgroups)
     else:
         _row_state_in_shared_memory(sch, BN, num_warpgroups)
     if num_stages > 1:  # last: it annotates kv_step's final children

@@ -436,3 +436,55 @@ BACKWARD_HEAD_DIMS = (64, 96, 128, 256)
 # head_dims whose backward has run on the CPU alone (its program against float64, nvcc without spills):
 # served only where TVMFLASH_GPU_UNCHECKED=1 asks until their GPU tests pass; none today
 BACKWARD_UNCHECKED_HEAD_DIMS = ()
+
+
+# The FP8 forward's knobs (``forward_fp8.schedule_fp8``), by head_dim: not tuned yet, so not a KnobSet.
+# Each K/V step's S takes block_n / 2 registers a thread and the output head_dim / 2 (float32); P in e4m3
+# block_n / 8.
+FP8_HEAD_DIMS = (64, 128, 256)
+FP8_FORWARD_KNOBS = {
+    64: {"block_m": 128, "num_warpgroups": 2, "block_n": 128, "num_stages": 2, "min_blocks_per_sm": 2,
+         "kv_copy": "cp.async"},
+    128: {"block_m": 128, "num_warpgroups": 2, "block_n": 128, "num_stages": 2, "min_blocks_per_sm": 1,
+          "kv_copy": "cp.async"},
+    256: {"block_m": 128, "num_warpgroups": 2, "block_n": 64, "num_stages": 2, "min_blocks_per_sm": 1,
+          "kv_copy": "cp.async"},
+}
+# Other FP8 knobs that ptxas builds without spills (3 stages spill at d64 and d128), for measuring against
+# the defaults (benchmarks/fp8_bench.py) and checked on the GPU with them (tests/test_fp8.py).
+FP8_VARIANTS = {
+    64: {},
+    # one block an SM at d128 (the default) runs its two warpgroups in step, a barrier a K/V step (cp.async): two
+    # or three blocks of one or two warpgroups let one block's softmax run under another's wgmma
+    128: {"bn64_mb2": {"block_n": 64, "min_blocks_per_sm": 2},
+          "bm64_mb2": {"block_m": 64, "num_warpgroups": 1, "min_blocks_per_sm": 2},
+          "bm64_bn64_mb3": {"block_m": 64, "num_warpgroups": 1, "block_n": 64, "min_blocks_per_sm": 3}},
+    256: {"bn128": {"block_n": 128},
+          "bm64_mb2": {"block_m": 64, "num_warpgroups": 1, "min_blocks_per_sm": 2}},
+}
+FP8_DTYPE = "float8_e4m3fn"
+
+
+def fp8_knobs(head_dim: int) -> dict:
+    """The FP8 forward's knobs at ``head_dim``; a NotImplementedError where it has none."""
+    if head_dim not in FP8_FORWARD_KNOBS:
+        raise NotImplementedError(f"the sm90 FP8 forward: head_dim {head_dim} is not built yet (it takes "
+                                  f"{FP8_HEAD_DIMS})")
+    return dict(FP8_FORWARD_KNOBS[head_dim])
+
+
+def fp8_problem(head_dim: int, dtype: str, knobs: dict) -> str | None:
+    """Why the FP8 forward does not build with these knobs, or None."""
+    if dtype != FP8_DTYPE:
+        return f"the sm90 FP8 forward takes {FP8_DTYPE}, got {dtype!r}"
+    if knobs["num_warpgroups"] * WG_ROWS != knobs["block_m"]:
+        return f"block_m ({knobs['block_m']}) must be 64 * num_warpgroups ({knobs['num_warpgroups']})"
+    if knobs["block_n"] % 32 or head_dim % 32:
+        return f"e4m3 wgmma sums over 32 at a time: block_n and head_dim must be multiples of 32, got " \
+               f"{knobs['block_n']} and {head_dim}"
+    if knobs["kv_copy"] != "cp.async":
+        return f"the sm90 FP8 forward copies its tiles by cp.async (no TMA yet), got kv_copy {knobs['kv_copy']!r}"
+    if knobs["num_stages"] not in (1, 2, 3):
+        return f"num_stages: expected 1, 2 or 3, got {knobs['num_stages']}"
+    return register_problem(head_dim, knobs["block_n"], WARPGROUP * knobs["num_warpgroups"],
+                            knobs["min_blocks_per_sm"])

@@ -182,3 +182,94 @@ def tile_in_shared_memory(sch, name, num_warpgroups, vec, swizzled, columns=SWIZ
         sch.transform_layout(name, ("write", 0), core_matrix_map)
         pad_core_matrix_stride(sch, name)
     _copy_along_rows(sch, name, num_warpgroups, vec)
+
+
+# ---- FP8 (e4m3) ------------------------------------------------------------------------------------
+# e4m3 wgmma (m64nNk32) reads A from registers in its own layout: thread 4 r8 + q of warp w holds, of
+# each k32 slice, rows 16 w + r8 (+ 8) and columns 4 q .. 4 q + 3 and 16 + 4 q .. 16 + 4 q + 3
+# (``fp8_a_index``), where the accumulator of S = Q K^T gives it columns 2 q, 2 q + 1 of each 8. So
+# the K tile's rows are permuted in shared memory (``fp8_key_row``): S's accumulator column r then
+# holds a key that the same thread holds in P's A fragment, P is cast in place (no shuffle), and V,
+# K-major in keys, stays in the keys' order. The softmax blocks see S in that permuted layout
+# (``fp8_acc_index_map``, ``bind_fp8_acc_threads``, ``fp8_acc_rows``).
+FP8_CHUNK = 16  # e4m3 elements in 16 bytes: a core matrix's row, a copy's vector
+FP8_CORE_MATRIX_ELEMENTS = 128  # 8 rows of 16 bytes
+
+
+def fp8_key_row(j):
+    """Key j of a K tile -> its row in shared memory, the column of S's accumulator that holds it: of
+    each 32 keys, j = 16 a + 4 q + 2 c + e goes to row 8 (2 a + c) + 2 q + e, which thread quad q holds
+    (``acc_layout``) and P's A fragment wants at thread quad q."""
+    a, q, c, e = j % 32 // 16, j % 16 // 4, j % 4 // 2, j % 2
+    return j // 32 * 32 + 8 * (2 * a + c) + 2 * q + e
+
+
+def fp8_acc_index_map(i, j):
+    """S's accumulator (block_m rows, keys) -> per-thread registers (warpgroup, register), key j at
+    accumulator column ``fp8_key_row(j)``. Not injective on purpose, as ``acc_index_map``."""
+    return (i // WG_ROWS, acc_layout(i % WG_ROWS, fp8_key_row(j))[1])
+
+
+def fp8_a_index(i, j):
+    """P (64 rows, keys) -> register of e4m3 wgmma's A fragment (PTX ISA "WGMMA .m64nNk32 register
+    fragment layout for matrix A"): of the k32 slice j // 32, element 4 r + b of the thread's four
+    32-bit registers r holds row 8 (r % 2) + its row, column 16 (r // 2) + 4 q + b."""
+    return j // 32 * 16 + 8 * (j % 32 // 16) + 4 * (i % 16 // 8) + j % 4
+
+
+def fp8_p_index_map(i, j):
+    """P in e4m3 (block_m rows, keys) -> per-thread registers (warpgroup, ``fp8_a_index``)."""
+    return (i // WG_ROWS, fp8_a_index(i % WG_ROWS, j))
+
+
+def bind_fp8_acc_threads(sch, block):
+    """``bind_acc_threads`` for S's permuted layout (``fp8_key_row``): thread 32 warp + 4 r8 + q runs
+    the keys 16 a + 4 q + 2 c + e of its rows."""
+    i, j = sch.get_loops(block)[-2:]
+    warp, half, r8 = sch.split(i, [4, 2, 8])
+    a, quad, c, e = sch.split(j, [None, 4, 2, 2])
+    sch.reorder(warp, r8, quad, a, c, half, e)
+    sch.bind(sch.fuse(warp, r8, quad), "threadIdx.x")
+    for loop in (a, c, half, e):
+        sch.unroll(loop)
+
+
+def fp8_acc_block(sch, name, num_warpgroups):
+    """``acc_block`` for a block over S's permuted layout."""
+    i = sch.get_loops(name)[-2]
+    split_warpgroups(sch, i, num_warpgroups)
+    bind_fp8_acc_threads(sch, name)
+
+
+def fp8_acc_rows(n: int) -> QuadRowLayout:
+    """``acc_rows`` of S's permuted layout: the same registers a thread, key j at column ``fp8_key_row(j)``."""
+    rows = acc_rows(n)
+    return QuadRowLayout(
+        key=f"wgmma_fp8_acc_64x{n}", shape=rows.shape, scope=rows.scope, n_rows=rows.n_rows, n_cols=n,
+        threads=rows.threads, element=lambda i, j: (acc_layout(i, fp8_key_row(j))[1],), row_tiles=rows.row_tiles,
+        col_tiles=rows.col_tiles, row=rows.row, row_slot=rows.row_slot, held=rows.held,
+        spread_stores=rows.spread_stores)
+
+
+def fp8_core_matrix_map(r, c):
+    """Row-major (rows, cols) e4m3 tile -> core matrices of 8 rows x 16 bytes (r//8, c//16, r%8, c%16),
+    K-major: the columns are the reduction's (``core_matrix_map``'s with 1-byte elements)."""
+    return (r // 8, c // FP8_CHUNK, r % 8, c % FP8_CHUNK)
+
+
+def fp8_tile_in_shared_memory(sch, name, num_warpgroups, layout, transposed=False, vec=FP8_CHUNK):
+    """The e4m3 tile that block ``name`` (loops: rows, cols) writes, in padded core matrices
+    (``layout(r, c)``, K-major), copied along its rows 16 bytes a thread; ``transposed``: the block's
+    loops are (keys, head_dim) of a tile read from a transposed tensor (V), so its copy runs along the
+    keys and the tile is K-major in the keys. ``vec``: elements a thread's copy moves (16 bytes, or 4
+    where the copy is no cp.async: CUDA code generation broadcasts e4m3 zeros to 4 lanes at most)."""
+    sch.set_scope(name, 0, "shared.dyn")
+    if transposed:
+        sch.transform_layout(name, ("write", 0), lambda j, d: fp8_core_matrix_map(d, j))
+        j, d = sch.get_loops(name)[-2:]
+        sch.reorder(d, j)
+    else:
+        sch.transform_layout(name, ("write", 0), layout)
+    # core matrices 16 bytes apart along a row, as ``pad_core_matrix_stride``
+    sch.storage_align(name, 0, axis=1, factor=FP8_CORE_MATRIX_ELEMENTS, offset=FP8_CHUNK)
+    _copy_along_rows(sch, name, num_warpgroups, vec)

@@ -250,3 +250,143 @@ def warpgroup_gemm(sch, name, num_warpgroups):
     init = sch.decompose_reduction(name, rows)
     bind_acc_threads(sch, init)
     return rows
+
+
+# ---- FP8 (e4m3) ------------------------------------------------------------------------------------
+def fp8_wgmma_intrin_name(n: int, k: int, a_regs: bool, fence_operands: bool = True,
+                          b_rows=None) -> str:
+    """Register (once) and name the intrinsic for a 64 x n x k GEMM on e4m3 wgmma (m64nNk32, float32
+    accumulator). Both shared-memory operands are K-major in 8 x 16-byte core matrices
+    (``layouts.fp8_core_matrix_map``; e4m3 wgmma has no transpose). A: the Q tile (the "ss" form,
+    its C S's permuted accumulator ``layouts.fp8_acc_index_map``, B the K tile with its rows at
+    ``layouts.fp8_key_row``), or with ``a_regs`` P in registers in the A fragment's layout
+    (``layouts.fp8_a_index``, "rs" form, C the output's accumulator, B the transposed V tile).
+    fence_operands: as ``wgmma_intrin_name``'s."""
+    name = f"tvmflash_wgmma_m64n{n}k{k}_e4m3_{'r' if a_regs else 's'}"
+    if not a_regs and not fence_operands:
+        name += "_unfenced"
+    try:
+        TensorIntrin.get(name)
+    except Exception:  # noqa: BLE001 - not registered yet
+        TensorIntrin.register(name, *_fp8_desc_impl(n, k, a_regs, fence_operands))
+    return name
+
+
+def _fp8_desc_impl(n, k, a_regs, fence_operands):
+    from tvm.script import tirx as T
+
+    from .layouts import FP8_CHUNK, fp8_a_index, fp8_key_row
+
+    if n % 8 or not 8 <= n <= 256 or k % 32:
+        raise ValueError(f"e4m3 wgmma: n must be a multiple of 8 in [8, 256] and k of 32, got n={n}, k={k}")
+    dtype = "float8_e4m3fn"
+    nr = n // 2
+    a_shape = (k // 2,) if a_regs else (8, k // FP8_CHUNK, 8, FP8_CHUNK)
+    a_scope = "local" if a_regs else "shared.dyn"
+    a_whole = tuple(slice(0, e) for e in a_shape)
+    b_shape = (n // 8, k // FP8_CHUNK, 8, FP8_CHUNK)
+    mma = getattr(getattr(T.ptx.wgmma.mma_async.sync.aligned, f"m64n{n}k32").f32.e4m3, "e4m3")
+
+    def a_at(A, vi, vk):
+        if a_regs:
+            return A[fp8_a_index(vi, vk)]
+        return A[vi // 8, vk // FP8_CHUNK, vi % 8, vk % FP8_CHUNK]
+
+    def b_at(B, vj, vk):  # the K tile's rows permuted ("ss"), V's in order ("rs")
+        row = vj if a_regs else fp8_key_row(vj)
+        return B[row // 8, vk // FP8_CHUNK, row % 8, vk % FP8_CHUNK]
+
+    def acc_reg(vi, vj):
+        return acc_layout(vi, vj if a_regs else fp8_key_row(vj))[1]
+
+    @tvmscript.prim_func(s_tir=True)
+    def desc(a: T.handle, b: T.handle, c: T.handle):
+        A = T.match_buffer(a, a_shape, dtype, offset_factor=1, scope=a_scope)
+        B = T.match_buffer(b, b_shape, dtype, offset_factor=1, scope="shared.dyn")
+        C = T.match_buffer(c, (nr,), "float32", offset_factor=1, scope="local")
+        with T.sblock("root"):
+            T.reads(C[0:nr], A[a_whole], B[0 : b_shape[0], 0 : b_shape[1], 0:8, 0:FP8_CHUNK])
+            T.writes(C[0:nr])
+            for i, j, kk in T.grid(64, n, k):
+                with T.sblock("update"):
+                    vi, vj, vk = T.axis.remap("SSR", [i, j, kk])
+                    C[acc_reg(vi, vj)] = C[acc_reg(vi, vj)] + T.cast(a_at(A, vi, vk), "float32") * T.cast(
+                        b_at(B, vj, vk), "float32")
+
+    def descriptor(X, offset, lbo, sbo):
+        # X's start and the operand's offset in 16-byte units (16 one-byte elements; always whole)
+        start = X.access_ptr("r", offset=-X.elem_offset)
+        return T.cuda.func_call("tvmflash_wgmma_descriptor", start, T.floordiv(X.elem_offset + offset, FP8_CHUNK),
+                                lbo, sbo, NO_SWIZZLE, source_code=_DESCRIPTOR, return_type="uint64")
+
+    def k_major(X, s0, s1, ks):
+        # a k32 slice is two core matrices along K; LBO: the K-direction core-matrix stride, SBO: 8 rows'
+        return descriptor(X, ks * 2 * s1, s1 // FP8_CHUNK, s0 // FP8_CHUNK)
+
+    if fence_operands:
+        @T.macro
+        def shared_operands_visible():
+            T.ptx.fence.proxy.async_.shared__cta()
+            T.tvm_storage_sync("shared")
+    else:
+        @T.macro
+        def shared_operands_visible():
+            T.evaluate(0)
+
+    @T.macro
+    def wgmma_begin(C):
+        for r in T.unroll(nr):
+            T.cuda.func_call("tvmflash_wgmma_reg_fence", C[r], source_code=REG_FENCE)
+
+    @T.macro
+    def wgmma_end(C):
+        T.ptx.wgmma.commit_group.sync.aligned()
+        T.ptx.wgmma.wait_group.sync.aligned(0)
+        for r in T.unroll(nr):
+            T.cuda.func_call("tvmflash_wgmma_reg_fence", C[r], source_code=REG_FENCE)
+
+    @tvmscript.prim_func(s_tir=True)
+    def impl_ss(a: T.handle, b: T.handle, c: T.handle):
+        sa0 = T.int32()
+        sa1 = T.int32()
+        sb0 = T.int32()
+        sb1 = T.int32()
+        A = T.match_buffer(a, a_shape, dtype, offset_factor=1, scope="shared.dyn", strides=[sa0, sa1, FP8_CHUNK, 1])
+        B = T.match_buffer(b, b_shape, dtype, offset_factor=1, scope="shared.dyn", strides=[sb0, sb1, FP8_CHUNK, 1])
+        C = T.match_buffer(c, (nr,), "float32", offset_factor=1, scope="local")
+        with T.sblock("root"):
+            T.reads(C[0:nr], A[a_whole], B[0 : b_shape[0], 0 : b_shape[1], 0:8, 0:FP8_CHUNK])
+            T.writes(C[0:nr])
+            for tx in T.thread_binding(WARPGROUP, thread="threadIdx.x"):
+                shared_operands_visible()
+                wgmma_begin(C)
+                T.ptx.wgmma.fence.sync.aligned()
+                for ks in T.unroll(k // 32):
+                    mma(*[C[r] for r in range(nr)], k_major(A, sa0, sa1, ks), k_major(B, sb0, sb1, ks),
+                        T.bool(True), 1, 1)
+                wgmma_end(C)
+
+    @tvmscript.prim_func(s_tir=True)
+    def impl_rs(a: T.handle, b: T.handle, c: T.handle):
+        sb0 = T.int32()
+        sb1 = T.int32()
+        A = T.match_buffer(a, a_shape, dtype, offset_factor=4, scope="local")
+        B = T.match_buffer(b, b_shape, dtype, offset_factor=1, scope="shared.dyn", strides=[sb0, sb1, FP8_CHUNK, 1])
+        C = T.match_buffer(c, (nr,), "float32", offset_factor=1, scope="local")
+        with T.sblock("root"):
+            T.reads(C[0:nr], A[a_whole], B[0 : b_shape[0], 0 : b_shape[1], 0:8, 0:FP8_CHUNK])
+            T.writes(C[0:nr])
+            for tx in T.thread_binding(WARPGROUP, thread="threadIdx.x"):
+                # A's registers as 32-bit words: word 4 ks + r of the k32 slice ks is elements
+                # 16 ks + 4 r .. 16 ks + 4 r + 3 of ``fp8_a_index`` (A's offset is a multiple of 4)
+                A32 = T.decl_buffer((k // 8,), "uint32", data=A.data, elem_offset=A.elem_offset // 4, scope="local")
+                wgmma_begin(C)
+                for r in T.unroll(k // 8):
+                    T.cuda.func_call("tvmflash_wgmma_reg_fence_u32", A32[r], source_code=REG_FENCE_U32)
+                T.ptx.wgmma.fence.sync.aligned()
+                for ks in T.unroll(k // 32):
+                    mma(*[C[r] for r in range(nr)], A32[4 * ks], A32[4 * ks + 1], A32[4 * ks + 2],
+                        A32[4 * ks + 3], k_major(B, sb0, sb1, ks), T.bool(True), 1, 1)
+                wgmma_end(C)
+
+    return desc, (impl_rs if a_regs else impl_ss)

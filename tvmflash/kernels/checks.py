@@ -28,6 +28,9 @@ def dtype_name(dtype) -> str:
     for name, torch_dtype in TORCH_DTYPES.items():
         if dtype in (name, torch_dtype):
             return name
+    if dtype in (program.FP8, getattr(torch, program.FP8, None)):
+        raise NotImplementedError("FP8 (e4m3): the forward alone, through flash_attn_func(q, k, v, q_descale=, "
+                                  "k_descale=, v_descale=) or kernels.fp8.Fp8Kernel (sm90)")
     raise TypeError(f"dtype: expected one of {list(TORCH_DTYPES)} or the torch dtype, got {dtype!r}")
 
 
