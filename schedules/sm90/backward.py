@@ -16,6 +16,7 @@ thread block a slice.
 from __future__ import annotations
 
 import tvm
+import tvm_ffi
 
 from tvmflash.lowering.annotations import (ATOMIC_ADD_PRAGMA, BULK_REDUCE_PRAGMA, BULK_REDUCE_WAIT_PRAGMA,
                                            DOUBLE_BUFFERED_PRAGMA, RUNS_IF, SWIZZLE_COLUMNS, TMA_LOAD, TMA_REDUCE_PRAGMA,
@@ -83,8 +84,8 @@ def _schedule_dkdv(sch: tvm.s_tir.Schedule, num_stages: int, vec: int, dq_atomic
     groups = _backward_warpgroups(rows, "keys (block_n · dkdv_slices)")
     if BM % 16 or D % 16:
         raise ValueError(f"knobs: the sm90 dkdv needs block_m and head_dim multiples of 16, got {BM} and {D}")
-    if persistent_blocks and (RUNS_IF in sch.get(sch.get_sblock("tile")).annotations or copy != "tma"):
-        raise ValueError("knobs: dkdv_persistent walks dense tiles copied by TMA (dkdv_copy 'tma'), not varlen's")
+    if persistent_blocks:
+        _check_persistent(sch, copy)
     staged = dkdv_grid(sch, dq_atomic, persistent_blocks)  # dsᵀ's copy to shared memory with dq_atomic
     tma = copy == "tma"
     # q and dout swizzled for TMA: 128-byte rows, or at d96 (no multiple of 64) 64-byte rows
@@ -111,6 +112,19 @@ def _schedule_dkdv(sch: tvm.s_tir.Schedule, num_stages: int, vec: int, dq_atomic
         _schedule_dq_share(sch, staged, groups, BM, share_columns, BN, dtype, ds_buffers, dq_reduce, overlap)
     if num_stages > 1:
         pipeline_loads(sch, num_stages, step="q_step", loads=("load_q", "load_do", "load_lse", "load_delta"))
+
+
+def _check_persistent(sch, copy):
+    """Why dkdv's tiles cannot be walked by persistent thread blocks (``dkdv_persistent``), as a ValueError:
+    the TMA lowering carries its pipeline across tiles (not cp.async's), every thread block's walk the same
+    shape (not varlen's tiles, each under its sequence's test), and a tile's step count an expression (not
+    a BlockMask's, read from memory once a thread block, before the producer's and consumers' branches)."""
+    loads = []
+    tvm_ffi.structural_walk(sch.get(sch.get_loops("q_step")[-1]).extent,
+                            (tvm.ir.expr.TensorLoad, lambda n: loads.append(n)))
+    if copy != "tma" or RUNS_IF in sch.get(sch.get_sblock("tile")).annotations or loads:
+        raise ValueError("knobs: dkdv_persistent walks dkdv's tiles with their TMA pipeline carried across them: it "
+                         f"needs dkdv_copy 'tma' (got {copy!r}), and takes neither varlen nor a BlockMask")
 
 
 def _schedule_dq_share(sch, staged, groups, BM, D, BN, dtype, ds_buffers=1, dq_reduce="atomic", overlap=False):

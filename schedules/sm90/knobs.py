@@ -370,6 +370,9 @@ def backward_build_problem(head_dim: int, dtype: str, knobs: dict) -> str | None
     if knobs.get("dkdv_persistent") and knobs["dkdv_copy"] != "tma":
         return ("dkdv_persistent carries the TMA pipeline's barriers from one tile into the next: it needs "
                 f"dkdv_copy 'tma', got {knobs['dkdv_copy']!r}")
+    if knobs.get("dkdv_persistent") and knobs["dkdv_slices"] > 1:
+        # ptxas at d256 (two slices, 255 registers a thread before the walk): 12 bytes of spill stores
+        return "dkdv_persistent spills with dkdv_slices > 1 (d256's dk and dv in slices): take dkdv_persistent False"
     if knobs["dq_reduce"] == "tma" and knobs["dkdv_copy"] != "tma":
         return "dq_reduce 'tma' adds dq's share by TMA, through the TMA lowering of dkdv's copies: it needs dkdv_copy 'tma'"
     slices = knobs["dkdv_slices"]

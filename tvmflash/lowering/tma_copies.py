@@ -62,6 +62,9 @@ from tvmflash.lowering.tma_plan import ISSUE_MARK, Plan, q_tile_visible, reads_t
 from tvmflash.lowering.tma_producer_warpgroup import split_warpgroups, walk_warpgroups
 from tvmflash.lowering.tma_reductions import reductions_on_tma
 from tvmflash.lowering.tma_tensor_maps import encode_tensor_maps
+from tvmflash.lowering.tvm_fixes import LAUNCH_BOUNDS_ATTRS
+
+MIN_BLOCKS_ATTR = LAUNCH_BOUNDS_ATTRS[0]  # tirx.launch_bounds_min_blocks_per_sm
 
 _WAIT_MARK, _RELEASED_MARK = "tvmflash.tma_wait", "tvmflash.tma_released"  # on the tile waits, during the pass
 
@@ -262,8 +265,13 @@ def lowered_to_tma(func: tirx.PrimFunc) -> tirx.PrimFunc:
             n.loop_var, n.min, n.extent + 1, n.kind, n.body, n.thread_binding, n.annotations)
             if n.thread_binding is not None and n.thread_binding.thread_tag == "threadIdx.y" else None)
     copies = len(find(body, CALL, _names_tma_issue))
-    return func.with_body(_after_declarations(body, encode_tensor_maps(plan), plan.tensor_maps)).with_attr(
+    func = func.with_body(_after_declarations(body, encode_tensor_maps(plan), plan.tensor_maps)).with_attr(
         TMA_COPIES_ATTR, copies)
+    if plan.persistent:  # a thread block an SM, said to ptxas: with __launch_bounds__(threads) alone it may leave
+        # the register count at the kernel's entry open and then ignore setmaxnreg (C7508), its consumers held to
+        # 65536 / threads registers (d64's dkdv spilled so)
+        func = func.with_attr(MIN_BLOCKS_ATTR, 1)
+    return func
 
 
 def _persistent_walk(plan, loop):
