@@ -256,7 +256,7 @@ def test_sm90_persistent_dkdv_builds_without_spills(head_dim, options):
     """dkdv_persistent compiles through ptxas with no stack frame and no spill, and ptxas keeps setmaxnreg (at
     d64 it ignored it, C7508, with ``__launch_bounds__(384)`` alone, and spilled at 168 registers). d96: thread
     0 issues the copies (no producer warpgroup)."""
-    from test_decode import ptxas_report
+    from conftest import ptxas_report
 
     kernel = tvmflash.compile_backward(head_dim=head_dim, dtype="bfloat16", target="sm90",
                                        knobs={"dkdv_persistent": True}, **options)
