@@ -307,10 +307,11 @@ def _persistent_walk(plan, loop):
     if plan.producer == "warpgroup":
         work, hoisted = walk_warpgroups(plan, stmts, k, walk)
         buffers += hoisted
-    else:
+    else:  # thread 0 issues and consumes: both of its counts from 0 a tile (equal at its end)
+        tile = tirx.SeqStmt([tirx.BufferStore(plan.issued, 0, [0]),
+                             unmarked(tirx.SeqStmt([*stmts[:k], *q_tile_visible(), *stmts[k:]]), ISSUE_MARK)])
         work = tirx.SeqStmt([tirx.IfThenElse(plan.is_producer(), tirx.SeqStmt(plan.barrier_init()), None),
-                             walk(plan.consumed, unmarked(tirx.SeqStmt([*stmts[:k], *q_tile_visible(), *stmts[k:]]),
-                                                          ISSUE_MARK))])
+                             walk(plan.consumed, tile)])
     start = tirx.SeqStmt([*[tirx.BufferStore(b, 0, [0]) for b in (plan.consumed, plan.issued, plan.phases)], work])
     return tvm.s_tir.SBlockRealize([], True, tvm.s_tir.SBlock([], [], [], "tile", start, None, buffers))
 
