@@ -9,7 +9,7 @@ import tvm
 import tvm_ffi
 
 from tvmflash import tvmscript
-from tvmflash.lowering.annotations import REVERSED
+from tvmflash.lowering.annotations import PERSISTENT_WALK, REVERSED
 
 
 def element_bytes(sch: tvm.s_tir.Schedule, block_name: str) -> int:
@@ -56,18 +56,48 @@ def bind_grid(sch: tvm.s_tir.Schedule) -> None:
     sch.bind(b, "blockIdx.z")
 
 
-def dkdv_grid(sch: tvm.s_tir.Schedule, dq_atomic: bool):
+def dkdv_grid(sch: tvm.s_tir.Schedule, dq_atomic: bool, persistent_blocks: int = 0):
     """What the tensor-core schedules of the backward's dkdv share: the steps over the GQA group's query
     heads and Q blocks as one loop; (batch, K/V head, K/V block) -> blockIdx.(z, y, x), so that with a
-    causal mask the first K/V blocks, which see the most Q blocks, start first; and with ``dq_atomic``
+    causal mask the first K/V blocks, which see the most Q blocks, start first (with ``persistent_blocks``,
+    that many thread blocks walk the tiles instead: ``persistent_walk``); and with ``dq_atomic``
     the copy of dsᵀ to shared memory that dq's share reads, made before ds takes its register layout
     (so that the copy keeps the logical one). Returns that copy's block, or None."""
     sch.fuse(*sch.get_loops("q_step")[-2:])
     b, hk, kb = sch.get_loops("tile")
-    sch.bind(kb, "blockIdx.x")
-    sch.bind(hk, "blockIdx.y")
-    sch.bind(b, "blockIdx.z")
+    if persistent_blocks:
+        persistent_walk(sch, persistent_blocks)
+    else:
+        sch.bind(kb, "blockIdx.x")
+        sch.bind(hk, "blockIdx.y")
+        sch.bind(b, "blockIdx.z")
     return sch.cache_read("dq", 0, "shared.dyn", consumer_blocks=["dq"]) if dq_atomic else None
+
+
+def steps_depend_on_kv_block(sch: tvm.s_tir.Schedule) -> bool:
+    """Does the number of steps of a dkdv tile depend on its K/V block (causal masks, windows)?"""
+    kv_block = sch.get(sch.get_sblock("tile")).iter_vars[2].var
+    extent = sch.get(sch.get_loops("q_step")[-1]).extent
+    found = []
+    tvm_ffi.structural_walk(extent, (type(kv_block), lambda v: found.append(v.same_as(kv_block))))
+    return any(found)
+
+
+def persistent_walk(sch: tvm.s_tir.Schedule, blocks: int) -> None:
+    """dkdv's (batch, K/V head, K/V block) tiles walked by ``blocks`` persistent thread blocks
+    (blockIdx.x), each taking every ``blocks``-th tile of one fused order (static striding), so that
+    no tile's start or end is a thread block's launch or exit, and the TMA lowering carries its
+    pipeline from one tile into the next (``annotations.PERSISTENT_WALK``). The order: where the steps
+    depend on the K/V block (causal), K/V block first, so that every thread block starts on the
+    longest tiles (the first K/V blocks) and ends on the shortest (longest-processing-time first);
+    else the K/V block last, so that the tiles running at once share their heads' q and dout in L2."""
+    b, hk, kb = sch.get_loops("tile")
+    order = (kb, b, hk) if steps_depend_on_kv_block(sch) else (b, hk, kb)
+    sch.reorder(*order)
+    step, block = sch.split(sch.fuse(*order), [None, blocks])
+    sch.reorder(block, step)
+    sch.bind(block, "blockIdx.x")
+    sch.annotate(step, PERSISTENT_WALK, 1)
 
 
 def register_intrin(name: str, desc, impl) -> None:

@@ -451,6 +451,47 @@ def test_sm90_dkdv_structure_gradients_on_the_gpu(head_dim, knobs):
     gradients_match_float64("cuda", torch.bfloat16, head_dim, True, STRUCTURE_HEADS, knobs={"dq_atomic": True, **knobs})
 
 
+# dkdv_persistent's shapes: (batch, seqlen_q, seqlen_k, heads_q, heads_kv, variant), each with more tiles than
+# the 132 thread blocks (batch · heads_kv · K/V blocks of 128 keys), so that blocks walk several: 512 tokens,
+# ragged tails (1000, 700 and 1100 keys: 104, 60 and 76 in the last block), GQA 4/1 and 2/1, seqlen_q !=
+# seqlen_k both ways, and a window that leaves the first K/V blocks with no Q step (their counts and phases
+# must carry over all the same).
+PERSISTENT_SHAPES = [
+    (4, 512, 512, 16, 16, {}),
+    (6, 1000, 1000, 16, 4, {}),
+    (2, 700, 1100, 16, 8, {}),
+    (3, 1100, 700, 8, 8, {}),
+    (1, 2048, 2048, 16, 16, {}),
+    (4, 200, 1100, 8, 8, {"window_size": (64, 0)}),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim,causal", [(64, False), (64, True), (128, False), (128, True), (96, True)],
+                         ids=["64-full", "64-causal", "128-full", "128-causal", "96-causal"])
+def test_sm90_persistent_dkdv_gradients_on_the_gpu(head_dim, causal):
+    """dkdv_persistent (132 thread blocks walking the tiles, the TMA pipeline carried across them) against
+    float64 over PERSISTENT_SHAPES, the outputs poisoned, half with a gradient on lse; one kernel serves
+    every length (symbolic batch and seqlen). d64 and d128 with a producer warpgroup, d96 with thread 0
+    issuing the copies."""
+    _on_sm_90a_only("sm90")
+    forwards, backwards = {}, {}
+    for n, (batch, seqlen_q, seqlen_k, heads_q, heads_kv, variant) in enumerate(PERSISTENT_SHAPES):
+        key = tuple(sorted(variant.items()))
+        if key not in backwards:
+            forwards[key] = tvmflash.compile(head_dim=head_dim, dtype=torch.bfloat16, causal=causal, **variant)
+            backwards[key] = tvmflash.compile_backward(head_dim=head_dim, dtype=torch.bfloat16, causal=causal,
+                                                       knobs={"dkdv_persistent": True}, **variant)
+            assert backwards[key].knobs["dkdv_persistent"] and backwards[key].info()["schedule"] == "sm90"
+        q, k, v = random_qkv(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, torch.bfloat16, "cuda")
+        out, lse = forwards[key](q, k, v, return_lse=True)
+        dout = torch.randn_like(out)
+        dlse = torch.randn_like(lse) if n % 2 else None
+        grads = backwards[key](q, k, v, out, dout, lse, dlse=dlse, dq=poisoned_out(q), dk=poisoned_out(k),
+                               dv=poisoned_out(v))
+        check_gradients(grads, q, k, v, dout, dlse, causal=causal, **variant)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("deterministic", [False, True], ids=["dq_atomic", "dq_pass"])
 def test_sm90_backward_at_d96_on_the_gpu(deterministic):

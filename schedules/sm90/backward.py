@@ -16,13 +16,14 @@ thread block a slice.
 from __future__ import annotations
 
 import tvm
+import tvm_ffi
 
 from tvmflash.lowering.annotations import (ATOMIC_ADD_PRAGMA, BULK_REDUCE_PRAGMA, BULK_REDUCE_WAIT_PRAGMA,
-                                           DOUBLE_BUFFERED_PRAGMA, SWIZZLE_COLUMNS, TMA_LOAD, TMA_REDUCE_PRAGMA,
+                                           DOUBLE_BUFFERED_PRAGMA, RUNS_IF, SWIZZLE_COLUMNS, TMA_LOAD, TMA_REDUCE_PRAGMA,
                                            VECTOR_REDUCE_PRAGMA, WGMMA_WAIT_PRAGMA, swizzle_columns)
 
 from ..common import bind_grid, buffer_info, dkdv_grid, hide_init_reads, pipeline_loads
-from .knobs import dq_share_problem
+from .knobs import PERSISTENT_BLOCKS, dq_share_problem
 from .layouts import (WARPGROUP, WG_ROWS, acc_block, acc_index_map, acc_layout, bind_acc_threads, core_matrix_map,
                       pad_core_matrix_stride, row_block, swizzled_map, tile_in_shared_memory)
 from .wgmma import warpgroup_gemm, wgmma_intrin_name
@@ -32,7 +33,8 @@ def schedule_backward(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, dq
                       dkdv_stages: int, dq_stages: int, vec: int, dq_atomic: bool = False,
                       dkdv_copy: str = "cp.async", wgmma_overlap: bool = False, ds_buffers: int = 1,
                       dq_reduce: str = "atomic", dkdv_producer: str = "thread",
-                      dkdv_slices: int = 1, dkdv_slicing: str = "rows") -> tvm.s_tir.Schedule:
+                      dkdv_slices: int = 1, dkdv_slicing: str = "rows",
+                      dkdv_persistent: bool = False) -> tvm.s_tir.Schedule:
     """delta on the SIMT schedule, dkdv and dq on wgmma (``vec`` elements a copy). The tiles are the
     program's (``program_backward.attention_backward``). ``dq_atomic``: the program has no dq; dkdv
     adds dq's share atomically (``_schedule_dq_share``) and convert_dq runs on SIMT. ``wgmma_overlap``:
@@ -43,11 +45,13 @@ def schedule_backward(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, dq
     its own (``lowering.tma_producer_warpgroup``: the consumers' barriers named, their registers 240).
     ``dkdv_slices``, ``dkdv_slicing``: the program's (``program_backward.attention_backward``): dk and dv
     in slices of the head_dim columns, a slice a warpgroup of 64 keys ("rows") or a tile ("grid"); the
-    schedule reads the tile's rows and the slice's width from dk's buffer."""
+    schedule reads the tile's rows and the slice's width from dk's buffer. ``dkdv_persistent``: dkdv's tiles
+    walked by ``knobs.PERSISTENT_BLOCKS`` thread blocks (``common.persistent_walk``)."""
     from .. import simt
 
     simt.schedule_delta(sch)
-    _schedule_dkdv(sch, dkdv_stages, vec, dq_atomic, dkdv_copy, wgmma_overlap, ds_buffers, dq_reduce, dkdv_producer)
+    _schedule_dkdv(sch, dkdv_stages, vec, dq_atomic, dkdv_copy, wgmma_overlap, ds_buffers, dq_reduce, dkdv_producer,
+                   PERSISTENT_BLOCKS if dkdv_persistent else 0)
     if dq_atomic:
         simt.schedule_convert_dq(sch)
     else:
@@ -64,12 +68,13 @@ def _backward_warpgroups(rows: int, what: str) -> int:
 
 def _schedule_dkdv(sch: tvm.s_tir.Schedule, num_stages: int, vec: int, dq_atomic: bool = False,
                    copy: str = "cp.async", overlap: bool = False, ds_buffers: int = 1, dq_reduce: str = "atomic",
-                   producer: str = "thread") -> None:
+                   producer: str = "thread", persistent_blocks: int = 0) -> None:
     """dkdv: its tiles are key-first (sᵀ = k qᵀ, ...), so warpgroup g owns keys [64 g, 64 g + 64) of
     the K/V block, as the forward's warpgroups own query rows: sᵀ and dpᵀ on wgmma with K or V as A
     and q or dout as B (K-major), pᵀ and dsᵀ in the accumulator registers, which are the A operand
     of dv += pᵀ dout and dk += dsᵀ q (the "rs" form, dout and q as N-major B), and dv, dk in
-    accumulator registers across the Q blocks, stored from them."""
+    accumulator registers across the Q blocks, stored from them. ``persistent_blocks``: that many thread
+    blocks walk the tiles (``common.persistent_walk``), 0: a thread block a tile."""
     sch.work_on("dkdv")
     dtype, BM, D, BN = buffer_info(sch)
     # the tile's rows (dk's), 64 a warpgroup: block_n keys, once a slice of the columns with dkdv_slicing
@@ -79,7 +84,9 @@ def _schedule_dkdv(sch: tvm.s_tir.Schedule, num_stages: int, vec: int, dq_atomic
     groups = _backward_warpgroups(rows, "keys (block_n · dkdv_slices)")
     if BM % 16 or D % 16:
         raise ValueError(f"knobs: the sm90 dkdv needs block_m and head_dim multiples of 16, got {BM} and {D}")
-    staged = dkdv_grid(sch, dq_atomic)  # dsᵀ's copy to shared memory with dq_atomic
+    if persistent_blocks:
+        _check_persistent(sch, copy)
+    staged = dkdv_grid(sch, dq_atomic, persistent_blocks)  # dsᵀ's copy to shared memory with dq_atomic
     tma = copy == "tma"
     # q and dout swizzled for TMA: 128-byte rows, or at d96 (no multiple of 64) 64-byte rows
     columns = swizzle_columns(D) if tma else SWIZZLE_COLUMNS
@@ -105,6 +112,19 @@ def _schedule_dkdv(sch: tvm.s_tir.Schedule, num_stages: int, vec: int, dq_atomic
         _schedule_dq_share(sch, staged, groups, BM, share_columns, BN, dtype, ds_buffers, dq_reduce, overlap)
     if num_stages > 1:
         pipeline_loads(sch, num_stages, step="q_step", loads=("load_q", "load_do", "load_lse", "load_delta"))
+
+
+def _check_persistent(sch, copy):
+    """Why dkdv's tiles cannot be walked by persistent thread blocks (``dkdv_persistent``), as a ValueError:
+    the TMA lowering carries its pipeline across tiles (not cp.async's), every thread block's walk the same
+    shape (not varlen's tiles, each under its sequence's test), and a tile's step count an expression (not
+    a BlockMask's, read from memory once a thread block, before the producer's and consumers' branches)."""
+    loads = []
+    tvm_ffi.structural_walk(sch.get(sch.get_loops("q_step")[-1]).extent,
+                            (tvm.ir.expr.TensorLoad, lambda n: loads.append(n)))
+    if copy != "tma" or RUNS_IF in sch.get(sch.get_sblock("tile")).annotations or loads:
+        raise ValueError("knobs: dkdv_persistent walks dkdv's tiles with their TMA pipeline carried across them: it "
+                         f"needs dkdv_copy 'tma' (got {copy!r}), and takes neither varlen nor a BlockMask")
 
 
 def _schedule_dq_share(sch, staged, groups, BM, D, BN, dtype, ds_buffers=1, dq_reduce="atomic", overlap=False):

@@ -367,6 +367,12 @@ def backward_build_problem(head_dim: int, dtype: str, knobs: dict) -> str | None
         # (d64 and d128 take none); thread 0's copies take none
         return (f"dkdv_producer 'warpgroup' spills at head_dim {head_dim} (q and dout in the 64-byte swizzle): "
                 "take 'thread'")
+    if knobs.get("dkdv_persistent") and knobs["dkdv_copy"] != "tma":
+        return ("dkdv_persistent carries the TMA pipeline's barriers from one tile into the next: it needs "
+                f"dkdv_copy 'tma', got {knobs['dkdv_copy']!r}")
+    if knobs.get("dkdv_persistent") and knobs["dkdv_slices"] > 1:
+        # ptxas at d256 (two slices, 255 registers a thread before the walk): 12 bytes of spill stores
+        return "dkdv_persistent spills with dkdv_slices > 1 (d256's dk and dv in slices): take dkdv_persistent False"
     if knobs["dq_reduce"] == "tma" and knobs["dkdv_copy"] != "tma":
         return "dq_reduce 'tma' adds dq's share by TMA, through the TMA lowering of dkdv's copies: it needs dkdv_copy 'tma'"
     slices = knobs["dkdv_slices"]
@@ -393,6 +399,16 @@ def backward_build_problem(head_dim: int, dtype: str, knobs: dict) -> str | None
     return None
 
 
+# dkdv_persistent: PERSISTENT_BLOCKS thread blocks walk dkdv's tiles (``common.persistent_walk``), the TMA
+# pipeline carried from one tile into the next (``annotations.PERSISTENT_WALK``), as cuDNN's backward runs
+# one thread block an SM: a tile's dk and dv stores and the next tile's K and V loads are no thread
+# block's exit and launch, and the producer loads the next tile's first Q blocks while the consumers
+# finish a tile. Off until measured. TMA copies only (the lowering carries their barriers' phases); not
+# with varlen (cp.async, and a sequence's tiles past its end) nor a BlockMask (its lists' lengths are read
+# before the producer's and consumers' branches, once a thread block).
+# The H100 SXM's and the H200's SMs, one thread block each (dkdv takes a whole SM at d64 and d128); on a
+# GPU with fewer the blocks past its SMs wait for a second wave.
+PERSISTENT_BLOCKS = 132
 # d64: the dq pass in 32-key steps measured faster than in 64 (at d128 slower), and wgmma_overlap off a
 # little faster than on (at d128 it gains). varlen by cp.async (TMA would read the next sequence's rows
 # past a sequence's end, where the program needs zeros): at d128 by plain loads, faster than two
@@ -427,6 +443,7 @@ BACKWARD = KnobSet("sm90", "backward", (
     Knob("dkdv_producer", "thread", choices=PRODUCERS, varlen="thread", role=DERIVED,
          by_head_dim={64: "warpgroup", 128: "warpgroup"},
          space=lambda knobs: list(PRODUCERS) if knobs["dkdv_copy"] == "tma" else ["thread"]),
+    Knob("dkdv_persistent", False, varlen=False, role=STRUCTURE),
 ), build_problem=backward_build_problem, shared_memory=backward_shared_memory_bytes,
    varlen_by_head_dim={128: {"dkdv_stages": 1}, 256: {"dkdv_stages": 1}},
    # d256's dkdv without dq's share in two warpgroups spills 4 bytes at 255 registers under a softcap; a

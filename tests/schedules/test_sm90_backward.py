@@ -210,3 +210,57 @@ def test_sm90_wgmma_overlap_waits_later():
         dk = loop.index("(dk_acc_local_ptr[0], dk_acc_local_ptr[1]")
         assert ("exp2f(" in loop[dp:loop.index(wait, dp)]) == overlap
         assert (loop.index(wait, dv) > dk) == overlap
+
+
+def test_sm90_persistent_dkdv_builds_cuda_source():
+    """dkdv_persistent: knobs.PERSISTENT_BLOCKS thread blocks walk dkdv's tiles (one kernel for any batch and
+    length: the walk's trip count reads them). The barriers are set up once, before the producer's and the
+    consumers' branches; each side walks the tiles in a loop of its own (setmaxnreg once each), its counter
+    from 0 a tile and the tile's phases carried in a bit a stage; the consumers meet at their named barrier
+    as each tile starts; the kernel says one thread block an SM (``__launch_bounds__(384, 1)``). Refused with
+    cp.async copies, for varlen, and under a BlockMask."""
+    from tvmflash.schedules.sm90 import knobs as sm90
+
+    kernel = tvmflash.compile_backward(head_dim=128, dtype="bfloat16", causal=True, target="sm90",
+                                       knobs={"dkdv_persistent": True})
+    assert kernel.knobs["dkdv_producer"] == "warpgroup" and sm90.PERSISTENT_BLOCKS == 132
+    src = kernel.source(heads_q=4, heads_kv=2)
+    dkdv = src[src.rindex("dkdv_kernel("):src.rindex("convert_dq_kernel(")]
+    assert "__launch_bounds__(384, 1) dkdv_kernel(" in src
+    assert dkdv.count("tvmflash_mbarrier_init(") == 4 and dkdv.count("tvmflash_setmaxnreg_dec();") == 1
+    producer, consumers = dkdv.split("tvmflash_setmaxnreg_inc();")
+    assert dkdv.index("tvmflash_mbarrier_init(") < dkdv.index("tvmflash_setmaxnreg_dec();")
+    for side, counter in ((producer, "tma_issued_ptr"), (consumers, "tma_consumed_ptr")):
+        walk = side[side.index("for (int kbc_b_hk_fused_0"):]
+        assert "132) + ((int)blockIdx.x)) <" in walk  # the thread block's tiles: every 132nd
+        assert walk.index(f"{counter}[0] = 0;") < walk.index("for (int g_t_fused")  # a tile's count from 0
+        assert f"tma_phases_ptr[0] = (tma_phases_ptr[0] ^ " in walk  # its phases carried to the next tile
+    start = consumers[consumers.index("tma_consumed_ptr[0] = 0;"):]
+    assert start.index("tvmflash_named_barrier(1, 256);") < start.index("K_ptr")  # before the tile's K and V
+    assert "__syncthreads" not in consumers
+    with pytest.raises(ValueError, match="dkdv_persistent carries"):
+        tvmflash.compile_backward(head_dim=128, dtype="bfloat16", target="sm90",
+                                  knobs={"dkdv_persistent": True, "dkdv_copy": "cp.async", "dkdv_producer": "thread",
+                                         "dq_reduce": "vector"})
+    assert "spills" in sm90.BACKWARD.problem({**sm90.BACKWARD.defaults(256), "dkdv_persistent": True}, 256, "bfloat16")
+    with pytest.raises(ValueError, match="varlen on the sm90 backward takes .*'dkdv_persistent': False"):
+        tvmflash.compile_backward(head_dim=128, dtype="bfloat16", target="sm90", knobs={"dkdv_persistent": True},
+                                  varlen=True)
+
+
+@pytest.mark.nvcc
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+@pytest.mark.parametrize("head_dim, options", [(64, {"causal": True}), (128, {"causal": False}),
+                                               (128, {"window_size": (64, 0)}), (96, {"causal": True})])
+def test_sm90_persistent_dkdv_builds_without_spills(head_dim, options):
+    """dkdv_persistent compiles through ptxas with no stack frame and no spill, and ptxas keeps setmaxnreg (at
+    d64 it ignored it, C7508, with ``__launch_bounds__(384)`` alone, and spilled at 168 registers). d96: thread
+    0 issues the copies (no producer warpgroup)."""
+    from conftest import ptxas_report
+
+    kernel = tvmflash.compile_backward(head_dim=head_dim, dtype="bfloat16", target="sm90",
+                                       knobs={"dkdv_persistent": True}, **options)
+    report = ptxas_report(kernel.source(heads_q=8, heads_kv=2), "sm_90a")
+    lines = next(lines for name, lines in report.items() if "dkdv" in name)
+    assert "0 bytes stack frame, 0 bytes spill stores" in lines, lines
+    assert not any("C7508" in lines for lines in report.values())

@@ -13,6 +13,12 @@ RUNS_IF = "tvmflash.runs_if"
 # TensorIR's Schedule has no primitive that reverses a loop).
 REVERSED = "tvmflash.reversed"
 
+# A loop annotation: the loop walks a persistent thread block's tiles (the "tile" block inside it, one a
+# step; the loop outside it bound to blockIdx.x), so that the TMA lowering sets its barriers up once, runs
+# the walk inside the producer's and the consumers' branches, and carries the pipeline's phases from one
+# tile to the next (``tma_copies.lowered_to_tma``).
+PERSISTENT_WALK = "tvmflash.persistent_walk"
+
 # Block annotation: this pipelined global -> shared copy goes by TMA (``tma_copies.LowerToTMA``), issued
 # by the producer the annotation names; that adds TMA_BARRIER_BYTES[producer] of mbarriers to the
 # kernel's shared memory. The sizes keep the tiles that shared-memory merging packs after the barriers

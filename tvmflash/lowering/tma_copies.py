@@ -54,14 +54,17 @@ import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
-from tvmflash.lowering.annotations import TMA_LOAD
+from tvmflash.lowering.annotations import PERSISTENT_WALK, TMA_LOAD
 from tvmflash.lowering.ir import CALL, find, find_attrs, is_attr, is_call, prim_func_pass, transform, unmarked
 from tvmflash.lowering.tile_alignment import TMA_COPIES_ATTR
 from tvmflash.lowering.tma_device_functions import TMA_LOADS, device_call, device_statement
 from tvmflash.lowering.tma_plan import ISSUE_MARK, Plan, q_tile_visible, reads_tiles, tile_copy
-from tvmflash.lowering.tma_producer_warpgroup import split_warpgroups
+from tvmflash.lowering.tma_producer_warpgroup import split_warpgroups, walk_warpgroups
 from tvmflash.lowering.tma_reductions import reductions_on_tma
 from tvmflash.lowering.tma_tensor_maps import encode_tensor_maps
+from tvmflash.lowering.tvm_fixes import LAUNCH_BOUNDS_ATTRS
+
+MIN_BLOCKS_ATTR = LAUNCH_BOUNDS_ATTRS[0]  # tirx.launch_bounds_min_blocks_per_sm
 
 _WAIT_MARK, _RELEASED_MARK = "tvmflash.tma_wait", "tvmflash.tma_released"  # on the tile waits, during the pass
 
@@ -80,7 +83,14 @@ def _issue(plan, commit):
     copies = [tile_copy(plan, scope.body) for scope in scopes]
     stage = max((c[0] for c in copies), key=lambda s: s[1])[0]
     issued = plan.issued[0]
-    if len({c[0][1] for c in copies}) == 1:  # the tile's copies have as many versions as stages
+    if plan.persistent:  # parity 1 of a barrier that never completed a phase passes at once (CUTLASS's
+        # producer start state), so no test of the count: a persistent walk's stage may have been filled by an
+        # earlier tile
+        if len({c[0][1] for c in copies}) != 1:
+            raise RuntimeError("TMA: a persistent walk takes tiles of as many versions as stages (no overlap)")
+        lag = 0
+        refill = device_call("tvmflash_mbarrier_wait", plan.empty(stage), tirx.bitwise_xor(plan.parity(issued, stage), 1))
+    elif len({c[0][1] for c in copies}) == 1:  # the tile's copies have as many versions as stages
         lag = plan.num_stages
         refill = device_call("tvmflash_mbarrier_wait", plan.empty(stage),
                               tirx.floormod(tirx.floordiv(issued, plan.num_stages) + 1, 2))
@@ -90,7 +100,8 @@ def _issue(plan, commit):
         refill = device_call("tvmflash_mbarrier_wait", plan.empty(tirx.floormod(release, plan.num_stages)),
                               tirx.floormod(tirx.floordiv(release, plan.num_stages), 2))
     body = [
-        tirx.IfThenElse(issued >= lag, tirx.Evaluate(refill), None),  # the release that frees this tile's buffers
+        tirx.Evaluate(refill) if plan.persistent  # the release that frees this tile's buffers
+        else tirx.IfThenElse(issued >= lag, tirx.Evaluate(refill), None),
         device_statement("tvmflash_mbarrier_expect_tx", plan.full(stage), sum(c[2] for c in copies)),
         *[c[1](plan.full(stage)) for c in copies],
         tirx.BufferStore(plan.issued, issued + 1, [0]),
@@ -101,8 +112,8 @@ def _issue(plan, commit):
 def _wait_for_next_tile(plan):
     """Every thread waits for the oldest tile in flight on its stage's full barrier."""
     consumed = plan.consumed[0]
-    return [device_statement("tvmflash_mbarrier_wait", plan.full(tirx.floormod(consumed, plan.num_stages)),
-                  tirx.floormod(tirx.floordiv(consumed, plan.num_stages), 2)),
+    stage = tirx.floormod(consumed, plan.num_stages)
+    return [device_statement("tvmflash_mbarrier_wait", plan.full(stage), plan.parity(consumed, stage)),
             tirx.BufferStore(plan.consumed, consumed + 1, [0])]
 
 
@@ -245,14 +256,64 @@ def lowered_to_tma(func: tirx.PrimFunc) -> tirx.PrimFunc:
                                                                                  plan.released)], work]))
         return tvm.s_tir.SBlock(node.iter_vars, node.reads, node.writes, node.name_hint, start, node.init,
                                 buffers, node.match_buffers, node.annotations)
-    body = transform(body, tvm.s_tir.SBlock, allocate)
+    if plan.persistent:
+        body = transform(body, tirx.For, lambda n: _persistent_walk(plan, n) if PERSISTENT_WALK in n.annotations else None)
+    else:
+        body = transform(body, tvm.s_tir.SBlock, allocate)
     if plan.producer == "warpgroup":  # one more warpgroup: threadIdx.y runs over it too
         body = transform(body, tirx.For, lambda n: tirx.For(
             n.loop_var, n.min, n.extent + 1, n.kind, n.body, n.thread_binding, n.annotations)
             if n.thread_binding is not None and n.thread_binding.thread_tag == "threadIdx.y" else None)
     copies = len(find(body, CALL, _names_tma_issue))
-    return func.with_body(_after_declarations(body, encode_tensor_maps(plan), plan.tensor_maps)).with_attr(
+    func = func.with_body(_after_declarations(body, encode_tensor_maps(plan), plan.tensor_maps)).with_attr(
         TMA_COPIES_ATTR, copies)
+    if plan.persistent:  # a thread block an SM, said to ptxas: with __launch_bounds__(threads) alone it may leave
+        # the register count at the kernel's entry open and then ignore setmaxnreg (C7508), its consumers held to
+        # 65536 / threads registers (d64's dkdv spilled so)
+        func = func.with_attr(MIN_BLOCKS_ATTR, 1)
+    return func
+
+
+def _persistent_walk(plan, loop):
+    """A persistent walk (``annotations.PERSISTENT_WALK``: ``loop`` over the thread block's tiles, its
+    body the "tile" block under the predicate that the walk's last step has a tile) -> one block that
+    sets the barriers up once, then walks the tiles: the producer's copies and the consumers' work each in
+    a walk of their own (``tma_producer_warpgroup.walk_warpgroups``), or with thread 0 as the producer
+    one walk. The counters count one tile's copies and waits, from 0 (the pipeline's stages are its steps
+    mod num_stages, from 0 each tile); after a tile its phases go into ``plan.phases``, so that each wait
+    is for its barrier's next phase whatever the tiles before did. Each tile's work starts at a barrier of
+    the threads that do it: its K and V overwrite the last tile's, which the slowest warpgroup may still read."""
+    realize = loop.body
+    if not (isinstance(realize, tvm.s_tir.SBlockRealize) and realize.block.name_hint == "tile"):
+        raise RuntimeError("TMA: a persistent walk's body must be the 'tile' block")
+    block = realize.block
+    inside, _ = _inside_run_if(block.body)
+    if not inside.same_as(block.body):
+        raise RuntimeError("TMA: a persistent walk takes no tile that runs only under a test (varlen's)")
+    stmts, k = _pipeline_start(block.body)
+    stmts, q_issue = _one_off_copy(plan, stmts, k)
+    if q_issue is not None:
+        raise RuntimeError("TMA: a persistent walk takes no one-off copy before the pipeline")
+    uniform = T.tvm_thread_invariant(realize.predicate)
+
+    def walk(counter, stmt, sync=True):  # the tiles, each from its counter at 0 to its phases added up
+        tile = tirx.SeqStmt([tirx.BufferStore(counter, 0, [0]),
+                             *([tirx.Evaluate(T.tvm_storage_sync("shared"))] if sync else []), stmt,
+                             plan.tile_done(counter)])
+        return tirx.For(loop.loop_var, loop.min, loop.extent, tirx.ForKind.SERIAL,
+                        tirx.IfThenElse(uniform, tile, None), annotations={PERSISTENT_WALK: 1})
+
+    buffers = [*block.alloc_buffers, plan.barriers, plan.consumed, plan.issued, plan.phases]
+    if plan.producer == "warpgroup":
+        work, hoisted = walk_warpgroups(plan, stmts, k, walk)
+        buffers += hoisted
+    else:  # thread 0 issues and consumes: both of its counts from 0 a tile (equal at its end)
+        tile = tirx.SeqStmt([tirx.BufferStore(plan.issued, 0, [0]),
+                             unmarked(tirx.SeqStmt([*stmts[:k], *q_tile_visible(), *stmts[k:]]), ISSUE_MARK)])
+        work = tirx.SeqStmt([tirx.IfThenElse(plan.is_producer(), tirx.SeqStmt(plan.barrier_init()), None),
+                             walk(plan.consumed, tile)])
+    start = tirx.SeqStmt([*[tirx.BufferStore(b, 0, [0]) for b in (plan.consumed, plan.issued, plan.phases)], work])
+    return tvm.s_tir.SBlockRealize([], True, tvm.s_tir.SBlock([], [], [], "tile", start, None, buffers))
 
 
 def _after_declarations(body, stmts, buffers):

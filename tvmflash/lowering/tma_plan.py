@@ -11,7 +11,8 @@ import tvm.sym
 from tvm import tirx
 from tvm.script import tirx as T
 
-from tvmflash.lowering.annotations import TMA_BARRIER_BYTES, TMA_BARRIER_PADDING_ATTR, TMA_LOAD, TMA_PRODUCERS
+from tvmflash.lowering.annotations import (PERSISTENT_WALK, TMA_BARRIER_BYTES, TMA_BARRIER_PADDING_ATTR, TMA_LOAD,
+                                           TMA_PRODUCERS)
 from tvmflash.lowering.ir import CALL, LOAD, find, is_load, loaded, substitute
 from tvmflash.lowering.tma_device_functions import device_call, device_statement, untracked_pointer
 
@@ -44,6 +45,10 @@ class Plan:
         self.consumed = tirx.decl_buffer((1,), "int32", "tma_consumed", scope="local")
         self.issued = tirx.decl_buffer((1,), "int32", "tma_issued", scope="local")
         self.released = tirx.decl_buffer((1,), "int32", "tma_released", scope="local")  # overlap only
+        # a persistent walk's (``annotations.PERSISTENT_WALK``): bit s, the parity of the phases stage s's
+        # barriers completed in the tiles before this one (the counters count one tile's copies)
+        self.phases = tirx.decl_buffer((1,), "int32", "tma_phases", scope="local")
+        self.persistent = bool(find(func.body, tirx.For, lambda n: PERSISTENT_WALK in n.annotations))
         self.tensor_maps = {}  # global buffer -> (tensor map var, its box)
         self.num_stages = None
         self.q_copy = None  # the statement of the Q tile's one-off TMA copy, if any (``tma_copies._one_off_copy``)
@@ -82,6 +87,21 @@ class Plan:
     def q_full(self):
         """The barrier of the Q tile's one-off copy (``q_copy="tma"``), after the stages' ones."""
         return untracked_pointer(self.barriers, 2 * self.num_stages)
+
+    def parity(self, count, stage):
+        """The parity of the phase that the ``count``-th use in this tile of ``stage``'s barriers waits
+        for (count // num_stages, plus a persistent walk's earlier tiles' phases)."""
+        parity = tirx.floordiv(count, self.num_stages)
+        if self.persistent:
+            parity = tirx.bitwise_xor(parity, tirx.shift_right(self.phases[0], stage))
+        return tirx.floormod(parity, 2) if not self.persistent else tirx.bitwise_and(parity, 1)
+
+    def tile_done(self, counter):
+        """After a persistent walk's tile: the phases its ``counter`` copies (or waits) completed, added
+        into ``phases`` (stage s had (counter + num_stages - 1 - s) // num_stages of them)."""
+        flips = [tirx.shift_left(tirx.bitwise_and(tirx.floordiv(counter[0] + (self.num_stages - 1 - s), self.num_stages), 1), s)
+                 for s in range(self.num_stages)]
+        return tirx.BufferStore(self.phases, tirx.bitwise_xor(self.phases[0], sum(flips[1:], flips[0])), [0])
 
     def tensor_map(self, buffer, box):
         if buffer not in self.tensor_maps:

@@ -81,6 +81,49 @@ def split_warpgroups(plan, stmts, k, q_issue, tile_buffers):
     return tirx.SeqStmt([*counts, setup, tirx.Evaluate(T.tvm_storage_sync("shared")), split_work]), moved
 
 
+def walk_warpgroups(plan, stmts, k, walk):
+    """``split_warpgroups`` for a persistent walk (``tma_copies._persistent_walk``): one tile's statements
+    (``stmts``, the pipeline in ``stmts[k]``) split between the producer warpgroup and the consumers, each
+    side walking the tiles in a loop of its own (``walk(counter, stmt, sync)``, ``counter`` the side's count of
+    copies or waits; the producer's with no barrier) inside one branch, so that setmaxnreg runs once and the producer fills the next tile's
+    stages while the consumers finish this one. The barriers are set up before the branch. Returns that and
+    the buffers of the blocks both sides keep (those around the copies), which the caller allocates once:
+    a block in both walks would allocate its buffers twice."""
+    def issues(stmt):
+        return len(find_attrs(stmt, ISSUE_MARK))
+
+    def only_issues(seq):
+        if not issues(seq):
+            return seq
+        kept = [s for s in seq.seq if issues(s)]
+        return tirx.SeqStmt(kept) if len(kept) > 1 else kept[0]
+
+    if any(isinstance(s, tirx.Bind) and s.var.name.endswith("_extent") for s in stmts[:k]):
+        raise RuntimeError("TMA: a persistent walk takes no trip count read from memory (a BlockMask's)")
+    hoisted = []
+
+    def unallocated(block):  # a block around the copies, both sides keep it: its buffers go up to the walk's
+        if not issues(block.body):
+            return None
+        hoisted.extend(block.alloc_buffers)
+        return tvm.s_tir.SBlock(block.iter_vars, block.reads, block.writes, block.name_hint, block.body, block.init,
+                                [], block.match_buffers, block.annotations)
+    pipeline = transform(stmts[k], tvm.s_tir.SBlock, unallocated)
+    producer = unmarked(tvm_ffi.structural_map(pipeline, (tirx.SeqStmt, only_issues)), ISSUE_MARK)
+    if find(producer, CALL, lambda n: n.op.name in ("tirx.ptx.wgmma", "tirx.tvm_storage_sync")):
+        raise RuntimeError("TMA: the producer warpgroup's slice of the K/V pipeline kept consumer work")
+    pipeline = transform(pipeline, tirx.AttrStmt, lambda n: tirx.Evaluate(0) if is_attr(n, ISSUE_MARK) else None)
+    consumers = tirx.SeqStmt([device_statement("tvmflash_setmaxnreg_inc"), walk(plan.consumed, tirx.SeqStmt(
+        [*stmts[:k], *q_tile_visible(), pipeline, *stmts[k + 1:]]))])
+    y = plan.threads["threadIdx.y"][0]
+    warpgroup = tirx.const(plan.producer_warpgroup, "int32")
+    setup = tirx.IfThenElse(tirx.all(tirx.EQ(y, warpgroup), plan.is_producer()), tirx.SeqStmt(plan.barrier_init()), None)
+    branch = tirx.IfThenElse(T.tvm_thread_invariant(tirx.EQ(y, warpgroup)),
+                             tirx.SeqStmt([device_statement("tvmflash_setmaxnreg_dec"), walk(plan.issued, producer, sync=False)]),
+                             tirx.AttrStmt(0, _CONSUMER_MARK, plan.block_threads, consumers))
+    return tirx.SeqStmt([setup, tirx.Evaluate(T.tvm_storage_sync("shared")), branch]), hoisted
+
+
 def _touches(stmt, buffer):
     """Whether ``stmt`` accesses ``buffer`` (a load, a store or a pointer into it; not a block's
     read or write region)."""

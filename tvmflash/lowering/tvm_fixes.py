@@ -71,12 +71,16 @@ def LaunchBoundsOnKernels():  # noqa: N802
         kernel_launch = 2  # CallingConv::kDeviceKernelLaunch
         kernels = [gvar for gvar, func in mod.functions.items()
                    if func.attrs is not None and int(func.attrs.get("calling_conv", 0)) == kernel_launch]
-        attrs = {key: func.attrs[key] for gvar, func in mod.functions.items()
-                 if func.attrs is not None and not any(gvar.same_as(k) for k in kernels)
-                 for key in LAUNCH_BOUNDS_ATTRS if key in func.attrs}
-        for gvar in kernels if attrs else []:
+        attrs = {gvar.name_hint: {key: func.attrs[key] for key in LAUNCH_BOUNDS_ATTRS if key in func.attrs}
+                 for gvar, func in mod.functions.items()
+                 if func.attrs is not None and not any(gvar.same_as(k) for k in kernels)}
+        for gvar in kernels:
+            # the host function's own kernel (SplitHostDevice names it "<host>_kernel"), or with one host
+            # function that has any, every kernel
+            own = attrs.get(gvar.name_hint.removesuffix("_kernel"))
+            given = [a for a in attrs.values() if a]
             func = mod[gvar]
-            for key, value in attrs.items():
+            for key, value in (own if own is not None else given[0] if len(given) == 1 else {}).items():
                 func = func.with_attr(key, value)
             mod[gvar] = func
         return mod
