@@ -19,6 +19,24 @@ from tvmflash.program import FP8, AttentionSpec
 from tvmflash.program_forward import attention_forward
 from tvmflash.schedules.sm90.knobs import FP8_VARIANTS
 
+
+@pytest.fixture(autouse=True)
+def served_before_its_gpu_check(monkeypatch, request):
+    """The FP8 forward is served where TVMFLASH_GPU_UNCHECKED=1 asks until its GPU tests pass
+    (``Fp8Forward.unchecked_head_dims``): these tests, a GPU run's included, ask."""
+    if "unchecked" not in request.node.name:
+        monkeypatch.setenv("TVMFLASH_GPU_UNCHECKED", "1")
+
+
+def test_fp8_is_refused_unless_asked_until_its_gpu_tests_pass(monkeypatch):
+    from tvmflash.schedules.sm90.knobs import FP8_UNCHECKED_HEAD_DIMS
+
+    monkeypatch.delenv("TVMFLASH_GPU_UNCHECKED", raising=False)
+    for head_dim in FP8_UNCHECKED_HEAD_DIMS:
+        with pytest.raises(NotImplementedError, match=f"the sm90 FP8 forward at head_dim {head_dim} has not passed "
+                                                      r"the GPU tests yet \(TVMFLASH_GPU_UNCHECKED=1 serves it"):
+            Fp8Kernel(head_dim, False, "sm90")
+
 F8 = torch.float8_e4m3fn
 
 

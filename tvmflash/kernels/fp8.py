@@ -4,11 +4,12 @@ torch tensors (``program_forward`` with ``AttentionSpec.fp8``, a schedule's ``Fp
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import tvm
 
-from tvmflash import cache, lowering, program
+from tvmflash import cache, choice, lowering, program
 from tvmflash import schedules as schedule_registry
 from tvmflash import target as targets
 from tvmflash.kernels.build import Build
@@ -81,6 +82,9 @@ class Fp8Kernel:
         if head_dim not in fp8.head_dims:
             raise NotImplementedError(f"the {self.schedule.name} FP8 forward takes head_dim {fp8.head_dims}, got "
                                       f"{head_dim}")
+        if head_dim in fp8.unchecked_head_dims and os.environ.get(choice.GPU_UNCHECKED) != "1":
+            raise NotImplementedError(f"the {self.schedule.name} FP8 forward at head_dim {head_dim} has not passed the "
+                                      f"GPU tests yet ({choice.GPU_UNCHECKED}=1 serves it, to run them)")
         self.head_dim, self.causal = head_dim, check_flag("causal", causal)
         self.knobs = {**fp8.knobs(head_dim), **(knobs or {})}  # the schedule's, or the caller's over them
         self.min_kv_tiles = self.schedule.min_kv_tiles(self.knobs)
