@@ -213,14 +213,14 @@ def test_head_dim_to_run_on_each_target():
     """What the API runs each head_dim at (no build): on the CPU the next multiple of 8; on a GPU the
     next head_dim checked on a GPU (``contract.GPU_CHECKED_HEAD_DIMS``: the multiples of 16), which
     tensor-core schedules serve for the forward and, up to 128, the backward; on sm_90a padded up to 4/3
-    further where sm90 then serves what sm80 would (48 to 64, 80 to 96, 112 to 128; 32 stays at 32, and
-    so does a head_dim whose backward is SIMT's). Decode serves every multiple of 8 on the CPU, and on a
-    GPU the head_dims checked there."""
+    further where sm90 then serves what sm80 would (48 to 64, 80 to 96, 112 to 128; 32 stays at 32), and
+    from 136 with the backward to 256, where sm90's wgmma serves it (elsewhere SIMT's at the head_dim).
+    Decode serves every multiple of 8 on the CPU, and on a GPU the head_dims checked there."""
     both = ("forward", "backward")
     cases = {("cpu", "bfloat16"): {1: 8, 40: 40, 59: 64, 111: 112, 250: 256},
              ("sm80", "bfloat16"): {1: 16, 8: 16, 40: 48, 59: 64, 80: 80, 111: 112, 136: 144, 250: 256},
-             ("sm90", "float16"): {16: 16, 32: 32, 40: 64, 48: 64, 80: 96, 96: 96, 112: 128, 176: 176, 200: 208,
-                                   224: 224},
+             ("sm90", "float16"): {16: 16, 32: 32, 40: 64, 48: 64, 80: 96, 96: 96, 112: 128, 136: 256, 176: 256,
+                                   200: 256, 224: 256},
              ("sm80", "float32"): {1: 16, 40: 48, 59: 64, 136: 144}}
     for (target, dtype), runs in cases.items():
         resolved = targets.resolve(target)
