@@ -76,6 +76,44 @@ def wgmma_intrin_name(n: int, k: int, dtype: str, b_major: str, a_regs: bool = F
     return name
 
 
+def _wgmma_macros(fence_operands: bool, nr: int, wait: bool):
+    """The macros around an intrinsic's wgmma (``nr`` accumulator registers a thread): its shared operands
+    made visible to the async proxy (``fence_operands``), the registers fenced before, and the commit
+    after (``wait``: waited for at once, the registers fenced again)."""
+    from tvm.script import tirx as T
+
+    if fence_operands:
+        @T.macro
+        def shared_operands_visible():
+            # Shared memory written by threads (generic proxy) -> read by wgmma (async proxy). Only
+            # the "ss" form (S = Q K^T) does this: the "rs" form's B tile (V) is written with K's,
+            # before it.
+            T.ptx.fence.proxy.async_.shared__cta()
+            T.tvm_storage_sync("shared")
+    else:
+        @T.macro
+        def shared_operands_visible():
+            T.evaluate(0)
+
+    @T.macro
+    def wgmma_begin(C):
+        for r in T.unroll(nr):
+            T.cuda.func_call("tvmflash_wgmma_reg_fence", C[r], source_code=REG_FENCE)
+
+    if wait:
+        @T.macro
+        def wgmma_end(C):  # one commit group, waited for at once
+            T.ptx.wgmma.commit_group.sync.aligned()
+            T.ptx.wgmma.wait_group.sync.aligned(0)
+            for r in T.unroll(nr):
+                T.cuda.func_call("tvmflash_wgmma_reg_fence", C[r], source_code=REG_FENCE)
+    else:
+        @T.macro
+        def wgmma_end(C):  # C is still being written: no fence on it until a wait
+            T.ptx.wgmma.commit_group.sync.aligned()
+    return shared_operands_visible, wgmma_begin, wgmma_end
+
+
 def _wgmma_desc_impl(n, k, dtype, b_major, a_regs, fence_operands=True, b_swizzled=False, a_swizzled=False,
                      wait=True, a_major="k", swizzle=SWIZZLE_COLUMNS):
     from tvm.script import tirx as T
@@ -163,35 +201,7 @@ def _wgmma_desc_impl(n, k, dtype, b_major, a_regs, fence_operands=True, b_swizzl
         # N-major: LBO = K-direction (r//8) stride, SBO = N-direction (c//8).
         return _descriptor(B, ks * 2 * sb0, sb0 // 8, sb1 // 8)
 
-    if fence_operands:
-        @T.macro
-        def shared_operands_visible():
-            # Shared memory written by threads (generic proxy) -> read by wgmma (async proxy). Only
-            # the "ss" form (S = Q K^T) does this: the "rs" form's B tile (V) is written with K's,
-            # before it.
-            T.ptx.fence.proxy.async_.shared__cta()
-            T.tvm_storage_sync("shared")
-    else:
-        @T.macro
-        def shared_operands_visible():
-            T.evaluate(0)
-
-    @T.macro
-    def wgmma_begin(C):
-        for r in T.unroll(nr):
-            T.cuda.func_call("tvmflash_wgmma_reg_fence", C[r], source_code=REG_FENCE)
-
-    if wait:
-        @T.macro
-        def wgmma_end(C):  # one commit group, waited for at once
-            T.ptx.wgmma.commit_group.sync.aligned()
-            T.ptx.wgmma.wait_group.sync.aligned(0)
-            for r in T.unroll(nr):
-                T.cuda.func_call("tvmflash_wgmma_reg_fence", C[r], source_code=REG_FENCE)
-    else:
-        @T.macro
-        def wgmma_end(C):  # C is still being written: no fence on it until a wait
-            T.ptx.wgmma.commit_group.sync.aligned()
+    shared_operands_visible, wgmma_begin, wgmma_end = _wgmma_macros(fence_operands, nr, wait)
 
     @tvmscript.prim_func(s_tir=True)
     def impl_ss(a: T.handle, b: T.handle, c: T.handle):
@@ -323,27 +333,7 @@ def _fp8_desc_impl(n, k, a_regs, fence_operands):
         # a k32 slice is two core matrices along K; LBO: the K-direction core-matrix stride, SBO: 8 rows'
         return descriptor(X, ks * 2 * s1, s1 // FP8_CHUNK, s0 // FP8_CHUNK)
 
-    if fence_operands:
-        @T.macro
-        def shared_operands_visible():
-            T.ptx.fence.proxy.async_.shared__cta()
-            T.tvm_storage_sync("shared")
-    else:
-        @T.macro
-        def shared_operands_visible():
-            T.evaluate(0)
-
-    @T.macro
-    def wgmma_begin(C):
-        for r in T.unroll(nr):
-            T.cuda.func_call("tvmflash_wgmma_reg_fence", C[r], source_code=REG_FENCE)
-
-    @T.macro
-    def wgmma_end(C):
-        T.ptx.wgmma.commit_group.sync.aligned()
-        T.ptx.wgmma.wait_group.sync.aligned(0)
-        for r in T.unroll(nr):
-            T.cuda.func_call("tvmflash_wgmma_reg_fence", C[r], source_code=REG_FENCE)
+    shared_operands_visible, wgmma_begin, wgmma_end = _wgmma_macros(fence_operands, nr, wait=True)
 
     @tvmscript.prim_func(s_tir=True)
     def impl_ss(a: T.handle, b: T.handle, c: T.handle):
