@@ -92,11 +92,8 @@ def flex_digest(flex) -> str:
 
 
 # ----------------------------------------------------------------------------------------- schedule
-def serve_problem(schedule: Schedule, program: str, target, dtype: str, head_dim: int) -> str | None:
-    """None if ``schedule`` can map ``program`` for this target, dtype and head_dim, else why not."""
-    mapped = schedule.program(program)
-    if mapped is None:
-        return f"the {schedule.name} schedule has no {program}"
+def target_problem(schedule: Schedule, target) -> str | None:
+    """None if ``schedule`` runs on ``target`` (its kind, compute capability and CPU features), else why not."""
     if target.kind.name != schedule.target_kind:
         return f"the {schedule.name} schedule runs on {schedule.target_kind}, not {target.kind.name}"
     cc = targets.compute_capability(target) or 0
@@ -105,6 +102,17 @@ def serve_problem(schedule: Schedule, program: str, target, dtype: str, head_dim
         return f"the {schedule.name} schedule does not run on {targets.describe(target)}"
     if schedule.cpu_features and not targets.llvm_has_features(target, schedule.cpu_features):
         return f"the {schedule.name} schedule needs a CPU with {', '.join(schedule.cpu_features)}"
+    return None
+
+
+def serve_problem(schedule: Schedule, program: str, target, dtype: str, head_dim: int) -> str | None:
+    """None if ``schedule`` can map ``program`` for this target, dtype and head_dim, else why not."""
+    mapped = schedule.program(program)
+    if mapped is None:
+        return f"the {schedule.name} schedule has no {program}"
+    problem = target_problem(schedule, target)
+    if problem is not None:
+        return problem
     if dtype not in schedule.dtypes:
         return f"the {schedule.name} schedule takes {list(schedule.dtypes)}, got {dtype}"
     if not mapped.serves(head_dim):

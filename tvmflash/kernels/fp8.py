@@ -29,21 +29,10 @@ def fp8_schedule(target: tvm.target.Target, schedule: str | None = None):
         if name not in schedule_registry.SCHEDULES:
             raise ValueError(f"schedule: expected one of {list(schedule_registry.SCHEDULES)}, got {name!r}")
         found = schedule_registry.SCHEDULES[name]
-        if found.fp8_forward is not None and _runs_on(found, target):
+        if found.fp8_forward is not None and choice.target_problem(found, target) is None:
             return found
     raise NotImplementedError(f"the FP8 (e4m3) forward runs on sm90 (H100, H200) alone; {targets.describe(target)} "
                               f"has no FP8 schedule{f' named {schedule!r}' if schedule else ''}")
-
-
-def _runs_on(schedule, target: tvm.target.Target) -> bool:
-    """Does ``schedule`` run on ``target`` (its kind, compute capability, CPU features)?"""
-    if target.kind.name != schedule.target_kind:
-        return False
-    cc = targets.compute_capability(target) or 0
-    if (schedule.compute_capabilities is not None and cc not in schedule.compute_capabilities) or \
-            (schedule.min_compute_capability is not None and cc < schedule.min_compute_capability):
-        return False
-    return not schedule.cpu_features or targets.llvm_has_features(target, schedule.cpu_features)
 
 
 def transposed_v(v: torch.Tensor, keys: int) -> torch.Tensor:
