@@ -18,7 +18,7 @@ from test_flex import HEADS, check_forward, documents, flex_reference, random_qk
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 import tvmflash
-from tvmflash import flex_block_mask, program_flex
+from tvmflash import flex_block_mask, program_block_sparse
 from tvmflash import target as targets
 from tvmflash.flex_trace import trace_mods
 from tvmflash.lowering import pipeline
@@ -223,7 +223,7 @@ def test_mismatched_and_stale_block_masks_are_refused():
     with pytest.raises(ValueError, match=r"BLOCK_SIZE 24x24 .* not a multiple of the tiles of any schedule .* cpu:"):
         tvmflash.flex_attention(q, k, v, block_mask=odd, enable_gqa=True)
     with pytest.raises(ValueError, match=r"BLOCK_SIZE 24x24 .* not a multiple of the kernel's tile 64x64"):
-        program_flex.check_sparse_tiles((24, 24), 64, 64)
+        program_block_sparse.check_sparse_tiles((24, 24), 64, 64)
     stale = create_block_mask(causal, None, None, 100, 200, device="cpu")
     with pytest.raises(ValueError, match="block_mask: made for"):
         tvmflash.flex_attention(q, k, v, block_mask=stale, enable_gqa=True)
@@ -318,8 +318,8 @@ def test_sm90_full_tiles_of_a_block_mask_skip_the_mask_as_the_built_in_causal_do
 
 def test_the_lowering_names_the_block_lists():
     """The lowering reads the lists by their names (``lowering.pipeline.BLOCK_LISTS``), the programs'."""
-    assert pipeline.BLOCK_LISTS == program_flex.SPARSE_ARGUMENTS
-    assert set(pipeline.BLOCK_COUNTS) == {name for name in program_flex.SPARSE_ARGUMENTS if name.endswith("Counts")}
+    assert pipeline.BLOCK_LISTS == program_block_sparse.SPARSE_ARGUMENTS
+    assert set(pipeline.BLOCK_COUNTS) == {name for name in program_block_sparse.SPARSE_ARGUMENTS if name.endswith("Counts")}
 
 
 @pytest.mark.parametrize("program", ["forward"])  # its backward: the GPU tests' sm80 case

@@ -65,7 +65,7 @@ FLOORS = (
     ("tuning records", ("tvmflash.database",)),
     ("schedules", ("tvmflash.schedules",)),
     ("the programs", ("tvmflash.program", "tvmflash.program_forward", "tvmflash.program_backward",
-                      "tvmflash.program_decode", "tvmflash.program_dropout", "tvmflash.program_flex",
+                      "tvmflash.program_decode", "tvmflash.program_dropout", "tvmflash.program_flex", "tvmflash.program_block_sparse",
                       "tvmflash.tvmscript")),
     ("the lowering", ("tvmflash.lowering",)),
     ("targets, the disk cache, the version", ("tvmflash.target", "tvmflash.cache", "tvmflash.version")),

@@ -1,5 +1,5 @@
 """torch's ``BlockMask`` for the kernels (``tvmflash.flex_attention``'s block sparsity): its lists as the
-programs take them (``program_flex.SPARSE_ARGUMENTS``: ``block_sparse_arguments``, kept per mask object by
+programs take them (``program_block_sparse.SPARSE_ARGUMENTS``: ``block_sparse_arguments``, kept per mask object by
 ``block_sparse_lists``), and kernels whose tiles divide its blocks (``compile_flex``, ``fitted_tiles``)."""
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import torch
 
 from tvmflash import kernels
 from tvmflash import schedules as schedule_registry
-from tvmflash.program_flex import SPARSE_TILE_KNOBS, FlexMods
+from tvmflash.program_block_sparse import SPARSE_TILE_KNOBS
+from tvmflash.program_flex import FlexMods
 
 
 def compile_flex(head_dim: int, dtype, target, mods: FlexMods, backward: bool = False, sinks: bool = False):
@@ -50,7 +51,7 @@ def compile_flex(head_dim: int, dtype, target, mods: FlexMods, backward: bool = 
 def fitted_tiles(knobs: dict, sparse: tuple, declared=()) -> dict:
     """The tile knobs of ``knobs`` that do not divide the BlockMask's (Q, KV) block size ``sparse``, each
     brought down to the largest tile that divides both (a kernel tile then lies in one block, whose list it
-    walks: ``program_flex.BlockWalk``), and the derived knobs of the schedule's ``declared`` ones
+    walks: ``program_block_sparse.BlockWalk``), and the derived knobs of the schedule's ``declared`` ones
     (``contract.Knob``: sm90's num_warpgroups follows block_m) that follow; {} where every tile divides."""
     fitted = {name: math.gcd(knobs[name], sparse[axis]) for name, axis in SPARSE_TILE_KNOBS.items()
               if name in knobs and sparse[axis] % knobs[name]}
@@ -111,7 +112,7 @@ def block_sparse_lists(block_mask, batch: int, heads_q: int, seqlen_q: int, seql
 
 
 def block_sparse_arguments(block_mask, batch: int, heads_q: int, seqlen_q: int, seqlen_k: int, device):
-    """torch's ``BlockMask`` as the programs take it (``program_flex.SPARSE_ARGUMENTS``): its (Q, KV)
+    """torch's ``BlockMask`` as the programs take it (``program_block_sparse.SPARSE_ARGUMENTS``): its (Q, KV)
     BLOCK_SIZE and four int32 tensors, each list's partial blocks first and its full ones after them
     (``counts[..., 0]`` partial, ``[..., 1]`` partial + full), or (None, []) for anything else. A mask
     whose shapes are not those of this call (stale, or made for other lengths, batch or heads)

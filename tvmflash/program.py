@@ -400,7 +400,7 @@ def has_mask_mod(spec: AttentionSpec) -> bool:
 
 def flex_mask(spec: AttentionSpec, flex, row, col):
     """mask_mod's test of query ``row`` and key ``col`` (``flex``: the tile's ``program_flex.FlexTile``),
-    to be joined to the built-in mask (``program_flex.sparse_visible``), or None without a mask_mod."""
+    to be joined to the built-in mask (``program_block_sparse.sparse_visible``), or None without a mask_mod."""
     if not has_mask_mod(spec):
         return None
     return flex.visible(row, col)

@@ -62,7 +62,7 @@ import tvm
 from tvm.script import tirx as T
 from tvm.script.ir_builder import IRBuilder
 
-from tvmflash import program, program_dropout, program_flex, tvmscript
+from tvmflash import program, program_block_sparse, program_dropout, program_flex, tvmscript
 from tvmflash.program import LOG2E, AttentionSpec
 
 def lse2_of(spec: AttentionSpec, lse):
@@ -84,7 +84,7 @@ def dq_accumulator_rows(seqlen_q: int, block_m: int, sparse: bool = False) -> in
     """The rows of dq_accum for ``seqlen_q`` query rows (varlen: every sequence's, packed): enough
     for the last Q block's rows past the end, whose share is 0 (q = dout = delta = 0 there), and with
     block sparsity (``sparse``) for the Q block after it, which the steps past a list visit
-    (``program_flex.BlockWalk``)."""
+    (``program_block_sparse.BlockWalk``)."""
     return seqlen_q + (2 if sparse else 1) * block_m
 
 
@@ -188,7 +188,7 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int, dq_atomic: bool =
         mask_mod's test joined: ``flex``, the tile's ``program_flex.FlexTile``; ``walk``: a BlockMask's,
         whose full blocks skip it, at step t.)"""
         seen = program.key_visible(spec, row, col, seqlen_q, seqlen_k)
-        return program_flex.sparse_visible(walk, t, seen, program.flex_mask(spec, flex, row, col))
+        return program_block_sparse.sparse_visible(walk, t, seen, program.flex_mask(spec, flex, row, col))
 
     def tile_visible(qb, kb, seqlen_q, seqlen_k, walk=None, t=None):
         """Does every row of Q block qb see every key of K/V block kb? Rows past seqlen_q need no
@@ -249,7 +249,7 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int, dq_atomic: bool =
     def block_walk(buffers, b, h, kb, seqlen_q):
         """dkdv's walk of query head h over a BlockMask's list of K/V block kb's Q blocks (None without)."""
         flex = program_flex.flex_tile(spec, buffers, b, h, seqlen_q, seqlen_q)
-        return program_flex.block_walk(spec, flex, b, h, kb * BN, BN, BM, True, T.ceildiv(seqlen_q, BM))
+        return program_block_sparse.block_walk(spec, flex, b, h, kb * BN, BN, BM, True, T.ceildiv(seqlen_q, BM))
 
     def block_walks(buffers, b, hk, kb, seqlen_q):
         """The walks of K/V head hk's group of query heads (None without a BlockMask)."""
@@ -622,7 +622,7 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int, dq_atomic: bool =
                         dq_acc[vi, vd] = T.float32(0)
 
                 # a BlockMask's list of the K/V blocks this Q block visits, None without one
-                walk = T.meta_var(program_flex.block_walk(
+                walk = T.meta_var(program_block_sparse.block_walk(
                     spec, program_flex.flex_tile(spec, Flex_, vb, vh, seq.seqlen_q, seq.seqlen_k), vb, vh, vqb * BM, BM,
                     BN, False, T.ceildiv(seq.seqlen_k, BN)))
                 for kb in range(kv_blocks(vqb, seq.seqlen_q, seq.seqlen_k, walk)):

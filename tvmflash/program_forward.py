@@ -38,7 +38,8 @@ from tvmflash.program import (LOG2E, NO_MAX, RESCALE_THRESHOLD, AttentionSpec, a
                               sequences, sink_buffer, sink_units, sinks_argument, strided_argument, transformed_score,
                               varlen_arguments)
 from tvmflash.program_dropout import dropout_arguments, dropout_scaled, dropout_tile, dropped
-from tvmflash.program_flex import block_walk, flex_arguments, flex_tile, sparse_visible
+from tvmflash.program_block_sparse import block_walk, sparse_visible
+from tvmflash.program_flex import flex_arguments, flex_tile
 
 
 def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_tiles: int = 1,
@@ -84,7 +85,7 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_ti
         epilogue (s - 1 tiles) unguarded only where the count is provably s - 1 or more (a guard on
         each of its statements cost ptxas 100 registers and spills on sm90); the tiles past the
         keys (or past the diagonal, or past a window) are all masked and change nothing."""
-        if walk is not None:  # a BlockMask's list (``program_flex.BlockWalk``)
+        if walk is not None:  # a BlockMask's list (``program_block_sparse.BlockWalk``)
             return T.max(min_kv_tiles, walk.count)
         end = kv_blocks_end(spec, qb, BM, BN, seqlen_q, seqlen_k)
         if spec.varlen:  # the grid's Q blocks past the sequence's end (max_seqlen_q sizes it) see no key

@@ -12,7 +12,7 @@ import torch
 
 from tvmflash import program
 from tvmflash import target as targets
-from tvmflash.program_flex import SPARSE_ARGUMENTS
+from tvmflash.program_block_sparse import SPARSE_ARGUMENTS
 
 TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 INT32_MAX = 2**31 - 1
@@ -402,7 +402,7 @@ class Arguments:
                                  "flex=...))")
             return ()
         captures = tuple(captures or ())
-        # with block sparsity, the BlockMask's lists after them (``program_flex.SPARSE_ARGUMENTS``)
+        # with block sparsity, the BlockMask's lists after them (``program_block_sparse.SPARSE_ARGUMENTS``)
         described = (*self.flex.captures, *((("int32", 4),) * len(SPARSE_ARGUMENTS) if self.flex.sparse else ()))
         if len(captures) != len(described):
             lists = f" and the {len(SPARSE_ARGUMENTS)} block-sparse lists" if self.flex.sparse else ""

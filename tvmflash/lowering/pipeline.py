@@ -24,7 +24,7 @@ PIPELINE = "tvmflash"
 # The buffers of varlen's sequence offsets (``program.varlen_arguments``): read once a kernel
 # (``uniformity.BindBlockUniformLoads``).
 SEQUENCE_OFFSETS = ("CuSeqlensQ", "CuSeqlensK")
-# A BlockMask's lists (``program_flex.SPARSE_ARGUMENTS``; a test holds the two equal): a block's counts
+# A BlockMask's lists (``program_block_sparse.SPARSE_ARGUMENTS``; a test holds the two equal): a block's counts
 # read once a kernel (``uniformity.BindBlockUniformLoads``), the tile a step visits once a step
 # (``uniformity.BindStepLoads``).
 BLOCK_LISTS = ("KvCounts", "KvIndices", "QCounts", "QIndices")

@@ -206,7 +206,7 @@ def _step_values_bound(func, names):
 def BindStepLoads(names):  # noqa: N802
     """After ``BindBlockUniformLoads``: the values that read a BlockMask's lists (the read-only integer
     buffers of ``names``) computed once a step: in each loop, each ``if_then_else`` that holds a load of
-    them at an index of the loop's variable (the walk's tile, ``program_flex.BlockWalk.tile``: it keeps
+    them at an index of the loop's variable (the walk's tile, ``program_block_sparse.BlockWalk.tile``: it keeps
     the load under its condition), then each such load outside one, bound first thing in the loop's body
     (``_once_a_step``); outside the loops (a pipeline's prologue and epilogue), just before the first
     statement that uses them, where several do (``_once_where_used``).
@@ -379,7 +379,7 @@ def HoistBlockIndexConditions():  # noqa: N802
     are renamed in the conditions for the pass (a block index is bound around the whole kernel,
     outside every loop the pass can hoist out of) and restored after it. So are the lets of a
     block-uniform value (outside every loop) and, read with their loops' variables, those bound inside
-    loops (a BlockMask's tile of a step: its full-tile test, ``program_flex.BlockWalk.full``)."""
+    loops (a BlockMask's tile of a step: its full-tile test, ``program_block_sparse.BlockWalk.full``)."""
     aliases = {}  # block index -> its alias, per function
     reads = {}  # a let variable bound inside loops -> what the conditions read for it (its alias and loops)
 

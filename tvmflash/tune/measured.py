@@ -33,7 +33,7 @@ import torch
 from tvmflash import bench, choice, database, kernels
 from tvmflash.tune import decision
 from tvmflash.kernels import checks
-from tvmflash.program_flex import SPARSE_TILE_KNOBS
+from tvmflash.program_block_sparse import SPARSE_TILE_KNOBS
 from tvmflash import target as targets
 from tvmflash.tune.builder import usable_cores
 from tvmflash.tune.progress import left_out_line
