@@ -264,3 +264,50 @@ def test_sm90_persistent_dkdv_builds_without_spills(head_dim, options):
     lines = next(lines for name, lines in report.items() if "dkdv" in name)
     assert "0 bytes stack frame, 0 bytes spill stores" in lines, lines
     assert not any("C7508" in lines for lines in report.values())
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_persistent_walk_waits_for_each_barriers_next_phase(stages):
+    """The TMA lowering's phases under a persistent walk (``tma_plan.Plan.parity``, ``Plan.tile_done``), against
+    a model of the mbarriers: over tiles of random step counts (0 included: a window's empty tiles), each
+    counted from 0, the consumers' k-th wait on stage s's full barrier is for its k-th completion (parity
+    k % 2), and the producer's refill of stage s waits for the release of its previous fill (that completion's
+    parity), or on parity 1 (which a barrier that never completed passes) where stage s was never filled."""
+    import random
+
+    from tvm import tirx
+
+    from tvmflash.lowering.ir import loaded
+    from tvmflash.lowering.tma_plan import Plan
+
+    plan = object.__new__(Plan)
+    plan.num_stages, plan.persistent = stages, True
+    plan.phases = tirx.decl_buffer((1,), "int32", "tma_phases", scope="local")
+    count = tirx.decl_buffer((1,), "int32", "tma_count", scope="local")
+
+    arithmetic = {"Add": lambda a, b: a + b, "Sub": lambda a, b: a - b, "Mul": lambda a, b: a * b,
+                  "FloorDiv": lambda a, b: a // b, "FloorMod": lambda a, b: a % b, "BitwiseXor": lambda a, b: a ^ b,
+                  "BitwiseAnd": lambda a, b: a & b, "RShift": lambda a, b: a >> b, "LShift": lambda a, b: a << b}
+
+    def value(expr, phases, counted):  # the expression at the two registers' values, as the GPU reckons it
+        kind = type(expr).__name__
+        if kind == "IntImm":
+            return expr.value
+        if kind in ("TensorLoad", "BufferLoad"):
+            return {"tma_phases": phases, "tma_count": counted}[loaded(expr).name]
+        return arithmetic[kind](value(expr.a, phases, counted), value(expr.b, phases, counted))
+
+    rng = random.Random(0)
+    tiles = [rng.choice([0, 1, 2, 3, 5, 8]) for _ in range(60)]
+    fills, waits = [0] * stages, [0] * stages
+    producer = consumers = 0  # each side's phases register
+    for steps in tiles:
+        for j in range(steps):
+            stage = j % stages  # the pipeline's stage: its step mod the stages, from 0 each tile
+            refill = value(tirx.bitwise_xor(plan.parity(tirx.const(j, "int32"), stage), 1), producer, j)
+            assert refill == ((fills[stage] - 1) % 2 if fills[stage] else 1), (steps, j)
+            fills[stage] += 1
+            assert value(plan.parity(tirx.const(j, "int32"), stage), consumers, j) == waits[stage] % 2, (steps, j)
+            waits[stage] += 1
+        producer = value(plan.tile_done(count).value, producer, steps)
+        consumers = value(plan.tile_done(count).value, consumers, steps)
