@@ -30,8 +30,9 @@ class Knob:
     default: its value where nothing else decides. choices: the values it may take; None: any
     positive int (an int default) or True/False (a bool default). space: the candidates the tuner
     tries (None: the default alone), or for a ``DERIVED`` knob a function of the knobs before it
-    returning them (and a ``DERIVED`` knob). by_head_dim: its default at some head_dims. varlen: the value varlen's packed
-    sequences require (None: any). role: what it constrains (``ROLES``)."""
+    returning them (and a ``DERIVED`` knob). by_head_dim: its default at some head_dims; by_dtype: at some dtypes
+    (a head_dim's first). varlen: the value varlen's packed sequences require (None: any). role: what it
+    constrains (``ROLES``)."""
 
     name: str
     default: Any
@@ -40,13 +41,14 @@ class Knob:
     by_head_dim: Mapping[int, Any] = field(default_factory=dict)
     varlen: Any = None
     role: str = SCHEDULE
+    by_dtype: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
         if self.role not in ROLES:
             raise ValueError(f"knob {self.name}: role must be one of {ROLES}, got {self.role!r}")
         if callable(self.space) and self.role != DERIVED:
             raise ValueError(f"knob {self.name}: a knob whose space is a function of other knobs is derived")
-        for value in (self.default, *self.by_head_dim.values(), *((self.varlen,) if self.varlen is not None else ()),
+        for value in (self.default, *self.by_head_dim.values(), *self.by_dtype.values(), *((self.varlen,) if self.varlen is not None else ()),
                       *(() if self.space is None or callable(self.space) else self.space)):
             problem = self.value_problem(value)
             if problem:
@@ -110,9 +112,10 @@ class KnobSet:
     def names(self) -> tuple[str, ...]:
         return tuple(knob.name for knob in self.knobs)
 
-    def defaults(self, head_dim: int | None = None, varlen: bool = False) -> dict:
-        """The default knobs, at ``head_dim`` where given; with varlen, what varlen requires or prefers."""
-        knobs = {knob.name: knob.by_head_dim.get(head_dim, knob.default) for knob in self.knobs}
+    def defaults(self, head_dim: int | None = None, varlen: bool = False, dtype: str | None = None) -> dict:
+        """The default knobs, at ``head_dim`` and ``dtype`` where given; with varlen, what varlen requires or
+        prefers."""
+        knobs = {knob.name: knob.by_head_dim.get(head_dim, knob.by_dtype.get(dtype, knob.default)) for knob in self.knobs}
         if varlen:
             knobs.update(self.varlen_by_head_dim.get(head_dim, {}))
             knobs.update(self.varlen_required())

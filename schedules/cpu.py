@@ -17,7 +17,9 @@ from .contract import TILE, DecodeTasks, Fp8Forward, Knob, KnobSet, ProgramSched
 # 64x64 tiles with 16-wide vectors: measured the fastest at head_dim 64 and 128 on an AVX-512
 # machine against block_n 128, block_m 32 and 8-wide vectors (BENCHMARKS.md, CPU). block_m / block_n
 # are the program's tile sizes, one MetaSchedule task per pair; ``vector`` (the SIMD width of the
-# inner loops, in elements) is sampled inside each task (it may be an ExprRV).
+# inner loops, in elements) is sampled inside each task (it may be an ExprRV). float32 takes 128 x 32
+# tiles: on a 2-core Intel Xeon (AVX-512) they measured faster than 64 x 64 at every point of the forward's
+# grid (BENCHMARKS.md, CPU float32).
 VECTORS = (4, 8, 16, 32)
 SAMPLED_VECTORS = (8, 16)  # the tuning space's
 # The tile sizes a caller may give: powers of two, which the register tiles (up to 4 rows by up to 4
@@ -27,8 +29,8 @@ SAMPLED_VECTORS = (8, 16)  # the tuning space's
 BLOCK_M = (8, 16, 32, 64, 128)
 BLOCK_N = (16, 32, 64, 128, 256)
 FORWARD = KnobSet("cpu", "forward", (
-    Knob("block_m", 64, choices=BLOCK_M, space=(16, 32, 64), role=TILE),
-    Knob("block_n", 64, choices=BLOCK_N, space=(32, 64, 128), role=TILE),
+    Knob("block_m", 64, choices=BLOCK_M, space=(16, 32, 64, 128), role=TILE, by_dtype={"float32": 128}),
+    Knob("block_n", 64, choices=BLOCK_N, space=(32, 64, 128), role=TILE, by_dtype={"float32": 32}),
     Knob("vector", 16, choices=VECTORS, space=SAMPLED_VECTORS),
 ))
 # The backward (``schedule_backward``): its own knobs, as its tiles need not be the forward's.

@@ -144,7 +144,7 @@ def test_stored_defaults_are_not_called_tuned(cache_dir):
     """Where no candidate beat the defaults, tuning stores them: bench and info() called them tuned."""
     from tvmflash import bench
 
-    database.add(database.new_record(CPU, "cpu", WORKLOAD, cpu.SCHEDULE.forward.knobs.defaults(32), 1.0))
+    database.add(database.new_record(CPU, "cpu", WORKLOAD, cpu.SCHEDULE.forward.knobs.defaults(32, dtype="float32"), 1.0))
     info = tvmflash.compile(head_dim=32, dtype="float32", target="cpu").info()
     assert info["knobs_source"].startswith("defaults (tuning found none faster: "), info
     lines = []

@@ -408,7 +408,7 @@ def forward(target, spec_args: dict, knobs: dict | None, schedule: str | None = 
     required = given_knobs_problem(chosen, "forward", knobs, varlen)
     record = None if knobs else records.get(chosen.name) if chosen.name in records else \
         lookup(target, chosen, "forward", workload(spec_args))
-    resolved, source = take_knobs(knobset, knobset.defaults(head_dim, varlen), record, knobs, required)
+    resolved, source = take_knobs(knobset, knobset.defaults(head_dim, varlen, dtype), record, knobs, required)
     check_knobs(knobset, resolved, head_dim if targets.is_cuda(target) else None, dtype)
     resolved, source = fit_shared_memory(target, knobset, head_dim, dtype, resolved, source, given=bool(knobs))
     return Choice(chosen, why, resolved, source, record)
@@ -422,7 +422,7 @@ def forward_for_bucket(target, choice: Choice, spec_args: dict, index: int) -> C
     if record is None or database.bucket(record) != index:
         return None
     knobset = choice.schedule.forward.knobs
-    knobs = {**knobset.defaults(spec_args["head_dim"]), **record["knobs"]}
+    knobs = {**knobset.defaults(spec_args["head_dim"], dtype=spec_args["dtype"]), **record["knobs"]}
     if knobs == choice.knobs:
         return None
     knobs, source = fit_shared_memory(target, knobset, spec_args["head_dim"], spec_args["dtype"], knobs,
@@ -439,7 +439,7 @@ def backward(target, spec_args: dict, knobs: dict | None, deterministic: bool = 
     required = given_knobs_problem(chosen, "backward", knobs, varlen)
     # varlen keeps the defaults: the records are the dense kernels'
     record = None if knobs or varlen else lookup(target, chosen, "backward", workload(spec_args, "backward"))
-    resolved, source = take_knobs(knobset, knobset.defaults(head_dim, varlen), record, knobs, required)
+    resolved, source = take_knobs(knobset, knobset.defaults(head_dim, varlen, dtype), record, knobs, required)
     if deterministic and resolved.get("dq_atomic"):  # the dq pass instead: one sum a dq element, in a fixed order
         if (knobs or {}).get("dq_atomic"):
             raise ValueError("knobs: dq_atomic sums dq by fp32 atomics, in an order that changes from run to run, "
@@ -465,7 +465,7 @@ def decode(target, spec_args: dict, page_size: int, knobs: dict | None, schedule
     knobset, head_dim, dtype = chosen.decode.knobs, spec_args["head_dim"], spec_args["dtype"]
     check_knobs(knobset, knobs or {})
     record = None if knobs else lookup(target, chosen, "decode", workload(spec_args, "decode", page_size))
-    resolved, source = take_knobs(knobset, knobset.defaults(head_dim), record, knobs)
+    resolved, source = take_knobs(knobset, knobset.defaults(head_dim, dtype=dtype), record, knobs)
     check_knobs(knobset, resolved, head_dim, dtype)
     problem = shared_memory_over(target, knobset, head_dim, dtype, resolved)
     if problem:

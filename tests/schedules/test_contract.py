@@ -11,16 +11,19 @@ def tiles(rules=None, build_problem=None):
     return KnobSet("demo", "forward", (
         Knob("block_m", 64, space=(32, 64), role=TILE),
         Knob("num_warps", 2, space=lambda knobs: [knobs["block_m"] // 32], role=DERIVED),
-        Knob("num_stages", 2, choices=(1, 2, 3), space=(1, 2), by_head_dim={256: 1}, role=STRUCTURE),
+        Knob("num_stages", 2, choices=(1, 2, 3), space=(1, 2), by_head_dim={256: 1}, role=STRUCTURE,
+             by_dtype={"float32": 3}),
         Knob("layout", "padded", choices=("padded", "swizzled"), varlen="padded"),
         Knob("flag", False),
     ), rules=rules, build_problem=build_problem, varlen_by_head_dim={128: {"num_stages": 1}})
 
 
-def test_defaults_follow_the_head_dim_and_varlen():
+def test_defaults_follow_the_head_dim_the_dtype_and_varlen():
     knobs = tiles()
     assert knobs.defaults() == {"block_m": 64, "num_warps": 2, "num_stages": 2, "layout": "padded", "flag": False}
     assert knobs.defaults(256)["num_stages"] == 1
+    assert knobs.defaults(64, dtype="float32")["num_stages"] == 3 and knobs.defaults(64, dtype="float16")["num_stages"] == 2
+    assert knobs.defaults(256, dtype="float32")["num_stages"] == 1  # a head_dim's default over a dtype's
     assert knobs.defaults(128, varlen=True)["num_stages"] == 1
     assert knobs.varlen_required() == {"layout": "padded"}
 
@@ -69,6 +72,8 @@ def test_a_record_is_accepted_only_with_exactly_the_sets_knobs():
 def test_a_declaration_that_contradicts_itself_is_refused():
     with pytest.raises(ValueError, match="declaration"):
         Knob("num_stages", 4, choices=(1, 2, 3))
+    with pytest.raises(ValueError, match="declaration"):
+        Knob("num_stages", 2, choices=(1, 2, 3), by_dtype={"float32": 4})
     with pytest.raises(ValueError, match="derived"):
         Knob("num_warps", 2, space=lambda knobs: [2])
     with pytest.raises(ValueError, match="twice"):
@@ -86,7 +91,9 @@ def test_every_schedule_declares_valid_defaults_and_spaces():
             if mapped is None:
                 continue
             for head_dim in (None, *(mapped.head_dims or (32, 64, 96, 128, 256))):
-                assert mapped.knobs.problem(mapped.knobs.defaults(head_dim)) is None, (schedule.name, program, head_dim)
+                for dtype in (None, *schedule.dtypes):
+                    assert mapped.knobs.problem(mapped.knobs.defaults(head_dim, dtype=dtype)) is None, \
+                        (schedule.name, program, head_dim, dtype)
             assert mapped.knobs.points(), (schedule.name, program)
 
 

@@ -53,7 +53,7 @@ def test_short_tuning_run_is_used_by_compile(records_dir, one_core, monkeypatch)
     # A new compile() (symbolic shapes) picks the record up, and runs at another shape.
     kern = tvmflash.compile(head_dim=32, dtype="float32", causal=False, target="cpu")
     # (the defaults may win at this shape: the record then keeps them, and they are not called tuned)
-    won = "defaults" if record["knobs"] == cpu.SCHEDULE.forward.knobs.defaults(32) else "tuned"
+    won = "defaults" if record["knobs"] == cpu.SCHEDULE.forward.knobs.defaults(32, dtype="float32") else "tuned"
     assert kern.info()["knobs_source"].startswith(won), kern.info()
     assert kern.knobs == record["knobs"]
     import torch
@@ -80,7 +80,7 @@ def test_tuned_knobs_with_wrong_results_are_never_stored(records_dir, one_core, 
                        heads=1, space={"block_m": [16], "block_n": [32], "vector": [4, 8]}, seed=0, repeat=3,
                        echo=lines.append)
     assert len(checked) == 3 and any("the tuned knobs #" in line and "give wrong results" in line for line in lines), lines
-    assert record["knobs"] == cpu.SCHEDULE.forward.knobs.defaults(32)
+    assert record["knobs"] == cpu.SCHEDULE.forward.knobs.defaults(32, dtype="float32")
 
 
 def test_the_fastest_few_are_timed_again_as_compile_builds_them(records_dir, one_core, monkeypatch):
@@ -114,7 +114,7 @@ def test_the_fastest_few_are_timed_again_as_compile_builds_them(records_dir, one
 
 # A user record for the full workload, slower than anything measured (so the run replaces it), with
 # knobs of its own: a warm run must seed the search with it and time it again.
-USER_KNOBS = {"block_m": 16, "block_n": 32, "vector": 8}
+USER_KNOBS = {"block_m": 16, "block_n": 64, "vector": 8}  # each unlike the float32 defaults
 
 
 @pytest.fixture(scope="module")
@@ -204,7 +204,7 @@ def test_a_warm_run_starts_from_the_known_and_never_ends_below_them(cli_tuning_r
     # The task that holds the user's record is handed the first trials (PromisingTasksFirst: the user's
     # record, then the shipped one, then the defaults), here both of them.
     full_run = stdout.split("== workload 2/2")[0]
-    assert re.findall(r"^\[\d+/2 trials, .*\] task (\w+):", full_run, flags=re.MULTILINE)[0] == "bm16_bn32"
+    assert re.findall(r"^\[\d+/2 trials, .*\] task (\w+):", full_run, flags=re.MULTILINE)[0] == "bm16_bn64"
 
 
 def test_a_cold_run_reads_no_record(records_dir, one_core, monkeypatch):

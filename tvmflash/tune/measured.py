@@ -87,7 +87,7 @@ class Backward(_SquarePass):
         self.target, self.shape = target, shape
         self.schedule, _, _ = choice.choose_schedule("backward", target, self.spec_args)
         self.knobs = self.schedule.backward.knobs
-        self.defaults = self.knobs.defaults(head_dim)
+        self.defaults = self.knobs.defaults(head_dim, dtype=dtype)
         self.workload = choice.workload(self.spec_args, "backward")
         self._take_shape(shape)
 
@@ -127,7 +127,7 @@ class Decode:
         self.target, self.shape = target, shape
         self.schedule, _, _ = choice.choose_schedule("decode", target, self.spec_args)
         self.knobs = self.schedule.decode.knobs
-        self.defaults = self.knobs.defaults(head_dim)
+        self.defaults = self.knobs.defaults(head_dim, dtype=dtype)
         self.workload = choice.workload(self.spec_args, "decode", page_size)
         self.heads = (shape["heads"], max(1, shape["heads"] // GQA_GROUP))
         self.record_shape = {"batch": shape["batch"], "seqlen_q": 1, "seqlen_k": shape["seqlen"],
@@ -190,7 +190,7 @@ class FlexForward(_SquarePass):
         self.spec_args = {"head_dim": head_dim, "dtype": dtype, "causal": False, "flex": self.mods}
         self.schedule, _, _ = choice.choose_schedule(self.program, target, self.spec_args)
         self.knobs = self.schedule.program(self.program).knobs
-        self.defaults = self.knobs.defaults(head_dim)
+        self.defaults = self.knobs.defaults(head_dim, dtype=dtype)
         self.workload = choice.workload(self.spec_args, self.program)
         self._take_shape(shape)
 

@@ -128,7 +128,8 @@ def tune(*, head_dim: int, dtype, causal: bool, target=None, trials: int = 64, b
         raise RuntimeError("tvmflash tune: MetaSchedule's cost model needs xgboost (pip install xgboost-cpu)")
 
     spec = program.AttentionSpec(head_dim, dtype, causal, shape["heads"], shape["heads"])
-    known = known_configurations(resolved, schedule.forward.knobs, workload, schedule.forward.knobs.defaults(head_dim),
+    known = known_configurations(resolved, schedule.forward.knobs, workload,
+                                 schedule.forward.knobs.defaults(head_dim, dtype=dtype),
                                  cold=cold, seqlen_k=shape["seqlen"])
     stats: dict = {}  # PreCheck's count of candidates rejected before building
     tasks = make_tasks(schedule, spec, shape, space, resolved, work_dir, random.Random(seed), echo,
