@@ -239,3 +239,22 @@ def cache_dir_set(path):
             del os.environ["TVMFLASH_CACHE_DIR"]
         else:
             os.environ["TVMFLASH_CACHE_DIR"] = previous
+
+
+def test_every_kernels_key_covers_every_program_source(monkeypatch):
+    """A module's key digests the programs' sources (``kernels.build.PROGRAMS``), whichever kernel builds it:
+    an edit to any program file (program_forward.py, the block-sparse walk) rebuilds the modules, never
+    serves the old ones from the disk cache."""
+    from pathlib import Path
+
+    from tvmflash.kernels.build import PROGRAMS
+    from tvmflash.kernels.fp8 import Fp8Kernel
+
+    files = {f"tvmflash.{path.stem}" for path in Path(tvmflash.__file__).parent.glob("program*.py")}
+    assert files | {"tvmflash.tvmscript"} == {module.__name__ for module in PROGRAMS}
+    monkeypatch.setenv("TVMFLASH_GPU_UNCHECKED", "1")  # (the FP8 forward awaits its GPU check)
+    kernels = [tvmflash.compile(head_dim=32, dtype="float32", target="cpu"),
+               tvmflash.compile_backward(head_dim=32, dtype="float32", target="cpu"),
+               tvmflash.compile_decode(head_dim=32, dtype="float32", target="cpu"), Fp8Kernel(64, False, "sm90")]
+    for kernel in kernels:
+        assert set(PROGRAMS) <= set(kernel.build.code), kernel

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 import tvm
 
-from tvmflash import cache, choice, lowering, program, program_backward, program_dropout, program_flex
+from tvmflash import cache, choice, lowering, program, program_backward
 from tvmflash import target as targets
-from tvmflash.kernels.build import Build, describe
+from tvmflash.kernels.build import PROGRAMS, Build, describe
 from tvmflash.kernels.checks import (
     VARIANT_FIELDS,
     Arguments,
@@ -72,7 +72,7 @@ class BackwardKernel:
         options = kernel_build_options(self.schedule, self.variant, "backward")
         self.build = Build(kind=self.PASS, target=target, schedule=self.schedule, knobs=self.knobs,
                            variant=self.variant, spec=self.spec, programs=self._scheduled, entry=self._entry,
-                           code=(program, program_dropout, program_flex, *self.schedule.sources, *lowering.MODULES),
+                           code=(*PROGRAMS, *self.schedule.sources, *lowering.MODULES),
                            options=options, key_fields={"build": options} if self.variant.get("varlen") else {},
                            outer={"pass": self.PASS, "code": cache.source_digest(program_backward)})
         # as the forward's: a module for some head counts, its CUDA source, its scheduled TensorIR

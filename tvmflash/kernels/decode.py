@@ -14,9 +14,9 @@ import math
 import torch
 import tvm
 
-from tvmflash import choice, lowering, program, program_decode
+from tvmflash import choice, lowering, program_decode
 from tvmflash import target as targets
-from tvmflash.kernels.build import Build, describe
+from tvmflash.kernels.build import PROGRAMS, Build, describe
 from tvmflash.kernels.checks import INT32_MAX, Arguments, check_num_splits, needs_int64, resolve_softmax_scale
 from tvmflash.program_decode import DecodeSpec
 
@@ -67,7 +67,7 @@ class DecodeKernel:
         self.build = Build(kind=self.PASS, target=target, schedule=self.schedule, knobs=self.knobs,
                            variant=self.variant, spec=self.spec, programs=self._scheduled,
                            entry=lambda module: {name: module[name] for name in ("split", "single", "merge")},
-                           code=(program, program_decode, *self.schedule.sources, *lowering.MODULES),
+                           code=(*PROGRAMS, *self.schedule.sources, *lowering.MODULES),
                            options=self.schedule.build_options("decode"),
                            outer={"pass": self.PASS, "tensor cores": self.tensor_cores})
         # as the forward's: a module for some head counts, its CUDA source, its scheduled TensorIR

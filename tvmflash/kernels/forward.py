@@ -8,11 +8,11 @@ import math
 import torch
 import tvm
 
-from tvmflash import cache, choice, database, lowering, program, program_dropout, program_flex
+from tvmflash import cache, choice, database, lowering, program
 from tvmflash import schedules as schedule_registry
 from tvmflash import target as targets
 from tvmflash.kernels import registry
-from tvmflash.kernels.build import Build, describe
+from tvmflash.kernels.build import PROGRAMS, Build, describe
 from tvmflash.kernels.checks import VARIANT_FIELDS, Arguments, check_flag, resolve_softmax_scale
 from tvmflash.program import AttentionSpec
 from tvmflash.schedules.contract import Schedule
@@ -97,7 +97,7 @@ class Kernel:
         build = Build(kind="forward", target=self.target, schedule=self.schedule, knobs=self.knobs,
                       variant=self.variant, spec=self.spec, programs=self._scheduled,
                       entry=lambda module: module["main"],
-                      code=(program, program_dropout, program_flex, *self.schedule.sources, *lowering.MODULES), options=options,
+                      code=(*PROGRAMS, *self.schedule.sources, *lowering.MODULES), options=options,
                       key_fields={"build": options} if self.variant.get("varlen") else {})  # (dense keys unchanged)
         self.build, self.module, self.source, self.scheduled_tir = build, build.module, build.source, build.scheduled_tir
 

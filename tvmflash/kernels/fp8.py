@@ -12,7 +12,7 @@ import tvm
 from tvmflash import cache, choice, lowering, program
 from tvmflash import schedules as schedule_registry
 from tvmflash import target as targets
-from tvmflash.kernels.build import Build
+from tvmflash.kernels.build import PROGRAMS, Build
 from tvmflash.kernels.checks import check_cu_seqlens, check_flag, check_max_seqlen, resolve_softmax_scale
 from tvmflash.kernels.forward import kernel_build_options
 from tvmflash.program import FP8, AttentionSpec
@@ -80,7 +80,7 @@ class Fp8Kernel:
         self.stride_multiple = program.stride_multiple(self.schedule.stride_alignment, FP8)
         self.build = Build(kind="forward", target=self.target, schedule=self.schedule, knobs=self.knobs, variant={},
                            spec=self.spec, programs=self._scheduled, entry=lambda module: module["main"],
-                           code=(program, *self.schedule.sources, *lowering.MODULES),
+                           code=(*PROGRAMS, *self.schedule.sources, *lowering.MODULES),
                            options=kernel_build_options(self.schedule, {"varlen": self.varlen}),
                            key_fields={"fp8": True})
 
