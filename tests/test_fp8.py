@@ -21,21 +21,25 @@ from tvmflash.schedules.sm90.knobs import FP8_VARIANTS
 
 
 @pytest.fixture(autouse=True)
-def served_before_its_gpu_check(monkeypatch, request):
+def served_before_its_gpu_check(monkeypatch):
     """The FP8 forward is served where TVMFLASH_GPU_UNCHECKED=1 asks until its GPU tests pass
     (``Fp8Forward.unchecked_head_dims``): these tests, a GPU run's included, ask."""
-    if "unchecked" not in request.node.name:
-        monkeypatch.setenv("TVMFLASH_GPU_UNCHECKED", "1")
+    monkeypatch.setenv("TVMFLASH_GPU_UNCHECKED", "1")
 
 
 def test_fp8_is_refused_unless_asked_until_its_gpu_tests_pass(monkeypatch):
     from tvmflash.schedules.sm90.knobs import FP8_UNCHECKED_HEAD_DIMS
 
-    monkeypatch.delenv("TVMFLASH_GPU_UNCHECKED", raising=False)
+    monkeypatch.setenv("TVMFLASH_GPU_UNCHECKED", "1")
+    served = fp8_kernel(128, False, "sm90")  # built under the variable, and kept
+    monkeypatch.delenv("TVMFLASH_GPU_UNCHECKED")
     for head_dim in FP8_UNCHECKED_HEAD_DIMS:
-        with pytest.raises(NotImplementedError, match=f"the sm90 FP8 forward at head_dim {head_dim} has not passed "
-                                                      r"the GPU tests yet \(TVMFLASH_GPU_UNCHECKED=1 serves it"):
-            Fp8Kernel(head_dim, False, "sm90")
+        for make in (Fp8Kernel, fp8_kernel):  # the kept kernel is not served without it
+            with pytest.raises(NotImplementedError, match=f"the sm90 FP8 forward at head_dim {head_dim} has not "
+                                                          r"passed the GPU tests yet \(TVMFLASH_GPU_UNCHECKED=1 serves it"):
+                make(head_dim, False, "sm90")
+    monkeypatch.setenv("TVMFLASH_GPU_UNCHECKED", "1")
+    assert fp8_kernel(128, False, "sm90") is served
 
 F8 = torch.float8_e4m3fn
 

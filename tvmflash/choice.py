@@ -117,9 +117,14 @@ def serve_problem(schedule: Schedule, program: str, target, dtype: str, head_dim
         return f"the {schedule.name} schedule takes {list(schedule.dtypes)}, got {dtype}"
     if not mapped.serves(head_dim):
         return f"the {schedule.name} {program} serves head_dim {describe_head_dims(mapped.head_dims)}, got {head_dim}"
-    if head_dim in mapped.unchecked_head_dims and os.environ.get(GPU_UNCHECKED) != "1":
-        return (f"the {schedule.name} {program} at head_dim {head_dim} has not passed the GPU tests yet "
-                f"({GPU_UNCHECKED}=1 serves it, to run them)")
+    return unchecked_problem(f"the {schedule.name} {program}", head_dim, mapped.unchecked_head_dims)
+
+
+def unchecked_problem(what: str, head_dim: int, unchecked_head_dims: tuple) -> str | None:
+    """Why ``what`` (a schedule's program) is not served at ``head_dim``, whose kernels have not passed the GPU
+    tests yet (``ProgramSchedule.unchecked_head_dims``), unless TVMFLASH_GPU_UNCHECKED=1 asks; or None."""
+    if head_dim in unchecked_head_dims and os.environ.get(GPU_UNCHECKED) != "1":
+        return f"{what} at head_dim {head_dim} has not passed the GPU tests yet ({GPU_UNCHECKED}=1 serves it, to run them)"
     return None
 
 

@@ -71,9 +71,9 @@ class Fp8Kernel:
         if head_dim not in fp8.head_dims:
             raise NotImplementedError(f"the {self.schedule.name} FP8 forward takes head_dim {fp8.head_dims}, got "
                                       f"{head_dim}")
-        if head_dim in fp8.unchecked_head_dims and os.environ.get(choice.GPU_UNCHECKED) != "1":
-            raise NotImplementedError(f"the {self.schedule.name} FP8 forward at head_dim {head_dim} has not passed the "
-                                      f"GPU tests yet ({choice.GPU_UNCHECKED}=1 serves it, to run them)")
+        problem = choice.unchecked_problem(f"the {self.schedule.name} FP8 forward", head_dim, fp8.unchecked_head_dims)
+        if problem:
+            raise NotImplementedError(problem)
         self.head_dim, self.causal = head_dim, check_flag("causal", causal)
         self.knobs = {**fp8.knobs(head_dim), **(knobs or {})}  # the schedule's, or the caller's over them
         self.min_kv_tiles = self.schedule.min_kv_tiles(self.knobs)
@@ -240,7 +240,8 @@ def fp8_kernel(head_dim: int, causal: bool, target=None, schedule: str | None = 
     """The FP8 kernel (varlen: ``Fp8VarlenKernel``) for these, built once a process (its modules are cached
     on disk as every kernel's)."""
     resolved = targets.resolve(target)
-    key = cache.digest([head_dim, causal, str(resolved), schedule, varlen])
+    # (the environment's TVMFLASH_GPU_UNCHECKED too: a kernel served under it is not served once it is unset)
+    key = cache.digest([head_dim, causal, str(resolved), schedule, varlen, os.environ.get(choice.GPU_UNCHECKED)])
     if key not in _KERNELS:
         _KERNELS[key] = (Fp8VarlenKernel if varlen else Fp8Kernel)(head_dim, causal, resolved, schedule)
     return _KERNELS[key]
