@@ -285,6 +285,69 @@ def test_a_mod_is_traced_again_only_where_what_it_reads_changed(monkeypatch):
     assert trace_mods(None, reads_a_dict)[0] != before
 
 
+def test_the_trace_memo_never_serves_a_changed_mod_and_keeps_nothing_alive(monkeypatch):
+    """What ``trace_mods``' memo cannot see change is traced at every call: a module's attribute (other than
+    torch's and math's functions), a function defined inside the mod, a dict's bound method, a tensor read
+    into a Python number and then written in place. The score_mod's and the mask_mod's reads are keyed
+    apart, and an entry holds no tensor alive."""
+    import gc
+    import types
+    import weakref
+
+    from tvmflash import flex_trace
+
+    runs = []
+    trace = flex_trace.trace
+    monkeypatch.setattr(flex_trace, "trace", lambda fn, what: runs.append(what) or trace(fn, what))
+    config = types.ModuleType("config")
+    config.window = 8
+    table = {"window": 8}
+    limit = torch.tensor(8)
+
+    def reads_a_module(b, h, q, kv):
+        return q - kv <= config.window
+
+    def defines_a_function(b, h, q, kv):
+        near = (lambda d: d <= WINDOW)  # noqa: E731
+        return near(q - kv)
+
+    get = table.get
+
+    def reads_a_bound_method(b, h, q, kv):
+        return q - kv <= get("window")
+
+    def reads_a_number_of_a_tensor(b, h, q, kv):
+        return q - kv <= int(limit)
+
+    for mod, change in ((reads_a_module, lambda: setattr(config, "window", 9)),
+                        (defines_a_function, lambda: None),
+                        (reads_a_bound_method, lambda: table.update(window=9)),
+                        (reads_a_number_of_a_tensor, lambda: limit.fill_(9))):
+        before = trace_mods(None, mod)[0]
+        change()
+        after = trace_mods(None, mod)[0]
+        assert (after != before) or mod is defines_a_function, mod.__name__
+    assert len(runs) == 8  # each traced at each call
+
+    def causal(b, h, q, kv):
+        return q >= kv
+
+    trace_mods(None, causal)
+    with pytest.raises(TypeError):  # a mask_mod given as the score_mod: traced, never the mask's trace
+        trace_mods(causal, None)
+    bias = torch.rand(4, requires_grad=True) * 2  # a non-leaf: it keeps its autograd graph
+
+    def score_mod(score, b, h, q, kv):
+        return score + bias[h]
+
+    trace_mods(score_mod, None)
+    assert trace_mods(score_mod, None)[1][0] is bias  # served from the memo
+    alive = weakref.ref(bias)
+    del score_mod, bias
+    gc.collect()
+    assert alive() is None
+
+
 # ----------------------------------------------------------------------------- refusals
 def _error_of(score_mod=None, mask_mod=None):
     with pytest.raises(FlexTraceError) as caught:

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import inspect
 import math
+import operator
 import types
+import weakref
 
 import torch
 
@@ -365,43 +367,60 @@ def trace_mods(score_mod, mask_mod) -> tuple[FlexMods, list[torch.Tensor]]:
     """Both mods traced into one ``FlexMods`` (either may be None) and the tensors they capture, the
     score_mod's first; a tensor both read is one capture. The same mods reading the same objects give the
     same FlexMods object again, untraced (``_TRACED``)."""
-    reads = tuple(_reads(fn) if fn is not None else () for fn in (score_mod, mask_mod))
+    reads = [_reads(fn) if fn is not None else [] for fn in (score_mod, mask_mod)]
     if any(r is None for r in reads):
         return _trace_mods(score_mod, mask_mod)
-    key = tuple(id(x) for r in reads for x in r)
+    key = tuple(tuple(_identity(x) for x in r) for r in reads)  # each mod's own: (None, f) is not (f, None)
     found = _TRACED.get(key)
-    if found is not None and len(found[0]) == len(key) and all(a is b for a, b in zip(found[0], _flat(reads))) \
-            and found[1] == _tensor_shapes(reads):
-        return found[2], list(found[3])
+    if found is not None:
+        refs, tensors, mods, captures = found
+        captured = [ref() for ref in captures]
+        if all(ref is None or ref() is x for ref, x in zip(refs, _flat(reads))) and None not in captured \
+                and tensors == _tensor_state(reads, captured):
+            return mods, captured
     mods, captures = _trace_mods(score_mod, mask_mod)
     if len(_TRACED) >= _TRACED_KEPT:
         _TRACED.pop(next(iter(_TRACED)))
-    _TRACED[key] = (tuple(_flat(reads)), _tensor_shapes(reads), mods, tuple(captures))
+    _TRACED[key] = ([None if _is_value(x) else weakref.ref(x) for x in _flat(reads)], _tensor_state(reads, captures),
+                    mods, [weakref.ref(t) for t in captures])
     return mods, captures
 
 
-# trace_mods' results by what the mods can depend on besides their arguments (``_reads``), compared by
-# identity; the entries hold those objects, so that no id is reused while it is kept. Tracing runs the mods
-# in Python (tens to hundreds of microseconds a call), which a training loop's calls then skip.
+# trace_mods' results by what the mods can depend on besides their arguments (``_reads``): values (numbers,
+# strings, dtypes) compared by value, other objects by identity through weak references, so that an entry
+# keeps no tensor, closure or autograd graph alive. Tracing runs the mods in Python (tens to hundreds of
+# microseconds a call), which a training loop's calls then skip.
 _TRACED: dict[tuple, tuple] = {}
 _TRACED_KEPT = 32
-# what a mod may read and still be cached: values that cannot change in place (a tensor's values may: the
-# trace does not depend on them, only on its dtype and dims, checked at each lookup)
-_IMMUTABLE = (int, float, complex, bool, str, bytes, type(None), torch.dtype, torch.device, types.ModuleType,
-              types.BuiltinFunctionType, type, range)
-_MISSING = object()
+# the modules whose functions a mod may call and still be cached (their attributes are taken as fixed)
+_TRUSTED_MODULES = (torch, torch.nn.functional, math, operator)
+_VALUES = (int, float, complex, bool, str, bytes, type(None), torch.dtype, torch.device)
+_MISSING = "<a global the function names and does not have>"
 
 
-def _reads(fn, depth: int = 0) -> tuple | None:
-    """The objects a mod's result can depend on besides its arguments: its code, its defaults, the contents
-    of its closure and the globals it names (functions it calls, recursively), or None where that is not
-    known: a callable that is no plain function, a mutable value (a dict, a list, an object's attributes)
-    or calls nested too deep."""
-    if isinstance(fn, (types.BuiltinFunctionType, type)):
-        return (fn,)
+def _is_value(x) -> bool:
+    return isinstance(x, _VALUES) or (isinstance(x, tuple) and all(isinstance(v, _VALUES) for v in x))
+
+
+def _identity(x):
+    return ("value", x) if _is_value(x) else ("object", id(x))
+
+
+def _reads(fn, depth: int = 0) -> list | None:
+    """What a mod's result can depend on besides its arguments: its code, its defaults, the contents of its
+    closure and the globals it names (functions it calls, recursively), or None where that is not known: a
+    callable that is no plain function, code that defines functions of its own, a mutable value (a dict, a
+    list, an object's or an untrusted module's attributes) or calls nested too deep. A tensor counts by its
+    identity, dtype, shape and device, and where the trace does not capture it (a value read into a Python
+    number) by its version too (``_tensor_state``)."""
+    if isinstance(fn, types.BuiltinFunctionType):
+        owner = fn.__self__
+        return [fn] if owner is None or any(owner is m for m in _TRUSTED_MODULES) else None
     if not isinstance(fn, types.FunctionType) or depth > 3:
         return None
     code = fn.__code__
+    if any(isinstance(c, types.CodeType) for c in code.co_consts):  # a lambda or def inside: its reads unseen
+        return None
     try:
         cells = [c.cell_contents for c in fn.__closure__ or ()]
     except ValueError:  # a cell not yet assigned
@@ -410,24 +429,24 @@ def _reads(fn, depth: int = 0) -> tuple | None:
               *(fn.__globals__.get(name, _MISSING) for name in code.co_names)]
     reads = [fn, code]
     for value in values:
-        if value is _MISSING or isinstance(value, (torch.Tensor, *_IMMUTABLE)):
-            reads.append(value)
-        elif isinstance(value, tuple) and all(isinstance(x, _IMMUTABLE) for x in value):
+        if _is_value(value) or isinstance(value, torch.Tensor) or any(value is m for m in _TRUSTED_MODULES):
             reads.append(value)
         else:
             inner = _reads(value, depth + 1) if callable(value) else None
             if inner is None:
                 return None
             reads.extend(inner)
-    return tuple(reads)
+    return reads
 
 
-def _flat(reads: tuple) -> list:
+def _flat(reads: list) -> list:
     return [x for r in reads for x in r]
 
 
-def _tensor_shapes(reads: tuple) -> tuple:
-    return tuple((x.dtype, x.shape, x.device) for x in _flat(reads) if isinstance(x, torch.Tensor))
+def _tensor_state(reads: list, captures) -> tuple:
+    captured = {id(t) for t in captures}
+    return tuple((x.dtype, x.shape, x.device, None if id(x) in captured else x._version)
+                 for x in _flat(reads) if isinstance(x, torch.Tensor))
 
 
 def _trace_mods(score_mod, mask_mod) -> tuple[FlexMods, list[torch.Tensor]]:
