@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import tvmflash
-from tvmflash.kernels.fp8 import Fp8Kernel, Fp8VarlenKernel, fp8_kernel, transposed_v
+from tvmflash.kernels.fp8 import FP8_TORCH, Fp8Kernel, Fp8VarlenKernel, fp8_kernel, transposed_v
 from tvmflash.program import FP8, AttentionSpec
 from tvmflash.program_forward import attention_forward
 from tvmflash.schedules.sm90.knobs import FP8_VARIANTS
@@ -417,3 +417,17 @@ def test_fp8_knob_variants_on_sm90(head_dim, variant, causal):
         return kernel(q, k, v, qd, kd, vd, softmax_scale=scale, return_lse=True, out=out)
 
     check_against_reference(run, (2, 300, 517, 8, 2), head_dim, causal, "cuda")
+
+
+def test_a_view_at_an_unaligned_offset_is_copied_for_the_16_byte_copies():
+    """The FP8 kernel reads q and k by 16-byte copies: a compact view whose data is not 16-byte aligned
+    (an offset of one e4m3 element) is copied, never passed in place; an aligned one is."""
+    kernel = Fp8Kernel(64, False, "sm90")
+    storage = torch.randn(1 + 2 * 3 * 4 * 64).to(FP8_TORCH)
+    base = storage[:-1].view(2, 3, 4, 64)
+    shifted = storage[1:].view(2, 3, 4, 64)
+    assert shifted.is_contiguous() and shifted.data_ptr() % 16
+    copied = kernel._usable(shifted)
+    assert copied.data_ptr() % 16 == 0 and torch.equal(copied.view(torch.uint8), shifted.view(torch.uint8))
+    if base.data_ptr() % 16 == 0:
+        assert kernel._usable(base) is base

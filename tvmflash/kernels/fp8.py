@@ -105,11 +105,13 @@ class Fp8Kernel:
                 f"target={targets.describe(self.target)!r})")
 
     def _usable(self, t: torch.Tensor) -> torch.Tensor:
-        """t, or a compact copy where its strides do not suit the module (contiguous last dim, the others
-        multiples of the schedule's alignment and not 0)."""
-        if t.stride(-1) == 1 and all(s % self.stride_multiple == 0 and s > 0 for s in t.stride()[:-1]):
+        """t, or a compact copy where it does not suit the module: a contiguous last dim, the other strides
+        multiples of the schedule's alignment and not 0, and its data 16-byte aligned (the 16-byte copies;
+        a view at an odd offset is compact, and ``contiguous`` would keep it)."""
+        if t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s % self.stride_multiple == 0 and s > 0
+                                                                for s in t.stride()[:-1]):
             return t
-        return t.contiguous()
+        return t.clone(memory_format=torch.contiguous_format)
 
     def _descale(self, name: str, descale, batch: int, heads_kv: int, device) -> torch.Tensor:
         if descale is None:
