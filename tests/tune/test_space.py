@@ -51,3 +51,14 @@ def test_sm80_design_space_replays():
     replayed = tvm.s_tir.Schedule(mod)
     sch.trace.apply_to_schedule(replayed, remove_postproc=True)
     tvm.ir.assert_structural_equal(replayed.mod, sch.mod)
+
+
+def test_a_space_that_leaves_a_tile_out_keeps_the_dtypes_default():
+    """``searched_space``: a tile knob the given space leaves out keeps its default at the run's dtype
+    (the CPU's float32 tiles are 128 x 32, its others 64 x 64)."""
+    from tvmflash.schedules import cpu
+    from tvmflash.tune.space import searched_space
+
+    assert searched_space(cpu.SCHEDULE, {"vector": [8, 16]}, "float32") == {"block_m": [128], "block_n": [32],
+                                                                              "vector": [8, 16]}
+    assert searched_space(cpu.SCHEDULE, {"vector": [8]}, "bfloat16")["block_m"] == [64]

@@ -117,7 +117,7 @@ def tune(*, head_dim: int, dtype, causal: bool, target=None, trials: int = 64, b
     workload = choice.workload({"head_dim": head_dim, "dtype": dtype, "causal": causal})
     schedule, why, _ = choice.choose_schedule("forward", resolved, workload)
     schedule_name = schedule.name
-    space = searched_space(schedule, space)
+    space = searched_space(schedule, space, dtype)
     cuda = require_gpu(resolved)
     work_dir = _work_dir(work_dir, schedule_name, workload)
     start = time.perf_counter()

@@ -220,17 +220,17 @@ def candidate_problem(knobset: KnobSet, target, head_dim: int, dtype: str, knobs
     return None if over is None else f"it needs {over}"
 
 
-def searched_space(schedule: Schedule, space: dict | None) -> dict:
+def searched_space(schedule: Schedule, space: dict | None, dtype: str | None = None) -> dict:
     """The space a run searches: ``space`` (a subset, for a quick run), else the forward's
     ``KnobSet.space()``; a ValueError for a knob the schedule does not have. A tile knob that
-    ``space`` leaves out keeps its default (each task is a pair of tiles)."""
+    ``space`` leaves out keeps its default at ``dtype`` (each task is a pair of tiles)."""
     knobset = schedule.forward.knobs
     if not space:
         return knobset.space()
     unknown = set(space) - set(knobset.names)
     if unknown:
         raise ValueError(f"space: {sorted(unknown)} are not forward knobs of the {schedule.name} schedule")
-    defaults = knobset.defaults()
+    defaults = knobset.defaults(dtype=dtype)
     return {**{name: [defaults[name]] for name in knobset.names_of(TILE) if name not in space}, **space}
 
 
