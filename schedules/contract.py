@@ -48,7 +48,8 @@ class Knob:
             raise ValueError(f"knob {self.name}: role must be one of {ROLES}, got {self.role!r}")
         if callable(self.space) and self.role != DERIVED:
             raise ValueError(f"knob {self.name}: a knob whose space is a function of other knobs is derived")
-        for value in (self.default, *self.by_head_dim.values(), *self.by_dtype.values(), *((self.varlen,) if self.varlen is not None else ()),
+        for value in (self.default, *self.by_head_dim.values(), *self.by_dtype.values(),
+                      *((self.varlen,) if self.varlen is not None else ()),
                       *(() if self.space is None or callable(self.space) else self.space)):
             problem = self.value_problem(value)
             if problem:

@@ -18,8 +18,8 @@ from .contract import TILE, DecodeTasks, Fp8Forward, Knob, KnobSet, ProgramSched
 # machine against block_n 128, block_m 32 and 8-wide vectors (BENCHMARKS.md, CPU). block_m / block_n
 # are the program's tile sizes, one MetaSchedule task per pair; ``vector`` (the SIMD width of the
 # inner loops, in elements) is sampled inside each task (it may be an ExprRV). float32 takes 128 x 32
-# tiles: on a 2-core Intel Xeon (AVX-512) they measured faster than 64 x 64 at every point of the forward's
-# grid (BENCHMARKS.md, CPU float32).
+# tiles, measured faster than 64 x 64 at every point of the forward's grid on an Intel AVX-512 machine
+# (BENCHMARKS.md, CPU float32; not measured on an AMD one).
 VECTORS = (4, 8, 16, 32)
 SAMPLED_VECTORS = (8, 16)  # the tuning space's
 # The tile sizes a caller may give: powers of two, which the register tiles (up to 4 rows by up to 4

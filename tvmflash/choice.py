@@ -207,8 +207,8 @@ def head_dim_to_run(programs: tuple[str, ...], target, dtype: str, head_dim: int
     to a head_dim that a tensor-core schedule serves (the sm80 backward at 96 for 80, say, if it did not
     serve 80) is faster than the SIMT fallback at the exact head_dim, which runs the products on CUDA cores
     (an H100's peak at 67 TFLOP/s in float32, below what sm90's wgmma backward at 256 gives at 136's share of
-    its work, BENCHMARKS.md: 136 pads to 256). Where no larger head_dim has more tensor-core programs (the backward above 128 off sm_90a), the fallback runs at
-    the head_dim rounded up to 8. On the CPU every multiple of 8 is served: that rounding alone."""
+    its work, BENCHMARKS.md: 136 pads to 256). Where no larger head_dim has more tensor-core programs (the
+    backward above 128 off sm_90a), the fallback runs at the head_dim rounded up to 8. On the CPU every multiple of 8 is served: that rounding alone."""
     first = -(-head_dim // HEAD_DIM_MULTIPLE) * HEAD_DIM_MULTIPLE
     best, most = first, -1
     for candidate in range(first, MAX_HEAD_DIM + 1, HEAD_DIM_MULTIPLE):

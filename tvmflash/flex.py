@@ -2,7 +2,8 @@
 the one attention program (``program_flex``), forward and backward, on every schedule.
 
 The mods are traced at a call (``flex_trace``), again only where something they read may have changed (a
-new closure, a changed global, a mutable value: ``flex_trace._TRACED``); equal traces share one kernel (and its built modules, keyed by the trace). The custom ops
+new closure, a changed global, a mutable value: ``flex_trace._TRACED``); equal traces share one kernel (and
+its built modules, keyed by the trace). The custom ops
 ``tvmflash::flex_forward`` and ``tvmflash::flex_backward`` carry the call through autograd; the trace
 reaches them by its key (``MODS``), the captured tensors as a list (and a BlockMask's lists after them:
 ``flex_block_mask``).
