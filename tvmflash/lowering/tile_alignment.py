@@ -52,14 +52,11 @@ def _shared_byte_offsets(pointer, what, lets, units16=0):
     byte = _loads_as_variables(inlined(index * (element.bits // 8) + units16 * 16, lets))
     variables = find(byte, tirx.Var, lambda n: isinstance(n.ty, tvm.ir.PrimType))
     analyzer = tvm.sym.Analyzer()
-    for step in range(6):
-        try:
-            at = analyzer.simplify(substitute(byte, [(v, tirx.const(step, v.ty.dtype)) for v in variables]))
-        except tvm.error.InternalError as error:  # a divisor of these variables at 0 (a persistent walk's tile
-            # index, divided by the batch's tiles): that step is no offset the kernel takes
-            if step == 0 and "Divide by zero" in str(error):
-                continue
-            raise
+    # a divisor of these variables (a persistent walk's tile index over the batch's tiles) is never 0 where the
+    # kernel takes the offset: the steps start at 1 there
+    divided = find(byte, (tirx.FloorDiv, tirx.FloorMod, tirx.Div, tirx.Mod), lambda n: bool(find(n.b, tirx.Var)))
+    for step in range(1, 7) if divided else range(6):
+        at = analyzer.simplify(substitute(byte, [(v, tirx.const(step, v.ty.dtype)) for v in variables]))
         if not isinstance(at, tirx.IntImm):
             raise RuntimeError(f"TMA alignment check: the offset of {what} does not fold to a constant: {byte}")
         yield at.value, byte
