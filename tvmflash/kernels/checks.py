@@ -285,6 +285,19 @@ def check_gradient_arguments(q, k, v, out, dout, lse, dlse, dq, dk, dv, rows) ->
             raise ValueError(f"{name}: expected a contiguous tensor, got strides {t.stride()}")
 
 
+def fits_in_place(t, stride_multiple: int, cuda: bool) -> bool:
+    """Can the module read or write ``t`` in place? Its last dim contiguous, its other strides
+    multiples of ``stride_multiple`` elements (16 bytes on CUDA, any on the CPU)
+    and, on CUDA, not 0 (a TMA tensor map's stride may not be) and its data 16-byte aligned. Its
+    size is no condition: past 2**31 elements the call takes the module that indexes in int64
+    (``needs_int64``; its strides must be below 2**31, ``check_strides``). (b, s, h, d) tensors,
+    (b, h, s, d) ones seen through a transpose and a packed qkv's thirds all fit, for every
+    supported head_dim."""
+    n3, (s0, s1, s2, s3) = t.shape[3], t.stride()
+    return ((s3 == 1 or n3 <= 1) and not (s0 % stride_multiple or s1 % stride_multiple or s2 % stride_multiple)
+            and not (cuda and (t.data_ptr() % 16 or not (s0 and s1 and s2))))
+
+
 class Arguments:
     """What the tensors of one kernel's calls must be (its head_dim, dtype, target, variant and
     stride multiple), with the checks and the in-place-or-copy rule that every kernel's call path
@@ -459,17 +472,8 @@ class Arguments:
         return check_dropout_p(dropout_p), check_dropout_seed(dropout_seed, q.device)
 
     def fits(self, t) -> bool:
-        """Can the module read or write ``t`` in place? Its last dim contiguous, its other strides
-        multiples of the schedule's ``stride_multiple`` elements (16 bytes on CUDA, any on the CPU)
-        and, on CUDA, not 0 (a TMA tensor map's stride may not be) and its data 16-byte aligned. Its
-        size is no condition: past 2**31 elements the call takes the module that indexes in int64
-        (``needs_int64``; its strides must be below 2**31, ``check_strides``). (b, s, h, d) tensors,
-        (b, h, s, d) ones seen through a transpose and a packed qkv's thirds all fit, for every
-        supported head_dim."""
-        n3, (s0, s1, s2, s3) = t.shape[3], t.stride()
-        multiple = self.stride_multiple
-        return ((s3 == 1 or n3 <= 1) and not (s0 % multiple or s1 % multiple or s2 % multiple)
-                and not (self.cuda and (t.data_ptr() % 16 or not (s0 and s1 and s2))))
+        """Can the module read or write ``t`` in place? (``fits_in_place``)"""
+        return fits_in_place(t, self.stride_multiple, self.cuda)
 
     def usable(self, t, name: str, copy: bool = True):
         """``t`` itself where the module can read it in place (``fits``), else a compact copy (strides

@@ -13,7 +13,8 @@ from tvmflash import cache, choice, lowering, program
 from tvmflash import schedules as schedule_registry
 from tvmflash import target as targets
 from tvmflash.kernels.build import PROGRAMS, Build
-from tvmflash.kernels.checks import check_cu_seqlens, check_flag, check_max_seqlen, resolve_softmax_scale
+from tvmflash.kernels.checks import (check_cu_seqlens, check_flag, check_max_seqlen, fits_in_place,
+                                     resolve_softmax_scale)
 from tvmflash.kernels.forward import kernel_build_options
 from tvmflash.program import FP8, AttentionSpec
 
@@ -105,13 +106,9 @@ class Fp8Kernel:
                 f"target={targets.describe(self.target)!r})")
 
     def _usable(self, t: torch.Tensor) -> torch.Tensor:
-        """t, or a compact copy where it does not suit the module: a contiguous last dim, the other strides
-        multiples of the schedule's alignment and not 0, and its data 16-byte aligned (the 16-byte copies;
-        a view at an odd offset is compact, and ``contiguous`` would keep it)."""
-        if t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s % self.stride_multiple == 0 and s > 0
-                                                                for s in t.stride()[:-1]):
-            return t
-        return t.clone(memory_format=torch.contiguous_format)
+        """t, or a compact copy where the module cannot read it in place (``checks.fits_in_place``: a view
+        at an odd offset is compact, and ``contiguous`` would keep it)."""
+        return t if fits_in_place(t, self.stride_multiple, cuda=True) else t.clone(memory_format=torch.contiguous_format)
 
     def _descale(self, name: str, descale, batch: int, heads_kv: int, device) -> torch.Tensor:
         if descale is None:
