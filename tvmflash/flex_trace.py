@@ -371,17 +371,18 @@ def trace_mods(score_mod, mask_mod) -> tuple[FlexMods, list[torch.Tensor]]:
     if any(r is None for r in reads):
         return _trace_mods(score_mod, mask_mod)
     key = tuple(tuple(_identity(x) for x in r) for r in reads)  # each mod's own: (None, f) is not (f, None)
+    flat = [x for r in reads for x in r]
     found = _TRACED.get(key)
     if found is not None:
         refs, tensors, mods, captures = found
         captured = [ref() for ref in captures]
-        if all(ref is None or ref() is x for ref, x in zip(refs, _flat(reads))) and None not in captured \
-                and tensors == _tensor_state(reads, captured):
+        if all(ref is None or ref() is x for ref, x in zip(refs, flat)) and None not in captured \
+                and tensors == _tensor_state(flat, captured):
             return mods, captured
     mods, captures = _trace_mods(score_mod, mask_mod)
     if len(_TRACED) >= _TRACED_KEPT:
         _TRACED.pop(next(iter(_TRACED)))
-    _TRACED[key] = ([None if _is_value(x) else weakref.ref(x) for x in _flat(reads)], _tensor_state(reads, captures),
+    _TRACED[key] = ([None if _is_value(x) else weakref.ref(x) for x in flat], _tensor_state(flat, captures),
                     mods, [weakref.ref(t) for t in captures])
     return mods, captures
 
@@ -439,14 +440,12 @@ def _reads(fn, depth: int = 0) -> list | None:
     return reads
 
 
-def _flat(reads: list) -> list:
-    return [x for r in reads for x in r]
-
-
 def _tensor_state(reads: list, captures) -> tuple:
+    """Each tensor of ``reads`` (the mods' flattened) as the trace depends on it: dtype, shape, device and,
+    where the trace does not capture it, its version."""
     captured = {id(t) for t in captures}
     return tuple((x.dtype, x.shape, x.device, None if id(x) in captured else x._version)
-                 for x in _flat(reads) if isinstance(x, torch.Tensor))
+                 for x in reads if isinstance(x, torch.Tensor))
 
 
 def _trace_mods(score_mod, mask_mod) -> tuple[FlexMods, list[torch.Tensor]]:
