@@ -68,16 +68,9 @@ def test_registers_row_state_compiles_with_nvcc(num_stages, causal):
 
 def _ptxas_usage(src, arch="sm_90a"):
     """(registers, stack frame bytes, spill store bytes) that ptxas -v reports for the kernel."""
-    import os
-    import subprocess
-    import tempfile
+    from conftest import ptxas_report
 
-    with tempfile.TemporaryDirectory() as tmp:
-        cu = os.path.join(tmp, "k.cu")
-        with open(cu, "w") as f:
-            f.write(src)
-        out = subprocess.run(["nvcc", f"-arch={arch}", "-cubin", "-Xptxas", "-v", "-o", os.path.join(tmp, "k.cubin"), cu],
-                             capture_output=True, text=True, check=True).stderr
+    (out,) = ptxas_report(src, arch).values()  # the forward's one kernel
     stack = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores", out)
     regs = re.search(r"Used (\d+) registers", out)
     return int(regs.group(1)), int(stack.group(1)), int(stack.group(2))
