@@ -376,7 +376,8 @@ def trace_mods(score_mod, mask_mod) -> tuple[FlexMods, list[torch.Tensor]]:
     if found is not None:
         refs, tensors, mods, captures = found
         captured = [ref() for ref in captures]
-        if all(ref is None or ref() is x for ref, x in zip(refs, flat)) and None not in captured \
+        # (each tested by identity: ``None in`` a list of tensors calls Tensor.__eq__, microseconds a tensor)
+        if all(ref is None or ref() is x for ref, x in zip(refs, flat)) and all(t is not None for t in captured) \
                 and tensors == _tensor_state(flat, captured):
             return mods, captured
     mods, captures = _trace_mods(score_mod, mask_mod)
