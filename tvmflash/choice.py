@@ -50,6 +50,27 @@ ENVIRONMENT = {"forward": ("TVMFLASH_SM90", GPU_UNCHECKED),
                "decode": (GPU_UNCHECKED, "TVMFLASH_DECODE")}
 
 
+# Where a flex backward makes a learned capture's gradient (a bias table that requires grad): "kernel" (dkdv,
+# ``program_flex_gradient``), "torch" (``flex_gradient``, after the kernels' backward) or unset (the target's:
+# ``capture_gradients_in_kernel``).
+FLEX_GRADIENT = "TVMFLASH_FLEX_GRADIENT"
+
+
+def capture_gradients_in_kernel(device_type: str, deterministic: bool) -> bool:
+    """Does dkdv add the gradients of the captured tensors a score_mod learns (``program_flex_gradient``), or
+    torch after the kernels' backward (``flex_gradient``)? The one place that chooses. Torch where
+    deterministic algorithms are asked for (the kernel's atomic additions sum in an order that changes from
+    run to run) and by default on the CPU: TVM's LLVM code generation has no atomic addition, so the CPU's
+    dkdv runs its tiles in turn to add them (``schedules.cpu``), where torch's way keeps them parallel.
+    FLEX_GRADIENT "kernel" or "torch" overrides the default (a ValueError for another value)."""
+    asked = os.environ.get(FLEX_GRADIENT, "")
+    if asked not in ("", "kernel", "torch"):
+        raise ValueError(f"{FLEX_GRADIENT}: expected 'kernel', 'torch' or unset, got {asked!r}")
+    if deterministic:
+        return False
+    return asked == "kernel" if asked else device_type != "cpu"
+
+
 def environment(program: str) -> tuple[str, ...]:
     """The raw values of the variables that may change a program's schedule ("" where unset): what the
     caches of kernels are keyed by, cheap enough for every call of ``tvmflash.attention``."""

@@ -13,8 +13,8 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from tvmflash.lowering.annotations import (ATOMIC_ADD_PRAGMA, BULK_REDUCE_BARRIER, BULK_REDUCE_PRAGMA,
-                                           BULK_REDUCE_WAIT_PRAGMA, REG_FENCE, REG_FENCE_PAIR, SKIP_UNIT_RESCALE_PRAGMA,
-                                           VECTOR_REDUCE_PRAGMA, WGMMA_WAIT_PRAGMA)
+                                           BULK_REDUCE_WAIT_PRAGMA, MERGED_ATOMIC_ADD_PRAGMA, REG_FENCE, REG_FENCE_PAIR,
+                                           SKIP_UNIT_RESCALE_PRAGMA, VECTOR_REDUCE_PRAGMA, WGMMA_WAIT_PRAGMA)
 from tvmflash.lowering.ir import (every_element, find, is_load, loaded, loaded_buffers, prim_func_pass, substitute,
                                   target_of, transform, with_children)
 from tvmflash.lowering.tma_device_functions import device_statement, untracked_pointer
@@ -113,6 +113,46 @@ def _atomic_adds(attr, vector: bool):
     if vector and int(attr.value) == 2:
         body = transform(body, tirx.For, _paired_atomic_add)
     return transform(body, tirx.BufferStore, _atomic_add)
+
+
+def _merged_atomic_adds(attr):
+    """The statement for a ``MERGED_ATOMIC_ADD_PRAGMA`` AttrStmt: its loop, each store ``x[i] = x[i] + y``
+    summed into a run of this thread's (a local index and sum a buffer x) that is added atomically where the
+    index changes, and once more after the loop."""
+    runs = {}  # buffer -> (its run's index, its run's sum): local buffers
+
+    def flush(buffer):
+        index, total = runs[buffer]
+        element = tirx.BufferLoad(buffer, [tirx.BufferLoad(index, [d]) for d in range(len(buffer.shape))])
+        add = tirx.Evaluate(T.cuda.atomic_add(tirx.call_intrin("handle", "tirx.address_of", element),
+                                              tirx.BufferLoad(total, [0])))
+        return tirx.IfThenElse(tirx.BufferLoad(index, [0]) >= 0, add, None)  # -1: no run yet
+
+    def merged(store):
+        buffer, indices, value = store.buffer, list(store.indices), _addend(store)
+        if buffer not in runs:
+            runs[buffer] = (tirx.decl_buffer((len(indices),), indices[0].dtype, f"{buffer.name}_run", scope="local"),
+                            tirx.decl_buffer((1,), "float32", f"{buffer.name}_run_sum", scope="local"))
+        index, total = runs[buffer]
+        names = [tirx.Var(f"{buffer.name}_i{d}", i.dtype) for d, i in enumerate(indices)]
+        addend = tirx.Var(f"{buffer.name}_addend", value.dtype)
+        changed = functools.reduce(tirx.Or, [n != tirx.BufferLoad(index, [d]) for d, n in enumerate(names)])
+        restart = tirx.SeqStmt([flush(buffer), *(tirx.BufferStore(index, n, [d]) for d, n in enumerate(names)),
+                                tirx.BufferStore(total, tirx.const(0, "float32"), [0])])
+        body = tirx.SeqStmt([tirx.IfThenElse(changed, restart, None),
+                             tirx.BufferStore(total, tirx.BufferLoad(total, [0]) + addend, [0])])
+        for var, bound in reversed([*zip(names, indices), (addend, value)]):
+            body = tirx.LetStmt(var, bound, body)
+        return body
+
+    if any(str(store.buffer.dtype) != "float32" for store in find(attr.body, tirx.BufferStore)):
+        raise ValueError(f"{MERGED_ATOMIC_ADD_PRAGMA}: expected float32 additions, got {attr.body}")
+    body = transform(attr.body, tirx.BufferStore, merged)
+    start = []
+    for index, total in runs.values():
+        start += [tirx.AllocBuffer(index), tirx.AllocBuffer(total), tirx.BufferStore(index, tirx.const(-1, index.dtype), [0]),
+                  tirx.BufferStore(total, tirx.const(0, "float32"), [0])]
+    return tirx.SeqStmt([*start, body, *(flush(buffer) for buffer in runs)])
 
 
 def _has_vector_reductions(func) -> bool:
@@ -258,6 +298,7 @@ def _pragma_lowerings(func) -> dict:
     return {WGMMA_WAIT_PRAGMA: functools.partial(_wait_and_fence_accumulators, func=func),
             SKIP_UNIT_RESCALE_PRAGMA: _skipped_where_factors_are_one,
             ATOMIC_ADD_PRAGMA: functools.partial(_atomic_adds, vector=_has_vector_reductions(func)),
+            MERGED_ATOMIC_ADD_PRAGMA: _merged_atomic_adds,
             BULK_REDUCE_PRAGMA: functools.partial(_bulk_reductions, func=func),
             VECTOR_REDUCE_PRAGMA: functools.partial(_vector_reductions, func=func),
             BULK_REDUCE_WAIT_PRAGMA: functools.partial(_bulk_reductions_read, func=func)}

@@ -1,0 +1,155 @@
+"""The gradient of a captured float tensor that requires grad (a learnable bias) in flex_attention, made by dkdv
+(``program_flex_gradient``) or by torch after the kernels' backward (``flex_gradient``), against float64
+autograd of the reference attention (flash-attn's rule: at most 2x torch's same-dtype error + a small eps).
+
+On the CPU, TVMFLASH_FLEX_GRADIENT=kernel runs dkdv's additions (its tiles in turn: LLVM has no atomics);
+the GPU tests take the default, dkdv's atomic additions."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from reference import max_error
+from test_flex import CPU_DTYPE, CPU_HEAD_DIM, HEADS, flex_reference, random_qkv
+
+import tvmflash
+from tvmflash import choice, flex_gradient, program_flex, program_flex_gradient
+from tvmflash.flex_trace import trace_mods
+
+REACH = 32  # the relative table's: distances beyond it share its last entries
+
+
+def relative(gen, device):
+    """A learnable relative-position bias (heads, 2 REACH + 1) table, clamped: most of a long row's keys share
+    the table's end entries (the merged runs' case), the diagonal's each its own."""
+    table = torch.randn(HEADS[0], 2 * REACH + 1, generator=gen).to(device).requires_grad_()
+
+    def mods(table):
+        return lambda s, b, h, i, j: s + table[h, torch.clamp(i - j, -REACH, REACH) + REACH], None
+    return [table], mods
+
+
+def per_head(gen, device):
+    """A per-head scalar bias and a per-head float16 temperature that multiplies the score (its derivative
+    reads the score), beside a mask_mod that hides every key from some rows."""
+    bias = torch.randn(HEADS[0], generator=gen).to(device).requires_grad_()
+    temperature = (1 + torch.rand(HEADS[0], generator=gen) * 0.5).to(device=device, dtype=torch.float16)
+
+    def mods(bias, temperature):
+        def score_mod(s, b, h, i, j):
+            return s * temperature[h] + bias[h]
+        return score_mod, lambda b, h, i, j: (j <= i + 3) & (i % 4 != 1)
+    return [bias, temperature.requires_grad_()], mods
+
+
+def positions(gen, device, seqlen_q, seqlen_k):
+    """A 2-D (seqlen_q, seqlen_k) bias: each element of the table its own (query, key)."""
+    table = (torch.randn(seqlen_q, seqlen_k, generator=gen) * 0.5).to(device).requires_grad_()
+
+    def mods(table):
+        return lambda s, b, h, i, j: s + table[i, j], None
+    return [table], mods
+
+
+CASES = {"relative": relative, "per-head": per_head, "positions": positions}
+
+
+def learned_gradients_match_float64(device, dtype, head_dim, seqlen_q, seqlen_k, case, seed, where, monkeypatch):
+    """The gradients of q, k, v and the case's learned tensors through out and lse, made ``where`` ("kernel":
+    dkdv, "torch": flex_gradient, checked by whether flex_gradient runs), against float64 autograd."""
+    monkeypatch.setenv(choice.FLEX_GRADIENT, where)
+    calls = []
+    torch_path = flex_gradient.capture_gradients
+    monkeypatch.setattr(flex_gradient, "capture_gradients", lambda *a, **kw: calls.append(1) or torch_path(*a, **kw))
+    gen = torch.Generator().manual_seed(seed)
+    make = CASES[case]
+    tensors, mods = make(gen, device, seqlen_q, seqlen_k) if case == "positions" else make(gen, device)
+    q, k, v = random_qkv(2, seqlen_q, seqlen_k, dtype, device, head_dim, seed=seed)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    score_mod, mask_mod = mods(*tensors)
+    out, lse = tvmflash.flex_attention(*leaves, score_mod=score_mod, block_mask=mask_mod, enable_gqa=True,
+                                       return_lse=True)
+    dout = torch.randn_like(out)
+    dlse = torch.randn_like(lse).masked_fill(~torch.isfinite(lse.detach()), 0.0)
+    for t in tensors:
+        t.grad = None
+    torch.autograd.backward([out, lse], [dout, dlse])
+    assert bool(calls) == (where == "torch"), f"the gradient was not made by {where}"
+    refs = []
+    for ref_dtype in (torch.float64, dtype):
+        ref_leaves = [t.detach().to(ref_dtype).requires_grad_() for t in (q, k, v, *tensors)]
+        ref_out, ref_lse = flex_reference(*ref_leaves[:3], *mods(*ref_leaves[3:]), dtype=ref_dtype)
+        loss = (ref_out * dout.to(ref_dtype)).sum()
+        loss = loss + (ref_lse.masked_fill(ref_lse == -math.inf, 0) * dlse.to(ref_dtype)).sum()
+        refs.append(torch.autograd.grad(loss, ref_leaves))
+    for n, t in enumerate([*leaves, *tensors]):
+        ours, ref, same = t.grad, refs[0][n], refs[1][n]
+        assert ours is not None and ours.shape == ref.shape and ours.dtype == t.dtype, n
+        assert torch.isfinite(ours).all(), n
+        err, their_err = max_error(ours, ref), max_error(same, ref)
+        floor = 1e-5 * (1 + ref.abs().max().item())
+        assert err <= 2 * their_err + floor, f"tensor {n}: error {err:.3e} > 2 x torch's {their_err:.3e} + {floor:.1e}"
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("where", ["kernel", "torch"])
+def test_a_learned_bias_gets_its_gradient_on_the_cpu(case, where, monkeypatch):
+    learned_gradients_match_float64("cpu", CPU_DTYPE, CPU_HEAD_DIM, 77, 130, case, 11, where, monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_learned_bias_gets_its_gradient_from_dkdv_on_the_gpu(case, dtype, monkeypatch):
+    for seqlen_q, seqlen_k in ((1000, 1000), (300, 1000), (130, 77)):
+        learned_gradients_match_float64("cuda", dtype, 128, seqlen_q, seqlen_k, case, seqlen_q + seqlen_k, "kernel",
+                                        monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("schedule", ["sm80", "simt"])
+def test_a_learned_bias_gets_its_gradient_from_the_other_gpu_schedules(schedule, monkeypatch):
+    monkeypatch.setenv("TVMFLASH_BACKWARD", schedule)
+    learned_gradients_match_float64("cuda", torch.float16, 64, 300, 1000, "relative", 3, "kernel", monkeypatch)
+
+
+def test_deterministic_algorithms_and_the_cpu_take_torchs_way_unless_asked(monkeypatch):
+    monkeypatch.delenv(choice.FLEX_GRADIENT, raising=False)
+    assert choice.capture_gradients_in_kernel("cuda", False)
+    assert not choice.capture_gradients_in_kernel("cuda", True)
+    assert not choice.capture_gradients_in_kernel("cpu", False)
+    monkeypatch.setenv(choice.FLEX_GRADIENT, "kernel")
+    assert choice.capture_gradients_in_kernel("cpu", False) and not choice.capture_gradients_in_kernel("cpu", True)
+    monkeypatch.setenv(choice.FLEX_GRADIENT, "atomics")
+    with pytest.raises(ValueError, match="TVMFLASH_FLEX_GRADIENT"):
+        choice.capture_gradients_in_kernel("cuda", False)
+
+
+def test_the_derivative_in_a_load_is_torchs():
+    """d score_mod / d (a load): the rules of the score's derivative, a product's other factor alone."""
+    table, w = torch.zeros(4, 9), torch.zeros(4)
+    mods, _ = trace_mods(lambda s, b, h, i, j: s * w[h] + torch.tanh(table[h, i - j + 4]) * 2, None)
+    loads = program_flex_gradient.learned_loads(program_flex.FlexMods(mods.score, None, mods.captures, learned=(0, 1)))
+    w_load, table_load = sorted(loads, key=lambda load: load.value)  # w is captured first
+    assert program_flex.derivative(mods.score, w_load) == program_flex.SCORE  # d(s * w) / dw = s
+    tanh = program_flex.make("tanh", table_load)
+    expected = program_flex.make("mul", program_flex.make("sub", 1.0, program_flex.make("mul", tanh, tanh)), 2.0)
+    assert program_flex.derivative(mods.score, table_load) == expected
+
+
+def test_the_gradient_buffers_are_parameters_of_dkdv_only_where_a_capture_is_learned():
+    from tvmflash import program_backward
+    from tvmflash.program import AttentionSpec
+    table = torch.zeros(4, 9)
+    mods, _ = trace_mods(lambda s, b, h, i, j: s + table[h, torch.clamp(i - j, -4, 4) + 4], None)
+    modules = [program_backward.attention_backward(AttentionSpec(32, "float32", False, 4, 4, flex=program_flex.FlexMods(
+        mods.score, None, mods.captures, learned=learned)), 32, 32) for learned in ((), (0,))]
+    plain, learning = ({name: module[name] for name in ("dkdv", "dq")} for module in modules)
+    assert len(learning["dkdv"].params) == len(plain["dkdv"].params) + 1
+    assert "Captured0Grad" in learning["dkdv"].script() and "capture_gradient" in learning["dkdv"].script()
+    assert "capture_gradient" not in plain["dkdv"].script()
+    assert learning["dq"].script() == plain["dq"].script()
+    with pytest.raises(ValueError, match="learned"):
+        program_flex.FlexMods(mods.score, None, mods.captures, learned=(1,))
