@@ -91,12 +91,17 @@ def add_capture_gradients(grads, flex, flex_buffers, P, dP, delta_t, S, softmax_
     if grads is None:
         return
     loads = learned_loads(flex.mods)
+    derivatives = [derivative(flex.mods.score, load) for load in loads]
+    reads_score = any(_reads_score(d) for d in derivatives)
     sliced = rows > block_n
     with T.grid(rows, cols) as (r, c):
         with T.sblock(BLOCK):
             vr = T.axis.spatial(rows, r)
             vc = T.axis.spatial(cols, c)
-            T.reads([P[vr, vc], dP[vr, vc], delta_t[vc], S[vr, vc], *(_whole(b) for b in flex_buffers)])
+            # S only where a derivative reads the score: a schedule's layout of a buffer rewrites the region of
+            # it that each block declares, which must be one the block reads
+            T.reads([P[vr, vc], dP[vr, vc], delta_t[vc], *([S[vr, vc]] if reads_score else []),
+                     *(_whole(b) for b in flex_buffers)])
             # declared writes alone (no read): the tiles' additions commute, so no tile waits on another's
             T.writes([_whole(grads[n]) for n in sorted({load.value for load in loads})])
             ds = P[vr, vc] * (dP[vr, vc] - delta_t[vc])  # the logit's gradient
@@ -104,8 +109,12 @@ def add_capture_gradients(grads, flex, flex_buffers, P, dP, delta_t, S, softmax_
             adds = T.And(P[vr, vc] != T.float32(0), first_tile)
             with T.If(T.And(adds, vr < block_n) if sliced else adds):
                 with T.Then():
-                    for load in loads:
+                    for load, gradient in zip(loads, derivatives):
                         grad = grads[load.value]
                         index = [flex.tir(i, None, None, row, col, within=load) for i in load.args]
-                        value = ds * flex.tir(derivative(flex.mods.score, load), S[vr, vc], softmax_scale, row, col)
+                        value = ds * flex.tir(gradient, S[vr, vc], softmax_scale, row, col)
                         T.buffer_store(grad, grad[tuple(index)] + value, index)
+
+
+def _reads_score(node: Node) -> bool:
+    return node.op == "score" or any(_reads_score(a) for a in node.args)

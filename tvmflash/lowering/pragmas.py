@@ -131,26 +131,24 @@ def _merged_atomic_adds(attr):
     def merged(store):
         buffer, indices, value = store.buffer, list(store.indices), _addend(store)
         if buffer not in runs:
-            runs[buffer] = (tirx.decl_buffer((len(indices),), indices[0].dtype, f"{buffer.name}_run", scope="local"),
+            runs[buffer] = (tirx.decl_buffer((len(indices),), str(indices[0].ty), f"{buffer.name}_run", scope="local"),
                             tirx.decl_buffer((1,), "float32", f"{buffer.name}_run_sum", scope="local"))
         index, total = runs[buffer]
-        names = [tirx.Var(f"{buffer.name}_i{d}", i.dtype) for d, i in enumerate(indices)]
-        addend = tirx.Var(f"{buffer.name}_addend", value.dtype)
+        names = [tirx.Var(f"{buffer.name}_i{d}", str(index.ty)) for d, index in enumerate(indices)]
+        addend = tirx.Var(f"{buffer.name}_addend", str(value.ty))
         changed = functools.reduce(tirx.Or, [n != tirx.BufferLoad(index, [d]) for d, n in enumerate(names)])
         restart = tirx.SeqStmt([flush(buffer), *(tirx.BufferStore(index, n, [d]) for d, n in enumerate(names)),
                                 tirx.BufferStore(total, tirx.const(0, "float32"), [0])])
-        body = tirx.SeqStmt([tirx.IfThenElse(changed, restart, None),
+        return tirx.SeqStmt([*(tirx.Bind(var, bound) for var, bound in [*zip(names, indices), (addend, value)]),
+                             tirx.IfThenElse(changed, restart, None),
                              tirx.BufferStore(total, tirx.BufferLoad(total, [0]) + addend, [0])])
-        for var, bound in reversed([*zip(names, indices), (addend, value)]):
-            body = tirx.LetStmt(var, bound, body)
-        return body
 
     if any(str(store.buffer.dtype) != "float32" for store in find(attr.body, tirx.BufferStore)):
         raise ValueError(f"{MERGED_ATOMIC_ADD_PRAGMA}: expected float32 additions, got {attr.body}")
     body = transform(attr.body, tirx.BufferStore, merged)
     start = []
     for index, total in runs.values():
-        start += [tirx.AllocBuffer(index), tirx.AllocBuffer(total), tirx.BufferStore(index, tirx.const(-1, index.dtype), [0]),
+        start += [tirx.AllocBuffer(index), tirx.AllocBuffer(total), tirx.BufferStore(index, tirx.const(-1, str(index.dtype)), [0]),
                   tirx.BufferStore(total, tirx.const(0, "float32"), [0])]
     return tirx.SeqStmt([*start, body, *(flush(buffer) for buffer in runs)])
 
