@@ -231,11 +231,13 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     tensor. Each distinct trace builds its modules once (a trace differs by its operations and constants,
     not by the values of the tensors it captures, which each call passes). Differentiable in query, key and
     value, through the score_mod's derivative, and in the captured float tensors that require grad (a learnable
-    bias table), by torch operations after the kernels' backward (``flex_gradient``: exact, but slow, with
-    O(seqlen_q · seqlen_k) work outside the kernels).
+    bias table): on a GPU by the backward's dkdv (``program_flex_gradient``: atomic additions, so not bitwise
+    reproducible), on the CPU and under ``torch.use_deterministic_algorithms`` by torch operations after the
+    kernels' backward (``flex_gradient``: exact, but with O(seqlen_q · seqlen_k) work outside the kernels);
+    ``choice.capture_gradients_in_kernel`` says which.
 
     Not yet: torch.compile(fullgraph=True) of a call with a mod (NotImplementedError; without fullgraph Dynamo
-    runs such a call eagerly), and a captured tensor's gradient in the kernels.
+    runs such a call eagerly).
     """
     _check_tensors(query, key, value, check_flag("enable_gqa", enable_gqa))
     return_lse = check_flag("return_lse", return_lse)
