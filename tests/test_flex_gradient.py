@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import math
 
+import shutil
+
 import pytest
 import torch
 from reference import max_error
+from torch.nn.attention.flex_attention import create_block_mask
 from test_flex import CPU_DTYPE, CPU_HEAD_DIM, HEADS, flex_reference, random_qkv
 
 import tvmflash
@@ -53,7 +56,14 @@ def positions(gen, device, seqlen_q, seqlen_k):
     return [table], mods
 
 
-CASES = {"relative": relative, "per-head": per_head, "positions": positions}
+def causal_blocks(gen, device):
+    """The relative table under a causal BlockMask of 32 x 32 blocks (``create_block_mask``): dkdv walks its
+    lists, full blocks skip the mask, and the steps past a list visit tiles past the end (P 0: nothing added)."""
+    tensors, mods = relative(gen, device)
+    return tensors, lambda table: (mods(table)[0], lambda b, h, i, j: i >= j)
+
+
+CASES = {"relative": relative, "per-head": per_head, "positions": positions, "causal-blocks": causal_blocks}
 
 
 def learned_gradients_match_float64(device, dtype, head_dim, seqlen_q, seqlen_k, case, seed, where, monkeypatch):
@@ -69,7 +79,9 @@ def learned_gradients_match_float64(device, dtype, head_dim, seqlen_q, seqlen_k,
     q, k, v = random_qkv(2, seqlen_q, seqlen_k, dtype, device, head_dim, seed=seed)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     score_mod, mask_mod = mods(*tensors)
-    out, lse = tvmflash.flex_attention(*leaves, score_mod=score_mod, block_mask=mask_mod, enable_gqa=True,
+    block_mask = mask_mod if case != "causal-blocks" else create_block_mask(
+        mask_mod, None, None, seqlen_q, seqlen_k, device=device, BLOCK_SIZE=32)
+    out, lse = tvmflash.flex_attention(*leaves, score_mod=score_mod, block_mask=block_mask, enable_gqa=True,
                                        return_lse=True)
     dout = torch.randn_like(out)
     dlse = torch.randn_like(lse).masked_fill(~torch.isfinite(lse.detach()), 0.0)
@@ -106,6 +118,12 @@ def test_a_learned_bias_gets_its_gradient_from_dkdv_on_the_gpu(case, dtype, monk
     for seqlen_q, seqlen_k in ((1000, 1000), (300, 1000), (130, 77)):
         learned_gradients_match_float64("cuda", dtype, 128, seqlen_q, seqlen_k, case, seqlen_q + seqlen_k, "kernel",
                                         monkeypatch)
+
+
+@pytest.mark.gpu
+def test_a_learned_bias_gets_its_gradient_from_dkdvs_slices_at_head_dim_256(monkeypatch):
+    """sm90's dkdv at d256 makes dk and dv in slices of the columns, each key's dS in both: one adds it."""
+    learned_gradients_match_float64("cuda", torch.bfloat16, 256, 300, 1000, "relative", 5, "kernel", monkeypatch)
 
 
 @pytest.mark.gpu
@@ -153,3 +171,32 @@ def test_the_gradient_buffers_are_parameters_of_dkdv_only_where_a_capture_is_lea
     assert learning["dq"].script() == plain["dq"].script()
     with pytest.raises(ValueError, match="learned"):
         program_flex.FlexMods(mods.score, None, mods.captures, learned=(1,))
+
+
+def learned_relative_table_mods():
+    table = torch.zeros(4, 2 * REACH + 1, requires_grad=True)
+    mods, _ = trace_mods(lambda s, b, h, i, j: s + table[h, torch.clamp(i - j, -REACH, REACH) + REACH], None)
+    return program_flex.FlexMods(mods.score, None, mods.captures, learned=(0,))
+
+
+@pytest.mark.parametrize("target, schedule", [("sm80", "sm80"), ("sm80", "simt"), ("sm90", "sm90")])
+def test_the_gpu_schedules_add_the_gradient_in_runs_of_atomics(target, schedule):
+    """Built without a GPU: each schedule's dkdv adds into the gradient by atomics, a thread's run of additions to
+    one element summed first (``MERGED_ATOMIC_ADD_PRAGMA``), and no other program takes the gradient."""
+    kernel = tvmflash.compile_backward(head_dim=64, dtype="float16", target=target, flex=learned_relative_table_mods(),
+                                       schedule=schedule)
+    source = kernel.source(heads_q=4, heads_kv=2)
+    dkdv = source[source.index("dkdv_kernel("):]
+    assert "Captured0Grad_run_sum" in dkdv and "atomic_add((&(Captured0Grad_ptr[" in dkdv
+    assert source.count("Captured0Grad_ptr") == dkdv.count("Captured0Grad_ptr")
+
+
+@pytest.mark.nvcc
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+def test_sm90_cuda_of_the_learned_gradient_compiles_with_nvcc():
+    from tvm.support import nvcc
+    kernel = tvmflash.compile_backward(head_dim=128, dtype="bfloat16", target="sm90", flex=learned_relative_table_mods())
+    with kernel.target:
+        cubin = nvcc.compile_cuda(kernel.source(heads_q=4, heads_kv=2), target_format="cubin", arch="sm_90a",
+                                  compiler="nvcc")
+    assert len(cubin) > 1000
