@@ -265,6 +265,7 @@ def schedule_backward_program(sch: tvm.s_tir.Schedule, func: str, threads: int, 
         sch.set_scope(name, index, "local")
     if func == "dkdv" and common.has_block(sch, "capture_gradient"):  # a learned capture's gradient
         sch.bind(sch.get_loops("capture_gradient")[0], "threadIdx.x")  # this thread's key, its queries in turn
+        # 1: each thread its own runs (block_n may be 16: no whole warps for a warp's sum)
         sch.annotate(sch.get_loops("capture_gradient")[1], MERGED_ATOMIC_ADD_PRAGMA, 1)
     # Each product's inner loop unrolled; its outer loop kept (ptxas unrolled it too at head_dim
     # 64 in float32, and spilled kilobytes a thread).

@@ -182,12 +182,15 @@ def learned_relative_table_mods():
 @pytest.mark.parametrize("target, schedule", [("sm80", "sm80"), ("sm80", "simt"), ("sm90", "sm90")])
 def test_the_gpu_schedules_add_the_gradient_in_runs_of_atomics(target, schedule):
     """Built without a GPU: each schedule's dkdv adds into the gradient by atomics, a thread's run of additions to
-    one element summed first (``MERGED_ATOMIC_ADD_PRAGMA``), and no other program takes the gradient."""
+    one element summed first (``MERGED_ATOMIC_ADD_PRAGMA``), and no other program takes the gradient. (The GPU
+    tests check what they add.)"""
     kernel = tvmflash.compile_backward(head_dim=64, dtype="float16", target=target, flex=learned_relative_table_mods(),
                                        schedule=schedule)
     source = kernel.source(heads_q=4, heads_kv=2)
     dkdv = source[source.index("dkdv_kernel("):]
     assert "Captured0Grad_run_sum" in dkdv and "atomic_add((&(Captured0Grad_ptr[" in dkdv
+    # whole warps (tensor cores' schedules): a warp's last runs on one element added once
+    assert ("tvmflash_warp_merged_add((&(Captured0Grad_ptr[0]))" in dkdv) == (schedule != "simt")
     assert source.count("Captured0Grad_ptr") == dkdv.count("Captured0Grad_ptr")
 
 

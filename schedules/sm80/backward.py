@@ -72,7 +72,8 @@ def _schedule_dkdv(sch: tvm.s_tir.Schedule, num_warps: int, num_stages: int, vec
     _backward_step(sch, ("load_k", "load_v", "load_q", "load_do"), ("cast_p",), num_warps, vec, names)
     if has_block(sch, "capture_gradient"):  # a learned capture's gradient: each lane its elements of dsᵀ
         fragment_elementwise(sch, "capture_gradient", num_warps)
-        sch.annotate(sch.get_loops("capture_gradient")[-3], MERGED_ATOMIC_ADD_PRAGMA, 1)  # the loops in each lane
+        # the loops in each lane; 2: whole warps, so a warp whose runs end on one element adds once
+        sch.annotate(sch.get_loops("capture_gradient")[-3], MERGED_ATOMIC_ADD_PRAGMA, 2)
     for name in ("dv", "dk"):  # dv += pᵀ dout, dk += dsᵀ q
         _accumulate(sch, name, num_warps, names)
     if dq_atomic:

@@ -101,7 +101,8 @@ def _schedule_dkdv(sch: tvm.s_tir.Schedule, num_stages: int, vec: int, dq_atomic
     _backward_step(sch, ("cast_p",), groups, BM, D, dtype, num_stages, overlap, b_swizzled=tma, swizzle=columns)
     if has_block(sch, "capture_gradient"):  # a learned capture's gradient: each thread its elements of dsᵀ
         acc_block(sch, "capture_gradient", groups)
-        sch.annotate(sch.get_loops("capture_gradient")[-3], MERGED_ATOMIC_ADD_PRAGMA, 1)  # the loops in each thread
+        # the loops in each thread; 2: whole warps, so a warp whose runs end on one element adds once
+        sch.annotate(sch.get_loops("capture_gradient")[-3], MERGED_ATOMIC_ADD_PRAGMA, 2)
     # With overlap dv and dq's share only committed: dk's wait ends them. dv only where TMA places the Q
     # block's tiles: the threads' copies (cp.async; varlen's) leave dout's tile to TVM's shared-memory
     # planner, which, seeing dv's wgmma as dout's last reader, gives dsᵀ's tile (written while dv would

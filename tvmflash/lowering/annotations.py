@@ -66,7 +66,9 @@ ATOMIC_ADD_PRAGMA = "pragma_tvmflash_atomic_add"
 # score_mod's index: ``program_flex_gradient``), where many of a thread's elements share one: the thread sums a
 # run of consecutive additions to one element in a register and adds the run once, atomically, when the
 # index changes and after the loop (``pragmas.LowerPragmas``). A relative-position table clamped at a
-# reach gives most of a tile one index: one atomic a thread a step instead of one an element.
+# reach gives most of a tile one index: one atomic a thread a step instead of one an element. The value 2:
+# the loop runs on whole, converged warps, and a warp whose last runs all end on one element (a per-head
+# scalar, a clamped table's far entries) adds their sum once: one atomic a warp a step.
 MERGED_ATOMIC_ADD_PRAGMA = "pragma_tvmflash_merged_atomic_add"
 
 # A loop annotated so writes a shared-memory tile that the rest of its step reads: the tile is held in

@@ -76,7 +76,11 @@ def _addend(store):
 
 
 def _address(store):
-    return tirx.call_intrin("handle", "tirx.address_of", tirx.BufferLoad(store.buffer, store.indices))
+    return _pointer(tirx.BufferLoad(store.buffer, store.indices))
+
+
+def _pointer(load):
+    return tirx.call_intrin("handle", "tirx.address_of", load)
 
 
 RED_ADD_V2 = ("__device__ __forceinline__ void tvmflash_red_add_v2(float* address, float a, float b) "
@@ -115,18 +119,38 @@ def _atomic_adds(attr, vector: bool):
     return transform(body, tirx.BufferStore, _atomic_add)
 
 
+WARP_MERGED_ADD = (
+    "template <typename I> __device__ __forceinline__ void tvmflash_warp_merged_add(float* base, I offset, float value) "
+    "{ I first = __shfl_sync(0xffffffffu, offset, 0); "
+    "if (__all_sync(0xffffffffu, offset == first)) { if (first < 0) return; "
+    "for (int d = 16; d > 0; d >>= 1) value += __shfl_xor_sync(0xffffffffu, value, d); "
+    "if ((threadIdx.x & 31) == 0) atomicAdd(base + first, value); } "
+    "else if (offset >= 0) { atomicAdd(base + offset, value); } }")
+
+
 def _merged_atomic_adds(attr):
     """The statement for a ``MERGED_ATOMIC_ADD_PRAGMA`` AttrStmt: its loop, each store ``x[i] = x[i] + y``
     summed into a run of this thread's (a local index and sum a buffer x) that is added atomically where the
-    index changes, and once more after the loop."""
+    index changes, and once more after the loop; there, with the pragma's value 2 (whole warps, converged
+    after the loop), a warp whose runs all end on one element adds their sum once (``WARP_MERGED_ADD``)."""
     runs = {}  # buffer -> (its run's index, its run's sum): local buffers
+
+    def run_element(buffer):
+        index = runs[buffer][0]
+        return tirx.BufferLoad(buffer, [tirx.BufferLoad(index, [d]) for d in range(len(buffer.shape))])
 
     def flush(buffer):
         index, total = runs[buffer]
-        element = tirx.BufferLoad(buffer, [tirx.BufferLoad(index, [d]) for d in range(len(buffer.shape))])
-        add = tirx.Evaluate(T.cuda.atomic_add(tirx.call_intrin("handle", "tirx.address_of", element),
-                                              tirx.BufferLoad(total, [0])))
+        add = tirx.Evaluate(T.cuda.atomic_add(_pointer(run_element(buffer)), tirx.BufferLoad(total, [0])))
         return tirx.IfThenElse(tirx.BufferLoad(index, [0]) >= 0, add, None)  # -1: no run yet
+
+    def warp_flush(buffer):
+        index, total = runs[buffer]
+        offset = tirx.Select(tirx.BufferLoad(index, [0]) >= 0, _flat_offset(run_element(buffer)),
+                             tirx.const(-1, str(index.dtype)))
+        base = _pointer(tirx.BufferLoad(buffer, [tirx.const(0, str(index.dtype))] * len(buffer.shape)))
+        return tirx.Evaluate(T.cuda.func_call("tvmflash_warp_merged_add", base, offset, tirx.BufferLoad(total, [0]),
+                                              source_code=WARP_MERGED_ADD))
 
     def merged(store):
         buffer, indices, value = store.buffer, list(store.indices), _addend(store)
@@ -150,7 +174,8 @@ def _merged_atomic_adds(attr):
     for index, total in runs.values():
         start += [tirx.AllocBuffer(index), tirx.AllocBuffer(total), tirx.BufferStore(index, tirx.const(-1, str(index.dtype)), [0]),
                   tirx.BufferStore(total, tirx.const(0, "float32"), [0])]
-    return tirx.SeqStmt([*start, body, *(flush(buffer) for buffer in runs)])
+    last = warp_flush if int(attr.value) == 2 else flush
+    return tirx.SeqStmt([*start, body, *(last(buffer) for buffer in runs)])
 
 
 def _has_vector_reductions(func) -> bool:
