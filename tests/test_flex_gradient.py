@@ -203,3 +203,16 @@ def test_sm90_cuda_of_the_learned_gradient_compiles_with_nvcc():
         cubin = nvcc.compile_cuda(kernel.source(heads_q=4, heads_kv=2), target_format="cubin", arch="sm_90a",
                                   compiler="nvcc")
     assert len(cubin) > 1000
+
+
+def test_a_learned_tensor_read_only_as_an_index_gets_a_zero_gradient(monkeypatch):
+    """A float tensor that requires grad but reaches the logit only through an index: no addition, zeros."""
+    monkeypatch.setenv(choice.FLEX_GRADIENT, "kernel")
+    offsets = torch.tensor([0.0, 1.0, 2.0, 3.0], requires_grad=True)
+    table = torch.randn(4, 8, requires_grad=True)
+    q, k, v = random_qkv(1, 20, 20, torch.float32, "cpu", CPU_HEAD_DIM, seed=1)
+    out = tvmflash.flex_attention(q, k, v, score_mod=lambda s, b, h, i, j: s + table[h, torch.clamp(offsets[h].int(), 0, 3) + 4],
+                                  enable_gqa=True)
+    out.sum().backward()
+    assert offsets.grad is not None and torch.equal(offsets.grad, torch.zeros(4))
+    assert table.grad is not None and table.grad.abs().sum() > 0

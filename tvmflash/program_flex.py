@@ -239,6 +239,8 @@ def derivative(node: Node, wrt: Node = SCORE) -> Node:
         return const(1.0)
     if op == "cast":
         return derivative(args[0], wrt)
+    if op == "load":  # through its (integer) index: piecewise constant, as torch's indexing
+        return const(0.0)
     d = [derivative(a, wrt) for a in args]
     if op == "add":
         return make("add", d[0], d[1])

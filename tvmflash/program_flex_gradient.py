@@ -90,8 +90,12 @@ def add_capture_gradients(grads, flex, flex_buffers, P, dP, delta_t, S, softmax_
     tile's ``program_flex.FlexTile``; S, q·k unscaled, for a derivative that reads the score."""
     if grads is None:
         return
-    loads = learned_loads(flex.mods)
-    derivatives = [derivative(flex.mods.score, load) for load in loads]
+    # a load whose value reaches the logit only through an index or a comparison adds nothing
+    pairs = [(load, derivative(flex.mods.score, load)) for load in learned_loads(flex.mods)]
+    pairs = [(load, d) for load, d in pairs if not (d.op == "const" and d.value == 0)]
+    if not pairs:
+        return
+    loads, derivatives = zip(*pairs)
     reads_score = any(_reads_score(d) for d in derivatives)
     sliced = rows > block_n
     with T.grid(rows, cols) as (r, c):
