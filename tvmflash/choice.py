@@ -7,6 +7,9 @@ TVMFLASH_BACKWARD and TVMFLASH_DECODE are read here alone), else the target's: t
 (sm90 on sm_90a, sm80 from sm80, SIMT on every GPU, the CPU's on the CPU). On sm_90a this GPU's
 tuning records of sm80 and sm90, measured at one shape, decide the forward between the two.
 
+Also where a flex backward makes a learned capture's gradient (``capture_gradients_in_kernel``:
+TVMFLASH_FLEX_GRADIENT, read here alone).
+
 The knobs: the caller's over a tuning record's (this GPU's, the user's or the shipped ones,
 ``database``) over the schedule's defaults for the head_dim, with what varlen requires; checked once
 by the schedule's ``KnobSet.problem`` and against the target's shared memory.
