@@ -25,6 +25,7 @@ faster; "vs built-in" compares the flex pattern with tvmflash's own causal, wind
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -36,7 +37,8 @@ import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import tvmflash
-from tvmflash import bench, flex_patterns
+from tvmflash import bench, choice, flex_patterns, program_flex_gradient
+from tvmflash.flex_trace import trace_mods
 
 GPU_DEFAULTS = {"dtype": "bfloat16", "head_dim": 128, "heads": 16, "tokens": 16384,
                 "seqlens": [2048, 4096, 8192, 16384], "torch": "compile", "window": flex_patterns.WINDOW}
@@ -130,8 +132,14 @@ def builds(args) -> list[tuple[str, dict]]:
                        for block_mask in variants]
         if pattern.builtin is not None:
             variants_of.append({"alibi": True} if "alibi_slopes" in pattern.builtin else pattern.builtin)
+        # a learned table's gradient: made by the backward's dkdv where flex_attention has it made there
+        traced, captured = trace_mods(pattern.score_mod, pattern.mask_mod)
+        learned = program_flex_gradient.learnable(traced.score, captured) if choice.capture_gradients_in_kernel(
+            torch.device(args.device).type, torch.are_deterministic_algorithms_enabled()) else ()
         for variant in variants_of:
             for program in ("compile",) + (() if args.no_backward else ("compile_backward",)):
+                if program == "compile_backward" and learned and "flex" in variant:
+                    variant = {"flex": dataclasses.replace(variant["flex"], learned=learned)}
                 found.append((program, {"head_dim": args.head_dim, "dtype": args.dtype, **variant, **heads}))
     return found
 

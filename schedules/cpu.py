@@ -116,7 +116,7 @@ def schedule_backward(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, ve
     schedule_delta(sch)
     for func in ("dkdv", "dq"):
         sch.work_on(func)
-        sch.parallel(sch.fuse(*sch.get_loops("tile")))
+        backward_tiles(sch, func)
         # q kᵀ and dout vᵀ (dkdv: k qᵀ and v doutᵀ) along the tile's contiguous columns: their
         # right operands transposed, (head_dim, columns). Those that also feed a product along
         # head_dim (dq: K in ds k; dkdv: q and dout in dsᵀ q and pᵀ dout) as a transposed copy.
@@ -132,6 +132,15 @@ def schedule_backward(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, ve
             _gemm_register_tile(sch, name, vector)
         vectorize_backward_rows(sch, func, vector)
     return sch
+
+
+def backward_tiles(sch: tvm.s_tir.Schedule, func: str) -> None:
+    """The tiles of ``func`` (being worked on) as parallel tasks; dkdv's in turn where it adds a learned
+    capture's gradient (``program_flex_gradient``): every tile adds into it, and TVM's LLVM code generation has no
+    atomic addition ("CPU backend does not support atomic add yet")."""
+    tiles = sch.fuse(*sch.get_loops("tile"))
+    if not (func == "dkdv" and common.has_block(sch, "capture_gradient")):
+        sch.parallel(tiles)
 
 
 def schedule_delta(sch: tvm.s_tir.Schedule) -> None:

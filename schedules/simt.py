@@ -13,6 +13,8 @@ import sys
 
 import tvm
 
+from tvmflash.lowering.annotations import MERGED_ATOMIC_ADD_PRAGMA
+
 from . import common
 from .common import element_bytes, pipeline_loads, read_index, scalars_local
 from .contract import TILE, DecodeTasks, Knob, KnobSet, ProgramSchedule, Schedule, gpu_checked
@@ -261,6 +263,10 @@ def schedule_backward_program(sch: tvm.s_tir.Schedule, func: str, threads: int, 
            "dq": [("load_q", 0), ("load_do", 0), ("load_lse", 0), ("load_delta", 0), ("init_dq", 0)]}[func]
     for name, index in [("init_scale", 0), ("qk", 0), ("exp", 0), ("dp", 0), ("ds", 0)] + own:
         sch.set_scope(name, index, "local")
+    if func == "dkdv" and common.has_block(sch, "capture_gradient"):  # a learned capture's gradient
+        sch.bind(sch.get_loops("capture_gradient")[0], "threadIdx.x")  # this thread's key, its queries in turn
+        # 1: each thread its own runs (block_n may be 16: no whole warps for a warp's sum)
+        sch.annotate(sch.get_loops("capture_gradient")[1], MERGED_ATOMIC_ADD_PRAGMA, 1)
     # Each product's inner loop unrolled; its outer loop kept (ptxas unrolled it too at head_dim
     # 64 in float32, and spilled kilobytes a thread).
     for name in ("qk", "dp") + (("dv", "dk") if func == "dkdv" else ("dq",)):

@@ -7,6 +7,9 @@ TVMFLASH_BACKWARD and TVMFLASH_DECODE are read here alone), else the target's: t
 (sm90 on sm_90a, sm80 from sm80, SIMT on every GPU, the CPU's on the CPU). On sm_90a this GPU's
 tuning records of sm80 and sm90, measured at one shape, decide the forward between the two.
 
+Also where a flex backward makes a learned capture's gradient (``capture_gradients_in_kernel``:
+TVMFLASH_FLEX_GRADIENT, read here alone).
+
 The knobs: the caller's over a tuning record's (this GPU's, the user's or the shipped ones,
 ``database``) over the schedule's defaults for the head_dim, with what varlen requires; checked once
 by the schedule's ``KnobSet.problem`` and against the target's shared memory.
@@ -48,6 +51,27 @@ GPU_UNCHECKED = "TVMFLASH_GPU_UNCHECKED"
 ENVIRONMENT = {"forward": ("TVMFLASH_SM90", GPU_UNCHECKED),
                "backward": ("TVMFLASH_SM90", GPU_UNCHECKED, "TVMFLASH_BACKWARD"),
                "decode": (GPU_UNCHECKED, "TVMFLASH_DECODE")}
+
+
+# Where a flex backward makes a learned capture's gradient (a bias table that requires grad): "kernel" (dkdv,
+# ``program_flex_gradient``), "torch" (``flex_gradient``, after the kernels' backward) or unset (the target's:
+# ``capture_gradients_in_kernel``).
+FLEX_GRADIENT = "TVMFLASH_FLEX_GRADIENT"
+
+
+def capture_gradients_in_kernel(device_type: str, deterministic: bool) -> bool:
+    """Does dkdv add the gradients of the captured tensors a score_mod learns (``program_flex_gradient``), or
+    torch after the kernels' backward (``flex_gradient``)? The one place that chooses. Torch where
+    deterministic algorithms are asked for (the kernel's atomic additions sum in an order that changes from
+    run to run) and by default on the CPU: TVM's LLVM code generation has no atomic addition, so the CPU's
+    dkdv runs its tiles in turn to add them (``schedules.cpu``), where torch's way keeps them parallel.
+    FLEX_GRADIENT "kernel" or "torch" overrides the default (a ValueError for another value)."""
+    asked = os.environ.get(FLEX_GRADIENT, "")
+    if asked not in ("", "kernel", "torch"):
+        raise ValueError(f"{FLEX_GRADIENT}: expected 'kernel', 'torch' or unset, got {asked!r}")
+    if deterministic:
+        return False
+    return asked == "kernel" if asked else device_type != "cpu"
 
 
 def environment(program: str) -> tuple[str, ...]:

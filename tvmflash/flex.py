@@ -15,7 +15,7 @@ import dataclasses
 
 import torch
 
-from tvmflash import cache, choice
+from tvmflash import cache, choice, program_flex_gradient
 from tvmflash.flex_block_mask import block_sparse_lists, compile_flex
 from tvmflash.flex_gradient import CapturedGradients
 from tvmflash.flex_trace import check_indices, trace_mods
@@ -41,20 +41,27 @@ def mods_key(mods: FlexMods) -> str:
     return key
 
 
-# (id of traced mods, the BlockMask's block size) -> (those mods, them with the block size, its key): the
-# same traced mods (``trace_mods`` gives the same object for the same functions) take no repr a call
+# (id of traced mods, the BlockMask's block size, the learned captures) -> (those mods, them with the block size
+# and the learned captures, its key): the same traced mods (``trace_mods`` gives the same object for the same
+# functions) take no repr a call
 _SPARSE_MODS: dict[tuple, tuple] = {}
 
 
-def with_sparsity(mods: FlexMods, sparse) -> tuple[FlexMods, str]:
-    """``mods`` with the BlockMask's block size (``FlexMods.sparse``; None: none) and their ``mods_key``."""
-    found = _SPARSE_MODS.get((id(mods), sparse))
+def with_sparsity(mods: FlexMods, sparse, learned: tuple = ()) -> tuple[FlexMods, str]:
+    """``mods`` with the BlockMask's block size (``FlexMods.sparse``; None: none) and the captures whose
+    gradients dkdv makes (``FlexMods.learned``), and their ``mods_key``."""
+    found = _SPARSE_MODS.get((id(mods), sparse, learned))
     if found is None or found[0] is not mods:
-        replaced = dataclasses.replace(mods, sparse=sparse)
+        replaced = dataclasses.replace(mods, sparse=sparse, learned=learned)
         if len(_SPARSE_MODS) >= 64:
             _SPARSE_MODS.pop(next(iter(_SPARSE_MODS)))
-        found = _SPARSE_MODS[(id(mods), sparse)] = (mods, replaced, mods_key(replaced))
+        found = _SPARSE_MODS[(id(mods), sparse, learned)] = (mods, replaced, mods_key(replaced))
     return found[1], found[2]
+
+
+def _forward_mods(mods: FlexMods) -> FlexMods:
+    """The mods of the forward kernel: ``mods`` without learned captures (the forward is the same with them)."""
+    return with_sparsity(mods, mods.sparse)[0] if mods.learned else mods
 
 
 def flex_kernel(q: torch.Tensor, mods: FlexMods, backward: bool = False, sinks: bool = False):
@@ -62,6 +69,7 @@ def flex_kernel(q: torch.Tensor, mods: FlexMods, backward: bool = False, sinks: 
     a BlockMask, tiles that divide its blocks: ``flex_block_mask.compile_flex``; ``sinks``: a forward that
     takes sink logits; the backward is the same with them)."""
     sinks = sinks and not backward
+    mods = mods if backward else _forward_mods(mods)
     key = (q.device, q.dtype, q.shape[-1], mods, backward, sinks,
            choice.environment("backward" if backward else "forward"))
     found = FLEX_KERNELS.get(key)
@@ -78,6 +86,7 @@ def flex_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, captures: li
     default: the dispatcher drops an argument equal to its default, and the backward of an op with a tensor
     list must return a gradient for exactly the arguments it got.)"""
     kernel = flex_kernel(q, MODS[mods], sinks=sinks is not None)
+    captures = [t.detach() for t in captures]  # a learned one requires grad (DLPack takes no such tensor)
     return kernel(q, k, v, softmax_scale=softmax_scale, return_lse=True, captures=captures, **sinks_argument(sinks))
 
 
@@ -91,17 +100,23 @@ def _flex_forward_shapes(q, k, v, captures, mods, softmax_scale, sinks):
 def flex_backward(dout: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   out: torch.Tensor, lse: torch.Tensor, captures: list[torch.Tensor], mods: str,
                   softmax_scale: float, sinks: torch.Tensor | None
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv, dsinks) of :func:`flex_forward` given the gradients of its out and lse (dlse None: 0);
-    dsinks float32 (heads_q,) with sinks, else empty."""
-    kernel = flex_kernel(q, MODS[mods], backward=True)
-    return with_sinks_gradient(kernel(q, k, v, out, dout, lse, dlse=dlse, softmax_scale=softmax_scale,
-                                      captures=captures, **sinks_argument(sinks)), q)
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """(dq, dk, dv, dsinks, dcaptures) of :func:`flex_forward` given the gradients of its out and lse (dlse
+    None: 0); dsinks float32 (heads_q,) with sinks, else empty; dcaptures the gradients of the mods' learned
+    captures (``FlexMods.learned``), float32, made by dkdv."""
+    flex = MODS[mods]
+    kernel = flex_kernel(q, flex, backward=True)
+    captures = [t.detach() for t in captures]
+    grads = [torch.zeros(captures[n].shape, dtype=torch.float32, device=q.device) for n in flex.learned]
+    gradients = with_sinks_gradient(kernel(q, k, v, out, dout, lse, dlse=dlse, softmax_scale=softmax_scale,
+                                           captures=captures, capture_grads=grads, **sinks_argument(sinks)), q)
+    return (*gradients, grads)
 
 
 @flex_backward.register_fake
 def _flex_backward_shapes(dout, dlse, q, k, v, out, lse, captures, mods, softmax_scale, sinks):
-    return gradient_shapes(q, k, v, sinks)
+    grads = [captures[n].new_empty(captures[n].shape, dtype=torch.float32) for n in MODS[mods].learned]
+    return (*gradient_shapes(q, k, v, sinks), grads)
 
 
 def _setup_context(ctx, inputs, output):
@@ -116,10 +131,13 @@ def _backward(ctx, grad_out, grad_lse):
     if grad_out is None:  # only lse reached the loss
         grad_out = torch.zeros_like(out)
     sinks = needed_sinks(ctx, sinks, 6)
-    dq, dk, dv, dsinks = flex_backward(grad_out.contiguous(), grad_lse, q, k, v, out, lse, captures, ctx.mods,
-                                       ctx.softmax_scale, sinks)
-    # none for the captured tensors (their gradients: flex_gradient's, outside the op), the mods, the scale
-    return dq, dk, dv, [None] * len(captures), None, None, None if sinks is None else dsinks
+    dq, dk, dv, dsinks, grads = flex_backward(grad_out.contiguous(), grad_lse, q, k, v, out, lse, captures, ctx.mods,
+                                              ctx.softmax_scale, sinks)
+    # the learned captures' from dkdv (the others': none, or flex_gradient's outside the op); none for the mods
+    # and the scale
+    learned = dict(zip(MODS[ctx.mods].learned, grads))
+    dcaptures = [learned[n].to(t.dtype) if n in learned else None for n, t in enumerate(captures)]
+    return dq, dk, dv, dcaptures, None, None, None if sinks is None else dsinks
 
 
 flex_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -213,11 +231,13 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     tensor. Each distinct trace builds its modules once (a trace differs by its operations and constants,
     not by the values of the tensors it captures, which each call passes). Differentiable in query, key and
     value, through the score_mod's derivative, and in the captured float tensors that require grad (a learnable
-    bias table), by torch operations after the kernels' backward (``flex_gradient``: exact, but slow, with
-    O(seqlen_q · seqlen_k) work outside the kernels).
+    bias table): on a GPU by the backward's dkdv (``program_flex_gradient``: atomic additions, so not bitwise
+    reproducible), on the CPU and under ``torch.use_deterministic_algorithms`` by torch operations after the
+    kernels' backward (``flex_gradient``: exact, but with O(seqlen_q · seqlen_k) work outside the kernels);
+    ``choice.capture_gradients_in_kernel`` says which.
 
     Not yet: torch.compile(fullgraph=True) of a call with a mod (NotImplementedError; without fullgraph Dynamo
-    runs such a call eagerly), and a captured tensor's gradient in the kernels.
+    runs such a call eagerly).
     """
     _check_tensors(query, key, value, check_flag("enable_gqa", enable_gqa))
     return_lse = check_flag("return_lse", return_lse)
@@ -246,18 +266,22 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
         if t.device != query.device:
             raise ValueError(f"captured tensor {n}: expected query's device {query.device}, got {t.device}")
     check_indices(mods, captured, batch, heads_q, seqlen_q, seqlen_k)
-    captures = [t.detach() for t in captured] + lists  # the block lists after the mods' tensors
-    # a learnable bias: a captured float tensor that requires grad, read by the score_mod
-    learned = torch.is_grad_enabled() and mods.score is not None and any(
-        t.requires_grad and t.is_floating_point() for t in captured)
-    gradient_mods, (mods, digest) = mods, with_sparsity(mods, sparse)  # flex_gradient evaluates the mods alone
+    # a learnable bias: a captured float tensor that requires grad, read by the score_mod; its gradient made by
+    # dkdv (``program_flex_gradient``) or by torch after the kernels' backward (``flex_gradient``)
+    learned = program_flex_gradient.learnable(mods.score, captured) if torch.is_grad_enabled() else ()
+    in_kernel = bool(learned) and choice.capture_gradients_in_kernel(query.device.type,
+                                                                     torch.are_deterministic_algorithms_enabled())
+    # the block lists after the mods' tensors; those whose gradient dkdv makes reach the custom op's autograd
+    captures = [t if in_kernel and n in learned else t.detach() for n, t in enumerate(captured)] + lists
+    # flex_gradient evaluates the mods alone
+    gradient_mods, (mods, digest) = mods, with_sparsity(mods, sparse, learned if in_kernel else ())
     # the kernels' layout, (batch, seqlen, heads, head_dim): views, read through their strides
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     if mods.score is None and mods.mask is None and sparse is None:  # no mod, no sparsity: the built-in kernels
         out, lse = attention(q, k, v, softmax_scale=softmax_scale, return_lse=True, sinks=sinks)
     else:
         q, k, v, run = padded_head_dim(q, k, v, head_dim)
-        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks)):
+        if torch.is_grad_enabled() and (in_kernel or any(t is not None and t.requires_grad for t in (q, k, v, sinks))):
             # (compiling with mods: refused above)
             out, lse = flex_forward(q, k, v, captures, digest, softmax_scale, sinks)
         else:  # eager, nothing for autograd to record: no custom op's dispatch
@@ -266,7 +290,7 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
         if run != head_dim:
             out = out[..., :head_dim]
     out = out.transpose(1, 2)
-    if learned:  # its gradient by torch operations after the kernels' backward (slow: flex_gradient)
+    if learned and not in_kernel:  # its gradient by torch operations after the kernels' backward (flex_gradient)
         out, lse = CapturedGradients.apply(out, lse, query, key, value, gradient_mods, softmax_scale, *captured)
     return (out, lse) if return_lse else out
 

@@ -6,8 +6,9 @@ delta = rowsum(dO ∘ O) - dlse. Here it is torch operations after the kernels' 
 in chunks of query rows, the traced score_mod (``program_flex.Node``, the tree the kernels run, never the Python
 function) evaluated on them with torch, and its gradient by torch's autograd. Exact and correct for any
 score_mod the tracer takes, but slow: O(seqlen_q · seqlen_k) work and (batch, heads, rows, seqlen_k) tensors a
-chunk outside the kernels, several times the backward's own time (an atomic scatter-add of dS in the backward
-program is the fast way, not yet written). A load's gradient goes into its table by ``index_add_`` (``_Gather``).
+chunk outside the kernels, several times the backward's own time: the GPUs' default is dkdv's atomic additions
+(``program_flex_gradient``); this is the CPU's (whose dkdv has no atomics) and deterministic mode's
+(``choice.capture_gradients_in_kernel``). A load's gradient goes into its table by ``index_add_`` (``_Gather``).
 """
 
 from __future__ import annotations

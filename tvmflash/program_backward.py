@@ -62,7 +62,7 @@ import tvm
 from tvm.script import tirx as T
 from tvm.script.ir_builder import IRBuilder
 
-from tvmflash import program, program_block_sparse, program_dropout, program_flex, tvmscript
+from tvmflash import program, program_block_sparse, program_dropout, program_flex, program_flex_gradient, tvmscript
 from tvmflash.program import LOG2E, AttentionSpec
 
 def lse2_of(spec: AttentionSpec, lse):
@@ -454,6 +454,7 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int, dq_atomic: bool =
         AlibiSlopes = T.meta_var(program.alibi_slopes_argument(spec, program.sequence_count(Packed_, batch), HQ))  # with ALiBi only
         Dropout_ = T.meta_var(program_dropout.dropout_arguments(spec))  # parameters with dropout only
         Flex_ = T.meta_var(program_flex.flex_arguments(spec))  # a score_mod's and mask_mod's tensors, flex only
+        Grads_ = T.meta_var(program_flex_gradient.gradient_arguments(spec, Flex_))  # learned captures' only
         # q, k and v with any strides (``program.strided_argument``: a packed qkv's thirds, as the
         # forward takes them), read through aligned views; dout (and delta's out) compact
         Q = T.decl_buffer(Q_in.shape, dtype, data=Q_in.data, strides=program.aligned_strides(Q_in, stride_alignment))
@@ -518,6 +519,10 @@ def _programs(spec: AttentionSpec, block_m: int, block_n: int, dq_atomic: bool =
                                  softmax_scale, program.alibi_slope(AlibiSlopes, vb, vhk * group + vg), drop,
                                  program_flex.flex_tile(spec, Flex_, vb, vhk * group + vg, seq.seqlen_q, seq.seqlen_k),
                                  walk, vt)
+                        program_flex_gradient.add_capture_gradients(  # learned captures only
+                            Grads_, program_flex.flex_tile(spec, Flex_, vb, vhk * group + vg, seq.seqlen_q, seq.seqlen_k),
+                            Flex_, P, dP, delta_t, S, softmax_scale, qb * BM, vkb * BN, KEY_ROWS, BM, BN,
+                            vkbc % GRID_SLICES == 0)
                         for j, i in T.grid(KEY_ROWS, BM):
                             with T.sblock("cast_p"):  # the kept entries of p (dropout), scaled at dv's store
                                 vj, vi = T.axis.remap("SS", [j, i])

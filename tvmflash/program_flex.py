@@ -55,9 +55,6 @@ class Node:
     args: tuple = ()
     value: object = None
 
-    def depends_on_score(self) -> bool:
-        return self.op == "score" or any(a.depends_on_score() for a in self.args)
-
 
 @dataclass(frozen=True)
 class FlexMods:
@@ -71,6 +68,9 @@ class FlexMods:
     # A BlockMask's block sparsity: its (Q, KV) BLOCK_SIZE, or None (every tile visited, masked by
     # mask_mod). With it the programs take its lists as four more arguments (``BlockSparse``).
     sparse: tuple | None = None
+    # The captures (their numbers, float ones the score_mod loads) whose gradient dkdv adds into float32
+    # buffers, one more parameter each (``program_flex_gradient``); () for the forward and where torch makes it.
+    learned: tuple = ()
 
     def __post_init__(self):
         if self.score is not None and self.score.dtype != FLOAT:
@@ -86,6 +86,11 @@ class FlexMods:
                 isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in self.sparse)):
             raise ValueError(f"sparse: expected a BlockMask's (Q, KV) block size, two positive ints, got "
                              f"{self.sparse!r}")
+        if any(not isinstance(n, int) or not 0 <= n < len(self.captures) or CAPTURE_DTYPES[self.captures[n][0]] != FLOAT
+               for n in self.learned) or len(set(self.learned)) != len(self.learned) or \
+                (self.learned and self.score is None):
+            raise ValueError(f"learned: expected distinct numbers of float captures a score_mod reads, got "
+                             f"{self.learned!r} of {self.captures!r}")
 
     @property
     def describe(self) -> str:
@@ -93,6 +98,8 @@ class FlexMods:
         parts = [name for name, node in (("score_mod", self.score), ("mask_mod", self.mask)) if node is not None]
         if self.sparse is not None:
             parts.append("block_mask{}x{}".format(*self.sparse))
+        if self.learned:
+            parts.append(f"gradient{list(self.learned)}")
         return "+".join(parts) + (f"({len(self.captures)} captured)" if self.captures else "")
 
 
@@ -215,19 +222,26 @@ def _is(node: Node, value) -> bool:
 
 
 # ----------------------------------------------------------------------------- the derivative
-def derivative(node: Node) -> Node:
-    """d node / d score, a float32 Node (0 where the node does not depend on the score; through a
-    comparison nothing: it is piecewise constant). The rules are torch autograd's: where(c, x, y) gives
-    where(c, x', y'); abs' is sign (0 at 0); minimum and maximum pass the gradient to the side they
-    take (at a tie, to the first)."""
-    if not node.depends_on_score() or node.dtype != FLOAT:
+SCORE = Node("score", FLOAT)
+
+
+def derivative(node: Node, wrt: Node = SCORE) -> Node:
+    """d node / d ``wrt`` (the score leaf, or a float load of a captured tensor: ``program_flex_gradient``), a
+    float32 Node (0 where the node does not depend on it; through a comparison nothing: it is piecewise
+    constant). The rules are torch autograd's: where(c, x, y) gives where(c, x', y'); abs' is sign (0 at 0);
+    minimum and maximum pass the gradient to the side they take (at a tie, to the first); in a load's, a
+    product's term whose factor's derivative is 0 is left out (torch's gradient of x * y in y is grad * x; the
+    score's keeps its tree as the pinned kernels have it)."""
+    if not _depends_on(node, wrt) or node.dtype != FLOAT:
         return const(0.0)
     op, args = node.op, node.args
-    if op == "score":
+    if node == wrt:
         return const(1.0)
     if op == "cast":
-        return derivative(args[0])
-    d = [derivative(a) for a in args]
+        return derivative(args[0], wrt)
+    if op == "load":  # through its (integer) index: piecewise constant, as torch's indexing
+        return const(0.0)
+    d = [derivative(a, wrt) for a in args]
     if op == "add":
         return make("add", d[0], d[1])
     if op == "sub":
@@ -238,6 +252,9 @@ def derivative(node: Node) -> Node:
         for x, y, dx in ((args[0], args[1], d[0]), (args[1], args[0], d[1])):
             if y.op == "const":  # torch's: the gradient times the constant
                 return _times(dx, float(y.value))
+        if wrt.op != "score":  # a load's: only the terms whose factor's derivative is not 0 (torch's)
+            terms = [make("mul", dx, y) for dx, y in ((d[0], args[1]), (d[1], args[0])) if not _is(dx, 0.0)]
+            return terms[0] if len(terms) == 1 else make("add", *terms)
         return make("add", make("mul", d[0], args[1]), make("mul", args[0], d[1]))
     if op == "div":
         a, b = args
@@ -263,7 +280,11 @@ def derivative(node: Node) -> Node:
         return make("div", d[0], args[0])
     if op == "sqrt":
         return make("div", d[0], make("mul", 2.0, node))
-    raise NotImplementedError(f"score_mod: no derivative of {op} with respect to the score")
+    raise NotImplementedError(f"score_mod: no derivative of {op} with respect to the {wrt.op}")
+
+
+def _depends_on(node: Node, wrt: Node) -> bool:
+    return node == wrt or any(_depends_on(a, wrt) for a in node.args)
 
 
 def _times(node: Node, factor: float) -> Node:
@@ -364,6 +385,11 @@ class FlexTile:
         if _is(gradient, 1.0):
             return ds
         return ds * self._tir(gradient, self._env(gradient, s, scale, row, col))
+
+    def tir(self, node: Node, s, scale, row, col, within: Node | None = None):
+        """Any tree of the score_mod's leaves (a derivative; a load's index, ``within`` the load) at (row, col),
+        its positions clamped as they are in ``within`` (by default the tree itself: ``_clamped``)."""
+        return self._tir(node, self._env(node if within is None else within, s, scale, row, col))
 
     def visible(self, row, col):
         """mask_mod(b, h, row, col), a bool (True without a mask_mod)."""

@@ -29,7 +29,7 @@ def schedule_backward(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, ve
     cpu.schedule_delta(sch)
     for func, (transposed, rows) in PRODUCTS.items():
         sch.work_on(func)
-        sch.parallel(sch.fuse(*sch.get_loops("tile")))
+        cpu.backward_tiles(sch, func)
         for product, operand in transposed:
             pack_transposed(sch, product, operand)
         for product, operand in rows:

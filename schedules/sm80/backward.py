@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import tvm
 
-from tvmflash.lowering.annotations import ATOMIC_ADD_PRAGMA
+from tvmflash.lowering.annotations import ATOMIC_ADD_PRAGMA, MERGED_ATOMIC_ADD_PRAGMA
 
 from .. import simt
-from ..common import bind_grid, buffer_info, dkdv_grid, hide_init_reads, pipeline_loads
+from ..common import bind_grid, buffer_info, dkdv_grid, has_block, hide_init_reads, pipeline_loads
 from .fragments import (copy_to_shared, fill_fragments, frag_index_map, fragment_elementwise, fragment_lanes, row_block,
                         store_fragments, warp_gemm_operands)
 from .intrinsics import intrin_names
@@ -70,6 +70,10 @@ def _schedule_dkdv(sch: tvm.s_tir.Schedule, num_warps: int, num_stages: int, vec
     names = intrin_names(dtype)
     staged = dkdv_grid(sch, dq_atomic)  # dsᵀ's copy to shared memory with dq_atomic
     _backward_step(sch, ("load_k", "load_v", "load_q", "load_do"), ("cast_p",), num_warps, vec, names)
+    if has_block(sch, "capture_gradient"):  # a learned capture's gradient: each lane its elements of dsᵀ
+        fragment_elementwise(sch, "capture_gradient", num_warps)
+        # the loops in each lane; 2: whole warps, so a warp whose runs end on one element adds once
+        sch.annotate(sch.get_loops("capture_gradient")[-3], MERGED_ATOMIC_ADD_PRAGMA, 2)
     for name in ("dv", "dk"):  # dv += pᵀ dout, dk += dsᵀ q
         _accumulate(sch, name, num_warps, names)
     if dq_atomic:

@@ -19,10 +19,11 @@ import tvm
 import tvm_ffi
 
 from tvmflash.lowering.annotations import (ATOMIC_ADD_PRAGMA, BULK_REDUCE_PRAGMA, BULK_REDUCE_WAIT_PRAGMA,
-                                           DOUBLE_BUFFERED_PRAGMA, RUNS_IF, SWIZZLE_COLUMNS, TMA_LOAD, TMA_REDUCE_PRAGMA,
-                                           VECTOR_REDUCE_PRAGMA, WGMMA_WAIT_PRAGMA, swizzle_columns)
+                                           DOUBLE_BUFFERED_PRAGMA, MERGED_ATOMIC_ADD_PRAGMA, RUNS_IF, SWIZZLE_COLUMNS,
+                                           TMA_LOAD, TMA_REDUCE_PRAGMA, VECTOR_REDUCE_PRAGMA, WGMMA_WAIT_PRAGMA,
+                                           swizzle_columns)
 
-from ..common import bind_grid, buffer_info, dkdv_grid, hide_init_reads, pipeline_loads
+from ..common import bind_grid, buffer_info, dkdv_grid, has_block, hide_init_reads, pipeline_loads
 from .knobs import PERSISTENT_BLOCKS, dq_share_problem
 from .layouts import (WARPGROUP, WG_ROWS, acc_block, acc_index_map, acc_layout, bind_acc_threads, core_matrix_map,
                       pad_core_matrix_stride, row_block, swizzled_map, tile_in_shared_memory)
@@ -98,6 +99,10 @@ def _schedule_dkdv(sch: tvm.s_tir.Schedule, num_stages: int, vec: int, dq_atomic
         for name in ("load_q", "load_do", "load_lse", "load_delta"):
             sch.annotate(sch.get_sblock(name), TMA_LOAD, producer)
     _backward_step(sch, ("cast_p",), groups, BM, D, dtype, num_stages, overlap, b_swizzled=tma, swizzle=columns)
+    if has_block(sch, "capture_gradient"):  # a learned capture's gradient: each thread its elements of dsᵀ
+        acc_block(sch, "capture_gradient", groups)
+        # the loops in each thread; 2: whole warps, so a warp whose runs end on one element adds once
+        sch.annotate(sch.get_loops("capture_gradient")[-3], MERGED_ATOMIC_ADD_PRAGMA, 2)
     # With overlap dv and dq's share only committed: dk's wait ends them. dv only where TMA places the Q
     # block's tiles: the threads' copies (cp.async; varlen's) leave dout's tile to TVM's shared-memory
     # planner, which, seeing dv's wgmma as dout's last reader, gives dsᵀ's tile (written while dv would

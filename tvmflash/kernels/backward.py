@@ -142,11 +142,13 @@ class BackwardKernel:
         return grads, self.build.module_for(heads_q, heads_kv, q=q, k=k, v=v, out=out, dout=dout).function
 
     def __call__(self, q, k, v, out, dout, lse, *, dlse=None, softmax_scale=None, dq=None, dk=None, dv=None,
-                 alibi_slopes=None, dropout_p=None, dropout_seed=None, captures=None, sinks=None):
+                 alibi_slopes=None, dropout_p=None, dropout_seed=None, captures=None, sinks=None, capture_grads=()):
         """(dq, dk, dv) of attention(q, k, v) = out (with its lse), given dout = ∂L/∂out and
         dlse = ∂L/∂lse (None: 0). Pass dq, dk, dv to have them written in place. See the class
         docstring for the shapes; out and lse are those of the forward of the same variant (and
-        ALiBi slopes, or a flex kernel's captured tensors); with ``sinks``, (dq, dk, dv, dsinks)."""
+        ALiBi slopes, or a flex kernel's captured tensors); with ``sinks``, (dq, dk, dv, dsinks).
+        ``capture_grads``: with a flex kernel whose mods learn captures (``FlexMods.learned``), float32 compact
+        tensors of their shapes, one a learned capture, zeroed by the caller: dkdv adds their gradients in."""
         arguments = self.arguments
         arguments.check(q, k, v, None)
         variant_arguments = arguments.variant_arguments(q, alibi_slopes, dropout_p=dropout_p, dropout_seed=dropout_seed,
@@ -167,9 +169,26 @@ class BackwardKernel:
         dlse = torch.zeros(rows, dtype=torch.float32, device=q.device) if dlse is None else dlse.contiguous()
         accumulator = self.dq_accumulator(q)
         programs["delta"](out, dout, lse, dlse, delta, lse2)
-        programs["dkdv"](q, k, v, dout, lse2, delta, dk, dv, softmax_scale, *accumulator, *variant_arguments)
+        programs["dkdv"](q, k, v, dout, lse2, delta, dk, dv, softmax_scale, *accumulator, *variant_arguments,
+                         *self._capture_gradients(capture_grads, captures, q.device))
         self._dq(programs, accumulator, q, k, v, dout, lse2, delta, dq, softmax_scale, *variant_arguments)
         return (dq, dk, dv) + (() if sinks is None else (sinks_gradient(sinks, lse, delta),))
+
+    def _capture_gradients(self, grads, captures, device) -> tuple:
+        """dkdv's last arguments: the learned captures' gradient buffers (``capture_grads``), checked."""
+        flex = self.variant.get("flex")
+        learned = () if flex is None else flex.learned
+        grads = tuple(grads or ())
+        if len(grads) != len(learned):
+            raise ValueError(f"capture_grads: expected {len(learned)} tensors (the mods' learned captures "
+                             f"{list(learned)}), got {len(grads)}")
+        for n, grad in zip(learned, grads):
+            shape = tuple(captures[n].shape)
+            if grad.dtype != torch.float32 or tuple(grad.shape) != shape or not grad.is_contiguous() \
+                    or grad.device != device:
+                raise ValueError(f"capture_grads: expected float32 compact {shape} on {device} for capture {n}, got "
+                                 f"{grad.dtype} {tuple(grad.shape)} on {grad.device}")
+        return grads
 
     @staticmethod
     def _no_work_sinks(sinks, out, dout, lse, dlse, rows) -> tuple:

@@ -62,6 +62,14 @@ SKIP_UNIT_RESCALE_PRAGMA = "pragma_tvmflash_skip_unit_rescale"
 # (``atomicAdd(&x[i], y)``; ``pragmas.LowerPragmas``): thread blocks that sum into the same memory
 # (the backward's dq from every K/V tile).
 ATOMIC_ADD_PRAGMA = "pragma_tvmflash_atomic_add"
+# As ATOMIC_ADD_PRAGMA, for additions whose index is data (a learnable bias table's, read through a
+# score_mod's index: ``program_flex_gradient``), where many of a thread's elements share one: the thread sums a
+# run of consecutive additions to one element in a register and adds the run once, atomically, when the
+# index changes and after the loop (``pragmas.LowerPragmas``). A relative-position table clamped at a
+# reach gives most of a tile one index: one atomic a thread a step instead of one an element. The value 2:
+# the loop runs on whole, converged warps, and a warp whose last runs all end on one element (a per-head
+# scalar, a clamped table's far entries) adds their sum once: one atomic a warp a step.
+MERGED_ATOMIC_ADD_PRAGMA = "pragma_tvmflash_merged_atomic_add"
 
 # A loop annotated so writes a shared-memory tile that the rest of its step reads: the tile is held in
 # two buffers that the steps take in turn, and the barrier before its writes goes

@@ -13,8 +13,8 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from tvmflash.lowering.annotations import (ATOMIC_ADD_PRAGMA, BULK_REDUCE_BARRIER, BULK_REDUCE_PRAGMA,
-                                           BULK_REDUCE_WAIT_PRAGMA, REG_FENCE, REG_FENCE_PAIR, SKIP_UNIT_RESCALE_PRAGMA,
-                                           VECTOR_REDUCE_PRAGMA, WGMMA_WAIT_PRAGMA)
+                                           BULK_REDUCE_WAIT_PRAGMA, MERGED_ATOMIC_ADD_PRAGMA, REG_FENCE, REG_FENCE_PAIR,
+                                           SKIP_UNIT_RESCALE_PRAGMA, VECTOR_REDUCE_PRAGMA, WGMMA_WAIT_PRAGMA)
 from tvmflash.lowering.ir import (every_element, find, is_load, loaded, loaded_buffers, prim_func_pass, substitute,
                                   target_of, transform, with_children)
 from tvmflash.lowering.tma_device_functions import device_statement, untracked_pointer
@@ -76,7 +76,11 @@ def _addend(store):
 
 
 def _address(store):
-    return tirx.call_intrin("handle", "tirx.address_of", tirx.BufferLoad(store.buffer, store.indices))
+    return _pointer(tirx.BufferLoad(store.buffer, store.indices))
+
+
+def _pointer(load):
+    return tirx.call_intrin("handle", "tirx.address_of", load)
 
 
 RED_ADD_V2 = ("__device__ __forceinline__ void tvmflash_red_add_v2(float* address, float a, float b) "
@@ -113,6 +117,65 @@ def _atomic_adds(attr, vector: bool):
     if vector and int(attr.value) == 2:
         body = transform(body, tirx.For, _paired_atomic_add)
     return transform(body, tirx.BufferStore, _atomic_add)
+
+
+WARP_MERGED_ADD = (
+    "template <typename I> __device__ __forceinline__ void tvmflash_warp_merged_add(float* base, I offset, float value) "
+    "{ I first = __shfl_sync(0xffffffffu, offset, 0); "
+    "if (__all_sync(0xffffffffu, offset == first)) { if (first < 0) return; "
+    "for (int d = 16; d > 0; d >>= 1) value += __shfl_xor_sync(0xffffffffu, value, d); "
+    "if ((threadIdx.x & 31) == 0) atomicAdd(base + first, value); } "
+    "else if (offset >= 0) { atomicAdd(base + offset, value); } }")
+
+
+def _merged_atomic_adds(attr):
+    """The statement for a ``MERGED_ATOMIC_ADD_PRAGMA`` AttrStmt: its loop, each store ``x[i] = x[i] + y``
+    summed into a run of this thread's (a local index and sum a buffer x) that is added atomically where the
+    index changes, and once more after the loop; there, with the pragma's value 2 (whole warps, converged
+    after the loop), a warp whose runs all end on one element adds their sum once (``WARP_MERGED_ADD``)."""
+    runs = {}  # buffer -> (its run's index, its run's sum): local buffers
+
+    def run_element(buffer):
+        index = runs[buffer][0]
+        return tirx.BufferLoad(buffer, [tirx.BufferLoad(index, [d]) for d in range(len(buffer.shape))])
+
+    def flush(buffer):
+        index, total = runs[buffer]
+        add = tirx.Evaluate(T.cuda.atomic_add(_pointer(run_element(buffer)), tirx.BufferLoad(total, [0])))
+        return tirx.IfThenElse(tirx.BufferLoad(index, [0]) >= 0, add, None)  # -1: no run yet
+
+    def warp_flush(buffer):
+        index, total = runs[buffer]
+        offset = tirx.Select(tirx.BufferLoad(index, [0]) >= 0, _flat_offset(run_element(buffer)),
+                             tirx.const(-1, str(index.dtype)))
+        base = _pointer(tirx.BufferLoad(buffer, [tirx.const(0, str(index.dtype))] * len(buffer.shape)))
+        return tirx.Evaluate(T.cuda.func_call("tvmflash_warp_merged_add", base, offset, tirx.BufferLoad(total, [0]),
+                                              source_code=WARP_MERGED_ADD))
+
+    def merged(store):
+        buffer, indices, value = store.buffer, list(store.indices), _addend(store)
+        if buffer not in runs:
+            runs[buffer] = (tirx.decl_buffer((len(indices),), str(indices[0].ty), f"{buffer.name}_run", scope="local"),
+                            tirx.decl_buffer((1,), "float32", f"{buffer.name}_run_sum", scope="local"))
+        index, total = runs[buffer]
+        names = [tirx.Var(f"{buffer.name}_i{d}", str(index.ty)) for d, index in enumerate(indices)]
+        addend = tirx.Var(f"{buffer.name}_addend", str(value.ty))
+        changed = functools.reduce(tirx.Or, [n != tirx.BufferLoad(index, [d]) for d, n in enumerate(names)])
+        restart = tirx.SeqStmt([flush(buffer), *(tirx.BufferStore(index, n, [d]) for d, n in enumerate(names)),
+                                tirx.BufferStore(total, tirx.const(0, "float32"), [0])])
+        return tirx.SeqStmt([*(tirx.Bind(var, bound) for var, bound in [*zip(names, indices), (addend, value)]),
+                             tirx.IfThenElse(changed, restart, None),
+                             tirx.BufferStore(total, tirx.BufferLoad(total, [0]) + addend, [0])])
+
+    if any(str(store.buffer.dtype) != "float32" for store in find(attr.body, tirx.BufferStore)):
+        raise ValueError(f"{MERGED_ATOMIC_ADD_PRAGMA}: expected float32 additions, got {attr.body}")
+    body = transform(attr.body, tirx.BufferStore, merged)
+    start = []
+    for index, total in runs.values():
+        start += [tirx.AllocBuffer(index), tirx.AllocBuffer(total), tirx.BufferStore(index, tirx.const(-1, str(index.dtype)), [0]),
+                  tirx.BufferStore(total, tirx.const(0, "float32"), [0])]
+    last = warp_flush if int(attr.value) == 2 else flush
+    return tirx.SeqStmt([*start, body, *(last(buffer) for buffer in runs)])
 
 
 def _has_vector_reductions(func) -> bool:
@@ -258,6 +321,7 @@ def _pragma_lowerings(func) -> dict:
     return {WGMMA_WAIT_PRAGMA: functools.partial(_wait_and_fence_accumulators, func=func),
             SKIP_UNIT_RESCALE_PRAGMA: _skipped_where_factors_are_one,
             ATOMIC_ADD_PRAGMA: functools.partial(_atomic_adds, vector=_has_vector_reductions(func)),
+            MERGED_ATOMIC_ADD_PRAGMA: _merged_atomic_adds,
             BULK_REDUCE_PRAGMA: functools.partial(_bulk_reductions, func=func),
             VECTOR_REDUCE_PRAGMA: functools.partial(_vector_reductions, func=func),
             BULK_REDUCE_WAIT_PRAGMA: functools.partial(_bulk_reductions_read, func=func)}
