@@ -140,6 +140,12 @@ def test_a_learned_bias_gets_its_gradient_from_the_other_gpu_schedules(schedule,
 
 def test_deterministic_algorithms_and_the_cpu_take_torchs_way_unless_asked(monkeypatch):
     monkeypatch.delenv(choice.FLEX_GRADIENT, raising=False)
+    monkeypatch.setenv(choice.GPU_UNCHECKED, "1")
+    assert choice.capture_gradients_in_kernel("cuda", False)
+    monkeypatch.setattr(choice, "GRADIENT_UNCHECKED", True)  # until the GPU tests pass: torch's way unless asked
+    monkeypatch.delenv(choice.GPU_UNCHECKED)
+    assert not choice.capture_gradients_in_kernel("cuda", False)
+    monkeypatch.setattr(choice, "GRADIENT_UNCHECKED", False)
     assert choice.capture_gradients_in_kernel("cuda", False)
     assert not choice.capture_gradients_in_kernel("cuda", True)
     assert not choice.capture_gradients_in_kernel("cpu", False)
