@@ -188,6 +188,6 @@ SCHEDULE = Schedule(
     # (``kernels.fp8.Fp8Kernel``); the torch API runs FP8 on sm90 alone
     fp8_forward=Fp8Forward(lambda head_dim: FORWARD.defaults(head_dim, False), schedule, tuple(range(16, 257, 16))),
     backward=ProgramSchedule(BACKWARD, schedule_backward),
-    decode=ProgramSchedule(DECODE, schedule_decode, tasks=DecodeTasks()),
+    decode=ProgramSchedule(DECODE, schedule_decode, tasks=DecodeTasks(fp8_cache=True)),
     sources=(sys.modules[__name__], common),
 )
