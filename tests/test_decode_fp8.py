@@ -62,16 +62,17 @@ def make_fp8_cache(batch, capacity, heads_kv, head_dim, device, page_size=0, see
     return k.to(device), v.to(device), table, k_descale, v_descale
 
 
-def dequantised(cache, descale, block_table, b, length):
-    """Sequence b's first ``length`` rows of an e4m3 cache times its descales, float64 (1, length, heads_kv,
-    head_dim)."""
+def dequantised(cache, descale, block_table, b, length, start=0):
+    """Sequence b's rows ``start`` .. ``length`` - 1 of an e4m3 cache times its descales, float64 (1, length -
+    start, heads_kv, head_dim)."""
     rows = cache[block_table[b].long()].flatten(0, 1) if block_table is not None else cache[b]
-    return (rows[:length].double() * descale[b].double()[None, :, None])[None]
+    return (rows[start:length].double() * descale[b].double()[None, :, None])[None]
 
 
 def check_fp8_decode(out, lse, q, k_cache, v_cache, lengths, k_descale, v_descale, *, causal, block_table=None,
-                     **variant):
-    """Each sequence against float64 attention of its dequantised keys and values (flash-attn's rule)."""
+                     cache_leftpad=None, sinks=None, **variant):
+    """Each sequence against float64 attention of its dequantised keys and values (flash-attn's rule);
+    cache_leftpad: sequence b's keys from that row on; sinks: each head's logit in the denominator."""
     q, k_cache, v_cache, out, lse = (t.cpu() for t in (q, k_cache, v_cache, out, lse))
     k_descale, v_descale = k_descale.cpu(), v_descale.cpu()
     block_table = None if block_table is None else block_table.cpu()
@@ -79,11 +80,17 @@ def check_fp8_decode(out, lse, q, k_cache, v_cache, lengths, k_descale, v_descal
     assert not out.isnan().any(), "unwritten or NaN outputs"
     worst = 0.0
     for b, length in enumerate(lengths.tolist()):
-        k = dequantised(k_cache, k_descale, block_table, b, length)
-        v = dequantised(v_cache, v_descale, block_table, b, length)
+        start = 0 if cache_leftpad is None else int(cache_leftpad[b])
+        k = dequantised(k_cache, k_descale, block_table, b, length, start)
+        v = dequantised(v_cache, v_descale, block_table, b, length, start)
         ref_out, ref_lse = reference(q[b:b + 1], k, v, causal=causal, **variant)
-        theirs = max_error(torch_same_dtype(q[b:b + 1], k.to(q.dtype), v.to(q.dtype), causal=causal, **variant),
-                           ref_out)
+        same_dtype = torch_same_dtype(q[b:b + 1], k.to(q.dtype), v.to(q.dtype), causal=causal, **variant)
+        if sinks is not None:  # out · Σ / (Σ + exp(sink)), lse = log(Σ + exp(sink)), per (query, head)
+            sink = sinks.cpu().double()[None, :, None]  # (1, heads_q, 1) as the LSE (1, heads_q, seqlen_q)
+            weight = torch.exp(ref_lse - torch.logaddexp(ref_lse, sink)).nan_to_num(0.0).transpose(1, 2)[..., None]
+            ref_out, ref_lse = ref_out * weight, torch.logaddexp(ref_lse, sink)
+            same_dtype = (same_dtype.double() * weight).to(q.dtype)
+        theirs = max_error(same_dtype, ref_out)
         ours = max_error(out[b:b + 1], ref_out)
         assert ours <= 2 * theirs + 1e-5, f"sequence {b} ({length} keys): error {ours:.3e} > 2 x torch's {theirs:.3e}"
         seen = torch.isfinite(ref_lse)
@@ -102,11 +109,13 @@ def run_both(q, k_cache, v_cache, lengths, table, kd, vd, *, causal=False, num_s
                                                 return_softmax_lse=True, **options)
     kernel = compile_decode(head_dim=q.shape[-1], dtype=q.dtype, page_size=page_size, target=_target(q.device),
                             cache_dtype=F8, window_size=options.get("window_size", (-1, -1)),
-                            softcap=options.get("softcap", 0.0), alibi=options.get("alibi_slopes") is not None)
+                            softcap=options.get("softcap", 0.0), alibi=options.get("alibi_slopes") is not None,
+                            leftpad=options.get("cache_leftpad") is not None, sinks=options.get("sinks") is not None)
     poisoned = torch.full_like(q, math.nan)
     index = table if table is not None else torch.arange(q.shape[0], dtype=torch.int32, device=q.device)
     out2, lse2 = kernel(q, k_cache, v_cache, lengths, index, num_splits=num_splits, causal=causal, out=poisoned,
-                        alibi_slopes=options.get("alibi_slopes"), k_descale=kd, v_descale=vd)
+                        alibi_slopes=options.get("alibi_slopes"), cache_leftpad=options.get("cache_leftpad"),
+                        sinks=options.get("sinks"), k_descale=kd, v_descale=vd)
     assert out2 is poisoned and torch.equal(out2, out) and torch.equal(lse2, lse)
     return out, lse
 
@@ -136,17 +145,22 @@ def test_fp8_cache_against_the_dequantised_reference(device, page_size, dtype, s
 
 
 @pytest.mark.parametrize("device", devices())
-@pytest.mark.parametrize("variant", [{"window_size": (40, -1)}, {"softcap": 5.0}, {"alibi": True}],
-                         ids=["window", "softcap", "alibi"])
+@pytest.mark.parametrize("variant", [{"window_size": (40, -1)}, {"softcap": 5.0}, {"alibi": True}, {"leftpad": True},
+                                     {"sinks": True}], ids=["window", "softcap", "alibi", "leftpad", "sinks"])
 def test_fp8_cache_variants(device, variant):
-    """A sliding window, a softcap and ALiBi over an FP8 cache, as over a bf16 one."""
+    """A sliding window, a softcap, ALiBi, cache_leftpad and sinks over an FP8 cache, as over a bf16 one."""
     batch, heads_q, heads_kv, head_dim = 2, 4, 2, 64
     k_cache, v_cache, table, kd, vd = make_fp8_cache(batch, 130, heads_kv, head_dim, device, seed=3)
     q = torch.randn(batch, 2, heads_q, head_dim, generator=torch.Generator().manual_seed(5)).bfloat16().to(device)
     lengths = torch.tensor([130, 61], dtype=torch.int32, device=device)
-    options = {k: v for k, v in variant.items() if k != "alibi"}
+    options = {k: v for k, v in variant.items() if k not in ("alibi", "leftpad", "sinks")}
+    gen = torch.Generator().manual_seed(1)
     if variant.get("alibi"):
-        options["alibi_slopes"] = torch.rand(heads_q, generator=torch.Generator().manual_seed(1)).to(device)
+        options["alibi_slopes"] = torch.rand(heads_q, generator=gen).to(device)
+    if variant.get("leftpad"):
+        options["cache_leftpad"] = torch.tensor([17, 60], dtype=torch.int32, device=device)
+    if variant.get("sinks"):
+        options["sinks"] = (torch.randn(heads_q, generator=gen) * 3).to(device)
     out, lse = run_both(q, k_cache, v_cache, lengths, table, kd, vd, causal=True, num_splits=2, **options)
     check_fp8_decode(out, lse, q, k_cache, v_cache, lengths, kd, vd, causal=True, **options)
 
