@@ -255,6 +255,19 @@ def test_fp8_cache_sm90_source_converts_the_cache_bytes_in_registers():
     assert "float* __restrict__ k_descale_ptr" in src and "float* __restrict__ v_descale_ptr" in src
 
 
+def test_fp8_cache_split_count_counts_single_buffered_tiles(monkeypatch):
+    """num_splits=0 fills the SMs with the tasks an SM holds: an FP8 cache's tiles are single-buffered (no
+    software pipeline), so more of its tasks fit than the bf16 kernel's three-stage ones, and it splits more."""
+    from tvmflash.kernels import decode
+
+    monkeypatch.setattr(decode, "_sm_count", lambda device: 132)
+    device = torch.device("cuda")
+    plain = compile_decode(head_dim=128, dtype="bfloat16", target="sm90")
+    fp8 = compile_decode(head_dim=128, dtype="bfloat16", target="sm90", cache_dtype=F8)
+    assert plain.knobs["num_stages"] > 1 and fp8.knobs == plain.knobs
+    assert fp8.auto_num_splits(32, 8, 1, 16384, device, 4) > plain.auto_num_splits(32, 8, 1, 16384, device, 4)
+
+
 @pytest.mark.nvcc
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
 @pytest.mark.parametrize("head_dim", [64, 128, 256])

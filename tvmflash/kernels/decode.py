@@ -137,7 +137,10 @@ class DecodeKernel:
         buffers fit every replay): enough tasks to fill the device (``choose_num_splits``). group:
         the query heads a K/V head serves (a task's shared memory grows with it)."""
         processors = _sm_count(device) if device.type == "cuda" else torch.get_num_threads()
-        slots = processors * self.tasks.per_processor(self.head_dim, self.dtype, self.knobs, group)
+        knobs = self.knobs
+        if self.fp8_cache and "num_stages" in knobs:  # an FP8 cache's tiles are single-buffered (FP8_PIPELINE)
+            knobs = {**knobs, "num_stages": 1}
+        slots = processors * self.tasks.per_processor(self.head_dim, self.dtype, knobs, group)
         tiles = -(-max_keys // self.knobs["block_n"])
         return choose_num_splits(batch * heads_kv * self.query_blocks(seqlen_q, group), tiles, slots)
 
