@@ -62,6 +62,21 @@ def make_fp8_cache(batch, capacity, heads_kv, head_dim, device, page_size=0, see
     return k.to(device), v.to(device), table, k_descale, v_descale
 
 
+def poison_past_the_keys(caches, block_table, lengths):
+    """e4m3's NaN byte in every cache row past each sequence's keys (and in the pages no sequence uses): a
+    kernel that let them into a product (0 · NaN) would write NaN."""
+    for cache in caches:
+        nan_rows = torch.ones(cache.shape[:2], dtype=torch.bool)
+        for b, length in enumerate(lengths.tolist()):
+            if block_table is None:
+                nan_rows[b, :length] = False
+            else:
+                rows = torch.arange(length)
+                pages = block_table[b].cpu().long()[rows // cache.shape[1]]
+                nan_rows[pages, rows % cache.shape[1]] = False
+        cache.view(torch.uint8)[nan_rows.to(cache.device)] = NAN_BYTES[0]
+
+
 def dequantised(cache, descale, block_table, b, length, start=0):
     """Sequence b's rows ``start`` .. ``length`` - 1 of an e4m3 cache times its descales, float64 (1, length -
     start, heads_kv, head_dim)."""
@@ -139,6 +154,7 @@ def test_fp8_cache_against_the_dequantised_reference(device, page_size, dtype, s
                                                      seed=seqlen_q + page_size, every_byte=device == "cpu")
     q = torch.randn(batch, seqlen_q, heads_q, head_dim, generator=torch.Generator().manual_seed(7)).to(dtype).to(device)
     lengths = torch.tensor([150, 9, 77], dtype=torch.int32, device=device)
+    poison_past_the_keys((k_cache, v_cache), table, lengths)
     out, lse = run_both(q, k_cache, v_cache, lengths, table, kd, vd, causal=causal, num_splits=num_splits,
                         page_size=page_size)
     check_fp8_decode(out, lse, q, k_cache, v_cache, lengths, kd, vd, causal=causal, block_table=table)
@@ -183,6 +199,31 @@ def test_every_e4m3_byte_is_read_exactly(device):
     assert torch.equal(out.float().cpu(), exact), (out.float().cpu() - exact).abs().amax((1, 2, 3))
     expected_lse = cache.float().cpu()[:, 0, 0, 0].double() * head_dim * 0.125
     assert (lse.cpu()[:, :, 0].double() - expected_lse[:, None]).abs().max().item() <= 1e-6 * 448 * 4
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged16"])
+def test_the_byte_tiles_form_on_the_cpu(monkeypatch, tmp_path, paged):
+    """The program's byte_tiles form (the cache's bytes in tiles of their own, converted by dequant_k and
+    dequant_v: what the sm80 schedule prefetches at head_dim <= 128) on the CPU's schedule, every byte, GQA,
+    chunked causal queries, three splits: the algorithm the GPU runs, checked here."""
+    from dataclasses import replace
+
+    from tvmflash.kernels.decode import DecodeKernel
+    from tvmflash.target import resolve
+
+    monkeypatch.setenv("TVMFLASH_CACHE_DIR", str(tmp_path))  # (the form is not in the cache's key)
+    kernel = DecodeKernel(64, "bfloat16", 16 if paged else 0, resolve("cpu"), None, {"cache_dtype": "float8_e4m3fn"})
+    kernel.tasks = replace(kernel.tasks, fp8_byte_tiles=lambda head_dim, knobs: True)
+    assert "dequant_k" in kernel.build.scheduled_tir(8, 2)
+    k_cache, v_cache, table, kd, vd = make_fp8_cache(3, 150, 2, 64, "cpu", 16 if paged else 0, seed=11,
+                                                     every_byte=True)
+    q = torch.randn(3, 3, 8, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
+    lengths = torch.tensor([150, 9, 77], dtype=torch.int32)
+    poison_past_the_keys((k_cache, v_cache), table, lengths)
+    index = table if paged else torch.arange(3, dtype=torch.int32)
+    out, lse = kernel(q, k_cache, v_cache, lengths, index, num_splits=3, causal=True, out=torch.full_like(q, math.nan),
+                      k_descale=kd, v_descale=vd)
+    check_fp8_decode(out, lse, q, k_cache, v_cache, lengths, kd, vd, causal=True, block_table=table)
 
 
 def test_fp8_descales_scale_the_keys_and_values():
@@ -245,13 +286,31 @@ def test_fp8_cache_refusals(monkeypatch):
 # ----------------------------------------------------------------------------------------------------
 # the GPU build (cross-compiled on the CPU)
 # ----------------------------------------------------------------------------------------------------
-def test_fp8_cache_sm90_source_converts_the_cache_bytes_in_registers():
-    """The split kernel reads the caches as e4m3 (one byte an element) and converts 4 at a time into the
-    bf16 tiles the mma.sync products read; the output stays bf16."""
-    src = compile_decode(head_dim=128, dtype="bfloat16", target="sm90", cache_dtype=F8).source(32, 8)
+@pytest.mark.parametrize("head_dim,prefetched", [(128, True), (256, False)])
+def test_fp8_cache_sm90_source_converts_the_cache_bytes_in_registers(head_dim, prefetched):
+    """The split kernel reads the caches as e4m3 (one byte an element), 4 at a time, and converts them in
+    registers into the bf16 tiles the mma.sync products read; the output stays bf16. Where the next tiles'
+    bytes fit FP8_PREFETCH_BYTES a thread (d128) a step converts the bytes it holds, then loads the next
+    tile's into the same registers (one copy, indexed by constants), then computes; else (d256) each element
+    is converted as it is read."""
+    import re
+
+    from tvmflash.schedules.sm80.decode import FP8_PREFETCH_BYTES, fp8_byte_tiles
+
+    kernel = compile_decode(head_dim=head_dim, dtype="bfloat16", target="sm90", cache_dtype=F8)
+    assert fp8_byte_tiles(head_dim, kernel.knobs) == prefetched == (2 * 32 * head_dim <= FP8_PREFETCH_BYTES * 32)
+    src = kernel.source(32, 8)
     assert "__nv_fp8_e4m3* __restrict__ K_ptr" in src and "__nv_fp8_e4m3* __restrict__ V_ptr" in src
-    assert "(nv_bfloat164)(*(__nv_fp8x4_e4m3*)(K_ptr" in src and "(nv_bfloat164)(*(__nv_fp8x4_e4m3*)(V_ptr" in src
     assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in src
+    loop = src[src.index("for (int kb = 0;"):]
+    if prefetched:
+        assert f"__nv_fp8x4_e4m3 Kt8_local_ptr[{head_dim // 4}];" in src  # (block_n 32, one warp: 32 * d / 32 / 4)
+        converted = loop.index("(nv_bfloat164)(Kt8_local_ptr[")
+        loaded = re.search(r"Kt8_local_ptr\[\w+\] = \*\(__nv_fp8x4_e4m3\*\)\(K_ptr[^;]*\+ 32\)", loop)
+        assert loaded and loaded.start() > converted  # the next tile's rows, after this tile's conversion
+    else:
+        assert "Kt8_local" not in src
+        assert "(nv_bfloat164)(*(__nv_fp8x4_e4m3*)(K_ptr" in loop and "(nv_bfloat164)(*(__nv_fp8x4_e4m3*)(V_ptr" in loop
     assert "float* __restrict__ k_descale_ptr" in src and "float* __restrict__ v_descale_ptr" in src
 
 
@@ -296,6 +355,7 @@ def test_fp8_cache_long_sequences_on_the_gpu(page_size, head_dim):
                                                      every_byte=True)
     q = torch.randn(batch, 1, heads_q, head_dim, generator=torch.Generator().manual_seed(4)).bfloat16().cuda()
     lengths = torch.tensor([3000, 1, 1777, 256], dtype=torch.int32, device="cuda")
+    poison_past_the_keys((k_cache, v_cache), table, lengths)
     out, lse = run_both(q, k_cache, v_cache, lengths, table, kd, vd, page_size=page_size)
     error = check_fp8_decode(out, lse, q, k_cache, v_cache, lengths, kd, vd, causal=False, block_table=table)
     print(f"fp8 cache d{head_dim} {'paged' if page_size else 'contiguous'}: max error {error:.3g}")

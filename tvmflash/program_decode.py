@@ -114,7 +114,7 @@ class DecodeSpec:
 
 
 def decode_split(spec: DecodeSpec, query_tokens: int, block_n: int, final: bool = False,
-                 tensor_cores: bool = False, e4m3_bits: bool = False):
+                 tensor_cores: bool = False, e4m3_bits: bool = False, byte_tiles: bool = False):
     """Return ``main(q, k_cache, v_cache, lengths, index, o_part, lse_part, softmax_scale, causal)``
     (then ``alibi_slopes`` with ALiBi, ``cache_leftpad`` with leftpad, and ``k_descale``, ``v_descale``
     last with an FP8 cache); with ``final``,
@@ -147,7 +147,10 @@ def decode_split(spec: DecodeSpec, query_tokens: int, block_n: int, final: bool 
     one key (the caller answers an empty one: 0 and an LSE of -inf).
 
     An FP8 cache: load_k and load_v read the cache's e4m3 bytes and convert them to the tiles' type
-    (``Kt``, ``Vt``: q's dtype for tensor cores, else float32; the zero padding in that type); the task's
+    (``Kt``, ``Vt``: q's dtype for tensor cores, else float32; the zero padding in that type), or with
+    ``byte_tiles`` copy them into tiles of their own (``Kt8``, ``Vt8``; every key's, indices clamped),
+    which blocks ``dequant_k`` (after load_k, before load_v) and ``dequant_v`` convert (a schedule that
+    prefetches the next tiles' bytes into registers takes this form); the task's
     softmax_scale is softmax_scale · k_descale[b, hk], and its 1 / l is v_descale[b, hk] / l (block
     ``init_value_scale`` reads v_descale once, into ``v_scale``). e4m3_bits: convert by the bits
     (``e4m3_bits_to_float32``) rather than by a cast, for a target whose own conversion is wrong (TVM's
@@ -161,12 +164,28 @@ def decode_split(spec: DecodeSpec, query_tokens: int, block_n: int, final: bool 
     kv_dtype, fp8 = spec.kv_dtype, spec.fp8_cache
     operand = q_dtype if fp8 else dtype  # the K/V tiles' type (with an FP8 cache the operands' own)
 
-    def converted(x):  # a cache element as the tiles' type: with an FP8 cache converted (in registers)
-        if not fp8:
-            return x
-        if e4m3_bits:
-            return T.cast(e4m3_bits_to_float32(T.reinterpret("uint8", x)), operand)
-        return T.cast(x, operand)
+    # An FP8 cache's byte tiles (Kt8, Vt8): e4m3, or with e4m3_bits its bits as uint8, so that no value
+    # passes through LLVM's conversions (TVM computes a copy of e4m3 values in float32)
+    byte_dtype = "uint8" if e4m3_bits else kv_dtype
+
+    def cache_bytes(value):  # an element of an FP8 cache as its byte tile holds it
+        return T.reinterpret("uint8", value) if e4m3_bits else value
+
+    def dequantised(x):  # an element of a byte tile in the K/V tiles' type
+        return T.cast(e4m3_bits_to_float32(x), operand) if e4m3_bits else T.cast(x, operand)
+
+    def byte_tile(name):  # a tile of the cache's bytes in the block being parsed (byte_tiles), else None
+        if not (fp8 and byte_tiles):
+            return None
+        tile = T.sblock_alloc_buffer((BN, D), byte_dtype)
+        IRBuilder.name(name, tile)
+        return tile
+
+    def loaded(cache_bytes, tile):  # the tile load_k (load_v) writes: the cache's bytes with byte_tiles
+        return cache_bytes if fp8 and byte_tiles else tile
+
+    def converted(value):  # a cache element as the K/V tiles' type (an FP8 cache converted as it is read)
+        return dequantised(cache_bytes(value)) if fp8 else value
 
     def scalar(name):  # a float32 of the block being parsed (an FP8 cache), else None
         if not fp8:
@@ -347,22 +366,44 @@ def decode_split(spec: DecodeSpec, query_tokens: int, block_n: int, final: bool 
                         tile = T.meta_var(first + vkb)  # the tile's index in the sequence
                         Kt = T.sblock_alloc_buffer((BN, D), operand)  # one K tile, zero-padded
                         Vt = T.sblock_alloc_buffer((BN, D), operand)
+                        Kt8 = T.meta_var(byte_tile("Kt8"))  # the cache's bytes (an FP8 cache; else None)
+                        Vt8 = T.meta_var(byte_tile("Vt8"))
                         for j, d in T.grid(BN, D):
                             with T.sblock("load_k"):
                                 vj, vd = T.axis.remap("SS", [j, d])
-                                Kt[vj, vd] = T.if_then_else(
-                                    tile * BN + vj < n_keys,
-                                    converted(load_kv(K, Index, vb, tile * BN + vj, vhk, vd, cache_rows, capacity, row,
-                                                      leftpad)),
-                                    T.cast(0, operand))
+                                Kl = T.meta_var(loaded(Kt8, Kt))
+                                value = T.meta_var(load_kv(K, Index, vb, tile * BN + vj, vhk, vd, cache_rows, capacity,
+                                                           row, leftpad))
+                                if fp8 and byte_tiles:  # every key's bytes (indices clamped): dequant_k zeroes
+                                    Kl[vj, vd] = cache_bytes(value)
+                                else:
+                                    Kl[vj, vd] = T.if_then_else(tile * BN + vj < n_keys, converted(value),
+                                                                  T.cast(0, operand))
+                        # byte_tiles: each tile is converted right after its load (and zero-padded in its own type:
+                        # no zero of e4m3 needed), K's before V's load, so a thread need hold one tile's bytes.
+                        if fp8 and byte_tiles:
+                            for j, d in T.grid(BN, D):
+                                with T.sblock("dequant_k"):
+                                    vj, vd = T.axis.remap("SS", [j, d])
+                                    Kt[vj, vd] = T.if_then_else(tile * BN + vj < n_keys, dequantised(Kt8[vj, vd]),
+                                                                T.cast(0, operand))
                         for j, d in T.grid(BN, D):
                             with T.sblock("load_v"):
                                 vj, vd = T.axis.remap("SS", [j, d])
-                                Vt[vj, vd] = T.if_then_else(
-                                    tile * BN + vj < n_keys,
-                                    converted(load_kv(V, Index, vb, tile * BN + vj, vhk, vd, cache_rows, capacity, row,
-                                                      leftpad)),
-                                    T.cast(0, operand))
+                                Vl = T.meta_var(loaded(Vt8, Vt))
+                                value = T.meta_var(load_kv(V, Index, vb, tile * BN + vj, vhk, vd, cache_rows, capacity,
+                                                           row, leftpad))
+                                if fp8 and byte_tiles:
+                                    Vl[vj, vd] = cache_bytes(value)
+                                else:
+                                    Vl[vj, vd] = T.if_then_else(tile * BN + vj < n_keys, converted(value),
+                                                                  T.cast(0, operand))
+                        if fp8 and byte_tiles:
+                            for j, d in T.grid(BN, D):
+                                with T.sblock("dequant_v"):
+                                    vj, vd = T.axis.remap("SS", [j, d])
+                                    Vt[vj, vd] = T.if_then_else(tile * BN + vj < n_keys, dequantised(Vt8[vj, vd]),
+                                                                T.cast(0, operand))
                         for r, j, d in T.grid(R, BN, D):
                             with T.sblock("qk"):
                                 vr, vj, vd = T.axis.remap("SSR", [r, j, d])

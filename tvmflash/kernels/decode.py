@@ -104,7 +104,8 @@ class DecodeKernel:
         # (an FP8 cache on LLVM: converted by its bits; LLVM's own conversion is wrong at zero)
         split, single = (program_decode.decode_split(spec, self.query_tokens(spec.group), self.knobs["block_n"],
                                                      final=final, tensor_cores=self.tensor_cores,
-                                                     e4m3_bits=spec.fp8_cache and not targets.is_cuda(self.target))
+                                                     e4m3_bits=spec.fp8_cache and not targets.is_cuda(self.target),
+                                                     byte_tiles=self.tasks.fp8_byte_tiles(self.head_dim, self.knobs))
                          for final in (False, True))
         merge = program_decode.decode_merge(spec)
         mod = tvm.IRModule({"split": split.with_attr("global_symbol", "split"),
@@ -138,7 +139,7 @@ class DecodeKernel:
         the query heads a K/V head serves (a task's shared memory grows with it)."""
         processors = _sm_count(device) if device.type == "cuda" else torch.get_num_threads()
         knobs = self.knobs
-        if self.fp8_cache and "num_stages" in knobs:  # an FP8 cache's tiles are single-buffered (FP8_PIPELINE)
+        if self.fp8_cache and "num_stages" in knobs:  # an FP8 cache's shared tiles are single (FP8_PIPELINE)
             knobs = {**knobs, "num_stages": 1}
         slots = processors * self.tasks.per_processor(self.head_dim, self.dtype, knobs, group)
         tiles = -(-max_keys // self.knobs["block_n"])
