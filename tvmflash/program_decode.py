@@ -181,8 +181,8 @@ def decode_split(spec: DecodeSpec, query_tokens: int, block_n: int, final: bool 
         IRBuilder.name(name, tile)
         return tile
 
-    def loaded(cache_bytes, tile):  # the tile load_k (load_v) writes: the cache's bytes with byte_tiles
-        return cache_bytes if fp8 and byte_tiles else tile
+    def loaded(bytes_tile, tile):  # the tile load_k (load_v) writes: the cache's bytes with byte_tiles
+        return bytes_tile if fp8 and byte_tiles else tile
 
     def converted(value):  # a cache element as the K/V tiles' type (an FP8 cache converted as it is read)
         return dequantised(cache_bytes(value)) if fp8 else value
