@@ -475,7 +475,8 @@ def _loaded_buffers(node) -> list:
     return found
 
 
-def pipeline_loads(sch, num_stages, lagged=(), step="kv_step", loads=("load_k", "load_v")):
+def pipeline_loads(sch, num_stages, lagged=(), step="kv_step", loads=("load_k", "load_v"), async_loads=True,
+                   ahead=()):
     """Software-pipeline the loop of a tile's steps (the forward's K/V tiles: ``step`` kv_step, whose
     ``loads`` are load_k and load_v; the backward's dkdv streams Q blocks: q_step, load_q and
     load_do): the loads are stage 0, as cp.async copies
@@ -489,6 +490,13 @@ def pipeline_loads(sch, num_stages, lagged=(), step="kv_step", loads=("load_k", 
     the rest takes stage num_stages - 2, so the step of tile kb runs them for tile kb - 1 before the
     rest for tile kb (PV of the previous tile is issued before this tile's QK^T). V then needs
     num_stages versions and K one fewer.
+
+    async_loads=False: the loads are plain (into registers, say), not cp.async: stage 0 is no async stage,
+    and the step of tile kb issues the loads of tile kb + num_stages - 1 before its compute waits for them.
+    ahead: blocks of the later stage that the step runs before the loads (in the program they may come
+    between them: they read what the loads wrote), so that the loads of the next tile overwrite a buffer
+    they have read: one version of it (registers indexed by constants, not a stack array by the step's
+    parity).
     """
     kb = sch.get_loops(step)[-1]
     stmts = _pipeline_stmts(sch, kb)
@@ -498,15 +506,21 @@ def pipeline_loads(sch, num_stages, lagged=(), step="kv_step", loads=("load_k", 
             names[i] = {name.removesuffix("_init") for name in names[i - 1]}
     rest = num_stages - 2 if lagged else num_stages - 1
     stages = [0 if name & set(loads) else rest + 1 if name & set(lagged) else rest for name in names]
-    if stages[: len(loads)] != [0] * len(loads) or sum(bool(name & set(loads)) for name in names) != len(loads):
-        raise RuntimeError(f"pipeline: expected {loads} first in {step}, one statement each; got {names}")
+    if (stages[: len(loads)] != [0] * len(loads) and not ahead) or sum(bool(name & set(loads)) for name in names) != len(loads):
+        raise RuntimeError(f"pipeline: expected {loads} first in {step} (anywhere with ahead), one statement each; "
+                           f"got {names}")
     late = [i for i, name in enumerate(names) if name & set(lagged)]
     if lagged and not late:
         raise RuntimeError(f"pipeline: expected {lagged} in {step}; got {names}")
-    body = list(range(len(loads))) + late + [i for i in range(len(loads), len(stmts)) if i not in late]
+    first = [i for i, name in enumerate(names) if name & set(ahead)]
+    if len(first) != len(ahead):
+        raise RuntimeError(f"pipeline: expected {ahead} in {step}, one statement each; got {names}")
+    issued = [i for i, name in enumerate(names) if name & set(loads)]
+    body = first + issued + late + [i for i in range(len(stmts)) if i not in late and i not in first and i not in issued]
     sch.annotate(kb, "software_pipeline_stage", stages)
     sch.annotate(kb, "software_pipeline_order", [body.index(i) for i in range(len(stmts))])
-    sch.annotate(kb, "software_pipeline_async_stages", [0])
+    if async_loads:
+        sch.annotate(kb, "software_pipeline_async_stages", [0])
 
 
 def _pipeline_stmts(sch, kb):

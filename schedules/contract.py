@@ -175,9 +175,16 @@ class DecodeTasks:
     """What decode's kernel needs of a schedule besides its knobs. tensor_cores: the program variant it
     maps (operands in q's dtype on tensor cores, else float32). query_tokens(group, knobs): the query
     tokens a task holds for a GQA group of ``group`` query heads. per_processor(head_dim, dtype, knobs,
-    group): the tasks one SM (one core on the CPU) runs at once, which the split count fills."""
+    group): the tasks one SM (one core on the CPU) runs at once, which the split count fills. fp8_cache:
+    it maps the program over an FP8 (e4m3) cache (``program_decode``: the blocks dequant_k and dequant_v);
+    fp8_unchecked_head_dims: the head_dims where that has not passed the GPU tests yet, served only where
+    TVMFLASH_GPU_UNCHECKED=1 asks (as ``ProgramSchedule.unchecked_head_dims``). fp8_byte_tiles(head_dim,
+    knobs): does it map the program's byte_tiles form (the cache's bytes in tiles of their own)?"""
 
     tensor_cores: bool = False
+    fp8_cache: bool = False
+    fp8_unchecked_head_dims: tuple[int, ...] = ()
+    fp8_byte_tiles: Callable[[int, dict], bool] = lambda head_dim, knobs: False
     query_tokens: Callable[[int, dict], int] = lambda group, knobs: knobs["query_tokens"]
     per_processor: Callable[[int, str, dict, int], int] = lambda head_dim, dtype, knobs, group: 1
 

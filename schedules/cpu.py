@@ -8,7 +8,7 @@ import sys
 import tvm
 
 from . import common
-from .common import read_index
+from .common import has_block, read_index
 from .contract import TILE, DecodeTasks, Fp8Forward, Knob, KnobSet, ProgramSchedule, Schedule
 
 # ------------------------------------------------------------------------------------------------
@@ -172,8 +172,11 @@ def schedule_decode(sch: tvm.s_tir.Schedule, *, query_tokens: int, block_n: int,
     for func in [name for name in ("split", "single") if name in names]:  # single: the split program, final
         sch.work_on(func)
         sch.parallel(sch.fuse(*sch.get_loops("tile")))
-        sch.transform_layout("load_k", ("write", 0), lambda j, d: (d, j))  # keys contiguous for the score loop
-        for name in ("load_q", "load_k", "load_v", "init_acc", "store_o", "score", "exp"):
+        # (an FP8 cache's byte_tiles form: the tiles the products read are dequant_k's and dequant_v's)
+        byte_tiles = ("dequant_k", "dequant_v") if has_block(sch, "dequant_k") else ()
+        sch.transform_layout(byte_tiles[0] if byte_tiles else "load_k", ("write", 0),
+                             lambda j, d: (d, j))  # keys contiguous for the score loop
+        for name in ("load_q", "load_k", "load_v", *byte_tiles, "init_acc", "store_o", "score", "exp"):
             vectorize_inner(sch, name, vector)
         _gemm_register_tile(sch, "qk", vector)
         _gemm_register_tile(sch, "pv", vector)
@@ -197,6 +200,6 @@ SCHEDULE = Schedule(
     # (``kernels.fp8.Fp8Kernel``); the torch API runs FP8 on sm90 alone
     fp8_forward=Fp8Forward(lambda head_dim: FORWARD.defaults(head_dim, False), schedule, tuple(range(16, 257, 16))),
     backward=ProgramSchedule(BACKWARD, schedule_backward),
-    decode=ProgramSchedule(DECODE, schedule_decode, tasks=DecodeTasks()),
+    decode=ProgramSchedule(DECODE, schedule_decode, tasks=DecodeTasks(fp8_cache=True)),
     sources=(sys.modules[__name__], common),
 )

@@ -9,8 +9,9 @@ until the hashes are updated, in the same commit, with
 and the commit message says what changed in the CUDA and why. The configurations are the forward's
 defaults at head_dim 64/128/256, causal or not, on sm80 and sm90, plus the main knob variants, and
 the tensor-core backward's defaults measured on the H200 (``BACKWARD_CONFIGS``), flash-attn's score
-variants, softcap and ALiBi (``VARIANT_CONFIGS``), and the FP8 forward's (``FP8_CONFIGS``); heads 4/2 as the
-other cross-compile tests build them (so most modules are shared with those tests in one run).
+variants, softcap and ALiBi (``VARIANT_CONFIGS``), the FP8 forward's (``FP8_CONFIGS``), and the decode's over
+a bf16 and an FP8 cache (``DECODE_CONFIGS``); heads 4/2 as the other cross-compile tests build them, decode's
+32/8 as tests/test_decode_fp8.py's (so most modules are shared with those tests in one run).
 """
 
 import contextlib
@@ -77,6 +78,16 @@ FP8_CONFIGS = {
     "fp8-sm90-d128-causal": ("sm90", 128, True),
 }
 CONFIGS.update({name: None for name in FP8_CONFIGS})
+# name: (target, head_dim, dtype, page_size, cache_dtype) of a decode module (``compile_decode``) with its defaults;
+# an FP8 cache at d128 prefetches its bytes into registers, at d256 converts them as it reads them
+DECODE_CONFIGS = {
+    "decode-sm90-d128": ("sm90", 128, "bfloat16", 0, None),
+    "decode-sm90-d128-paged256": ("sm90", 128, "bfloat16", 256, None),
+    "decode-sm90-d128-fp8-cache": ("sm90", 128, "bfloat16", 0, "float8_e4m3fn"),
+    "decode-sm90-d128-fp8-cache-paged256": ("sm90", 128, "bfloat16", 256, "float8_e4m3fn"),
+    "decode-sm90-d256-fp8-cache": ("sm90", 256, "bfloat16", 0, "float8_e4m3fn"),
+}
+CONFIGS.update({name: None for name in DECODE_CONFIGS})
 
 
 @contextlib.contextmanager
@@ -102,6 +113,11 @@ def source(name: str) -> str:
         target, head_dim, causal = FP8_CONFIGS[name]
         with environment("TVMFLASH_GPU_UNCHECKED", "1"):  # pinned while awaiting its GPU check too
             return Fp8Kernel(head_dim, causal, target).source(heads_q=4, heads_kv=2)
+    if name in DECODE_CONFIGS:
+        target, head_dim, dtype, page_size, cache_dtype = DECODE_CONFIGS[name]
+        with environment("TVMFLASH_GPU_UNCHECKED", "1"):  # (an FP8 cache's awaits its GPU check)
+            return tvmflash.compile_decode(head_dim=head_dim, dtype=dtype, page_size=page_size, target=target,
+                                           cache_dtype=cache_dtype).source(32, 8)
     if name in BACKWARD_CONFIGS:
         target, head_dim, dtype, causal = BACKWARD_CONFIGS[name]
         # the pins cover kernels awaiting their GPU check too (``ProgramSchedule.unchecked_head_dims``)

@@ -318,7 +318,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                             softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False,
-                            sinks=None):
+                            sinks=None, q_descale=None, k_descale=None, v_descale=None):
     """Attention of q over a KV cache, with flash-attn 2's arguments and semantics.
 
     q: (batch, seqlen_q, heads_q, head_dim): one token a sequence for decode, a few for chunked
@@ -370,13 +370,26 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     is torch ops on q and k before the kernel (``apply_rotary``: float32 arithmetic, rounded to
     q's dtype, as flash-attn's kernel does; no host sync, so a CUDA graph captures it).
 
+    An FP8 cache (FlashAttention-3's, as serving engines store it): k_cache and v_cache
+    torch.float8_e4m3fn, q (and the output) fp16 or bf16, and k_descale, v_descale float32 (batch,
+    heads_kv) (None: ones): key p of sequence b is k_cache[p] · k_descale[b, hk], value p is
+    v_cache[p] · v_descale[b, hk]. The kernel reads the cache's bytes and converts them in registers
+    (``kernels.decode.DecodeKernel``). Contiguous or paged, GQA, cache_seqlens, causal, a window, a
+    softcap, ALiBi, leftpad and sinks as above; on sm80+ GPUs (and the CPU). Appending k, v to an FP8 cache
+    (FA3 quantises outside its kernel), the rotary embedding and q_descale (q stays fp16/bf16) raise
+    NotImplementedError.
+
     Returns out (q's shape and dtype), or (out, lse). A query that sees no key gets 0 and an LSE of
     -inf. On the CPU, lengths, leftpads and indices outside the cache are a ValueError; on a GPU they
     are not checked (that would wait for the device): the kernel clamps them to the cache (a leftpad
     to 0 ... its sequence's length), so it never reads outside it.
     """
-    if _is_fp8(q, k_cache, v_cache):
-        raise NotImplementedError("flash_attn_with_kvcache over an FP8 (e4m3) cache: not yet")
+    fp8_cache = _is_fp8(k_cache, v_cache, None, k_descale, v_descale)  # an e4m3 cache, or descales
+    if fp8_cache:
+        _check_fp8_cache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, q_descale)
+    elif _is_fp8(q) or q_descale is not None:
+        raise NotImplementedError("flash_attn_with_kvcache: q in FP8 (q_descale): not served; q stays fp16 or bf16 "
+                                  "over an FP8 cache")
     return_softmax_lse = check_flag("return_softmax_lse", return_softmax_lse)
     rotary_interleaved = check_flag("rotary_interleaved", rotary_interleaved)
     variant = resolve_variant(causal, window_size, softcap, alibi_slopes is not None)  # checks causal too
@@ -395,12 +408,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     kernel = decode_kernel_for(q, k_cache.shape[1] if paged else 0,
                                (variant.get("window_left", -1), variant.get("window_right", -1)),
                                variant.get("softcap", 0.0), variant.get("alibi", False), cache_leftpad is not None,
-                               sinks is not None)
+                               sinks is not None, fp8_cache=fp8_cache)
     index = block_table if paged else cache_batch_idx if cache_batch_idx is not None else kernel.batch_rows(batch, device)
     # Check every argument before anything is written to the cache.
     kernel.check_inputs(q, k_cache, v_cache, cache_seqlens, index, None)
     kernel.variant_arguments(q, alibi_slopes, cache_leftpad)
     kernel.merge_arguments(q, sinks)
+    kernel.descale_arguments(q, k_cache, k_descale, v_descale)
     resolve_softmax_scale(softmax_scale, q.shape[-1])
     check_num_splits(num_splits)
     check_new_keys(k, v, k_cache, batch, device)
@@ -422,8 +436,30 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     else:
         lengths = cache_seqlens
     out, lse = kernel(q, k_cache, v_cache, lengths, index, num_splits=num_splits, softmax_scale=softmax_scale,
-                      causal=causal, alibi_slopes=alibi_slopes, cache_leftpad=cache_leftpad, sinks=sinks)
+                      causal=causal, alibi_slopes=alibi_slopes, cache_leftpad=cache_leftpad, sinks=sinks,
+                      k_descale=k_descale, v_descale=v_descale)
     return (out, lse) if return_softmax_lse else out
+
+
+def _check_fp8_cache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, q_descale) -> None:
+    """What flash_attn_with_kvcache over an FP8 cache refuses: caches not both e4m3, q not fp16/bf16,
+    appending k and v (FA3 quantises them outside its kernel: write the e4m3 rows into the cache first),
+    the rotary embedding (it rotates the new k) and q_descale."""
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float8_e4m3fn:
+            raise TypeError(f"{name}: an FP8 cache (descales given, or an e4m3 cache) needs k_cache and v_cache both "
+                            f"torch.float8_e4m3fn, got {getattr(t, 'dtype', type(t).__name__)}")
+    if not isinstance(q, torch.Tensor) or q.dtype not in (torch.float16, torch.bfloat16):
+        raise NotImplementedError(f"q: over an FP8 cache q must be float16 or bfloat16 (an FP8 q, q_descale: not "
+                                  f"served), got {getattr(q, 'dtype', type(q).__name__)}")
+    if k is not None or v is not None:
+        raise NotImplementedError("k, v: appending to an FP8 cache is not served (FA3 quantises outside its kernel): "
+                                  "quantise the new rows to e4m3 and write them into k_cache, v_cache first")
+    if rotary_cos is not None or rotary_sin is not None:
+        raise NotImplementedError("rotary_cos, rotary_sin: the rotary embedding over an FP8 cache (it rotates the new "
+                                  "k, which an FP8 cache does not take) is not served")
+    if q_descale is not None:
+        raise NotImplementedError("q_descale: over an FP8 cache q stays float16 or bfloat16 (no FP8 q)")
 
 
 def apply_rotary(x, cos, sin, offsets, interleaved: bool, successive: bool = True):

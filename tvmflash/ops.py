@@ -70,17 +70,18 @@ registry.on_forget(DECODE_HEAD_DIMS.clear)
 
 
 def decode_kernel_for(q, page_size: int, window_size=(-1, -1), softcap: float = 0.0, alibi: bool = False,
-                      leftpad: bool = False, sinks: bool = False) -> DecodeKernel:
+                      leftpad: bool = False, sinks: bool = False, fp8_cache: bool = False) -> DecodeKernel:
     """The decode kernel for q's device, dtype and head_dim, the cache layout and the variant (compiled on
-    first use, then kept)."""
-    key = (q.device, q.dtype, q.shape[-1], page_size, window_size, softcap, alibi, leftpad, sinks,
+    first use, then kept); fp8_cache: over an e4m3 cache with descales."""
+    key = (q.device, q.dtype, q.shape[-1], page_size, window_size, softcap, alibi, leftpad, sinks, fp8_cache,
            choice.environment("decode"))
     kernel = DECODE_KERNELS_FOR.get(key)
     if kernel is None:
         check_decode_head_dim(q)
         kernel = DECODE_KERNELS_FOR[key] = compile_decode(head_dim=q.shape[-1], dtype=q.dtype, page_size=page_size,
                                                           target=target_of(q), window_size=window_size,
-                                                          softcap=softcap, alibi=alibi, leftpad=leftpad, sinks=sinks)
+                                                          softcap=softcap, alibi=alibi, leftpad=leftpad, sinks=sinks,
+                                                          cache_dtype=torch.float8_e4m3fn if fp8_cache else None)
     return kernel
 
 

@@ -19,6 +19,13 @@ Layout (flash-attn's ``flash_attn_with_kvcache``):
     alibi_slopes: (batch, heads_q)       float32, any batch stride (with ALiBi only)
     cache_leftpad: (batch,)              int32   the cache row of each sequence's first key
                                                  (with ``leftpad`` only; contiguous caches)
+    k_descale, v_descale: (batch, heads_kv)  float32, compact (an FP8 cache only, last: FA3's)
+
+An FP8 cache (``DecodeSpec.cache_dtype`` e4m3, as serving engines store it) holds the keys and values in
+e4m3 with a descale per (sequence, K/V head): key p is k_cache[p] · k_descale[b, hk], value p is
+v_cache[p] · v_descale[b, hk]; q and the output stay in ``dtype``. The kernel reads the cache's bytes and
+converts each tile to the operands' type (exactly: every e4m3 value is a bf16 and an fp16 value); the
+descales, constant over a task, scale the scores (with softmax_scale) and the output (with 1 / l).
 
 batch, seqlen_q, num_splits and the cache's sizes are symbolic, and each sequence's length is read
 from ``lengths`` in the kernel: one built module serves every length, batch and split count (a decode
@@ -43,7 +50,7 @@ from tvm.script import tirx as T
 from tvm.script.ir_builder import IRBuilder
 
 from tvmflash import program, tvmscript
-from tvmflash.program import LOG2E, NO_MAX, RESCALE_THRESHOLD, AttentionSpec
+from tvmflash.program import FP8, LOG2E, NO_MAX, RESCALE_THRESHOLD, AttentionSpec
 
 
 @dataclass(frozen=True)
@@ -66,9 +73,15 @@ class DecodeSpec:
     # learnable sinks (``AttentionSpec.sinks``): a logit per query head, an argument of the merge alone,
     # which adds the sink once (the split programs are those without sinks)
     sinks: bool = False
+    # the cache's element type: "" for q's dtype, or FP8 (e4m3, with k_descale and v_descale arguments)
+    cache_dtype: str = ""
 
     def __post_init__(self):
         _ = self.attention  # the forward's checks
+        if self.cache_dtype not in ("", FP8):
+            raise ValueError(f"cache_dtype: expected '' (q's dtype) or {FP8!r}, got {self.cache_dtype!r}")
+        if self.fp8_cache and self.dtype not in ("float16", "bfloat16"):
+            raise ValueError(f"cache_dtype {FP8}: q's dtype must be float16 or bfloat16, got {self.dtype}")
         if self.page_size and (self.page_size < 16 or self.page_size & (self.page_size - 1)):
             raise ValueError(f"page_size: expected a power of two >= 16, got {self.page_size}")
         for name in ("leftpad", "sinks"):
@@ -89,11 +102,22 @@ class DecodeSpec:
         """Query heads that share one K/V head (GQA)."""
         return self.heads_q // self.heads_kv
 
+    @property
+    def fp8_cache(self) -> bool:
+        """Is the cache e4m3, with descales?"""
+        return self.cache_dtype == FP8
+
+    @property
+    def kv_dtype(self) -> str:
+        """The cache's element type."""
+        return self.cache_dtype or self.dtype
+
 
 def decode_split(spec: DecodeSpec, query_tokens: int, block_n: int, final: bool = False,
-                 tensor_cores: bool = False):
+                 tensor_cores: bool = False, e4m3_bits: bool = False, byte_tiles: bool = False):
     """Return ``main(q, k_cache, v_cache, lengths, index, o_part, lse_part, softmax_scale, causal)``
-    (then ``alibi_slopes`` with ALiBi, and ``cache_leftpad`` last with leftpad); with ``final``,
+    (then ``alibi_slopes`` with ALiBi, ``cache_leftpad`` with leftpad, and ``k_descale``, ``v_descale``
+    last with an FP8 cache); with ``final``,
     ``main(q, k_cache, v_cache, lengths, index, out, lse, softmax_scale, causal)``: one split, whose
     results are the output (q's dtype) and the LSE (batch, heads_q, seqlen_q) themselves, so that no
     merge runs.
@@ -121,12 +145,55 @@ def decode_split(spec: DecodeSpec, query_tokens: int, block_n: int, final: bool 
     Lengths are clamped to the cache's size, a leftpad to 0 .. the length, and cache indices (the batch
     row, a page) to its extent, so no input reads outside the cache. The cache must hold at least
     one key (the caller answers an empty one: 0 and an LSE of -inf).
+
+    An FP8 cache: load_k and load_v read the cache's e4m3 bytes and convert them to the tiles' type
+    (``Kt``, ``Vt``: q's dtype for tensor cores, else float32; the zero padding in that type), or with
+    ``byte_tiles`` copy them into tiles of their own (``Kt8``, ``Vt8``; every key's, indices clamped),
+    which blocks ``dequant_k`` (after load_k, before load_v) and ``dequant_v`` convert (a schedule that
+    prefetches the next tiles' bytes into registers takes this form); the task's
+    softmax_scale is softmax_scale · k_descale[b, hk], and its 1 / l is v_descale[b, hk] / l (block
+    ``init_value_scale`` reads v_descale once, into ``v_scale``). e4m3_bits: convert by the bits
+    (``e4m3_bits_to_float32``) rather than by a cast, for a target whose own conversion is wrong (TVM's
+    LLVM code at zero and the subnormals).
     """
     D, QT, BN, PS = spec.head_dim, query_tokens, block_n, spec.page_size
     HQ, HKV, G = spec.heads_q, spec.heads_kv, spec.group
     R = QT * G  # rows of a task
     dtype, f32 = spec.dtype, "float32"
     q_dtype = dtype if tensor_cores else f32  # the query rows' type in the task (exact either way)
+    kv_dtype, fp8 = spec.kv_dtype, spec.fp8_cache
+    operand = q_dtype if fp8 else dtype  # the K/V tiles' type (with an FP8 cache the operands' own)
+
+    # An FP8 cache's byte tiles (Kt8, Vt8): e4m3, or with e4m3_bits its bits as uint8, so that no value
+    # passes through LLVM's conversions (TVM computes a copy of e4m3 values in float32)
+    byte_dtype = "uint8" if e4m3_bits else kv_dtype
+
+    def cache_bytes(value):  # an element of an FP8 cache as its byte tile holds it
+        return T.reinterpret("uint8", value) if e4m3_bits else value
+
+    def dequantised(x):  # an element of a byte tile in the K/V tiles' type
+        return T.cast(e4m3_bits_to_float32(x), operand) if e4m3_bits else T.cast(x, operand)
+
+    def byte_tile(name):  # a tile of the cache's bytes in the block being parsed (byte_tiles), else None
+        if not (fp8 and byte_tiles):
+            return None
+        tile = T.sblock_alloc_buffer((BN, D), byte_dtype)
+        IRBuilder.name(name, tile)
+        return tile
+
+    def loaded(bytes_tile, tile):  # the tile load_k (load_v) writes: the cache's bytes with byte_tiles
+        return bytes_tile if fp8 and byte_tiles else tile
+
+    def converted(value):  # a cache element as the K/V tiles' type (an FP8 cache converted as it is read)
+        return dequantised(cache_bytes(value)) if fp8 else value
+
+    def scalar(name):  # a float32 of the block being parsed (an FP8 cache), else None
+        if not fp8:
+            return None
+        value = T.sblock_alloc_buffer((1,), f32)
+        IRBuilder.name(name, value)
+        return value
+
     left, right = spec.window_left, spec.window_right
 
     # Helpers on a task's indices, inlined by TVMScript (they take the buffers and shape variables).
@@ -178,6 +245,12 @@ def decode_split(spec: DecodeSpec, query_tokens: int, block_n: int, final: bool 
             return inside
         return T.And(inside, tile * BN >= n_keys - seqlen_q + vqb * QT + QT - 1 - left)  # the last token, the first key
 
+    def task_scale(softmax_scale, descales, vb, vhk):  # softmax_scale, with an FP8 cache times k_descale
+        return softmax_scale if descales is None else softmax_scale * descales[0][vb, vhk]
+
+    def value_scale(v_scale):  # what 1 / l is multiplied by: 1, with an FP8 cache v_descale (read once a task)
+        return T.float32(1) if v_scale is None else v_scale[0]
+
     def cache_row(index, vb, cache_rows):  # a contiguous cache's row of sequence vb
         return T.min(T.max(index[vb], 0), cache_rows - 1)
 
@@ -199,12 +272,12 @@ def decode_split(spec: DecodeSpec, query_tokens: int, block_n: int, final: bool 
         cache_rows, cache_len, pages_per_seq = T.int32(), T.int32(), T.int32()
         Q = T.match_buffer(q_handle, (batch, seqlen_q, HQ, D), dtype)
         if PS > 0:
-            K = T.match_buffer(k_handle, (cache_rows, PS, HKV, D), dtype)
-            V = T.match_buffer(v_handle, (cache_rows, PS, HKV, D), dtype)
+            K = T.match_buffer(k_handle, (cache_rows, PS, HKV, D), kv_dtype)
+            V = T.match_buffer(v_handle, (cache_rows, PS, HKV, D), kv_dtype)
             Index = T.match_buffer(index_handle, (batch, pages_per_seq), "int32")
         else:
-            K = T.match_buffer(k_handle, (cache_rows, cache_len, HKV, D), dtype)
-            V = T.match_buffer(v_handle, (cache_rows, cache_len, HKV, D), dtype)
+            K = T.match_buffer(k_handle, (cache_rows, cache_len, HKV, D), kv_dtype)
+            V = T.match_buffer(v_handle, (cache_rows, cache_len, HKV, D), kv_dtype)
             Index = T.match_buffer(index_handle, (batch,), "int32")
         Lengths = T.match_buffer(lengths_handle, (batch,), "int32")
         if final:  # the output and the LSE, of the one split
@@ -215,6 +288,7 @@ def decode_split(spec: DecodeSpec, query_tokens: int, block_n: int, final: bool 
             LSEPart = T.match_buffer(lse_part_handle, (num_splits, batch, seqlen_q, HQ), f32)
         AlibiSlopes = T.meta_var(program.alibi_slopes_argument(spec.attention, batch, HQ))  # with ALiBi only
         CacheLeftpad = T.meta_var(leftpad_argument(spec, batch))  # with leftpad only
+        Descales = T.meta_var(descale_arguments(spec, batch))  # with an FP8 cache only: (k_descale, v_descale)
 
         splits = T.meta_var(1 if final else num_splits)
         for b, hk, qb, s in T.grid(batch, HKV, T.ceildiv(seqlen_q, QT), splits):
@@ -240,8 +314,13 @@ def decode_split(spec: DecodeSpec, query_tokens: int, block_n: int, final: bool 
                 # sequence's keys, split's first tile, cache row (and with leftpad its first key's position)
                 bounds = T.sblock_alloc_buffer((4 if spec.leftpad else 3,), "int32")
 
+                v_scale = T.meta_var(scalar("v_scale"))  # an FP8 cache: the task's v_descale (else None)
+                if fp8:
+                    with T.sblock("init_value_scale"):
+                        v_scale[0] = Descales[1][vb, vhk]
                 with T.sblock("init_scale"):
-                    scale2[0] = program.score_scale(spec.attention, softmax_scale) * T.float32(LOG2E)
+                    scale2[0] = program.score_scale(spec.attention, task_scale(softmax_scale, Descales, vb, vhk)) * \
+                        T.float32(LOG2E)
                 for r, d in T.grid(R, D):
                     with T.sblock("load_q"):
                         vr, vd = T.axis.remap("SS", [r, d])
@@ -285,22 +364,46 @@ def decode_split(spec: DecodeSpec, query_tokens: int, block_n: int, final: bool 
                     with T.sblock("kv_step"):
                         vkb = T.axis.opaque(n_steps, kb)
                         tile = T.meta_var(first + vkb)  # the tile's index in the sequence
-                        Kt = T.sblock_alloc_buffer((BN, D), dtype)  # one K tile, zero-padded
-                        Vt = T.sblock_alloc_buffer((BN, D), dtype)
+                        Kt = T.sblock_alloc_buffer((BN, D), operand)  # one K tile, zero-padded
+                        Vt = T.sblock_alloc_buffer((BN, D), operand)
+                        Kt8 = T.meta_var(byte_tile("Kt8"))  # the cache's bytes (an FP8 cache; else None)
+                        Vt8 = T.meta_var(byte_tile("Vt8"))
                         for j, d in T.grid(BN, D):
                             with T.sblock("load_k"):
                                 vj, vd = T.axis.remap("SS", [j, d])
-                                Kt[vj, vd] = T.if_then_else(
-                                    tile * BN + vj < n_keys,
-                                    load_kv(K, Index, vb, tile * BN + vj, vhk, vd, cache_rows, capacity, row, leftpad),
-                                    T.cast(0, dtype))
+                                Kl = T.meta_var(loaded(Kt8, Kt))
+                                value = T.meta_var(load_kv(K, Index, vb, tile * BN + vj, vhk, vd, cache_rows, capacity,
+                                                           row, leftpad))
+                                if fp8 and byte_tiles:  # every key's bytes (indices clamped): dequant_k zeroes
+                                    Kl[vj, vd] = cache_bytes(value)
+                                else:
+                                    Kl[vj, vd] = T.if_then_else(tile * BN + vj < n_keys, converted(value),
+                                                                  T.cast(0, operand))
+                        # byte_tiles: each tile is converted right after its load (and zero-padded in its own type:
+                        # no zero of e4m3 needed), K's before V's load, so a thread need hold one tile's bytes.
+                        if fp8 and byte_tiles:
+                            for j, d in T.grid(BN, D):
+                                with T.sblock("dequant_k"):
+                                    vj, vd = T.axis.remap("SS", [j, d])
+                                    Kt[vj, vd] = T.if_then_else(tile * BN + vj < n_keys, dequantised(Kt8[vj, vd]),
+                                                                T.cast(0, operand))
                         for j, d in T.grid(BN, D):
                             with T.sblock("load_v"):
                                 vj, vd = T.axis.remap("SS", [j, d])
-                                Vt[vj, vd] = T.if_then_else(
-                                    tile * BN + vj < n_keys,
-                                    load_kv(V, Index, vb, tile * BN + vj, vhk, vd, cache_rows, capacity, row, leftpad),
-                                    T.cast(0, dtype))
+                                Vl = T.meta_var(loaded(Vt8, Vt))
+                                value = T.meta_var(load_kv(V, Index, vb, tile * BN + vj, vhk, vd, cache_rows, capacity,
+                                                           row, leftpad))
+                                if fp8 and byte_tiles:
+                                    Vl[vj, vd] = cache_bytes(value)
+                                else:
+                                    Vl[vj, vd] = T.if_then_else(tile * BN + vj < n_keys, converted(value),
+                                                                  T.cast(0, operand))
+                        if fp8 and byte_tiles:
+                            for j, d in T.grid(BN, D):
+                                with T.sblock("dequant_v"):
+                                    vj, vd = T.axis.remap("SS", [j, d])
+                                    Vt[vj, vd] = T.if_then_else(tile * BN + vj < n_keys, dequantised(Vt8[vj, vd]),
+                                                                T.cast(0, operand))
                         for r, j, d in T.grid(R, BN, D):
                             with T.sblock("qk"):
                                 vr, vj, vd = T.axis.remap("SSR", [r, j, d])
@@ -311,7 +414,7 @@ def decode_split(spec: DecodeSpec, query_tokens: int, block_n: int, final: bool 
                             with T.sblock("score"):  # invisible keys -inf; only edge tiles test; softcap, ALiBi
                                 vr, vj = T.axis.remap("SS", [r, j])
                                 score = T.meta_var(program.transformed_score(
-                                    spec.attention, S[vr, vj], softmax_scale,
+                                    spec.attention, S[vr, vj], task_scale(softmax_scale, Descales, vb, vhk),
                                     program.alibi_slope(AlibiSlopes, vb, vhk * G + vr % G),
                                     vqb * QT + vr // G + n_keys - seqlen_q - (tile * BN + vj)))
                                 if tile_visible(vqb, tile, n_keys, seqlen_q, causal):
@@ -374,7 +477,8 @@ def decode_split(spec: DecodeSpec, query_tokens: int, block_n: int, final: bool 
                 for r in range(R):
                     with T.sblock("inv_l"):
                         vr = T.axis.spatial(R, r)
-                        l_inv[vr] = T.if_then_else(l[vr] > T.float32(0), T.float32(1) / l[vr], T.float32(0))
+                        l_inv[vr] = T.if_then_else(l[vr] > T.float32(0), value_scale(v_scale) / l[vr],
+                                                   T.float32(0))
                 for r, d in T.grid(R, D):
                     with T.sblock("store_o"):
                         vr, vd = T.axis.remap("SS", [r, d])
@@ -388,14 +492,45 @@ def decode_split(spec: DecodeSpec, query_tokens: int, block_n: int, final: bool 
                         vr = T.axis.spatial(R, r)
                         T.where(vqb * QT + r // G < seqlen_q)
                         row_lse = T.meta_var(T.if_then_else(
-                            l[vr] > T.float32(0), m[vr] * program.score_scale(spec.attention, softmax_scale) + T.log(l[vr]),
-                            T.float32(-math.inf)))
+                            l[vr] > T.float32(0),
+                            m[vr] * program.score_scale(spec.attention, task_scale(softmax_scale, Descales, vb, vhk))
+                            + T.log(l[vr]), T.float32(-math.inf)))
                         if final:
                             LSE[vb, vhk * G + vr % G, vqb * QT + vr // G] = row_lse
                         else:
                             LSEPart[vs, vb, vqb * QT + vr // G, vhk * G + vr % G] = row_lse
 
     return main
+
+
+def descale_arguments(spec: DecodeSpec, batch):
+    """With an FP8 cache, two more parameters of the PrimFunc being parsed, last: ``k_descale`` and
+    ``v_descale``, float32 (batch, heads_kv), compact (FlashAttention-3's); None without."""
+    if not spec.fp8_cache:
+        return None
+    descales = []
+    for name in ("k_descale", "v_descale"):
+        handle = T.arg(f"{name}_handle", T.handle())
+        buffer = T.match_buffer(handle, (batch, spec.heads_kv), "float32")
+        IRBuilder.name(name, buffer)
+        descales.append(buffer)
+    return tuple(descales)
+
+
+def e4m3_bits_to_float32(x):
+    """The e4m3 (fn: no infinity; S.1111.111 NaN) value of the bits x (uint8) as float32: exact, zero and
+    the subnormals included, by integer operations (for LLVM, whose own conversion is wrong there)."""
+    bits = T.cast(x, "uint32")
+    sign = (bits >> T.uint32(7)) << T.uint32(31)
+    exponent = (bits >> T.uint32(3)) & T.uint32(15)
+    mantissa = bits & T.uint32(7)
+    # a normal value: exponent bias 7 -> float32's 127, mantissa's 3 bits on top of float32's 23
+    normal = T.reinterpret("float32", sign | ((exponent + T.uint32(120)) << T.uint32(23)) | (mantissa << T.uint32(20)))
+    # a subnormal: mantissa * 2^-9 (0 included), with the sign
+    subnormal = T.reinterpret("float32", sign | T.reinterpret("uint32", T.cast(mantissa, "float32") * T.float32(2.0 ** -9)))
+    nan = T.reinterpret("float32", T.uint32(0x7FC00000))
+    return T.if_then_else((bits & T.uint32(127)) == T.uint32(127), nan,
+                          T.if_then_else(exponent == T.uint32(0), subnormal, normal))
 
 
 def leftpad_argument(spec: DecodeSpec, batch):

@@ -6,13 +6,47 @@ from __future__ import annotations
 
 import tvm
 
-from ..common import (hide_init_reads, pipeline_loads, quad_row_block, quad_row_init, row_quad_map, row_reduce_intrin,
+from ..common import (has_block, hide_init_reads, pipeline_loads, quad_row_block, quad_row_init, row_quad_map, row_reduce_intrin,
                       staged_row_block, tensorize_row_reduce)
 from ..simt import schedule_decode_merge
 from .fragments import (copy_to_shared, fill_fragments, frag_index_map, frag_rows, fragment_elementwise, fragment_lanes,
                         row_block, store_fragments, warp_gemm_operands)
 from .intrinsics import intrin_names
 from .knobs import WARP, WARP_ROWS
+
+# An FP8 cache: a thread converts 4 e4m3 elements at once, the widest TVM's CUDA code converts right (8
+# becomes a bit copy of uint2 into uint4, not a conversion).
+FP8_CONVERT_VEC = 4
+# FP8_PIPELINE: with num_stages > 1 an FP8 cache's next K and V tiles are prefetched into registers (the
+# program's byte_tiles form, two stages): a step converts the bytes it holds into the shared tiles, then
+# loads the next tiles' bytes into the same registers, then computes while they arrive. Not cp.async into
+# a shared tile of bytes: TVM's pipeline epilogue puts the wait and the conversion that reads them under
+# one condition, where ThreadSync cannot place the barrier between them. Where the two tiles' bytes would
+# pass FP8_PREFETCH_BYTES a thread (head_dim 256 at block_n 32: 512), or with num_stages 1, no prefetch:
+# each element is converted as it is read, and the tasks an SM runs at once hide the loads' latency.
+FP8_PREFETCH_BYTES = 256
+
+
+def fp8_byte_tiles(head_dim: int, knobs: dict) -> bool:
+    """Does this schedule prefetch an FP8 cache's tiles (the program's byte_tiles form; FP8_PIPELINE)? A
+    task's one warp (its 16 rows) holds the next K and V tiles' bytes."""
+    return knobs["num_stages"] > 1 and 2 * knobs["block_n"] * head_dim <= FP8_PREFETCH_BYTES * WARP
+
+
+def convert_to_shared(sch, load, convert, warps):
+    """An FP8 cache's tile: the threads read its e4m3 bytes FP8_CONVERT_VEC at a time (a warp 128
+    consecutive bytes a load), convert them (cvt's e4m3x2 pairs) and store them in q's dtype to the shared
+    tile, each thread the bytes it read; the loops unrolled, so that all the tile's loads are in flight at
+    once. ``load`` into registers, then ``convert`` (byte tiles), or ``convert`` alone (None: it reads)."""
+    if load is not None:
+        sch.set_scope(load, 0, "local")
+    for block in (load, convert) if load is not None else (convert,):
+        fused = sch.fuse(*sch.get_loops(block)[-2:])
+        chunks, ty, tx, vector = sch.split(fused, [None, warps, WARP, FP8_CONVERT_VEC])
+        sch.bind(ty, "threadIdx.y")
+        sch.bind(tx, "threadIdx.x")
+        sch.unroll(chunks)
+        sch.vectorize(vector)
 
 
 def schedule_decode(sch: tvm.s_tir.Schedule, *, block_n: int, num_stages: int, vec: int) -> tvm.s_tir.Schedule:
@@ -24,10 +58,15 @@ def schedule_decode(sch: tvm.s_tir.Schedule, *, block_n: int, num_stages: int, v
     and acc += P V with ldmatrix and mma.sync, the softmax on the fragments, the per-row values on
     the quads. The per-key running sums of P (``l_keys``) are fragments too, summed across the
     quads once, after the last tile. merge: SIMT, as ``simt.schedule_decode_merge``.
+
+    An FP8 cache: each thread reads the cache's e4m3 bytes and converts them into the padded q-dtype tiles
+    the ldmatrix loads read (``convert_to_shared``); with the program's byte tiles (``fp8_byte_tiles``:
+    dequant_k, dequant_v) the next tiles' bytes are prefetched into registers (FP8_PIPELINE).
     """
     for func in [gv.name_hint for gv in sch.mod.functions if gv.name_hint in ("split", "single")]:
         sch.work_on(func)
-        names = intrin_names(str(sch.get(sch.get_sblock("load_k")).writes[0].source.dtype))
+        names = intrin_names(str(sch.get(sch.get_sblock("load_q")).writes[0].source.dtype))
+        fp8 = has_block(sch, "init_value_scale")  # an FP8 cache (load_k and load_v convert its e4m3 bytes)
         rows, head_dim = (int(x) for x in sch.get(sch.get_sblock("load_q")).writes[0].source.shape)
         warps = rows // WARP_ROWS
         b, hk, qb, s = sch.get_loops("tile")
@@ -36,11 +75,19 @@ def schedule_decode(sch: tvm.s_tir.Schedule, *, block_n: int, num_stages: int, v
         sch.bind(s, "blockIdx.z")
         sch.set_scope("init_scale", 0, "local")
         sch.set_scope("split_range", 0, "local")
+        if fp8:
+            sch.set_scope("init_value_scale", 0, "local")
 
-        for name in ("load_q", "load_k", "load_v"):
+        byte_tiles = has_block(sch, "dequant_k")  # (FP8_PIPELINE)
+        for name in ("load_q", "dequant_k", "dequant_v") if byte_tiles else ("load_q", "load_k", "load_v"):
             sch.set_scope(name, 0, "shared.dyn")
             sch.storage_align(name, 0, axis=0, factor=head_dim, offset=8)  # ldmatrix's 8 rows in 8 bank groups
-            copy_to_shared(sch, name, warps, vec)
+            if byte_tiles and name != "load_q":
+                convert_to_shared(sch, name.replace("dequant", "load"), name, warps)
+            elif fp8 and name != "load_q":
+                convert_to_shared(sch, None, name, warps)
+            else:
+                copy_to_shared(sch, name, warps, vec)
 
         # Per-row values in each quad's registers (row_quad_map), as the forward's row_state "registers".
         for name, index in (("init_m", 0), ("row_max", 0), ("alpha", 0), ("alpha", 1), ("row_sum", 0),
@@ -75,7 +122,9 @@ def schedule_decode(sch: tvm.s_tir.Schedule, *, block_n: int, num_stages: int, v
         for name in ("init_m", "alpha", "update_m", "inv_l"):
             quad_row_block(sch, name, warps)
         staged_row_block(sch, "store_lse", warps, lambda sch, name: row_block(sch, name, warps))
-        if num_stages > 1:
+        if byte_tiles:  # an FP8 cache's next tiles' bytes prefetched into registers (FP8_PIPELINE)
+            pipeline_loads(sch, 2, async_loads=False, ahead=("dequant_k", "dequant_v"))
+        elif num_stages > 1 and not fp8:
             pipeline_loads(sch, num_stages)
     schedule_decode_merge(sch)
     return sch

@@ -123,6 +123,8 @@ def decode_build_problem(head_dim: int, dtype: str, knobs: dict) -> str | None:
 
 
 DECODE_HEAD_DIMS = MMA_HEAD_DIMS  # the others: the SIMT decode
+# Decode over an FP8 (e4m3) cache: built and checked through nvcc, not yet run on a GPU (every head_dim)
+DECODE_FP8_UNCHECKED_HEAD_DIMS = DECODE_HEAD_DIMS
 
 
 # block_n: keys per K/V tile; num_stages: K/V tiles in flight (cp.async, 1: plain loads); vec: elements

@@ -107,7 +107,7 @@ def flex_field(flex) -> dict:
 def compile_decode(*, head_dim: int, dtype, page_size: int = 0, target=None, knobs: dict | None = None,
                    heads_q: int | None = None, heads_kv: int | None = None, window_size=(-1, -1),
                    softcap: float = 0.0, alibi: bool = False, leftpad: bool = False,
-                   schedule: str | None = None, sinks: bool = False) -> DecodeKernel:
+                   schedule: str | None = None, sinks: bool = False, cache_dtype=None) -> DecodeKernel:
     """Compile Flash-Decoding and return a :class:`DecodeKernel` (cached in memory; modules on disk).
 
     page_size: 0 for a contiguous cache, else the paged cache's rows per page (a power of two >= 16).
@@ -117,11 +117,17 @@ def compile_decode(*, head_dim: int, dtype, page_size: int = 0, target=None, kno
     ``cache_leftpad``, int32 (batch,), the cache row of each sequence's first key (a contiguous cache
     only, as flash-attn's). sinks: each call takes a sink logit per query head (float32 (heads_q,)), which
     joins the merge of the splits once. schedule: "sm80" (tensor cores), "simt" or "cpu"; None: TVMFLASH_DECODE,
-    else the target's (``tvmflash.choice``).
+    else the target's (``tvmflash.choice``). cache_dtype: None for a cache in ``dtype``, or
+    torch.float8_e4m3fn ("float8_e4m3fn"): an FP8 cache, each call taking k_descale and v_descale
+    (``DecodeKernel``; dtype fp16 or bf16).
     """
     dtype = dtype_name(dtype)
     variant = {**resolve_variant(False, window_size, softcap, alibi, sinks=sinks),
                **({"leftpad": True} if check_flag("leftpad", leftpad) else {})}  # a field only when on
+    if cache_dtype is not None:
+        cache_dtype = str(cache_dtype).removeprefix("torch.")  # a torch dtype or its name (DecodeSpec checks it)
+        if cache_dtype != dtype:  # (a cache in q's dtype is the plain kernel)
+            variant["cache_dtype"] = cache_dtype
     if variant.pop("causal"):
         raise ValueError(f"window_size: a right edge of 0 is causal, an argument of each call: pass causal=True and "
                          f"window_size=({variant.get('window_left', -1)}, -1)")

@@ -494,14 +494,27 @@ class Arguments:
         fits = self.fits(t) if strided else t.is_contiguous() and not (self.cuda and t.data_ptr() % 16)
         return t if fits or not t.numel() else t.clone(memory_format=torch.contiguous_format)
 
-    def check_decode(self, page_size: int, q, k_cache, v_cache, lengths, index, out) -> None:
+    def check_decode(self, page_size: int, q, k_cache, v_cache, lengths, index, out, cache_dtype=None) -> None:
         """A decode call's tensors (see ``DecodeKernel``): q, the caches (``page_size`` rows a page,
-        0: contiguous), the lengths, the cache rows or block table, and out (None: new)."""
+        0: contiguous; of ``cache_dtype``, None: q's), the lengths, the cache rows or block table, and
+        out (None: new)."""
         for name, t in (("cache_seqlens", lengths), ("block_table" if page_size else "cache_batch_idx", index)):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-        self.check_tensors([("q", q), ("k_cache", k_cache), ("v_cache", v_cache)],
-                           "(pages, page_size, heads, head_dim)" if page_size else "(batch, seqlen, heads, head_dim)")
+        layout = "(pages, page_size, heads, head_dim)" if page_size else "(batch, seqlen, heads, head_dim)"
+        if cache_dtype is None:
+            self.check_tensors([("q", q), ("k_cache", k_cache), ("v_cache", v_cache)], layout)
+        else:  # q in the kernel's dtype, the caches in their own
+            self.check_tensors([("q", q), ("q", q)], layout)
+            for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+                if not isinstance(t, torch.Tensor) or t.dtype != cache_dtype:
+                    raise TypeError(f"{name}: expected a {cache_dtype} cache, got {getattr(t, 'dtype', type(t).__name__)}")
+                if t.dim() != 4 or t.shape[-1] != self.head_dim:
+                    raise ValueError(f"{name}: expected 4 dims {layout} with head_dim {self.head_dim}, got shape "
+                                     f"{tuple(t.shape)}")
+            if k_cache.shape != v_cache.shape:
+                raise ValueError(f"v_cache: expected the shape of k_cache {tuple(k_cache.shape)}, got "
+                                 f"{tuple(v_cache.shape)}")
         heads_kv = k_cache.shape[2]
         if heads_kv == 0 or q.shape[2] % heads_kv:
             raise ValueError(f"q: expected heads_q ({q.shape[2]}) to be a multiple of the cache's heads_kv ({heads_kv})")

@@ -18,7 +18,10 @@ from tvmflash import choice, lowering, program_decode
 from tvmflash import target as targets
 from tvmflash.kernels.build import PROGRAMS, Build, describe
 from tvmflash.kernels.checks import INT32_MAX, Arguments, check_num_splits, needs_int64, resolve_softmax_scale
+from tvmflash.program import FP8
 from tvmflash.program_decode import DecodeSpec
+
+FP8_TORCH = torch.float8_e4m3fn
 
 # num_splits=0 never picks more splits than this (each split adds a partial output to write and merge;
 # flash-attn's cap): a lone sequence needs about 100 splits to give each SM's six one-warp tasks work.
@@ -47,6 +50,13 @@ class DecodeKernel:
     ``cache_leftpad``, int32 (batch,): sequence b's keys are then the cache rows cache_leftpad[b] ..
     lengths[b] - 1 (flash-attn's; a contiguous cache only). With sinks each call takes ``sinks``, float32
     (heads_q,), which the merge adds once (``program_decode.decode_merge``; one split runs the merge too).
+
+    An FP8 cache (variant ``cache_dtype`` "float8_e4m3fn", ``program_decode``'s module docstring): the
+    caches are torch.float8_e4m3fn, q and out ``dtype`` (fp16, bf16), and each call takes ``k_descale``
+    and ``v_descale``, float32 (batch, heads_kv) (None: ones), FA3's: key p is k_cache[p] · k_descale[b,
+    hk], value p v_cache[p] · v_descale[b, hk]. On the schedules whose ``DecodeTasks.fp8_cache`` is set
+    (sm80's tensor cores, on sm80 and newer GPUs; the CPU's, which converts e4m3 by its bits); on a GPU
+    only where TVMFLASH_GPU_UNCHECKED=1 asks until its GPU tests pass (``DecodeTasks.fp8_unchecked_head_dims``).
     """
 
     PASS = "decode"
@@ -61,6 +71,16 @@ class DecodeKernel:
         self.schedule, self.schedule_source = chosen.schedule, chosen.schedule_source
         self.knobs, self.knobs_source = chosen.knobs, chosen.knobs_source
         self.tasks = self.schedule.decode.tasks
+        self.fp8_cache = self.variant.get("cache_dtype", "") == FP8
+        if self.fp8_cache:
+            if not self.tasks.fp8_cache:
+                raise NotImplementedError(f"an FP8 (e4m3) KV cache: the {self.schedule.name} decode schedule does not "
+                                          f"read one (the sm80 schedule on sm80+ GPUs and the CPU's do, at the head_dims "
+                                          f"they serve)")
+            problem = choice.unchecked_problem(f"the {self.schedule.name} decode over an FP8 cache", head_dim,
+                                               self.tasks.fp8_unchecked_head_dims)
+            if problem:
+                raise NotImplementedError(problem)
         # the program variant the schedule maps: operands in q's dtype for tensor cores, else float32
         self.tensor_cores = self.tasks.tensor_cores
         self.arguments = Arguments(head_dim, dtype, target, self.variant)
@@ -81,8 +101,11 @@ class DecodeKernel:
     def _scheduled(self, spec: DecodeSpec) -> tvm.s_tir.Schedule:
         """The programs in one module, scheduled: ``split`` and ``merge``, and ``single`` (the split
         program as one split writing the output itself: no merge, no partial buffers)."""
+        # (an FP8 cache on LLVM: converted by its bits; LLVM's own conversion is wrong at zero)
         split, single = (program_decode.decode_split(spec, self.query_tokens(spec.group), self.knobs["block_n"],
-                                                     final=final, tensor_cores=self.tensor_cores)
+                                                     final=final, tensor_cores=self.tensor_cores,
+                                                     e4m3_bits=spec.fp8_cache and not targets.is_cuda(self.target),
+                                                     byte_tiles=self.tasks.fp8_byte_tiles(self.head_dim, self.knobs))
                          for final in (False, True))
         merge = program_decode.decode_merge(spec)
         mod = tvm.IRModule({"split": split.with_attr("global_symbol", "split"),
@@ -115,13 +138,28 @@ class DecodeKernel:
         buffers fit every replay): enough tasks to fill the device (``choose_num_splits``). group:
         the query heads a K/V head serves (a task's shared memory grows with it)."""
         processors = _sm_count(device) if device.type == "cuda" else torch.get_num_threads()
-        slots = processors * self.tasks.per_processor(self.head_dim, self.dtype, self.knobs, group)
+        knobs = self.knobs
+        if self.fp8_cache and "num_stages" in knobs:  # an FP8 cache's shared tiles are single (FP8_PIPELINE)
+            knobs = {**knobs, "num_stages": 1}
+        slots = processors * self.tasks.per_processor(self.head_dim, self.dtype, knobs, group)
         tiles = -(-max_keys // self.knobs["block_n"])
         return choose_num_splits(batch * heads_kv * self.query_blocks(seqlen_q, group), tiles, slots)
 
     def check_inputs(self, q, k_cache, v_cache, lengths, index, out) -> None:
-        """The call's tensors (``checks.Arguments.check_decode``)."""
-        self.arguments.check_decode(self.page_size, q, k_cache, v_cache, lengths, index, out)
+        """The call's tensors (``checks.Arguments.check_decode``; an FP8 cache: e4m3 caches)."""
+        self.arguments.check_decode(self.page_size, q, k_cache, v_cache, lengths, index, out,
+                                    cache_dtype=FP8_TORCH if self.fp8_cache else None)
+
+    def descale_arguments(self, q, k_cache, k_descale, v_descale) -> tuple:
+        """With an FP8 cache, (k_descale, v_descale): float32 (batch, heads_kv) on q's device (None:
+        ones), compact; () without (where a descale is a TypeError)."""
+        if not self.fp8_cache:
+            if k_descale is not None or v_descale is not None:
+                raise TypeError("k_descale, v_descale: only with an FP8 (torch.float8_e4m3fn) cache")
+            return ()
+        batch, heads_kv = q.shape[0], k_cache.shape[2]
+        return tuple(check_descale(name, d, batch, heads_kv, q.device)
+                     for name, d in (("k_descale", k_descale), ("v_descale", v_descale)))
 
     def variant_arguments(self, q, alibi_slopes, cache_leftpad=None) -> tuple:
         """The split programs' arguments after causal: the ALiBi slopes' view if the kernel has ALiBi, then
@@ -140,10 +178,12 @@ class DecodeKernel:
         return rows
 
     def __call__(self, q, k_cache, v_cache, lengths, index, *, num_splits: int = 0, softmax_scale=None,
-                 causal: bool = False, out=None, alibi_slopes=None, cache_leftpad=None, sinks=None):
+                 causal: bool = False, out=None, alibi_slopes=None, cache_leftpad=None, sinks=None, k_descale=None,
+                 v_descale=None):
         """(out, lse) of q over the cache; see the class docstring. num_splits=0 picks the count."""
         self.check_inputs(q, k_cache, v_cache, lengths, index, out)
-        variant_arguments = self.variant_arguments(q, alibi_slopes, cache_leftpad)
+        variant_arguments = (self.variant_arguments(q, alibi_slopes, cache_leftpad)
+                             + self.descale_arguments(q, k_cache, k_descale, v_descale))
         merge_arguments = self.merge_arguments(q, sinks)
         if not q.is_contiguous():
             q = q.contiguous()
@@ -177,6 +217,21 @@ class DecodeKernel:
                                      int(bool(causal)), *variant_arguments)
             module.function["merge"](o_part, lse_part, out, lse, *merge_arguments)  # (the sink joins here, once)
         return out, lse
+
+
+def check_descale(name: str, descale, batch: int, heads_kv: int, device) -> torch.Tensor:
+    """A descale of an FP8 cache: float32 (batch, heads_kv) on ``device``, compact (a copy if not);
+    None: ones."""
+    if descale is None:
+        return torch.ones((batch, heads_kv), dtype=torch.float32, device=device)
+    if not isinstance(descale, torch.Tensor) or descale.dtype != torch.float32:
+        raise TypeError(f"{name}: expected a float32 tensor of shape ({batch}, {heads_kv}), got "
+                        f"{getattr(descale, 'dtype', type(descale).__name__)}")
+    if tuple(descale.shape) != (batch, heads_kv):
+        raise ValueError(f"{name}: expected shape (batch, heads_kv) = ({batch}, {heads_kv}), got {tuple(descale.shape)}")
+    if descale.device != device:
+        raise ValueError(f"{name}: expected a tensor on {device}, got {descale.device}")
+    return descale.contiguous()
 
 
 def choose_num_splits(tasks: int, tiles: int, slots: int, max_splits: int = MAX_AUTO_SPLITS) -> int:
