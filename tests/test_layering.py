@@ -55,6 +55,7 @@ def imports(path: Path):
 FLOORS = (
     ("integrations: tvmflash in other libraries", ("tvmflash.integrations",)),
     ("the API: torch functions and ops, the command line", ("tvmflash", "tvmflash.ops", "tvmflash.dropout", "tvmflash.flash_attn",
+                                                            "tvmflash.flash_attn_checks",
                                                             "tvmflash.flex", "tvmflash.flex_block_mask", "tvmflash.flex_trace",
                                                             "tvmflash.flex_gradient", "tvmflash.flex_patterns", "tvmflash.cli",
                                                             "tvmflash.distributed")),
@@ -65,8 +66,8 @@ FLOORS = (
     ("tuning records", ("tvmflash.database",)),
     ("schedules", ("tvmflash.schedules",)),
     ("the programs", ("tvmflash.program", "tvmflash.program_forward", "tvmflash.program_backward",
-                      "tvmflash.program_decode", "tvmflash.program_dropout", "tvmflash.program_flex", "tvmflash.program_flex_gradient",
-                      "tvmflash.program_block_sparse",
+                      "tvmflash.program_backward_tiles", "tvmflash.program_decode", "tvmflash.program_dropout",
+                      "tvmflash.program_flex", "tvmflash.program_flex_gradient", "tvmflash.program_block_sparse",
                       "tvmflash.tvmscript")),
     ("the lowering", ("tvmflash.lowering",)),
     ("targets, the disk cache, the version", ("tvmflash.target", "tvmflash.cache", "tvmflash.version")),

@@ -24,17 +24,19 @@ from __future__ import annotations
 
 import torch
 
-from tvmflash.kernels.checks import (
+from tvmflash.flash_attn_checks import (
     check_cache_values,
-    check_cu_seqlens,
-    check_flag,
     check_flash_attn_options,
     check_kvcache_layout,
-    check_max_seqlen,
     check_new_keys,
-    check_num_splits,
     check_packed,
     check_rotary,
+)
+from tvmflash.kernels.checks import (
+    check_cu_seqlens,
+    check_flag,
+    check_max_seqlen,
+    check_num_splits,
     resolve_softmax_scale,
     resolve_variant,
 )

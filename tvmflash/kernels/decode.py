@@ -17,7 +17,8 @@ import tvm
 from tvmflash import choice, lowering, program_decode
 from tvmflash import target as targets
 from tvmflash.kernels.build import PROGRAMS, Build, describe
-from tvmflash.kernels.checks import INT32_MAX, Arguments, check_num_splits, needs_int64, resolve_softmax_scale
+from tvmflash.kernels.checks import (INT32_MAX, Arguments, check_descale, check_num_splits, needs_int64,
+                                     resolve_softmax_scale)
 from tvmflash.program import FP8
 from tvmflash.program_decode import DecodeSpec
 
@@ -217,21 +218,6 @@ class DecodeKernel:
                                      int(bool(causal)), *variant_arguments)
             module.function["merge"](o_part, lse_part, out, lse, *merge_arguments)  # (the sink joins here, once)
         return out, lse
-
-
-def check_descale(name: str, descale, batch: int, heads_kv: int, device) -> torch.Tensor:
-    """A descale of an FP8 cache: float32 (batch, heads_kv) on ``device``, compact (a copy if not);
-    None: ones."""
-    if descale is None:
-        return torch.ones((batch, heads_kv), dtype=torch.float32, device=device)
-    if not isinstance(descale, torch.Tensor) or descale.dtype != torch.float32:
-        raise TypeError(f"{name}: expected a float32 tensor of shape ({batch}, {heads_kv}), got "
-                        f"{getattr(descale, 'dtype', type(descale).__name__)}")
-    if tuple(descale.shape) != (batch, heads_kv):
-        raise ValueError(f"{name}: expected shape (batch, heads_kv) = ({batch}, {heads_kv}), got {tuple(descale.shape)}")
-    if descale.device != device:
-        raise ValueError(f"{name}: expected a tensor on {device}, got {descale.device}")
-    return descale.contiguous()
 
 
 def choose_num_splits(tasks: int, tiles: int, slots: int, max_splits: int = MAX_AUTO_SPLITS) -> int:

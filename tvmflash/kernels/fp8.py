@@ -13,7 +13,7 @@ from tvmflash import cache, choice, lowering, program
 from tvmflash import schedules as schedule_registry
 from tvmflash import target as targets
 from tvmflash.kernels.build import PROGRAMS, Build
-from tvmflash.kernels.checks import (check_cu_seqlens, check_flag, check_max_seqlen, fits_in_place,
+from tvmflash.kernels.checks import (check_cu_seqlens, check_descale, check_flag, check_max_seqlen, fits_in_place,
                                      resolve_softmax_scale)
 from tvmflash.kernels.forward import kernel_build_options
 from tvmflash.program import FP8, AttentionSpec
@@ -110,19 +110,6 @@ class Fp8Kernel:
         at an odd offset is compact, and ``contiguous`` would keep it)."""
         return t if fits_in_place(t, self.stride_multiple, cuda=True) else t.clone(memory_format=torch.contiguous_format)
 
-    def _descale(self, name: str, descale, batch: int, heads_kv: int, device) -> torch.Tensor:
-        if descale is None:
-            return torch.ones((batch, heads_kv), dtype=torch.float32, device=device)
-        if not isinstance(descale, torch.Tensor) or descale.dtype != torch.float32:
-            raise TypeError(f"{name}: expected a float32 tensor of shape ({batch}, {heads_kv}), got "
-                            f"{getattr(descale, 'dtype', type(descale).__name__)}")
-        if tuple(descale.shape) != (batch, heads_kv):
-            raise ValueError(f"{name}: expected shape (batch, heads_kv) = ({batch}, {heads_kv}), got "
-                             f"{tuple(descale.shape)}")
-        if descale.device != device:
-            raise ValueError(f"{name}: expected a tensor on {device}, got {descale.device}")
-        return descale.contiguous()
-
     def _check(self, q, k, v, dims: int, layout: str):
         """q, k, v: e4m3 tensors of ``dims`` dims (``layout``) on the kernel's device, of its head_dim, k's
         and v's shapes equal, heads_q a multiple of heads_kv; none requires grad."""
@@ -147,7 +134,7 @@ class Fp8Kernel:
                                       "or under torch.no_grad()")
 
     def _descales(self, descales, batch: int, heads_kv: int, device) -> list:
-        return [self._descale(name, d, batch, heads_kv, device)
+        return [check_descale(name, d, batch, heads_kv, device)
                 for name, d in zip(("q_descale", "k_descale", "v_descale"), descales)]
 
     def _keys(self, seqlen_k: int) -> int:
