@@ -286,6 +286,28 @@ def test_fp8_cache_refusals(monkeypatch):
 # ----------------------------------------------------------------------------------------------------
 # the GPU build (cross-compiled on the CPU)
 # ----------------------------------------------------------------------------------------------------
+def test_targets_without_an_fp8_conversion_convert_by_the_bits(monkeypatch, tmp_path):
+    """Where the target has no FP8 conversion of its own (the CPU, sm_80, sm_86), TVM legalizes a cast of e4m3 into
+    a bit expression with no zero or subnormals (byte 0 reads as 2^-7); the kernel converts by the bits there
+    (``e4m3_bits_to_float32``, whose subnormal scale 2^-9 the source shows), and casts on sm_89 and sm_90."""
+    from tvmflash import target as targets
+    from tvmflash.kernels.decode import DecodeKernel
+
+    assert [targets.converts_fp8(targets.resolve(t)) for t in ("cpu", "sm80", "sm86", "sm89", "sm90")] == [
+        False, False, False, True, True]
+    for target, bits in (("sm80", True), ("sm86", True), ("sm90", False)):
+        src = compile_decode(head_dim=64, dtype="float16", target=target, cache_dtype=F8).source(4, 2)
+        assert ("0x1p-9f" in src) == bits, target
+    # TVM's legalized cast, which the bits avoid: the CPU's kernel made to cast reads an all-zero cache as 2^-7
+    monkeypatch.setenv("TVMFLASH_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(targets, "converts_fp8", lambda target: True)
+    kernel = DecodeKernel(32, "bfloat16", 0, targets.resolve("cpu"), None, {"cache_dtype": "float8_e4m3fn"})
+    zeros = torch.zeros(1, 4, 1, 32, dtype=torch.uint8).view(F8)
+    out, _ = kernel(torch.ones(1, 1, 1, 32, dtype=torch.bfloat16), zeros, zeros, torch.tensor([4], dtype=torch.int32),
+                    torch.zeros(1, dtype=torch.int32), num_splits=1)
+    assert torch.equal(out.float(), torch.full_like(out.float(), 2.0 ** -7))
+
+
 @pytest.mark.parametrize("head_dim,prefetched", [(128, True), (256, False)])
 def test_fp8_cache_sm90_source_converts_the_cache_bytes_in_registers(head_dim, prefetched):
     """The split kernel reads the caches as e4m3 (one byte an element), 4 at a time, and converts them in
@@ -337,6 +359,17 @@ def test_fp8_cache_sm90_builds_without_spills(head_dim, page_size):
     kernel = compile_decode(head_dim=head_dim, dtype="bfloat16", target="sm90", page_size=page_size, cache_dtype=F8)
     for name, lines in ptxas_report(kernel.source(32, 8), "sm_90a").items():
         assert "0 bytes stack frame, 0 bytes spill stores" in lines, (name, lines)
+
+
+@pytest.mark.nvcc
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+@pytest.mark.parametrize("head_dim", [64, 256])  # (64: the byte tiles prefetched; 256: converted as read)
+def test_fp8_cache_sm80_bit_conversion_compiles(head_dim):
+    """sm_80's kernel converts by the bits (no FP8 conversion of its own): nvcc compiles it for sm_80."""
+    from conftest import ptxas_report
+
+    kernel = compile_decode(head_dim=head_dim, dtype="float16", target="sm80", cache_dtype=F8)
+    assert any("split" in name for name in ptxas_report(kernel.source(32, 8), "sm_80"))
 
 
 # ----------------------------------------------------------------------------------------------------

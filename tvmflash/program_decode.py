@@ -153,8 +153,8 @@ def decode_split(spec: DecodeSpec, query_tokens: int, block_n: int, final: bool 
     prefetches the next tiles' bytes into registers takes this form); the task's
     softmax_scale is softmax_scale · k_descale[b, hk], and its 1 / l is v_descale[b, hk] / l (block
     ``init_value_scale`` reads v_descale once, into ``v_scale``). e4m3_bits: convert by the bits
-    (``e4m3_bits_to_float32``) rather than by a cast, for a target whose own conversion is wrong (TVM's
-    LLVM code at zero and the subnormals).
+    (``e4m3_bits_to_float32``) rather than by a cast, for a target without an FP8 conversion of its own, where
+    TVM's legalized one is wrong at zero and the subnormals (the CPU, sm_80 and sm_86: ``target.converts_fp8``).
     """
     D, QT, BN, PS = spec.head_dim, query_tokens, block_n, spec.page_size
     HQ, HKV, G = spec.heads_q, spec.heads_kv, spec.group
@@ -165,7 +165,7 @@ def decode_split(spec: DecodeSpec, query_tokens: int, block_n: int, final: bool 
     operand = q_dtype if fp8 else dtype  # the K/V tiles' type (with an FP8 cache the operands' own)
 
     # An FP8 cache's byte tiles (Kt8, Vt8): e4m3, or with e4m3_bits its bits as uint8, so that no value
-    # passes through LLVM's conversions (TVM computes a copy of e4m3 values in float32)
+    # passes through TVM's legalized conversions (TVM computes a copy of e4m3 values in float32)
     byte_dtype = "uint8" if e4m3_bits else kv_dtype
 
     def cache_bytes(value):  # an element of an FP8 cache as its byte tile holds it
@@ -519,7 +519,8 @@ def descale_arguments(spec: DecodeSpec, batch):
 
 def e4m3_bits_to_float32(x):
     """The e4m3 (fn: no infinity; S.1111.111 NaN) value of the bits x (uint8) as float32: exact, zero and
-    the subnormals included, by integer operations (for LLVM, whose own conversion is wrong there)."""
+    the subnormals included, by integer operations (for the targets where TVM's legalized conversion is wrong
+    there: ``target.converts_fp8``)."""
     bits = T.cast(x, "uint32")
     sign = (bits >> T.uint32(7)) << T.uint32(31)
     exponent = (bits >> T.uint32(3)) & T.uint32(15)

@@ -85,12 +85,17 @@ class DecodeKernel:
         # the program variant the schedule maps: operands in q's dtype for tensor cores, else float32
         self.tensor_cores = self.tasks.tensor_cores
         self.arguments = Arguments(head_dim, dtype, target, self.variant)
+        # an FP8 cache where the target has no FP8 conversion of its own (the CPU, sm_80, sm_86): converted by its
+        # bits, since TVM's legalized conversion there is wrong at zero and the subnormals; in the key, as a
+        # choice made outside the programs' and schedules' sources
+        self.e4m3_bits = self.fp8_cache and not targets.converts_fp8(target)
+        fp8_key = {"e4m3 conversion": "bits" if self.e4m3_bits else "cast"} if self.fp8_cache else {}
         self.build = Build(kind=self.PASS, target=target, schedule=self.schedule, knobs=self.knobs,
                            variant=self.variant, spec=self.spec, programs=self._scheduled,
                            entry=lambda module: {name: module[name] for name in ("split", "single", "merge")},
                            code=(*PROGRAMS, *self.schedule.sources, *lowering.MODULES),
                            options=self.schedule.build_options("decode"),
-                           outer={"pass": self.PASS, "tensor cores": self.tensor_cores})
+                           outer={"pass": self.PASS, "tensor cores": self.tensor_cores, **fp8_key})
         # as the forward's: a module for some head counts, its CUDA source, its scheduled TensorIR
         self.module, self.source, self.scheduled_tir = self.build.module, self.build.source, self.build.scheduled_tir
         self._rows: dict[tuple[int, torch.device], torch.Tensor] = {}  # arange(batch) per device: cache rows
@@ -102,10 +107,9 @@ class DecodeKernel:
     def _scheduled(self, spec: DecodeSpec) -> tvm.s_tir.Schedule:
         """The programs in one module, scheduled: ``split`` and ``merge``, and ``single`` (the split
         program as one split writing the output itself: no merge, no partial buffers)."""
-        # (an FP8 cache on LLVM: converted by its bits; LLVM's own conversion is wrong at zero)
         split, single = (program_decode.decode_split(spec, self.query_tokens(spec.group), self.knobs["block_n"],
                                                      final=final, tensor_cores=self.tensor_cores,
-                                                     e4m3_bits=spec.fp8_cache and not targets.is_cuda(self.target),
+                                                     e4m3_bits=self.e4m3_bits,
                                                      byte_tiles=self.tasks.fp8_byte_tiles(self.head_dim, self.knobs))
                          for final in (False, True))
         merge = program_decode.decode_merge(spec)
