@@ -266,23 +266,6 @@ def test_sm90_persistent_dkdv_builds_without_spills(head_dim, options):
     assert not any("C7508" in lines for lines in report.values())
 
 
-@pytest.mark.nvcc
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
-@pytest.mark.parametrize("head_dim, options", [(64, {"causal": True}), (128, {"causal": False})])
-def test_sm90_producer_warpgroup_keeps_setmaxnreg(head_dim, options):
-    """The default dkdv at d64 and d128 (a producer warpgroup) says ``__launch_bounds__(384, 1)``, so that ptxas
-    knows the register count at the kernel's entry and keeps setmaxnreg: with ``__launch_bounds__(384)`` alone it
-    ignored it (C7508), its consumers held to the entry's 168 registers instead of 240."""
-    from conftest import ptxas_report
-
-    kernel = tvmflash.compile_backward(head_dim=head_dim, dtype="bfloat16", target="sm90", **options)
-    source = kernel.source(heads_q=8, heads_kv=2)
-    assert "__launch_bounds__(384, 1) dkdv_kernel" in source
-    report = ptxas_report(source, "sm_90a")
-    assert "0 bytes spill stores" in next(lines for name, lines in report.items() if "dkdv" in name)
-    assert not any("C7508" in lines for lines in report.values())
-
-
 @pytest.mark.parametrize("stages", [2, 3])
 def test_persistent_walk_waits_for_each_barriers_next_phase(stages):
     """The TMA lowering's phases under a persistent walk (``tma_plan.Plan.parity``, ``Plan.tile_done``), against

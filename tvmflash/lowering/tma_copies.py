@@ -267,9 +267,9 @@ def lowered_to_tma(func: tirx.PrimFunc) -> tirx.PrimFunc:
     copies = len(find(body, CALL, _names_tma_issue))
     func = func.with_body(_after_declarations(body, encode_tensor_maps(plan), plan.tensor_maps)).with_attr(
         TMA_COPIES_ATTR, copies)
-    if plan.persistent or plan.producer == "warpgroup":  # a thread block an SM, said to ptxas: with
-        # __launch_bounds__(threads) alone it may leave the register count at the kernel's entry open and then
-        # ignore setmaxnreg (C7508), its consumers held to 65536 / threads registers (d64's dkdv spilled so)
+    if plan.persistent:  # a thread block an SM, said to ptxas: with __launch_bounds__(threads) alone it may leave
+        # the register count at the kernel's entry open and then ignore setmaxnreg (C7508), its consumers held to
+        # 65536 / threads registers (d64's dkdv spilled so)
         func = func.with_attr(MIN_BLOCKS_ATTR, 1)
     return func
 
