@@ -248,14 +248,19 @@ def test_blocks_smaller_than_the_default_tiles_take_tiles_that_divide_them():
     ("sm90", "bfloat16", (64, 64), False, ("sm90", {"block_m": 64, "block_n": 64})),
     ("sm90", "bfloat16", (64, 64), True, ("sm90", {"block_m": 64, "block_n": 64, "dq_block_m": 64, "dq_block_n": 64})),
     ("sm90", "bfloat16", (32, 32), False, ("sm80", {"block_m": 32, "block_n": 32})),  # sm90 takes 64 rows or more
+    # sm80's dkdv: 16 keys a warp at the least, so 2 warps for 32 keys
+    ("sm90", "bfloat16", (32, 32), True, ("sm80", {"block_m": 32, "block_n": 32, "dkdv_warps": 2})),
     ("sm80", "float16", (64, 128), False, ("sm80", {"block_m": 64, "block_n": 64})),
     ("sm80", "float16", (16, 16), True, ("simt", {"block_m": 16, "block_n": 16})),
 ])
 def test_each_schedule_takes_tiles_that_divide_the_blocks(target, dtype, block, backward, expected):
-    """Cross-compiled kernels (nothing built): the schedule chosen for a BlockMask's BLOCK_SIZE and its tiles."""
+    """Cross-compiled kernels: the schedule chosen for a BlockMask's BLOCK_SIZE and its tiles, and (the
+    backward, whose schedules check their tiles) its CUDA source made."""
     mods = dataclasses.replace(trace_mods(None, lambda b, h, q, kv: q >= kv)[0], sparse=block)
     kernel = flex_block_mask.compile_flex(128 if target == "sm90" else 64, dtype, target, mods, backward)
     assert (kernel.schedule.name, {name: kernel.knobs[name] for name in expected[1]}) == expected
+    if backward and target == "sm90":
+        assert "dkdv_kernel" in kernel.source(heads_q=4, heads_kv=2)
 
 
 def test_a_block_mask_without_a_mask_mod_walks_its_lists():

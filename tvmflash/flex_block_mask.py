@@ -36,7 +36,7 @@ def compile_flex(head_dim: int, dtype, target, mods: FlexMods, backward: bool = 
         except ValueError:  # a schedule that does not serve this target, dtype or head_dim
             continue
         program = found.schedule.backward if backward else found.schedule.forward
-        fitted = fitted_tiles(found.knobs, mods.sparse, program.knobs.knobs)
+        fitted = fitted_tiles(found.knobs, mods.sparse, program.knobs.knobs, program.knobs.rules)
         if not fitted:
             return found
         try:
@@ -48,11 +48,14 @@ def compile_flex(head_dim: int, dtype, target, mods: FlexMods, backward: bool = 
                      "with BLOCK_SIZE 128 (or a multiple of the tiles)")
 
 
-def fitted_tiles(knobs: dict, sparse: tuple, declared=()) -> dict:
+def fitted_tiles(knobs: dict, sparse: tuple, declared=(), rules=None) -> dict:
     """The tile knobs of ``knobs`` that do not divide the BlockMask's (Q, KV) block size ``sparse``, each
     brought down to the largest tile that divides both (a kernel tile then lies in one block, whose list it
     walks: ``program_block_sparse.BlockWalk``), and the derived knobs of the schedule's ``declared`` ones
-    (``contract.Knob``: sm90's num_warpgroups follows block_m) that follow; {} where every tile divides."""
+    (``contract.Knob``: sm90's num_warpgroups follows block_m) that follow; {} where every tile divides.
+    Where the schedule's ``rules`` (``contract.KnobSet.rules``) refuse the fitted tiles with another knob's
+    value (sm80's dkdv_warps, 16 keys a warp at the least), that knob takes the largest value of its space that
+    they take."""
     fitted = {name: math.gcd(knobs[name], sparse[axis]) for name, axis in SPARSE_TILE_KNOBS.items()
               if name in knobs and sparse[axis] % knobs[name]}
     if fitted:
@@ -61,6 +64,16 @@ def fitted_tiles(knobs: dict, sparse: tuple, declared=()) -> dict:
                 values = knob.space({**knobs, **fitted})
                 if knobs.get(knob.name) not in values:
                     fitted[knob.name] = values[0]
+        for knob in declared:
+            complete = {**knobs, **fitted}
+            if rules is None or rules(complete) is None:
+                break
+            if knob.name in SPARSE_TILE_KNOBS or not isinstance(knob.space, tuple):
+                continue
+            value = next((v for v in sorted(knob.space, reverse=True) if rules({**complete, knob.name: v}) is None),
+                         None)
+            if value is not None:
+                fitted[knob.name] = value
     return fitted
 
 

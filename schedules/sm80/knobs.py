@@ -70,6 +70,14 @@ def backward_shared_memory_bytes(head_dim: int, dtype: str, knobs: dict) -> int:
 # bytes, at d112 496; none with 32). dq_atomic
 # (dq's share added by fp32 atomics from dkdv, FA2's way) is no tuning choice: it makes dq's rounding
 # change from run to run, and it measured slower (at head_dim 128 dkdv then spills).
+def backward_rules(knobs: dict) -> str | None:
+    """Why dkdv's warps do not split its tile (each warp 16 keys or a multiple), or None."""
+    if knobs["block_n"] % (16 * knobs["dkdv_warps"]):
+        return (f"the sm80 dkdv needs block_n a multiple of 16 * dkdv_warps, got block_n {knobs['block_n']}, "
+                f"dkdv_warps {knobs['dkdv_warps']}")
+    return None
+
+
 BACKWARD = KnobSet("sm80", "backward", (
     Knob("block_m", 64, space=(32, 64, 128), role=TILE),
     Knob("block_n", 64, space=(32, 64, 128), role=TILE),
@@ -81,7 +89,7 @@ BACKWARD = KnobSet("sm80", "backward", (
     Knob("dq_stages", 2, choices=NUM_STAGES, space=NUM_STAGES),
     Knob("vec", 8),
     Knob("dq_atomic", False),
-), shared_memory=backward_shared_memory_bytes)
+), rules=backward_rules, shared_memory=backward_shared_memory_bytes)
 # Above 128 dkdv spills kilobytes (1.2 KiB at d144, 5.4 KiB at d256: dk and dv alone are 512 floats a
 # lane of 16 keys there): SIMT serves those. The torch API pads the other head_dims up to 128 to one of
 # these rather than run SIMT (``choice.head_dim_to_run``: 40 to 48, 120 to 128), once they are checked on
