@@ -54,6 +54,34 @@ if _TIMES:
             with open(_TIMES, "a") as out:
                 out.write(f"{_TEST_SECONDS.pop(report.nodeid):8.1f} s {len(_BUILDS.seconds):3d} builds "
                           f"{sum(_BUILDS.seconds):7.1f} s  {report.nodeid}\n")
+# CUDA errors after which the process's CUDA context is unusable: every later CUDA call of the process fails
+# with them. Under pytest-xdist (benchmarks/gpu_tests.py) a worker that met one ends after that test, and a fresh
+# worker runs the tests it had queued, instead of each failing with the first test's error.
+STICKY_CUDA_ERRORS = ("misaligned address", "an illegal memory access", "illegal instruction",
+                      "unspecified launch failure", "device-side assert triggered")
+_STICKY = []
+
+
+def is_sticky_cuda_error(text: str) -> bool:
+    return "CUDA error" in text and any(error in text for error in STICKY_CUDA_ERRORS)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and HAS_GPU and is_sticky_cuda_error(report.longreprtext):
+        _STICKY.append(item.nodeid)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    yield
+    if _STICKY and os.environ.get("PYTEST_XDIST_WORKER"):  # its reports are out: the controller replaces it
+        sys.stdout.flush()
+        os._exit(3)
+
+
 # The forward tests' edge shapes, (seqlen_q, seqlen_k, heads_q, heads_kv): tails on both sides, Lq != Lk
 # both ways, and three head layouts (MHA 2/2, GQA 4/2, MQA 4/1): each layout is one build per kernel.
 SHAPES = [

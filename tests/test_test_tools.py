@@ -44,3 +44,15 @@ def test_outcomes_are_read_with_ids_that_hold_spaces():
            "[gw1] [100%] FAILED tests/b.py::u[x] \n")
     assert dict((t, o) for o, t in gpu_tests.OUTCOME.findall(log)) == {"tests/a.py::t[64-(8, 2)]": "PASSED",
                                                                        "tests/b.py::u[x]": "FAILED"}
+
+
+def test_sticky_cuda_errors_are_told_from_others():
+    """The errors after which a GPU worker ends (conftest): CUDA's that leave the context unusable, not a test's
+    own assertion or an out-of-memory error, which later tests survive."""
+    from conftest import is_sticky_cuda_error
+
+    assert is_sticky_cuda_error("torch.AcceleratorError: CUDA error: misaligned address\nSearch for ...")
+    assert is_sticky_cuda_error("RuntimeError: CUDA error: an illegal memory access was encountered")
+    assert not is_sticky_cuda_error("AssertionError: (0.336, 0.124)")
+    assert not is_sticky_cuda_error("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB")
+    assert not is_sticky_cuda_error("a test's own message: misaligned address")
