@@ -69,3 +69,11 @@ def test_sticky_cuda_errors_are_told_from_tvms_launch():
     assert not is_sticky_cuda_error("CUDALaunch Error: CUDA_ERROR_INVALID_VALUE\n grid=(2048,1,1)")
     assert not is_sticky_cuda_error("CUDALaunch Error: CUDA_ERROR_OUT_OF_MEMORY")
     assert is_sticky_cuda_error("RuntimeError: CUDA Runtime Error: an illegal memory access was encountered")
+
+
+def test_every_gpu_test_may_end_its_worker():
+    """A run of the GPU suite restarts a worker as often as it has tests (conftest ends a worker after a sticky CUDA
+    error): past pytest-xdist's default, 4 a worker, it would stop the run and leave the queued tests unrun."""
+    command = gpu_tests.pytest_command(16, 900, ["-k", "fp8"])
+    assert command[command.index("--max-worker-restart") + 1] == "900"
+    assert command[command.index("-n") + 1] == "16" and command[-2:] == ["-k", "fp8"]
