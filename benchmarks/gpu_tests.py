@@ -61,8 +61,7 @@ def main() -> int:
     print(f"{len(ids)} GPU tests on {jobs} workers; log in {log}", flush=True)
     start = time.time()
     with open(log, "w") as out:
-        process = subprocess.Popen([sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-m", "gpu or nvcc",
-                                    "-n", str(jobs), "--dist", "worksteal", *pytest_args],
+        process = subprocess.Popen(pytest_command(jobs, len(ids), pytest_args),
                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             process.wait(timeout=args.timeout or None)
@@ -95,6 +94,14 @@ def main() -> int:
         print(f"    {test}")
     print(f"in {time.time() - start:.0f} s")
     return 1
+
+
+def pytest_command(jobs: int, tests: int, pytest_args: list) -> list:
+    """The run of ``tests`` GPU tests on ``jobs`` workers. A worker that meets a sticky CUDA error ends after
+    that test (tests/conftest.py) and pytest-xdist starts another: as many restarts as tests, since past its
+    default (4 a worker) xdist stops the whole run, and the tests still queued never run nor show as failed."""
+    return [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-m", "gpu or nvcc", "-n", str(jobs),
+            "--dist", "worksteal", "--max-worker-restart", str(tests), *pytest_args]
 
 
 def read_times(times: Path) -> list:

@@ -59,11 +59,18 @@ if _TIMES:
 # worker runs the tests it had queued, instead of each failing with the first test's error.
 STICKY_CUDA_ERRORS = ("misaligned address", "an illegal memory access", "illegal instruction",
                       "unspecified launch failure", "device-side assert triggered")
+# The same errors as TVM reports them: its launch of a kernel by their driver names ("CUDALaunch Error:
+# CUDA_ERROR_MISALIGNED_ADDRESS"), its runtime calls as "CUDA Runtime Error: misaligned address". The first call
+# to see an earlier kernel's fault may be TVM's, not torch's.
+STICKY_CUDA_DRIVER_ERRORS = ("CUDA_ERROR_MISALIGNED_ADDRESS", "CUDA_ERROR_ILLEGAL_ADDRESS",
+                             "CUDA_ERROR_ILLEGAL_INSTRUCTION", "CUDA_ERROR_LAUNCH_FAILED", "CUDA_ERROR_ASSERT")
 _STICKY = []
 
 
 def is_sticky_cuda_error(text: str) -> bool:
-    return "CUDA error" in text and any(error in text for error in STICKY_CUDA_ERRORS)
+    return ((("CUDA error" in text or "CUDA Runtime Error" in text)
+             and any(error in text for error in STICKY_CUDA_ERRORS))
+            or any(error in text for error in STICKY_CUDA_DRIVER_ERRORS))
 
 
 @pytest.hookimpl(hookwrapper=True)

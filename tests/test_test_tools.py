@@ -56,3 +56,24 @@ def test_sticky_cuda_errors_are_told_from_others():
     assert not is_sticky_cuda_error("AssertionError: (0.336, 0.124)")
     assert not is_sticky_cuda_error("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB")
     assert not is_sticky_cuda_error("a test's own message: misaligned address")
+
+
+def test_sticky_cuda_errors_are_told_from_tvms_launch():
+    """TVM's calls after an earlier kernel's fault: its launch names the error by its driver name, its runtime
+    calls by CUDA's words after 'CUDA Runtime Error'."""
+    from conftest import is_sticky_cuda_error
+
+    assert is_sticky_cuda_error("tvm.error.InternalError: CUDALaunch Error: CUDA_ERROR_MISALIGNED_ADDRESS\n"
+                                " grid=(4,2,1)")
+    assert is_sticky_cuda_error("CUDALaunch Error: CUDA_ERROR_ILLEGAL_ADDRESS\n grid=(1,1,1),  block=(128,1,1)")
+    assert not is_sticky_cuda_error("CUDALaunch Error: CUDA_ERROR_INVALID_VALUE\n grid=(2048,1,1)")
+    assert not is_sticky_cuda_error("CUDALaunch Error: CUDA_ERROR_OUT_OF_MEMORY")
+    assert is_sticky_cuda_error("RuntimeError: CUDA Runtime Error: an illegal memory access was encountered")
+
+
+def test_every_gpu_test_may_end_its_worker():
+    """A run of the GPU suite restarts a worker as often as it has tests (conftest ends a worker after a sticky CUDA
+    error): past pytest-xdist's default, 4 a worker, it would stop the run and leave the queued tests unrun."""
+    command = gpu_tests.pytest_command(16, 900, ["-k", "fp8"])
+    assert command[command.index("--max-worker-restart") + 1] == "900"
+    assert command[command.index("-n") + 1] == "16" and command[-2:] == ["-k", "fp8"]

@@ -232,9 +232,10 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     not by the values of the tensors it captures, which each call passes). Differentiable in query, key and
     value, through the score_mod's derivative, and in the captured float tensors that require grad (a learnable
     bias table): on a GPU by the backward's dkdv (``program_flex_gradient``: atomic additions, so not bitwise
-    reproducible), on the CPU and under ``torch.use_deterministic_algorithms`` by torch operations after the
-    kernels' backward (``flex_gradient``: exact, but with O(seqlen_q · seqlen_k) work outside the kernels);
-    ``choice.capture_gradients_in_kernel`` says which.
+    reproducible) where TVMFLASH_GPU_UNCHECKED=1 asks, until its GPU tests pass; otherwise, on the CPU and under
+    ``torch.use_deterministic_algorithms`` by torch operations after the kernels' backward (``flex_gradient``:
+    exact, but with O(seqlen_q · seqlen_k) work outside the kernels); TVMFLASH_FLEX_GRADIENT=kernel or torch
+    chooses, ``choice.capture_gradients_in_kernel`` says which.
 
     Not yet: torch.compile(fullgraph=True) of a call with a mod (NotImplementedError; without fullgraph Dynamo
     runs such a call eagerly).
