@@ -255,6 +255,40 @@ def test_fp8_varlen_program_on_the_cpu(causal):
     check_varlen(Fp8VarlenKernel(64, causal, "cpu"), 64, causal, [37, 0, 100, 20], [50, 20, 130, 9], 4, 2, "cpu")
 
 
+def test_fp8_varlen_v_rows_start_aligned_for_the_16_byte_copies(monkeypatch):
+    """The sm90 schedule copies the transposed V's rows 16 bytes at a time (cp.async): each packed sequence's
+    keys, wherever cu_seqlens_k starts them (here at 517, 581, ...), must start at a 16-byte aligned column,
+    where the program reads them (``program.fp8_v_first``), with zeros between the sequences."""
+    from tvmflash import program
+    from tvmflash.kernels.build import Build
+
+    lengths = [517, 64, 0, 300, 1000, 9]
+    kernel = Fp8VarlenKernel(64, False, "cpu")
+    q, k, v, _, _, _ = inputs(1, len(lengths), sum(lengths), 2, 1, 64, "cpu")
+    q, k, v = q[0], k[0], v[0]
+    cu_q = torch.arange(len(lengths) + 1, dtype=torch.int32)
+    cu_k = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    passed = {}
+    module_for = Build.module_for
+
+    def capture(self, *args, **tensors):
+        passed.update(tensors)
+        return module_for(self, *args, **tensors)
+
+    monkeypatch.setattr(Build, "module_for", capture)
+    kernel(q, k, v, cu_q, cu_k, 1)
+    vt = passed["v"]
+    assert vt.shape[-1] % 16 == 0 and vt.is_contiguous()
+    written = torch.zeros(vt.shape[-1], dtype=torch.bool)
+    for b, length in enumerate(lengths):
+        first = program.fp8_v_first(int(cu_k[b]), b)
+        assert first % 16 == 0 and not written[first]  # after the sequence before's keys
+        keys = vt[0, ..., first:first + length].view(torch.uint8)
+        assert torch.equal(keys, v[cu_k[b]:cu_k[b + 1]].view(torch.uint8).permute(1, 2, 0))
+        written[first:first + length] = True
+    assert not vt[0, ..., ~written].view(torch.uint8).any()
+
+
 def test_fp8_descales_default_to_one():
     kernel = Fp8Kernel(64, False, "cpu")
     q, k, v, *_ = inputs(1, 20, 30, 2, 1, 64, "cpu")

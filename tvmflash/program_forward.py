@@ -32,8 +32,8 @@ from tvm.script import tirx as T
 
 from tvmflash import tvmscript
 from tvmflash.program import (LOG2E, NO_MAX, RESCALE_THRESHOLD, AttentionSpec, alibi_slope, alibi_slopes_argument,
-                              aligned_strides, block_visible, first_kv_block, flex_mask, fp8_arguments, fp8_v_shape,
-                              has_mask_mod, initial_max, initial_sum, key_visible, kv_blocks_end, longest,
+                              aligned_strides, block_visible, first_kv_block, flex_mask, fp8_arguments, fp8_v_first,
+                              fp8_v_shape, has_mask_mod, initial_max, initial_sum, key_visible, kv_blocks_end, longest,
                               output_dtype, runs_if, score_scale, sequence_count,
                               sequences, sink_buffer, sink_units, sinks_argument, strided_argument, transformed_score,
                               varlen_arguments)
@@ -122,6 +122,12 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_ti
         if not fp8:
             return score_scale(spec, softmax_scale)
         return softmax_scale * descales[0][b, h // group] * descales[1][b, h // group]
+
+    def v_column(packed, b, key):
+        """The column of FP8's transposed V that holds key ``key`` of sequence b (varlen: ``fp8_v_first``)."""
+        if packed is None:
+            return key
+        return fp8_v_first(packed.cu_k[b], b) + key
 
     @tvmscript.prim_func(s_tir=True)
     def main(
@@ -232,7 +238,7 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_ti
                             for j, d in T.grid(BN, D):
                                 with T.sblock("load_v"):
                                     vj, vd = T.axis.remap("SS", [j, d])
-                                    Vt[vj, vd] = V[seq.batch, vh // group, vd, seq.k_row(tile * BN + vj)]
+                                    Vt[vj, vd] = V[seq.batch, vh // group, vd, v_column(Packed_, vb, tile * BN + vj)]
                         else:
                             for j, d in T.grid(BN, D):
                                 with T.sblock("load_v"):
