@@ -158,6 +158,14 @@ def output_dtype(spec: AttentionSpec) -> str:
     return FP8_OUTPUT if spec.fp8 else spec.dtype
 
 
+def rescale_threshold(spec: AttentionSpec) -> float:
+    """How far past the running max a tile's max must be to move it (log2 units): ``RESCALE_THRESHOLD``, or 0
+    with FP8. FP8 quantises P to e4m3 for P V: under a stale max a row's largest P is 2^f for a fraction f,
+    which e4m3 rounds by up to 2^-4 of itself, and in a peaked row that key's error is the output's, several
+    times the quantisation error of the smaller P. Moving the max whenever it grows keeps that P exactly 1."""
+    return 0.0 if spec.fp8 else RESCALE_THRESHOLD
+
+
 def fp8_arguments(spec: AttentionSpec, batch, heads_kv):
     """With FP8, three more parameters of the PrimFunc being parsed, last: ``q_descale``, ``k_descale``
     and ``v_descale``, float32 (batch, heads_kv), compact (FlashAttention-3's; varlen: batch the number of

@@ -31,10 +31,10 @@ import math
 from tvm.script import tirx as T
 
 from tvmflash import tvmscript
-from tvmflash.program import (LOG2E, NO_MAX, RESCALE_THRESHOLD, AttentionSpec, alibi_slope, alibi_slopes_argument,
+from tvmflash.program import (LOG2E, NO_MAX, AttentionSpec, alibi_slope, alibi_slopes_argument,
                               aligned_strides, block_visible, first_kv_block, flex_mask, fp8_arguments, fp8_v_first,
                               fp8_v_shape, has_mask_mod, initial_max, initial_sum, key_visible, kv_blocks_end, longest,
-                              output_dtype, runs_if, score_scale, sequence_count,
+                              output_dtype, rescale_threshold, runs_if, score_scale, sequence_count,
                               sequences, sink_buffer, sink_units, sinks_argument, strided_argument, transformed_score,
                               varlen_arguments)
 from tvmflash.program_dropout import dropout_arguments, dropout_scaled, dropout_tile, dropped
@@ -179,7 +179,7 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_ti
                 # scaling, which then fuses into exp2's argument (one FMA per score)
                 m = T.sblock_alloc_buffer((BM,), f32)
                 m_tile = T.sblock_alloc_buffer((BM,), f32)  # max of one tile's masked scores
-                m_new = T.sblock_alloc_buffer((BM,), f32)  # m, or m_tile past RESCALE_THRESHOLD
+                m_new = T.sblock_alloc_buffer((BM,), f32)  # m, or m_tile past rescale_threshold
                 alpha = T.sblock_alloc_buffer((BM,), f32)  # exp2(m - m_new): rescale factor
                 l = T.sblock_alloc_buffer((BM,), f32)  # running sum of P
                 l_tile = T.sblock_alloc_buffer((BM,), f32)  # sum of one tile's P
@@ -297,10 +297,11 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_ti
                         for i in range(BM):
                             with T.sblock("alpha"):
                                 vi = T.axis.spatial(BM, i)
-                                # The max moves only past RESCALE_THRESHOLD (so m_new >= m, alpha <= 1);
+                                # The max moves only past rescale_threshold (so m_new >= m, alpha <= 1);
                                 # from NO_MAX it moves to any tile's max that is not NO_MAX itself.
-                                new_max = T.meta_var(T.if_then_else(
-                                    (m_tile[vi] - m[vi]) * scale2[0] > T.float32(RESCALE_THRESHOLD), m_tile[vi], m[vi]))
+                                threshold = T.meta_var(T.float32(rescale_threshold(spec)))
+                                moves = T.meta_var((m_tile[vi] - m[vi]) * scale2[0] > threshold)
+                                new_max = T.meta_var(T.if_then_else(moves, m_tile[vi], m[vi]))
                                 m_new[vi] = new_max
                                 alpha[vi] = T.exp2((m[vi] - new_max) * scale2[0])  # rescales l and acc
                         for i, j in T.grid(BM, BN):
