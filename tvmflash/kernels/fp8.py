@@ -103,7 +103,10 @@ class Fp8Kernel:
         return AttentionSpec(self.head_dim, FP8, self.causal, heads_q, heads_kv, varlen=self.varlen)
 
     def _scheduled(self, spec: AttentionSpec) -> tvm.s_tir.Schedule:
-        sch = tvm.s_tir.Schedule(schedule_registry.program_for(spec, self.schedule, self.knobs))
+        # (where the target has no FP8 conversion of its own, exact ones by the bits: ``program_e4m3``)
+        program_func = schedule_registry.program_for(spec, self.schedule, self.knobs,
+                                                     e4m3_bits=not targets.converts_fp8(self.target))
+        sch = tvm.s_tir.Schedule(program_func)
         return self.schedule.fp8_forward.apply(sch, **self.knobs)
 
     def source(self, heads_q: int = 1, heads_kv: int | None = None) -> str:
