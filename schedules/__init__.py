@@ -18,15 +18,16 @@ SCHEDULES: dict[str, Schedule] = {s.name: s for s in (sm90.SCHEDULE, sm80.SCHEDU
                                                       cpu.SCHEDULE)}
 
 
-def program_for(spec, schedule: Schedule, knobs: dict):
+def program_for(spec, schedule: Schedule, knobs: dict, **options):
     """The forward program (``tvmflash.program_forward.attention_forward``) for a spec, in these knobs' tiles,
     with the kernel attributes they ask for (``with_kernel_attrs``), as many K/V tiles a Q block at the
-    least as the schedule's ``min_kv_tiles`` asks, and its strides' alignment."""
+    least as the schedule's ``min_kv_tiles`` asks, and its strides' alignment (options: ``attention_forward``'s
+    others, e.g. FP8's e4m3_bits)."""
     from tvmflash import program_forward
 
     func = program_forward.attention_forward(spec, knobs["block_m"], knobs["block_n"],
                                              min_kv_tiles=schedule.min_kv_tiles(knobs),
-                                             stride_alignment=schedule.stride_alignment)
+                                             stride_alignment=schedule.stride_alignment, **options)
     return with_kernel_attrs(func, schedule, knobs)
 
 

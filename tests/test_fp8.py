@@ -91,8 +91,8 @@ def emulation(q, k, v, q_descale, k_descale, v_descale, softmax_scale, causal):
 
 
 # TVM 0.27's LLVM code converts e4m3 in software and gets zero and the subnormals wrong (0 becomes 2^-7;
-# float32 -> e4m3 flushes them to 0; ``test_llvm_e4m3_conversions_are_wrong_at_zero_and_subnormals``), so
-# the CPU tests' inputs keep to normal values. CUDA converts in hardware (cvt, wgmma): the GPU tests take any.
+# float32 -> e4m3 flushes them to 0; ``test_llvm_e4m3_conversions_are_wrong_at_zero_and_subnormals``): on the
+# CPU the FP8 program converts by the bits instead (``program_e4m3``), so the CPU tests take any input, as the GPU's.
 SMALLEST_NORMAL = 2.0 ** -6
 
 
@@ -100,10 +100,7 @@ def inputs(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, device, seed=
     generator = torch.Generator().manual_seed(seed)
 
     def e4m3(*shape):
-        x = torch.randn(*shape, generator=generator) * 2
-        if device == "cpu":  # (see SMALLEST_NORMAL)
-            x = x.sign() * x.abs().clamp_min(SMALLEST_NORMAL) + (x == 0) * SMALLEST_NORMAL
-        return x.to(F8).to(device)
+        return (torch.randn(*shape, generator=generator) * 2).to(F8).to(device)
 
     def descale():
         return (torch.rand(batch, heads_kv, generator=generator) + 0.5).to(device)
@@ -176,8 +173,8 @@ def test_fp8_key_order_puts_p_in_the_a_fragment():
 
 
 def test_llvm_e4m3_conversions_are_wrong_at_zero_and_subnormals():
-    """Why the CPU tests keep to normal e4m3 inputs (``SMALLEST_NORMAL``): TVM 0.27's LLVM conversions. When
-    this fails, TVM converts correctly: drop the clamp in ``inputs``."""
+    """Why the FP8 program converts by the bits on the CPU (``program_e4m3``): TVM 0.27's LLVM conversions. When
+    this fails, TVM converts correctly, and ``target.converts_fp8`` may say so for the CPU."""
     import tvm
     from tvm.script import tirx as T
 
@@ -197,6 +194,43 @@ def test_llvm_e4m3_conversions_are_wrong_at_zero_and_subnormals():
     assert wrong.any() and not (wrong & normal).any()
 
 
+def test_the_bit_conversions_are_exact_as_cuda_cvt():
+    """``program_e4m3`` on the CPU: every e4m3 byte to float32 exactly, and float32 to e4m3's value as
+    cvt.rn.satfinite does (torch's rounding, to nearest even, subnormals included; past 448 saturating) at
+    every e4m3 value, every midpoint between two and next to them, and random values of every scale."""
+    import tvm
+    from tvm.script import tirx as T
+
+    from tvmflash import target as targets
+    from tvmflash.program_e4m3 import e4m3_bits_to_float32, float32_to_e4m3_value
+
+    every = torch.arange(256, dtype=torch.uint8)
+    values = every.view(F8).float()
+    finite = values[~values.isnan()].unique()
+    middles = (finite[1:] + finite[:-1]) / 2
+    x = torch.cat([finite, middles, middles.nextafter(torch.tensor(math.inf)), middles.nextafter(torch.tensor(-math.inf)),
+                   torch.randn(20000, generator=torch.Generator().manual_seed(0)) * torch.logspace(-12, 3, 20000, 2.0),
+                   torch.tensor([0.0, -0.0, 2.0 ** -10, 2.0 ** -126, 1e-45, 448.0, 460.0, 464.0, 1000.0, 3e38])])
+    x = torch.cat([x, -x])
+    n = x.numel()
+
+    @T.prim_func
+    def convert(a: T.Buffer((256,), "uint8"), b: T.Buffer((256,), "float32"), c: T.Buffer((n,), "float32"),
+                d: T.Buffer((n,), "float32")):
+        for i in range(256):
+            b[i] = e4m3_bits_to_float32(a[i])
+        for i in range(n):
+            d[i] = float32_to_e4m3_value(c[i])
+
+    read, rounded = torch.empty(256), torch.empty(n)
+    tvm.compile(tvm.IRModule({"main": convert}), target=targets.cpu_target())["main"](every, read, x, rounded)
+    assert torch.equal(read.isnan(), values.isnan()) and torch.equal(read[~values.isnan()], values[~values.isnan()])
+    assert torch.equal(read.view(torch.int32)[~values.isnan()], values.view(torch.int32)[~values.isnan()])  # -0 too
+    expected = x.clamp(-448, 448).to(F8).float()  # (torch's conversion gives NaN past 448: satfinite gives 448)
+    assert torch.equal(rounded.view(torch.int32), expected.view(torch.int32)), (x[rounded != expected][:8],
+                                                                                rounded[rounded != expected][:8])
+
+
 def test_transposed_v_is_zero_past_the_keys():
     v = (torch.randn(2, 5, 3, 16) * 2).to(F8)
     vt = transposed_v(v, 32)
@@ -209,7 +243,8 @@ def test_transposed_v_is_zero_past_the_keys():
     (64, True, (2, 100, 130, 4, 2)),  # ragged, GQA, causal
     (128, False, (1, 70, 33, 2, 1)),  # fewer keys than a tile, MQA
     (64, True, (1, 90, 40, 2, 2)),  # causal with more queries than keys: rows that see no key
-], ids=["d64-causal-gqa", "d128-mqa", "d64-causal-empty-rows"])
+    (64, False, (2, 300, 517, 8, 2)),  # the GPU test's: several K/V tiles, the row max moving across them
+], ids=["d64-causal-gqa", "d128-mqa", "d64-causal-empty-rows", "d64-ragged-gqa"])
 def test_fp8_program_on_the_cpu(head_dim, causal, shape):
     """The FP8 program (the CPU schedule's build) against the float64 reference: what the sm90 kernel computes."""
     kernel = Fp8Kernel(head_dim, causal, "cpu")
@@ -253,6 +288,40 @@ def check_varlen(kernel, head_dim, causal, lengths_q, lengths_k, heads_q, heads_
 def test_fp8_varlen_program_on_the_cpu(causal):
     """The packed sequences (an empty one, more queries than keys, tails) against each one's reference."""
     check_varlen(Fp8VarlenKernel(64, causal, "cpu"), 64, causal, [37, 0, 100, 20], [50, 20, 130, 9], 4, 2, "cpu")
+
+
+def test_fp8_varlen_v_rows_start_aligned_for_the_16_byte_copies(monkeypatch):
+    """The sm90 schedule copies the transposed V's rows 16 bytes at a time (cp.async): each packed sequence's
+    keys, wherever cu_seqlens_k starts them (here at 517, 581, ...), must start at a 16-byte aligned column,
+    where the program reads them (``program.fp8_v_first``), with zeros between the sequences."""
+    from tvmflash import program
+    from tvmflash.kernels.build import Build
+
+    lengths = [517, 64, 0, 300, 1000, 9]
+    kernel = Fp8VarlenKernel(64, False, "cpu")
+    q, k, v, _, _, _ = inputs(1, len(lengths), sum(lengths), 2, 1, 64, "cpu")
+    q, k, v = q[0], k[0], v[0]
+    cu_q = torch.arange(len(lengths) + 1, dtype=torch.int32)
+    cu_k = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    passed = {}
+    module_for = Build.module_for
+
+    def capture(self, *args, **tensors):
+        passed.update(tensors)
+        return module_for(self, *args, **tensors)
+
+    monkeypatch.setattr(Build, "module_for", capture)
+    kernel(q, k, v, cu_q, cu_k, 1)
+    vt = passed["v"]
+    assert vt.shape[-1] % 16 == 0 and vt.is_contiguous()
+    written = torch.zeros(vt.shape[-1], dtype=torch.bool)
+    for b, length in enumerate(lengths):
+        first = program.fp8_v_first(int(cu_k[b]), b)
+        assert first % 16 == 0 and not written[first]  # after the sequence before's keys
+        keys = vt[0, ..., first:first + length].view(torch.uint8)
+        assert torch.equal(keys, v[cu_k[b]:cu_k[b + 1]].view(torch.uint8).permute(1, 2, 0))
+        written[first:first + length] = True
+    assert not vt[0, ..., ~written].view(torch.uint8).any()
 
 
 def test_fp8_descales_default_to_one():

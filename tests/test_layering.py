@@ -67,8 +67,8 @@ FLOORS = (
     ("schedules", ("tvmflash.schedules",)),
     ("the programs", ("tvmflash.program", "tvmflash.program_forward", "tvmflash.program_backward",
                       "tvmflash.program_backward_tiles", "tvmflash.program_decode", "tvmflash.program_dropout",
-                      "tvmflash.program_flex", "tvmflash.program_flex_gradient", "tvmflash.program_block_sparse",
-                      "tvmflash.tvmscript")),
+                      "tvmflash.program_e4m3", "tvmflash.program_flex", "tvmflash.program_flex_gradient",
+                      "tvmflash.program_block_sparse", "tvmflash.tvmscript")),
     ("the lowering", ("tvmflash.lowering",)),
     ("targets, the disk cache, the version", ("tvmflash.target", "tvmflash.cache", "tvmflash.version")),
 )

@@ -158,6 +158,14 @@ def output_dtype(spec: AttentionSpec) -> str:
     return FP8_OUTPUT if spec.fp8 else spec.dtype
 
 
+def rescale_threshold(spec: AttentionSpec) -> float:
+    """How far past the running max a tile's max must be to move it (log2 units): ``RESCALE_THRESHOLD``, or 0
+    with FP8. FP8 quantises P to e4m3 for P V: under a stale max a row's largest P is 2^f for a fraction f,
+    which e4m3 rounds by up to 2^-4 of itself, and in a peaked row that key's error is the output's, several
+    times the quantisation error of the smaller P. Moving the max whenever it grows keeps that P exactly 1."""
+    return 0.0 if spec.fp8 else RESCALE_THRESHOLD
+
+
 def fp8_arguments(spec: AttentionSpec, batch, heads_kv):
     """With FP8, three more parameters of the PrimFunc being parsed, last: ``q_descale``, ``k_descale``
     and ``v_descale``, float32 (batch, heads_kv), compact (FlashAttention-3's; varlen: batch the number of
@@ -178,13 +186,26 @@ def fp8_v_shape(spec: AttentionSpec, batch, seqlen_k, heads_kv, head_dim):
     heads_kv, head_dim, keys) with keys contiguous (e4m3 wgmma reads both operands K-major, and P V sums
     over the keys) and ``keys`` a length of its own, at least the K/V tiles' rows the program visits,
     zero past seqlen_k (``attention_forward``: FP8's V tiles are read unmasked). varlen: (1, heads_kv,
-    head_dim, keys), the packed sequences' keys, a tile past a sequence's end reading the next one's (P is
-    0 there, as where the sm90 TMA boxes read them) and the last one's padding."""
+    head_dim, keys), the packed sequences' keys, sequence b's from column ``fp8_v_first`` on, a tile past a
+    sequence's end reading zeros and the next one's (P is 0 there, as where the sm90 TMA boxes read them)
+    and the last one's padding."""
     if not spec.fp8:
         return (batch, seqlen_k, heads_kv, head_dim)
     keys = T.int32()
     IRBuilder.name("v_keys", keys)
     return (batch, heads_kv, head_dim, keys)
+
+
+# FP8 varlen: where each sequence's keys start in the transposed V, a multiple of this many keys (bytes):
+# the schedules copy V's rows 16 bytes at a time (cp.async), and a packed sequence may start at any key.
+FP8_V_ALIGN = 16
+
+
+def fp8_v_first(first_key, b):
+    """The column of the transposed V where sequence b's keys start, varlen (``fp8_v_shape``): its first key
+    (cu_seqlens_k[b]) rounded down to ``FP8_V_ALIGN``, plus FP8_V_ALIGN a sequence before it, so that it is
+    aligned and past the sequence before's last key. TIR expressions, Python ints or torch tensors alike."""
+    return FP8_V_ALIGN * (first_key // FP8_V_ALIGN + b)
 
 
 def score_scale(spec: AttentionSpec, softmax_scale):

@@ -50,6 +50,7 @@ from tvm.script import tirx as T
 from tvm.script.ir_builder import IRBuilder
 
 from tvmflash import program, tvmscript
+from tvmflash.program_e4m3 import e4m3_bits_to_float32
 from tvmflash.program import FP8, LOG2E, NO_MAX, RESCALE_THRESHOLD, AttentionSpec
 
 
@@ -515,23 +516,6 @@ def descale_arguments(spec: DecodeSpec, batch):
         IRBuilder.name(name, buffer)
         descales.append(buffer)
     return tuple(descales)
-
-
-def e4m3_bits_to_float32(x):
-    """The e4m3 (fn: no infinity; S.1111.111 NaN) value of the bits x (uint8) as float32: exact, zero and
-    the subnormals included, by integer operations (for the targets where TVM's legalized conversion is wrong
-    there: ``target.converts_fp8``)."""
-    bits = T.cast(x, "uint32")
-    sign = (bits >> T.uint32(7)) << T.uint32(31)
-    exponent = (bits >> T.uint32(3)) & T.uint32(15)
-    mantissa = bits & T.uint32(7)
-    # a normal value: exponent bias 7 -> float32's 127, mantissa's 3 bits on top of float32's 23
-    normal = T.reinterpret("float32", sign | ((exponent + T.uint32(120)) << T.uint32(23)) | (mantissa << T.uint32(20)))
-    # a subnormal: mantissa * 2^-9 (0 included), with the sign
-    subnormal = T.reinterpret("float32", sign | T.reinterpret("uint32", T.cast(mantissa, "float32") * T.float32(2.0 ** -9)))
-    nan = T.reinterpret("float32", T.uint32(0x7FC00000))
-    return T.if_then_else((bits & T.uint32(127)) == T.uint32(127), nan,
-                          T.if_then_else(exponent == T.uint32(0), subnormal, normal))
 
 
 def leftpad_argument(spec: DecodeSpec, batch):

@@ -31,19 +31,20 @@ import math
 from tvm.script import tirx as T
 
 from tvmflash import tvmscript
-from tvmflash.program import (LOG2E, NO_MAX, RESCALE_THRESHOLD, AttentionSpec, alibi_slope, alibi_slopes_argument,
-                              aligned_strides, block_visible, first_kv_block, flex_mask, fp8_arguments, fp8_v_shape,
-                              has_mask_mod, initial_max, initial_sum, key_visible, kv_blocks_end, longest,
-                              output_dtype, runs_if, score_scale, sequence_count,
+from tvmflash.program import (LOG2E, NO_MAX, AttentionSpec, alibi_slope, alibi_slopes_argument,
+                              aligned_strides, block_visible, first_kv_block, flex_mask, fp8_arguments, fp8_v_first,
+                              fp8_v_shape, has_mask_mod, initial_max, initial_sum, key_visible, kv_blocks_end, longest,
+                              output_dtype, rescale_threshold, runs_if, score_scale, sequence_count,
                               sequences, sink_buffer, sink_units, sinks_argument, strided_argument, transformed_score,
                               varlen_arguments)
 from tvmflash.program_dropout import dropout_arguments, dropout_scaled, dropout_tile, dropped
+from tvmflash.program_e4m3 import e4m3_bits_to_float32, float32_to_e4m3_value
 from tvmflash.program_block_sparse import block_walk, sparse_visible
 from tvmflash.program_flex import flex_arguments, flex_tile
 
 
 def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_tiles: int = 1,
-                      stride_alignment: int = 1):
+                      stride_alignment: int = 1, e4m3_bits: bool = False):
     """Return the forward PrimFunc ``main(q, k, v, out, lse, softmax_scale)`` (and ``alibi_slopes``
     last, with ALiBi).
 
@@ -63,7 +64,10 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_ti
     ``spec.varlen``, ``cu_seqlens_q``, ``cu_seqlens_k`` and ``max_seqlen_q`` follow softmax_scale
     (the module docstring says how the sequences are packed). With ``spec.dropout``, ``dropout_p`` and
     ``dropout_seed`` come last (``program_dropout.dropout_arguments``): P is dropped after its row sum, so the LSE is
-    that of the whole softmax, as flash-attn's.
+    that of the whole softmax, as flash-attn's. e4m3_bits (FP8 only): convert by the bits, exactly, for a target
+    without an FP8 conversion of its own (``target.converts_fp8``), where TVM's legalized one is wrong at zero
+    and the subnormals: the Q, K and V tiles hold the e4m3 bytes as uint8, read by
+    ``program_e4m3.e4m3_bits_to_float32``, and P is rounded by ``float32_to_e4m3_value`` into a float32 tile.
     """
     D, BM, BN = spec.head_dim, block_m, block_n
     HQ, HKV = spec.heads_q, spec.heads_kv
@@ -72,6 +76,23 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_ti
     out_dtype = output_dtype(spec)  # dtype, or bf16 for FP8
     fp8 = spec.fp8
     f32 = "float32"
+    bits = fp8 and e4m3_bits
+    tile_dtype = "uint8" if bits else dtype  # the Q, K and V tiles' elements
+    p_dtype = f32 if bits else dtype  # P for P V: e4m3's value, in float32 with e4m3_bits
+
+    def tile_element(x):
+        """An element of q, k or v as its tile holds it."""
+        return T.reinterpret("uint8", x) if bits else x
+
+    def tile_zero():
+        return T.uint8(0) if bits else T.cast(0, dtype)
+
+    def operand(x):
+        """An element of a Q, K or V tile in float32."""
+        return e4m3_bits_to_float32(x) if bits else T.cast(x, f32)
+
+    def quantised_p(x):
+        return float32_to_e4m3_value(x) if bits else T.cast(x, dtype)
 
     def first_kv_tile(qb, seqlen_q, seqlen_k):
         """The first K/V tile Q block qb visits (0 without a left window)."""
@@ -123,6 +144,12 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_ti
             return score_scale(spec, softmax_scale)
         return softmax_scale * descales[0][b, h // group] * descales[1][b, h // group]
 
+    def v_column(packed, b, key):
+        """The column of FP8's transposed V that holds key ``key`` of sequence b (varlen: ``fp8_v_first``)."""
+        if packed is None:
+            return key
+        return fp8_v_first(packed.cu_k[b], b) + key
+
     @tvmscript.prim_func(s_tir=True)
     def main(
         q_handle: T.handle,
@@ -164,16 +191,16 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_ti
                 flex = T.meta_var(flex_tile(spec, Flex_, vb, vh, seq.seqlen_q, seq.seqlen_k))  # None without flex
                 # a BlockMask's list of the K/V tiles this Q block visits, None without one
                 walk = T.meta_var(block_walk(spec, flex, vb, vh, vqb * BM, BM, BN, False, T.ceildiv(seq.seqlen_k, BN)))
-                Qt = T.sblock_alloc_buffer((BM, D), dtype)  # the Q block, zero-padded
+                Qt = T.sblock_alloc_buffer((BM, D), tile_dtype)  # the Q block, zero-padded
                 S = T.sblock_alloc_buffer((BM, BN), f32)  # Q Kᵀ of one tile, unscaled
                 Sm = T.sblock_alloc_buffer((BM, BN), f32)  # S masked (invisible keys -inf)
                 P = T.sblock_alloc_buffer((BM, BN), f32)  # exp2((S - running max) * scale2)
-                Pc = T.sblock_alloc_buffer((BM, BN), dtype)  # P in the input dtype, for P V
+                Pc = T.sblock_alloc_buffer((BM, BN), p_dtype)  # P in the input dtype, for P V
                 # running max of the unscaled scores: with scale2 > 0 the max commutes with the
                 # scaling, which then fuses into exp2's argument (one FMA per score)
                 m = T.sblock_alloc_buffer((BM,), f32)
                 m_tile = T.sblock_alloc_buffer((BM,), f32)  # max of one tile's masked scores
-                m_new = T.sblock_alloc_buffer((BM,), f32)  # m, or m_tile past RESCALE_THRESHOLD
+                m_new = T.sblock_alloc_buffer((BM,), f32)  # m, or m_tile past rescale_threshold
                 alpha = T.sblock_alloc_buffer((BM,), f32)  # exp2(m - m_new): rescale factor
                 l = T.sblock_alloc_buffer((BM,), f32)  # running sum of P
                 l_tile = T.sblock_alloc_buffer((BM,), f32)  # sum of one tile's P
@@ -198,8 +225,8 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_ti
                         vi, vd = T.axis.remap("SS", [i, d])
                         Qt[vi, vd] = T.if_then_else(
                             vqb * BM + vi < seq.seqlen_q,
-                            Q[seq.batch, seq.q_row(vqb * BM + vi), vh, vd],
-                            T.cast(0, dtype),
+                            tile_element(Q[seq.batch, seq.q_row(vqb * BM + vi), vh, vd]),
+                            tile_zero(),
                         )
                 for i in range(BM):
                     with T.sblock("init_ml"):
@@ -218,21 +245,22 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_ti
                                           else first_kv_tile(vqb, seq.seqlen_q, seq.seqlen_k) + vkb)
                         # Per-tile buffers live in the scope of one K/V step (a software pipeline
                         # over kb can then keep several versions of them).
-                        Kt = T.sblock_alloc_buffer((BN, D), dtype)  # one K tile, zero-padded
-                        Vt = T.sblock_alloc_buffer((BN, D), dtype)  # one V tile, zero-padded
+                        Kt = T.sblock_alloc_buffer((BN, D), tile_dtype)  # one K tile, zero-padded
+                        Vt = T.sblock_alloc_buffer((BN, D), tile_dtype)  # one V tile, zero-padded
                         for j, d in T.grid(BN, D):
                             with T.sblock("load_k"):
                                 vj, vd = T.axis.remap("SS", [j, d])
                                 Kt[vj, vd] = T.if_then_else(
                                     tile * BN + vj < seq.seqlen_k,
-                                    K[seq.batch, seq.k_row(tile * BN + vj), vh // group, vd],
-                                    T.cast(0, dtype),
+                                    tile_element(K[seq.batch, seq.k_row(tile * BN + vj), vh // group, vd]),
+                                    tile_zero(),
                                 )
                         if fp8:  # V transposed and zero past seqlen_k (the caller's): unmasked
                             for j, d in T.grid(BN, D):
                                 with T.sblock("load_v"):
                                     vj, vd = T.axis.remap("SS", [j, d])
-                                    Vt[vj, vd] = V[seq.batch, vh // group, vd, seq.k_row(tile * BN + vj)]
+                                    Vt[vj, vd] = tile_element(V[seq.batch, vh // group, vd,
+                                                                  v_column(Packed_, vb, tile * BN + vj)])
                         else:
                             for j, d in T.grid(BN, D):
                                 with T.sblock("load_v"):
@@ -247,7 +275,7 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_ti
                                 vi, vj, vd = T.axis.remap("SSR", [i, j, d])
                                 with T.init():
                                     S[vi, vj] = T.float32(0)
-                                S[vi, vj] = S[vi, vj] + T.cast(Qt[vi, vd], f32) * T.cast(Kt[vj, vd], f32)
+                                S[vi, vj] = S[vi, vj] + operand(Qt[vi, vd]) * operand(Kt[vj, vd])
                         for i, j in T.grid(BM, BN):
                             with T.sblock("score"):  # invisible keys -inf; softcap, ALiBi
                                 vi, vj = T.axis.remap("SS", [i, j])
@@ -291,10 +319,11 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_ti
                         for i in range(BM):
                             with T.sblock("alpha"):
                                 vi = T.axis.spatial(BM, i)
-                                # The max moves only past RESCALE_THRESHOLD (so m_new >= m, alpha <= 1);
+                                # The max moves only past rescale_threshold (so m_new >= m, alpha <= 1);
                                 # from NO_MAX it moves to any tile's max that is not NO_MAX itself.
-                                new_max = T.meta_var(T.if_then_else(
-                                    (m_tile[vi] - m[vi]) * scale2[0] > T.float32(RESCALE_THRESHOLD), m_tile[vi], m[vi]))
+                                threshold = T.meta_var(T.float32(rescale_threshold(spec)))
+                                moves = T.meta_var((m_tile[vi] - m[vi]) * scale2[0] > threshold)
+                                new_max = T.meta_var(T.if_then_else(moves, m_tile[vi], m[vi]))
                                 m_new[vi] = new_max
                                 alpha[vi] = T.exp2((m[vi] - new_max) * scale2[0])  # rescales l and acc
                         for i, j in T.grid(BM, BN):
@@ -310,13 +339,13 @@ def attention_forward(spec: AttentionSpec, block_m: int, block_n: int, min_kv_ti
                         for i, j in T.grid(BM, BN):
                             with T.sblock("cast_p"):  # dropout drops P here, after its row sum (l)
                                 vi, vj = T.axis.remap("SS", [i, j])
-                                Pc[vi, vj] = T.cast(dropped(drop, P[vi, vj], vqb * BM + vi, tile * BN + vj), dtype)
+                                Pc[vi, vj] = quantised_p(dropped(drop, P[vi, vj], vqb * BM + vi, tile * BN + vj))
                         for i, d, j in T.grid(BM, D, BN):
                             with T.sblock("pv"):
                                 vi, vd, vj = T.axis.remap("SSR", [i, d, j])
                                 with T.init():  # rescale the running output to the new max
                                     acc[vi, vd] = acc[vi, vd] * alpha[vi]
-                                acc[vi, vd] = acc[vi, vd] + T.cast(Pc[vi, vj], f32) * T.cast(Vt[vj, vd], f32)
+                                acc[vi, vd] = acc[vi, vd] + T.cast(Pc[vi, vj], f32) * operand(Vt[vj, vd])
                         for i in range(BM):
                             with T.sblock("merge_l"):
                                 vi = T.axis.spatial(BM, i)

@@ -158,7 +158,7 @@ def compute_capability(target: tvm.target.Target) -> int | None:
 def converts_fp8(target: tvm.target.Target) -> bool:
     """Does the target convert FP8 values itself (cvt on sm_89 and newer)? Elsewhere TVM's FP8ComputeLegalize
     converts e4m3 by a bit expression that has no zero, subnormal or NaN (byte 0 becomes 2^-7): the CPU's LLVM
-    code and sm_80/sm_86's CUDA alike (``program_decode.e4m3_bits_to_float32`` converts there instead). TVM's
+    code and sm_80/sm_86's CUDA alike (``program_e4m3.e4m3_bits_to_float32`` converts there instead). TVM's
     own rule (``tvm.support.nvcc.supports_fp8``): compute capability 8.9, or 9 and newer."""
     capability = compute_capability(target)
     return capability is not None and (capability == 89 or capability >= 90)

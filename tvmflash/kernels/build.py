@@ -22,8 +22,8 @@ os.environ.setdefault("TVM_NUM_THREADS", str(torch.get_num_threads()))
 import tvm  # noqa: E402
 
 from tvmflash import (cache, lowering, program, program_backward, program_backward_tiles,  # noqa: E402
-                      program_block_sparse, program_decode, program_dropout, program_flex, program_flex_gradient,
-                      program_forward, tvmscript)
+                      program_block_sparse, program_decode, program_dropout, program_e4m3, program_flex,
+                      program_flex_gradient, program_forward, tvmscript)
 from tvmflash import target as targets  # noqa: E402
 from tvmflash.kernels.checks import check_strides, needs_int64  # noqa: E402
 from tvmflash.schedules.contract import Schedule  # noqa: E402
@@ -31,7 +31,7 @@ from tvmflash.schedules.contract import Schedule  # noqa: E402
 # The programs' sources, in every module's key (``Build.code``): an edit to any of them rebuilds the modules
 # (the programs call into one another, so each kernel's key covers them all)
 PROGRAMS = (program, program_forward, program_backward, program_backward_tiles, program_decode, program_dropout,
-            program_flex, program_flex_gradient, program_block_sparse, tvmscript)
+            program_e4m3, program_flex, program_flex_gradient, program_block_sparse, tvmscript)
 
 # Builds and loads are logged at INFO (the CLI shows them): a GPU build takes tens of seconds on a CPU.
 logger = logging.getLogger("tvmflash")

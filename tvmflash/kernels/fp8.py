@@ -47,6 +47,20 @@ def transposed_v(v: torch.Tensor, keys: int) -> torch.Tensor:
     return vt
 
 
+def packed_transposed_v(v: torch.Tensor, cu_seqlens_k: torch.Tensor, keys: int) -> torch.Tensor:
+    """varlen's V (total_k, heads_kv, head_dim) as the FP8 program reads it: (1, heads_kv, head_dim, keys),
+    sequence b's keys from column ``program.fp8_v_first`` on, aligned for the schedules' 16-byte copies
+    wherever cu_seqlens_k puts it, zero elsewhere. Computed on v's device, with no synchronisation."""
+    total_k, heads_kv, head_dim = v.shape
+    vt = torch.zeros((1, heads_kv, head_dim, keys), dtype=torch.uint8, device=v.device)  # (e4m3's zero)
+    cu = cu_seqlens_k.to(torch.int64)
+    token = torch.arange(total_k, device=v.device)
+    sequence = torch.searchsorted(cu[1:], token, right=True)  # each key's (empty sequences skipped)
+    first = cu[sequence]
+    vt[0].index_copy_(2, token - first + program.fp8_v_first(first, sequence), v.view(torch.uint8).permute(1, 2, 0))
+    return vt.view(v.dtype)
+
+
 class Fp8Kernel:
     """FlashAttention-3's FP8 forward for one (head_dim, causal, target)::
 
@@ -89,7 +103,10 @@ class Fp8Kernel:
         return AttentionSpec(self.head_dim, FP8, self.causal, heads_q, heads_kv, varlen=self.varlen)
 
     def _scheduled(self, spec: AttentionSpec) -> tvm.s_tir.Schedule:
-        sch = tvm.s_tir.Schedule(schedule_registry.program_for(spec, self.schedule, self.knobs))
+        # (where the target has no FP8 conversion of its own, exact ones by the bits: ``program_e4m3``)
+        program_func = schedule_registry.program_for(spec, self.schedule, self.knobs,
+                                                     e4m3_bits=not targets.converts_fp8(self.target))
+        sch = tvm.s_tir.Schedule(program_func)
         return self.schedule.fp8_forward.apply(sch, **self.knobs)
 
     def source(self, heads_q: int = 1, heads_kv: int | None = None) -> str:
@@ -186,7 +203,7 @@ class Fp8VarlenKernel(Fp8Kernel):
     q: (total_q, heads_q, head_dim), k, v: (total_k, heads_kv, head_dim), e4m3; cu_seqlens_q, cu_seqlens_k
     and max_seqlen_q as ``kernels.varlen.VarlenKernel``'s; the descales float32 (batch, heads_kv), batch the
     number of sequences (None: ones). out: bf16 (total_q, heads_q, head_dim); lse: float32 (heads_q,
-    total_q). The transposed V holds every sequence's keys packed, as k does (``program.fp8_v_shape``)."""
+    total_q). The transposed V holds every sequence's keys from an aligned column (``packed_transposed_v``)."""
 
     varlen = True
 
@@ -208,10 +225,11 @@ class Fp8VarlenKernel(Fp8Kernel):
             out.zero_()
             lse.fill_(-math.inf)
         elif out.numel() and batch:
-            # past the last sequence's end, a tile more than the longest step a sequence's tiles take
-            keys = self._keys(total_k) + self.knobs["block_n"] * max(1, self.min_kv_tiles)
+            # every sequence's aligned keys (``program.fp8_v_first``: FP8_V_ALIGN more a sequence at most), and
+            # past the last one's end a tile more than the longest step a sequence's tiles take
+            keys = self._keys(total_k + program.FP8_V_ALIGN * batch) + self.knobs["block_n"] * max(1, self.min_kv_tiles)
             q4, k4 = self._usable(q[None]), self._usable(k[None])
-            vt = transposed_v(v[None], keys)
+            vt = packed_transposed_v(v, cu_seqlens_k, keys)
             module = self.build.module_for(heads_q, heads_kv, q=q4, k=k4, v=vt, out=out[None])
             module.function(q4, k4, vt, out[None], lse, softmax_scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                             *descales)
