@@ -25,12 +25,14 @@ def buffer_info(sch):
     return str(qt.dtype), int(qt.shape[0]), int(qt.shape[1]), int(kt.shape[0])
 
 
-def work_grows_with_q_block(sch: tvm.s_tir.Schedule) -> bool:
-    """Does the number of K/V tiles a tile visits depend on its Q block (causal masking)?"""
-    q_block = sch.get(sch.get_sblock("tile")).iter_vars[2].var
-    extent = sch.get(sch.get_loops("kv_step")[-1]).extent
+def steps_depend_on_tile_block(sch: tvm.s_tir.Schedule, steps: str) -> bool:
+    """Does the number of steps a tile takes (the loop of the block ``steps``: "kv_step" in the forward,
+    "q_step" in dkdv) depend on the tile's block (its third index: the Q block, the K/V block), as under
+    causal masks and windows?"""
+    block = sch.get(sch.get_sblock("tile")).iter_vars[2].var
+    extent = sch.get(sch.get_loops(steps)[-1]).extent
     found = []
-    tvm_ffi.structural_walk(extent, (type(q_block), lambda v: found.append(v.same_as(q_block))))
+    tvm_ffi.structural_walk(extent, (type(block), lambda v: found.append(v.same_as(block))))
     return any(found)
 
 
@@ -45,7 +47,7 @@ def bind_grid(sch: tvm.s_tir.Schedule) -> None:
         L2. Measured faster than the equal-work grid and than this grid with the Q blocks first to last
         (BENCHMARKS.md)."""
     b, h, qb = sch.get_loops("tile")
-    if work_grows_with_q_block(sch):
+    if steps_depend_on_tile_block(sch, "kv_step"):
         sch.reorder(b, qb, h)
         sch.annotate(qb, REVERSED, 1)
         sch.bind(h, "blockIdx.x")
@@ -74,15 +76,6 @@ def dkdv_grid(sch: tvm.s_tir.Schedule, dq_atomic: bool, persistent_blocks: int =
     return sch.cache_read("dq", 0, "shared.dyn", consumer_blocks=["dq"]) if dq_atomic else None
 
 
-def steps_depend_on_kv_block(sch: tvm.s_tir.Schedule) -> bool:
-    """Does the number of steps of a dkdv tile depend on its K/V block (causal masks, windows)?"""
-    kv_block = sch.get(sch.get_sblock("tile")).iter_vars[2].var
-    extent = sch.get(sch.get_loops("q_step")[-1]).extent
-    found = []
-    tvm_ffi.structural_walk(extent, (type(kv_block), lambda v: found.append(v.same_as(kv_block))))
-    return any(found)
-
-
 def persistent_walk(sch: tvm.s_tir.Schedule, blocks: int) -> None:
     """dkdv's (batch, K/V head, K/V block) tiles walked by ``blocks`` persistent thread blocks
     (blockIdx.x), each taking every ``blocks``-th tile of one fused order (static striding), so that
@@ -92,7 +85,7 @@ def persistent_walk(sch: tvm.s_tir.Schedule, blocks: int) -> None:
     longest tiles (the first K/V blocks) and ends on the shortest (longest-processing-time first);
     else the K/V block last, so that the tiles running at once share their heads' q and dout in L2."""
     b, hk, kb = sch.get_loops("tile")
-    order = (kb, b, hk) if steps_depend_on_kv_block(sch) else (b, hk, kb)
+    order = (kb, b, hk) if steps_depend_on_tile_block(sch, "q_step") else (b, hk, kb)
     sch.reorder(*order)
     step, block = sch.split(sch.fuse(*order), [None, blocks])
     sch.reorder(block, step)
