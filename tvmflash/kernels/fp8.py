@@ -93,19 +93,20 @@ class Fp8Kernel:
         self.knobs = {**fp8.knobs(head_dim), **(knobs or {})}  # the schedule's, or the caller's over them
         self.min_kv_tiles = self.schedule.min_kv_tiles(self.knobs)
         self.stride_multiple = program.stride_multiple(self.schedule.stride_alignment, FP8)
+        # where the target has no FP8 conversion of its own, exact ones by the bits (``program_e4m3``); in the key,
+        # as a choice made outside the programs' and schedules' sources (as decode's)
+        self.e4m3_bits = not targets.converts_fp8(self.target)
         self.build = Build(kind="forward", target=self.target, schedule=self.schedule, knobs=self.knobs, variant={},
                            spec=self.spec, programs=self._scheduled, entry=lambda module: module["main"],
                            code=(*PROGRAMS, *self.schedule.sources, *lowering.MODULES),
                            options=kernel_build_options(self.schedule, {"varlen": self.varlen}),
-                           key_fields={"fp8": True})
+                           key_fields={"fp8": True, "e4m3 conversion": "bits" if self.e4m3_bits else "cast"})
 
     def spec(self, heads_q: int, heads_kv: int) -> AttentionSpec:
         return AttentionSpec(self.head_dim, FP8, self.causal, heads_q, heads_kv, varlen=self.varlen)
 
     def _scheduled(self, spec: AttentionSpec) -> tvm.s_tir.Schedule:
-        # (where the target has no FP8 conversion of its own, exact ones by the bits: ``program_e4m3``)
-        program_func = schedule_registry.program_for(spec, self.schedule, self.knobs,
-                                                     e4m3_bits=not targets.converts_fp8(self.target))
+        program_func = schedule_registry.program_for(spec, self.schedule, self.knobs, e4m3_bits=self.e4m3_bits)
         sch = tvm.s_tir.Schedule(program_func)
         return self.schedule.fp8_forward.apply(sch, **self.knobs)
 
