@@ -56,8 +56,8 @@ def program_calls(kernel, q, k, v, out, dout, lse):
 
 
 def check_gradients(name, gradients, q, k, v, dout, causal):
-    """Print each gradient's largest error against float32 SDPA (math), on two heads, beside what
-    flash-attn's rule allows (2x bf16 SDPA's + 1e-5)."""
+    """Print each gradient's largest error against float32 attention, on two heads, beside what
+    flash-attn's rule allows (2x bf16 attention's + 1e-5: ``bench.gradient_errors_vs_float32``)."""
     for grad_name, (err, allowed) in zip(("dq", "dk", "dv"), bench.gradient_errors_vs_float32(gradients, q, k, v, dout,
                                                                                             causal)):
         print(f"  check {name} {grad_name}: error {err:.2e}, allowed {allowed:.2e}" + ("" if err <= allowed else "  FAILED"))

@@ -1,27 +1,60 @@
-"""One launch each of tvmflash's default kernel and cuDNN's (SDPA), non-causal then causal, for Nsight
-Compute to profile side by side (H200, 2026-12-01, commit 0e948a5). On an sm_90a GPU:
+"""One call each of tvmflash's default kernels and cuDNN's (SDPA), for Nsight Compute to profile side by side.
+Only that region is profiled (``torch.cuda.profiler``): the inputs, the builds and a warm-up call run before
+it. On an sm_90a GPU:
 
-    ncu --clock-control none -k regex:'main_kernel|cudnn' --section LaunchStats --section Occupancy \\
-        --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \\
-        --print-details all python benchmarks/profile_vs_cudnn.py [HEAD_DIM [SEQLEN]]   # 128, 4096
+    ncu --profile-from-start off --clock-control none --section LaunchStats --section Occupancy \\
+        --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \\
+        python benchmarks/profile_vs_cudnn.py [--backward] [--head-dim 128] [--seqlen 4096] [--causal]
 
-Shapes: bf16, seqlen SEQLEN, batch 16384 / SEQLEN, heads 2048 / HEAD_DIM."""
-import sys
+The forward by default: one forward each, non-causal (``--causal``: causal). With ``--backward``: one forward +
+backward each (autograd, as training runs it), so that the backward's kernels (tvmflash's delta, dkdv and
+convert_dq; cuDNN's backward) appear beside the forward's. Shapes: bf16, batch 16384 / seqlen, heads
+2048 / head_dim, (batch, seqlen, heads, head_dim) as flash-attn's layout."""
+import argparse
 
 import torch
+import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import tvmflash
 
-D = int(sys.argv[1]) if len(sys.argv) > 1 else 128
-S = int(sys.argv[2]) if len(sys.argv) > 2 else 4096
-B, H = max(1, 16384 // S), 2048 // D
-q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-for causal in (False, True):
-    kernel = tvmflash.compile(head_dim=D, dtype="bfloat16", causal=causal, heads_q=H, heads_kv=H)
-    kernel(q, k, v)
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--seqlen", type=int, default=4096)
+    parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--backward", action="store_true", help="forward + backward, each through autograd")
+    args = parser.parse_args(argv)
+    d, s = args.head_dim, args.seqlen
+    batch, heads = max(1, 16384 // s), 2048 // d
+    q, k, v = (torch.randn(batch, s, heads, d, device="cuda", dtype=torch.bfloat16, requires_grad=args.backward)
+               for _ in range(3))
+    dout = torch.randn_like(q)
+
+    def ours():
+        out = tvmflash.flash_attn_func(q, k, v, causal=args.causal)
+        if args.backward:
+            out.backward(dout)
+
+    def cudnn():
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                 is_causal=args.causal)
+        if args.backward:
+            out.backward(dout.transpose(1, 2))
+
+    for call in (ours, cudnn):  # builds, cuDNN's plan, the allocator's blocks
+        call()
     torch.cuda.synchronize()
-    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-        torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                         is_causal=causal)
-    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    for call in (ours, cudnn):
+        call()
+        torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+    print(f"profiled: bf16 d{d} seqlen {s} batch {batch} heads {heads} causal {args.causal} "
+          f"{'forward + backward' if args.backward else 'forward'}, tvmflash then cuDNN")
+
+
+if __name__ == "__main__":
+    main()

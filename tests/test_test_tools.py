@@ -1,11 +1,17 @@
-"""The GPU suite's tools: the order in which it starts its tests (tests/gpu_test_times.txt, the longest
-first) and benchmarks/gpu_tests.py's record of their seconds."""
+"""The tools that tests, benchmarks and the tuner judge by: the GPU suite's order (tests/gpu_test_times.txt,
+the longest first), benchmarks/gpu_tests.py's record of their seconds, and ``tvmflash.bench``'s error rule."""
 
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+import torch
+import torch.nn.functional as F
 from conftest import GPU_TEST_TIMES, longest_first, recorded_seconds
+from reference import reference_gradients
+
+from tvmflash import bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import gpu_tests  # noqa: E402
@@ -77,3 +83,32 @@ def test_every_gpu_test_may_end_its_worker():
     command = gpu_tests.pytest_command(16, 900, ["-k", "fp8"])
     assert command[command.index("--max-worker-restart") + 1] == "900"
     assert command[command.index("-n") + 1] == "16" and command[-2:] == ["-k", "fp8"]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_rules_float32_attention_is_sdpas(causal):
+    q, k, v = (torch.randn(2, n, 3, 16, dtype=torch.float64) for n in (5, 9, 9))  # seqlen_q < seqlen_k: bottom-right
+    ours = bench.attention_in(torch.float64, q, k, v, causal)
+    mask = torch.ones(5, 9, dtype=torch.bool).tril(9 - 5) if causal else None
+    sdpa = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), attn_mask=mask).transpose(1, 2)
+    torch.testing.assert_close(ours, sdpa)
+
+
+def test_the_gradient_rule_takes_bfloat16_attention_as_its_baseline():
+    """flash-attn's rule: 2x the error of torch's attention in bf16 (products and softmax rounded to bf16),
+    not of SDPA's math backend, which computes bf16 in float32 and would set a baseline several times
+    tighter. The float64 reference's own gradients pass; the same ones off by a few times the allowance fail."""
+    torch.manual_seed(0)
+    q, k, v, dout = (torch.randn(2, 64, 2, 32, dtype=torch.bfloat16) for _ in range(4))
+    exact = reference_gradients(q, k, v, dout)
+    checked = bench.gradient_errors_vs_float32([g.to(torch.bfloat16) for g in exact], q, k, v, dout, causal=False)
+    assert all(err <= allowed for err, allowed in checked)
+    same = [t.detach().to(torch.bfloat16).requires_grad_() for t in (q, k, v)]
+    bf16_errors = [allowed for _, allowed in checked]
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in same)).transpose(1, 2)
+    math = torch.autograd.grad(out, same, dout)
+    math_errors = bench.gradient_errors_vs_float32(math, q, k, v, dout, causal=False)
+    assert all(2 * err < allowed for (err, _), allowed in zip(math_errors, bf16_errors))
+    off = [g.to(torch.bfloat16) + 3 * allowed for g, allowed in zip(exact, bf16_errors)]
+    assert all(err > allowed for err, allowed in bench.gradient_errors_vs_float32(off, q, k, v, dout, causal=False))
