@@ -213,7 +213,7 @@ def test_the_byte_tiles_form_on_the_cpu(monkeypatch, tmp_path, paged):
 
     monkeypatch.setenv("TVMFLASH_CACHE_DIR", str(tmp_path))  # (the form is not in the cache's key)
     kernel = DecodeKernel(64, "bfloat16", 16 if paged else 0, resolve("cpu"), None, {"cache_dtype": "float8_e4m3fn"})
-    kernel.tasks = replace(kernel.tasks, fp8_byte_tiles=lambda head_dim, knobs: True)
+    kernel.tasks = replace(kernel.tasks, fp8_byte_tiles=lambda head_dim, knobs, converts: "prefetched")
     assert "dequant_k" in kernel.build.scheduled_tir(8, 2)
     k_cache, v_cache, table, kd, vd = make_fp8_cache(3, 150, 2, 64, "cpu", 16 if paged else 0, seed=11,
                                                      every_byte=True)
@@ -320,7 +320,7 @@ def test_fp8_cache_sm90_source_converts_the_cache_bytes_in_registers(head_dim, p
     from tvmflash.schedules.sm80.decode import FP8_PREFETCH_BYTES, fp8_byte_tiles
 
     kernel = compile_decode(head_dim=head_dim, dtype="bfloat16", target="sm90", cache_dtype=F8)
-    assert fp8_byte_tiles(head_dim, kernel.knobs) == prefetched == (2 * 32 * head_dim <= FP8_PREFETCH_BYTES * 32)
+    assert (fp8_byte_tiles(head_dim, kernel.knobs) == "prefetched") == prefetched == (2 * 32 * head_dim <= FP8_PREFETCH_BYTES * 32)
     src = kernel.source(32, 8)
     assert "__nv_fp8_e4m3* __restrict__ K_ptr" in src and "__nv_fp8_e4m3* __restrict__ V_ptr" in src
     assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in src

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import tvm
 
+from tvmflash.lowering.annotations import UNIFORM_STEPS
+
 from ..common import (has_block, hide_init_reads, pipeline_loads, quad_row_block, quad_row_init, row_quad_map, row_reduce_intrin,
                       staged_row_block, tensorize_row_reduce)
 from ..simt import schedule_decode_merge
@@ -25,12 +27,45 @@ FP8_CONVERT_VEC = 4
 # pass FP8_PREFETCH_BYTES a thread (head_dim 256 at block_n 32: 512), or with num_stages 1, no prefetch:
 # each element is converted as it is read, and the tasks an SM runs at once hide the loads' latency.
 FP8_PREFETCH_BYTES = 256
+# FP8_STAGED (knob fp8_tiles "shared"): the cache's bytes copied by cp.async into num_stages shared byte
+# tiles (the program's "staged" byte_tiles form: zeroed past the keys by the predicated copies), as the
+# bf16 cache's tiles are, in half the shared bytes; after a step's wait the threads convert both byte
+# tiles into the padded q-dtype tiles the ldmatrix loads read (one copy of each). The loads then never
+# wait for a conversion, and as many bytes are in flight as the pipeline's stages hold.
+FP8_STAGED_VEC = 16  # bytes a cp.async copy moves
+# The converted tiles in static shared memory, apart from the byte tiles (dynamic): ThreadSync counts
+# every dynamic shared buffer as one (they are merged later), so with both there it put a barrier in each
+# iteration of the conversion loops (a read of the bytes after the write of the tile before). Static
+# shared memory holds 48 KiB a block (else the registers form: ``fp8_byte_tiles``).
+FP8_STAGED_SCOPE = "shared"
+STATIC_SHARED_BYTES = 48 * 1024
 
 
-def fp8_byte_tiles(head_dim: int, knobs: dict) -> bool:
-    """Does this schedule prefetch an FP8 cache's tiles (the program's byte_tiles form; FP8_PIPELINE)? A
-    task's one warp (its 16 rows) holds the next K and V tiles' bytes."""
-    return knobs["num_stages"] > 1 and 2 * knobs["block_n"] * head_dim <= FP8_PREFETCH_BYTES * WARP
+def fp8_staged_static_bytes(head_dim: int, knobs: dict) -> int:
+    """The static shared memory of FP8_STAGED: the converted K and V tiles (rows padded by 8 elements)."""
+    return 2 * knobs["block_n"] * (head_dim + 8) * 2
+
+
+def fp8_byte_tiles(head_dim: int, knobs: dict, converts: bool = True) -> str:
+    """The program's byte_tiles form for an FP8 cache: "staged" (knob fp8_tiles "shared", num_stages > 1, the
+    converted tiles within static shared memory's 48 KiB, and the target ``converts`` e4m3 itself: where it
+    does not, TVM legalizes a copy of e4m3 values through float32, no cp.async: FP8_STAGED), "prefetched" (a task's one warp (its 16 rows) holds the next K and V tiles' bytes:
+    FP8_PIPELINE), or "" (each element converted as it is read)."""
+    if knobs["num_stages"] > 1 and knobs.get("fp8_tiles") == "shared" and converts and \
+            fp8_staged_static_bytes(head_dim, knobs) <= STATIC_SHARED_BYTES:
+        return "staged"
+    if knobs["num_stages"] > 1 and 2 * knobs["block_n"] * head_dim <= FP8_PREFETCH_BYTES * WARP:
+        return "prefetched"
+    return ""
+
+
+def byte_tiles_form(sch) -> str:
+    """The program's byte_tiles form (``fp8_byte_tiles``): "staged" where dequant_k follows load_v,
+    "prefetched" where it comes before, "" without byte tiles."""
+    if not has_block(sch, "dequant_k"):
+        return ""
+    order = [str(sch.get(block).name_hint) for block in sch.get_child_blocks(sch.get_sblock("kv_step"))]
+    return "staged" if order.index("load_v") < order.index("dequant_k") else "prefetched"
 
 
 def convert_to_shared(sch, load, convert, warps):
@@ -49,7 +84,8 @@ def convert_to_shared(sch, load, convert, warps):
         sch.vectorize(vector)
 
 
-def schedule_decode(sch: tvm.s_tir.Schedule, *, block_n: int, num_stages: int, vec: int) -> tvm.s_tir.Schedule:
+def schedule_decode(sch: tvm.s_tir.Schedule, *, block_n: int, num_stages: int, vec: int,
+                    fp8_tiles: str = "registers") -> tvm.s_tir.Schedule:  # noqa: ARG001 (fp8_tiles: the program's form)
     """Map the decode programs (functions ``split``, ``single`` and ``merge``) onto tensor cores.
 
     split (and single, the same with one split): one thread block per task, blockIdx.x = (sequence,
@@ -78,11 +114,18 @@ def schedule_decode(sch: tvm.s_tir.Schedule, *, block_n: int, num_stages: int, v
         if fp8:
             sch.set_scope("init_value_scale", 0, "local")
 
-        byte_tiles = has_block(sch, "dequant_k")  # (FP8_PIPELINE)
-        for name in ("load_q", "dequant_k", "dequant_v") if byte_tiles else ("load_q", "load_k", "load_v"):
-            sch.set_scope(name, 0, "shared.dyn")
+        form = byte_tiles_form(sch)  # (the kernel's choice: fp8_byte_tiles)
+        byte_tiles = form == "prefetched"  # (FP8_PIPELINE)
+        if form == "staged":  # (FP8_STAGED) the bytes by cp.async; the conversions' shared reads 4 bytes a thread
+            for name in ("load_k", "load_v"):
+                sch.set_scope(name, 0, "shared.dyn")
+                copy_to_shared(sch, name, warps, FP8_STAGED_VEC)
+        for name in ("load_q", "dequant_k", "dequant_v") if form else ("load_q", "load_k", "load_v"):
+            sch.set_scope(name, 0, FP8_STAGED_SCOPE if form == "staged" and name != "load_q" else "shared.dyn")
             sch.storage_align(name, 0, axis=0, factor=head_dim, offset=8)  # ldmatrix's 8 rows in 8 bank groups
-            if byte_tiles and name != "load_q":
+            if form == "staged" and name != "load_q":
+                convert_to_shared(sch, None, name, warps)
+            elif byte_tiles and name != "load_q":
                 convert_to_shared(sch, name.replace("dequant", "load"), name, warps)
             elif fp8 and name != "load_q":
                 convert_to_shared(sch, None, name, warps)
@@ -100,7 +143,8 @@ def schedule_decode(sch: tvm.s_tir.Schedule, *, block_n: int, num_stages: int, v
             sch.transform_layout(name, ("write", 0), frag_index_map)
 
         qk = sch.get_sblock("qk")
-        warp_gemm_operands(sch, qk, warps, [("Qt", names["ld_a"]), ("Kt", names["ld_b_trans"])])
+        static = "_static" if form == "staged" else ""  # (FP8_STAGED_SCOPE)
+        warp_gemm_operands(sch, qk, warps, [("Qt", names["ld_a"]), ("Kt", names["ld_b_trans" + static])])
         sch.tensorize(sch.get_loops(qk)[-3], names["mma_nt"])
         sch.tensorize(sch.get_loops("qk_init")[-2], names["fill"])
         for name in ("score", "exp", "cast_p", "init_l", "sum_p", "update_l"):
@@ -111,7 +155,7 @@ def schedule_decode(sch: tvm.s_tir.Schedule, *, block_n: int, num_stages: int, v
                              warps, WARP, quad_row_init(sch))
 
         pv = sch.get_sblock("pv")
-        pv_o = warp_gemm_operands(sch, pv, warps, [("Pc", None), ("Vt", names["ld_b"])])
+        pv_o = warp_gemm_operands(sch, pv, warps, [("Pc", None), ("Vt", names["ld_b" + static])])
         for block in (pv_o, pv):
             hide_init_reads(sch, block)
         sch.tensorize(sch.get_loops(pv)[-3], names["mma_nn"])
@@ -124,7 +168,9 @@ def schedule_decode(sch: tvm.s_tir.Schedule, *, block_n: int, num_stages: int, v
         staged_row_block(sch, "store_lse", warps, lambda sch, name: row_block(sch, name, warps))
         if byte_tiles:  # an FP8 cache's next tiles' bytes prefetched into registers (FP8_PIPELINE)
             pipeline_loads(sch, 2, async_loads=False, ahead=("dequant_k", "dequant_v"))
-        elif num_stages > 1 and not fp8:
+        elif num_stages > 1 and (form == "staged" or not fp8):  # (an FP8 cache's: FP8_STAGED)
             pipeline_loads(sch, num_stages)
+            if form == "staged":  # the epilogue's conversions, then a barrier, then the loads (UNIFORM_STEPS)
+                sch.annotate(sch.get_loops("kv_step")[-1], UNIFORM_STEPS, 1)
     schedule_decode_merge(sch)
     return sch
