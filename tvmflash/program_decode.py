@@ -154,8 +154,8 @@ def decode_split(spec: DecodeSpec, query_tokens: int, block_n: int, final: bool 
     registers): every key's bytes (indices clamped), dequant_k after load_k and before load_v, the
     conversions zeroing the rows past the keys; "staged" (a schedule that copies the bytes into shared
     tiles with cp.async, in a software pipeline): the loads zero the rows past the keys (byte 0 is e4m3's
-    zero; a predicated cp.async writes it), both come first, then the plain conversions (not with
-    e4m3_bits). The task's
+    zero; a predicated cp.async writes it) and both come first; the plain conversions come right before
+    the products that read them (dequant_k before qk, dequant_v before pv; not with e4m3_bits). The task's
     softmax_scale is softmax_scale · k_descale[b, hk], and its 1 / l is v_descale[b, hk] / l (block
     ``init_value_scale`` reads v_descale once, into ``v_scale``). e4m3_bits: convert by the bits
     (``e4m3_bits_to_float32``) rather than by a cast, for a target without an FP8 conversion of its own, where
@@ -427,10 +427,6 @@ def decode_split(spec: DecodeSpec, query_tokens: int, block_n: int, final: bool 
                                 with T.sblock("dequant_k"):
                                     vj, vd = T.axis.remap("SS", [j, d])
                                     Kt[vj, vd] = dequantised(Kt8[vj, vd])
-                            for j, d in T.grid(BN, D):
-                                with T.sblock("dequant_v"):
-                                    vj, vd = T.axis.remap("SS", [j, d])
-                                    Vt[vj, vd] = dequantised(Vt8[vj, vd])
                         for r, j, d in T.grid(R, BN, D):
                             with T.sblock("qk"):
                                 vr, vj, vd = T.axis.remap("SSR", [r, j, d])
@@ -477,6 +473,11 @@ def decode_split(spec: DecodeSpec, query_tokens: int, block_n: int, final: bool 
                                 with T.sblock("cast_p"):
                                     vr, vj = T.axis.remap("SS", [r, j])
                                     Pc[vr, vj] = T.cast(P[vr, vj], dtype)
+                        if staged:  # (V's right before P V: a schedule converting into registers holds one tile)
+                            for j, d in T.grid(BN, D):
+                                with T.sblock("dequant_v"):
+                                    vj, vd = T.axis.remap("SS", [j, d])
+                                    Vt[vj, vd] = dequantised(Vt8[vj, vd])
                         for r, d, j in T.grid(R, D, BN):
                             with T.sblock("pv"):
                                 vr, vd, vj = T.axis.remap("SSR", [r, d, j])

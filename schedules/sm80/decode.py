@@ -33,6 +33,10 @@ FP8_PREFETCH_BYTES = 256
 # tiles into the padded q-dtype tiles the ldmatrix loads read (one copy of each). The loads then never
 # wait for a conversion, and as many bytes are in flight as the pipeline's stages hold.
 FP8_STAGED_VEC = 16  # bytes a cp.async copy moves
+# FP8_FRAGMENTS (knob fp8_tiles "fragments"): the staged byte tiles (rows padded by 16 bytes) converted
+# straight into the mma operands: each lane reads the byte pairs its B fragments hold (K's for S = Q Kᵀ,
+# V's for P V) and converts them in registers, FA3's way (``convert_to_fragments``): no converted tiles
+# in shared memory, no barrier between a conversion and its ldmatrix loads.
 # The converted tiles in static shared memory, apart from the byte tiles (dynamic): ThreadSync counts
 # every dynamic shared buffer as one (they are merged later), so with both there it put a barrier in each
 # iteration of the conversion loops (a read of the bytes after the write of the tile before). Static
@@ -51,6 +55,8 @@ def fp8_byte_tiles(head_dim: int, knobs: dict, converts: bool = True) -> str:
     converted tiles within static shared memory's 48 KiB, and the target ``converts`` e4m3 itself: where it
     does not, TVM legalizes a copy of e4m3 values through float32, no cp.async: FP8_STAGED), "prefetched" (a task's one warp (its 16 rows) holds the next K and V tiles' bytes:
     FP8_PIPELINE), or "" (each element converted as it is read)."""
+    if knobs["num_stages"] > 1 and knobs.get("fp8_tiles") == "fragments" and converts:
+        return "staged"
     if knobs["num_stages"] > 1 and knobs.get("fp8_tiles") == "shared" and converts and \
             fp8_staged_static_bytes(head_dim, knobs) <= STATIC_SHARED_BYTES:
         return "staged"
@@ -66,6 +72,21 @@ def byte_tiles_form(sch) -> str:
         return ""
     order = [str(sch.get(block).name_hint) for block in sch.get_child_blocks(sch.get_sblock("kv_step"))]
     return "staged" if order.index("load_v") < order.index("dequant_k") else "prefetched"
+
+
+def convert_to_fragments(sch, name, intrin):
+    """FP8_FRAGMENTS: block ``name`` (dequant_k or dequant_v) writes its tile as mma fragments ("warp" scope,
+    ``frag_index_map``), 16 x 16 tiles converted by ``intrin`` (``intrinsics``' ld_b_e4m3: each lane the
+    byte pairs its fragment holds): the B operand of S = Q Kᵀ (of P V) with no ldmatrix. Every warp
+    converts the whole tile (each holds its own fragments of it, as each loads them with ldmatrix
+    otherwise)."""
+    sch.set_scope(name, 0, "warp")
+    j, d = sch.get_loops(name)[-2:]
+    j0, j1 = sch.split(j, [None, 16])
+    d0, d1 = sch.split(d, [None, 16])
+    sch.reorder(j0, d0, j1, d1)
+    sch.transform_layout(name, ("write", 0), frag_index_map)
+    sch.tensorize(j1, intrin)
 
 
 def convert_to_shared(sch, load, convert, warps):
@@ -85,7 +106,7 @@ def convert_to_shared(sch, load, convert, warps):
 
 
 def schedule_decode(sch: tvm.s_tir.Schedule, *, block_n: int, num_stages: int, vec: int,
-                    fp8_tiles: str = "registers") -> tvm.s_tir.Schedule:  # noqa: ARG001 (fp8_tiles: the program's form)
+                    fp8_tiles: str = "registers") -> tvm.s_tir.Schedule:
     """Map the decode programs (functions ``split``, ``single`` and ``merge``) onto tensor cores.
 
     split (and single, the same with one split): one thread block per task, blockIdx.x = (sequence,
@@ -116,11 +137,18 @@ def schedule_decode(sch: tvm.s_tir.Schedule, *, block_n: int, num_stages: int, v
 
         form = byte_tiles_form(sch)  # (the kernel's choice: fp8_byte_tiles)
         byte_tiles = form == "prefetched"  # (FP8_PIPELINE)
+        fragments = form == "staged" and fp8_tiles == "fragments"  # (FP8_FRAGMENTS)
         if form == "staged":  # (FP8_STAGED) the bytes by cp.async; the conversions' shared reads 4 bytes a thread
             for name in ("load_k", "load_v"):
                 sch.set_scope(name, 0, "shared.dyn")
+                if fragments:  # a lane's byte pairs of 8 rows in 8 bank pairs
+                    sch.storage_align(name, 0, axis=0, factor=head_dim, offset=FP8_STAGED_VEC)
                 copy_to_shared(sch, name, warps, FP8_STAGED_VEC)
-        for name in ("load_q", "dequant_k", "dequant_v") if form else ("load_q", "load_k", "load_v"):
+        converted = () if fragments else ("dequant_k", "dequant_v") if form else ("load_k", "load_v")
+        if fragments:
+            for name in ("dequant_k", "dequant_v"):
+                convert_to_fragments(sch, name, names["ld_b_e4m3"])
+        for name in ("load_q", *converted):
             sch.set_scope(name, 0, FP8_STAGED_SCOPE if form == "staged" and name != "load_q" else "shared.dyn")
             sch.storage_align(name, 0, axis=0, factor=head_dim, offset=8)  # ldmatrix's 8 rows in 8 bank groups
             if form == "staged" and name != "load_q":
@@ -144,7 +172,8 @@ def schedule_decode(sch: tvm.s_tir.Schedule, *, block_n: int, num_stages: int, v
 
         qk = sch.get_sblock("qk")
         static = "_static" if form == "staged" else ""  # (FP8_STAGED_SCOPE)
-        warp_gemm_operands(sch, qk, warps, [("Qt", names["ld_a"]), ("Kt", names["ld_b_trans" + static])])
+        k_operand = None if fragments else names["ld_b_trans" + static]  # (None: fragments already)
+        warp_gemm_operands(sch, qk, warps, [("Qt", names["ld_a"]), ("Kt", k_operand)])
         sch.tensorize(sch.get_loops(qk)[-3], names["mma_nt"])
         sch.tensorize(sch.get_loops("qk_init")[-2], names["fill"])
         for name in ("score", "exp", "cast_p", "init_l", "sum_p", "update_l"):
@@ -155,7 +184,8 @@ def schedule_decode(sch: tvm.s_tir.Schedule, *, block_n: int, num_stages: int, v
                              warps, WARP, quad_row_init(sch))
 
         pv = sch.get_sblock("pv")
-        pv_o = warp_gemm_operands(sch, pv, warps, [("Pc", None), ("Vt", names["ld_b" + static])])
+        v_operand = None if fragments else names["ld_b" + static]
+        pv_o = warp_gemm_operands(sch, pv, warps, [("Pc", None), ("Vt", v_operand)])
         for block in (pv_o, pv):
             hide_init_reads(sch, block)
         sch.tensorize(sch.get_loops(pv)[-3], names["mma_nn"])
@@ -170,7 +200,7 @@ def schedule_decode(sch: tvm.s_tir.Schedule, *, block_n: int, num_stages: int, v
             pipeline_loads(sch, 2, async_loads=False, ahead=("dequant_k", "dequant_v"))
         elif num_stages > 1 and (form == "staged" or not fp8):  # (an FP8 cache's: FP8_STAGED)
             pipeline_loads(sch, num_stages)
-            if form == "staged":  # the epilogue's conversions, then a barrier, then the loads (UNIFORM_STEPS)
+            if form == "staged" and not fragments:  # the epilogue's conversions, a barrier, the loads (UNIFORM_STEPS)
                 sch.annotate(sch.get_loops("kv_step")[-1], UNIFORM_STEPS, 1)
     schedule_decode_merge(sch)
     return sch

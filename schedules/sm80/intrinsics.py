@@ -117,6 +117,75 @@ def _mma_intrin(dtype, a_transposed, b_transposed):
     return desc, impl
 
 
+# An e4m3 pair in shared memory (its two bytes at ``p``, a 2-byte boundary) in q's dtype, packed in 32 bits
+# (the first element low): one 16-bit load, one pair conversion. fp16: cvt.rn.f16x2.e4m3x2. bf16 (no e4m3
+# conversion to it): each byte moved into bf16's fields, sign and magnitude (exponent and mantissa shifted
+# right by 4), is the value times 2^-120 (the exponent biases differ by 120; e4m3's subnormals become
+# bf16's), then one bf16x2 multiply by 2^120: exact for every non-NaN byte.
+_E4M3_PAIR = {
+    "float16": ("tvmflash_e4m3_pair_f16", """
+__device__ __forceinline__ unsigned int tvmflash_e4m3_pair_f16(const void* p) {
+  __half2_raw pair = __nv_cvt_fp8x2_to_halfraw2(*(const __nv_fp8x2_storage_t*)p, __NV_E4M3);
+  return (unsigned int)pair.x | ((unsigned int)pair.y << 16);
+}
+"""),
+    "bfloat16": ("tvmflash_e4m3_pair_bf16", """
+__device__ __forceinline__ unsigned int tvmflash_e4m3_pair_bf16(const void* p) {
+  unsigned int z = __byte_perm((unsigned int)*(const unsigned short*)p, 0u, 0x1404u);
+  unsigned int bits = ((z >> 4) & 0x07f007f0u) | (z & 0x80008000u);
+  __nv_bfloat162 v = __hmul2(*(__nv_bfloat162*)&bits, __float2bfloat162_rn(0x1p120f));
+  return *(unsigned int*)&v;
+}
+"""),
+}
+
+
+def _e4m3_fragment_intrin(dtype):
+    """A 16 x 16 tile of e4m3 bytes in shared.dyn converted into q's dtype as an mma fragment
+    (``ldmatrix_layout``, as ``ld_b`` and ``ld_b_trans`` load a tile of q's dtype): each lane reads the byte
+    pairs its fragment holds (rows 8 h + r8, columns 8 dh + 2 q + e for lane 4 r8 + q, register
+    4 dh + 2 h + e) and converts each pair at once (``_E4M3_PAIR``). Decode's FP8_FRAGMENTS."""
+    from tvm.script import tirx as T
+
+    name, source = _E4M3_PAIR[dtype]
+
+    @tvmscript.prim_func(s_tir=True)
+    def desc(warp_handle: T.handle, shared_handle: T.handle) -> None:
+        shared = T.match_buffer(shared_handle, (16, 16), "float8_e4m3fn", align=16, offset_factor=16,
+                                scope="shared.dyn")
+        warp = T.match_buffer(warp_handle, (WARP, 8), dtype, align=64, offset_factor=16, scope="warp")
+        with T.sblock("root"):
+            T.reads(shared[0:16, 0:16])
+            T.writes(warp[0:WARP, 0:8])
+            for ax0, ax1 in T.grid(16, 16):
+                with T.sblock("shared_warp"):
+                    v0, v1 = T.axis.remap("SS", [ax0, ax1])
+                    T.reads(shared[v0, v1])
+                    lane, reg = T.meta_var(ldmatrix_layout(v0, v1))
+                    T.writes(warp[lane, reg])
+                    warp[lane, reg] = T.Cast(dtype, shared[v0, v1])
+
+    @tvmscript.prim_func(s_tir=True)
+    def impl(warp_handle: T.handle, shared_handle: T.handle) -> None:
+        s0 = T.int32()
+        s1 = T.int32()
+        shared = T.match_buffer(shared_handle, (16, 16), "float8_e4m3fn", align=16, offset_factor=16,
+                                scope="shared.dyn", strides=[s0, s1])
+        warp = T.match_buffer(warp_handle, (WARP, 8), dtype, align=64, offset_factor=16, scope="warp")
+        with T.sblock("root"):
+            T.reads(shared[0:16, 0:16])
+            T.writes(warp[0:WARP, 0:8])
+            for tx in T.thread_binding(0, WARP, "threadIdx.x"):
+                for p in T.unroll(4):  # registers 2 p, 2 p + 1: row 8 (p % 2) + tx // 4, columns 8 (p // 2) + 2 (tx % 4) + e
+                    pair: T.uint32 = T.cuda.func_call(
+                        name, shared.access_ptr("r", offset=s0 * (8 * (p % 2) + tx // 4) + 8 * (p // 2) + 2 * (tx % 4)),
+                        source_code=source, return_type="uint32")
+                    warp[tx, 2 * p] = T.reinterpret(dtype, T.Cast("uint16", pair & T.uint32(0xFFFF)))
+                    warp[tx, 2 * p + 1] = T.reinterpret(dtype, T.Cast("uint16", pair >> T.uint32(16)))
+
+    return desc, impl
+
+
 def _fill_intrin():
     """Zero a 16 x 16 float32 tile of fragments."""
     from tvm.script import tirx as T
@@ -155,6 +224,8 @@ _ROLES = {  # role: the intrinsic's generator and its arguments after the dtype
     # B from static shared memory (decode's FP8_STAGED converted tiles)
     "ld_b_static": (_ldmatrix_intrin, "B", False, "shared"),
     "ld_b_trans_static": (_ldmatrix_intrin, "B", True, "shared"),
+    # B from a tile of e4m3 bytes (decode's FP8_FRAGMENTS)
+    "ld_b_e4m3": (_e4m3_fragment_intrin,),
     "mma_nn": (_mma_intrin, False, False),
     "mma_nt": (_mma_intrin, False, True),
     "mma_tn": (_mma_intrin, True, False),

@@ -108,14 +108,16 @@ def decode_shared_memory_bytes(head_dim: int, dtype: str, knobs: dict, group: in
     """Shared memory of a decode task: its query rows and num_stages K/V tile pairs (rows padded by 8
     elements), and the final row values staged for store_lse. Over an FP8 cache (knobs' "fp8_cache" set,
     by decode's kernel): one pair of converted tiles, and with fp8_tiles "shared" (FP8_STAGED) num_stages
-    pairs of byte tiles (a byte an element, unpadded) besides."""
+    pairs of byte tiles (a byte an element) besides; with "fragments" (FP8_FRAGMENTS) the byte tiles alone."""
     rows = group * decode_query_tokens(group, knobs)
     if not knobs.get("fp8_cache"):
         tiles = rows + 2 * knobs["block_n"] * max(1, knobs["num_stages"])
         return tiles * (head_dim + 8) * 2 + 8 * rows
-    converted = (rows + 2 * knobs["block_n"]) * (head_dim + 8) * 2 + 8 * rows
-    staged = knobs["num_stages"] > 1 and knobs.get("fp8_tiles") == "shared"
-    return converted + (2 * knobs["block_n"] * head_dim * knobs["num_stages"] if staged else 0)
+    staged = knobs["num_stages"] > 1 and knobs.get("fp8_tiles") in ("shared", "fragments")
+    fragments = staged and knobs.get("fp8_tiles") == "fragments"  # (no converted tiles; byte rows padded by 16)
+    converted = (rows + (0 if fragments else 2 * knobs["block_n"])) * (head_dim + 8) * 2 + 8 * rows
+    byte_row = head_dim + (16 if fragments else 0)
+    return converted + (2 * knobs["block_n"] * byte_row * knobs["num_stages"] if staged else 0)
 
 
 def decode_tasks_per_sm(head_dim: int, dtype: str, knobs: dict, group: int = 8) -> int:
@@ -148,8 +150,8 @@ DECODE_FP8_UNCHECKED_HEAD_DIMS = DECODE_HEAD_DIMS
 # fp8_tiles (an FP8 cache only; ``decode.fp8_byte_tiles``): "registers", its next tiles' bytes prefetched
 # into registers and converted into the shared tiles (FP8_PIPELINE; with num_stages 1 converted as read);
 # "shared", its bytes copied by cp.async into num_stages shared byte tiles and converted after the wait
-# (FP8_STAGED).
-FP8_TILES = ("registers", "shared")
+# (FP8_STAGED); "fragments", those byte tiles converted straight into the mma operands (FP8_FRAGMENTS).
+FP8_TILES = ("registers", "shared", "fragments")
 DECODE = KnobSet("sm80", "decode", (
     Knob("block_n", 32, space=(32, 64, 128)),
     Knob("num_stages", 3, choices=(1, 2, 3, 4), space=(1, 2, 3, 4)),
