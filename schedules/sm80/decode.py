@@ -21,9 +21,8 @@ from .knobs import WARP, WARP_ROWS
 FP8_CONVERT_VEC = 4
 # FP8_PIPELINE: with num_stages > 1 an FP8 cache's next K and V tiles are prefetched into registers (the
 # program's byte_tiles form, two stages): a step converts the bytes it holds into the shared tiles, then
-# loads the next tiles' bytes into the same registers, then computes while they arrive. Not cp.async into
-# a shared tile of bytes: TVM's pipeline epilogue puts the wait and the conversion that reads them under
-# one condition, where ThreadSync cannot place the barrier between them. Where the two tiles' bytes would
+# loads the next tiles' bytes into the same registers, then computes while they arrive (so the loads wait for
+# the conversion, and at most two tiles are in flight: FP8_STAGED and FP8_FRAGMENTS do not). Where the two tiles' bytes would
 # pass FP8_PREFETCH_BYTES a thread (head_dim 256 at block_n 32: 512), or with num_stages 1, no prefetch:
 # each element is converted as it is read, and the tasks an SM runs at once hide the loads' latency.
 FP8_PREFETCH_BYTES = 256
@@ -37,10 +36,13 @@ FP8_STAGED_VEC = 16  # bytes a cp.async copy moves
 # straight into the mma operands: each lane reads the byte pairs its B fragments hold (K's for S = Q Kᵀ,
 # V's for P V) and converts them in registers, FA3's way (``convert_to_fragments``): no converted tiles
 # in shared memory, no barrier between a conversion and its ldmatrix loads.
-# The converted tiles in static shared memory, apart from the byte tiles (dynamic): ThreadSync counts
-# every dynamic shared buffer as one (they are merged later), so with both there it put a barrier in each
-# iteration of the conversion loops (a read of the bytes after the write of the tile before). Static
-# shared memory holds 48 KiB a block (else the registers form: ``fp8_byte_tiles``).
+
+# FP8_STAGED's converted tiles in static shared memory, apart from the byte tiles (dynamic): ThreadSync
+# counts every dynamic shared buffer as one (they are merged later), so with both there it put a barrier in
+# each iteration of the conversion loops (a read of the bytes after the write of the tile before). Static
+# shared memory holds 48 KiB a block (else the registers form: ``fp8_byte_tiles``). The pipeline's epilogue
+# guards each statement on its own, where ThreadSync cannot put the barrier between a conversion and the
+# ldmatrix loads: the tile loop is marked UNIFORM_STEPS, so that those guards are merged.
 FP8_STAGED_SCOPE = "shared"
 STATIC_SHARED_BYTES = 48 * 1024
 
@@ -51,10 +53,11 @@ def fp8_staged_static_bytes(head_dim: int, knobs: dict) -> int:
 
 
 def fp8_byte_tiles(head_dim: int, knobs: dict, converts: bool = True) -> str:
-    """The program's byte_tiles form for an FP8 cache: "staged" (knob fp8_tiles "shared", num_stages > 1, the
-    converted tiles within static shared memory's 48 KiB, and the target ``converts`` e4m3 itself: where it
-    does not, TVM legalizes a copy of e4m3 values through float32, no cp.async: FP8_STAGED), "prefetched" (a task's one warp (its 16 rows) holds the next K and V tiles' bytes:
-    FP8_PIPELINE), or "" (each element converted as it is read)."""
+    """The program's byte_tiles form for an FP8 cache: "staged" (knob fp8_tiles "fragments", or "shared" with
+    the converted tiles within static shared memory's 48 KiB; num_stages > 1 and the target ``converts``
+    e4m3 itself: where it does not, TVM computes a copy of e4m3 values in float32, no cp.async),
+    "prefetched" (a task's one warp (its 16 rows) holds the next K and V tiles' bytes: FP8_PIPELINE), or ""
+    (each element converted as it is read)."""
     if knobs["num_stages"] > 1 and knobs.get("fp8_tiles") == "fragments" and converts:
         return "staged"
     if knobs["num_stages"] > 1 and knobs.get("fp8_tiles") == "shared" and converts and \
@@ -117,8 +120,11 @@ def schedule_decode(sch: tvm.s_tir.Schedule, *, block_n: int, num_stages: int, v
     quads once, after the last tile. merge: SIMT, as ``simt.schedule_decode_merge``.
 
     An FP8 cache: each thread reads the cache's e4m3 bytes and converts them into the padded q-dtype tiles
-    the ldmatrix loads read (``convert_to_shared``); with the program's byte tiles (``fp8_byte_tiles``:
-    dequant_k, dequant_v) the next tiles' bytes are prefetched into registers (FP8_PIPELINE).
+    the ldmatrix loads read (``convert_to_shared``); with the program's prefetched byte tiles
+    (``fp8_byte_tiles``: dequant_k, dequant_v) the next tiles' bytes are prefetched into registers
+    (FP8_PIPELINE); with its staged ones (fp8_tiles "fragments", "shared") the bytes come by cp.async and are
+    converted into the mma fragments (FP8_FRAGMENTS, ``convert_to_fragments``) or into static shared tiles
+    (FP8_STAGED).
     """
     for func in [gv.name_hint for gv in sch.mod.functions if gv.name_hint in ("split", "single")]:
         sch.work_on(func)
