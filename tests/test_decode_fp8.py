@@ -398,6 +398,28 @@ def test_fp8_cache_staged_sources(fp8_tiles):
     assert "cp_async" not in sm80.source(4, 2) and "0x1p-9f" in sm80.source(4, 2)
 
 
+@pytest.mark.parametrize("transposed", [True, False], ids=["K-ld_b_trans", "V-ld_b"])
+def test_e4m3_fragments_hold_what_ldmatrix_loads(transposed):
+    """FP8_FRAGMENTS's conversion must leave in each register what the ldmatrix it replaces leaves there (the
+    mma reads registers, not the intrinsics' description of them): ldmatrix.x4 simulated by PTX's rule (lane
+    t gives the address of row t % 8 of matrix t // 8, and receives of matrix m, in register m, row t // 4,
+    columns 2 (t % 4) + e; with .trans, row 2 (t % 4) + e, column t // 4) from the schedule's row addresses
+    (``ldmatrix_row_offset``), against ``b_fragment_element``; both against mma.sync's B fragment (lane
+    4 n8 + q holds k = 2 q + e (+ 8) of column n8 (+ 8), registers 0-3 the first 8 columns)."""
+    from tvmflash.schedules.sm80.intrinsics import b_fragment_element, ldmatrix_row_offset
+
+    stride = 24  # (any row stride of at least 16)
+    trans = not transposed  # (_ldmatrix_intrin's, operand B)
+    for lane in range(32):
+        for reg in range(8):
+            m, e = divmod(reg, 2)
+            r, c = (2 * (lane % 4) + e, lane // 4) if trans else (lane // 4, 2 * (lane % 4) + e)
+            row0, col0 = divmod(ldmatrix_row_offset(8 * m + r, stride, transposed), stride)
+            assert b_fragment_element(lane, reg, transposed) == (row0, col0 + c), (lane, reg)
+            k, n = 2 * (lane % 4) + e % 2 + 8 * (m % 2), lane // 4 + 8 * (m // 2)
+            assert b_fragment_element(lane, reg, transposed) == ((n, k) if transposed else (k, n))
+
+
 def test_fp8_cache_staged_shared_memory():
     """The split count's model of a task's shared memory (``knobs.decode_shared_memory_bytes``) per form, d128,
     32-key tiles, three stages, 16 rows: "registers" one pair of converted tiles (rows padded by 8 elements);

@@ -32,10 +32,11 @@ FP8_PREFETCH_BYTES = 256
 # tiles into the padded q-dtype tiles the ldmatrix loads read (one copy of each). The loads then never
 # wait for a conversion, and as many bytes are in flight as the pipeline's stages hold.
 FP8_STAGED_VEC = 16  # bytes a cp.async copy moves
-# FP8_FRAGMENTS (knob fp8_tiles "fragments"): the staged byte tiles (rows padded by 16 bytes) converted
-# straight into the mma operands: each lane reads the byte pairs its B fragments hold (K's for S = Q Kᵀ,
-# V's for P V) and converts them in registers, FA3's way (``convert_to_fragments``): no converted tiles
-# in shared memory, no barrier between a conversion and its ldmatrix loads.
+# FP8_FRAGMENTS (knob fp8_tiles "fragments"): the staged byte tiles (rows padded by 16 bytes: a warp's 8
+# rows in 8 bank pairs) converted straight into the mma operands: each lane reads the byte pairs its B
+# fragments hold (K's for S = Q Kᵀ, adjacent bytes; V's for P V, bytes of adjacent rows) and converts them
+# in registers, FA3's way (``convert_to_fragments``): no converted tiles in shared memory, no barrier
+# between a conversion and its ldmatrix loads.
 
 # FP8_STAGED's converted tiles in static shared memory, apart from the byte tiles (dynamic): ThreadSync
 # counts every dynamic shared buffer as one (they are merged later), so with both there it put a barrier in
@@ -79,8 +80,8 @@ def byte_tiles_form(sch) -> str:
 
 def convert_to_fragments(sch, name, intrin):
     """FP8_FRAGMENTS: block ``name`` (dequant_k or dequant_v) writes its tile as mma fragments ("warp" scope,
-    ``frag_index_map``), 16 x 16 tiles converted by ``intrin`` (``intrinsics``' ld_b_e4m3: each lane the
-    byte pairs its fragment holds): the B operand of S = Q Kᵀ (of P V) with no ldmatrix. Every warp
+    ``frag_index_map``), 16 x 16 tiles converted by ``intrin`` (``intrinsics``' ld_b_trans_e4m3, ld_b_e4m3:
+    each lane the byte pairs its fragment holds): the B operand of S = Q Kᵀ (of P V) with no ldmatrix. Every warp
     converts the whole tile (each holds its own fragments of it, as each loads them with ldmatrix
     otherwise)."""
     sch.set_scope(name, 0, "warp")
@@ -152,8 +153,8 @@ def schedule_decode(sch: tvm.s_tir.Schedule, *, block_n: int, num_stages: int, v
                 copy_to_shared(sch, name, warps, FP8_STAGED_VEC)
         converted = () if fragments else ("dequant_k", "dequant_v") if form else ("load_k", "load_v")
         if fragments:
-            for name in ("dequant_k", "dequant_v"):
-                convert_to_fragments(sch, name, names["ld_b_e4m3"])
+            convert_to_fragments(sch, "dequant_k", names["ld_b_trans_e4m3"])  # (K's tile is stored (n, k))
+            convert_to_fragments(sch, "dequant_v", names["ld_b_e4m3"])
         for name in ("load_q", *converted):
             sch.set_scope(name, 0, FP8_STAGED_SCOPE if form == "staged" and name != "load_q" else "shared.dyn")
             sch.storage_align(name, 0, axis=0, factor=head_dim, offset=8)  # ldmatrix's 8 rows in 8 bank groups
