@@ -179,8 +179,8 @@ class DecodeTasks:
     it maps the program over an FP8 (e4m3) cache (``program_decode``: the blocks dequant_k and dequant_v);
     fp8_unchecked_head_dims: the head_dims where that has not passed the GPU tests yet, served only where
     TVMFLASH_GPU_UNCHECKED=1 asks (as ``ProgramSchedule.unchecked_head_dims``). fp8_byte_tiles(head_dim,
-    knobs, converts): the program's byte_tiles form it maps (converts: the target converts e4m3 itself) ("", "prefetched" or "staged": the cache's bytes in tiles of
-    their own, ``program_decode.decode_split``)."""
+    knobs, converts): the program's byte_tiles form it maps ("", "prefetched" or "staged": the cache's bytes
+    in tiles of their own, ``program_decode.decode_split``); converts: the target converts e4m3 itself."""
 
     tensor_cores: bool = False
     fp8_cache: bool = False
