@@ -194,7 +194,7 @@ def test_every_e4m3_byte_is_read_exactly(device, fp8_tiles, dtype):
     """Sequence b has one key, whose every element is byte b (each non-NaN e4m3 value: zero, the subnormals
     and the largest): its output is that value exactly, and its LSE q·k · scale with q all ones. A sharper
     check of the conversion than the tests above, whose outputs average it away. fp8_tiles: the sm80
-    schedule's staged forms (FP8_FRAGMENTS converts bf16 by its own bit moves)."""
+    schedule's staged forms (FP8_FRAGMENTS converts bf16 through fp16 by its own bit moves)."""
     values = torch.tensor([b for b in range(256) if b not in NAN_BYTES], dtype=torch.uint8)
     head_dim = 32
     cache = values[:, None, None, None].expand(-1, 1, 1, head_dim).contiguous().view(F8).to(device)

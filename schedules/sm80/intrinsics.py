@@ -135,16 +135,17 @@ def _mma_intrin(dtype, a_transposed, b_transposed):
 
 # Two e4m3 elements in shared memory in q's dtype, packed in 32 bits (the first low): two adjacent bytes at
 # ``p`` (one 16-bit load), or with ``_rows`` bytes ``p[0]`` and ``p[stride]``, then one pair conversion.
-# fp16: cvt.rn.f16x2.e4m3x2. bf16 (no e4m3 conversion to it): each byte moved into bf16's fields, sign and
-# magnitude (exponent and mantissa shifted right by 4), is the value times 2^-120 (the exponent biases
-# differ by 120; e4m3's subnormals become bf16's), then one bf16x2 multiply by 2^120: exact for every
-# non-NaN byte.
+# fp16: cvt.rn.f16x2.e4m3x2 (exact). bf16 (no e4m3 conversion to it): that, then each fp16 moved into
+# bf16's fields, sign and magnitude (exponent and mantissa shifted right by 3), is the value times 2^-112
+# (the exponent biases differ by 112; every e4m3 value is an fp16 normal, and 2^-121 at least a bf16
+# normal), then one bf16x2 multiply by 2^112: exact for every non-NaN byte, with no subnormal operand.
 _E4M3_PAIR_CONVERT = {
     "float16": """  __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)x, __NV_E4M3);
   return (unsigned int)h.x | ((unsigned int)h.y << 16);""",
-    "bfloat16": """  unsigned int z = __byte_perm(x, 0u, 0x1404u);
-  unsigned int bits = ((z >> 4) & 0x07f007f0u) | (z & 0x80008000u);
-  __nv_bfloat162 v = __hmul2(*(__nv_bfloat162*)&bits, __float2bfloat162_rn(0x1p120f));
+    "bfloat16": """  __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)x, __NV_E4M3);
+  unsigned int f16 = (unsigned int)h.x | ((unsigned int)h.y << 16);
+  unsigned int bits = ((f16 >> 3) & 0x0fff0fffu) | (f16 & 0x80008000u);
+  __nv_bfloat162 v = __hmul2(*(__nv_bfloat162*)&bits, __float2bfloat162_rn(0x1p112f));
   return *(unsigned int*)&v;""",
 }
 
