@@ -330,7 +330,8 @@ def test_fp8_cache_sm90_source_converts_the_cache_bytes_in_registers(head_dim, p
     from tvmflash.schedules.sm80.decode import FP8_PREFETCH_BYTES, fp8_byte_tiles
 
     kernel = compile_decode(head_dim=head_dim, dtype="bfloat16", target="sm90", cache_dtype=F8)
-    assert (fp8_byte_tiles(head_dim, kernel.knobs) == "prefetched") == prefetched == (2 * 32 * head_dim <= FP8_PREFETCH_BYTES * 32)
+    assert (fp8_byte_tiles(head_dim, kernel.knobs) == "prefetched") == prefetched == \
+        (2 * 32 * head_dim <= FP8_PREFETCH_BYTES * 32)
     src = kernel.source(32, 8)
     assert "__nv_fp8_e4m3* __restrict__ K_ptr" in src and "__nv_fp8_e4m3* __restrict__ V_ptr" in src
     assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in src
@@ -381,7 +382,8 @@ def test_fp8_cache_staged_sources(fp8_tiles):
     either: no cp.async."""
     import re
 
-    kernel = compile_decode(head_dim=128, dtype="bfloat16", target="sm90", cache_dtype=F8, knobs={"fp8_tiles": fp8_tiles})
+    kernel = compile_decode(head_dim=128, dtype="bfloat16", target="sm90", cache_dtype=F8,
+                            knobs={"fp8_tiles": fp8_tiles})
     src = kernel.source(32, 8)
     split = src[re.search(r"split_kernel\([^;{]*\)\s*\{", src).start():]  # its definition, then the others
     split = split[:split.index("single_kernel(")] if "single_kernel(" in split else split

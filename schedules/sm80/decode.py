@@ -20,11 +20,12 @@ from .knobs import WARP, WARP_ROWS
 # becomes a bit copy of uint2 into uint4, not a conversion).
 FP8_CONVERT_VEC = 4
 # FP8_PIPELINE: with num_stages > 1 an FP8 cache's next K and V tiles are prefetched into registers (the
-# program's byte_tiles form, two stages): a step converts the bytes it holds into the shared tiles, then
-# loads the next tiles' bytes into the same registers, then computes while they arrive (so the loads wait for
-# the conversion, and at most two tiles are in flight: FP8_STAGED and FP8_FRAGMENTS do not). Where the two tiles' bytes would
-# pass FP8_PREFETCH_BYTES a thread (head_dim 256 at block_n 32: 512), or with num_stages 1, no prefetch:
-# each element is converted as it is read, and the tasks an SM runs at once hide the loads' latency.
+# program's "prefetched" byte_tiles form, two stages): a step converts the bytes it holds into the shared
+# tiles, then loads the next tiles' bytes into the same registers, then computes while they arrive (so the
+# loads wait for the conversion, and at most two tiles are in flight: FP8_STAGED and FP8_FRAGMENTS do not).
+# Where the two tiles' bytes would pass FP8_PREFETCH_BYTES a thread (head_dim 256 at block_n 32: 512), or
+# with num_stages 1, no prefetch: each element is converted as it is read, and the tasks an SM runs at once
+# hide the loads' latency.
 FP8_PREFETCH_BYTES = 256
 # FP8_STAGED (knob fp8_tiles "shared"): the cache's bytes copied by cp.async into num_stages shared byte
 # tiles (the program's "staged" byte_tiles form: zeroed past the keys by the predicated copies), as the
