@@ -480,10 +480,12 @@ def run_knobs(q, k_cache, v_cache, lengths, table, kd, vd, knobs, *, causal=Fals
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fp8_tiles", [None, *STAGED_TILES], ids=["default", *STAGED_TILES])
+@pytest.mark.parametrize("fp8_tiles,dtype", [(None, torch.bfloat16), *((t, torch.bfloat16) for t in STAGED_TILES),
+                                             ("fragments", torch.float16)],
+                         ids=["default", *STAGED_TILES, "fragments-fp16"])
 @pytest.mark.parametrize("page_size", [0, 256], ids=["contiguous", "paged256"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_fp8_cache_long_sequences_on_the_gpu(page_size, head_dim, fp8_tiles):
+def test_fp8_cache_long_sequences_on_the_gpu(page_size, head_dim, fp8_tiles, dtype):
     """A decode step of a serving engine's shape (GQA 32/8, thousands of keys, ragged), every non-NaN byte in
     the caches, against the dequantised float64 reference; one module for every length. fp8_tiles: the sm80
     schedule's staged forms (their own split counts)."""
@@ -492,7 +494,7 @@ def test_fp8_cache_long_sequences_on_the_gpu(page_size, head_dim, fp8_tiles):
     batch, heads_q, heads_kv = 4, 32, 8
     k_cache, v_cache, table, kd, vd = make_fp8_cache(batch, 3000, heads_kv, head_dim, "cuda", page_size, seed=head_dim,
                                                      every_byte=True)
-    q = torch.randn(batch, 1, heads_q, head_dim, generator=torch.Generator().manual_seed(4)).bfloat16().cuda()
+    q = torch.randn(batch, 1, heads_q, head_dim, generator=torch.Generator().manual_seed(4)).to(dtype).cuda()
     lengths = torch.tensor([3000, 1, 1777, 256], dtype=torch.int32, device="cuda")
     poison_past_the_keys((k_cache, v_cache), table, lengths)
     if fp8_tiles is None:
@@ -501,8 +503,8 @@ def test_fp8_cache_long_sequences_on_the_gpu(page_size, head_dim, fp8_tiles):
         out, lse = run_knobs(q, k_cache, v_cache, lengths, table, kd, vd, {"fp8_tiles": fp8_tiles},
                              page_size=page_size)
     error = check_fp8_decode(out, lse, q, k_cache, v_cache, lengths, kd, vd, causal=False, block_table=table)
-    print(f"fp8 cache d{head_dim} {'paged' if page_size else 'contiguous'} {fp8_tiles or 'default'}: "
-          f"max error {error:.3g}")
+    print(f"fp8 cache d{head_dim} {'paged' if page_size else 'contiguous'} {fp8_tiles or 'default'} "
+          f"{str(dtype)[6:]}: max error {error:.3g}")
 
 
 @pytest.mark.gpu
