@@ -179,12 +179,13 @@ class DecodeTasks:
     it maps the program over an FP8 (e4m3) cache (``program_decode``: the blocks dequant_k and dequant_v);
     fp8_unchecked_head_dims: the head_dims where that has not passed the GPU tests yet, served only where
     TVMFLASH_GPU_UNCHECKED=1 asks (as ``ProgramSchedule.unchecked_head_dims``). fp8_byte_tiles(head_dim,
-    knobs): does it map the program's byte_tiles form (the cache's bytes in tiles of their own)?"""
+    knobs, converts): the program's byte_tiles form it maps ("", "prefetched" or "staged": the cache's bytes
+    in tiles of their own, ``program_decode.decode_split``); converts: the target converts e4m3 itself."""
 
     tensor_cores: bool = False
     fp8_cache: bool = False
     fp8_unchecked_head_dims: tuple[int, ...] = ()
-    fp8_byte_tiles: Callable[[int, dict], bool] = lambda head_dim, knobs: False
+    fp8_byte_tiles: Callable[[int, dict, bool], str] = lambda head_dim, knobs, converts: ""
     query_tokens: Callable[[int, dict], int] = lambda group, knobs: knobs["query_tokens"]
     per_processor: Callable[[int, str, dict, int], int] = lambda head_dim, dtype, knobs, group: 1
 

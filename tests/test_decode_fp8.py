@@ -181,21 +181,31 @@ def test_fp8_cache_variants(device, variant):
     check_fp8_decode(out, lse, q, k_cache, v_cache, lengths, kd, vd, causal=True, **options)
 
 
-@pytest.mark.parametrize("device", devices())
-def test_every_e4m3_byte_is_read_exactly(device):
+# the sm80 schedule's staged forms of an FP8 cache's tiles (knob fp8_tiles; the default is "registers")
+STAGED_TILES = ("fragments", "shared")
+
+
+@pytest.mark.parametrize("device,fp8_tiles", [("cpu", None), pytest.param("cuda", None, marks=pytest.mark.gpu),
+                                              *(pytest.param("cuda", tiles, marks=pytest.mark.gpu)
+                                                for tiles in STAGED_TILES)],
+                         ids=["cpu", "cuda", *(f"cuda-{tiles}" for tiles in STAGED_TILES)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_every_e4m3_byte_is_read_exactly(device, fp8_tiles, dtype):
     """Sequence b has one key, whose every element is byte b (each non-NaN e4m3 value: zero, the subnormals
     and the largest): its output is that value exactly, and its LSE q·k · scale with q all ones. A sharper
-    check of the conversion than the tests above, whose outputs average it away."""
+    check of the conversion than the tests above, whose outputs average it away. fp8_tiles: the sm80
+    schedule's staged forms (FP8_FRAGMENTS converts bf16 through fp16 by its own bit moves)."""
     values = torch.tensor([b for b in range(256) if b not in NAN_BYTES], dtype=torch.uint8)
     head_dim = 32
     cache = values[:, None, None, None].expand(-1, 1, 1, head_dim).contiguous().view(F8).to(device)
-    q = torch.ones(len(values), 1, 2, head_dim, dtype=torch.bfloat16, device=device)
+    q = torch.ones(len(values), 1, 2, head_dim, dtype=dtype, device=device)
     lengths = torch.ones(len(values), dtype=torch.int32, device=device)
     poisoned = torch.full_like(q, math.nan)
-    kernel = compile_decode(head_dim=head_dim, dtype="bfloat16", target=_target(q.device), cache_dtype=F8)
+    kernel = compile_decode(head_dim=head_dim, dtype=dtype, target=_target(q.device), cache_dtype=F8,
+                            knobs={"fp8_tiles": fp8_tiles} if fp8_tiles else None)
     rows = torch.arange(len(values), dtype=torch.int32, device=device)
     out, lse = kernel(q, cache, cache, lengths, rows, num_splits=1, out=poisoned, softmax_scale=0.125)
-    exact = cache.float()[:, :, :, :].expand(-1, 1, 2, head_dim).cpu()  # (every e4m3 value is a bf16 value)
+    exact = cache.float()[:, :, :, :].expand(-1, 1, 2, head_dim).cpu()  # (every e4m3 value is a bf16, fp16 value)
     assert torch.equal(out.float().cpu(), exact), (out.float().cpu() - exact).abs().amax((1, 2, 3))
     expected_lse = cache.float().cpu()[:, 0, 0, 0].double() * head_dim * 0.125
     assert (lse.cpu()[:, :, 0].double() - expected_lse[:, None]).abs().max().item() <= 1e-6 * 448 * 4
@@ -213,7 +223,7 @@ def test_the_byte_tiles_form_on_the_cpu(monkeypatch, tmp_path, paged):
 
     monkeypatch.setenv("TVMFLASH_CACHE_DIR", str(tmp_path))  # (the form is not in the cache's key)
     kernel = DecodeKernel(64, "bfloat16", 16 if paged else 0, resolve("cpu"), None, {"cache_dtype": "float8_e4m3fn"})
-    kernel.tasks = replace(kernel.tasks, fp8_byte_tiles=lambda head_dim, knobs: True)
+    kernel.tasks = replace(kernel.tasks, fp8_byte_tiles=lambda head_dim, knobs, converts: "prefetched")
     assert "dequant_k" in kernel.build.scheduled_tir(8, 2)
     k_cache, v_cache, table, kd, vd = make_fp8_cache(3, 150, 2, 64, "cpu", 16 if paged else 0, seed=11,
                                                      every_byte=True)
@@ -320,7 +330,8 @@ def test_fp8_cache_sm90_source_converts_the_cache_bytes_in_registers(head_dim, p
     from tvmflash.schedules.sm80.decode import FP8_PREFETCH_BYTES, fp8_byte_tiles
 
     kernel = compile_decode(head_dim=head_dim, dtype="bfloat16", target="sm90", cache_dtype=F8)
-    assert fp8_byte_tiles(head_dim, kernel.knobs) == prefetched == (2 * 32 * head_dim <= FP8_PREFETCH_BYTES * 32)
+    assert (fp8_byte_tiles(head_dim, kernel.knobs) == "prefetched") == prefetched == \
+        (2 * 32 * head_dim <= FP8_PREFETCH_BYTES * 32)
     src = kernel.source(32, 8)
     assert "__nv_fp8_e4m3* __restrict__ K_ptr" in src and "__nv_fp8_e4m3* __restrict__ V_ptr" in src
     assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in src
@@ -361,6 +372,87 @@ def test_fp8_cache_sm90_builds_without_spills(head_dim, page_size):
         assert "0 bytes stack frame, 0 bytes spill stores" in lines, (name, lines)
 
 
+@pytest.mark.parametrize("fp8_tiles", STAGED_TILES)
+def test_fp8_cache_staged_sources(fp8_tiles):
+    """The staged forms on sm_90a: the K and V tiles' bytes by zero-filling 16-byte cp.async copies (one byte an
+    element on both sides: ``tvm_fixes.ZeroFillingCpAsync``) in a three-stage pipeline. "fragments": each lane
+    converts its B fragments' byte pairs (``intrinsics.ld_b_e4m3``; bf16 by its own bit moves), and ldmatrix
+    loads only Q; "shared": the converted tiles in static shared memory, read by ldmatrix. On sm_80 (no e4m3
+    conversion of its own, where TVM computes a copy of e4m3 values in float32) the registers form serves
+    either: no cp.async."""
+    import re
+
+    kernel = compile_decode(head_dim=128, dtype="bfloat16", target="sm90", cache_dtype=F8,
+                            knobs={"fp8_tiles": fp8_tiles})
+    src = kernel.source(32, 8)
+    split = src[re.search(r"split_kernel\([^;{]*\)\s*\{", src).start():]  # its definition, then the others
+    split = split[:split.index("single_kernel(")] if "single_kernel(" in split else split
+    assert split.count("tvmflash_cp_async_zfill_16_1_1(") >= 4  # K's and V's, in the prologue and the step
+    assert "cp_async_wait_group_async_wait_group_2" in split or "cp_async_wait_group_async_wait_group_1" in split
+    if fp8_tiles == "fragments":
+        assert "tvmflash_e4m3_pair_bf16(" in split and ".trans" not in split
+        assert "__shared__ alignas" not in split
+    else:
+        assert "__shared__ alignas(64) nv_bfloat16 Kt_shared_ptr" in split and ".trans" in split
+    from tvmflash.schedules.sm80.decode import fp8_byte_tiles
+    assert fp8_byte_tiles(128, kernel.knobs) == "staged" and fp8_byte_tiles(128, kernel.knobs, False) == "prefetched"
+    sm80 = compile_decode(head_dim=64, dtype="float16", target="sm80", cache_dtype=F8, knobs={"fp8_tiles": fp8_tiles})
+    assert "cp_async" not in sm80.source(4, 2) and "0x1p-9f" in sm80.source(4, 2)
+
+
+@pytest.mark.parametrize("transposed", [True, False], ids=["K-ld_b_trans", "V-ld_b"])
+def test_e4m3_fragments_hold_what_ldmatrix_loads(transposed):
+    """FP8_FRAGMENTS's conversion must leave in each register what the ldmatrix it replaces leaves there (the
+    mma reads registers, not the intrinsics' description of them): ldmatrix.x4 simulated by PTX's rule (lane
+    t gives the address of row t % 8 of matrix t // 8, and receives of matrix m, in register m, row t // 4,
+    columns 2 (t % 4) + e; with .trans, row 2 (t % 4) + e, column t // 4) from the schedule's row addresses
+    (``ldmatrix_row_offset``), against ``b_fragment_element``; both against mma.sync's B fragment (lane
+    4 n8 + q holds k = 2 q + e (+ 8) of column n8 (+ 8), registers 0-3 the first 8 columns)."""
+    from tvmflash.schedules.sm80.intrinsics import b_fragment_element, ldmatrix_row_offset
+
+    stride = 24  # (any row stride of at least 16)
+    trans = not transposed  # (_ldmatrix_intrin's, operand B)
+    for lane in range(32):
+        for reg in range(8):
+            m, e = divmod(reg, 2)
+            r, c = (2 * (lane % 4) + e, lane // 4) if trans else (lane // 4, 2 * (lane % 4) + e)
+            row0, col0 = divmod(ldmatrix_row_offset(8 * m + r, stride, transposed), stride)
+            assert b_fragment_element(lane, reg, transposed) == (row0, col0 + c), (lane, reg)
+            k, n = 2 * (lane % 4) + e % 2 + 8 * (m % 2), lane // 4 + 8 * (m // 2)
+            assert b_fragment_element(lane, reg, transposed) == ((n, k) if transposed else (k, n))
+
+
+def test_fp8_cache_staged_shared_memory():
+    """The split count's model of a task's shared memory (``knobs.decode_shared_memory_bytes``) per form, d128,
+    32-key tiles, three stages, 16 rows: "registers" one pair of converted tiles (rows padded by 8 elements);
+    "shared" that and three pairs of byte tiles; "fragments" the byte tiles alone (rows padded by 16 bytes)."""
+    from tvmflash.schedules.sm80.knobs import decode_shared_memory_bytes
+
+    knobs = {"block_n": 32, "num_stages": 3, "fp8_cache": True}
+    query = 16 * 136 * 2 + 8 * 16
+    assert decode_shared_memory_bytes(128, "bfloat16", {**knobs, "fp8_tiles": "registers"}, 4) == query + 64 * 136 * 2
+    assert decode_shared_memory_bytes(128, "bfloat16", {**knobs, "fp8_tiles": "shared"}, 4) == \
+        query + 64 * 136 * 2 + 3 * 64 * 128
+    assert decode_shared_memory_bytes(128, "bfloat16", {**knobs, "fp8_tiles": "fragments"}, 4) == query + 3 * 64 * 144
+
+
+@pytest.mark.nvcc
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+@pytest.mark.parametrize("fp8_tiles", STAGED_TILES)
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("page_size", [0, 256], ids=["contiguous", "paged256"])
+def test_fp8_cache_staged_sm90_builds_without_spills(head_dim, page_size, fp8_tiles):
+    """The staged forms through nvcc for sm_90a: no spills, the cache's bytes by cp.async."""
+    from conftest import ptxas_report
+
+    kernel = compile_decode(head_dim=head_dim, dtype="bfloat16", target="sm90", page_size=page_size, cache_dtype=F8,
+                            knobs={"fp8_tiles": fp8_tiles})
+    src = kernel.source(32, 8)
+    assert "tvmflash_cp_async_zfill_16_1_1(" in src
+    for name, lines in ptxas_report(src, "sm_90a").items():
+        assert "0 bytes stack frame, 0 bytes spill stores" in lines, (name, lines)
+
+
 @pytest.mark.nvcc
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
 @pytest.mark.parametrize("head_dim", [64, 256])  # (64: the byte tiles prefetched; 256: converted as read)
@@ -375,20 +467,82 @@ def test_fp8_cache_sm80_bit_conversion_compiles(head_dim):
 # ----------------------------------------------------------------------------------------------------
 # on the GPU
 # ----------------------------------------------------------------------------------------------------
+def run_knobs(q, k_cache, v_cache, lengths, table, kd, vd, knobs, *, causal=False, num_splits=0, page_size=0):
+    """The kernel of these knobs' (out, lse), into an output poisoned with NaN."""
+    kernel = compile_decode(head_dim=q.shape[-1], dtype=q.dtype, page_size=page_size, target=_target(q.device),
+                            cache_dtype=F8, knobs=knobs)
+    index = table if table is not None else torch.arange(q.shape[0], dtype=torch.int32, device=q.device)
+    poisoned = torch.full_like(q, math.nan)
+    out, lse = kernel(q, k_cache, v_cache, lengths, index, num_splits=num_splits, causal=causal, out=poisoned,
+                      k_descale=kd, v_descale=vd)
+    assert out is poisoned
+    return out, lse
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("fp8_tiles,dtype", [(None, torch.bfloat16), *((t, torch.bfloat16) for t in STAGED_TILES),
+                                             ("fragments", torch.float16)],
+                         ids=["default", *STAGED_TILES, "fragments-fp16"])
 @pytest.mark.parametrize("page_size", [0, 256], ids=["contiguous", "paged256"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_fp8_cache_long_sequences_on_the_gpu(page_size, head_dim):
+def test_fp8_cache_long_sequences_on_the_gpu(page_size, head_dim, fp8_tiles, dtype):
     """A decode step of a serving engine's shape (GQA 32/8, thousands of keys, ragged), every non-NaN byte in
-    the caches, against the dequantised float64 reference; one module for every length."""
+    the caches, against the dequantised float64 reference; one module for every length. fp8_tiles: the sm80
+    schedule's staged forms (their own split counts)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
     batch, heads_q, heads_kv = 4, 32, 8
     k_cache, v_cache, table, kd, vd = make_fp8_cache(batch, 3000, heads_kv, head_dim, "cuda", page_size, seed=head_dim,
                                                      every_byte=True)
-    q = torch.randn(batch, 1, heads_q, head_dim, generator=torch.Generator().manual_seed(4)).bfloat16().cuda()
+    q = torch.randn(batch, 1, heads_q, head_dim, generator=torch.Generator().manual_seed(4)).to(dtype).cuda()
     lengths = torch.tensor([3000, 1, 1777, 256], dtype=torch.int32, device="cuda")
     poison_past_the_keys((k_cache, v_cache), table, lengths)
-    out, lse = run_both(q, k_cache, v_cache, lengths, table, kd, vd, page_size=page_size)
+    if fp8_tiles is None:
+        out, lse = run_both(q, k_cache, v_cache, lengths, table, kd, vd, page_size=page_size)
+    else:
+        out, lse = run_knobs(q, k_cache, v_cache, lengths, table, kd, vd, {"fp8_tiles": fp8_tiles},
+                             page_size=page_size)
     error = check_fp8_decode(out, lse, q, k_cache, v_cache, lengths, kd, vd, causal=False, block_table=table)
-    print(f"fp8 cache d{head_dim} {'paged' if page_size else 'contiguous'}: max error {error:.3g}")
+    print(f"fp8 cache d{head_dim} {'paged' if page_size else 'contiguous'} {fp8_tiles or 'default'} "
+          f"{str(dtype)[6:]}: max error {error:.3g}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8_tiles", STAGED_TILES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("page_size", [0, 16], ids=["contiguous", "paged16"])
+@pytest.mark.parametrize("seqlen_q,causal,num_splits", [(1, False, 1), (1, False, 3), (3, True, 0)],
+                         ids=["one-split", "three-splits", "chunk-causal"])
+def test_fp8_cache_staged_tiles_on_the_gpu(fp8_tiles, dtype, page_size, seqlen_q, causal, num_splits):
+    """The staged forms (the cache's bytes by cp.async, FP8_STAGED and FP8_FRAGMENTS) as the numerics test
+    above runs the default: GQA 8/2, ragged lengths (one shorter than a tile, one not a multiple of it, so
+    that the zero-filled rows and the pipeline's epilogue are read), every byte value of e4m3."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    batch, heads_q, heads_kv, head_dim, capacity = 3, 8, 2, 64, 150
+    k_cache, v_cache, table, kd, vd = make_fp8_cache(batch, capacity, heads_kv, head_dim, "cuda", page_size,
+                                                     seed=seqlen_q + page_size, every_byte=True)
+    q = torch.randn(batch, seqlen_q, heads_q, head_dim, generator=torch.Generator().manual_seed(7)).to(dtype).cuda()
+    lengths = torch.tensor([150, 9, 77], dtype=torch.int32, device="cuda")
+    poison_past_the_keys((k_cache, v_cache), table, lengths)
+    out, lse = run_knobs(q, k_cache, v_cache, lengths, table, kd, vd, {"fp8_tiles": fp8_tiles}, causal=causal,
+                         num_splits=num_splits, page_size=page_size)
+    check_fp8_decode(out, lse, q, k_cache, v_cache, lengths, kd, vd, causal=causal, block_table=table)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8_tiles", STAGED_TILES)
+def test_fp8_cache_staged_tiles_of_several_warps_on_the_gpu(fp8_tiles):
+    """GQA 6/2: a group of 3 heads takes 16 query tokens a task (``decode_query_tokens``), 48 rows, three
+    warps, each converting the whole K and V tiles into its own fragments (FP8_FRAGMENTS) or sharing the
+    converted tiles (FP8_STAGED)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    batch, heads_q, heads_kv, head_dim = 2, 6, 2, 64
+    k_cache, v_cache, table, kd, vd = make_fp8_cache(batch, 200, heads_kv, head_dim, "cuda", seed=5)
+    q = torch.randn(batch, 5, heads_q, head_dim, generator=torch.Generator().manual_seed(2)).bfloat16().cuda()
+    lengths = torch.tensor([200, 70], dtype=torch.int32, device="cuda")
+    poison_past_the_keys((k_cache, v_cache), table, lengths)
+    out, lse = run_knobs(q, k_cache, v_cache, lengths, table, kd, vd, {"fp8_tiles": fp8_tiles}, causal=True,
+                         num_splits=2)
+    check_fp8_decode(out, lse, q, k_cache, v_cache, lengths, kd, vd, causal=True, block_table=table)

@@ -115,7 +115,7 @@ class DecodeSpec:
 
 
 def decode_split(spec: DecodeSpec, query_tokens: int, block_n: int, final: bool = False,
-                 tensor_cores: bool = False, e4m3_bits: bool = False, byte_tiles: bool = False):
+                 tensor_cores: bool = False, e4m3_bits: bool = False, byte_tiles: str = ""):
     """Return ``main(q, k_cache, v_cache, lengths, index, o_part, lse_part, softmax_scale, causal)``
     (then ``alibi_slopes`` with ALiBi, ``cache_leftpad`` with leftpad, and ``k_descale``, ``v_descale``
     last with an FP8 cache); with ``final``,
@@ -149,9 +149,13 @@ def decode_split(spec: DecodeSpec, query_tokens: int, block_n: int, final: bool 
 
     An FP8 cache: load_k and load_v read the cache's e4m3 bytes and convert them to the tiles' type
     (``Kt``, ``Vt``: q's dtype for tensor cores, else float32; the zero padding in that type), or with
-    ``byte_tiles`` copy them into tiles of their own (``Kt8``, ``Vt8``; every key's, indices clamped),
-    which blocks ``dequant_k`` (after load_k, before load_v) and ``dequant_v`` convert (a schedule that
-    prefetches the next tiles' bytes into registers takes this form); the task's
+    ``byte_tiles`` copy them into tiles of their own (``Kt8``, ``Vt8``), which blocks ``dequant_k`` and
+    ``dequant_v`` convert. byte_tiles "prefetched" (a schedule that prefetches the next tiles' bytes into
+    registers): every key's bytes (indices clamped), dequant_k after load_k and before load_v, the
+    conversions zeroing the rows past the keys; "staged" (a schedule that copies the bytes into shared
+    tiles with cp.async, in a software pipeline): the loads zero the rows past the keys (byte 0 is e4m3's
+    zero; a predicated cp.async writes it) and both come first; the plain conversions come right before
+    the products that read them (dequant_k before qk, dequant_v before pv; not with e4m3_bits). The task's
     softmax_scale is softmax_scale · k_descale[b, hk], and its 1 / l is v_descale[b, hk] / l (block
     ``init_value_scale`` reads v_descale once, into ``v_scale``). e4m3_bits: convert by the bits
     (``e4m3_bits_to_float32``) rather than by a cast, for a target without an FP8 conversion of its own, where
@@ -165,6 +169,12 @@ def decode_split(spec: DecodeSpec, query_tokens: int, block_n: int, final: bool 
     kv_dtype, fp8 = spec.kv_dtype, spec.fp8_cache
     operand = q_dtype if fp8 else dtype  # the K/V tiles' type (with an FP8 cache the operands' own)
 
+    if byte_tiles not in ("", "prefetched", "staged"):
+        raise ValueError(f"byte_tiles: expected '', 'prefetched' or 'staged', got {byte_tiles!r}")
+    staged = fp8 and byte_tiles == "staged"
+    prefetched = fp8 and byte_tiles == "prefetched"
+    if staged and e4m3_bits:  # (a staged copy is a plain copy of e4m3 values, which TVM computes in float32 there)
+        raise ValueError("byte_tiles 'staged': for a target that converts e4m3 itself (not with e4m3_bits)")
     # An FP8 cache's byte tiles (Kt8, Vt8): e4m3, or with e4m3_bits its bits as uint8, so that no value
     # passes through TVM's legalized conversions (TVM computes a copy of e4m3 values in float32)
     byte_dtype = "uint8" if e4m3_bits else kv_dtype
@@ -175,15 +185,18 @@ def decode_split(spec: DecodeSpec, query_tokens: int, block_n: int, final: bool 
     def dequantised(x):  # an element of a byte tile in the K/V tiles' type
         return T.cast(e4m3_bits_to_float32(x), operand) if e4m3_bits else T.cast(x, operand)
 
+    def zero_byte():  # e4m3's zero, byte 0 (the staged byte tiles' padding)
+        return T.Cast(kv_dtype, T.float32(0))
+
     def byte_tile(name):  # a tile of the cache's bytes in the block being parsed (byte_tiles), else None
-        if not (fp8 and byte_tiles):
+        if not (staged or prefetched):
             return None
         tile = T.sblock_alloc_buffer((BN, D), byte_dtype)
         IRBuilder.name(name, tile)
         return tile
 
     def loaded(bytes_tile, tile):  # the tile load_k (load_v) writes: the cache's bytes with byte_tiles
-        return bytes_tile if fp8 and byte_tiles else tile
+        return bytes_tile if staged or prefetched else tile
 
     def converted(value):  # a cache element as the K/V tiles' type (an FP8 cache converted as it is read)
         return dequantised(cache_bytes(value)) if fp8 else value
@@ -375,14 +388,16 @@ def decode_split(spec: DecodeSpec, query_tokens: int, block_n: int, final: bool 
                                 Kl = T.meta_var(loaded(Kt8, Kt))
                                 value = T.meta_var(load_kv(K, Index, vb, tile * BN + vj, vhk, vd, cache_rows, capacity,
                                                            row, leftpad))
-                                if fp8 and byte_tiles:  # every key's bytes (indices clamped): dequant_k zeroes
+                                if staged:  # zeroed past the keys, converted after both loads
+                                    Kl[vj, vd] = T.if_then_else(tile * BN + vj < n_keys, value, zero_byte())
+                                elif prefetched:  # every key's bytes (indices clamped): dequant_k zeroes
                                     Kl[vj, vd] = cache_bytes(value)
                                 else:
                                     Kl[vj, vd] = T.if_then_else(tile * BN + vj < n_keys, converted(value),
                                                                   T.cast(0, operand))
-                        # byte_tiles: each tile is converted right after its load (and zero-padded in its own type:
-                        # no zero of e4m3 needed), K's before V's load, so a thread need hold one tile's bytes.
-                        if fp8 and byte_tiles:
+                        # prefetched byte tiles: each tile is converted right after its load (and zero-padded in its own
+                        # type: no zero of e4m3 needed), K's before V's load, so a thread need hold one tile's bytes.
+                        if prefetched:
                             for j, d in T.grid(BN, D):
                                 with T.sblock("dequant_k"):
                                     vj, vd = T.axis.remap("SS", [j, d])
@@ -394,17 +409,24 @@ def decode_split(spec: DecodeSpec, query_tokens: int, block_n: int, final: bool 
                                 Vl = T.meta_var(loaded(Vt8, Vt))
                                 value = T.meta_var(load_kv(V, Index, vb, tile * BN + vj, vhk, vd, cache_rows, capacity,
                                                            row, leftpad))
-                                if fp8 and byte_tiles:
+                                if staged:
+                                    Vl[vj, vd] = T.if_then_else(tile * BN + vj < n_keys, value, zero_byte())
+                                elif prefetched:
                                     Vl[vj, vd] = cache_bytes(value)
                                 else:
                                     Vl[vj, vd] = T.if_then_else(tile * BN + vj < n_keys, converted(value),
                                                                   T.cast(0, operand))
-                        if fp8 and byte_tiles:
+                        if prefetched:
                             for j, d in T.grid(BN, D):
                                 with T.sblock("dequant_v"):
                                     vj, vd = T.axis.remap("SS", [j, d])
                                     Vt[vj, vd] = T.if_then_else(tile * BN + vj < n_keys, dequantised(Vt8[vj, vd]),
                                                                 T.cast(0, operand))
+                        if staged:  # both tiles' bytes are in (zero past the keys): plain conversions
+                            for j, d in T.grid(BN, D):
+                                with T.sblock("dequant_k"):
+                                    vj, vd = T.axis.remap("SS", [j, d])
+                                    Kt[vj, vd] = dequantised(Kt8[vj, vd])
                         for r, j, d in T.grid(R, BN, D):
                             with T.sblock("qk"):
                                 vr, vj, vd = T.axis.remap("SSR", [r, j, d])
@@ -451,6 +473,11 @@ def decode_split(spec: DecodeSpec, query_tokens: int, block_n: int, final: bool 
                                 with T.sblock("cast_p"):
                                     vr, vj = T.axis.remap("SS", [r, j])
                                     Pc[vr, vj] = T.cast(P[vr, vj], dtype)
+                        if staged:  # (V's right before P V: a schedule converting into registers holds one tile)
+                            for j, d in T.grid(BN, D):
+                                with T.sblock("dequant_v"):
+                                    vj, vd = T.axis.remap("SS", [j, d])
+                                    Vt[vj, vd] = dequantised(Vt8[vj, vd])
                         for r, d, j in T.grid(R, D, BN):
                             with T.sblock("pv"):
                                 vr, vd, vj = T.axis.remap("SSR", [r, d, j])

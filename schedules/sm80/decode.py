@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import tvm
 
+from tvmflash.lowering.annotations import UNIFORM_STEPS
+
 from ..common import (has_block, hide_init_reads, pipeline_loads, quad_row_block, quad_row_init, row_quad_map, row_reduce_intrin,
                       staged_row_block, tensorize_row_reduce)
 from ..simt import schedule_decode_merge
@@ -18,19 +20,78 @@ from .knobs import WARP, WARP_ROWS
 # becomes a bit copy of uint2 into uint4, not a conversion).
 FP8_CONVERT_VEC = 4
 # FP8_PIPELINE: with num_stages > 1 an FP8 cache's next K and V tiles are prefetched into registers (the
-# program's byte_tiles form, two stages): a step converts the bytes it holds into the shared tiles, then
-# loads the next tiles' bytes into the same registers, then computes while they arrive. Not cp.async into
-# a shared tile of bytes: TVM's pipeline epilogue puts the wait and the conversion that reads them under
-# one condition, where ThreadSync cannot place the barrier between them. Where the two tiles' bytes would
-# pass FP8_PREFETCH_BYTES a thread (head_dim 256 at block_n 32: 512), or with num_stages 1, no prefetch:
-# each element is converted as it is read, and the tasks an SM runs at once hide the loads' latency.
+# program's "prefetched" byte_tiles form, two stages): a step converts the bytes it holds into the shared
+# tiles, then loads the next tiles' bytes into the same registers, then computes while they arrive (so the
+# loads wait for the conversion, and at most two tiles are in flight: FP8_STAGED and FP8_FRAGMENTS do not).
+# Where the two tiles' bytes would pass FP8_PREFETCH_BYTES a thread (head_dim 256 at block_n 32: 512), or
+# with num_stages 1, no prefetch: each element is converted as it is read, and the tasks an SM runs at once
+# hide the loads' latency.
 FP8_PREFETCH_BYTES = 256
+# FP8_STAGED (knob fp8_tiles "shared"): the cache's bytes copied by cp.async into num_stages shared byte
+# tiles (the program's "staged" byte_tiles form: zeroed past the keys by the predicated copies), as the
+# bf16 cache's tiles are, in half the shared bytes; after a step's wait the threads convert both byte
+# tiles into the padded q-dtype tiles the ldmatrix loads read (one copy of each). The loads then never
+# wait for a conversion, and as many bytes are in flight as the pipeline's stages hold.
+FP8_STAGED_VEC = 16  # bytes a cp.async copy moves
+# FP8_FRAGMENTS (knob fp8_tiles "fragments"): the staged byte tiles (rows padded by 16 bytes: a warp's 8
+# rows in 8 bank pairs) converted straight into the mma operands: each lane reads the byte pairs its B
+# fragments hold (K's for S = Q Kᵀ, adjacent bytes; V's for P V, bytes of adjacent rows) and converts them
+# in registers, FA3's way (``convert_to_fragments``): no converted tiles in shared memory, no barrier
+# between a conversion and its ldmatrix loads.
+
+# FP8_STAGED's converted tiles in static shared memory, apart from the byte tiles (dynamic): ThreadSync
+# counts every dynamic shared buffer as one (they are merged later), so with both there it put a barrier in
+# each iteration of the conversion loops (a read of the bytes after the write of the tile before). Static
+# shared memory holds 48 KiB a block (else the registers form: ``fp8_byte_tiles``). The pipeline's epilogue
+# guards each statement on its own, where ThreadSync cannot put the barrier between a conversion and the
+# ldmatrix loads: the tile loop is marked UNIFORM_STEPS, so that those guards are merged.
+FP8_STAGED_SCOPE = "shared"
+STATIC_SHARED_BYTES = 48 * 1024
 
 
-def fp8_byte_tiles(head_dim: int, knobs: dict) -> bool:
-    """Does this schedule prefetch an FP8 cache's tiles (the program's byte_tiles form; FP8_PIPELINE)? A
-    task's one warp (its 16 rows) holds the next K and V tiles' bytes."""
-    return knobs["num_stages"] > 1 and 2 * knobs["block_n"] * head_dim <= FP8_PREFETCH_BYTES * WARP
+def fp8_staged_static_bytes(head_dim: int, knobs: dict) -> int:
+    """The static shared memory of FP8_STAGED: the converted K and V tiles (rows padded by 8 elements)."""
+    return 2 * knobs["block_n"] * (head_dim + 8) * 2
+
+
+def fp8_byte_tiles(head_dim: int, knobs: dict, converts: bool = True) -> str:
+    """The program's byte_tiles form for an FP8 cache: "staged" (knob fp8_tiles "fragments", or "shared" with
+    the converted tiles within static shared memory's 48 KiB; num_stages > 1 and the target ``converts``
+    e4m3 itself: where it does not, TVM computes a copy of e4m3 values in float32, no cp.async),
+    "prefetched" (a task's one warp (its 16 rows) holds the next K and V tiles' bytes: FP8_PIPELINE), or ""
+    (each element converted as it is read)."""
+    if knobs["num_stages"] > 1 and knobs.get("fp8_tiles") == "fragments" and converts:
+        return "staged"
+    if knobs["num_stages"] > 1 and knobs.get("fp8_tiles") == "shared" and converts and \
+            fp8_staged_static_bytes(head_dim, knobs) <= STATIC_SHARED_BYTES:
+        return "staged"
+    if knobs["num_stages"] > 1 and 2 * knobs["block_n"] * head_dim <= FP8_PREFETCH_BYTES * WARP:
+        return "prefetched"
+    return ""
+
+
+def byte_tiles_form(sch) -> str:
+    """The program's byte_tiles form (``fp8_byte_tiles``): "staged" where dequant_k follows load_v,
+    "prefetched" where it comes before, "" without byte tiles."""
+    if not has_block(sch, "dequant_k"):
+        return ""
+    order = [str(sch.get(block).name_hint) for block in sch.get_child_blocks(sch.get_sblock("kv_step"))]
+    return "staged" if order.index("load_v") < order.index("dequant_k") else "prefetched"
+
+
+def convert_to_fragments(sch, name, intrin):
+    """FP8_FRAGMENTS: block ``name`` (dequant_k or dequant_v) writes its tile as mma fragments ("warp" scope,
+    ``frag_index_map``), 16 x 16 tiles converted by ``intrin`` (``intrinsics``' ld_b_trans_e4m3, ld_b_e4m3:
+    each lane the byte pairs its fragment holds): the B operand of S = Q Kᵀ (of P V) with no ldmatrix. Every warp
+    converts the whole tile (each holds its own fragments of it, as each loads them with ldmatrix
+    otherwise)."""
+    sch.set_scope(name, 0, "warp")
+    j, d = sch.get_loops(name)[-2:]
+    j0, j1 = sch.split(j, [None, 16])
+    d0, d1 = sch.split(d, [None, 16])
+    sch.reorder(j0, d0, j1, d1)
+    sch.transform_layout(name, ("write", 0), frag_index_map)
+    sch.tensorize(j1, intrin)
 
 
 def convert_to_shared(sch, load, convert, warps):
@@ -49,7 +110,8 @@ def convert_to_shared(sch, load, convert, warps):
         sch.vectorize(vector)
 
 
-def schedule_decode(sch: tvm.s_tir.Schedule, *, block_n: int, num_stages: int, vec: int) -> tvm.s_tir.Schedule:
+def schedule_decode(sch: tvm.s_tir.Schedule, *, block_n: int, num_stages: int, vec: int,
+                    fp8_tiles: str = "registers") -> tvm.s_tir.Schedule:
     """Map the decode programs (functions ``split``, ``single`` and ``merge``) onto tensor cores.
 
     split (and single, the same with one split): one thread block per task, blockIdx.x = (sequence,
@@ -60,8 +122,11 @@ def schedule_decode(sch: tvm.s_tir.Schedule, *, block_n: int, num_stages: int, v
     quads once, after the last tile. merge: SIMT, as ``simt.schedule_decode_merge``.
 
     An FP8 cache: each thread reads the cache's e4m3 bytes and converts them into the padded q-dtype tiles
-    the ldmatrix loads read (``convert_to_shared``); with the program's byte tiles (``fp8_byte_tiles``:
-    dequant_k, dequant_v) the next tiles' bytes are prefetched into registers (FP8_PIPELINE).
+    the ldmatrix loads read (``convert_to_shared``); with the program's prefetched byte tiles
+    (``fp8_byte_tiles``: dequant_k, dequant_v) the next tiles' bytes are prefetched into registers
+    (FP8_PIPELINE); with its staged ones (fp8_tiles "fragments", "shared") the bytes come by cp.async and are
+    converted into the mma fragments (FP8_FRAGMENTS, ``convert_to_fragments``) or into static shared tiles
+    (FP8_STAGED).
     """
     for func in [gv.name_hint for gv in sch.mod.functions if gv.name_hint in ("split", "single")]:
         sch.work_on(func)
@@ -78,11 +143,25 @@ def schedule_decode(sch: tvm.s_tir.Schedule, *, block_n: int, num_stages: int, v
         if fp8:
             sch.set_scope("init_value_scale", 0, "local")
 
-        byte_tiles = has_block(sch, "dequant_k")  # (FP8_PIPELINE)
-        for name in ("load_q", "dequant_k", "dequant_v") if byte_tiles else ("load_q", "load_k", "load_v"):
-            sch.set_scope(name, 0, "shared.dyn")
+        form = byte_tiles_form(sch)  # (the kernel's choice: fp8_byte_tiles)
+        byte_tiles = form == "prefetched"  # (FP8_PIPELINE)
+        fragments = form == "staged" and fp8_tiles == "fragments"  # (FP8_FRAGMENTS)
+        if form == "staged":  # (FP8_STAGED) the bytes by cp.async; the conversions' shared reads 4 bytes a thread
+            for name in ("load_k", "load_v"):
+                sch.set_scope(name, 0, "shared.dyn")
+                if fragments:  # a lane's byte pairs of 8 rows in 8 bank pairs
+                    sch.storage_align(name, 0, axis=0, factor=head_dim, offset=FP8_STAGED_VEC)
+                copy_to_shared(sch, name, warps, FP8_STAGED_VEC)
+        converted = () if fragments else ("dequant_k", "dequant_v") if form else ("load_k", "load_v")
+        if fragments:
+            convert_to_fragments(sch, "dequant_k", names["ld_b_trans_e4m3"])  # (K's tile is stored (n, k))
+            convert_to_fragments(sch, "dequant_v", names["ld_b_e4m3"])
+        for name in ("load_q", *converted):
+            sch.set_scope(name, 0, FP8_STAGED_SCOPE if form == "staged" and name != "load_q" else "shared.dyn")
             sch.storage_align(name, 0, axis=0, factor=head_dim, offset=8)  # ldmatrix's 8 rows in 8 bank groups
-            if byte_tiles and name != "load_q":
+            if form == "staged" and name != "load_q":
+                convert_to_shared(sch, None, name, warps)
+            elif byte_tiles and name != "load_q":
                 convert_to_shared(sch, name.replace("dequant", "load"), name, warps)
             elif fp8 and name != "load_q":
                 convert_to_shared(sch, None, name, warps)
@@ -100,7 +179,9 @@ def schedule_decode(sch: tvm.s_tir.Schedule, *, block_n: int, num_stages: int, v
             sch.transform_layout(name, ("write", 0), frag_index_map)
 
         qk = sch.get_sblock("qk")
-        warp_gemm_operands(sch, qk, warps, [("Qt", names["ld_a"]), ("Kt", names["ld_b_trans"])])
+        static = "_static" if form == "staged" else ""  # (FP8_STAGED_SCOPE)
+        k_operand = None if fragments else names["ld_b_trans" + static]  # (None: fragments already)
+        warp_gemm_operands(sch, qk, warps, [("Qt", names["ld_a"]), ("Kt", k_operand)])
         sch.tensorize(sch.get_loops(qk)[-3], names["mma_nt"])
         sch.tensorize(sch.get_loops("qk_init")[-2], names["fill"])
         for name in ("score", "exp", "cast_p", "init_l", "sum_p", "update_l"):
@@ -111,7 +192,8 @@ def schedule_decode(sch: tvm.s_tir.Schedule, *, block_n: int, num_stages: int, v
                              warps, WARP, quad_row_init(sch))
 
         pv = sch.get_sblock("pv")
-        pv_o = warp_gemm_operands(sch, pv, warps, [("Pc", None), ("Vt", names["ld_b"])])
+        v_operand = None if fragments else names["ld_b" + static]
+        pv_o = warp_gemm_operands(sch, pv, warps, [("Pc", None), ("Vt", v_operand)])
         for block in (pv_o, pv):
             hide_init_reads(sch, block)
         sch.tensorize(sch.get_loops(pv)[-3], names["mma_nn"])
@@ -124,7 +206,9 @@ def schedule_decode(sch: tvm.s_tir.Schedule, *, block_n: int, num_stages: int, v
         staged_row_block(sch, "store_lse", warps, lambda sch, name: row_block(sch, name, warps))
         if byte_tiles:  # an FP8 cache's next tiles' bytes prefetched into registers (FP8_PIPELINE)
             pipeline_loads(sch, 2, async_loads=False, ahead=("dequant_k", "dequant_v"))
-        elif num_stages > 1 and not fp8:
+        elif num_stages > 1 and (form == "staged" or not fp8):  # (an FP8 cache's: FP8_STAGED)
             pipeline_loads(sch, num_stages)
+            if form == "staged" and not fragments:  # the epilogue's conversions, a barrier, the loads (UNIFORM_STEPS)
+                sch.annotate(sch.get_loops("kv_step")[-1], UNIFORM_STEPS, 1)
     schedule_decode_merge(sch)
     return sch

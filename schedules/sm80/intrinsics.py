@@ -23,24 +23,40 @@ def ldmatrix_layout(i, j):
     return 4 * (i % 8) + (j % 8) // 2, 4 * (j // 8) + (i // 8) * 2 + (j % 2)
 
 
-def _ldmatrix_intrin(dtype, operand, transposed):
-    """ldmatrix.x4 of a 16 x 16 tile in shared.dyn into its mma fragment (``ldmatrix_layout``),
-    as operand "A" (rows x k) or "B" (k x cols); ``transposed``: the tile in shared memory is the
-    operand transposed."""
+def ldmatrix_row_offset(tx, stride, transposed):
+    """The address lane tx gives ldmatrix.x4 (as an offset into the 16 x 16 tile of row ``stride``): one
+    8-element row of the four 8 x 8 matrices; ``transposed`` as ``_ldmatrix_intrin``'s."""
+    if transposed:
+        return stride * 8 * (tx // 16) + stride * (tx % 8) + 8 * ((tx % 16) // 8)
+    return stride * (tx % 16) + 8 * (tx // 16)
+
+
+def b_fragment_element(lane, reg, transposed):
+    """(row, col) of a 16 x 16 tile in shared memory that register ``reg`` of ``lane`` holds in mma.sync's B
+    fragment (m16n8k16: lane 4 n8 + q holds k = 2 q + e (+ 8) of column n8 (+ 8); a register pair per n
+    half), as ldmatrix leaves it (not ``ldmatrix_layout``, the intrinsics' description of it); ``transposed``:
+    the tile is stored (n, k) (K's for S = Q Kᵀ: ``ld_b_trans``), else (k, n) (V's for P V: ``ld_b``)."""
+    k = 2 * (lane % 4) + 8 * (reg // 2 % 2) + reg % 2
+    n = lane // 4 + 8 * (reg // 4)
+    return (n, k) if transposed else (k, n)
+
+
+def _ldmatrix_intrin(dtype, operand, transposed, scope="shared.dyn"):
+    """ldmatrix.x4 of a 16 x 16 tile in shared.dyn (or ``scope``: static "shared") into its mma fragment
+    (``ldmatrix_layout``), as operand "A" (rows x k) or "B" (k x cols); ``transposed``: the tile in shared
+    memory is the operand transposed."""
     from tvm.script import tirx as T
 
     # ldmatrix's .trans: mma.sync takes A row-major and B column-major, so B's tile as stored needs
     # it and A's does not; a transposed tile the other way round.
     trans = transposed if operand == "A" else not transposed
 
-    def row_offset(tx, stride):  # lane tx's address: one 8-element row of the four 8 x 8 matrices
-        if transposed:
-            return stride * 8 * (tx // 16) + stride * (tx % 8) + 8 * ((tx % 16) // 8)
-        return stride * (tx % 16) + 8 * (tx // 16)
+    def row_offset(tx, stride):
+        return ldmatrix_row_offset(tx, stride, transposed)
 
     @tvmscript.prim_func(s_tir=True)
     def desc(warp_handle: T.handle, shared_handle: T.handle) -> None:
-        shared = T.match_buffer(shared_handle, (16, 16), dtype, align=64, offset_factor=16, scope="shared.dyn")
+        shared = T.match_buffer(shared_handle, (16, 16), dtype, align=64, offset_factor=16, scope=scope)
         warp = T.match_buffer(warp_handle, (WARP, 8), dtype, align=64, offset_factor=16, scope="warp")
         with T.sblock("root"):
             T.reads(shared[0:16, 0:16])
@@ -57,7 +73,7 @@ def _ldmatrix_intrin(dtype, operand, transposed):
     def impl(warp_handle: T.handle, shared_handle: T.handle) -> None:
         s0 = T.int32()
         s1 = T.int32()
-        shared = T.match_buffer(shared_handle, (16, 16), dtype, align=64, offset_factor=16, scope="shared.dyn",
+        shared = T.match_buffer(shared_handle, (16, 16), dtype, align=64, offset_factor=16, scope=scope,
                                 strides=[s0, s1])
         warp = T.match_buffer(warp_handle, (WARP, 8), dtype, align=64, offset_factor=16, scope="warp")
         with T.sblock("root"):
@@ -117,6 +133,90 @@ def _mma_intrin(dtype, a_transposed, b_transposed):
     return desc, impl
 
 
+# Two e4m3 elements in shared memory in q's dtype, packed in 32 bits (the first low): two adjacent bytes at
+# ``p`` (one 16-bit load), or with ``_rows`` bytes ``p[0]`` and ``p[stride]``, then one pair conversion.
+# fp16: cvt.rn.f16x2.e4m3x2 (exact). bf16 (no e4m3 conversion to it): that, then each fp16 moved into
+# bf16's fields, sign and magnitude (exponent and mantissa shifted right by 3), is the value times 2^-112
+# (the exponent biases differ by 112; every e4m3 value is an fp16 normal, and 2^-121 at least a bf16
+# normal), then one bf16x2 multiply by 2^112: exact for every non-NaN byte, with no subnormal operand.
+_E4M3_PAIR_CONVERT = {
+    "float16": """  __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)x, __NV_E4M3);
+  return (unsigned int)h.x | ((unsigned int)h.y << 16);""",
+    "bfloat16": """  __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)x, __NV_E4M3);
+  unsigned int f16 = (unsigned int)h.x | ((unsigned int)h.y << 16);
+  unsigned int bits = ((f16 >> 3) & 0x0fff0fffu) | (f16 & 0x80008000u);
+  __nv_bfloat162 v = __hmul2(*(__nv_bfloat162*)&bits, __float2bfloat162_rn(0x1p112f));
+  return *(unsigned int*)&v;""",
+}
+
+
+def _e4m3_pair(dtype, rows):
+    """(name, CUDA source) of the helper that converts an e4m3 pair (``_E4M3_PAIR_CONVERT``)."""
+    suffix = {"float16": "f16", "bfloat16": "bf16"}[dtype]
+    if rows:
+        name = f"tvmflash_e4m3_rows_{suffix}"
+        load = ("__device__ __forceinline__ unsigned int " + name + "(const void* p, int stride) {\n"
+                "  const unsigned char* b = (const unsigned char*)p;\n"
+                "  unsigned int x = (unsigned int)b[0] | ((unsigned int)b[stride] << 8);\n")
+    else:
+        name = f"tvmflash_e4m3_pair_{suffix}"
+        load = ("__device__ __forceinline__ unsigned int " + name + "(const void* p) {\n"
+                "  unsigned int x = *(const unsigned short*)p;\n")
+    return name, "\n" + load + _E4M3_PAIR_CONVERT[dtype] + "\n}\n"
+
+
+def _e4m3_fragment_intrin(dtype, transposed):
+    """A 16 x 16 tile of e4m3 bytes in shared.dyn converted into q's dtype as mma.sync's B fragment: what
+    ``ld_b_trans`` (``transposed``: the tile stored (n, k), K's) or ``ld_b`` (V's) loads from a tile of q's
+    dtype, described as theirs (``ldmatrix_layout``) and holding what their ldmatrix leaves in each register
+    (``b_fragment_element``). A register pair is two adjacent k: two adjacent bytes of a row of K's tile
+    (one 16-bit load), of two rows of V's. Decode's FP8_FRAGMENTS."""
+    from tvm.script import tirx as T
+
+    name, source = _e4m3_pair(dtype, rows=not transposed)
+
+    def pair(shared, s0, tx, p):  # registers 2 p, 2 p + 1 of lane tx, converted
+        row, col = b_fragment_element(tx, 2 * p, transposed)
+        where = shared.access_ptr("r", offset=s0 * row + col)
+        if transposed:
+            return T.cuda.func_call(name, where, source_code=source, return_type="uint32")
+        return T.cuda.func_call(name, where, s0, source_code=source, return_type="uint32")
+
+    @tvmscript.prim_func(s_tir=True)
+    def desc(warp_handle: T.handle, shared_handle: T.handle) -> None:
+        shared = T.match_buffer(shared_handle, (16, 16), "float8_e4m3fn", align=16, offset_factor=16,
+                                scope="shared.dyn")
+        warp = T.match_buffer(warp_handle, (WARP, 8), dtype, align=64, offset_factor=16, scope="warp")
+        with T.sblock("root"):
+            T.reads(shared[0:16, 0:16])
+            T.writes(warp[0:WARP, 0:8])
+            for ax0, ax1 in T.grid(16, 16):
+                with T.sblock("shared_warp"):
+                    v0, v1 = T.axis.remap("SS", [ax0, ax1])
+                    T.reads(shared[v0, v1])
+                    lane, reg = T.meta_var(ldmatrix_layout(v0, v1))
+                    T.writes(warp[lane, reg])
+                    warp[lane, reg] = T.Cast(dtype, shared[v0, v1])
+
+    @tvmscript.prim_func(s_tir=True)
+    def impl(warp_handle: T.handle, shared_handle: T.handle) -> None:
+        s0 = T.int32()
+        s1 = T.int32()
+        shared = T.match_buffer(shared_handle, (16, 16), "float8_e4m3fn", align=16, offset_factor=16,
+                                scope="shared.dyn", strides=[s0, s1])
+        warp = T.match_buffer(warp_handle, (WARP, 8), dtype, align=64, offset_factor=16, scope="warp")
+        with T.sblock("root"):
+            T.reads(shared[0:16, 0:16])
+            T.writes(warp[0:WARP, 0:8])
+            for tx in T.thread_binding(0, WARP, "threadIdx.x"):
+                for p in T.unroll(4):
+                    converted: T.uint32 = pair(shared, s0, tx, p)
+                    warp[tx, 2 * p] = T.reinterpret(dtype, T.Cast("uint16", converted & T.uint32(0xFFFF)))
+                    warp[tx, 2 * p + 1] = T.reinterpret(dtype, T.Cast("uint16", converted >> T.uint32(16)))
+
+    return desc, impl
+
+
 def _fill_intrin():
     """Zero a 16 x 16 float32 tile of fragments."""
     from tvm.script import tirx as T
@@ -152,6 +252,12 @@ _ROLES = {  # role: the intrinsic's generator and its arguments after the dtype
     "ld_a_trans": (_ldmatrix_intrin, "A", True),
     "ld_b": (_ldmatrix_intrin, "B", False),
     "ld_b_trans": (_ldmatrix_intrin, "B", True),
+    # B from static shared memory (decode's FP8_STAGED converted tiles)
+    "ld_b_static": (_ldmatrix_intrin, "B", False, "shared"),
+    "ld_b_trans_static": (_ldmatrix_intrin, "B", True, "shared"),
+    # B from a tile of e4m3 bytes (decode's FP8_FRAGMENTS)
+    "ld_b_e4m3": (_e4m3_fragment_intrin, False),
+    "ld_b_trans_e4m3": (_e4m3_fragment_intrin, True),
     "mma_nn": (_mma_intrin, False, False),
     "mma_nt": (_mma_intrin, False, True),
     "mma_tn": (_mma_intrin, True, False),

@@ -110,7 +110,8 @@ class DecodeKernel:
         split, single = (program_decode.decode_split(spec, self.query_tokens(spec.group), self.knobs["block_n"],
                                                      final=final, tensor_cores=self.tensor_cores,
                                                      e4m3_bits=self.e4m3_bits,
-                                                     byte_tiles=self.tasks.fp8_byte_tiles(self.head_dim, self.knobs))
+                                                     byte_tiles=self.tasks.fp8_byte_tiles(self.head_dim, self.knobs,
+                                                                                          not self.e4m3_bits))
                          for final in (False, True))
         merge = program_decode.decode_merge(spec)
         mod = tvm.IRModule({"split": split.with_attr("global_symbol", "split"),
@@ -144,8 +145,8 @@ class DecodeKernel:
         the query heads a K/V head serves (a task's shared memory grows with it)."""
         processors = _sm_count(device) if device.type == "cuda" else torch.get_num_threads()
         knobs = self.knobs
-        if self.fp8_cache and "num_stages" in knobs:  # an FP8 cache's shared tiles are single (FP8_PIPELINE)
-            knobs = {**knobs, "num_stages": 1}
+        if self.fp8_cache:  # (its tiles' shared memory is the schedule's to model)
+            knobs = {**knobs, "fp8_cache": True}
         slots = processors * self.tasks.per_processor(self.head_dim, self.dtype, knobs, group)
         tiles = -(-max_keys // self.knobs["block_n"])
         return choose_num_splits(batch * heads_kv * self.query_blocks(seqlen_q, group), tiles, slots)
