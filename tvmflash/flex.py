@@ -79,8 +79,7 @@ def flex_kernel(q: torch.Tensor, mods: FlexMods, backward: bool = False, sinks: 
 
 
 # The ops take q, k, v in the kernels' layout (batch, seqlen, heads, head_dim), any strides.
-@torch.library.custom_op("tvmflash::flex_forward", mutates_args=())
-def flex_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, captures: list[torch.Tensor], mods: str,
+def _flex_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, captures: list[torch.Tensor], mods: str,
                  softmax_scale: float, sinks: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of attention with the traced mods ``MODS[mods]``; see :func:`flex_attention`. (sinks has no
     default: the dispatcher drops an argument equal to its default, and the backward of an op with a tensor
@@ -90,14 +89,16 @@ def flex_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, captures: li
     return kernel(q, k, v, softmax_scale=softmax_scale, return_lse=True, captures=captures, **sinks_argument(sinks))
 
 
+flex_forward = torch.library.custom_op("tvmflash::flex_forward", mutates_args=())(_flex_forward)
+
+
 @flex_forward.register_fake
 def _flex_forward_shapes(q, k, v, captures, mods, softmax_scale, sinks):
     batch, seqlen_q, heads_q, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
 
 
-@torch.library.custom_op("tvmflash::flex_backward", mutates_args=())
-def flex_backward(dout: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def _flex_backward(dout: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   out: torch.Tensor, lse: torch.Tensor, captures: list[torch.Tensor], mods: str,
                   softmax_scale: float, sinks: torch.Tensor | None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
@@ -111,6 +112,9 @@ def flex_backward(dout: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor
     gradients = with_sinks_gradient(kernel(q, k, v, out, dout, lse, dlse=dlse, softmax_scale=softmax_scale,
                                            captures=captures, capture_grads=grads, **sinks_argument(sinks)), q)
     return (*gradients, grads)
+
+
+flex_backward = torch.library.custom_op("tvmflash::flex_backward", mutates_args=())(_flex_backward)
 
 
 @flex_backward.register_fake
@@ -130,9 +134,10 @@ def _backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse, sinks, *captures = ctx.saved_tensors
     if grad_out is None:  # only lse reached the loss
         grad_out = torch.zeros_like(out)
-    sinks = needed_sinks(ctx, sinks, 6)
-    dq, dk, dv, dsinks, grads = flex_backward(grad_out.contiguous(), grad_lse, q, k, v, out, lse, captures, ctx.mods,
-                                              ctx.softmax_scale, sinks)
+    eager = getattr(ctx, "eager", False)  # _FlexFunction's: the op's own function, sinks its input 5
+    sinks = needed_sinks(ctx, sinks, 5 if eager else 6)
+    dq, dk, dv, dsinks, grads = (_flex_backward if eager else flex_backward)(
+        grad_out.contiguous(), grad_lse, q, k, v, out, lse, captures, ctx.mods, ctx.softmax_scale, sinks)
     # the learned captures' from dkdv (the others': none, or flex_gradient's outside the op); none for the mods
     # and the scale
     learned = dict(zip(MODS[ctx.mods].learned, grads))
@@ -141,6 +146,26 @@ def _backward(ctx, grad_out, grad_lse):
 
 
 flex_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _FlexFunction(torch.autograd.Function):
+    """``flex_forward`` and its autograd eagerly, off torch.library's dispatch (``ops.eager_autograd``'s
+    reason), its captures after its other arguments (autograd sees no tensor inside a list), sinks its input 5."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mods, softmax_scale, sinks, *captures):
+        inputs = (q, k, v, list(captures), mods, softmax_scale, sinks)
+        output = _flex_forward(*inputs)
+        ctx.eager = True
+        _setup_context(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out, grad_lse):
+        dq, dk, dv, dcaptures, _, _, dsinks = _backward(ctx, grad_out, grad_lse)
+        return dq, dk, dv, None, None, dsinks, *dcaptures
+
 
 
 def _mask_mod_of(block_mask, seqlen_q: int, seqlen_k: int):
@@ -284,7 +309,10 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
         q, k, v, run = padded_head_dim(q, k, v, head_dim)
         if torch.is_grad_enabled() and (in_kernel or any(t is not None and t.requires_grad for t in (q, k, v, sinks))):
             # (compiling with mods: refused above)
-            out, lse = flex_forward(q, k, v, captures, digest, softmax_scale, sinks)
+            if torch.compiler.is_compiling():
+                out, lse = flex_forward(q, k, v, captures, digest, softmax_scale, sinks)
+            else:
+                out, lse = _FlexFunction.apply(q, k, v, digest, softmax_scale, sinks, *captures)
         else:  # eager, nothing for autograd to record: no custom op's dispatch
             out, lse = flex_kernel(q, mods, sinks=sinks is not None)(
                 q, k, v, softmax_scale=softmax_scale, return_lse=True, captures=captures, **sinks_argument(sinks))
