@@ -398,6 +398,28 @@ def test_wrong_values_and_indices_are_refused():
         tvmflash.flex_attention(q, k, v, score_mod=lambda s, b, h, i, j: s)
 
 
+def test_the_index_check_reads_the_values_of_index_tensors_alone(monkeypatch):
+    """check_indices reads a captured tensor's values (aminmax: on a GPU a synchronisation a call) only where
+    they feed an index: a document mask's ids, compared, are not read; ids that index a table are, and bound it."""
+    from tvmflash.flex_trace import check_indices
+
+    read = []
+    aminmax = torch.Tensor.aminmax
+    monkeypatch.setattr(torch.Tensor, "aminmax", lambda t: read.append(t.shape) or aminmax(t))
+    doc = documents(40, "cpu")
+    mods, captured = trace_mods(None, lambda b, h, q, kv: doc[q] == doc[kv])
+    check_indices(mods, captured, 1, 4, 40, 40)
+    assert read == []
+    table = torch.randn(4, 2)  # (the ids of 40 rows: 0 and 1)
+    mods, captured = trace_mods(lambda s, b, h, q, kv: s + table[h, doc[q]], None)
+    check_indices(mods, captured, 1, 4, 40, 40)
+    assert read == [doc.shape]
+    small = torch.randn(4, 1)
+    mods, captured = trace_mods(lambda s, b, h, q, kv: s + small[h, doc[q]], None)
+    with pytest.raises(ValueError, match="may take values from 0 to 1"):
+        check_indices(mods, captured, 1, 4, 40, 40)
+
+
 def learnable_bias_case(device, dtype, head_dim, seqlen_q, seqlen_k, seed):
     """A relative-position bias table and per-head slopes that require grad (a float32 table, float16
     slopes), read by a score_mod beside a mask_mod that hides every key from some rows: the gradients of q,

@@ -529,23 +529,27 @@ def check_indices(mods: FlexMods, captures, batch: int, heads: int, seqlen_q: in
             values[n] = (lo.item(), hi.item())
         return values[n]
 
+    def visit(node: Node) -> None:
+        """Check every load under ``node``, whose value is no index (no value range read: on a GPU each is a
+        synchronisation, a document mask's ``doc[q_idx] == doc[kv_idx]`` two a call)."""
+        if node.op == "load":
+            check(node)
+        else:
+            for a in node.args:
+                visit(a)
+
     def bounds(node: Node) -> tuple:
+        """The range of an index's value (and its loads checked)."""
         op = node.op
         if op in leaves:
             return leaves[op]
         if op == "const":
             return (node.value, node.value)
         if node.dtype == BOOL:
-            for a in node.args if op != "load" else ():
-                bounds(a)
-            if op == "load":
-                check(node)
+            visit(node)
             return (0, 1)
         if node.dtype == FLOAT:
-            for a in node.args:
-                bounds(a)
-            if op == "load":
-                check(node)
+            visit(node)
             return (-math.inf, math.inf)
         if op == "load":
             check(node)
@@ -590,4 +594,4 @@ def check_indices(mods: FlexMods, captures, batch: int, heads: int, seqlen_q: in
 
     for node in (mods.score, mods.mask):
         if node is not None:
-            bounds(node)
+            visit(node)
