@@ -409,7 +409,8 @@ def _options(q, k, v, dims: int, layout: str, causal, window_size, softcap, alib
 
 
 def _through_ops(q, k, v, sinks=None) -> bool:
-    """Must a call go through the custom ops: under torch.compile, or where autograd records it?"""
+    """Must a call go through the custom ops (under torch.compile) or their autograd (``eager_autograd``, where
+    autograd records it), rather than call the kernel directly?"""
     return torch.compiler.is_compiling() or (torch.is_grad_enabled() and (
         q.requires_grad or k.requires_grad or v.requires_grad or (sinks is not None and sinks.requires_grad)))
 
