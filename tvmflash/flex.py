@@ -367,7 +367,8 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
         q, k, v, run = padded_head_dim(q, k, v, head_dim)
         if compiling:
             out, lse = flex_forward(q, k, v, captures, digest, softmax_scale, sinks)
-        elif torch.is_grad_enabled() and (in_kernel or any(t is not None and t.requires_grad for t in (q, k, v, sinks))):
+        elif torch.is_grad_enabled() and (in_kernel or any(t is not None and t.requires_grad
+                                                             for t in (q, k, v, sinks))):
             out, lse = _FlexFunction.apply(q, k, v, digest, softmax_scale, sinks, *captures)
         else:  # eager, nothing for autograd to record: no custom op's dispatch
             out, lse = flex_kernel(q, mods, sinks=sinks is not None)(

@@ -180,7 +180,8 @@ def block_sparse_arguments(block_mask, batch: int, heads_q: int, seqlen_q: int, 
         num, full_num = (t.to(torch.int32).expand(*shape, length) for t in (num, full_num))
         indices, full_indices = (t.to(torch.int32).expand(*shape, length, t.shape[3]) for t in (indices, full_indices))
         width = indices.shape[3]
-        if check_counts and device.type == "cpu":  # (on a GPU the values are not read back: the kernels clamp them into the tensors)
+        # (on a GPU the values are not read back: the kernels clamp them into the tensors)
+        if check_counts and device.type == "cpu":
             if bool((num < 0).any() or (num > width).any() or (full_num < 0).any()
                     or (full_num > full_indices.shape[3]).any()):
                 raise ValueError(f"block_mask.{what}_num_blocks: counts out of range (0 to the width of its indices)")

@@ -308,8 +308,9 @@ def _backward(ctx, grad_out, grad_lse):
     if grad_out is None:  # only lse reached the loss
         grad_out = torch.zeros_like(out)
     sinks = needed_sinks(ctx, sinks, 12)
-    dq, dk, dv, dsinks = (_backward_op if getattr(ctx, "eager", False) else backward)(grad_out, grad_lse, q, k, v, out, lse, *ctx.variant, alibi_slopes,
-                                  ctx.deterministic, ctx.dropout_p, dropout_seed, sinks)
+    op = _backward_op if getattr(ctx, "eager", False) else backward  # eager_autograd's: the op's own function
+    dq, dk, dv, dsinks = op(grad_out, grad_lse, q, k, v, out, lse, *ctx.variant, alibi_slopes, ctx.deterministic,
+                            ctx.dropout_p, dropout_seed, sinks)
     # no gradient for the options, the ALiBi slopes or the seed
     return (dq, dk, dv) + (None,) * 9 + (None if sinks is None else dsinks,)
 
@@ -548,9 +549,9 @@ def _varlen_backward(ctx, grad_out, grad_lse):
     if grad_out is None:  # only lse reached the loss
         grad_out = torch.zeros_like(out)
     sinks = needed_sinks(ctx, sinks, 16)
-    dq, dk, dv, dsinks = (_varlen_backward_op if getattr(ctx, "eager", False) else varlen_backward)(grad_out, grad_lse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-                                         *ctx.lengths, *ctx.variant, alibi_slopes, ctx.deterministic, ctx.dropout_p,
-                                         dropout_seed, sinks)
+    op = _varlen_backward_op if getattr(ctx, "eager", False) else varlen_backward
+    dq, dk, dv, dsinks = op(grad_out, grad_lse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.lengths,
+                            *ctx.variant, alibi_slopes, ctx.deterministic, ctx.dropout_p, dropout_seed, sinks)
     # none for the offsets, lengths, options, ALiBi slopes or seed
     return (dq, dk, dv) + (None,) * 13 + (None if sinks is None else dsinks,)
 
