@@ -124,7 +124,6 @@ def _checked_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, captures
     return _flex_forward(q, k, v, captures, mods, softmax_scale, sinks)
 
 
-_checked_forward.__doc__ = f"{_flex_forward.__doc__}\n\n    {_checked_forward.__doc__}"
 flex_forward = torch.library.custom_op("tvmflash::flex_forward", mutates_args=())(_checked_forward)
 
 
@@ -201,7 +200,6 @@ class _FlexFunction(torch.autograd.Function):
     def backward(ctx, grad_out, grad_lse):
         dq, dk, dv, dcaptures, _, _, dsinks = _backward(ctx, grad_out, grad_lse)
         return dq, dk, dv, None, None, dsinks, *dcaptures
-
 
 
 def _mask_mod_of(block_mask, seqlen_q: int, seqlen_k: int):
