@@ -4,6 +4,7 @@ ideal or better, the ideal being the dense time times the density).
     python benchmarks/block_sparse_bench.py                            # bf16, d128, 8k tokens, 16 heads
     python benchmarks/block_sparse_bench.py --seqlen 16384 --densities 1 0.25 0.1 --partial 0.5 --backward
     python benchmarks/block_sparse_bench.py --device cpu --seqlen 1024 --heads 2    # (slowly) on the CPU
+    OMP_NUM_THREADS=1 python benchmarks/block_sparse_bench.py --host-time --device cpu   # the host's time a call
 
 For each density d, a random BlockMask (``BLOCK_SIZE`` ``--block``) keeps that share of each Q block's K/V
 blocks (each row keeps at least one, the diagonal's), ``--partial`` of them partial (mask_mod applies: an
@@ -12,11 +13,19 @@ checked first against torch's flex_attention (eager, float32 math) on its first 
 flash-attn's error rule, then timed (``tvmflash.bench.time_ms``: forward, or with ``--backward`` forward and
 backward through autograd). "vs ideal" is (the dense time x d) / the time: 1.00 means the mask costs exactly
 its share. With ``--torch`` torch.compile'd FlexAttention is timed beside it on the same masks.
+
+``--host-time``: instead, the time a call takes on a tiny problem (batch 1, 1 head, 128 tokens, d32; float32 on
+the CPU), where the host's Python work is most of it: tvmflash.flash_attn_func, and flex_attention without mods,
+with a causal BlockMask (create_block_mask), with a mask_mod and with a score_mod, forward (no grad) and forward
++ backward (``out.sum().backward()``), back to back. Beside each wall time, the kernels' share (the modules'
+functions timed around each call; on a GPU their launches) and the rest, the host's.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import time
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
@@ -65,6 +74,85 @@ def check(q, k, v, block_mask, heads: int = 2) -> tuple[float, float]:
     return (ours - reference).abs().max().item(), 2 * (theirs - reference).abs().max().item() + 1e-5
 
 
+def host_time(device, dtype, calls: int = 300) -> None:
+    """``--host-time`` (see the module docstring): the best of 5 rounds of ``calls`` calls, microseconds a call."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from tvmflash.kernels import build
+
+    spent = [0.0]
+
+    def timed(fn):
+        def call(*args):
+            start = time.perf_counter()
+            result = fn(*args)
+            spent[0] += time.perf_counter() - start
+            return result
+        return call
+
+    module_for, wrapped = build.Build.module_for, {}
+
+    def timed_module_for(self, *args, **kwargs):  # each module's functions timed around their calls
+        module = module_for(self, *args, **kwargs)
+        if id(module) not in wrapped:
+            function = module.function
+            function = {k: timed(f) for k, f in function.items()} if isinstance(function, dict) else timed(function)
+            wrapped[id(module)] = (module, dataclasses.replace(module, function=function))
+        return wrapped[id(module)][1]
+
+    build.Build.module_for = timed_module_for
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, 128, 32, generator=gen).to(device, dtype).requires_grad_() for _ in range(3))
+    qt, kt, vt = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    block_mask = create_block_mask(causal, 1, 1, 128, 128, device=device)
+    cases = {
+        "flash_attn_func": lambda: tvmflash.flash_attn_func(qt, kt, vt),
+        "flex, no mods": lambda: tvmflash.flex_attention(q, k, v),
+        "flex, BlockMask": lambda: tvmflash.flex_attention(q, k, v, block_mask=block_mask),
+        "flex, mask_mod": lambda: tvmflash.flex_attention(q, k, v, block_mask=causal),
+        "flex, score_mod": lambda: tvmflash.flex_attention(q, k, v, score_mod=lambda s, b, h, i, j: s * 0.5),
+    }
+
+    def measure(step, n):
+        for _ in range(20):
+            step()
+        best = None
+        for _ in range(5):
+            spent[0] = 0.0
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(n):
+                step()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            wall = (time.perf_counter() - start) / n * 1e6
+            if best is None or wall < best[0]:
+                best = (wall, spent[0] / n * 1e6)
+        return best
+
+    print(f"host time a call, us ({bench.device_name(device)}, {dtype}, b1 h1 s128 d32, "
+          f"{torch.get_num_threads()} threads): wall, kernels, host (wall - kernels)")
+    print(f"{'':<18}{'forward':>24}{'forward + backward':>30}")
+    for name, fn in cases.items():
+        def forward(fn=fn):
+            with torch.no_grad():
+                fn()
+
+        def both(fn=fn):
+            fn().sum().backward()
+        line = f"{name:<18}"
+        for step, n in ((forward, calls), (both, calls // 2)):
+            wall, kernels = measure(step, n)
+            line += f"   {wall:7.1f} {kernels:7.1f} {wall - kernels:7.1f}"
+        print(line)
+    build.Build.module_for = module_for
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -78,8 +166,12 @@ def main(argv=None) -> None:
     parser.add_argument("--backward", action="store_true", help="time forward and backward")
     parser.add_argument("--torch", action="store_true", help="time torch.compile'd flex_attention too")
     parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--host-time", action="store_true",
+                        help="the time a call on a tiny problem instead: wall, the kernels' and the host's")
     args = parser.parse_args(argv)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    if args.host_time:
+        return host_time(device, torch.float32 if device.type == "cpu" else dtype)
     q, k, v = (torch.randn(1, args.heads, args.seqlen, args.head_dim, device=device, dtype=dtype,
                            requires_grad=args.backward) for _ in range(3))
     dout = torch.randn_like(q)

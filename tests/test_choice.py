@@ -2,6 +2,8 @@
 environment (TVMFLASH_SM90), this device's tuning records of sm80 and sm90 and the caller; and the
 records read once, when a kernel is made."""
 
+import os
+
 import pytest
 
 import tvmflash
@@ -139,3 +141,21 @@ def test_derived_knobs_follow_the_given_ones():
     with pytest.raises(ValueError, match="needs dkdv_copy 'tma'"):
         tvmflash.compile_backward(head_dim=128, dtype="bfloat16", target="sm90",
                                   knobs={"dkdv_copy": "cp.async", "dq_reduce": "tma"})
+
+
+def test_the_environment_key_follows_os_environ(monkeypatch):
+    """choice.environment (the kernels' caches' key, read from os.environ's own mapping on POSIX) sees each
+    change of a variable through os.environ at once, set, changed and removed."""
+    from tvmflash import choice
+
+    monkeypatch.delenv("TVMFLASH_BACKWARD", raising=False)
+    before = choice.environment("backward")
+    assert before[-1] == ""
+    monkeypatch.setenv("TVMFLASH_BACKWARD", "sm80")
+    assert choice.environment("backward") == (*before[:-1], "sm80")
+    monkeypatch.setenv("TVMFLASH_BACKWARD", "simt")
+    assert choice.environment("backward")[-1] == "simt"
+    monkeypatch.delenv("TVMFLASH_BACKWARD")
+    assert choice.environment("backward") == before
+    for program, names in choice.ENVIRONMENT.items():
+        assert choice.environment(program) == tuple(os.environ.get(name, "") for name in names)

@@ -84,8 +84,21 @@ def capture_gradients_in_kernel(device_type: str, deterministic: bool) -> bool:
 
 def environment(program: str) -> tuple[str, ...]:
     """The raw values of the variables that may change a program's schedule ("" where unset): what the
-    caches of kernels are keyed by, cheap enough for every call of ``tvmflash.attention``."""
-    return tuple(os.environ.get(name, "") for name in ENVIRONMENT[program])
+    caches of kernels are keyed by, cheap enough for every call of ``tvmflash.attention``. On POSIX read from
+    ``os.environ``'s own bytes mapping (what ``os.environ.get`` reads, less its encoding of the key and the
+    Mapping protocol: a microsecond a variable, several a call)."""
+    if _ENVIRONMENT_BYTES is None:
+        return tuple(os.environ.get(name, "") for name in ENVIRONMENT[program])
+    get = _ENVIRONMENT_BYTES.get
+    return tuple("" if value is None else os.fsdecode(value) for value in map(get, _ENCODED[program]))
+
+
+# os.environ's mapping of bytes to bytes (CPython's os._Environ on POSIX; None elsewhere: os.environ.get), and
+# each program's variables encoded as it encodes them
+_ENVIRONMENT_BYTES = getattr(os.environ, "_data", None) if os.name == "posix" else None
+if not isinstance(_ENVIRONMENT_BYTES, dict) or os.environ.encodekey("X") != b"X":
+    _ENVIRONMENT_BYTES = None
+_ENCODED = {program: tuple(os.fsencode(name) for name in names) for program, names in ENVIRONMENT.items()}
 
 
 def settings() -> Settings:

@@ -16,14 +16,14 @@ import dataclasses
 import torch
 
 from tvmflash import cache, choice, program_flex_gradient
-from tvmflash.flex_block_mask import block_sparse_lists, compile_flex
+from tvmflash.flex_block_mask import block_sparse_arguments, block_sparse_lists, check_list_counts, compile_flex
 from tvmflash.flex_gradient import CapturedGradients
-from tvmflash.flex_trace import check_indices, trace_mods
+from tvmflash.flex_trace import check_indices, trace_mods, trace_uncached
 from tvmflash.kernels import registry
 from tvmflash.kernels.checks import TORCH_DTYPES, check_any_head_dim, check_flag, resolve_softmax_scale
 from tvmflash.ops import (gradient_shapes, attention, check_sinks, needed_sinks, padded_head_dim, sinks_argument,
                           target_of, with_sinks_gradient)
-from tvmflash.program_flex import FlexMods
+from tvmflash.program_flex import FlexMods, Node
 
 # key -> traced mods (``mods_key``), for the custom ops, which take the mods by their key
 MODS: dict[str, FlexMods] = {}
@@ -59,6 +59,27 @@ def with_sparsity(mods: FlexMods, sparse, learned: tuple = ()) -> tuple[FlexMods
     return found[1], found[2]
 
 
+def compiled_key(score, mask, captures: tuple, sparse, learned: tuple) -> str:
+    """``with_sparsity``'s key of traced mods given as plain tuples (``plain``), a constant of a compiled graph:
+    Dynamo calls it at trace time (``flex_attention`` traced, the mods run on the tracer's values) and guards
+    on what made them. (Tuples, not the FlexMods: Dynamo's constant of a frozen dataclass built with positional
+    arguments loses them.)"""
+    return with_sparsity(FlexMods(unplain(score), unplain(mask), captures), sparse, learned)[1]
+
+
+# the mark of torch.compiler.assume_constant_result (``ops.head_dim_to_run``'s reason to set it by hand)
+compiled_key._dynamo_marked_constant = True
+
+
+def plain(node: Node | None):
+    """A traced tree as nested tuples (op, dtype, args, value), None for None; ``unplain`` is its inverse."""
+    return None if node is None else (node.op, node.dtype, tuple(plain(a) for a in node.args), node.value)
+
+
+def unplain(value) -> Node | None:
+    return None if value is None else Node(value[0], value[1], tuple(unplain(a) for a in value[2]), value[3])
+
+
 def _forward_mods(mods: FlexMods) -> FlexMods:
     """The mods of the forward kernel: ``mods`` without learned captures (the forward is the same with them)."""
     return with_sparsity(mods, mods.sparse)[0] if mods.learned else mods
@@ -79,8 +100,7 @@ def flex_kernel(q: torch.Tensor, mods: FlexMods, backward: bool = False, sinks: 
 
 
 # The ops take q, k, v in the kernels' layout (batch, seqlen, heads, head_dim), any strides.
-@torch.library.custom_op("tvmflash::flex_forward", mutates_args=())
-def flex_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, captures: list[torch.Tensor], mods: str,
+def _flex_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, captures: list[torch.Tensor], mods: str,
                  softmax_scale: float, sinks: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of attention with the traced mods ``MODS[mods]``; see :func:`flex_attention`. (sinks has no
     default: the dispatcher drops an argument equal to its default, and the backward of an op with a tensor
@@ -90,14 +110,30 @@ def flex_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, captures: li
     return kernel(q, k, v, softmax_scale=softmax_scale, return_lse=True, captures=captures, **sinks_argument(sinks))
 
 
+def _checked_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, captures: list[torch.Tensor], mods: str,
+                     softmax_scale: float, sinks: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_flex_forward` after the checks that read the captures' values (``check_indices``; a BlockMask's
+    counts on the CPU, ``check_list_counts``), which ``flex_attention`` makes before it eagerly and Dynamo cannot
+    make at trace time: the custom op's function, what a compiled graph calls."""
+    flex = MODS[mods]
+    batch, seqlen_q, heads_q, _ = q.shape
+    own = len(flex.captures)
+    check_indices(flex, captures[:own], batch, heads_q, seqlen_q, k.shape[1])
+    if flex.sparse is not None and q.device.type == "cpu":
+        check_list_counts(captures[own:])
+    return _flex_forward(q, k, v, captures, mods, softmax_scale, sinks)
+
+
+flex_forward = torch.library.custom_op("tvmflash::flex_forward", mutates_args=())(_checked_forward)
+
+
 @flex_forward.register_fake
 def _flex_forward_shapes(q, k, v, captures, mods, softmax_scale, sinks):
     batch, seqlen_q, heads_q, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
 
 
-@torch.library.custom_op("tvmflash::flex_backward", mutates_args=())
-def flex_backward(dout: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def _flex_backward(dout: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   out: torch.Tensor, lse: torch.Tensor, captures: list[torch.Tensor], mods: str,
                   softmax_scale: float, sinks: torch.Tensor | None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
@@ -111,6 +147,9 @@ def flex_backward(dout: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor
     gradients = with_sinks_gradient(kernel(q, k, v, out, dout, lse, dlse=dlse, softmax_scale=softmax_scale,
                                            captures=captures, capture_grads=grads, **sinks_argument(sinks)), q)
     return (*gradients, grads)
+
+
+flex_backward = torch.library.custom_op("tvmflash::flex_backward", mutates_args=())(_flex_backward)
 
 
 @flex_backward.register_fake
@@ -130,9 +169,10 @@ def _backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse, sinks, *captures = ctx.saved_tensors
     if grad_out is None:  # only lse reached the loss
         grad_out = torch.zeros_like(out)
-    sinks = needed_sinks(ctx, sinks, 6)
-    dq, dk, dv, dsinks, grads = flex_backward(grad_out.contiguous(), grad_lse, q, k, v, out, lse, captures, ctx.mods,
-                                              ctx.softmax_scale, sinks)
+    eager = getattr(ctx, "eager", False)  # _FlexFunction's: the op's own function, sinks its input 5
+    sinks = needed_sinks(ctx, sinks, 5 if eager else 6)
+    dq, dk, dv, dsinks, grads = (_flex_backward if eager else flex_backward)(
+        grad_out.contiguous(), grad_lse, q, k, v, out, lse, captures, ctx.mods, ctx.softmax_scale, sinks)
     # the learned captures' from dkdv (the others': none, or flex_gradient's outside the op); none for the mods
     # and the scale
     learned = dict(zip(MODS[ctx.mods].learned, grads))
@@ -141,6 +181,25 @@ def _backward(ctx, grad_out, grad_lse):
 
 
 flex_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _FlexFunction(torch.autograd.Function):
+    """``flex_forward`` and its autograd eagerly, off torch.library's dispatch (``ops.eager_autograd``'s
+    reason), its captures after its other arguments (autograd sees no tensor inside a list), sinks its input 5."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mods, softmax_scale, sinks, *captures):
+        inputs = (q, k, v, list(captures), mods, softmax_scale, sinks)
+        output = _flex_forward(*inputs)
+        ctx.eager = True
+        _setup_context(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out, grad_lse):
+        dq, dk, dv, dcaptures, _, _, dsinks = _backward(ctx, grad_out, grad_lse)
+        return dq, dk, dv, None, None, dsinks, *dcaptures
 
 
 def _mask_mod_of(block_mask, seqlen_q: int, seqlen_k: int):
@@ -237,8 +296,16 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     exact, but with O(seqlen_q · seqlen_k) work outside the kernels); TVMFLASH_FLEX_GRADIENT=kernel or torch
     chooses, ``choice.capture_gradients_in_kernel`` says which.
 
-    Not yet: torch.compile(fullgraph=True) of a call with a mod (NotImplementedError; without fullgraph Dynamo
-    runs such a call eagerly).
+    Under torch.compile (fullgraph=True too), forward and backward: Dynamo runs the tracer on the mods, so the
+    compiled graph is guarded on everything they read (closures, globals) and a change recompiles it; the key
+    of the trace is a constant of the graph and the captured tensors and the BlockMask's lists are its inputs
+    (the custom ops ``tvmflash::flex_forward``, ``flex_backward``); the checks that read tensors' values (the
+    captured tensors' index ranges, a BlockMask's counts on the CPU) run in the op. A Python number a mod reads
+    that changes from call to call is guarded too, but at the second value Dynamo recompiles it as a dynamic
+    (symbolic) number, which the tracer cannot take as a constant (Dynamo's error at a comparison): compile
+    with ``dynamic=False`` there (each value then compiles its own graph), or keep the number fixed. A
+    captured tensor that requires grad gets its gradient from dkdv's additions under compile (the CPU's default
+    there; a GPU's with TVMFLASH_FLEX_GRADIENT=kernel, else a NotImplementedError), never torch's way.
     """
     _check_tensors(query, key, value, check_flag("enable_gqa", enable_gqa))
     return_lse = check_flag("return_lse", return_lse)
@@ -251,40 +318,56 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
         raise ValueError(f"scale: expected a positive float, got {scale!r}")
     softmax_scale = resolve_softmax_scale(scale, head_dim)  # query's own head_dim's, before any padding
     sinks = check_sinks(sinks, query, heads_dim=1)
-    if torch.compiler.is_compiling() and (score_mod is not None or mask_mod is not None):
-        # Dynamo would trace into the tracer's symbolic values (an internal RecursionError); it can neither run
-        # the mods on them opaquely (a mod defined inside the compiled function is no Python object at trace
-        # time) nor lift the tensors they capture into the graph (that needs a higher-order op of torch's). A key
-        # traced by assume_constant_result would be unsound: Dynamo guards a function by its code, not by its
-        # closure (docs/notes/2026-12-07-flex-mods-and-the-built-ins.md).
-        # Raised here, fullgraph=True names this; without it Dynamo runs the frame eagerly, which works.
-        raise NotImplementedError(
-            "tvmflash.flex_attention with a score_mod or mask_mod under torch.compile(fullgraph=True): not yet (the "
-            "mods are traced in Python, which Dynamo cannot see through); without fullgraph the call runs eagerly")
-    mods, captured = trace_mods(score_mod, mask_mod)
-    sparse, lists = block_sparse_lists(block_mask, batch, heads_q, seqlen_q, seqlen_k, query.device)
+    compiling = torch.compiler.is_compiling()
+    if compiling:
+        # Dynamo traces the tracer itself (no cache of ours: Dynamo's guards on what the mods read, closures and
+        # globals, stand for ``trace_mods``' checks), and the BlockMask's conversion into the graph; what reads
+        # the tensors' values, the checks of the indices and counts, the op does at run time (``_checked_forward``)
+        mods, captured = trace_uncached(score_mod, mask_mod)
+        sparse, lists = block_sparse_arguments(block_mask, batch, heads_q, seqlen_q, seqlen_k, query.device,
+                                               check_counts=False)
+    else:
+        mods, captured = trace_mods(score_mod, mask_mod)
+        sparse, lists = block_sparse_lists(block_mask, batch, heads_q, seqlen_q, seqlen_k, query.device)
     for n, t in enumerate(captured):
         if t.device != query.device:
             raise ValueError(f"captured tensor {n}: expected query's device {query.device}, got {t.device}")
-    check_indices(mods, captured, batch, heads_q, seqlen_q, seqlen_k)
+    if not compiling:
+        check_indices(mods, captured, batch, heads_q, seqlen_q, seqlen_k)
     # a learnable bias: a captured float tensor that requires grad, read by the score_mod; its gradient made by
     # dkdv (``program_flex_gradient``) or by torch after the kernels' backward (``flex_gradient``)
     learned = program_flex_gradient.learnable(mods.score, captured) if torch.is_grad_enabled() else ()
-    in_kernel = bool(learned) and choice.capture_gradients_in_kernel(query.device.type,
-                                                                     torch.are_deterministic_algorithms_enabled())
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    in_kernel = bool(learned) and choice.capture_gradients_in_kernel(query.device.type, deterministic)
+    if learned and not in_kernel and compiling:
+        # torch's way (flex_gradient: torch.autograd.grad inside an autograd Function's backward) is no graph
+        # Dynamo makes; the CPU's dkdv adds them exactly, its tiles in turn (slower than torch's way eagerly)
+        if query.device.type != "cpu" or deterministic:
+            raise NotImplementedError(
+                "tvmflash.flex_attention under torch.compile(fullgraph=True) with a captured tensor that requires "
+                "grad: its gradient by torch's operations (flex_gradient, this device's default or deterministic "
+                "mode's) is not traced; TVMFLASH_FLEX_GRADIENT=kernel makes it in the backward kernel (atomic "
+                "additions), or run the call eagerly")
+        in_kernel = True
     # the block lists after the mods' tensors; those whose gradient dkdv makes reach the custom op's autograd
     captures = [t if in_kernel and n in learned else t.detach() for n, t in enumerate(captured)] + lists
     # flex_gradient evaluates the mods alone
-    gradient_mods, (mods, digest) = mods, with_sparsity(mods, sparse, learned if in_kernel else ())
+    if compiling:  # the key a constant of the graph (``compiled_key``)
+        gradient_mods, digest = mods, compiled_key(plain(mods.score), plain(mods.mask), mods.captures, sparse,
+                                                   learned if in_kernel else ())
+    else:
+        gradient_mods, (mods, digest) = mods, with_sparsity(mods, sparse, learned if in_kernel else ())
     # the kernels' layout, (batch, seqlen, heads, head_dim): views, read through their strides
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     if mods.score is None and mods.mask is None and sparse is None:  # no mod, no sparsity: the built-in kernels
         out, lse = attention(q, k, v, softmax_scale=softmax_scale, return_lse=True, sinks=sinks)
     else:
         q, k, v, run = padded_head_dim(q, k, v, head_dim)
-        if torch.is_grad_enabled() and (in_kernel or any(t is not None and t.requires_grad for t in (q, k, v, sinks))):
-            # (compiling with mods: refused above)
+        if compiling:
             out, lse = flex_forward(q, k, v, captures, digest, softmax_scale, sinks)
+        elif torch.is_grad_enabled() and (in_kernel or any(t is not None and t.requires_grad
+                                                             for t in (q, k, v, sinks))):
+            out, lse = _FlexFunction.apply(q, k, v, digest, softmax_scale, sinks, *captures)
         else:  # eager, nothing for autograd to record: no custom op's dispatch
             out, lse = flex_kernel(q, mods, sinks=sinks is not None)(
                 q, k, v, softmax_scale=softmax_scale, return_lse=True, captures=captures, **sinks_argument(sinks))

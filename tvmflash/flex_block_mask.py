@@ -124,12 +124,24 @@ def block_sparse_lists(block_mask, batch: int, heads_q: int, seqlen_q: int, seql
     return result
 
 
-def block_sparse_arguments(block_mask, batch: int, heads_q: int, seqlen_q: int, seqlen_k: int, device):
+def check_list_counts(lists) -> None:
+    """A ValueError unless each count pair of ``block_sparse_arguments``' lists (kv counts, kv list, q counts,
+    q list) is 0 <= partial <= partial + full <= its list's width: the check of the counts that
+    ``block_sparse_arguments`` makes on the CPU, on its result (under torch.compile, at run time)."""
+    for what, counts, indices in (("kv", lists[0], lists[1]), ("q", lists[2], lists[3])):
+        if bool((counts[..., 0] < 0).any() or (counts[..., 0] > counts[..., 1]).any()
+                or (counts[..., 1] > indices.shape[-1]).any()):
+            raise ValueError(f"block_mask.{what}_num_blocks: counts out of range (0 to the width of its indices)")
+
+
+def block_sparse_arguments(block_mask, batch: int, heads_q: int, seqlen_q: int, seqlen_k: int, device,
+                           check_counts: bool = True):
     """torch's ``BlockMask`` as the programs take it (``program_block_sparse.SPARSE_ARGUMENTS``): its (Q, KV)
     BLOCK_SIZE and four int32 tensors, each list's partial blocks first and its full ones after them
     (``counts[..., 0]`` partial, ``[..., 1]`` partial + full), or (None, []) for anything else. A mask
     whose shapes are not those of this call (stale, or made for other lengths, batch or heads)
-    raises a ValueError."""
+    raises a ValueError, and on the CPU counts out of range (``check_counts``; the kernels there read the lists
+    unclamped)."""
     if block_mask is None or not hasattr(block_mask, "kv_num_blocks"):
         return None, []
     sizes = tuple(int(n) for n in block_mask.BLOCK_SIZE)
@@ -168,7 +180,8 @@ def block_sparse_arguments(block_mask, batch: int, heads_q: int, seqlen_q: int, 
         num, full_num = (t.to(torch.int32).expand(*shape, length) for t in (num, full_num))
         indices, full_indices = (t.to(torch.int32).expand(*shape, length, t.shape[3]) for t in (indices, full_indices))
         width = indices.shape[3]
-        if device.type == "cpu":  # (on a GPU the values are not read back: the kernels clamp them into the tensors)
+        # (on a GPU the values are not read back: the kernels clamp them into the tensors)
+        if check_counts and device.type == "cpu":
             if bool((num < 0).any() or (num > width).any() or (full_num < 0).any()
                     or (full_num > full_indices.shape[3]).any()):
                 raise ValueError(f"block_mask.{what}_num_blocks: counts out of range (0 to the width of its indices)")

@@ -51,6 +51,8 @@ class _Tracing:
 
     def where_in_user_code(self) -> str:
         """'file:line' of the innermost frame of the user's code (not tvmflash's or torch's)."""
+        if torch.compiler.is_compiling():  # Dynamo traces no frame inspection; its error names the line
+            return f"{getattr(self.fn, '__name__', 'the function')} (traced by torch.compile)"
         code = getattr(self.fn, "__code__", None)
         frame = inspect.currentframe()
         fallback = None
@@ -73,6 +75,9 @@ def _unwrap(value, tracing: _Tracing):
     index, a string)."""
     if isinstance(value, Traced):
         return value.node
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        raise tracing.error("a number that torch.compile made symbolic (it changed from call to call)",
+                            "compile with dynamic=False, which compiles a graph for each value, or keep it fixed")
     if isinstance(value, (bool, int, float)):
         if isinstance(value, float) and math.isnan(value):
             raise tracing.error("a NaN constant")
@@ -235,6 +240,8 @@ def _torch_name(func) -> str:
     name = getattr(func, "__name__", None)
     if name is None:
         return repr(func)
+    if torch.compiler.is_compiling():  # (Dynamo traces no str method on a torch function's qualname)
+        return f"torch.{name}"
     qualname = getattr(func, "__qualname__", "") or ""
     if qualname.startswith(("Tensor.", "TensorBase.")) or "TensorBase" in repr(func):
         return f"Tensor.{name}"
@@ -429,7 +436,10 @@ def _reads(fn, depth: int = 0) -> list | None:
         return None
     values = [*cells, *(fn.__defaults__ or ()), *(fn.__kwdefaults__ or {}).values(),
               *(fn.__globals__.get(name, _MISSING) for name in code.co_names)]
-    reads = [fn, code]
+    # the code, not the function object: a lambda made anew at every call (``score_mod=lambda ...`` in a model's
+    # forward) over the same objects is the same trace, and whatever else a function object holds that its code
+    # can read (closure, defaults, globals) is read below
+    reads = [code]
     for value in values:
         if _is_value(value) or isinstance(value, torch.Tensor) or any(value is m for m in _TRUSTED_MODULES):
             reads.append(value)
@@ -447,6 +457,27 @@ def _tensor_state(reads: list, captures) -> tuple:
     captured = {id(t) for t in captures}
     return tuple((x.dtype, x.shape, x.device, None if id(x) in captured else x._version)
                  for x in reads if isinstance(x, torch.Tensor))
+
+
+def trace_uncached(score_mod, mask_mod) -> tuple[FlexMods, list[torch.Tensor]]:
+    """``trace_mods`` without its cache (``_TRACED``): what torch.compile traces, Dynamo running the tracer and
+    the mods on its symbolic values, and guarding the compiled graph on everything the mods read. Under
+    ``_CapturedIndexing``: Dynamo takes ``tensor[traced]`` for a graph operation, not for the Traced index's
+    ``__torch_function__`` (which eagerly answers it), but it does run a torch function mode's."""
+    with _CapturedIndexing():
+        return _trace_mods(score_mod, mask_mod)
+
+
+class _CapturedIndexing(torch.overrides.TorchFunctionMode):
+    """Indexing a captured tensor by traced values (``_index``), as a torch function mode."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.__getitem__ and len(args) == 2 and isinstance(args[0], torch.Tensor):
+            index = args[1] if isinstance(args[1], tuple) else (args[1],)
+            traced = [i for i in index if isinstance(i, Traced)]
+            if traced:
+                return _index(traced[0].tracing, *args)
+        return func(*args, **(kwargs or {}))
 
 
 def _trace_mods(score_mod, mask_mod) -> tuple[FlexMods, list[torch.Tensor]]:
@@ -498,23 +529,27 @@ def check_indices(mods: FlexMods, captures, batch: int, heads: int, seqlen_q: in
             values[n] = (lo.item(), hi.item())
         return values[n]
 
+    def visit(node: Node) -> None:
+        """Check every load under ``node``, whose value is no index (no value range read: on a GPU each is a
+        synchronisation, a document mask's ``doc[q_idx] == doc[kv_idx]`` two a call)."""
+        if node.op == "load":
+            check(node)
+        else:
+            for a in node.args:
+                visit(a)
+
     def bounds(node: Node) -> tuple:
+        """The range of an index's value (and its loads checked)."""
         op = node.op
         if op in leaves:
             return leaves[op]
         if op == "const":
             return (node.value, node.value)
         if node.dtype == BOOL:
-            for a in node.args if op != "load" else ():
-                bounds(a)
-            if op == "load":
-                check(node)
+            visit(node)
             return (0, 1)
         if node.dtype == FLOAT:
-            for a in node.args:
-                bounds(a)
-            if op == "load":
-                check(node)
+            visit(node)
             return (-math.inf, math.inf)
         if op == "load":
             check(node)
@@ -559,4 +594,4 @@ def check_indices(mods: FlexMods, captures, batch: int, heads: int, seqlen_q: in
 
     for node in (mods.score, mods.mask):
         if node is not None:
-            bounds(node)
+            visit(node)

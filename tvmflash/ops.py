@@ -2,9 +2,10 @@
 
 Eagerly, without autograd, ``attention`` and ``Kernel.__call__`` call the kernel directly: a custom
 op's dispatch costs host time at every call, and its first call imports ``torch._dynamo`` (about
-1 s). Under torch.compile, and where autograd records the call, they go through custom ops
-(``torch.ops.tvmflash.*``): torch.compile then traces them without a graph break (the fake
-implementations give the output shapes), and autograd has one place to hook the backward pass.
+1 s). Eagerly where autograd records the call, an autograd Function runs the custom op's own function
+and its autograd (``eager_autograd``), off the dispatch. Under torch.compile they go through the custom
+ops (``torch.ops.tvmflash.*``): torch.compile then traces them without a graph break (the fake
+implementations give the output shapes), and the autograd registered on the op is the backward's.
 The backward pass is ``torch.ops.tvmflash.backward``, a custom op of its own (with a fake
 implementation too), so that torch.compile traces the backward graph without a break as well.
 """
@@ -226,8 +227,7 @@ def needed_sinks(ctx, sinks, index: int):
 # The forward and backward ops take the variant as resolve_variant's fields (causal, window_left,
 # window_right, softcap; alibi: whether alibi_slopes is given; dropout: whether dropout_p > 0, then with
 # the seed that the backward takes too).
-@torch.library.custom_op("tvmflash::forward", mutates_args=())
-def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float,
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float,
             window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
             alibi_slopes: torch.Tensor | None = None, deterministic: bool = False, dropout_p: float = 0.0,
             dropout_seed: torch.Tensor | None = None,
@@ -237,6 +237,9 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sof
                         dropout=dropout_p > 0, sinks=sinks is not None)
     return kernel(q, k, v, softmax_scale=softmax_scale, return_lse=True, alibi_slopes=alibi_slopes,
                   **dropout_arguments(dropout_p, dropout_seed), **sinks_argument(sinks))
+
+
+forward = torch.library.custom_op("tvmflash::forward", mutates_args=())(_forward)
 
 
 @forward.register_fake
@@ -261,8 +264,7 @@ def backward_kernel_for(q: torch.Tensor, causal: bool, window_left: int = -1, wi
     return found
 
 
-@torch.library.custom_op("tvmflash::backward", mutates_args=())
-def backward(dout: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def _backward_op(dout: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              out: torch.Tensor, lse: torch.Tensor, causal: bool, softmax_scale: float, window_left: int = -1,
              window_right: int = -1, softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
              deterministic: bool = False, dropout_p: float = 0.0, dropout_seed: torch.Tensor | None = None,
@@ -274,6 +276,9 @@ def backward(dout: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, k: 
     return with_sinks_gradient(kernel(q, k, v, out, dout, lse, dlse=dlse, softmax_scale=softmax_scale,
                                       alibi_slopes=alibi_slopes, **dropout_arguments(dropout_p, dropout_seed),
                                       **sinks_argument(sinks)), q)
+
+
+backward = torch.library.custom_op("tvmflash::backward", mutates_args=())(_backward_op)
 
 
 def gradient_shapes(q, k, v, sinks) -> tuple:
@@ -303,13 +308,40 @@ def _backward(ctx, grad_out, grad_lse):
     if grad_out is None:  # only lse reached the loss
         grad_out = torch.zeros_like(out)
     sinks = needed_sinks(ctx, sinks, 12)
-    dq, dk, dv, dsinks = backward(grad_out, grad_lse, q, k, v, out, lse, *ctx.variant, alibi_slopes,
-                                  ctx.deterministic, ctx.dropout_p, dropout_seed, sinks)
+    op = _backward_op if getattr(ctx, "eager", False) else backward  # eager_autograd's: the op's own function
+    dq, dk, dv, dsinks = op(grad_out, grad_lse, q, k, v, out, lse, *ctx.variant, alibi_slopes, ctx.deterministic,
+                            ctx.dropout_p, dropout_seed, sinks)
     # no gradient for the options, the ALiBi slopes or the seed
     return (dq, dk, dv) + (None,) * 9 + (None if sinks is None else dsinks,)
 
 
 forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+def eager_autograd(impl, setup_context, backward_fn):
+    """The ``apply`` of an autograd Function that runs a custom op's own function ``impl`` and its autograd
+    (``setup_context``, ``backward_fn``, as ``register_autograd`` takes them; ``ctx.eager`` set, so that the
+    backward calls its op's own function too): an eager call that autograd records, off torch.library's
+    dispatch, which costs tens of microseconds of host time an op a call (its schema's defaults filled, its
+    arguments flattened and unflattened by pytree, Dynamo's disable wrapper), a launch's time on a GPU. Under
+    torch.compile the calls take the custom ops, which Dynamo traces. Differentiable once, as the ops are."""
+
+    def forward_(ctx, *inputs):
+        output = impl(*inputs)
+        ctx.eager = True
+        setup_context(ctx, inputs, output)
+        return output
+
+    @torch.autograd.function.once_differentiable
+    def backward_(ctx, *grads):
+        return backward_fn(ctx, *grads)
+
+    name = "".join(word.title() for word in impl.__name__.split("_")) + "Function"  # grad_fn: ForwardFunctionBackward
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward_),
+                                                   "backward": staticmethod(backward_)}).apply
+
+
+forward_eager = eager_autograd(_forward, _setup_context, _backward)
 
 
 # A kept Kernel (``tvmflash.compile``) under torch.compile: the op names it by ``Kernel.key``.
@@ -378,7 +410,8 @@ def _options(q, k, v, dims: int, layout: str, causal, window_size, softcap, alib
 
 
 def _through_ops(q, k, v, sinks=None) -> bool:
-    """Must a call go through the custom ops: under torch.compile, or where autograd records it?"""
+    """Must a call go through the custom ops (under torch.compile) or their autograd (``eager_autograd``, where
+    autograd records it), rather than call the kernel directly?"""
     return torch.compiler.is_compiling() or (torch.is_grad_enabled() and (
         q.requires_grad or k.requires_grad or v.requires_grad or (sinks is not None and sinks.requires_grad)))
 
@@ -429,9 +462,10 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale=None, return_lse: 
     head_dim = q.shape[-1]
     softmax_scale = resolve_softmax_scale(softmax_scale, head_dim)  # q's own head_dim's, before any padding
     q, k, v, run = padded_head_dim(q, k, v, head_dim)
-    if _through_ops(q, k, v, sinks):
-        out, lse = forward(q, k, v, options[0], softmax_scale, *options[1:], alibi_slopes, deterministic, dropout_p,
-                           dropout_seed, sinks)
+    if _through_ops(q, k, v, sinks):  # the custom op under torch.compile, else its autograd Function
+        op = forward if torch.compiler.is_compiling() else forward_eager
+        out, lse = op(q, k, v, options[0], softmax_scale, *options[1:], alibi_slopes, deterministic, dropout_p,
+                      dropout_seed, sinks)
     elif not dropout_p and decode_shaped(q, k, v):  # a generation step: split the keys over the GPU
         out, lse = decode_forward(q, k, v, *options[:1], softmax_scale, *options[1:], alibi_slopes, sinks)
     else:  # eager, nothing for autograd to record: no custom op's dispatch
@@ -451,8 +485,7 @@ def _varlen_output_shapes(q):
     return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
-@torch.library.custom_op("tvmflash::varlen_forward", mutates_args=())
-def varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+def _varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                    cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
                    softmax_scale: float, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
                    alibi_slopes: torch.Tensor | None = None, deterministic: bool = False, dropout_p: float = 0.0,
@@ -465,6 +498,9 @@ def varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens
                   alibi_slopes=alibi_slopes, **dropout_arguments(dropout_p, dropout_seed), **sinks_argument(sinks))
 
 
+varlen_forward = torch.library.custom_op("tvmflash::varlen_forward", mutates_args=())(_varlen_forward)
+
+
 @varlen_forward.register_fake
 def _varlen_forward_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
                            window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, deterministic=False,
@@ -472,8 +508,7 @@ def _varlen_forward_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     return _varlen_output_shapes(q)
 
 
-@torch.library.custom_op("tvmflash::varlen_backward", mutates_args=())
-def varlen_backward(dout: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor,
+def _varlen_backward_op(dout: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor,
                     v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, cu_seqlens_q: torch.Tensor,
                     cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
                     softmax_scale: float, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
@@ -487,6 +522,9 @@ def varlen_backward(dout: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tens
     return with_sinks_gradient(kernel(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                       dlse=dlse, softmax_scale=softmax_scale, alibi_slopes=alibi_slopes,
                                       **dropout_arguments(dropout_p, dropout_seed), **sinks_argument(sinks)), q)
+
+
+varlen_backward = torch.library.custom_op("tvmflash::varlen_backward", mutates_args=())(_varlen_backward_op)
 
 
 @varlen_backward.register_fake
@@ -511,14 +549,15 @@ def _varlen_backward(ctx, grad_out, grad_lse):
     if grad_out is None:  # only lse reached the loss
         grad_out = torch.zeros_like(out)
     sinks = needed_sinks(ctx, sinks, 16)
-    dq, dk, dv, dsinks = varlen_backward(grad_out, grad_lse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-                                         *ctx.lengths, *ctx.variant, alibi_slopes, ctx.deterministic, ctx.dropout_p,
-                                         dropout_seed, sinks)
+    op = _varlen_backward_op if getattr(ctx, "eager", False) else varlen_backward
+    dq, dk, dv, dsinks = op(grad_out, grad_lse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.lengths,
+                            *ctx.variant, alibi_slopes, ctx.deterministic, ctx.dropout_p, dropout_seed, sinks)
     # none for the offsets, lengths, options, ALiBi slopes or seed
     return (dq, dk, dv) + (None,) * 13 + (None if sinks is None else dsinks,)
 
 
 varlen_forward.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
+varlen_forward_eager = eager_autograd(_varlen_forward, _varlen_setup_context, _varlen_backward)
 
 
 # A kept VarlenKernel (``tvmflash.compile(..., varlen=True)``) under torch.compile, named by its key.
@@ -583,10 +622,10 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     head_dim = q.shape[-1]
     softmax_scale = resolve_softmax_scale(softmax_scale, head_dim)  # q's own head_dim's, before any padding
     q, k, v, run = padded_head_dim(q, k, v, head_dim)
-    if _through_ops(q, k, v, sinks):
-        out, lse = varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options[0],
-                                  softmax_scale, *options[1:], alibi_slopes, deterministic, dropout_p, dropout_seed,
-                                  sinks)
+    if _through_ops(q, k, v, sinks):  # the custom op under torch.compile, else its autograd Function
+        op = varlen_forward if torch.compiler.is_compiling() else varlen_forward_eager
+        out, lse = op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options[0], softmax_scale,
+                      *options[1:], alibi_slopes, deterministic, dropout_p, dropout_seed, sinks)
     else:  # eager, nothing for autograd to record: no custom op's dispatch
         out, lse = kernel_for(q, *options, alibi_slopes is not None, varlen=True, dropout=dropout_p > 0,
                               sinks=sinks is not None)(

@@ -425,7 +425,7 @@ class Arguments:
         for n, (t, (dtype, ndim)) in enumerate(zip(captures, described)):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"captures[{n}]: expected a torch.Tensor, got {type(t).__name__}")
-            if str(t.dtype).removeprefix("torch.") != dtype or t.dim() != ndim:
+            if t.dtype is not getattr(torch, dtype) or t.dim() != ndim:
                 raise ValueError(f"captures[{n}]: expected a {ndim}-dim {dtype} tensor (as when the mods were "
                                  f"traced), got a {t.dim()}-dim {t.dtype} one")
             if t.device != q.device:
