@@ -577,7 +577,8 @@ def test_torch_compile_fullgraph_forward_and_backward_match_eager_and_float64(ca
     """torch.compile(fullgraph=True) of a function calling flex_attention: Dynamo runs the tracer on the mods (a
     score_mod defined inside the compiled function, closing over its argument; a BlockMask's mask_mod), the
     captured tensors and the BlockMask's lists are graph inputs, the custom ops' autograd the backward. The same
-    kernels as eagerly (bitwise the same out, lse and gradients), under flash-attn's rule against float64."""
+    kernels as eagerly (bitwise the same out, lse and gradients; on a GPU dq within rounding, as its fp32 atomics add in
+    any order), under flash-attn's rule against float64."""
     compiled_matches_eager_and_float64(case, "cpu", CPU_DTYPE, CPU_HEAD_DIM, 77, 130, "aot_eager")
 
 
@@ -610,8 +611,11 @@ def compiled_matches_eager_and_float64(case, device, dtype, head_dim, seqlen_q, 
     counter = CompileCounterWithBackend(backend)
     compiled, eager = _compiled_and_eager(fn, (q, k, v), backend=counter)
     assert counter.frame_count == 1
-    for a, b in zip(compiled, eager):
-        assert torch.equal(a, b)
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv", "dout", "dlse"), compiled, eager):
+        if name == "dq" and device == "cuda":  # summed by fp32 atomics, in whichever order the blocks run
+            torch.testing.assert_close(a, b, rtol=2 ** -7, atol=1e-5)
+        else:
+            assert torch.equal(a, b), name
     score_mod = (lambda s, b, h, i, j: s * 0.5 + table[h, i - j + seqlen_k]) if with_score else None
     mask_mod = window_mask if with_mask else None
     out, lse, dq, dk, dv, dout, dlse = compiled
