@@ -18,6 +18,7 @@ from conftest import devices
 from reference import max_error, reference, torch_same_dtype
 
 import tvmflash
+from tvmflash.fp8_reference import dequantised
 from tvmflash.kernels import compile_decode
 
 F8 = torch.float8_e4m3fn
@@ -75,13 +76,6 @@ def poison_past_the_keys(caches, block_table, lengths):
                 pages = block_table[b].cpu().long()[rows // cache.shape[1]]
                 nan_rows[pages, rows % cache.shape[1]] = False
         cache.view(torch.uint8)[nan_rows.to(cache.device)] = NAN_BYTES[0]
-
-
-def dequantised(cache, descale, block_table, b, length, start=0):
-    """Sequence b's rows ``start`` .. ``length`` - 1 of an e4m3 cache times its descales, float64 (1, length -
-    start, heads_kv, head_dim)."""
-    rows = cache[block_table[b].long()].flatten(0, 1) if block_table is not None else cache[b]
-    return (rows[start:length].double() * descale[b].double()[None, :, None])[None]
 
 
 def check_fp8_decode(out, lse, q, k_cache, v_cache, lengths, k_descale, v_descale, *, causal, block_table=None,
