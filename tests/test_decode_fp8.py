@@ -18,7 +18,7 @@ from conftest import devices
 from reference import max_error, reference, torch_same_dtype
 
 import tvmflash
-from tvmflash.fp8_reference import dequantised
+from tvmflash.fp8_reference import decode_error, dequantised
 from tvmflash.kernels import compile_decode
 
 F8 = torch.float8_e4m3fn
@@ -386,3 +386,18 @@ def test_fp8_cache_long_sequences_on_the_gpu(page_size, head_dim):
     out, lse = run_both(q, k_cache, v_cache, lengths, table, kd, vd, page_size=page_size)
     error = check_fp8_decode(out, lse, q, k_cache, v_cache, lengths, kd, vd, causal=False, block_table=table)
     print(f"fp8 cache d{head_dim} {'paged' if page_size else 'contiguous'}: max error {error:.3g}")
+
+
+def test_decode_error_is_the_decode_tests_check():
+    """``decode_error`` (the tuner's) gives tests/test_decode_fp8.py's error on a sequence, and
+    fails an output that is off by more than flash-attn's rule."""
+    k8, v8, _, kd, vd = make_fp8_cache(1, 48, 2, 32, "cpu")
+    q = torch.randn(1, 1, 4, 32, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    lengths = torch.tensor([45], dtype=torch.int32)
+    out, lse = tvmflash.flash_attn_with_kvcache(q, k8, v8, cache_seqlens=lengths, k_descale=kd, v_descale=vd,
+                                                return_softmax_lse=True)
+    error, allowed = decode_error(out, q, k8, v8, lengths, kd, vd)
+    assert error == check_fp8_decode(out, lse, q, k8, v8, lengths, kd, vd, causal=False) and error <= allowed
+    off = out.clone()
+    off[0, 0, 0, 0] += 4 * allowed + 0.1
+    assert decode_error(off, q, k8, v8, lengths, kd, vd)[0] > allowed

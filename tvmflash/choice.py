@@ -521,6 +521,14 @@ def fp8_workload(head_dim: int, causal: bool) -> dict:
     return workload({"head_dim": head_dim, "dtype": FP8, "causal": causal})
 
 
+def record_knob_set(schedule: Schedule, workload_: dict) -> KnobSet:
+    """The knob set whose knobs a tuning record of ``workload_`` on ``schedule`` holds: the FP8 forward's for
+    its dtype (``fp8_workload``), else its pass's (forward without one)."""
+    if workload_["dtype"] == FP8 and workload_.get("pass", "forward") == "forward":
+        return schedule.fp8_forward.knobs
+    return schedule.program(workload_.get("pass", "forward")).knobs
+
+
 def fp8_forward(target, schedule: Schedule, head_dim: int, causal: bool, knobs: dict | None) -> Choice:
     """The FP8 forward's knobs on ``schedule`` (``Schedule.fp8_forward``): the caller's over this GPU's tuning
     record of ``fp8_workload`` (that of the longest seqlen bucket: one kernel serves every length) over its

@@ -248,6 +248,7 @@ def _cache(args) -> int:
             print(f"  {database.record_id(r)}  {'shipped' if path.parent == database.SHIPPED_DIR else 'user'}  "
                   f"{r.get('device')}  {r.get('schedule')}  d{w.get('head_dim')} {w.get('dtype')} "
                   f"{'causal' if w.get('causal') else 'full'}{' ' + w['pass'] if 'pass' in w else ''}"
+                  f"{' ' + str(w['cache_dtype']) + ' cache' if 'cache_dtype' in w else ''}"
                   f"{' ' + r.get('flex_case', 'flex') + ' ' + w['flex'][:8] if 'flex' in w else ''}  "
                   f"{r.get('mean_ms', float('nan')):.4f} ms{at}  "
                   f"{json.dumps(r.get('knobs'))}  {r.get('created', '')}")
@@ -364,8 +365,9 @@ def parser() -> argparse.ArgumentParser:
                         "read by the FP8 forward alone. With --pass decode, q's dtype (an FP8 cache: --cache-dtype)")
     add_causal(t, "no", "both: each workload with and without")
     t.add_argument("--pass", dest="pass_", choices=["forward", "backward", "decode"], default="forward",
-                   help="the forward's knobs (MetaSchedule's search), or the backward's or decode's (their space "
-                        "measured: the known configurations, then a random draw)")
+                   help="the forward's knobs (MetaSchedule's search; the FP8 forward's, --dtype float8_e4m3fn, "
+                        "measured), or the backward's or decode's (their space measured: the known configurations, "
+                        "then a random draw; decode over an FP8 cache: --cache-dtype)")
     t.add_argument("--flex", default=None, choices=list(FLEX_PATTERNS),
                    help="tune the forward (with --pass backward: the backward) of a FlexAttention pattern "
                         "(tvmflash.flex_patterns: its score_mod or mask_mod compiled in) by measuring its space, as "
