@@ -1,6 +1,9 @@
-"""The measured spaces, ``tvmflash tune --pass backward|decode`` and ``--flex NAME``: the backward's, decode's
-and a flex workload's forward knobs for this machine, by measuring their spaces (a flex workload's
-arguments, its captured tensors and block lists, are no random inputs: ``FlexForward``).
+"""The measured spaces, ``tvmflash tune --pass backward|decode``, ``--dtype float8_e4m3fn`` and ``--flex NAME``:
+the backward's, decode's, the FP8 forward's and a flex workload's forward knobs for this machine, by measuring
+their spaces (a flex workload's arguments, its captured tensors and block lists, are no random inputs:
+``FlexForward``; the FP8 forward's space is small, and its kernel not ``compile``'s: ``Fp8Forward``; decode
+over an FP8 cache is ``Decode``'s with ``cache_dtype``). The FP8 kernels' candidates are checked as their
+tests check them (``tvmflash.fp8_reference``).
 
 The backward is three programs run as one call (delta; dkdv; dq by a pass of its own, or by
 dkdv's fp32 atomics), and decode two (the splits and their merge, or one that writes the output):
