@@ -231,13 +231,13 @@ class ProgramSchedule:
 
 @dataclass(frozen=True)
 class Fp8Forward:
-    """A schedule's FP8 (e4m3) forward (``program_forward`` with ``AttentionSpec.fp8``): the knobs at a
-    head_dim (``knobs(head_dim)``, a NotImplementedError where it has none: not tuned yet, so no
-    ``KnobSet``), ``apply(sch, **knobs)``, and the head_dims it serves; unchecked_head_dims: those whose
-    kernels have not passed the GPU tests yet, served only where TVMFLASH_GPU_UNCHECKED=1 asks (as
-    ``ProgramSchedule.unchecked_head_dims``)."""
+    """A schedule's FP8 (e4m3) forward (``program_forward`` with ``AttentionSpec.fp8``): its ``KnobSet``
+    (the defaults at a head_dim, the space ``tvmflash tune --dtype float8_e4m3fn`` measures; its records'
+    workload has the dtype float8_e4m3fn, ``choice.fp8_forward``), ``apply(sch, **knobs)``, and the
+    head_dims it serves; unchecked_head_dims: those whose kernels have not passed the GPU tests yet, served
+    only where TVMFLASH_GPU_UNCHECKED=1 asks (as ``ProgramSchedule.unchecked_head_dims``)."""
 
-    knobs: Callable[[int], dict]
+    knobs: KnobSet
     apply: Callable
     head_dims: tuple[int, ...]
     unchecked_head_dims: tuple[int, ...] = ()

@@ -198,7 +198,7 @@ SCHEDULE = Schedule(
     forward=ProgramSchedule(FORWARD, schedule),
     # the FP8 program on the CPU (LLVM converts e4m3 in software): a check of the program for the tests
     # (``kernels.fp8.Fp8Kernel``); the torch API runs FP8 on sm90 alone
-    fp8_forward=Fp8Forward(lambda head_dim: FORWARD.defaults(head_dim, False), schedule, tuple(range(16, 257, 16))),
+    fp8_forward=Fp8Forward(FORWARD, schedule, tuple(range(16, 257, 16))),
     backward=ProgramSchedule(BACKWARD, schedule_backward),
     decode=ProgramSchedule(DECODE, schedule_decode, tasks=DecodeTasks(fp8_cache=True)),
     sources=(sys.modules[__name__], common),

@@ -353,7 +353,7 @@ def test_tune_all_retunes_every_shipped_workload(records_dir, one_core, monkeypa
     record = database.new_record(CPU, "cpu", WORKLOAD, {"block_m": 16, "block_n": 32, "vector": 8}, 1.0)
     database.write(shipped / "some-gpu.json", [record, {**record, "device": "another"}])
     monkeypatch.setattr(database, "SHIPPED_DIR", shipped)
-    assert tvmflash_cli.shipped_workloads() == [(32, "float32", False, "forward", 0)]
+    assert tvmflash_cli.shipped_workloads() == [(32, "float32", False, "forward", 0, None)]
     assert tvmflash_cli.main(["tune", "--all", "--trials", "1", "--target", "cpu", "--seqlen", "64", "--batch", "1",
                               "--heads", "1"]) == 0
     out = capsys.readouterr().out

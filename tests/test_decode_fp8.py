@@ -18,6 +18,7 @@ from conftest import devices
 from reference import max_error, reference, torch_same_dtype
 
 import tvmflash
+from tvmflash.fp8_reference import decode_error, dequantised
 from tvmflash.kernels import compile_decode
 
 F8 = torch.float8_e4m3fn
@@ -75,13 +76,6 @@ def poison_past_the_keys(caches, block_table, lengths):
                 pages = block_table[b].cpu().long()[rows // cache.shape[1]]
                 nan_rows[pages, rows % cache.shape[1]] = False
         cache.view(torch.uint8)[nan_rows.to(cache.device)] = NAN_BYTES[0]
-
-
-def dequantised(cache, descale, block_table, b, length, start=0):
-    """Sequence b's rows ``start`` .. ``length`` - 1 of an e4m3 cache times its descales, float64 (1, length -
-    start, heads_kv, head_dim)."""
-    rows = cache[block_table[b].long()].flatten(0, 1) if block_table is not None else cache[b]
-    return (rows[start:length].double() * descale[b].double()[None, :, None])[None]
 
 
 def check_fp8_decode(out, lse, q, k_cache, v_cache, lengths, k_descale, v_descale, *, causal, block_table=None,
@@ -546,3 +540,18 @@ def test_fp8_cache_staged_tiles_of_several_warps_on_the_gpu(fp8_tiles):
     out, lse = run_knobs(q, k_cache, v_cache, lengths, table, kd, vd, {"fp8_tiles": fp8_tiles}, causal=True,
                          num_splits=2)
     check_fp8_decode(out, lse, q, k_cache, v_cache, lengths, kd, vd, causal=True, block_table=table)
+
+
+def test_decode_error_is_the_decode_tests_check():
+    """``decode_error`` (the tuner's) gives tests/test_decode_fp8.py's error on a sequence, and
+    fails an output that is off by more than flash-attn's rule."""
+    k8, v8, _, kd, vd = make_fp8_cache(1, 48, 2, 32, "cpu")
+    q = torch.randn(1, 1, 4, 32, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    lengths = torch.tensor([45], dtype=torch.int32)
+    out, lse = tvmflash.flash_attn_with_kvcache(q, k8, v8, cache_seqlens=lengths, k_descale=kd, v_descale=vd,
+                                                return_softmax_lse=True)
+    error, allowed = decode_error(out, q, k8, v8, lengths, kd, vd)
+    assert error == check_fp8_decode(out, lse, q, k8, v8, lengths, kd, vd, causal=False) and error <= allowed
+    off = out.clone()
+    off[0, 0, 0, 0] += 4 * allowed + 0.1
+    assert decode_error(off, q, k8, v8, lengths, kd, vd)[0] > allowed

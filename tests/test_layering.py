@@ -60,7 +60,7 @@ FLOORS = (
                                                             "tvmflash.flex_gradient", "tvmflash.flex_patterns", "tvmflash.cli",
                                                             "tvmflash.distributed")),
     ("tuning", ("tvmflash.tune",)),
-    ("measuring", ("tvmflash.bench", "tvmflash.plot")),
+    ("measuring", ("tvmflash.bench", "tvmflash.plot", "tvmflash.fp8_reference")),
     ("kernels: compile, build, cache, call", ("tvmflash.kernels",)),
     ("the choice of schedule and knobs", ("tvmflash.choice",)),
     ("tuning records", ("tvmflash.database",)),

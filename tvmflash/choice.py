@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from tvmflash import cache, database
 from tvmflash import schedules as registry
 from tvmflash import target as targets
-from tvmflash.program import HEAD_DIM_MULTIPLE, MAX_HEAD_DIM, SUPPORTED_HEAD_DIMS
+from tvmflash.program import FP8, HEAD_DIM_MULTIPLE, MAX_HEAD_DIM, SUPPORTED_HEAD_DIMS
 from tvmflash.schedules.contract import DERIVED, KnobSet, Schedule
 
 WORKLOAD_FIELDS = ("head_dim", "dtype", "causal")  # what tuning records are keyed by
@@ -117,15 +117,18 @@ def settings() -> Settings:
     return Settings(SM90_SETTINGS[sm90], **asked)
 
 
-def workload(spec_args: dict, program: str = "forward", page_size: int = 0) -> dict:
+def workload(spec_args: dict, program: str = "forward", page_size: int = 0, cache_dtype: str | None = None) -> dict:
     """What a program's tuning records are keyed by: head_dim, dtype and causal; the backward's and
-    decode's name their program, and decode's its cache layout (causal is an argument of its calls); a
-    flex kernel's its mods (``flex_digest``)."""
+    decode's name their program, and decode's its cache layout (causal is an argument of its calls) and,
+    over a cache of another dtype than q's (FP8), ``cache_dtype`` (a field only then: the records of a
+    cache in q's dtype keep their key); a flex kernel's its mods (``flex_digest``). The FP8 forward's
+    are the forward's with the dtype float8_e4m3fn (``fp8_forward``)."""
     found = {name: spec_args[name] for name in WORKLOAD_FIELDS}
     if spec_args.get("flex") is not None:
         found["flex"] = flex_digest(spec_args["flex"])
     if program == "decode":
-        return {**found, "causal": False, "pass": "decode", "page_size": page_size}
+        cache = {"cache_dtype": cache_dtype} if cache_dtype not in (None, spec_args["dtype"]) else {}
+        return {**found, "causal": False, "pass": "decode", "page_size": page_size, **cache}
     return found if program == "forward" else {**found, "pass": program}
 
 
@@ -509,15 +512,44 @@ def backward(target, spec_args: dict, knobs: dict | None, deterministic: bool = 
     return Choice(chosen, why, resolved, source, record)
 
 
-def decode(target, spec_args: dict, page_size: int, knobs: dict | None, schedule: str | None = None) -> Choice:
-    """Decode's schedule and knobs."""
+def decode(target, spec_args: dict, page_size: int, knobs: dict | None, schedule: str | None = None,
+           cache_dtype: str | None = None) -> Choice:
+    """Decode's schedule and knobs; over an FP8 cache (``cache_dtype``) the records tuned over one."""
     chosen, why, _ = choose_schedule("decode", target, spec_args, schedule=schedule, knobs_given=bool(knobs))
     knobset, head_dim, dtype = chosen.decode.knobs, spec_args["head_dim"], spec_args["dtype"]
     check_knobs(knobset, knobs or {})
-    record = None if knobs else lookup(target, chosen, "decode", workload(spec_args, "decode", page_size))
+    record = None if knobs else lookup(target, chosen, "decode",
+                                       workload(spec_args, "decode", page_size, cache_dtype))
     resolved, source = take_knobs(knobset, knobset.defaults(head_dim, dtype=dtype), record, knobs)
     check_knobs(knobset, resolved, head_dim, dtype)
     problem = shared_memory_over(target, knobset, head_dim, dtype, resolved)
     if problem:
         raise ValueError(f"knobs: {resolved} need {problem}; try a smaller block_n")
     return Choice(chosen, why, resolved, source, record)
+
+
+def fp8_workload(head_dim: int, causal: bool) -> dict:
+    """The FP8 forward's tuning workload: the forward's with the dtype float8_e4m3fn, which no other kernel
+    looks up (the bf16 and fp16 forwards' records keep their keys)."""
+    return workload({"head_dim": head_dim, "dtype": FP8, "causal": causal})
+
+
+def record_knob_set(schedule: Schedule, workload_: dict) -> KnobSet:
+    """The knob set whose knobs a tuning record of ``workload_`` on ``schedule`` holds: the FP8 forward's for
+    its dtype (``fp8_workload``), else its pass's (forward without one)."""
+    if workload_["dtype"] == FP8 and workload_.get("pass", "forward") == "forward":
+        return schedule.fp8_forward.knobs
+    return schedule.program(workload_.get("pass", "forward")).knobs
+
+
+def fp8_forward(target, schedule: Schedule, head_dim: int, causal: bool, knobs: dict | None) -> Choice:
+    """The FP8 forward's knobs on ``schedule`` (``Schedule.fp8_forward``): the caller's over this GPU's tuning
+    record of ``fp8_workload`` (that of the longest seqlen bucket: one kernel serves every length) over its
+    knob set's defaults at the head_dim; the caller's checked by its ``KnobSet.problem`` (names and values;
+    the build checks the rest)."""
+    knobset = schedule.fp8_forward.knobs
+    check_knobs(knobset, knobs or {})
+    record = None if knobs else database.lookup(target, schedule.name, fp8_workload(head_dim, causal),
+                                                usable=knobset.accepts)
+    resolved, source = take_knobs(knobset, knobset.defaults(head_dim), record, knobs)
+    return Choice(schedule, "the FP8 forward's", resolved, source, record)

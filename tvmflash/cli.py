@@ -139,7 +139,7 @@ def _tune(args) -> int:
     elif not args.head_dim:
         raise ValueError("tune: give --head-dim (one or more), or --all for every shipped workload")
     else:
-        workloads = [(head_dim, dtype, causal, args.pass_, args.page_size) for head_dim in args.head_dim
+        workloads = [(head_dim, dtype, causal, args.pass_, args.page_size, args.cache_dtype) for head_dim in args.head_dim
                      for dtype in args.dtype
                      for causal in CAUSAL[args.causal]]
     if args.trials < 1:
@@ -150,21 +150,27 @@ def _tune(args) -> int:
     if args.flex:
         from tvmflash.flex_patterns import TuningCase
 
-        if args.all or args.pass_ == "decode" or args.causal != "no":
+        if args.all or args.pass_ == "decode" or args.causal != "no" or FP8 in args.dtype:
             raise ValueError("--flex: the forward's or backward's knobs of one pattern (its mask is its mask_mod): not "
-                             "with --all, --pass decode or --causal")
+                             f"with --all, --pass decode, --causal or --dtype {FP8}")
         flex = TuningCase(args.flex, args.block_mask)
-    for head_dim, dtype, causal, pass_, page_size in workloads:  # every workload is valid before the first runs
+    for head_dim, dtype, causal, pass_, page_size, cache_dtype in workloads:  # all valid before the first runs
         program.AttentionSpec(head_dim, dtype, causal)
         if pass_ != "decode" and page_size:
             raise ValueError("--page-size: a cache layout, for --pass decode only")
+        if pass_ != "decode" and cache_dtype:
+            raise ValueError("--cache-dtype: the KV cache's dtype, for --pass decode only (q's is --dtype)")
+        if dtype == FP8 and pass_ != "forward":
+            raise ValueError(f"--dtype {FP8}: the FP8 forward's inputs (it has no backward); decode over an FP8 "
+                             f"cache is --pass decode --cache-dtype {FP8}, with q's --dtype")
     records, failed = [], []
     # A progress bar on a terminal; plain lines in a log or a pipe.
     bar_stream = sys.stdout if sys.stdout.isatty() else None
     echo = functools.partial(print, flush=True)
-    for n, (head_dim, dtype, causal, pass_, page_size) in enumerate(workloads, 1):
+    for n, (head_dim, dtype, causal, pass_, page_size, cache_dtype) in enumerate(workloads, 1):
         name = (f"d{head_dim} {dtype} {'causal' if causal else 'full'}" + ("" if pass_ == "forward" else f" {pass_}")
-                + (f" paged {page_size}" if page_size else "") + (f" {flex}" if flex else ""))
+                + (f" paged {page_size}" if page_size else "") + (f" {cache_dtype} cache" if cache_dtype else "")
+                + (f" {flex}" if flex else ""))
         if len(workloads) > 1:
             print(f"== workload {n}/{len(workloads)}: {name}", flush=True)
         shape = {"batch": args.batch, "seqlen": args.seqlen, "heads": args.heads}
@@ -175,7 +181,11 @@ def _tune(args) -> int:
                                         echo=echo, **shape)
             elif pass_ != "forward":
                 record = tune.tune_pass(pass_, head_dim=head_dim, dtype=dtype, causal=causal, target=args.target,
-                                        trials=args.trials, page_size=page_size, cold=args.cold, echo=echo, **shape)
+                                        trials=args.trials, page_size=page_size, cache_dtype=cache_dtype,
+                                        cold=args.cold, echo=echo, **shape)
+            elif dtype == FP8:  # the FP8 forward: a small knob set of its own, measured whole
+                record = tune.tune_pass("fp8", head_dim=head_dim, dtype=dtype, causal=causal, target=args.target,
+                                        trials=args.trials, cold=args.cold, echo=echo, **shape)
             else:
                 record = tune.tune(head_dim=head_dim, dtype=dtype, causal=causal, target=args.target,
                                    trials=args.trials, work_dir=_workload_dir(args.work_dir, name, len(workloads)),
@@ -189,9 +199,10 @@ def _tune(args) -> int:
     return 1 if failed else 0
 
 
-def shipped_workloads() -> list[tuple[int, str, bool, str, int]]:
-    """(head_dim, dtype, causal, pass, page_size) of every workload with a shipped record
-    (``tuning_logs/``), sorted: what ``tvmflash tune --all`` re-tunes for this GPU."""
+def shipped_workloads() -> list[tuple[int, str, bool, str, int, str | None]]:
+    """(head_dim, dtype, causal, pass, page_size, cache_dtype) of every workload with a shipped record
+    (``tuning_logs/``), sorted: what ``tvmflash tune --all`` re-tunes for this GPU (the FP8 forward's: dtype
+    float8_e4m3fn; decode over an FP8 cache: cache_dtype float8_e4m3fn, else None)."""
     from tvmflash import database
 
     found = set()
@@ -201,8 +212,8 @@ def shipped_workloads() -> list[tuple[int, str, bool, str, int]]:
             if "flex" in workload:  # a flex pattern's: its mods are not in the record (tune it with --flex)
                 continue
             found.add((workload["head_dim"], workload["dtype"], workload["causal"], workload.get("pass", "forward"),
-                       workload.get("page_size", 0)))
-    return sorted(found)
+                       workload.get("page_size", 0), workload.get("cache_dtype")))
+    return sorted(found, key=lambda w: (*w[:5], w[5] or ""))
 
 
 def summary_table(records: list[tuple[str, dict]]) -> str:
@@ -237,6 +248,7 @@ def _cache(args) -> int:
             print(f"  {database.record_id(r)}  {'shipped' if path.parent == database.SHIPPED_DIR else 'user'}  "
                   f"{r.get('device')}  {r.get('schedule')}  d{w.get('head_dim')} {w.get('dtype')} "
                   f"{'causal' if w.get('causal') else 'full'}{' ' + w['pass'] if 'pass' in w else ''}"
+                  f"{' ' + str(w['cache_dtype']) + ' cache' if 'cache_dtype' in w else ''}"
                   f"{' ' + r.get('flex_case', 'flex') + ' ' + w['flex'][:8] if 'flex' in w else ''}  "
                   f"{r.get('mean_ms', float('nan')):.4f} ms{at}  "
                   f"{json.dumps(r.get('knobs'))}  {r.get('created', '')}")
@@ -266,6 +278,10 @@ def _cache(args) -> int:
 
 # tvmflash.flex_patterns.PATTERNS's names (written out: the parser imports no torch; tests/test_cli checks them)
 FLEX_PATTERNS = ("causal", "sliding-window", "document", "prefix-lm", "alibi", "softcap", "relative-bias")
+
+# The FP8 (e4m3) dtype (tvmflash.program.FP8, written out: the parser imports no torch; tests/test_cli checks it):
+# the FP8 forward's inputs (tune --dtype), an FP8 KV cache's (tune --pass decode --cache-dtype).
+FP8 = "float8_e4m3fn"
 
 # --causal's values: the causal settings each means.
 CAUSAL = {"no": (False,), "yes": (True,), "both": (False, True)}
@@ -343,11 +359,15 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--all", action="store_true",
                    help="re-tune every workload that has a shipped record (tuning_logs/) for this GPU, "
                         "instead of --head-dim/--dtype/--causal")
-    t.add_argument("--dtype", nargs="+", default=["bfloat16"], choices=dtypes, help="one or more")
+    t.add_argument("--dtype", nargs="+", default=["bfloat16"], choices=[*dtypes, FP8],
+                   help=f"one or more; {FP8}: the FP8 (e4m3) forward of flash_attn_func(q_descale=, ...), on sm90 "
+                        "GPUs (H100, H200) alone, its small space measured as --pass backward's is; its records are "
+                        "read by the FP8 forward alone. With --pass decode, q's dtype (an FP8 cache: --cache-dtype)")
     add_causal(t, "no", "both: each workload with and without")
     t.add_argument("--pass", dest="pass_", choices=["forward", "backward", "decode"], default="forward",
-                   help="the forward's knobs (MetaSchedule's search), or the backward's or decode's (their space "
-                        "measured: the known configurations, then a random draw)")
+                   help="the forward's knobs (MetaSchedule's search; the FP8 forward's, --dtype float8_e4m3fn, "
+                        "measured), or the backward's or decode's (their space measured: the known configurations, "
+                        "then a random draw; decode over an FP8 cache: --cache-dtype)")
     t.add_argument("--flex", default=None, choices=list(FLEX_PATTERNS),
                    help="tune the forward (with --pass backward: the backward) of a FlexAttention pattern "
                         "(tvmflash.flex_patterns: its score_mod or mask_mod compiled in) by measuring its space, as "
@@ -358,6 +378,11 @@ def parser() -> argparse.ArgumentParser:
                         "kernel's knobs")
     t.add_argument("--page-size", type=int, default=0,
                    help="--pass decode: tune for a paged KV cache of pages this many rows (0: contiguous)")
+    t.add_argument("--cache-dtype", default=None, choices=[FP8],
+                   help=f"--pass decode: tune decode over a KV cache of this dtype ({FP8}: "
+                        "flash_attn_with_kvcache(k_descale=, v_descale=) over an FP8 cache; q in --dtype, bfloat16 or "
+                        "float16); its records are read by decode over such a cache alone. None given: a cache in q's "
+                        "dtype")
     t.add_argument("--trials", type=int, default=64, help="trials (configurations measured), over all tile sizes")
     t.add_argument("--target", default=None, help="cpu, cuda, sm80, ...; none given: this machine's")
     t.add_argument("--seqlen", type=int, default=None,

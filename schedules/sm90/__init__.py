@@ -24,7 +24,7 @@ from .backward import schedule_backward
 from .forward import schedule
 from .forward_fp8 import schedule_fp8
 from .knobs import (ASYNC_PROXY_OPERANDS, BACKWARD, BACKWARD_HEAD_DIMS, BACKWARD_UNCHECKED_HEAD_DIMS, DTYPES, FORWARD,
-                    FP8_HEAD_DIMS, FP8_UNCHECKED_HEAD_DIMS, HEAD_DIMS, fp8_knobs,
+                    FP8_FORWARD, FP8_HEAD_DIMS, FP8_UNCHECKED_HEAD_DIMS, HEAD_DIMS,
                     HOIST_BLOCK_INDEX_CONDITIONS, PASS_CONFIG, PREFERRED_HEAD_DIMS, STRIDE_ALIGNMENT, kernel_attrs,
                     min_kv_tiles)
 from .layouts import acc_rows
@@ -39,7 +39,7 @@ SCHEDULE = Schedule(
     forward=ProgramSchedule(FORWARD, schedule, head_dims=gpu_checked(HEAD_DIMS), preferred_head_dims=PREFERRED_HEAD_DIMS),
     backward=ProgramSchedule(BACKWARD, schedule_backward, head_dims=BACKWARD_HEAD_DIMS,
                              unchecked_head_dims=BACKWARD_UNCHECKED_HEAD_DIMS),
-    fp8_forward=Fp8Forward(fp8_knobs, schedule_fp8, FP8_HEAD_DIMS, unchecked_head_dims=FP8_UNCHECKED_HEAD_DIMS),
+    fp8_forward=Fp8Forward(FP8_FORWARD, schedule_fp8, FP8_HEAD_DIMS, unchecked_head_dims=FP8_UNCHECKED_HEAD_DIMS),
     # simt: the backward's delta and convert_dq run on its schedule
     sources=(sys.modules[__name__], common, simt),
 )

@@ -11,7 +11,8 @@ from tvmflash.lowering.tma_reductions import ROW_COLUMNS as TMA_REDUCE_COLUMNS  
 
 from ..contract import DERIVED, PROGRAM, STRUCTURE, TILE, Knob, KnobSet
 from ..sm80.knobs import DTYPES, STRIDE_ALIGNMENT  # noqa: F401 - the same fp16/bf16 pair, 16-byte copies
-from .layouts import CORE_MATRIX_ELEMENTS, PAD_ELEMENTS, SWIZZLE_ALIGNMENT, WARPGROUP, WG_ROWS
+from .layouts import (CORE_MATRIX_ELEMENTS, FP8_CHUNK, FP8_CORE_MATRIX_ELEMENTS, PAD_ELEMENTS, SWIZZLE_ALIGNMENT,
+                      WARPGROUP, WG_ROWS)
 
 # Where the per-row running values (m, l, ...) live, as in sm80: "registers", on the quads that hold
 # the rows; "shared", one thread per row in shared memory (about 5 more barriers a K/V step).
@@ -455,21 +456,60 @@ BACKWARD_HEAD_DIMS = (64, 96, 128, 256)
 BACKWARD_UNCHECKED_HEAD_DIMS = ()
 
 
-# The FP8 forward's knobs (``forward_fp8.schedule_fp8``), by head_dim: not tuned yet, so not a KnobSet.
+# The FP8 forward's knobs (``forward_fp8.schedule_fp8``), declared once as the other programs' are: the defaults
+# by head_dim, and a small space that ``tvmflash tune --dtype float8_e4m3fn`` measures whole (``tune.measured``).
 # Each K/V step's S takes block_n / 2 registers a thread and the output head_dim / 2 (float32); P in e4m3
 # block_n / 8.
 FP8_HEAD_DIMS = (64, 128, 256)
 # built and checked on the CPU alone (the program against float64 through LLVM, nvcc without spills): served
 # where TVMFLASH_GPU_UNCHECKED=1 asks until the GPU tests pass (tests/test_fp8.py)
 FP8_UNCHECKED_HEAD_DIMS = FP8_HEAD_DIMS
-FP8_FORWARD_KNOBS = {
-    64: {"block_m": 128, "num_warpgroups": 2, "block_n": 128, "num_stages": 2, "min_blocks_per_sm": 2,
-         "kv_copy": "cp.async"},
-    128: {"block_m": 128, "num_warpgroups": 2, "block_n": 128, "num_stages": 2, "min_blocks_per_sm": 1,
-          "kv_copy": "cp.async"},
-    256: {"block_m": 128, "num_warpgroups": 2, "block_n": 64, "num_stages": 2, "min_blocks_per_sm": 1,
-          "kv_copy": "cp.async"},
-}
+FP8_DTYPE = "float8_e4m3fn"
+FP8_BLOCK_NS = (32, 64, 96, 128, 160, 192, 224, 256)  # e4m3 wgmma's N: multiples of 32 (``fp8_problem``)
+
+
+def fp8_rules(knobs: dict) -> str | None:
+    """Why complete FP8 knobs do not go together, at any head_dim."""
+    if knobs["num_warpgroups"] * WG_ROWS != knobs["block_m"]:
+        return f"block_m ({knobs['block_m']}) must be 64 * num_warpgroups ({knobs['num_warpgroups']})"
+    return None
+
+
+def fp8_problem(head_dim: int, dtype: str, knobs: dict) -> str | None:
+    """Why the FP8 forward does not build with these knobs, or None."""
+    if dtype != FP8_DTYPE:
+        return f"the sm90 FP8 forward takes {FP8_DTYPE}, got {dtype!r}"
+    problem = fp8_rules(knobs)
+    if problem:
+        return problem
+    if knobs["block_n"] % 32 or head_dim % 32:
+        return f"e4m3 wgmma sums over 32 at a time: block_n and head_dim must be multiples of 32, got " \
+               f"{knobs['block_n']} and {head_dim}"
+    if knobs["kv_copy"] != "cp.async":
+        return f"the sm90 FP8 forward copies its tiles by cp.async (no TMA yet), got kv_copy {knobs['kv_copy']!r}"
+    if knobs["num_stages"] not in (1, 2, 3):
+        return f"num_stages: expected 1, 2 or 3, got {knobs['num_stages']}"
+    return register_problem(head_dim, knobs["block_n"], WARPGROUP * knobs["num_warpgroups"],
+                            knobs["min_blocks_per_sm"])
+
+
+def fp8_shared_memory_bytes(head_dim: int, dtype: str, knobs: dict) -> int:
+    """The FP8 forward's shared memory: the Q tile and ``num_stages`` K and V tiles, one byte an element, each
+    in core matrices of 128 bytes padded to 144 (``layouts.fp8_tile_in_shared_memory``)."""
+    elements = (knobs["block_m"] + 2 * knobs["num_stages"] * knobs["block_n"]) * head_dim
+    return elements * (FP8_CORE_MATRIX_ELEMENTS + FP8_CHUNK) // FP8_CORE_MATRIX_ELEMENTS
+
+
+FP8_FORWARD = KnobSet("sm90", "FP8 forward", (
+    Knob("block_m", 128, choices=(64, 128), space=(64, 128), role=TILE),
+    Knob("num_warpgroups", 2, choices=(1, 2), space=lambda knobs: [knobs["block_m"] // WG_ROWS], role=DERIVED),
+    Knob("block_n", 128, choices=FP8_BLOCK_NS, space=(64, 128), by_head_dim={256: 64}, role=TILE),
+    # 3 stages spill at d64 and d128 (ptxas): the tuner builds them and counts the spill's time
+    Knob("num_stages", 2, choices=(1, 2, 3), space=(2, 3), role=STRUCTURE),
+    Knob("min_blocks_per_sm", 1, space=(1, 2, 3), by_head_dim={64: 2}, role=PROGRAM),
+    Knob("kv_copy", "cp.async", choices=("cp.async",), role=STRUCTURE),
+), rules=fp8_rules, build_problem=fp8_problem, shared_memory=fp8_shared_memory_bytes)
+
 # Other FP8 knobs that ptxas builds without spills (3 stages spill at d64 and d128), for measuring against
 # the defaults (benchmarks/fp8_bench.py) and checked on the GPU with them (tests/test_fp8.py).
 FP8_VARIANTS = {
@@ -482,29 +522,3 @@ FP8_VARIANTS = {
     256: {"bn128": {"block_n": 128},
           "bm64_mb2": {"block_m": 64, "num_warpgroups": 1, "min_blocks_per_sm": 2}},
 }
-FP8_DTYPE = "float8_e4m3fn"
-
-
-def fp8_knobs(head_dim: int) -> dict:
-    """The FP8 forward's knobs at ``head_dim``; a NotImplementedError where it has none."""
-    if head_dim not in FP8_FORWARD_KNOBS:
-        raise NotImplementedError(f"the sm90 FP8 forward: head_dim {head_dim} is not built yet (it takes "
-                                  f"{FP8_HEAD_DIMS})")
-    return dict(FP8_FORWARD_KNOBS[head_dim])
-
-
-def fp8_problem(head_dim: int, dtype: str, knobs: dict) -> str | None:
-    """Why the FP8 forward does not build with these knobs, or None."""
-    if dtype != FP8_DTYPE:
-        return f"the sm90 FP8 forward takes {FP8_DTYPE}, got {dtype!r}"
-    if knobs["num_warpgroups"] * WG_ROWS != knobs["block_m"]:
-        return f"block_m ({knobs['block_m']}) must be 64 * num_warpgroups ({knobs['num_warpgroups']})"
-    if knobs["block_n"] % 32 or head_dim % 32:
-        return f"e4m3 wgmma sums over 32 at a time: block_n and head_dim must be multiples of 32, got " \
-               f"{knobs['block_n']} and {head_dim}"
-    if knobs["kv_copy"] != "cp.async":
-        return f"the sm90 FP8 forward copies its tiles by cp.async (no TMA yet), got kv_copy {knobs['kv_copy']!r}"
-    if knobs["num_stages"] not in (1, 2, 3):
-        return f"num_stages: expected 1, 2 or 3, got {knobs['num_stages']}"
-    return register_problem(head_dim, knobs["block_n"], WARPGROUP * knobs["num_warpgroups"],
-                            knobs["min_blocks_per_sm"])

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from tvmflash import cache, choice, program
 from tvmflash import target as targets
-from tvmflash.kernels import registry
+from tvmflash.kernels import fp8, registry
 from tvmflash.kernels.backward import BackwardKernel, VarlenBackwardKernel
 from tvmflash.kernels.checks import check_flag, dtype_name, resolve_variant, varlen_field
 from tvmflash.kernels.decode import DecodeKernel
@@ -20,7 +20,7 @@ from tvmflash.program_decode import DecodeSpec
 from tvmflash.program_flex import FlexMods
 
 __all__ = ["BackwardKernel", "DecodeKernel", "Kernel", "VarlenBackwardKernel", "VarlenKernel", "by_key", "compile",
-           "compile_backward", "compile_decode", "forget_kernels"]
+           "compile_backward", "compile_decode", "compile_fp8", "forget_kernels"]
 
 _KERNELS: dict[str, Kernel | BackwardKernel] = {}  # compile()'s and compile_backward()'s, by key
 _DECODE_KERNELS: dict[str, DecodeKernel] = {}  # compile_decode()'s, by key
@@ -143,10 +143,23 @@ def compile_decode(*, head_dim: int, dtype, page_size: int = 0, target=None, kno
     return kernel
 
 
+def compile_fp8(*, head_dim: int, causal: bool = False, target=None, knobs: dict | None = None,
+                schedule: str | None = None, heads_q: int | None = None, heads_kv: int | None = None,
+                varlen: bool = False) -> fp8.Fp8Kernel:
+    """The FP8 (e4m3) forward's kernel (``kernels.fp8.Fp8Kernel``; varlen: ``Fp8VarlenKernel``), cached in
+    memory (modules on disk). knobs: as ``tvmflash.compile``'s (of the schedule's ``Fp8Forward.knobs``; None:
+    this GPU's tuning record's or the defaults). heads_q / heads_kv: build for these head counts now."""
+    kernel = fp8.fp8_kernel(head_dim, causal, target, schedule, varlen, knobs)
+    if heads_q is not None:
+        kernel.build.module(heads_q, heads_kv if heads_kv is not None else heads_q)
+    return kernel
+
+
 def forget_kernels() -> None:
     """Drop the in-memory kernels (and the caches above that hold them), so the next ``compile()``,
     ``compile_backward()`` or ``compile_decode()`` looks up tuned knobs afresh (after ``tvmflash
     tune`` wrote new ones). Built modules stay cached."""
     _KERNELS.clear()
     _DECODE_KERNELS.clear()
+    fp8.forget()
     registry.forget()

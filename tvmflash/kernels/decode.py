@@ -68,7 +68,7 @@ class DecodeKernel:
         self.variant, self.target = dict(variant or {}), target
         # sm80's tensor cores on sm80+ GPUs (fp16/bf16), else SIMT threads, or the CPU's schedule
         chosen = choice.decode(target, {"head_dim": head_dim, "dtype": dtype, "causal": False}, page_size, knobs,
-                               schedule)
+                               schedule, self.variant.get("cache_dtype"))
         self.schedule, self.schedule_source = chosen.schedule, chosen.schedule_source
         self.knobs, self.knobs_source = chosen.knobs, chosen.knobs_source
         self.tasks = self.schedule.decode.tasks

@@ -90,7 +90,9 @@ class Fp8Kernel:
         if problem:
             raise NotImplementedError(problem)
         self.head_dim, self.causal = head_dim, check_flag("causal", causal)
-        self.knobs = {**fp8.knobs(head_dim), **(knobs or {})}  # the schedule's, or the caller's over them
+        # the caller's over this GPU's tuning record (``tvmflash tune --dtype float8_e4m3fn``) over the defaults
+        chosen = choice.fp8_forward(self.target, self.schedule, head_dim, self.causal, knobs)
+        self.knobs, self.knobs_source, self.record = chosen.knobs, chosen.knobs_source, chosen.record
         self.min_kv_tiles = self.schedule.min_kv_tiles(self.knobs)
         self.stride_multiple = program.stride_multiple(self.schedule.stride_alignment, FP8)
         # where the target has no FP8 conversion of its own, exact ones by the bits (``program_e4m3``); in the key,
@@ -116,8 +118,8 @@ class Fp8Kernel:
 
     def info(self) -> dict:
         """What this kernel is: its schedule, knobs, target and modules."""
-        return {"schedule": self.schedule.name, "knobs": dict(self.knobs), "target": targets.describe(self.target),
-                "modules": self.build.info()}
+        return {"schedule": self.schedule.name, "knobs": dict(self.knobs), "knobs_source": self.knobs_source,
+                "target": targets.describe(self.target), "modules": self.build.info()}
 
     def __repr__(self) -> str:
         return (f"tvmflash.kernels.fp8.Fp8Kernel(head_dim={self.head_dim}, causal={self.causal}, "
@@ -241,12 +243,19 @@ _KERNELS: dict[str, Fp8Kernel] = {}
 
 
 def fp8_kernel(head_dim: int, causal: bool, target=None, schedule: str | None = None,
-               varlen: bool = False) -> Fp8Kernel:
+               varlen: bool = False, knobs: dict | None = None) -> Fp8Kernel:
     """The FP8 kernel (varlen: ``Fp8VarlenKernel``) for these, built once a process (its modules are cached
-    on disk as every kernel's)."""
+    on disk as every kernel's); knobs: the caller's (None: a tuning record's or the defaults,
+    ``choice.fp8_forward``)."""
     resolved = targets.resolve(target)
     # (the environment's TVMFLASH_GPU_UNCHECKED too: a kernel served under it is not served once it is unset)
-    key = cache.digest([head_dim, causal, str(resolved), schedule, varlen, os.environ.get(choice.GPU_UNCHECKED)])
+    key = cache.digest([head_dim, causal, str(resolved), schedule, varlen, os.environ.get(choice.GPU_UNCHECKED),
+                        knobs])
     if key not in _KERNELS:
-        _KERNELS[key] = (Fp8VarlenKernel if varlen else Fp8Kernel)(head_dim, causal, resolved, schedule)
+        _KERNELS[key] = (Fp8VarlenKernel if varlen else Fp8Kernel)(head_dim, causal, resolved, schedule, knobs)
     return _KERNELS[key]
+
+
+def forget() -> None:
+    """Drop the kernels ``fp8_kernel`` keeps, so the next one looks up its tuned knobs afresh."""
+    _KERNELS.clear()

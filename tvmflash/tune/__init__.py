@@ -3,8 +3,9 @@
 
 Laid out as MetaSchedule is, a file a role (one extension class each), imports running down the list:
 
-- ``measured.py``: the backward's, decode's and a flex workload's forward spaces, measured whole rather
-  than searched (``tune_pass``, ``tvmflash tune --pass backward|decode``, ``--flex NAME``);
+- ``measured.py``: the backward's, decode's (over an FP8 cache too), the FP8 forward's and a flex workload's
+  forward spaces, measured whole rather than searched (``tune_pass``, ``tvmflash tune --pass backward|decode``,
+  ``--dtype float8_e4m3fn``, ``--cache-dtype float8_e4m3fn``, ``--flex NAME``);
 - ``run.py``: the driver, ``tune``, and the tuning request (shape, known configurations) that
   ``measured.py`` shares;
 - ``task.py``: the tasks, one TuneContext a program, and the seeds committed into MetaSchedule's database;

@@ -1,6 +1,9 @@
-"""The measured spaces, ``tvmflash tune --pass backward|decode`` and ``--flex NAME``: the backward's, decode's
-and a flex workload's forward knobs for this machine, by measuring their spaces (a flex workload's
-arguments, its captured tensors and block lists, are no random inputs: ``FlexForward``).
+"""The measured spaces, ``tvmflash tune --pass backward|decode``, ``--dtype float8_e4m3fn`` and ``--flex NAME``:
+the backward's, decode's, the FP8 forward's and a flex workload's forward knobs for this machine, by measuring
+their spaces (a flex workload's arguments, its captured tensors and block lists, are no random inputs:
+``FlexForward``; the FP8 forward's space is small, and its kernel not ``compile``'s: ``Fp8Forward``; decode
+over an FP8 cache is ``Decode``'s with ``cache_dtype``). The FP8 kernels' candidates are checked as their
+tests check them (``tvmflash.fp8_reference``).
 
 The backward is three programs run as one call (delta; dkdv; dq by a pass of its own, or by
 dkdv's fp32 atomics), and decode two (the splits and their merge, or one that writes the output):
@@ -30,10 +33,13 @@ import time
 
 import torch
 
-from tvmflash import bench, choice, database, kernels
+from tvmflash import bench, choice, database, fp8_reference, kernels
 from tvmflash.tune import decision
 from tvmflash.kernels import checks
+from tvmflash.kernels.fp8 import fp8_schedule
+from tvmflash.program import FP8
 from tvmflash.program_block_sparse import SPARSE_TILE_KNOBS
+from tvmflash.program_decode import DecodeSpec
 from tvmflash import target as targets
 from tvmflash.tune.builder import usable_cores
 from tvmflash.tune.progress import left_out_line
@@ -119,16 +125,23 @@ class Decode:
 
     name, builder = "decode", "compile_decode"
 
-    def __init__(self, head_dim: int, dtype: str, causal: bool, target, shape: dict, page_size: int = 0):
+    def __init__(self, head_dim: int, dtype: str, causal: bool, target, shape: dict, page_size: int = 0,
+                 cache_dtype: str | None = None):
         if causal:
             raise ValueError("causal: decode's causal is an argument of each call, not of the kernel: tune without it")
+        if cache_dtype not in (None, dtype, FP8):
+            raise ValueError(f"cache_dtype: expected {FP8} (an FP8 cache) or none (q's dtype), got {cache_dtype!r}")
         self.spec_args = {"head_dim": head_dim, "dtype": dtype, "causal": False}
         self.head_dim, self.dtype, self.page_size = head_dim, dtype, page_size
+        self.cache_dtype = None if cache_dtype in (None, dtype) else cache_dtype
+        DecodeSpec(head_dim, dtype, 1, 1, page_size, cache_dtype=self.cache_dtype or "")  # q's dtype with it
         self.target, self.shape = target, shape
         self.schedule, _, _ = choice.choose_schedule("decode", target, self.spec_args)
+        # (its knob space is the schedule's decode knobs, an FP8 cache's as a cache in q's dtype's: a candidate
+        # that the FP8 cache's build refuses fails as a trial)
         self.knobs = self.schedule.decode.knobs
         self.defaults = self.knobs.defaults(head_dim, dtype=dtype)
-        self.workload = choice.workload(self.spec_args, "decode", page_size)
+        self.workload = choice.workload(self.spec_args, "decode", page_size, self.cache_dtype)
         self.heads = (shape["heads"], max(1, shape["heads"] // GQA_GROUP))
         self.record_shape = {"batch": shape["batch"], "seqlen_q": 1, "seqlen_k": shape["seqlen"],
                              "heads_q": self.heads[0], "heads_kv": self.heads[1]}
@@ -139,6 +152,7 @@ class Decode:
     def build_kwargs(self, knobs: dict, heads: bool = True) -> dict:
         return {"head_dim": self.head_dim, "dtype": self.dtype, "page_size": self.page_size, "target": self.target,
                 "knobs": knobs, "schedule": self.schedule.name,
+                **({"cache_dtype": self.cache_dtype} if self.cache_dtype else {}),
                 **({"heads_q": self.heads[0], "heads_kv": self.heads[1]} if heads else {})}
 
     def inputs(self, device: torch.device) -> None:
@@ -146,11 +160,19 @@ class Decode:
         b, s = self.shape["batch"], self.shape["seqlen"]
         (hq, hkv), d, dtype = self.heads, self.head_dim, checks.TORCH_DTYPES[self.dtype]
         self.q = torch.randn(b, 1, hq, d, generator=gen).to(device=device, dtype=dtype)
-        self.k, self.v = (torch.randn(b, s, hkv, d, generator=gen).to(device=device, dtype=dtype) for _ in range(2))
+        if self.cache_dtype:  # e4m3 of randn * 2 (as tests/test_decode_fp8.py's), with FA3's descales
+            self.k, self.v = ((torch.randn(b, s, hkv, d, generator=gen) * 2).to(fp8_reference.F8).to(device)
+                              for _ in range(2))
+            self.descales = {name: (torch.rand(b, hkv, generator=gen) + 0.5).to(device)
+                             for name in ("k_descale", "v_descale")}
+        else:
+            self.k, self.v = (torch.randn(b, s, hkv, d, generator=gen).to(device=device, dtype=dtype) for _ in range(2))
+            self.descales = {}
         self.lengths = torch.full((b,), s, dtype=torch.int32, device=device)
         if self.page_size:  # the pages in order: page i of sequence j is page j * pages + i
             pages = -(-s // self.page_size)
-            cache = [torch.zeros(b * pages * self.page_size, hkv, d, device=device, dtype=dtype) for _ in range(2)]
+            cache = [torch.zeros(b * pages * self.page_size, hkv, d, device=device, dtype=self.k.dtype)
+                     for _ in range(2)]
             for c, t in zip(cache, (self.k, self.v)):
                 c.view(b, pages * self.page_size, hkv, d)[:, :s] = t
             self.k_cache, self.v_cache = (c.view(b * pages, self.page_size, hkv, d) for c in cache)
@@ -160,13 +182,97 @@ class Decode:
             self.index = torch.arange(b, dtype=torch.int32, device=device)
 
     def call(self, kern):
-        return lambda: kern(self.q, self.k_cache, self.v_cache, self.lengths, self.index)
+        return lambda: kern(self.q, self.k_cache, self.v_cache, self.lengths, self.index, **self.descales)
 
     def wrong(self, result) -> list[str]:
-        group = self.heads[0] // self.heads[1]
-        k, v = (t.repeat_interleave(group, dim=2) for t in (self.k, self.v))
-        err, allowed = bench.error_vs_float32(result[0], self.q, k, v, False)
+        if self.cache_dtype:  # as tests/test_decode_fp8.py checks it: two sequences, the first K/V head's group
+            group = self.heads[0] // self.heads[1]
+            sequences, q_heads, kv_heads = slice(0, 2), (slice(0, 2), slice(None), slice(0, group)), \
+                (slice(0, 2), slice(None), slice(0, 1))
+            err, allowed = fp8_reference.decode_error(
+                result[0][q_heads], self.q[q_heads], self.k[kv_heads], self.v[kv_heads], self.lengths[sequences],
+                *(self.descales[name][sequences, :1] for name in ("k_descale", "v_descale")))
+        else:
+            group = self.heads[0] // self.heads[1]
+            k, v = (t.repeat_interleave(group, dim=2) for t in (self.k, self.v))
+            err, allowed = bench.error_vs_float32(result[0], self.q, k, v, False)
         return [] if err <= allowed else [f"out error {err:.2e} > {allowed:.2e}"]
+
+
+class Fp8Forward(_SquarePass):
+    """The FP8 (e4m3) forward (``tvmflash tune --dtype float8_e4m3fn``): ``compile_fp8``'s kernel over its knob
+    set's space (``Fp8Forward.knobs`` of the schedule, ``kernels.fp8.fp8_schedule``'s), measured whole as the
+    backward's is (a small space), timed on e4m3 (q, k, v) of the tuning shape with FA3's descales, and
+    checked as tests/test_fp8.py checks it (``fp8_reference.forward_error``: at most twice the error of a
+    torch emulation of the same quantisation) on two heads' last rows. Its records are ``choice.fp8_workload``'s,
+    which the FP8 forward's kernels alone read. On sm90 GPUs alone (``target_problem``)."""
+
+    name, builder = "fp8", "compile_fp8"
+    ROWS = 1024  # the query rows checked (the last: causal is bottom-right, so they keep their mask)
+
+    @staticmethod
+    def target_problem(target) -> str | None:
+        """Why the FP8 forward is not tuned on ``target``, or None: its kernel is sm90's (the CPU schedule's FP8
+        forward runs the same program for the tests alone, and is not what a user's FP8 forward runs)."""
+        if not targets.is_cuda(target):
+            return (f"the FP8 forward is tuned on an sm90 GPU (H100, H200), where its kernel runs; "
+                    f"{targets.describe(target)} has none (its FP8 forward is the tests' reference schedule)")
+        return None
+
+    def __init__(self, head_dim: int, dtype: str, causal: bool, target, shape: dict):
+        if dtype != FP8:
+            raise ValueError(f"dtype: the FP8 forward's inputs are {FP8}, got {dtype!r}")
+        problem = self.target_problem(target)
+        if problem:
+            raise ValueError(f"target: {problem}")
+        try:
+            self.schedule = fp8_schedule(target)
+        except NotImplementedError as err:
+            raise ValueError(f"target: {err}") from None
+        fp8 = self.schedule.fp8_forward
+        if head_dim not in fp8.head_dims:
+            raise ValueError(f"head_dim: the {self.schedule.name} FP8 forward takes {fp8.head_dims}, got {head_dim}")
+        problem = choice.unchecked_problem(f"the {self.schedule.name} FP8 forward", head_dim, fp8.unchecked_head_dims)
+        if problem:
+            raise ValueError(problem)
+        self.spec_args = {"head_dim": head_dim, "dtype": FP8, "causal": causal}
+        self.target, self.shape = target, shape
+        self.knobs = fp8.knobs
+        self.defaults = self.knobs.defaults(head_dim)
+        self.workload = choice.fp8_workload(head_dim, causal)
+        self._take_shape(shape)
+
+    def build_kwargs(self, knobs: dict, heads: bool = True) -> dict:
+        return {"head_dim": self.spec_args["head_dim"], "causal": self.spec_args["causal"], "target": self.target,
+                "knobs": knobs, "schedule": self.schedule.name,
+                **({"heads_q": self.heads[0], "heads_kv": self.heads[1]} if heads else {})}
+
+    def kernel(self, knobs: dict):
+        return kernels.compile_fp8(**self.build_kwargs(knobs, heads=False))
+
+    def inputs(self, device: torch.device) -> None:
+        gen = torch.Generator().manual_seed(0)
+        b, s, h, d = self.shape["batch"], self.shape["seqlen"], self.shape["heads"], self.spec_args["head_dim"]
+        # e4m3 of randn * 2, descales in [0.5, 1.5) (as tests/test_fp8.py's)
+        self.q, self.k, self.v = ((torch.randn(b, s, h, d, generator=gen) * 2).to(fp8_reference.F8).to(device)
+                                  for _ in range(3))
+        self.descales = [(torch.rand(b, h, generator=gen) + 0.5).to(device) for _ in range(3)]
+        self.out = torch.empty(b, s, h, d, dtype=torch.bfloat16, device=device)
+
+    def poison(self) -> None:
+        """NaN in the output before a candidate's checked call: one that writes nothing fails."""
+        self.out.fill_(float("nan"))
+
+    def call(self, kern):
+        return lambda: kern(self.q, self.k, self.v, *self.descales, out=self.out)
+
+    def wrong(self, result) -> list[str]:
+        rows = min(self.ROWS, self.shape["seqlen"])
+        q_rows, kv = (slice(0, 1), slice(-rows, None), slice(0, 2)), (slice(0, 1), slice(None), slice(0, 2))
+        err, allowed = fp8_reference.forward_error(
+            result[q_rows], self.q[q_rows], self.k[kv], self.v[kv], *(d[:1, :2] for d in self.descales),
+            self.spec_args["head_dim"] ** -0.5, self.spec_args["causal"])
+        return [] if err <= allowed else [f"out error {err:.2e} > {allowed:.2e} (2x the emulation's)"]
 
 
 class FlexForward(_SquarePass):
@@ -266,7 +372,8 @@ class FlexBackward(FlexForward):
         return wrong
 
 
-PASSES = {"backward": Backward, "decode": Decode, "flex": FlexForward, "flex-backward": FlexBackward}
+PASSES = {"backward": Backward, "decode": Decode, "fp8": Fp8Forward, "flex": FlexForward,
+          "flex-backward": FlexBackward}
 
 
 def candidates(pass_, known: dict, trials: int, rng: random.Random,
@@ -295,15 +402,16 @@ def candidates(pass_, known: dict, trials: int, rng: random.Random,
 def tune_pass(pass_name: str, *, head_dim: int, dtype, causal: bool = False, target=None, trials: int = 64,
               batch: int | None = None, seqlen: int | None = None, heads: int | None = None, page_size: int = 0,
               space: dict | None = None, seed: int | None = None, repeat: int = 10, cold: bool = False,
-              jobs: int | None = None, flex=None, echo=print) -> dict:
-    """Tune one pass's knobs ("backward", "decode" or "flex", the forward of ``flex``'s mods: ``PASSES``;
-    the schedule its kernel picks,
+              jobs: int | None = None, flex=None, cache_dtype: str | None = None, echo=print) -> dict:
+    """Tune one pass's knobs ("backward", "decode", "fp8", the FP8 forward (dtype float8_e4m3fn), or "flex", the
+    forward of ``flex``'s mods: ``PASSES``; the schedule its kernel picks,
     that schedule's space or ``space``, knob name -> candidates) for one workload on this machine and store the fastest
     correct configuration where it beats the incumbent by more than the noise (``decision.decide``).
 
     The tuning shape: the backward's is the forward tuner's (batch, seqlen, heads: query and key
     heads alike); decode's is ``_DECODE_SHAPE`` (batch, the KV length, query heads; a quarter as
-    many K/V heads; ``page_size``: a paged cache). ``trials`` configurations in all, the known
+    many K/V heads; ``page_size``: a paged cache; ``cache_dtype`` float8_e4m3fn: an FP8 cache, q in ``dtype``).
+    ``trials`` configurations in all, the known
     ones first. ``cold``: no records are read (the defaults are still timed, as the reference and
     the floor of what is stored). ``jobs``: build processes (default: the usable cores). Returns
     the new record with ``path``.
@@ -312,12 +420,15 @@ def tune_pass(pass_name: str, *, head_dim: int, dtype, causal: bool = False, tar
         raise ValueError(f"pass: expected one of {sorted(PASSES)}, got {pass_name!r}")
     dtype, resolved, shape = tuning_request(head_dim, dtype, causal, trials, target, batch, seqlen, heads,
                                             shape_for=_decode_shape if pass_name == "decode" else None)
-    extra = {"page_size": page_size} if pass_name == "decode" else {"flex": flex} if pass_name.startswith("flex") else {}
+    if cache_dtype is not None and pass_name != "decode":
+        raise ValueError(f"cache_dtype: the KV cache's dtype, of decode alone (pass {pass_name!r})")
+    extra = ({"page_size": page_size, "cache_dtype": cache_dtype} if pass_name == "decode" else
+             {"flex": flex} if pass_name.startswith("flex") else {})
     pass_ = PASSES[pass_name](head_dim, dtype, causal, resolved, shape, **extra)
     cuda = require_gpu(resolved)
     schedule_name = pass_.schedule.name
     start = time.perf_counter()
-    layout = f", pages of {page_size}" if page_size else ""
+    layout = (f", pages of {page_size}" if page_size else "") + (f", {cache_dtype} cache" if cache_dtype else "")
     what = f"--pass {pass_name}" if flex is None else f"({flex}{' backward' if pass_name == 'flex-backward' else ''})"
     echo(f"tvmflash tune {what}: {schedule_name} schedule on {targets.describe(resolved)}, d{head_dim} "
          f"{dtype} {'causal' if causal else 'full'}{layout}, shape {pass_.record_shape}, {trials} trials")
@@ -344,6 +455,8 @@ def tune_pass(pass_name: str, *, head_dim: int, dtype, causal: bool = False, tar
         what = label if label in known else f"{label} {changed}"
         if error is None:
             kern = pass_.kernel(knobs)
+            if hasattr(pass_, "poison"):  # its output is reused: NaN first, so a candidate that writes none fails
+                pass_.poison()
             wrong = pass_.wrong(pass_.call(kern)())
             error = f"wrong results: {', '.join(wrong)}" if wrong else None
         if error is not None:

@@ -62,7 +62,8 @@ def tuning_request(head_dim: int, dtype, causal: bool, trials: int, target, batc
                    heads: int | None, shape_for=None) -> tuple[str, tvm.target.Target, dict]:
     """A tuning run's arguments, checked: the dtype's name, the resolved target and the tuning shape
     (``shape_for(target, head_dim)``, by default ``default_shape``, with the batch, seqlen and heads given)."""
-    dtype = checks.dtype_name(dtype)
+    # (the FP8 forward's e4m3, which the measured pass "fp8" tunes; the kernels' own dtypes else)
+    dtype = program.FP8 if dtype in (program.FP8, getattr(torch, program.FP8)) else checks.dtype_name(dtype)
     causal = checks.check_flag("causal", causal)
     program.AttentionSpec(head_dim, dtype, causal)  # validates head_dim and dtype
     if trials < 1:
@@ -112,6 +113,8 @@ def tune(*, head_dim: int, dtype, causal: bool, target=None, trials: int = 64, b
     the database file.
     """
     dtype, resolved, shape = tuning_request(head_dim, dtype, causal, trials, target, batch, seqlen, heads)
+    if dtype == program.FP8:  # its knob set is small, and its kernel not compile()'s: measured whole
+        raise ValueError(f"dtype: the FP8 forward is tuned by tune_pass('fp8') (tvmflash tune --dtype {program.FP8})")
     # the schedule that tvmflash.compile would pick (on sm_90a the sm90 one unless TVMFLASH_SM90=0 or
     # this device's records favour sm80), not the target's first: a record of another would go unread
     workload = choice.workload({"head_dim": head_dim, "dtype": dtype, "causal": causal})
