@@ -314,7 +314,7 @@ def test_targets_without_an_fp8_conversion_convert_by_the_bits(monkeypatch, tmp_
 
 @pytest.mark.parametrize("head_dim,prefetched", [(128, True), (256, False)])
 def test_fp8_cache_sm90_source_converts_the_cache_bytes_in_registers(head_dim, prefetched):
-    """The split kernel reads the caches as e4m3 (one byte an element), 4 at a time, and converts them in
+    """fp8_tiles "registers" (the default before FP8_FRAGMENTS): the split kernel reads the caches as e4m3 (one byte an element), 4 at a time, and converts them in
     registers into the bf16 tiles the mma.sync products read; the output stays bf16. Where the next tiles'
     bytes fit FP8_PREFETCH_BYTES a thread (d128) a step converts the bytes it holds, then loads the next
     tile's into the same registers (one copy, indexed by constants), then computes; else (d256) each element
@@ -323,7 +323,8 @@ def test_fp8_cache_sm90_source_converts_the_cache_bytes_in_registers(head_dim, p
 
     from tvmflash.schedules.sm80.decode import FP8_PREFETCH_BYTES, fp8_byte_tiles
 
-    kernel = compile_decode(head_dim=head_dim, dtype="bfloat16", target="sm90", cache_dtype=F8)
+    kernel = compile_decode(head_dim=head_dim, dtype="bfloat16", target="sm90", cache_dtype=F8,
+                            knobs={"fp8_tiles": "registers"})
     assert (fp8_byte_tiles(head_dim, kernel.knobs) == "prefetched") == prefetched == \
         (2 * 32 * head_dim <= FP8_PREFETCH_BYTES * 32)
     src = kernel.source(32, 8)
@@ -342,8 +343,9 @@ def test_fp8_cache_sm90_source_converts_the_cache_bytes_in_registers(head_dim, p
 
 
 def test_fp8_cache_split_count_counts_single_buffered_tiles(monkeypatch):
-    """num_splits=0 fills the SMs with the tasks an SM holds: an FP8 cache's tiles are single-buffered (no
-    software pipeline), so more of its tasks fit than the bf16 kernel's three-stage ones, and it splits more."""
+    """num_splits=0 fills the SMs with the tasks an SM holds: an FP8 cache's tiles take fewer shared bytes
+    (FP8_FRAGMENTS: three stages of byte tiles and no converted tiles; the registers form: single-buffered
+    converted tiles), so more of its tasks fit than the bf16 kernel's three-stage ones, and it splits more."""
     from tvmflash.kernels import decode
 
     monkeypatch.setattr(decode, "_sm_count", lambda device: 132)

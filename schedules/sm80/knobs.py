@@ -150,11 +150,13 @@ DECODE_FP8_UNCHECKED_HEAD_DIMS = DECODE_HEAD_DIMS
 # fp8_tiles (an FP8 cache only; ``decode.fp8_byte_tiles``): "registers", its next tiles' bytes prefetched
 # into registers and converted into the shared tiles (FP8_PIPELINE; with num_stages 1 converted as read);
 # "shared", its bytes copied by cp.async into num_stages shared byte tiles and converted after the wait
-# (FP8_STAGED); "fragments", those byte tiles converted straight into the mma operands (FP8_FRAGMENTS).
+# (FP8_STAGED); "fragments", those byte tiles converted straight into the mma operands (FP8_FRAGMENTS):
+# the default, measured faster than "registers" on an H100 (BENCHMARKS.md; where the target has no e4m3
+# conversion of its own, sm_80 and sm_86, the registers form serves it: ``decode.fp8_byte_tiles``).
 FP8_TILES = ("registers", "shared", "fragments")
 DECODE = KnobSet("sm80", "decode", (
     Knob("block_n", 32, space=(32, 64, 128)),
     Knob("num_stages", 3, choices=(1, 2, 3, 4), space=(1, 2, 3, 4)),
     Knob("vec", 8, choices=(2, 4, 8)),
-    Knob("fp8_tiles", "registers", choices=FP8_TILES),
+    Knob("fp8_tiles", "fragments", choices=FP8_TILES),
 ), build_problem=decode_build_problem, shared_memory=decode_shared_memory_bytes)
