@@ -180,11 +180,13 @@ class DecodeTasks:
     fp8_unchecked_head_dims: the head_dims where that has not passed the GPU tests yet, served only where
     TVMFLASH_GPU_UNCHECKED=1 asks (as ``ProgramSchedule.unchecked_head_dims``). fp8_byte_tiles(head_dim,
     knobs, converts): the program's byte_tiles form it maps ("", "prefetched" or "staged": the cache's bytes
-    in tiles of their own, ``program_decode.decode_split``); converts: the target converts e4m3 itself."""
+    in tiles of their own, ``program_decode.decode_split``); converts: the target converts e4m3 itself.
+    fp8_cache_defaults: knobs whose default over an FP8 cache differs from the knob set's."""
 
     tensor_cores: bool = False
     fp8_cache: bool = False
     fp8_unchecked_head_dims: tuple[int, ...] = ()
+    fp8_cache_defaults: Mapping[str, Any] = field(default_factory=dict)
     fp8_byte_tiles: Callable[[int, dict, bool], str] = lambda head_dim, knobs, converts: ""
     query_tokens: Callable[[int, dict], int] = lambda group, knobs: knobs["query_tokens"]
     per_processor: Callable[[int, str, dict, int], int] = lambda head_dim, dtype, knobs, group: 1

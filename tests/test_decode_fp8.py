@@ -9,6 +9,7 @@ subnormals included (TVM's own LLVM conversion is wrong there: tests/test_fp8.py
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import shutil
 
@@ -18,6 +19,7 @@ from conftest import devices
 from reference import max_error, reference, torch_same_dtype
 
 import tvmflash
+from tvmflash import kernels, schedules
 from tvmflash.fp8_reference import decode_error, dequantised
 from tvmflash.kernels import compile_decode
 
@@ -281,6 +283,13 @@ def test_fp8_cache_refusals(monkeypatch):
     with pytest.raises(ValueError, match="q's dtype must be float16 or bfloat16"):
         compile_decode(head_dim=64, dtype="float32", target="cpu", cache_dtype=F8)
     monkeypatch.delenv("TVMFLASH_GPU_UNCHECKED")
+    compile_decode(head_dim=128, dtype="bfloat16", target="sm90", cache_dtype=F8)  # every head_dim has passed on a GPU
+    # a head_dim yet to pass its GPU tests is served only where asked
+    sm80 = schedules.SCHEDULES["sm80"]
+    tasks = dataclasses.replace(sm80.decode.tasks, fp8_unchecked_head_dims=(128,))
+    monkeypatch.setitem(schedules.SCHEDULES, "sm80", dataclasses.replace(
+        sm80, decode=dataclasses.replace(sm80.decode, tasks=tasks)))
+    monkeypatch.setattr(kernels, "_DECODE_KERNELS", {})  # (not the kernel built above)
     with pytest.raises(NotImplementedError, match=r"the sm80 decode over an FP8 cache at head_dim 128 has not passed "
                                                   r"the GPU tests yet \(TVMFLASH_GPU_UNCHECKED=1 serves it"):
         compile_decode(head_dim=128, dtype="bfloat16", target="sm90", cache_dtype=F8)
@@ -344,15 +353,17 @@ def test_fp8_cache_sm90_source_converts_the_cache_bytes_in_registers(head_dim, p
 
 def test_fp8_cache_split_count_counts_single_buffered_tiles(monkeypatch):
     """num_splits=0 fills the SMs with the tasks an SM holds: an FP8 cache's tiles take fewer shared bytes
-    (FP8_FRAGMENTS: three stages of byte tiles and no converted tiles; the registers form: single-buffered
-    converted tiles), so more of its tasks fit than the bf16 kernel's three-stage ones, and it splits more."""
+    (FP8_FRAGMENTS: DECODE_FP8_CACHE_DEFAULTS' stages of byte tiles and no converted tiles; the registers form:
+    single-buffered converted tiles), so more of its tasks fit than the bf16 kernel's three-stage ones, and it
+    splits more."""
     from tvmflash.kernels import decode
+    from tvmflash.schedules.sm80.knobs import DECODE_FP8_CACHE_DEFAULTS
 
     monkeypatch.setattr(decode, "_sm_count", lambda device: 132)
     device = torch.device("cuda")
     plain = compile_decode(head_dim=128, dtype="bfloat16", target="sm90")
     fp8 = compile_decode(head_dim=128, dtype="bfloat16", target="sm90", cache_dtype=F8)
-    assert plain.knobs["num_stages"] > 1 and fp8.knobs == plain.knobs
+    assert plain.knobs["num_stages"] > 1 and fp8.knobs == {**plain.knobs, **DECODE_FP8_CACHE_DEFAULTS}
     assert fp8.auto_num_splits(32, 8, 1, 16384, device, 4) > plain.auto_num_splits(32, 8, 1, 16384, device, 4)
 
 
@@ -379,7 +390,7 @@ def test_fp8_cache_staged_sources(fp8_tiles):
     import re
 
     kernel = compile_decode(head_dim=128, dtype="bfloat16", target="sm90", cache_dtype=F8,
-                            knobs={"fp8_tiles": fp8_tiles})
+                            knobs={"fp8_tiles": fp8_tiles, "num_stages": 3})
     src = kernel.source(32, 8)
     split = src[re.search(r"split_kernel\([^;{]*\)\s*\{", src).start():]  # its definition, then the others
     split = split[:split.index("single_kernel(")] if "single_kernel(" in split else split

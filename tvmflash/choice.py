@@ -59,10 +59,9 @@ ENVIRONMENT = {"forward": ("TVMFLASH_SM90", GPU_UNCHECKED),
 FLEX_GRADIENT = "TVMFLASH_FLEX_GRADIENT"
 
 
-# dkdv's additions of a learned capture's gradient have been built and checked on the CPU alone (the program
-# against float64, nvcc's compile): until the GPU tests pass (tests/test_flex_gradient.py), a GPU takes torch's way
-# unless asked for the kernel's.
-GRADIENT_UNCHECKED = True
+# dkdv's additions of a learned capture's gradient: True while its GPU tests (tests/test_flex_gradient.py) have not
+# passed, so that a GPU takes torch's way unless asked for the kernel's. They have passed (H100).
+GRADIENT_UNCHECKED = False
 
 
 def capture_gradients_in_kernel(device_type: str, deterministic: bool) -> bool:
@@ -520,12 +519,21 @@ def decode(target, spec_args: dict, page_size: int, knobs: dict | None, schedule
     check_knobs(knobset, knobs or {})
     record = None if knobs else lookup(target, chosen, "decode",
                                        workload(spec_args, "decode", page_size, cache_dtype))
-    resolved, source = take_knobs(knobset, knobset.defaults(head_dim, dtype=dtype), record, knobs)
+    resolved, source = take_knobs(knobset, decode_defaults(chosen, head_dim, dtype, cache_dtype), record, knobs)
     check_knobs(knobset, resolved, head_dim, dtype)
     problem = shared_memory_over(target, knobset, head_dim, dtype, resolved)
     if problem:
         raise ValueError(f"knobs: {resolved} need {problem}; try a smaller block_n")
     return Choice(chosen, why, resolved, source, record)
+
+
+def decode_defaults(schedule: Schedule, head_dim: int, dtype: str, cache_dtype: str | None = None) -> dict:
+    """Decode's default knobs on ``schedule``: its knob set's, and over an FP8 cache (``cache_dtype``) the
+    schedule's own for one (``DecodeTasks.fp8_cache_defaults``) over them."""
+    defaults = schedule.decode.knobs.defaults(head_dim, dtype=dtype)
+    if cache_dtype and cache_dtype != dtype:
+        defaults.update(schedule.decode.tasks.fp8_cache_defaults)
+    return defaults
 
 
 def fp8_workload(head_dim: int, causal: bool) -> dict:

@@ -15,7 +15,7 @@ from ..contract import DecodeTasks, ProgramSchedule, Schedule, gpu_checked
 from .backward import schedule_backward
 from .decode import fp8_byte_tiles, schedule_decode
 from .forward import schedule
-from .knobs import (BACKWARD, BACKWARD_HEAD_DIMS, DECODE, DECODE_FP8_UNCHECKED_HEAD_DIMS, DECODE_HEAD_DIMS, DTYPES, FORWARD, MMA_HEAD_DIMS,
+from .knobs import (BACKWARD, BACKWARD_HEAD_DIMS, DECODE, DECODE_FP8_CACHE_DEFAULTS, DECODE_FP8_UNCHECKED_HEAD_DIMS, DECODE_HEAD_DIMS, DTYPES, FORWARD, MMA_HEAD_DIMS,
                     PASS_CONFIG, STRIDE_ALIGNMENT, decode_query_tokens, decode_tasks_per_sm)
 
 SCHEDULE = Schedule(
@@ -25,7 +25,8 @@ SCHEDULE = Schedule(
     backward=ProgramSchedule(BACKWARD, schedule_backward, head_dims=gpu_checked(BACKWARD_HEAD_DIMS)),
     decode=ProgramSchedule(DECODE, schedule_decode, head_dims=gpu_checked(DECODE_HEAD_DIMS), tasks=DecodeTasks(
         tensor_cores=True, query_tokens=decode_query_tokens, per_processor=decode_tasks_per_sm, fp8_cache=True,
-        fp8_unchecked_head_dims=DECODE_FP8_UNCHECKED_HEAD_DIMS, fp8_byte_tiles=fp8_byte_tiles)),
+        fp8_unchecked_head_dims=DECODE_FP8_UNCHECKED_HEAD_DIMS, fp8_byte_tiles=fp8_byte_tiles,
+        fp8_cache_defaults=DECODE_FP8_CACHE_DEFAULTS)),
     # simt: the backward's delta and convert_dq, and decode's merge, run on its schedule
     sources=(sys.modules[__name__], common, simt),
 )

@@ -139,8 +139,13 @@ def decode_build_problem(head_dim: int, dtype: str, knobs: dict) -> str | None:
 
 
 DECODE_HEAD_DIMS = MMA_HEAD_DIMS  # the others: the SIMT decode
-# Decode over an FP8 (e4m3) cache: built and checked through nvcc, not yet run on a GPU (every head_dim)
-DECODE_FP8_UNCHECKED_HEAD_DIMS = DECODE_HEAD_DIMS
+# Decode over an FP8 (e4m3) cache: the head_dims whose GPU tests have not passed yet (none: each of
+# DECODE_HEAD_DIMS has, contiguous and paged, in every fp8_tiles form)
+DECODE_FP8_UNCHECKED_HEAD_DIMS = ()
+# ... and its knobs over the DECODE set's defaults: two stages of byte tiles, not three. A tile of bytes holds
+# half the bf16 tile's, so a task's shared memory is small, and more tasks an SM (and more splits) hide the
+# loads' latency better than a third stage does (BENCHMARKS.md, the FP8-cache decode).
+DECODE_FP8_CACHE_DEFAULTS = {"num_stages": 2}
 
 
 # block_n: keys per K/V tile; num_stages: K/V tiles in flight (cp.async, 1: plain loads); vec: elements

@@ -140,7 +140,7 @@ class Decode:
         # (its knob space is the schedule's decode knobs, an FP8 cache's as a cache in q's dtype's: a candidate
         # that the FP8 cache's build refuses fails as a trial)
         self.knobs = self.schedule.decode.knobs
-        self.defaults = self.knobs.defaults(head_dim, dtype=dtype)
+        self.defaults = choice.decode_defaults(self.schedule, head_dim, dtype, self.cache_dtype)
         self.workload = choice.workload(self.spec_args, "decode", page_size, self.cache_dtype)
         self.heads = (shape["heads"], max(1, shape["heads"] // GQA_GROUP))
         self.record_shape = {"batch": shape["batch"], "seqlen_q": 1, "seqlen_k": shape["seqlen"],
