@@ -12,9 +12,8 @@ from __future__ import annotations
 import tvm
 
 from .. import cpu
-from ..common import read_index
 from .forward import tile_product
-from .packing import pack_rows, pack_transposed
+from .packing import copy_transposed, pack_rows, pack_transposed
 
 # Per program: the products along head_dim and their right operands (packed transposed), then the
 # products over the tile's rows and theirs (packed by rows).
@@ -40,8 +39,7 @@ def schedule_backward(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, ve
         transposed, rows = PRODUCTS[func]
         if func == "dkdv" and dq_atomic:
             rows = rows + (("dq", "Kt"),)
-            ds = sch.cache_read("dq", read_index(sch, "dq", "dSc"), "global", consumer_blocks=["dq"])
-            sch.transform_layout(ds, ("write", 0), lambda j, i: (i, j))
+            copy_transposed(sch, "dq", "dSc")
         for product, operand in transposed:
             pack_transposed(sch, product, operand)
         for product, operand in rows:
