@@ -27,6 +27,13 @@ def best(fn, calls):
     return min(times) * 1e3
 
 
+def pass_knobs(head_dim, dtype, schedule):
+    """The knobs of the dq pass, as ``BackwardKernel`` takes it where the tasks are few (the tiles the
+    schedule gives a dq pass)."""
+    chosen = tvmflash.compile_backward(head_dim=head_dim, dtype=dtype, schedule=schedule).schedule.backward.knobs
+    return {**chosen.dq_pass_by_head_dim.get(head_dim, {}), "dq_atomic": False}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=5)
@@ -51,7 +58,9 @@ def main():
                     bwd = {}
                     for atomic in (False, True):
                         kernel = tvmflash.compile_backward(head_dim=head_dim, dtype=dtype, causal=causal,
-                                                           knobs={"dq_atomic": atomic}, schedule=args.schedule)
+                                                           knobs=None if atomic else pass_knobs(head_dim, dtype, args.schedule),
+                                                           schedule=args.schedule)
+                        assert kernel.dq_atomic == atomic
                         bwd[atomic] = best(lambda: kernel(q, k, v, out, dout, lse), args.calls)
                     leaves = [t.transpose(1, 2).clone().requires_grad_() for t in (q, k, v)]
                     dout_t = dout.transpose(1, 2)

@@ -39,13 +39,15 @@ FORWARD = KnobSet("cpu", "forward", (
 # K/V head), walking its K/V blocks in turn, so every addition into its rows of dq is made by one thread in
 # a fixed order (bitwise reproducible, ``Schedule.ordered_dq_accumulation``). Its tasks are batch x heads_kv
 # alone, so where those are fewer than the threads the dq program (parallel over the blocks too) runs
-# instead: ``BackwardKernel`` decides that per call.
+# instead: ``BackwardKernel`` decides that per call. float32 takes 128 keys a tile with dq_atomic, measured
+# faster than 64 on most of the float32 grid on an Intel AVX-512 machine (a task's steps read q and dout
+# once for more keys), and 64 with the dq pass (``dq_pass_by_head_dim``), where 128 measured slower.
 BACKWARD = KnobSet("cpu", "backward", (
     Knob("block_m", 64, choices=BLOCK_M, space=(16, 32, 64), role=TILE),
-    Knob("block_n", 64, choices=BLOCK_N, space=(32, 64, 128), role=TILE),
+    Knob("block_n", 64, choices=BLOCK_N, space=(32, 64, 128), role=TILE, by_dtype={"float32": 128}),
     Knob("vector", 16, choices=VECTORS, space=SAMPLED_VECTORS),
     Knob("dq_atomic", True, space=(True, False), role=STRUCTURE),
-))
+), dq_pass_by_head_dim={head_dim: {"block_n": 64} for head_dim in range(8, 257, 8)})
 # The decode (``schedule_decode``). query_tokens: query tokens per task (its rows are those tokens
 # times the GQA group's heads); block_n: keys per K/V tile. The CPU is not where decode speed is
 # measured: small tiles keep the partial buffers small and the tasks many.

@@ -113,10 +113,11 @@ class BackwardKernel:
             return self
         if batch * heads_kv >= cpu_threads():
             return self
-        if self._dq_pass is None:
+        if self._dq_pass is None:  # with the knobs the schedule gives a dq pass (``KnobSet.dq_pass_by_head_dim``)
             spec_args, target, knobs, deterministic, schedule = self._arguments
-            self._dq_pass = type(self)(spec_args, target, {**(knobs or {}), "dq_atomic": False}, deterministic,
-                                       schedule)
+            dq_pass = self.schedule.backward.knobs.dq_pass_by_head_dim.get(self.head_dim, {})
+            self._dq_pass = type(self)(spec_args, target, {**dq_pass, **(knobs or {}), "dq_atomic": False},
+                                       deterministic, schedule)
         return self._dq_pass
 
     def _entry(self, module):
