@@ -38,8 +38,8 @@ FORWARD = KnobSet("cpu", "forward", (
 # instead of the dq program's seven. The CPU has no atomics and needs none: one task owns a whole (sequence,
 # K/V head), walking its K/V blocks in turn, so every addition into its rows of dq is made by one thread in
 # a fixed order (bitwise reproducible, ``Schedule.ordered_dq_accumulation``). Its tasks are batch x heads_kv
-# alone, so where those are fewer than the threads the dq program (parallel over the blocks too) runs
-# instead: ``BackwardKernel`` decides that per call. float32 takes 128 keys a tile with dq_atomic, measured
+# alone, so where those leave threads idle the dq program (parallel over the blocks too) runs instead:
+# ``BackwardKernel._for_tasks`` decides that per call. float32 takes 128 keys a tile with dq_atomic, measured
 # faster than 64 on most of the float32 grid on an Intel AVX-512 machine (a task's steps read q and dout
 # once for more keys), and 64 with the dq pass (``dq_pass_by_head_dim``), where 128 measured slower.
 BACKWARD = KnobSet("cpu", "backward", (

@@ -467,7 +467,7 @@ def test_cpu_dq_accumulation_matches_float64_and_is_bitwise_reproducible(monkeyp
     head walking its blocks in turn): causal with a left window, a softcap, ALiBi and dropout, GQA 4/2,
     float32, Q and K/V blocks past the first (the shares' order matters), against float64 with the same
     entries dropped; ``deterministic=True`` keeps it (its order is fixed), and a second run is bitwise the
-    same. With fewer (batch, K/V head) tasks than threads, the call takes the dq pass instead
+    same. Where its (batch, K/V head) tasks leave threads idle, the call takes the dq pass instead
     (``BackwardKernel._for_tasks``) unless dq_atomic is given."""
     from tvmflash import dropout
     from tvmflash.kernels import backward as kernels_backward
@@ -495,6 +495,8 @@ def test_cpu_dq_accumulation_matches_float64_and_is_bitwise_reproducible(monkeyp
     default = kernels.BackwardKernel({"head_dim": 32, "dtype": "float32", "causal": True}, backward.target, None)
     assert default.dq_atomic and default._for_tasks(32, 2) is default
     assert not default._for_tasks(2, 2).dq_atomic and default._for_tasks(1, 2) is default._for_tasks(2, 2)
+    monkeypatch.setattr(kernels_backward, "cpu_threads", lambda: 4)  # at least 5/7 of a round's threads busy
+    assert default._for_tasks(3, 1) is default and default._for_tasks(5, 1) is not default
 
 
 def test_cpu_dq_accumulation_of_packed_sequences():

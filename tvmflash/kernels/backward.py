@@ -106,12 +106,14 @@ class BackwardKernel:
     def _for_tasks(self, batch: int, heads_kv: int) -> "BackwardKernel":
         """The kernel to run a call of ``batch`` sequences and ``heads_kv`` K/V heads: this one, or where its
         dq_atomic (not the caller's) sums in order (``Schedule.ordered_dq_accumulation``: the CPU's, one task
-        a sequence and K/V head) with fewer such tasks than the threads that run them, the same kernel with
-        the dq pass, whose tasks are also its blocks: five products on too few threads take longer than
-        seven on all of them."""
+        a sequence and K/V head) and those tasks leave threads idle, the same kernel with the dq pass, whose
+        tasks are also its blocks. The tasks run in rounds of one a thread; dq's share makes five products
+        where the pass makes seven (q kᵀ and dout vᵀ again), so it is the faster while its tasks fill at
+        least 5/7 of the rounds' threads, and the pass, which fills them all, below that."""
         if not (self.dq_atomic and self.schedule.ordered_dq_accumulation and "dq_atomic" not in (self._arguments[2] or {})):
             return self
-        if batch * heads_kv >= cpu_threads():
+        tasks, threads = batch * heads_kv, cpu_threads()
+        if 7 * tasks >= 5 * -(-tasks // threads) * threads:
             return self
         if self._dq_pass is None:  # with the knobs the schedule gives a dq pass (``KnobSet.dq_pass_by_head_dim``)
             spec_args, target, knobs, deterministic, schedule = self._arguments
