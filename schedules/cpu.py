@@ -9,7 +9,7 @@ import tvm
 
 from . import common
 from .common import has_block, read_index
-from .contract import STRUCTURE, TILE, DecodeTasks, Fp8Forward, Knob, KnobSet, ProgramSchedule, Schedule
+from .contract import TILE, DecodeTasks, Fp8Forward, Knob, KnobSet, ProgramSchedule, Schedule
 
 # ------------------------------------------------------------------------------------------------
 # knobs: the forward's, the backward's and the decode's
@@ -46,7 +46,7 @@ BACKWARD = KnobSet("cpu", "backward", (
     Knob("block_m", 64, choices=BLOCK_M, space=(16, 32, 64), role=TILE),
     Knob("block_n", 64, choices=BLOCK_N, space=(32, 64, 128), role=TILE, by_dtype={"float32": 128}),
     Knob("vector", 16, choices=VECTORS, space=SAMPLED_VECTORS),
-    Knob("dq_atomic", True, space=(True, False), role=STRUCTURE),
+    Knob("dq_atomic", True, space=(True, False)),
 ), dq_pass_by_head_dim={head_dim: {"block_n": 64} for head_dim in range(8, 257, 8)})
 # The decode (``schedule_decode``). query_tokens: query tokens per task (its rows are those tokens
 # times the GQA group's heads); block_n: keys per K/V tile. The CPU is not where decode speed is
@@ -143,7 +143,7 @@ def schedule_backward(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, ve
             sch.transform_layout(block, ("write", 0), lambda r, d: (d, r))
         # ... and dv += pᵀ dout, dk += dsᵀ q, dq += ds k along head_dim (dkdv's dq: its share, ds k, whose
         # left operand dsᵀ is read a broadcast element at a time, so as it is stored).
-        products = ("dv", "dk") + (("dq",) if dq_atomic else ()) if func == "dkdv" else ("dq",)
+        products = (("dv", "dk") + (("dq",) if dq_atomic else ())) if func == "dkdv" else ("dq",)
         for name in ("qk", "dp") + products:
             _gemm_register_tile(sch, name, vector)
         vectorize_backward_rows(sch, func, vector)

@@ -6,7 +6,7 @@ further, and was faster without a mask but slower with causal's (BENCHMARKS.md, 
 from __future__ import annotations
 
 from .. import cpu
-from ..contract import STRUCTURE, TILE, Knob, KnobSet
+from ..contract import TILE, Knob, KnobSet
 from .intrinsics import BLOCK, STEP
 
 DTYPES = ("bfloat16",)  # AMX's float16 products (amx-fp16) are Granite Rapids' alone
@@ -26,6 +26,6 @@ BACKWARD = KnobSet("amx", "backward", (
     Knob("block_m", 128, choices=(32, 64, 128), space=(32, 64, 128), role=TILE),
     Knob("block_n", 128, choices=(32, 64, 128), space=(32, 64, 128), role=TILE),
     Knob("vector", 16, choices=cpu.VECTORS, space=cpu.SAMPLED_VECTORS),
-    Knob("dq_atomic", True, space=(True, False), role=STRUCTURE),  # as the CPU schedule's (``cpu.BACKWARD``)
+    Knob("dq_atomic", True, space=(True, False)),  # as the CPU schedule's (``cpu.BACKWARD``)
 ))
 assert all(value % BLOCK == 0 for knob in BACKWARD.knobs[:2] for value in knob.choices)
