@@ -260,7 +260,8 @@ class Schedule:
     permission for the tile state), True if the host allows it. sources: the modules whose code shapes
     its builds (the cache key's). fallback: it serves what the schedules before it do not, slower (SIMT
     on a GPU, with no tensor cores): the torch API pads a head_dim to one that a schedule before it serves
-    rather than run it (``choice.head_dim_to_run``). fp8_forward: its FP8 forward (``Fp8Forward``), or None."""
+    rather than run it (``choice.head_dim_to_run``). fp8_forward: its FP8 forward (``Fp8Forward``), or None.
+    ordered_dq_accumulation: its backward's knob ``dq_atomic`` sums dq in a fixed order, not by atomics."""
 
     name: str
     target_kind: str
@@ -281,6 +282,9 @@ class Schedule:
     sources: tuple = ()
     fallback: bool = False
     fp8_forward: Fp8Forward | None = None  # the FP8 forward, where the schedule maps it (sm90)
+    # its backward's dq_atomic adds dq's shares in a fixed order (one task owns each row of dq: the CPU's),
+    # so bitwise reproducible: deterministic=True keeps it
+    ordered_dq_accumulation: bool = False
 
     def program(self, name: str) -> ProgramSchedule | None:
         """The ``ProgramSchedule`` of "forward", "backward" or "decode" (None: not mapped)."""

@@ -34,11 +34,20 @@ FORWARD = KnobSet("cpu", "forward", (
     Knob("vector", 16, choices=VECTORS, space=SAMPLED_VECTORS),
 ))
 # The backward (``schedule_backward``): its own knobs, as its tiles need not be the forward's.
+# dq_atomic: dkdv also adds each K/V block's share of dq (ds k) into a float32 accumulator, five products
+# instead of the dq program's seven. The CPU has no atomics and needs none: one task owns a whole (sequence,
+# K/V head), walking its K/V blocks in turn, so every addition into its rows of dq is made by one thread in
+# a fixed order (bitwise reproducible, ``Schedule.ordered_dq_accumulation``). Its tasks are batch x heads_kv
+# alone, so where those leave threads idle the dq program (parallel over the blocks too) runs instead:
+# ``BackwardKernel._for_tasks`` decides that per call. float32 takes 128 keys a tile with dq_atomic, measured
+# faster than 64 on most of the float32 grid on an Intel AVX-512 machine (a task's steps read q and dout
+# once for more keys), and 64 with the dq pass (``dq_pass_by_head_dim``), where 128 measured slower.
 BACKWARD = KnobSet("cpu", "backward", (
     Knob("block_m", 64, choices=BLOCK_M, space=(16, 32, 64), role=TILE),
-    Knob("block_n", 64, choices=BLOCK_N, space=(32, 64, 128), role=TILE),
+    Knob("block_n", 64, choices=BLOCK_N, space=(32, 64, 128), role=TILE, by_dtype={"float32": 128}),
     Knob("vector", 16, choices=VECTORS, space=SAMPLED_VECTORS),
-))
+    Knob("dq_atomic", True, space=(True, False)),
+), dq_pass_by_head_dim={head_dim: {"block_n": 64} for head_dim in range(8, 257, 8)})
 # The decode (``schedule_decode``). query_tokens: query tokens per task (its rows are those tokens
 # times the GQA group's heads); block_n: keys per K/V tile. The CPU is not where decode speed is
 # measured: small tiles keep the partial buffers small and the tasks many.
@@ -110,12 +119,17 @@ def vectorize_inner(sch, block_name, vector):
 # ------------------------------------------------------------------------------------------------
 # the backward (tvmflash.program_backward)
 # ------------------------------------------------------------------------------------------------
-def schedule_backward(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, vector: int) -> tvm.s_tir.Schedule:
+def schedule_backward(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, vector: int,
+                      dq_atomic: bool = False) -> tvm.s_tir.Schedule:
     """Map the backward programs onto the CPU: parallel over their tiles, vectorised along
-    contiguous rows. The knobs are the forward's."""
+    contiguous rows. ``dq_atomic``: the program has no dq; dkdv adds dq's share (``BACKWARD``'s comment)
+    and convert_dq rounds it."""
     schedule_delta(sch)
-    for func in ("dkdv", "dq"):
+    for func in ("dkdv",) + (("convert_dq",) if dq_atomic else ("dq",)):
         sch.work_on(func)
+        if func == "convert_dq":
+            schedule_convert_dq(sch, vector)
+            continue
         backward_tiles(sch, func)
         # q kᵀ and dout vᵀ (dkdv: k qᵀ and v doutᵀ) along the tile's contiguous columns: their
         # right operands transposed, (head_dim, columns). Those that also feed a product along
@@ -127,20 +141,37 @@ def schedule_backward(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, ve
         for name, operand, load in columns:
             block = load or sch.cache_read(name, read_index(sch, name, operand), "global", consumer_blocks=[name])
             sch.transform_layout(block, ("write", 0), lambda r, d: (d, r))
-        # ... and dv += pᵀ dout, dk += dsᵀ q, dq += ds k along head_dim.
-        for name in ("qk", "dp") + (("dv", "dk") if func == "dkdv" else ("dq",)):
+        # ... and dv += pᵀ dout, dk += dsᵀ q, dq += ds k along head_dim (dkdv's dq: its share, ds k, whose
+        # left operand dsᵀ is read a broadcast element at a time, so as it is stored).
+        products = (("dv", "dk") + (("dq",) if dq_atomic else ())) if func == "dkdv" else ("dq",)
+        for name in ("qk", "dp") + products:
             _gemm_register_tile(sch, name, vector)
         vectorize_backward_rows(sch, func, vector)
+        if func == "dkdv" and dq_atomic:
+            vectorize_inner(sch, "accumulate_dq", vector)
     return sch
 
 
 def backward_tiles(sch: tvm.s_tir.Schedule, func: str) -> None:
     """The tiles of ``func`` (being worked on) as parallel tasks; dkdv's in turn where it adds a learned
     capture's gradient (``program_flex_gradient``): every tile adds into it, and TVM's LLVM code generation has no
-    atomic addition ("CPU backend does not support atomic add yet")."""
-    tiles = sch.fuse(*sch.get_loops("tile"))
-    if not (func == "dkdv" and common.has_block(sch, "capture_gradient")):
-        sch.parallel(tiles)
+    atomic addition ("CPU backend does not support atomic add yet"). Where dkdv adds dq's share
+    (``accumulate_dq``), a task per (sequence, K/V head), which walks its K/V blocks in turn: the tiles of one
+    K/V head add into the same rows of dq, those of another head or sequence never."""
+    b, hk, kbc = sch.get_loops("tile")
+    if func == "dkdv" and common.has_block(sch, "capture_gradient"):
+        sch.fuse(b, hk, kbc)
+    elif func == "dkdv" and common.has_block(sch, "accumulate_dq"):
+        sch.parallel(sch.fuse(b, hk))
+    else:
+        sch.parallel(sch.fuse(b, hk, kbc))
+
+
+def schedule_convert_dq(sch: tvm.s_tir.Schedule, vector) -> None:
+    """convert_dq (being worked on): parallel over (batch, row), vectorised along head_dim."""
+    b, i, _, _ = sch.get_loops("convert_dq")
+    sch.parallel(sch.fuse(b, i))
+    vectorize_inner(sch, "convert_dq", vector)
 
 
 def schedule_delta(sch: tvm.s_tir.Schedule) -> None:
@@ -200,6 +231,7 @@ SCHEDULE = Schedule(
     # (``kernels.fp8.Fp8Kernel``); the torch API runs FP8 on sm90 alone
     fp8_forward=Fp8Forward(FORWARD, schedule, tuple(range(16, 257, 16))),
     backward=ProgramSchedule(BACKWARD, schedule_backward),
+    ordered_dq_accumulation=True,  # one task a (sequence, K/V head): ``backward_tiles``
     decode=ProgramSchedule(DECODE, schedule_decode, tasks=DecodeTasks(fp8_cache=True)),
     sources=(sys.modules[__name__], common),
 )

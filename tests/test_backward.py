@@ -237,7 +237,8 @@ def test_backward_modules_are_cached(backward_kernel, monkeypatch):
     again = kernels.BackwardKernel(
         {"head_dim": 64, "dtype": "float16", "causal": False}, backward_kernel.target, None)
     assert again.module(2, 1).origin == "disk cache"
-    forward = tvmflash.compile(head_dim=64, dtype="float16", target="cpu", knobs=backward_kernel.knobs)
+    tiles = {name: value for name, value in backward_kernel.knobs.items() if name != "dq_atomic"}  # the forward's too
+    forward = tvmflash.compile(head_dim=64, dtype="float16", target="cpu", knobs=tiles)
     assert forward.build.key(forward.spec(2, 1)) != backward_kernel.build.key(backward_kernel.spec(2, 1))
     assert again.info()["pass"] == "backward"
 
@@ -459,3 +460,58 @@ def test_simt_backward_gradients_on_the_gpu(monkeypatch, dtype, head_dim, causal
     monkeypatch.setenv("TVMFLASH_BACKWARD", "simt")
     assert tvmflash.compile_backward(head_dim=head_dim, dtype=dtype, causal=causal).info()["schedule"] == "simt"
     gradients_match_float64("cuda", dtype, head_dim, causal, STRUCTURE_HEADS)
+
+
+def test_cpu_dq_accumulation_matches_float64_and_is_bitwise_reproducible(monkeypatch):
+    """The CPU's dq_atomic pinned on (dkdv adds each K/V block's share of dq, one task a sequence and K/V
+    head walking its blocks in turn): causal with a left window, a softcap, ALiBi and dropout, GQA 4/2,
+    float32, Q and K/V blocks past the first (the shares' order matters), against float64 with the same
+    entries dropped; ``deterministic=True`` keeps it (its order is fixed), and a second run is bitwise the
+    same. Where its (batch, K/V head) tasks leave threads idle, the call takes the dq pass instead
+    (``BackwardKernel._for_tasks``) unless dq_atomic is given."""
+    from tvmflash import dropout
+    from tvmflash.kernels import backward as kernels_backward
+
+    variant = {"causal": True, "window_size": (90, -1), "softcap": 2.0}
+    options = {"head_dim": 32, "dtype": torch.float32, "target": "cpu", "alibi": True, "dropout": True, **variant}
+    forward = tvmflash.compile(**options)
+    backward = tvmflash.compile_backward(**options, knobs={"dq_atomic": True}, deterministic=True)
+    assert backward.dq_atomic and "convert_dq" in backward.build.module(4, 2).function
+    for n, (seqlen_q, seqlen_k) in enumerate([(200, 150), (77, 200)]):
+        q, k, v = random_qkv(2, seqlen_q, seqlen_k, 4, 2, 32, torch.float32, "cpu", seed=n)
+        slopes = torch.rand(2, 4, generator=torch.Generator().manual_seed(n)) * 0.3
+        drop = {"dropout_p": 0.2, "dropout_seed": torch.tensor([3, n])}
+        out, lse = forward(q, k, v, return_lse=True, alibi_slopes=slopes, **drop)
+        dout = torch.randn_like(out)
+        dlse = torch.randn_like(lse) if n else None
+        runs = [backward(q, k, v, out, dout, lse, dlse=dlse, alibi_slopes=slopes, dq=poisoned_out(q),
+                         dk=poisoned_out(k), dv=poisoned_out(v), **drop) for _ in range(2)]
+        mask = dropout.dropout_mask(drop["dropout_seed"], 0.2, 2, 4, seqlen_q, seqlen_k)
+        check_gradients(runs[0], q, k, v, dout, dlse, alibi_slopes=slopes, dropout_p=0.2, dropout_mask=mask, **variant)
+        assert all(torch.equal(a, b) for a, b in zip(*runs))
+    # pinned: no dq pass even with more threads than tasks; by default, the dq pass there
+    monkeypatch.setattr(kernels_backward, "cpu_threads", lambda: 64)
+    assert backward._for_tasks(2, 2) is backward
+    default = kernels.BackwardKernel({"head_dim": 32, "dtype": "float32", "causal": True}, backward.target, None)
+    assert default.dq_atomic and default._for_tasks(32, 2) is default
+    assert not default._for_tasks(2, 2).dq_atomic and default._for_tasks(1, 2) is default._for_tasks(2, 2)
+    monkeypatch.setattr(kernels_backward, "cpu_threads", lambda: 4)  # at least 5/7 of a round's threads busy
+    assert default._for_tasks(3, 1) is default and default._for_tasks(5, 1) is not default
+
+
+def test_cpu_dq_accumulation_of_packed_sequences():
+    """varlen (a window, GQA 4/2; test_varlen's modules): the CPU's dq_atomic pinned on against the dq pass
+    (both checked against float64 by test_varlen, through the defaults): dk and dv are the same programs'
+    bitwise, dq the same sum in another order."""
+    from test_varlen import VARIANTS, packed_problem
+
+    q, k, v, cu_q, cu_k, max_q, max_k = packed_problem([(77, 200), (200, 77), (1, 129)], (4, 2), 32,
+                                                       torch.float16, "cpu")
+    options = {"head_dim": 32, "dtype": torch.float16, "target": "cpu", "varlen": True, **VARIANTS["window"]}
+    out, lse = tvmflash.compile(**options)(q, k, v, cu_q, cu_k, max_q, return_lse=True)
+    dout = torch.randn_like(out)
+    grads = [tvmflash.compile_backward(**options, knobs={"dq_atomic": atomic})(
+        q, k, v, out, dout, lse, cu_q, cu_k, max_q, max_k, dq=poisoned_out(q), dk=poisoned_out(k),
+        dv=poisoned_out(v)) for atomic in (True, False)]
+    assert torch.equal(grads[0][1], grads[1][1]) and torch.equal(grads[0][2], grads[1][2])
+    torch.testing.assert_close(grads[0][0], grads[1][0], rtol=2e-3, atol=2e-3)

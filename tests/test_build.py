@@ -242,18 +242,21 @@ def test_the_amx_tile_configuration_is_loaded_once_a_task():
 
 
 def test_the_amx_backward_loads_its_tile_configuration_once_a_task():
-    """The AMX backward (built, not run: any host): dkdv's task and dq's each load the tile configuration
-    once, for all of their steps' products (dkdv's four, dq's three)."""
+    """The AMX backward (built, not run: any host): dkdv's task (and with the dq pass, dq's) loads the tile
+    configuration once, for all of its steps' products (dkdv's five with dq's share, a task walking its K/V
+    blocks in a loop of its own; with the dq pass dkdv's four, dq's three)."""
     import torch
 
     import tvmflash
 
-    kernel = tvmflash.compile_backward(head_dim=64, dtype=torch.bfloat16,
-                                       target={"kind": "llvm", "mcpu": "sapphirerapids", "num-cores": 2})
-    assert kernel.info()["schedule"] == "amx"
-    build = kernel.build
-    llvm_ir = lowering.build(build.programs(build.spec(2, 2)).mod, build.target, **build.options).mod.inspect_source("ll")
-    assert llvm_ir.count("call void @llvm.x86.ldtilecfg") == 2 and llvm_ir.count("@llvm.x86.tdpbf16ps") > 7 * 4
+    for knobs, tasks, products in ((None, 1, 5), ({"dq_atomic": False}, 2, 7)):
+        kernel = tvmflash.compile_backward(head_dim=64, dtype=torch.bfloat16, knobs=knobs,
+                                           target={"kind": "llvm", "mcpu": "sapphirerapids", "num-cores": 2})
+        assert kernel.info()["schedule"] == "amx" and kernel.dq_atomic == (knobs is None)
+        build = kernel.build
+        llvm_ir = lowering.build(build.programs(build.spec(2, 2)).mod, build.target, **build.options).mod.inspect_source("ll")
+        assert llvm_ir.count("call void @llvm.x86.ldtilecfg") == tasks
+        assert llvm_ir.count("@llvm.x86.tdpbf16ps") > products * 4
 
 
 def test_every_lowering_module_is_in_the_build_cache_key():

@@ -492,7 +492,8 @@ def backward(target, spec_args: dict, knobs: dict | None, deterministic: bool = 
     # varlen keeps the defaults: the records are the dense kernels'
     record = None if knobs or varlen else lookup(target, chosen, "backward", workload(spec_args, "backward"))
     resolved, source = take_knobs(knobset, knobset.defaults(head_dim, varlen, dtype), record, knobs, required)
-    if deterministic and resolved.get("dq_atomic"):  # the dq pass instead: one sum a dq element, in a fixed order
+    # the dq pass instead: one sum a dq element, in a fixed order (a schedule whose dq_atomic sums in one keeps it)
+    if deterministic and resolved.get("dq_atomic") and not chosen.ordered_dq_accumulation:
         if (knobs or {}).get("dq_atomic"):
             raise ValueError("knobs: dq_atomic sums dq by fp32 atomics, in an order that changes from run to run, "
                              "and deterministic=True asks for bitwise-equal gradients: leave one out")

@@ -25,5 +25,6 @@ SCHEDULE = Schedule(
     # ended, and the tile loads' uint16 pointers into it then fail LowerIntrin's type check
     backward=ProgramSchedule(BACKWARD, schedule_backward, head_dims=HEAD_DIMS,
                              pass_config={"tirx.disable_storage_rewrite": True}),
+    ordered_dq_accumulation=True,  # dq_atomic's tasks as the CPU schedule's (``cpu.backward_tiles``)
     sources=(sys.modules[__name__], sys.modules[schedule.__module__], backward, intrinsics, packing, rows, common, cpu),
 )

@@ -13,7 +13,7 @@ import tvm
 
 from .. import cpu
 from .forward import tile_product
-from .packing import pack_rows, pack_transposed
+from .packing import copy_transposed, pack_rows, pack_transposed
 
 # Per program: the products along head_dim and their right operands (packed transposed), then the
 # products over the tile's rows and theirs (packed by rows).
@@ -23,13 +23,23 @@ PRODUCTS = {
 }
 
 
-def schedule_backward(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, vector: int) -> tvm.s_tir.Schedule:
+def schedule_backward(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, vector: int,
+                      dq_atomic: bool = False) -> tvm.s_tir.Schedule:
     """Map the backward programs (delta, dkdv, dq) onto a CPU with AMX: delta as the CPU schedule's; one
-    task per dkdv and dq tile, the products on the tiles, the rest vectorised."""
+    task per dkdv and dq tile, the products on the tiles, the rest vectorised. ``dq_atomic``: no dq
+    program; dkdv also makes dq's share, ds k (its left operand dsᵀ copied transposed, as a tile product
+    reads rows), and adds it, in the CPU schedule's tasks (``cpu.backward_tiles``)."""
     cpu.schedule_delta(sch)
-    for func, (transposed, rows) in PRODUCTS.items():
+    for func in ("dkdv",) + (("convert_dq",) if dq_atomic else ("dq",)):
         sch.work_on(func)
+        if func == "convert_dq":
+            cpu.schedule_convert_dq(sch, vector)
+            continue
         cpu.backward_tiles(sch, func)
+        transposed, rows = PRODUCTS[func]
+        if func == "dkdv" and dq_atomic:
+            rows = rows + (("dq", "Kt"),)
+            copy_transposed(sch, "dq", "dSc")
         for product, operand in transposed:
             pack_transposed(sch, product, operand)
         for product, operand in rows:
@@ -37,4 +47,6 @@ def schedule_backward(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, ve
         for product, _ in transposed + rows:
             tile_product(sch, product, vector)
         cpu.vectorize_backward_rows(sch, func, vector)
+        if func == "dkdv" and dq_atomic:
+            cpu.vectorize_inner(sch, "accumulate_dq", vector)
     return sch

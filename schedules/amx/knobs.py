@@ -26,5 +26,6 @@ BACKWARD = KnobSet("amx", "backward", (
     Knob("block_m", 128, choices=(32, 64, 128), space=(32, 64, 128), role=TILE),
     Knob("block_n", 128, choices=(32, 64, 128), space=(32, 64, 128), role=TILE),
     Knob("vector", 16, choices=cpu.VECTORS, space=cpu.SAMPLED_VECTORS),
+    Knob("dq_atomic", True, space=(True, False)),  # as the CPU schedule's (``cpu.BACKWARD``)
 ))
 assert all(value % BLOCK == 0 for knob in BACKWARD.knobs[:2] for value in knob.choices)

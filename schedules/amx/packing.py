@@ -98,6 +98,80 @@ def transpose_intrin() -> str:
     return NAME
 
 
+TRANSPOSE = "tvmflash_amx_transpose_32x32"
+
+
+def transpose_elements_intrin() -> str:
+    """Register (once) and name the intrinsic of B[i, j] = A[j, i] over 32 x 32 bf16: through 32-bit views,
+    each half of A's rows (16 rows of 16 pairs) transposed as words (``_transposed``), which gives for each
+    pair of columns (2p, 2p + 1) the 32 rows' pairs interleaved; then one shuffle of the two halves' vectors
+    takes the even elements (B's row 2p) and one the odd ones (row 2p + 1)."""
+    if TRANSPOSE in _REGISTERED:
+        return TRANSPOSE
+    from tvm import s_tir, tirx
+    from tvm.script import tirx as T
+
+    n = 2 * WORDS
+
+    @tvmscript.prim_func(s_tir=True)
+    def desc(a: T.handle, b: T.handle) -> None:
+        A = T.match_buffer(a, (n, n), "bfloat16", offset_factor=1)
+        B = T.match_buffer(b, (n, n), "bfloat16", offset_factor=1)
+        with T.sblock("root"):
+            T.reads(A[0:n, 0:n])
+            T.writes(B[0:n, 0:n])
+            for j, i in T.grid(n, n):
+                with T.sblock("transpose"):
+                    vj, vi = T.axis.remap("SS", [j, i])
+                    B[vi, vj] = A[vj, vi]
+
+    @tvmscript.prim_func(s_tir=True)
+    def impl(a: T.handle, b: T.handle) -> None:
+        sa, sb = T.int32(), T.int32()
+        A = T.match_buffer(a, (n, n), "bfloat16", offset_factor=2, strides=[sa, 1])
+        B = T.match_buffer(b, (n, n), "bfloat16", offset_factor=2, strides=[sb, 1])
+        with T.sblock("root"):
+            T.reads(A[0:n, 0:n])
+            T.writes(B[0:n, 0:n])
+            T.evaluate(0)  # replaced below
+
+    root = impl.body.block
+    A = next(r.source for r in root.reads if r.source.name == "A")
+    B = next(r.source for r in root.writes if r.source.name == "B")
+    a32 = tirx.decl_buffer((1,), "uint32", name="A32", data=A.data, elem_offset=A.elem_offset // 2)
+    b16 = tirx.decl_buffer((1,), "uint16", name="B16", data=B.data, elem_offset=B.elem_offset)
+    bindings = []
+    halves = [_transposed([tirx.BufferLoad(a32, [tirx.Ramp((h * WORDS + j) * (A.strides[0] // 2), 1, WORDS)])
+                           for j in range(WORDS)], bindings) for h in range(2)]
+    stores = []
+    for p in range(WORDS):
+        low, high = (tirx.reinterpret(f"uint16x{n}", half[p]) for half in halves)  # rows' pairs of columns 2p, 2p + 1
+        for parity in range(2):
+            lanes = [tirx.const(2 * e + parity, "int32") for e in range(n)]
+            stores.append(tirx.BufferStore(b16, tirx.Shuffle([low, high], lanes),
+                                           [tirx.Ramp((2 * p + parity) * B.strides[0], 1, n)]))
+    body = tirx.SeqStmt([tirx.DeclBuffer(a32, data=A.data), tirx.DeclBuffer(b16, data=B.data),
+                         *(tirx.LetStmt(var, value) for var, value in bindings), *stores])
+    block = s_tir.SBlock(root.iter_vars, root.reads, root.writes, root.name_hint, body)
+    register_intrin(TRANSPOSE, desc, impl.with_body(s_tir.SBlockRealize([], True, block)))
+    _REGISTERED.add(TRANSPOSE)
+    return TRANSPOSE
+
+
+def copy_transposed(sch, product: str, operand: str):
+    """A copy of ``product``'s left operand ``operand`` (bf16 (rows, columns), both multiples of 32), read by
+    it alone, transposed, (columns, rows): ``transpose_elements_intrin`` a block of 32 x 32 (dkdv's dsᵀ, for
+    ds k). Returns the copy's block."""
+    copy = sch.cache_read(product, read_index(sch, product, operand), "global", consumer_blocks=[product])
+    sch.transform_layout(copy, ("write", 0), lambda r, c: (c, r))
+    r, c = sch.get_loops(copy)[-2:]
+    ro, ri = sch.split(r, [None, 2 * WORDS])
+    co, ci = sch.split(c, [None, 2 * WORDS])
+    sch.reorder(ro, co, ri, ci)
+    sch.tensorize(ri, transpose_elements_intrin())
+    return copy
+
+
 def pack_transposed(sch, product: str, operand: str):
     """A copy of ``product``'s right operand ``operand`` (rows, head_dim), read by it alone, in the pair
     layout of its transpose, (d // 2, row, d % 2): ``transpose_intrin`` a block of 16 rows by 32 columns

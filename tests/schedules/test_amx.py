@@ -64,11 +64,12 @@ def test_amx_variants_and_varlen_match_float64():
 @needs_amx
 @pytest.mark.parametrize("head_dim, knobs, causal", [(96, {"block_m": 32, "block_n": 32}, False),
                                                      (128, {"block_m": 128, "block_n": 64}, True),
-                                                     (32, {"block_m": 64, "block_n": 128}, True)])
+                                                     (32, {"block_m": 64, "block_n": 128, "dq_atomic": False}, True)])
 def test_amx_backward_matches_float64(head_dim, knobs, causal):
     """Beside test_backward's bf16 grid (d64 GQA, which runs here on AMX): other tiles (dkdv's and dq's
     products with rows, columns and reductions of 32 to 128) and head_dims, over test_backward's shapes
-    (tails on both sides, rows that see no key), GQA, with and without dlse."""
+    (tails on both sides, rows that see no key), GQA, with and without dlse; dq by dkdv's shares (the
+    default, ``dq_atomic``: dsᵀ's transposed copy in blocks of 32 x 32) and once by the dq pass."""
     import test_backward
 
     kernel = tvmflash.compile_backward(head_dim=head_dim, dtype=torch.bfloat16, causal=causal, target="cpu", knobs=knobs)

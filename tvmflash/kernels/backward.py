@@ -38,6 +38,11 @@ def sinks_gradient(sinks, lse, delta) -> torch.Tensor:
     return -(share * delta).sum((0, 2))
 
 
+def cpu_threads() -> int:
+    """The threads of TVM's CPU pool, which run a CPU module's parallel tasks (``build`` sizes it)."""
+    return tvm.get_global_func("runtime.NumThreads")()
+
+
 class BackwardKernel:
     """FlashAttention backward for one (head_dim, dtype, causal, variant, target): the three programs of
     ``tvmflash.program_backward`` (delta, dkdv, dq) built into one module per pair of head
@@ -52,7 +57,8 @@ class BackwardKernel:
     shapes and dtype of q, k and v (dk, dv summed over each GQA group's query heads). The
     gradients are bitwise the same from run to run unless the knob ``dq_atomic`` sums dq by fp32
     atomics (``program_backward``): sm90's default, where that measures faster. ``deterministic``
-    (``compile_backward``) turns it off. With ``sinks=`` (float32 (heads_q,), those of a forward with sinks,
+    (``compile_backward``) turns it off. (The CPU's dq_atomic sums in a fixed order, without atomics, and
+    stays: ``Schedule.ordered_dq_accumulation``.) With ``sinks=`` (float32 (heads_q,), those of a forward with sinks,
     whose lse holds them) the call returns (dq, dk, dv, dsinks): the programs are the same, and dsinks, float32
     (heads_q,), is a reduction of lse and the delta program's rows (``sinks_gradient``).
     """
@@ -65,6 +71,8 @@ class BackwardKernel:
         self.variant = {name: spec_args[name] for name in VARIANT_FIELDS if name in spec_args}
         self.target = target
         chosen = choice.backward(target, spec_args, knobs, deterministic, schedule)
+        self._arguments = (spec_args, target, knobs, deterministic, schedule)
+        self._dq_pass = None  # the kernel with a dq pass instead of dq_atomic (``_for_tasks``), once needed
         self.schedule, self.schedule_source = chosen.schedule, chosen.schedule_source
         self.knobs, self.knobs_source = chosen.knobs, chosen.knobs_source
         stride_multiple = program.stride_multiple(self.schedule.stride_alignment, self.dtype)
@@ -94,6 +102,25 @@ class BackwardKernel:
     def dq_atomic(self) -> bool:
         """dq summed by fp32 atomics from dkdv (then not bitwise reproducible), or by a program of its own."""
         return bool(self.knobs.get("dq_atomic", False))
+
+    def _for_tasks(self, batch: int, heads_kv: int) -> "BackwardKernel":
+        """The kernel to run a call of ``batch`` sequences and ``heads_kv`` K/V heads: this one, or where its
+        dq_atomic (not the caller's) sums in order (``Schedule.ordered_dq_accumulation``: the CPU's, one task
+        a sequence and K/V head) and those tasks leave threads idle, the same kernel with the dq pass, whose
+        tasks are also its blocks. The tasks run in rounds of one a thread; dq's share makes five products
+        where the pass makes seven (q kᵀ and dout vᵀ again), so it is the faster while its tasks fill at
+        least 5/7 of the rounds' threads, and the pass, which fills them all, below that."""
+        if not (self.dq_atomic and self.schedule.ordered_dq_accumulation and "dq_atomic" not in (self._arguments[2] or {})):
+            return self
+        tasks, threads = batch * heads_kv, cpu_threads()
+        if 7 * tasks >= 5 * -(-tasks // threads) * threads:
+            return self
+        if self._dq_pass is None:  # with the knobs the schedule gives a dq pass (``KnobSet.dq_pass_by_head_dim``)
+            spec_args, target, knobs, deterministic, schedule = self._arguments
+            dq_pass = self.schedule.backward.knobs.dq_pass_by_head_dim.get(self.head_dim, {})
+            self._dq_pass = type(self)(spec_args, target, {**dq_pass, **(knobs or {}), "dq_atomic": False},
+                                       deterministic, schedule)
+        return self._dq_pass
 
     def _entry(self, module):
         """The three programs to call, by name (``program_backward.programs``)."""
@@ -151,6 +178,11 @@ class BackwardKernel:
         tensors of their shapes, one a learned capture, zeroed by the caller: dkdv adds their gradients in."""
         arguments = self.arguments
         arguments.check(q, k, v, None)
+        kernel = self._for_tasks(q.shape[0], k.shape[2])
+        if kernel is not self:
+            return kernel(q, k, v, out, dout, lse, dlse=dlse, softmax_scale=softmax_scale, dq=dq, dk=dk, dv=dv,
+                          alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_seed=dropout_seed, captures=captures,
+                          sinks=sinks, capture_grads=capture_grads)
         variant_arguments = arguments.variant_arguments(q, alibi_slopes, dropout_p=dropout_p, dropout_seed=dropout_seed,
                                                         captures=captures)
         batch, seqlen_q, heads_q, _ = q.shape
@@ -222,6 +254,11 @@ class VarlenBackwardKernel(BackwardKernel):
         arguments = self.arguments
         arguments.check_varlen(q, k, v, None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         batch = cu_seqlens_q.shape[0] - 1
+        kernel = self._for_tasks(batch, k.shape[1])
+        if kernel is not self:
+            return kernel(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dlse=dlse,
+                          softmax_scale=softmax_scale, dq=dq, dk=dk, dv=dv, alibi_slopes=alibi_slopes,
+                          dropout_p=dropout_p, dropout_seed=dropout_seed, sinks=sinks)
         variant_arguments = arguments.variant_arguments(q, alibi_slopes, batch, dropout_p, dropout_seed)
         total_q, heads_q, _ = q.shape
         heads_kv = k.shape[1]

@@ -53,7 +53,7 @@ def _one_config(loop, ldtilecfg: int):
     stores = find(loop.body, tirx.BufferStore, lambda s: any(_same(s.buffer.data, b) for b in buffers))
     fills = [[s for s in stores if _same(s.buffer.data, b)] for b in buffers]
     values = [sorted((str(s.indices[0]), str(s.value)) for s in fill) for fill in fills]
-    if any(v != values[0] for v in values[1:]) or not isinstance(loop.body, tirx.SeqStmt):
+    if any(v != values[0] for v in values[1:]):
         return loop  # configurations that differ: each product keeps its own
     first = fills[0]
 
@@ -61,6 +61,7 @@ def _one_config(loop, ldtilecfg: int):
         return _loads_config(stmt, ldtilecfg) or (isinstance(stmt, (tirx.BufferStore, tirx.AllocBuffer))
                                                   and any(_same(stmt.buffer.data, b) for b in buffers))
     body = _without(loop.body, drop)
+    # (a body of one statement: a task that walks its tiles in a loop of its own, dkdv's with dq_atomic)
     seq = list(body.seq) if isinstance(body, tirx.SeqStmt) else [body]
     # after the task's allocations
     at = next((n for n, s in enumerate(seq) if not isinstance(s, (tirx.AllocBuffer, tirx.DeclBuffer))), len(seq))
