@@ -17,7 +17,7 @@ import tvmflash
 from tvmflash.kernels.fp8 import FP8_TORCH, Fp8Kernel, Fp8VarlenKernel, fp8_kernel, transposed_v
 from tvmflash.program import FP8, AttentionSpec
 from tvmflash.program_forward import attention_forward
-from tvmflash.fp8_reference import emulation, forward_error, reference
+from tvmflash.fp8_reference import emulation, forward_error, lse_allowance, reference
 from tvmflash.schedules.sm90.knobs import FP8_VARIANTS
 
 
@@ -69,7 +69,8 @@ def inputs(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, device, seed=
 
 def check_against_reference(run, shape, head_dim, causal, device):
     """run(q, k, v, qd, kd, vd, scale, out) -> (out, lse) against ``reference``: the error at most twice the
-    emulation's, the LSE within float32's rounding of the scores, rows that see no key 0, no NaN."""
+    emulation's, the LSE within ``lse_allowance`` (float32's rounding of the scores on the CPU, the GPU's own FP8
+    product's error on a GPU), rows that see no key 0, no NaN."""
     batch, seqlen_q, seqlen_k, heads_q, heads_kv = shape
     q, k, v, qd, kd, vd = inputs(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, device)
     scale = head_dim ** -0.5
@@ -84,7 +85,7 @@ def check_against_reference(run, shape, head_dim, causal, device):
     assert error <= allowed, (error, emulation_error)
     seen = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse), seen.to(lse.device))
-    assert (lse.double()[seen] - ref_lse[seen]).abs().max().item() < 1e-3
+    assert (lse.double()[seen] - ref_lse[seen]).abs().max().item() <= lse_allowance(q, k, qd, kd, scale)
     return error, emulation_error
 
 
@@ -236,7 +237,8 @@ def check_varlen(kernel, head_dim, causal, lengths_q, lengths_k, heads_q, heads_
             emulation_error = max(emulation_error, (emulation(*one, scale, causal)[0].double() - ref[0]).abs().max().item())
             seen = torch.isfinite(ref_lse[0])
             assert torch.equal(torch.isfinite(lse[:, rows]), seen.to(lse.device))
-            assert (lse[:, rows].double()[seen] - ref_lse[0][seen]).abs().max().item() < 1e-3
+            assert (lse[:, rows].double()[seen] - ref_lse[0][seen]).abs().max().item() <= lse_allowance(
+                one[0], one[1], one[3], one[4], scale)
     assert 0 < error <= 2 * emulation_error, (error, emulation_error)
     return error, emulation_error
 

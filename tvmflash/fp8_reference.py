@@ -3,7 +3,8 @@ and the tuner's check of each candidate (``tune.measured``): one rule each, writ
 
 The FP8 forward (issue 44's rule): the output against float64 attention of the same dequantised inputs, its
 error at most twice that of a torch emulation that quantises the same places (q, k, v and P to e4m3, the
-output to bf16, float32 math): ``forward_error``.
+output to bf16, float32 math): ``forward_error``. Its LSE: within twice the error of the scores that the GPU's own
+FP8 matrix product gives (``lse_allowance``).
 
 Decode over an FP8 cache: each sequence's output against float64 attention of its dequantised keys and values
 (k_cache · k_descale, v_cache · v_descale), flash-attn's rule (the error at most twice PyTorch's in q's dtype on
@@ -75,6 +76,37 @@ def forward_error(out, q, k, v, q_descale, k_descale, v_descale, softmax_scale, 
     emulated = emulation(q, k, v, q_descale, k_descale, v_descale, softmax_scale, causal)
     error = (out.double() - ref).abs().max().item()
     return error, 2 * (emulated.double() - ref).abs().max().item()
+
+
+LSE_FLOOR = 1e-3  # an LSE's error allowed where the scores are made in float32 (the CPU's emulation of e4m3)
+
+
+def lse_allowance(q, k, q_descale, k_descale, softmax_scale) -> float:
+    """The error allowed in the FP8 forward's LSE against ``reference``'s. On a CUDA GPU: twice the largest error
+    of the same scores by torch's own FP8 matrix product (``torch._scaled_mm``, fast accumulation: in the tensor
+    cores' accumulator, as wgmma's), plus LSE_FLOOR. Hopper's e4m3 products keep fewer bits than float32 in their
+    accumulator, so the scores, and with them the LSE (which moves by at most the scores' largest error), are off by
+    about 2^-10 of their size in any FP8 kernel there; the output's rule (``forward_error``) is unaffected. On the
+    CPU (float32 products) LSE_FLOOR."""
+    if q.device.type != "cuda":
+        return LSE_FLOOR
+    batch, seqlen_q, heads_q, _ = q.shape
+    seqlen_k, heads_kv = k.shape[1], k.shape[2]
+    exact, _ = scores(q, k, q_descale, k_descale, softmax_scale, False, torch.float64)
+    one = torch.ones((), device=q.device)
+    padded = lambda n: -(-n // 16) * 16  # noqa: E731  (_scaled_mm's shapes: multiples of 16)
+    worst = 0.0
+    for b in range(batch):
+        for h in range(heads_q):
+            hk = h // (heads_q // heads_kv)
+            a = torch.zeros(padded(seqlen_q), q.shape[3], dtype=q.dtype, device=q.device)
+            a[:seqlen_q] = q[b, :, h]
+            bt = torch.zeros(padded(seqlen_k), k.shape[3], dtype=k.dtype, device=k.device)
+            bt[:seqlen_k] = k[b, :, hk]
+            s = torch._scaled_mm(a, bt.t(), scale_a=one, scale_b=one, out_dtype=torch.float32, use_fast_accum=True)
+            s = s[:seqlen_q, :seqlen_k].double() * float(q_descale[b, hk] * k_descale[b, hk]) * softmax_scale
+            worst = max(worst, (s - exact[b, h]).abs().max().item())
+    return 2 * worst + LSE_FLOOR
 
 
 # ----------------------------------------------------------------------------------------------------
