@@ -55,13 +55,13 @@ PERSISTENT_SHAPES = [
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("head_dim,causal", [(64, False), (64, True), (128, False), (128, True), (96, True)],
-                         ids=["64-full", "64-causal", "128-full", "128-causal", "96-causal"])
+@pytest.mark.parametrize("head_dim,causal", [(128, True), (96, True)], ids=["128-causal", "96-causal"])
 def test_sm90_persistent_dkdv_gradients_on_the_gpu(head_dim, causal):
     """dkdv_persistent (132 thread blocks walking the tiles, the TMA pipeline carried across them) against
     float64 over PERSISTENT_SHAPES, the outputs poisoned, half with a gradient on lse; one kernel serves
-    every length (symbolic batch and seqlen). d64 and d128 with a producer warpgroup, d96 with thread 0
-    issuing the copies."""
+    every length (symbolic batch and seqlen). d128 with a producer warpgroup, d96 with thread 0 issuing the
+    copies. (An off-by-default knob, measured slower than the defaults at every shape: two cases keep it
+    correct at the suite's cost of four modules.)"""
     _on_sm_90a_only("sm90")
     forwards, backwards = {}, {}
     for n, (batch, seqlen_q, seqlen_k, heads_q, heads_kv, variant) in enumerate(PERSISTENT_SHAPES):
