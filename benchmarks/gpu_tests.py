@@ -1,11 +1,12 @@
-"""Run the GPU tests, and the tests of nvcc's whole compile of a kernel (``pytest -m "gpu or nvcc"``), on
+"""Run the GPU tests (``pytest -m gpu``; with ``--nvcc`` the tests of nvcc's whole compile of a kernel too, which
+need nvcc and no GPU, so that any machine with nvcc runs them: ``TVMFLASH_NVCC_TESTS=1 pytest -m nvcc``) on
 every core of the GPU machine: one pytest whose pytest-xdist
 workers take tests as they free up (``--dist worksteal``), so that the kernels build in parallel (built
 one after another they take over 9 minutes on a fresh H100) and no worker sits idle while another has a
 queue of builds left. Then print the summary, the failures, and with ``--timeout`` the tests that did not
 finish in time.
 
-    python benchmarks/gpu_tests.py [--jobs 16] [--log FILE] [--timeout S] [--slowest N] [PYTEST ARGS ...]
+    python benchmarks/gpu_tests.py [--jobs 16] [--log FILE] [--timeout S] [--slowest N] [--nvcc] [PYTEST ARGS ...]
 
 Each finished test's seconds, and the modules it built in them, go to the log's ``.times`` file (also
 when the run is stopped), and the slowest are listed; each failing test's report goes to its
@@ -40,8 +41,10 @@ def main() -> int:
     parser.add_argument("--save-times", action="store_true",
                         help="merge the finished tests' seconds into tests/gpu_test_times.txt, the order in which "
                              "the suite starts its tests (the longest first); from a run on a fresh machine")
+    parser.add_argument("--nvcc", action="store_true", help="also the tests marked nvcc (ptxas's reports)")
     args, pytest_args = parser.parse_known_args()
-    collected = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-m", "gpu or nvcc", *pytest_args],
+    marks = "gpu or nvcc" if args.nvcc else "gpu"
+    collected = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-m", marks, *pytest_args],
                                capture_output=True, text=True)
     ids = [line for line in collected.stdout.splitlines() if "::" in line]
     if not ids:
@@ -61,7 +64,7 @@ def main() -> int:
     print(f"{len(ids)} GPU tests on {jobs} workers; log in {log}", flush=True)
     start = time.time()
     with open(log, "w") as out:
-        process = subprocess.Popen(pytest_command(jobs, len(ids), pytest_args),
+        process = subprocess.Popen(pytest_command(jobs, len(ids), pytest_args, marks),
                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             process.wait(timeout=args.timeout or None)
@@ -96,11 +99,11 @@ def main() -> int:
     return 1
 
 
-def pytest_command(jobs: int, tests: int, pytest_args: list) -> list:
+def pytest_command(jobs: int, tests: int, pytest_args: list, marks: str = "gpu") -> list:
     """The run of ``tests`` GPU tests on ``jobs`` workers. A worker that meets a sticky CUDA error ends after
     that test (tests/conftest.py) and pytest-xdist starts another: as many restarts as tests, since past its
     default (4 a worker) xdist stops the whole run, and the tests still queued never run nor show as failed."""
-    return [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-m", "gpu or nvcc", "-n", str(jobs),
+    return [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-m", marks, "-n", str(jobs),
             "--dist", "worksteal", "--max-worker-restart", str(tests), *pytest_args]
 
 

@@ -133,7 +133,7 @@ def longest_first(items: list, seconds: dict) -> None:
 
 
 def in_gpu_suite(item) -> bool:
-    """Does the GPU suite (``-m "gpu or nvcc"``) run this test?"""
+    """Does the GPU suite (``benchmarks/gpu_tests.py``: ``-m gpu``, with ``--nvcc`` ``-m "gpu or nvcc"``) run this test?"""
     return "gpu" in item.keywords or "nvcc" in item.keywords
 
 

@@ -83,6 +83,9 @@ def test_every_gpu_test_may_end_its_worker():
     command = gpu_tests.pytest_command(16, 900, ["-k", "fp8"])
     assert command[command.index("--max-worker-restart") + 1] == "900"
     assert command[command.index("-n") + 1] == "16" and command[-2:] == ["-k", "fp8"]
+    # the GPU tests alone unless asked: the nvcc tests need nvcc and no GPU
+    assert command[command.index("-m") + 1] == "gpu"
+    assert gpu_tests.pytest_command(16, 9, [], "gpu or nvcc")[command.index("-m") + 1] == "gpu or nvcc"
 
 
 @pytest.mark.parametrize("causal", [False, True])
