@@ -84,8 +84,8 @@ def test_every_gpu_test_may_end_its_worker():
     assert command[command.index("--max-worker-restart") + 1] == "900"
     assert command[command.index("-n") + 1] == "16" and command[-2:] == ["-k", "fp8"]
     # the GPU tests alone unless asked: the nvcc tests need nvcc and no GPU
-    assert command[command.index("-m") + 1] == "gpu"
-    assert gpu_tests.pytest_command(16, 9, [], "gpu or nvcc")[command.index("-m") + 1] == "gpu or nvcc"
+    marks = command.index("-m", command.index("pytest")) + 1
+    assert command[marks] == "gpu" and gpu_tests.pytest_command(16, 9, [], "gpu or nvcc")[marks] == "gpu or nvcc"
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -347,7 +347,8 @@ def attention_in(dtype, q, k, v, causal):
         i = torch.arange(lq, device=q.device)[:, None]
         j = torch.arange(lk, device=q.device)[None, :]
         s = s.masked_fill(j > i + lk - lq, -math.inf)
-    return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s.float(), -1).to(dtype), v.to(dtype))
+    softmax = torch.softmax(s.to(torch.promote_types(dtype, torch.float32)), -1)  # (float64 stays float64)
+    return torch.einsum("bhqk,bkhd->bqhd", softmax.to(dtype), v.to(dtype))
 
 
 def error_vs_float32(out, q, k, v, causal, heads=2, rows=1024):
