@@ -41,6 +41,33 @@ def b_fragment_element(lane, reg, transposed):
     return (n, k) if transposed else (k, n)
 
 
+def _fragment_desc(dtype, shared_dtype, align, scope):
+    """The description of a 16 x 16 tile in shared memory (of ``shared_dtype``, ``align`` bytes aligned, in
+    ``scope``) loaded into its mma fragment of ``dtype`` (``ldmatrix_layout``): ldmatrix's, and the e4m3
+    tiles' converted as they load (``_e4m3_fragment_intrin``), where the types differ."""
+    from tvm.script import tirx as T
+
+    def value(x):  # (a cast only between types)
+        return x if shared_dtype == dtype else T.Cast(dtype, x)
+
+    @tvmscript.prim_func(s_tir=True)
+    def desc(warp_handle: T.handle, shared_handle: T.handle) -> None:
+        shared = T.match_buffer(shared_handle, (16, 16), shared_dtype, align=align, offset_factor=16, scope=scope)
+        warp = T.match_buffer(warp_handle, (WARP, 8), dtype, align=64, offset_factor=16, scope="warp")
+        with T.sblock("root"):
+            T.reads(shared[0:16, 0:16])
+            T.writes(warp[0:WARP, 0:8])
+            for ax0, ax1 in T.grid(16, 16):
+                with T.sblock("shared_warp"):
+                    v0, v1 = T.axis.remap("SS", [ax0, ax1])
+                    T.reads(shared[v0, v1])
+                    lane, reg = T.meta_var(ldmatrix_layout(v0, v1))
+                    T.writes(warp[lane, reg])
+                    warp[lane, reg] = value(shared[v0, v1])
+
+    return desc
+
+
 def _ldmatrix_intrin(dtype, operand, transposed, scope="shared.dyn"):
     """ldmatrix.x4 of a 16 x 16 tile in shared.dyn (or ``scope``: static "shared") into its mma fragment
     (``ldmatrix_layout``), as operand "A" (rows x k) or "B" (k x cols); ``transposed``: the tile in shared
@@ -54,20 +81,7 @@ def _ldmatrix_intrin(dtype, operand, transposed, scope="shared.dyn"):
     def row_offset(tx, stride):
         return ldmatrix_row_offset(tx, stride, transposed)
 
-    @tvmscript.prim_func(s_tir=True)
-    def desc(warp_handle: T.handle, shared_handle: T.handle) -> None:
-        shared = T.match_buffer(shared_handle, (16, 16), dtype, align=64, offset_factor=16, scope=scope)
-        warp = T.match_buffer(warp_handle, (WARP, 8), dtype, align=64, offset_factor=16, scope="warp")
-        with T.sblock("root"):
-            T.reads(shared[0:16, 0:16])
-            T.writes(warp[0:WARP, 0:8])
-            for ax0, ax1 in T.grid(16, 16):
-                with T.sblock("shared_warp"):
-                    v0, v1 = T.axis.remap("SS", [ax0, ax1])
-                    T.reads(shared[v0, v1])
-                    lane, reg = T.meta_var(ldmatrix_layout(v0, v1))
-                    T.writes(warp[lane, reg])
-                    warp[lane, reg] = shared[v0, v1]
+    desc = _fragment_desc(dtype, dtype, 64, scope)
 
     @tvmscript.prim_func(s_tir=True)
     def impl(warp_handle: T.handle, shared_handle: T.handle) -> None:
@@ -182,21 +196,7 @@ def _e4m3_fragment_intrin(dtype, transposed):
             return T.cuda.func_call(name, where, source_code=source, return_type="uint32")
         return T.cuda.func_call(name, where, s0, source_code=source, return_type="uint32")
 
-    @tvmscript.prim_func(s_tir=True)
-    def desc(warp_handle: T.handle, shared_handle: T.handle) -> None:
-        shared = T.match_buffer(shared_handle, (16, 16), "float8_e4m3fn", align=16, offset_factor=16,
-                                scope="shared.dyn")
-        warp = T.match_buffer(warp_handle, (WARP, 8), dtype, align=64, offset_factor=16, scope="warp")
-        with T.sblock("root"):
-            T.reads(shared[0:16, 0:16])
-            T.writes(warp[0:WARP, 0:8])
-            for ax0, ax1 in T.grid(16, 16):
-                with T.sblock("shared_warp"):
-                    v0, v1 = T.axis.remap("SS", [ax0, ax1])
-                    T.reads(shared[v0, v1])
-                    lane, reg = T.meta_var(ldmatrix_layout(v0, v1))
-                    T.writes(warp[lane, reg])
-                    warp[lane, reg] = T.Cast(dtype, shared[v0, v1])
+    desc = _fragment_desc(dtype, "float8_e4m3fn", 16, "shared.dyn")
 
     @tvmscript.prim_func(s_tir=True)
     def impl(warp_handle: T.handle, shared_handle: T.handle) -> None:
