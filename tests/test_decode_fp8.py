@@ -177,8 +177,9 @@ def test_fp8_cache_variants(device, variant):
     check_fp8_decode(out, lse, q, k_cache, v_cache, lengths, kd, vd, causal=True, **options)
 
 
-# the sm80 schedule's staged forms of an FP8 cache's tiles (knob fp8_tiles; the default is "registers")
-STAGED_TILES = ("fragments", "shared")
+# the sm80 schedule's staged form of an FP8 cache's tiles (knob fp8_tiles "fragments": FP8_FRAGMENTS, the
+# default where the target converts e4m3 itself; "registers" elsewhere)
+STAGED_TILES = ("fragments",)
 
 
 @pytest.mark.parametrize("device,fp8_tiles", [("cpu", None), pytest.param("cuda", None, marks=pytest.mark.gpu),
@@ -190,7 +191,7 @@ def test_every_e4m3_byte_is_read_exactly(device, fp8_tiles, dtype):
     """Sequence b has one key, whose every element is byte b (each non-NaN e4m3 value: zero, the subnormals
     and the largest): its output is that value exactly, and its LSE q·k · scale with q all ones. A sharper
     check of the conversion than the tests above, whose outputs average it away. fp8_tiles: the sm80
-    schedule's staged forms (FP8_FRAGMENTS converts bf16 through fp16 by its own bit moves)."""
+    schedule's staged form (FP8_FRAGMENTS converts bf16 through fp16 by its own bit moves)."""
     values = torch.tensor([b for b in range(256) if b not in NAN_BYTES], dtype=torch.uint8)
     head_dim = 32
     cache = values[:, None, None, None].expand(-1, 1, 1, head_dim).contiguous().view(F8).to(device)
@@ -381,12 +382,11 @@ def test_fp8_cache_sm90_builds_without_spills(head_dim, page_size):
 
 @pytest.mark.parametrize("fp8_tiles", STAGED_TILES)
 def test_fp8_cache_staged_sources(fp8_tiles):
-    """The staged forms on sm_90a: the K and V tiles' bytes by zero-filling 16-byte cp.async copies (one byte an
-    element on both sides: ``tvm_fixes.ZeroFillingCpAsync``) in a three-stage pipeline. "fragments": each lane
-    converts its B fragments' byte pairs (``intrinsics.ld_b_e4m3``; bf16 by its own bit moves), and ldmatrix
-    loads only Q; "shared": the converted tiles in static shared memory, read by ldmatrix. On sm_80 (no e4m3
-    conversion of its own, where TVM computes a copy of e4m3 values in float32) the registers form serves
-    either: no cp.async."""
+    """The staged form on sm_90a: the K and V tiles' bytes by zero-filling 16-byte cp.async copies (one byte an
+    element on both sides: ``tvm_fixes.ZeroFillingCpAsync``) in a three-stage pipeline; each lane converts its
+    B fragments' byte pairs (``intrinsics.ld_b_e4m3``; bf16 by its own bit moves), and ldmatrix loads only Q
+    (no static shared memory). On sm_80 (no e4m3 conversion of its own, where TVM computes a copy of e4m3
+    values in float32) the registers form serves it: no cp.async."""
     import re
 
     kernel = compile_decode(head_dim=128, dtype="bfloat16", target="sm90", cache_dtype=F8,
@@ -396,11 +396,8 @@ def test_fp8_cache_staged_sources(fp8_tiles):
     split = split[:split.index("single_kernel(")] if "single_kernel(" in split else split
     assert split.count("tvmflash_cp_async_zfill_16_1_1(") >= 4  # K's and V's, in the prologue and the step
     assert "cp_async_wait_group_async_wait_group_2" in split or "cp_async_wait_group_async_wait_group_1" in split
-    if fp8_tiles == "fragments":
-        assert "tvmflash_e4m3_pair_bf16(" in split and ".trans" not in split
-        assert "__shared__ alignas" not in split
-    else:
-        assert "__shared__ alignas(64) nv_bfloat16 Kt_shared_ptr" in split and ".trans" in split
+    assert "tvmflash_e4m3_pair_bf16(" in split and ".trans" not in split
+    assert "__shared__ alignas" not in split
     from tvmflash.schedules.sm80.decode import fp8_byte_tiles
     assert fp8_byte_tiles(128, kernel.knobs) == "staged" and fp8_byte_tiles(128, kernel.knobs, False) == "prefetched"
     sm80 = compile_decode(head_dim=64, dtype="float16", target="sm80", cache_dtype=F8, knobs={"fp8_tiles": fp8_tiles})
@@ -432,15 +429,15 @@ def test_e4m3_fragments_hold_what_ldmatrix_loads(transposed):
 def test_fp8_cache_staged_shared_memory():
     """The split count's model of a task's shared memory (``knobs.decode_shared_memory_bytes``) per form, d128,
     32-key tiles, three stages, 16 rows: "registers" one pair of converted tiles (rows padded by 8 elements);
-    "shared" that and three pairs of byte tiles; "fragments" the byte tiles alone (rows padded by 16 bytes)."""
+    "fragments" three pairs of byte tiles alone (rows padded by 16 bytes). The knob has no other form."""
     from tvmflash.schedules.sm80.knobs import decode_shared_memory_bytes
 
     knobs = {"block_n": 32, "num_stages": 3, "fp8_cache": True}
     query = 16 * 136 * 2 + 8 * 16
     assert decode_shared_memory_bytes(128, "bfloat16", {**knobs, "fp8_tiles": "registers"}, 4) == query + 64 * 136 * 2
-    assert decode_shared_memory_bytes(128, "bfloat16", {**knobs, "fp8_tiles": "shared"}, 4) == \
-        query + 64 * 136 * 2 + 3 * 64 * 128
     assert decode_shared_memory_bytes(128, "bfloat16", {**knobs, "fp8_tiles": "fragments"}, 4) == query + 3 * 64 * 144
+    with pytest.raises(ValueError, match=r"fp8_tiles: the sm80 schedule takes one of \['registers', 'fragments'\]"):
+        compile_decode(head_dim=128, dtype="bfloat16", target="sm90", cache_dtype=F8, knobs={"fp8_tiles": "shared"})
 
 
 @pytest.mark.nvcc
@@ -449,7 +446,7 @@ def test_fp8_cache_staged_shared_memory():
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("page_size", [0, 256], ids=["contiguous", "paged256"])
 def test_fp8_cache_staged_sm90_builds_without_spills(head_dim, page_size, fp8_tiles):
-    """The staged forms through nvcc for sm_90a: no spills, the cache's bytes by cp.async."""
+    """The staged form through nvcc for sm_90a: no spills, the cache's bytes by cp.async."""
     from conftest import ptxas_report
 
     kernel = compile_decode(head_dim=head_dim, dtype="bfloat16", target="sm90", page_size=page_size, cache_dtype=F8,
@@ -495,7 +492,7 @@ def run_knobs(q, k_cache, v_cache, lengths, table, kd, vd, knobs, *, causal=Fals
 def test_fp8_cache_long_sequences_on_the_gpu(page_size, head_dim, fp8_tiles, dtype):
     """A decode step of a serving engine's shape (GQA 32/8, thousands of keys, ragged), every non-NaN byte in
     the caches, against the dequantised float64 reference; one module for every length. fp8_tiles: the sm80
-    schedule's staged forms (their own split counts)."""
+    schedule's staged form (its own split counts)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
     batch, heads_q, heads_kv = 4, 32, 8
@@ -521,7 +518,7 @@ def test_fp8_cache_long_sequences_on_the_gpu(page_size, head_dim, fp8_tiles, dty
 @pytest.mark.parametrize("seqlen_q,causal,num_splits", [(1, False, 1), (1, False, 3), (3, True, 0)],
                          ids=["one-split", "three-splits", "chunk-causal"])
 def test_fp8_cache_staged_tiles_on_the_gpu(fp8_tiles, dtype, page_size, seqlen_q, causal, num_splits):
-    """The staged forms (the cache's bytes by cp.async, FP8_STAGED and FP8_FRAGMENTS) as the numerics test
+    """The staged form (the cache's bytes by cp.async, FP8_FRAGMENTS) as the numerics test
     above runs the default: GQA 8/2, ragged lengths (one shorter than a tile, one not a multiple of it, so
     that the zero-filled rows and the pipeline's epilogue are read), every byte value of e4m3."""
     if not torch.cuda.is_available():
@@ -541,8 +538,7 @@ def test_fp8_cache_staged_tiles_on_the_gpu(fp8_tiles, dtype, page_size, seqlen_q
 @pytest.mark.parametrize("fp8_tiles", STAGED_TILES)
 def test_fp8_cache_staged_tiles_of_several_warps_on_the_gpu(fp8_tiles):
     """GQA 6/2: a group of 3 heads takes 16 query tokens a task (``decode_query_tokens``), 48 rows, three
-    warps, each converting the whole K and V tiles into its own fragments (FP8_FRAGMENTS) or sharing the
-    converted tiles (FP8_STAGED)."""
+    warps, each converting the whole K and V tiles into its own fragments (FP8_FRAGMENTS)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
     batch, heads_q, heads_kv, head_dim = 2, 6, 2, 64

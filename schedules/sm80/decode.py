@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import tvm
 
-from tvmflash.lowering.annotations import UNIFORM_STEPS
-
 from ..common import (has_block, hide_init_reads, pipeline_loads, quad_row_block, quad_row_init, row_quad_map, row_reduce_intrin,
                       staged_row_block, tensorize_row_reduce)
 from ..simt import schedule_decode_merge
@@ -22,48 +20,27 @@ FP8_CONVERT_VEC = 4
 # FP8_PIPELINE: with num_stages > 1 an FP8 cache's next K and V tiles are prefetched into registers (the
 # program's "prefetched" byte_tiles form, two stages): a step converts the bytes it holds into the shared
 # tiles, then loads the next tiles' bytes into the same registers, then computes while they arrive (so the
-# loads wait for the conversion, and at most two tiles are in flight: FP8_STAGED and FP8_FRAGMENTS do not).
+# loads wait for the conversion, and at most two tiles are in flight: FP8_FRAGMENTS does not).
 # Where the two tiles' bytes would pass FP8_PREFETCH_BYTES a thread (head_dim 256 at block_n 32: 512), or
 # with num_stages 1, no prefetch: each element is converted as it is read, and the tasks an SM runs at once
 # hide the loads' latency.
 FP8_PREFETCH_BYTES = 256
-# FP8_STAGED (knob fp8_tiles "shared"): the cache's bytes copied by cp.async into num_stages shared byte
-# tiles (the program's "staged" byte_tiles form: zeroed past the keys by the predicated copies), as the
-# bf16 cache's tiles are, in half the shared bytes; after a step's wait the threads convert both byte
-# tiles into the padded q-dtype tiles the ldmatrix loads read (one copy of each). The loads then never
-# wait for a conversion, and as many bytes are in flight as the pipeline's stages hold.
-FP8_STAGED_VEC = 16  # bytes a cp.async copy moves
-# FP8_FRAGMENTS (knob fp8_tiles "fragments"): the staged byte tiles (rows padded by 16 bytes: a warp's 8
-# rows in 8 bank pairs) converted straight into the mma operands: each lane reads the byte pairs its B
-# fragments hold (K's for S = Q Kᵀ, adjacent bytes; V's for P V, bytes of adjacent rows) and converts them
-# in registers, FA3's way (``convert_to_fragments``): no converted tiles in shared memory, no barrier
-# between a conversion and its ldmatrix loads.
-
-# FP8_STAGED's converted tiles in static shared memory, apart from the byte tiles (dynamic): ThreadSync
-# counts every dynamic shared buffer as one (they are merged later), so with both there it put a barrier in
-# each iteration of the conversion loops (a read of the bytes after the write of the tile before). Static
-# shared memory holds 48 KiB a block (else the registers form: ``fp8_byte_tiles``). The pipeline's epilogue
-# guards each statement on its own, where ThreadSync cannot put the barrier between a conversion and the
-# ldmatrix loads: the tile loop is marked UNIFORM_STEPS, so that those guards are merged.
-FP8_STAGED_SCOPE = "shared"
-STATIC_SHARED_BYTES = 48 * 1024
-
-
-def fp8_staged_static_bytes(head_dim: int, knobs: dict) -> int:
-    """The static shared memory of FP8_STAGED: the converted K and V tiles (rows padded by 8 elements)."""
-    return 2 * knobs["block_n"] * (head_dim + 8) * 2
+# FP8_FRAGMENTS (knob fp8_tiles "fragments"): the cache's bytes copied by cp.async into num_stages shared
+# byte tiles (the program's "staged" byte_tiles form: zeroed past the keys by the predicated copies; rows
+# padded by 16 bytes: a warp's 8 rows in 8 bank pairs), as the bf16 cache's tiles are, in half the shared
+# bytes, and converted straight into the mma operands: each lane reads the byte pairs its B fragments hold
+# (K's for S = Q Kᵀ, adjacent bytes; V's for P V, bytes of adjacent rows) and converts them in registers,
+# FA3's way (``convert_to_fragments``): no converted tiles in shared memory, no barrier between a
+# conversion and the products, and as many bytes in flight as the pipeline's stages hold.
+FP8_COPY_VEC = 16  # bytes a cp.async copy moves
 
 
 def fp8_byte_tiles(head_dim: int, knobs: dict, converts: bool = True) -> str:
-    """The program's byte_tiles form for an FP8 cache: "staged" (knob fp8_tiles "fragments", or "shared" with
-    the converted tiles within static shared memory's 48 KiB; num_stages > 1 and the target ``converts``
-    e4m3 itself: where it does not, TVM computes a copy of e4m3 values in float32, no cp.async),
-    "prefetched" (a task's one warp (its 16 rows) holds the next K and V tiles' bytes: FP8_PIPELINE), or ""
-    (each element converted as it is read)."""
+    """The program's byte_tiles form for an FP8 cache: "staged" (knob fp8_tiles "fragments", num_stages > 1
+    and the target ``converts`` e4m3 itself: where it does not, TVM computes a copy of e4m3 values in
+    float32, no cp.async: FP8_FRAGMENTS), "prefetched" (a task's one warp (its 16 rows) holds the next K and
+    V tiles' bytes: FP8_PIPELINE), or "" (each element converted as it is read)."""
     if knobs["num_stages"] > 1 and knobs.get("fp8_tiles") == "fragments" and converts:
-        return "staged"
-    if knobs["num_stages"] > 1 and knobs.get("fp8_tiles") == "shared" and converts and \
-            fp8_staged_static_bytes(head_dim, knobs) <= STATIC_SHARED_BYTES:
         return "staged"
     if knobs["num_stages"] > 1 and 2 * knobs["block_n"] * head_dim <= FP8_PREFETCH_BYTES * WARP:
         return "prefetched"
@@ -124,9 +101,9 @@ def schedule_decode(sch: tvm.s_tir.Schedule, *, block_n: int, num_stages: int, v
     An FP8 cache: each thread reads the cache's e4m3 bytes and converts them into the padded q-dtype tiles
     the ldmatrix loads read (``convert_to_shared``); with the program's prefetched byte tiles
     (``fp8_byte_tiles``: dequant_k, dequant_v) the next tiles' bytes are prefetched into registers
-    (FP8_PIPELINE); with its staged ones (fp8_tiles "fragments", "shared") the bytes come by cp.async and are
-    converted into the mma fragments (FP8_FRAGMENTS, ``convert_to_fragments``) or into static shared tiles
-    (FP8_STAGED).
+    (FP8_PIPELINE); with its staged ones (fp8_tiles "fragments") the bytes come by cp.async and are
+    converted into the mma fragments (FP8_FRAGMENTS, ``convert_to_fragments``). fp8_tiles reaches the
+    schedule through the program's form (``fp8_byte_tiles``, the kernel's choice).
     """
     for func in [gv.name_hint for gv in sch.mod.functions if gv.name_hint in ("split", "single")]:
         sch.work_on(func)
@@ -145,23 +122,21 @@ def schedule_decode(sch: tvm.s_tir.Schedule, *, block_n: int, num_stages: int, v
 
         form = byte_tiles_form(sch)  # (the kernel's choice: fp8_byte_tiles)
         byte_tiles = form == "prefetched"  # (FP8_PIPELINE)
-        fragments = form == "staged" and fp8_tiles == "fragments"  # (FP8_FRAGMENTS)
-        if form == "staged":  # (FP8_STAGED) the bytes by cp.async; the conversions' shared reads 4 bytes a thread
+        fragments = form == "staged"  # (FP8_FRAGMENTS) the bytes by cp.async
+        if fragments:
             for name in ("load_k", "load_v"):
                 sch.set_scope(name, 0, "shared.dyn")
-                if fragments:  # a lane's byte pairs of 8 rows in 8 bank pairs
-                    sch.storage_align(name, 0, axis=0, factor=head_dim, offset=FP8_STAGED_VEC)
-                copy_to_shared(sch, name, warps, FP8_STAGED_VEC)
+                # a lane's byte pairs of 8 rows in 8 bank pairs
+                sch.storage_align(name, 0, axis=0, factor=head_dim, offset=FP8_COPY_VEC)
+                copy_to_shared(sch, name, warps, FP8_COPY_VEC)
         converted = () if fragments else ("dequant_k", "dequant_v") if form else ("load_k", "load_v")
         if fragments:
             convert_to_fragments(sch, "dequant_k", names["ld_b_trans_e4m3"])  # (K's tile is stored (n, k))
             convert_to_fragments(sch, "dequant_v", names["ld_b_e4m3"])
         for name in ("load_q", *converted):
-            sch.set_scope(name, 0, FP8_STAGED_SCOPE if form == "staged" and name != "load_q" else "shared.dyn")
+            sch.set_scope(name, 0, "shared.dyn")
             sch.storage_align(name, 0, axis=0, factor=head_dim, offset=8)  # ldmatrix's 8 rows in 8 bank groups
-            if form == "staged" and name != "load_q":
-                convert_to_shared(sch, None, name, warps)
-            elif byte_tiles and name != "load_q":
+            if byte_tiles and name != "load_q":
                 convert_to_shared(sch, name.replace("dequant", "load"), name, warps)
             elif fp8 and name != "load_q":
                 convert_to_shared(sch, None, name, warps)
@@ -179,8 +154,7 @@ def schedule_decode(sch: tvm.s_tir.Schedule, *, block_n: int, num_stages: int, v
             sch.transform_layout(name, ("write", 0), frag_index_map)
 
         qk = sch.get_sblock("qk")
-        static = "_static" if form == "staged" else ""  # (FP8_STAGED_SCOPE)
-        k_operand = None if fragments else names["ld_b_trans" + static]  # (None: fragments already)
+        k_operand = None if fragments else names["ld_b_trans"]  # (None: fragments already)
         warp_gemm_operands(sch, qk, warps, [("Qt", names["ld_a"]), ("Kt", k_operand)])
         sch.tensorize(sch.get_loops(qk)[-3], names["mma_nt"])
         sch.tensorize(sch.get_loops("qk_init")[-2], names["fill"])
@@ -192,7 +166,7 @@ def schedule_decode(sch: tvm.s_tir.Schedule, *, block_n: int, num_stages: int, v
                              warps, WARP, quad_row_init(sch))
 
         pv = sch.get_sblock("pv")
-        v_operand = None if fragments else names["ld_b" + static]
+        v_operand = None if fragments else names["ld_b"]
         pv_o = warp_gemm_operands(sch, pv, warps, [("Pc", None), ("Vt", v_operand)])
         for block in (pv_o, pv):
             hide_init_reads(sch, block)
@@ -206,9 +180,7 @@ def schedule_decode(sch: tvm.s_tir.Schedule, *, block_n: int, num_stages: int, v
         staged_row_block(sch, "store_lse", warps, lambda sch, name: row_block(sch, name, warps))
         if byte_tiles:  # an FP8 cache's next tiles' bytes prefetched into registers (FP8_PIPELINE)
             pipeline_loads(sch, 2, async_loads=False, ahead=("dequant_k", "dequant_v"))
-        elif num_stages > 1 and (form == "staged" or not fp8):  # (an FP8 cache's: FP8_STAGED)
+        elif num_stages > 1 and (fragments or not fp8):  # (an FP8 cache's: FP8_FRAGMENTS)
             pipeline_loads(sch, num_stages)
-            if form == "staged" and not fragments:  # the epilogue's conversions, a barrier, the loads (UNIFORM_STEPS)
-                sch.annotate(sch.get_loops("kv_step")[-1], UNIFORM_STEPS, 1)
     schedule_decode_merge(sch)
     return sch

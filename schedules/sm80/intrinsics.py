@@ -41,10 +41,10 @@ def b_fragment_element(lane, reg, transposed):
     return (n, k) if transposed else (k, n)
 
 
-def _fragment_desc(dtype, shared_dtype, align, scope):
-    """The description of a 16 x 16 tile in shared memory (of ``shared_dtype``, ``align`` bytes aligned, in
-    ``scope``) loaded into its mma fragment of ``dtype`` (``ldmatrix_layout``): ldmatrix's, and the e4m3
-    tiles' converted as they load (``_e4m3_fragment_intrin``), where the types differ."""
+def _fragment_desc(dtype, shared_dtype, align):
+    """The description of a 16 x 16 tile in shared.dyn (of ``shared_dtype``, ``align`` bytes aligned) loaded into
+    its mma fragment of ``dtype`` (``ldmatrix_layout``): ldmatrix's, and the e4m3 tiles' converted as they load
+    (``_e4m3_fragment_intrin``), where the types differ."""
     from tvm.script import tirx as T
 
     def value(x):  # (a cast only between types)
@@ -52,7 +52,8 @@ def _fragment_desc(dtype, shared_dtype, align, scope):
 
     @tvmscript.prim_func(s_tir=True)
     def desc(warp_handle: T.handle, shared_handle: T.handle) -> None:
-        shared = T.match_buffer(shared_handle, (16, 16), shared_dtype, align=align, offset_factor=16, scope=scope)
+        shared = T.match_buffer(shared_handle, (16, 16), shared_dtype, align=align, offset_factor=16,
+                                scope="shared.dyn")
         warp = T.match_buffer(warp_handle, (WARP, 8), dtype, align=64, offset_factor=16, scope="warp")
         with T.sblock("root"):
             T.reads(shared[0:16, 0:16])
@@ -68,10 +69,10 @@ def _fragment_desc(dtype, shared_dtype, align, scope):
     return desc
 
 
-def _ldmatrix_intrin(dtype, operand, transposed, scope="shared.dyn"):
-    """ldmatrix.x4 of a 16 x 16 tile in shared.dyn (or ``scope``: static "shared") into its mma fragment
-    (``ldmatrix_layout``), as operand "A" (rows x k) or "B" (k x cols); ``transposed``: the tile in shared
-    memory is the operand transposed."""
+def _ldmatrix_intrin(dtype, operand, transposed):
+    """ldmatrix.x4 of a 16 x 16 tile in shared.dyn into its mma fragment (``ldmatrix_layout``),
+    as operand "A" (rows x k) or "B" (k x cols); ``transposed``: the tile in shared memory is the
+    operand transposed."""
     from tvm.script import tirx as T
 
     # ldmatrix's .trans: mma.sync takes A row-major and B column-major, so B's tile as stored needs
@@ -81,13 +82,13 @@ def _ldmatrix_intrin(dtype, operand, transposed, scope="shared.dyn"):
     def row_offset(tx, stride):
         return ldmatrix_row_offset(tx, stride, transposed)
 
-    desc = _fragment_desc(dtype, dtype, 64, scope)
+    desc = _fragment_desc(dtype, dtype, 64)
 
     @tvmscript.prim_func(s_tir=True)
     def impl(warp_handle: T.handle, shared_handle: T.handle) -> None:
         s0 = T.int32()
         s1 = T.int32()
-        shared = T.match_buffer(shared_handle, (16, 16), dtype, align=64, offset_factor=16, scope=scope,
+        shared = T.match_buffer(shared_handle, (16, 16), dtype, align=64, offset_factor=16, scope="shared.dyn",
                                 strides=[s0, s1])
         warp = T.match_buffer(warp_handle, (WARP, 8), dtype, align=64, offset_factor=16, scope="warp")
         with T.sblock("root"):
@@ -196,7 +197,7 @@ def _e4m3_fragment_intrin(dtype, transposed):
             return T.cuda.func_call(name, where, source_code=source, return_type="uint32")
         return T.cuda.func_call(name, where, s0, source_code=source, return_type="uint32")
 
-    desc = _fragment_desc(dtype, "float8_e4m3fn", 16, "shared.dyn")
+    desc = _fragment_desc(dtype, "float8_e4m3fn", 16)
 
     @tvmscript.prim_func(s_tir=True)
     def impl(warp_handle: T.handle, shared_handle: T.handle) -> None:
@@ -252,9 +253,6 @@ _ROLES = {  # role: the intrinsic's generator and its arguments after the dtype
     "ld_a_trans": (_ldmatrix_intrin, "A", True),
     "ld_b": (_ldmatrix_intrin, "B", False),
     "ld_b_trans": (_ldmatrix_intrin, "B", True),
-    # B from static shared memory (decode's FP8_STAGED converted tiles)
-    "ld_b_static": (_ldmatrix_intrin, "B", False, "shared"),
-    "ld_b_trans_static": (_ldmatrix_intrin, "B", True, "shared"),
     # B from a tile of e4m3 bytes (decode's FP8_FRAGMENTS)
     "ld_b_e4m3": (_e4m3_fragment_intrin, False),
     "ld_b_trans_e4m3": (_e4m3_fragment_intrin, True),

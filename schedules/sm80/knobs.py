@@ -107,17 +107,15 @@ def decode_query_tokens(group: int, knobs: dict) -> int:
 def decode_shared_memory_bytes(head_dim: int, dtype: str, knobs: dict, group: int = 8) -> int:
     """Shared memory of a decode task: its query rows and num_stages K/V tile pairs (rows padded by 8
     elements), and the final row values staged for store_lse. Over an FP8 cache (knobs' "fp8_cache" set,
-    by decode's kernel): one pair of converted tiles, and with fp8_tiles "shared" (FP8_STAGED) num_stages
-    pairs of byte tiles (a byte an element) besides; with "fragments" (FP8_FRAGMENTS) the byte tiles alone."""
+    by decode's kernel): one pair of converted tiles, or with fp8_tiles "fragments" (FP8_FRAGMENTS) num_stages
+    pairs of byte tiles alone (a byte an element, rows padded by 16 bytes)."""
     rows = group * decode_query_tokens(group, knobs)
     if not knobs.get("fp8_cache"):
         tiles = rows + 2 * knobs["block_n"] * max(1, knobs["num_stages"])
         return tiles * (head_dim + 8) * 2 + 8 * rows
-    staged = knobs["num_stages"] > 1 and knobs.get("fp8_tiles") in ("shared", "fragments")
-    fragments = staged and knobs.get("fp8_tiles") == "fragments"  # (no converted tiles; byte rows padded by 16)
+    fragments = knobs["num_stages"] > 1 and knobs.get("fp8_tiles") == "fragments"
     converted = (rows + (0 if fragments else 2 * knobs["block_n"])) * (head_dim + 8) * 2 + 8 * rows
-    byte_row = head_dim + (16 if fragments else 0)
-    return converted + (2 * knobs["block_n"] * byte_row * knobs["num_stages"] if staged else 0)
+    return converted + (2 * knobs["block_n"] * (head_dim + 16) * knobs["num_stages"] if fragments else 0)
 
 
 def decode_tasks_per_sm(head_dim: int, dtype: str, knobs: dict, group: int = 8) -> int:
@@ -154,11 +152,11 @@ DECODE_FP8_CACHE_DEFAULTS = {"num_stages": 2}
 # the fewest whose rows fill whole mma tiles (``decode_query_tokens``).
 # fp8_tiles (an FP8 cache only; ``decode.fp8_byte_tiles``): "registers", its next tiles' bytes prefetched
 # into registers and converted into the shared tiles (FP8_PIPELINE; with num_stages 1 converted as read);
-# "shared", its bytes copied by cp.async into num_stages shared byte tiles and converted after the wait
-# (FP8_STAGED); "fragments", those byte tiles converted straight into the mma operands (FP8_FRAGMENTS):
-# the default, measured faster than "registers" on an H100 (BENCHMARKS.md; where the target has no e4m3
-# conversion of its own, sm_80 and sm_86, the registers form serves it: ``decode.fp8_byte_tiles``).
-FP8_TILES = ("registers", "shared", "fragments")
+# "fragments", its bytes copied by cp.async into num_stages shared byte tiles and converted straight into
+# the mma operands (FP8_FRAGMENTS): the default, measured faster than "registers" on an H100 (BENCHMARKS.md;
+# where the target has no e4m3 conversion of its own, sm_80 and sm_86, the registers form serves it:
+# ``decode.fp8_byte_tiles``).
+FP8_TILES = ("registers", "fragments")
 DECODE = KnobSet("sm80", "decode", (
     Knob("block_n", 32, space=(32, 64, 128)),
     Knob("num_stages", 3, choices=(1, 2, 3, 4), space=(1, 2, 3, 4)),

@@ -19,13 +19,6 @@ REVERSED = "tvmflash.reversed"
 # tile to the next (``tma_copies.lowered_to_tma``).
 PERSISTENT_WALK = "tvmflash.persistent_walk"
 
-# A loop annotation: the loop's variable is the same in every thread of the block (its bounds read no
-# thread index), so ``uniformity.MergeAdjacentGuards`` merges the guards that read it too. What it is for: a
-# software pipeline's epilogue (InjectSoftwarePipeline keeps the annotation on the loops it makes) guards
-# each statement of a step on its own, where ThreadSync cannot put a barrier between a stage's statements
-# (decode's FP8_STAGED conversion, between the wait for the bytes and the ldmatrix loads of the tile).
-UNIFORM_STEPS = "tvmflash.uniform_steps"
-
 # Block annotation: this pipelined global -> shared copy goes by TMA (``tma_copies.LowerToTMA``), issued
 # by the producer the annotation names; that adds TMA_BARRIER_BYTES[producer] of mbarriers to the
 # kernel's shared memory. The sizes keep the tiles that shared-memory merging packs after the barriers

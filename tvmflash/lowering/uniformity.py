@@ -15,7 +15,7 @@ import tvm_ffi
 from tvm import tirx
 from tvm.script import tirx as T
 
-from tvmflash.lowering.annotations import PERSISTENT_WALK, UNIFORM_STEPS
+from tvmflash.lowering.annotations import PERSISTENT_WALK
 from tvmflash.lowering.ir import (CALL, LOAD, find, find_attrs, inlined, is_call, loaded, prim_func_pass, substitute, transform,
                                   with_children)
 
@@ -422,9 +422,7 @@ def _guards_merged(func):
     varying = [n.node.var for n in find(func.body, tirx.AttrStmt, lambda n: n.attr_key == "thread_extent"
                                         and n.node.thread_tag.startswith("threadIdx"))]
     # a persistent walk's step is the same for the whole thread block (every thread walks the same tiles)
-    # (and so is a loop's the schedule marks UNIFORM_STEPS)
-    varying += [n.loop_var for n in find(func.body, tirx.For)
-                if PERSISTENT_WALK not in n.annotations and UNIFORM_STEPS not in n.annotations]
+    varying += [n.loop_var for n in find(func.body, tirx.For) if PERSISTENT_WALK not in n.annotations]
     return func.with_body(transform(func.body, tirx.SeqStmt, lambda seq: _merged_guards(seq, varying)))
 
 
