@@ -44,7 +44,7 @@ def record_source(record: dict, kernel) -> str:
     """How a kernel that runs a record's knobs names their source: tuned, or the defaults where tuning found
     none faster (the record then holds the defaults, as for the forward)."""
     program = kernel.schedule.program("backward" if isinstance(kernel, tvmflash.BackwardKernel) else "decode")
-    same = record["knobs"] == program.knobs.defaults(kernel.head_dim)
+    same = record["knobs"] == program.knobs.defaults(kernel.head_dim, dtype=kernel.dtype)
     return "defaults (tuning found none faster: " if same else "tuned ("
 
 
