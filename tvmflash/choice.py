@@ -70,7 +70,8 @@ def capture_gradients_in_kernel(device_type: str, deterministic: bool) -> bool:
     deterministic algorithms are asked for (the kernel's atomic additions sum in an order that changes from
     run to run) and by default on the CPU: TVM's LLVM code generation has no atomic addition, so the CPU's
     dkdv runs its tiles in turn to add them (``schedules.cpu``), where torch's way keeps them parallel.
-    On a GPU dkdv's additions are the default only where TVMFLASH_GPU_UNCHECKED=1 asks (``GRADIENT_UNCHECKED``).
+    On a GPU dkdv's additions are the default (while ``GRADIENT_UNCHECKED``, only where TVMFLASH_GPU_UNCHECKED=1
+    asks).
     FLEX_GRADIENT "kernel" or "torch" overrides the default (a ValueError for another value)."""
     asked = os.environ.get(FLEX_GRADIENT, "")
     if asked not in ("", "kernel", "torch"):
