@@ -440,6 +440,16 @@ def test_fp8_cache_staged_shared_memory():
         compile_decode(head_dim=128, dtype="bfloat16", target="sm90", cache_dtype=F8, knobs={"fp8_tiles": "shared"})
 
 
+def test_fp8_cache_knobs_are_checked_against_their_own_shared_memory():
+    """choice.decode checks an FP8 cache's knobs by its tiles' own sizes: 128-key tiles in four stages at d128 need
+    276 KiB as a bf16 cache's tiles (over the H100's 227) and 148 KiB as byte tiles (the tuner's space has them)."""
+    knobs = {"block_n": 128, "num_stages": 4}
+    kernel = compile_decode(head_dim=128, dtype="bfloat16", target="sm90", cache_dtype=F8, knobs=knobs)
+    assert kernel.knobs["fp8_tiles"] == "fragments"
+    with pytest.raises(ValueError, match="KiB of shared memory"):
+        compile_decode(head_dim=128, dtype="bfloat16", target="sm90", knobs=knobs)
+
+
 @pytest.mark.nvcc
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
 @pytest.mark.parametrize("fp8_tiles", STAGED_TILES)

@@ -70,7 +70,8 @@ def capture_gradients_in_kernel(device_type: str, deterministic: bool) -> bool:
     deterministic algorithms are asked for (the kernel's atomic additions sum in an order that changes from
     run to run) and by default on the CPU: TVM's LLVM code generation has no atomic addition, so the CPU's
     dkdv runs its tiles in turn to add them (``schedules.cpu``), where torch's way keeps them parallel.
-    On a GPU dkdv's additions are the default only where TVMFLASH_GPU_UNCHECKED=1 asks (``GRADIENT_UNCHECKED``).
+    On a GPU dkdv's additions are the default (while ``GRADIENT_UNCHECKED``, only where TVMFLASH_GPU_UNCHECKED=1
+    asks).
     FLEX_GRADIENT "kernel" or "torch" overrides the default (a ValueError for another value)."""
     asked = os.environ.get(FLEX_GRADIENT, "")
     if asked not in ("", "kernel", "torch"):
@@ -522,7 +523,10 @@ def decode(target, spec_args: dict, page_size: int, knobs: dict | None, schedule
                                        workload(spec_args, "decode", page_size, cache_dtype))
     resolved, source = take_knobs(knobset, decode_defaults(chosen, head_dim, dtype, cache_dtype), record, knobs)
     check_knobs(knobset, resolved, head_dim, dtype)
-    problem = shared_memory_over(target, knobset, head_dim, dtype, resolved)
+    # an FP8 cache's tiles are the schedule's to size (bytes, fewer converted tiles): "fp8_cache", as the kernel's
+    # split count passes it (``DecodeKernel.num_splits``), else the sizes of a cache in q's dtype, far larger
+    fp8_cache = {"fp8_cache": True} if cache_dtype not in (None, dtype) else {}
+    problem = shared_memory_over(target, knobset, head_dim, dtype, {**resolved, **fp8_cache})
     if problem:
         raise ValueError(f"knobs: {resolved} need {problem}; try a smaller block_n")
     return Choice(chosen, why, resolved, source, record)

@@ -304,8 +304,9 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     that changes from call to call is guarded too, but at the second value Dynamo recompiles it as a dynamic
     (symbolic) number, which the tracer cannot take as a constant (Dynamo's error at a comparison): compile
     with ``dynamic=False`` there (each value then compiles its own graph), or keep the number fixed. A
-    captured tensor that requires grad gets its gradient from dkdv's additions under compile (the CPU's default
-    there; a GPU's with TVMFLASH_FLEX_GRADIENT=kernel, else a NotImplementedError), never torch's way.
+    captured tensor that requires grad gets its gradient from dkdv's additions under compile, never torch's way
+    (a NotImplementedError where torch's is asked: deterministic algorithms, or TVMFLASH_FLEX_GRADIENT=torch on
+    a GPU).
     """
     _check_tensors(query, key, value, check_flag("enable_gqa", enable_gqa))
     return_lse = check_flag("return_lse", return_lse)
@@ -345,9 +346,9 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
         if query.device.type != "cpu" or deterministic:
             raise NotImplementedError(
                 "tvmflash.flex_attention under torch.compile(fullgraph=True) with a captured tensor that requires "
-                "grad: its gradient by torch's operations (flex_gradient, this device's default or deterministic "
-                "mode's) is not traced; TVMFLASH_FLEX_GRADIENT=kernel makes it in the backward kernel (atomic "
-                "additions), or run the call eagerly")
+                "grad: its gradient by torch's operations (flex_gradient, asked by deterministic algorithms or "
+                "TVMFLASH_FLEX_GRADIENT=torch) is not traced; outside deterministic mode TVMFLASH_FLEX_GRADIENT=kernel "
+                "makes it in the backward kernel (atomic additions), or run the call eagerly")
         in_kernel = True
     # the block lists after the mods' tensors; those whose gradient dkdv makes reach the custom op's autograd
     captures = [t if in_kernel and n in learned else t.detach() for n, t in enumerate(captured)] + lists
