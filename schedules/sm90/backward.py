@@ -24,6 +24,7 @@ from tvmflash.lowering.annotations import (ATOMIC_ADD_PRAGMA, BULK_REDUCE_PRAGMA
                                            swizzle_columns)
 
 from ..common import bind_grid, buffer_info, dkdv_grid, has_block, hide_init_reads, pipeline_loads
+from .forward import _store_o_through_shared_memory
 from .knobs import PERSISTENT_BLOCKS, dq_share_problem
 from .layouts import (WARPGROUP, WG_ROWS, acc_block, acc_index_map, acc_layout, bind_acc_threads, core_matrix_map,
                       pad_core_matrix_stride, row_block, swizzled_map, tile_in_shared_memory)
@@ -35,7 +36,7 @@ def schedule_backward(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, dq
                       dkdv_copy: str = "cp.async", wgmma_overlap: bool = False, ds_buffers: int = 1,
                       dq_reduce: str = "atomic", dkdv_producer: str = "thread",
                       dkdv_slices: int = 1, dkdv_slicing: str = "rows",
-                      dkdv_persistent: bool = False) -> tvm.s_tir.Schedule:
+                      dkdv_persistent: bool = False, dkdv_store: str = "direct") -> tvm.s_tir.Schedule:
     """delta on the SIMT schedule, dkdv and dq on wgmma (``vec`` elements a copy). The tiles are the
     program's (``program_backward.attention_backward``). ``dq_atomic``: the program has no dq; dkdv
     adds dq's share atomically (``_schedule_dq_share``) and convert_dq runs on SIMT. ``wgmma_overlap``:
@@ -47,12 +48,14 @@ def schedule_backward(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, dq
     ``dkdv_slices``, ``dkdv_slicing``: the program's (``program_backward.attention_backward``): dk and dv
     in slices of the head_dim columns, a slice a warpgroup of 64 keys ("rows") or a tile ("grid"); the
     schedule reads the tile's rows and the slice's width from dk's buffer. ``dkdv_persistent``: dkdv's tiles
-    walked by ``knobs.PERSISTENT_BLOCKS`` thread blocks (``common.persistent_walk``)."""
+    walked by ``knobs.PERSISTENT_BLOCKS`` thread blocks (``common.persistent_walk``). ``dkdv_store``: dk and dv
+    stored from the accumulator registers ("direct": each thread its pairs of adjacent columns) or through a
+    shared-memory tile each ("staged", ``_schedule_dkdv``)."""
     from .. import simt
 
     simt.schedule_delta(sch)
     _schedule_dkdv(sch, dkdv_stages, vec, dq_atomic, dkdv_copy, wgmma_overlap, ds_buffers, dq_reduce, dkdv_producer,
-                   PERSISTENT_BLOCKS if dkdv_persistent else 0)
+                   PERSISTENT_BLOCKS if dkdv_persistent else 0, dkdv_store)
     if dq_atomic:
         simt.schedule_convert_dq(sch)
     else:
@@ -69,13 +72,17 @@ def _backward_warpgroups(rows: int, what: str) -> int:
 
 def _schedule_dkdv(sch: tvm.s_tir.Schedule, num_stages: int, vec: int, dq_atomic: bool = False,
                    copy: str = "cp.async", overlap: bool = False, ds_buffers: int = 1, dq_reduce: str = "atomic",
-                   producer: str = "thread", persistent_blocks: int = 0) -> None:
+                   producer: str = "thread", persistent_blocks: int = 0, store: str = "direct") -> None:
     """dkdv: its tiles are key-first (sᵀ = k qᵀ, ...), so warpgroup g owns keys [64 g, 64 g + 64) of
     the K/V block, as the forward's warpgroups own query rows: sᵀ and dpᵀ on wgmma with K or V as A
     and q or dout as B (K-major), pᵀ and dsᵀ in the accumulator registers, which are the A operand
     of dv += pᵀ dout and dk += dsᵀ q (the "rs" form, dout and q as N-major B), and dv, dk in
     accumulator registers across the Q blocks, stored from them. ``persistent_blocks``: that many thread
-    blocks walk the tiles (``common.persistent_walk``), 0: a thread block a tile."""
+    blocks walk the tiles (``common.persistent_walk``), 0: a thread block a tile. ``store`` "staged": dk and
+    dv go out as the forward's output does (``forward._store_o_through_shared_memory``): the threads write
+    their pairs of adjacent columns into a padded row-major tile, and all copy it out along its rows, 16
+    bytes a thread, where "direct" stores each pair from the registers (a 4-byte store a pair, each warp's
+    touching 8 rows: 64 such stores a thread at d128, all at the tile's end)."""
     sch.work_on("dkdv")
     dtype, BM, D, BN = buffer_info(sch)
     # the tile's rows (dk's), 64 a warpgroup: block_n keys, once a slice of the columns with dkdv_slicing
@@ -111,7 +118,9 @@ def _schedule_dkdv(sch: tvm.s_tir.Schedule, num_stages: int, vec: int, dq_atomic
     dv_in_flight = overlap and tma
     for name in ("dv", "dk"):
         _backward_accumulate(sch, name, groups, DC, BM, dtype, b_swizzled=tma, wait=not dv_in_flight or name == "dk",
-                             swizzle=columns)
+                             swizzle=columns, store=store == "direct")
+        if store == "staged":
+            _store_o_through_shared_memory(sch, DC, groups, vec, swizzled=False, name=f"store_{name}")
     if dq_atomic:
         share_columns = int(sch.get(sch.get_sblock("dq")).writes[0].source.shape[1])  # head_dim, or the tile's slice
         _schedule_dq_share(sch, staged, groups, BM, share_columns, BN, dtype, ds_buffers, dq_reduce, overlap)
@@ -266,11 +275,12 @@ def _backward_step(sch, casts, groups, cols, D, dtype, num_stages, overlap, b_sw
         sch.annotate(sch.get_loops("ds")[-3], WGMMA_WAIT_PRAGMA, "dP")  # its first per-thread loop
 
 
-def _backward_accumulate(sch, name, groups, D, k, dtype, b_swizzled=False, wait=True, swizzle=SWIZZLE_COLUMNS):
+def _backward_accumulate(sch, name, groups, D, k, dtype, b_swizzled=False, wait=True, swizzle=SWIZZLE_COLUMNS,
+                         store=True):
     """A gradient's product on wgmma ("rs": A, the p or ds of the step, from the accumulator
     registers; B N-major from shared memory), the gradient in accumulator registers across the
     steps, zeroed first and stored from them (each thread its pairs of adjacent columns). Without
-    ``wait`` only committed: a later product's wait ends it."""
+    ``wait`` only committed: a later product's wait ends it. ``store`` False: the store is left to the caller."""
     sch.set_scope(name, 0, "local")
     sch.transform_layout(name, ("write", 0), acc_index_map)
     block = sch.get_sblock(name)
@@ -279,5 +289,6 @@ def _backward_accumulate(sch, name, groups, D, k, dtype, b_swizzled=False, wait=
     sch.tensorize(rows, wgmma_intrin_name(D, k, dtype, "mn", a_regs=True, b_swizzled=b_swizzled, wait=wait,
                                           swizzle=swizzle))
     acc_block(sch, f"init_{name}", groups)
-    acc_block(sch, f"store_{name}", groups)
-    sch.vectorize(sch.get_loops(f"store_{name}")[-1])
+    if store:
+        acc_block(sch, f"store_{name}", groups)
+        sch.vectorize(sch.get_loops(f"store_{name}")[-1])

@@ -35,6 +35,8 @@ Q_COPIES = ("threads", "tma")
 # two blocks an SM; "direct" is for one block an SM, where nothing hides the staging's barriers.
 # Correct on the H200, no faster there.
 O_STORES = ("staged", "direct")
+# How dkdv stores dk and dv (``backward._schedule_dkdv``): from the registers, or through a shared-memory tile each
+DKDV_STORES = ("direct", "staged")
 # overlap 1, FA3's intra-warpgroup order: the step of tile j issues PV of tile j - 1, then QK^T of tile
 # j, and waits once for both; V keeps num_stages tiles and K one fewer (``common.pipeline_loads``'s
 # ``lagged``). Needs TMA and 3 stages or more. Correct on the H200; with a producer warpgroup and 3
@@ -289,6 +291,11 @@ HEAD_DIMS = tuple(range(32, 257, 32))
 # 128 keys do not fit next to two stages of q and dout), dsᵀ in one buffer, dq's share by atomics from the
 # registers (no room for a float32 tile), thread 0 issuing the copies, the dq pass in 64-row blocks. Not
 # measured: the defaults are the ones that build with no spill (250-255 registers a thread).
+# dkdv_store: dk and dv stored from the accumulator registers ("direct", a 4-byte store a pair of adjacent
+# columns, each warp's touching 8 rows) or, as the forward's output (o_store "staged"), through a padded tile
+# in the K and V tiles' shared memory, dead by then, and out in 16-byte row pieces ("staged"): a quarter of
+# the global stores, whole sectors. Not measured yet; varlen's row offsets fail TVM's lowering of the staged
+# copy, so varlen stores directly.
 
 
 def backward_shared_memory_bytes(head_dim: int, dtype: str, knobs: dict) -> int:
@@ -374,6 +381,11 @@ def backward_build_problem(head_dim: int, dtype: str, knobs: dict) -> str | None
     if knobs.get("dkdv_persistent") and knobs["dkdv_slices"] > 1:
         # ptxas at d256 (two slices, 255 registers a thread before the walk): 12 bytes of spill stores
         return "dkdv_persistent spills with dkdv_slices > 1 (d256's dk and dv in slices): take dkdv_persistent False"
+    if knobs.get("dkdv_store") == "staged" and knobs.get("dkdv_persistent"):
+        # TVM's planner then finds the K and V tiles live (the walk's next tile) and puts the staging tiles
+        # beside them: 236 KiB at d128
+        return ("dkdv_store 'staged' puts dk and dv in the K and V tiles' shared memory, which dkdv_persistent keeps "
+                "for the next tile: take dkdv_store 'direct'")
     if knobs["dq_reduce"] == "tma" and knobs["dkdv_copy"] != "tma":
         return "dq_reduce 'tma' adds dq's share by TMA, through the TMA lowering of dkdv's copies: it needs dkdv_copy 'tma'"
     slices = knobs["dkdv_slices"]
@@ -445,6 +457,7 @@ BACKWARD = KnobSet("sm90", "backward", (
          by_head_dim={64: "warpgroup", 128: "warpgroup"},
          space=lambda knobs: list(PRODUCERS) if knobs["dkdv_copy"] == "tma" else ["thread"]),
     Knob("dkdv_persistent", False, varlen=False, role=STRUCTURE),
+    Knob("dkdv_store", "direct", choices=DKDV_STORES, varlen="direct", role=STRUCTURE),
 ), build_problem=backward_build_problem, shared_memory=backward_shared_memory_bytes,
    varlen_by_head_dim={128: {"dkdv_stages": 1}, 256: {"dkdv_stages": 1}},
    # d256's dkdv without dq's share in two warpgroups spills 4 bytes at 255 registers under a softcap; a

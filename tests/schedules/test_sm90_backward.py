@@ -2,6 +2,7 @@
 its knobs and their checks, the choice at d96 and d256, and what its generated CUDA holds (and, where nvcc
 exists, that it compiles without spills). Heads 4/2, as tests/test_generated_cuda.py builds them."""
 
+import re
 import shutil
 
 import pytest
@@ -193,6 +194,72 @@ def test_sm90_dkdv_by_tma_builds_cuda_source():
         tvmflash.compile_backward(head_dim=128, dtype="bfloat16", target="sm90", knobs=knobs, varlen=True)
     varlen = tvmflash.compile_backward(head_dim=128, dtype="bfloat16", target="sm90", varlen=True)
     assert varlen.knobs["dkdv_copy"] == "cp.async"
+
+
+def test_sm90_dkdv_rows_values_come_by_tma_into_shared_memory():
+    """The Q block's rows' lse · log2 e and delta (load_lse, load_delta) come by TMA with its q and dout, on the
+    stage's mbarrier, into shared memory, and the consumers read them from there: their step loop reads no
+    global memory (its only global pointers are dk's and dv's, stored after it)."""
+    kernel = tvmflash.compile_backward(head_dim=128, dtype="bfloat16", target="sm90")
+    assert kernel.knobs["dkdv_copy"] == "tma" and kernel.knobs["dkdv_producer"] == "warpgroup"
+    src = kernel.source(heads_q=4, heads_kv=2)
+    dkdv = src[src.rindex("dkdv_kernel("):src.rindex("convert_dq_kernel(")]
+    producer, consumers = dkdv.split("tvmflash_setmaxnreg_inc();")
+    for name in ("LSE2", "Delta"):
+        barriers = re.findall(rf"tvmflash_tma_load_3d\(.*?\(&\({name}_tensormap\)\)\), (.*?\]\)\))", producer)
+        q_barriers = re.findall(r"tvmflash_tma_load_5d\(.*?\(&\(Q_tensormap\)\)\), (.*?\]\)\))", producer)
+        assert len(barriers) == 2 and barriers == q_barriers, (barriers, q_barriers)  # prologue, loop
+    loop = consumers[consumers.index("for (int g_t_fused"):]
+    local = set(re.findall(r"alignas\(\d+\) \w+ (\w+)_ptr\[", dkdv))  # each thread's arrays
+    assert set(re.findall(r"\b(\w+)_ptr\b", loop)) - local - {"buf_dyn_shmem"} == {"dK", "dV"}
+    assert "LSE2_ptr" not in dkdv and "Delta_ptr" not in dkdv
+
+
+def test_sm90_dkdv_staged_store_builds_cuda_source():
+    """dkdv_store "staged": dk and dv go out in 16-byte row pieces from a padded tile each (no 4-byte stores
+    from the registers), the tiles in the K and V tiles' shared memory (the offsets of the tile loads at the
+    tile's start: no more shared memory than "direct"), written after the consumers' barrier (the other
+    warpgroup's last products read K and V) and read after another. Refused with dkdv_persistent (the walk
+    keeps K and V live), and "direct" for varlen."""
+    for head_dim in (64, 128):
+        kernel = tvmflash.compile_backward(head_dim=head_dim, dtype="bfloat16", target="sm90",
+                                           knobs={"dkdv_store": "staged"})
+        src = kernel.source(heads_q=4, heads_kv=2)
+        dkdv = src[src.rindex("dkdv_kernel("):src.rindex("convert_dq_kernel(")]
+        stores = [line.strip() for line in dkdv.splitlines() if re.search(r"\bd[KV]_ptr\b", line) and "=" in line
+                  and "__global__" not in line]
+        assert len(stores) == 2 and all(line.startswith(("*(uint4*)(dK_ptr + ", "*(uint4*)(dV_ptr + ")) for line in stores)
+        kv = set(re.findall(r"buf_dyn_shmem_ptr\) \+ \([^;]*?\+ (\d+)\)\) = condval", dkdv))
+        staged = {re.search(r"buf_dyn_shmem_ptr\) \+ \(.*\+ (\d+)\)\);$", line).group(1) for line in stores}
+        assert len(kv) == 2 and staged == kv, (kv, staged)
+        epilogue = dkdv[dkdv.rindex("tvmflash_bulk_wait();"):]
+        first_write = epilogue.index("*(nv_bfloat162*)(((nv_bfloat16*)buf_dyn_shmem_ptr)")
+        assert "tvmflash_named_barrier(1, 256);" in epilogue[:first_write]
+        assert "tvmflash_named_barrier(1, 256);" in epilogue[epilogue.rindex("nv_bfloat162"):epilogue.index("dK_ptr")]
+    default = tvmflash.compile_backward(head_dim=128, dtype="bfloat16", target="sm90").source(heads_q=4, heads_kv=2)
+    assert "*(nv_bfloat162*)(dK_ptr + " in default  # "direct": the pairs from the registers
+    with pytest.raises(ValueError, match="dkdv_store 'staged' puts dk and dv"):
+        tvmflash.compile_backward(head_dim=128, dtype="bfloat16", target="sm90",
+                                  knobs={"dkdv_store": "staged", "dkdv_persistent": True})
+    with pytest.raises(ValueError, match="varlen on the sm90 backward takes .*'dkdv_store': 'direct'"):
+        tvmflash.compile_backward(head_dim=128, dtype="bfloat16", target="sm90", knobs={"dkdv_store": "staged"},
+                                  varlen=True)
+
+
+@pytest.mark.nvcc
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_sm90_dkdv_staged_store_builds_without_spills(head_dim, causal):
+    """dkdv_store "staged" compiles through ptxas with no stack frame and no spill (d256: dk and dv in two
+    slices, 254 registers a thread)."""
+    from conftest import ptxas_report
+
+    kernel = tvmflash.compile_backward(head_dim=head_dim, dtype="bfloat16", target="sm90", causal=causal,
+                                       knobs={"dkdv_store": "staged"})
+    report = ptxas_report(kernel.source(heads_q=4, heads_kv=2), "sm_90a")
+    lines = next(lines for name, lines in report.items() if "dkdv" in name)
+    assert "0 bytes stack frame, 0 bytes spill stores" in lines, lines
 
 
 def test_sm90_wgmma_overlap_waits_later():
