@@ -24,7 +24,7 @@ from tvmflash.lowering.annotations import (ATOMIC_ADD_PRAGMA, BULK_REDUCE_PRAGMA
                                            swizzle_columns)
 
 from ..common import bind_grid, buffer_info, dkdv_grid, has_block, hide_init_reads, pipeline_loads
-from .forward import _store_o_through_shared_memory
+from .forward import store_through_shared_memory
 from .knobs import PERSISTENT_BLOCKS, dq_share_problem
 from .layouts import (WARPGROUP, WG_ROWS, acc_block, acc_index_map, acc_layout, bind_acc_threads, core_matrix_map,
                       pad_core_matrix_stride, row_block, swizzled_map, tile_in_shared_memory)
@@ -79,7 +79,7 @@ def _schedule_dkdv(sch: tvm.s_tir.Schedule, num_stages: int, vec: int, dq_atomic
     of dv += pᵀ dout and dk += dsᵀ q (the "rs" form, dout and q as N-major B), and dv, dk in
     accumulator registers across the Q blocks, stored from them. ``persistent_blocks``: that many thread
     blocks walk the tiles (``common.persistent_walk``), 0: a thread block a tile. ``store`` "staged": dk and
-    dv go out as the forward's output does (``forward._store_o_through_shared_memory``): the threads write
+    dv go out as the forward's output does (``forward.store_through_shared_memory``): the threads write
     their pairs of adjacent columns into a padded row-major tile, and all copy it out along its rows, 16
     bytes a thread, where "direct" stores each pair from the registers (a 4-byte store a pair, each warp's
     touching 8 rows: 64 such stores a thread at d128, all at the tile's end)."""
@@ -120,7 +120,7 @@ def _schedule_dkdv(sch: tvm.s_tir.Schedule, num_stages: int, vec: int, dq_atomic
         _backward_accumulate(sch, name, groups, DC, BM, dtype, b_swizzled=tma, wait=not dv_in_flight or name == "dk",
                              swizzle=columns, store=store == "direct")
         if store == "staged":
-            _store_o_through_shared_memory(sch, DC, groups, vec, swizzled=False, name=f"store_{name}")
+            store_through_shared_memory(sch, DC, groups, vec, swizzled=False, name=f"store_{name}")
     if dq_atomic:
         share_columns = int(sch.get(sch.get_sblock("dq")).writes[0].source.shape[1])  # head_dim, or the tile's slice
         _schedule_dq_share(sch, staged, groups, BM, share_columns, BN, dtype, ds_buffers, dq_reduce, overlap)

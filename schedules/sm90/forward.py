@@ -62,7 +62,7 @@ from .layouts import (PAD_ELEMENTS, WARPGROUP, WARPS_PER_WARPGROUP, acc_block, a
 from .wgmma import warpgroup_gemm, wgmma_intrin_name
 
 
-def _store_o_through_shared_memory(sch, head_dim, num_warpgroups, vec, swizzled, columns=SWIZZLE_COLUMNS,
+def store_through_shared_memory(sch, head_dim, num_warpgroups, vec, swizzled, columns=SWIZZLE_COLUMNS,
                                    name="store_o"):
     """The output goes to global memory through shared memory: the accumulator threads write their
     pairs of adjacent columns (one 32-bit store each) into a row-major tile whose rows are padded
@@ -212,7 +212,7 @@ def schedule(
 
     acc_block(sch, "init_acc", num_warpgroups)
     if o_store == "staged":
-        _store_o_through_shared_memory(sch, D, num_warpgroups, vec, q_swizzled, columns)
+        store_through_shared_memory(sch, D, num_warpgroups, vec, q_swizzled, columns)
     else:  # each thread stores the pairs of adjacent columns it holds
         acc_block(sch, "store_o", num_warpgroups)
         sch.vectorize(sch.get_loops("store_o")[-1])

@@ -30,7 +30,7 @@ Q_LAYOUTS = KV_LAYOUTS
 # does: the consumers wait for it instead of loading it. Correct on the H200, no faster there.
 Q_COPIES = ("threads", "tma")
 # How the output reaches global memory: "staged" through a shared-memory tile (16-byte stores along
-# its rows, ``forward._store_o_through_shared_memory``), or "direct" from the accumulator registers,
+# its rows, ``forward.store_through_shared_memory``), or "direct" from the accumulator registers,
 # two adjacent columns a store, with no barrier (FA3 without its TMA store). Staging measured faster at
 # two blocks an SM; "direct" is for one block an SM, where nothing hides the staging's barriers.
 # Correct on the H200, no faster there.
@@ -191,7 +191,7 @@ def shared_memory_bytes(head_dim: int, dtype: str, knobs: dict) -> int:
     """Shared memory a build with these knobs needs: the Q tile (``q_layout``: wgmma core matrices
     padded by 16 bytes each, ``layouts.pad_core_matrix_stride``, or swizzled, unpadded) and
     num_stages K/V tile pairs (``kv_layout``, the same choice), or the output's staging tile if that
-    is larger (``forward._store_o_through_shared_memory``: it reuses their memory; with a producer
+    is larger (``forward.store_through_shared_memory``: it reuses their memory; with a producer
     warpgroup only the Q tile's, ``tvmflash.lowering.tma_producer_warpgroup.split_warpgroups``), plus the per-row values
     staged in shared memory (row_state "shared": m_tile, l_tile, m_new, alpha, inv_l; "registers": m
     and l, for store_lse), and the mbarriers of TMA copies with their largest padding."""

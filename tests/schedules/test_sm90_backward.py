@@ -228,7 +228,8 @@ def test_sm90_dkdv_staged_store_builds_cuda_source():
         dkdv = src[src.rindex("dkdv_kernel("):src.rindex("convert_dq_kernel(")]
         stores = [line.strip() for line in dkdv.splitlines() if re.search(r"\bd[KV]_ptr\b", line) and "=" in line
                   and "__global__" not in line]
-        assert len(stores) == 2 and all(line.startswith(("*(uint4*)(dK_ptr + ", "*(uint4*)(dV_ptr + ")) for line in stores)
+        assert len(stores) == 2
+        assert all(line.startswith(("*(uint4*)(dK_ptr + ", "*(uint4*)(dV_ptr + ")) for line in stores)
         kv = set(re.findall(r"buf_dyn_shmem_ptr\) \+ \([^;]*?\+ (\d+)\)\) = condval", dkdv))
         staged = {re.search(r"buf_dyn_shmem_ptr\) \+ \(.*\+ (\d+)\)\);$", line).group(1) for line in stores}
         assert len(kv) == 2 and staged == kv, (kv, staged)
