@@ -36,7 +36,8 @@ def schedule_backward(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, dq
                       dkdv_copy: str = "cp.async", wgmma_overlap: bool = False, ds_buffers: int = 1,
                       dq_reduce: str = "atomic", dkdv_producer: str = "thread",
                       dkdv_slices: int = 1, dkdv_slicing: str = "rows",
-                      dkdv_persistent: bool = False, dkdv_store: str = "direct") -> tvm.s_tir.Schedule:
+                      dkdv_persistent: bool = False, dkdv_store: str = "direct",
+                      dkdv_kv_copy: str = "threads") -> tvm.s_tir.Schedule:
     """delta on the SIMT schedule, dkdv and dq on wgmma (``vec`` elements a copy). The tiles are the
     program's (``program_backward.attention_backward``). ``dq_atomic``: the program has no dq; dkdv
     adds dq's share atomically (``_schedule_dq_share``) and convert_dq runs on SIMT. ``wgmma_overlap``:
@@ -55,7 +56,7 @@ def schedule_backward(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, dq
 
     simt.schedule_delta(sch)
     _schedule_dkdv(sch, dkdv_stages, vec, dq_atomic, dkdv_copy, wgmma_overlap, ds_buffers, dq_reduce, dkdv_producer,
-                   PERSISTENT_BLOCKS if dkdv_persistent else 0, dkdv_store)
+                   PERSISTENT_BLOCKS if dkdv_persistent else 0, dkdv_store, dkdv_kv_copy)
     if dq_atomic:
         simt.schedule_convert_dq(sch)
     else:
@@ -72,7 +73,8 @@ def _backward_warpgroups(rows: int, what: str) -> int:
 
 def _schedule_dkdv(sch: tvm.s_tir.Schedule, num_stages: int, vec: int, dq_atomic: bool = False,
                    copy: str = "cp.async", overlap: bool = False, ds_buffers: int = 1, dq_reduce: str = "atomic",
-                   producer: str = "thread", persistent_blocks: int = 0, store: str = "direct") -> None:
+                   producer: str = "thread", persistent_blocks: int = 0, store: str = "direct",
+                   kv_copy: str = "threads") -> None:
     """dkdv: its tiles are key-first (sᵀ = k qᵀ, ...), so warpgroup g owns keys [64 g, 64 g + 64) of
     the K/V block, as the forward's warpgroups own query rows: sᵀ and dpᵀ on wgmma with K or V as A
     and q or dout as B (K-major), pᵀ and dsᵀ in the accumulator registers, which are the A operand
@@ -98,14 +100,20 @@ def _schedule_dkdv(sch: tvm.s_tir.Schedule, num_stages: int, vec: int, dq_atomic
     tma = copy == "tma"
     # q and dout swizzled for TMA: 128-byte rows, or at d96 (no multiple of 64) 64-byte rows
     columns = swizzle_columns(D) if tma else SWIZZLE_COLUMNS
+    kv_tma = kv_copy == "tma"  # K and V swizzled, by the producer's TMA copies once a tile
     for name in ("load_k", "load_v", "load_q", "load_do"):
-        tile_in_shared_memory(sch, name, groups, vec, swizzled=tma and name in ("load_q", "load_do"), columns=columns)
+        tile_in_shared_memory(sch, name, groups, vec, swizzled=tma and (name in ("load_q", "load_do") or kv_tma),
+                              columns=columns)
+    if kv_tma:
+        for name in ("load_k", "load_v"):
+            sch.annotate(sch.get_sblock(name), TMA_LOAD, producer)
     for name in ("load_lse", "load_delta"):  # BM rows, any number of warpgroups
         _spread_rows(sch, name, groups)
     if tma:  # the Q block's tiles and its rows' values by TMA
         for name in ("load_q", "load_do", "load_lse", "load_delta"):
             sch.annotate(sch.get_sblock(name), TMA_LOAD, producer)
-    _backward_step(sch, ("cast_p",), groups, BM, D, dtype, num_stages, overlap, b_swizzled=tma, swizzle=columns)
+    _backward_step(sch, ("cast_p",), groups, BM, D, dtype, num_stages, overlap, b_swizzled=tma, swizzle=columns,
+                   a_swizzled=kv_tma)
     if has_block(sch, "capture_gradient"):  # a learned capture's gradient: each thread its elements of dsᵀ
         acc_block(sch, "capture_gradient", groups)
         # the loops in each thread; 2: whole warps, so a warp whose runs end on one element adds once
@@ -123,7 +131,8 @@ def _schedule_dkdv(sch: tvm.s_tir.Schedule, num_stages: int, vec: int, dq_atomic
             store_through_shared_memory(sch, DC, groups, vec, swizzled=False, name=f"store_{name}")
     if dq_atomic:
         share_columns = int(sch.get(sch.get_sblock("dq")).writes[0].source.shape[1])  # head_dim, or the tile's slice
-        _schedule_dq_share(sch, staged, groups, BM, share_columns, BN, dtype, ds_buffers, dq_reduce, overlap)
+        _schedule_dq_share(sch, staged, groups, BM, share_columns, BN, dtype, ds_buffers, dq_reduce, overlap,
+                           k_swizzle=columns if kv_tma else None)
     if num_stages > 1:
         pipeline_loads(sch, num_stages, step="q_step", loads=("load_q", "load_do", "load_lse", "load_delta"))
 
@@ -141,7 +150,8 @@ def _check_persistent(sch, copy):
                          f"needs dkdv_copy 'tma' (got {copy!r}), and takes neither varlen nor a BlockMask")
 
 
-def _schedule_dq_share(sch, staged, groups, BM, D, BN, dtype, ds_buffers=1, dq_reduce="atomic", overlap=False):
+def _schedule_dq_share(sch, staged, groups, BM, D, BN, dtype, ds_buffers=1, dq_reduce="atomic", overlap=False,
+                       k_swizzle=None):
     """dq's share of a dkdv step, ds k, added atomically into the fp32 dq (FA2's way, as sm80's
     ``dq_atomic``). Each warpgroup holds dsᵀ of its keys, but ds k sums over all the block's keys:
     the threads write their dsᵀ elements to shared memory (core matrices), and each warpgroup then
@@ -203,7 +213,8 @@ def _schedule_dq_share(sch, staged, groups, BM, D, BN, dtype, ds_buffers=1, dq_r
     i = columns_by_warpgroup(*sch.get_loops(block)[-3:-1])  # (i, d, j): the reduction j stays innermost
     init = sch.decompose_reduction(block, i)
     bind_acc_threads(sch, init)
-    sch.tensorize(i, wgmma_intrin_name(cols, BN, dtype, "mn", a_major="mn", wait=not overlap))
+    sch.tensorize(i, wgmma_intrin_name(cols, BN, dtype, "mn", a_major="mn", wait=not overlap,
+                                       b_swizzled=k_swizzle is not None, swizzle=k_swizzle or SWIZZLE_COLUMNS))
     columns_by_warpgroup(*sch.get_loops(share)[-2:])
     bind_acc_threads(sch, share)
     if overlap:  # the loops in each thread
@@ -253,7 +264,7 @@ def _spread_rows(sch, name, groups):
 
 
 def _backward_step(sch, casts, groups, cols, D, dtype, num_stages, overlap, b_swizzled=False,
-                   swizzle=SWIZZLE_COLUMNS):
+                   swizzle=SWIZZLE_COLUMNS, a_swizzled=False):
     """What dkdv and dq share: s and dp on wgmma ("ss": A and B K-major from shared memory, N =
     ``cols``), p, ds and ``casts`` on the accumulator registers, each thread its elements. With
     ``overlap`` dp's wgmma is only committed: p's exponentials run while it does, and ds waits for
@@ -266,7 +277,7 @@ def _backward_step(sch, casts, groups, cols, D, dtype, num_stages, overlap, b_sw
         rows = warpgroup_gemm(sch, name, groups)
         sch.tensorize(rows, wgmma_intrin_name(cols, D, dtype, "k", fence_operands=num_stages == 1 and name == "qk",
                                               b_swizzled=b_swizzled, wait=not overlap or name == "qk",
-                                              swizzle=swizzle))
+                                              swizzle=swizzle, a_swizzled=a_swizzled))
     for name in ("exp", "ds", *casts):
         sch.set_scope(name, 0, "local")
         sch.transform_layout(name, ("write", 0), acc_index_map)

@@ -263,6 +263,56 @@ def test_sm90_dkdv_staged_store_builds_without_spills(head_dim, causal):
     assert "0 bytes stack frame, 0 bytes spill stores" in lines, lines
 
 
+def test_sm90_dkdv_kv_by_tma_builds_cuda_source():
+    """dkdv_kv_copy "tma": thread 0 of the first warpgroup copies the tile's K and V (5-D tensor maps, swizzled) on
+    one barrier, the bytes of both expected at once (65536 at d128), and every consumer waits on it; no thread
+    loads K or V, and the products read them in the 128-byte swizzle (sᵀ's and dpᵀ's A, dq's share's B). Refused
+    where dq's share gives a warpgroup part of a swizzled group (d64, d96), with dkdv_persistent, and for varlen."""
+    kernel = tvmflash.compile_backward(head_dim=128, dtype="bfloat16", target="sm90", knobs={"dkdv_kv_copy": "tma"})
+    src = kernel.source(heads_q=4, heads_kv=2)
+    dkdv = src[src.rindex("dkdv_kernel("):src.rindex("convert_dq_kernel(")]
+    assert "CUtensorMap K_tensormap" in src and "CUtensorMap V_tensormap" in src
+    assert "K_ptr" not in dkdv.replace("dK_ptr", "") and "V_ptr" not in dkdv.replace("dV_ptr", "")
+    consumers = dkdv.split("tvmflash_setmaxnreg_inc();")[1]
+    lines = [line.strip() for line in consumers.splitlines()]
+    start = lines.index("if ((((int)threadIdx.y) == 0) && (((int)threadIdx.x) == 0)) {")
+    expect, k_copy, v_copy = lines[start + 1:start + 4]
+    barrier = re.fullmatch(r"tvmflash_mbarrier_expect_tx\((.*), 65536\);", expect).group(1)
+    tile = r"tvmflash_tma_load_5d\((\(&\(\(\(nv_bfloat16\*\)buf_dyn_shmem_ptr\)\[\d+\]\)\)), "
+    k_tile = re.match(tile + r"\(\(unsigned long long\)\(&\(K_tensormap\)\)\), " + re.escape(barrier), k_copy).group(1)
+    v_tile = re.match(tile + r"\(\(unsigned long long\)\(&\(V_tensormap\)\)\), " + re.escape(barrier), v_copy).group(1)
+    assert consumers.index(f"tvmflash_mbarrier_wait({barrier}, 0);") < consumers.index("for (int g_t_fused")
+    for tile in (k_tile, v_tile):  # the 128-byte swizzle (layout type 1) wherever a product reads the tile
+        layouts = set(re.findall(rf"tvmflash_wgmma_descriptor\({re.escape(tile)}, [^;]*?, \d+, \d+, (\d)\)", dkdv))
+        assert layouts == {"1"}, (tile, layouts)
+    for knobs, head_dim, match in (({}, 64, "32 columns a warpgroup"), ({}, 96, "48 columns a warpgroup"),
+                                   ({"dkdv_persistent": True}, 128, "no dkdv_persistent")):
+        with pytest.raises(ValueError, match=match):
+            tvmflash.compile_backward(head_dim=head_dim, dtype="bfloat16", target="sm90",
+                                      knobs={"dkdv_kv_copy": "tma", **knobs})
+    with pytest.raises(ValueError, match="varlen on the sm90 backward takes .*'dkdv_kv_copy': 'threads'"):
+        tvmflash.compile_backward(head_dim=128, dtype="bfloat16", target="sm90", knobs={"dkdv_kv_copy": "tma"},
+                                  varlen=True)
+
+
+@pytest.mark.nvcc
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+@pytest.mark.parametrize("head_dim,options", [(128, {}), (128, {"dkdv_store": "staged"}), (256, {}),
+                                              (64, {"deterministic": True})],
+                         ids=["128", "128-staged", "256", "64-deterministic"])
+def test_sm90_dkdv_kv_by_tma_builds_without_spills(head_dim, options):
+    """dkdv_kv_copy "tma" compiles through ptxas with no stack frame and no spill without a mask (under a causal
+    mask at d128 ptxas spills 4 bytes: ``knobs.BACKWARD``'s comment)."""
+    from conftest import ptxas_report
+
+    deterministic = options.pop("deterministic", False) if options else False
+    kernel = tvmflash.compile_backward(head_dim=head_dim, dtype="bfloat16", target="sm90", deterministic=deterministic,
+                                       knobs={"dkdv_kv_copy": "tma", **options})
+    report = ptxas_report(kernel.source(heads_q=4, heads_kv=2), "sm_90a")
+    lines = next(lines for name, lines in report.items() if "dkdv" in name)
+    assert "0 bytes stack frame, 0 bytes spill stores" in lines, lines
+
+
 def test_sm90_wgmma_overlap_waits_later():
     """wgmma_overlap: dp's wgmma is only committed, and the exponentials of p come before its wait;
     dv's is only committed, and dk's wait ends both. Without it each product is waited for at once."""
