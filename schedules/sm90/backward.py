@@ -51,7 +51,8 @@ def schedule_backward(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, dq
     schedule reads the tile's rows and the slice's width from dk's buffer. ``dkdv_persistent``: dkdv's tiles
     walked by ``knobs.PERSISTENT_BLOCKS`` thread blocks (``common.persistent_walk``). ``dkdv_store``: dk and dv
     stored from the accumulator registers ("direct": each thread its pairs of adjacent columns) or through a
-    shared-memory tile each ("staged", ``_schedule_dkdv``)."""
+    shared-memory tile each ("staged", ``_schedule_dkdv``). ``dkdv_kv_copy``: the tile's K and V copied by
+    the consumer threads ("threads") or by TMA ("tma", swizzled; needs dkdv_copy "tma")."""
     from .. import simt
 
     simt.schedule_delta(sch)
@@ -100,7 +101,9 @@ def _schedule_dkdv(sch: tvm.s_tir.Schedule, num_stages: int, vec: int, dq_atomic
     tma = copy == "tma"
     # q and dout swizzled for TMA: 128-byte rows, or at d96 (no multiple of 64) 64-byte rows
     columns = swizzle_columns(D) if tma else SWIZZLE_COLUMNS
-    kv_tma = kv_copy == "tma"  # K and V swizzled, by the producer's TMA copies once a tile
+    # K and V swizzled, by TMA copies once a tile (issued by thread 0 of the first warpgroup: the tiles stay the
+    # consumers' own, so that dkdv_store "staged" may reuse their memory, ``tma_copies._one_off_copy``)
+    kv_tma = kv_copy == "tma"
     for name in ("load_k", "load_v", "load_q", "load_do"):
         tile_in_shared_memory(sch, name, groups, vec, swizzled=tma and (name in ("load_q", "load_do") or kv_tma),
                               columns=columns)
