@@ -24,6 +24,7 @@ from tvmflash.lowering.annotations import (ATOMIC_ADD_PRAGMA, BULK_REDUCE_PRAGMA
                                            swizzle_columns)
 
 from ..common import bind_grid, buffer_info, dkdv_grid, has_block, hide_init_reads, pipeline_loads
+from .forward import store_through_shared_memory
 from .knobs import PERSISTENT_BLOCKS, dq_share_problem
 from .layouts import (WARPGROUP, WG_ROWS, acc_block, acc_index_map, acc_layout, bind_acc_threads, core_matrix_map,
                       pad_core_matrix_stride, row_block, swizzled_map, tile_in_shared_memory)
@@ -35,7 +36,8 @@ def schedule_backward(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, dq
                       dkdv_copy: str = "cp.async", wgmma_overlap: bool = False, ds_buffers: int = 1,
                       dq_reduce: str = "atomic", dkdv_producer: str = "thread",
                       dkdv_slices: int = 1, dkdv_slicing: str = "rows",
-                      dkdv_persistent: bool = False) -> tvm.s_tir.Schedule:
+                      dkdv_persistent: bool = False, dkdv_store: str = "direct",
+                      dkdv_kv_copy: str = "threads") -> tvm.s_tir.Schedule:
     """delta on the SIMT schedule, dkdv and dq on wgmma (``vec`` elements a copy). The tiles are the
     program's (``program_backward.attention_backward``). ``dq_atomic``: the program has no dq; dkdv
     adds dq's share atomically (``_schedule_dq_share``) and convert_dq runs on SIMT. ``wgmma_overlap``:
@@ -47,12 +49,15 @@ def schedule_backward(sch: tvm.s_tir.Schedule, *, block_m: int, block_n: int, dq
     ``dkdv_slices``, ``dkdv_slicing``: the program's (``program_backward.attention_backward``): dk and dv
     in slices of the head_dim columns, a slice a warpgroup of 64 keys ("rows") or a tile ("grid"); the
     schedule reads the tile's rows and the slice's width from dk's buffer. ``dkdv_persistent``: dkdv's tiles
-    walked by ``knobs.PERSISTENT_BLOCKS`` thread blocks (``common.persistent_walk``)."""
+    walked by ``knobs.PERSISTENT_BLOCKS`` thread blocks (``common.persistent_walk``). ``dkdv_store``: dk and dv
+    stored from the accumulator registers ("direct": each thread its pairs of adjacent columns) or through a
+    shared-memory tile each ("staged", ``_schedule_dkdv``). ``dkdv_kv_copy``: the tile's K and V copied by
+    the consumer threads ("threads") or by TMA ("tma", swizzled; needs dkdv_copy "tma")."""
     from .. import simt
 
     simt.schedule_delta(sch)
     _schedule_dkdv(sch, dkdv_stages, vec, dq_atomic, dkdv_copy, wgmma_overlap, ds_buffers, dq_reduce, dkdv_producer,
-                   PERSISTENT_BLOCKS if dkdv_persistent else 0)
+                   PERSISTENT_BLOCKS if dkdv_persistent else 0, dkdv_store, dkdv_kv_copy)
     if dq_atomic:
         simt.schedule_convert_dq(sch)
     else:
@@ -69,13 +74,18 @@ def _backward_warpgroups(rows: int, what: str) -> int:
 
 def _schedule_dkdv(sch: tvm.s_tir.Schedule, num_stages: int, vec: int, dq_atomic: bool = False,
                    copy: str = "cp.async", overlap: bool = False, ds_buffers: int = 1, dq_reduce: str = "atomic",
-                   producer: str = "thread", persistent_blocks: int = 0) -> None:
+                   producer: str = "thread", persistent_blocks: int = 0, store: str = "direct",
+                   kv_copy: str = "threads") -> None:
     """dkdv: its tiles are key-first (sᵀ = k qᵀ, ...), so warpgroup g owns keys [64 g, 64 g + 64) of
     the K/V block, as the forward's warpgroups own query rows: sᵀ and dpᵀ on wgmma with K or V as A
     and q or dout as B (K-major), pᵀ and dsᵀ in the accumulator registers, which are the A operand
     of dv += pᵀ dout and dk += dsᵀ q (the "rs" form, dout and q as N-major B), and dv, dk in
     accumulator registers across the Q blocks, stored from them. ``persistent_blocks``: that many thread
-    blocks walk the tiles (``common.persistent_walk``), 0: a thread block a tile."""
+    blocks walk the tiles (``common.persistent_walk``), 0: a thread block a tile. ``store`` "staged": dk and
+    dv go out as the forward's output does (``forward.store_through_shared_memory``): the threads write
+    their pairs of adjacent columns into a padded row-major tile, and all copy it out along its rows, 16
+    bytes a thread, where "direct" stores each pair from the registers (a 4-byte store a pair, each warp's
+    touching 8 rows: 64 such stores a thread at d128, all at the tile's end)."""
     sch.work_on("dkdv")
     dtype, BM, D, BN = buffer_info(sch)
     # the tile's rows (dk's), 64 a warpgroup: block_n keys, once a slice of the columns with dkdv_slicing
@@ -91,14 +101,22 @@ def _schedule_dkdv(sch: tvm.s_tir.Schedule, num_stages: int, vec: int, dq_atomic
     tma = copy == "tma"
     # q and dout swizzled for TMA: 128-byte rows, or at d96 (no multiple of 64) 64-byte rows
     columns = swizzle_columns(D) if tma else SWIZZLE_COLUMNS
+    # K and V swizzled, by TMA copies once a tile (issued by thread 0 of the first warpgroup: the tiles stay the
+    # consumers' own, so that dkdv_store "staged" may reuse their memory, ``tma_copies._one_off_copy``)
+    kv_tma = kv_copy == "tma"
     for name in ("load_k", "load_v", "load_q", "load_do"):
-        tile_in_shared_memory(sch, name, groups, vec, swizzled=tma and name in ("load_q", "load_do"), columns=columns)
+        tile_in_shared_memory(sch, name, groups, vec, swizzled=tma and (name in ("load_q", "load_do") or kv_tma),
+                              columns=columns)
+    if kv_tma:
+        for name in ("load_k", "load_v"):
+            sch.annotate(sch.get_sblock(name), TMA_LOAD, producer)
     for name in ("load_lse", "load_delta"):  # BM rows, any number of warpgroups
         _spread_rows(sch, name, groups)
     if tma:  # the Q block's tiles and its rows' values by TMA
         for name in ("load_q", "load_do", "load_lse", "load_delta"):
             sch.annotate(sch.get_sblock(name), TMA_LOAD, producer)
-    _backward_step(sch, ("cast_p",), groups, BM, D, dtype, num_stages, overlap, b_swizzled=tma, swizzle=columns)
+    _backward_step(sch, ("cast_p",), groups, BM, D, dtype, num_stages, overlap, b_swizzled=tma, swizzle=columns,
+                   a_swizzled=kv_tma)
     if has_block(sch, "capture_gradient"):  # a learned capture's gradient: each thread its elements of dsᵀ
         acc_block(sch, "capture_gradient", groups)
         # the loops in each thread; 2: whole warps, so a warp whose runs end on one element adds once
@@ -111,10 +129,13 @@ def _schedule_dkdv(sch: tvm.s_tir.Schedule, num_stages: int, vec: int, dq_atomic
     dv_in_flight = overlap and tma
     for name in ("dv", "dk"):
         _backward_accumulate(sch, name, groups, DC, BM, dtype, b_swizzled=tma, wait=not dv_in_flight or name == "dk",
-                             swizzle=columns)
+                             swizzle=columns, store=store == "direct")
+        if store == "staged":
+            store_through_shared_memory(sch, DC, groups, vec, swizzled=False, name=f"store_{name}")
     if dq_atomic:
         share_columns = int(sch.get(sch.get_sblock("dq")).writes[0].source.shape[1])  # head_dim, or the tile's slice
-        _schedule_dq_share(sch, staged, groups, BM, share_columns, BN, dtype, ds_buffers, dq_reduce, overlap)
+        _schedule_dq_share(sch, staged, groups, BM, share_columns, BN, dtype, ds_buffers, dq_reduce, overlap,
+                           k_swizzle=columns if kv_tma else None)
     if num_stages > 1:
         pipeline_loads(sch, num_stages, step="q_step", loads=("load_q", "load_do", "load_lse", "load_delta"))
 
@@ -132,7 +153,8 @@ def _check_persistent(sch, copy):
                          f"needs dkdv_copy 'tma' (got {copy!r}), and takes neither varlen nor a BlockMask")
 
 
-def _schedule_dq_share(sch, staged, groups, BM, D, BN, dtype, ds_buffers=1, dq_reduce="atomic", overlap=False):
+def _schedule_dq_share(sch, staged, groups, BM, D, BN, dtype, ds_buffers=1, dq_reduce="atomic", overlap=False,
+                       k_swizzle=None):
     """dq's share of a dkdv step, ds k, added atomically into the fp32 dq (FA2's way, as sm80's
     ``dq_atomic``). Each warpgroup holds dsᵀ of its keys, but ds k sums over all the block's keys:
     the threads write their dsᵀ elements to shared memory (core matrices), and each warpgroup then
@@ -194,7 +216,8 @@ def _schedule_dq_share(sch, staged, groups, BM, D, BN, dtype, ds_buffers=1, dq_r
     i = columns_by_warpgroup(*sch.get_loops(block)[-3:-1])  # (i, d, j): the reduction j stays innermost
     init = sch.decompose_reduction(block, i)
     bind_acc_threads(sch, init)
-    sch.tensorize(i, wgmma_intrin_name(cols, BN, dtype, "mn", a_major="mn", wait=not overlap))
+    sch.tensorize(i, wgmma_intrin_name(cols, BN, dtype, "mn", a_major="mn", wait=not overlap,
+                                       b_swizzled=k_swizzle is not None, swizzle=k_swizzle or SWIZZLE_COLUMNS))
     columns_by_warpgroup(*sch.get_loops(share)[-2:])
     bind_acc_threads(sch, share)
     if overlap:  # the loops in each thread
@@ -244,7 +267,7 @@ def _spread_rows(sch, name, groups):
 
 
 def _backward_step(sch, casts, groups, cols, D, dtype, num_stages, overlap, b_swizzled=False,
-                   swizzle=SWIZZLE_COLUMNS):
+                   swizzle=SWIZZLE_COLUMNS, a_swizzled=False):
     """What dkdv and dq share: s and dp on wgmma ("ss": A and B K-major from shared memory, N =
     ``cols``), p, ds and ``casts`` on the accumulator registers, each thread its elements. With
     ``overlap`` dp's wgmma is only committed: p's exponentials run while it does, and ds waits for
@@ -257,7 +280,7 @@ def _backward_step(sch, casts, groups, cols, D, dtype, num_stages, overlap, b_sw
         rows = warpgroup_gemm(sch, name, groups)
         sch.tensorize(rows, wgmma_intrin_name(cols, D, dtype, "k", fence_operands=num_stages == 1 and name == "qk",
                                               b_swizzled=b_swizzled, wait=not overlap or name == "qk",
-                                              swizzle=swizzle))
+                                              swizzle=swizzle, a_swizzled=a_swizzled))
     for name in ("exp", "ds", *casts):
         sch.set_scope(name, 0, "local")
         sch.transform_layout(name, ("write", 0), acc_index_map)
@@ -266,11 +289,12 @@ def _backward_step(sch, casts, groups, cols, D, dtype, num_stages, overlap, b_sw
         sch.annotate(sch.get_loops("ds")[-3], WGMMA_WAIT_PRAGMA, "dP")  # its first per-thread loop
 
 
-def _backward_accumulate(sch, name, groups, D, k, dtype, b_swizzled=False, wait=True, swizzle=SWIZZLE_COLUMNS):
+def _backward_accumulate(sch, name, groups, D, k, dtype, b_swizzled=False, wait=True, swizzle=SWIZZLE_COLUMNS,
+                         store=True):
     """A gradient's product on wgmma ("rs": A, the p or ds of the step, from the accumulator
     registers; B N-major from shared memory), the gradient in accumulator registers across the
     steps, zeroed first and stored from them (each thread its pairs of adjacent columns). Without
-    ``wait`` only committed: a later product's wait ends it."""
+    ``wait`` only committed: a later product's wait ends it. ``store`` False: the store is left to the caller."""
     sch.set_scope(name, 0, "local")
     sch.transform_layout(name, ("write", 0), acc_index_map)
     block = sch.get_sblock(name)
@@ -279,5 +303,6 @@ def _backward_accumulate(sch, name, groups, D, k, dtype, b_swizzled=False, wait=
     sch.tensorize(rows, wgmma_intrin_name(D, k, dtype, "mn", a_regs=True, b_swizzled=b_swizzled, wait=wait,
                                           swizzle=swizzle))
     acc_block(sch, f"init_{name}", groups)
-    acc_block(sch, f"store_{name}", groups)
-    sch.vectorize(sch.get_loops(f"store_{name}")[-1])
+    if store:
+        acc_block(sch, f"store_{name}", groups)
+        sch.vectorize(sch.get_loops(f"store_{name}")[-1])

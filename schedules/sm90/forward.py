@@ -62,7 +62,8 @@ from .layouts import (PAD_ELEMENTS, WARPGROUP, WARPS_PER_WARPGROUP, acc_block, a
 from .wgmma import warpgroup_gemm, wgmma_intrin_name
 
 
-def _store_o_through_shared_memory(sch, head_dim, num_warpgroups, vec, swizzled, columns=SWIZZLE_COLUMNS):
+def store_through_shared_memory(sch, head_dim, num_warpgroups, vec, swizzled, columns=SWIZZLE_COLUMNS,
+                                   name="store_o"):
     """The output goes to global memory through shared memory: the accumulator threads write their
     pairs of adjacent columns (one 32-bit store each) into a row-major tile whose rows are padded
     by 16 bytes (so the 8 rows a warp writes at once hit different banks), then all threads copy
@@ -70,15 +71,17 @@ def _store_o_through_shared_memory(sch, head_dim, num_warpgroups, vec, swizzled,
     stores, each warp's touching 8 sectors for 64 bytes, which measured clearly slower on the H200.
     The tile reuses the K/V and Q tiles' shared memory (dead by then). ``swizzled`` (q_layout
     "swizzled"): the tile is in the Q tile's swizzled layout instead, as large as the Q tile and as
-    free of bank conflicts (the 8 rows a warp writes at once land in 8 different 16-byte chunks)."""
-    acc_block(sch, "store_o", num_warpgroups)
-    sch.vectorize(sch.get_loops("store_o")[-1])  # a thread's two adjacent columns
-    copy = sch.cache_write("store_o", 0, "shared.dyn")
+    free of bank conflicts (the 8 rows a warp writes at once land in 8 different 16-byte chunks). ``name``:
+    the store block (dkdv's store_dk and store_dv with ``dkdv_store`` "staged", whose tiles are (1, rows, 1,
+    head_dim) too)."""
+    acc_block(sch, name, num_warpgroups)
+    sch.vectorize(sch.get_loops(name)[-1])  # a thread's two adjacent columns
+    copy = sch.cache_write(name, 0, "shared.dyn")
     if swizzled:  # the tile is (1, block_m, 1, head_dim), a slice of O
-        sch.transform_layout("store_o", ("write", 0), lambda b, r, h, c: swizzled_map(r, c, columns),
+        sch.transform_layout(name, ("write", 0), lambda b, r, h, c: swizzled_map(r, c, columns),
                              assume_injective_transform=True)
     else:  # axis 2's stride is the row stride
-        sch.storage_align("store_o", 0, axis=2, factor=head_dim, offset=PAD_ELEMENTS)
+        sch.storage_align(name, 0, axis=2, factor=head_dim, offset=PAD_ELEMENTS)
     # Its rows: those of the sequence (a symbolic count, at most block_m); 16 bytes a thread.
     b, r, h, c = sch.get_loops(copy)[-4:]
     c_hi, v = sch.split(c, [None, vec])
@@ -209,7 +212,7 @@ def schedule(
 
     acc_block(sch, "init_acc", num_warpgroups)
     if o_store == "staged":
-        _store_o_through_shared_memory(sch, D, num_warpgroups, vec, q_swizzled, columns)
+        store_through_shared_memory(sch, D, num_warpgroups, vec, q_swizzled, columns)
     else:  # each thread stores the pairs of adjacent columns it holds
         acc_block(sch, "store_o", num_warpgroups)
         sch.vectorize(sch.get_loops("store_o")[-1])

@@ -30,11 +30,15 @@ Q_LAYOUTS = KV_LAYOUTS
 # does: the consumers wait for it instead of loading it. Correct on the H200, no faster there.
 Q_COPIES = ("threads", "tma")
 # How the output reaches global memory: "staged" through a shared-memory tile (16-byte stores along
-# its rows, ``forward._store_o_through_shared_memory``), or "direct" from the accumulator registers,
+# its rows, ``forward.store_through_shared_memory``), or "direct" from the accumulator registers,
 # two adjacent columns a store, with no barrier (FA3 without its TMA store). Staging measured faster at
 # two blocks an SM; "direct" is for one block an SM, where nothing hides the staging's barriers.
 # Correct on the H200, no faster there.
 O_STORES = ("staged", "direct")
+# How dkdv stores dk and dv (``backward._schedule_dkdv``): from the registers, or through a shared-memory tile each
+DKDV_STORES = ("direct", "staged")
+# Who copies dkdv's K and V tiles (``backward._schedule_dkdv``): the consumer threads, or TMA (in the swizzled layout)
+DKDV_KV_COPIES = ("threads", "tma")
 # overlap 1, FA3's intra-warpgroup order: the step of tile j issues PV of tile j - 1, then QK^T of tile
 # j, and waits once for both; V keeps num_stages tiles and K one fewer (``common.pipeline_loads``'s
 # ``lagged``). Needs TMA and 3 stages or more. Correct on the H200; with a producer warpgroup and 3
@@ -189,7 +193,7 @@ def shared_memory_bytes(head_dim: int, dtype: str, knobs: dict) -> int:
     """Shared memory a build with these knobs needs: the Q tile (``q_layout``: wgmma core matrices
     padded by 16 bytes each, ``layouts.pad_core_matrix_stride``, or swizzled, unpadded) and
     num_stages K/V tile pairs (``kv_layout``, the same choice), or the output's staging tile if that
-    is larger (``forward._store_o_through_shared_memory``: it reuses their memory; with a producer
+    is larger (``forward.store_through_shared_memory``: it reuses their memory; with a producer
     warpgroup only the Q tile's, ``tvmflash.lowering.tma_producer_warpgroup.split_warpgroups``), plus the per-row values
     staged in shared memory (row_state "shared": m_tile, l_tile, m_new, alpha, inv_l; "registers": m
     and l, for store_lse), and the mbarriers of TMA copies with their largest padding."""
@@ -289,6 +293,15 @@ HEAD_DIMS = tuple(range(32, 257, 32))
 # 128 keys do not fit next to two stages of q and dout), dsᵀ in one buffer, dq's share by atomics from the
 # registers (no room for a float32 tile), thread 0 issuing the copies, the dq pass in 64-row blocks. Not
 # measured: the defaults are the ones that build with no spill (250-255 registers a thread).
+# dkdv_store: dk and dv stored from the accumulator registers ("direct", a 4-byte store a pair of adjacent
+# columns, each warp's touching 8 rows) or, as the forward's output (o_store "staged"), through a padded tile
+# in the K and V tiles' shared memory, dead by then, and out in 16-byte row pieces ("staged"): a quarter of
+# the global stores, whole sectors. Not measured yet; varlen's row offsets fail TVM's lowering of the staged
+# copy, so varlen stores directly. dkdv_kv_copy: the tile's K and V copied by the consumer threads at its start
+# (16-byte loads, 16 a thread at d128: their only global loads) or by TMA, swizzled, on one barrier issued by
+# thread 0 of the first warpgroup (as the forward's q_copy "tma"). Not measured yet; at d128 only with dq_atomic (d64's
+# and d96's warpgroups take part of a swizzled group of dq's share's columns), and under a causal mask ptxas
+# spills 4 bytes at d128.
 
 
 def backward_shared_memory_bytes(head_dim: int, dtype: str, knobs: dict) -> int:
@@ -321,6 +334,25 @@ def dq_share_problem(block_m: int, head_dim: int, groups: int) -> str | None:
                 f"head_dim / warpgroups columns (a multiple of 8): it needs block_m 64 and head_dim a multiple of "
                 f"{8 * groups}, got block_m {block_m} and head_dim {head_dim}; with other tiles pass dq_atomic False "
                 f"(dq by a pass of its own)")
+    return None
+
+
+def _kv_copy_problem(head_dim: int, knobs: dict) -> str | None:
+    """Why dkdv's K and V tiles cannot come by TMA (``dkdv_kv_copy`` "tma"), or None: the TMA lowering's one-off
+    copy (the forward's Q tile's, ``tma_copies._one_off_copy``) waits on its barrier's first phase once a thread
+    block, and its swizzled K is dq's share's B, each warpgroup whole swizzled groups of its columns."""
+    if knobs.get("dkdv_kv_copy", "threads") != "tma":
+        return None
+    if knobs["dkdv_copy"] != "tma" or knobs.get("dkdv_persistent"):
+        return ("dkdv_kv_copy 'tma' copies K and V once a thread block through the TMA lowering of dkdv's copies: it "
+                f"needs dkdv_copy 'tma' and no dkdv_persistent, got {knobs['dkdv_copy']!r} and "
+                f"{knobs.get('dkdv_persistent')}")
+    slices = knobs["dkdv_slices"] if knobs["dkdv_slicing"] == "grid" else 1
+    cols = head_dim // slices // max(1, dkdv_rows(knobs) // WG_ROWS)  # a warpgroup's columns of dq's share
+    if knobs["dq_atomic"] and cols % swizzle_columns(head_dim):
+        return (f"dkdv_kv_copy 'tma' swizzles K, which dq's share (dq_atomic) reads as B, {cols} columns a warpgroup "
+                f"at head_dim {head_dim}: not whole groups of {swizzle_columns(head_dim)}; take 'threads' or dq_atomic "
+                "False")
     return None
 
 
@@ -374,6 +406,14 @@ def backward_build_problem(head_dim: int, dtype: str, knobs: dict) -> str | None
     if knobs.get("dkdv_persistent") and knobs["dkdv_slices"] > 1:
         # ptxas at d256 (two slices, 255 registers a thread before the walk): 12 bytes of spill stores
         return "dkdv_persistent spills with dkdv_slices > 1 (d256's dk and dv in slices): take dkdv_persistent False"
+    problem = _kv_copy_problem(head_dim, knobs)
+    if problem:
+        return problem
+    if knobs.get("dkdv_store") == "staged" and knobs.get("dkdv_persistent"):
+        # TVM's planner then finds the K and V tiles live (the walk's next tile) and puts the staging tiles
+        # beside them: 236 KiB at d128
+        return ("dkdv_store 'staged' puts dk and dv in the K and V tiles' shared memory, which dkdv_persistent keeps "
+                "for the next tile: take dkdv_store 'direct'")
     if knobs["dq_reduce"] == "tma" and knobs["dkdv_copy"] != "tma":
         return "dq_reduce 'tma' adds dq's share by TMA, through the TMA lowering of dkdv's copies: it needs dkdv_copy 'tma'"
     slices = knobs["dkdv_slices"]
@@ -445,6 +485,8 @@ BACKWARD = KnobSet("sm90", "backward", (
          by_head_dim={64: "warpgroup", 128: "warpgroup"},
          space=lambda knobs: list(PRODUCERS) if knobs["dkdv_copy"] == "tma" else ["thread"]),
     Knob("dkdv_persistent", False, varlen=False, role=STRUCTURE),
+    Knob("dkdv_store", "direct", choices=DKDV_STORES, varlen="direct", role=STRUCTURE),
+    Knob("dkdv_kv_copy", "threads", choices=DKDV_KV_COPIES, varlen="threads", role=STRUCTURE),
 ), build_problem=backward_build_problem, shared_memory=backward_shared_memory_bytes,
    varlen_by_head_dim={128: {"dkdv_stages": 1}, 256: {"dkdv_stages": 1}},
    # d256's dkdv without dq's share in two warpgroups spills 4 bytes at 255 registers under a softcap; a

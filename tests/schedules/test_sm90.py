@@ -225,7 +225,7 @@ def test_sm90_d96_tiles_take_the_64_byte_swizzle(monkeypatch, causal):
 def test_sm90_output_goes_out_through_shared_memory(monkeypatch, dtype, pair):
     """The accumulator threads write the output tile to shared memory in pairs of adjacent columns
     (one 32-bit store each), and the tile goes to global memory in 16-byte row pieces: no 2-byte
-    stores to O (schedules.sm90.forward._store_o_through_shared_memory)."""
+    stores to O (schedules.sm90.forward.store_through_shared_memory)."""
     monkeypatch.setenv("TVMFLASH_SM90", "1")
     src = tvmflash.compile(head_dim=128, dtype=dtype, target="sm90").source(heads_q=4, heads_kv=2)
     to_global = [line.strip() for line in src.splitlines() if "O_ptr" in line and "=" in line and "__global__" not in line]

@@ -2,6 +2,7 @@
 its knobs and their checks, the choice at d96 and d256, and what its generated CUDA holds (and, where nvcc
 exists, that it compiles without spills). Heads 4/2, as tests/test_generated_cuda.py builds them."""
 
+import re
 import shutil
 
 import pytest
@@ -193,6 +194,123 @@ def test_sm90_dkdv_by_tma_builds_cuda_source():
         tvmflash.compile_backward(head_dim=128, dtype="bfloat16", target="sm90", knobs=knobs, varlen=True)
     varlen = tvmflash.compile_backward(head_dim=128, dtype="bfloat16", target="sm90", varlen=True)
     assert varlen.knobs["dkdv_copy"] == "cp.async"
+
+
+def test_sm90_dkdv_rows_values_come_by_tma_into_shared_memory():
+    """The Q block's rows' lse · log2 e and delta (load_lse, load_delta) come by TMA with its q and dout, on the
+    stage's mbarrier, into shared memory, and the consumers read them from there: their step loop reads no
+    global memory (its only global pointers are dk's and dv's, stored after it)."""
+    kernel = tvmflash.compile_backward(head_dim=128, dtype="bfloat16", target="sm90")
+    assert kernel.knobs["dkdv_copy"] == "tma" and kernel.knobs["dkdv_producer"] == "warpgroup"
+    src = kernel.source(heads_q=4, heads_kv=2)
+    dkdv = src[src.rindex("dkdv_kernel("):src.rindex("convert_dq_kernel(")]
+    producer, consumers = dkdv.split("tvmflash_setmaxnreg_inc();")
+    for name in ("LSE2", "Delta"):
+        barriers = re.findall(rf"tvmflash_tma_load_3d\(.*?\(&\({name}_tensormap\)\)\), (.*?\]\)\))", producer)
+        q_barriers = re.findall(r"tvmflash_tma_load_5d\(.*?\(&\(Q_tensormap\)\)\), (.*?\]\)\))", producer)
+        assert len(barriers) == 2 and barriers == q_barriers, (barriers, q_barriers)  # prologue, loop
+    loop = consumers[consumers.index("for (int g_t_fused"):]
+    local = set(re.findall(r"alignas\(\d+\) \w+ (\w+)_ptr\[", dkdv))  # each thread's arrays
+    assert set(re.findall(r"\b(\w+)_ptr\b", loop)) - local - {"buf_dyn_shmem"} == {"dK", "dV"}
+    assert "LSE2_ptr" not in dkdv and "Delta_ptr" not in dkdv
+
+
+def test_sm90_dkdv_staged_store_builds_cuda_source():
+    """dkdv_store "staged": dk and dv go out in 16-byte row pieces from a padded tile each (no 4-byte stores
+    from the registers), the tiles in the K and V tiles' shared memory (the offsets of the tile loads at the
+    tile's start: no more shared memory than "direct"), written after the consumers' barrier (the other
+    warpgroup's last products read K and V) and read after another. Refused with dkdv_persistent (the walk
+    keeps K and V live), and "direct" for varlen."""
+    for head_dim in (64, 128):
+        kernel = tvmflash.compile_backward(head_dim=head_dim, dtype="bfloat16", target="sm90",
+                                           knobs={"dkdv_store": "staged"})
+        src = kernel.source(heads_q=4, heads_kv=2)
+        dkdv = src[src.rindex("dkdv_kernel("):src.rindex("convert_dq_kernel(")]
+        stores = [line.strip() for line in dkdv.splitlines() if re.search(r"\bd[KV]_ptr\b", line) and "=" in line
+                  and "__global__" not in line]
+        assert len(stores) == 2
+        assert all(line.startswith(("*(uint4*)(dK_ptr + ", "*(uint4*)(dV_ptr + ")) for line in stores)
+        kv = set(re.findall(r"buf_dyn_shmem_ptr\) \+ \([^;]*?\+ (\d+)\)\) = condval", dkdv))
+        staged = {re.search(r"buf_dyn_shmem_ptr\) \+ \(.*\+ (\d+)\)\);$", line).group(1) for line in stores}
+        assert len(kv) == 2 and staged == kv, (kv, staged)
+        epilogue = dkdv[dkdv.rindex("tvmflash_bulk_wait();"):]
+        first_write = epilogue.index("*(nv_bfloat162*)(((nv_bfloat16*)buf_dyn_shmem_ptr)")
+        assert "tvmflash_named_barrier(1, 256);" in epilogue[:first_write]
+        assert "tvmflash_named_barrier(1, 256);" in epilogue[epilogue.rindex("nv_bfloat162"):epilogue.index("dK_ptr")]
+    default = tvmflash.compile_backward(head_dim=128, dtype="bfloat16", target="sm90").source(heads_q=4, heads_kv=2)
+    assert "*(nv_bfloat162*)(dK_ptr + " in default  # "direct": the pairs from the registers
+    with pytest.raises(ValueError, match="dkdv_store 'staged' puts dk and dv"):
+        tvmflash.compile_backward(head_dim=128, dtype="bfloat16", target="sm90",
+                                  knobs={"dkdv_store": "staged", "dkdv_persistent": True})
+    with pytest.raises(ValueError, match="varlen on the sm90 backward takes .*'dkdv_store': 'direct'"):
+        tvmflash.compile_backward(head_dim=128, dtype="bfloat16", target="sm90", knobs={"dkdv_store": "staged"},
+                                  varlen=True)
+
+
+@pytest.mark.nvcc
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_sm90_dkdv_staged_store_builds_without_spills(head_dim, causal):
+    """dkdv_store "staged" compiles through ptxas with no stack frame and no spill (d256: dk and dv in two
+    slices, 254 registers a thread)."""
+    from conftest import ptxas_report
+
+    kernel = tvmflash.compile_backward(head_dim=head_dim, dtype="bfloat16", target="sm90", causal=causal,
+                                       knobs={"dkdv_store": "staged"})
+    report = ptxas_report(kernel.source(heads_q=4, heads_kv=2), "sm_90a")
+    lines = next(lines for name, lines in report.items() if "dkdv" in name)
+    assert "0 bytes stack frame, 0 bytes spill stores" in lines, lines
+
+
+def test_sm90_dkdv_kv_by_tma_builds_cuda_source():
+    """dkdv_kv_copy "tma": thread 0 of the first warpgroup copies the tile's K and V (5-D tensor maps, swizzled) on
+    one barrier, the bytes of both expected at once (65536 at d128), and every consumer waits on it; no thread
+    loads K or V, and the products read them in the 128-byte swizzle (sᵀ's and dpᵀ's A, dq's share's B). Refused
+    where dq's share gives a warpgroup part of a swizzled group (d64, d96), with dkdv_persistent, and for varlen."""
+    kernel = tvmflash.compile_backward(head_dim=128, dtype="bfloat16", target="sm90", knobs={"dkdv_kv_copy": "tma"})
+    src = kernel.source(heads_q=4, heads_kv=2)
+    dkdv = src[src.rindex("dkdv_kernel("):src.rindex("convert_dq_kernel(")]
+    assert "CUtensorMap K_tensormap" in src and "CUtensorMap V_tensormap" in src
+    assert "K_ptr" not in dkdv.replace("dK_ptr", "") and "V_ptr" not in dkdv.replace("dV_ptr", "")
+    consumers = dkdv.split("tvmflash_setmaxnreg_inc();")[1]
+    lines = [line.strip() for line in consumers.splitlines()]
+    start = lines.index("if ((((int)threadIdx.y) == 0) && (((int)threadIdx.x) == 0)) {")
+    expect, k_copy, v_copy = lines[start + 1:start + 4]
+    barrier = re.fullmatch(r"tvmflash_mbarrier_expect_tx\((.*), 65536\);", expect).group(1)
+    tile = r"tvmflash_tma_load_5d\((\(&\(\(\(nv_bfloat16\*\)buf_dyn_shmem_ptr\)\[\d+\]\)\)), "
+    k_tile = re.match(tile + r"\(\(unsigned long long\)\(&\(K_tensormap\)\)\), " + re.escape(barrier), k_copy).group(1)
+    v_tile = re.match(tile + r"\(\(unsigned long long\)\(&\(V_tensormap\)\)\), " + re.escape(barrier), v_copy).group(1)
+    assert consumers.index(f"tvmflash_mbarrier_wait({barrier}, 0);") < consumers.index("for (int g_t_fused")
+    for tile in (k_tile, v_tile):  # the 128-byte swizzle (layout type 1) wherever a product reads the tile
+        layouts = set(re.findall(rf"tvmflash_wgmma_descriptor\({re.escape(tile)}, [^;]*?, \d+, \d+, (\d)\)", dkdv))
+        assert layouts == {"1"}, (tile, layouts)
+    for knobs, head_dim, match in (({}, 64, "32 columns a warpgroup"), ({}, 96, "48 columns a warpgroup"),
+                                   ({"dkdv_persistent": True}, 128, "no dkdv_persistent")):
+        with pytest.raises(ValueError, match=match):
+            tvmflash.compile_backward(head_dim=head_dim, dtype="bfloat16", target="sm90",
+                                      knobs={"dkdv_kv_copy": "tma", **knobs})
+    with pytest.raises(ValueError, match="varlen on the sm90 backward takes .*'dkdv_kv_copy': 'threads'"):
+        tvmflash.compile_backward(head_dim=128, dtype="bfloat16", target="sm90", knobs={"dkdv_kv_copy": "tma"},
+                                  varlen=True)
+
+
+@pytest.mark.nvcc
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+@pytest.mark.parametrize("head_dim,options", [(128, {}), (128, {"dkdv_store": "staged"}), (256, {}),
+                                              (64, {"deterministic": True})],
+                         ids=["128", "128-staged", "256", "64-deterministic"])
+def test_sm90_dkdv_kv_by_tma_builds_without_spills(head_dim, options):
+    """dkdv_kv_copy "tma" compiles through ptxas with no stack frame and no spill without a mask (under a causal
+    mask at d128 ptxas spills 4 bytes: ``knobs.BACKWARD``'s comment)."""
+    from conftest import ptxas_report
+
+    deterministic = options.pop("deterministic", False) if options else False
+    kernel = tvmflash.compile_backward(head_dim=head_dim, dtype="bfloat16", target="sm90", deterministic=deterministic,
+                                       knobs={"dkdv_kv_copy": "tma", **options})
+    report = ptxas_report(kernel.source(heads_q=4, heads_kv=2), "sm_90a")
+    lines = next(lines for name, lines in report.items() if "dkdv" in name)
+    assert "0 bytes stack frame, 0 bytes spill stores" in lines, lines
 
 
 def test_sm90_wgmma_overlap_waits_later():

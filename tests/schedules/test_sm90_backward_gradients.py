@@ -39,6 +39,30 @@ def test_sm90_dkdv_structure_gradients_on_the_gpu(head_dim, knobs):
     gradients_match_float64("cuda", torch.bfloat16, head_dim, True, STRUCTURE_HEADS, knobs={"dq_atomic": True, **knobs})
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim,causal", [(64, False), (64, True), (128, False), (128, True), (256, True)],
+                         ids=["64-full", "64-causal", "128-full", "128-causal", "256-causal"])
+def test_sm90_dkdv_staged_store_gradients_on_the_gpu(head_dim, causal):
+    """dkdv_store "staged" (dk and dv through a tile in the K and V tiles' shared memory, out in 16-byte row
+    pieces) over SHAPES: ragged K/V blocks (17, 77, 129, 200 keys: the copy's rows stop at seqlen_k), GQA 4/2;
+    d256's tile is each key's row of both slices' columns (dkdv_slicing "rows")."""
+    _on_sm_90a_only("sm90")
+    gradients_match_float64("cuda", torch.bfloat16, head_dim, causal, STRUCTURE_HEADS, knobs={"dkdv_store": "staged"})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim,causal,knobs,deterministic", [
+    (128, False, {}, False), (128, True, {"dkdv_store": "staged"}, False), (256, True, {}, False),
+    (64, True, {}, True)], ids=["128-full", "128-causal-staged", "256-causal", "64-causal-dq_pass"])
+def test_sm90_dkdv_kv_by_tma_gradients_on_the_gpu(head_dim, causal, knobs, deterministic):
+    """dkdv_kv_copy "tma" (the tile's K and V by TMA, swizzled, on one barrier) over SHAPES: K/V blocks past
+    seqlen_k zero-filled by TMA (17, 77, 129, 200 keys), GQA 4/2; with dq's share (K its B, swizzled) at d128
+    and d256, and at d64 with the dq pass (deterministic: d64's share would split a swizzled group)."""
+    _on_sm_90a_only("sm90")
+    gradients_match_float64("cuda", torch.bfloat16, head_dim, causal, STRUCTURE_HEADS,
+                            knobs={"dkdv_kv_copy": "tma", **knobs}, deterministic=deterministic)
+
+
 # dkdv_persistent's shapes: (batch, seqlen_q, seqlen_k, heads_q, heads_kv, variant), each with more tiles than
 # the 132 thread blocks (batch · heads_kv · K/V blocks of 128 keys), so that blocks walk several: 512 tokens,
 # ragged tails (1000, 700 and 1100 keys: 104, 60 and 76 in the last block), GQA 4/1 and 2/1, seqlen_q !=

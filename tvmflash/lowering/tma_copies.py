@@ -332,8 +332,9 @@ def _after_declarations(body, stmts, buffers):
 
 
 def _one_off_copy(plan, stmts, k):
-    """The Q tile's TMA copy (a ``TMA_LOAD`` block before the pipeline, ``q_copy="tma"``): its
-    statement in ``stmts`` becomes every thread's wait on the Q barrier. Returns the statements and
+    """The Q tile's TMA copy (a ``TMA_LOAD`` block before the pipeline, ``q_copy="tma"``; dkdv's K and V
+    tiles with ``dkdv_kv_copy="tma"``, both on the one barrier): the first one's statement in ``stmts``
+    becomes every thread's wait on the Q barrier. Returns the statements and
     the issue, by thread 0 of the first warpgroup (None without such a copy). Not the producer
     warpgroup's: the Q tile then stays the consumers' own, so that the output's staging may reuse
     its memory (``split_warpgroups``)."""
@@ -341,15 +342,22 @@ def _one_off_copy(plan, stmts, k):
               if find(stmt, tvm.s_tir.SBlock, lambda n: TMA_LOAD in n.annotations)]
     if not copies:
         return stmts, None
-    i = copies[0]
-    if len(copies) > 1 or len(find(stmts[i], tvm.s_tir.SBlock)) != 1:
-        raise RuntimeError("TMA: expected one copy block outside the pipeline (the Q tile), alone in its statement")
-    plan.q_copy = stmts[i]
-    _, call, size = tile_copy(plan, stmts[i])
-    issue = tirx.SeqStmt([device_statement("tvmflash_mbarrier_expect_tx", plan.q_full(), size), call(plan.q_full())])
+    if any(len(find(stmts[i], tvm.s_tir.SBlock)) != 1 for i in copies):
+        raise RuntimeError("TMA: expected the copy blocks outside the pipeline (the Q tile; dkdv's K and V tiles) "
+                           "each alone in its statement")
+    # several (dkdv_kv_copy "tma": K and V) go on the one barrier, the bytes of all expected at once
+    plan.q_copy = stmts[copies[0]]
+    calls, size = [], 0
+    for i in copies:
+        _, call, bytes_ = tile_copy(plan, stmts[i])
+        calls.append(call(plan.q_full()))
+        size = size + bytes_
+    issue = tirx.SeqStmt([device_statement("tvmflash_mbarrier_expect_tx", plan.q_full(), size), *calls])
     wait = device_statement("tvmflash_mbarrier_wait", plan.q_full(), 0)
     first = tirx.all(*[var == 0 for tag, (var, _) in plan.threads.items() if tag.startswith("threadIdx")])
-    return [*stmts[:i], wait, *stmts[i + 1:]], tirx.IfThenElse(first, issue, None)
+    # the first copy's statement becomes the wait, the others nothing (``k`` keeps pointing at the pipeline)
+    stmts = [wait if i == copies[0] else tirx.Evaluate(0) if i in copies else stmt for i, stmt in enumerate(stmts)]
+    return stmts, tirx.IfThenElse(first, issue, None)
 
 
 def _inside_run_if(body):
