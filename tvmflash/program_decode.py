@@ -201,6 +201,18 @@ def decode_split(spec: DecodeSpec, query_tokens: int, block_n: int, final: bool 
     def converted(value):  # a cache element as the K/V tiles' type (an FP8 cache converted as it is read)
         return dequantised(cache_bytes(value)) if fp8 else value
 
+    def loaded_element(value, valid):  # what load_k (load_v) writes of a cache element (valid: a key's)
+        if staged:  # its bytes, zeroed past the keys, converted after both loads
+            return T.if_then_else(valid, value, zero_byte())
+        if prefetched:  # every key's bytes (indices clamped): dequant_k (dequant_v) zeroes
+            return cache_bytes(value)
+        return T.if_then_else(valid, converted(value), T.cast(0, operand))
+
+    def from_bytes(x, valid):  # what dequant_k (dequant_v) writes of a byte tile's element
+        if prefetched:  # zero-padded in the tiles' own type: no zero of e4m3 needed
+            return T.if_then_else(valid, dequantised(x), T.cast(0, operand))
+        return dequantised(x)  # staged: zeroed as bytes
+
     def scalar(name):  # a float32 of the block being parsed (an FP8 cache), else None
         if not fp8:
             return None
@@ -388,45 +400,31 @@ def decode_split(spec: DecodeSpec, query_tokens: int, block_n: int, final: bool 
                                 Kl = T.meta_var(loaded(Kt8, Kt))
                                 value = T.meta_var(load_kv(K, Index, vb, tile * BN + vj, vhk, vd, cache_rows, capacity,
                                                            row, leftpad))
-                                if staged:  # zeroed past the keys, converted after both loads
-                                    Kl[vj, vd] = T.if_then_else(tile * BN + vj < n_keys, value, zero_byte())
-                                elif prefetched:  # every key's bytes (indices clamped): dequant_k zeroes
-                                    Kl[vj, vd] = cache_bytes(value)
-                                else:
-                                    Kl[vj, vd] = T.if_then_else(tile * BN + vj < n_keys, converted(value),
-                                                                  T.cast(0, operand))
+                                Kl[vj, vd] = loaded_element(value, tile * BN + vj < n_keys)
                         # prefetched byte tiles: each tile is converted right after its load (and zero-padded in its own
                         # type: no zero of e4m3 needed), K's before V's load, so a thread need hold one tile's bytes.
                         if prefetched:
                             for j, d in T.grid(BN, D):
                                 with T.sblock("dequant_k"):
                                     vj, vd = T.axis.remap("SS", [j, d])
-                                    Kt[vj, vd] = T.if_then_else(tile * BN + vj < n_keys, dequantised(Kt8[vj, vd]),
-                                                                T.cast(0, operand))
+                                    Kt[vj, vd] = from_bytes(Kt8[vj, vd], tile * BN + vj < n_keys)
                         for j, d in T.grid(BN, D):
                             with T.sblock("load_v"):
                                 vj, vd = T.axis.remap("SS", [j, d])
                                 Vl = T.meta_var(loaded(Vt8, Vt))
                                 value = T.meta_var(load_kv(V, Index, vb, tile * BN + vj, vhk, vd, cache_rows, capacity,
                                                            row, leftpad))
-                                if staged:
-                                    Vl[vj, vd] = T.if_then_else(tile * BN + vj < n_keys, value, zero_byte())
-                                elif prefetched:
-                                    Vl[vj, vd] = cache_bytes(value)
-                                else:
-                                    Vl[vj, vd] = T.if_then_else(tile * BN + vj < n_keys, converted(value),
-                                                                  T.cast(0, operand))
+                                Vl[vj, vd] = loaded_element(value, tile * BN + vj < n_keys)
                         if prefetched:
                             for j, d in T.grid(BN, D):
                                 with T.sblock("dequant_v"):
                                     vj, vd = T.axis.remap("SS", [j, d])
-                                    Vt[vj, vd] = T.if_then_else(tile * BN + vj < n_keys, dequantised(Vt8[vj, vd]),
-                                                                T.cast(0, operand))
+                                    Vt[vj, vd] = from_bytes(Vt8[vj, vd], tile * BN + vj < n_keys)
                         if staged:  # both tiles' bytes are in (zero past the keys): plain conversions
                             for j, d in T.grid(BN, D):
                                 with T.sblock("dequant_k"):
                                     vj, vd = T.axis.remap("SS", [j, d])
-                                    Kt[vj, vd] = dequantised(Kt8[vj, vd])
+                                    Kt[vj, vd] = from_bytes(Kt8[vj, vd], tile * BN + vj < n_keys)
                         for r, j, d in T.grid(R, BN, D):
                             with T.sblock("qk"):
                                 vr, vj, vd = T.axis.remap("SSR", [r, j, d])
@@ -477,7 +475,7 @@ def decode_split(spec: DecodeSpec, query_tokens: int, block_n: int, final: bool 
                             for j, d in T.grid(BN, D):
                                 with T.sblock("dequant_v"):
                                     vj, vd = T.axis.remap("SS", [j, d])
-                                    Vt[vj, vd] = dequantised(Vt8[vj, vd])
+                                    Vt[vj, vd] = from_bytes(Vt8[vj, vd], tile * BN + vj < n_keys)
                         for r, d, j in T.grid(R, D, BN):
                             with T.sblock("pv"):
                                 vr, vd, vj = T.axis.remap("SSR", [r, d, j])
